@@ -1,0 +1,6 @@
+"""`python -m peer` runs the same CLI as the `peer` console script."""
+
+from peer.cli import main
+
+if __name__ == "__main__":
+    main()

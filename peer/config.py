@@ -1,0 +1,293 @@
+"""Typed, strict configuration of a `peer` run.
+
+One `RunConfig` describes a run: the model (a preset plus overrides), the pipeline split, the
+subspace compression (k/d), SparseLoCo, data and the inner optimizer. The bootstrap publishes it as
+the run's manifest; every peer builds the same objects from it.
+
+Precedence: defaults < TOML file < `PEER_*` environment variables < CLI flags. Environment
+variables name a section and a field with a double underscore, e.g. `PEER_TRAIN__INNER_STEPS=20`,
+`PEER_SEED=3`. Unknown sections and keys, wrong types and bad cross-field combinations raise
+`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from peer.data import DataConfig
+from peer.errors import ConfigError
+from peer.model import ModelConfig, get_preset, split_layers
+from peer.sparseloco import SparseLoCoConfig
+from peer.subspace import k_from_ratio
+
+WIRE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class SubspaceConfig:
+    """Boundary compression of compressed pipelines: k = k_ratio · d columns of U."""
+
+    k_ratio: str = "1/8"
+    wire_dtype: str = "fp32"  # dtype of boundary activations and gradients on the wire
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Inner optimizer (AdamW, warmup + cosine) and the outer-step clock."""
+
+    inner_steps: int = 20  # H: inner steps between two outer rounds
+    outer_steps: int = 10  # T: outer rounds in the run (sets the cosine horizon)
+    batch_size: int = 8  # sequences per inner step per replica
+    microbatches: int = 2  # pipeline micro-batches per inner step (divides batch_size)
+    seq_len: int = 64
+    lr: float = 3e-3  # peak inner learning rate
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that must agree across all peers of one run."""
+
+    run_name: str = "peer-run"
+    seed: int = 0
+    preset: str = "tiny"
+    stages: int = 2
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
+    sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def k(self) -> int:
+        return k_from_ratio(self.model.d_model, self.subspace.k_ratio)
+
+    @property
+    def layer_ranges(self) -> list[range]:
+        return split_layers(self.model.n_layers, self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["data"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in out["data"].items()}
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of everything that must match across peers (cache paths excluded)."""
+        d = self.to_dict()
+        d["data"].pop("cache_dir", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "subspace": SubspaceConfig,
+    "sparseloco": SparseLoCoConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+_TOP_LEVEL = {"run_name": str, "seed": int, "preset": str, "stages": int}
+
+
+def _coerce(value: Any, target: Any, where: str) -> Any:
+    """Convert strings from env/CLI to the field's type; check types of TOML values."""
+    kind = target if isinstance(target, type) else None
+    text = str(target)
+    if kind is None:
+        if "Path" in text:
+            kind = Path
+        elif "int" in text and "None" in text:
+            kind = int
+        elif "str" in text:
+            kind = str
+        elif "float" in text:
+            kind = float
+        elif "int" in text:
+            kind = int
+        elif "bool" in text:
+            kind = bool
+    if value is None:
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind is Path:
+            return Path(value).expanduser()
+        if kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}") from None
+    return value
+
+
+def _section_kwargs(cls: type, values: Mapping[str, Any], section: str) -> dict[str, Any]:
+    known = {f.name: f for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(
+                f"unknown key '{section}.{key}'; valid keys: {', '.join(sorted(known))}"
+            )
+        out[name] = _coerce(value, known[name].type, f"{section}.{name}")
+    return out
+
+
+def _merge(into: dict[str, Any], layer: Mapping[str, Any]) -> None:
+    for key, value in layer.items():
+        if isinstance(value, Mapping):
+            into.setdefault(key, {})
+            if not isinstance(into[key], dict):
+                raise ConfigError(f"'{key}' is a section, not a value")
+            into[key].update(value)
+        else:
+            into[key] = value
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`PEER_SEED=1`, `PEER_TRAIN__INNER_STEPS=20` → nested dict."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith("PEER_") or key in ("PEER_CACHE_DIR", "PEER_LOG_LEVEL"):
+            continue
+        parts = key[len("PEER_"):].lower().split("__")
+        if len(parts) == 1:
+            out[parts[0]] = value
+        elif len(parts) == 2:
+            out.setdefault(parts[0], {})[parts[1]] = value
+        else:
+            raise ConfigError(f"environment variable {key}: use PEER_SECTION__FIELD")
+    return out
+
+
+def dotted_to_nested(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """{"train.inner_steps": 5, "seed": 1} → {"train": {"inner_steps": 5}, "seed": 1}; None skipped."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if "." in key:
+            section, name = key.split(".", 1)
+            out.setdefault(section, {})[name] = value
+        else:
+            out[key] = value
+    return out
+
+
+def build_config(
+    toml_path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Resolve defaults < TOML < env < CLI overrides (a nested dict or dotted keys) into a RunConfig."""
+    merged: dict[str, Any] = {}
+    if toml_path is not None:
+        path = Path(toml_path)
+        try:
+            _merge(merged, tomllib.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found; pass an existing TOML file with --config") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    _merge(merged, env_overrides(environ))
+    _merge(merged, dotted_to_nested(overrides or {}))
+    return config_from_dict(merged)
+
+
+def config_from_dict(values: Mapping[str, Any]) -> RunConfig:
+    """Strictly build a RunConfig from a nested mapping (also used to read a manifest)."""
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name in _SECTIONS:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"'{name}' must be a section (a table in TOML)")
+            sections[name] = dict(value)
+        elif name in _TOP_LEVEL:
+            top[name] = _coerce(value, _TOP_LEVEL[name], name)
+        else:
+            valid = sorted([*_TOP_LEVEL, *_SECTIONS])
+            raise ConfigError(f"unknown key '{key}'; valid top-level keys: {', '.join(valid)}")
+
+    model_values = dict(sections.pop("model", {}))
+    preset = model_values.pop("preset", top.get("preset", "tiny"))
+    top["preset"] = preset
+    model = get_preset(preset, **_section_kwargs(ModelConfig, model_values, "model"))
+    built = {
+        name: cls(**_section_kwargs(cls, sections.get(name, {}), name))
+        for name, cls in _SECTIONS.items()
+        if name != "model"
+    }
+    train: TrainConfig = built["train"]
+    data: DataConfig = built["data"]
+    data_vocab = sections.get("data", {}).get("vocab_size")
+    if data_vocab is not None and int(data_vocab) != model.vocab_size:
+        raise ConfigError(
+            f"data.vocab_size={data_vocab} disagrees with model.vocab_size={model.vocab_size}; set model.vocab_size only"
+        )
+    data = dataclasses.replace(data, vocab_size=model.vocab_size, seq_len=train.seq_len, seed=top.get("seed", 0))
+    cfg = RunConfig(model=model, data=data, **{k: v for k, v in built.items() if k not in ("data",)}, **top)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks; each error names the fields involved."""
+    t = cfg.train
+    if cfg.stages < 1:
+        raise ConfigError(f"stages must be >= 1, got {cfg.stages}")
+    split_layers(cfg.model.n_layers, cfg.stages)  # raises ConfigError when impossible
+    if cfg.subspace.wire_dtype not in WIRE_DTYPES:
+        raise ConfigError(f"subspace.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {cfg.subspace.wire_dtype!r}")
+    _ = cfg.k  # k_from_ratio validates k_ratio against d_model
+    for name in ("inner_steps", "outer_steps", "batch_size", "microbatches", "seq_len"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} must be a multiple of train.microbatches={t.microbatches}"
+        )
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    s = cfg.sparseloco
+    if s.quant_bits not in (0, 2, 4, 8):
+        raise ConfigError(f"sparseloco.quant_bits must be 0, 2, 4 or 8, got {s.quant_bits}")
+    if not 0 < s.topk <= s.chunk * s.chunk:
+        raise ConfigError(f"sparseloco.topk must be in 1..{s.chunk * s.chunk}, got {s.topk}")
+    if s.aggregation not in ("mean-over-all", "mean-over-contributors"):
+        raise ConfigError(
+            f"sparseloco.aggregation must be 'mean-over-all' or 'mean-over-contributors', got {s.aggregation!r}"
+        )
+    if not 0.0 <= s.beta < 1.0:
+        raise ConfigError(f"sparseloco.beta must be in [0, 1), got {s.beta}")

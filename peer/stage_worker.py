@@ -1,0 +1,189 @@
+"""The compute side of one pipeline stage held by a peer (no networking here).
+
+A stage peer receives compressed activations X̃ (b, L, k) and token ids, expands them
+(X̂ = X̃·Uᵀ + T⊥[x]), runs its layers and sends on X̃' = (X' − T⊥[x])·U; on the way back it expands
+∇X̃' with Uᵀ, backpropagates, and returns ∇X̂·U. The last stage computes the loss and its backward
+in the same call. Gradients accumulate over micro-batches until the head says `step`.
+
+Outer round state lives here too: θ_start of the current outer step and the SparseLoCo error
+buffer. `encode_round()` produces this peer's payload; `apply_round()` applies a committed set.
+Every method is synchronous and thread-safe (one lock), so the gRPC handler can call it from any
+worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from peer.config import RunConfig
+from peer.model import Decoder, build_stage
+from peer.optim import build_adamw, clip_grads, lr_at, set_lr
+from peer.replica import EMBED, apply_outer_update, attach_subspace, initial_split, perp_of, stage_state, state_hash
+from peer.sparseloco import Payload, aggregate, compress, decompress, pseudo_gradient, restore_unsent
+from peer.subspace import compress_activations, compress_grad, expand_activations, expand_grad, make_basis, project_
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardOut:
+    hidden: torch.Tensor | None = None  # (b, L, k) compressed output, for stages before the last
+    loss: float | None = None  # last stage only
+    grad: torch.Tensor | None = None  # last stage only: (b, L, k) gradient wrt its compressed input
+
+
+class StageWorker:
+    """One stage view with its optimizer, subspace buffers and round state."""
+
+    def __init__(self, cfg: RunConfig, stage: int, compressed: bool = True) -> None:
+        """compressed=False: a full replica's stage (T_S trained freely, no boundary compression)."""
+        self.cfg, self.stage, self.compressed = cfg, stage, compressed
+        self.is_first, self.is_last = stage == 0, stage == cfg.stages - 1
+        self.U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+        self.module: Decoder = build_stage(cfg.model, stage, cfg.stages, cfg.seed)
+        w, perp = initial_split(cfg, self.U)
+        attach_subspace(self.module, w, perp)
+        self.optimizer = build_adamw(self.module.named_parameters(), cfg.train)
+        self.lock = threading.RLock()
+        self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.outer_step = 0
+        self.start: dict[str, torch.Tensor] = stage_state(self.module)
+        self.errors: dict[str, torch.Tensor] | None = None
+        self.microbatches_seen = 0
+
+    # ---------------------------------------------------------------- pipeline compute
+    def forward(self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None,
+                targets: torch.Tensor | None) -> ForwardOut:
+        """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0."""
+        tokens = tokens.long()
+        with self.lock:
+            x_in = None
+            if self.is_first:
+                out = self.module(tokens)  # (b, L, d)
+            else:
+                if hidden is None:
+                    raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
+                x_in = expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)  # (b, L, d)
+                x_in.requires_grad_(True)
+                out = self.module(x_in)
+            if self.is_last:
+                if targets is None:
+                    raise ValueError("the last stage needs targets")
+                loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
+                (loss / self.cfg.train.microbatches).backward()
+                self.microbatches_seen += 1
+                grad = compress_grad(x_in.grad, self.U) if x_in is not None else None  # (b, L, k)
+                return ForwardOut(loss=float(loss), grad=grad)
+            self.pending[key] = (x_in, out)
+            return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U))
+
+    def backward(self, key: tuple[str, int], grad: torch.Tensor) -> torch.Tensor | None:
+        """Backpropagate a compressed output gradient (b, L, k); returns ∇ of the input, compressed."""
+        with self.lock:
+            if key not in self.pending:
+                raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
+            x_in, out = self.pending.pop(key)
+            out.backward(expand_grad(grad.float(), self.U) / self.cfg.train.microbatches)
+            self.microbatches_seen += 1
+            return compress_grad(x_in.grad, self.U) if x_in is not None else None
+
+    def drop_pending(self, pipeline_id: str | None = None) -> None:
+        """Forget activations of failed micro-batches (all, or one pipeline's)."""
+        with self.lock:
+            for key in [k for k in self.pending if pipeline_id is None or k[0] == pipeline_id]:
+                del self.pending[key]
+
+    def step(self, outer_step: int, inner_step: int) -> None:
+        """Optimizer step of the accumulated gradients at the global step t·H + inner_step."""
+        with self.lock:
+            global_step = outer_step * self.cfg.train.inner_steps + inner_step
+            clip_grads(self.module.parameters(), self.cfg.train.grad_clip)
+            set_lr(self.optimizer, lr_at(global_step, self.cfg.train))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.pending.clear()
+            self.microbatches_seen = 0
+            if self.is_first and self.compressed:
+                project_(self.module.embed.weight, self.U)  # keep T_S in Col(U)
+
+    def zero_grad(self) -> None:
+        with self.lock:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.pending.clear()
+
+    # ---------------------------------------------------------------- outer rounds
+    def encode_round(self) -> Payload:
+        """This peer's SparseLoCo payload for the current outer step (updates the error buffer)."""
+        with self.lock:
+            delta = pseudo_gradient(self.start, stage_state(self.module))
+            payload, self.errors = compress(delta, self.errors, self.cfg.sparseloco)
+            return payload
+
+    def return_unsent(self, payload: Payload) -> None:
+        """A payload that missed the commit goes back into the error buffer: nothing is lost."""
+        with self.lock:
+            self.errors = restore_unsent(self.errors, decompress(payload))
+
+    def apply_round(self, committed: Sequence[Payload], embed_update: torch.Tensor | None) -> None:
+        """θ ← θ_start − η·mean(Δ̂) over the committed set (in its given order); next outer step."""
+        slc = self.cfg.sparseloco
+        with self.lock:
+            if committed:
+                decoded = [decompress(p) for p in committed]
+                agg = aggregate(decoded, len(decoded), slc.aggregation)
+                apply_outer_update(self.module, self.start, agg, slc.outer_lr, self.U,
+                                   embed_update=None if self.is_first else embed_update)
+            else:
+                self.load_params(self.start)
+            self.outer_step += 1
+            self.start = stage_state(self.module)
+
+    @staticmethod
+    def embed_update(committed: Sequence[Payload], cfg: RunConfig) -> torch.Tensor:
+        """The committed change of embed.weight (−η·Δ̄) from stage 0's payloads."""
+        decoded = [{EMBED: decompress(p)[EMBED]} for p in committed]
+        return -cfg.sparseloco.outer_lr * aggregate(decoded, len(decoded), cfg.sparseloco.aggregation)[EMBED]
+
+    # ---------------------------------------------------------------- state
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Parameters and T⊥ for a late joiner (the committed θ_start of the current outer step)."""
+        with self.lock:
+            out = {k: v.clone() for k, v in self.start.items()}
+            out["perp"] = perp_of(self.module).clone()
+            return out
+
+    def load_snapshot(self, tensors: Mapping[str, torch.Tensor], outer_step: int) -> None:
+        with self.lock:
+            expected = set(self.start) | {"perp"}
+            if set(tensors) != expected:
+                missing, extra = expected - set(tensors), set(tensors) - expected
+                raise ValueError(f"state for stage {self.stage} does not match: missing {sorted(missing)[:3]}, "
+                                 f"unexpected {sorted(extra)[:3]}")
+            self.load_params({k: v for k, v in tensors.items() if k != "perp"})
+            perp_of(self.module).copy_(tensors["perp"])
+            self.outer_step = outer_step
+            self.start = stage_state(self.module)
+            self.errors = None  # a late joiner starts with an empty error buffer
+            self.optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
+
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            own = dict(self.module.named_parameters())
+            for name, value in params.items():
+                if own[name].shape != value.shape:
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
+                own[name].copy_(value)
+
+    def param_hash(self) -> str:
+        with self.lock:
+            return state_hash(self.start)
+
+    def perp_hash(self) -> str:
+        with self.lock:
+            return state_hash({"perp": perp_of(self.module)})

@@ -1,0 +1,254 @@
+"""Integration tests of peer.dht: real hivemind DHT nodes (and their p2pd) on 127.0.0.1:0.
+
+Each test starts at most three nodes (CI has two cores); the `nodes` fixture shuts every node
+down and checks that no hivemind child process or p2pd outlives the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+
+from peer.dht import SwarmDHT, dht_time, make_identity
+from peer.errors import ConfigError, NetworkError
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+def _live(pid: int) -> bool:
+    """True while `pid` is a running (not zombie) process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _live_descendants(root: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _live(int(entry)):
+            try:
+                raw = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(raw[raw.rindex(")") + 2 :].split()[1])
+    out, todo = set(), [root]
+    while todo:
+        parent = todo.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in out:
+                out.add(pid)
+                todo.append(pid)
+    return out
+
+
+@pytest.fixture
+def nodes():
+    """Factory of SwarmDHT nodes; always shuts them down and checks that their processes are gone."""
+    before = _live_descendants(os.getpid())
+    started: list[SwarmDHT] = []
+    pids: set[int] = set()
+
+    def start(**kwargs) -> SwarmDHT:
+        node = SwarmDHT(**kwargs)
+        started.append(node)
+        pids.update(node.child_pids)
+        return node
+
+    yield start
+    for node in started:
+        pids.update(node.child_pids)
+        node.shutdown()
+    assert pids, "no child process was recorded"
+    assert not [p for p in pids if _live(p)], "hivemind child or p2pd still running after shutdown"
+    # torch_shm_manager is torch's per-process shared-memory helper (hivemind's MPFuture state lives
+    # in torch shared memory); it is started once and lives as long as the test process.
+    leaked = {p for p in _live_descendants(os.getpid()) - before if _cmdline(p) != "torch_shm_manager"}
+    assert not leaked, f"leaked child processes: {[_cmdline(p) for p in leaked]}"
+
+
+def test_manifest_read_by_peer_and_by_stock_hivemind_client(nodes):
+    t0 = time.monotonic()
+    boot = nodes()
+    start_s = time.monotonic() - t0
+    print(f"\nDHT node start: {start_s:.2f} s (bootstrap), {boot.start_time_s:.2f} s measured inside")
+    assert start_s < 15
+    maddrs = boot.visible_maddrs()
+    assert maddrs and all(m.endswith(f"/p2p/{boot.peer_id}") and m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs)
+    assert boot.get_manifest() is None
+
+    manifest = {"run_id": "run-1", "model": {"d_model": 64, "n_layers": 2}, "lr": 0.5, "hashes": ["ab", "cd"]}
+    boot.publish_manifest(manifest, ttl_s=60)
+    boot.publish_manifest(manifest, ttl_s=30)  # a refresh with a shorter ttl must still be accepted
+
+    joiner = nodes(initial_peers=maddrs)
+    assert joiner.peer_id != boot.peer_id
+    assert joiner.get_manifest(timeout_s=10) == manifest
+
+    stock = hivemind.DHT(initial_peers=maddrs, start=True)
+    try:
+        found = stock.get("peer.manifest", latest=True)
+        assert found is not None and isinstance(found.value, str)
+        assert json.loads(found.value) == manifest
+        assert found.expiration_time > hivemind.utils.get_dht_time()
+    finally:
+        stock.shutdown()
+        stock.join(5)
+    assert not stock.is_alive()
+
+
+def test_stage_records_replicas_and_withdraw(nodes):
+    a = nodes()
+    b = nodes(initial_peers=a.visible_maddrs())
+    for n in (a, b):
+        n.set_run("run-1", n_stages=2)
+    with pytest.raises(ConfigError):
+        a.set_run("bad.run")
+
+    t_before = dht_time()
+    a.announce_stage(0, {"address": "127.0.0.1:5000", "state": "ready", "outer_step": 3}, ttl_s=60)
+    b.announce_stage(0, {"address": "127.0.0.1:5001", "state": "syncing", "outer_step": 4}, ttl_s=60)
+    b.announce_stage(1, {"address": "127.0.0.1:5002", "state": "ready", "outer_step": 2}, ttl_s=60)
+
+    for reader in (a, b):
+        peers = reader.get_stage_peers(0)
+        assert set(peers) == {a.peer_id, b.peer_id}
+        assert peers[a.peer_id]["address"] == "127.0.0.1:5000"
+        assert peers[b.peer_id]["state"] == "syncing"
+        assert all(t_before <= r["time"] <= dht_time() for r in peers.values())
+    assert set(a.get_stage_peers(1)) == {b.peer_id}
+    assert a.get_stage_peers(5) == {}
+
+    # an update replaces this peer's record (same subkey), even with a shorter ttl
+    a.announce_stage(0, {"address": "127.0.0.1:5000", "state": "busy", "outer_step": 3}, ttl_s=20)
+    assert b.get_stage_peers(0)[a.peer_id]["state"] == "busy"
+
+    # stale records are dropped on request (margins of 0.6 s either side for slow CI machines)
+    time_a = b.get_stage_peers(0)[a.peer_id]["time"]
+    time.sleep(1.2)
+    b.announce_stage(0, {"address": "127.0.0.1:5001", "state": "ready", "outer_step": 4}, ttl_s=60)
+    assert set(a.get_stage_peers(0, max_age_s=dht_time() - time_a - 0.6)) == {b.peer_id}
+
+    a.announce_replica({"outer_step": 7, "inner_step": 12, "tokens_per_s": 1000.0, "loss": 3.5}, ttl_s=60)
+    assert b.get_replicas()[a.peer_id]["loss"] == 3.5
+    assert b.current_outer_step() == 7
+
+    # graceful leave: the record disappears for readers even though the first one had a longer ttl
+    a.withdraw_replica()
+    a.withdraw_stage(0)
+    assert b.get_replicas() == {}
+    assert set(b.get_stage_peers(0)) == {b.peer_id}
+    assert b.current_outer_step() == 4  # max over the remaining stage records
+
+    with pytest.raises(TypeError):
+        a.announce_stage(0, {"bad": object()}, ttl_s=10)
+
+
+def test_payload_announcements_per_round_and_stage(nodes):
+    a = nodes()
+    b = nodes(initial_peers=a.visible_maddrs())
+    with pytest.raises(RuntimeError, match="set_run"):
+        a.get_payloads(0, 0)
+    for n in (a, b):
+        n.set_run("r2", n_stages=2)
+    assert a.current_outer_step() == 0
+
+    a.announce_payload(1, 0, {"hash": "aa", "size": 100, "address": "127.0.0.1:1"}, ttl_s=60)
+    b.announce_payload(1, 0, {"hash": "bb", "size": 120, "address": "127.0.0.1:2"}, ttl_s=60)
+    b.announce_payload(1, 1, {"hash": "cc", "size": 130, "address": "127.0.0.1:2"}, ttl_s=60)
+    b.announce_payload(2, 0, {"hash": "dd", "size": 140, "address": "127.0.0.1:2"}, ttl_s=60)
+
+    r10 = a.get_payloads(1, 0)
+    assert {p: r["hash"] for p, r in r10.items()} == {a.peer_id: "aa", b.peer_id: "bb"}
+    assert {p: r["hash"] for p, r in b.get_payloads(1, 1).items()} == {b.peer_id: "cc"}
+    assert {p: r["hash"] for p, r in a.get_payloads(2, 0).items()} == {b.peer_id: "dd"}
+    assert a.get_payloads(3, 0) == {}
+
+    # outer step comes from stage records too, not only from replicas
+    b.announce_stage(1, {"state": "ready", "outer_step": 2}, ttl_s=60)
+    assert a.current_outer_step() == 2
+    a.set_run("other-run", n_stages=2)  # a different run sees none of it
+    assert a.current_outer_step() == 0 and a.get_payloads(1, 0) == {}
+
+
+def test_identity_file_keeps_peer_id_across_restarts(nodes, tmp_path):
+    path = tmp_path / "keys" / "peer.key"
+    expected = make_identity(path)
+    assert path.is_file() and stat.S_IMODE(path.stat().st_mode) == 0o400
+    assert make_identity(path) == expected  # an existing file is only read
+
+    boot = nodes()
+    maddrs = boot.visible_maddrs()
+    first = nodes(initial_peers=maddrs, identity_path=path)
+    assert first.peer_id == expected
+    with pytest.raises(NetworkError, match="already used"):
+        nodes(initial_peers=maddrs, identity_path=path)
+    first.shutdown()
+
+    t0 = time.monotonic()
+    again = nodes(initial_peers=maddrs, identity_path=path)
+    print(f"\nrestart with identity check: {time.monotonic() - t0:.2f} s")
+    assert again.peer_id == expected
+
+    # a missing file is created on first use
+    fresh = tmp_path / "fresh.key"
+    node = nodes(identity_path=fresh)
+    assert fresh.is_file() and node.peer_id == make_identity(fresh)
+
+
+def test_dead_initial_peer_raises_network_error_quickly(nodes):
+    gone = nodes()
+    maddrs = gone.visible_maddrs()
+    gone.shutdown()
+
+    t0 = time.monotonic()
+    with pytest.raises(NetworkError) as info:
+        nodes(initial_peers=maddrs, start_timeout_s=20)
+    assert time.monotonic() - t0 < 20
+    message = str(info.value)
+    assert "\n" not in message and "--initial-peers" in message
+
+    with pytest.raises(ConfigError, match="multiaddr"):
+        SwarmDHT(initial_peers=["127.0.0.1:31337"])
+    with pytest.raises(ConfigError, match="--port"):
+        SwarmDHT(announce_host="203.0.113.7")
+
+
+def test_requests_keep_their_deadline_after_the_swarm_dies(nodes):
+    boot = nodes()
+    joiner = nodes(initial_peers=boot.visible_maddrs())
+    joiner.set_run("r3")
+    boot.shutdown()
+    t0 = time.monotonic()
+    try:
+        peers = joiner.get_stage_peers(0, timeout_s=3)
+    except NetworkError as e:
+        assert "--initial-peers" in str(e)
+    else:
+        assert peers == {}
+    assert time.monotonic() - t0 < 3 + 1.0
+
+
+def test_shutdown_is_idempotent_and_reaps_children():
+    with SwarmDHT() as node:
+        pids = node.child_pids
+        assert len(pids) >= 2 and all(_live(p) for p in pids)  # the DHT process and its p2pd
+        assert node.peer_id in node.visible_maddrs()[0]
+    assert not [p for p in pids if _live(p)]
+    node.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        node.get_manifest()
