@@ -57,6 +57,18 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class SwarmConfig:
+    """Deadlines and record lifetimes of the swarm (DESIGN §3); every network wait has one."""
+
+    rpc_timeout_s: float = 30.0  # one gRPC call (forward, backward, step, payload, state)
+    round_timeout_s: float = 120.0  # an outer round waits this long for expected payloads
+    record_ttl_s: float = 30.0  # DHT records expire unless refreshed
+    announce_interval_s: float = 2.0  # how often peers refresh their records
+    claim_timeout_s: float = 120.0  # a head waits this long for a ready peer of each stage
+    n_shards: int = 16  # data shards; each head / full replica claims a free one
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything that must agree across all peers of one run."""
 
@@ -69,6 +81,7 @@ class RunConfig:
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     @property
     def k(self) -> int:
@@ -87,6 +100,7 @@ class RunConfig:
         """Hash of everything that must match across peers (cache paths excluded)."""
         d = self.to_dict()
         d["data"].pop("cache_dir", None)
+        d["data"].pop("tokenizer", None)  # checked by the tokenizer's own sha256
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -96,6 +110,7 @@ _SECTIONS: dict[str, type] = {
     "sparseloco": SparseLoCoConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "swarm": SwarmConfig,
 }
 _TOP_LEVEL = {"run_name": str, "seed": int, "preset": str, "stages": int}
 

@@ -63,7 +63,7 @@ class DataConfig:
     tokenizer: Path | None = None  # a sentencepiece .model; None = train one on the corpus
     vocab_size: int = 1024
     seq_len: int = 128  # tokens per training sequence
-    val_fraction: float = 0.05  # share of documents held out for validation (at least 1)
+    val_fraction: float = 0.05  # share of the characters held out for validation, as whole documents
     max_chars: int = 4_000_000  # characters of the corpus used (a cap; the corpus may be smaller)
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = 0  # document permutation of the train/val split
@@ -527,7 +527,9 @@ def train_batch(
     """(inputs, targets), each (batch_size, seq_len) int64: rows step·b … step·b+b-1 of the shard's
     non-overlapping windows (wrapping around), targets shifted by one token."""
     if batch_size < 1 or seq_len < 1 or step < 0:
-        raise ConfigError(f"train_batch needs batch_size >= 1, seq_len >= 1, step >= 0; got {batch_size}, {seq_len}, {step}")
+        raise ConfigError(
+            f"train_batch needs batch_size >= 1, seq_len >= 1, step >= 0; got {batch_size}, {seq_len}, {step}"
+        )
     start, end = shard_bounds(data.train.numel(), shard, n_shards)
     n_windows = (end - start - 1) // seq_len
     if n_windows < 1:

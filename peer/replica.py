@@ -161,7 +161,7 @@ class LocalReplica:
         for mb_in, mb_tgt in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
             loss, c = self.forward_loss(mb_in, mb_tgt)
             (loss * (scale / n_micro)).backward()
-            total_loss += float(loss) / n_micro
+            total_loss += loss.item() / n_micro
             crossed += c
         return StepStats(loss=total_loss, tokens=inputs.numel(), boundary_values=crossed)
 

@@ -256,18 +256,23 @@ class Payload:
         parts = [_HEADER.pack(MAGIC, VERSION, qb, self.chunk, self.topk, len(self.entries))]
         for e in self.entries:
             name = e.name.encode("utf-8")
-            parts += [struct.pack("<H", len(name)), name, struct.pack("<BB", e.kind, len(e.shape)),
-                      np.asarray(e.shape, dtype="<u4").tobytes()]
+            entry = [struct.pack("<H", len(name)), name, struct.pack("<BB", e.kind, len(e.shape)),
+                     np.asarray(e.shape, dtype="<u4").tobytes()]
             if e.kind == SPARSE:
                 if qb:
-                    parts += [e.codebook.astype("<f4").tobytes(), _pack_bits(e.indices, ib),
+                    entry += [e.codebook.astype("<f4").tobytes(), _pack_bits(e.indices, ib),
                               _pack_bits(e.codes, qb)]
                 else:
-                    parts += [_pack_bits(e.indices, ib), e.values.astype("<f4").tobytes()]
+                    entry += [_pack_bits(e.indices, ib), e.values.astype("<f4").tobytes()]
             elif e.kind == DENSE_F32:
-                parts.append(e.values.astype("<f4").tobytes())
+                entry.append(e.values.astype("<f4").tobytes())
             else:
-                parts += [e.codebook.astype("<f4").tobytes(), e.codes.astype(np.uint8).tobytes()]
+                entry += [e.codebook.astype("<f4").tobytes(), e.codes.astype(np.uint8).tobytes()]
+            n = sum(len(x) for x in entry)
+            expected = _entry_nbytes(e.name, e.kind, e.shape, self.chunk, self.topk, qb)
+            if n != expected:  # the layout below is what `payload_nbytes` (and `peer plan`) counts
+                raise AssertionError(f"{e.name}: encoded {n} bytes, layout says {expected}")
+            parts += entry
         return b"".join(parts)
 
     @classmethod
@@ -293,6 +298,40 @@ class Payload:
             raise _invalid(f"malformed ({type(exc).__name__}: {exc})") from exc
         payload._bytes = b
         return payload
+
+
+def _entry_kind(shape: tuple[int, ...], cfg: SparseLoCoConfig) -> int:
+    """How `compress` sends a tensor of this shape (mirrors `_encode_tensor`)."""
+    if len(shape) <= 1 and cfg.dense_1d:
+        return DENSE_F32 if cfg.quant_bits == 0 else DENSE_U8
+    return SPARSE
+
+
+def _entry_nbytes(name: str, kind: int, shape: Sequence[int], chunk: int, topk: int, qb: int) -> int:
+    """Serialized size of one entry: the layout `Payload._encode` writes (and checks against)."""
+    shape = tuple(shape)
+    n = 2 + len(name.encode("utf-8")) + 2 + 4 * len(shape)
+    if kind == SPARSE:
+        n_sel = _n_selected(shape, chunk, topk)
+        ib = index_bits(chunk)
+        if qb:
+            return n + 4 * 2**qb + _packed_len(n_sel, ib) + _packed_len(n_sel, qb)
+        return n + _packed_len(n_sel, ib) + 4 * n_sel
+    if kind == DENSE_F32:
+        return n + 4 * _numel(shape)
+    return n + 8 + _numel(shape)
+
+
+def payload_nbytes(shapes: Mapping[str, Sequence[int]], cfg: SparseLoCoConfig) -> int:
+    """Exact serialized size of a payload for tensors of these shapes, without building it.
+
+    Used by `peer plan` for models too large to build; `Payload._encode` asserts every entry it
+    writes has exactly this size, so the two cannot drift apart.
+    """
+    return _HEADER.size + sum(
+        _entry_nbytes(name, _entry_kind(tuple(shape), cfg), shape, cfg.chunk, cfg.topk, cfg.quant_bits)
+        for name, shape in shapes.items()
+    )
 
 
 def _invalid(detail: str) -> PayloadError:
@@ -407,13 +446,10 @@ def _chunk_magnitudes(e: Tensor, chunk: int) -> Tensor:
         mag = torch.full((n_c * cc,), -math.inf)
         torch.abs(e.reshape(-1), out=mag[:cols])
         return mag.view(n_c, cc)  # (n_chunks, c²)
-    tiles = torch.empty(n_r * n_c, cc) if (rows % c, cols % c) == (0, 0) else \
-        torch.full((n_r * n_c, cc), -math.inf)
-    grid = tiles.view(n_r, n_c, c, c).permute(0, 2, 1, 3).reshape(n_r * c, n_c * c) \
-        if (rows % c, cols % c) != (0, 0) else None
-    if grid is None:  # no padding: write |e| straight into the tiled layout, one pass
+    if rows % c == 0 and cols % c == 0:  # no padding: |e| straight into the tiled layout
+        tiles = torch.empty(n_r * n_c, cc)
         torch.abs(e.view(n_r, c, n_c, c), out=tiles.view(n_r, n_c, c, c).permute(0, 2, 1, 3))
-        return tiles
+        return tiles  # (n_chunks, c²)
     padded = torch.full((n_r * c, n_c * c), -math.inf)
     torch.abs(e.view(rows, cols), out=padded[:rows, :cols])
     return padded.view(n_r, c, n_c, c).permute(0, 2, 1, 3).reshape(n_r * n_c, cc)  # (n_chunks, c²)

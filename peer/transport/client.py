@@ -103,7 +103,8 @@ class PeerClient:
     def backward(self, request: BackwardRequest, timeout_s: float | None = None) -> BackwardReply:
         reply = self._streamed("backward", self._stub.Backward, request, pb.BackwardReply, timeout_s)
         if reply.grad is not None and tuple(reply.grad.shape[:2]) != tuple(request.grad.shape[:2]):
-            self._fail("backward", f"invalid BackwardReply.grad: shape {list(reply.grad.shape)} does not match the sent (b, L)")
+            shape = list(reply.grad.shape)
+            self._fail("backward", f"invalid BackwardReply.grad: shape {shape} does not match the sent (b, L)")
         return reply
 
     def step(self, request: StepRequest, timeout_s: float | None = None) -> StepReply:
@@ -176,7 +177,9 @@ class PeerClient:
 
         return self._call(method, attempt, timeout_s, idempotent=False)
 
-    def _unary_streamed(self, method: str, rpc: Callable, request: Any, reply_type: type, timeout_s: float | None) -> Any:
+    def _unary_streamed(
+        self, method: str, rpc: Callable, request: Any, reply_type: type, timeout_s: float | None
+    ) -> Any:
         msg = self._check(lambda: codec.encode(request, self.wire_dtype), method)
 
         def attempt(timeout: float) -> Any:
@@ -186,7 +189,10 @@ class PeerClient:
         return self._call(method, attempt, timeout_s, idempotent=True)
 
     def _unary(self, method: str, rpc: Callable, request: Any, timeout_s: float | None, idempotent: bool) -> Any:
-        msg = request if isinstance(request, pb.InfoRequest) else self._check(lambda: codec.encode(request, self.wire_dtype), method)
+        if isinstance(request, pb.InfoRequest):
+            msg = request
+        else:
+            msg = self._check(lambda: codec.encode(request, self.wire_dtype), method)
 
         def attempt(timeout: float) -> Any:
             self._count(self._sent, method, msg.ByteSize())
@@ -198,7 +204,8 @@ class PeerClient:
 
     def _receive(self, method: str, call: Any, reply_type: type) -> Any:
         try:
-            raw = framing.join(self._counted_in(method, call), self._limits.max_message_bytes, f"{reply_type.__name__} reply")
+            what = f"{reply_type.__name__} reply"
+            raw = framing.join(self._counted_in(method, call), self._limits.max_message_bytes, what)
         except TransportError:
             call.cancel()
             raise
@@ -226,7 +233,10 @@ class PeerClient:
                 ):
                     n_retries += 1
                     self._count(self._retried, method, 1)
-                    log.info("peer %s %s unavailable (%s); retry %d/%d in %.2fs", self.address, method, exc.details(), n_retries, self.retries, delay)
+                    log.info(
+                        "peer %s %s unavailable (%s); retry %d/%d in %.2fs",
+                        self.address, method, exc.details(), n_retries, self.retries, delay,
+                    )
                     self._closed.wait(delay)
                     continue
                 self._count(self._failed, method, 1)
@@ -242,7 +252,9 @@ class PeerClient:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return NetworkError(f"{where}: no answer within {timeout:.1f}s; the peer is overloaded or unreachable")
         if code in _NETWORK_CODES:
-            return NetworkError(f"{where}: {code.name.lower()} ({details}); check that the peer is running and reachable")
+            return NetworkError(
+                f"{where}: {code.name.lower()} ({details}); check that the peer is running and reachable"
+            )
         cls = NotFoundError if code == grpc.StatusCode.NOT_FOUND else RemoteError
         return cls(f"{where}: {code.name}: {details}", address=self.address, method=method, code=code.name)
 

@@ -214,16 +214,27 @@ def _same_bl(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def check_forward_reply(reply: ForwardReply, request: ForwardRequest | None = None) -> None:
     """Check that a ForwardReply is one of: hidden only; loss only (eval); loss and grad (train).
 
-    With the request, also check that (b, L) of hidden and the exact shape of grad match it.
+    With the request, also check that the reply kind fits it (targets -> loss, plus grad when
+    training; no targets -> hidden), that hidden keeps its (b, L) and grad the sent hidden's shape.
     """
     if (reply.hidden is None) == (reply.loss is None):
-        raise TransportError("invalid ForwardReply: exactly one of hidden (intermediate stage) or loss (last stage) must be set")
+        raise TransportError(
+            "invalid ForwardReply: exactly one of hidden (intermediate stage) or loss (last stage) must be set"
+        )
     if reply.grad is not None and reply.loss is None:
         raise TransportError("invalid ForwardReply: grad is only sent together with the loss of the last stage")
     if reply.loss is not None and not math.isfinite(reply.loss):
         raise TransportError(f"invalid ForwardReply.loss: {reply.loss} is not finite; the last stage diverged")
     if request is None:
         return
+    if request.targets is None and reply.hidden is None:
+        raise TransportError(
+            "invalid ForwardReply: a request without targets (intermediate stage) must be answered with hidden"
+        )
+    if request.targets is not None and reply.loss is None:
+        raise TransportError("invalid ForwardReply: a request with targets (last stage) must be answered with the loss")
+    if request.targets is not None and request.train and reply.grad is None:
+        raise TransportError("invalid ForwardReply: a training request to the last stage must be answered with grad")
     if reply.hidden is not None:
         _same_bl(reply.hidden, request.tokens, "ForwardReply.hidden")
     if reply.grad is not None and tuple(reply.grad.shape) != tuple(request.hidden.shape):
@@ -294,7 +305,8 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
         return pb.StateRequest(stage=msg.stage)
     if isinstance(msg, StateReply):
         tensors = [pb.NamedTensor(name=k, tensor=tensor_to_proto(v)) for k, v in msg.tensors.items()]
-        return pb.StateReply(outer_step=msg.outer_step, meta_json=_dump_json(msg.meta, "StateReply.meta"), tensors=tensors)
+        meta_json = _dump_json(msg.meta, "StateReply.meta")
+        return pb.StateReply(outer_step=msg.outer_step, meta_json=meta_json, tensors=tensors)
     if isinstance(msg, ArtifactRequest):
         return pb.ArtifactRequest(name=msg.name)
     if isinstance(msg, dict):
@@ -306,7 +318,9 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
     """Validate a protobuf message and return its dataclass (bytes for Blob, dict for InfoReply)."""
     if isinstance(msg, pb.Blob):
         if len(msg.data) > limits.max_message_bytes:
-            raise TransportError(f"invalid Blob: {len(msg.data)} bytes, more than the {limits.max_message_bytes}-byte limit")
+            raise TransportError(
+                f"invalid Blob: {len(msg.data)} bytes, more than the {limits.max_message_bytes}-byte limit"
+            )
         return msg.data
     if isinstance(msg, pb.ForwardRequest):
         tokens = _tokens(msg.tokens, "ForwardRequest.tokens", limits)
@@ -317,7 +331,8 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             targets = _tokens(msg.targets, "ForwardRequest.targets", limits)
             if targets.shape != tokens.shape:
                 raise TransportError(
-                    f"invalid ForwardRequest.targets: shape {list(targets.shape)} differs from tokens {list(tokens.shape)}"
+                    f"invalid ForwardRequest.targets: shape {list(targets.shape)} differs from tokens "
+                    f"{list(tokens.shape)}"
                 )
         return ForwardRequest(
             pipeline_id=_text(msg.pipeline_id, "ForwardRequest.pipeline_id", limits),
@@ -374,7 +389,8 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
     if isinstance(msg, pb.ArtifactRequest):
         if not _ARTIFACT_NAME.match(msg.name):
             raise TransportError(
-                f"invalid ArtifactRequest.name {msg.name[:64]!r}: use 1-128 characters from [A-Za-z0-9._-], not starting with '.'"
+                f"invalid ArtifactRequest.name {msg.name[:64]!r}: use 1-128 characters from [A-Za-z0-9._-], "
+                "not starting with '.'"
             )
         return ArtifactRequest(name=msg.name)
     if isinstance(msg, pb.InfoReply):

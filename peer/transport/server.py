@@ -60,7 +60,10 @@ class _Servicer(pb_grpc.PeerServicer):
         yield from self._streamed(context, "backward", request_iterator, pb.BackwardRequest, BackwardReply)
 
     def Step(self, request, context):
-        return self._run(context, "step", lambda: self._encode(self._handler.step(codec.decode(request, self._limits)), StepReply, "step"))
+        def call():
+            return self._encode(self._handler.step(codec.decode(request, self._limits)), StepReply, "step")
+
+        return self._run(context, "step", call)
 
     def GetPayload(self, request, context):
         yield from self._unary_streamed(context, "get_payload", request, bytes)
@@ -114,7 +117,8 @@ class _Servicer(pb_grpc.PeerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:
             log.exception("handler.%s failed on a request from %s", method, context.peer())
-            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the peer ({type(exc).__name__}: {exc}); see that peer's log")
+            details = f"{method} failed inside the peer ({type(exc).__name__}: {exc}); see that peer's log"
+            context.abort(grpc.StatusCode.INTERNAL, details)
         finally:
             with self._idle:
                 self._in_flight -= 1
@@ -189,7 +193,9 @@ class PeerServer:
         self._server.stop(grace_s).wait(grace_s + 5.0)
         idle = self._servicer.wait_idle(max(0.0, grace_s - (time.monotonic() - t0)) + 1.0)
         if not idle:
-            log.warning("peer server %s stopped with handler calls still running; they finish in the background", self.address)
+            log.warning(
+                "peer server %s stopped with handler calls still running; they finish in the background", self.address
+            )
         self._executor.shutdown(wait=idle, cancel_futures=True)
         log.info("peer data plane on %s stopped", self.address)
 

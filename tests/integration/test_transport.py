@@ -161,7 +161,8 @@ def test_handler_errors_become_statuses_and_the_server_keeps_serving(toy):
     with PeerClient(server.address, timeout_s=10) as client:
         with pytest.raises(RemoteError, match="not 3") as err:
             client.forward(_request(stage=3))
-        assert err.value.code == "FAILED_PRECONDITION" and server.address in str(err.value) and "forward" in str(err.value)
+        assert err.value.code == "FAILED_PRECONDITION"
+        assert server.address in str(err.value) and "forward" in str(err.value)
         with pytest.raises(NotFoundError, match="round 5"):
             client.get_payload(PayloadRequest(outer_step=5, stage=1, sender="alice"))
         with pytest.raises(RemoteError, match="simulated bug") as err:

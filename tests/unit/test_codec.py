@@ -142,7 +142,8 @@ def _tensor(dtype="float32", shape=(2, 3), data=None) -> pb.Tensor:
 
 def _bad(proto: pb.Tensor, match: str, **kw):
     with pytest.raises(TransportError, match=match):
-        codec.tensor_from_proto(proto, "T.hidden", kw.pop("limits", WireLimits()), kw.pop("dtypes", codec.BOUNDARY_DTYPES), **kw)
+        limits, dtypes = kw.pop("limits", WireLimits()), kw.pop("dtypes", codec.BOUNDARY_DTYPES)
+        codec.tensor_from_proto(proto, "T.hidden", limits, dtypes, **kw)
 
 
 def test_rejects_wrong_byte_length():
@@ -174,30 +175,41 @@ def test_rejects_token_ids_out_of_range():
     limits = WireLimits(vocab_size=50)
     for bad in (50, -1):
         ids = torch.tensor([[1, 2], [3, bad]], dtype=torch.int32).numpy().tobytes()
-        _bad(_tensor(dtype="int32", shape=(2, 2), data=ids), r"outside \[0, 50\)", dtypes=codec.TOKEN_DTYPES, token_ids=True, limits=limits)
+        proto = _tensor(dtype="int32", shape=(2, 2), data=ids)
+        _bad(proto, r"outside \[0, 50\)", dtypes=codec.TOKEN_DTYPES, token_ids=True, limits=limits)
     msg = _fwd(vocab=50)
     assert torch.equal(_roundtrip(msg, limits=limits).tokens, msg.tokens.to(torch.int32))
     with pytest.raises(TransportError, match="ForwardRequest.tokens"):
         _roundtrip(msg, limits=WireLimits(vocab_size=10))
 
 
+def _mutated_forward(mutate) -> pb.ForwardRequest:
+    msg = encode(_fwd())
+    mutate(msg)
+    return msg
+
+
 def test_rejects_inconsistent_messages():
-    good = encode(_fwd())
-    cases = []
-    m = pb.ForwardRequest(); m.CopyFrom(good); m.ClearField("hidden"); cases.append((m, "ForwardRequest.hidden: missing"))
-    m = pb.ForwardRequest(); m.CopyFrom(good); m.hidden.CopyFrom(codec.tensor_to_proto(torch.zeros(2, 4, 4))); cases.append((m, "does not match"))
-    m = pb.ForwardRequest(); m.CopyFrom(good); m.targets.CopyFrom(codec.tensor_to_proto(torch.zeros(2, 2, dtype=torch.int32))); cases.append((m, "differs from tokens"))
-    m = pb.ForwardRequest(); m.CopyFrom(good); m.stage = -1; cases.append((m, "non-negative"))
-    cases.append((pb.ForwardReply(loss=1.0, hidden=codec.tensor_to_proto(torch.zeros(1, 1, 1))), "exactly one"))
-    cases.append((pb.ForwardReply(grad=codec.tensor_to_proto(torch.zeros(1, 1, 1))), "exactly one"))
-    cases.append((pb.ForwardReply(loss=float("nan")), "not finite"))
-    t = codec.tensor_to_proto(torch.zeros(2))
-    cases.append((pb.StateReply(tensors=[pb.NamedTensor(name="a", tensor=t), pb.NamedTensor(name="a", tensor=t)]), "appears twice"))
-    cases.append((pb.StateReply(meta_json="[1, 2]"), "JSON object"))
-    cases.append((pb.StateReply(meta_json="{not json"), "not valid JSON"))
-    cases.append((pb.ArtifactRequest(name="../etc/passwd"), "ArtifactRequest.name"))
-    cases.append((pb.ArtifactRequest(name=""), "ArtifactRequest.name"))
-    cases.append((pb.PayloadRequest(sender="x" * 5000), "characters"))
+    t2 = codec.tensor_to_proto(torch.zeros(2))
+    t111 = codec.tensor_to_proto(torch.zeros(1, 1, 1))
+    cases = [
+        (_mutated_forward(lambda m: m.ClearField("hidden")), "ForwardRequest.hidden: missing"),
+        (_mutated_forward(lambda m: m.hidden.CopyFrom(codec.tensor_to_proto(torch.zeros(2, 4, 4)))), "does not match"),
+        (
+            _mutated_forward(lambda m: m.targets.CopyFrom(codec.tensor_to_proto(torch.zeros(2, 2, dtype=torch.int32)))),
+            "differs from tokens",
+        ),
+        (_mutated_forward(lambda m: setattr(m, "stage", -1)), "non-negative"),
+        (pb.ForwardReply(loss=1.0, hidden=t111), "exactly one"),
+        (pb.ForwardReply(grad=t111), "exactly one"),
+        (pb.ForwardReply(loss=float("nan")), "not finite"),
+        (pb.StateReply(tensors=[pb.NamedTensor(name="a", tensor=t2), pb.NamedTensor(name="a", tensor=t2)]), "twice"),
+        (pb.StateReply(meta_json="[1, 2]"), "JSON object"),
+        (pb.StateReply(meta_json="{not json"), "not valid JSON"),
+        (pb.ArtifactRequest(name="../etc/passwd"), "ArtifactRequest.name"),
+        (pb.ArtifactRequest(name=""), "ArtifactRequest.name"),
+        (pb.PayloadRequest(sender="x" * 5000), "characters"),
+    ]
     for msg, match in cases:
         with pytest.raises(TransportError, match=match):
             decode(msg)
@@ -248,3 +260,19 @@ def test_framing_round_trip_and_size(n):
         if len(chunks) > 1:
             with pytest.raises(TransportError, match="ended before its last chunk"):
                 framing.join(iter(chunks[:-1]), max_bytes=n, what="x")
+
+
+def test_forward_reply_must_fit_its_request():
+    inter, last = _fwd(targets=False), _fwd(targets=True)
+    h, g = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)
+    codec.check_forward_reply(ForwardReply(hidden=h), inter)
+    codec.check_forward_reply(ForwardReply(loss=1.0, grad=g), last)
+    for reply, request, match in [
+        (ForwardReply(loss=1.0, grad=g), inter, "must be answered with hidden"),
+        (ForwardReply(hidden=h), last, "must be answered with the loss"),
+        (ForwardReply(loss=1.0), last, "must be answered with grad"),
+        (ForwardReply(hidden=torch.zeros(2, 4, 4)), inter, "does not match"),
+        (ForwardReply(loss=1.0, grad=torch.zeros(2, 3, 5)), last, "differs from the sent hidden"),
+    ]:
+        with pytest.raises(TransportError, match=match):
+            codec.check_forward_reply(reply, request)

@@ -319,3 +319,27 @@ def test_fuzz_random_and_mutated_bytes_raise_only_payload_error():
         assert p.to_bytes() == data  # whatever is accepted is canonical
         decompress(p)
     assert accepted < 2000
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("shape", [(128, 64), (70, 130), (5,)])
+def test_non_finite_pseudo_gradient_is_refused(bad, shape):
+    d = _rand(*shape, seed=13) * 1e3
+    d.view(-1)[d.numel() // 2 + 1] = bad  # a non-finite entry anywhere must be caught
+    for dense_1d in (True, False):
+        with pytest.raises(PayloadError, match="not finite"):
+            compress({"w": d}, None, SparseLoCoConfig(dense_1d=dense_1d))
+
+
+@pytest.mark.parametrize("bits", [0, 2, 4, 8])
+@pytest.mark.parametrize("dense_1d", [True, False])
+def test_payload_nbytes_equals_serialized_size(bits, dense_1d):
+    """`peer plan` counts payload bytes with payload_nbytes; it must equal the real wire size."""
+    from peer.sparseloco import payload_nbytes
+
+    cfg = SparseLoCoConfig(quant_bits=bits, dense_1d=dense_1d)
+    g = torch.Generator().manual_seed(bits)
+    shapes = {"a.weight": (70, 130), "b.weight": (128, 64), "norm.weight": (100,), "c": (3, 5, 7)}
+    delta = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    payload, _ = compress(delta, None, cfg)
+    assert payload_nbytes(shapes, cfg) == len(payload.to_bytes())
