@@ -5,6 +5,7 @@ The only module that prints. Every `PeerError` becomes a one-line `error: …` a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -188,6 +189,309 @@ def export(
 
     path = export_hf(checkpoint, out)
     console.print(f"exported to {path} — load it with transformers.LlamaForCausalLM.from_pretrained('{path}')")
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _print_bootstrap(info, cfg) -> None:
+    """The bootstrap's banner: run, model, split, k, H, and the exact lines other machines paste."""
+    layers = " | ".join(f"{r.start}-{r.stop - 1}" for r in cfg.layer_ranges)
+    maddr = info.initial_peers[0]
+    console.print(f"[bold]peer bootstrap[/bold] — run [bold]{info.run_id}[/bold]", soft_wrap=True)
+    console.print(
+        f"model {cfg.preset} ({_fmt_params(cfg.model.n_params)} params, d={cfg.model.d_model}, "
+        f"{cfg.model.n_layers} layers) · {cfg.stages} stages (layers {layers}) · "
+        f"k={cfg.k} (k/d={cfg.subspace.k_ratio}) · H={cfg.train.inner_steps} · T={cfg.train.outer_steps} · "
+        f"batch {cfg.train.batch_size}×{cfg.train.seq_len} tokens",
+        soft_wrap=True, highlight=False,
+    )
+    console.print(
+        f"tokenizer sha256 {info.tokenizer_sha256[:16]}… served at {info.grpc_address}; manifest refreshed "
+        f"every {cfg.swarm.record_ttl_s / 3:.0f} s (ttl {cfg.swarm.record_ttl_s:.0f} s)",
+        soft_wrap=True, highlight=False,
+    )
+    console.print("join this run (paste on another machine):", soft_wrap=True)
+    lines = [f"peer join --stage {s} --initial-peers {maddr}" for s in range(cfg.stages)]
+    lines += [f"peer join --full-replica --initial-peers {maddr}", f"peer status --initial-peers {maddr}"]
+    for line in lines:
+        console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
+    if len(info.initial_peers) > 1:
+        console.print("other addresses of this node:", soft_wrap=True)
+        for other in info.initial_peers[1:]:
+            console.print(f"  {other}", soft_wrap=True, highlight=False, markup=False)
+    console.print("running; Ctrl-C or SIGTERM stops it", soft_wrap=True)
+
+
+@app.command()
+def bootstrap(
+    config: Optional[Path] = CONFIG_OPT,
+    preset: Optional[str] = typer.Option(None, help="Model preset: tiny, small, 178M, 512M, 1B (default tiny)."),
+    stages: Optional[int] = typer.Option(None, help="S: pipeline stages of compressed pipelines (default 2)."),
+    k_ratio: Optional[str] = typer.Option(None, "--k-ratio", help="Subspace width k/d of compressed boundaries (default 1/8)."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help="H: inner steps per outer step (default 20)."),
+    outer_steps: Optional[int] = typer.Option(None, "--outer-steps", help="T: outer steps (rounds) of the run (default 10)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per inner step per replica (default 8)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 64)."),
+    seed: Optional[int] = typer.Option(None, help="Run seed: init, U, data order (default 0)."),
+    dataset: Optional[str] = typer.Option(None, help="Local file/folder or hub dataset name (default: the embedded corpus)."),
+    max_chars: Optional[int] = typer.Option(None, "--max-chars", help="Cap on the corpus size in characters (default 4000000)."),
+    tokenizer: Optional[Path] = typer.Option(None, help="Use this sentencepiece .model instead of training one."),
+    wire_dtype: Optional[str] = typer.Option(None, "--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16."),
+    run_name: Optional[str] = typer.Option(None, "--run-name", help="Human name of the run (part of the run id)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all interfaces)."),
+    port: int = typer.Option(0, help="DHT (libp2p) TCP port; 0 picks a free one."),
+    grpc_port: int = typer.Option(0, "--grpc-port", help="gRPC TCP port serving the tokenizer and manifest; 0 picks a free one."),
+    announce_host: Optional[str] = typer.Option(
+        None, "--announce-host", help="Host name or IP other machines reach this one at (needs an explicit --port)."
+    ),
+    identity: Optional[Path] = typer.Option(
+        None, help="libp2p private key file, created if missing; keeps the peer id and multiaddr stable across restarts."
+    ),
+    address_file: Optional[Path] = typer.Option(
+        None, "--address-file", help="Once ready, write {initial_peers, grpc, run_id, peer_id} JSON here (removed on exit)."
+    ),
+    print_peer_id: bool = typer.Option(
+        False, "--print-peer-id", help="Print the peer id of --identity (creating the key if missing) and exit."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
+    _setup_logging(verbose)
+    import signal
+    import threading
+
+    from peer.config import build_config
+    from peer.errors import ConfigError
+
+    if print_peer_id:
+        if identity is None:
+            raise ConfigError("--print-peer-id needs --identity PATH (the key file whose peer id to print)")
+        from peer.dht import make_identity
+
+        typer.echo(make_identity(identity))
+        return
+    overrides = {
+        "preset": preset, "stages": stages, "subspace.k_ratio": k_ratio, "train.inner_steps": inner_steps,
+        "train.outer_steps": outer_steps, "train.batch_size": batch_size, "train.seq_len": seq_len, "seed": seed,
+        "data.dataset": dataset, "data.max_chars": max_chars, "data.tokenizer": tokenizer,
+        "subspace.wire_dtype": wire_dtype, "run_name": run_name,
+    }
+    cfg = build_config(config, overrides)
+    from bootstrap.node import run_bootstrap
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Processes forked from here (the hivemind DHT child) must not inherit on_signal: it would make
+    # them ignore the SIGTERM with which shutdown reaps them.
+    os.register_at_fork(after_in_child=lambda: [signal.signal(s, h) for s, h in previous.items()])
+    try:
+        console.print("building the tokenizer and starting the DHT node…", soft_wrap=True)
+        run_bootstrap(
+            cfg, host=host, dht_port=port, grpc_port=grpc_port, announce_host=announce_host, identity_path=identity,
+            address_file=address_file, on_ready=lambda info: _print_bootstrap(info, cfg), stop_event=stop,
+        )
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    console.print("bootstrap stopped", soft_wrap=True)
+
+
+def _short_id(peer_id: str) -> str:
+    return peer_id if len(peer_id) <= 16 else f"{peer_id[:6]}…{peer_id[-6:]}"
+
+
+def _fmt(value: object, spec: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and spec:
+        return format(value, spec)
+    return str(value)
+
+
+@app.command()
+def status(
+    initial_peers: list[str] = typer.Option(
+        ..., "--initial-peers", help="Multiaddr of a swarm peer, e.g. the bootstrap's /ip4/HOST/tcp/PORT/p2p/ID (repeatable)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the status as JSON on stdout instead of tables."),
+    timeout_s: float = typer.Option(20.0, "--timeout-s", help="Seconds to wait for the DHT and for the run's manifest."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Show the swarm: stages and the peers holding them, full replicas, outer step, loss, tokens/s."""
+    _setup_logging(verbose)
+    from peer.dht import SwarmDHT
+    from peer.status import collect_status
+
+    with SwarmDHT(initial_peers=initial_peers, client_mode=True, start_timeout_s=timeout_s) as dht:
+        result = collect_status(dht, timeout_s=timeout_s, where=", ".join(initial_peers))
+    if json_out:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        sys.stdout.flush()
+        return
+    console.print(
+        f"[bold]run {result['run_id']}[/bold] — preset {result['preset']}, {len(result['stages'])} stages, "
+        f"outer step {result['outer_step']}", soft_wrap=True,
+    )
+    table = Table(title="stage peers")
+    for col in ("stage", "peer", "role", "state", "outer step", "tokens/s", "address"):
+        table.add_column(col, justify="right" if col in ("stage", "outer step", "tokens/s") else "left")
+    for stage, peers in result["stages"].items():
+        if not peers:
+            table.add_row(stage, "—", "", "[yellow]no peer[/yellow]", "", "", f"start one: peer join --stage {stage} …")
+        for p in peers:
+            table.add_row(stage, _short_id(p["peer_id"]), _fmt(p["role"]), _fmt(p["state"]), _fmt(p["outer_step"]),
+                          _fmt(p["tokens_per_s"], ".0f"), _fmt(p["address"]))
+    console.print(table)
+    if not result["full_replicas"]:
+        console.print("no full replica (start one: peer join --full-replica …)", soft_wrap=True)
+        return
+    replicas = Table(title="full replicas")
+    for col in ("peer", "outer step", "loss", "tokens/s"):
+        replicas.add_column(col, justify="left" if col == "peer" else "right")
+    for r in result["full_replicas"]:
+        replicas.add_row(_short_id(r["peer_id"]), _fmt(r["outer_step"]), _fmt(r["loss"], ".4f"),
+                         _fmt(r["tokens_per_s"], ".0f"))
+    console.print(replicas)
+
+
+@app.command()
+def join(
+    initial_peers: list[str] = typer.Option([], "--initial-peers", help="Multiaddr printed by `peer bootstrap` (repeatable)."),
+    stage: Optional[int] = typer.Option(None, "--stage", help="Hold this pipeline stage (0 = a head that drives a pipeline)."),
+    full_replica: bool = typer.Option(False, "--full-replica", help="Hold every stage and train without compression."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    host: str = typer.Option("127.0.0.1", help="Interface for the gRPC data plane and the DHT."),
+    port: int = typer.Option(0, help="gRPC data-plane port (0 = any free port)."),
+    dht_port: int = typer.Option(0, "--dht-port", help="DHT port (0 = any free port)."),
+    announce_host: Optional[str] = typer.Option(None, "--announce-host", help="Host others reach this peer at (behind NAT / port forwarding)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Tokenizer, metrics.jsonl and state (default runs/<role>)."),
+    identity: Optional[Path] = typer.Option(None, "--identity", help="Persistent peer key file (created on first run)."),
+    manifest_timeout_s: float = typer.Option(60.0, "--manifest-timeout-s", help="How long to wait for the bootstrap's manifest."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
+    import signal
+    import threading
+
+    from peer.errors import ConfigError
+
+    os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
+    _setup_logging(verbose)
+    if (stage is None) == (not full_replica):
+        raise ConfigError("pass exactly one of --stage N or --full-replica")
+    if device == "auto":
+        device = "cpu"  # decided after the DHT has started (hivemind forks before CUDA is touched)
+        auto = True
+    else:
+        auto = False
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    from peer.swarm import SwarmOptions
+    from peer.trainer import data_dir_default, run_full_replica, run_head, run_stage_peer
+
+    role = "full" if full_replica else ("head" if stage == 0 else "stage")
+    opts = SwarmOptions(initial_peers=tuple(initial_peers), host=host, port=port, dht_port=dht_port,
+                        announce_host=announce_host, data_dir=data_dir or data_dir_default(role, stage),
+                        identity=str(identity) if identity else None, device=device,
+                        manifest_timeout_s=manifest_timeout_s)
+    if auto:
+        opts = dataclasses.replace(opts, device="auto")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
+    if full_replica:
+        code = run_full_replica(opts, stop)
+    elif stage == 0:
+        code = run_head(opts, stop)
+    else:
+        code = run_stage_peer(opts, stage, stop)
+    raise typer.Exit(code)
+
+
+def _demo_view(state) -> Table:
+    """The live table of `peer demo`: one row per join process, totals in the title."""
+    b = state.bytes
+    loss = "—" if state.train_loss is None else f"{state.train_loss:.3f}"
+    table = Table(title=(
+        f"peer demo — {state.phase} · round {state.round}/{state.outer_steps} · train loss {loss} · "
+        f"{state.tokens_per_s:,.0f} tokens/s · activations {_human_bytes(b['activations'])} "
+        f"(uncompressed {_human_bytes(b['activations_uncompressed_equiv'])}) · "
+        f"pseudo-gradients {_human_bytes(b['pseudo_gradients'])} · {state.elapsed_s:.0f} s"), title_justify="left")
+    for col in ("process", "role", "stage", "t", "h", "loss", "tokens/s", "rounds", "act sent", "PG sent", "state"):
+        table.add_column(col, justify="left" if col in ("process", "role", "state") else "right")
+    for p in state.processes:
+        status = ("starting" if not p.started else "running") if p.exit_code is None else f"exited {p.exit_code}"
+        table.add_row(p.name, p.role, _fmt(p.stage), _fmt(p.outer_step), _fmt(p.inner_step), _fmt(p.loss, ".3f"),
+                      f"{p.tokens_per_s:,.0f}", str(p.rounds_done), _human_bytes(p.bytes["activations"]),
+                      _human_bytes(p.bytes["pseudo_gradients"]), status)
+    return table
+
+
+@app.command()
+def demo(
+    pipelines: int = typer.Option(1, help="P: compressed pipelines, each S stage peers (stage 0 is the head)."),
+    stages: int = typer.Option(2, help="S: pipeline stages."),
+    full_replicas: int = typer.Option(1, "--full-replicas", help="F: uncompressed full replicas."),
+    outer_steps: int = typer.Option(4, "--outer-steps", help="T: outer rounds to train."),
+    inner_steps: int = typer.Option(10, "--inner-steps", help="H: inner steps per outer round."),
+    preset: str = typer.Option("tiny", help="Model preset (tiny trains on a CPU in minutes)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the per-round summary as JSON here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Loss-curve PNG (default: next to --json, else WORKDIR/demo.png)."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Logs and data dirs of every process (default: a fresh runs/demo-<timestamp>)."),
+    timeout_s: float = typer.Option(900.0, "--timeout-s", help="Seconds the whole demo may take before every process is stopped."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """A whole swarm on this machine: a bootstrap, P compressed pipelines and F full replicas as processes on loopback."""
+    _setup_logging(verbose)
+    from rich.live import Live
+
+    from peer.demo import DemoConfig, default_workdir, plot_demo, run_demo
+
+    workdir = workdir or default_workdir()
+    cfg = DemoConfig(pipelines=pipelines, stages=stages, full_replicas=full_replicas, outer_steps=outer_steps,
+                     inner_steps=inner_steps, preset=preset, workdir=workdir, timeout_s=timeout_s)
+    console.print(f"peer demo: {pipelines} pipeline(s) × {stages} stages + {full_replicas} full replica(s), "
+                  f"T={outer_steps}, H={inner_steps}; logs in {workdir}", soft_wrap=True, highlight=False)
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            result = run_demo(cfg, lambda state: live.update(_demo_view(state), refresh=True))
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted — every process the demo started was stopped; logs in {workdir}")
+        raise typer.Exit(130)
+    summary = result.summary
+    table = Table(title=f"peer demo — {preset}, {pipelines}×{stages} compressed + {full_replicas} full, "
+                        f"H={inner_steps}, {summary['wall_s']:.0f} s")
+    for col in ("round", "train loss", "val loss", "participants", "param hash"):
+        table.add_column(col, justify="right" if col != "param hash" else "left")
+    for r in summary["rounds"]:
+        table.add_row(str(r["t"]), _fmt(r["train_loss"], ".4f"), _fmt(r["val_loss"], ".4f"),
+                      " ".join(f"{s}:{n}" for s, n in r["participants"].items()),
+                      " ".join(f"{s}:{h[:8]}" for s, h in r["param_hash"].items()))
+    console.print(table)
+    b = summary["bytes"]
+    ratio = b["activations_uncompressed_equiv"] / b["activations"] if b["activations"] else float("nan")
+    console.print(f"bytes sent: activations {_human_bytes(b['activations'])} ({ratio:.1f}× less than the "
+                  f"{_human_bytes(b['activations_uncompressed_equiv'])} uncompressed), pseudo-gradients "
+                  f"{_human_bytes(b['pseudo_gradients'])}", soft_wrap=True, highlight=False)
+    if summary["params_consistent"]:
+        console.print("parameters: every holder of each stage reported the same hash after every round", soft_wrap=True)
+    else:
+        console.print("[red]parameters diverged: two holders of a stage reported different hashes[/red]", soft_wrap=True)
+    plot_path = plot or (json_out.with_suffix(".png") if json_out else result.workdir / "demo.png")
+    plot_demo(result, plot_path, inner_steps, title=f"peer demo ({preset}, {pipelines}×{stages} + {full_replicas} full)")
+    console.print(f"loss curves: {plot_path}", soft_wrap=True)
+    if json_out:
+        args = {"pipelines": pipelines, "stages": stages, "full_replicas": full_replicas, "outer_steps": outer_steps,
+                "inner_steps": inner_steps, "preset": preset}
+        _write_json(json_out, {**summary, "workdir": str(result.workdir), "args": args})
+        console.print(f"results: {json_out}", soft_wrap=True)
 
 
 def main() -> None:

@@ -66,6 +66,7 @@ class SwarmConfig:
     announce_interval_s: float = 2.0  # how often peers refresh their records
     claim_timeout_s: float = 120.0  # a head waits this long for a ready peer of each stage
     n_shards: int = 16  # data shards; each head / full replica claims a free one
+    min_replicas: int = 1  # replicas (pipelines + full replicas) to wait for before the first step
 
 
 @dataclass(frozen=True)

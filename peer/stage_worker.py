@@ -41,14 +41,17 @@ class ForwardOut:
 class StageWorker:
     """One stage view with its optimizer, subspace buffers and round state."""
 
-    def __init__(self, cfg: RunConfig, stage: int, compressed: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, stage: int, compressed: bool = True, device: str = "cpu") -> None:
         """compressed=False: a full replica's stage (T_S trained freely, no boundary compression)."""
         self.cfg, self.stage, self.compressed = cfg, stage, compressed
         self.is_first, self.is_last = stage == 0, stage == cfg.stages - 1
-        self.U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+        self.device = torch.device(device)
         self.module: Decoder = build_stage(cfg.model, stage, cfg.stages, cfg.seed)
-        w, perp = initial_split(cfg, self.U)
+        U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+        w, perp = initial_split(cfg, U)
         attach_subspace(self.module, w, perp)
+        self.module.to(self.device)
+        self.U = U.to(self.device)
         self.optimizer = build_adamw(self.module.named_parameters(), cfg.train)
         self.lock = threading.RLock()
         self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -61,7 +64,9 @@ class StageWorker:
     def forward(self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None,
                 targets: torch.Tensor | None) -> ForwardOut:
         """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0."""
-        tokens = tokens.long()
+        tokens = tokens.long().to(self.device)
+        hidden = hidden.to(self.device) if hidden is not None else None
+        targets = targets.to(self.device) if targets is not None else None
         with self.lock:
             x_in = None
             if self.is_first:
@@ -78,10 +83,24 @@ class StageWorker:
                 loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
                 (loss / self.cfg.train.microbatches).backward()
                 self.microbatches_seen += 1
-                grad = compress_grad(x_in.grad, self.U) if x_in is not None else None  # (b, L, k)
-                return ForwardOut(loss=float(loss), grad=grad)
+                grad = compress_grad(x_in.grad, self.U).cpu() if x_in is not None else None  # (b, L, k)
+                return ForwardOut(loss=loss.item(), grad=grad)
             self.pending[key] = (x_in, out)
-            return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U))
+            return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None) -> ForwardOut:
+        """Forward without keeping anything for backward (validation loss through the pipeline)."""
+        tokens = tokens.long().to(self.device)
+        with self.lock:
+            if self.is_first:
+                out = self.module(tokens)
+            else:
+                out = self.module(expand_activations(hidden.to(self.device).float(), tokens, perp_of(self.module), self.U))
+            if self.is_last:
+                loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().to(self.device).flatten())
+                return ForwardOut(loss=loss.item())
+            return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
 
     def backward(self, key: tuple[str, int], grad: torch.Tensor) -> torch.Tensor | None:
         """Backpropagate a compressed output gradient (b, L, k); returns ∇ of the input, compressed."""
@@ -89,9 +108,9 @@ class StageWorker:
             if key not in self.pending:
                 raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
             x_in, out = self.pending.pop(key)
-            out.backward(expand_grad(grad.float(), self.U) / self.cfg.train.microbatches)
+            out.backward(expand_grad(grad.to(self.device).float(), self.U) / self.cfg.train.microbatches)
             self.microbatches_seen += 1
-            return compress_grad(x_in.grad, self.U) if x_in is not None else None
+            return compress_grad(x_in.grad, self.U).cpu() if x_in is not None else None
 
     def drop_pending(self, pipeline_id: str | None = None) -> None:
         """Forget activations of failed micro-batches (all, or one pipeline's)."""
@@ -136,7 +155,9 @@ class StageWorker:
         with self.lock:
             if committed:
                 decoded = [decompress(p) for p in committed]
-                agg = aggregate(decoded, len(decoded), slc.aggregation)
+                agg = {k: v.to(self.device) for k, v in aggregate(decoded, len(decoded), slc.aggregation).items()}
+                if embed_update is not None and not self.is_first:
+                    embed_update = embed_update.to(self.device)
                 apply_outer_update(self.module, self.start, agg, slc.outer_lr, self.U,
                                    embed_update=None if self.is_first else embed_update)
             else:
@@ -154,8 +175,8 @@ class StageWorker:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Parameters and T⊥ for a late joiner (the committed θ_start of the current outer step)."""
         with self.lock:
-            out = {k: v.clone() for k, v in self.start.items()}
-            out["perp"] = perp_of(self.module).clone()
+            out = {k: v.detach().cpu().clone() for k, v in self.start.items()}
+            out["perp"] = perp_of(self.module).detach().cpu().clone()
             return out
 
     def load_snapshot(self, tensors: Mapping[str, torch.Tensor], outer_step: int) -> None:
@@ -166,7 +187,7 @@ class StageWorker:
                 raise ValueError(f"state for stage {self.stage} does not match: missing {sorted(missing)[:3]}, "
                                  f"unexpected {sorted(extra)[:3]}")
             self.load_params({k: v for k, v in tensors.items() if k != "perp"})
-            perp_of(self.module).copy_(tensors["perp"])
+            perp_of(self.module).copy_(tensors["perp"].to(self.device))
             self.outer_step = outer_step
             self.start = stage_state(self.module)
             self.errors = None  # a late joiner starts with an empty error buffer
@@ -178,7 +199,7 @@ class StageWorker:
             for name, value in params.items():
                 if own[name].shape != value.shape:
                     raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
-                own[name].copy_(value)
+                own[name].copy_(value.to(own[name].device))
 
     def param_hash(self) -> str:
         with self.lock:

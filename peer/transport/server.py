@@ -108,9 +108,13 @@ class _Servicer(pb_grpc.PeerServicer):
             self._in_flight += 1
         try:
             return fn()
+        except grpc.RpcError:  # the request stream broke: client deadline, cancel or disconnect
+            self._cancelled(context, method)
         except NotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except TransportError as exc:
+            if not context.is_active():  # a cancelled upload can also look like a truncated stream
+                self._cancelled(context, method)
             log.info("rejected %s from %s: %s", method, context.peer(), exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except PeerError as exc:
@@ -123,6 +127,11 @@ class _Servicer(pb_grpc.PeerServicer):
             with self._idle:
                 self._in_flight -= 1
                 self._idle.notify_all()
+
+    @staticmethod
+    def _cancelled(context: grpc.ServicerContext, method: str) -> None:
+        log.info("%s from %s ended by the client before the request arrived", method, context.peer())
+        context.abort(grpc.StatusCode.CANCELLED, f"{method} request stream ended by the client")
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no handler call is running; False if some still run after `timeout_s`."""

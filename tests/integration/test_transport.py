@@ -281,3 +281,24 @@ def test_a_busy_port_is_an_error():
             PeerServer(ToyStage(), port=first.port)
     finally:
         first.stop(grace_s=0)
+
+
+def test_a_client_that_stalls_mid_upload_is_cut_off_quietly(toy, caplog):
+    server, _ = toy
+    gate = threading.Event()
+
+    def stalled():
+        yield pb.Chunk(data=b"\x0a\x02p0", last=False)
+        gate.wait(10)
+
+    caplog.set_level("INFO", logger="peer.transport.server")
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.PeerStub(channel).Forward(stalled(), timeout=0.3))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    gate.set()
+    with PeerClient(server.address, timeout_s=10) as client:
+        assert client.info()["state"] == "ready"
+    server.stop(grace_s=1.0)  # waits for the servicer, so its log record is in
+    assert any("ended by the client" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []

@@ -1,0 +1,266 @@
+"""The bootstrap node: one DHT node that publishes the run's manifest and serves its artefacts.
+
+Start-up order (each step needs the one before it):
+1. build the token data once (`peer.data.build_token_data`): trains or loads the sentencepiece
+   tokenizer, whose sha256 goes into the manifest;
+2. start the `peer.dht.SwarmDHT` node BEFORE any gRPC server or thread (hivemind forks its DHT
+   process; forking a process that runs grpc threads is unsafe);
+3. start a `peer.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest);
+4. build the manifest (`peer.manifest.build_manifest`) naming the gRPC address and publish it
+   under "peer.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
+
+Invariants: every network wait has a deadline (SwarmDHT's request timeout); a failed refresh is
+logged, counted (visible in `info`) and retried after at most 2 s; a manifest left unrefreshed
+for two ttls is fatal (`NetworkError`), since joiners can no longer find the run. `close()` stops
+the gRPC server, then the DHT (its child process and p2pd), and removes the address file.
+A fixed identity file (`identity_path`) keeps the peer id, hence the multiaddr, stable across
+restarts. This module imports no hivemind; it reuses `peer.dht`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from bootstrap.artifacts import ArtifactHandler, manifest_bytes
+from peer.config import RunConfig
+from peer.data import build_token_data
+from peer.dht import SwarmDHT
+from peer.errors import NetworkError
+from peer.manifest import build_manifest, run_id_for
+from peer.transport import PeerServer
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_FAILURE_S = 2.0  # a failed manifest refresh is retried this soon (or at the next interval)
+_UNSPECIFIED = ("0.0.0.0", "::", "")
+
+
+class _Stopped(Exception):
+    """Raised inside start-up when the stop event fired between two steps."""
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """What another machine needs to join: multiaddrs (preferred first), gRPC address, run id."""
+
+    run_id: str
+    peer_id: str
+    initial_peers: tuple[str, ...]
+    grpc_address: str
+    tokenizer_sha256: str
+    manifest: dict[str, Any] = field(repr=False)
+
+    def address_record(self) -> dict[str, Any]:
+        """The JSON written to --address-file."""
+        return {
+            "initial_peers": list(self.initial_peers),
+            "grpc": self.grpc_address,
+            "run_id": self.run_id,
+            "peer_id": self.peer_id,
+        }
+
+
+def _maddr_host(maddr: str) -> str | None:
+    """The host part of /ip4/H/..., /ip6/H/..., /dns*/H/...; None otherwise."""
+    parts = maddr.split("/")
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        return parts[2]
+    return None
+
+
+def _is_loopback(maddr: str) -> bool:
+    host = _maddr_host(maddr)
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _order_maddrs(maddrs: list[str]) -> tuple[str, ...]:
+    """Reachable-from-elsewhere addresses first (stable order otherwise)."""
+    return tuple(sorted(maddrs, key=_is_loopback))
+
+
+def _grpc_host(host: str, announce_host: str | None, maddrs: tuple[str, ...]) -> str:
+    """The host other peers use for gRPC: --announce-host, else the bind host, else the DHT's address."""
+    if announce_host:
+        return announce_host
+    if host not in _UNSPECIFIED:
+        return host
+    for m in maddrs:
+        found = _maddr_host(m)
+        if found:
+            logger.warning(
+                "bound to %s without --announce-host; announcing gRPC on %s (pass --announce-host to choose)",
+                host or "all interfaces", found,
+            )
+            return found
+    return "127.0.0.1"
+
+
+def write_address_file(path: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write `record` as JSON atomically (temporary file + rename): a reader never sees half a file."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class BootstrapNode:
+    """A started bootstrap (see the module docstring for the order). Use as a context manager.
+
+    `stop_event`, when given, is checked between start-up steps so a signal during a long
+    tokenizer build ends start-up early (`run_bootstrap` then returns without serving).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        host: str = "127.0.0.1",
+        dht_port: int = 0,
+        grpc_port: int = 0,
+        announce_host: str | None = None,
+        identity_path: str | os.PathLike | None = None,
+        stop_event: threading.Event | None = None,
+    ):
+        self.cfg = cfg
+        self.run_id = run_id_for(cfg)
+        self.ttl_s = float(cfg.swarm.record_ttl_s)
+        self.dht: SwarmDHT | None = None
+        self.server: PeerServer | None = None
+        self._closed = False
+
+        def check_stop() -> None:
+            if stop_event is not None and stop_event.is_set():
+                raise _Stopped()
+
+        t0 = time.monotonic()
+        data = build_token_data(cfg.data)
+        tokenizer_bytes = Path(data.tokenizer.path).read_bytes()
+        tok_sha = data.tokenizer.sha256
+        logger.info("token data ready in %.1f s (tokenizer %s)", time.monotonic() - t0, tok_sha[:12])
+        check_stop()
+        try:
+            self.dht = SwarmDHT(host=host, port=dht_port, announce_host=announce_host, identity_path=identity_path)
+            maddrs = _order_maddrs(self.dht.visible_maddrs())
+            check_stop()
+            grpc_host = _grpc_host(host, announce_host, maddrs)
+            self.handler = ArtifactHandler(
+                {"tokenizer": tokenizer_bytes},
+                {"run_id": self.run_id, "peer_id": self.dht.peer_id, "initial_peers": list(maddrs),
+                 "tokenizer_sha256": tok_sha, "stages": cfg.stages, "preset": cfg.preset},
+            )
+            self.server = PeerServer(self.handler, host=host, port=grpc_port)
+            grpc_address = f"{grpc_host}:{self.server.port}"
+            manifest = build_manifest(cfg, tok_sha, grpc_address)
+            self.handler.add_artifact("manifest", manifest_bytes(manifest))
+            self.info = BootstrapInfo(self.run_id, self.dht.peer_id, maddrs, grpc_address, tok_sha, manifest)
+            self.dht.publish_manifest(manifest, ttl_s=self.ttl_s)
+        except BaseException:
+            self.close()
+            raise
+        self.last_refresh = time.monotonic()
+        logger.info("bootstrap of %s up in %.1f s: DHT %s, gRPC %s", self.run_id, time.monotonic() - t0,
+                    maddrs[0] if maddrs else "?", grpc_address)
+
+    @property
+    def refresh_interval_s(self) -> float:
+        return self.ttl_s / 3.0
+
+    def refresh_manifest(self) -> bool:
+        """Re-publish the manifest once; False (logged and counted) if the DHT refused or timed out.
+
+        Raises NetworkError once the manifest has gone unrefreshed for two ttls.
+        """
+        assert self.dht is not None
+        try:
+            self.dht.publish_manifest(self.info.manifest, ttl_s=self.ttl_s)
+        except NetworkError as exc:
+            self.handler.count("manifest_refresh_failures")
+            stale_s = time.monotonic() - self.last_refresh
+            if stale_s > 2 * self.ttl_s:
+                raise NetworkError(
+                    f"the bootstrap could not refresh the run's manifest for {stale_s:.0f} s ({exc}); restart it"
+                ) from exc
+            logger.warning("manifest refresh failed (%s); retrying in %.0f s", exc,
+                           min(RETRY_AFTER_FAILURE_S, self.refresh_interval_s))
+            return False
+        self.handler.count("manifest_refreshes")
+        self.last_refresh = time.monotonic()
+        return True
+
+    def serve(self, stop_event: threading.Event, poll_s: float = 0.5) -> None:
+        """Refresh the manifest every ttl/3 until `stop_event` is set (checked every `poll_s`)."""
+        next_at = time.monotonic() + self.refresh_interval_s
+        while not stop_event.is_set():
+            now = time.monotonic()
+            if now >= next_at:
+                ok = self.refresh_manifest()
+                delay = self.refresh_interval_s if ok else min(RETRY_AFTER_FAILURE_S, self.refresh_interval_s)
+                next_at = time.monotonic() + delay
+                continue
+            stop_event.wait(min(poll_s, next_at - now))
+
+    def close(self) -> None:
+        """Stop the gRPC server, then the DHT node. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.server is not None:
+            self.server.stop(grace_s=1.0)
+        if self.dht is not None:
+            self.dht.shutdown()
+        logger.info("bootstrap of %s stopped", self.run_id)
+
+    def __enter__(self) -> BootstrapNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_bootstrap(
+    cfg: RunConfig,
+    host: str = "127.0.0.1",
+    dht_port: int = 0,
+    grpc_port: int = 0,
+    announce_host: str | None = None,
+    identity_path: str | os.PathLike | None = None,
+    address_file: str | os.PathLike | None = None,
+    on_ready: Callable[[BootstrapInfo], None] | None = None,
+    stop_event: threading.Event | None = None,
+) -> BootstrapInfo | None:
+    """Run a bootstrap until `stop_event` is set; return its BootstrapInfo (None if stopped during start-up).
+
+    `on_ready(info)` is called once the manifest is published (the CLI prints the join lines from
+    it); `address_file`, if given, receives `info.address_record()` as JSON at that moment and is
+    removed again on a clean stop.
+    """
+    stop_event = stop_event or threading.Event()
+    try:
+        node = BootstrapNode(cfg, host, dht_port, grpc_port, announce_host, identity_path, stop_event)
+    except _Stopped:
+        logger.info("stopped during start-up")
+        return None
+    written: Path | None = None
+    try:
+        if address_file is not None:
+            written = write_address_file(address_file, node.info.address_record())
+        if on_ready is not None:
+            on_ready(node.info)
+        node.serve(stop_event)
+        return node.info
+    finally:
+        node.close()
+        if written is not None:
+            written.unlink(missing_ok=True)
