@@ -12,7 +12,8 @@ Start-up order (each step needs the one before it):
 Invariants: every network wait has a deadline (SwarmDHT's request timeout); a failed refresh is
 logged, counted (visible in `info`) and retried after at most 2 s; a manifest left unrefreshed
 for two ttls is fatal (`NetworkError`), since joiners can no longer find the run. `close()` stops
-the gRPC server, then the DHT (its child process and p2pd), and removes the address file.
+the gRPC server, then the DHT (its child process and p2pd); `run_bootstrap` then removes the
+address file, so the file exists exactly while the manifest is being published.
 A fixed identity file (`identity_path`) keeps the peer id, hence the multiaddr, stable across
 restarts. This module imports no hivemind; it reuses `peer.dht`.
 """
@@ -153,6 +154,8 @@ class BootstrapNode:
         try:
             self.dht = SwarmDHT(host=host, port=dht_port, announce_host=announce_host, identity_path=identity_path)
             maddrs = _order_maddrs(self.dht.visible_maddrs())
+            if not maddrs:
+                raise NetworkError(f"the DHT node on {host} reports no reachable address; pass another --host")
             check_stop()
             grpc_host = _grpc_host(host, announce_host, maddrs)
             self.handler = ArtifactHandler(
@@ -171,7 +174,7 @@ class BootstrapNode:
             raise
         self.last_refresh = time.monotonic()
         logger.info("bootstrap of %s up in %.1f s: DHT %s, gRPC %s", self.run_id, time.monotonic() - t0,
-                    maddrs[0] if maddrs else "?", grpc_address)
+                    maddrs[0], grpc_address)
 
     @property
     def refresh_interval_s(self) -> float:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from peer.errors import NetworkError, PeerError
+from peer.errors import ConfigError, NetworkError, PeerError
 
 log = logging.getLogger(__name__)
 
@@ -460,12 +460,12 @@ def default_workdir(root: Path = Path("runs")) -> Path:
 def _check_config(cfg: DemoConfig) -> None:
     for name in ("pipelines", "full_replicas"):
         if getattr(cfg, name) < 0:
-            raise PeerError(f"--{name.replace('_', '-')} must be ≥ 0")
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more")
     for name in ("stages", "outer_steps", "inner_steps"):
         if getattr(cfg, name) < 1:
-            raise PeerError(f"--{name.replace('_', '-')} must be ≥ 1")
+            raise ConfigError(f"--{name.replace('_', '-')} must be 1 or more")
     if cfg.pipelines + cfg.full_replicas < 1:
-        raise PeerError("the demo needs at least one trainer: pass --pipelines 1 or --full-replicas 1")
+        raise ConfigError("the demo needs at least one trainer: pass --pipelines 1 or --full-replicas 1")
 
 
 def peer_command(*args: object) -> list[str]:
@@ -498,6 +498,13 @@ def _thread_env(n_compute: int) -> dict[str, str]:
         return {}
     threads = max(1, (os.cpu_count() or 1) // max(1, n_compute))
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def _quorum_env(cfg: DemoConfig) -> dict[str, str]:
+    """The bootstrap's manifest makes every trainer wait for all P + F replicas before its first step,
+    so no replica commits round 0 before the others have announced themselves."""
+    key = "PEER_SWARM__MIN_REPLICAS"  # peer.config env override of swarm.min_replicas
+    return {} if key in os.environ else {key: str(cfg.pipelines + cfg.full_replicas)}
 
 
 def run_demo(cfg: DemoConfig, progress: Callable[[DemoState], None] | None = None,
@@ -540,7 +547,8 @@ def run_demo(cfg: DemoConfig, progress: Callable[[DemoState], None] | None = Non
         address_file.unlink(missing_ok=True)
         children.spawn("bootstrap", command(
             "bootstrap", "--preset", cfg.preset, "--stages", cfg.stages, "--outer-steps", cfg.outer_steps,
-            "--inner-steps", cfg.inner_steps, "--port", 0, "--address-file", address_file), runs_until_stopped=True)
+            "--inner-steps", cfg.inner_steps, "--port", 0, "--address-file", address_file), runs_until_stopped=True,
+            env=_quorum_env(cfg))
         info = _wait_address_file(address_file, children, t0 + cfg.startup_timeout_s)
         maddr = _pick_maddr(info["initial_peers"])
         log.info("bootstrap is up at %s", maddr)

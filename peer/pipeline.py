@@ -172,12 +172,13 @@ class PipelineDriver:
                 log.warning("validation skipped: %s", exc)
                 return None
             losses.append(reply.loss)
+            self.act_equiv += self._equiv_bytes(x.shape[0], x.shape[1], train=False)
         return sum(losses) / max(1, len(losses))
 
     # ------------------------------------------------------------------ accounting
-    def _equiv_bytes(self, b: int, L: int) -> int:
+    def _equiv_bytes(self, b: int, L: int, train: bool = True) -> int:
         """Bytes the same micro-batch would take with uncompressed (b, L, d) boundaries."""
-        key = (b, L)
+        key = (b, L, train)
         if key not in self._equiv_cache:
             d, S = self.cfg.model.d_model, self.cfg.stages
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.subspace.wire_dtype]
@@ -187,9 +188,12 @@ class PipelineDriver:
             for s in range(1, S):
                 last = s == S - 1
                 wire = self.cfg.subspace.wire_dtype
-                msgs = [ForwardRequest("p", 0, 0, 0, s, tok, full, targets=tok if last else None),
-                        ForwardReply(loss=0.0, grad=full) if last else ForwardReply(hidden=full)]
-                if not last:
+                msgs = [ForwardRequest("p", 0, 0, 0, s, tok, full, targets=tok if last else None, train=train)]
+                if last:
+                    msgs.append(ForwardReply(loss=0.0, grad=full) if train else ForwardReply(loss=0.0))
+                else:
+                    msgs.append(ForwardReply(hidden=full))
+                if train and not last:
                     msgs += [BackwardRequest("p", 0, 0, 0, s, full), BackwardReply(grad=full)]
                 total += sum(framed_size(encoded_size(m, wire)) for m in msgs)
             self._equiv_cache[key] = total

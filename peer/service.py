@@ -113,6 +113,14 @@ class PeerService:
                 self.on_last_step(request.pipeline_id, request.outer_step)
         return StepReply(ok=True, message="")
 
+    def begin_observing(self) -> bool:
+        """A hot spare enters a round it did not train in; False if a head claimed it first."""
+        with self._lock:
+            if self.claimed_by is not None:
+                return False
+            self.in_round = True
+            return True
+
     def round_done(self) -> None:
         with self._lock:
             self.in_round = False

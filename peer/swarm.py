@@ -220,8 +220,14 @@ class Swarm:
         worker.apply_round([Payload.from_bytes(p) for p in result.payloads], None)
         return result
 
-    def round_started(self, t: int, stage: int) -> bool:
-        return bool(self.dht.get_payloads(t, stage))
+    def round_complete(self, t: int, stage: int) -> bool:
+        """Every expected replica has announced its payload for (t, stage): a hot spare may apply it.
+
+        Until then the spare stays claimable: a head still at outer step t may need it.
+        """
+        announced = {rec.get("replica", pid) for pid, rec in self.dht.get_payloads(t, stage).items()}
+        expected = expected_replicas(self.dht, t)
+        return bool(announced) and expected <= announced
 
     def run_stage_round(self, worker: StageWorker, contributor: str | None, stop: threading.Event) -> None:
         """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥."""

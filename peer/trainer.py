@@ -57,11 +57,12 @@ def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int
                 pipeline, _ = triggers.get(timeout=0.2)
                 contributor = pipeline
             except queue.Empty:
-                if swarm.service.claimed_by is not None or not swarm.round_started(t, stage):
+                # hot spare: once round (t, stage) is complete, apply the same committed set
+                if swarm.service.claimed_by is not None or not swarm.round_complete(t, stage):
                     continue
-                contributor = None  # hot spare: apply the same committed set
-                with swarm.service._lock:
-                    swarm.service.in_round = True
+                if not swarm.service.begin_observing():
+                    continue  # claimed by a head in the meantime
+                contributor = None
             swarm.run_stage_round(worker, contributor, stop)
             swarm.service.round_done()
         swarm.linger(stop)

@@ -34,12 +34,24 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _is_shm_manager(pid: int) -> bool:
+    """torch's shared-memory manager lives as long as this process; killing it aborts pytest."""
+    try:
+        return b"torch_shm_manager" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def leftover_children(before: set[int]) -> set[int]:
+    return {pid for pid in _children(os.getpid()) - before if not _is_shm_manager(pid)}
+
+
 @pytest.fixture
 def reap_children():
     """Kill every process a test started and left behind (DHT daemons, CLI peers)."""
     before = _children(os.getpid())
     yield
-    for pid in _children(os.getpid()) - before:
+    for pid in leftover_children(before):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

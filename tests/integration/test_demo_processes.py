@@ -30,7 +30,8 @@ FAKE_PEER = textwrap.dedent(r'''
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args[0] == "bootstrap":
         Path(opt("--address-file")).write_text(json.dumps(
-            {"initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/QmFake"], "grpc": "127.0.0.1:2", "run_id": "fake"}))
+            {"initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/QmFake"], "grpc": "127.0.0.1:2", "run_id": "fake",
+             "min_replicas": os.environ.get("PEER_SWARM__MIN_REPLICAS")}))
         while True:
             time.sleep(1)
     data = Path(opt("--data-dir")); data.mkdir(parents=True, exist_ok=True)
@@ -186,6 +187,8 @@ def test_run_demo_with_stand_in_peers(tmp_path, tag, fake, monkeypatch):
     assert s["wall_s"] > 0
     assert sorted(result.metrics) == ["full0", "p0-s0", "p0-s1"]
     assert (result.workdir / "bootstrap.log").exists() and (result.workdir / "p0-s1.log").exists()
+    # the manifest makes the pipeline and the full replica wait for each other before their first step
+    assert json.loads((result.workdir / "bootstrap.json").read_text())["min_replicas"] == "2"
     phases = [st.phase for st in states]
     assert phases[0] == "starting bootstrap" and "training" in phases and phases[-1] == "stopping"
     last = states[-1]

@@ -1,0 +1,143 @@
+"""`peer bootstrap` as a real process: it announces itself, prints the join lines, answers
+`peer status`, and stops cleanly (exit code 0, no hivemind child or p2pd left) on SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peer.dht import make_identity
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+PEER = [sys.executable, "-m", "peer"]
+START_DEADLINE_S = 90.0  # tokenizer on the tiny corpus + DHT start on a loaded 2-core CI machine
+STOP_DEADLINE_S = 15.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2] != "Z"
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                raw = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(raw[raw.rindex(")") + 2 :].split()[1])
+    out, todo = set(), [root]
+    while todo:
+        parent = todo.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in out:
+                out.add(pid)
+                todo.append(pid)
+    return out
+
+
+def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    address_file = tmp_path / "bootstrap.json"
+    stdout = tmp_path / "stdout.txt"
+    cmd = [*PEER, "bootstrap", "--port", "0", "--max-chars", "300000", "--address-file", str(address_file), *extra]
+    with open(stdout, "w") as out, open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
+    return proc, address_file, stdout
+
+
+def _wait_ready(proc: subprocess.Popen, address_file: Path, stdout: Path) -> dict:
+    """The address file and the full banner, within START_DEADLINE_S; fails fast if the process dies."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"peer bootstrap exited with {proc.returncode}: {(stdout.parent / 'stderr.txt').read_text()}")
+        if address_file.exists() and "peer status --initial-peers" in stdout.read_text():
+            return json.loads(address_file.read_text())
+        time.sleep(0.1)
+    pytest.fail(f"peer bootstrap not ready within {START_DEADLINE_S:.0f} s")
+
+
+def _stop(proc: subprocess.Popen, send) -> float:
+    t0 = time.monotonic()
+    send()
+    try:
+        code = proc.wait(STOP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"peer bootstrap still running {STOP_DEADLINE_S:.0f} s after the signal")
+    assert code == 0
+    return time.monotonic() - t0
+
+
+def _assert_gone(pids: set[int], grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    assert not left, f"processes left behind by peer bootstrap: {left}"
+
+
+def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path, reap_children):
+    t0 = time.monotonic()
+    proc, address_file, stdout = _start(tmp_path)
+    record = _wait_ready(proc, address_file, stdout)
+    print(f"\npeer bootstrap ready in {time.monotonic() - t0:.1f} s")
+    maddr = record["initial_peers"][0]
+    assert maddr.startswith("/ip4/127.0.0.1/tcp/") and maddr.endswith(f"/p2p/{record['peer_id']}")
+    lines = [ln.strip() for ln in stdout.read_text().splitlines()]
+    for expected in (f"peer join --stage 0 --initial-peers {maddr}", f"peer join --stage 1 --initial-peers {maddr}",
+                     f"peer join --full-replica --initial-peers {maddr}"):
+        assert expected in lines, stdout.read_text()
+    assert any(record["run_id"] in ln for ln in lines)
+    children = _descendants(proc.pid)
+    assert any("p2pd" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in children if _alive(p))
+
+    status = subprocess.run([*PEER, "status", "--initial-peers", maddr, "--timeout-s", "20"],
+                            capture_output=True, text=True, timeout=90)
+    assert status.returncode == 0, status.stderr
+    assert record["run_id"] in status.stdout and "stage peers" in status.stdout and "no peer" in status.stdout
+
+    took = _stop(proc, lambda: proc.send_signal(signal.SIGTERM))
+    print(f"peer bootstrap exited {took:.2f} s after SIGTERM")
+    assert stdout.read_text().rstrip().endswith("bootstrap stopped")
+    assert not address_file.exists()
+    _assert_gone(children)
+
+
+def test_bootstrap_stops_on_ctrl_c_to_its_process_group(tmp_path, reap_children):
+    # A terminal's Ctrl-C reaches every process of the group at once, p2pd included.
+    proc, address_file, stdout = _start(tmp_path, "--stages", "1")
+    _wait_ready(proc, address_file, stdout)
+    assert "peer join --stage 1 " not in stdout.read_text()  # one stage: only --stage 0 is printed
+    children = _descendants(proc.pid)
+    took = _stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
+    print(f"\npeer bootstrap exited {took:.2f} s after Ctrl-C")
+    assert not address_file.exists()
+    _assert_gone(children)
+
+
+def test_print_peer_id_is_stable_and_needs_identity(tmp_path):
+    key = tmp_path / "boot.key"
+    first = subprocess.run([*PEER, "bootstrap", "--print-peer-id", "--identity", str(key)],
+                           capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([*PEER, "bootstrap", "--print-peer-id", "--identity", str(key)],
+                           capture_output=True, text=True, timeout=60)
+    peer_id = first.stdout.strip()
+    assert re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{40,60}", peer_id), first.stdout  # base58, one line
+    assert again.stdout.strip() == peer_id == make_identity(key)
+    missing = subprocess.run([*PEER, "bootstrap", "--print-peer-id"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--identity" in missing.stderr

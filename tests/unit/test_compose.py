@@ -1,0 +1,187 @@
+"""docker-compose.yml and the Dockerfile agree with the real `peer` CLI (no Docker engine needed).
+
+Every service's command is parsed by the CLI's own click parser, so an unknown flag, a missing
+required option or a bad value type fails here exactly as it would in the container. On top of
+that the swarm must be wired consistently: joiners point at the bootstrap's service name and DHT
+port, every stage of the run has a peer, every peer announces its own service name, and the
+bootstrap's key file lives on a volume so its multiaddr survives restarts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import pytest
+import typer
+import yaml
+
+from peer.cli import app
+
+try:  # typer >= 0.2x ships its own copy of click; its commands raise that copy's exceptions
+    from typer._click import exceptions as click
+    from typer._click.core import Context
+except ImportError:  # older typer builds on click itself
+    import click
+    from click import Context
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE_PEER_ID = "12D3KooWNDs8CvEXsBKSkNMWHPHLoVZy49d1Azq771t92xKG6sBD"
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """Compose's variable substitution (${V}, ${V:-d}, ${V-d}, ${V:?e}, $V, $$) on every string."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1) or m.group(4), m.group(2), m.group(3)
+        current = env.get(name)
+        if op in (":-", ":?") and not current or op in ("-", "?") and current is None:
+            if op.endswith("?"):
+                raise ValueError(f"compose would refuse to start: {name} unset ({arg})")
+            return arg
+        return current or ""
+
+    return _VAR.sub(sub, value)
+
+
+def parse_cli(argv: list[str]) -> tuple[str, dict[str, Any]]:
+    """Parse `peer ...` argv with the CLI's click commands; returns (subcommand path, parsed params).
+
+    Raises click.UsageError (NoSuchOption, MissingParameter, BadParameter, ...) like the CLI would.
+    """
+    assert argv and argv[0] == "peer", f"command must start with `peer`, got {argv[:1]}"
+    command = typer.main.get_command(app)
+    parent = Context(command, info_name="peer")
+    args, path = list(argv[1:]), []
+    while hasattr(command, "get_command"):  # a group: resolve the next word as its subcommand
+        assert args, f"`{' '.join(argv)}` names no subcommand"
+        name = args.pop(0)
+        sub = command.get_command(parent, name)
+        if sub is None:
+            raise click.UsageError(f"`peer {' '.join([*path, name])}` is not a command of this CLI")
+        path.append(name)
+        command, parent = sub, Context(sub, info_name=name, parent=parent)
+    ctx = command.make_context(path[-1], args, parent=parent.parent)
+    return " ".join(path), dict(ctx.params)
+
+
+def load_compose(env: Mapping[str, str]) -> dict[str, Any]:
+    return interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), env)
+
+
+def volume_targets(service: Mapping[str, Any], compose: Mapping[str, Any]) -> dict[str, str]:
+    """{container path: named volume} of a service; every named volume must be declared."""
+    out = {}
+    for spec in service.get("volumes", []):
+        source, target = spec.split(":")[:2]
+        assert source in (compose.get("volumes") or {}), f"volume {source!r} is not declared under volumes:"
+        out[target] = source
+    return out
+
+
+def on_volume(path: str, service: Mapping[str, Any], compose: Mapping[str, Any]) -> bool:
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in volume_targets(service, compose))
+
+
+@pytest.fixture(scope="module")
+def parsed() -> tuple[dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]:
+    compose = load_compose({"BOOTSTRAP_PEER_ID": SAMPLE_PEER_ID})
+    commands = {}
+    for name, service in compose["services"].items():
+        command = service.get("command")
+        assert isinstance(command, list), f"service {name}: write `command` as a list (no shell parsing)"
+        try:
+            commands[name] = parse_cli([str(a) for a in command])
+        except click.ClickException as exc:
+            pytest.fail(f"service {name}: `{' '.join(map(str, command))}` is rejected by the CLI: {exc.format_message()}")
+    return compose, commands
+
+
+def test_parser_rejects_what_the_cli_rejects():
+    assert parse_cli(["peer", "bootstrap", "--port", "31337"])[1]["port"] == 31337
+    with pytest.raises(click.NoSuchOption):
+        parse_cli(["peer", "bootstrap", "--no-such-flag"])
+    with pytest.raises(click.BadParameter):
+        parse_cli(["peer", "bootstrap", "--port", "not-a-port"])
+    with pytest.raises(click.MissingParameter):
+        parse_cli(["peer", "status"])  # --initial-peers is required
+    with pytest.raises(click.UsageError, match="not a command"):
+        parse_cli(["peer", "no-such-command"])
+
+
+def test_every_service_command_parses(parsed):
+    compose, commands = parsed
+    assert set(commands) == set(compose["services"])
+    kinds = [cmd for cmd, _ in commands.values()]
+    assert kinds.count("bootstrap") == 1 and kinds.count("join") == len(kinds) - 1
+
+
+def test_bootstrap_service_has_a_stable_announced_address(parsed):
+    compose, commands = parsed
+    (name,) = [n for n, (cmd, _) in commands.items() if cmd == "bootstrap"]
+    service, params = compose["services"][name], commands[name][1]
+    assert params["announce_host"] == name  # the name other containers resolve
+    assert params["host"] == "0.0.0.0" and params["port"] == 31337 and params["grpc_port"] == 31338
+    assert params["identity"] is not None and on_volume(str(params["identity"]), service, compose), (
+        "the bootstrap key must live on a volume, or its peer id (and every join line) changes on restart"
+    )
+    health = service["healthcheck"]["test"]
+    assert str(params["address_file"]) in health, "the healthcheck must watch the --address-file"
+
+
+def test_joiners_cover_every_stage_and_point_at_the_bootstrap(parsed):
+    compose, commands = parsed
+    (boot,) = [n for n, (cmd, _) in commands.items() if cmd == "bootstrap"]
+    boot_params = commands[boot][1]
+    n_stages = boot_params["stages"] or 2
+    stages, full = [], []
+    for name, (cmd, params) in commands.items():
+        if cmd != "join":
+            continue
+        service = compose["services"][name]
+        peers = list(params["initial_peers"] or [])
+        assert peers == [f"/dns4/{boot}/tcp/{boot_params['port']}/p2p/{SAMPLE_PEER_ID}"], name
+        assert params["announce_host"] == name, f"{name} must announce its own service name"
+        assert params["port"] and params["dht_port"], f"{name}: --announce-host needs explicit ports"
+        assert params["data_dir"] is not None and on_volume(str(params["data_dir"]), service, compose), name
+        assert boot in service.get("depends_on", {}), f"{name} must start after the bootstrap"
+        if params["full_replica"]:
+            assert params["stage"] is None, name
+            full.append(name)
+        else:
+            stages.append(params["stage"])
+    assert sorted(stages) == list(range(n_stages)), "one compressed pipeline needs one peer per stage"
+    assert len(full) >= 1
+
+
+def test_missing_peer_id_gives_a_visible_placeholder():
+    compose = load_compose({})
+    line = " ".join(compose["services"]["stage0"]["command"])
+    assert "/p2p/SET_BOOTSTRAP_PEER_ID_IN_.env" in line  # `peer join` then fails naming this value
+
+
+def test_dockerfile_installs_cpu_torch_then_the_package():
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    runs = [ln for ln in lines if ln.startswith("RUN ")]
+    torch_at = next(i for i, ln in enumerate(runs) if "torch==2.13.0" in ln)
+    assert "https://download.pytorch.org/whl/cpu" in runs[torch_at]
+    package_at = next(i for i, ln in enumerate(runs) if re.search(r"pip install \.(\s|$)", ln))
+    assert torch_at < package_at, "install CPU torch before the package, or pip pulls CUDA wheels"
+    for line in lines:
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
+    build = {s.get("build") for s in load_compose({})["services"].values()} - {None}
+    assert build == {"."}
