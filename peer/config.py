@@ -151,6 +151,8 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
                 raise ValueError(value)
             return int(value)
         if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
             return float(value)
         if kind is Path:
             return Path(value).expanduser()
@@ -221,19 +223,55 @@ def build_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> RunConfig:
-    """Resolve defaults < TOML < env < CLI overrides (a nested dict or dotted keys) into a RunConfig."""
-    merged: dict[str, Any] = {}
+    """Resolve defaults < TOML < env < CLI overrides (a nested dict or dotted keys) into a RunConfig.
+
+    Each layer's values are type-checked on their own, so a malformed `PEER_*` variable or TOML
+    value is an error even where a later layer overrides it.
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
     if toml_path is not None:
         path = Path(toml_path)
         try:
-            _merge(merged, tomllib.loads(path.read_text()))
+            layers.append((f"in {path}", tomllib.loads(path.read_text())))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found; pass an existing TOML file with --config") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    _merge(merged, env_overrides(environ))
-    _merge(merged, dotted_to_nested(overrides or {}))
+    layers.append(("from PEER_* environment variables", env_overrides(environ)))
+    layers.append(("from command-line flags", dotted_to_nested(overrides or {})))
+    merged: dict[str, Any] = {}
+    for source, layer in layers:
+        layer = _hoist_preset(layer)
+        try:
+            _check_types(layer)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({source})") from None
+        _merge(merged, layer)
     return config_from_dict(merged)
+
+
+def _check_types(layer: Mapping[str, Any]) -> None:
+    """Coerce every known value of one layer (results dropped); unknown keys are left to config_from_dict."""
+    for key, value in layer.items():
+        name = key.replace("-", "_")
+        if name in _SECTIONS and isinstance(value, Mapping):
+            known = {f.name for f in fields(_SECTIONS[name])}
+            _section_kwargs(_SECTIONS[name], {k: v for k, v in value.items() if k.replace("-", "_") in known}, name)
+        elif name in _TOP_LEVEL:
+            _coerce(value, _TOP_LEVEL[name], name)
+
+
+def _hoist_preset(layer: dict[str, Any]) -> dict[str, Any]:
+    """Read `model.preset` (an alias) as top-level `preset` within one layer, so precedence holds:
+    a TOML `[model] preset` must not win over a later `PEER_PRESET` or `--preset`."""
+    model = layer.get("model")
+    if not isinstance(model, Mapping) or "preset" not in model:
+        return layer
+    model = dict(model)
+    preset = model.pop("preset")
+    if "preset" in layer and layer["preset"] != preset:
+        raise ConfigError(f"preset={layer['preset']!r} and model.preset={preset!r} disagree; set preset only")
+    return {**layer, "model": model, "preset": preset}
 
 
 def config_from_dict(values: Mapping[str, Any]) -> RunConfig:
@@ -263,12 +301,15 @@ def config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     }
     train: TrainConfig = built["train"]
     data: DataConfig = built["data"]
-    data_vocab = sections.get("data", {}).get("vocab_size")
-    if data_vocab is not None and int(data_vocab) != model.vocab_size:
-        raise ConfigError(
-            f"data.vocab_size={data_vocab} disagrees with model.vocab_size={model.vocab_size}; set model.vocab_size only"
-        )
-    data = dataclasses.replace(data, vocab_size=model.vocab_size, seq_len=train.seq_len, seed=top.get("seed", 0))
+    # data.vocab_size, data.seq_len and data.seed are derived; an explicit value must agree.
+    seed = top.get("seed", 0)
+    for name, source, value in (("vocab_size", "model.vocab_size", model.vocab_size),
+                                ("seq_len", "train.seq_len", train.seq_len), ("seed", "seed", seed)):
+        if name in sections.get("data", {}) and getattr(data, name) != value:
+            raise ConfigError(
+                f"data.{name}={getattr(data, name)} disagrees with {source}={value}; set {source} only"
+            )
+    data = dataclasses.replace(data, vocab_size=model.vocab_size, seq_len=train.seq_len, seed=seed)
     cfg = RunConfig(model=model, data=data, **{k: v for k, v in built.items() if k not in ("data",)}, **top)
     validate(cfg)
     return cfg
@@ -279,10 +320,16 @@ def validate(cfg: RunConfig) -> None:
     t = cfg.train
     if cfg.stages < 1:
         raise ConfigError(f"stages must be >= 1, got {cfg.stages}")
-    split_layers(cfg.model.n_layers, cfg.stages)  # raises ConfigError when impossible
+    if cfg.stages > cfg.model.n_layers:
+        raise ConfigError(
+            f"stages={cfg.stages} exceeds model.n_layers={cfg.model.n_layers}; use at most {cfg.model.n_layers} stages"
+        )
     if cfg.subspace.wire_dtype not in WIRE_DTYPES:
         raise ConfigError(f"subspace.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {cfg.subspace.wire_dtype!r}")
-    _ = cfg.k  # k_from_ratio validates k_ratio against d_model
+    try:
+        _ = cfg.k  # k_from_ratio validates k_ratio against d_model
+    except ConfigError as exc:
+        raise ConfigError(f"subspace.k_ratio: {exc}") from None
     for name in ("inner_steps", "outer_steps", "batch_size", "microbatches", "seq_len"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
@@ -307,3 +354,10 @@ def validate(cfg: RunConfig) -> None:
         )
     if not 0.0 <= s.beta < 1.0:
         raise ConfigError(f"sparseloco.beta must be in [0, 1), got {s.beta}")
+    w = cfg.swarm
+    for name in ("rpc_timeout_s", "round_timeout_s", "record_ttl_s", "announce_interval_s", "claim_timeout_s"):
+        if not getattr(w, name) > 0:
+            raise ConfigError(f"swarm.{name} must be > 0 seconds, got {getattr(w, name)}")
+    for name in ("n_shards", "min_replicas"):
+        if getattr(w, name) < 1:
+            raise ConfigError(f"swarm.{name} must be >= 1, got {getattr(w, name)}")

@@ -4,8 +4,9 @@ For a model shape, S stages, k/d, micro-batch shape, sustained FLOP/s and a rang
 bandwidths, estimate per bandwidth:
 - compute time of one micro-batch on one stage: 6 · (params / S) · tokens / FLOP/s (fwd + bwd),
 - communication time of one micro-batch over one boundary link: the larger of the forward message
-  (activations + token ids) and the backward message (activation gradient), each direction of a
-  full-duplex link carrying one of them,
+  (activations + token ids, + targets into the last stage) and the backward message (activation
+  gradient), each at the wire dtype, each direction of a full-duplex link carrying one of them
+  (no link, no communication, when S = 1),
 - an inner step of m micro-batches with communication overlapped: m · max(compute, comm)
   (1F1B steady state; the pipeline bubble is the same for both variants and left out),
 - the pseudo-gradient round of one stage: each of M holders downloads M − 1 payloads,
@@ -59,6 +60,8 @@ class PlanInputs:
 def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
     """The preset's shape, or the known shape whose parameter count is nearest to `params`."""
     if inputs.params is not None:
+        if not inputs.params > 0:
+            raise ConfigError(f"--params must be a positive parameter count, e.g. 7e9, got {inputs.params:g}")
         name = min(PLAN_PRESETS, key=lambda n: abs(PLAN_PRESETS[n].n_params - inputs.params))
         return name, PLAN_PRESETS[name]
     if inputs.preset not in PLAN_PRESETS:
@@ -85,26 +88,47 @@ def stage_shapes(cfg: ModelConfig, stage: int, n_stages: int) -> dict[str, tuple
 
 
 def boundary_bytes(b: int, L: int, width: int, wire_dtype: str) -> tuple[int, int]:
-    """Serialized (forward, backward) message sizes for one micro-batch over one boundary."""
+    """Serialized (forward, backward) message sizes for one micro-batch over one boundary.
+
+    The forward message is the largest one: into the last stage, carrying tokens, the boundary
+    activation and the targets. Both are encoded at `wire_dtype`, as the sender does.
+    """
     dtype = WIRE_TORCH[wire_dtype]
-    tokens = torch.zeros(b, L, dtype=torch.int32)
+    tokens = torch.zeros(b, L, dtype=torch.int32)  # (b, L)
     hidden = torch.zeros(b, L, width, dtype=dtype)  # (b, L, k) or (b, L, d)
     fwd = ForwardRequest(pipeline_id="p", microbatch=0, outer_step=0, inner_step=0, stage=1, tokens=tokens,
-                         hidden=hidden, targets=None)
+                         hidden=hidden, targets=tokens)
     bwd = BackwardRequest(pipeline_id="p", microbatch=0, outer_step=0, inner_step=0, stage=0, grad=hidden)
-    return encoded_size(fwd), encoded_size(bwd)
+    return encoded_size(fwd, wire_dtype), encoded_size(bwd, wire_dtype)
+
+
+def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
+    if not bandwidths_mbps or any(not b > 0 for b in bandwidths_mbps):
+        raise ConfigError("--bandwidth-mbps needs positive numbers, e.g. 10,100,1000")
+    if inputs.wire_dtype not in WIRE_TORCH:
+        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_TORCH)}, got {inputs.wire_dtype!r}")
+    for name in ("stages", "inner_steps", "microbatch_size", "microbatches", "seq_len", "replicas"):
+        if getattr(inputs, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")
+    if not inputs.flops > 0:
+        raise ConfigError(f"--flops must be a positive FLOP/s rate, e.g. 4e14, got {inputs.flops:g}")
 
 
 def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict]:
-    if not bandwidths_mbps or any(b <= 0 for b in bandwidths_mbps):
-        raise ConfigError("--bandwidth-mbps needs positive numbers, e.g. 10,100,1000")
-    if inputs.wire_dtype not in WIRE_TORCH:
-        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_TORCH)}")
+    """One row per bandwidth: byte counts, times and utilisation of compressed vs uncompressed pipelines."""
+    _check_inputs(inputs, bandwidths_mbps)
     name, cfg = resolve_model(inputs)
     S, b, L, m = inputs.stages, inputs.microbatch_size, inputs.seq_len, inputs.microbatches
-    k = k_from_ratio(cfg.d_model, inputs.k_ratio)
-    fwd_c, bwd_c = boundary_bytes(b, L, k, inputs.wire_dtype)
-    fwd_u, bwd_u = boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
+    split_layers(cfg.n_layers, S)  # ConfigError when S > n_layers
+    try:
+        k = k_from_ratio(cfg.d_model, inputs.k_ratio)
+    except ConfigError as exc:
+        raise ConfigError(f"--k-ratio: {exc}") from None
+    if S == 1:  # no stage boundary, nothing crosses a link
+        fwd_c = bwd_c = fwd_u = bwd_u = 0
+    else:
+        fwd_c, bwd_c = boundary_bytes(b, L, k, inputs.wire_dtype)
+        fwd_u, bwd_u = boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
     slc = SparseLoCoConfig()
     payloads = [payload_nbytes(stage_shapes(cfg, s, S), slc) for s in range(S)]
     t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops

@@ -108,7 +108,7 @@ class StageWorker:
             if key not in self.pending:
                 raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
             x_in, out = self.pending.pop(key)
-            out.backward(expand_grad(grad.to(self.device).float(), self.U) / self.cfg.train.microbatches)
+            out.backward(expand_grad(grad.to(self.device).float(), self.U))  # already scaled by 1/n_micro
             self.microbatches_seen += 1
             return compress_grad(x_in.grad, self.U).cpu() if x_in is not None else None
 

@@ -74,3 +74,10 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PEER_CACHE_DIR", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    """Tiny models run fastest single-threaded, and CLI subprocesses share the 2 cores."""
+    import torch
+
+    torch.set_num_threads(1)

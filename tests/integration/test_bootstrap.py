@@ -1,8 +1,11 @@
 """Integration tests of the bootstrap node: a real hivemind DHT, a real gRPC server, real artefacts.
 
-One bootstrap (run_bootstrap in a thread, tiny corpus) serves the module's tests; it is stopped at
-the end and must leave no hivemind child or p2pd behind. Readers are a STOCK hivemind client (no
-`peer` code), peer.dht.SwarmDHT nodes, PeerClient and `peer status` as a separate process.
+One `peer bootstrap` process (tiny corpus, records with a 3 s ttl) serves the module's tests; it
+runs as a separate process because every reader here forks a hivemind child, and forking a process
+whose threads run a gRPC server and a DHT refresh loop is unsafe (DESIGN §3). Readers are a STOCK
+hivemind client (no `peer` code), peer.dht.SwarmDHT nodes, PeerClient and `peer status` as a
+process. `run_bootstrap` itself runs in-process (in a thread) for the restart test. Every
+bootstrap is stopped at the end and must leave no hivemind child or p2pd behind.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +36,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 PEER = [sys.executable, "-m", "peer"]
 READY_TIMEOUT_S = 60.0  # tokenizer training on the tiny corpus + DHT start, on a slow CI machine
-TINY = {"data.max_chars": 300_000, "swarm.record_ttl_s": 3.0}  # ttl 3 s: the refresh loop runs every 1 s
+STOP_TIMEOUT_S = 20.0
+TTL_S = 3.0  # record ttl of the shared bootstrap: its refresh loop runs every ttl/3 = 1 s
+TINY = {"data.max_chars": 300_000, "swarm.record_ttl_s": TTL_S}
 
 
 def _live(pid: int) -> bool:
@@ -112,107 +118,135 @@ class RunningBootstrap:
         return self.result
 
 
+class BootstrapProcess:
+    """`peer bootstrap --address-file F` as a child process; `record` is the address file's JSON."""
+
+    def __init__(self, workdir: Path, cache: Path):
+        self.address_file = workdir / "bootstrap.json"
+        self.stderr = workdir / "stderr.txt"
+        env = {**os.environ, "PEER_CACHE_DIR": str(cache), "PEER_SWARM__RECORD_TTL_S": str(TTL_S)}
+        cmd = [*PEER, "bootstrap", "--max-chars", str(TINY["data.max_chars"]), "--address-file", str(self.address_file)]
+        with open(workdir / "stdout.txt", "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.address_file.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"peer bootstrap exited with {self.proc.returncode}: {self.stderr.read_text()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"peer bootstrap wrote no address file within {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        self.record = json.loads(self.address_file.read_text())
+        self.maddrs = list(self.record["initial_peers"])
+        self.children = _live_descendants(self.proc.pid)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+            raise AssertionError(f"peer bootstrap still running {STOP_TIMEOUT_S:.0f} s after SIGTERM") from None
+
+
 @pytest.fixture(scope="module")
 def boot(tmp_path_factory):
-    # the autouse cache fixture is function-scoped; point this module-scoped bootstrap at the same cache
-    cache = tmp_path_factory.getbasetemp() / "peer-cache"
-    os.environ["PEER_CACHE_DIR"] = str(cache)
-    before = _live_descendants(os.getpid())
-    address_file = tmp_path_factory.mktemp("boot") / "bootstrap.json"
     t0 = time.monotonic()
-    running = RunningBootstrap(build_config(None, TINY), address_file=address_file)
+    # the same cache as the autouse _isolated_cache fixture gives each test
+    running = BootstrapProcess(tmp_path_factory.mktemp("boot"), tmp_path_factory.getbasetemp() / "peer-cache")
+    print(f"\npeer bootstrap ready in {time.monotonic() - t0:.1f} s")
     try:
-        info = running.wait_ready()
-        print(f"\nbootstrap ready in {time.monotonic() - t0:.1f} s")
-        running.address_file = address_file
         yield running
     finally:
         t0 = time.monotonic()
-        result = running.stop()
-        print(f"\nbootstrap stopped in {time.monotonic() - t0:.2f} s")
-    assert result == info
-    assert not address_file.exists(), "the address file must be removed on a clean stop"
-    leaked = {p for p in _live_descendants(os.getpid()) - before if _cmdline(p) != "torch_shm_manager"}
-    assert not leaked, f"leaked child processes: {[_cmdline(p) for p in leaked]}"
+        code = running.stop()
+        print(f"\npeer bootstrap stopped in {time.monotonic() - t0:.2f} s")
+    assert code == 0, running.stderr.read_text()
+    assert not running.address_file.exists(), "the address file must be removed on a clean stop"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_live(p) for p in running.children):
+        time.sleep(0.05)
+    assert running.children and not [p for p in running.children if _live(p)], "hivemind child or p2pd left behind"
 
 
-def test_address_file_and_join_info(boot):
-    info = boot.wait_ready()
-    record = json.loads(boot.address_file.read_text())
-    assert record == {"initial_peers": list(info.initial_peers), "grpc": info.grpc_address,
-                      "run_id": info.run_id, "peer_id": info.peer_id}
-    assert info.run_id == run_id_for(boot.cfg)
-    assert info.initial_peers[0].startswith("/ip4/127.0.0.1/tcp/") and info.initial_peers[0].endswith(f"/p2p/{info.peer_id}")
-    assert info.grpc_address.startswith("127.0.0.1:")
+def _manifest(maddrs: list[str]) -> dict:
+    with SwarmDHT(initial_peers=maddrs) as node:
+        manifest = node.get_manifest(timeout_s=10)
+    assert manifest is not None
+    return manifest
+
+
+def test_address_file_names_the_dht_node_and_the_grpc_server(boot):
+    record = boot.record
+    assert set(record) == {"initial_peers", "grpc", "run_id", "peer_id"}
+    assert record["run_id"] == run_id_for(build_config(None, TINY))
+    assert boot.maddrs[0].startswith("/ip4/127.0.0.1/tcp/") and boot.maddrs[0].endswith(f"/p2p/{record['peer_id']}")
+    assert record["grpc"].startswith("127.0.0.1:")
 
 
 def test_stock_hivemind_client_reads_the_manifest(boot):
-    info = boot.wait_ready()
-    stock = hivemind.DHT(initial_peers=list(info.initial_peers), start=True)
+    stock = hivemind.DHT(initial_peers=boot.maddrs, start=True)
     try:
         found = stock.get("peer.manifest", latest=True)
         assert found is not None and isinstance(found.value, str)
         manifest = json.loads(found.value)
-        assert manifest == info.manifest
-        assert manifest["run_id"] == info.run_id and manifest["bootstrap_address"] == info.grpc_address
+        assert manifest["run_id"] == boot.record["run_id"] and manifest["bootstrap_address"] == boot.record["grpc"]
         # the refresh loop (every ttl/3 = 1 s) keeps a 3 s record alive past its first expiration
         first_expiration = found.expiration_time
-        time.sleep(boot.cfg.swarm.record_ttl_s + 0.5)
+        time.sleep(TTL_S + 0.5)
         again = stock.get("peer.manifest", latest=True)
-        assert again is not None and again.expiration_time > first_expiration
-        assert again.expiration_time > hivemind.utils.get_dht_time()
+        assert again is not None and json.loads(again.value) == manifest
+        assert again.expiration_time > max(first_expiration, hivemind.utils.get_dht_time())
     finally:
         stock.shutdown()
         stock.join(5)
 
 
 def test_swarm_dht_manifest_verifies_to_the_same_config(boot):
-    info = boot.wait_ready()
-    with SwarmDHT(initial_peers=list(info.initial_peers)) as node:
-        manifest = node.get_manifest(timeout_s=10)
-    assert manifest == info.manifest
-    cfg = verify_manifest(manifest)
-    assert cfg == boot.cfg and cfg.fingerprint() == boot.cfg.fingerprint()
+    expected = build_config(None, TINY)
+    cfg = verify_manifest(_manifest(boot.maddrs))
+    assert cfg == expected and cfg.fingerprint() == expected.fingerprint()
 
 
 def test_artifacts_over_grpc(boot):
-    info = boot.wait_ready()
-    with PeerClient(info.grpc_address, timeout_s=10) as client:
+    manifest = _manifest(boot.maddrs)
+    with PeerClient(boot.record["grpc"], timeout_s=10) as client:
         tokenizer = client.get_artifact(ArtifactRequest("tokenizer"))
-        assert hashlib.sha256(tokenizer).hexdigest() == info.manifest["tokenizer_sha256"] == info.tokenizer_sha256
+        assert hashlib.sha256(tokenizer).hexdigest() == manifest["tokenizer_sha256"]
         assert client.get_artifact(ArtifactRequest("tokenizer.model")) == tokenizer
-        manifest = client.get_artifact(ArtifactRequest("manifest"))
-        assert json.loads(manifest) == info.manifest
+        served_manifest = client.get_artifact(ArtifactRequest("manifest"))
+        assert json.loads(served_manifest) == manifest
         with pytest.raises(NotFoundError, match="no artefact"):
             client.get_artifact(ArtifactRequest("weights"))
         with pytest.raises(NotFoundError, match="holds no stage"):
             client.get_state(StateRequest(stage=0))
         about = client.info()
-    assert about["role"] == "bootstrap" and about["run_id"] == info.run_id and about["peer_id"] == info.peer_id
-    assert about["artifacts"] == {"manifest": len(manifest), "tokenizer": len(tokenizer)}
+    assert about["role"] == "bootstrap" and about["run_id"] == manifest["run_id"]
+    assert about["peer_id"] == boot.record["peer_id"] and about["initial_peers"] == boot.maddrs
+    assert about["artifacts"] == {"manifest": len(served_manifest), "tokenizer": len(tokenizer)}
     assert about["artifacts_served"] >= 3 and about["manifest_refresh_failures"] == 0
 
 
 def test_peer_status_json_with_no_peers(boot):
-    info = boot.wait_ready()
     t0 = time.monotonic()
     proc = subprocess.run(
-        [*PEER, "status", "--initial-peers", info.initial_peers[0], "--json", "--timeout-s", "20"],
+        [*PEER, "status", "--initial-peers", boot.maddrs[0], "--json", "--timeout-s", "20"],
         capture_output=True, text=True, timeout=90,
     )
     print(f"\npeer status --json took {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, proc.stderr
     status = json.loads(proc.stdout)
-    assert status == {"run_id": info.run_id, "preset": "tiny", "outer_step": 0,
+    assert status == {"run_id": boot.record["run_id"], "preset": "tiny", "outer_step": 0,
                       "stages": {"0": [], "1": []}, "full_replicas": []}
 
 
 def test_collect_status_reads_stage_and_replica_records(boot):
-    info = boot.wait_ready()
-    with SwarmDHT(initial_peers=list(info.initial_peers)) as head, \
-            SwarmDHT(initial_peers=list(info.initial_peers)) as full:
+    run_id = boot.record["run_id"]
+    with SwarmDHT(initial_peers=boot.maddrs) as head, SwarmDHT(initial_peers=boot.maddrs) as full:
         for node in (head, full):
-            node.set_run(info.run_id, boot.cfg.stages)
+            node.set_run(run_id, 2)
         head.announce_stage(0, {"address": "127.0.0.1:7000", "role": "head", "state": "busy", "outer_step": 3,
                                 "inner_step": 5, "tokens_per_s": 1200.0, "loss": 4.5}, ttl_s=30)
         head.announce_replica({"address": "127.0.0.1:7000", "kind": "pipeline", "outer_step": 3, "loss": 4.5,
@@ -220,8 +254,11 @@ def test_collect_status_reads_stage_and_replica_records(boot):
         full.announce_replica({"address": "127.0.0.1:7001", "kind": "full", "outer_step": 4, "inner_step": 1,
                                "tokens_per_s": 900.0, "loss": 4.25}, ttl_s=30)
         status = collect_status(full, timeout_s=10)
+        head.withdraw_stage(0)
+        head.withdraw_replica()
+        full.withdraw_replica()
     assert status == {
-        "run_id": info.run_id, "preset": "tiny", "outer_step": 4,
+        "run_id": run_id, "preset": "tiny", "outer_step": 4,
         "stages": {"0": [{"peer_id": head.peer_id, "state": "busy", "outer_step": 3, "tokens_per_s": 1200.0,
                           "role": "head", "address": "127.0.0.1:7000"}], "1": []},
         "full_replicas": [{"peer_id": full.peer_id, "outer_step": 4, "loss": 4.25, "tokens_per_s": 900.0}],
@@ -251,16 +288,22 @@ def _free_port() -> int:
 
 
 def test_fixed_identity_keeps_the_multiaddr_across_restarts(tmp_path, reap_children):
+    """run_bootstrap in-process (a thread), twice with the same key file and port."""
     key = tmp_path / "bootstrap.key"
     port = _free_port()
     cfg = build_config(None, TINY)
+    before = _live_descendants(os.getpid())
     seen = []
     for _ in range(2):
-        running = RunningBootstrap(cfg, dht_port=port, identity_path=key)
+        running = RunningBootstrap(cfg, dht_port=port, identity_path=key, address_file=tmp_path / "boot.json")
         try:
             seen.append(running.wait_ready())
+            assert json.loads((tmp_path / "boot.json").read_text()) == seen[-1].address_record()
         finally:
-            running.stop()
+            assert running.stop() == seen[-1]
+        assert not (tmp_path / "boot.json").exists()
+    leaked = {p for p in _live_descendants(os.getpid()) - before if _cmdline(p) != "torch_shm_manager"}
+    assert not leaked, f"leaked child processes: {[_cmdline(p) for p in leaked]}"
     first, second = seen
     assert first.peer_id == second.peer_id == make_identity(key)
     assert first.initial_peers == second.initial_peers == (f"/ip4/127.0.0.1/tcp/{port}/p2p/{first.peer_id}",)

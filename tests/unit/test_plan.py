@@ -1,0 +1,177 @@
+"""Unit tests for peer.plan: byte counts come from the wire code, stage shapes from the real model,
+and utilisation behaves as the paper's Fig. 2/3 say it must."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peer.errors import ConfigError
+from peer.model import build_stage, get_preset
+from peer.plan import PLAN_PRESETS, PlanInputs, plan_rows, resolve_model, stage_shapes, with_inputs
+from peer.sparseloco import SparseLoCoConfig, compress, payload_nbytes
+from peer.transport.codec import encoded_size, to_bytes
+from peer.transport.messages import BackwardRequest, ForwardRequest
+
+SMALL = PlanInputs(preset="small", stages=2, k_ratio="1/8", inner_steps=10, microbatch_size=2, microbatches=4,
+                   seq_len=64, flops=1e12, replicas=4, wire_dtype="bf16")
+BWS = [1.0, 10.0, 100.0, 1000.0]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _messages(b: int, L: int, width: int, dtype: torch.dtype, pipeline_id: str = "p",
+              step: int = 0) -> tuple[ForwardRequest, BackwardRequest]:
+    """The largest forward message (into the last stage: tokens, hidden, targets) and a backward one."""
+    tokens = torch.randint(0, 100, (b, L), dtype=torch.int32)  # (b, L)
+    hidden = torch.randn(b, L, width).to(dtype)  # (b, L, width)
+    fwd = ForwardRequest(pipeline_id, step, step, step, 1, tokens, hidden, targets=tokens)
+    bwd = BackwardRequest(pipeline_id, step, step, step, 0, hidden)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
+def test_boundary_bytes_equal_wire_encoding(wire):
+    inputs = with_inputs(SMALL, wire_dtype=wire)
+    row = plan_rows(inputs, [100.0])[0]
+    cfg = get_preset("small")
+    k = cfg.d_model // 8
+    assert row["k"] == k
+    b, L = inputs.microbatch_size, inputs.seq_len
+    for width, key in ((k, "boundary_bytes_compressed"), (cfg.d_model, "boundary_bytes_uncompressed")):
+        fwd, bwd = _messages(b, L, width, DTYPES[wire])
+        expected = encoded_size(fwd, wire) + encoded_size(bwd, wire)
+        assert expected == len(to_bytes(fwd, wire)) + len(to_bytes(bwd, wire))
+        assert row[key] == expected, (key, row[key], expected)
+        # real ids and step counters only add a few header bytes to what the plan counts
+        real = sum(encoded_size(m, wire) for m in _messages(b, L, width, DTYPES[wire], "pipeline-7f3a", 12345))
+        assert 0 < real - row[key] < 64
+
+
+def test_boundary_bytes_follow_wire_dtype_and_width():
+    rows = {w: plan_rows(with_inputs(SMALL, wire_dtype=w), [100.0])[0] for w in ("fp32", "bf16")}
+    d, k = get_preset("small").d_model, get_preset("small").d_model // 8
+    values = SMALL.microbatch_size * SMALL.seq_len
+    # each of the two messages carries values × width boundary numbers: fp32 costs 2 bytes more each
+    for key, width in (("boundary_bytes_compressed", k), ("boundary_bytes_uncompressed", d)):
+        extra = rows["fp32"][key] - rows["bf16"][key]
+        # up to a few bytes of dtype names and length prefixes
+        assert extra == pytest.approx(2 * 2 * values * width, abs=8)
+    ratio = rows["bf16"]["boundary_bytes_uncompressed"] / rows["bf16"]["boundary_bytes_compressed"]
+    assert 6 < ratio < 8  # close to d/k = 8, less because token ids do not shrink
+
+
+def test_payload_bytes_equal_payload_nbytes_and_a_real_payload():
+    slc = SparseLoCoConfig()
+    for inputs in (SMALL, with_inputs(SMALL, preset="tiny", stages=3)):
+        row = plan_rows(inputs, [100.0])[0]
+        cfg = get_preset(inputs.preset)
+        sizes = [payload_nbytes(stage_shapes(cfg, s, inputs.stages), slc) for s in range(inputs.stages)]
+        assert row["payload_bytes_per_stage"] == max(sizes)
+    # and payload_nbytes is what a real payload of those shapes serialises to (tiny: 3 stages)
+    gen = torch.Generator().manual_seed(0)
+    for s, size in enumerate(sizes):
+        delta = {n: torch.randn(*shape, generator=gen) for n, shape in stage_shapes(cfg, s, 3).items()}
+        payload, _ = compress(delta, None, slc)
+        assert len(payload.to_bytes()) == size
+
+
+@pytest.mark.parametrize(("overrides", "n_stages"), [({}, 1), ({}, 2), ({}, 3), ({"n_layers": 5, "n_heads": 2}, 3)])
+def test_stage_shapes_match_real_stages(overrides, n_stages):
+    cfg = get_preset("tiny", **overrides)
+    seen = set()
+    for s in range(n_stages):
+        real = {name: tuple(p.shape) for name, p in build_stage(cfg, s, n_stages, seed=0).named_parameters()}
+        planned = stage_shapes(cfg, s, n_stages)
+        assert planned == real
+        assert not seen & planned.keys()
+        seen |= planned.keys()
+    assert sum(math.prod(shape) for shape in (
+        shp for s in range(n_stages) for shp in stage_shapes(cfg, s, n_stages).values())) == cfg.n_params
+
+
+def test_utilisation_shape():
+    bws = [1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1e3, 1e4, 1e5, 1e7, 1e9]
+    rows = plan_rows(with_inputs(SMALL, flops=1e13), bws)
+    assert [r["bandwidth_mbps"] for r in rows] == bws
+    for kind in ("compressed", "uncompressed"):
+        utils = [r[f"util_{kind}"] for r in rows]
+        assert all(0 < u <= 1 for u in utils)
+        assert all(a <= b for a, b in zip(utils, utils[1:])), (kind, utils)
+    for r in rows:
+        assert r["util_compressed"] >= r["util_uncompressed"]
+    assert rows[0]["util_compressed"] > rows[0]["util_uncompressed"]  # slow links: compression matters
+    # compute-bound limit: no time on links or in the round, utilisation 1 (the bubble is left out)
+    assert rows[-1]["util_compressed"] == pytest.approx(1.0, abs=1e-4)
+    assert rows[-1]["util_uncompressed"] == pytest.approx(1.0, abs=1e-4)
+    compute_s = SMALL.inner_steps * SMALL.microbatches * rows[-1]["compute_s_per_microbatch"]
+    assert rows[-1]["outer_s_compressed"] == pytest.approx(compute_s, rel=1e-4)
+
+
+def test_compute_time_formula():
+    row = plan_rows(SMALL, [100.0])[0]
+    n = get_preset("small").n_params
+    assert row["n_params"] == n
+    expected = 6 * n / SMALL.stages * SMALL.microbatch_size * SMALL.seq_len / SMALL.flops
+    assert row["compute_s_per_microbatch"] == pytest.approx(expected)
+
+
+def test_one_stage_has_no_boundary_traffic():
+    row = plan_rows(with_inputs(SMALL, stages=1), [1.0])[0]
+    assert row["boundary_bytes_compressed"] == row["boundary_bytes_uncompressed"] == 0
+    assert row["util_compressed"] == row["util_uncompressed"]
+
+
+def test_round_time_counts_every_other_holder():
+    one, many = (plan_rows(with_inputs(SMALL, replicas=r), [10.0])[0] for r in (1, 5))
+    assert one["round_s"] == 0.0
+    assert many["round_s"] == pytest.approx(4 * many["payload_bytes_per_stage"] * 8 / 10e6)
+
+
+def test_paper_fig2_70b_compression_wins_at_100_mbps():
+    inputs = PlanInputs(preset="70B", stages=4, inner_steps=50)
+    row = plan_rows(inputs, [100.0])[0]
+    assert row["model"] == "70B" and row["k"] == 8192 // 8
+    assert row["util_compressed"] > row["util_uncompressed"]
+    assert row["util_compressed"] > 2 * row["util_uncompressed"]
+    assert row["boundary_bytes_uncompressed"] > 7 * row["boundary_bytes_compressed"]
+
+
+def test_params_picks_nearest_shape():
+    assert resolve_model(PlanInputs(params=7e9)) == ("7B", PLAN_PRESETS["7B"])
+    assert resolve_model(PlanInputs(params=7e10))[0] == "70B"
+    assert resolve_model(PlanInputs(params=1.2e10))[0] == "13B"
+    assert resolve_model(PlanInputs(params=2e8))[0] == "178M"
+    assert resolve_model(PlanInputs(params=1e3))[0] == "tiny"
+    # --params overrides --preset
+    assert resolve_model(PlanInputs(preset="tiny", params=1e9))[0] == "1B"
+    assert plan_rows(PlanInputs(params=7e9, stages=4), [100.0])[0]["model"] == "7B"
+    for name, cfg in PLAN_PRESETS.items():  # a preset's own count maps to itself
+        assert resolve_model(PlanInputs(params=float(cfg.n_params)))[0] == name
+
+
+@pytest.mark.parametrize(
+    ("changes", "bws", "needle"),
+    [
+        ({"preset": "huge"}, BWS, "huge"),
+        ({"stages": 9}, BWS, "stages"),
+        ({"stages": 0}, BWS, "--stages"),
+        ({"k_ratio": "0"}, BWS, "--k-ratio"),
+        ({"k_ratio": "x"}, BWS, "--k-ratio"),
+        ({"wire_dtype": "int8"}, BWS, "--wire-dtype"),
+        ({"inner_steps": 0}, BWS, "--inner-steps"),
+        ({"microbatches": 0}, BWS, "--microbatches"),
+        ({"seq_len": 0}, BWS, "--seq-len"),
+        ({"replicas": 0}, BWS, "--replicas"),
+        ({"flops": 0.0}, BWS, "--flops"),
+        ({"params": -5.0}, BWS, "--params"),
+        ({}, [], "--bandwidth-mbps"),
+        ({}, [100.0, 0.0], "--bandwidth-mbps"),
+        ({}, [float("nan")], "--bandwidth-mbps"),
+    ],
+)
+def test_bad_inputs_raise_config_error(changes, bws, needle):
+    with pytest.raises(ConfigError) as info:
+        plan_rows(with_inputs(SMALL, **changes), bws)
+    assert needle in str(info.value)

@@ -1,0 +1,179 @@
+"""Replicas, the stage-peer compute path and the outer update, against in-process references.
+
+- A pipeline of StageWorkers (what stage peers run behind gRPC) computes the same loss and the
+  same gradients as a LocalReplica with in-process compressed boundaries (what the simulator runs).
+- After an outer round every holder of a stage — compressed or full replica — holds bit-identical
+  parameters, and every stage holds the same T⊥, with TE = T_S + T⊥ moved by exactly −η·Δ̄.
+- The simulator is deterministic: the same seed gives bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from peer.config import build_config
+from peer.data import TokenData
+from peer.replica import EMBED, LocalReplica, apply_outer_update, perp_of, stage_state, state_hash
+from peer.simulate import simulate
+from peer.sparseloco import compress, decompress, pseudo_gradient
+from peer.stage_worker import StageWorker
+from peer.subspace import make_basis, project
+
+
+def _cfg(**overrides):
+    base = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "train.inner_steps": 2,
+            "train.outer_steps": 2, "stages": 2}
+    return build_config(overrides={**base, **overrides}, environ={})
+
+
+def _batch(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_workers_match_the_in_process_compressed_replica(stages):
+    cfg = _cfg(stages=stages)
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+    ref = LocalReplica.build(cfg, compressed=True, U=U)
+    ref.zero_grad()
+    x, y = _batch(cfg)
+    ref_loss = ref.accumulate(x, y).loss
+
+    workers = [StageWorker(cfg, s) for s in range(stages)]
+    losses = []
+    for mb, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2))):
+        key = ("p", mb)
+        hidden = workers[0].forward(key, mx.int(), None, None).hidden  # (b, L, k) on the wire
+        assert hidden.shape[-1] == cfg.k
+        for w in workers[1:-1]:
+            hidden = w.forward(key, mx.int(), hidden, None).hidden
+        out = workers[-1].forward(key, mx.int(), hidden, my.int())
+        losses.append(out.loss)
+        grad = out.grad
+        for w in reversed(workers[:-1]):
+            grad = w.backward(key, grad)
+        assert grad is None  # the head needs no gradient of its input
+    assert sum(losses) / 2 == pytest.approx(ref_loss, abs=1e-6)
+    for s, w in enumerate(workers):
+        ref_grads = {n: p.grad for n, p in ref.stages[s].named_parameters()}
+        for name, p in w.module.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_outer_round_leaves_every_holder_bit_identical():
+    """A compressed pipeline and a full replica train differently, then apply the same round."""
+    cfg = _cfg()
+    pipe = [StageWorker(cfg, s, compressed=True) for s in range(2)]
+    full = [StageWorker(cfg, s, compressed=False) for s in range(2)]
+    te_before = pipe[0].module.embed.weight.detach() + perp_of(pipe[0].module)
+    # train the full replica's stages locally on one batch; the pipeline's on another
+    x, y = _batch(cfg, seed=1)
+    h = x
+    for w in full:
+        h = w.module(h)
+    torch.nn.functional.cross_entropy(h.flatten(0, 1), y.flatten()).backward()
+    for w in full:
+        w.step(0, 0)
+    x2, y2 = _batch(cfg, seed=2)
+    hidden = pipe[0].forward(("p", 0), x2, None, None).hidden
+    out = pipe[1].forward(("p", 0), x2, hidden, y2)
+    pipe[0].backward(("p", 0), out.grad)
+    for w in pipe:
+        w.step(0, 0)
+    # T_S of the compressed pipeline stays in Col(U); the full replica's embedding is free
+    w0 = pipe[0].module.embed.weight.detach()
+    torch.testing.assert_close(w0, project(w0, pipe[0].U), atol=1e-6, rtol=0)
+
+    committed = {s: [full[s].encode_round(), pipe[s].encode_round()] for s in range(2)}
+    embed_update = StageWorker.embed_update(committed[0], cfg)
+    for s in range(2):
+        full[s].apply_round(committed[s], embed_update)
+        pipe[s].apply_round(committed[s], embed_update)
+        assert full[s].param_hash() == pipe[s].param_hash()
+        assert full[s].outer_step == pipe[s].outer_step == 1
+    perps = {w.perp_hash() for w in full + pipe}
+    assert len(perps) == 1
+    te_after = pipe[0].module.embed.weight.detach() + perp_of(pipe[0].module)
+    torch.testing.assert_close(te_after - te_before, embed_update, atol=1e-6, rtol=0)
+
+
+def test_unsent_payload_returns_to_the_error_buffer():
+    cfg = _cfg()
+    w = StageWorker(cfg, 1)
+    with torch.no_grad():
+        for p in w.module.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    delta = pseudo_gradient(w.start, stage_state(w.module))
+    payload = w.encode_round()
+    e_after = {k: v.clone() for k, v in w.errors.items()}
+    w.return_unsent(payload)
+    sent = decompress(payload)
+    for k in delta:
+        torch.testing.assert_close(w.errors[k], e_after[k] + sent[k])
+        torch.testing.assert_close(w.errors[k], delta[k], atol=1e-6, rtol=1e-5)  # β·0 + Δ, nothing lost
+
+
+def test_local_replicas_agree_after_apply_outer_update():
+    cfg = _cfg()
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+    reps = [LocalReplica.build(cfg, compressed=(m == 1), U=U) for m in range(2)]
+    starts = [stage_state(s) for s in reps[0].stages]
+    for m, rep in enumerate(reps):
+        rep.inner_step(*_batch(cfg, seed=10 + m), global_step=0)
+    embed_update = None
+    for s in range(cfg.stages):
+        decoded = [decompress(compress(pseudo_gradient(starts[s], stage_state(r.stages[s])), None,
+                                       cfg.sparseloco)[0]) for r in reps]
+        agg = {k: (decoded[0][k] + decoded[1][k]) / 2 for k in decoded[0]}
+        if s == 0:
+            embed_update = -cfg.sparseloco.outer_lr * agg[EMBED]
+        for r in reps:
+            apply_outer_update(r.stages[s], starts[s], agg, cfg.sparseloco.outer_lr, U, embed_update)
+    for s in range(cfg.stages):
+        a, b = (dict(r.stages[s].state_dict()) for r in reps)
+        assert state_hash(a) == state_hash(b)
+
+
+def _synthetic_data(cfg) -> TokenData:
+    g = torch.Generator().manual_seed(0)
+    # a learnable stream: a repeating pattern with a little noise
+    base = torch.arange(50_000) % 97
+    noise = torch.randint(0, cfg.model.vocab_size, (50_000,), generator=g)
+    train = torch.where(torch.rand(50_000, generator=g) < 0.1, noise, base)
+    return TokenData(train=train, val=train[:4_000].clone(), tokenizer=None)
+
+
+def test_simulator_is_deterministic_and_reports_every_config():
+    cfg = _cfg()
+    data = _synthetic_data(cfg)
+    a = simulate(cfg, data, replicas=2, het_fraction=0.5)
+    b = simulate(cfg, data, replicas=2, configs=["pp-compress"], het_fraction=0.5)
+    assert [r.name for r in a] == ["adamw", "sparseloco", "pp-compress", "het-pp-compress"]
+    assert a[2].train_curve == b[0].train_curve  # bit-identical losses for the same seed
+    by = {r.name: r for r in a}
+    assert by["sparseloco"].delta_pct == 0.0
+    assert by["adamw"].pg_bytes > 50 * by["sparseloco"].pg_bytes  # dense fp32 every step vs 2-bit top-k
+    assert by["pp-compress"].act_bytes < by["het-pp-compress"].act_bytes < by["sparseloco"].act_bytes
+    assert by["pp-compress"].k_ratio == "1/8" and by["het-pp-compress"].het_fraction == 0.5
+
+
+def test_simulator_learns_a_pattern():
+    cfg = _cfg(**{"train.outer_steps": 6, "train.inner_steps": 5, "train.lr": 1e-2})
+    (res,) = simulate(cfg, _synthetic_data(cfg), replicas=2, configs=["sparseloco"])
+    assert res.val_curve[-1][1] < res.val_curve[0][1] - 0.5
+
+
+def test_het_fraction_must_leave_both_kinds():
+    from peer.errors import ConfigError
+
+    cfg = _cfg()
+    with pytest.raises(ConfigError, match="het-fraction"):
+        simulate(cfg, _synthetic_data(cfg), replicas=2, configs=["het-pp-compress"], het_fraction=1.0)
+    with pytest.raises(ConfigError, match="unknown simulator config"):
+        simulate(cfg, _synthetic_data(cfg), replicas=2, configs=["nope"])
+    assert dataclasses.is_dataclass(cfg)
