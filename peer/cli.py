@@ -262,7 +262,6 @@ def bootstrap(
     import signal
     import threading
 
-    from peer.config import build_config
     from peer.errors import ConfigError
 
     if print_peer_id:
@@ -272,6 +271,8 @@ def bootstrap(
 
         typer.echo(make_identity(identity))
         return
+    from peer.config import build_config
+
     overrides = {
         "preset": preset, "stages": stages, "subspace.k_ratio": k_ratio, "train.inner_steps": inner_steps,
         "train.outer_steps": outer_steps, "train.batch_size": batch_size, "train.seq_len": seq_len, "seed": seed,
@@ -287,9 +288,14 @@ def bootstrap(
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    # Processes forked from here (the hivemind DHT child) must not inherit on_signal: it would make
-    # them ignore the SIGTERM with which shutdown reaps them.
-    os.register_at_fork(after_in_child=lambda: [signal.signal(s, h) for s, h in previous.items()])
+
+    def restore_in_child() -> None:
+        # A process forked from here (the hivemind DHT child) must not inherit on_signal: it would
+        # then ignore the SIGTERM with which shutdown reaps it.
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    os.register_at_fork(after_in_child=restore_in_child)
     try:
         console.print("building the tokenizer and starting the DHT node…", soft_wrap=True)
         run_bootstrap(

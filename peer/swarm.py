@@ -64,6 +64,8 @@ class Swarm:
         self.pg_bytes = 0
         self._stop_announce = threading.Event()
         self._announcer: threading.Thread | None = None
+        self._publish: Callable[[], None] | None = None
+        self._publish_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
         opts.data_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(opts.data_dir / "metrics.jsonl", "a", buffering=1)
@@ -153,11 +155,9 @@ class Swarm:
 
         def loop() -> None:
             while not self._stop_announce.wait(self.cfg.swarm.announce_interval_s):
-                try:
-                    publish()
-                except PeerError as exc:
-                    log.warning("could not refresh DHT records: %s", exc)
+                self.refresh_records()
 
+        self._publish = publish
         publish()
         self._announcer = threading.Thread(target=loop, name="peer-announce", daemon=True)
         self._announcer.start()
@@ -186,6 +186,16 @@ class Swarm:
             if not [pid for pid in behind if pid != self.peer_id]:
                 return
             stop.wait(0.5)
+
+    def refresh_records(self) -> None:
+        """Publish this peer's records now (after every round, so peers see its new outer step)."""
+        if self._publish is None:
+            return
+        with self._publish_lock:
+            try:
+                self._publish()
+            except PeerError as exc:
+                log.warning("could not refresh DHT records: %s", exc)
 
     def claim_shard(self) -> int:
         """The lowest data shard no live replica uses (DESIGN: disjoint data per replica)."""
@@ -252,6 +262,7 @@ class Swarm:
                        train_loss=train_loss, val_loss=val_loss, round_wall_s=wall_s,
                        bytes={"activations": activations[0], "activations_uncompressed_equiv": activations[1],
                               "pseudo_gradients": self.pg_bytes})
+        self.refresh_records()
         log.info("round %d committed: %s train %s val %s", t,
                  {s: n for s, (_, n) in stages.items()}, train_loss, val_loss)
 

@@ -173,8 +173,19 @@ def test_wrong_type_names_field(overrides, field):
 
 
 def test_wrong_type_in_toml_and_env(tmp_path):
-    assert "train.inner_steps" in _error(toml_path=_toml(tmp_path, '[train]\ninner_steps = "abc"\n'))
-    assert "train.inner_steps" in _error(environ={"PEER_TRAIN__INNER_STEPS": "abc"})
+    toml = _toml(tmp_path, '[train]\ninner_steps = "abc"\n')
+    message = _error(toml_path=toml)
+    assert "train.inner_steps" in message and str(toml) in message
+    message = _error(environ={"PEER_TRAIN__INNER_STEPS": "abc"})
+    assert "train.inner_steps" in message and "PEER_" in message
+
+
+def test_wrong_type_is_an_error_even_when_a_later_layer_overrides_it(tmp_path):
+    # a CLI that always passes its flag defaults must not hide a malformed PEER_* variable
+    message = _error(overrides={"train.inner_steps": 10}, environ={"PEER_TRAIN__INNER_STEPS": "abc"})
+    assert "train.inner_steps" in message and "PEER_" in message
+    toml = _toml(tmp_path, '[train]\nlr = "fast"\n')
+    assert "train.lr" in _error(toml_path=toml, environ={"PEER_TRAIN__LR": "0.1"})
 
 
 # -------------------------------------------------------------------------- cross-field checks
