@@ -7,8 +7,8 @@ bootstrap's gRPC address: the sentencepiece tokenizer (checked against the manif
 Invariants: an artefact is added once and never changed (the manifest names the gRPC address, so
 it is added right after the server is listening; until then asking for it answers NOT_FOUND);
 handler calls may run concurrently, so the artefact table and counters sit behind one lock. The
-bootstrap holds no stage, so every training RPC (forward,
-backward, step, get_payload, get_state) is answered NOT_FOUND with a message that says where to go.
+bootstrap holds no stage, so every training RPC (forward, backward, step, get_payload, get_state)
+is answered NOT_FOUND with a message that says where to go.
 """
 
 from __future__ import annotations

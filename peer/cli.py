@@ -5,6 +5,7 @@ The only module that prints. Every `PeerError` becomes a one-line `error: …` a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +32,29 @@ CONFIG_OPT = typer.Option(None, "--config", help="TOML run config (defaults < TO
 def _setup_logging(verbose: bool) -> None:
     level = os.environ.get("PEER_LOG_LEVEL", "DEBUG" if verbose else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop):
+    """SIGINT/SIGTERM set `stop` (graceful leave) while the body runs.
+
+    A process forked meanwhile (the hivemind DHT child) gets the previous handlers back, or it
+    would ignore the SIGTERM with which shutdown reaps it.
+    """
+    import signal
+
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore_in_child() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    os.register_at_fork(after_in_child=restore_in_child)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -259,7 +283,6 @@ def bootstrap(
 ) -> None:
     """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
     _setup_logging(verbose)
-    import signal
     import threading
 
     from peer.errors import ConfigError
@@ -283,28 +306,12 @@ def bootstrap(
     from bootstrap.node import run_bootstrap
 
     stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore_in_child() -> None:
-        # A process forked from here (the hivemind DHT child) must not inherit on_signal: it would
-        # then ignore the SIGTERM with which shutdown reaps it.
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-    os.register_at_fork(after_in_child=restore_in_child)
-    try:
+    with _stop_on_signals(stop):
         console.print("building the tokenizer and starting the DHT node…", soft_wrap=True)
         run_bootstrap(
             cfg, host=host, dht_port=port, grpc_port=grpc_port, announce_host=announce_host, identity_path=identity,
             address_file=address_file, on_ready=lambda info: _print_bootstrap(info, cfg), stop_event=stop,
         )
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     console.print("bootstrap stopped", soft_wrap=True)
 
 
@@ -382,7 +389,6 @@ def join(
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
-    import signal
     import threading
 
     from peer.errors import ConfigError
@@ -409,15 +415,14 @@ def join(
     if auto:
         opts = dataclasses.replace(opts, device="auto")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
-    if full_replica:
-        code = run_full_replica(opts, stop)
-    elif stage == 0:
-        code = run_head(opts, stop)
-    else:
-        code = run_stage_peer(opts, stage, stop)
+    with _stop_on_signals(stop):
+        if full_replica:
+            code = run_full_replica(opts, stop)
+        elif stage == 0:
+            code = run_head(opts, stop)
+        else:
+            code = run_stage_peer(opts, stage, stop)
     raise typer.Exit(code)
 
 
@@ -460,9 +465,10 @@ def demo(
 
     from peer.demo import DemoConfig, default_workdir, plot_demo, run_demo
 
-    workdir = workdir or default_workdir()
     cfg = DemoConfig(pipelines=pipelines, stages=stages, full_replicas=full_replicas, outer_steps=outer_steps,
                      inner_steps=inner_steps, preset=preset, workdir=workdir, timeout_s=timeout_s)
+    workdir = workdir or default_workdir()
+    cfg = dataclasses.replace(cfg, workdir=workdir)
     console.print(f"peer demo: {pipelines} pipeline(s) × {stages} stages + {full_replicas} full replica(s), "
                   f"T={outer_steps}, H={inner_steps}; logs in {workdir}", soft_wrap=True, highlight=False)
     try:
@@ -504,7 +510,9 @@ def main() -> None:
     try:
         app()
     except PeerError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -181,32 +181,41 @@ class Children:
                             f"see {c.log_path} — last lines: {c.log_tail()}")
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every child's process group (and every process carrying the marker), SIGKILL
-        what is left after `grace_s`, and reap. Safe to call twice; signals are held off meanwhile."""
+        """Stop every child and everything it started; safe to call twice; signals are held off meanwhile.
+
+        1. SIGTERM each child itself, so it can leave the swarm cleanly (its own DHT process and
+           p2pd are shut down by it, not killed under it);
+        2. once a child has exited, SIGTERM what is left of its process group (and every process
+           carrying the run's marker), within the same `grace_s`;
+        3. SIGKILL whatever is still alive when `grace_s` is over, and reap.
+        """
         with _signals_deferred():
             groups = [c.pid for c in self.children]
             known = _pids_with_marker(self.marker)
             for c in self.children:
-                start = _proc_start(c.pid)
-                if c.poll() is None and start is not None:
-                    known[c.pid] = start
+                if c.poll() is None:
+                    _kill(c.pid, _proc_start(c.pid), signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(c.poll() is None for c in self.children):
+                time.sleep(0.02)
+            known.update(_pids_with_marker(self.marker))
             for pgid in groups:
                 _signal_group(pgid, signal.SIGTERM)
-            for pid in known:
-                _kill(pid, known[pid], signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
+            for pid, start in known.items():
+                _kill(pid, start, signal.SIGTERM)
             while time.monotonic() < deadline and self._anything_alive(groups, known):
                 time.sleep(0.02)
             if self._anything_alive(groups, known):
-                log.warning("some demo processes ignored SIGTERM for %.1f s; sending SIGKILL", grace_s)
+                stuck = [c.name for c in self.children if _group_alive(c.pid)] or ["a process that left its group"]
+                log.warning("%s still running %.1f s after SIGTERM; sending SIGKILL", ", ".join(stuck), grace_s)
             for _ in range(3):  # SIGKILL until nothing is left (a dying process may have forked)
                 known.update(_pids_with_marker(self.marker))
                 for pgid in groups:
                     _signal_group(pgid, signal.SIGKILL)
-                for pid in known:
-                    _kill(pid, known[pid], signal.SIGKILL)
-                deadline = time.monotonic() + 2.0
-                while time.monotonic() < deadline and self._anything_alive(groups, known):
+                for pid, start in known.items():
+                    _kill(pid, start, signal.SIGKILL)
+                kill_deadline = time.monotonic() + 2.0
+                while time.monotonic() < kill_deadline and self._anything_alive(groups, known):
                     time.sleep(0.02)
                 if not self._anything_alive(groups, known):
                     break
@@ -222,8 +231,8 @@ class Children:
         return any(_group_alive(g) for g in groups) or any(_proc_start(p) == s for p, s in known.items())
 
 
-def _kill(pid: int, start: int, sig: int) -> None:
-    if _proc_start(pid) == start:  # still the same process, not a reused pid
+def _kill(pid: int, start: int | None, sig: int) -> None:
+    if start is not None and _proc_start(pid) == start:  # still the same process, not a reused pid
         try:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -435,6 +444,9 @@ class DemoConfig:
     grace_s: float = 5.0  # SIGTERM → SIGKILL
     poll_interval_s: float = 0.25
 
+    def __post_init__(self) -> None:
+        _check_config(self)
+
 
 @dataclass
 class DemoResult:
@@ -512,7 +524,6 @@ def run_demo(cfg: DemoConfig, progress: Callable[[DemoState], None] | None = Non
     """Run the whole swarm to the end; stop every process on the way out, whatever happens.
 
     `command(*args)` turns `peer` arguments into an argv (tests pass stand-in children)."""
-    _check_config(cfg)
     workdir = Path(cfg.workdir) if cfg.workdir is not None else default_workdir()
     workdir.mkdir(parents=True, exist_ok=True)
     workdir = workdir.resolve()
@@ -621,7 +632,8 @@ def plot_demo(result: DemoResult, path: Path, inner_steps: int, title: str = "pe
             xs, ys = zip(*pts)
             ax.plot(xs, ys, color=f"C{i}", alpha=0.6, linewidth=1, label=f"{name} train")
     rounds = result.summary["rounds"]
-    tr = [((r["t"] + 1) * inner_steps, r["train_loss"]) for r in rounds if r["train_loss"] is not None]
+    # a round's train loss is the mean over its inner steps: drawn mid-round; validation is after the commit
+    tr = [(r["t"] * inner_steps + (inner_steps - 1) / 2, r["train_loss"]) for r in rounds if r["train_loss"] is not None]
     va = [((r["t"] + 1) * inner_steps, r["val_loss"]) for r in rounds if r["val_loss"] is not None]
     if tr:
         ax.plot(*zip(*tr), "s--", color="black", markersize=4, label="round mean train")

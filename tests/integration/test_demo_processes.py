@@ -148,6 +148,31 @@ def test_stop_all_kills_a_group_that_ignores_sigterm(tmp_path, tag):
     kids.stop_all(grace_s=grace)  # idempotent
 
 
+GRACEFUL = textwrap.dedent('''
+    import signal, subprocess, sys, time
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like hivemind's DHT process
+    def on_term(*_):
+        print("helper alive at shutdown" if helper.poll() is None else f"helper already gone: {helper.poll()}", flush=True)
+        helper.terminate(); helper.wait(); sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    print("graceful up", flush=True)
+    while True:
+        time.sleep(1)
+''')
+
+
+def test_a_child_shuts_down_its_own_helpers_before_the_group_is_signalled(tmp_path, tag):
+    kids = Children(tmp_path)
+    child = kids.spawn("graceful", [sys.executable, "-c", GRACEFUL])
+    _wait_for(lambda: "graceful up" in child.log_path.read_text() and len(_pids_with_env(tag)) == 2, 20, "child + helper")
+    t0 = time.monotonic()
+    kids.stop_all(grace_s=5.0)
+    assert time.monotonic() - t0 < 2.0
+    assert child.poll() == 0
+    assert "helper alive at shutdown" in child.log_path.read_text()  # the peer, not us, stopped its DHT process
+    assert _pids_with_env(tag) == []
+
+
 def test_early_nonzero_exit_is_a_peer_error_with_the_log_tail(tmp_path, tag):
     kids = Children(tmp_path)
     kids.spawn("sleeper", [sys.executable, "-c", SLEEPER])

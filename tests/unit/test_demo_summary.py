@@ -120,3 +120,13 @@ def test_tail_and_live_state(tmp_path):
     state = DemoState("training", 1.0, 3, tmp_path, [view, stage])
     assert state.round == 0  # the stage peer has committed nothing yet
     assert state.train_loss == 6.0 and state.bytes["pseudo_gradients"] == 3
+
+
+@pytest.mark.parametrize("kwargs", [{"stages": 0}, {"outer_steps": 0}, {"pipelines": -1},
+                                    {"pipelines": 0, "full_replicas": 0}])
+def test_demo_config_rejects_impossible_swarms(kwargs):
+    from peer.demo import DemoConfig
+    from peer.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        DemoConfig(**kwargs)
