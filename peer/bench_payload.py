@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import TrainConfig
+from peer.errors import ConfigError
 from peer.model import PRESETS, ModelConfig, build_model, get_preset
 from peer.optim import build_adamw, clip_grads
 from peer.sparseloco import (
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def closest_model(n_params: int) -> tuple[str, ModelConfig]:
     """The preset, possibly with another n_layers (1 … 2× its own), closest to n_params."""
     if n_params < 1:
-        raise ValueError(f"n_params must be positive, got {n_params}")
+        raise ConfigError(f"--params must be a positive parameter count, got {n_params}")
     best: tuple[int, str, ModelConfig] | None = None
     for name, preset in PRESETS.items():
         for n_layers in range(1, 2 * preset.n_layers + 1):

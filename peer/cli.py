@@ -63,19 +63,22 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+SIMULATE_DEFAULTS = {"train.inner_steps": 10, "train.outer_steps": 20}
+
+
 @app.command()
 def simulate(
-    preset: str = typer.Option("tiny", help="Model preset: tiny, small, 178M, 512M, 1B."),
+    preset: Optional[str] = typer.Option(None, help="Model preset: tiny, small, 178M, 512M, 1B (default tiny)."),
     replicas: int = typer.Option(4, help="M: replicas trained side by side."),
-    stages: int = typer.Option(2, help="S: pipeline stages per replica."),
-    k_ratio: str = typer.Option("1/8", "--k-ratio", help="Subspace width k/d of compressed boundaries, e.g. 1/8."),
+    stages: Optional[int] = typer.Option(None, help="S: pipeline stages per replica (default 2)."),
+    k_ratio: Optional[str] = typer.Option(None, "--k-ratio", help="Subspace width k/d of compressed boundaries (default 1/8)."),
     het_fraction: float = typer.Option(0.5, "--het-fraction", help="α: fraction of uncompressed replicas in het-pp-compress."),
-    inner_steps: int = typer.Option(10, "--inner-steps", help="H: inner steps per outer step."),
-    outer_steps: int = typer.Option(20, "--outer-steps", help="T: outer steps."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per inner step per replica."),
-    seq_len: int = typer.Option(64, "--seq-len", help="Tokens per sequence."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help="H: inner steps per outer step (default 10)."),
+    outer_steps: Optional[int] = typer.Option(None, "--outer-steps", help="T: outer steps (default 20)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per inner step per replica (default 8)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 64)."),
     lr: Optional[float] = typer.Option(None, help="Peak inner learning rate."),
-    seed: int = typer.Option(0, help="Run seed (init, U, data order)."),
+    seed: Optional[int] = typer.Option(None, help="Run seed: init, U, data order (default 0)."),
     configs: str = typer.Option("adamw,sparseloco,pp-compress,het-pp-compress", help="Comma-separated configs to run."),
     dataset: Optional[str] = typer.Option(None, help="Local path or hub name; default: the embedded corpus."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write results as JSON here."),
@@ -90,13 +93,18 @@ def simulate(
 
     from peer.config import build_config
     from peer.data import build_token_data
-    from peer.simulate import plot_curves, simulate as run_simulation
+    from peer.errors import ConfigError
+    from peer.simulate import CONFIGS, plot_curves, simulate as run_simulation
 
+    unknown = [c.strip() for c in configs.split(",") if c.strip() and c.strip() not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"--configs: unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
     overrides = {
         "preset": preset, "seed": seed, "stages": stages, "subspace.k_ratio": k_ratio,
         "train.inner_steps": inner_steps, "train.outer_steps": outer_steps,
         "train.batch_size": batch_size, "train.seq_len": seq_len, "train.lr": lr, "data.dataset": dataset,
     }
+    cfg = build_config(config, overrides, defaults=SIMULATE_DEFAULTS)
     cfg = build_config(config, overrides)
     names = [c.strip() for c in configs.split(",") if c.strip()]
     with console.status("preparing data and tokenizer…"):
@@ -160,7 +168,12 @@ def plan(
     """Will my link keep up? Compute utilisation of compressed vs uncompressed pipelines (paper Fig. 2/3)."""
     from peer.plan import PlanInputs, plan_rows, plot_plan
 
-    bws = [float(b) for b in bandwidth_mbps.split(",") if b.strip()]
+    from peer.errors import ConfigError
+
+    try:
+        bws = [float(b) for b in bandwidth_mbps.split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(f"--bandwidth-mbps: expected comma-separated numbers like 10,100,1000, got {bandwidth_mbps!r}") from None
     inputs = PlanInputs(preset=preset, params=params, stages=stages, k_ratio=k_ratio, inner_steps=inner_steps,
                         microbatch_size=microbatch_size, microbatches=microbatches, seq_len=seq_len, flops=flops,
                         replicas=replicas, wire_dtype=wire_dtype)
@@ -386,6 +399,7 @@ def join(
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Tokenizer, metrics.jsonl and state (default runs/<role>)."),
     identity: Optional[Path] = typer.Option(None, "--identity", help="Persistent peer key file (created on first run)."),
     manifest_timeout_s: float = typer.Option(60.0, "--manifest-timeout-s", help="How long to wait for the bootstrap's manifest."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest good checkpoint in <data-dir>/checkpoints."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
@@ -411,18 +425,23 @@ def join(
     opts = SwarmOptions(initial_peers=tuple(initial_peers), host=host, port=port, dht_port=dht_port,
                         announce_host=announce_host, data_dir=data_dir or data_dir_default(role, stage),
                         identity=str(identity) if identity else None, device=device,
-                        manifest_timeout_s=manifest_timeout_s)
+                        manifest_timeout_s=manifest_timeout_s, resume=resume)
     if auto:
         opts = dataclasses.replace(opts, device="auto")
     stop = threading.Event()
     err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
     with _stop_on_signals(stop):
-        if full_replica:
-            code = run_full_replica(opts, stop)
-        elif stage == 0:
-            code = run_head(opts, stop)
-        else:
-            code = run_stage_peer(opts, stage, stop)
+        try:
+            if full_replica:
+                code = run_full_replica(opts, stop)
+            elif stage == 0:
+                code = run_head(opts, stop)
+            else:
+                code = run_stage_peer(opts, stage, stop)
+        except PeerError:
+            if not stop.is_set():
+                raise
+            code = 0  # asked to leave (SIGINT/SIGTERM) while waiting: records withdrawn, a clean exit
     raise typer.Exit(code)
 
 

@@ -67,6 +67,8 @@ class SwarmConfig:
     claim_timeout_s: float = 120.0  # a head waits this long for a ready peer of each stage
     n_shards: int = 16  # data shards; each head / full replica claims a free one
     min_replicas: int = 1  # replicas (pipelines + full replicas) to wait for before the first step
+    checkpoint_every_rounds: int = 1  # save <data-dir>/checkpoints every N committed rounds (0 = never)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
 
 
 @dataclass(frozen=True)
@@ -222,13 +224,17 @@ def build_config(
     toml_path: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> RunConfig:
     """Resolve defaults < TOML < env < CLI overrides (a nested dict or dotted keys) into a RunConfig.
+
+    `defaults` (dotted keys) replace the dataclass defaults for one command, e.g. the simulator's
+    shorter runs; they are still overridden by TOML, env and flags.
 
     Each layer's values are type-checked on their own, so a malformed `PEER_*` variable or TOML
     value is an error even where a later layer overrides it.
     """
-    layers: list[tuple[str, dict[str, Any]]] = []
+    layers: list[tuple[str, dict[str, Any]]] = [("in the command's defaults", dotted_to_nested(defaults or {}))]
     if toml_path is not None:
         path = Path(toml_path)
         try:
@@ -361,3 +367,7 @@ def validate(cfg: RunConfig) -> None:
     for name in ("n_shards", "min_replicas"):
         if getattr(w, name) < 1:
             raise ConfigError(f"swarm.{name} must be >= 1, got {getattr(w, name)}")
+    if w.checkpoint_every_rounds < 0:
+        raise ConfigError(f"swarm.checkpoint_every_rounds must be >= 0 (0 = never), got {w.checkpoint_every_rounds}")
+    if w.keep_checkpoints < 1:
+        raise ConfigError(f"swarm.keep_checkpoints must be >= 1, got {w.keep_checkpoints}")

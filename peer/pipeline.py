@@ -70,6 +70,8 @@ class PipelineDriver:
                 log.info("pipeline %s: stage %d -> %s at %s", self.pipeline_id[:8], stage, found[0][0][:12], found[0][1])
                 return found[0]
             self.stop.wait(0.5)
+        if self.stop.is_set():
+            raise PeerError("stopped")
         raise NetworkError(f"stage {stage} has no ready peer at outer step {t} after "
                            f"{self.cfg.swarm.claim_timeout_s:.0f}s; start one with `peer join --stage {stage} ...`")
 

@@ -190,7 +190,10 @@ def gather_round(
                 continue
             held[rid] = data
             result.bytes_fetched += len(data)
-        expected = expected_replicas(dht, t)
+        # every live replica of round t, and anyone who announced a payload for it: a payload some
+        # peers hold and others skipped would split the stage's parameters
+        expected = expected_replicas(dht, t) | {rec.get("replica", pid) for pid, rec in announced.items()
+                                                if pid not in bad}
         result.expected = len(expected)
         # Done when every live replica of round t is held (an observer whose contributors all left
         # commits what it holds; they linger after their last round so this is rare).

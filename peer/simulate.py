@@ -34,7 +34,7 @@ from peer.config import RunConfig
 from peer.data import TokenData, train_batch, val_batches
 from peer.errors import ConfigError
 from peer.replica import EMBED, LocalReplica, apply_outer_update, stage_state
-from peer.sparseloco import Payload, aggregate, compress, decompress, pseudo_gradient
+from peer.sparseloco import Payload, aggregate, clip_to_median, compress, decompress, pseudo_gradient
 from peer.subspace import k_from_ratio, make_basis
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class ConfigResult:
     pg_bytes: int = 0  # pseudo-gradient (or dense gradient) bytes sent per replica
     act_bytes: int = 0  # stage-boundary bytes sent per replica (forward + backward)
     wall_s: float = 0.0
+    clipped: int = 0  # contributions norm-clipped against their round's median, over the run
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
 
@@ -163,6 +164,8 @@ def run_diloco(
                 wire = payload.to_bytes()
                 pg_bytes[m] += len(wire)
                 decoded.append(decompress(Payload.from_bytes(wire)))
+            decoded, clip = clip_to_median(decoded, slc.clip_median_factor)
+            result.clipped += clip.n_clipped
             agg = aggregate(decoded, replicas, slc.aggregation)
             if s == 0:
                 embed_update = -slc.outer_lr * agg[EMBED]

@@ -6,6 +6,7 @@ One outer round of SparseLoCo (arXiv 2508.15706, Alg. 1; DESIGN.md §2), per sta
     e  = β·e + Δ                           compress: error feedback
     Δ̂ = Q(TOP-k per chunk(e))              compress: k entries of every 64×64 tile, quantized
     e  = e − Δ̂                             compress: the new error buffer it returns
+    Δ̂ ← Δ̂·min(1, c·med/‖Δ̂‖)              clip_to_median: robust to a poisoned contribution
     Δ̄ = aggregate(Δ̂ over participants)    aggregate ("mean-over-all" or "mean-over-contributors")
     θ  = θ_start − η·Δ̄                     outer_step
 
@@ -21,6 +22,8 @@ Invariants:
 - Δ̂ is exactly what a receiver decodes from the payload (compress decodes its own entries), so
   e_new = fl(e − Δ̂) keeps the quantization error, and `restore_unsent` puts a payload that missed
   the commit back into the buffer.
+- Clipping uses exactly rounded norms (math.fsum), so every holder of a stage clips the same
+  committed list to the same bits; med is the lower median of the round's norms.
 - `Payload.to_bytes` is deterministic little-endian. `from_bytes` accepts only the canonical form
   (indices strictly ascending inside a chunk, zero pad bits), so to_bytes(from_bytes(b)) == b, and
   on any other input raises PayloadError and nothing else.
@@ -76,6 +79,7 @@ class SparseLoCoConfig:
     outer_lr: float = 1.0  # η of the outer SGD step
     aggregation: str = "mean-over-all"  # or "mean-over-contributors"
     dense_1d: bool = True  # send 1-D tensors dense (8-bit)
+    clip_median_factor: float = 2.0  # clip each Δ̂ to this × the round's median norm; 0 disables
 
     def __post_init__(self) -> None:
         if self.quant_bits not in QUANT_BITS:
@@ -91,6 +95,9 @@ class SparseLoCoConfig:
             raise ConfigError(f"sparseloco.beta must be in [0, 1), got {self.beta}")
         if not self.outer_lr > 0:
             raise ConfigError(f"sparseloco.outer_lr must be > 0, got {self.outer_lr}")
+        if not self.clip_median_factor >= 0 or math.isinf(self.clip_median_factor):
+            raise ConfigError("sparseloco.clip_median_factor must be a finite number >= 0 (0 disables "
+                              f"clipping), got {self.clip_median_factor}")
 
 
 def payload_density(cfg: SparseLoCoConfig) -> float:
@@ -605,6 +612,72 @@ def aggregate(decoded: Sequence[Mapping[str, Tensor]], n_participants: int,
         return {name: s / n_participants for name, s in sums.items()}
     return {name: torch.where(counts[name] > 0, s / counts[name].clamp_min(1), torch.zeros_like(s))
             for name, s in sums.items()}
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """What `clip_to_median` did to one round's contributions."""
+
+    n_clipped: int  # contributions scaled down to the bound, or zeroed for a non-finite norm
+    norms: tuple[float, ...]  # global L2 norm of each contribution before clipping, in input order
+    median: float  # lower median of the finite, non-zero norms (0.0 when there are none)
+    max_ratio: float  # largest finite norm / median before clipping (0.0 when the median is 0)
+
+
+def global_norm(d: Mapping[str, Tensor]) -> float:
+    """‖Δ̂‖₂ over every tensor of one contribution, exactly rounded: the same bits on every peer.
+
+    Squares of float32 values are exact in float64 and `math.fsum` rounds their sum once, so the
+    result depends neither on summation order, thread count nor hardware. Only non-zero entries
+    are visited (Δ̂ is sparse). nan if any entry is nan, else inf if any entry is infinite.
+    """
+    squares = []
+    for name in sorted(d):
+        flat = d[name].detach().reshape(-1).cpu()
+        nz = flat[flat != 0]  # (n_nonzero,) nan != 0, so nan entries are kept
+        squares.append(nz.to(torch.float64).square().numpy())
+    sq = np.concatenate(squares) if squares else np.zeros(0)
+    if np.isnan(sq).any():
+        return math.nan
+    if np.isinf(sq).any():
+        return math.inf
+    return math.sqrt(math.fsum(sq.tolist()))
+
+
+def clip_to_median(decoded: Sequence[Mapping[str, Tensor]],
+                   factor: float) -> tuple[list[dict[str, Tensor]], ClipStats]:
+    """Norm-clip each contribution Δ̂ to `factor` × the round's median norm (robust aggregation).
+
+    The reference is the LOWER median of the finite, non-zero global norms, so with two
+    participants (one honest, one huge) it is the honest one, and a poisoned peer needs a
+    majority to move it. A contribution with norm > factor·median is scaled by
+    float32(factor·median / norm), landing on the bound (to float32 rounding); a non-finite one
+    becomes zeros; the others are returned as they came (the same tensors, bit for bit).
+    `factor` == 0 disables clipping (stats are still computed). Pure and deterministic: every
+    holder of a stage that clips the same committed list in the same order gets the same bits.
+    """
+    if not factor >= 0 or math.isinf(factor):
+        raise ConfigError(f"sparseloco.clip_median_factor must be a finite number >= 0, got {factor}")
+    norms = tuple(global_norm(d) for d in decoded)
+    voters = sorted(n for n in norms if math.isfinite(n) and n > 0)
+    median = voters[(len(voters) - 1) // 2] if voters else 0.0
+    max_ratio = max((n / median for n in norms if math.isfinite(n)), default=0.0) if median > 0 else 0.0
+    if factor == 0:
+        return [dict(d) for d in decoded], ClipStats(0, norms, median, max_ratio)
+    bound = factor * median
+    out: list[dict[str, Tensor]] = []
+    n_clipped = 0
+    for d, norm in zip(decoded, norms):
+        if not math.isfinite(norm):
+            out.append({name: torch.zeros_like(t) for name, t in d.items()})
+            n_clipped += 1
+        elif norm > bound:
+            scale = float(np.float32(bound / norm))  # exactly a float32: the same product on any device
+            out.append({name: t * scale for name, t in d.items()})
+            n_clipped += 1
+        else:
+            out.append(dict(d))
+    return out, ClipStats(n_clipped, norms, median, max_ratio)
 
 
 def outer_step(start: Mapping[str, Tensor], agg: Mapping[str, Tensor], lr: float) -> dict[str, Tensor]:

@@ -25,7 +25,8 @@ from peer.config import RunConfig
 from peer.model import Decoder, build_stage
 from peer.optim import build_adamw, clip_grads, lr_at, set_lr
 from peer.replica import EMBED, apply_outer_update, attach_subspace, initial_split, perp_of, stage_state, state_hash
-from peer.sparseloco import Payload, aggregate, compress, decompress, pseudo_gradient, restore_unsent
+from peer.sparseloco import (ClipStats, Payload, aggregate, clip_to_median, compress, decompress,
+                              pseudo_gradient, restore_unsent)
 from peer.subspace import compress_activations, compress_grad, expand_activations, expand_grad, make_basis, project_
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class StageWorker:
         self.start: dict[str, torch.Tensor] = stage_state(self.module)
         self.errors: dict[str, torch.Tensor] | None = None
         self.microbatches_seen = 0
+        self.seen: set[tuple[str, int]] = set()  # micro-batches of the current inner step
+        self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) of the last round
+        self.last_committed: list[str] = []  # replica ids committed in the last round
+        self.last_clip = ClipStats(0, (), 0.0, 0.0)  # what median clipping did in the last round
 
     # ---------------------------------------------------------------- pipeline compute
     def forward(self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None,
@@ -68,6 +73,11 @@ class StageWorker:
         hidden = hidden.to(self.device) if hidden is not None else None
         targets = targets.to(self.device) if targets is not None else None
         with self.lock:
+            if key in self.seen:  # the head replays the inner step (a stage peer failed): start it over
+                log.info("stage %d: replay of inner step detected (micro-batch %s); dropping its gradients",
+                         self.stage, key[1])
+                self._reset_step()
+            self.seen.add(key)
             x_in = None
             if self.is_first:
                 out = self.module(tokens)  # (b, L, d)
@@ -125,16 +135,20 @@ class StageWorker:
             clip_grads(self.module.parameters(), self.cfg.train.grad_clip)
             set_lr(self.optimizer, lr_at(global_step, self.cfg.train))
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.pending.clear()
-            self.microbatches_seen = 0
+            self._reset_step()
             if self.is_first and self.compressed:
                 project_(self.module.embed.weight, self.U)  # keep T_S in Col(U)
 
     def zero_grad(self) -> None:
         with self.lock:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.pending.clear()
+            self._reset_step()
+
+    def _reset_step(self) -> None:
+        """Forget the current inner step's gradients and pending activations."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending.clear()
+        self.seen.clear()
+        self.microbatches_seen = 0
 
     # ---------------------------------------------------------------- outer rounds
     def encode_round(self) -> Payload:
@@ -149,12 +163,20 @@ class StageWorker:
         with self.lock:
             self.errors = restore_unsent(self.errors, decompress(payload))
 
-    def apply_round(self, committed: Sequence[Payload], embed_update: torch.Tensor | None) -> None:
-        """θ ← θ_start − η·mean(Δ̂) over the committed set (in its given order); next outer step."""
+    def apply_round(self, committed: Sequence[Payload], embed_update: torch.Tensor | None) -> ClipStats:
+        """θ ← θ_start − η·mean(clip(Δ̂)) over the committed set (in its given order); next outer step.
+
+        Each Δ̂ is norm-clipped against the round's median (`clip_to_median`); the stats are
+        returned and kept as `last_clip`.
+        """
         slc = self.cfg.sparseloco
         with self.lock:
+            clip = ClipStats(0, (), 0.0, 0.0)
             if committed:
-                decoded = [decompress(p) for p in committed]
+                decoded, clip = clip_to_median([decompress(p) for p in committed], slc.clip_median_factor)
+                if clip.n_clipped:
+                    log.info("stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
+                             self.stage, self.outer_step, clip.n_clipped, len(decoded), clip.max_ratio, clip.median)
                 agg = {k: v.to(self.device) for k, v in aggregate(decoded, len(decoded), slc.aggregation).items()}
                 if embed_update is not None and not self.is_first:
                     embed_update = embed_update.to(self.device)
@@ -164,11 +186,18 @@ class StageWorker:
                 self.load_params(self.start)
             self.outer_step += 1
             self.start = stage_state(self.module)
+            self.last_clip = clip
+            return clip
 
     @staticmethod
     def embed_update(committed: Sequence[Payload], cfg: RunConfig) -> torch.Tensor:
-        """The committed change of embed.weight (−η·Δ̄) from stage 0's payloads."""
-        decoded = [{EMBED: decompress(p)[EMBED]} for p in committed]
+        """The committed change of embed.weight (−η·Δ̄) from stage 0's payloads.
+
+        Clipped exactly as stage 0's `apply_round` clips them (norms over the whole payload), so
+        T⊥ moves by the same bits on every stage.
+        """
+        clipped, _ = clip_to_median([decompress(p) for p in committed], cfg.sparseloco.clip_median_factor)
+        decoded = [{EMBED: d[EMBED]} for d in clipped]
         return -cfg.sparseloco.outer_lr * aggregate(decoded, len(decoded), cfg.sparseloco.aggregation)[EMBED]
 
     # ---------------------------------------------------------------- state
@@ -179,7 +208,9 @@ class StageWorker:
             out["perp"] = perp_of(self.module).detach().cpu().clone()
             return out
 
-    def load_snapshot(self, tensors: Mapping[str, torch.Tensor], outer_step: int) -> None:
+    def load_snapshot(self, tensors: Mapping[str, torch.Tensor], outer_step: int, keep_errors: bool = False) -> None:
+        """Adopt a downloaded state; a late joiner starts with an empty error buffer, a peer that
+        re-syncs after a disagreement keeps its own (what it has not sent yet is not lost)."""
         with self.lock:
             expected = set(self.start) | {"perp"}
             if set(tensors) != expected:
@@ -190,7 +221,8 @@ class StageWorker:
             perp_of(self.module).copy_(tensors["perp"].to(self.device))
             self.outer_step = outer_step
             self.start = stage_state(self.module)
-            self.errors = None  # a late joiner starts with an empty error buffer
+            if not keep_errors:
+                self.errors = None
             self.optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
 
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -200,6 +232,44 @@ class StageWorker:
                 if own[name].shape != value.shape:
                     raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
                 own[name].copy_(value.to(own[name].device))
+
+    def optimizer_param_names(self) -> list[list[str]]:
+        """Global parameter names of each AdamW param group, in the optimizer's order."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """AdamW state by global name: ({"<param>/<exp_avg|exp_avg_sq|step>": tensor}, param groups).
+
+        The groups are JSON-serialisable: hyperparameters plus "params" as global names. Tensors
+        are the optimizer's own (not copied).
+        """
+        with self.lock:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            tensors = {f"{names[id(p)]}/{key}": value.detach()
+                       for p, st in self.optimizer.state.items() for key, value in st.items()}
+            groups = [{**{k: (v.item() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v)
+                          for k, v in g.items() if k != "params"}, "params": names_}
+                      for g, names_ in zip(self.optimizer.param_groups, self.optimizer_param_names())]
+            return tensors, groups
+
+    def load_optimizer_state(self, tensors: Mapping[str, torch.Tensor], groups: Sequence[Mapping]) -> None:
+        """Restore what `optimizer_state` returned (into a fresh AdamW over this module)."""
+        with self.lock:
+            optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
+            order = [n for g in self.optimizer_param_names() for n in g]
+            if [list(g["params"]) for g in groups] != self.optimizer_param_names():
+                raise ValueError(f"stage {self.stage}: optimizer parameter groups do not match this model")
+            index = {name: i for i, name in enumerate(order)}
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in tensors.items():
+                name, field = key.rsplit("/", 1)
+                state.setdefault(index[name], {})[field] = value
+            template = optimizer.state_dict()["param_groups"]
+            merged = [{**tg, **{k: (tuple(v) if isinstance(tg.get(k), tuple) else v)
+                                for k, v in g.items() if k != "params"}} for tg, g in zip(template, groups)]
+            optimizer.load_state_dict({"state": state, "param_groups": merged})
+            self.optimizer = optimizer
 
     def param_hash(self) -> str:
         with self.lock:

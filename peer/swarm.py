@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,11 +22,13 @@ from typing import Any, Callable
 from peer.config import RunConfig
 from peer.data import TokenData, build_token_data
 from peer.dht import SwarmDHT
-from peer.errors import DataError, ManifestMismatch, NetworkError, PeerError
+from peer.errors import CheckpointError, DataError, ManifestMismatch, NetworkError, PeerError
 from peer.manifest import verify_manifest
 from peer.rounds import ClientPool, PayloadStore, RoundResult, expected_replicas, gather_round
 from peer.service import PeerService
 from peer.sparseloco import Payload
+from peer.stage_checkpoint import (checkpoint_fingerprint, list_stage_checkpoints, load_latest_stage_checkpoint,
+                                   save_stage_checkpoint)
 from peer.stage_worker import StageWorker
 from peer.transport.client import PeerClient
 from peer.transport.messages import ArtifactRequest, StateRequest
@@ -47,6 +50,7 @@ class SwarmOptions:
     identity: str | None = None
     device: str = "cpu"
     manifest_timeout_s: float = 60.0
+    resume: bool = False  # restore <data_dir>/checkpoints before training (`peer join --resume`)
 
 
 class Swarm:
@@ -62,17 +66,21 @@ class Swarm:
         self.service: PeerService | None = None
         self.address = ""
         self.pg_bytes = 0
+        self.resyncs = 0
+        self.resumed_at: int | None = None  # outer step of the checkpoint restored by `resume`
         self._stop_announce = threading.Event()
         self._announcer: threading.Thread | None = None
         self._publish: Callable[[], None] | None = None
         self._publish_lock = threading.Lock()
+        self._announced_stages: set[int] = set()
         self._metrics_lock = threading.Lock()
         opts.data_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(opts.data_dir / "metrics.jsonl", "a", buffering=1)
 
     # ------------------------------------------------------------------ joining
     @classmethod
-    def connect(cls, opts: SwarmOptions, role: str, stage: int | None) -> "Swarm":
+    def connect(cls, opts: SwarmOptions, role: str, stage: int | None,
+                stop: threading.Event | None = None) -> "Swarm":
         if not opts.initial_peers:
             raise PeerError("--initial-peers is required: paste the line `peer bootstrap` printed")
         dht = SwarmDHT(opts.initial_peers, host=opts.host, port=opts.dht_port, announce_host=opts.announce_host,
@@ -82,7 +90,7 @@ class Swarm:
 
             opts = dataclasses.replace(opts, device="cuda" if torch.cuda.is_available() else "cpu")
         try:
-            manifest = _wait_for_manifest(dht, opts.manifest_timeout_s)
+            manifest = _wait_for_manifest(dht, opts.manifest_timeout_s, stop or threading.Event())
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
             cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s)
@@ -102,29 +110,118 @@ class Swarm:
         self.log_event("start", stage=self.stage, peer_id=self.peer_id, address=self.address)
 
     def sync_late_join(self, worker: StageWorker) -> None:
-        """If the swarm is past outer step 0, download this stage's committed state from a holder."""
+        """If the swarm is past this worker's outer step, download the stage's committed state.
+
+        A state resumed from a checkpoint at (or past) the swarm's outer step is kept; one that is
+        behind loses to the swarm's (error buffer and optimizer reset, as for any late joiner).
+        """
         t_swarm = self.dht.current_outer_step()
-        if t_swarm <= worker.outer_step:
-            return
+        if t_swarm > worker.outer_step:
+            if self.resumed_at is not None:
+                log.warning("stage %d: checkpoint at outer step %d is behind the swarm (%d); taking the swarm's "
+                            "state, error buffer and optimizer reset", worker.stage, worker.outer_step, t_swarm)
+            self.sync_state(worker, "late join" if self.resumed_at is None
+                            else f"checkpoint behind the swarm (outer step {worker.outer_step} < {t_swarm})")
+        elif self.resumed_at is not None:
+            log.info("stage %d: keeping the resumed state at outer step %d (swarm at %d)", worker.stage,
+                     worker.outer_step, t_swarm)
+            self.log_event("resume_kept", stage=worker.stage, t=worker.outer_step, swarm_t=t_swarm,
+                           param_hash=worker.param_hash())
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self, workers: dict[int, StageWorker]) -> dict[str, Any] | None:
+        """With `--resume`, restore the newest good checkpoint of <data_dir>/checkpoints; its meta or None."""
+        root = self.opts.data_dir / "checkpoints"
+        if not self.opts.resume:
+            found = list_stage_checkpoints(root)
+            if found:
+                log.warning("starting without --resume: %s will be replaced as this peer saves its own checkpoints "
+                            "(pass --resume to continue from it)", found[0])
+            return None
+        meta = load_latest_stage_checkpoint(root, workers, checkpoint_fingerprint(self.cfg))
+        if meta is None:
+            log.warning("--resume: no checkpoint in %s yet; starting from the swarm's state", root)
+            return None
+        self.resumed_at = meta["outer_step"]
+        self.log_event("resume", t=meta["outer_step"], path=meta["path"], extra=meta.get("extra", {}))
+        return meta
+
+    def checkpoint(self, workers: dict[int, StageWorker], extra: dict[str, Any] | None = None) -> Path | None:
+        """After a committed round: save every `swarm.checkpoint_every_rounds` rounds (and after the last).
+
+        Call while nothing trains the workers. A failed save is logged (and recorded in the
+        metrics) but does not stop training: the previous checkpoint stays on disk.
+        """
+        every, t = self.cfg.swarm.checkpoint_every_rounds, next(iter(workers.values())).outer_step
+        if every == 0 or (t % every and t != self.cfg.train.outer_steps):
+            return None
+        started = time.monotonic()
+        try:
+            path = save_stage_checkpoint(self.opts.data_dir / "checkpoints", workers, extra,
+                                         keep=self.cfg.swarm.keep_checkpoints)
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            self.log_event("checkpoint_failed", t=t, reason=str(exc))
+            return None
+        self.log_event("checkpoint", t=t, path=str(path), save_s=time.monotonic() - started,
+                       bytes=sum(f.stat().st_size for f in path.iterdir()))
+        return path
+
+    def sync_state(self, worker: StageWorker, reason: str, want_hash: str | None = None,
+                   keep_errors: bool = False) -> None:
+        """Download stage state from the most advanced holder (with `want_hash`, if given).
+
+        Raises NetworkError when no holder serves a state that passes its hash check.
+        """
+        t_swarm = self.dht.current_outer_step()
         holders = {pid: rec for pid, rec in self.dht.get_stage_peers(worker.stage).items()
-                   if pid != self.peer_id and rec.get("outer_step", -1) >= t_swarm - 1 and rec.get("address")}
-        for pid, rec in sorted(holders.items(), key=lambda kv: -kv[1].get("outer_step", 0)):
+                   if pid != self.peer_id and rec.get("address")
+                   and (want_hash is None or rec.get("param_hash") == want_hash)}
+        for pid, rec in sorted(holders.items(), key=lambda kv: (-kv[1].get("outer_step", 0), kv[0])):
             try:
                 reply = self.clients.get(rec["address"]).get_state(StateRequest(worker.stage))
-                worker.load_snapshot(reply.tensors, reply.outer_step)
+                if reply.meta.get("param_hash") is None:
+                    raise PeerError("state reply without a parameter hash")
+                worker.load_snapshot(reply.tensors, reply.outer_step, keep_errors=keep_errors)
             except (PeerError, ValueError) as exc:
                 log.warning("state download of stage %d from %s failed: %s", worker.stage, pid[:12], exc)
                 continue
-            if reply.meta.get("param_hash") and worker.param_hash() != reply.meta["param_hash"]:
+            if worker.param_hash() != reply.meta["param_hash"]:
                 log.warning("stage %d state from %s fails its hash check; trying another holder", worker.stage, pid[:12])
                 continue
-            self.joined_at = reply.outer_step
-            log.info("late join: stage %d state at outer step %d from %s (hash %s)", worker.stage,
+            self.joined_at = max(self.joined_at, reply.outer_step)
+            self.resyncs += 1
+            log.info("%s: stage %d state at outer step %d from %s (hash %s)", reason, worker.stage,
                      reply.outer_step, pid[:12], worker.param_hash())
-            self.log_event("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash())
+            self.log_event("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason)
+            self.refresh_records()
             return
         raise NetworkError(f"the swarm is at outer step {t_swarm} but no peer served stage {worker.stage}'s state; "
                            "retry when a holder of that stage is online")
+
+    def maintain(self, worker: StageWorker) -> None:
+        """Re-sync a worker that fell more than one round behind, or whose committed parameters
+        disagree with the majority of its stage's holders at the same outer step (DESIGN §3)."""
+        if self.dht.current_outer_step() > worker.outer_step + 1:
+            self.sync_state(worker, f"behind (outer step {worker.outer_step})")
+            return
+        same = [rec for pid, rec in self.dht.get_stage_peers(worker.stage).items()
+                if pid != self.peer_id and rec.get("outer_step") == worker.outer_step and rec.get("param_hash")]
+        if not same:
+            return
+        mine = worker.param_hash()
+        votes = Counter([rec["param_hash"] for rec in same] + [mine])
+        top, n = votes.most_common(1)[0]
+        if top == mine or 2 * n <= len(same) + 1:
+            return
+        committed = next((rec.get("committed", []) for rec in same if rec["param_hash"] == top), [])
+        missed = worker.last_contribution is not None and worker.last_contribution[0][:16] not in committed
+        unsent = worker.last_contribution[1] if missed else None
+        self.sync_state(worker, f"hash {mine} disagrees with {n}/{len(same) + 1} holders", want_hash=top,
+                        keep_errors=True)
+        if unsent is not None:
+            worker.return_unsent(unsent)  # our payload missed their commit: nothing is lost
+            log.info("stage %d: our payload missed the majority's commit; returned to the error buffer", worker.stage)
 
     # ------------------------------------------------------------------ records
     def stage_record(self, worker: StageWorker, role: str) -> dict[str, Any]:
@@ -133,6 +230,7 @@ class Swarm:
         return {"kind": "stage", "stage": worker.stage, "record": {
             "address": self.address, "role": role, "state": state, "outer_step": worker.outer_step,
             "param_hash": worker.param_hash(), "pipeline": svc.claimed_by if svc else None,
+            "committed": [r[:16] for r in worker.last_committed],
             "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0}}
 
     def replica_record(self, kind: str, outer_step: int, shard: int, loss: float | None,
@@ -149,6 +247,7 @@ class Swarm:
             for fn in record_fns:
                 item = fn()
                 if item["kind"] == "stage":
+                    self._announced_stages.add(item["stage"])
                     self.dht.announce_stage(item["stage"], item["record"], ttl_s=ttl)
                 else:
                     self.dht.announce_replica(item["record"], ttl_s=ttl)
@@ -197,9 +296,14 @@ class Swarm:
             except PeerError as exc:
                 log.warning("could not refresh DHT records: %s", exc)
 
-    def claim_shard(self) -> int:
-        """The lowest data shard no live replica uses (DESIGN: disjoint data per replica)."""
+    def claim_shard(self, prefer: int | None = None) -> int:
+        """The lowest data shard no live replica uses (DESIGN: disjoint data per replica).
+
+        `prefer` (a resumed peer's shard) is taken when it is still free.
+        """
         used = {rec.get("shard") for pid, rec in self.dht.get_replicas().items() if pid != self.peer_id}
+        if isinstance(prefer, int) and 0 <= prefer < self.cfg.swarm.n_shards and prefer not in used:
+            return prefer
         for shard in range(self.cfg.swarm.n_shards):
             if shard not in used:
                 return shard
@@ -216,11 +320,20 @@ class Swarm:
     def gather_for(self, worker: StageWorker, t: int, replica_id: str | None, stop: threading.Event,
                    stage: int | None = None) -> RoundResult:
         """Contribute worker's payload (if replica_id) and collect round (t, stage)."""
+        own_stage = stage is None or stage == worker.stage
         stage = worker.stage if stage is None else stage
-        own = (replica_id, worker.encode_round().to_bytes()) if replica_id is not None else None
+        own = None
+        if replica_id is not None:
+            payload = worker.encode_round()
+            worker.last_contribution = (replica_id, payload)
+            own = (replica_id, payload.to_bytes())
+        elif own_stage:
+            worker.last_contribution = None
         result = gather_round(self.dht, self.clients, t, stage, self.cfg.swarm.round_timeout_s, own=own,
                               store=self.store, address=self.address, validate=self._validator(worker),
                               ttl_s=max(60.0, 2 * self.cfg.swarm.round_timeout_s), stop=stop)
+        if own_stage:
+            worker.last_committed = result.replicas
         self.pg_bytes += result.bytes_fetched
         return result
 
@@ -258,7 +371,9 @@ class Swarm:
     def log_round(self, t: int, stages: dict[int, tuple[StageWorker, int]], train_loss: float | None,
                   val_loss: float | None, wall_s: float, activations: tuple[int, int] = (0, 0)) -> None:
         self.log_event("round", t=t, stages={str(s): {"param_hash": w.param_hash(), "perp_hash": w.perp_hash(),
-                                                      "participants": n} for s, (w, n) in stages.items()},
+                                                      "participants": n, "clipped": w.last_clip.n_clipped,
+                                                      "max_norm_ratio": w.last_clip.max_ratio}
+                                             for s, (w, n) in stages.items()},
                        train_loss=train_loss, val_loss=val_loss, round_wall_s=wall_s,
                        bytes={"activations": activations[0], "activations_uncompressed_equiv": activations[1],
                               "pseudo_gradients": self.pg_bytes})
@@ -274,8 +389,8 @@ class Swarm:
         if self._announcer is not None:
             self._announcer.join(timeout=5)
         try:
-            if self.stage is not None:
-                self.dht.withdraw_stage(self.stage)
+            for stage in sorted(self._announced_stages):
+                self.dht.withdraw_stage(stage)
             if self.role in ("head", "full"):
                 self.dht.withdraw_replica()
         except PeerError as exc:
@@ -288,16 +403,18 @@ class Swarm:
             self._metrics.close()
 
 
-def _wait_for_manifest(dht: SwarmDHT, timeout_s: float) -> dict:
+def _wait_for_manifest(dht: SwarmDHT, timeout_s: float, stop: threading.Event) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         manifest = dht.get_manifest()
         if manifest is not None:
             return manifest
+        if stop.is_set():
+            raise PeerError("stopped before the manifest arrived")
         if time.monotonic() >= deadline:
             raise NetworkError(f"no manifest found within {timeout_s:.0f}s: is `peer bootstrap` running, "
                                "and is --initial-peers the address it printed?")
-        time.sleep(0.5)
+        stop.wait(0.5)
 
 
 def _with_tokenizer(cfg: RunConfig, manifest: dict, data_dir: Path, timeout_s: float) -> RunConfig:

@@ -8,6 +8,8 @@ workers, serve them over gRPC, then loop over outer steps t:
 - stage peer (s>0): serves forward/backward/step for the pipeline that claimed it; after the H-th
                     step (or, as a hot spare, when the round's first payload appears) it runs the
                     round for its stage plus an observer gather of stage 0 for T⊥.
+After every `swarm.checkpoint_every_rounds` committed rounds each process saves its stage state to
+`<data-dir>/checkpoints` (peer.stage_checkpoint); `peer join --resume` restores it before training.
 Every process writes `<data-dir>/metrics.jsonl` and exits 0 after `train.outer_steps` rounds or on
 SIGINT/SIGTERM (records withdrawn, server and DHT stopped).
 """
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.data import train_batch, val_batches
+from peer.errors import NetworkError, PeerError
 from peer.pipeline import PipelineDriver
 from peer.rounds import gather_round
 from peer.sparseloco import Payload
@@ -38,7 +41,7 @@ VAL_BATCHES = 2
 
 def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int:
     """Hold one stage > 0 of compressed pipelines until the run's last round."""
-    swarm = Swarm.connect(opts, role="stage", stage=stage)
+    swarm = Swarm.connect(opts, role="stage", stage=stage, stop=stop)
     try:
         cfg = swarm.cfg
         if not 0 < stage < cfg.stages:
@@ -47,24 +50,32 @@ def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int
             raise ConfigError(f"--stage {stage} does not exist in this run (stages 0..{cfg.stages - 1}); "
                               "stage 0 is a head, or use --full-replica")
         worker = StageWorker(cfg, stage, compressed=True, device=swarm.opts.device)
+        swarm.resume({stage: worker})
         triggers: queue.Queue[tuple[str, int]] = queue.Queue()
         swarm.serve({stage: worker}, on_last_step=lambda pipeline, t: triggers.put((pipeline, t)))
         swarm.sync_late_join(worker)
         swarm.start_announcing(lambda: swarm.stage_record(worker, role="trainer" if swarm.service.claimed_by else "spare"))
+        last_check = time.monotonic()
         while worker.outer_step < cfg.train.outer_steps and not stop.is_set():
             t = worker.outer_step
             try:
                 pipeline, _ = triggers.get(timeout=0.2)
                 contributor = pipeline
             except queue.Empty:
+                if time.monotonic() - last_check > cfg.swarm.announce_interval_s:
+                    last_check = time.monotonic()
+                    _housekeeping(swarm, worker)
                 # hot spare: once round (t, stage) is complete, apply the same committed set
                 if swarm.service.claimed_by is not None or not swarm.round_complete(t, stage):
                     continue
                 if not swarm.service.begin_observing():
                     continue  # claimed by a head in the meantime
                 contributor = None
-            swarm.run_stage_round(worker, contributor, stop)
-            swarm.service.round_done()
+            try:
+                swarm.run_stage_round(worker, contributor, stop)
+                swarm.checkpoint({stage: worker})  # still in the round: no pipeline can touch the worker
+            finally:
+                swarm.service.round_done()
         swarm.linger(stop)
         swarm.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
@@ -74,14 +85,15 @@ def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int
 
 def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
-    swarm = Swarm.connect(opts, role="head", stage=0)
+    swarm = Swarm.connect(opts, role="head", stage=0, stop=stop)
     try:
         cfg = swarm.cfg
         worker = StageWorker(cfg, 0, compressed=True, device=swarm.opts.device)
+        resumed = swarm.resume({0: worker}) or {}
         swarm.serve({0: worker})
         swarm.sync_late_join(worker)
         data = swarm.load_data()
-        shard = swarm.claim_shard()
+        shard = swarm.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
         driver = PipelineDriver(swarm, worker, stop)
         swarm.start_announcing(lambda: swarm.stage_record(worker, role="head"), lambda: swarm.replica_record(
             "pipeline", worker.outer_step, shard, driver.last_loss, driver.tokens_per_s()))
@@ -89,17 +101,28 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
         val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
         swarm.wait_for_quorum(worker.outer_step, stop)
         while worker.outer_step < train.outer_steps and not stop.is_set():
+            swarm.maintain(worker)
             t = worker.outer_step
             losses = []
-            for h in range(H):
-                x, y = train_batch(data, shard, cfg.swarm.n_shards, t * H + h, train.batch_size, train.seq_len)
-                losses.append(driver.inner_step(t, h, x, y))
-                swarm.log_event("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
+            try:
+                for h in range(H):
+                    x, y = train_batch(data, shard, cfg.swarm.n_shards, t * H + h, train.batch_size, train.seq_len)
+                    losses.append(driver.inner_step(t, h, x, y))
+                    swarm.log_event("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
+            except NetworkError as exc:
+                # no usable peer for a stage: pause, then start the outer step over (re-synced if behind)
+                log.warning("pipeline paused at outer step %d: %s", t, exc)
+                swarm.log_event("pause", t=t, reason=str(exc))
+                worker.zero_grad()
+                driver.release()
+                stop.wait(cfg.swarm.announce_interval_s)
+                continue
             result = swarm.contribute(worker, t, swarm.peer_id, stop)
             driver.release()
             val_loss = driver.evaluate(val)
             swarm.log_round(t, {0: (worker, result.participants)}, sum(losses) / len(losses), val_loss,
                             result.wall_s, activations=driver.act_bytes)
+            swarm.checkpoint({0: worker}, {"shard": shard})  # data position: (shard, outer step)
         swarm.linger(stop)
         swarm.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
@@ -109,15 +132,16 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
 
 def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
     """All stages locally, no boundary compression; contributes to every stage's round."""
-    swarm = Swarm.connect(opts, role="full", stage=None)
+    swarm = Swarm.connect(opts, role="full", stage=None, stop=stop)
     try:
         cfg = swarm.cfg
         workers = {s: StageWorker(cfg, s, compressed=False, device=swarm.opts.device) for s in range(cfg.stages)}
+        resumed = swarm.resume(workers) or {}
         swarm.serve(workers)
         for w in workers.values():
             swarm.sync_late_join(w)
         data = swarm.load_data()
-        shard = swarm.claim_shard()
+        shard = swarm.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
         stats = {"loss": None, "tokens_per_s": 0.0}
         swarm.start_announcing(
             lambda: swarm.replica_record("full", workers[0].outer_step, shard, stats["loss"], stats["tokens_per_s"]),
@@ -127,6 +151,8 @@ def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
         val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
         chain = [workers[s] for s in range(cfg.stages)]
         while chain[0].outer_step < train.outer_steps and not stop.is_set():
+            for w in chain:
+                swarm.maintain(w)
             t = chain[0].outer_step
             losses, started = [], time.monotonic()
             for h in range(H):
@@ -148,11 +174,22 @@ def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
             val_loss = _full_eval(chain, val)
             swarm.log_round(t, {s: (workers[s], results[s].participants) for s in workers}, sum(losses) / len(losses),
                             val_loss, max(r.wall_s for r in results.values()))
+            swarm.checkpoint(workers, {"shard": shard})
         swarm.linger(stop)
         swarm.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
     finally:
         swarm.close()
+
+
+def _housekeeping(swarm: Swarm, worker: StageWorker) -> None:
+    """A stage peer between requests: free the claim of a dead head, re-sync when behind/diverged."""
+    swarm.service.release_if_idle(2 * swarm.cfg.swarm.rpc_timeout_s)
+    if swarm.service.claimed_by is None and not swarm.service.in_round:
+        try:
+            swarm.maintain(worker)
+        except PeerError as exc:
+            log.warning("stage %d: could not re-sync yet: %s", worker.stage, exc)
 
 
 def _full_inner_step(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor, t: int, h: int) -> float:

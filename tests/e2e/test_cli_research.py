@@ -195,11 +195,8 @@ BAD_INPUTS = [
     pytest.param(["simulate"], {"PEER_TRAIN__INNER_STEPS": "abc"}, "train.inner_steps", id="env-wrong-type"),
     pytest.param(["simulate", *SIM_ARGS, "--stages", "9"], {}, "stages", id="too-many-stages"),
     pytest.param(["plan", "--stages", "0", "--png", "p.png"], {}, "--stages", id="plan-zero-stages"),
-    # Known bugs outside config/plan (reported): a ValueError escapes as a traceback with exit code 1.
-    pytest.param(["plan", "--bandwidth-mbps", "abc", "--png", "p.png"], {}, "--bandwidth-mbps", id="plan-bad-bandwidth",
-                 marks=pytest.mark.xfail(strict=True, reason="cli.plan parses --bandwidth-mbps with float()")),
-    pytest.param(["bench", "payload", "--params", "0"], {}, "--params", id="bench-zero-params",
-                 marks=pytest.mark.xfail(strict=True, reason="bench_payload raises ValueError, not a PeerError")),
+    pytest.param(["plan", "--bandwidth-mbps", "abc", "--png", "p.png"], {}, "--bandwidth-mbps", id="plan-bad-bandwidth"),
+    pytest.param(["bench", "payload", "--params", "0"], {}, "--params", id="bench-zero-params"),
 ]
 
 
