@@ -250,8 +250,14 @@ def _print_bootstrap(info, cfg) -> None:
         soft_wrap=True, highlight=False,
     )
     console.print("join this run (paste on another machine):", soft_wrap=True)
-    lines = [f"peer join --stage {s} --initial-peers {maddr}" for s in range(cfg.stages)]
-    lines += [f"peer join --full-replica --initial-peers {maddr}", f"peer status --initial-peers {maddr}"]
+    extra = {"secret": " --swarm-secret-file SECRET_FILE", "allowlist": " --identity KEY_FILE"}.get(cfg.swarm.admission, "")
+    lines = [f"peer join --stage {s} --initial-peers {maddr}{extra}" for s in range(cfg.stages)]
+    lines += [f"peer join --full-replica --initial-peers {maddr}{extra}",
+              f"peer status --initial-peers {maddr}{extra if cfg.swarm.admission == 'secret' else ''}"]
+    if cfg.swarm.admission != "open":
+        console.print(f"admission: {cfg.swarm.admission}"
+                      + (f" ({len(cfg.swarm.allowlist)} allowed peer ids)" if cfg.swarm.admission == "allowlist" else ""),
+                      soft_wrap=True, highlight=False)
     for line in lines:
         console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
     if len(info.initial_peers) > 1:
@@ -292,6 +298,18 @@ def bootstrap(
     print_peer_id: bool = typer.Option(
         False, "--print-peer-id", help="Print the peer id of --identity (creating the key if missing) and exit."
     ),
+    admission: Optional[str] = typer.Option(
+        None, "--admission", help="Who may take part: open, secret (peers need --swarm-secret-file) or allowlist "
+        "(only --allow-peer ids). Default: secret with --swarm-secret-file, allowlist with --allow-peer, else open."
+    ),
+    allow_peer: list[str] = typer.Option(
+        [], "--allow-peer", help="Peer id admitted in allowlist mode (repeatable; a peer prints its id with "
+        "`peer bootstrap --identity KEY_FILE --print-peer-id`)."
+    ),
+    swarm_secret_file: Optional[Path] = typer.Option(
+        None, "--swarm-secret-file", help="File holding the swarm secret (secret mode; default $PEER_SWARM_SECRET). "
+        "Only a commitment to it is published."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
@@ -314,8 +332,19 @@ def bootstrap(
         "train.outer_steps": outer_steps, "train.batch_size": batch_size, "train.seq_len": seq_len, "seed": seed,
         "data.dataset": dataset, "data.max_chars": max_chars, "data.tokenizer": tokenizer,
         "subspace.wire_dtype": wire_dtype, "run_name": run_name,
+        "swarm.admission": admission or ("secret" if swarm_secret_file else "allowlist" if allow_peer else None),
+        "swarm.allowlist": tuple(allow_peer) or None,
     }
     cfg = build_config(config, overrides)
+    from peer.dht import SECRET_ENV, load_swarm_secret
+
+    secret = load_swarm_secret(swarm_secret_file)
+    if cfg.swarm.admission == "secret":
+        if secret is None:
+            raise ConfigError(f"--admission secret needs --swarm-secret-file FILE (or {SECRET_ENV})")
+        os.environ[SECRET_ENV] = secret.decode()  # run_bootstrap's SwarmDHT reads the secret from here
+    elif swarm_secret_file is not None:
+        raise ConfigError(f"--swarm-secret-file needs --admission secret (this run's admission is {cfg.swarm.admission})")
     from bootstrap.node import run_bootstrap
 
     stop = threading.Event()
@@ -347,14 +376,18 @@ def status(
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the status as JSON on stdout instead of tables."),
     timeout_s: float = typer.Option(20.0, "--timeout-s", help="Seconds to wait for the DHT and for the run's manifest."),
+    swarm_secret_file: Optional[Path] = typer.Option(
+        None, "--swarm-secret-file", help="The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Show the swarm: stages and the peers holding them, full replicas, outer step, loss, tokens/s."""
     _setup_logging(verbose)
-    from peer.dht import SwarmDHT
+    from peer.dht import SwarmDHT, load_swarm_secret
     from peer.status import collect_status
 
-    with SwarmDHT(initial_peers=initial_peers, client_mode=True, start_timeout_s=timeout_s) as dht:
+    secret = load_swarm_secret(swarm_secret_file)
+    with SwarmDHT(initial_peers=initial_peers, client_mode=True, start_timeout_s=timeout_s, swarm_secret=secret) as dht:
         result = collect_status(dht, timeout_s=timeout_s, where=", ".join(initial_peers))
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
@@ -399,6 +432,9 @@ def join(
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Tokenizer, metrics.jsonl and state (default runs/<role>)."),
     identity: Optional[Path] = typer.Option(None, "--identity", help="Persistent peer key file (created on first run)."),
     manifest_timeout_s: float = typer.Option(60.0, "--manifest-timeout-s", help="How long to wait for the bootstrap's manifest."),
+    swarm_secret_file: Optional[Path] = typer.Option(
+        None, "--swarm-secret-file", help="The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest good checkpoint in <data-dir>/checkpoints."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -418,6 +454,7 @@ def join(
         auto = False
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    from peer.dht import load_swarm_secret
     from peer.swarm import SwarmOptions
     from peer.trainer import data_dir_default, run_full_replica, run_head, run_stage_peer
 
@@ -425,7 +462,8 @@ def join(
     opts = SwarmOptions(initial_peers=tuple(initial_peers), host=host, port=port, dht_port=dht_port,
                         announce_host=announce_host, data_dir=data_dir or data_dir_default(role, stage),
                         identity=str(identity) if identity else None, device=device,
-                        manifest_timeout_s=manifest_timeout_s, resume=resume)
+                        manifest_timeout_s=manifest_timeout_s, resume=resume,
+                        swarm_secret=load_swarm_secret(swarm_secret_file))
     if auto:
         opts = dataclasses.replace(opts, device="auto")
     stop = threading.Event()

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -69,6 +70,10 @@ class SwarmConfig:
     min_replicas: int = 1  # replicas (pipelines + full replicas) to wait for before the first step
     checkpoint_every_rounds: int = 1  # save <data-dir>/checkpoints every N committed rounds (0 = never)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    # Who may take part, set at the bootstrap: "open", "secret" (peers prove they know a shared
+    # secret; the secret itself is never in the config) or "allowlist" (only these peer ids).
+    admission: str = "open"
+    allowlist: tuple[str, ...] = ()  # peer ids admitted when admission == "allowlist"
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,8 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
     if kind is None:
         if "Path" in text:
             kind = Path
+        elif "tuple" in text:
+            kind = tuple
         elif "int" in text and "None" in text:
             kind = int
         elif "str" in text:
@@ -160,6 +167,11 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
             return Path(value).expanduser()
         if kind is str:
             return str(value)
+        if kind is tuple:  # of str: a TOML list, or "a,b" from env / CLI
+            items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+                raise ValueError(value)
+            return tuple(items)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: expected {getattr(kind, '__name__', kind)}, got {value!r}") from None
     return value
@@ -194,7 +206,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for key, value in environ.items():
-        if not key.startswith("PEER_") or key in ("PEER_CACHE_DIR", "PEER_LOG_LEVEL"):
+        if not key.startswith("PEER_") or key in ("PEER_CACHE_DIR", "PEER_LOG_LEVEL", "PEER_SWARM_SECRET"):
             continue
         parts = key[len("PEER_"):].lower().split("__")
         if len(parts) == 1:
@@ -367,6 +379,18 @@ def validate(cfg: RunConfig) -> None:
     for name in ("n_shards", "min_replicas"):
         if getattr(w, name) < 1:
             raise ConfigError(f"swarm.{name} must be >= 1, got {getattr(w, name)}")
+    if w.admission not in ("open", "secret", "allowlist"):
+        raise ConfigError(f"swarm.admission must be open, secret or allowlist, got {w.admission!r}")
+    if w.admission == "allowlist" and not w.allowlist:
+        raise ConfigError("swarm.admission='allowlist' needs at least one peer id in swarm.allowlist (--allow-peer ID)")
+    if w.allowlist and w.admission != "allowlist":
+        raise ConfigError(f"swarm.allowlist is set but swarm.admission is {w.admission!r}; use admission 'allowlist'")
+    for peer_id in w.allowlist:
+        if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
+            raise ConfigError(
+                f"swarm.allowlist entry {peer_id!r} is not a peer id; print one with "
+                "`peer bootstrap --identity FILE --print-peer-id`"
+            )
     if w.checkpoint_every_rounds < 0:
         raise ConfigError(f"swarm.checkpoint_every_rounds must be >= 0 (0 = never), got {w.checkpoint_every_rounds}")
     if w.keep_checkpoints < 1:

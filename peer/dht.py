@@ -5,16 +5,33 @@ hivemind runs its DHT node and the libp2p daemon (`p2pd`) in a child process; ev
 sends one request to that process and waits on its future with a deadline, so callers never see
 asyncio and never wait forever.
 
+Identity. Every node runs on a file-backed libp2p RSA key: `--identity PATH` (created on first
+run, so the peer id survives restarts) or a throw-away key in a temporary file. The same key signs
+this peer's DHT records through hivemind's own `RSASignatureValidator`, so a peer id and the key
+that signs for it are one thing: peer id = multihash(sha256(libp2p public key)).
+
 Records (all values are msgpack-friendly; every record has an expiration):
-- ``peer.manifest`` (fixed key, no run id): the run's manifest as a canonical JSON **string**
-  (sorted keys, no spaces). A stock hivemind client reads it without `peer` installed:
+- ``peer.manifest.signed``: the run's manifest as canonical JSON **text** under the subkey
+  ``[owner:<bootstrap's RSA public key>]``, signed by the bootstrap. Readers take the copy signed
+  by one of their --initial-peers (or the only copy) and apply its admission policy.
+- ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients:
   ``json.loads(hivemind.DHT(initial_peers=[...], start=True).get("peer.manifest", latest=True).value)``.
-  A string keeps the exact bytes the bootstrap hashed and avoids msgpack type quirks.
-- ``peer.{run}.stage.{s}``: one subkey per peer holding stage s (subkey = that peer's id).
-- ``peer.{run}.replica``: one subkey per full replica or pipeline head.
-- ``peer.{run}.round.{t}.{s}``: one subkey per payload announced for outer step t, stage s.
-Each per-peer record is the caller's dict plus ``"time"`` (hivemind DHT time at announcement)
-so readers can drop stale ones (``max_age_s``).
+  Anyone can overwrite it; `peer` itself never trusts it.
+- ``peer.{run}.stage.{s}``, ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}``: one subkey per
+  peer, the subkey being ``[owner:<that peer's RSA public key>]``. Every hivemind node running this
+  module refuses a store under an owner subkey unless it is signed by that key, and drops such a
+  record from other nodes' answers if its signature is wrong. Readers map the subkey back to the
+  peer id derived from the key, drop records whose ``"peer_id"`` field disagrees or whose subkey is
+  not an owner key, and return ``{peer id: record}`` with ``"time"`` (DHT time at announcement) and
+  ``"peer_id"`` added.
+
+Admission (set at the bootstrap, in the manifest's ``config.swarm``): ``open``; ``secret`` (every
+record carries ``admission`` = HMAC-SHA256(secret, peer id), readers drop records without a valid
+one; the manifest carries only ``swarm_secret_commitment`` = sha256(HMAC(secret, label)), so a
+joiner with the wrong secret fails at `get_manifest`); ``allowlist`` (readers drop records whose
+signer is not listed; an unlisted non-client node fails at `get_manifest`). Admission filters what
+readers LISTEN to: records stay readable by anyone who reaches the DHT, and the gRPC data plane is
+not authenticated by this module.
 
 Invariants:
 - hivemind keeps, per (key, subkey), the value with the LATEST expiration and refuses an older
@@ -28,29 +45,48 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import hivemind
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import PrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from peer.errors import ConfigError, ManifestMismatch, NetworkError
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_KEY = "peer.manifest"
+MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
+SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
+ADMISSION_MODES = ("open", "secret", "allowlist")  # the values of config.swarm.admission
+SECRET_ENV = "PEER_SWARM_SECRET"
+_PROOF = "admission"  # record field holding HMAC(secret, peer id) in secret mode
+_PROOF_LABEL = b"peer-admission/v1/peer/"
+_COMMITMENT_LABEL = b"peer-admission/v1/commitment"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX, re.DOTALL)
 _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this host can reach them"
 
 
@@ -74,6 +110,135 @@ def make_identity(path: str | os.PathLike) -> str:
         return PeerID.from_identity(path.read_bytes()).to_base58()
     except Exception as e:  # a truncated or foreign file
         raise ConfigError(f"identity file {path} is not a libp2p private key ({e}); delete it to make a new one") from e
+
+
+# --- signing keys and peer ids -------------------------------------------------------------------
+
+_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
+
+
+class _IdentityKey(PrivateKey):
+    """A libp2p RSA identity as a hivemind signing key.
+
+    Signs exactly like hivemind's `RSAPrivateKey` (RSA-PSS, MGF1-SHA256, maximal salt, base64), so
+    hivemind's `RSASignatureValidator` and `RSAPublicKey.verify` accept its signatures.
+    """
+
+    def __init__(self, der: bytes):
+        self._der = der
+        key = serialization.load_der_private_key(der, password=None)
+        if not isinstance(key, rsa.RSAPrivateKey):
+            raise ValueError(f"expected an RSA key, got {type(key).__name__}")
+        self._key = key
+
+    def sign(self, data: bytes) -> bytes:
+        return base64.b64encode(self._key.sign(data, _PSS, hashes.SHA256()))
+
+    def get_public_key(self) -> RSAPublicKey:
+        return RSAPublicKey(self._key.public_key())
+
+    def __getstate__(self) -> dict:  # picklable for hivemind's child process
+        return {"der": self._der}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["der"])
+
+
+def _load_identity_key(path: Path) -> _IdentityKey:
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        if proto.key_type != crypto_pb2.RSA:
+            raise ValueError("not an RSA key")
+        return _IdentityKey(proto.data)
+    except Exception as e:
+        raise ConfigError(
+            f"identity file {path} is not a libp2p RSA private key ({e}); delete it to make a new one"
+        ) from e
+
+
+def peer_id_of(public_key: RSAPublicKey) -> str:
+    """The libp2p peer id of an RSA public key (multihash sha2-256 of the libp2p PublicKey protobuf)."""
+    der = serialization.load_ssh_public_key(public_key.to_bytes()).public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # 0x12 = sha2-256, 32 bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner_peer_id(subkey: Any) -> str | None:
+    """Peer id of the key in an owner subkey ``[owner:<ssh-rsa ...>]``; None for any other subkey."""
+    if not isinstance(subkey, bytes):
+        return None
+    match = _OWNER_RE.fullmatch(subkey)
+    if match is None:
+        return None
+    try:
+        return peer_id_of(RSAPublicKey.from_bytes(match.group(1)))
+    except Exception:
+        return None
+
+
+# --- admission -----------------------------------------------------------------------------------
+
+
+def load_swarm_secret(path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The swarm secret: the text of `path` (surrounding whitespace stripped), else $PEER_SWARM_SECRET, else None."""
+    if path is not None:
+        path = Path(path).expanduser()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read the swarm secret file {path} ({e.strerror}); pass an existing file") from e
+        except UnicodeDecodeError:
+            raise ConfigError(f"the swarm secret file {path} is not UTF-8 text; use e.g. `openssl rand -hex 32`") from None
+        where = f"swarm secret file {path}"
+    else:
+        text = (os.environ if environ is None else environ).get(SECRET_ENV)
+        if text is None:
+            return None
+        where = f"${SECRET_ENV}"
+    secret = text.strip().encode()
+    if not secret:
+        raise ConfigError(f"the {where} is empty; put a long random string in it (e.g. `openssl rand -hex 32`)")
+    if len(secret) < 16:
+        logger.warning("the %s is only %d bytes; a guessable secret can be brute-forced offline", where, len(secret))
+    return secret
+
+
+def admission_proof(secret: bytes, peer_id: str) -> str:
+    """HMAC-SHA256(secret, label + peer id): what a secret-mode record carries to show it is admitted."""
+    return hmac.new(secret, _PROOF_LABEL + peer_id.encode(), hashlib.sha256).hexdigest()
+
+
+def secret_commitment(secret: bytes) -> str:
+    """What the manifest carries instead of the secret: sha256(HMAC-SHA256(secret, label))."""
+    return hashlib.sha256(hmac.new(secret, _COMMITMENT_LABEL, hashlib.sha256).digest()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who readers listen to (from the manifest): mode, allowed peer ids, the secret's commitment."""
+
+    mode: str = "open"
+    allowlist: frozenset[str] = frozenset()
+    commitment: str | None = None
+
+    @classmethod
+    def of_manifest(cls, manifest: Mapping[str, Any]) -> Admission:
+        config = manifest.get("config")
+        swarm = config.get("swarm") if isinstance(config, Mapping) else None
+        swarm = swarm if isinstance(swarm, Mapping) else {}
+        mode = swarm.get("admission", "open")
+        allowlist = swarm.get("allowlist") or ()
+        commitment = manifest.get("swarm_secret_commitment")
+        if mode not in ADMISSION_MODES:
+            raise ManifestMismatch(f"the swarm uses admission {mode!r}, this peer knows {ADMISSION_MODES}; upgrade peer")
+        if not isinstance(allowlist, (list, tuple)) or not all(isinstance(p, str) for p in allowlist):
+            raise ManifestMismatch("the manifest's swarm.allowlist is not a list of peer ids; the bootstrap is broken")
+        if mode == "allowlist" and not allowlist:
+            raise ManifestMismatch("the manifest's admission is 'allowlist' with an empty list; the bootstrap is broken")
+        return cls(mode, frozenset(allowlist), commitment if isinstance(commitment, str) else None)
 
 
 def _maddr(host: str, port: int) -> str:
@@ -213,27 +378,55 @@ class SwarmDHT:
         client_mode: bool = False,
         start_timeout_s: float = 30,
         request_timeout_s: float = 15.0,
+        swarm_secret: bytes | str | None = None,
     ):
+        """`identity_path`: the persistent key file (created if missing); None = a throw-away key.
+        `swarm_secret`: the secret of a secret-mode swarm (None: $PEER_SWARM_SECRET, if set)."""
         initial = [_check_initial_peer(str(a)) for a in initial_peers]
         if announce_host is not None and port == 0:
             raise ConfigError("--announce-host needs an explicit --port (port 0 cannot be announced)")
+        if isinstance(swarm_secret, str):
+            swarm_secret = swarm_secret.strip().encode()
+        self._secret: bytes | None = load_swarm_secret() if swarm_secret is None else bytes(swarm_secret)
+        if self._secret is not None and not self._secret:
+            raise ConfigError("the swarm secret is empty; put a long random string in it")
         kwargs: dict[str, Any] = dict(
             host_maddrs=[_maddr(host, port)], client_mode=client_mode, startup_timeout=start_timeout_s
         )
         if announce_host is not None:
             kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
-        if identity_path is not None:
-            make_identity(identity_path)
-            kwargs["identity_path"] = str(Path(identity_path).expanduser())
+        # Every node signs with a file-backed RSA identity: p2pd takes its peer id from the same file.
+        scratch = None
+        if identity_path is None:
+            scratch = tempfile.mkdtemp(prefix="peer-identity-")
+            key_path = Path(scratch) / "identity.key"
+            P2P.generate_identity(str(key_path))
+            fresh = True
+        else:
+            key_path = Path(identity_path).expanduser()
+            fresh = not key_path.exists()
+            make_identity(key_path)
+        key = _load_identity_key(key_path)
+        kwargs["identity_path"] = str(key_path)
+        if fresh:
+            kwargs["check_if_identity_free"] = False  # a key made just now is not in use elsewhere
+        validator = RSASignatureValidator(key)
+        self.owner_subkey: bytes = validator.local_public_key  # the DHT subkey of this peer's records
+        self.client_mode = bool(client_mode)
         self.request_timeout_s = float(request_timeout_s)
         self.run_id: str | None = None
         self.n_stages = 0
-        self._last_expiration: dict[tuple[str, str | None], float] = {}
+        self.admission = Admission()  # set from the manifest by get_manifest / publish_manifest
+        self.manifest_signer: str | None = None
+        self.dropped_records: dict[str, int] = {"unsigned": 0, "forged": 0, "not_admitted": 0}
+        self._warned: set[tuple[str, str]] = set()
+        self._initial_ids = {str(Multiaddr(a)["p2p"]) for a in initial}
+        self._last_expiration: dict[tuple[str, Any], float] = {}
         self._known_pids: dict[int, int] = {}
         self._closed = False
 
         t0 = time.monotonic()
-        self._dht = hivemind.DHT(initial_peers=initial or None, start=False, **kwargs)
+        self._dht = hivemind.DHT(initial_peers=initial or None, start=False, record_validators=[validator], **kwargs)
         # Runs at interpreter exit if shutdown() was never called, so no p2pd outlives us.
         self._finalizer = weakref.finalize(self, _stop, self._dht, self._known_pids)
         try:
@@ -252,6 +445,12 @@ class SwarmDHT:
         except Exception as e:
             self.shutdown()
             raise NetworkError(self._start_error(e, initial, identity_path)) from e
+        finally:
+            if scratch is not None:  # p2pd has read the key by now (or failed)
+                shutil.rmtree(scratch, ignore_errors=True)
+        if self.peer_id != peer_id_of(key.get_public_key()):
+            self.shutdown()
+            raise NetworkError(f"the DHT node runs as {self.peer_id}, not as the identity in {key_path}")
         self.start_time_s = time.monotonic() - t0
         logger.info(
             "DHT node %s started in %.2f s (%d initial peers, client_mode=%s)",
@@ -327,7 +526,7 @@ class SwarmDHT:
         if not self._dht.is_alive():
             raise NetworkError("the hivemind DHT process exited; restart this peer")
 
-    def _store(self, key: str, value: Any, ttl_s: float, subkey: str | None, timeout_s: float | None) -> None:
+    def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None, timeout_s: float | None) -> None:
         self._check_open()
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -341,7 +540,7 @@ class SwarmDHT:
                 f"DHT store of {key!r} was refused (no node accepted it, or a newer record exists); {_CHECK_HINT}"
             )
         self._last_expiration[(key, subkey)] = expiration
-        logger.debug("stored %s (subkey %s) for %.0f s", key, subkey, expiration - dht_time())
+        logger.debug("stored %s (%s) for %.0f s", key, "signed" if subkey else "plain", expiration - dht_time())
 
     def _get_many(self, keys: Sequence[str], timeout_s: float | None) -> list[Any]:
         """Values of `keys` (None where absent), fetched concurrently under one deadline."""
@@ -355,8 +554,32 @@ class SwarmDHT:
             out.append(None if found is None else found.value)
         return out
 
+    def _drop(self, reason: str, who: str, detail: str) -> None:
+        """Count a dropped record; warn once per (reason, peer) so a flood does not flood the log."""
+        self.dropped_records[reason] += 1
+        if (reason, who) not in self._warned:
+            self._warned.add((reason, who))
+            logger.warning("ignoring DHT records from %s: %s", who, detail)
+
+    def _admitted(self, peer_id: str, record: Mapping[str, Any]) -> bool:
+        mode = self.admission.mode
+        if mode == "allowlist":
+            return peer_id in self.admission.allowlist
+        if mode == "secret":
+            proof = record.get(_PROOF)
+            return (
+                self._secret is not None and isinstance(proof, str)
+                and hmac.compare_digest(proof, admission_proof(self._secret, peer_id))
+            )
+        return True
+
     def _records(self, value: Any, max_age_s: float | None) -> dict[str, dict]:
-        """Live per-peer records of a subkeyed value: drops "left" records and stale ones."""
+        """Live, signed, admitted per-peer records of a subkeyed value, keyed by the signer's peer id.
+
+        Drops records whose subkey is not an owner key (unsigned), whose "peer_id" is not the
+        signer's (forged), that fail the swarm's admission, that are "left" or older than `max_age_s`.
+        Signatures themselves were checked by this node's hivemind validator before we see them.
+        """
         if value is None:
             return {}
         if not isinstance(value, dict):
@@ -366,12 +589,23 @@ class SwarmDHT:
         out: dict[str, dict] = {}
         for subkey, item in value.items():
             record = getattr(item, "value", None)
-            if not isinstance(record, dict) or record.get("state") == "left":
+            signer = _owner_peer_id(subkey)
+            if signer is None:
+                signer = str(subkey)
+            if not isinstance(record, dict):
+                continue
+            if record.get("peer_id") != signer:
+                self._drop("forged", signer, f"it claims to be {str(record.get('peer_id'))[:16]} but signs as {signer}")
+                continue
+            if not self._admitted(signer, record):
+                self._drop("not_admitted", signer, f"it is not admitted to this {self.admission.mode}-mode swarm")
+                continue
+            if record.get("state") == "left":
                 continue
             stamp = record.get("time")
             if max_age_s is not None and (not isinstance(stamp, (int, float)) or now - stamp > max_age_s):
                 continue
-            out[str(subkey)] = record
+            out[signer] = {k: v for k, v in record.items() if k != _PROOF}
         return out
 
     def _run_key(self, suffix: str) -> str:
@@ -379,36 +613,113 @@ class SwarmDHT:
             raise RuntimeError("call set_run(run_id) (from the manifest) before using per-run DHT records")
         return f"peer.{self.run_id}.{suffix}"
 
-    def _announce(self, key: str, record: Mapping[str, Any], ttl_s: float, timeout_s: float | None) -> None:
+    def _signed(self, record: Mapping[str, Any]) -> dict[str, Any]:
         record = dict(record)
         record["time"] = dht_time()
+        record["peer_id"] = self.peer_id
+        if self._secret is not None:
+            record[_PROOF] = admission_proof(self._secret, self.peer_id)
+        return record
+
+    def _announce(self, key: str, record: Mapping[str, Any], ttl_s: float, timeout_s: float | None) -> None:
+        record = self._signed(record)
         _check_plain(record, "record")
-        self._store(key, record, ttl_s, self.peer_id, timeout_s)
+        self._store(key, record, ttl_s, self.owner_subkey, timeout_s)
 
     def _withdraw(self, key: str, timeout_s: float | None) -> None:
-        self._store(key, {"state": "left", "time": dht_time()}, LEFT_TTL_S, self.peer_id, timeout_s)
+        self._store(key, self._signed({"state": "left"}), LEFT_TTL_S, self.owner_subkey, timeout_s)
 
     # --- manifest --------------------------------------------------------------------------------
 
     def publish_manifest(self, manifest: Mapping[str, Any], ttl_s: float, timeout_s: float | None = None) -> None:
-        """Store the manifest under "peer.manifest" as canonical JSON text; call again to refresh it."""
+        """Store the manifest as canonical JSON text, signed by this node; call again to refresh it.
+
+        A secret-mode manifest (``config.swarm.admission == "secret"``) gets the secret's commitment
+        added (never the secret), so this node needs the secret.
+        """
+        admission = Admission.of_manifest(manifest)
+        if admission.mode == "secret":
+            if self._secret is None:
+                raise ConfigError(
+                    "admission 'secret' needs the swarm secret: pass --swarm-secret-file FILE (or set PEER_SWARM_SECRET)"
+                )
+            manifest = {**manifest, "swarm_secret_commitment": secret_commitment(self._secret)}
+            admission = Admission.of_manifest(manifest)
         text = json.dumps(manifest, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        self._store(MANIFEST_KEY, text, ttl_s, None, timeout_s)
+        self._store(SIGNED_MANIFEST_KEY, text, ttl_s, self.owner_subkey, timeout_s)
+        self.admission, self.manifest_signer = admission, self.peer_id
+        try:  # the unsigned mirror is a convenience for stock clients: anyone may overwrite it
+            self._store(MANIFEST_KEY, text, ttl_s, None, timeout_s)
+        except NetworkError as e:
+            logger.warning("could not refresh the unsigned manifest mirror %r: %s", MANIFEST_KEY, e)
 
     def get_manifest(self, timeout_s: float | None = None) -> dict | None:
-        """The run's manifest, or None if no bootstrap has published one (yet)."""
-        (value,) = self._get_many([MANIFEST_KEY], timeout_s)
-        if value is None:
+        """The run's manifest as signed by the bootstrap, or None if none is published (yet).
+
+        Takes the copy signed by one of --initial-peers, else the only copy (with a warning; several
+        copies from different signers and none from an initial peer is a `ManifestMismatch`). Then
+        applies the manifest's admission policy to this node's readers and raises `ManifestMismatch`
+        if this node is not admitted: a wrong or missing swarm secret, or (unless client_mode) a
+        peer id missing from the allow-list.
+        """
+        (value,) = self._get_many([SIGNED_MANIFEST_KEY], timeout_s)
+        copies: dict[str, tuple[float, Any]] = {}
+        for subkey, item in (value.items() if isinstance(value, dict) else ()):
+            signer = _owner_peer_id(subkey)
+            if signer is None:
+                self._drop("unsigned", str(subkey)[:16], "an unsigned manifest copy")
+                continue
+            copies[signer] = (item.expiration_time, item.value)
+        if not copies:
             return None
+        trusted = [s for s in copies if s in self._initial_ids]
+        if trusted:
+            signer = max(trusted, key=lambda s: copies[s][0])
+        elif len(copies) == 1:
+            (signer,) = copies
+            if self._initial_ids:
+                logger.warning(
+                    "the manifest is signed by %s, which is not one of --initial-peers; cannot check it comes "
+                    "from the bootstrap (pass the bootstrap's own multiaddr to be sure)", signer,
+                )
+        else:
+            raise ManifestMismatch(
+                f"{len(copies)} different peers signed a manifest and none of them is an --initial-peers peer; "
+                "pass the bootstrap's own multiaddr as --initial-peers"
+            )
+        text = copies[signer][1]
         try:
-            manifest = json.loads(value) if isinstance(value, (str, bytes)) else None
+            manifest = json.loads(text) if isinstance(text, (str, bytes)) else None
         except ValueError:
             manifest = None
         if not isinstance(manifest, dict):
             raise ManifestMismatch(
-                f"the DHT record {MANIFEST_KEY!r} is not a JSON object; check --initial-peers points at a peer swarm"
+                f"the manifest signed by {signer} is not a JSON object; check --initial-peers points at a peer swarm"
             )
+        admission = Admission.of_manifest(manifest)
+        self._check_admitted(admission)
+        self.admission, self.manifest_signer = admission, signer
         return manifest
+
+    def _check_admitted(self, admission: Admission) -> None:
+        if admission.mode == "secret":
+            if admission.commitment is None:
+                raise ManifestMismatch("the swarm's manifest has no secret commitment; the bootstrap is broken or too old")
+            if self._secret is None:
+                raise ManifestMismatch(
+                    "this swarm admits only peers that know its secret; pass --swarm-secret-file FILE "
+                    f"(or set {SECRET_ENV})"
+                )
+            if not hmac.compare_digest(secret_commitment(self._secret), admission.commitment):
+                raise ManifestMismatch(
+                    "wrong swarm secret: it does not match the swarm's commitment; check --swarm-secret-file "
+                    f"(or {SECRET_ENV}) against the bootstrap's"
+                )
+        if admission.mode == "allowlist" and not self.client_mode and self.peer_id not in admission.allowlist:
+            raise ManifestMismatch(
+                f"this peer ({self.peer_id}) is not on the swarm's allow-list; ask the bootstrap operator to add "
+                f"`--allow-peer {self.peer_id}` and keep using the same --identity file"
+            )
 
     # --- stages, replicas, rounds ----------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from peer.checkpoint import atomic_directory, file_sha256
 from peer.config import RunConfig
 from peer.errors import CheckpointError
-from peer.replica import perp_of, set_perp, stage_state, state_hash
+from peer.replica import perp_of, set_perp, stage_state
 from peer.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,8 @@ def _write_error(final: Path, previous: Path | None, exc: BaseException) -> Chec
     kept = f"the previous checkpoint at {previous} is kept" if previous is not None else "no earlier checkpoint exists"
     no_space = getattr(exc, "errno", None) in _NO_SPACE or "os error 28" in str(exc) or "No space left" in str(exc)
     if no_space:
-        return CheckpointError(f"could not write checkpoint {final}: disk full; free space in {final.parent} — {kept}")
+        return CheckpointError(f"could not write checkpoint {final}: disk full; free space in {final.parent} "
+                               f"— {kept}")
     why = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
     return CheckpointError(f"could not write checkpoint {final}: {why}; check that {final.parent} is writable "
                            f"and has free space — {kept}")
@@ -206,6 +207,10 @@ def _read_verified(path: Path, workers: Mapping[int, StageWorker], fingerprint: 
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError("not a peer stage checkpoint")
         t, stages = int(meta["outer_step"]), meta["stages"]
+        if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
+            raise ValueError("'stages' is not a mapping of stage records")
+        if path.name != f"step-{t:06d}":
+            raise ValueError(f"records outer step {t}, the folder name says otherwise")
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable {META_FILE} ({exc})") from None
     if meta.get("fingerprint") != fingerprint:

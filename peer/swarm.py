@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +50,7 @@ class SwarmOptions:
     identity: str | None = None
     device: str = "cpu"
     manifest_timeout_s: float = 60.0
+    swarm_secret: bytes | None = field(default=None, repr=False)  # secret-mode swarms (None: $PEER_SWARM_SECRET)
     resume: bool = False  # restore <data_dir>/checkpoints before training (`peer join --resume`)
 
 
@@ -84,7 +85,7 @@ class Swarm:
         if not opts.initial_peers:
             raise PeerError("--initial-peers is required: paste the line `peer bootstrap` printed")
         dht = SwarmDHT(opts.initial_peers, host=opts.host, port=opts.dht_port, announce_host=opts.announce_host,
-                       identity_path=opts.identity)
+                       identity_path=opts.identity, swarm_secret=opts.swarm_secret)
         if opts.device == "auto":  # only now: the DHT process has forked, CUDA may be touched
             import torch
 

@@ -136,6 +136,26 @@ def test_resumed_peer_continues_bit_identically(tmp_path, compressed):
     assert forgetful[0].param_hash() != ref[0].param_hash()
 
 
+def test_mid_round_checkpoint_keeps_theta_start_apart(tmp_path):
+    """Saved after an inner step (θ ≠ θ_start): both are stored and the round still ends identically."""
+    cfg = _cfg()
+    ref = _make(cfg, True)
+    _train(ref, _pipeline_step, 1)
+    H = cfg.train.inner_steps
+    _pipeline_step(ref, *_batch(cfg, H), 1, 0)
+    path = save_stage_checkpoint(tmp_path, _as_dict(ref), {})
+    from safetensors import safe_open
+
+    with safe_open(str(path / "state.safetensors"), "pt") as f:
+        assert "s1/start/norm.weight" in set(f.keys())
+    resumed = _make(cfg, True)
+    load_latest_stage_checkpoint(tmp_path, _as_dict(resumed), checkpoint_fingerprint(cfg))
+    for workers in (ref, resumed):
+        _pipeline_step(workers, *_batch(cfg, H + 1), 1, 1)
+        _round(workers)
+    _assert_identical(ref, resumed)
+
+
 def test_meta_records_steps_hashes_and_hyperparameters(tmp_path):
     cfg = _cfg()
     workers = _make(cfg, True)

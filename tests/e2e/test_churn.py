@@ -1,0 +1,193 @@
+"""Churn with real processes: kill -9, SIGSTOP/SIGCONT and SIGTERM of peers mid-training.
+
+A bootstrap, a head, two stage-1 peers (one claimed, one hot spare) and a full replica run with
+short deadlines. Faults are injected with `Fault`: it waits for a named peer to reach an outer
+step, then signals it. The swarm must keep training, reroute the pipeline to the spare, close
+rounds on their deadlines, re-sync peers that come back, and every survivor must end bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+DEADLINES = {"PEER_SWARM__RPC_TIMEOUT_S": "3", "PEER_SWARM__RECORD_TTL_S": "5", "PEER_SWARM__ANNOUNCE_INTERVAL_S": "0.5",
+             "PEER_SWARM__ROUND_TIMEOUT_S": "20", "PEER_SWARM__CLAIM_TIMEOUT_S": "60"}
+
+
+class Swarm:
+    """The processes of one test swarm and their metrics."""
+
+    def __init__(self, tmp: Path, outer_steps: int, min_replicas: int = 2, batch: str = "8", seq_len: str = "64"):
+        self.tmp = tmp
+        self.env = {**os.environ, "PEER_CACHE_DIR": str(tmp / "cache"), "HF_HUB_OFFLINE": "1",
+                    "PEER_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+        self.procs: dict[str, subprocess.Popen] = {}
+        address = tmp / "bootstrap.json"
+        self.start("bootstrap", ["bootstrap", "--inner-steps", "4", "--outer-steps", str(outer_steps),
+                                 "--batch-size", batch, "--seq-len", seq_len, "--max-chars", "200000",
+                                 "--address-file", str(address)],
+                   extra_env={**DEADLINES, "PEER_SWARM__MIN_REPLICAS": str(min_replicas)})
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert self.procs["bootstrap"].poll() is None, self.log("bootstrap")
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        self.maddr = json.loads(address.read_text())["initial_peers"][0]
+
+    def start(self, name: str, args: list[str], extra_env: dict | None = None) -> None:
+        log = (self.tmp / f"{name}.log").open("a")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "peer", *args], stdout=log, stderr=subprocess.STDOUT,
+                                            env={**self.env, **(extra_env or {})}, start_new_session=True)
+
+    def join(self, name: str, *flags: str) -> None:
+        self.start(name, ["join", *flags, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)])
+
+    def events(self, name: str, kind: str | None = None) -> list[dict]:
+        path = self.tmp / name / "metrics.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return [r for r in recs if kind is None or r["event"] == kind]
+
+    def rounds(self, name: str) -> dict[int, dict]:
+        return {r["t"]: r for r in self.events(name, "round")}
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-4000:]
+
+    def wait_for(self, what, timeout_s: float = 180, poll_s: float = 0.1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not what():
+            assert time.monotonic() < deadline, "timed out waiting; logs:\n" + "\n".join(
+                f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
+            time.sleep(poll_s)
+
+    def claimed_stage_peer(self, names: list[str], t: int) -> str:
+        """Which stage peer the head uses: the one that contributed (not just observed) at step t."""
+        starts = {n: e["address"] for n in names for e in self.events(n, "start")}
+        head_log = (self.tmp / "head.log").read_text()
+        last = {n: head_log.rfind(f"at {addr}") for n, addr in starts.items()}
+        name = max(last, key=last.get)
+        assert last[name] >= 0, head_log[-3000:]
+        return name
+
+    def wait_exit(self, name: str, timeout_s: float = 240) -> int:
+        return self.procs[name].wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=30)
+
+
+@pytest.fixture
+def swarm_factory(tmp_path, reap_children):
+    made = []
+
+    def make(**kw) -> Swarm:
+        made.append(Swarm(tmp_path, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_stage_peer_kill_stall_and_return(swarm_factory):
+    T = 40  # long enough for a restart and a stall to happen mid-run
+    sw = swarm_factory(outer_steps=T)
+    sw.join("s1a", "--stage", "1")
+    sw.join("s1b", "--stage", "1")
+    sw.wait_for(lambda: sw.events("s1a", "start") and sw.events("s1b", "start"))
+    sw.join("full", "--full-replica")
+    sw.join("head", "--stage", "0")
+
+    # 1. kill -9 the claimed stage-1 peer in the middle of outer step 1
+    sw.wait_for(lambda: any(e["t"] == 1 and e["h"] == 1 for e in sw.events("head", "step")))
+    victim = sw.claimed_stage_peer(["s1a", "s1b"], 1)
+    spare = "s1b" if victim == "s1a" else "s1a"
+    killed_at = time.time()
+    os.killpg(sw.procs[victim].pid, signal.SIGKILL)
+    n_steps = len(sw.events("head", "step"))
+    sw.wait_for(lambda: len(sw.events("head", "step")) > n_steps)
+    recovered_s = sw.events("head", "step")[n_steps]["time"] - killed_at
+    print(f"\nkill -9 {victim}: the head stepped again after {recovered_s:.1f}s (rerouted to {spare})")
+    assert recovered_s < 30
+
+    # 2. the killed peer comes back (same data dir): it re-syncs and becomes the spare
+    sw.join(victim + "-back", "--stage", "1")
+    sw.wait_for(lambda: sw.events(victim + "-back", "sync"))
+
+    # 3. SIGSTOP the peer now in use; the head treats it as dead and reroutes; SIGCONT: it re-syncs
+    t_now = max(sw.rounds("head"), default=0)
+    sw.wait_for(lambda: any(e["t"] == t_now + 1 and e["h"] == 1 for e in sw.events("head", "step")))
+    stalled = sw.claimed_stage_peer([spare, victim + "-back"], t_now + 1)
+    os.kill(sw.procs[stalled].pid, signal.SIGSTOP)
+    n_steps = len(sw.events("head", "step"))
+    stopped_at = time.time()
+    sw.wait_for(lambda: len(sw.events("head", "step")) > n_steps)
+    print(f"SIGSTOP {stalled}: the head stepped again after {sw.events('head', 'step')[n_steps]['time'] - stopped_at:.1f}s")
+    sw.wait_for(lambda: max(sw.rounds("full"), default=0) >= t_now + 3, timeout_s=240)
+    os.kill(sw.procs[stalled].pid, signal.SIGCONT)
+
+    for name in dict.fromkeys(("head", "full", spare, victim + "-back", stalled)):
+        rc = sw.wait_exit(name)
+        assert rc == 0, f"{name} exited {rc}\n{sw.log(name)}"
+
+    # the stalled peer came back behind and re-synced instead of poisoning a round
+    assert [e for e in sw.events(stalled, "sync") if e["t"] > t_now + 1], sw.log(stalled)
+    # every survivor that committed the last round holds the same parameters
+    full, head = sw.rounds("full"), sw.rounds("head")
+    assert sorted(full) == list(range(T)) and T - 1 in head
+    for t in head:
+        assert head[t]["stages"]["0"]["param_hash"] == full[t]["stages"]["0"]["param_hash"], t
+    for name in {spare, victim + "-back", stalled}:
+        last = sw.rounds(name)
+        assert T - 1 in last, f"{name} did not reach the last round\n{sw.log(name)}"
+        assert last[T - 1]["stages"]["1"]["param_hash"] == full[T - 1]["stages"]["1"]["param_hash"], name
+    assert full[T - 1]["train_loss"] < full[0]["train_loss"]
+
+
+def test_full_replica_kill_and_graceful_leave(swarm_factory):
+    T = 12
+    sw = swarm_factory(outer_steps=T, min_replicas=3)
+    sw.join("s1", "--stage", "1")
+    sw.wait_for(lambda: sw.events("s1", "start"))
+    sw.join("full-a", "--full-replica")
+    sw.join("full-b", "--full-replica")
+    sw.join("head", "--stage", "0")
+
+    # kill -9 one full replica while the others wait in round 1
+    sw.wait_for(lambda: 0 in sw.rounds("full-a"))
+    os.killpg(sw.procs["full-a"].pid, signal.SIGKILL)
+    killed_at = time.time()
+    # the rest close rounds without it (its record expires) and keep training
+    sw.wait_for(lambda: max(sw.rounds("head"), default=-1) >= 2)
+    print(f"\nkill -9 full-a: round 2 committed {sw.rounds('head')[2]['time'] - killed_at:.1f}s later")
+
+    # graceful leave: SIGTERM the other full replica → exit 0 quickly, no kill needed
+    sigterm_at = time.monotonic()
+    sw.procs["full-b"].send_signal(signal.SIGTERM)
+    assert sw.wait_exit("full-b", timeout_s=30) == 0, sw.log("full-b")
+    print(f"SIGTERM full-b: exited 0 after {time.monotonic() - sigterm_at:.1f}s")
+    assert sw.events("full-b", "exit")[-1]["reason"] == "stopped"
+
+    # the pipeline alone finishes the run
+    assert sw.wait_exit("head") == 0, sw.log("head")
+    assert sw.wait_exit("s1") == 0, sw.log("s1")
+    head, s1 = sw.rounds("head"), sw.rounds("s1")
+    assert sorted(head) == list(range(T))
+    assert head[T - 1]["stages"]["0"]["participants"] == 1
+    assert s1[T - 1]["stages"]["1"]["perp_hash"] == head[T - 1]["stages"]["0"]["perp_hash"]

@@ -1,0 +1,351 @@
+"""Poisoned contributions: median norm clipping of SparseLoCo payloads (issue 4, item 4).
+
+- `clip_to_median` against a plain reference written with Python floats and loops: honest
+  contributions pass bit for bit, a huge one lands on factor × the lower median, factor 0 is a
+  no-op, non-finite contributions become zeros, and the norm is exactly rounded (deterministic).
+- `StageWorker.apply_round` / `embed_update` clip a committed set with a poisoned payload the same
+  way on every holder: parameters and T⊥ stay bit-identical and the step stays bounded.
+- M = 4 in-process replicas where replica 3 sends an absurd payload every round: with clipping the
+  loss still falls; with clipping disabled the same attack blows the model up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peer.config import build_config
+from peer.data import TokenData, train_batch, val_batches
+from peer.errors import ConfigError
+from peer.replica import EMBED, LocalReplica, apply_outer_update, perp_of, stage_state
+from peer.sparseloco import (
+    Payload,
+    PayloadError,
+    SparseLoCoConfig,
+    aggregate,
+    clip_to_median,
+    compress,
+    decompress,
+    global_norm,
+    pseudo_gradient,
+)
+from peer.stage_worker import StageWorker
+
+# ------------------------------------------------------------------------- plain reference
+
+
+def ref_norm(d) -> float:
+    """‖d‖₂ with Python floats: every float32 square is exact in a double, fsum rounds once."""
+    return math.sqrt(math.fsum(float(x) ** 2 for name in sorted(d) for x in d[name].reshape(-1).tolist()))
+
+
+def ref_clip(decoded, factor):
+    """(clipped list, norms, median) written the long way."""
+    norms = [ref_norm(d) for d in decoded]
+    voters = sorted(n for n in norms if math.isfinite(n) and n > 0)
+    median = voters[(len(voters) - 1) // 2] if voters else 0.0  # the LOWER median
+    out = []
+    for d, n in zip(decoded, norms):
+        if factor and not math.isfinite(n):
+            out.append({k: torch.zeros_like(v) for k, v in d.items()})
+        elif factor and n > factor * median:
+            out.append({k: v * (factor * median / n) for k, v in d.items()})
+        else:
+            out.append(dict(d))
+    return out, norms, median
+
+
+def _contribution(scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """A sparse Δ̂-like contribution over two tensors (a matrix and a norm gain)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 24, generator=g) * scale
+    w[torch.rand(16, 24, generator=g) < 0.8] = 0.0  # sparse, as a decoded payload is
+    return {"w": w, "gain": torch.randn(24, generator=g) * scale * 0.1}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _assert_same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(_bits(a[k]), _bits(b[k])), k
+
+
+# ------------------------------------------------------------------------- clip_to_median
+
+
+def test_config_field_defaults_and_validation():
+    assert SparseLoCoConfig().clip_median_factor == 2.0
+    assert SparseLoCoConfig(clip_median_factor=0).clip_median_factor == 0
+    for bad in (-0.5, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="clip_median_factor"):
+            SparseLoCoConfig(clip_median_factor=bad)
+    with pytest.raises(ConfigError, match="clip_median_factor"):
+        build_config(overrides={"sparseloco.clip_median_factor": -1}, environ={})
+    cfg = build_config(overrides={"sparseloco.clip_median_factor": "3.5"}, environ={})
+    assert cfg.sparseloco.clip_median_factor == 3.5
+    with pytest.raises(ConfigError, match="clip_median_factor"):
+        clip_to_median([_contribution(1.0, 0)], -1.0)
+
+
+def test_global_norm_is_exactly_rounded():
+    d = _contribution(1e-3, 1) | {"big": torch.tensor([3e30, -4e30, 1e-30])}
+    assert global_norm(d) == ref_norm(d)  # exact equality: fsum of exact squares
+    assert global_norm({"w": torch.tensor([3.0, 4.0])}) == 5.0
+    assert global_norm({}) == 0.0 and global_norm({"w": torch.zeros(5)}) == 0.0
+    # summation order does not matter: the same contribution with names in another order
+    assert global_norm(dict(reversed(list(d.items())))) == global_norm(d)
+
+
+def test_honest_contributions_pass_bit_for_bit():
+    decoded = [_contribution(1.0 + 0.1 * i, seed=i) for i in range(3)]
+    before = [{k: v.clone() for k, v in d.items()} for d in decoded]
+    out, stats = clip_to_median(decoded, 2.0)
+    assert stats.n_clipped == 0
+    for o, b in zip(out, before):
+        _assert_same_bits(o, b)
+    for d, b in zip(decoded, before):  # inputs are not modified
+        _assert_same_bits(d, b)
+    _, norms, median = ref_clip(decoded, 2.0)
+    assert stats.norms == tuple(norms) and stats.median == median
+    assert stats.max_ratio == pytest.approx(max(norms) / median, rel=1e-15)
+
+
+def test_one_huge_among_three_is_clipped_to_the_bound():
+    decoded = [_contribution(1.0, 0), _contribution(1e4, 1), _contribution(1.2, 2)]
+    out, stats = clip_to_median(decoded, 2.0)
+    ref, norms, median = ref_clip(decoded, 2.0)
+    assert stats.n_clipped == 1
+    assert stats.median == median == max(norms[0], norms[2])  # lower median of three = the middle one
+    assert stats.max_ratio == pytest.approx(norms[1] / median, rel=1e-12) and stats.max_ratio > 1e3
+    _assert_same_bits(out[0], decoded[0])
+    _assert_same_bits(out[2], decoded[2])
+    for k in decoded[1]:
+        torch.testing.assert_close(out[1][k], ref[1][k], rtol=1e-6, atol=0)
+    assert global_norm(out[1]) == pytest.approx(2.0 * median, rel=1e-6)  # exactly on the bound
+    # the direction is kept: the clipped contribution is a positive multiple of the original
+    cos = torch.nn.functional.cosine_similarity(out[1]["w"].reshape(1, -1), decoded[1]["w"].reshape(1, -1))
+    assert float(cos) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_two_participants_the_honest_one_is_the_reference():
+    honest, huge = _contribution(1.0, 0), _contribution(1e6, 1)
+    for order in ((honest, huge), (huge, honest)):
+        out, stats = clip_to_median(list(order), 2.0)
+        assert stats.median == ref_norm(honest)  # lower median of two = the smaller norm
+        assert stats.n_clipped == 1
+        i_h, i_x = (0, 1) if order[0] is honest else (1, 0)
+        _assert_same_bits(out[i_h], honest)
+        assert global_norm(out[i_x]) == pytest.approx(2.0 * ref_norm(honest), rel=1e-6)
+
+
+def test_lower_median_of_four_and_zero_contributions_do_not_vote():
+    decoded = [{"w": torch.tensor([n])} for n in (1.0, 2.0, 3.0, 100.0)]
+    out, stats = clip_to_median(decoded, 2.0)
+    assert stats.median == 2.0 and stats.n_clipped == 1 and stats.max_ratio == 50.0
+    assert [float(o["w"]) for o in out] == [1.0, 2.0, 3.0, 4.0]
+    # empty (all-zero) contributions carry no update and do not drag the median to zero
+    zeros = [{"w": torch.zeros(1)}] * 3 + [{"w": torch.tensor([5.0])}]
+    out, stats = clip_to_median(zeros, 2.0)
+    assert stats.median == 5.0 and stats.n_clipped == 0 and float(out[3]["w"]) == 5.0
+    out, stats = clip_to_median([], 2.0)
+    assert out == [] and stats.n_clipped == 0 and stats.median == 0.0
+
+
+def test_factor_zero_is_a_no_op():
+    decoded = [_contribution(1.0, 0), _contribution(1e4, 1), {"w": torch.full((16, 24), math.nan)}]
+    out, stats = clip_to_median(decoded, 0.0)
+    assert stats.n_clipped == 0 and stats.max_ratio > 1e3  # still measured, for the metrics
+    for o, d in zip(out, decoded):
+        _assert_same_bits(o, d)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_contributions_are_zeroed_and_never_propagate(bad):
+    honest = [_contribution(1.0, 0), _contribution(1.1, 2)]
+    poisoned = _contribution(1.0, 1)
+    poisoned["w"][3, 5] = bad
+    decoded = [honest[0], poisoned, honest[1]]
+    out, stats = clip_to_median(decoded, 2.0)
+    assert stats.n_clipped == 1 and not math.isfinite(stats.norms[1])
+    assert stats.median == min(ref_norm(h) for h in honest)  # the bad one does not vote
+    assert math.isfinite(stats.max_ratio)  # the metric stays JSON-safe
+    for k, v in out[1].items():
+        assert torch.equal(v, torch.zeros_like(v)), k
+    _assert_same_bits(out[0], honest[0])
+    _assert_same_bits(out[2], honest[1])
+    agg = aggregate(out, 3)
+    assert all(torch.isfinite(v).all() for v in agg.values())
+    all_bad, _ = clip_to_median([poisoned], 2.0)
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in all_bad[0].values())
+
+
+def test_clipping_is_deterministic():
+    decoded = [_contribution(s, seed=i) for i, s in enumerate((1.0, 30.0, 0.7, 1e5, 1.3))]
+    a, sa = clip_to_median(decoded, 1.5)
+    b, sb = clip_to_median([{k: v.clone() for k, v in d.items()} for d in decoded], 1.5)
+    assert sa == sb and sa.n_clipped == 2
+    for x, y in zip(a, b):
+        _assert_same_bits(x, y)
+
+
+# ------------------------------------------------------------------------- stage workers
+
+
+def _cfg(**overrides):
+    base = {"train.batch_size": 4, "train.microbatches": 1, "train.seq_len": 16, "train.inner_steps": 2,
+            "train.outer_steps": 2, "stages": 2}
+    return build_config(overrides={**base, **overrides}, environ={})
+
+
+def _poisoned_payload(worker: StageWorker, scale: float, seed: int) -> Payload:
+    """A well-formed payload (it passes every wire check) built by compress() of a huge random Δ."""
+    g = torch.Generator().manual_seed(seed)
+    delta = {k: scale * torch.randn(v.shape, generator=g) for k, v in worker.start.items()}
+    payload, _ = compress(delta, None, worker.cfg.sparseloco)
+    return Payload.from_bytes(payload.to_bytes(), cfg=worker.cfg.sparseloco)
+
+
+def test_every_holder_clips_a_poisoned_round_identically():
+    cfg = _cfg()
+    holders = {s: [StageWorker(cfg, s, compressed=True), StageWorker(cfg, s, compressed=False)] for s in range(2)}
+    te_before = holders[0][0].start[EMBED] + perp_of(holders[0][0].module)
+    committed = {}
+    for s, ws in holders.items():
+        payloads = []
+        for i, w in enumerate(ws):  # honest: a small local change each
+            g = torch.Generator().manual_seed(10 * s + i)
+            with torch.no_grad():
+                for p in w.module.parameters():
+                    p.add_(0.01 * torch.randn(p.shape, generator=g))
+            payloads.append(w.encode_round())
+        payloads.append(_poisoned_payload(ws[0], 1e4, seed=s))
+        committed[s] = payloads
+    starts = {s: {k: v.clone() for k, v in ws[0].start.items()} for s, ws in holders.items()}
+    embed_update = StageWorker.embed_update(committed[0], cfg)
+    for s, ws in holders.items():
+        for w in ws:
+            stats = w.apply_round(committed[s], embed_update)
+            assert stats is w.last_clip and stats.n_clipped == 1 and stats.max_ratio > 100
+        assert ws[0].param_hash() == ws[1].param_hash()
+        # the step is bounded: ‖θ − θ_start‖ ≤ η · (honest norms + 2·median) / 3
+        norms = sorted(ws[0].last_clip.norms)
+        bound = cfg.sparseloco.outer_lr * (norms[0] + norms[1] + 2.0 * ws[0].last_clip.median) / 3
+        moved = global_norm({k: ws[0].start[k] - starts[s][k] for k in starts[s] if k != EMBED})
+        assert moved <= bound * (1 + 1e-5)
+    assert len({w.perp_hash() for ws in holders.values() for w in ws}) == 1
+    te_after = holders[0][0].module.embed.weight.detach() + perp_of(holders[0][0].module)
+    torch.testing.assert_close(te_after - te_before, embed_update, atol=1e-6, rtol=0)
+    # the embedding update is the clipped one, not the raw aggregate
+    raw = -cfg.sparseloco.outer_lr * aggregate([decompress(p) for p in committed[0]], 3)[EMBED]
+    assert embed_update.norm() < raw.norm() / 10
+
+
+# ------------------------------------------------------------------------- loss under attack
+
+M, POISONED = 4, 3
+
+
+def _loss_cfg(factor: float):
+    return _cfg(**{"model.vocab_size": 128, "model.n_layers": 2, "train.inner_steps": 5, "train.outer_steps": 6,
+                   "train.lr": 1e-2, "train.warmup_steps": 2, "sparseloco.clip_median_factor": factor})
+
+
+def _synthetic_data(cfg) -> TokenData:
+    """A learnable stream: a repeating pattern with a little noise (as in test_replica)."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.arange(50_000) % 97
+    noise = torch.randint(0, cfg.model.vocab_size, (50_000,), generator=g)
+    train = torch.where(torch.rand(50_000, generator=g) < 0.1, noise, base)
+    return TokenData(train=train, val=train[:4_000].clone(), tokenizer=None)
+
+
+def _attack(kind: str | None, honest: dict, t: int, s: int, cfg) -> dict:
+    """What replica 3 sends instead of its honest Δ̂ (decoded as every receiver decodes it)."""
+    if kind == "flip":  # a wrong-sign flood: its own Δ̂ times −1e4
+        return {k: v * -1e4 for k, v in honest.items()}
+    if kind == "random":  # a valid payload of a huge random tensor
+        g = torch.Generator().manual_seed(100 * t + s)
+        payload, _ = compress({k: 1e3 * torch.randn(v.shape, generator=g) for k, v in honest.items()}, None,
+                              cfg.sparseloco)
+        return decompress(Payload.from_bytes(payload.to_bytes(), cfg=cfg.sparseloco))
+    return honest
+
+
+def _train(cfg, data: TokenData, attack: str | None) -> tuple[list[float], int, float]:
+    """M replicas × S stages, the real compress → bytes → decompress → clip → aggregate → apply path.
+
+    Returns (val loss after every round, contributions clipped, largest norm ratio seen); the
+    curve ends in inf if the model diverged so far that an honest peer cannot encode any more.
+    """
+    torch.manual_seed(cfg.seed)
+    train, slc = cfg.train, cfg.sparseloco
+    reps = [LocalReplica.build(cfg, compressed=False, U=None) for _ in range(M)]
+    errors = [[None] * cfg.stages for _ in range(M)]
+    val = val_batches(data, train.batch_size, train.seq_len, max_batches=4)
+    curve, clipped, max_ratio = [], 0, 0.0
+    for t in range(train.outer_steps):
+        starts = [stage_state(st) for st in reps[0].stages]
+        for h in range(train.inner_steps):
+            step = t * train.inner_steps + h
+            for m, rep in enumerate(reps):
+                rep.inner_step(*train_batch(data, m, M, step, train.batch_size, train.seq_len), step)
+        for s in range(cfg.stages):
+            decoded = []
+            for m, rep in enumerate(reps):
+                delta = pseudo_gradient(starts[s], stage_state(rep.stages[s]))
+                try:
+                    payload, errors[m][s] = compress(delta, errors[m][s], slc)
+                except PayloadError:  # non-finite pseudo-gradient: the model has diverged
+                    return curve + [math.inf], clipped, max_ratio
+                d = decompress(Payload.from_bytes(payload.to_bytes(), cfg=slc))
+                decoded.append(_attack(attack, d, t, s, cfg) if m == POISONED else d)
+            decoded, stats = clip_to_median(decoded, slc.clip_median_factor)
+            clipped, max_ratio = clipped + stats.n_clipped, max(max_ratio, stats.max_ratio)
+            agg = aggregate(decoded, M, slc.aggregation)
+            for rep in reps:
+                apply_outer_update(rep.stages[s], starts[s], agg, slc.outer_lr, None)
+        curve.append(reps[0].eval_loss(val))
+    return curve, clipped, max_ratio
+
+
+@pytest.fixture(scope="module")
+def runs():
+    data = _synthetic_data(_loss_cfg(2.0))
+    out = {}
+    for factor in (2.0, 0.0):
+        cfg = _loss_cfg(factor)
+        for attack in ((None, "flip", "random") if factor else ("flip", "random")):
+            out[factor, attack] = _train(cfg, data, attack)
+    return out
+
+
+def test_honest_run_learns_and_is_never_clipped(runs):
+    curve, clipped, max_ratio = runs[2.0, None]
+    assert clipped == 0 and 1.0 <= max_ratio < 2.0
+    assert curve[-1] < curve[0] - 0.7
+
+
+def test_clipping_survives_a_huge_random_payload(runs):
+    honest = runs[2.0, None][0]
+    curve, clipped, max_ratio = runs[2.0, "random"]
+    assert clipped == 6 * 2 and max_ratio > 1e3  # replica 3, every stage of every round
+    assert math.isfinite(curve[-1]) and curve[-1] < honest[-1] + 0.5
+    assert curve[-1] < curve[0] - 0.5  # still learning
+    unclipped = runs[0.0, "random"][0][-1]
+    assert not math.isfinite(unclipped) or unclipped > 100 * honest[-1]
+
+
+def test_clipping_bounds_a_wrong_sign_flood(runs):
+    """The flood lands on the bound, −2·median: it cancels two honest peers' worth but no more."""
+    honest = runs[2.0, None][0]
+    curve, clipped, max_ratio = runs[2.0, "flip"]
+    assert clipped == 6 * 2 and max_ratio > 1e3
+    assert math.isfinite(curve[-1]) and curve[-1] < honest[0] - 0.1  # still learning, slowly
+    assert all(b < a for a, b in zip(curve, curve[1:]))
+    unclipped = runs[0.0, "flip"][0][-1]
+    assert not math.isfinite(unclipped) or unclipped > 100 * honest[-1]
