@@ -557,7 +557,7 @@ class SwarmDHT:
     def _drop(self, reason: str, who: str, detail: str) -> None:
         """Count a dropped record; warn once per (reason, peer) so a flood does not flood the log."""
         self.dropped_records[reason] += 1
-        if (reason, who) not in self._warned:
+        if (reason, who) not in self._warned and len(self._warned) < 64:  # bounded: keys are free to make
             self._warned.add((reason, who))
             logger.warning("ignoring DHT records from %s: %s", who, detail)
 
@@ -591,7 +591,8 @@ class SwarmDHT:
             record = getattr(item, "value", None)
             signer = _owner_peer_id(subkey)
             if signer is None:
-                signer = str(subkey)
+                self._drop("unsigned", str(subkey)[:16], "its subkey is not a signing key (an old or forged record)")
+                continue
             if not isinstance(record, dict):
                 continue
             if record.get("peer_id") != signer:

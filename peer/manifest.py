@@ -57,9 +57,13 @@ def verify_manifest(manifest: dict[str, Any]) -> RunConfig:
             f"the swarm speaks protocol {protocol}, this peer speaks {PROTOCOL_VERSION}; "
             f"install the peer version the swarm runs ({manifest.get('peer_version', 'unknown')})"
         )
+    swarm_version = manifest.get("peer_version") or "unknown"
     for key in ("config", "fingerprint", "u_hash", "tokenizer_sha256", "bootstrap_address", "run_id"):
         if key not in manifest:
-            raise ManifestMismatch(f"the manifest has no '{key}'; the bootstrap is broken or too old")
+            raise ManifestMismatch(
+                f"the manifest has no '{key}' (the bootstrap runs peer {swarm_version}, broken or too old); "
+                f"restart the bootstrap with this peer version ({__version__})"
+            )
     try:
         cfg = config_from_dict(manifest["config"])
     except PeerError as exc:
@@ -67,7 +71,10 @@ def verify_manifest(manifest: dict[str, Any]) -> RunConfig:
     if cfg.fingerprint() != manifest["fingerprint"]:
         raise ManifestMismatch(
             f"config fingerprint {cfg.fingerprint()} != manifest {manifest['fingerprint']}: this build "
-            f"resolves the run's config differently (peer {__version__} vs {manifest.get('peer_version')})"
+            f"(peer {__version__}) resolves the run's config differently from the swarm's (peer {swarm_version}); "
+            + ("restart the bootstrap: its manifest does not match its own config" if swarm_version == __version__
+               else f"install peer {swarm_version} like the swarm" if swarm_version != "unknown"
+               else "install the peer version the swarm runs")
         )
     local_u = basis_hash_for(cfg)
     if local_u != manifest["u_hash"]:

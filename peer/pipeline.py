@@ -6,8 +6,10 @@ the loss and ∇X̃ of its input, and backward walks the stages in reverse. Afte
 of an inner step the head tells every stage to take its optimizer step.
 
 Claims: the first forward of an outer step claims a ready peer for this pipeline until the round
-(`PeerService`). A peer that is busy with another pipeline is skipped; one that is still finishing
-its round is retried with backoff. On a network error or timeout the head drops the peer, claims
+(`PeerService`). Every newly chosen peer is published at once in the head's replica record
+("pipeline_peers"), which is what lets that peer's round payload speak for this pipeline. A peer
+that is busy with another pipeline is skipped; one that is still finishing its round is retried
+with backoff. On a network error or timeout the head drops the peer, claims
 another ready peer of that stage and replays the inner step's remaining micro-batches; every
 wait is bounded by `swarm.claim_timeout_s` / `swarm.rpc_timeout_s`.
 """
@@ -37,6 +39,10 @@ class StageUnavailable(PeerError):
         self.stage = stage
 
 
+class PipelineBehind(NetworkError):
+    """The stage peers moved on to a later outer step: the head must re-sync before training."""
+
+
 class PipelineDriver:
     def __init__(self, swarm, worker: StageWorker, stop: threading.Event) -> None:
         self.swarm, self.worker, self.stop = swarm, worker, stop
@@ -59,15 +65,24 @@ class PipelineDriver:
                  and pid not in self.excluded and (rec.get("pipeline") in (None, self.pipeline_id))]
         return sorted(ready, key=lambda p: (p[0] != self.peers.get(stage, ("",))[0], p[0]))
 
+    def _ahead(self, stage: int, t: int) -> bool:
+        return any(rec.get("outer_step", -1) > t and rec.get("role") in ("spare", "trainer")
+                   for rec in self.swarm.dht.get_stage_peers(stage).values())
+
     def _ensure_peer(self, stage: int, t: int) -> tuple[str, str]:
         if stage in self.peers:
             return self.peers[stage]
         deadline = time.monotonic() + self.cfg.swarm.claim_timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
             found = self._candidates(stage, t)
+            if not found and self._ahead(stage, t):
+                raise PipelineBehind(f"stage {stage} peers are past outer step {t}: this head missed a round")
             if found:
                 self.peers[stage] = found[0]
                 log.info("pipeline %s: stage %d -> %s at %s", self.pipeline_id[:8], stage, found[0][0][:12], found[0][1])
+                # publish the new binding ("pipeline_peers" of the replica record) before that peer can
+                # announce a payload for this pipeline (peer.rounds.bound_replica)
+                self.swarm.refresh_records()
                 return found[0]
             self.stop.wait(0.5)
         if self.stop.is_set():

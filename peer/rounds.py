@@ -12,6 +12,13 @@ payload per stage, tagged with its own id). Each contributor
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
 without a payload of their own (observers).
 
+An announcement's "replica" field is the sender's claim; it is bound only when sender == replica
+(a full replica or a head) or when that replica's own DHT record lists the sender as its stage-s
+peer (`"pipeline_peers": {"<s>": peer id}`, published by the head as soon as its pipeline changes).
+Unbound announcements are ignored (never fetched), so no peer can contribute in another replica's
+name. A replica whose payload was rejected (bad hash or format) is not waited for: the round
+closes as soon as every other expected payload is held.
+
 Expected replicas for round t: live replica records (pipelines' heads and full replicas) that joined
 at or before t and are at outer step t − 1 or later. A dead replica drops out when its record
 expires; a slow one is waited for until the deadline. The DHT offers no notifications, so the
@@ -22,13 +29,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from peer.dht import SwarmDHT
 from peer.errors import NetworkError, PeerError
+from peer.sparseloco import Payload, PayloadError, SparseLoCoConfig
 from peer.transport.client import PeerClient
 from peer.transport.messages import PayloadRequest
 
@@ -112,6 +121,7 @@ class RoundResult:
     replicas: list[str] = field(default_factory=list)  # replica ids, commit order
     payloads: list[bytes] = field(default_factory=list)
     expected: int = 0
+    rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
     timed_out: bool = False
     wall_s: float = 0.0
     bytes_fetched: int = 0
@@ -121,13 +131,69 @@ class RoundResult:
         return len(self.replicas)
 
 
-def expected_replicas(dht: SwarmDHT, t: int) -> set[str]:
-    """Replica ids that should contribute to round t (see the module docstring)."""
+def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None = None) -> set[str]:
+    """Replica ids that should contribute to round t (see the module docstring).
+
+    `replicas` is `dht.get_replicas()` when the caller already has it.
+    """
     out = set()
-    for rid, rec in dht.get_replicas().items():
+    for rid, rec in (dht.get_replicas() if replicas is None else replicas).items():
         if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
             out.add(rid)
     return out
+
+
+def bound_replica(sender: str, record: Mapping[str, Any], stage: int, replicas: Mapping[str, dict]) -> str | None:
+    """The replica id `sender`'s payload announcement for `stage` may stand for, or None if unbound.
+
+    Bound: the sender is the replica itself, or the replica's record (from `get_replicas`) lists the
+    sender as its stage peer in "pipeline_peers".
+    """
+    rid = record.get("replica", sender)
+    if not isinstance(rid, str):
+        return None
+    if rid == sender:
+        return rid
+    pipeline_peers = replicas.get(rid, {}).get("pipeline_peers")
+    if isinstance(pipeline_peers, dict) and pipeline_peers.get(str(stage)) == sender:
+        return rid
+    return None
+
+
+def announced_replicas(dht: SwarmDHT, t: int, stage: int) -> set[str]:
+    """Replica ids with a bound payload announcement for round (t, stage)."""
+    replicas = dht.get_replicas()
+    bound = (bound_replica(sender, rec, stage, replicas) for sender, rec in dht.get_payloads(t, stage).items())
+    return {rid for rid in bound if rid is not None}
+
+
+def payload_validator(shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig,
+                      required: Iterable[str] = ()) -> Callable[[bytes], None]:
+    """A `validate` for `gather_round`: a well-formed SparseLoCo payload (`Payload.from_bytes` with
+    this run's settings) whose every entry is a parameter of the stage with its exact shape, each
+    at most once, and that carries every `required` name (stage 0: embed.weight, which the round's
+    T⊥ update needs). Raises PayloadError, so a payload that could not be applied is never committed.
+    """
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    required = frozenset(required)
+    n_elements = sum(math.prod(shape) for shape in shapes.values())
+
+    def validate(data: bytes) -> None:
+        payload = Payload.from_bytes(data, max_elements=n_elements, cfg=cfg)
+        seen: set[str] = set()
+        for entry in payload.entries:
+            if entry.name not in shapes:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name[:64]!r} is not a parameter of this stage")
+            if tuple(entry.shape) != shapes[entry.name]:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name!r} has shape {tuple(entry.shape)}, "
+                                   f"the stage's parameter is {shapes[entry.name]}")
+            if entry.name in seen:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name!r} appears twice")
+            seen.add(entry.name)
+        if required - seen:
+            raise PayloadError(f"invalid SparseLoCo payload: missing {sorted(required - seen)}")
+
+    return validate
 
 
 def sha256(data: bytes) -> str:
@@ -150,13 +216,16 @@ def gather_round(
 ) -> RoundResult:
     """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
 
-    `validate(payload)` raises PeerError for a malformed payload (it is then skipped).
-    Returns when every expected replica's payload is held, or at the deadline.
+    `validate(payload)` raises PeerError for a malformed payload (it is then skipped, and its
+    replica no longer waited for). Announcements not bound to their replica (`bound_replica`) are
+    ignored. Returns when every expected replica's payload is held or rejected, or at the deadline.
     """
     started = time.monotonic()
     deadline = started + timeout_s
     held: dict[str, bytes] = {}
-    bad: set[str] = set()
+    bad: set[str] = set()  # senders whose payload failed its checks
+    rejected: set[str] = set()  # the replicas they stood for
+    unbound: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
     retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
     result = RoundResult(t=t, stage=stage)
     if own is not None:
@@ -168,13 +237,24 @@ def gather_round(
                                         "replica": replica_id}, ttl_s=ttl_s)
         held[replica_id] = payload
     while True:
-        announced = dht.get_payloads(t, stage)
-        for sender, rec in sorted(announced.items()):
-            rid = rec.get("replica", sender)
+        replicas = dht.get_replicas()
+        announced: dict[str, tuple[str, dict]] = {}  # sender -> (replica, record), bound ones only
+        for sender, rec in dht.get_payloads(t, stage).items():
+            rid = bound_replica(sender, rec, stage, replicas)
+            if rid is not None:
+                announced[sender] = (rid, rec)
+            elif (sender, str(rec.get("replica"))) not in unbound and len(unbound) < 16:  # bounded log
+                unbound.add((sender, str(rec.get("replica"))))
+                log.warning("round %d stage %d: ignoring the announcement of %s for replica %s: that replica's "
+                            "record does not list it as its stage-%d peer", t, stage, sender[:12],
+                            str(rec.get("replica"))[:12], stage)
+        for sender, (rid, rec) in sorted(announced.items()):
             if rid in held or sender in bad or retry_at.get(sender, 0.0) > time.monotonic():
                 continue
             try:
                 remaining = max(0.5, deadline - time.monotonic())
+                if not isinstance(rec.get("address"), str) or not rec["address"]:
+                    raise PeerError(f"the announcement of {sender} has no address")
                 data = clients.get(rec["address"]).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
                 if sha256(data) != rec.get("sha256"):
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
@@ -187,27 +267,28 @@ def gather_round(
             except PeerError as exc:
                 log.warning("round %d stage %d: rejecting payload of %s: %s", t, stage, sender[:12], exc)
                 bad.add(sender)
+                rejected.add(rid)
                 continue
             held[rid] = data
             result.bytes_fetched += len(data)
-        # every live replica of round t, and anyone who announced a payload for it: a payload some
-        # peers hold and others skipped would split the stage's parameters
-        expected = expected_replicas(dht, t) | {rec.get("replica", pid) for pid, rec in announced.items()
-                                                if pid not in bad}
+        # every live replica of round t, and every replica with a bound announcement for it: a
+        # payload some peers hold and others skipped would split the stage's parameters
+        expected = expected_replicas(dht, t, replicas) | {rid for rid, _ in announced.values()}
         result.expected = len(expected)
-        # Done when every live replica of round t is held (an observer whose contributors all left
-        # commits what it holds; they linger after their last round so this is rare).
-        if expected <= set(held):
+        # Done when every live replica of round t is held or rejected (an observer whose
+        # contributors all left commits what it holds; they linger after their last round so this is rare).
+        if expected <= set(held) | rejected:
             break
         if time.monotonic() >= deadline:
             result.timed_out = True
             log.warning("round %d stage %d: deadline after %.0fs with %d/%d payloads (missing: %s)", t, stage,
-                        timeout_s, len(held), len(expected), ", ".join(sorted(expected - set(held)))[:200])
+                        timeout_s, len(held), len(expected), ", ".join(sorted(expected - set(held) - rejected))[:200])
             break
         if stop is not None and stop.wait(poll_s):
             raise PeerError("stopped while waiting for a round")
         elif stop is None:
             time.sleep(poll_s)
+    result.rejected = sorted(rejected - set(held))
     result.replicas = sorted(held)
     result.payloads = [held[r] for r in result.replicas]
     result.wall_s = time.monotonic() - started

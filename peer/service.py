@@ -120,7 +120,8 @@ class PeerService:
         _check_ids(tokens, model.vocab_size, f"stage {s} tokens")
         if request.train and not (request.inner_step < train.inner_steps and request.microbatch < train.microbatches):
             raise TransportError(f"stage {s}: inner step {request.inner_step} / micro-batch {request.microbatch} "
-                                 f"out of range ({train.inner_steps} inner steps of {train.microbatches} micro-batches)")
+                                 f"out of range ({train.inner_steps} inner steps of {train.microbatches} "
+                                 "micro-batches)")
         if not worker.is_first:
             _check_boundary(request.hidden, (b, L, self._width(worker)), f"stage {s} hidden")
         if worker.is_last != (request.targets is not None):

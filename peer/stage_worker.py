@@ -91,6 +91,10 @@ class StageWorker:
                 if targets is None:
                     raise ValueError("the last stage needs targets")
                 loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
+                if not torch.isfinite(loss):  # refused before backward: nothing non-finite reaches a gradient
+                    self.seen.discard(key)
+                    raise ValueError(f"the loss of micro-batch {key[1]} is {loss.item()}, refused before backward "
+                                     "(out-of-range activations or diverged parameters; lower the learning rate)")
                 (loss / self.cfg.train.microbatches).backward()
                 self.microbatches_seen += 1
                 grad = compress_grad(x_in.grad, self.U).cpu() if x_in is not None else None  # (b, L, k)

@@ -24,7 +24,10 @@ from peer.data import TokenData, build_token_data
 from peer.dht import SwarmDHT
 from peer.errors import CheckpointError, DataError, ManifestMismatch, NetworkError, PeerError
 from peer.manifest import verify_manifest
-from peer.rounds import ClientPool, PayloadStore, RoundResult, expected_replicas, gather_round
+from peer.plan import stage_shapes
+from peer.replica import EMBED
+from peer.rounds import (ClientPool, PayloadStore, RoundResult, announced_replicas, expected_replicas, gather_round,
+                         payload_validator)
 from peer.service import PeerService
 from peer.sparseloco import Payload
 from peer.stage_checkpoint import (checkpoint_fingerprint, list_stage_checkpoints, load_latest_stage_checkpoint,
@@ -106,7 +109,8 @@ class Swarm:
     def serve(self, workers: dict[int, StageWorker], on_last_step: Callable[[str, int], None] | None = None) -> None:
         self.service = PeerService(self.cfg, workers, self.store, self.peer_id, self.role, on_last_step)
         self.server = PeerServer(self.service, host=self.opts.host, port=self.opts.port,
-                                 vocab_size=self.cfg.model.vocab_size, wire_dtype=self.cfg.subspace.wire_dtype)
+                                 max_message_bytes=max_request_bytes(self.cfg), vocab_size=self.cfg.model.vocab_size,
+                                 wire_dtype=self.cfg.subspace.wire_dtype)
         self.address = f"{self.opts.announce_host or self.opts.host}:{self.server.port}"
         self.log_event("start", stage=self.stage, peer_id=self.peer_id, address=self.address)
 
@@ -200,10 +204,10 @@ class Swarm:
         raise NetworkError(f"the swarm is at outer step {t_swarm} but no peer served stage {worker.stage}'s state; "
                            "retry when a holder of that stage is online")
 
-    def maintain(self, worker: StageWorker) -> None:
-        """Re-sync a worker that fell more than one round behind, or whose committed parameters
+    def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
+        """Re-sync a worker that fell more than `max_lag` rounds behind, or whose committed parameters
         disagree with the majority of its stage's holders at the same outer step (DESIGN §3)."""
-        if self.dht.current_outer_step() > worker.outer_step + 1:
+        if self.dht.current_outer_step() > worker.outer_step + max_lag:
             self.sync_state(worker, f"behind (outer step {worker.outer_step})")
             return
         same = [rec for pid, rec in self.dht.get_stage_peers(worker.stage).items()
@@ -235,10 +239,14 @@ class Swarm:
             "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0}}
 
     def replica_record(self, kind: str, outer_step: int, shard: int, loss: float | None,
-                       tokens_per_s: float) -> dict[str, Any]:
-        return {"kind": "replica", "record": {
-            "address": self.address, "kind": kind, "outer_step": outer_step, "shard": shard,
-            "loss": loss, "tokens_per_s": tokens_per_s, "joined_at": self.joined_at}}
+                       tokens_per_s: float, pipeline_peers: dict[str, str] | None = None) -> dict[str, Any]:
+        """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
+        announcements to this replica (peer.rounds.bound_replica)."""
+        record = {"address": self.address, "kind": kind, "outer_step": outer_step, "shard": shard,
+                  "loss": loss, "tokens_per_s": tokens_per_s, "joined_at": self.joined_at}
+        if pipeline_peers is not None:
+            record["pipeline_peers"] = pipeline_peers
+        return {"kind": "replica", "record": record}
 
     def start_announcing(self, *record_fns: Callable[[], dict[str, Any]]) -> None:
         """Publish the records now and then every `announce_interval_s` until close()."""
@@ -263,7 +271,11 @@ class Swarm:
         self._announcer.start()
 
     def wait_for_quorum(self, t: int, stop: threading.Event) -> None:
-        """Before training, wait (bounded) until `swarm.min_replicas` replicas are online."""
+        """Before the run's first step, wait (bounded) until `swarm.min_replicas` replicas are online.
+
+        A late joiner (t > 0) joins a swarm that is already training and does not wait."""
+        if t > 0:
+            return
         need = self.cfg.swarm.min_replicas
         deadline = time.monotonic() + self.cfg.swarm.round_timeout_s
         while not stop.is_set():
@@ -314,9 +326,13 @@ class Swarm:
         return build_token_data(self.cfg.data)
 
     # ------------------------------------------------------------------ rounds
-    def _validator(self, worker: StageWorker) -> Callable[[bytes], None]:
-        n = sum(v.numel() for v in worker.start.values())
-        return lambda data: Payload.from_bytes(data, max_elements=n, cfg=self.cfg.sparseloco)
+    def _validator(self, worker: StageWorker, stage: int) -> Callable[[bytes], None]:
+        """Payloads of round (t, stage): the format, and entries that fit the stage's parameters."""
+        if stage == worker.stage:
+            shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
+        else:  # an observer gather (stage 0 for T⊥)
+            shapes = stage_shapes(self.cfg.model, stage, self.cfg.stages)
+        return payload_validator(shapes, self.cfg.sparseloco, required=[EMBED] if stage == 0 else [])
 
     def gather_for(self, worker: StageWorker, t: int, replica_id: str | None, stop: threading.Event,
                    stage: int | None = None) -> RoundResult:
@@ -331,7 +347,7 @@ class Swarm:
         elif own_stage:
             worker.last_contribution = None
         result = gather_round(self.dht, self.clients, t, stage, self.cfg.swarm.round_timeout_s, own=own,
-                              store=self.store, address=self.address, validate=self._validator(worker),
+                              store=self.store, address=self.address, validate=self._validator(worker, stage),
                               ttl_s=max(60.0, 2 * self.cfg.swarm.round_timeout_s), stop=stop)
         if own_stage:
             worker.last_committed = result.replicas
@@ -349,7 +365,7 @@ class Swarm:
 
         Until then the spare stays claimable: a head still at outer step t may need it.
         """
-        announced = {rec.get("replica", pid) for pid, rec in self.dht.get_payloads(t, stage).items()}
+        announced = announced_replicas(self.dht, t, stage)
         expected = expected_replicas(self.dht, t)
         return bool(announced) and expected <= announced
 
@@ -402,6 +418,17 @@ class Swarm:
         self.dht.shutdown()
         with self._metrics_lock:
             self._metrics.close()
+
+
+def max_request_bytes(cfg: RunConfig) -> int:
+    """The largest request a peer's server accepts: 4x the largest legitimate one, at least 4 MiB.
+
+    That is a forward with an uncompressed (b, L, d) float32 boundary, int32 tokens and targets,
+    at the largest batch and sequence the service accepts. Replies (our state) are not bounded by it.
+    """
+    b, L, d = cfg.train.batch_size, cfg.model.max_seq_len, cfg.model.d_model
+    boundary = b * L * d * 4 + 2 * b * L * 4 + (64 << 10)  # hidden + tokens + targets + fields
+    return max(4 << 20, 4 * boundary)
 
 
 def _wait_for_manifest(dht: SwarmDHT, timeout_s: float, stop: threading.Event) -> dict:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from peer.data import train_batch, val_batches
 from peer.errors import NetworkError, PeerError
-from peer.pipeline import PipelineDriver
+from peer.pipeline import PipelineBehind, PipelineDriver
 from peer.rounds import gather_round
 from peer.sparseloco import Payload
 from peer.stage_worker import StageWorker
@@ -96,7 +96,8 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
         shard = swarm.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
         driver = PipelineDriver(swarm, worker, stop)
         swarm.start_announcing(lambda: swarm.stage_record(worker, role="head"), lambda: swarm.replica_record(
-            "pipeline", worker.outer_step, shard, driver.last_loss, driver.tokens_per_s()))
+            "pipeline", worker.outer_step, shard, driver.last_loss, driver.tokens_per_s(),
+            pipeline_peers={str(s): pid for s, (pid, _) in list(driver.peers.items())}))
         H, train = cfg.train.inner_steps, cfg.train
         val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
         swarm.wait_for_quorum(worker.outer_step, stop)
@@ -115,7 +116,10 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
                 swarm.log_event("pause", t=t, reason=str(exc))
                 worker.zero_grad()
                 driver.release()
-                stop.wait(cfg.swarm.announce_interval_s)
+                if isinstance(exc, PipelineBehind):
+                    swarm.maintain(worker, max_lag=0)
+                else:
+                    stop.wait(cfg.swarm.announce_interval_s)
                 continue
             result = swarm.contribute(worker, t, swarm.peer_id, stop)
             driver.release()

@@ -440,8 +440,8 @@ def to_bytes(msg: Any, wire_dtype_name: str = "fp32") -> bytes:
     return encode(msg, wire_dtype_name).SerializeToString()
 
 
-def from_bytes(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> Any:
-    """Parse protobuf bytes of `pb_type` and decode (validate) them into the dataclass."""
+def parse(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> PbMessage:
+    """Parse protobuf bytes of `pb_type` (no field validation); TransportError if they are not one."""
     if len(data) > limits.max_message_bytes:
         raise TransportError(
             f"invalid {pb_type.__name__}: {len(data)} bytes, more than the {limits.max_message_bytes}-byte limit"
@@ -451,7 +451,12 @@ def from_bytes(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireL
         msg.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise TransportError(f"invalid {pb_type.__name__}: not a parseable protobuf message ({exc})") from None
-    return decode(msg, limits)
+    return msg
+
+
+def from_bytes(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> Any:
+    """Parse protobuf bytes of `pb_type` and decode (validate) them into the dataclass."""
+    return decode(parse(pb_type, data, limits), limits)
 
 
 def encoded_size(msg: Any, wire_dtype_name: str = "fp32") -> int:

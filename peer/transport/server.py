@@ -3,6 +3,10 @@
 The gRPC server runs in its own threads (a pool of `max_workers` handler threads); the caller
 keeps a synchronous object with `.port`, `.address` and `stop(grace_s)`. Each RPC reassembles and
 validates the request (framing + codec), calls the handler, encodes and streams the reply.
+The service is registered with raw-bytes request handlers (built from the proto's service
+descriptor, not `peer_pb2_grpc.add_PeerServicer_to_server`), so the codec, not grpcio, parses
+every request: bytes that are not the method's protobuf type are INVALID_ARGUMENT and one INFO
+line, never grpcio's INTERNAL with a logged traceback (a hostile peer cannot flood the log).
 
 Invariants: every handler call is wrapped, so a bad request or a failing handler ends only that
 RPC, never the server: validation failures -> INVALID_ARGUMENT, `NotFoundError` -> NOT_FOUND,
@@ -53,6 +57,7 @@ class _Servicer(pb_grpc.PeerServicer):
         self._in_flight = 0
 
     # ------------------------------------------------------------------ RPCs
+    # Requests arrive as raw bytes (see `_method_handlers`); replies are protobuf messages.
     def Forward(self, request_iterator, context):
         yield from self._streamed(context, "forward", request_iterator, pb.ForwardRequest, ForwardReply)
 
@@ -61,35 +66,41 @@ class _Servicer(pb_grpc.PeerServicer):
 
     def Step(self, request, context):
         def call():
-            return self._encode(self._handler.step(codec.decode(request, self._limits)), StepReply, "step")
+            step = self._handler.step(codec.from_bytes(pb.StepRequest, request, self._limits))
+            return self._encode(step, StepReply, "step")
 
         return self._run(context, "step", call)
 
     def GetPayload(self, request, context):
-        yield from self._unary_streamed(context, "get_payload", request, bytes)
+        yield from self._unary_streamed(context, "get_payload", request, pb.PayloadRequest, bytes)
 
     def GetState(self, request, context):
-        yield from self._unary_streamed(context, "get_state", request, StateReply)
+        yield from self._unary_streamed(context, "get_state", request, pb.StateRequest, StateReply)
 
     def GetArtifact(self, request, context):
-        yield from self._unary_streamed(context, "get_artifact", request, bytes)
+        yield from self._unary_streamed(context, "get_artifact", request, pb.ArtifactRequest, bytes)
 
     def Info(self, request, context):
-        return self._run(context, "info", lambda: self._encode(self._handler.info(), dict, "info"))
+        def call():
+            codec.parse(pb.InfoRequest, request, self._limits)  # carries nothing, but must be one
+            return self._encode(self._handler.info(), dict, "info")
+
+        return self._run(context, "info", call)
 
     # --------------------------------------------------------------- helpers
     def _streamed(self, context, method, request_iterator, request_type, reply_type) -> Iterator[pb.Chunk]:
         def call() -> bytes:
-            raw = framing.join(request_iterator, self._limits.max_message_bytes, request_type.__name__)
+            chunks = (codec.parse(pb.Chunk, data, self._limits) for data in request_iterator)
+            raw = framing.join(chunks, self._limits.max_message_bytes, request_type.__name__)
             request = codec.from_bytes(request_type, raw, self._limits)
             reply = getattr(self._handler, method)(request)
             return self._encode(reply, reply_type, method).SerializeToString()
 
         yield from framing.split(self._run(context, method, call))
 
-    def _unary_streamed(self, context, method, request, reply_type) -> Iterator[pb.Chunk]:
+    def _unary_streamed(self, context, method, request, request_type, reply_type) -> Iterator[pb.Chunk]:
         def call() -> bytes:
-            reply = getattr(self._handler, method)(codec.decode(request, self._limits))
+            reply = getattr(self._handler, method)(codec.from_bytes(request_type, request, self._limits))
             return self._encode(reply, reply_type, method).SerializeToString()
 
         yield from framing.split(self._run(context, method, call))
@@ -139,6 +150,31 @@ class _Servicer(pb_grpc.PeerServicer):
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
 
 
+_HANDLER_KINDS = {  # (client streaming, server streaming) -> grpc handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _method_handlers(servicer: _Servicer) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+    """The service name and one handler per RPC of protos/peer.proto's `Peer` service.
+
+    Like the generated `add_PeerServicer_to_server`, except that the request deserializer is None:
+    the servicer receives the request bytes and parses them with the codec itself.
+    """
+    service = pb.DESCRIPTOR.services_by_name["Peer"]
+    handlers = {}
+    for method in service.methods:
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        reply_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = kind(
+            getattr(servicer, method.name), request_deserializer=None, response_serializer=reply_type.SerializeToString
+        )
+    return service.full_name, handlers
+
+
 class PeerServer:
     """A running gRPC server for one peer's data plane.
 
@@ -171,7 +207,9 @@ class PeerServer:
             ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
         ]
         self._server = grpc.server(self._executor, options=options)
-        pb_grpc.add_PeerServicer_to_server(self._servicer, self._server)
+        service, handlers = _method_handlers(self._servicer)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
         bind = format_address(host, port)
         try:
             self._port = self._server.add_insecure_port(bind)

@@ -15,39 +15,13 @@ from pathlib import Path
 import pytest
 
 from peer.dht import make_identity
+from tests.conftest import cmdline, is_live, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 PEER = [sys.executable, "-m", "peer"]
 START_DEADLINE_S = 90.0  # tokenizer on the tiny corpus + DHT start on a loaded 2-core CI machine
 STOP_DEADLINE_S = 15.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2] != "Z"
-
-
-def _descendants(root: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                raw = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(raw[raw.rindex(")") + 2 :].split()[1])
-    out, todo = set(), [root]
-    while todo:
-        parent = todo.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in out:
-                out.add(pid)
-                todo.append(pid)
-    return out
 
 
 def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
@@ -83,10 +57,7 @@ def _stop(proc: subprocess.Popen, send) -> float:
 
 
 def _assert_gone(pids: set[int], grace_s: float = 5.0) -> None:
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    left = [p for p in pids if _alive(p)]
+    left = wait_gone(pids, grace_s)
     assert not left, f"processes left behind by peer bootstrap: {left}"
 
 
@@ -102,8 +73,8 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
                      f"peer join --full-replica --initial-peers {maddr}"):
         assert expected in lines, stdout.read_text()
     assert any(record["run_id"] in ln for ln in lines)
-    children = _descendants(proc.pid)
-    assert any("p2pd" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in children if _alive(p))
+    children = live_descendants(proc.pid)
+    assert any("p2pd" in cmdline(p) for p in children if is_live(p))
 
     status = subprocess.run([*PEER, "status", "--initial-peers", maddr, "--timeout-s", "20"],
                             capture_output=True, text=True, timeout=90)
@@ -122,7 +93,7 @@ def test_bootstrap_stops_on_ctrl_c_to_its_process_group(tmp_path, reap_children)
     proc, address_file, stdout = _start(tmp_path, "--stages", "1")
     _wait_ready(proc, address_file, stdout)
     assert "peer join --stage 1 " not in stdout.read_text()  # one stage: only --stage 0 is printed
-    children = _descendants(proc.pid)
+    children = live_descendants(proc.pid)
     took = _stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
     print(f"\npeer bootstrap exited {took:.2f} s after Ctrl-C")
     assert not address_file.exists()

@@ -160,8 +160,8 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
     assert full[T - 1]["train_loss"] < full[0]["train_loss"]
 
 
-def test_full_replica_kill_and_graceful_leave(swarm_factory):
-    T = 12
+def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
+    T = 40  # long enough for a kill, a rejoin and a graceful leave mid-run
     sw = swarm_factory(outer_steps=T, min_replicas=3)
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
@@ -169,25 +169,41 @@ def test_full_replica_kill_and_graceful_leave(swarm_factory):
     sw.join("full-b", "--full-replica")
     sw.join("head", "--stage", "0")
 
-    # kill -9 one full replica while the others wait in round 1
+    # kill -9 one full replica: the rest close rounds without it (its record expires)
     sw.wait_for(lambda: 0 in sw.rounds("full-a"))
     os.killpg(sw.procs["full-a"].pid, signal.SIGKILL)
     killed_at = time.time()
-    # the rest close rounds without it (its record expires) and keep training
     sw.wait_for(lambda: max(sw.rounds("head"), default=-1) >= 2)
     print(f"\nkill -9 full-a: round 2 committed {sw.rounds('head')[2]['time'] - killed_at:.1f}s later")
 
-    # graceful leave: SIGTERM the other full replica → exit 0 quickly, no kill needed
+    # kill -9 the head: the full replica trains on, the stage peer frees its claim and stays in sync
+    os.killpg(sw.procs["head"].pid, signal.SIGKILL)
+    t_kill = max(sw.rounds("full-b"))
+    sw.wait_for(lambda: max(sw.rounds("full-b")) >= t_kill + 2)
+    sw.wait_for(lambda: max(sw.rounds("s1"), default=-1) >= t_kill + 2)  # as a hot spare
+
+    # a new head joins: it downloads stage 0 from the full replica and claims the spare
+    sw.join("head2", "--stage", "0")
+    sw.wait_for(lambda: sw.events("head2", "sync") and sw.events("head2", "round"))
+
+    # graceful leave: SIGTERM the full replica → exit 0 quickly, no kill needed
     sigterm_at = time.monotonic()
     sw.procs["full-b"].send_signal(signal.SIGTERM)
     assert sw.wait_exit("full-b", timeout_s=30) == 0, sw.log("full-b")
     print(f"SIGTERM full-b: exited 0 after {time.monotonic() - sigterm_at:.1f}s")
     assert sw.events("full-b", "exit")[-1]["reason"] == "stopped"
 
-    # the pipeline alone finishes the run
-    assert sw.wait_exit("head") == 0, sw.log("head")
+    # the new pipeline alone finishes the run, in sync
+    assert sw.wait_exit("head2") == 0, sw.log("head2")
     assert sw.wait_exit("s1") == 0, sw.log("s1")
-    head, s1 = sw.rounds("head"), sw.rounds("s1")
-    assert sorted(head) == list(range(T))
-    assert head[T - 1]["stages"]["0"]["participants"] == 1
-    assert s1[T - 1]["stages"]["1"]["perp_hash"] == head[T - 1]["stages"]["0"]["perp_hash"]
+    head2, s1, full_b = sw.rounds("head2"), sw.rounds("s1"), sw.rounds("full-b")
+    assert T - 1 in s1 and T - 1 in head2
+    # the stage peer lost its head mid-round: it either applied the rounds as a spare or re-synced
+    missed = set(range(T)) - set(s1)
+    assert not missed or [e for e in sw.events("s1", "sync") if e["t"] > min(missed)], sw.log("s1")
+    assert head2[T - 1]["stages"]["0"]["participants"] == 1
+    assert s1[T - 1]["stages"]["1"]["perp_hash"] == head2[T - 1]["stages"]["0"]["perp_hash"]
+    for t in set(head2) & set(full_b):
+        assert head2[t]["stages"]["0"]["param_hash"] == full_b[t]["stages"]["0"]["param_hash"], t
+    for t in set(s1) & set(full_b):
+        assert s1[t]["stages"]["1"]["param_hash"] == full_b[t]["stages"]["1"]["param_hash"], t

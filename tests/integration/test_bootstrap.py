@@ -31,6 +31,7 @@ from peer.errors import NetworkError
 from peer.manifest import run_id_for, verify_manifest
 from peer.status import collect_status
 from peer.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
+from tests.conftest import assert_no_leftover_children, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -39,41 +40,6 @@ READY_TIMEOUT_S = 60.0  # tokenizer training on the tiny corpus + DHT start, on 
 STOP_TIMEOUT_S = 20.0
 TTL_S = 3.0  # record ttl of the shared bootstrap: its refresh loop runs every ttl/3 = 1 s
 TINY = {"data.max_chars": 300_000, "swarm.record_ttl_s": TTL_S}
-
-
-def _live(pid: int) -> bool:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2] != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return ""
-
-
-def _live_descendants(root: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                raw = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if raw[raw.rindex(")") + 2] != "Z":
-                parents[int(entry)] = int(raw[raw.rindex(")") + 2 :].split()[1])
-    out, todo = set(), [root]
-    while todo:
-        parent = todo.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in out:
-                out.add(pid)
-                todo.append(pid)
-    return out
 
 
 class RunningBootstrap:
@@ -138,7 +104,7 @@ class BootstrapProcess:
             time.sleep(0.05)
         self.record = json.loads(self.address_file.read_text())
         self.maddrs = list(self.record["initial_peers"])
-        self.children = _live_descendants(self.proc.pid)
+        self.children = live_descendants(self.proc.pid)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -165,10 +131,7 @@ def boot(tmp_path_factory):
         print(f"\npeer bootstrap stopped in {time.monotonic() - t0:.2f} s")
     assert code == 0, running.stderr.read_text()
     assert not running.address_file.exists(), "the address file must be removed on a clean stop"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_live(p) for p in running.children):
-        time.sleep(0.05)
-    assert running.children and not [p for p in running.children if _live(p)], "hivemind child or p2pd left behind"
+    assert running.children and not wait_gone(running.children, 5.0), "hivemind child or p2pd left behind"
 
 
 def _manifest(maddrs: list[str]) -> dict:
@@ -292,7 +255,7 @@ def test_fixed_identity_keeps_the_multiaddr_across_restarts(tmp_path, reap_child
     key = tmp_path / "bootstrap.key"
     port = _free_port()
     cfg = build_config(None, TINY)
-    before = _live_descendants(os.getpid())
+    before = live_descendants(os.getpid())
     seen = []
     for _ in range(2):
         running = RunningBootstrap(cfg, dht_port=port, identity_path=key, address_file=tmp_path / "boot.json")
@@ -302,8 +265,7 @@ def test_fixed_identity_keeps_the_multiaddr_across_restarts(tmp_path, reap_child
         finally:
             assert running.stop() == seen[-1]
         assert not (tmp_path / "boot.json").exists()
-    leaked = {p for p in _live_descendants(os.getpid()) - before if _cmdline(p) != "torch_shm_manager"}
-    assert not leaked, f"leaked child processes: {[_cmdline(p) for p in leaked]}"
+    assert_no_leftover_children(before)
     first, second = seen
     assert first.peer_id == second.peer_id == make_identity(key)
     assert first.initial_peers == second.initial_peers == (f"/ip4/127.0.0.1/tcp/{port}/p2p/{first.peer_id}",)

@@ -17,6 +17,7 @@ import pytest
 
 from peer.demo import Children, DemoConfig, run_demo
 from peer.errors import PeerError
+from tests.conftest import is_live
 
 # A stand-in for `peer bootstrap` / `peer join`: same flags, same address and metrics files.
 FAKE_PEER = textwrap.dedent(r'''
@@ -75,10 +76,8 @@ def _pids_with_env(tag: str) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                stat = (entry / "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    out.append(int(entry.name))
+            if needle in (entry / "environ").read_bytes().split(b"\0") and is_live(int(entry.name)):
+                out.append(int(entry.name))
         except OSError:
             continue
     return out

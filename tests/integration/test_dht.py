@@ -17,49 +17,15 @@ import pytest
 
 from peer.dht import SwarmDHT, dht_time, make_identity
 from peer.errors import ConfigError, NetworkError
+from tests.conftest import assert_no_leftover_children, is_live, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
-
-
-def _live(pid: int) -> bool:
-    """True while `pid` is a running (not zombie) process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2] != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return ""
-
-
-def _live_descendants(root: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _live(int(entry)):
-            try:
-                raw = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(raw[raw.rindex(")") + 2 :].split()[1])
-    out, todo = set(), [root]
-    while todo:
-        parent = todo.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in out:
-                out.add(pid)
-                todo.append(pid)
-    return out
 
 
 @pytest.fixture
 def nodes():
     """Factory of SwarmDHT nodes; always shuts them down and checks that their processes are gone."""
-    before = _live_descendants(os.getpid())
+    before = live_descendants(os.getpid())
     started: list[SwarmDHT] = []
     pids: set[int] = set()
 
@@ -74,11 +40,8 @@ def nodes():
         pids.update(node.child_pids)
         node.shutdown()
     assert pids, "no child process was recorded"
-    assert not [p for p in pids if _live(p)], "hivemind child or p2pd still running after shutdown"
-    # torch_shm_manager is torch's per-process shared-memory helper (hivemind's MPFuture state lives
-    # in torch shared memory); it is started once and lives as long as the test process.
-    leaked = {p for p in _live_descendants(os.getpid()) - before if _cmdline(p) != "torch_shm_manager"}
-    assert not leaked, f"leaked child processes: {[_cmdline(p) for p in leaked]}"
+    assert not [p for p in pids if is_live(p)], "hivemind child or p2pd still running after shutdown"
+    assert_no_leftover_children(before)  # torch's shm manager (started by the first node) aside
 
 
 def test_manifest_read_by_peer_and_by_stock_hivemind_client(nodes):
@@ -246,9 +209,9 @@ def test_requests_keep_their_deadline_after_the_swarm_dies(nodes):
 def test_shutdown_is_idempotent_and_reaps_children():
     with SwarmDHT() as node:
         pids = node.child_pids
-        assert len(pids) >= 2 and all(_live(p) for p in pids)  # the DHT process and its p2pd
+        assert len(pids) >= 2 and all(is_live(p) for p in pids)  # the DHT process and its p2pd
         assert node.peer_id in node.visible_maddrs()[0]
-    assert not [p for p in pids if _live(p)]
+    assert not [p for p in pids if is_live(p)]
     node.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         node.get_manifest()

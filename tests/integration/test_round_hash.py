@@ -1,14 +1,18 @@
 """Outer rounds reject bad payloads: real hivemind DHT nodes and PeerServers on 127.0.0.1.
 
 Three replicas take part in round (t, s): A and C are honest, B is not. B either serves bytes that
-differ from the sha256 it announced, or announces the right hash of bytes that are no SparseLoCo
-payload. The honest replicas skip B's payload with a warning and commit the same honest set, in
-the same (replica id) order, with the bytes each of them contributed.
+differ from the sha256 it announced, announces the right hash of bytes that are no SparseLoCo
+payload, sends a payload whose tensors do not fit the stage, or announces a well-formed payload in
+A's name. The honest replicas skip B's payload with a warning (the forged one is not even
+fetched), commit the same honest set, in the same (replica id) order, with the bytes each of them
+contributed, and do not wait for the round's deadline because of B. A stage peer that a head's
+replica record lists in "pipeline_peers" does contribute in that head's name.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,14 +21,14 @@ import torch
 
 from peer.config import build_config
 from peer.dht import SwarmDHT
-from peer.rounds import ClientPool, PayloadStore, RoundResult, gather_round, sha256
+from peer.rounds import ClientPool, PayloadStore, RoundResult, gather_round, payload_validator, sha256
 from peer.service import PeerService
 from peer.sparseloco import Payload, PayloadError, compress
 from peer.transport.server import PeerServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-ROUND_TIMEOUT_S = 4.0
+ROUND_TIMEOUT_S = 8.0  # a round that has to wait for it failed: every round here closes well before
 SHAPES = {"layers.2.attn.wq.weight": (64, 64), "layers.2.attn_norm.weight": (64,)}
 
 
@@ -44,10 +48,22 @@ class Node:
         return self.server.address
 
 
-def _payload(seed: int, cfg) -> bytes:
+def _payload(seed: int, cfg, shapes=SHAPES) -> bytes:
     gen = torch.Generator().manual_seed(seed)
-    delta = {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in SHAPES.items()}
+    delta = {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in shapes.items()}
     return compress(delta, None, cfg.sparseloco)[0].to_bytes()
+
+
+def _announce(node: Node, t: int, stage: int, data: bytes, replica: str, announced: bytes | None = None) -> None:
+    """Serve `data` for round (t, stage) and announce it (with the hash of `announced`) for `replica`."""
+    node.store.put(t, stage, data)
+    node.dht.announce_payload(t, stage, {"sha256": sha256(announced or data), "size": len(data),
+                                         "address": node.address, "replica": replica}, ttl_s=60)
+
+
+def _replica_record(node: Node, i: int, **extra) -> dict:
+    return {"address": node.address, "kind": "full", "outer_step": 0, "shard": i, "joined_at": 0, "loss": None,
+            "tokens_per_s": 0.0, **extra}
 
 
 @pytest.fixture
@@ -59,12 +75,12 @@ def three_replicas(reap_children):
         first = SwarmDHT()
         nodes.append(Node(first, PayloadStore(), ClientPool(timeout_s=5.0)))
         for _ in range(2):
-            nodes.append(Node(SwarmDHT(initial_peers=first.visible_maddrs()), PayloadStore(), ClientPool(timeout_s=5.0)))
+            dht = SwarmDHT(initial_peers=first.visible_maddrs())
+            nodes.append(Node(dht, PayloadStore(), ClientPool(timeout_s=5.0)))
         for i, node in enumerate(nodes):
             node.dht.set_run("round-hash-test", cfg.stages)
             node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
-            node.dht.announce_replica({"address": node.address, "kind": "full", "outer_step": 0, "shard": i,
-                                       "joined_at": 0, "loss": None, "tokens_per_s": 0.0}, ttl_s=60)
+            node.dht.announce_replica(_replica_record(node, i), ttl_s=60)
         yield cfg, nodes
     finally:
         for node in nodes:
@@ -74,29 +90,32 @@ def three_replicas(reap_children):
             node.dht.shutdown()
 
 
-def _honest_round(cfg, honest: list[Node], t: int, stage: int) -> list[RoundResult]:
-    n = sum(torch.Size(s).numel() for s in SHAPES.values())
+def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, delay_s: float = 0.0) -> RoundResult:
+    time.sleep(delay_s)  # a slower replica: the others poll before it announces
+    validate = payload_validator(SHAPES, cfg.sparseloco)  # as Swarm._validator builds it
+    return gather_round(node.dht, node.clients, t, stage, ROUND_TIMEOUT_S, own=own, store=node.store,
+                        address=node.address, validate=validate, poll_s=0.1, ttl_s=60)
 
-    def validate(data: bytes) -> None:
-        Payload.from_bytes(data, max_elements=n, cfg=cfg.sparseloco)
 
+def _honest_round(cfg, honest: list[Node], t: int, stage: int,
+                  delay_s: dict[str, float] | None = None) -> list[RoundResult]:
     def run(i_node: tuple[int, Node]) -> RoundResult:
         i, node = i_node
-        return gather_round(node.dht, node.clients, t, stage, ROUND_TIMEOUT_S, own=(node.id, _payload(10 + i, cfg)),
-                            store=node.store, address=node.address, validate=validate, poll_s=0.1, ttl_s=60)
+        return _gather(cfg, node, t, stage, (node.id, _payload(10 + i, cfg)), (delay_s or {}).get(node.id, 0.0))
 
     with ThreadPoolExecutor(max_workers=len(honest)) as pool:
         return list(pool.map(run, enumerate(honest)))
 
 
-def _check_committed(results: list[RoundResult], honest: list[Node], cfg, bad: Node) -> None:
+def _check_committed(results: list[RoundResult], honest: list[Node], cfg, bad: Node, expected: int = 3) -> None:
     want = sorted((node.id, _payload(10 + i, cfg)) for i, node in enumerate(honest))
     for result in results:
         assert bad.id not in result.replicas
         assert result.replicas == [rid for rid, _ in want]  # the honest set, in replica-id order
         assert result.payloads == [data for _, data in want]
-        assert result.expected == 3  # B is a live replica: skipped, not forgotten
-        assert result.wall_s < ROUND_TIMEOUT_S + 5
+        assert result.expected == expected  # a live B is skipped, not forgotten
+        # B's rejected payload does not hold the round open until its deadline
+        assert not result.timed_out and result.wall_s < ROUND_TIMEOUT_S / 2, result.wall_s
 
 
 def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replicas, caplog):
@@ -104,9 +123,7 @@ def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replica
     caplog.set_level(logging.WARNING, logger="peer.rounds")
     announced, served = _payload(99, cfg), _payload(98, cfg)
     Payload.from_bytes(served, cfg=cfg.sparseloco)  # a well-formed payload: only the hash gives it away
-    b.store.put(0, 0, served)
-    b.dht.announce_payload(0, 0, {"sha256": sha256(announced), "size": len(announced), "address": b.address,
-                                  "replica": b.id}, ttl_s=60)
+    _announce(b, 0, 0, served, b.id, announced=announced)
 
     results = _honest_round(cfg, [a, c], t=0, stage=0)
 
@@ -124,9 +141,7 @@ def test_malformed_payload_with_a_valid_hash_is_rejected_by_validation(three_rep
     garbage = bytes(garbage)
     with pytest.raises(PayloadError):
         Payload.from_bytes(garbage)
-    b.store.put(0, 1, garbage)
-    b.dht.announce_payload(0, 1, {"sha256": sha256(garbage), "size": len(garbage), "address": b.address,
-                                  "replica": b.id}, ttl_s=60)
+    _announce(b, 0, 1, garbage, b.id)
 
     results = _honest_round(cfg, [a, c], t=0, stage=1)
 
@@ -134,3 +149,61 @@ def test_malformed_payload_with_a_valid_hash_is_rejected_by_validation(three_rep
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     rejected = [m for m in warnings if "invalid SparseLoCo payload" in m and b.id[:12] in m]
     assert len(rejected) == 2, warnings
+
+
+@pytest.mark.parametrize("shapes", [
+    {"layers.2.attn.wq.weight": (1,), "layers.2.attn_norm.weight": (64,)},  # would broadcast over the matrix
+    {"layers.2.attn.wq.weight": (64, 32), "layers.2.attn_norm.weight": (64,)},  # would crash apply_round
+    {"layers.9.attn.wq.weight": (64, 64)},  # not a parameter of this stage
+], ids=["broadcasting (1,)", "wrong shape", "foreign name"])
+def test_well_formed_payload_that_does_not_fit_the_stage_is_rejected(three_replicas, caplog, shapes):
+    cfg, (a, b, c) = three_replicas
+    caplog.set_level(logging.WARNING, logger="peer.rounds")
+    misfit = _payload(95, cfg, shapes)
+    Payload.from_bytes(misfit, cfg=cfg.sparseloco)  # a valid SparseLoCo payload: only its tensors are wrong
+    _announce(b, 0, 1, misfit, b.id)
+
+    results = _honest_round(cfg, [a, c], t=0, stage=1)
+
+    _check_committed(results, [a, c], cfg, bad=b)
+    assert all(r.rejected == [b.id] for r in results)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([m for m in warnings if "not a parameter of this stage" in m or "has shape" in m]) == 2, warnings
+
+
+def test_payload_announced_in_another_replicas_name_is_ignored(three_replicas, caplog):
+    cfg, (a, b, c) = three_replicas
+    caplog.set_level(logging.WARNING, logger="peer.rounds")
+    b.dht.withdraw_replica()  # B is not a replica, and A's record lists no stage peer
+    forged = _payload(94, cfg)  # well formed, right hash: only the binding gives it away
+    _announce(b, 0, 0, forged, a.id)
+
+    # A is slow: C polls while B's announcement is the only one in A's name
+    results = _honest_round(cfg, [a, c], t=0, stage=0, delay_s={a.id: 1.0})
+
+    _check_committed(results, [a, c], cfg, bad=b, expected=2)
+    a_result, c_result = results
+    assert c_result.bytes_fetched == len(_payload(10, cfg))  # A's real payload only: the forged one never fetched
+    assert a_result.bytes_fetched == len(_payload(11, cfg))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    ignored = [m for m in warnings if f"ignoring the announcement of {b.id[:12]}" in m]
+    assert len(ignored) == 2, warnings  # once per honest replica, not once per poll
+
+
+def test_stage_peer_listed_in_the_heads_record_contributes_in_its_name(three_replicas):
+    """A is a pipeline head whose stage-1 peer is B (no replica itself); C is a full replica."""
+    cfg, (a, b, c) = three_replicas
+    b.dht.withdraw_replica()
+    a.dht.announce_replica(_replica_record(a, 0, kind="pipeline", pipeline_peers={"1": b.id}), ttl_s=60)
+    from_b, from_c = _payload(20, cfg), _payload(21, cfg)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(_gather, cfg, b, 0, 1, (a.id, from_b)),  # B in A's name
+                   pool.submit(_gather, cfg, c, 0, 1, (c.id, from_c)),
+                   pool.submit(_gather, cfg, a, 0, 1, None)]  # the head observes stage 1's round
+        results = [f.result() for f in futures]
+
+    want = sorted([(a.id, from_b), (c.id, from_c)])
+    for result in results:
+        assert result.replicas == [rid for rid, _ in want] and result.payloads == [data for _, data in want]
+        assert result.expected == 2 and not result.timed_out and result.wall_s < ROUND_TIMEOUT_S / 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -304,3 +305,30 @@ def test_a_client_that_stalls_mid_upload_is_cut_off_quietly(toy, caplog):
     # either way it is one INFO line, never a logged traceback.
     assert any("forward from" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
+
+
+def test_bytes_that_are_not_the_request_type_are_invalid_argument_and_one_info_line(toy, caplog):
+    """grpcio would answer INTERNAL and log an ERROR traceback per request; the codec parses instead."""
+    server, _ = toy
+    garbage = b"\xff" + b"\x01" * 9  # field number 0x7f.., wire type 7: never valid protobuf
+    caplog.set_level("INFO")
+    with grpc.insecure_channel(server.address) as channel:
+        calls = {
+            "Step": lambda: channel.unary_unary("/peer.v1.Peer/Step")(garbage, timeout=10),
+            "Info": lambda: channel.unary_unary("/peer.v1.Peer/Info")(garbage, timeout=10),
+            **{m: lambda m=m: list(channel.unary_stream(f"/peer.v1.Peer/{m}")(garbage, timeout=10))
+               for m in ("GetPayload", "GetState", "GetArtifact")},
+            **{m: lambda m=m: list(channel.stream_stream(f"/peer.v1.Peer/{m}")(iter([garbage]), timeout=10))
+               for m in ("Forward", "Backward")},
+        }
+        for method, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value.details())
+            assert "not a parseable protobuf message" in err.value.details(), method
+    with PeerClient(server.address, timeout_s=10) as client:
+        assert client.info()["state"] == "ready"
+    server.stop(grace_s=1.0)
+    rejected = [r for r in caplog.records if r.name == "peer.transport.server" and "rejected" in r.getMessage()]
+    assert len(rejected) == len(calls) and all(r.levelno == logging.INFO for r in rejected)
+    assert [r.getMessage()[:120] for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -98,8 +98,6 @@ def test_verify_does_not_modify_the_manifest(manifest):
     assert manifest == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 4: the missing-key and fingerprint messages name the problem but "
-                   "no action (e.g. 'upgrade the bootstrap' / 'install peer <version> like the bootstrap')")
 @pytest.mark.parametrize("tamper", ["missing key", "fingerprint"])
 def test_every_rejection_says_what_to_do(manifest, tamper):
     if tamper == "missing key":
@@ -107,3 +105,10 @@ def test_every_rejection_says_what_to_do(manifest, tamper):
     else:
         manifest["fingerprint"] = "0" * 16
     assert ACTION.search(_mismatch(manifest))
+
+
+def test_fingerprint_mismatch_with_another_peer_version_names_the_version_to_install(manifest):
+    manifest["peer_version"] = "9.9.9"
+    manifest["fingerprint"] = "0" * 16
+    message = _mismatch(manifest)
+    assert ACTION.search(message) and "install peer 9.9.9 like the swarm" in message
