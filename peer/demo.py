@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from peer.errors import ConfigError, NetworkError, PeerError
+from peer.plots import figure
 
 log = logging.getLogger(__name__)
 
@@ -615,38 +616,24 @@ def run_demo(cfg: DemoConfig, progress: Callable[[DemoState], None] | None = Non
 
 def plot_demo(result: DemoResult, path: Path, inner_steps: int, title: str = "peer demo") -> Path:
     """Per-process train loss against the global inner step, round means and validation loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    roles = {v.name: v.role for v in result.processes}
-    for i, (name, mpath) in enumerate(sorted(result.metrics.items())):
-        if roles.get(name) not in LOSS_ROLES:
-            continue
-        pts = [(ev["t"] * inner_steps + ev["h"], ev["loss"]) for ev in read_events(mpath)
-               if ev.get("event") == "step" and ev.get("loss") is not None and isinstance(ev.get("t"), int)
-               and isinstance(ev.get("h"), int)]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, color=f"C{i}", alpha=0.6, linewidth=1, label=f"{name} train")
-    rounds = result.summary["rounds"]
-    # a round's train loss is the mean over its inner steps: drawn mid-round; validation is after the commit
-    tr = [(r["t"] * inner_steps + (inner_steps - 1) / 2, r["train_loss"]) for r in rounds if r["train_loss"] is not None]
-    va = [((r["t"] + 1) * inner_steps, r["val_loss"]) for r in rounds if r["val_loss"] is not None]
-    if tr:
-        ax.plot(*zip(*tr), "s--", color="black", markersize=4, label="round mean train")
-    if va:
-        ax.plot(*zip(*va), "o-", color="crimson", markersize=4, label="round mean val")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    with figure(path, title) as ax:
+        roles = {v.name: v.role for v in result.processes}
+        for i, (name, mpath) in enumerate(sorted(result.metrics.items())):
+            if roles.get(name) not in LOSS_ROLES:
+                continue
+            pts = [(ev["t"] * inner_steps + ev["h"], ev["loss"]) for ev in read_events(mpath)
+                   if ev.get("event") == "step" and ev.get("loss") is not None and isinstance(ev.get("t"), int)
+                   and isinstance(ev.get("h"), int)]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, color=f"C{i}", alpha=0.6, linewidth=1, label=f"{name} train")
+        rounds = result.summary["rounds"]
+        # a round's train loss is the mean over its inner steps: drawn mid-round; validation is after the commit
+        tr = [(r["t"] * inner_steps + (inner_steps - 1) / 2, r["train_loss"]) for r in rounds
+              if r["train_loss"] is not None]
+        va = [((r["t"] + 1) * inner_steps, r["val_loss"]) for r in rounds if r["val_loss"] is not None]
+        if tr:
+            ax.plot(*zip(*tr), "s--", color="black", markersize=4, label="round mean train")
+        if va:
+            ax.plot(*zip(*va), "o-", color="crimson", markersize=4, label="round mean val")
+    return Path(path)

@@ -527,20 +527,31 @@ class SwarmDHT:
             raise NetworkError("the hivemind DHT process exited; restart this peer")
 
     def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None, timeout_s: float | None) -> None:
+        """Store with a later expiration than any before it; up to 3 attempts under one deadline.
+
+        hivemind reports the answer of the LAST node to reply, and a node that gets the same record
+        twice answers False, so a refusal is retried (with a new, later expiration) before it counts.
+        """
         self._check_open()
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        expiration = dht_time() + ttl_s
-        previous = self._last_expiration.get((key, subkey))
-        if previous is not None and expiration <= previous:
-            expiration = previous + 1e-3  # hivemind keeps the latest expiration: stay the newest
-        future = self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
-        if not self._wait(future, f"store of {key!r}", timeout_s):
-            raise NetworkError(
-                f"DHT store of {key!r} was refused (no node accepted it, or a newer record exists); {_CHECK_HINT}"
-            )
-        self._last_expiration[(key, subkey)] = expiration
-        logger.debug("stored %s (%s) for %.0f s", key, "signed" if subkey else "plain", expiration - dht_time())
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(3):
+            expiration = dht_time() + ttl_s
+            previous = self._last_expiration.get((key, subkey))
+            if previous is not None and expiration <= previous:
+                expiration = previous + 1e-3  # hivemind keeps the latest expiration: stay the newest
+            future = self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
+            stored = self._wait(future, f"store of {key!r}", max(0.0, deadline - time.monotonic()))
+            self._last_expiration[(key, subkey)] = expiration  # some nodes may hold it even if refused
+            if stored:
+                logger.debug("stored %s (%s) for %.0f s", key, "signed" if subkey else "plain", expiration - dht_time())
+                return
+            logger.debug("DHT store of %r refused (attempt %d of 3)", key, attempt + 1)
+        raise NetworkError(
+            f"DHT store of {key!r} was refused (no node accepted it, or a newer record exists); {_CHECK_HINT}"
+        )
 
     def _get_many(self, keys: Sequence[str], timeout_s: float | None) -> list[Any]:
         """Values of `keys` (None where absent), fetched concurrently under one deadline."""

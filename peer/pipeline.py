@@ -10,8 +10,10 @@ Claims: the first forward of an outer step claims a ready peer for this pipeline
 ("pipeline_peers"), which is what lets that peer's round payload speak for this pipeline. A peer
 that is busy with another pipeline is skipped; one that is still finishing its round is retried
 with backoff. On a network error or timeout the head drops the peer, claims
-another ready peer of that stage and replays the inner step's remaining micro-batches; every
-wait is bounded by `swarm.claim_timeout_s` / `swarm.rpc_timeout_s`.
+another ready peer of that stage and replays the whole inner step (stage peers notice a repeated
+micro-batch and drop that step's gradients); every wait is bounded by `swarm.claim_timeout_s` /
+`swarm.rpc_timeout_s`. Known limit: a replacement peer starts from θ_start of the outer step, so
+the inner steps its predecessor took before failing are lost for that stage.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from peer.checkpoint import save_model_checkpoint
 from peer.config import RunConfig
 from peer.data import TokenData, train_batch, val_batches
 from peer.errors import ConfigError
+from peer.plots import figure
 from peer.replica import EMBED, LocalReplica, apply_outer_update, stage_state
 from peer.sparseloco import Payload, aggregate, clip_to_median, compress, decompress, pseudo_gradient
 from peer.subspace import k_from_ratio, make_basis
@@ -228,29 +229,15 @@ def with_overrides(cfg: RunConfig, **train_overrides) -> RunConfig:
 
 def plot_curves(results: Sequence[ConfigResult], path: Path, title: str = "peer simulate") -> Path:
     """Train (thin) and validation (markers) loss against the global inner step, one colour per config."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(results):
-        color = f"C{i}"
-        steps, losses = zip(*r.train_curve)
-        window = max(1, len(losses) // 50)
-        smooth = [sum(losses[max(0, j - window + 1): j + 1]) / len(losses[max(0, j - window + 1): j + 1]) for j in range(len(losses))]
-        ax.plot(steps, smooth, color=color, alpha=0.6, linewidth=1, label=f"{r.name} train")
-        if r.val_curve:
-            vs, vl = zip(*r.val_curve)
-            ax.plot(vs, vl, "o-", color=color, markersize=3, label=f"{r.name} val")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    with figure(path, title) as ax:
+        for i, r in enumerate(results):
+            color = f"C{i}"
+            steps, losses = zip(*r.train_curve)
+            window = max(1, len(losses) // 50)
+            smooth = [sum(losses[max(0, j - window + 1): j + 1]) / len(losses[max(0, j - window + 1): j + 1])
+                      for j in range(len(losses))]
+            ax.plot(steps, smooth, color=color, alpha=0.6, linewidth=1, label=f"{r.name} train")
+            if r.val_curve:
+                vs, vl = zip(*r.val_curve)
+                ax.plot(vs, vl, "o-", color=color, markersize=3, label=f"{r.name} val")
+    return Path(path)

@@ -79,6 +79,9 @@ def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int
         swarm.linger(stop)
         swarm.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
+    except BaseException as exc:
+        swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
+        raise
     finally:
         swarm.close()
 
@@ -130,6 +133,9 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
         swarm.linger(stop)
         swarm.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
+    except BaseException as exc:
+        swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
+        raise
     finally:
         swarm.close()
 
@@ -182,6 +188,9 @@ def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
         swarm.linger(stop)
         swarm.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
+    except BaseException as exc:
+        swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
+        raise
     finally:
         swarm.close()
 

@@ -63,6 +63,8 @@ def test_heterogeneous_swarm_trains_in_sync_and_a_late_joiner_catches_up(swarm_r
         # both replicas contributed to both stages' rounds
         assert head[t]["stages"]["0"]["participants"] == 2
         assert full[t]["stages"]["0"]["participants"] == full[t]["stages"]["1"]["participants"] == 2
+        # honest rounds clip nothing (poisoned contributions are clipped against the median)
+        assert head[t]["stages"]["0"]["clipped"] == full[t]["stages"]["1"]["clipped"] == 0
         # bit-identical parameters per stage across the pipeline and the full replica
         assert head[t]["stages"]["0"]["param_hash"] == full[t]["stages"]["0"]["param_hash"]
         assert stage1[t]["stages"]["1"]["param_hash"] == full[t]["stages"]["1"]["param_hash"]
