@@ -273,7 +273,9 @@ def gather_round(
             result.bytes_fetched += len(data)
         # every live replica of round t, and every replica with a bound announcement for it: a
         # payload some peers hold and others skipped would split the stage's parameters
-        expected = expected_replicas(dht, t, replicas) | {rid for rid, _ in announced.values()}
+        # announcers count while their replica is alive: one that died after announcing (its
+        # record expired) is no longer waited for
+        expected = expected_replicas(dht, t, replicas) | {rid for rid, _ in announced.values() if rid in replicas}
         result.expected = len(expected)
         # Done when every live replica of round t is held or rejected (an observer whose
         # contributors all left commits what it holds; they linger after their last round so this is rare).

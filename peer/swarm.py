@@ -87,8 +87,7 @@ class Swarm:
                 stop: threading.Event | None = None) -> "Swarm":
         if not opts.initial_peers:
             raise PeerError("--initial-peers is required: paste the line `peer bootstrap` printed")
-        dht = SwarmDHT(opts.initial_peers, host=opts.host, port=opts.dht_port, announce_host=opts.announce_host,
-                       identity_path=opts.identity, swarm_secret=opts.swarm_secret)
+        dht = _start_dht(opts)
         if opts.device == "auto":  # only now: the DHT process has forked, CUDA may be touched
             import torch
 
@@ -194,7 +193,8 @@ class Swarm:
             if worker.param_hash() != reply.meta["param_hash"]:
                 log.warning("stage %d state from %s fails its hash check; trying another holder", worker.stage, pid[:12])
                 continue
-            self.joined_at = max(self.joined_at, reply.outer_step)
+            # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
+            self.joined_at = max(self.joined_at, reply.outer_step + 1)
             self.resyncs += 1
             log.info("%s: stage %d state at outer step %d from %s (hash %s)", reason, worker.stage,
                      reply.outer_step, pid[:12], worker.param_hash())
@@ -203,6 +203,24 @@ class Swarm:
             return
         raise NetworkError(f"the swarm is at outer step {t_swarm} but no peer served stage {worker.stage}'s state; "
                            "retry when a holder of that stage is online")
+
+    def catch_up(self, workers: dict[int, StageWorker], stop: threading.Event) -> None:
+        """After a state download at outer step t, apply round t as an observer instead of
+        contributing to it: the others did not expect this replica in round t."""
+        t = min(w.outer_step for w in workers.values())
+        if self.joined_at <= t or not expected_replicas(self.dht, t):
+            return
+        results = {s: self.gather_for(w, t, None, stop) for s, w in workers.items()}
+        if 0 in results:
+            embed = results[0]
+        else:
+            embed = self.gather_for(next(iter(workers.values())), t, None, stop, stage=0)
+        embed_update = StageWorker.embed_update([Payload.from_bytes(p) for p in embed.payloads], self.cfg) \
+            if embed.payloads else None
+        for s, w in workers.items():
+            w.apply_round([Payload.from_bytes(p) for p in results[s].payloads], embed_update)
+        self.log_event("catch_up", t=t)
+        self.refresh_records()
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker that fell more than `max_lag` rounds behind, or whose committed parameters
@@ -398,6 +416,12 @@ class Swarm:
         log.info("round %d committed: %s train %s val %s", t,
                  {s: n for s, (_, n) in stages.items()}, train_loss, val_loss)
 
+    def finish(self, stop: threading.Event) -> int:
+        """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0."""
+        self.linger(stop)
+        self.log_exit("finished" if not stop.is_set() else "stopped")
+        return 0
+
     def log_exit(self, reason: str) -> None:
         self.log_event("exit", reason=reason)
 
@@ -429,6 +453,20 @@ def max_request_bytes(cfg: RunConfig) -> int:
     b, L, d = cfg.train.batch_size, cfg.model.max_seq_len, cfg.model.d_model
     boundary = b * L * d * 4 + 2 * b * L * 4 + (64 << 10)  # hidden + tokens + targets + fields
     return max(4 << 20, 4 * boundary)
+
+
+def _start_dht(opts: SwarmOptions, attempts: int = 2) -> SwarmDHT:
+    """Start this peer's DHT node; one retry when the forked node did not come up in time
+    (a fork from a busy multi-threaded process can stall; the stalled child is reaped)."""
+    for attempt in range(attempts):
+        try:
+            return SwarmDHT(opts.initial_peers, host=opts.host, port=opts.dht_port, announce_host=opts.announce_host,
+                            identity_path=opts.identity, swarm_secret=opts.swarm_secret)
+        except NetworkError as exc:
+            if attempt + 1 == attempts or "did not start" not in str(exc):
+                raise
+            log.warning("%s; retrying once", exc)
+    raise AssertionError("unreachable")
 
 
 def _wait_for_manifest(dht: SwarmDHT, timeout_s: float, stop: threading.Event) -> dict:

@@ -76,9 +76,7 @@ def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int
                 swarm.checkpoint({stage: worker})  # still in the round: no pipeline can touch the worker
             finally:
                 swarm.service.round_done()
-        swarm.linger(stop)
-        swarm.log_exit("finished" if not stop.is_set() else "stopped")
-        return 0
+        return swarm.finish(stop)
     except BaseException as exc:
         swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
         raise
@@ -106,7 +104,10 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
         swarm.wait_for_quorum(worker.outer_step, stop)
         while worker.outer_step < train.outer_steps and not stop.is_set():
             swarm.maintain(worker)
+            swarm.catch_up({0: worker}, stop)
             t = worker.outer_step
+            if t >= train.outer_steps:
+                break
             losses = []
             try:
                 for h in range(H):
@@ -130,9 +131,7 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
             swarm.log_round(t, {0: (worker, result.participants)}, sum(losses) / len(losses), val_loss,
                             result.wall_s, activations=driver.act_bytes)
             swarm.checkpoint({0: worker}, {"shard": shard})  # data position: (shard, outer step)
-        swarm.linger(stop)
-        swarm.log_exit("finished" if not stop.is_set() else "stopped")
-        return 0
+        return swarm.finish(stop)
     except BaseException as exc:
         swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
         raise
@@ -163,7 +162,10 @@ def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
         while chain[0].outer_step < train.outer_steps and not stop.is_set():
             for w in chain:
                 swarm.maintain(w)
+            swarm.catch_up(workers, stop)
             t = chain[0].outer_step
+            if t >= train.outer_steps:
+                break
             losses, started = [], time.monotonic()
             for h in range(H):
                 x, y = train_batch(data, shard, cfg.swarm.n_shards, t * H + h, train.batch_size, train.seq_len)
@@ -185,9 +187,7 @@ def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
             swarm.log_round(t, {s: (workers[s], results[s].participants) for s in workers}, sum(losses) / len(losses),
                             val_loss, max(r.wall_s for r in results.values()))
             swarm.checkpoint(workers, {"shard": shard})
-        swarm.linger(stop)
-        swarm.log_exit("finished" if not stop.is_set() else "stopped")
-        return 0
+        return swarm.finish(stop)
     except BaseException as exc:
         swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
         raise
