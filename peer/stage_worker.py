@@ -65,6 +65,16 @@ class StageWorker:
         self.last_committed: list[str] = []  # replica ids committed in the last round
         self.last_clip = ClipStats(0, (), 0.0, 0.0)  # what median clipping did in the last round
 
+    @property
+    def start(self) -> dict[str, torch.Tensor]:
+        """θ_start: the committed parameters of the current outer step."""
+        return self._start
+
+    @start.setter
+    def start(self, value: dict[str, torch.Tensor]) -> None:
+        self._start = value
+        self._start_version = getattr(self, "_start_version", 0) + 1
+
     # ---------------------------------------------------------------- pipeline compute
     def forward(self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None,
                 targets: torch.Tensor | None) -> ForwardOut:
@@ -276,9 +286,18 @@ class StageWorker:
             self.optimizer = optimizer
 
     def param_hash(self) -> str:
-        with self.lock:
-            return state_hash(self.start)
+        """Hash of the committed parameters θ_start (published in every record refresh)."""
+        return self._hashes()[0]
 
     def perp_hash(self) -> str:
+        return self._hashes()[1]
+
+    def _hashes(self) -> tuple[str, str]:
+        """(θ_start, T⊥) hashes, computed once per committed state: `start` is re-assigned whenever
+        θ_start or T⊥ change, and every assignment bumps `_start_version`, which keys the cache."""
         with self.lock:
-            return state_hash({"perp": perp_of(self.module)})
+            key = (self._start_version, self.outer_step)
+            if getattr(self, "_hash_key", None) != key:
+                self._hash_value = (state_hash(self.start), state_hash({"perp": perp_of(self.module)}))
+                self._hash_key = key
+            return self._hash_value
