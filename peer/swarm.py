@@ -8,6 +8,7 @@ and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`. The trainer then
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from peer.config import RunConfig
 from peer.data import TokenData, build_token_data
@@ -104,6 +105,21 @@ class Swarm:
         swarm.joined_at = dht.current_outer_step()
         log.info("joined run %s as %s%s", manifest["run_id"], role, "" if stage is None else f" of stage {stage}")
         return swarm
+
+    @classmethod
+    @contextlib.contextmanager
+    def session(cls, opts: SwarmOptions, role: str, stage: int | None,
+                stop: threading.Event) -> Iterator["Swarm"]:
+        """`connect`, then always record why the role ended and leave cleanly (records withdrawn,
+        server and DHT stopped), whether it finished, was stopped or failed."""
+        swarm = cls.connect(opts, role=role, stage=stage, stop=stop)
+        try:
+            yield swarm
+        except BaseException as exc:
+            swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
+            raise
+        finally:
+            swarm.close()
 
     def serve(self, workers: dict[int, StageWorker], on_last_step: Callable[[str, int], None] | None = None) -> None:
         self.service = PeerService(self.cfg, workers, self.store, self.peer_id, self.role, on_last_step)

@@ -41,8 +41,7 @@ VAL_BATCHES = 2
 
 def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int:
     """Hold one stage > 0 of compressed pipelines until the run's last round."""
-    swarm = Swarm.connect(opts, role="stage", stage=stage, stop=stop)
-    try:
+    with Swarm.session(opts, role="stage", stage=stage, stop=stop) as swarm:
         cfg = swarm.cfg
         if not 0 < stage < cfg.stages:
             from peer.errors import ConfigError
@@ -77,17 +76,11 @@ def run_stage_peer(opts: SwarmOptions, stage: int, stop: threading.Event) -> int
             finally:
                 swarm.service.round_done()
         return swarm.finish(stop)
-    except BaseException as exc:
-        swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
-        raise
-    finally:
-        swarm.close()
 
 
 def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
-    swarm = Swarm.connect(opts, role="head", stage=0, stop=stop)
-    try:
+    with Swarm.session(opts, role="head", stage=0, stop=stop) as swarm:
         cfg = swarm.cfg
         worker = StageWorker(cfg, 0, compressed=True, device=swarm.opts.device)
         resumed = swarm.resume({0: worker}) or {}
@@ -132,17 +125,11 @@ def run_head(opts: SwarmOptions, stop: threading.Event) -> int:
                             result.wall_s, activations=driver.act_bytes)
             swarm.checkpoint({0: worker}, {"shard": shard})  # data position: (shard, outer step)
         return swarm.finish(stop)
-    except BaseException as exc:
-        swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
-        raise
-    finally:
-        swarm.close()
 
 
 def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
     """All stages locally, no boundary compression; contributes to every stage's round."""
-    swarm = Swarm.connect(opts, role="full", stage=None, stop=stop)
-    try:
+    with Swarm.session(opts, role="full", stage=None, stop=stop) as swarm:
         cfg = swarm.cfg
         workers = {s: StageWorker(cfg, s, compressed=False, device=swarm.opts.device) for s in range(cfg.stages)}
         resumed = swarm.resume(workers) or {}
@@ -188,11 +175,6 @@ def run_full_replica(opts: SwarmOptions, stop: threading.Event) -> int:
                             val_loss, max(r.wall_s for r in results.values()))
             swarm.checkpoint(workers, {"shard": shard})
         return swarm.finish(stop)
-    except BaseException as exc:
-        swarm.log_exit("stopped" if stop.is_set() else f"error: {exc}")
-        raise
-    finally:
-        swarm.close()
 
 
 def _housekeeping(swarm: Swarm, worker: StageWorker) -> None:
