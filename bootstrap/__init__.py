@@ -1,8 +1,8 @@
 """The bootstrap node of a `peer` swarm: a DHT entry point, the run's manifest and its artefacts.
 
-`run_bootstrap(cfg, ...)` builds the tokenizer, starts a `peer.dht.SwarmDHT` node, serves the
-tokenizer and manifest over `peer.transport`, and keeps the manifest published until stopped.
-`peer bootstrap` is its command line. It reuses `peer.dht`; nothing here imports hivemind.
+`run_bootstrap(cfg, ...)` builds the tokenizer, starts a `peer.net.dht.SwarmDHT` node, serves the
+tokenizer and manifest over `peer.net.transport`, and keeps the manifest published until stopped.
+`peer bootstrap` is its command line. It reuses `peer.net.dht`; nothing here imports hivemind.
 """
 
 from bootstrap.artifacts import ArtifactHandler, manifest_bytes

@@ -1,4 +1,4 @@
-"""The bootstrap's data plane: serves the run's artefacts over `peer.transport` (DESIGN §3).
+"""The bootstrap's data plane: serves the run's artefacts over `peer.net.transport` (DESIGN §3).
 
 A joining peer reads the manifest from the DHT, then downloads the artefacts it names from the
 bootstrap's gRPC address: the sentencepiece tokenizer (checked against the manifest's
@@ -17,9 +17,10 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from peer.transport import (
+from peer.net.transport import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,

@@ -1,13 +1,13 @@
 """The bootstrap node: one DHT node that publishes the run's manifest and serves its artefacts.
 
 Start-up order (each step needs the one before it):
-1. build the token data once (`peer.data.build_token_data`): trains or loads the sentencepiece
+1. build the token data once (`peer.core.data.build_token_data`): trains or loads the sentencepiece
    tokenizer, whose sha256 goes into the manifest;
-2. start the `peer.dht.SwarmDHT` node BEFORE any gRPC server or thread (hivemind forks its DHT
+2. start the `peer.net.dht.SwarmDHT` node BEFORE any gRPC server or thread (hivemind forks its DHT
    process; forking a process that runs grpc threads is unsafe);
-3. start a `peer.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest);
-4. build the manifest (`peer.manifest.build_manifest`) naming the gRPC address and publish it
-   under "peer.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
+3. start a `peer.net.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest);
+4. build the manifest (`peer.node.manifest.build_manifest`) naming the gRPC address and publish it
+   under "peer.node.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
 
 Invariants: every network wait has a deadline (SwarmDHT's request timeout); a failed refresh is
 logged, counted (visible in `info`) and retried after at most 2 s; a manifest left unrefreshed
@@ -15,7 +15,7 @@ for two ttls is fatal (`NetworkError`), since joiners can no longer find the run
 the gRPC server, then the DHT (its child process and p2pd); `run_bootstrap` then removes the
 address file, so the file exists exactly while the manifest is being published.
 A fixed identity file (`identity_path`) keeps the peer id, hence the multiaddr, stable across
-restarts. This module imports no hivemind; it reuses `peer.dht`.
+restarts. This module imports no hivemind; it reuses `peer.net.dht`.
 """
 
 from __future__ import annotations
@@ -26,17 +26,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bootstrap.artifacts import ArtifactHandler, manifest_bytes
 from peer.config import RunConfig
-from peer.data import build_token_data
-from peer.dht import SwarmDHT
+from peer.core.data import build_token_data
 from peer.errors import NetworkError
-from peer.manifest import build_manifest, run_id_for
-from peer.transport import PeerServer
+from peer.net.dht import SwarmDHT
+from peer.net.transport import PeerServer
+from peer.node.manifest import build_manifest, run_id_for
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ def _grpc_host(host: str, announce_host: str | None, maddrs: tuple[str, ...]) ->
         if found:
             logger.warning(
                 "bound to %s without --announce-host; announcing gRPC on %s (pass --announce-host to choose)",
-                host or "all interfaces", found,
+                host or "all interfaces",
+                found,
             )
             return found
     return "127.0.0.1"
@@ -160,8 +162,14 @@ class BootstrapNode:
             grpc_host = _grpc_host(host, announce_host, maddrs)
             self.handler = ArtifactHandler(
                 {"tokenizer": tokenizer_bytes},
-                {"run_id": self.run_id, "peer_id": self.dht.peer_id, "initial_peers": list(maddrs),
-                 "tokenizer_sha256": tok_sha, "stages": cfg.stages, "preset": cfg.preset},
+                {
+                    "run_id": self.run_id,
+                    "peer_id": self.dht.peer_id,
+                    "initial_peers": list(maddrs),
+                    "tokenizer_sha256": tok_sha,
+                    "stages": cfg.stages,
+                    "preset": cfg.preset,
+                },
             )
             self.server = PeerServer(self.handler, host=host, port=grpc_port)
             grpc_address = f"{grpc_host}:{self.server.port}"
@@ -173,8 +181,9 @@ class BootstrapNode:
             self.close()
             raise
         self.last_refresh = time.monotonic()
-        logger.info("bootstrap of %s up in %.1f s: DHT %s, gRPC %s", self.run_id, time.monotonic() - t0,
-                    maddrs[0], grpc_address)
+        logger.info(
+            "bootstrap of %s up in %.1f s: DHT %s, gRPC %s", self.run_id, time.monotonic() - t0, maddrs[0], grpc_address
+        )
 
     @property
     def refresh_interval_s(self) -> float:
@@ -195,8 +204,11 @@ class BootstrapNode:
                 raise NetworkError(
                     f"the bootstrap could not refresh the run's manifest for {stale_s:.0f} s ({exc}); restart it"
                 ) from exc
-            logger.warning("manifest refresh failed (%s); retrying in %.0f s", exc,
-                           min(RETRY_AFTER_FAILURE_S, self.refresh_interval_s))
+            logger.warning(
+                "manifest refresh failed (%s); retrying in %.0f s",
+                exc,
+                min(RETRY_AFTER_FAILURE_S, self.refresh_interval_s),
+            )
             return False
         self.handler.count("manifest_refreshes")
         self.last_refresh = time.monotonic()

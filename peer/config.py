@@ -18,15 +18,16 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from peer.data import DataConfig
+from peer.core.data import DataConfig
+from peer.core.model import ModelConfig, get_preset, split_layers
+from peer.core.sparseloco import SparseLoCoConfig
+from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
-from peer.model import ModelConfig, get_preset, split_layers
-from peer.sparseloco import SparseLoCoConfig
-from peer.subspace import k_from_ratio
 
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -183,9 +184,7 @@ def _section_kwargs(cls: type, values: Mapping[str, Any], section: str) -> dict[
     for key, value in values.items():
         name = key.replace("-", "_")
         if name not in known:
-            raise ConfigError(
-                f"unknown key '{section}.{key}'; valid keys: {', '.join(sorted(known))}"
-            )
+            raise ConfigError(f"unknown key '{section}.{key}'; valid keys: {', '.join(sorted(known))}")
         out[name] = _coerce(value, known[name].type, f"{section}.{name}")
     return out
 
@@ -208,7 +207,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     for key, value in environ.items():
         if not key.startswith("PEER_") or key in ("PEER_CACHE_DIR", "PEER_LOG_LEVEL", "PEER_SWARM_SECRET"):
             continue
-        parts = key[len("PEER_"):].lower().split("__")
+        parts = key[len("PEER_") :].lower().split("__")
         if len(parts) == 1:
             out[parts[0]] = value
         elif len(parts) == 2:
@@ -321,12 +320,13 @@ def config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     data: DataConfig = built["data"]
     # data.vocab_size, data.seq_len and data.seed are derived; an explicit value must agree.
     seed = top.get("seed", 0)
-    for name, source, value in (("vocab_size", "model.vocab_size", model.vocab_size),
-                                ("seq_len", "train.seq_len", train.seq_len), ("seed", "seed", seed)):
+    for name, source, value in (
+        ("vocab_size", "model.vocab_size", model.vocab_size),
+        ("seq_len", "train.seq_len", train.seq_len),
+        ("seed", "seed", seed),
+    ):
         if name in sections.get("data", {}) and getattr(data, name) != value:
-            raise ConfigError(
-                f"data.{name}={getattr(data, name)} disagrees with {source}={value}; set {source} only"
-            )
+            raise ConfigError(f"data.{name}={getattr(data, name)} disagrees with {source}={value}; set {source} only")
     data = dataclasses.replace(data, vocab_size=model.vocab_size, seq_len=train.seq_len, seed=seed)
     cfg = RunConfig(model=model, data=data, **{k: v for k, v in built.items() if k not in ("data",)}, **top)
     validate(cfg)
@@ -343,7 +343,9 @@ def validate(cfg: RunConfig) -> None:
             f"stages={cfg.stages} exceeds model.n_layers={cfg.model.n_layers}; use at most {cfg.model.n_layers} stages"
         )
     if cfg.subspace.wire_dtype not in WIRE_DTYPES:
-        raise ConfigError(f"subspace.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {cfg.subspace.wire_dtype!r}")
+        raise ConfigError(
+            f"subspace.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {cfg.subspace.wire_dtype!r}"
+        )
     try:
         _ = cfg.k  # k_from_ratio validates k_ratio against d_model
     except ConfigError as exc:
@@ -352,9 +354,7 @@ def validate(cfg: RunConfig) -> None:
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
     if t.batch_size % t.microbatches:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} must be a multiple of train.microbatches={t.microbatches}"
-        )
+        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of train.microbatches={t.microbatches}")
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

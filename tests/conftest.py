@@ -20,7 +20,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    fields = raw[raw.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
     return fields[0], int(fields[1])
 
 

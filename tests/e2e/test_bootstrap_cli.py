@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.dht import make_identity
+from peer.net.dht import make_identity
 from tests.conftest import cmdline, is_live, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -69,15 +69,19 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
     maddr = record["initial_peers"][0]
     assert maddr.startswith("/ip4/127.0.0.1/tcp/") and maddr.endswith(f"/p2p/{record['peer_id']}")
     lines = [ln.strip() for ln in stdout.read_text().splitlines()]
-    for expected in (f"peer join --stage 0 --initial-peers {maddr}", f"peer join --stage 1 --initial-peers {maddr}",
-                     f"peer join --full-replica --initial-peers {maddr}"):
+    for expected in (
+        f"peer join --stage 0 --initial-peers {maddr}",
+        f"peer join --stage 1 --initial-peers {maddr}",
+        f"peer join --full-replica --initial-peers {maddr}",
+    ):
         assert expected in lines, stdout.read_text()
     assert any(record["run_id"] in ln for ln in lines)
     children = live_descendants(proc.pid)
     assert any("p2pd" in cmdline(p) for p in children if is_live(p))
 
-    status = subprocess.run([*PEER, "status", "--initial-peers", maddr, "--timeout-s", "20"],
-                            capture_output=True, text=True, timeout=90)
+    status = subprocess.run(
+        [*PEER, "status", "--initial-peers", maddr, "--timeout-s", "20"], capture_output=True, text=True, timeout=90
+    )
     assert status.returncode == 0, status.stderr
     assert record["run_id"] in status.stdout and "stage peers" in status.stdout and "no peer" in status.stdout
 
@@ -102,8 +106,9 @@ def test_bootstrap_stops_on_ctrl_c_to_its_process_group(tmp_path, reap_children)
 
 def test_print_peer_id_is_stable_and_needs_identity(tmp_path):
     key = tmp_path / "boot.key"
-    first = subprocess.run([*PEER, "bootstrap", "--print-peer-id", "--identity", str(key)],
-                           capture_output=True, text=True, timeout=60)
+    first = subprocess.run(
+        [*PEER, "bootstrap", "--print-peer-id", "--identity", str(key)], capture_output=True, text=True, timeout=60
+    )
     assert first.returncode == 0, first.stderr
     peer_id = first.stdout.strip()
     assert re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{40,60}", peer_id), first.stdout  # base58, one line

@@ -20,8 +20,13 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
-DEADLINES = {"PEER_SWARM__RPC_TIMEOUT_S": "3", "PEER_SWARM__RECORD_TTL_S": "5", "PEER_SWARM__ANNOUNCE_INTERVAL_S": "0.5",
-             "PEER_SWARM__ROUND_TIMEOUT_S": "20", "PEER_SWARM__CLAIM_TIMEOUT_S": "60"}
+DEADLINES = {
+    "PEER_SWARM__RPC_TIMEOUT_S": "3",
+    "PEER_SWARM__RECORD_TTL_S": "5",
+    "PEER_SWARM__ANNOUNCE_INTERVAL_S": "0.5",
+    "PEER_SWARM__ROUND_TIMEOUT_S": "20",
+    "PEER_SWARM__CLAIM_TIMEOUT_S": "60",
+}
 
 
 class Swarm:
@@ -29,14 +34,34 @@ class Swarm:
 
     def __init__(self, tmp: Path, outer_steps: int, min_replicas: int = 2, batch: str = "8", seq_len: str = "64"):
         self.tmp = tmp
-        self.env = {**os.environ, "PEER_CACHE_DIR": str(tmp / "cache"), "HF_HUB_OFFLINE": "1",
-                    "PEER_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+        self.env = {
+            **os.environ,
+            "PEER_CACHE_DIR": str(tmp / "cache"),
+            "HF_HUB_OFFLINE": "1",
+            "PEER_LOG_LEVEL": "INFO",
+            "OMP_NUM_THREADS": "1",
+        }
         self.procs: dict[str, subprocess.Popen] = {}
         address = tmp / "bootstrap.json"
-        self.start("bootstrap", ["bootstrap", "--inner-steps", "4", "--outer-steps", str(outer_steps),
-                                 "--batch-size", batch, "--seq-len", seq_len, "--max-chars", "200000",
-                                 "--address-file", str(address)],
-                   extra_env={**DEADLINES, "PEER_SWARM__MIN_REPLICAS": str(min_replicas)})
+        self.start(
+            "bootstrap",
+            [
+                "bootstrap",
+                "--inner-steps",
+                "4",
+                "--outer-steps",
+                str(outer_steps),
+                "--batch-size",
+                batch,
+                "--seq-len",
+                seq_len,
+                "--max-chars",
+                "200000",
+                "--address-file",
+                str(address),
+            ],
+            extra_env={**DEADLINES, "PEER_SWARM__MIN_REPLICAS": str(min_replicas)},
+        )
         deadline = time.monotonic() + 120
         while not address.exists():
             assert self.procs["bootstrap"].poll() is None, self.log("bootstrap")
@@ -46,8 +71,13 @@ class Swarm:
 
     def start(self, name: str, args: list[str], extra_env: dict | None = None) -> None:
         log = (self.tmp / f"{name}.log").open("a")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "peer", *args], stdout=log, stderr=subprocess.STDOUT,
-                                            env={**self.env, **(extra_env or {})}, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "peer", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**self.env, **(extra_env or {})},
+            start_new_session=True,
+        )
 
     def join(self, name: str, *flags: str) -> None:
         self.start(name, ["join", *flags, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)])
@@ -67,7 +97,8 @@ class Swarm:
         deadline = time.monotonic() + timeout_s
         while not what():
             assert time.monotonic() < deadline, "timed out waiting; logs:\n" + "\n".join(
-                f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
+                f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs
+            )
             time.sleep(poll_s)
 
     def claimed_stage_peer(self, names: list[str], t: int) -> str:
@@ -138,7 +169,9 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
     n_steps = len(sw.events("head", "step"))
     stopped_at = time.time()
     sw.wait_for(lambda: len(sw.events("head", "step")) > n_steps)
-    print(f"SIGSTOP {stalled}: the head stepped again after {sw.events('head', 'step')[n_steps]['time'] - stopped_at:.1f}s")
+    print(
+        f"SIGSTOP {stalled}: the head stepped again after {sw.events('head', 'step')[n_steps]['time'] - stopped_at:.1f}s"
+    )
     sw.wait_for(lambda: max(sw.rounds("full"), default=0) >= t_now + 3, timeout_s=240)
     os.kill(sw.procs[stalled].pid, signal.SIGCONT)
 

@@ -17,22 +17,55 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.checkpoint import load_model_checkpoint
-from peer.model import build_model, get_preset
-from peer.plan import stage_shapes
-from peer.sparseloco import SparseLoCoConfig, payload_nbytes
+from peer.core.model import build_model, get_preset, stage_shapes
+from peer.core.sparseloco import SparseLoCoConfig, payload_nbytes
+from peer.node.checkpoints.model import load_model_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 PEER = [sys.executable, "-m", "peer"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONFIGS = ["adamw", "sparseloco", "pp-compress", "het-pp-compress"]
-SUMMARY_KEYS = {"name", "k_ratio", "het_fraction", "final_loss", "final_val_loss", "delta_pct", "pg_bytes",
-                "act_bytes", "wall_s"}
-ARGS_KEYS = {"preset", "replicas", "stages", "k_ratio", "het_fraction", "inner_steps", "outer_steps", "batch_size",
-             "seq_len", "seed", "configs"}
-SIM_ARGS = ["--preset", "tiny", "--replicas", "2", "--stages", "2", "--inner-steps", "3", "--outer-steps", "2",
-            "--batch-size", "4", "--seq-len", "32"]
+SUMMARY_KEYS = {
+    "name",
+    "k_ratio",
+    "het_fraction",
+    "final_loss",
+    "final_val_loss",
+    "delta_pct",
+    "pg_bytes",
+    "act_bytes",
+    "wall_s",
+}
+ARGS_KEYS = {
+    "preset",
+    "replicas",
+    "stages",
+    "k_ratio",
+    "het_fraction",
+    "inner_steps",
+    "outer_steps",
+    "batch_size",
+    "seq_len",
+    "seed",
+    "configs",
+}
+SIM_ARGS = [
+    "--preset",
+    "tiny",
+    "--replicas",
+    "2",
+    "--stages",
+    "2",
+    "--inner-steps",
+    "3",
+    "--outer-steps",
+    "2",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+]
 RUN_TIMEOUT_S = 280
 
 
@@ -44,19 +77,23 @@ def cache_dir(tmp_path_factory) -> Path:
 def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
     """The caller's environment without PEER_* settings or a terminal width, plus the test's own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEER_") and k not in ("COLUMNS", "LINES")}
-    env.update(PEER_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PEER_DATA__MAX_CHARS="200000")
+    env.update(
+        PEER_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PEER_DATA__MAX_CHARS="200000"
+    )
     env.update(extra)
     return env
 
 
 def _peer(args: list[str], cache_dir: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*PEER, *args], cwd=cwd, env=_env(cache_dir, **env), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    return subprocess.run(
+        [*PEER, *args], cwd=cwd, env=_env(cache_dir, **env), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -85,9 +122,19 @@ def test_simulate_json_has_documented_keys(simulated):
         assert 0 < c["final_val_loss"] < math.log(1024) + 1  # near or below uniform over the vocabulary
         assert isinstance(c["pg_bytes"], int) and isinstance(c["act_bytes"], int)
     assert set(result["args"]) == ARGS_KEYS
-    assert result["args"] == {"preset": "tiny", "replicas": 2, "stages": 2, "k_ratio": "1/8", "het_fraction": 0.5,
-                              "inner_steps": 3, "outer_steps": 2, "batch_size": 4, "seq_len": 32, "seed": 0,
-                              "configs": CONFIGS}
+    assert result["args"] == {
+        "preset": "tiny",
+        "replicas": 2,
+        "stages": 2,
+        "k_ratio": "1/8",
+        "het_fraction": 0.5,
+        "inner_steps": 3,
+        "outer_steps": 2,
+        "batch_size": 4,
+        "seq_len": 32,
+        "seed": 0,
+        "configs": CONFIGS,
+    }
 
 
 def test_simulate_configs_and_bytes(simulated):
@@ -121,7 +168,8 @@ def test_export_loads_in_transformers_with_same_logits(simulated, cache_dir):
     ckpt, hf_dir = simulated["save"] / "het-pp-compress", simulated["work"] / "hf"
     _ok(_peer(["export", str(ckpt), "--out", str(hf_dir)], cache_dir, simulated["work"]))
     assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"} <= {
-        p.name for p in hf_dir.iterdir()}
+        p.name for p in hf_dir.iterdir()
+    }
 
     state, cfg, _meta = load_model_checkpoint(ckpt)
     assert cfg == get_preset("tiny")
@@ -146,8 +194,13 @@ def test_export_loads_in_transformers_with_same_logits(simulated, cache_dir):
 
 def test_plan_70b_writes_rows_and_png(tmp_path, cache_dir):
     out, png = tmp_path / "plan.json", tmp_path / "plots" / "plan.png"
-    proc = _ok(_peer(["plan", "--preset", "70B", "--stages", "4", "--inner-steps", "50", "--json", str(out),
-                      "--png", str(png)], cache_dir, tmp_path))
+    proc = _ok(
+        _peer(
+            ["plan", "--preset", "70B", "--stages", "4", "--inner-steps", "50", "--json", str(out), "--png", str(png)],
+            cache_dir,
+            tmp_path,
+        )
+    )
     assert "70B" in proc.stdout
     result = json.loads(out.read_text())
     assert result["inputs"]["preset"] == "70B" and result["inputs"]["stages"] == 4
@@ -195,7 +248,9 @@ BAD_INPUTS = [
     pytest.param(["simulate"], {"PEER_TRAIN__INNER_STEPS": "abc"}, "train.inner_steps", id="env-wrong-type"),
     pytest.param(["simulate", *SIM_ARGS, "--stages", "9"], {}, "stages", id="too-many-stages"),
     pytest.param(["plan", "--stages", "0", "--png", "p.png"], {}, "--stages", id="plan-zero-stages"),
-    pytest.param(["plan", "--bandwidth-mbps", "abc", "--png", "p.png"], {}, "--bandwidth-mbps", id="plan-bad-bandwidth"),
+    pytest.param(
+        ["plan", "--bandwidth-mbps", "abc", "--png", "p.png"], {}, "--bandwidth-mbps", id="plan-bad-bandwidth"
+    ),
     pytest.param(["bench", "payload", "--params", "0"], {}, "--params", id="bench-zero-params"),
 ]
 

@@ -44,8 +44,28 @@ def _logs(workdir: Path) -> str:
 def test_demo_trains_a_heterogeneous_swarm(tmp_path, reap_children):
     tag = uuid.uuid4().hex
     out, workdir = tmp_path / "demo.json", tmp_path / "work"
-    cmd = [sys.executable, "-m", "peer", "demo", "--pipelines", "1", "--stages", "2", "--full-replicas", "1",
-           "--outer-steps", "3", "--inner-steps", "5", "--json", str(out), "--workdir", str(workdir), "--timeout-s", "370"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "peer",
+        "demo",
+        "--pipelines",
+        "1",
+        "--stages",
+        "2",
+        "--full-replicas",
+        "1",
+        "--outer-steps",
+        "3",
+        "--inner-steps",
+        "5",
+        "--json",
+        str(out),
+        "--workdir",
+        str(workdir),
+        "--timeout-s",
+        "370",
+    ]
     proc = subprocess.run(cmd, env={**os.environ, "DEMO_TEST_TAG": tag}, capture_output=True, text=True, timeout=390)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{_logs(workdir)}"
     assert _tagged(tag) == []

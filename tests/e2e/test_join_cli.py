@@ -25,14 +25,18 @@ OUTER = 3
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(PEER_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", PEER_LOG_LEVEL="INFO",
-               OMP_NUM_THREADS="1")
+    env.update(PEER_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", PEER_LOG_LEVEL="INFO", OMP_NUM_THREADS="1")
     return env
 
 
 def _peer(args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "peer", *args], env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "peer", *args],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _rounds(path: Path) -> dict[int, dict]:
@@ -43,9 +47,27 @@ def _rounds(path: Path) -> dict[int, dict]:
 def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
     env = _env(tmp_path)
     address_file = tmp_path / "bootstrap.json"
-    boot = _peer(["bootstrap", "--inner-steps", "3", "--outer-steps", str(OUTER), "--batch-size", "4",
-                  "--seq-len", "32", "--max-chars", "200000", "--port", "0", "--address-file", str(address_file)],
-                 {**env, "PEER_SWARM__MIN_REPLICAS": "2"}, tmp_path / "bootstrap.log")
+    boot = _peer(
+        [
+            "bootstrap",
+            "--inner-steps",
+            "3",
+            "--outer-steps",
+            str(OUTER),
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--max-chars",
+            "200000",
+            "--port",
+            "0",
+            "--address-file",
+            str(address_file),
+        ],
+        {**env, "PEER_SWARM__MIN_REPLICAS": "2"},
+        tmp_path / "bootstrap.log",
+    )
     procs = []
     try:
         deadline = time.monotonic() + 120
@@ -58,8 +80,16 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
 
         roles = {"stage1": ["--stage", "1"], "full": ["--full-replica"], "head": ["--stage", "0"]}
         for name, flags in roles.items():
-            procs.append((name, _peer(["join", *flags, "--initial-peers", maddr, "--data-dir", str(tmp_path / name)],
-                                      env, tmp_path / f"{name}.log")))
+            procs.append(
+                (
+                    name,
+                    _peer(
+                        ["join", *flags, "--initial-peers", maddr, "--data-dir", str(tmp_path / name)],
+                        env,
+                        tmp_path / f"{name}.log",
+                    ),
+                )
+            )
         for name, proc in procs:
             rc = proc.wait(timeout=240)
             assert rc == 0, f"{name} exited {rc}:\n" + (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -73,14 +103,35 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
         assert head[OUTER - 1]["train_loss"] < head[0]["train_loss"]
 
         # a bad address: one line, exit code 2, no traceback
-        bad = subprocess.run([sys.executable, "-m", "peer", "join", "--stage", "1", "--initial-peers",
-                              "/ip4/127.0.0.1/tcp/1/p2p/" + maddr.rsplit("/", 1)[1], "--manifest-timeout-s", "5",
-                              "--data-dir", str(tmp_path / "bad")], env=env, capture_output=True, text=True,
-                             timeout=120)
+        bad = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "peer",
+                "join",
+                "--stage",
+                "1",
+                "--initial-peers",
+                "/ip4/127.0.0.1/tcp/1/p2p/" + maddr.rsplit("/", 1)[1],
+                "--manifest-timeout-s",
+                "5",
+                "--data-dir",
+                str(tmp_path / "bad"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert bad.returncode == 2, bad.stderr
         assert "Traceback" not in bad.stderr and "error:" in bad.stderr
-        both = subprocess.run([sys.executable, "-m", "peer", "join", "--stage", "1", "--full-replica",
-                               "--initial-peers", maddr], env=env, capture_output=True, text=True, timeout=60)
+        both = subprocess.run(
+            [sys.executable, "-m", "peer", "join", "--stage", "1", "--full-replica", "--initial-peers", maddr],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert both.returncode == 2 and "exactly one of --stage N or --full-replica" in both.stderr
     finally:
         for _, proc in procs:

@@ -1,6 +1,6 @@
 """Scaffolding of the in-process swarm tests (test_swarm, test_resume).
 
-`InProcessSwarm` starts a bootstrap node and runs `peer join` roles (peer.trainer functions) in
+`InProcessSwarm` starts a bootstrap node and runs `peer join` roles (peer.node.trainer functions) in
 threads, each with its own DHT node and gRPC server, exactly as the CLI would. An exception in a
 role is recorded, never swallowed; `assert_clean()` (after the `with` block) fails on any of them,
 on a role thread still running, and on a DHT daemon left behind.
@@ -12,12 +12,12 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bootstrap.node import BootstrapNode
 from peer.config import RunConfig, build_config
-from peer.swarm import SwarmOptions
+from peer.node.session import SwarmOptions
 from tests.conftest import _children, assert_no_leftover_children
 
 OUTER = 4
@@ -25,11 +25,21 @@ OUTER = 4
 
 def swarm_config(outer_steps: int = OUTER) -> RunConfig:
     """The tiny 2-stage run of these tests (no PEER_* environment)."""
-    return build_config(overrides={
-        "train.inner_steps": 3, "train.outer_steps": outer_steps, "train.batch_size": 4, "train.microbatches": 2,
-        "train.seq_len": 32, "data.max_chars": 200_000, "swarm.min_replicas": 2, "swarm.round_timeout_s": 90,
-        "swarm.claim_timeout_s": 90, "swarm.announce_interval_s": 0.5,
-    }, environ={})
+    return build_config(
+        overrides={
+            "train.inner_steps": 3,
+            "train.outer_steps": outer_steps,
+            "train.batch_size": 4,
+            "train.microbatches": 2,
+            "train.seq_len": 32,
+            "data.max_chars": 200_000,
+            "swarm.min_replicas": 2,
+            "swarm.round_timeout_s": 90,
+            "swarm.claim_timeout_s": 90,
+            "swarm.announce_interval_s": 0.5,
+        },
+        environ={},
+    )
 
 
 def events(path: Path, kind: str) -> list[dict]:
@@ -68,6 +78,7 @@ class InProcessSwarm:
 
     def spawn(self, name: str, fn: Callable[..., int], *args) -> threading.Thread:
         """Run `fn(*args)` (a trainer role) in a thread; it must return 0."""
+
         def target() -> None:
             try:
                 assert fn(*args) == 0

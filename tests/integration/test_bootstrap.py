@@ -3,7 +3,7 @@
 One `peer bootstrap` process (tiny corpus, records with a 3 s ttl) serves the module's tests; it
 runs as a separate process because every reader here forks a hivemind child, and forking a process
 whose threads run a gRPC server and a DHT refresh loop is unsafe (DESIGN §3). Readers are a STOCK
-hivemind client (no `peer` code), peer.dht.SwarmDHT nodes, PeerClient and `peer status` as a
+hivemind client (no `peer` code), peer.net.dht.SwarmDHT nodes, PeerClient and `peer status` as a
 process. `run_bootstrap` itself runs in-process (in a thread) for the restart test. Every
 bootstrap is stopped at the end and must leave no hivemind child or p2pd behind.
 """
@@ -26,11 +26,11 @@ import pytest
 
 from bootstrap.node import BootstrapInfo, run_bootstrap
 from peer.config import build_config
-from peer.dht import SwarmDHT, make_identity
 from peer.errors import NetworkError
-from peer.manifest import run_id_for, verify_manifest
-from peer.status import collect_status
-from peer.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
+from peer.net.dht import SwarmDHT, make_identity
+from peer.net.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
+from peer.node.manifest import run_id_for, verify_manifest
+from peer.tools.status import collect_status
 from tests.conftest import assert_no_leftover_children, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -152,14 +152,14 @@ def test_address_file_names_the_dht_node_and_the_grpc_server(boot):
 def test_stock_hivemind_client_reads_the_manifest(boot):
     stock = hivemind.DHT(initial_peers=boot.maddrs, start=True)
     try:
-        found = stock.get("peer.manifest", latest=True)
+        found = stock.get("peer.node.manifest", latest=True)
         assert found is not None and isinstance(found.value, str)
         manifest = json.loads(found.value)
         assert manifest["run_id"] == boot.record["run_id"] and manifest["bootstrap_address"] == boot.record["grpc"]
         # the refresh loop (every ttl/3 = 1 s) keeps a 3 s record alive past its first expiration
         first_expiration = found.expiration_time
         time.sleep(TTL_S + 0.5)
-        again = stock.get("peer.manifest", latest=True)
+        again = stock.get("peer.node.manifest", latest=True)
         assert again is not None and json.loads(again.value) == manifest
         assert again.expiration_time > max(first_expiration, hivemind.utils.get_dht_time())
     finally:
@@ -196,13 +196,20 @@ def test_peer_status_json_with_no_peers(boot):
     t0 = time.monotonic()
     proc = subprocess.run(
         [*PEER, "status", "--initial-peers", boot.maddrs[0], "--json", "--timeout-s", "20"],
-        capture_output=True, text=True, timeout=90,
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     print(f"\npeer status --json took {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, proc.stderr
     status = json.loads(proc.stdout)
-    assert status == {"run_id": boot.record["run_id"], "preset": "tiny", "outer_step": 0,
-                      "stages": {"0": [], "1": []}, "full_replicas": []}
+    assert status == {
+        "run_id": boot.record["run_id"],
+        "preset": "tiny",
+        "outer_step": 0,
+        "stages": {"0": [], "1": []},
+        "full_replicas": [],
+    }
 
 
 def test_collect_status_reads_stage_and_replica_records(boot):
@@ -210,20 +217,55 @@ def test_collect_status_reads_stage_and_replica_records(boot):
     with SwarmDHT(initial_peers=boot.maddrs) as head, SwarmDHT(initial_peers=boot.maddrs) as full:
         for node in (head, full):
             node.set_run(run_id, 2)
-        head.announce_stage(0, {"address": "127.0.0.1:7000", "role": "head", "state": "busy", "outer_step": 3,
-                                "inner_step": 5, "tokens_per_s": 1200.0, "loss": 4.5}, ttl_s=30)
-        head.announce_replica({"address": "127.0.0.1:7000", "kind": "pipeline", "outer_step": 3, "loss": 4.5,
-                               "tokens_per_s": 1200.0}, ttl_s=30)
-        full.announce_replica({"address": "127.0.0.1:7001", "kind": "full", "outer_step": 4, "inner_step": 1,
-                               "tokens_per_s": 900.0, "loss": 4.25}, ttl_s=30)
+        head.announce_stage(
+            0,
+            {
+                "address": "127.0.0.1:7000",
+                "role": "head",
+                "state": "busy",
+                "outer_step": 3,
+                "inner_step": 5,
+                "tokens_per_s": 1200.0,
+                "loss": 4.5,
+            },
+            ttl_s=30,
+        )
+        head.announce_replica(
+            {"address": "127.0.0.1:7000", "kind": "pipeline", "outer_step": 3, "loss": 4.5, "tokens_per_s": 1200.0},
+            ttl_s=30,
+        )
+        full.announce_replica(
+            {
+                "address": "127.0.0.1:7001",
+                "kind": "full",
+                "outer_step": 4,
+                "inner_step": 1,
+                "tokens_per_s": 900.0,
+                "loss": 4.25,
+            },
+            ttl_s=30,
+        )
         status = collect_status(full, timeout_s=10)
         head.withdraw_stage(0)
         head.withdraw_replica()
         full.withdraw_replica()
     assert status == {
-        "run_id": run_id, "preset": "tiny", "outer_step": 4,
-        "stages": {"0": [{"peer_id": head.peer_id, "state": "busy", "outer_step": 3, "tokens_per_s": 1200.0,
-                          "role": "head", "address": "127.0.0.1:7000"}], "1": []},
+        "run_id": run_id,
+        "preset": "tiny",
+        "outer_step": 4,
+        "stages": {
+            "0": [
+                {
+                    "peer_id": head.peer_id,
+                    "state": "busy",
+                    "outer_step": 3,
+                    "tokens_per_s": 1200.0,
+                    "role": "head",
+                    "address": "127.0.0.1:7000",
+                }
+            ],
+            "1": [],
+        },
         "full_replicas": [{"peer_id": full.peer_id, "outer_step": 4, "loss": 4.25, "tokens_per_s": 900.0}],
     }
 
@@ -235,8 +277,9 @@ def test_status_without_manifest_fails_with_one_line(reap_children):
             collect_status(empty, timeout_s=1.0, where=maddr)
         assert "\n" not in str(caught.value) and "--initial-peers" in str(caught.value)
         t0 = time.monotonic()
-        proc = subprocess.run([*PEER, "status", "--initial-peers", maddr, "--timeout-s", "2"],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [*PEER, "status", "--initial-peers", maddr, "--timeout-s", "2"], capture_output=True, text=True, timeout=60
+        )
     assert proc.returncode == 2, proc.stderr
     text = " ".join(proc.stderr.split())  # rich may wrap the one-line message at the terminal width
     assert text.count("error:") == 1 and "Traceback" not in text, proc.stderr

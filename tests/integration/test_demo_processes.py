@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from peer.demo import Children, DemoConfig, run_demo
 from peer.errors import PeerError
+from peer.tools.demo import Children, DemoConfig, run_demo
 from tests.conftest import is_live
 
 # A stand-in for `peer bootstrap` / `peer join`: same flags, same address and metrics files.
-FAKE_PEER = textwrap.dedent(r'''
+FAKE_PEER = textwrap.dedent(r"""
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
     args = sys.argv[1:]
@@ -66,7 +66,7 @@ FAKE_PEER = textwrap.dedent(r'''
                     "activations_uncompressed_equiv": 80 * (t + 1) if role != "full" else 0,
                     "pseudo_gradients": 5 * (t + 1)}, round_wall_s=0.1)
     emit(event="exit", reason="done")
-''')
+""")
 
 
 def _pids_with_env(tag: str) -> list[int]:
@@ -114,9 +114,11 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 SLEEPER = "import time; print('sleeper up', flush=True); time.sleep(600)"
-STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "time.sleep(600)']); print('stubborn up', flush=True); time.sleep(600)")
+STUBBORN = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "time.sleep(600)']); print('stubborn up', flush=True); time.sleep(600)"
+)
 
 
 def test_stop_all_terminates_cooperative_children_fast(tmp_path, tag):
@@ -147,7 +149,7 @@ def test_stop_all_kills_a_group_that_ignores_sigterm(tmp_path, tag):
     kids.stop_all(grace_s=grace)  # idempotent
 
 
-GRACEFUL = textwrap.dedent('''
+GRACEFUL = textwrap.dedent("""
     import signal, subprocess, sys, time
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like hivemind's DHT process
     def on_term(*_):
@@ -157,13 +159,15 @@ GRACEFUL = textwrap.dedent('''
     print("graceful up", flush=True)
     while True:
         time.sleep(1)
-''')
+""")
 
 
 def test_a_child_shuts_down_its_own_helpers_before_the_group_is_signalled(tmp_path, tag):
     kids = Children(tmp_path)
     child = kids.spawn("graceful", [sys.executable, "-c", GRACEFUL])
-    _wait_for(lambda: "graceful up" in child.log_path.read_text() and len(_pids_with_env(tag)) == 2, 20, "child + helper")
+    _wait_for(
+        lambda: "graceful up" in child.log_path.read_text() and len(_pids_with_env(tag)) == 2, 20, "child + helper"
+    )
     t0 = time.monotonic()
     kids.stop_all(grace_s=5.0)
     assert time.monotonic() - t0 < 2.0
@@ -175,7 +179,14 @@ def test_a_child_shuts_down_its_own_helpers_before_the_group_is_signalled(tmp_pa
 def test_early_nonzero_exit_is_a_peer_error_with_the_log_tail(tmp_path, tag):
     kids = Children(tmp_path)
     kids.spawn("sleeper", [sys.executable, "-c", SLEEPER])
-    bad = kids.spawn("p0-s1", [sys.executable, "-c", "import sys; print('loading'); print('fatal: no manifest', file=sys.stderr); sys.exit(7)"])
+    bad = kids.spawn(
+        "p0-s1",
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('loading'); print('fatal: no manifest', file=sys.stderr); sys.exit(7)",
+        ],
+    )
     bad.popen.wait(timeout=20)
     with pytest.raises(PeerError) as err:
         kids.check()
@@ -198,8 +209,18 @@ def test_a_bootstrap_that_exits_at_all_is_an_error(tmp_path, tag):
 def test_run_demo_with_stand_in_peers(tmp_path, tag, fake, monkeypatch):
     monkeypatch.setenv("FAKE_T", "2")
     states = []
-    cfg = DemoConfig(pipelines=1, stages=2, full_replicas=1, outer_steps=2, inner_steps=3, workdir=tmp_path / "w",
-                     timeout_s=60, startup_timeout_s=30, grace_s=1.0, poll_interval_s=0.05)
+    cfg = DemoConfig(
+        pipelines=1,
+        stages=2,
+        full_replicas=1,
+        outer_steps=2,
+        inner_steps=3,
+        workdir=tmp_path / "w",
+        timeout_s=60,
+        startup_timeout_s=30,
+        grace_s=1.0,
+        poll_interval_s=0.05,
+    )
     result = run_demo(cfg, states.append, command=_cmd(fake))
     assert _pids_with_env(tag) == []  # the bootstrap, which never exits by itself, was stopped
     s = result.summary
@@ -239,22 +260,26 @@ def test_run_demo_times_out_and_cleans_up(tmp_path, tag, fake, monkeypatch):
     assert _pids_with_env(tag) == []  # including the grandchild that left its process group
 
 
-DRIVER = textwrap.dedent('''
+DRIVER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from peer.demo import DemoConfig, run_demo
+    from peer.tools.demo import DemoConfig, run_demo
     fake, workdir = sys.argv[1], Path(sys.argv[2])
     run_demo(DemoConfig(workdir=workdir, timeout_s=120, grace_s=1.0, poll_interval_s=0.05),
              command=lambda *a: [sys.executable, fake, *map(str, a)])
-''')
+""")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_demo_stops_every_process(tmp_path, tag, fake, sig):
     workdir = tmp_path / "w"
     env = {**os.environ, "FAKE_MODE": "hang", "FAKE_IGNORE_TERM": "1"}
-    demo = subprocess.Popen([sys.executable, "-c", DRIVER, str(fake), str(workdir)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    demo = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(fake), str(workdir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         heads_up = lambda: any('"start"' in p.read_text() for p in workdir.glob("p0-s0/metrics.jsonl"))
         _wait_for(lambda: heads_up() and len(_pids_with_env(tag)) >= 6, 30, "the stand-in swarm")

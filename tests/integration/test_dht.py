@@ -1,4 +1,4 @@
-"""Integration tests of peer.dht: real hivemind DHT nodes (and their p2pd) on 127.0.0.1:0.
+"""Integration tests of peer.net.dht: real hivemind DHT nodes (and their p2pd) on 127.0.0.1:0.
 
 Each test starts at most three nodes (CI has two cores); the `nodes` fixture shuts every node
 down and checks that no hivemind child process or p2pd outlives the test.
@@ -10,13 +10,12 @@ import json
 import os
 import stat
 import time
-from pathlib import Path
 
 import hivemind
 import pytest
 
-from peer.dht import SwarmDHT, dht_time, make_identity
 from peer.errors import ConfigError, NetworkError
+from peer.net.dht import SwarmDHT, dht_time, make_identity
 from tests.conftest import assert_no_leftover_children, is_live, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -64,7 +63,7 @@ def test_manifest_read_by_peer_and_by_stock_hivemind_client(nodes):
 
     stock = hivemind.DHT(initial_peers=maddrs, start=True)
     try:
-        found = stock.get("peer.manifest", latest=True)
+        found = stock.get("peer.node.manifest", latest=True)
         assert found is not None and isinstance(found.value, str)
         assert json.loads(found.value) == manifest
         assert found.expiration_time > hivemind.utils.get_dht_time()

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.checkpoint import save_model_checkpoint
+from peer.core.model import build_model, build_stage, get_preset
 from peer.errors import CheckpointError
-from peer.export import export_hf
-from peer.model import build_model, build_stage, get_preset
+from peer.node.checkpoints.model import save_model_checkpoint
+from peer.tools.export import export_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def _export_and_load(tmp_path: Path, cfg, model, tokenizer_file=None):
-    ckpt = save_model_checkpoint(tmp_path / "ckpt", model.state_dict(), cfg, tokenizer_file,
-                                 {"outer_step": 3})
+    ckpt = save_model_checkpoint(tmp_path / "ckpt", model.state_dict(), cfg, tokenizer_file, {"outer_step": 3})
     out = export_hf(ckpt, tmp_path / "hf")
     assert out == tmp_path / "hf"
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
@@ -69,24 +68,34 @@ def _train_sentencepiece(tmp_path: Path, **options) -> Path:
     corpus = tmp_path / "corpus.txt"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     corpus.write_text("".join((stdlib / n).read_text() for n in ("json/__init__.py", "shlex.py")))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
-                                   vocab_size=600, model_type="bpe", bos_id=-1, eos_id=1,
-                                   unk_id=0, pad_id=-1, minloglevel=2, **options)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=600,
+        model_type="bpe",
+        bos_id=-1,
+        eos_id=1,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+        **options,
+    )
     return tmp_path / "sp.model"
 
 
 def test_export_copies_tokenizer(tmp_path, caplog):
     # Llama-style sentencepiece options: the only ones HF's LlamaTokenizer reproduces exactly.
-    sp_path = _train_sentencepiece(tmp_path, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False, byte_fallback=True)
+    sp_path = _train_sentencepiece(
+        tmp_path, normalization_rule_name="identity", remove_extra_whitespaces=False, byte_fallback=True
+    )
     spm = pytest.importorskip("sentencepiece")
     sp = spm.SentencePieceProcessor(model_file=str(sp_path))
     cfg = get_preset("tiny", vocab_size=sp.get_piece_size(), n_layers=1)
     model = build_model(cfg, seed=0).eval()
 
-    with caplog.at_level("WARNING", logger="peer.export"):
+    with caplog.at_level("WARNING", logger="peer.tools.export"):
         out, hf = _export_and_load(tmp_path, cfg, model, tokenizer_file=sp_path)
-    assert not [r for r in caplog.records if r.name == "peer.export"]
+    assert not [r for r in caplog.records if r.name == "peer.tools.export"]
     assert (out / "tokenizer.model").read_bytes() == sp_path.read_bytes()
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_cfg["tokenizer_class"] == "LlamaTokenizer"
@@ -94,8 +103,10 @@ def test_export_copies_tokenizer(tmp_path, caplog):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tokenizer.eos_token_id == 1
-    for text in ("def parse(s):\n    return json.loads(s)  # split with shlex",
-                 "tab\there, é ü 中 and  two spaces\n\n"):
+    for text in (
+        "def parse(s):\n    return json.loads(s)  # split with shlex",
+        "tab\there, é ü 中 and  two spaces\n\n",
+    ):
         ids = sp.encode(text)
         assert tokenizer(text)["input_ids"] == ids
         assert tokenizer.decode(ids) == sp.decode(ids)
@@ -105,9 +116,8 @@ def test_export_copies_tokenizer(tmp_path, caplog):
 def test_export_warns_about_a_normalising_tokenizer(tmp_path, caplog):
     sp_path = _train_sentencepiece(tmp_path)  # sentencepiece defaults: nmt_nfkc, collapse spaces
     cfg = get_preset("tiny", vocab_size=600, n_layers=1)
-    ckpt = save_model_checkpoint(tmp_path / "ckpt", build_model(cfg, 0).state_dict(), cfg,
-                                 sp_path, {})
-    with caplog.at_level("WARNING", logger="peer.export"):
+    ckpt = save_model_checkpoint(tmp_path / "ckpt", build_model(cfg, 0).state_dict(), cfg, sp_path, {})
+    with caplog.at_level("WARNING", logger="peer.tools.export"):
         export_hf(ckpt, tmp_path / "hf")
     assert any("remove_extra_whitespaces=False" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "hf" / "tokenizer.model").exists()

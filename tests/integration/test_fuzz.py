@@ -23,12 +23,9 @@ import pytest
 import torch
 
 from peer.config import build_config
+from peer.core.sparseloco import Payload, PayloadError, compress, decompress
 from peer.errors import NetworkError
-from peer.rounds import PayloadStore
-from peer.service import PeerService
-from peer.sparseloco import Payload, PayloadError, compress, decompress
-from peer.stage_worker import StageWorker
-from peer.transport import (
+from peer.net.transport import (
     ArtifactRequest,
     BackwardRequest,
     ForwardRequest,
@@ -39,11 +36,14 @@ from peer.transport import (
     StateRequest,
     StepRequest,
     TransportError,
+    codec,
     framing,
 )
-from peer.transport import codec
-from peer.transport import peer_pb2 as pb
-from peer.transport import peer_pb2_grpc as pb_grpc
+from peer.net.transport import peer_pb2 as pb
+from peer.net.transport import peer_pb2_grpc as pb_grpc
+from peer.node.rounds import PayloadStore
+from peer.node.service import PeerService
+from peer.node.stage_worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -53,10 +53,16 @@ B, L = 2, 16  # one micro-batch
 
 
 def _cfg(stages: int = 2):
-    return build_config(overrides={
-        "stages": stages, "train.batch_size": 4, "train.microbatches": 2, "train.seq_len": L,
-        "train.inner_steps": 10, "train.outer_steps": 2,
-    })
+    return build_config(
+        overrides={
+            "stages": stages,
+            "train.batch_size": 4,
+            "train.microbatches": 2,
+            "train.seq_len": L,
+            "train.inner_steps": 10,
+            "train.outer_steps": 2,
+        }
+    )
 
 
 class Tally:
@@ -93,8 +99,9 @@ class Fuzzer:
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.PeerStub(self.channel)
         self.raw_unary = {m: self.channel.unary_unary(f"/peer.v1.Peer/{m}") for m in ("Step", "Info")}
-        self.raw_unary_stream = {m: self.channel.unary_stream(f"/peer.v1.Peer/{m}")
-                                 for m in ("GetPayload", "GetState", "GetArtifact")}
+        self.raw_unary_stream = {
+            m: self.channel.unary_stream(f"/peer.v1.Peer/{m}") for m in ("GetPayload", "GetState", "GetArtifact")
+        }
         self.raw_stream = {m: self.channel.stream_stream(f"/peer.v1.Peer/{m}") for m in ("Forward", "Backward")}
         self.client = PeerClient(address, timeout_s=10, retries=0, vocab_size=None)
         self.client16 = PeerClient(address, timeout_s=10, retries=0, wire_dtype="fp16")
@@ -152,8 +159,17 @@ class Fuzzer:
         return torch.randn(b, n, k, generator=self.gen)
 
     def valid_forward(self, pipeline: str = FUZZ, **kw) -> ForwardRequest:
-        fields = dict(pipeline_id=pipeline, microbatch=0, outer_step=0, inner_step=0, stage=1,
-                      tokens=self.tokens(), hidden=self.hidden(), targets=self.tokens(), train=True)
+        fields = dict(
+            pipeline_id=pipeline,
+            microbatch=0,
+            outer_step=0,
+            inner_step=0,
+            stage=1,
+            tokens=self.tokens(),
+            hidden=self.hidden(),
+            targets=self.tokens(),
+            train=True,
+        )
         fields.update(kw)
         return ForwardRequest(**fields)
 
@@ -166,8 +182,10 @@ class Fuzzer:
         for _ in range(n):
             method = r.choice(("Forward", "Backward"))
             count = r.choice((0, 1, 1, 1, 2, 3))
-            chunks = [pb.Chunk(data=r.randbytes(r.choice((0, 1, 7, 64, 700, 3000))), last=r.random() < 0.5)
-                      for _ in range(count)]
+            chunks = [
+                pb.Chunk(data=r.randbytes(r.choice((0, 1, 7, 64, 700, 3000))), last=r.random() < 0.5)
+                for _ in range(count)
+            ]
             if chunks and r.random() < 0.7:
                 chunks[-1].last = True
             self.chunks("random-chunks", method, chunks)
@@ -177,9 +195,12 @@ class Fuzzer:
         big = pb.Chunk(data=b"\0" * (framing.GRPC_MESSAGE_LIMIT + 1024), last=True)
         for _ in range(n):
             self.chunks("oversized", "Forward", [big])
-            huge = pb.ForwardRequest(pipeline_id=FUZZ, stage=1,
-                                     tokens=pb.Tensor(dtype="int32", shape=[1 << 31, 1 << 31], data=b"\0" * 8),
-                                     hidden=pb.Tensor(dtype="float32", shape=[1 << 40, 1 << 40, 1 << 40], data=b""))
+            huge = pb.ForwardRequest(
+                pipeline_id=FUZZ,
+                stage=1,
+                tokens=pb.Tensor(dtype="int32", shape=[1 << 31, 1 << 31], data=b"\0" * 8),
+                hidden=pb.Tensor(dtype="float32", shape=[1 << 40, 1 << 40, 1 << 40], data=b""),
+            )
             self.message("oversized", "Forward", huge.SerializeToString())
 
     def mutated_messages(self, n: int, workers: int = 4) -> None:
@@ -224,8 +245,11 @@ class Fuzzer:
         k, V = self.cfg.k, self.cfg.model.vocab_size
         good_tok = codec.tensor_to_proto(self.tokens())
         good_hid = codec.tensor_to_proto(self.hidden())
-        f32 = lambda shape, data=None: pb.Tensor(dtype="float32", shape=shape,  # noqa: E731
-                                                 data=data if data is not None else b"\0" * (4 * _prod(shape)))
+        f32 = lambda shape, data=None: pb.Tensor(
+            dtype="float32",
+            shape=shape,  # noqa: E731
+            data=data if data is not None else b"\0" * (4 * _prod(shape)),
+        )
         tensors = {
             "tokens int64": (pb.Tensor(dtype="int64", shape=[B, L], data=b"\0" * 8 * B * L), good_hid),
             "tokens float": (f32([B, L]), good_hid),
@@ -247,11 +271,21 @@ class Fuzzer:
         }
         for _ in range(reps):
             for name, (tok, hid) in tensors.items():
-                msg = pb.ForwardRequest(pipeline_id=self.rng.choice((LEGIT, FUZZ)), stage=1, tokens=tok, hidden=hid,
-                                        targets=good_tok, train=self.rng.random() < 0.5)
+                msg = pb.ForwardRequest(
+                    pipeline_id=self.rng.choice((LEGIT, FUZZ)),
+                    stage=1,
+                    tokens=tok,
+                    hidden=hid,
+                    targets=good_tok,
+                    train=self.rng.random() < 0.5,
+                )
                 self.message("handmade-pb", "Forward", msg.SerializeToString())
-            for grad in (f32([B, L]), pb.Tensor(dtype="int8", shape=[B, L, k], data=b"\0" * B * L * k),
-                         f32([B, L, k], b"\0\0\xc0\x7f" * (B * L * k)), pb.Tensor()):
+            for grad in (
+                f32([B, L]),
+                pb.Tensor(dtype="int8", shape=[B, L, k], data=b"\0" * B * L * k),
+                f32([B, L, k], b"\0\0\xc0\x7f" * (B * L * k)),
+                pb.Tensor(),
+            ):
                 msg = pb.BackwardRequest(pipeline_id=LEGIT, stage=1, grad=grad)
                 self.message("handmade-pb", "Backward", msg.SerializeToString())
             for text in ("", "x" * 2000, "../../etc/passwd", ".hidden", "a/b", "ok-but-absent"):
@@ -281,9 +315,11 @@ class Fuzzer:
                 "hidden uncompressed d": fwd(hidden=self.hidden(k=d)),
                 "hidden (b, L) mismatch": fwd(hidden=self.hidden(b=B + 1)),
                 "b > batch_size": fwd(tokens=self.tokens(b=5), hidden=self.hidden(b=5), targets=self.tokens(b=5)),
-                "L > max_seq_len": fwd(tokens=self.tokens(n=cfg.model.max_seq_len + 1),
-                                       hidden=self.hidden(n=cfg.model.max_seq_len + 1),
-                                       targets=self.tokens(n=cfg.model.max_seq_len + 1)),
+                "L > max_seq_len": fwd(
+                    tokens=self.tokens(n=cfg.model.max_seq_len + 1),
+                    hidden=self.hidden(n=cfg.model.max_seq_len + 1),
+                    targets=self.tokens(n=cfg.model.max_seq_len + 1),
+                ),
                 "empty batch": fwd(tokens=self.tokens(b=0), hidden=self.hidden(b=0), targets=self.tokens(b=0)),
                 "empty sequence": fwd(tokens=self.tokens(n=0), hidden=self.hidden(n=0), targets=self.tokens(n=0)),
                 "tokens >= vocab": fwd(tokens=self.tokens() + V),
@@ -304,20 +340,31 @@ class Fuzzer:
                 self.client_call("client-forward", lambda r=req: self.client.forward(r))
             half = self.valid_forward(pipeline=pid, hidden=nan_hidden(float("inf")))
             self.client_call("client-forward", lambda: self.client16.forward(half))
-            self.client_call("client-forward", lambda: self.client16.forward(
-                self.valid_forward(pipeline=pid, hidden=self.hidden() * 1e5)))  # fp16 overflow -> inf on the wire
-            for req in (BackwardRequest(pid, self.rng.randrange(4), 0, 0, 1, self.hidden()),
-                        BackwardRequest(pid, 0, 0, 0, 1, self.hidden(k=k + 3)),
-                        BackwardRequest(pid, 0, 0, 0, 1, nan_hidden(float("nan"))),
-                        BackwardRequest(pid, 0, 0, 0, 2, self.hidden()),
-                        BackwardRequest(pid, 0, 7, 0, 1, self.hidden())):
+            self.client_call(
+                "client-forward",
+                lambda: self.client16.forward(self.valid_forward(pipeline=pid, hidden=self.hidden() * 1e5)),
+            )  # fp16 overflow -> inf on the wire
+            for req in (
+                BackwardRequest(pid, self.rng.randrange(4), 0, 0, 1, self.hidden()),
+                BackwardRequest(pid, 0, 0, 0, 1, self.hidden(k=k + 3)),
+                BackwardRequest(pid, 0, 0, 0, 1, nan_hidden(float("nan"))),
+                BackwardRequest(pid, 0, 0, 0, 2, self.hidden()),
+                BackwardRequest(pid, 0, 7, 0, 1, self.hidden()),
+            ):
                 self.client_call("client-backward", lambda r=req: self.client.backward(r))
-            for req in (StepRequest(FUZZ, 0, 0, M, 64), StepRequest(FUZZ, 0, H - 1, M, 64),
-                        StepRequest(LEGIT, 0, H, M, 64), StepRequest(LEGIT, 0, 1 << 40, M, 64),
-                        StepRequest(LEGIT, 3, 0, M, 64), StepRequest(pid, 1 << 60, 0, 0, 0)):
+            for req in (
+                StepRequest(FUZZ, 0, 0, M, 64),
+                StepRequest(FUZZ, 0, H - 1, M, 64),
+                StepRequest(LEGIT, 0, H, M, 64),
+                StepRequest(LEGIT, 0, 1 << 40, M, 64),
+                StepRequest(LEGIT, 3, 0, M, 64),
+                StepRequest(pid, 1 << 60, 0, 0, 0),
+            ):
                 self.client_call("client-step", lambda r=req: self.client.step(r))
-            for req in (PayloadRequest(self.rng.randrange(100), self.rng.randrange(4), "x"),
-                        PayloadRequest(1 << 61, 1, "y" * 1000)):
+            for req in (
+                PayloadRequest(self.rng.randrange(100), self.rng.randrange(4), "x"),
+                PayloadRequest(1 << 61, 1, "y" * 1000),
+            ):
                 self.client_call("client-reads", lambda r=req: self.client.get_payload(r))
             for stage in (0, 2, 1 << 50):
                 self.client_call("client-reads", lambda s=stage: self.client.get_state(StateRequest(s)))
@@ -341,13 +388,13 @@ def _mutate(r: random.Random, data: bytes) -> bytes:
     elif op == 3 and buf:
         i = r.randrange(len(buf))
         n = r.randint(1, 16)
-        buf[i:i + n] = r.randbytes(n)
+        buf[i : i + n] = r.randbytes(n)
     elif op == 4:
         i = r.randrange(len(buf) + 1)
         buf[i:i] = r.randbytes(r.randint(1, 8))
     elif buf:
         i = r.randrange(len(buf))
-        del buf[i:i + r.randint(1, 16)]
+        del buf[i : i + r.randint(1, 16)]
     return bytes(buf)
 
 
@@ -386,8 +433,9 @@ def live_peer():
     worker = StageWorker(cfg, 1)
     store = PayloadStore()
     svc = PeerService(cfg, {1: worker}, store, "peer-under-test-0000", "stage")
-    server = PeerServer(svc, host="127.0.0.1", port=0, vocab_size=cfg.model.vocab_size,
-                        wire_dtype=cfg.subspace.wire_dtype)
+    server = PeerServer(
+        svc, host="127.0.0.1", port=0, vocab_size=cfg.model.vocab_size, wire_dtype=cfg.subspace.wire_dtype
+    )
     try:
         yield cfg, worker, svc, store, server
     finally:
@@ -470,8 +518,10 @@ def test_fuzzed_peer_keeps_serving_and_trains_bit_identically(live_peer, caplog)
         assert all(bool(torch.isfinite(t).all()) for t in decompress(p).values())
 
     hist = tally.total
-    print(f"\nfuzz: {tally.sent} gRPC messages (main campaign {fuzz_s:.1f}s, rest between legit micro-batches), "
-          "crashes: 0")
+    print(
+        f"\nfuzz: {tally.sent} gRPC messages (main campaign {fuzz_s:.1f}s, rest between legit micro-batches), "
+        "crashes: 0"
+    )
     print("status histogram:", dict(sorted(hist.items())))
     for cat, c in sorted(tally.by_cat.items()):
         print(f"  {cat:20s} {sum(c.values()):5d} {dict(sorted(c.items()))}")
@@ -514,8 +564,10 @@ def test_middle_stage_rejects_bad_backward_and_keeps_pending_state():
             return "OK"
 
         assert code_of(lambda: client.forward(ForwardRequest(LEGIT, 0, 0, 0, 1, tok + V, hidden))) == "INVALID_ARGUMENT"
-        assert code_of(lambda: client.forward(ForwardRequest(LEGIT, 0, 0, 0, 1, tok, hidden, targets=tok))) \
-            == "INVALID_ARGUMENT"  # targets only go to the last stage
+        assert (
+            code_of(lambda: client.forward(ForwardRequest(LEGIT, 0, 0, 0, 1, tok, hidden, targets=tok)))
+            == "INVALID_ARGUMENT"
+        )  # targets only go to the last stage
         assert worker.pending == {} and svc.claimed_by is None  # rejected before claiming
         assert code_of(lambda: client.backward(BackwardRequest(LEGIT, 0, 0, 0, 1, hidden))) == "FAILED_PRECONDITION"
 

@@ -16,8 +16,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from typer.testing import CliRunner
 
 from peer.cli import app
-from peer.dht import SwarmDHT, load_swarm_secret, make_identity, secret_commitment
 from peer.errors import ConfigError, ManifestMismatch
+from peer.net.dht import SwarmDHT, load_swarm_secret, make_identity, secret_commitment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -147,7 +147,7 @@ def test_manifest_is_taken_from_the_bootstrap_and_stays_readable_by_stock_hivemi
     joiner.shutdown()
 
     stock = stock_node(maddrs)  # a stock client without peer installed reads the plain mirror
-    found = stock.get("peer.manifest", latest=True)
+    found = stock.get("peer.node.manifest", latest=True)
     assert found is not None and isinstance(found.value, str)
     assert json.loads(found.value)["run_id"] in ("genuine", "impostor")  # unverified, by design
 
@@ -183,7 +183,7 @@ def test_secret_mode_wrong_secret_fails_at_join_and_its_records_are_invisible(no
     wrong.shutdown()
 
     stock = stock_node(maddrs)
-    assert json.loads(stock.get("peer.manifest", latest=True).value) == manifest
+    assert json.loads(stock.get("peer.node.manifest", latest=True).value) == manifest
 
 
 def test_secret_mode_without_a_secret_fails_and_env_secret_works(nodes, monkeypatch):
@@ -252,5 +252,6 @@ def test_cli_admission_flags_are_checked_before_anything_starts(tmp_path, monkey
     assert "needs at least one peer id" in error_of("bootstrap", "--admission", "allowlist")
     empty = tmp_path / "empty.secret"
     empty.write_text("\n")
-    assert "is empty" in error_of("join", "--stage", "0", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX",
-                                  "--swarm-secret-file", str(empty))
+    assert "is empty" in error_of(
+        "join", "--stage", "0", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--swarm-secret-file", str(empty)
+    )

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from peer.stage_checkpoint import list_stage_checkpoints
-from peer.trainer import run_full_replica, run_head, run_stage_peer
+from peer.node.checkpoints.stage import list_stage_checkpoints
+from peer.node.trainer import run_full_replica, run_head, run_stage_peer
 from tests.integration.swarm_helpers import OUTER, InProcessSwarm, events, rounds, swarm_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -66,4 +66,3 @@ def test_stage_peer_leaves_after_a_round_and_resumes_from_its_checkpoint(tmp_pat
         assert names == [f"step-{OUTER:06d}", f"step-{OUTER - 1:06d}"], (name, names)
     saves = events(tmp_path / "head" / "metrics.jsonl", "checkpoint")
     assert [s["t"] for s in saves] == list(range(1, OUTER + 1)) and all(s["bytes"] > 0 for s in saves)
-

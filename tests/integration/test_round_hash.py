@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.dht import SwarmDHT
-from peer.rounds import ClientPool, PayloadStore, RoundResult, gather_round, payload_validator, sha256
-from peer.service import PeerService
-from peer.sparseloco import Payload, PayloadError, compress
-from peer.transport.server import PeerServer
+from peer.core.sparseloco import Payload, PayloadError, compress
+from peer.net.dht import SwarmDHT
+from peer.net.transport.server import PeerServer
+from peer.node.rounds import ClientPool, PayloadStore, RoundResult, gather_round, payload_validator, sha256
+from peer.node.service import PeerService
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -57,13 +57,25 @@ def _payload(seed: int, cfg, shapes=SHAPES) -> bytes:
 def _announce(node: Node, t: int, stage: int, data: bytes, replica: str, announced: bytes | None = None) -> None:
     """Serve `data` for round (t, stage) and announce it (with the hash of `announced`) for `replica`."""
     node.store.put(t, stage, data)
-    node.dht.announce_payload(t, stage, {"sha256": sha256(announced or data), "size": len(data),
-                                         "address": node.address, "replica": replica}, ttl_s=60)
+    node.dht.announce_payload(
+        t,
+        stage,
+        {"sha256": sha256(announced or data), "size": len(data), "address": node.address, "replica": replica},
+        ttl_s=60,
+    )
 
 
 def _replica_record(node: Node, i: int, **extra) -> dict:
-    return {"address": node.address, "kind": "full", "outer_step": 0, "shard": i, "joined_at": 0, "loss": None,
-            "tokens_per_s": 0.0, **extra}
+    return {
+        "address": node.address,
+        "kind": "full",
+        "outer_step": 0,
+        "shard": i,
+        "joined_at": 0,
+        "loss": None,
+        "tokens_per_s": 0.0,
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -93,12 +105,24 @@ def three_replicas(reap_children):
 def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, delay_s: float = 0.0) -> RoundResult:
     time.sleep(delay_s)  # a slower replica: the others poll before it announces
     validate = payload_validator(SHAPES, cfg.sparseloco)  # as Swarm._validator builds it
-    return gather_round(node.dht, node.clients, t, stage, ROUND_TIMEOUT_S, own=own, store=node.store,
-                        address=node.address, validate=validate, poll_s=0.1, ttl_s=60)
+    return gather_round(
+        node.dht,
+        node.clients,
+        t,
+        stage,
+        ROUND_TIMEOUT_S,
+        own=own,
+        store=node.store,
+        address=node.address,
+        validate=validate,
+        poll_s=0.1,
+        ttl_s=60,
+    )
 
 
-def _honest_round(cfg, honest: list[Node], t: int, stage: int,
-                  delay_s: dict[str, float] | None = None) -> list[RoundResult]:
+def _honest_round(
+    cfg, honest: list[Node], t: int, stage: int, delay_s: dict[str, float] | None = None
+) -> list[RoundResult]:
     def run(i_node: tuple[int, Node]) -> RoundResult:
         i, node = i_node
         return _gather(cfg, node, t, stage, (node.id, _payload(10 + i, cfg)), (delay_s or {}).get(node.id, 0.0))
@@ -120,7 +144,7 @@ def _check_committed(results: list[RoundResult], honest: list[Node], cfg, bad: N
 
 def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replicas, caplog):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
     announced, served = _payload(99, cfg), _payload(98, cfg)
     Payload.from_bytes(served, cfg=cfg.sparseloco)  # a well-formed payload: only the hash gives it away
     _announce(b, 0, 0, served, b.id, announced=announced)
@@ -135,7 +159,7 @@ def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replica
 
 def test_malformed_payload_with_a_valid_hash_is_rejected_by_validation(three_replicas, caplog):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
     garbage = bytearray(_payload(97, cfg))
     garbage[4] = 9  # unsupported format version
     garbage = bytes(garbage)
@@ -151,14 +175,18 @@ def test_malformed_payload_with_a_valid_hash_is_rejected_by_validation(three_rep
     assert len(rejected) == 2, warnings
 
 
-@pytest.mark.parametrize("shapes", [
-    {"layers.2.attn.wq.weight": (1,), "layers.2.attn_norm.weight": (64,)},  # would broadcast over the matrix
-    {"layers.2.attn.wq.weight": (64, 32), "layers.2.attn_norm.weight": (64,)},  # would crash apply_round
-    {"layers.9.attn.wq.weight": (64, 64)},  # not a parameter of this stage
-], ids=["broadcasting (1,)", "wrong shape", "foreign name"])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"layers.2.attn.wq.weight": (1,), "layers.2.attn_norm.weight": (64,)},  # would broadcast over the matrix
+        {"layers.2.attn.wq.weight": (64, 32), "layers.2.attn_norm.weight": (64,)},  # would crash apply_round
+        {"layers.9.attn.wq.weight": (64, 64)},  # not a parameter of this stage
+    ],
+    ids=["broadcasting (1,)", "wrong shape", "foreign name"],
+)
 def test_well_formed_payload_that_does_not_fit_the_stage_is_rejected(three_replicas, caplog, shapes):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
     misfit = _payload(95, cfg, shapes)
     Payload.from_bytes(misfit, cfg=cfg.sparseloco)  # a valid SparseLoCo payload: only its tensors are wrong
     _announce(b, 0, 1, misfit, b.id)
@@ -173,7 +201,7 @@ def test_well_formed_payload_that_does_not_fit_the_stage_is_rejected(three_repli
 
 def test_payload_announced_in_another_replicas_name_is_ignored(three_replicas, caplog):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
     b.dht.withdraw_replica()  # B is not a replica, and A's record lists no stage peer
     forged = _payload(94, cfg)  # well formed, right hash: only the binding gives it away
     _announce(b, 0, 0, forged, a.id)
@@ -198,9 +226,11 @@ def test_stage_peer_listed_in_the_heads_record_contributes_in_its_name(three_rep
     from_b, from_c = _payload(20, cfg), _payload(21, cfg)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = [pool.submit(_gather, cfg, b, 0, 1, (a.id, from_b)),  # B in A's name
-                   pool.submit(_gather, cfg, c, 0, 1, (c.id, from_c)),
-                   pool.submit(_gather, cfg, a, 0, 1, None)]  # the head observes stage 1's round
+        futures = [
+            pool.submit(_gather, cfg, b, 0, 1, (a.id, from_b)),  # B in A's name
+            pool.submit(_gather, cfg, c, 0, 1, (c.id, from_c)),
+            pool.submit(_gather, cfg, a, 0, 1, None),
+        ]  # the head observes stage 1's round
         results = [f.result() for f in futures]
 
     want = sorted([(a.id, from_b), (c.id, from_c)])

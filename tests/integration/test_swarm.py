@@ -2,7 +2,7 @@
 
 A bootstrap, a 2-stage compressed pipeline (head + stage-1 peer) and a full replica train the
 tiny model for 4 outer rounds; a second stage-1 peer joins late. Every role runs the same code as
-`peer join` (peer.trainer), each in its own thread with its own DHT node and gRPC server.
+`peer join` (peer.node.trainer), each in its own thread with its own DHT node and gRPC server.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.swarm import max_request_bytes
-from peer.trainer import run_full_replica, run_head, run_stage_peer
-from peer.transport import ForwardRequest, PeerClient, RemoteError
+from peer.net.transport import ForwardRequest, PeerClient, RemoteError
+from peer.node.session import max_request_bytes
+from peer.node.trainer import run_full_replica, run_head, run_stage_peer
 from tests.integration.swarm_helpers import OUTER, InProcessSwarm, events, rounds, swarm_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -69,8 +69,12 @@ def test_heterogeneous_swarm_trains_in_sync_and_a_late_joiner_catches_up(swarm_r
         assert head[t]["stages"]["0"]["param_hash"] == full[t]["stages"]["0"]["param_hash"]
         assert stage1[t]["stages"]["1"]["param_hash"] == full[t]["stages"]["1"]["param_hash"]
         # the same T⊥ on every stage of every replica
-        perps = {head[t]["stages"]["0"]["perp_hash"], stage1[t]["stages"]["1"]["perp_hash"],
-                 full[t]["stages"]["0"]["perp_hash"], full[t]["stages"]["1"]["perp_hash"]}
+        perps = {
+            head[t]["stages"]["0"]["perp_hash"],
+            stage1[t]["stages"]["1"]["perp_hash"],
+            full[t]["stages"]["0"]["perp_hash"],
+            full[t]["stages"]["1"]["perp_hash"],
+        }
         assert len(perps) == 1
 
     # the late joiner downloaded state tagged with an outer step > 0 and then stays bit-identical

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peer.errors import NetworkError, PeerError
-from peer.transport import (
+from peer.net.transport import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,
@@ -30,9 +30,9 @@ from peer.transport import (
     encoded_size,
     framed_size,
 )
-from peer.transport import peer_pb2 as pb
-from peer.transport import peer_pb2_grpc as pb_grpc
-from peer.transport.framing import CHUNK_BYTES
+from peer.net.transport import peer_pb2 as pb
+from peer.net.transport import peer_pb2_grpc as pb_grpc
+from peer.net.transport.framing import CHUNK_BYTES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -292,7 +292,7 @@ def test_a_client_that_stalls_mid_upload_is_cut_off_quietly(toy, caplog):
         yield pb.Chunk(data=b"\x0a\x02p0", last=False)
         gate.wait(10)
 
-    caplog.set_level("INFO", logger="peer.transport.server")
+    caplog.set_level("INFO", logger="peer.net.transport.server")
     with grpc.insecure_channel(server.address) as channel:
         with pytest.raises(grpc.RpcError) as err:
             list(pb_grpc.PeerStub(channel).Forward(stalled(), timeout=0.3))
@@ -316,10 +316,14 @@ def test_bytes_that_are_not_the_request_type_are_invalid_argument_and_one_info_l
         calls = {
             "Step": lambda: channel.unary_unary("/peer.v1.Peer/Step")(garbage, timeout=10),
             "Info": lambda: channel.unary_unary("/peer.v1.Peer/Info")(garbage, timeout=10),
-            **{m: lambda m=m: list(channel.unary_stream(f"/peer.v1.Peer/{m}")(garbage, timeout=10))
-               for m in ("GetPayload", "GetState", "GetArtifact")},
-            **{m: lambda m=m: list(channel.stream_stream(f"/peer.v1.Peer/{m}")(iter([garbage]), timeout=10))
-               for m in ("Forward", "Backward")},
+            **{
+                m: lambda m=m: list(channel.unary_stream(f"/peer.v1.Peer/{m}")(garbage, timeout=10))
+                for m in ("GetPayload", "GetState", "GetArtifact")
+            },
+            **{
+                m: lambda m=m: list(channel.stream_stream(f"/peer.v1.Peer/{m}")(iter([garbage]), timeout=10))
+                for m in ("Forward", "Backward")
+            },
         }
         for method, call in calls.items():
             with pytest.raises(grpc.RpcError) as err:
@@ -329,6 +333,6 @@ def test_bytes_that_are_not_the_request_type_are_invalid_argument_and_one_info_l
     with PeerClient(server.address, timeout_s=10) as client:
         assert client.info()["state"] == "ready"
     server.stop(grace_s=1.0)
-    rejected = [r for r in caplog.records if r.name == "peer.transport.server" and "rejected" in r.getMessage()]
+    rejected = [r for r in caplog.records if r.name == "peer.net.transport.server" and "rejected" in r.getMessage()]
     assert len(rejected) == len(calls) and all(r.levelno == logging.INFO for r in rejected)
     assert [r.getMessage()[:120] for r in caplog.records if r.levelno >= logging.WARNING] == []

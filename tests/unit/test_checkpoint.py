@@ -1,4 +1,4 @@
-"""Unit tests for peer.checkpoint: round trip, TE folding, atomic replace, corruption."""
+"""Unit tests for peer.node.checkpoints.model: round trip, TE folding, atomic replace, corruption."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from peer.checkpoint import load_model_checkpoint, save_model_checkpoint
+from peer.core.model import build_model, get_preset
 from peer.errors import CheckpointError, PeerError
-from peer.model import build_model, get_preset
+from peer.node.checkpoints.model import load_model_checkpoint, save_model_checkpoint
 
 CFG = get_preset("tiny", n_layers=2, vocab_size=128)
 
@@ -26,8 +26,7 @@ def test_round_trip(tmp_path):
     model = _model()
     tok = tmp_path / "sp.model"
     tok.write_bytes(b"\x00sentencepiece-bytes\xff")
-    out = save_model_checkpoint(tmp_path / "ckpt", model.state_dict(), CFG, tok,
-                                {"outer_step": 5, "run": "abc"})
+    out = save_model_checkpoint(tmp_path / "ckpt", model.state_dict(), CFG, tok, {"outer_step": 5, "run": "abc"})
     assert out == tmp_path / "ckpt"
     state, cfg, meta = load_model_checkpoint(out)
     assert cfg == CFG
@@ -134,8 +133,9 @@ def test_truncated_tensor_file_without_recorded_hash(tmp_path):
     _one_line(err)
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"model": {"d_model": 4}}',
-                                     '{"model": {"vocab_size": 1, "wrong": 2}}'])
+@pytest.mark.parametrize(
+    "content", ["{not json", "[1, 2]", '{"model": {"d_model": 4}}', '{"model": {"vocab_size": 1, "wrong": 2}}']
+)
 def test_corrupt_meta(tmp_path, content):
     save_model_checkpoint(tmp_path / "c", _model().state_dict(), CFG, None, {})
     (tmp_path / "c" / "meta.json").write_text(content)

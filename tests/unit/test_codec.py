@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from peer.errors import ConfigError, PeerError
-from peer.transport import codec, framing
-from peer.transport import peer_pb2 as pb
-from peer.transport.codec import WireLimits, decode, encode, encoded_size, from_bytes, to_bytes
-from peer.transport.errors import TransportError
-from peer.transport.messages import (
+from peer.net.transport import codec, framing
+from peer.net.transport import peer_pb2 as pb
+from peer.net.transport.codec import WireLimits, decode, encode, encoded_size, from_bytes, to_bytes
+from peer.net.transport.errors import TransportError
+from peer.net.transport.messages import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,
@@ -97,7 +97,12 @@ def test_forward_request_round_trip(wire):
     # Bit-exact: what arrives is exactly the sender's tensor cast to the wire dtype.
     assert torch.equal(out.hidden, msg.hidden.to(codec.WIRE_DTYPES[wire]))
     assert (out.pipeline_id, out.microbatch, out.outer_step, out.inner_step, out.stage, out.train) == (
-        "pipe-a", 1, 7, 12, 2, True,
+        "pipe-a",
+        1,
+        7,
+        12,
+        2,
+        True,
     )
 
 

@@ -10,8 +10,9 @@ bootstrap's key file lives on a volume so its multiaddr survives restarts.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pytest
 import typer
@@ -103,7 +104,9 @@ def parsed() -> tuple[dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]:
         try:
             commands[name] = parse_cli([str(a) for a in command])
         except click.ClickException as exc:
-            pytest.fail(f"service {name}: `{' '.join(map(str, command))}` is rejected by the CLI: {exc.format_message()}")
+            pytest.fail(
+                f"service {name}: `{' '.join(map(str, command))}` is rejected by the CLI: {exc.format_message()}"
+            )
     return compose, commands
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from peer.config import RunConfig, build_config, config_from_dict, env_overrides
+from peer.core.model import PRESETS
 from peer.errors import ConfigError, PeerError
-from peer.model import PRESETS
 
 
 def _toml(tmp_path: Path, text: str) -> Path:
@@ -58,7 +58,9 @@ def test_environ_is_read_from_argument_not_process(monkeypatch):
 
 
 def test_precedence_defaults_toml_env_cli(tmp_path):
-    toml = _toml(tmp_path, """
+    toml = _toml(
+        tmp_path,
+        """
 seed = 3
 [train]
 inner_steps = 5
@@ -66,7 +68,8 @@ outer_steps = 7
 lr = 0.01
 [sparseloco]
 topk = 16
-""")
+""",
+    )
     only_toml = build_config(toml, environ={})
     assert (only_toml.seed, only_toml.train.inner_steps, only_toml.train.outer_steps) == (3, 5, 7)
     assert only_toml.train.lr == 0.01 and only_toml.sparseloco.topk == 16
@@ -91,8 +94,14 @@ def test_nested_overrides_equal_dotted(tmp_path):
 
 
 def test_env_strings_coerced_to_field_types():
-    cfg = build_config(environ={"PEER_TRAIN__LR": "0.02", "PEER_SPARSELOCO__DENSE_1D": "false",
-                                "PEER_SWARM__RPC_TIMEOUT_S": "5", "PEER_RUN_NAME": "exp1"})
+    cfg = build_config(
+        environ={
+            "PEER_TRAIN__LR": "0.02",
+            "PEER_SPARSELOCO__DENSE_1D": "false",
+            "PEER_SWARM__RPC_TIMEOUT_S": "5",
+            "PEER_RUN_NAME": "exp1",
+        }
+    )
     assert cfg.train.lr == 0.02 and cfg.sparseloco.dense_1d is False
     assert cfg.swarm.rpc_timeout_s == 5.0 and cfg.run_name == "exp1"
 
@@ -254,8 +263,14 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
     base = build_config(environ={})
     assert base.fingerprint() == build_config(environ={}).fingerprint()
     assert len(base.fingerprint()) == 16
-    for overrides in ({"train.inner_steps": 21}, {"subspace.k_ratio": "1/4"}, {"seed": 1},
-                      {"sparseloco.topk": 16}, {"model.n_layers": 6}, {"data.max_chars": 1000}):
+    for overrides in (
+        {"train.inner_steps": 21},
+        {"subspace.k_ratio": "1/4"},
+        {"seed": 1},
+        {"sparseloco.topk": 16},
+        {"model.n_layers": 6},
+        {"data.max_chars": 1000},
+    ):
         assert build_config(None, overrides, environ={}).fingerprint() != base.fingerprint(), overrides
     # local paths do not change what peers must agree on
     elsewhere = build_config(None, {"data.cache_dir": str(tmp_path / "cache")}, environ={})
@@ -268,7 +283,9 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
 
 
 def test_to_dict_round_trip(tmp_path):
-    toml = _toml(tmp_path, f"""
+    toml = _toml(
+        tmp_path,
+        f"""
 run_name = "rt"
 seed = 2
 preset = "small"
@@ -282,7 +299,7 @@ wire_dtype = "bf16"
 aggregation = "mean-over-contributors"
 quant_bits = 4
 [data]
-tokenizer = "{tmp_path / 'sp.model'}"
+tokenizer = "{tmp_path / "sp.model"}"
 max_chars = 12345
 [train]
 batch_size = 6
@@ -290,7 +307,8 @@ microbatches = 3
 seq_len = 96
 [swarm]
 n_shards = 4
-""")
+""",
+    )
     cfg = build_config(toml, environ={"PEER_DATA__CACHE_DIR": str(tmp_path / "c")})
     back = config_from_dict(cfg.to_dict())
     assert back == cfg

@@ -1,4 +1,4 @@
-"""peer.data: corpus loading (txt/jsonl/parquet/stdlib/hub), sentencepiece tokenizer, token cache,
+"""peer.core.data: corpus loading (txt/jsonl/parquet/stdlib/hub), sentencepiece tokenizer, token cache,
 the held-out split and deterministic disjoint shards."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from peer.data import (
+from peer.core.data import (
     BUILTIN_STDLIB,
     DataConfig,
     TokenData,

@@ -7,13 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from peer.demo import DemoState, MetricsTail, ProcessView, summarize_runs
+from peer.tools.demo import DemoState, MetricsTail, ProcessView, summarize_runs
 
 
 def _round(role, t, stages, train_loss=None, val_loss=None, acts=0, equiv=0, pg=0):
-    return {"event": "round", "role": role, "t": t, "stages": stages, "train_loss": train_loss, "val_loss": val_loss,
-            "bytes": {"activations": acts, "activations_uncompressed_equiv": equiv, "pseudo_gradients": pg},
-            "round_wall_s": 1.0, "time": 100.0 + t}
+    return {
+        "event": "round",
+        "role": role,
+        "t": t,
+        "stages": stages,
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "bytes": {"activations": acts, "activations_uncompressed_equiv": equiv, "pseudo_gradients": pg},
+        "round_wall_s": 1.0,
+        "time": 100.0 + t,
+    }
 
 
 def _st(param_hash, perp_hash="p", participants=2):
@@ -22,8 +30,18 @@ def _st(param_hash, perp_hash="p", participants=2):
 
 def _write(path: Path, events, torn_tail: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"event": "start", "role": events[0]["role"] if events else "stage", "stage": None,
-                         "peer_id": "x", "address": "127.0.0.1:1", "time": 99.0})]
+    lines = [
+        json.dumps(
+            {
+                "event": "start",
+                "role": events[0]["role"] if events else "stage",
+                "stage": None,
+                "peer_id": "x",
+                "address": "127.0.0.1:1",
+                "time": 99.0,
+            }
+        )
+    ]
     lines += [json.dumps(e) for e in events]
     path.write_text("\n".join(lines) + "\n" + torn_tail)
     return path
@@ -31,18 +49,28 @@ def _write(path: Path, events, torn_tail: str = "") -> Path:
 
 def _swarm(tmp_path, full_stage1_hash="b1", head_perp="p"):
     """A head (stage 0), a stage-1 peer and a full replica (both stages), two rounds each."""
-    head = _write(tmp_path / "p0-s0" / "metrics.jsonl", [
-        _round("head", 0, {"0": _st("a0", head_perp)}, 5.0, 5.5, acts=100, equiv=800, pg=10),
-        _round("head", 1, {"0": _st("a1", head_perp)}, 4.0, 4.5, acts=200, equiv=1600, pg=20),
-    ])
-    stage1 = _write(tmp_path / "p0-s1" / "metrics.jsonl", [
-        _round("stage", 0, {"1": _st("b0")}, acts=50, equiv=400, pg=7),
-        _round("stage", 1, {"1": _st("b1")}, acts=90, equiv=720, pg=14),
-    ])
-    full = _write(tmp_path / "full0" / "metrics.jsonl", [
-        _round("full", 0, {"0": _st("a0"), "1": _st("b0", participants=3)}, 6.0, None, pg=30),
-        _round("full", 1, {"0": _st("a1"), "1": _st(full_stage1_hash, participants=2)}, 3.0, 3.5, pg=60),
-    ], torn_tail='{"event": "exit", "rea')
+    head = _write(
+        tmp_path / "p0-s0" / "metrics.jsonl",
+        [
+            _round("head", 0, {"0": _st("a0", head_perp)}, 5.0, 5.5, acts=100, equiv=800, pg=10),
+            _round("head", 1, {"0": _st("a1", head_perp)}, 4.0, 4.5, acts=200, equiv=1600, pg=20),
+        ],
+    )
+    stage1 = _write(
+        tmp_path / "p0-s1" / "metrics.jsonl",
+        [
+            _round("stage", 0, {"1": _st("b0")}, acts=50, equiv=400, pg=7),
+            _round("stage", 1, {"1": _st("b1")}, acts=90, equiv=720, pg=14),
+        ],
+    )
+    full = _write(
+        tmp_path / "full0" / "metrics.jsonl",
+        [
+            _round("full", 0, {"0": _st("a0"), "1": _st("b0", participants=3)}, 6.0, None, pg=30),
+            _round("full", 1, {"0": _st("a1"), "1": _st(full_stage1_hash, participants=2)}, 3.0, 3.5, pg=60),
+        ],
+        torn_tail='{"event": "exit", "rea',
+    )
     return [head, stage1, full]
 
 
@@ -62,8 +90,11 @@ def test_consistent_swarm(tmp_path):
 
 def test_byte_sums_use_each_process_final_counters(tmp_path):
     out = summarize_runs(_swarm(tmp_path))
-    assert out["bytes"] == {"activations": 200 + 90, "activations_uncompressed_equiv": 1600 + 720,
-                            "pseudo_gradients": 20 + 14 + 60}
+    assert out["bytes"] == {
+        "activations": 200 + 90,
+        "activations_uncompressed_equiv": 1600 + 720,
+        "pseudo_gradients": 20 + 14 + 60,
+    }
 
 
 @pytest.mark.parametrize("kind", ["param", "perp"])
@@ -76,8 +107,13 @@ def test_inconsistent_hashes(tmp_path, kind):
 def test_missing_rounds_and_files(tmp_path):
     head, stage1, full = _swarm(tmp_path)
     # the stage peer missed round 1 entirely and reported round 3; a fourth process never wrote a file
-    _write(stage1, [_round("stage", 0, {"1": _st("b0")}, acts=5, equiv=40, pg=1),
-                    _round("stage", 3, {"1": _st("b3")}, acts=9, equiv=72, pg=3)])
+    _write(
+        stage1,
+        [
+            _round("stage", 0, {"1": _st("b0")}, acts=5, equiv=40, pg=1),
+            _round("stage", 3, {"1": _st("b3")}, acts=9, equiv=72, pg=3),
+        ],
+    )
     out = summarize_runs([head, stage1, full, tmp_path / "never-started" / "metrics.jsonl"])
     assert [r["t"] for r in out["rounds"]] == [0, 1, 3]
     r1, r3 = out["rounds"][1], out["rounds"][2]
@@ -92,8 +128,11 @@ def test_missing_rounds_and_files(tmp_path):
 
 def test_no_files_gives_empty_summary(tmp_path):
     out = summarize_runs([tmp_path / "a.jsonl"])
-    assert out == {"rounds": [], "params_consistent": True,
-                   "bytes": {"activations": 0, "activations_uncompressed_equiv": 0, "pseudo_gradients": 0}}
+    assert out == {
+        "rounds": [],
+        "params_consistent": True,
+        "bytes": {"activations": 0, "activations_uncompressed_equiv": 0, "pseudo_gradients": 0},
+    }
 
 
 def test_tail_and_live_state(tmp_path):
@@ -108,8 +147,11 @@ def test_tail_and_live_state(tmp_path):
         view.apply(ev)
     assert view.started and view.loss is None
     with open(path, "a") as f:
-        f.write("\n" + json.dumps({"event": "step", "role": "head", "t": 0, "h": 1, "loss": 6.0, "tokens": 512,
-                                   "time": 12.0}) + "\n")
+        f.write(
+            "\n"
+            + json.dumps({"event": "step", "role": "head", "t": 0, "h": 1, "loss": 6.0, "tokens": 512, "time": 12.0})
+            + "\n"
+        )
         f.write(json.dumps(_round("head", 0, {"0": _st("a0")}, 6.5, None, acts=10, equiv=80, pg=3)) + "\n")
     for ev in tail.read_new():
         view.apply(ev)
@@ -122,11 +164,12 @@ def test_tail_and_live_state(tmp_path):
     assert state.train_loss == 6.0 and state.bytes["pseudo_gradients"] == 3
 
 
-@pytest.mark.parametrize("kwargs", [{"stages": 0}, {"outer_steps": 0}, {"pipelines": -1},
-                                    {"pipelines": 0, "full_replicas": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"stages": 0}, {"outer_steps": 0}, {"pipelines": -1}, {"pipelines": 0, "full_replicas": 0}]
+)
 def test_demo_config_rejects_impossible_swarms(kwargs):
-    from peer.demo import DemoConfig
     from peer.errors import ConfigError
+    from peer.tools.demo import DemoConfig
 
     with pytest.raises(ConfigError):
         DemoConfig(**kwargs)

@@ -1,5 +1,11 @@
-"""The dependency direction of DESIGN §4 holds: math never imports networking, transport/dht never
-import math, nothing imports the CLI, and only peer/dht.py imports hivemind."""
+"""The dependency direction of the layout holds, checked by folder (docs/architecture.md):
+
+- `peer/core/` (the math) imports only `peer.core`, `peer.config`, `peer.errors`, and no networking;
+- `peer/net/` (the network) imports nothing from `peer.core`, `peer.node` or `peer.tools`;
+- `peer/node/` (one peer) may import `peer.core` and `peer.net`, never `peer.tools`;
+- `peer/tools/` imports anything but the CLI; nothing imports `peer.cli`;
+- only `peer/net/` imports hivemind, only `peer/net/transport/` imports grpc and the wire protobufs.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +15,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MATH = ["model", "subspace", "sparseloco", "data", "simulate", "replica", "optim", "checkpoint"]
-NETWORK = ("grpc", "hivemind", "asyncio", "peer.transport", "peer.dht")
+PEER = ROOT / "peer"
+NETWORK = ("grpc", "hivemind", "asyncio")
+TOP_LEVEL = {"peer.config", "peer.errors", "peer.cli", "peer"}  # peer/__init__.py, config, errors, cli
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module a file imports, absolute (relative imports resolved against its package)."""
     tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names if base == "peer")  # `from peer import x`
     return names
 
 
@@ -28,37 +42,65 @@ def _hits(names: set[str], banned: tuple[str, ...]) -> list[str]:
     return sorted(n for n in names if any(n == b or n.startswith(b + ".") for b in banned))
 
 
-@pytest.mark.parametrize("module", MATH)
-def test_math_modules_import_no_networking(module):
-    path = ROOT / "peer" / f"{module}.py"
-    assert path.exists(), path
-    assert _hits(imports_of(path), NETWORK) == []
+def _files(folder: str) -> list[Path]:
+    return sorted((PEER / folder).rglob("*.py"))
 
 
-def test_transport_and_dht_import_no_math():
-    math_mods = tuple(f"peer.{m}" for m in MATH)
-    files = [*(ROOT / "peer" / "transport").glob("*.py"), ROOT / "peer" / "dht.py"]
-    offenders = {str(f.relative_to(ROOT)): _hits(imports_of(f), math_mods) for f in files if f.exists()}
-    assert {k: v for k, v in offenders.items() if v} == {}
+def _offenders(folder: str, banned: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {str(f.relative_to(ROOT)): _hits(imports_of(f), banned) for f in _files(folder)}
+    return {k: v for k, v in found.items() if v}
 
 
-def test_only_dht_imports_hivemind_and_nothing_imports_cli():
-    files = [p for p in (ROOT / "peer").rglob("*.py")] + list((ROOT / "bootstrap").rglob("*.py"))
-    hivemind_users = sorted(str(f.relative_to(ROOT)) for f in files if _hits(imports_of(f), ("hivemind",)))
-    assert hivemind_users == ["peer/dht.py"]
-    cli_users = sorted(
-        str(f.relative_to(ROOT)) for f in files
-        if f.name not in ("cli.py", "__main__.py") and _hits(imports_of(f), ("peer.cli",))
-    )
-    assert cli_users == []
+def test_every_module_lives_in_a_room():
+    """Only the CLI, config and errors sit at the top of the package; everything else is in a folder."""
+    top = sorted(p.name for p in PEER.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py"]
+    assert {p.name for p in PEER.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "core",
+        "net",
+        "node",
+        "tools",
+    }
 
 
-def test_only_transport_uses_the_wire_protobufs():
-    """Only peer/transport turns tensors into our gRPC messages (export may read sentencepiece's own
-    model proto, which is a file format, not the wire)."""
-    files = [p for p in (ROOT / "peer").rglob("*.py") if "transport" not in p.parts]
-    users = sorted(
-        str(f.relative_to(ROOT)) for f in files
-        if any(n.startswith("peer.transport.peer_pb2") or n == "grpc" for n in imports_of(f))
-    )
-    assert users == []
+def test_core_imports_only_core_config_errors_and_no_networking():
+    banned = ("peer.net", "peer.node", "peer.tools", "peer.cli", *NETWORK)
+    assert _offenders("core", banned) == {}
+    assert _files("core"), "peer/core is empty"
+
+
+def test_net_imports_neither_core_nor_node():
+    assert _offenders("net", ("peer.core", "peer.node", "peer.tools", "peer.cli")) == {}
+
+
+def test_node_does_not_import_tools():
+    assert _offenders("node", ("peer.tools", "peer.cli")) == {}
+
+
+@pytest.mark.parametrize("folder", ["tools", "core", "net", "node"])
+def test_nothing_imports_the_cli(folder):
+    assert _offenders(folder, ("peer.cli",)) == {}
+
+
+def test_top_level_modules_import_no_node_or_tools():
+    """config and errors sit under every folder: they may import the math's config types only."""
+    for name in ("config.py", "errors.py"):
+        assert _hits(imports_of(PEER / name), ("peer.net", "peer.node", "peer.tools", "peer.cli", *NETWORK)) == []
+
+
+def test_only_net_imports_hivemind_and_only_transport_uses_grpc():
+    files = [*PEER.rglob("*.py"), *(ROOT / "bootstrap").rglob("*.py")]
+    rel = {f: f.relative_to(ROOT).as_posix() for f in files}
+    hivemind_users = sorted(rel[f] for f in files if _hits(imports_of(f), ("hivemind",)))
+    assert hivemind_users and all(p.startswith("peer/net/") for p in hivemind_users), hivemind_users
+    wire = ("grpc", "peer.net.transport.peer_pb2", "peer.net.transport.peer_pb2_grpc")
+    grpc_users = sorted(rel[f] for f in files if _hits(imports_of(f), wire))
+    assert grpc_users and all(p.startswith("peer/net/transport/") for p in grpc_users), grpc_users
+
+
+def test_the_rule_checker_sees_a_violation(tmp_path):
+    """The checks above can fail: a core module importing the network is caught, relative or not."""
+    bad = tmp_path / "peer" / "core" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("import grpc\nfrom peer.net import dht\nfrom ..node import session\n")
+    assert _hits(imports_of(bad, tmp_path), ("grpc", "peer.net", "peer.node")) == ["grpc", "peer.net", "peer.node"]

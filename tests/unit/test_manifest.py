@@ -10,7 +10,7 @@ import pytest
 
 from peer.config import build_config
 from peer.errors import ManifestMismatch
-from peer.manifest import PROTOCOL_VERSION, build_manifest, verify_manifest
+from peer.node.manifest import PROTOCOL_VERSION, build_manifest, verify_manifest
 
 TOKENIZER_SHA = "ab" * 32
 # A message "says what to do" when a clause starts with an instruction ("...; install peer X").

@@ -1,4 +1,4 @@
-"""Unit tests for peer.model: shapes, presets, stage views == whole model bit for bit, init."""
+"""Unit tests for peer.core.model: shapes, presets, stage views == whole model bit for bit, init."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peer.errors import ConfigError, PeerError
-from peer.model import (
+from peer.core.model import (
     PRESETS,
     Decoder,
     Embedding,
@@ -17,6 +16,7 @@ from peer.model import (
     get_preset,
     split_layers,
 )
+from peer.errors import ConfigError, PeerError
 
 TINY = PRESETS["tiny"]
 SEED = 7
@@ -153,13 +153,16 @@ def test_config_errors_name_what_to_fix():
 # ---------------------------------------------------------------------------- split_layers
 
 
-@pytest.mark.parametrize("n_layers,n_stages,expected", [
-    (4, 1, [range(0, 4)]),
-    (4, 2, [range(0, 2), range(2, 4)]),
-    (4, 3, [range(0, 2), range(2, 3), range(3, 4)]),
-    (9, 4, [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]),
-    (16, 16, [range(i, i + 1) for i in range(16)]),
-])
+@pytest.mark.parametrize(
+    "n_layers,n_stages,expected",
+    [
+        (4, 1, [range(0, 4)]),
+        (4, 2, [range(0, 2), range(2, 4)]),
+        (4, 3, [range(0, 2), range(2, 3), range(3, 4)]),
+        (9, 4, [range(0, 3), range(3, 5), range(5, 7), range(7, 9)]),
+        (16, 16, [range(i, i + 1) for i in range(16)]),
+    ],
+)
 def test_split_layers_contiguous_and_balanced(n_layers, n_stages, expected):
     ranges = split_layers(n_layers, n_stages)
     assert ranges == expected

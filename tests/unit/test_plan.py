@@ -1,4 +1,4 @@
-"""Unit tests for peer.plan: byte counts come from the wire code, stage shapes from the real model,
+"""Unit tests for peer.tools.plan: byte counts come from the wire code, stage shapes from the real model,
 and utilisation behaves as the paper's Fig. 2/3 say it must."""
 
 from __future__ import annotations
@@ -8,21 +8,32 @@ import math
 import pytest
 import torch
 
+from peer.core.model import build_stage, get_preset, stage_shapes
+from peer.core.sparseloco import SparseLoCoConfig, compress, payload_nbytes
 from peer.errors import ConfigError
-from peer.model import build_stage, get_preset
-from peer.plan import PLAN_PRESETS, PlanInputs, plan_rows, resolve_model, stage_shapes, with_inputs
-from peer.sparseloco import SparseLoCoConfig, compress, payload_nbytes
-from peer.transport.codec import encoded_size, to_bytes
-from peer.transport.messages import BackwardRequest, ForwardRequest
+from peer.net.transport.codec import encoded_size, to_bytes
+from peer.net.transport.messages import BackwardRequest, ForwardRequest
+from peer.tools.plan import PLAN_PRESETS, PlanInputs, plan_rows, resolve_model, with_inputs
 
-SMALL = PlanInputs(preset="small", stages=2, k_ratio="1/8", inner_steps=10, microbatch_size=2, microbatches=4,
-                   seq_len=64, flops=1e12, replicas=4, wire_dtype="bf16")
+SMALL = PlanInputs(
+    preset="small",
+    stages=2,
+    k_ratio="1/8",
+    inner_steps=10,
+    microbatch_size=2,
+    microbatches=4,
+    seq_len=64,
+    flops=1e12,
+    replicas=4,
+    wire_dtype="bf16",
+)
 BWS = [1.0, 10.0, 100.0, 1000.0]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _messages(b: int, L: int, width: int, dtype: torch.dtype, pipeline_id: str = "p",
-              step: int = 0) -> tuple[ForwardRequest, BackwardRequest]:
+def _messages(
+    b: int, L: int, width: int, dtype: torch.dtype, pipeline_id: str = "p", step: int = 0
+) -> tuple[ForwardRequest, BackwardRequest]:
     """The largest forward message (into the last stage: tokens, hidden, targets) and a backward one."""
     tokens = torch.randint(0, 100, (b, L), dtype=torch.int32)  # (b, L)
     hidden = torch.randn(b, L, width).to(dtype)  # (b, L, width)
@@ -87,8 +98,13 @@ def test_stage_shapes_match_real_stages(overrides, n_stages):
         assert planned == real
         assert not seen & planned.keys()
         seen |= planned.keys()
-    assert sum(math.prod(shape) for shape in (
-        shp for s in range(n_stages) for shp in stage_shapes(cfg, s, n_stages).values())) == cfg.n_params
+    assert (
+        sum(
+            math.prod(shape)
+            for shape in (shp for s in range(n_stages) for shp in stage_shapes(cfg, s, n_stages).values())
+        )
+        == cfg.n_params
+    )
 
 
 def test_utilisation_shape():

@@ -1,4 +1,4 @@
-"""The shared plot helper (peer.plots) and the two loss plots built on it write real PNGs."""
+"""The shared plot helper (peer.tools.plots) and the two loss plots built on it write real PNGs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from peer.demo import DemoResult, ProcessView, plot_demo
-from peer.plots import figure
-from peer.simulate import ConfigResult, plot_curves
+from peer.tools.demo import DemoResult, ProcessView, plot_demo
+from peer.tools.plots import figure
+from peer.tools.simulate import ConfigResult, plot_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -25,22 +25,36 @@ def test_figure_labels_saves_and_closes(tmp_path):
 
 def test_figure_is_closed_and_nothing_written_when_drawing_fails(tmp_path):
     path = tmp_path / "p.png"
-    with pytest.raises(ValueError):
-        with figure(path, "title"):
-            raise ValueError("drawing failed")
+    with pytest.raises(ValueError), figure(path, "title"):
+        raise ValueError("drawing failed")
     assert not path.exists() and plt.get_fignums() == []
 
 
 def test_simulate_and_demo_plots(tmp_path):
-    results = [ConfigResult(name=n, k_ratio=None, het_fraction=None, final_loss=1.0, final_val_loss=1.0,
-                            train_curve=[(s, 5.0 - 0.01 * s) for s in range(120)], val_curve=[(40, 4.5), (80, 4.2)])
-               for n in ("adamw", "sparseloco")]
+    results = [
+        ConfigResult(
+            name=n,
+            k_ratio=None,
+            het_fraction=None,
+            final_loss=1.0,
+            final_val_loss=1.0,
+            train_curve=[(s, 5.0 - 0.01 * s) for s in range(120)],
+            val_curve=[(40, 4.5), (80, 4.2)],
+        )
+        for n in ("adamw", "sparseloco")
+    ]
     assert plot_curves(results, tmp_path / "sim.png").read_bytes().startswith(PNG)
 
     metrics = tmp_path / "head" / "metrics.jsonl"
     metrics.parent.mkdir()
-    metrics.write_text("\n".join(json.dumps({"event": "step", "role": "head", "t": t, "h": h, "loss": 5.0 - t - 0.1 * h})
-                                 for t in range(2) for h in range(3)) + "\n")
+    metrics.write_text(
+        "\n".join(
+            json.dumps({"event": "step", "role": "head", "t": t, "h": h, "loss": 5.0 - t - 0.1 * h})
+            for t in range(2)
+            for h in range(3)
+        )
+        + "\n"
+    )
     summary = {"rounds": [{"t": 0, "train_loss": 4.9, "val_loss": 4.8}, {"t": 1, "train_loss": 3.9, "val_loss": None}]}
     result = DemoResult(summary, tmp_path, {"head": metrics}, [ProcessView("head", "head", 0)])
     assert plot_demo(result, tmp_path / "demo.png", inner_steps=3).read_bytes().startswith(PNG)

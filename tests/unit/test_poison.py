@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.data import TokenData, train_batch, val_batches
-from peer.errors import ConfigError
-from peer.replica import EMBED, LocalReplica, apply_outer_update, perp_of, stage_state
-from peer.sparseloco import (
+from peer.core.data import TokenData, train_batch, val_batches
+from peer.core.outer import EMBED, apply_outer_update, perp_of, stage_state
+from peer.core.sparseloco import (
     Payload,
     PayloadError,
     SparseLoCoConfig,
@@ -31,7 +30,9 @@ from peer.sparseloco import (
     global_norm,
     pseudo_gradient,
 )
-from peer.stage_worker import StageWorker
+from peer.errors import ConfigError
+from peer.node.stage_worker import StageWorker
+from peer.tools.sim_replica import LocalReplica
 
 # ------------------------------------------------------------------------- plain reference
 
@@ -197,8 +198,14 @@ def test_clipping_is_deterministic():
 
 
 def _cfg(**overrides):
-    base = {"train.batch_size": 4, "train.microbatches": 1, "train.seq_len": 16, "train.inner_steps": 2,
-            "train.outer_steps": 2, "stages": 2}
+    base = {
+        "train.batch_size": 4,
+        "train.microbatches": 1,
+        "train.seq_len": 16,
+        "train.inner_steps": 2,
+        "train.outer_steps": 2,
+        "stages": 2,
+    }
     return build_config(overrides={**base, **overrides}, environ={})
 
 
@@ -251,8 +258,17 @@ M, POISONED = 4, 3
 
 
 def _loss_cfg(factor: float):
-    return _cfg(**{"model.vocab_size": 128, "model.n_layers": 2, "train.inner_steps": 5, "train.outer_steps": 6,
-                   "train.lr": 1e-2, "train.warmup_steps": 2, "sparseloco.clip_median_factor": factor})
+    return _cfg(
+        **{
+            "model.vocab_size": 128,
+            "model.n_layers": 2,
+            "train.inner_steps": 5,
+            "train.outer_steps": 6,
+            "train.lr": 1e-2,
+            "train.warmup_steps": 2,
+            "sparseloco.clip_median_factor": factor,
+        }
+    )
 
 
 def _synthetic_data(cfg) -> TokenData:
@@ -270,8 +286,9 @@ def _attack(kind: str | None, honest: dict, t: int, s: int, cfg) -> dict:
         return {k: v * -1e4 for k, v in honest.items()}
     if kind == "random":  # a valid payload of a huge random tensor
         g = torch.Generator().manual_seed(100 * t + s)
-        payload, _ = compress({k: 1e3 * torch.randn(v.shape, generator=g) for k, v in honest.items()}, None,
-                              cfg.sparseloco)
+        payload, _ = compress(
+            {k: 1e3 * torch.randn(v.shape, generator=g) for k, v in honest.items()}, None, cfg.sparseloco
+        )
         return decompress(Payload.from_bytes(payload.to_bytes(), cfg=cfg.sparseloco))
     return honest
 
@@ -319,7 +336,7 @@ def runs():
     out = {}
     for factor in (2.0, 0.0):
         cfg = _loss_cfg(factor)
-        for attack in ((None, "flip", "random") if factor else ("flip", "random")):
+        for attack in (None, "flip", "random") if factor else ("flip", "random"):
             out[factor, attack] = _train(cfg, data, attack)
     return out
 

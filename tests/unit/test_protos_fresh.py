@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from grpc_tools import grpc_version
 
-from peer.transport import peer_pb2, peer_pb2_grpc
+from peer.net.transport import peer_pb2, peer_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_committed_stubs_match_a_fresh_build(tmp_path):
         )
     for name in generate.STUB_NAMES:
         fresh = (tmp_path / name).read_bytes()
-        committed = (ROOT / "peer" / "transport" / name).read_bytes()
+        committed = (ROOT / "peer" / "net" / "transport" / name).read_bytes()
         assert fresh == committed, f"{name} is stale; run `python protos/generate.py` and commit the result"
 
 
@@ -52,4 +52,4 @@ def test_committed_descriptor_matches_the_proto(tmp_path):
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(peer_pb2.DESCRIPTOR.serialized_pb)
-    assert fresh == committed, "peer/transport/peer_pb2.py is stale; run `python protos/generate.py`"
+    assert fresh == committed, "peer/net/transport/peer_pb2.py is stale; run `python protos/generate.py`"

@@ -15,17 +15,24 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.data import TokenData
-from peer.replica import EMBED, LocalReplica, apply_outer_update, perp_of, stage_state, state_hash
-from peer.simulate import simulate
-from peer.sparseloco import compress, decompress, pseudo_gradient
-from peer.stage_worker import StageWorker
-from peer.subspace import make_basis, project
+from peer.core.data import TokenData
+from peer.core.outer import EMBED, apply_outer_update, perp_of, stage_state, state_hash
+from peer.core.sparseloco import compress, decompress, pseudo_gradient
+from peer.core.subspace import make_basis, project
+from peer.node.stage_worker import StageWorker
+from peer.tools.sim_replica import LocalReplica
+from peer.tools.simulate import simulate
 
 
 def _cfg(**overrides):
-    base = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "train.inner_steps": 2,
-            "train.outer_steps": 2, "stages": 2}
+    base = {
+        "train.batch_size": 4,
+        "train.microbatches": 2,
+        "train.seq_len": 16,
+        "train.inner_steps": 2,
+        "train.outer_steps": 2,
+        "stages": 2,
+    }
     return build_config(overrides={**base, **overrides}, environ={})
 
 
@@ -127,8 +134,10 @@ def test_local_replicas_agree_after_apply_outer_update():
         rep.inner_step(*_batch(cfg, seed=10 + m), global_step=0)
     embed_update = None
     for s in range(cfg.stages):
-        decoded = [decompress(compress(pseudo_gradient(starts[s], stage_state(r.stages[s])), None,
-                                       cfg.sparseloco)[0]) for r in reps]
+        decoded = [
+            decompress(compress(pseudo_gradient(starts[s], stage_state(r.stages[s])), None, cfg.sparseloco)[0])
+            for r in reps
+        ]
         agg = {k: (decoded[0][k] + decoded[1][k]) / 2 for k in decoded[0]}
         if s == 0:
             embed_update = -cfg.sparseloco.outer_lr * agg[EMBED]

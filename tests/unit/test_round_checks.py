@@ -15,22 +15,23 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.plan import stage_shapes
-from peer.replica import EMBED
-from peer.rounds import PayloadStore, bound_replica, payload_validator
-from peer.service import PeerService
-from peer.sparseloco import Payload, PayloadError, compress
-from peer.stage_worker import StageWorker
-from peer.swarm import max_request_bytes
-from peer.transport import ForwardRequest, TransportError
+from peer.core.model import stage_shapes
+from peer.core.outer import EMBED
+from peer.core.sparseloco import Payload, PayloadError, compress
+from peer.net.transport import ForwardRequest, TransportError
+from peer.node.rounds import PayloadStore, bound_replica, payload_validator
+from peer.node.service import PeerService
+from peer.node.session import max_request_bytes
+from peer.node.stage_worker import StageWorker
 
 B, L = 2, 16
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return build_config(overrides={"stages": 2, "train.batch_size": 4, "train.microbatches": 2, "train.seq_len": L},
-                        environ={})
+    return build_config(
+        overrides={"stages": 2, "train.batch_size": 4, "train.microbatches": 2, "train.seq_len": L}, environ={}
+    )
 
 
 def _encode(shapes: dict[str, tuple[int, ...]], cfg, seed: int = 0) -> bytes:
@@ -95,8 +96,11 @@ def test_a_payload_of_other_settings_or_oversized_is_refused(cfg):
 
 
 def test_announcements_are_bound_to_their_replica_only_by_the_replicas_record():
-    replicas = {"head-a": {"kind": "pipeline", "pipeline_peers": {"1": "stage-peer-p", "2": "stage-peer-q"}},
-                "full-f": {"kind": "full"}, "odd": {"pipeline_peers": ["stage-peer-p"]}}
+    replicas = {
+        "head-a": {"kind": "pipeline", "pipeline_peers": {"1": "stage-peer-p", "2": "stage-peer-q"}},
+        "full-f": {"kind": "full"},
+        "odd": {"pipeline_peers": ["stage-peer-p"]},
+    }
     assert bound_replica("full-f", {"replica": "full-f"}, 1, replicas) == "full-f"
     assert bound_replica("full-f", {}, 1, replicas) == "full-f"  # no claim: its own
     assert bound_replica("head-a", {"replica": "head-a"}, 0, replicas) == "head-a"

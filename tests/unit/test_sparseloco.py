@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from peer.errors import ConfigError, PeerError
-from peer.sparseloco import (
+from peer.core.sparseloco import (
     DENSE_F32,
     DENSE_U8,
     SPARSE,
@@ -28,6 +27,7 @@ from peer.sparseloco import (
     pseudo_gradient,
     restore_unsent,
 )
+from peer.errors import ConfigError, PeerError
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -42,14 +42,14 @@ def ref_selected(e: torch.Tensor, chunk: int, k: int) -> set[tuple[int, int]]:
     if e2 is None:  # 1-D: flat chunks of chunk² entries
         flat, cc = e.reshape(-1), chunk * chunk
         for start in range(0, flat.numel(), cc):
-            part = flat[start:start + cc].abs()
+            part = flat[start : start + cc].abs()
             order = torch.argsort(part, descending=True)[:k]
             chosen |= {(0, start + int(i)) for i in order}
         return chosen
     rows, cols = e2.shape
     for r0 in range(0, rows, chunk):
         for c0 in range(0, cols, chunk):
-            tile = e2[r0:r0 + chunk, c0:c0 + chunk]
+            tile = e2[r0 : r0 + chunk, c0 : c0 + chunk]
             order = torch.argsort(tile.abs().reshape(-1), descending=True)[:k]
             width = tile.shape[1]
             chosen |= {(r0 + int(i) // width, c0 + int(i) % width) for i in order}
@@ -162,9 +162,11 @@ def test_dense_1d_path():
 
 
 def _sample_payload(bits=2) -> bytes:
-    delta = {"layers.0.attn.wq.weight": _rand(70, 130, seed=5),
-             "layers.0.attn_norm.weight": _rand(20, seed=6),
-             "layers.0.ffn.w1.weight": _rand(2, 3, 40, seed=7)}
+    delta = {
+        "layers.0.attn.wq.weight": _rand(70, 130, seed=5),
+        "layers.0.attn_norm.weight": _rand(20, seed=6),
+        "layers.0.ffn.w1.weight": _rand(2, 3, 40, seed=7),
+    }
     return compress(delta, None, SparseLoCoConfig(quant_bits=bits))[0].to_bytes()
 
 
@@ -186,7 +188,7 @@ def test_twelve_bit_indices_pack_two_per_three_bytes():
     payload, _ = compress({"w": _rand(64, 64, seed=8)}, None, cfg)
     idx = payload.entries[0].indices
     b = payload.to_bytes()
-    body = b[len(b) - 32 * 4 - 48:len(b) - 32 * 4]  # 32 indices × 12 bits = 48 bytes
+    body = b[len(b) - 32 * 4 - 48 : len(b) - 32 * 4]  # 32 indices × 12 bits = 48 bytes
     a0, a1 = int(idx[0]), int(idx[1])
     assert body[:3] == bytes([a0 & 0xFF, (a0 >> 8) | ((a1 & 0xF) << 4), a1 >> 4])
 
@@ -239,16 +241,24 @@ def test_restore_unsent_returns_payload_to_error_buffer():
 
 
 def test_config_validation():
-    for bad in [dict(quant_bits=3), dict(topk=0), dict(topk=4097), dict(chunk=65),
-                dict(aggregation="sum"), dict(beta=1.0), dict(outer_lr=0.0)]:
+    for bad in [
+        dict(quant_bits=3),
+        dict(topk=0),
+        dict(topk=4097),
+        dict(chunk=65),
+        dict(aggregation="sum"),
+        dict(beta=1.0),
+        dict(outer_lr=0.0),
+    ]:
         with pytest.raises(ConfigError):
             SparseLoCoConfig(**bad)
 
 
 def _reencode(p: Payload, **changes) -> bytes:
     e = p.entries[0]
-    fields = dict(name=e.name, kind=e.kind, shape=e.shape, indices=e.indices, codes=e.codes,
-                  values=e.values, codebook=e.codebook)
+    fields = dict(
+        name=e.name, kind=e.kind, shape=e.shape, indices=e.indices, codes=e.codes, values=e.values, codebook=e.codebook
+    )
     fields.update(changes)
     return Payload((TensorEntry(**fields),) + p.entries[1:], p.chunk, p.topk, p.quant_bits).to_bytes()
 
@@ -283,8 +293,12 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
         Payload.from_bytes(b, max_elements=1000)
     with pytest.raises(PayloadError, match="differ"):
         Payload.from_bytes(b, cfg=SparseLoCoConfig(topk=16))
-    absurd = struct.pack("<4sBBBHI", b"SLCO", 1, 2, 64, 32, 1) + struct.pack("<H", 1) + b"w" \
+    absurd = (
+        struct.pack("<4sBBBHI", b"SLCO", 1, 2, 64, 32, 1)
+        + struct.pack("<H", 1)
+        + b"w"
         + struct.pack("<BB2I", SPARSE, 2, 2**32 - 1, 2**32 - 1)
+    )
     with pytest.raises(PayloadError):
         Payload.from_bytes(absurd)
     assert issubclass(PayloadError, PeerError)
@@ -302,15 +316,18 @@ def test_fuzz_random_and_mutated_bytes_raise_only_payload_error():
             if i % 8 == 0:
                 data = base[:13] + data
         elif mode == 1:
-            data = bytes(base[:rng.randrange(0, len(base))])
+            data = bytes(base[: rng.randrange(0, len(base))])
         elif mode == 2:
             for _ in range(rng.randrange(1, 4)):
                 base[rng.randrange(len(base))] = rng.getrandbits(8)
             data = bytes(base)
         else:
             pos = rng.randrange(len(base))
-            data = bytes(base[:pos] + bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 9)))
-                         + base[pos + rng.randrange(0, 9):])
+            data = bytes(
+                base[:pos]
+                + bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 9)))
+                + base[pos + rng.randrange(0, 9) :]
+            )
         try:
             p = Payload.from_bytes(data)
         except PayloadError:
@@ -335,7 +352,7 @@ def test_non_finite_pseudo_gradient_is_refused(bad, shape):
 @pytest.mark.parametrize("dense_1d", [True, False])
 def test_payload_nbytes_equals_serialized_size(bits, dense_1d):
     """`peer plan` counts payload bytes with payload_nbytes; it must equal the real wire size."""
-    from peer.sparseloco import payload_nbytes
+    from peer.core.sparseloco import payload_nbytes
 
     cfg = SparseLoCoConfig(quant_bits=bits, dense_1d=dense_1d)
     g = torch.Generator().manual_seed(bits)

@@ -1,4 +1,4 @@
-"""Resumable stage checkpoints (peer.stage_checkpoint): bit-identical resume, corruption, disk full.
+"""Resumable stage checkpoints (peer.node.checkpoints.stage): bit-identical resume, corruption, disk full.
 
 Peers here are StageWorkers trained in-process: a compressed pipeline (head stage 0 + stage 1,
 activations crossing the subspace boundary as on the wire) and a full replica, each applying its
@@ -19,18 +19,31 @@ import torch.nn.functional as F
 
 from peer.config import build_config
 from peer.errors import CheckpointError, PeerError
-from peer.stage_checkpoint import (
+from peer.node.checkpoints.stage import (
     checkpoint_fingerprint,
     list_stage_checkpoints,
     load_latest_stage_checkpoint,
     save_stage_checkpoint,
 )
-from peer.stage_worker import StageWorker
+from peer.node.stage_worker import StageWorker
 
-BASE = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "train.inner_steps": 2,
-        "train.outer_steps": 6, "train.warmup_steps": 2, "stages": 2}
-SMALL = {"model.d_model": 32, "model.n_heads": 2, "model.head_dim": 16, "model.ffn_hidden": 32,
-         "model.vocab_size": 128, "model.n_layers": 2}
+BASE = {
+    "train.batch_size": 4,
+    "train.microbatches": 2,
+    "train.seq_len": 16,
+    "train.inner_steps": 2,
+    "train.outer_steps": 6,
+    "train.warmup_steps": 2,
+    "stages": 2,
+}
+SMALL = {
+    "model.d_model": 32,
+    "model.n_heads": 2,
+    "model.head_dim": 16,
+    "model.ffn_hidden": 32,
+    "model.vocab_size": 128,
+    "model.n_layers": 2,
+}
 
 
 def _cfg(**overrides):
@@ -172,9 +185,16 @@ def test_meta_records_steps_hashes_and_hyperparameters(tmp_path):
 
     with safe_open(str(path / "state.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert {"s0/param/embed.weight", "s0/perp", "s0/err/embed.weight", "s0/opt/embed.weight/exp_avg",
-            "s0/opt/embed.weight/exp_avg_sq", "s0/opt/embed.weight/step", "s1/perp",
-            "s1/opt/layers.3.attn.wq.weight/exp_avg"} <= names
+    assert {
+        "s0/param/embed.weight",
+        "s0/perp",
+        "s0/err/embed.weight",
+        "s0/opt/embed.weight/exp_avg",
+        "s0/opt/embed.weight/exp_avg_sq",
+        "s0/opt/embed.weight/step",
+        "s1/perp",
+        "s1/opt/layers.3.attn.wq.weight/exp_avg",
+    } <= names
     assert not any("/start/" in n for n in names)  # θ_start == θ right after a commit
 
 
@@ -208,13 +228,13 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     cfg, older, newer, hash_at_1 = _two_checkpoints(tmp_path)
     if damage == "flip-tensor-bytes":
         raw = bytearray((newer / "state.safetensors").read_bytes())
-        raw[len(raw) // 2: len(raw) // 2 + 8] = bytes(b ^ 0xFF for b in raw[len(raw) // 2: len(raw) // 2 + 8])
+        raw[len(raw) // 2 : len(raw) // 2 + 8] = bytes(b ^ 0xFF for b in raw[len(raw) // 2 : len(raw) // 2 + 8])
         (newer / "state.safetensors").write_bytes(bytes(raw))
     else:
         text = (newer / "meta.json").read_text()
         (newer / "meta.json").write_text(text[: len(text) // 2])
     workers = _make(cfg, True)
-    with caplog.at_level(logging.WARNING, logger="peer.stage_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.node.checkpoints.stage"):
         meta = load_latest_stage_checkpoint(tmp_path, _as_dict(workers), checkpoint_fingerprint(cfg))
     assert meta["path"] == str(older) and meta["outer_step"] == 1
     assert workers[0].outer_step == workers[1].outer_step == 1
@@ -264,8 +284,9 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path):
     mnt = tmp_path / "tiny-disk"
     mnt.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                              capture_output=True, text=True, timeout=10)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot run mount: {exc}")
     if done.returncode != 0:

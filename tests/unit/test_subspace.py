@@ -1,12 +1,11 @@
-"""Unit tests of peer.subspace against plain dense references (tiny shapes, CPU)."""
+"""Unit tests of peer.core.subspace against plain dense references (tiny shapes, CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peer.errors import ConfigError
-from peer.subspace import (
+from peer.core.subspace import (
     basis_hash,
     compress_activations,
     compress_grad,
@@ -21,6 +20,7 @@ from peer.subspace import (
     project_,
     split_embedding,
 )
+from peer.errors import ConfigError
 
 D, K, V, B, L = 16, 4, 11, 2, 5
 
@@ -81,8 +81,19 @@ def test_basis_rejects_bad_k(d, k):
 
 @pytest.mark.parametrize(
     "d,ratio,k",
-    [(1024, "1/8", 128), (1024, 0.125, 128), (1000, "1/3", 333), (10, "1/4", 3), (10, 0.25, 3),
-     (16, 1, 16), (16, "1", 16), (7, "1/100", 1), (7, 0.001, 1), (64, " 1/16 ", 4), (64, "0.5", 32)],
+    [
+        (1024, "1/8", 128),
+        (1024, 0.125, 128),
+        (1000, "1/3", 333),
+        (10, "1/4", 3),
+        (10, 0.25, 3),
+        (16, 1, 16),
+        (16, "1", 16),
+        (7, "1/100", 1),
+        (7, 0.001, 1),
+        (64, " 1/16 ", 4),
+        (64, "0.5", 32),
+    ],
 )
 def test_k_from_ratio(d, ratio, k):
     assert k_from_ratio(d, ratio) == k
@@ -190,7 +201,9 @@ def test_compressed_boundary_forward_and_backward_match_explicit_projection():
     out = compressed_boundary(X, tokens, perp_p, U)
     ref = (X - perp[tokens]) @ U @ U.T + perp[tokens]
     assert torch.allclose(out, ref, atol=1e-12)
-    assert torch.equal(out.detach(), expand_activations(compress_activations(X.detach(), tokens, perp, U), tokens, perp, U))
+    assert torch.equal(
+        out.detach(), expand_activations(compress_activations(X.detach(), tokens, perp, U), tokens, perp, U)
+    )
 
     (gx, gperp) = torch.autograd.grad((out * W).sum(), [X, perp_p], allow_unused=True)
     (gx_ref,) = torch.autograd.grad((ref * W).sum(), [X])

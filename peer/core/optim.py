@@ -1,0 +1,56 @@
+"""Inner optimizer of every replica: AdamW with warmup + cosine decay and gradient clipping.
+
+The learning rate is a function of the GLOBAL step `t * H + inner_step` (DESIGN §3 "Clock"), never
+of a local counter alone, so a late joiner or a resumed peer uses the same schedule as everyone.
+AdamW settings follow the paper: β = (0.9, 0.95), weight decay 0.1, clip 1.0. Norm gains and
+other 1-D parameters get no weight decay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from peer.config import TrainConfig
+
+
+def lr_at(global_step: int, train: TrainConfig) -> float:
+    """Linear warmup to `train.lr`, then cosine down to `min_lr_ratio * lr` at the run's end."""
+    total = max(1, train.inner_steps * train.outer_steps)
+    if global_step < train.warmup_steps:
+        return train.lr * (global_step + 1) / train.warmup_steps
+    span = max(1, total - train.warmup_steps)
+    progress = min(1.0, (global_step - train.warmup_steps) / span)
+    floor = train.min_lr_ratio * train.lr
+    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the given parameters; 1-D tensors (norm gains) are not decayed."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=train.lr, betas=(train.beta1, train.beta2), foreach=False
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip in place; returns the pre-clip global norm."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))

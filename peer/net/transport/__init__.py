@@ -1,0 +1,55 @@
+"""The gRPC data plane: the only package that imports grpc or the generated protobuf stubs.
+
+Public API (everything else in here is wire detail):
+- messages: ForwardRequest/Reply, BackwardRequest/Reply, StepRequest/Reply, PayloadRequest,
+  StateRequest/Reply, ArtifactRequest (plain dataclasses with tensors).
+- PeerHandler: the synchronous interface a peer implements; PeerServer serves it.
+- PeerClient: synchronous calls with deadlines, bounded retries and byte counters.
+- encoded_size / framed_size: exact wire bytes of a message, for planners and metrics.
+- TransportError, RemoteError, NotFoundError (and peer.errors.NetworkError).
+It imports no math module of `peer` (model, subspace, sparseloco, data).
+"""
+
+from peer.net.transport.client import PeerClient
+from peer.net.transport.codec import WIRE_DTYPES, WireLimits, encoded_size
+from peer.net.transport.errors import NetworkError, NotFoundError, RemoteError, TransportError
+from peer.net.transport.framing import CHUNK_BYTES, framed_size
+from peer.net.transport.handler import PeerHandler
+from peer.net.transport.messages import (
+    ArtifactRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    PayloadRequest,
+    StateReply,
+    StateRequest,
+    StepReply,
+    StepRequest,
+)
+from peer.net.transport.server import PeerServer
+
+__all__ = [
+    "CHUNK_BYTES",
+    "WIRE_DTYPES",
+    "ArtifactRequest",
+    "BackwardReply",
+    "BackwardRequest",
+    "ForwardReply",
+    "ForwardRequest",
+    "NetworkError",
+    "NotFoundError",
+    "PayloadRequest",
+    "PeerClient",
+    "PeerHandler",
+    "PeerServer",
+    "RemoteError",
+    "StateReply",
+    "StateRequest",
+    "StepReply",
+    "StepRequest",
+    "TransportError",
+    "WireLimits",
+    "encoded_size",
+    "framed_size",
+]

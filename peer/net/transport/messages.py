@@ -1,0 +1,128 @@
+"""The data-plane messages as plain dataclasses: what the rest of `peer` sends and receives.
+
+Nothing here knows about protobuf; `peer.net.transport.codec` maps these to and from the wire
+(protos/peer.proto). Conventions:
+- token ids (`tokens`, `targets`) are int32 (b, L); the codec also accepts int64 and narrows it.
+- boundary tensors (`hidden`, `grad`) are float (b, L, k) in a compressed pipeline or (b, L, d)
+  for an uncompressed boundary; on the wire they use the sender's wire dtype (fp32, bf16, fp16)
+  and the receiver gets them in that dtype (cast with `.to(...)` before use).
+- steps, micro-batch and stage indices are non-negative ints.
+Messages are immutable containers (frozen); `eq=False` because tensors have no boolean equality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "ArtifactRequest",
+    "BackwardReply",
+    "BackwardRequest",
+    "ForwardReply",
+    "ForwardRequest",
+    "PayloadRequest",
+    "StateReply",
+    "StateRequest",
+    "StepReply",
+    "StepRequest",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardRequest:
+    """The head sends a micro-batch's boundary activation into `stage`.
+
+    For the last stage `targets` is set and the stage runs forward, loss and (when `train`)
+    backward in one call, answering with the loss and the gradient w.r.t. its input.
+    """
+
+    pipeline_id: str
+    microbatch: int
+    outer_step: int
+    inner_step: int
+    stage: int
+    tokens: Tensor  # (b, L) int32
+    hidden: Tensor  # (b, L, k or d) float
+    targets: Tensor | None = None  # (b, L) int32, last stage only
+    train: bool = True  # False: evaluation; the stage keeps nothing for a backward pass
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardReply:
+    """Intermediate stage: `hidden` (b, L, k or d). Last stage: `loss`, plus `grad` (b, L, k or d)
+    w.r.t. its input when the request had `train=True`."""
+
+    hidden: Tensor | None = None
+    loss: float | None = None
+    grad: Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class BackwardRequest:
+    """The head sends the gradient w.r.t. `stage`'s output for one micro-batch."""
+
+    pipeline_id: str
+    microbatch: int
+    outer_step: int
+    inner_step: int
+    stage: int
+    grad: Tensor  # (b, L, k or d) float
+
+
+@dataclass(frozen=True, eq=False)
+class BackwardReply:
+    """Gradient w.r.t. the stage's input (b, L, k or d); None only when nobody upstream needs it."""
+
+    grad: Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class StepRequest:
+    """The head tells a stage to take its optimizer step for `inner_step` after `n_microbatches`."""
+
+    pipeline_id: str
+    outer_step: int
+    inner_step: int
+    n_microbatches: int
+    tokens: int  # tokens processed by the pipeline in this inner step
+
+
+@dataclass(frozen=True, eq=False)
+class StepReply:
+    ok: bool
+    message: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class PayloadRequest:
+    """Ask for `sender`'s SparseLoCo payload of `stage` in round `outer_step` (answer: bytes)."""
+
+    outer_step: int
+    stage: int
+    sender: str
+
+
+@dataclass(frozen=True, eq=False)
+class StateRequest:
+    """Ask for the current weights and buffers of `stage` (late joiners, re-sync)."""
+
+    stage: int
+
+
+@dataclass(frozen=True, eq=False)
+class StateReply:
+    """A stage's state tagged with the outer step it belongs to; `meta` is JSON-serialisable."""
+
+    outer_step: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class ArtifactRequest:
+    """Ask for a named artefact (e.g. the tokenizer model) by name (answer: bytes)."""
+
+    name: str

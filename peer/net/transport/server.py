@@ -1,0 +1,253 @@
+"""PeerServer: serves a `PeerHandler` over gRPC (service `peer.v1.Peer`, protos/peer.proto).
+
+The gRPC server runs in its own threads (a pool of `max_workers` handler threads); the caller
+keeps a synchronous object with `.port`, `.address` and `stop(grace_s)`. Each RPC reassembles and
+validates the request (framing + codec), calls the handler, encodes and streams the reply.
+The service is registered with raw-bytes request handlers (built from the proto's service
+descriptor, not `peer_pb2_grpc.add_PeerServicer_to_server`), so the codec, not grpcio, parses
+every request: bytes that are not the method's protobuf type are INVALID_ARGUMENT and one INFO
+line, never grpcio's INTERNAL with a logged traceback (a hostile peer cannot flood the log).
+
+Invariants: every handler call is wrapped, so a bad request or a failing handler ends only that
+RPC, never the server: validation failures -> INVALID_ARGUMENT, `NotFoundError` -> NOT_FOUND,
+other `PeerError` -> FAILED_PRECONDITION, anything else -> INTERNAL with the traceback logged.
+No request larger than `max_message_bytes` is ever buffered. `stop()` waits for in-flight handler
+calls (bounded by the grace period) and shuts every thread the server started down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from peer.errors import NetworkError, PeerError
+from peer.net.transport import codec, framing
+from peer.net.transport import peer_pb2 as pb
+from peer.net.transport import peer_pb2_grpc as pb_grpc
+from peer.net.transport.codec import WireLimits
+from peer.net.transport.errors import NotFoundError, TransportError
+from peer.net.transport.handler import HANDLER_METHODS, PeerHandler
+from peer.net.transport.messages import BackwardReply, ForwardReply, StateReply, StepReply
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+T = TypeVar("T")
+
+
+def format_address(host: str, port: int) -> str:
+    """host:port, with IPv6 hosts in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class _Servicer(pb_grpc.PeerServicer):
+    """Adapts gRPC calls to the synchronous handler; counts in-flight handler calls for stop()."""
+
+    def __init__(self, handler: PeerHandler, limits: WireLimits, wire_dtype: str):
+        self._handler = handler
+        self._limits = limits
+        self._wire_dtype = wire_dtype
+        self._idle = threading.Condition()
+        self._in_flight = 0
+
+    # ------------------------------------------------------------------ RPCs
+    # Requests arrive as raw bytes (see `_method_handlers`); replies are protobuf messages.
+    def Forward(self, request_iterator, context):
+        yield from self._streamed(context, "forward", request_iterator, pb.ForwardRequest, ForwardReply)
+
+    def Backward(self, request_iterator, context):
+        yield from self._streamed(context, "backward", request_iterator, pb.BackwardRequest, BackwardReply)
+
+    def Step(self, request, context):
+        def call():
+            step = self._handler.step(codec.from_bytes(pb.StepRequest, request, self._limits))
+            return self._encode(step, StepReply, "step")
+
+        return self._run(context, "step", call)
+
+    def GetPayload(self, request, context):
+        yield from self._unary_streamed(context, "get_payload", request, pb.PayloadRequest, bytes)
+
+    def GetState(self, request, context):
+        yield from self._unary_streamed(context, "get_state", request, pb.StateRequest, StateReply)
+
+    def GetArtifact(self, request, context):
+        yield from self._unary_streamed(context, "get_artifact", request, pb.ArtifactRequest, bytes)
+
+    def Info(self, request, context):
+        def call():
+            codec.parse(pb.InfoRequest, request, self._limits)  # carries nothing, but must be one
+            return self._encode(self._handler.info(), dict, "info")
+
+        return self._run(context, "info", call)
+
+    # --------------------------------------------------------------- helpers
+    def _streamed(self, context, method, request_iterator, request_type, reply_type) -> Iterator[pb.Chunk]:
+        def call() -> bytes:
+            chunks = (codec.parse(pb.Chunk, data, self._limits) for data in request_iterator)
+            raw = framing.join(chunks, self._limits.max_message_bytes, request_type.__name__)
+            request = codec.from_bytes(request_type, raw, self._limits)
+            reply = getattr(self._handler, method)(request)
+            return self._encode(reply, reply_type, method).SerializeToString()
+
+        yield from framing.split(self._run(context, method, call))
+
+    def _unary_streamed(self, context, method, request, request_type, reply_type) -> Iterator[pb.Chunk]:
+        def call() -> bytes:
+            reply = getattr(self._handler, method)(codec.from_bytes(request_type, request, self._limits))
+            return self._encode(reply, reply_type, method).SerializeToString()
+
+        yield from framing.split(self._run(context, method, call))
+
+    def _encode(self, reply: Any, reply_type: type, method: str):
+        if reply_type is bytes and isinstance(reply, (bytearray, memoryview)):
+            reply = bytes(reply)
+        if not isinstance(reply, reply_type):
+            raise TypeError(f"handler.{method} returned {type(reply).__name__}, expected {reply_type.__name__}")
+        if isinstance(reply, ForwardReply):
+            codec.check_forward_reply(reply)
+        return codec.encode(reply, self._wire_dtype)
+
+    def _run(self, context: grpc.ServicerContext, method: str, fn: Callable[[], T]) -> T:
+        with self._idle:
+            self._in_flight += 1
+        try:
+            return fn()
+        except grpc.RpcError:  # the request stream broke: client deadline, cancel or disconnect
+            self._cancelled(context, method)
+        except NotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except TransportError as exc:
+            if not context.is_active():  # a cancelled upload can also look like a truncated stream
+                self._cancelled(context, method)
+            log.info("rejected %s from %s: %s", method, context.peer(), exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PeerError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:
+            log.exception("handler.%s failed on a request from %s", method, context.peer())
+            details = f"{method} failed inside the peer ({type(exc).__name__}: {exc}); see that peer's log"
+            context.abort(grpc.StatusCode.INTERNAL, details)
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    @staticmethod
+    def _cancelled(context: grpc.ServicerContext, method: str) -> None:
+        log.info("%s from %s ended by the client before the request arrived", method, context.peer())
+        context.abort(grpc.StatusCode.CANCELLED, f"{method} request stream ended by the client")
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no handler call is running; False if some still run after `timeout_s`."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
+
+
+_HANDLER_KINDS = {  # (client streaming, server streaming) -> grpc handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _method_handlers(servicer: _Servicer) -> tuple[str, dict[str, grpc.RpcMethodHandler]]:
+    """The service name and one handler per RPC of protos/peer.proto's `Peer` service.
+
+    Like the generated `add_PeerServicer_to_server`, except that the request deserializer is None:
+    the servicer receives the request bytes and parses them with the codec itself.
+    """
+    service = pb.DESCRIPTOR.services_by_name["Peer"]
+    handlers = {}
+    for method in service.methods:
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        reply_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = kind(
+            getattr(servicer, method.name), request_deserializer=None, response_serializer=reply_type.SerializeToString
+        )
+    return service.full_name, handlers
+
+
+class PeerServer:
+    """A running gRPC server for one peer's data plane.
+
+    `max_message_bytes` bounds one reassembled request; `vocab_size` (when known) makes the codec
+    reject token ids outside [0, vocab_size); `wire_dtype` ("fp32", "bf16", "fp16") is the dtype
+    of the boundary tensors this server sends back.
+    """
+
+    def __init__(
+        self,
+        handler: PeerHandler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 8,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        vocab_size: int | None = None,
+        wire_dtype: str = "fp32",
+    ):
+        missing = [m for m in HANDLER_METHODS if not callable(getattr(handler, m, None))]
+        if missing:
+            raise TypeError(f"{type(handler).__name__} does not implement PeerHandler: missing {', '.join(missing)}")
+        codec.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
+        self._host = host
+        self._limits = WireLimits(max_message_bytes=max_message_bytes, vocab_size=vocab_size)
+        self._servicer = _Servicer(handler, self._limits, wire_dtype)
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="peer-grpc")
+        options = [
+            ("grpc.max_receive_message_length", framing.GRPC_MESSAGE_LIMIT),
+            ("grpc.max_send_message_length", framing.GRPC_MESSAGE_LIMIT),
+            ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
+        ]
+        self._server = grpc.server(self._executor, options=options)
+        service, handlers = _method_handlers(self._servicer)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+        bind = format_address(host, port)
+        try:
+            self._port = self._server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            self._executor.shutdown(wait=False)
+            raise NetworkError(f"cannot listen on {bind} ({exc}); choose a free port or another host") from None
+        if self._port == 0:
+            self._executor.shutdown(wait=False)
+            raise NetworkError(f"cannot listen on {bind}; choose a free port or another host")
+        self._server.start()
+        self._stopped = False
+        log.info("peer data plane listening on %s", self.address)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return format_address(self._host, self._port)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop accepting calls, let running ones finish for up to `grace_s`, then cancel them."""
+        if self._stopped:
+            return
+        self._stopped = True
+        t0 = time.monotonic()
+        self._server.stop(grace_s).wait(grace_s + 5.0)
+        idle = self._servicer.wait_idle(max(0.0, grace_s - (time.monotonic() - t0)) + 1.0)
+        if not idle:
+            log.warning(
+                "peer server %s stopped with handler calls still running; they finish in the background", self.address
+            )
+        self._executor.shutdown(wait=idle, cancel_futures=True)
+        log.info("peer data plane on %s stopped", self.address)
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""One peer: where the math meets the network (stage workers, service, pipeline, rounds, session, trainer)."""

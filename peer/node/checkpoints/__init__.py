@@ -1,0 +1,1 @@
+"""Checkpoints on disk: whole-model checkpoints for export and per-stage training checkpoints."""

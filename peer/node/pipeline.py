@@ -1,0 +1,252 @@
+"""The head's side of a compressed pipeline: claim stage peers, stream micro-batches, step.
+
+The head (stage 0) runs its own layers, then calls each later stage's peer in turn (petals-style
+orchestration): forward carries X̃ (b, L, k) and the int32 token ids, the last stage answers with
+the loss and ∇X̃ of its input, and backward walks the stages in reverse. After the micro-batches
+of an inner step the head tells every stage to take its optimizer step.
+
+Claims: the first forward of an outer step claims a ready peer for this pipeline until the round
+(`PeerService`). Every newly chosen peer is published at once in the head's replica record
+("pipeline_peers"), which is what lets that peer's round payload speak for this pipeline. A peer
+that is busy with another pipeline is skipped; one that is still finishing its round is retried
+with backoff. On a network error or timeout the head drops the peer, claims
+another ready peer of that stage and replays the whole inner step (stage peers notice a repeated
+micro-batch and drop that step's gradients); every wait is bounded by `swarm.claim_timeout_s` /
+`swarm.rpc_timeout_s`. Known limit: a replacement peer starts from θ_start of the outer step, so
+the inner steps its predecessor took before failing are lost for that stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from peer.errors import NetworkError, PeerError
+from peer.net.transport.codec import encoded_size
+from peer.net.transport.errors import NotFoundError, RemoteError
+from peer.net.transport.framing import framed_size
+from peer.net.transport.messages import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, StepRequest
+from peer.node.stage_worker import StageWorker
+
+log = logging.getLogger(__name__)
+
+
+class StageUnavailable(PeerError):
+    def __init__(self, stage: int, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+class PipelineBehind(NetworkError):
+    """The stage peers moved on to a later outer step: the head must re-sync before training."""
+
+
+class PipelineDriver:
+    def __init__(self, swarm, worker: StageWorker, stop: threading.Event) -> None:
+        self.swarm, self.worker, self.stop = swarm, worker, stop
+        self.cfg = swarm.cfg
+        self.pipeline_id = swarm.peer_id
+        self.peers: dict[int, tuple[str, str]] = {}  # stage -> (peer id, address)
+        self.excluded: set[str] = set()
+        self.last_loss: float | None = None
+        self.tokens = 0
+        self.started = time.monotonic()
+        self._equiv_cache: dict[tuple[int, int], int] = {}
+        self.act_equiv = 0
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.stages - 1), thread_name_prefix="peer-step")
+
+    # ------------------------------------------------------------------ claims
+    def _candidates(self, stage: int, t: int) -> list[tuple[str, str]]:
+        peers = self.swarm.dht.get_stage_peers(stage)
+        ready = [
+            (pid, rec["address"])
+            for pid, rec in peers.items()
+            if rec.get("role") in ("spare", "trainer")
+            and rec.get("outer_step") == t
+            and rec.get("address")
+            and pid not in self.excluded
+            and (rec.get("pipeline") in (None, self.pipeline_id))
+        ]
+        return sorted(ready, key=lambda p: (p[0] != self.peers.get(stage, ("",))[0], p[0]))
+
+    def _ahead(self, stage: int, t: int) -> bool:
+        return any(
+            rec.get("outer_step", -1) > t and rec.get("role") in ("spare", "trainer")
+            for rec in self.swarm.dht.get_stage_peers(stage).values()
+        )
+
+    def _ensure_peer(self, stage: int, t: int) -> tuple[str, str]:
+        if stage in self.peers:
+            return self.peers[stage]
+        deadline = time.monotonic() + self.cfg.swarm.claim_timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            found = self._candidates(stage, t)
+            if not found and self._ahead(stage, t):
+                raise PipelineBehind(f"stage {stage} peers are past outer step {t}: this head missed a round")
+            if found:
+                self.peers[stage] = found[0]
+                log.info(
+                    "pipeline %s: stage %d -> %s at %s", self.pipeline_id[:8], stage, found[0][0][:12], found[0][1]
+                )
+                # publish the new binding ("pipeline_peers" of the replica record) before that peer can
+                # announce a payload for this pipeline (peer.node.rounds.bound_replica)
+                self.swarm.refresh_records()
+                return found[0]
+            self.stop.wait(0.5)
+        if self.stop.is_set():
+            raise PeerError("stopped")
+        raise NetworkError(
+            f"stage {stage} has no ready peer at outer step {t} after "
+            f"{self.cfg.swarm.claim_timeout_s:.0f}s; start one with `peer join --stage {stage} ...`"
+        )
+
+    def release(self) -> None:
+        """End of the outer step: claims end with the round; keep the same peers as first choice."""
+        self.excluded.clear()
+
+    def _drop(self, stage: int, why: str) -> None:
+        pid, address = self.peers.pop(stage, ("", ""))
+        if pid:
+            log.warning("pipeline %s: dropping stage %d peer %s (%s)", self.pipeline_id[:8], stage, pid[:12], why)
+            self.excluded.add(pid)
+            self.swarm.clients.drop(address)
+
+    # ------------------------------------------------------------------ calls with retry
+    def _call(self, stage: int, t: int, fn):
+        """Call `fn(client)` on this stage's peer; retry a busy peer, replace a claimed/dead one."""
+        deadline = time.monotonic() + self.cfg.swarm.claim_timeout_s
+        while True:
+            pid, address = self._ensure_peer(stage, t)
+            try:
+                return fn(self.swarm.clients.get(address))
+            except NotFoundError as exc:
+                self._drop(stage, str(exc))
+            except RemoteError as exc:
+                if "claimed by pipeline" in str(exc):
+                    self._drop(stage, "claimed by another pipeline")
+                elif exc.code != "FAILED_PRECONDITION":
+                    raise StageUnavailable(stage, str(exc)) from None
+                elif time.monotonic() > deadline:
+                    raise StageUnavailable(stage, f"stage {stage} stayed busy: {exc}") from None
+                else:
+                    self.stop.wait(0.2)  # finishing its round; retry the same peer
+            except NetworkError as exc:
+                self._drop(stage, str(exc))
+                raise StageUnavailable(stage, str(exc)) from None
+            if self.stop.is_set():
+                raise PeerError("stopped")
+
+    # ------------------------------------------------------------------ training
+    def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One inner step over `microbatches` micro-batches; replays after replacing a failed stage peer."""
+        attempts = 0
+        while True:
+            try:
+                loss = self._run_inner_step(t, h, x, y)
+                break
+            except StageUnavailable as exc:
+                attempts += 1
+                self.worker.zero_grad()
+                if attempts > 3:
+                    raise NetworkError(f"inner step {h} of outer step {t} failed {attempts} times: {exc}") from None
+                log.warning("replaying inner step %d of outer step %d after: %s", h, t, exc)
+        self.last_loss = loss
+        self.tokens += x.numel()
+        return loss
+
+    def _run_inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        S, n_micro = self.cfg.stages, self.cfg.train.microbatches
+        total = 0.0
+        for mb, (mb_x, mb_y) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro))):
+            key = (self.pipeline_id, mb)
+            tokens = mb_x.to(torch.int32)
+            hidden = self.worker.forward(key, mb_x, None, None).hidden  # (b, L, k)
+            reply: ForwardReply | None = None
+            for s in range(1, S):
+                req = ForwardRequest(
+                    self.pipeline_id, mb, t, h, s, tokens, hidden, targets=mb_y.to(torch.int32) if s == S - 1 else None
+                )
+                reply = self._call(s, t, lambda c, r=req: c.forward(r))
+                hidden = reply.hidden
+            loss, grad = reply.loss, reply.grad
+            for s in range(S - 2, 0, -1):
+                req = BackwardRequest(self.pipeline_id, mb, t, h, s, grad)
+                grad = self._call(s, t, lambda c, r=req: c.backward(r)).grad
+            self.worker.backward(key, grad)
+            total += loss / n_micro
+            self.act_equiv += self._equiv_bytes(mb_x.shape[0], mb_x.shape[1])
+        step = StepRequest(self.pipeline_id, t, h, n_micro, x.numel())
+        futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, S)]
+        for f in futures:
+            f.result()
+        self.worker.step(t, h)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float | None:
+        """Validation loss through the pipeline (no backward kept anywhere)."""
+        t = self.worker.outer_step
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            tokens = x.to(torch.int32)
+            hidden = self.worker.evaluate(x, None, None).hidden
+            try:
+                for s in range(1, self.cfg.stages):
+                    req = ForwardRequest(
+                        self.pipeline_id,
+                        10_000 + i,
+                        t,
+                        0,
+                        s,
+                        tokens,
+                        hidden,
+                        targets=y.to(torch.int32) if s == self.cfg.stages - 1 else None,
+                        train=False,
+                    )
+                    reply = self._call(s, t, lambda c, r=req: c.forward(r))
+                    hidden = reply.hidden
+            except StageUnavailable as exc:
+                log.warning("validation skipped: %s", exc)
+                return None
+            losses.append(reply.loss)
+            self.act_equiv += self._equiv_bytes(x.shape[0], x.shape[1], train=False)
+        return sum(losses) / max(1, len(losses))
+
+    # ------------------------------------------------------------------ accounting
+    def _equiv_bytes(self, b: int, L: int, train: bool = True) -> int:
+        """Bytes the same micro-batch would take with uncompressed (b, L, d) boundaries."""
+        key = (b, L, train)
+        if key not in self._equiv_cache:
+            d, S = self.cfg.model.d_model, self.cfg.stages
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.subspace.wire_dtype]
+            tok = torch.zeros(b, L, dtype=torch.int32)
+            full = torch.zeros(b, L, d, dtype=dtype)  # (b, L, d)
+            total = 0
+            for s in range(1, S):
+                last = s == S - 1
+                wire = self.cfg.subspace.wire_dtype
+                msgs = [ForwardRequest("p", 0, 0, 0, s, tok, full, targets=tok if last else None, train=train)]
+                if last:
+                    msgs.append(ForwardReply(loss=0.0, grad=full) if train else ForwardReply(loss=0.0))
+                else:
+                    msgs.append(ForwardReply(hidden=full))
+                if train and not last:
+                    msgs += [BackwardRequest("p", 0, 0, 0, s, full), BackwardReply(grad=full)]
+                total += sum(framed_size(encoded_size(m, wire)) for m in msgs)
+            self._equiv_cache[key] = total
+        return self._equiv_cache[key]
+
+    @property
+    def act_bytes(self) -> tuple[int, int]:
+        """(bytes actually moved for activations and their gradients, uncompressed equivalent)."""
+        sent = self.swarm.clients.bytes_sent()
+        received = self.swarm.clients.bytes_received()
+        moved = sum(sent.get(m, 0) + received.get(m, 0) for m in ("forward", "backward"))
+        return moved, self.act_equiv
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(1e-9, time.monotonic() - self.started)

@@ -1,0 +1,318 @@
+"""Outer rounds over the swarm: announce → fetch → commit the same set in the same order.
+
+Round (t, s) — DESIGN §3. Contributors are the replicas working on outer step t: every pipeline
+(its stage-s peer sends the payload, tagged with the pipeline's id) and every full replica (one
+payload per stage, tagged with its own id). Each contributor
+1. keeps its encoded payload in its `PayloadStore` (served by gRPC `get_payload`) and announces
+   {sha256, size, address, replica} under `round.{t}.{s}` in the DHT;
+2. polls the DHT until every expected replica has announced (or the round deadline passes),
+   fetching each new payload once and checking its sha256 and format;
+3. commits every payload it holds, ordered by replica id, so all holders apply the same sum in the
+   same order and stay bit-identical.
+Hot spares and compressed stages that only need stage 0's embedding change run the same gather
+without a payload of their own (observers).
+
+An announcement's "replica" field is the sender's claim; it is bound only when sender == replica
+(a full replica or a head) or when that replica's own DHT record lists the sender as its stage-s
+peer (`"pipeline_peers": {"<s>": peer id}`, published by the head as soon as its pipeline changes).
+Unbound announcements are ignored (never fetched), so no peer can contribute in another replica's
+name. A replica whose payload was rejected (bad hash or format) is not waited for: the round
+closes as soon as every other expected payload is held.
+
+Expected replicas for round t: live replica records (pipelines' heads and full replicas) that joined
+at or before t and are at outer step t − 1 or later. A dead replica drops out when its record
+expires; a slow one is waited for until the deadline. The DHT offers no notifications, so the
+wait is a bounded poll (`poll_s`) under one deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig
+from peer.errors import NetworkError, PeerError
+from peer.net.dht import SwarmDHT
+from peer.net.transport.client import PeerClient
+from peer.net.transport.messages import PayloadRequest
+
+log = logging.getLogger(__name__)
+
+
+class PayloadStore:
+    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self._data: dict[tuple[int, int], bytes] = {}
+        self._lock = threading.Lock()
+        self.keep = keep
+
+    def put(self, t: int, stage: int, payload: bytes) -> None:
+        with self._lock:
+            self._data[(t, stage)] = payload
+            for key in [k for k in self._data if k[0] <= t - self.keep]:
+                del self._data[key]
+
+    def get(self, t: int, stage: int) -> bytes | None:
+        with self._lock:
+            return self._data.get((t, stage))
+
+
+class ClientPool:
+    """One PeerClient per address, reused across rounds; byte counters survive dropped clients."""
+
+    def __init__(self, timeout_s: float, wire_dtype: str = "fp32") -> None:
+        self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
+        self._clients: dict[str, PeerClient] = {}
+        self._retired: dict[str, dict[str, int]] = {"bytes_sent": {}, "bytes_received": {}}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> PeerClient:
+        with self._lock:
+            if address not in self._clients:
+                self._clients[address] = PeerClient(address, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype)
+            return self._clients[address]
+
+    def _retire(self, client: PeerClient) -> None:
+        stats = client.stats()
+        for kind in ("bytes_sent", "bytes_received"):
+            for method, n in stats[kind].items():
+                self._retired[kind][method] = self._retired[kind].get(method, 0) + n
+        client.close()
+
+    def drop(self, address: str) -> None:
+        with self._lock:
+            client = self._clients.pop(address, None)
+            if client is not None:
+                self._retire(client)
+
+    def _totals(self, kind: str) -> dict[str, int]:
+        with self._lock:
+            total = dict(self._retired[kind])
+            for c in self._clients.values():
+                for method, n in c.stats()[kind].items():
+                    total[method] = total.get(method, 0) + n
+        return total
+
+    def bytes_sent(self) -> dict[str, int]:
+        return self._totals("bytes_sent")
+
+    def bytes_received(self) -> dict[str, int]:
+        return self._totals("bytes_received")
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients.values():
+                self._retire(c)
+            self._clients = {}
+
+
+@dataclass
+class RoundResult:
+    """What one peer committed for round (t, s), in commit order, and why it stopped waiting."""
+
+    t: int
+    stage: int
+    replicas: list[str] = field(default_factory=list)  # replica ids, commit order
+    payloads: list[bytes] = field(default_factory=list)
+    expected: int = 0
+    rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
+    timed_out: bool = False
+    wall_s: float = 0.0
+    bytes_fetched: int = 0
+
+    @property
+    def participants(self) -> int:
+        return len(self.replicas)
+
+
+def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None = None) -> set[str]:
+    """Replica ids that should contribute to round t (see the module docstring).
+
+    `replicas` is `dht.get_replicas()` when the caller already has it.
+    """
+    out = set()
+    for rid, rec in (dht.get_replicas() if replicas is None else replicas).items():
+        if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
+            out.add(rid)
+    return out
+
+
+def bound_replica(sender: str, record: Mapping[str, Any], stage: int, replicas: Mapping[str, dict]) -> str | None:
+    """The replica id `sender`'s payload announcement for `stage` may stand for, or None if unbound.
+
+    Bound: the sender is the replica itself, or the replica's record (from `get_replicas`) lists the
+    sender as its stage peer in "pipeline_peers".
+    """
+    rid = record.get("replica", sender)
+    if not isinstance(rid, str):
+        return None
+    if rid == sender:
+        return rid
+    pipeline_peers = replicas.get(rid, {}).get("pipeline_peers")
+    if isinstance(pipeline_peers, dict) and pipeline_peers.get(str(stage)) == sender:
+        return rid
+    return None
+
+
+def announced_replicas(dht: SwarmDHT, t: int, stage: int) -> set[str]:
+    """Replica ids with a bound payload announcement for round (t, stage)."""
+    replicas = dht.get_replicas()
+    bound = (bound_replica(sender, rec, stage, replicas) for sender, rec in dht.get_payloads(t, stage).items())
+    return {rid for rid in bound if rid is not None}
+
+
+def payload_validator(
+    shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig, required: Iterable[str] = ()
+) -> Callable[[bytes], None]:
+    """A `validate` for `gather_round`: a well-formed SparseLoCo payload (`Payload.from_bytes` with
+    this run's settings) whose every entry is a parameter of the stage with its exact shape, each
+    at most once, and that carries every `required` name (stage 0: embed.weight, which the round's
+    T⊥ update needs). Raises PayloadError, so a payload that could not be applied is never committed.
+    """
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    required = frozenset(required)
+    n_elements = sum(math.prod(shape) for shape in shapes.values())
+
+    def validate(data: bytes) -> None:
+        payload = Payload.from_bytes(data, max_elements=n_elements, cfg=cfg)
+        seen: set[str] = set()
+        for entry in payload.entries:
+            if entry.name not in shapes:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name[:64]!r} is not a parameter of this stage")
+            if tuple(entry.shape) != shapes[entry.name]:
+                raise PayloadError(
+                    f"invalid SparseLoCo payload: {entry.name!r} has shape {tuple(entry.shape)}, "
+                    f"the stage's parameter is {shapes[entry.name]}"
+                )
+            if entry.name in seen:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name!r} appears twice")
+            seen.add(entry.name)
+        if required - seen:
+            raise PayloadError(f"invalid SparseLoCo payload: missing {sorted(required - seen)}")
+
+    return validate
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def gather_round(
+    dht: SwarmDHT,
+    clients: ClientPool,
+    t: int,
+    stage: int,
+    timeout_s: float,
+    own: tuple[str, bytes] | None = None,
+    store: PayloadStore | None = None,
+    address: str = "",
+    validate: Callable[[bytes], None] | None = None,
+    poll_s: float = 0.2,
+    ttl_s: float = 60.0,
+    stop: threading.Event | None = None,
+) -> RoundResult:
+    """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
+
+    `validate(payload)` raises PeerError for a malformed payload (it is then skipped, and its
+    replica no longer waited for). Announcements not bound to their replica (`bound_replica`) are
+    ignored. Returns when every expected replica's payload is held or rejected, or at the deadline.
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
+    held: dict[str, bytes] = {}
+    bad: set[str] = set()  # senders whose payload failed its checks
+    rejected: set[str] = set()  # the replicas they stood for
+    unbound: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
+    retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
+    result = RoundResult(t=t, stage=stage)
+    if own is not None:
+        replica_id, payload = own
+        if store is None:
+            raise ValueError("a contributor needs a PayloadStore to serve its payload")
+        store.put(t, stage, payload)
+        dht.announce_payload(
+            t,
+            stage,
+            {"sha256": sha256(payload), "size": len(payload), "address": address, "replica": replica_id},
+            ttl_s=ttl_s,
+        )
+        held[replica_id] = payload
+    while True:
+        replicas = dht.get_replicas()
+        announced: dict[str, tuple[str, dict]] = {}  # sender -> (replica, record), bound ones only
+        for sender, rec in dht.get_payloads(t, stage).items():
+            rid = bound_replica(sender, rec, stage, replicas)
+            if rid is not None:
+                announced[sender] = (rid, rec)
+            elif (sender, str(rec.get("replica"))) not in unbound and len(unbound) < 16:  # bounded log
+                unbound.add((sender, str(rec.get("replica"))))
+                log.warning(
+                    "round %d stage %d: ignoring the announcement of %s for replica %s: that replica's "
+                    "record does not list it as its stage-%d peer",
+                    t,
+                    stage,
+                    sender[:12],
+                    str(rec.get("replica"))[:12],
+                    stage,
+                )
+        for sender, (rid, rec) in sorted(announced.items()):
+            if rid in held or sender in bad or retry_at.get(sender, 0.0) > time.monotonic():
+                continue
+            try:
+                remaining = max(0.5, deadline - time.monotonic())
+                if not isinstance(rec.get("address"), str) or not rec["address"]:
+                    raise PeerError(f"the announcement of {sender} has no address")
+                data = clients.get(rec["address"]).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
+                if sha256(data) != rec.get("sha256"):
+                    raise PeerError(f"payload from {sender} does not match its announced sha256")
+                if validate is not None:
+                    validate(data)
+            except NetworkError as exc:
+                retry_at[sender] = time.monotonic() + 2.0
+                log.info("round %d stage %d: payload of %s not reachable yet: %s", t, stage, sender[:12], exc)
+                continue
+            except PeerError as exc:
+                log.warning("round %d stage %d: rejecting payload of %s: %s", t, stage, sender[:12], exc)
+                bad.add(sender)
+                rejected.add(rid)
+                continue
+            held[rid] = data
+            result.bytes_fetched += len(data)
+        # every live replica of round t, and every replica with a bound announcement for it: a
+        # payload some peers hold and others skipped would split the stage's parameters
+        # announcers count while their replica is alive: one that died after announcing (its
+        # record expired) is no longer waited for
+        expected = expected_replicas(dht, t, replicas) | {rid for rid, _ in announced.values() if rid in replicas}
+        result.expected = len(expected)
+        # Done when every live replica of round t is held or rejected (an observer whose
+        # contributors all left commits what it holds; they linger after their last round so this is rare).
+        if expected <= set(held) | rejected:
+            break
+        if time.monotonic() >= deadline:
+            result.timed_out = True
+            log.warning(
+                "round %d stage %d: deadline after %.0fs with %d/%d payloads (missing: %s)",
+                t,
+                stage,
+                timeout_s,
+                len(held),
+                len(expected),
+                ", ".join(sorted(expected - set(held) - rejected))[:200],
+            )
+            break
+        if stop is not None and stop.wait(poll_s):
+            raise PeerError("stopped while waiting for a round")
+        elif stop is None:
+            time.sleep(poll_s)
+    result.rejected = sorted(rejected - set(held))
+    result.replicas = sorted(held)
+    result.payloads = [held[r] for r in result.replicas]
+    result.wall_s = time.monotonic() - started
+    return result

@@ -1,0 +1,278 @@
+"""The gRPC handler of a training peer: maps data-plane requests onto its StageWorkers.
+
+A stage peer serves `forward`/`backward`/`step` for the pipeline that claimed it this outer step
+(the first head whose forward arrives; others are told the peer is busy), `get_payload` for its
+round payloads, and `get_state` for late joiners. Heads and full replicas serve only payloads and
+state. The service never trains on its own: requests drive it, and `on_last_step` tells the
+owner (the trainer) that the H-th inner step is done so it can run the outer round.
+
+Hostile input: every pipeline request is checked against this stage before it touches a worker
+(token range, (b, L) within train.batch_size x model.max_seq_len, boundary (b, L, k) with finite
+values of magnitude <= MAX_BOUNDARY_ABS, targets only on the last stage, backward grads shaped
+like the pending forward's output). Only a valid forward claims the peer; backward and step need
+the claim. Rejections are TransportError (INVALID_ARGUMENT) or PeerError (FAILED_PRECONDITION),
+so a bad request never leaves pending state or gradients behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from peer.config import RunConfig
+from peer.errors import PeerError
+from peer.net.transport.errors import NotFoundError, TransportError
+from peer.net.transport.messages import (
+    ArtifactRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    PayloadRequest,
+    StateReply,
+    StateRequest,
+    StepReply,
+    StepRequest,
+)
+from peer.node.rounds import PayloadStore
+from peer.node.stage_worker import StageWorker
+
+log = logging.getLogger(__name__)
+
+# |X̃| or |∇X̃| above this means a diverged or hostile sender: expanding ~3e38 overflows float32
+# and turns this stage's gradients into NaN while the loss still looks finite.
+MAX_BOUNDARY_ABS = 1e6
+
+
+class Busy(PeerError):
+    """The stage peer serves another pipeline or is between rounds; the head should retry or pick another."""
+
+
+class PeerService:
+    """Handler for `peer.net.transport.PeerServer` over this process's stage workers."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        workers: dict[int, StageWorker],
+        store: PayloadStore,
+        peer_id: str,
+        role: str,
+        on_last_step: Callable[[str, int], None] | None = None,
+        artifacts: dict[str, bytes] | None = None,
+    ) -> None:
+        self.cfg, self.workers, self.store = cfg, workers, store
+        self.peer_id, self.role = peer_id, role
+        self.on_last_step = on_last_step
+        self.artifacts = artifacts or {}
+        self.claimed_by: str | None = None  # pipeline id (head's peer id) for the current outer step
+        self.in_round = False  # between the last inner step and the committed round
+        self.tokens = 0
+        self.started = time.monotonic()
+        self.last_request = self.started
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ pipeline
+    def _stage_worker(self, stage: int) -> StageWorker:
+        worker = self.workers.get(stage)
+        if worker is None or self.role != "stage":
+            raise NotFoundError(f"peer {self.peer_id[:12]} does not serve stage {stage} to pipelines")
+        return worker
+
+    def _worker_for(self, stage: int, outer_step: int, pipeline_id: str, claim: bool = True) -> StageWorker:
+        """The worker for a pipeline request; `claim=False`: the pipeline must already hold the claim."""
+        worker = self._stage_worker(stage)
+        with self._lock:
+            if self.in_round:
+                raise Busy(f"stage {stage} is finishing outer round {worker.outer_step}; retry shortly")
+            if outer_step != worker.outer_step:
+                raise Busy(f"stage {stage} is at outer step {worker.outer_step}, request is for {outer_step}")
+            if self.claimed_by not in (None, pipeline_id):
+                raise Busy(f"stage {stage} peer is claimed by pipeline {self.claimed_by[:12]} this round")
+            if not claim and self.claimed_by != pipeline_id:
+                raise PeerError(
+                    f"pipeline {pipeline_id[:12]!r} sent no forward pass to stage {stage} in outer step "
+                    f"{outer_step}; start the inner step with its forward passes"
+                )
+            if self.claimed_by is None:
+                worker.zero_grad()  # nothing of a previous (dead) pipeline may leak into this one
+            self.claimed_by = pipeline_id
+            self.last_request = time.monotonic()
+        return worker
+
+    def release(self, pipeline_id: str | None = None) -> None:
+        """Forget a claim (the head gave up on this peer, or the round ended)."""
+        with self._lock:
+            if pipeline_id is None or self.claimed_by == pipeline_id:
+                self.claimed_by = None
+        for worker in self.workers.values():
+            worker.drop_pending(pipeline_id)
+
+    def _width(self, worker: StageWorker) -> int:
+        return self.cfg.k if worker.compressed else self.cfg.model.d_model
+
+    def _check_forward(self, worker: StageWorker, request: ForwardRequest) -> None:
+        """Reject a micro-batch that does not fit this stage (raises before any state changes)."""
+        model, train, s = self.cfg.model, self.cfg.train, worker.stage
+        tokens = request.tokens
+        if tokens.dim() != 2 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise TransportError(f"stage {s}: tokens must be integer (b, L), got {tokens.dtype} {list(tokens.shape)}")
+        b, L = tokens.shape
+        if not (0 < b <= train.batch_size and 0 < L <= model.max_seq_len):
+            raise TransportError(
+                f"stage {s}: micro-batch (b, L) = ({b}, {L}) is outside 1..{train.batch_size} x "
+                f"1..{model.max_seq_len} (train.batch_size x model.max_seq_len); the head runs "
+                "another config"
+            )
+        _check_ids(tokens, model.vocab_size, f"stage {s} tokens")
+        if request.train and not (request.inner_step < train.inner_steps and request.microbatch < train.microbatches):
+            raise TransportError(
+                f"stage {s}: inner step {request.inner_step} / micro-batch {request.microbatch} "
+                f"out of range ({train.inner_steps} inner steps of {train.microbatches} "
+                "micro-batches)"
+            )
+        if not worker.is_first:
+            _check_boundary(request.hidden, (b, L, self._width(worker)), f"stage {s} hidden")
+        if worker.is_last != (request.targets is not None):
+            raise TransportError(f"stage {s}: targets go with (and only with) the last stage, {self.cfg.stages - 1}")
+        if request.targets is not None:
+            if tuple(request.targets.shape) != (b, L):
+                raise TransportError(f"stage {s}: targets {list(request.targets.shape)} differ from tokens [{b}, {L}]")
+            _check_ids(request.targets, model.vocab_size, f"stage {s} targets")
+
+    def forward(self, request: ForwardRequest) -> ForwardReply:
+        self._check_forward(self._stage_worker(request.stage), request)
+        worker = self._worker_for(request.stage, request.outer_step, request.pipeline_id)
+        key = (request.pipeline_id, request.microbatch)
+        try:
+            if not request.train:
+                with torch.no_grad():
+                    out = worker.evaluate(request.tokens, request.hidden, request.targets)
+                return ForwardReply(hidden=out.hidden, loss=out.loss)
+            out = worker.forward(key, request.tokens, request.hidden, request.targets)
+        except (KeyError, ValueError) as exc:
+            raise TransportError(f"stage {worker.stage} cannot run this micro-batch: {exc}") from None
+        return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad)
+
+    def backward(self, request: BackwardRequest) -> BackwardReply:
+        worker = self._worker_for(request.stage, request.outer_step, request.pipeline_id, claim=False)
+        key = (request.pipeline_id, request.microbatch)
+        with worker.lock:  # the pending entry cannot vanish between the check and its use
+            pending = worker.pending.get(key)
+            if pending is None:
+                raise PeerError(
+                    f"no forward pass of micro-batch {request.microbatch} is pending on stage "
+                    f"{worker.stage}; replay the micro-batch from its forward pass"
+                )
+            b, L = pending[1].shape[:2]
+            _check_boundary(request.grad, (b, L, self._width(worker)), f"stage {worker.stage} grad")
+            try:
+                grad = worker.backward(key, request.grad)
+            except (KeyError, ValueError) as exc:
+                raise PeerError(str(exc).strip("'\"")) from None
+        return BackwardReply(grad=grad)
+
+    def step(self, request: StepRequest) -> StepReply:
+        if not self.workers:
+            raise NotFoundError("this peer holds no stage")
+        if request.inner_step >= self.cfg.train.inner_steps:
+            raise TransportError(
+                f"inner step {request.inner_step} out of range: the run has "
+                f"{self.cfg.train.inner_steps} inner steps per outer step"
+            )
+        workers = [self._worker_for(s, request.outer_step, request.pipeline_id, claim=False) for s in self.workers]
+        for worker in workers:
+            worker.step(request.outer_step, request.inner_step)
+        self.tokens += request.tokens
+        if request.inner_step == self.cfg.train.inner_steps - 1:
+            with self._lock:
+                self.in_round = True
+            if self.on_last_step is not None:
+                self.on_last_step(request.pipeline_id, request.outer_step)
+        return StepReply(ok=True, message="")
+
+    def release_if_idle(self, idle_s: float) -> str | None:
+        """Free a claim whose pipeline sent nothing for `idle_s` (its head died or stalled).
+
+        Returns the released pipeline id. The accumulated gradients of its unfinished inner step
+        are dropped; the peer becomes a hot spare again.
+        """
+        with self._lock:
+            if self.claimed_by is None or self.in_round or time.monotonic() - self.last_request < idle_s:
+                return None
+            released, self.claimed_by = self.claimed_by, None
+        for worker in self.workers.values():
+            worker.zero_grad()
+        log.warning("pipeline %s sent nothing for %.0fs: released its claim on this peer", released[:12], idle_s)
+        return released
+
+    def begin_observing(self) -> bool:
+        """A hot spare enters a round it did not train in; False if a head claimed it first."""
+        with self._lock:
+            if self.claimed_by is not None:
+                return False
+            self.in_round = True
+            return True
+
+    def round_done(self) -> None:
+        with self._lock:
+            self.in_round = False
+            self.claimed_by = None
+
+    # ------------------------------------------------------------------ rounds and state
+    def get_payload(self, request: PayloadRequest) -> bytes:
+        data = self.store.get(request.outer_step, request.stage)
+        if data is None:
+            raise NotFoundError(f"no payload for round {request.outer_step} stage {request.stage} here")
+        return data
+
+    def get_state(self, request: StateRequest) -> StateReply:
+        worker = self.workers.get(request.stage)
+        if worker is None:
+            raise NotFoundError(f"peer {self.peer_id[:12]} does not hold stage {request.stage}")
+        with worker.lock:
+            tensors = worker.snapshot()
+            meta = {"param_hash": worker.param_hash(), "perp_hash": worker.perp_hash(), "stage": request.stage}
+            return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
+
+    def get_artifact(self, request: ArtifactRequest) -> bytes:
+        if request.name not in self.artifacts:
+            raise NotFoundError(f"no artefact named {request.name!r} here")
+        return self.artifacts[request.name]
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "role": self.role,
+            "stages": sorted(self.workers),
+            "outer_step": min((w.outer_step for w in self.workers.values()), default=0),
+            "claimed_by": self.claimed_by,
+            "in_round": self.in_round,
+        }
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise TransportError(
+            f"{what}: ids span [{lo}, {hi}], outside [0, {vocab_size}); the sender uses "
+            "another tokenizer than this run's manifest"
+        )
+
+
+def _check_boundary(t: torch.Tensor | None, shape: tuple[int, int, int], what: str) -> None:
+    """A boundary tensor X̃ or ∇X̃ of exactly `shape` (b, L, k), finite and |x| <= MAX_BOUNDARY_ABS."""
+    if t is None or not t.is_floating_point() or tuple(t.shape) != shape:
+        got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
+        raise TransportError(f"{what}: expected float {list(shape)}, got {got}; the sender runs another config")
+    peak = float(t.float().abs().amax())
+    if not peak <= MAX_BOUNDARY_ABS:  # also catches NaN
+        raise TransportError(
+            f"{what}: values up to {peak:.3g} (limit {MAX_BOUNDARY_ABS:.0e}); the sending stage "
+            "diverged (lower the learning rate) or is faulty"
+        )

@@ -1,0 +1,1 @@
+"""Research and operator tools: simulator, planner, benchmarks, demo, export, status, plots."""

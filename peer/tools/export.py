@@ -1,0 +1,183 @@
+"""Export a whole-model checkpoint as a Hugging Face `LlamaForCausalLM` folder.
+
+The decoder in peer.core.model is architecturally a Llama model (RMSNorm, rotate_half RoPE,
+SwiGLU, untied head, no biases), so export is a rename of tensors plus a config.json:
+
+    embed.weight (full TE)             -> model.embed_tokens.weight
+    layers.N.attn.w{q,k,v,o}.weight    -> model.layers.N.self_attn.{q,k,v,o}_proj.weight
+    layers.N.ffn.w1 / w3 / w2          -> model.layers.N.mlp.gate_proj / up_proj / down_proj
+    layers.N.attn_norm / ffn_norm      -> model.layers.N.input_layernorm / post_attention_layernorm
+    norm.weight                        -> model.norm.weight
+    head.weight                        -> lm_head.weight
+
+Invariants: transformers is never imported here (it is only needed to *load* the result);
+the output folder is written atomically; the exported model computes the same logits as
+peer.core.model.Decoder up to float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from peer.core.model import ModelConfig
+from peer.errors import CheckpointError
+from peer.node.checkpoints.model import TOKENIZER_FILE, atomic_directory, load_model_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["export_hf", "hf_config", "hf_name"]
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER_MAP = {
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w1.weight": "mlp.gate_proj.weight",
+    "ffn.w3.weight": "mlp.up_proj.weight",
+    "ffn.w2.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face Llama name of a peer.core.model parameter name; KeyError if unknown."""
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    raise KeyError(name)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json contents for LlamaForCausalLM (readable by transformers 4.4x and 5.x)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "use_cache": True,
+    }
+
+
+def _tokenizer_config(tokenizer_path: Path, cfg: ModelConfig) -> dict:
+    """tokenizer_config.json for LlamaTokenizer; special tokens read from the .model file."""
+    import sentencepiece as spm  # local import: only export needs it here
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
+    if sp.get_piece_size() != cfg.vocab_size:
+        logger.warning("tokenizer has %d pieces but the model's vocab_size is %d", sp.get_piece_size(), cfg.vocab_size)
+
+    _warn_if_not_llama_compatible(tokenizer_path)
+
+    def piece(i: int) -> str | None:
+        return sp.id_to_piece(i) if 0 <= i < sp.get_piece_size() else None
+
+    return {
+        "tokenizer_class": "LlamaTokenizer",
+        "model_max_length": cfg.max_seq_len,
+        "bos_token": piece(sp.bos_id()),
+        "eos_token": piece(sp.eos_id()),
+        "unk_token": piece(sp.unk_id()),
+        "pad_token": piece(sp.pad_id()),
+        # peer trains on plain sp.encode() ids, without BOS/EOS added per call.
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _warn_if_not_llama_compatible(tokenizer_path: Path) -> None:
+    """Hugging Face's LlamaTokenizer ignores the .model's normaliser; say when that matters."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(tokenizer_path.read_bytes())
+    except (ImportError, OSError, DecodeError) as e:  # only skips this check, and says so
+        logger.warning("could not inspect %s (%s); tokenizer compatibility not checked", tokenizer_path, e)
+        return
+    spec = proto.normalizer_spec
+    if spec.name != "identity" or spec.remove_extra_whitespaces:
+        logger.warning(
+            "tokenizer.model normalises text (%s, remove_extra_whitespaces=%s): the exported "
+            "LlamaTokenizer will give different ids for newlines and repeated spaces; train the "
+            "tokenizer with normalization_rule_name=identity, remove_extra_whitespaces=False",
+            spec.name,
+            spec.remove_extra_whitespaces,
+        )
+
+
+def export_hf(checkpoint_dir: Path | str, out_dir: Path | str) -> Path:
+    """Write a LlamaForCausalLM folder for the checkpoint; returns `out_dir`.
+
+    CheckpointError when the checkpoint is missing, corrupt, or not a whole model.
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    state_dict, cfg, meta = load_model_checkpoint(checkpoint_dir)
+    try:
+        tensors = {hf_name(k): v for k, v in state_dict.items()}
+    except KeyError as e:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_dir} has tensor {e.args[0]!r} that is "
+            f"not part of the decoder; export only peer model checkpoints"
+        ) from e
+    expected = {hf_name(k) for k in _expected_names(cfg)}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_dir} is not a whole model (missing "
+            f"{missing[0]} and {len(missing) - 1} more); export a checkpoint "
+            f"saved from all stages"
+        )
+    tok = meta.get("tokenizer_file")
+    with atomic_directory(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+        if tok is not None:
+            shutil.copyfile(checkpoint_dir / tok, tmp / TOKENIZER_FILE)
+            tok_cfg = _tokenizer_config(tmp / TOKENIZER_FILE, cfg)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    logger.info(
+        "exported %s to %s (%d tensors, tokenizer: %s)", checkpoint_dir, out_dir, len(tensors), "yes" if tok else "no"
+    )
+    return out_dir
+
+
+def _expected_names(cfg: ModelConfig) -> list[str]:
+    names = ["embed.weight", "norm.weight", "head.weight"]
+    for i in range(cfg.n_layers):
+        names += [f"layers.{i}.{suffix}" for suffix in _LAYER_MAP]
+    return names

@@ -1,0 +1,175 @@
+"""`peer plan`: will my link keep up? (the paper's Fig. 2 and Fig. 3, for your numbers).
+
+For a model shape, S stages, k/d, micro-batch shape, sustained FLOP/s and a range of inter-stage
+bandwidths, estimate per bandwidth:
+- compute time of one micro-batch on one stage: 6 · (params / S) · tokens / FLOP/s (fwd + bwd),
+- communication time of one micro-batch over one boundary link: the larger of the forward message
+  (activations + token ids, + targets into the last stage) and the backward message (activation
+  gradient), each at the wire dtype, each direction of a full-duplex link carrying one of them
+  (no link, no communication, when S = 1),
+- an inner step of m micro-batches with communication overlapped: m · max(compute, comm)
+  (1F1B steady state; the pipeline bubble is the same for both variants and left out),
+- the pseudo-gradient round of one stage: each of M holders downloads M − 1 payloads,
+- utilisation = compute time / wall time of one outer step (H inner steps + the round).
+
+The byte counts are not a formula: boundary messages are built with the real transport messages
+and measured with `peer.net.transport.codec.encoded_size`, and payload sizes come from
+`peer.core.sparseloco.payload_nbytes`, which walks the same layout `Payload.to_bytes` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peer.core.model import PRESETS, ModelConfig, split_layers, stage_shapes
+from peer.core.sparseloco import SparseLoCoConfig, payload_nbytes
+from peer.core.subspace import k_from_ratio
+from peer.errors import ConfigError
+from peer.net.transport.codec import encoded_size
+from peer.net.transport.messages import BackwardRequest, ForwardRequest
+
+# Shapes of larger models for planning only (never built): LLaMA-style, untied head, no GQA.
+PLAN_PRESETS: dict[str, ModelConfig] = {
+    **PRESETS,
+    "7B": ModelConfig(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, head_dim=128, ffn_hidden=11008, max_seq_len=4096
+    ),
+    "13B": ModelConfig(
+        vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, head_dim=128, ffn_hidden=13824, max_seq_len=4096
+    ),
+    "70B": ModelConfig(
+        vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, head_dim=128, ffn_hidden=28672, max_seq_len=4096
+    ),
+}
+WIRE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    preset: str = "70B"
+    params: float | None = None
+    stages: int = 4
+    k_ratio: str = "1/8"
+    inner_steps: int = 50
+    microbatch_size: int = 1
+    microbatches: int = 8
+    seq_len: int = 2048
+    flops: float = 400e12
+    replicas: int = 8
+    wire_dtype: str = "bf16"
+
+
+def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
+    """The preset's shape, or the known shape whose parameter count is nearest to `params`."""
+    if inputs.params is not None:
+        if not inputs.params > 0:
+            raise ConfigError(f"--params must be a positive parameter count, e.g. 7e9, got {inputs.params:g}")
+        name = min(PLAN_PRESETS, key=lambda n: abs(PLAN_PRESETS[n].n_params - inputs.params))
+        return name, PLAN_PRESETS[name]
+    if inputs.preset not in PLAN_PRESETS:
+        raise ConfigError(f"unknown preset {inputs.preset!r}; choose from {', '.join(PLAN_PRESETS)} or pass --params")
+    return inputs.preset, PLAN_PRESETS[inputs.preset]
+
+
+def boundary_bytes(b: int, L: int, width: int, wire_dtype: str) -> tuple[int, int]:
+    """Serialized (forward, backward) message sizes for one micro-batch over one boundary.
+
+    The forward message is the largest one: into the last stage, carrying tokens, the boundary
+    activation and the targets. Both are encoded at `wire_dtype`, as the sender does.
+    """
+    dtype = WIRE_TORCH[wire_dtype]
+    tokens = torch.zeros(b, L, dtype=torch.int32)  # (b, L)
+    hidden = torch.zeros(b, L, width, dtype=dtype)  # (b, L, k) or (b, L, d)
+    fwd = ForwardRequest(
+        pipeline_id="p", microbatch=0, outer_step=0, inner_step=0, stage=1, tokens=tokens, hidden=hidden, targets=tokens
+    )
+    bwd = BackwardRequest(pipeline_id="p", microbatch=0, outer_step=0, inner_step=0, stage=0, grad=hidden)
+    return encoded_size(fwd, wire_dtype), encoded_size(bwd, wire_dtype)
+
+
+def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
+    if not bandwidths_mbps or any(not b > 0 for b in bandwidths_mbps):
+        raise ConfigError("--bandwidth-mbps needs positive numbers, e.g. 10,100,1000")
+    if inputs.wire_dtype not in WIRE_TORCH:
+        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_TORCH)}, got {inputs.wire_dtype!r}")
+    for name in ("stages", "inner_steps", "microbatch_size", "microbatches", "seq_len", "replicas"):
+        if getattr(inputs, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")
+    if not inputs.flops > 0:
+        raise ConfigError(f"--flops must be a positive FLOP/s rate, e.g. 4e14, got {inputs.flops:g}")
+
+
+def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict]:
+    """One row per bandwidth: byte counts, times and utilisation of compressed vs uncompressed pipelines."""
+    _check_inputs(inputs, bandwidths_mbps)
+    name, cfg = resolve_model(inputs)
+    S, b, L, m = inputs.stages, inputs.microbatch_size, inputs.seq_len, inputs.microbatches
+    split_layers(cfg.n_layers, S)  # ConfigError when S > n_layers
+    try:
+        k = k_from_ratio(cfg.d_model, inputs.k_ratio)
+    except ConfigError as exc:
+        raise ConfigError(f"--k-ratio: {exc}") from None
+    if S == 1:  # no stage boundary, nothing crosses a link
+        fwd_c = bwd_c = fwd_u = bwd_u = 0
+    else:
+        fwd_c, bwd_c = boundary_bytes(b, L, k, inputs.wire_dtype)
+        fwd_u, bwd_u = boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
+    slc = SparseLoCoConfig()
+    payloads = [payload_nbytes(stage_shapes(cfg, s, S), slc) for s in range(S)]
+    t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops
+    rows = []
+    for bw in bandwidths_mbps:
+        bytes_per_s = bw * 1e6 / 8
+        round_s = (inputs.replicas - 1) * max(payloads) / bytes_per_s
+        row = {
+            "model": name,
+            "n_params": cfg.n_params,
+            "bandwidth_mbps": bw,
+            "k": k,
+            "compute_s_per_microbatch": t_comp,
+            "boundary_bytes_compressed": fwd_c + bwd_c,
+            "boundary_bytes_uncompressed": fwd_u + bwd_u,
+            "payload_bytes_per_stage": max(payloads),
+            "round_s": round_s,
+        }
+        for kind, (f, bk) in (("compressed", (fwd_c, bwd_c)), ("uncompressed", (fwd_u, bwd_u))):
+            t_comm = max(f, bk) / bytes_per_s
+            inner_s = m * max(t_comp, t_comm)
+            outer_s = inputs.inner_steps * inner_s + round_s
+            row[f"outer_s_{kind}"] = outer_s
+            row[f"util_{kind}"] = inputs.inner_steps * m * t_comp / outer_s
+        rows.append(row)
+    return rows
+
+
+def plot_plan(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bws = [r["bandwidth_mbps"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(bws, [100 * r["util_compressed"] for r in rows], "o-", label=f"compressed (k={rows[0]['k']})")
+    ax.plot(bws, [100 * r["util_uncompressed"] for r in rows], "s--", label="uncompressed")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-stage bandwidth (Mbit/s)")
+    ax.set_ylabel("compute utilisation (%)")
+    ax.set_ylim(0, 105)
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title(f"{rows[0]['model']}: utilisation vs bandwidth")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def with_inputs(inputs: PlanInputs, **changes) -> PlanInputs:
+    return dataclasses.replace(inputs, **changes)

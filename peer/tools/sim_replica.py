@@ -1,0 +1,117 @@
+"""One replica of the simulator: S stages trained together in one process.
+
+A *compressed* replica passes activations between its stages through the subspace boundary
+(X̃ = (X − T⊥[x])·U, expanded with Uᵀ) and keeps T_S in Col(U) after every inner step; an
+*uncompressed* one (a full replica) passes them as they are and trains its embedding freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from peer.config import RunConfig
+from peer.core.model import Decoder, build_stage
+from peer.core.optim import build_adamw, clip_grads, lr_at, set_lr
+from peer.core.outer import EMBED, init_subspace, perp_of
+from peer.core.subspace import compressed_boundary, project_
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    boundary_values: int = 0  # activation + gradient values that crossed stage boundaries
+
+
+@dataclass
+class LocalReplica:
+    """S stages of one replica, trained together in this process."""
+
+    cfg: RunConfig
+    compressed: bool
+    U: torch.Tensor | None = None
+    stages: list[Decoder] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: RunConfig, compressed: bool, U: torch.Tensor | None) -> LocalReplica:
+        if compressed and U is None:
+            raise ValueError("a compressed replica needs the subspace basis U")
+        stages = [build_stage(cfg.model, s, cfg.stages, cfg.seed) for s in range(cfg.stages)]
+        if U is not None:
+            init_subspace(stages, cfg, U)
+        optimizers = [build_adamw(st.named_parameters(), cfg.train) for st in stages]
+        return cls(cfg=cfg, compressed=compressed, U=U, stages=stages, optimizers=optimizers)
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Run the stages with boundary compression if compressed; returns (loss, boundary values)."""
+        h = self.stages[0](inputs)
+        crossed = 0
+        for stage in self.stages[1:]:
+            if self.compressed:
+                h = compressed_boundary(h, inputs, perp_of(stage), self.U)
+                crossed += 2 * h.shape[0] * h.shape[1] * self.U.shape[1]  # (b, L, k) forward + backward
+            else:
+                crossed += 2 * h.numel()
+            h = stage(h)
+        loss = F.cross_entropy(h.flatten(0, 1).float(), targets.flatten())
+        return loss, crossed
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> StepStats:
+        """Forward + backward of `microbatches` micro-batches; gradients add up (times `scale`)."""
+        n_micro = self.cfg.train.microbatches
+        total_loss, crossed = 0.0, 0
+        for mb_in, mb_tgt in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
+            loss, c = self.forward_loss(mb_in, mb_tgt)
+            (loss * (scale / n_micro)).backward()
+            total_loss += loss.item() / n_micro
+            crossed += c
+        return StepStats(loss=total_loss, tokens=inputs.numel(), boundary_values=crossed)
+
+    def apply_step(self, global_step: int) -> None:
+        """Clip per stage (as a real pipeline does), AdamW step, keep T_S in Col(U)."""
+        lr = lr_at(global_step, self.cfg.train)
+        for stage, opt in zip(self.stages, self.optimizers):
+            clip_grads(stage.parameters(), self.cfg.train.grad_clip)
+            set_lr(opt, lr)
+            opt.step()
+        if self.compressed:
+            with torch.no_grad():
+                project_(self.stages[0].embed.weight, self.U)
+
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int) -> StepStats:
+        """One inner AdamW step on a (b, L) batch split into micro-batches."""
+        self.zero_grad()
+        stats = self.accumulate(inputs, targets)
+        self.apply_step(global_step)
+        return stats
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]], compressed: bool | None = None) -> float:
+        """Mean loss over batches; compressed=None uses this replica's own boundary mode."""
+        saved = self.compressed
+        if compressed is not None:
+            self.compressed = compressed and self.U is not None
+        try:
+            losses = [float(self.forward_loss(x, y)[0]) for x, y in batches]
+        finally:
+            self.compressed = saved
+        return sum(losses) / max(1, len(losses))
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights by global name, with TE = T_S + T⊥ merged into embed.weight."""
+        out: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            for name, p in stage.named_parameters():
+                out[name] = p.detach().clone()
+        head = self.stages[0]
+        if head.embed.perp is not None:
+            out[EMBED] = out[EMBED] + head.embed.perp
+        return out

@@ -1,0 +1,110 @@
+"""What a swarm is doing right now, read from the DHT alone (`peer status`).
+
+Reads the run's manifest (run id, preset, number of stages), then the per-peer records that
+peers publish (DESIGN §3): `stage.{s}` (one subkey per stage peer) and `replica` (one subkey per
+full replica or pipeline head). Returns one plain dict, the documented shape of `peer status --json`:
+
+    {"run_id": str, "preset": str, "outer_step": int,
+     "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address"}, ...], ...},
+     "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s"}, ...]}
+
+Invariants: every stage 0..S-1 has a key (an empty list when no peer holds it); lists are sorted
+by peer id; "outer_step" is the largest outer step in any live record (0 when there is none), the
+same rule as `SwarmDHT.current_outer_step`. Every wait has a deadline: the manifest is polled until
+`timeout_s` and then a one-line `NetworkError` says to check the bootstrap and --initial-peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from peer.errors import ManifestMismatch, NetworkError
+from peer.net.dht import SwarmDHT
+
+logger = logging.getLogger(__name__)
+
+STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address")
+REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s")
+POLL_S = 0.5  # pause between two manifest lookups while waiting for it
+
+
+def wait_for_manifest(dht: SwarmDHT, timeout_s: float = 20.0, where: str = "the DHT") -> dict[str, Any]:
+    """Poll the DHT for the run's manifest until `timeout_s`; NetworkError naming `where` if none appears."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            manifest = dht.get_manifest(timeout_s=min(remaining, dht.request_timeout_s))
+        except ManifestMismatch:
+            raise
+        except NetworkError as exc:  # retried until the deadline; reported if it is the last word
+            last_error, manifest = exc, None
+            logger.debug("manifest lookup failed: %s", exc)
+        if manifest is not None:
+            return manifest
+        time.sleep(max(0.0, min(POLL_S, deadline - time.monotonic())))
+    cause = f" (last error: {last_error})" if last_error is not None else ""
+    raise NetworkError(
+        f"no manifest at {where} within {timeout_s:.0f} s: is the bootstrap running? check --initial-peers{cause}"
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def stage_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"peer_id": peer_id}
+    out.update({name: record.get(name) for name in STAGE_FIELDS})
+    return out
+
+
+def replica_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"peer_id": peer_id}
+    out.update({name: record.get(name) for name in REPLICA_FIELDS})
+    return out
+
+
+def collect_status(
+    dht: SwarmDHT,
+    n_stages: int | None = None,
+    *,
+    manifest: Mapping[str, Any] | None = None,
+    timeout_s: float = 20.0,
+    where: str = "the DHT",
+) -> dict[str, Any]:
+    """The swarm's status as a plain dict (shape in the module docstring).
+
+    `n_stages` defaults to the manifest's `config.stages`; `manifest` skips the lookup when the
+    caller already holds it. Sets `dht`'s run namespace to the manifest's run id.
+    """
+    if manifest is None:
+        manifest = wait_for_manifest(dht, timeout_s, where)
+    config = manifest.get("config") if isinstance(manifest.get("config"), Mapping) else {}
+    run_id = manifest.get("run_id")
+    if not isinstance(run_id, str):
+        raise ManifestMismatch("the manifest has no run_id; the bootstrap is broken or too old")
+    if n_stages is None:
+        n_stages = _int_or_none(config.get("stages"))
+        if n_stages is None:
+            raise ManifestMismatch("the manifest has no config.stages; the bootstrap is broken or too old")
+    dht.set_run(run_id, n_stages)
+
+    stages: dict[str, list[dict[str, Any]]] = {}
+    best = 0
+    for s in range(n_stages):
+        records = dht.get_stage_peers(s)
+        stages[str(s)] = [stage_entry(pid, records[pid]) for pid in sorted(records)]
+        best = max([best, *(_int_or_none(r.get("outer_step")) or 0 for r in records.values())])
+    replicas = dht.get_replicas()
+    best = max([best, *(_int_or_none(r.get("outer_step")) or 0 for r in replicas.values())])
+    full = [replica_entry(pid, replicas[pid]) for pid in sorted(replicas) if replicas[pid].get("kind") == "full"]
+    model = config.get("model") if isinstance(config.get("model"), Mapping) else {}
+    preset = config.get("preset", model.get("preset"))
+    return {"run_id": run_id, "preset": preset, "outer_step": best, "stages": stages, "full_replicas": full}
