@@ -23,13 +23,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from peer.core.data import DataConfig
 from peer.core.model import ModelConfig, get_preset, split_layers
 from peer.core.sparseloco import SparseLoCoConfig
 from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
 
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
+# The one wire-dtype table: boundary activations and gradients travel in one of these.
+WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
+from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -404,10 +405,7 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, out_path: Path) -
 
 def _atomic_write(path: Path, raw: bytes) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, raw)
     except OSError as exc:
         raise DataError(
             f"cannot write {path}: {exc.strerror or _one_line(exc)}; set PEER_CACHE_DIR to a writable folder"

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from peer.config import WIRE_DTYPES
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.codec import encoded_size
 from peer.net.transport.errors import NotFoundError, RemoteError
@@ -222,7 +223,7 @@ class PipelineDriver:
         key = (b, L, train)
         if key not in self._equiv_cache:
             d, S = self.cfg.model.d_model, self.cfg.stages
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.subspace.wire_dtype]
+            dtype = WIRE_DTYPES[self.cfg.subspace.wire_dtype]
             tok = torch.zeros(b, L, dtype=torch.int32)
             full = torch.zeros(b, L, d, dtype=dtype)  # (b, L, d)
             total = 0

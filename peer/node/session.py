@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -38,6 +37,7 @@ from peer.node.checkpoints.stage import (
     save_stage_checkpoint,
 )
 from peer.node.manifest import verify_manifest
+from peer.node.metrics import MetricsWriter
 from peer.node.rounds import (
     ClientPool,
     PayloadStore,
@@ -91,9 +91,8 @@ class Swarm:
         self._publish: Callable[[], None] | None = None
         self._publish_lock = threading.Lock()
         self._announced_stages: set[int] = set()
-        self._metrics_lock = threading.Lock()
         opts.data_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(opts.data_dir / "metrics.jsonl", "a", buffering=1)
+        self.metrics = MetricsWriter(opts.data_dir, role)
 
     # ------------------------------------------------------------------ joining
     @classmethod
@@ -513,9 +512,7 @@ class Swarm:
 
     # ------------------------------------------------------------------ metrics and exit
     def log_event(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "role": self.role, **fields, "time": time.time()}
-        with self._metrics_lock:
-            self._metrics.write(json.dumps(record) + "\n")
+        self.metrics.log(event, **fields)
 
     def log_round(
         self,
@@ -577,8 +574,7 @@ class Swarm:
             self.server.stop(grace_s=1.0)
         self.clients.close()
         self.dht.shutdown()
-        with self._metrics_lock:
-            self._metrics.close()
+        self.metrics.close()
 
 
 def max_request_bytes(cfg: RunConfig) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peer.errors import ConfigError, NetworkError, PeerError
+from peer.node.metrics import MetricsTail, read_events
 from peer.tools.plots import figure
 
 log = logging.getLogger(__name__)
@@ -265,54 +266,6 @@ class _signals_deferred:
 
 
 # --- metrics files -------------------------------------------------------------------------------
-
-
-def read_events(path: Path) -> list[dict]:
-    """All complete JSON lines of a metrics file (a missing file has none; a torn last line is skipped)."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            ev = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(ev, dict):
-            out.append(ev)
-    return out
-
-
-class MetricsTail:
-    """Reads the lines appended to a metrics file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.offset = 0
-        self.partial = b""
-
-    def read_new(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except OSError:
-            return []
-        self.offset += len(chunk)
-        data = self.partial + chunk
-        lines = data.split(b"\n")
-        self.partial = lines.pop()  # b"" when the chunk ended with a newline
-        out = []
-        for line in lines:
-            try:
-                ev = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                log.debug("skipping a malformed line in %s: %r", self.path, line[:80])
-                continue
-            if isinstance(ev, dict):
-                out.append(ev)
-        return out
 
 
 def _mean(xs: Sequence[float]) -> float | None:

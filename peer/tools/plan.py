@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from peer.config import WIRE_DTYPES
 from peer.core.model import PRESETS, ModelConfig, split_layers, stage_shapes
 from peer.core.sparseloco import SparseLoCoConfig, payload_nbytes
 from peer.core.subspace import k_from_ratio
@@ -45,7 +46,6 @@ PLAN_PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, head_dim=128, ffn_hidden=28672, max_seq_len=4096
     ),
 }
-WIRE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def boundary_bytes(b: int, L: int, width: int, wire_dtype: str) -> tuple[int, in
     The forward message is the largest one: into the last stage, carrying tokens, the boundary
     activation and the targets. Both are encoded at `wire_dtype`, as the sender does.
     """
-    dtype = WIRE_TORCH[wire_dtype]
+    dtype = WIRE_DTYPES[wire_dtype]
     tokens = torch.zeros(b, L, dtype=torch.int32)  # (b, L)
     hidden = torch.zeros(b, L, width, dtype=dtype)  # (b, L, k) or (b, L, d)
     fwd = ForwardRequest(
@@ -94,8 +94,8 @@ def boundary_bytes(b: int, L: int, width: int, wire_dtype: str) -> tuple[int, in
 def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
     if not bandwidths_mbps or any(not b > 0 for b in bandwidths_mbps):
         raise ConfigError("--bandwidth-mbps needs positive numbers, e.g. 10,100,1000")
-    if inputs.wire_dtype not in WIRE_TORCH:
-        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_TORCH)}, got {inputs.wire_dtype!r}")
+    if inputs.wire_dtype not in WIRE_DTYPES:
+        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {inputs.wire_dtype!r}")
     for name in ("stages", "inner_steps", "microbatch_size", "microbatches", "seq_len", "replicas"):
         if getattr(inputs, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from peer.config import RunConfig
+from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.outer import EMBED, apply_outer_update, stage_state
 from peer.core.sparseloco import Payload, aggregate, clip_to_median, compress, decompress, pseudo_gradient
@@ -42,7 +42,6 @@ from peer.tools.sim_replica import LocalReplica
 log = logging.getLogger(__name__)
 
 CONFIGS = ("adamw", "sparseloco", "pp-compress", "het-pp-compress")
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 Progress = Callable[[str, int, int, float], None]  # (config, done steps, total steps, last loss)
 
@@ -83,7 +82,7 @@ def _n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:
 
 def _boundary_bytes(stats_values: int, cfg: RunConfig, tokens: int, compressed: bool) -> int:
     """Bytes for boundary values at the wire dtype plus the int32 token ids a compressed hop carries."""
-    per_value = WIRE_BYTES[cfg.subspace.wire_dtype] if compressed else 4
+    per_value = WIRE_DTYPES[cfg.subspace.wire_dtype].itemsize if compressed else 4
     hops = cfg.stages - 1
     return stats_values * per_value + (4 * tokens * hops if compressed else 0)
 

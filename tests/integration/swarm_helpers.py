@@ -8,7 +8,6 @@ on a role thread still running, and on a DHT daemon left behind.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from bootstrap.node import BootstrapNode
 from peer.config import RunConfig, build_config
+from peer.node.metrics import read_events
 from peer.node.session import SwarmOptions
 from tests.conftest import _children, assert_no_leftover_children
 
@@ -44,7 +44,7 @@ def swarm_config(outer_steps: int = OUTER) -> RunConfig:
 
 def events(path: Path, kind: str) -> list[dict]:
     """The `kind` events of a metrics.jsonl (none if it does not exist yet)."""
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == kind] if path.exists() else []
+    return read_events(path, kind)
 
 
 def rounds(path: Path) -> dict[int, dict]:

@@ -28,6 +28,7 @@ import torch
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as PbMessage
 
+from peer.config import WIRE_DTYPES
 from peer.errors import ConfigError
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.errors import TransportError
@@ -44,7 +45,6 @@ from peer.net.transport.messages import (
     StepRequest,
 )
 
-WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,

@@ -19,20 +19,17 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from peer.core.files import atomic_directory, file_sha256
 from peer.core.model import ModelConfig
 from peer.errors import CheckpointError, ConfigError
 
@@ -54,54 +51,6 @@ META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.model"
 FORMAT_VERSION = 1
 _RESERVED = ("format_version", "model", "model_sha256", "tokenizer_file", "tokenizer_sha256")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory next to `final`; on success it replaces `final`.
-
-    An existing `final` is moved aside, the new directory renamed into place with os.replace,
-    and only then the old one deleted. On an exception the temporary directory is removed and
-    `final` is left untouched.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        old = None
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir() if path.is_dir() else ():
-        if child.is_file():
-            with open(child, "rb") as f:
-                os.fsync(f.fileno())
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _whole_model_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,99 @@
+"""`<data-dir>/metrics.jsonl`: the one writer every role uses and the readers every tool uses.
+
+One JSON object per line, appended and line-buffered, so a crash loses at most the line being
+written and readers skip a torn last line. Events and their fields are a contract other tools
+read (the demo, `peer status`, tests, notebooks):
+- `step`:  t, h, loss, tokens;
+- `round`: t, stages → {param_hash, perp_hash, participants, clipped, max_norm_ratio},
+           train_loss, val_loss, round_wall_s, bytes → {activations, activations_uncompressed_equiv,
+           pseudo_gradients};
+- `start`, `sync`, `resume`, `resume_kept`, `catch_up`, `pause`, `checkpoint`, `checkpoint_failed`,
+  `exit` (reason);
+every event also carries `event`, `role` and `time` (unix seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+__all__ = ["METRICS_FILE", "MetricsTail", "MetricsWriter", "read_events"]
+
+
+class MetricsWriter:
+    """Appends events to `<data_dir>/metrics.jsonl` from any thread."""
+
+    def __init__(self, data_dir: Path, role: str) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.path = data_dir / METRICS_FILE
+        self.role = role
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the peer's lifetime
+
+    def log(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "role": self.role, **fields, "time": time.time()}
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _parse(line: bytes | str) -> dict[str, Any] | None:
+    try:
+        ev = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
+def read_events(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The complete events of a metrics file (all, or those whose `event` is `kind`).
+
+    A missing file has none; a torn or malformed line is skipped.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    events = [ev for ev in map(_parse, text.splitlines()) if ev is not None]
+    return events if kind is None else [ev for ev in events if ev.get("event") == kind]
+
+
+class MetricsTail:
+    """Reads the events appended to a metrics file since the last call (for live progress)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.offset = 0
+        self.partial = b""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()  # b"" when the chunk ended with a newline
+        out = []
+        for line in lines:
+            ev = _parse(line)
+            if ev is None:
+                log.debug("skipping a malformed line in %s: %r", self.path, line[:80])
+                continue
+            out.append(ev)
+        return out
