@@ -16,7 +16,7 @@ COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY bootstrap ./bootstrap
 COPY peer ./peer
-RUN pip install . && peer --help > /dev/null
+RUN pip install . && peer --version && peer --help > /dev/null
 
 # libp2p (DHT) and gRPC ports used by docker-compose.yml; any port works with --port/--dht-port/--grpc-port.
 EXPOSE 31337 31338

@@ -96,9 +96,8 @@ class ArtifactHandler:
         if data is None:
             if name is not None:
                 raise NotFoundError(f"the bootstrap is still starting and has no {name} yet; retry in a second")
-            raise NotFoundError(
-                f"the bootstrap has no artefact {request.name!r}; ask for one of: {', '.join(sorted(set(ARTIFACT_ALIASES)))}"
-            )
+            known = ", ".join(sorted(set(ARTIFACT_ALIASES)))
+            raise NotFoundError(f"the bootstrap has no artefact {request.name!r}; ask for one of: {known}")
         logger.debug("serving artefact %s (%d bytes)", name, len(data))
         return data
 

@@ -7,7 +7,7 @@ Start-up order (each step needs the one before it):
    process; forking a process that runs grpc threads is unsafe);
 3. start a `peer.net.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest);
 4. build the manifest (`peer.node.manifest.build_manifest`) naming the gRPC address and publish it
-   under "peer.node.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
+   under "peer.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
 
 Invariants: every network wait has a deadline (SwarmDHT's request timeout); a failed refresh is
 logged, counted (visible in `info`) and retried after at most 2 s; a manifest left unrefreshed
@@ -34,6 +34,7 @@ from typing import Any
 from bootstrap.artifacts import ArtifactHandler, manifest_bytes
 from peer.config import RunConfig
 from peer.core.data import build_token_data
+from peer.core.files import atomic_write_bytes
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.transport import PeerServer
@@ -109,13 +110,10 @@ def _grpc_host(host: str, announce_host: str | None, maddrs: tuple[str, ...]) ->
     return "127.0.0.1"
 
 
-def write_address_file(path: str | os.PathLike, record: dict[str, Any]) -> Path:
-    """Write `record` as JSON atomically (temporary file + rename): a reader never sees half a file."""
+def write_address_file(path: str | os.PathLike[str], record: dict[str, Any]) -> Path:
+    """Write `record` as JSON atomically (peer.core.files): a reader never sees half a file."""
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
     return path
 
 

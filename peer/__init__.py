@@ -1,3 +1,7 @@
-"""peer: peer-to-peer pre-training of LLMs with subspace-compressed pipelines and SparseLoCo rounds."""
+"""peer: peer-to-peer pre-training of LLMs with subspace-compressed pipelines and SparseLoCo rounds.
+
+`__version__` matches `version` in pyproject.toml; `peer --version` reports the installed
+distribution's version (importlib.metadata) and falls back to this one in a bare source tree.
+"""
 
 __version__ = "0.1.0"

@@ -7,7 +7,12 @@ the run's manifest; every peer builds the same objects from it.
 Precedence: defaults < TOML file < `PEER_*` environment variables < CLI flags. Environment
 variables name a section and a field with a double underscore, e.g. `PEER_TRAIN__INNER_STEPS=20`,
 `PEER_SEED=3`. Unknown sections and keys, wrong types and bad cross-field combinations raise
-`ConfigError` naming the field.
+`ConfigError` naming the field. Each section checks its own fields (ModelConfig, SparseLoCoConfig and
+DataConfig in their `__post_init__`); `validate` checks the rest and the combinations.
+
+Kept by hand, not pydantic: pydantic's lax mode reads True as 1 / 1.0 (an error here), the sections
+are core's plain dataclasses (core does not depend on pydantic), and every error must name the field
+and the layer it came from, so the ~40 lines of coercion below would only move into validators.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import json
 import os
 import re
 import tomllib
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -116,36 +122,27 @@ class RunConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+_RUN_FIELDS: dict[str, Any] = get_type_hints(RunConfig)
+# Sections are the dataclass-typed fields of RunConfig (model, subspace, ...); the rest are top-level values.
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "subspace": SubspaceConfig,
-    "sparseloco": SparseLoCoConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "swarm": SwarmConfig,
+    f.name: _RUN_FIELDS[f.name] for f in fields(RunConfig) if dataclasses.is_dataclass(_RUN_FIELDS[f.name])
 }
-_TOP_LEVEL = {"run_name": str, "seed": int, "preset": str, "stages": int}
+_TOP_LEVEL: dict[str, Any] = {f.name: _RUN_FIELDS[f.name] for f in fields(RunConfig) if f.name not in _SECTIONS}
+_SECTION_FIELDS: dict[str, dict[str, Any]] = {name: get_type_hints(cls) for name, cls in _SECTIONS.items()}
 
 
-def _coerce(value: Any, target: Any, where: str) -> Any:
-    """Convert strings from env/CLI to the field's type; check types of TOML values."""
-    kind = target if isinstance(target, type) else None
-    text = str(target)
-    if kind is None:
-        if "Path" in text:
-            kind = Path
-        elif "tuple" in text:
-            kind = tuple
-        elif "int" in text and "None" in text:
-            kind = int
-        elif "str" in text:
-            kind = str
-        elif "float" in text:
-            kind = float
-        elif "int" in text:
-            kind = int
-        elif "bool" in text:
-            kind = bool
+def _base_type(annotation: Any) -> Any:
+    """The type a value is converted to: int for `int | None`, tuple for `tuple[str, ...]`."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or get_origin(annotation) is Union:
+        return _base_type(args[0]) if len(args) == 1 else annotation
+    return get_origin(annotation) or annotation
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert strings from env/CLI to the field's type; check types of TOML values (by hand: see the
+    module docstring for why not pydantic)."""
+    kind = _base_type(annotation)
     if value is None:
         return None
     try:
@@ -158,9 +155,7 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
                 raise ValueError(value)
             return bool(value)
         if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            if isinstance(value, bool):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
             return int(value)
         if kind is float:
@@ -181,14 +176,14 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
     return value
 
 
-def _section_kwargs(cls: type, values: Mapping[str, Any], section: str) -> dict[str, Any]:
-    known = {f.name: f for f in fields(cls)}
+def _section_kwargs(values: Mapping[str, Any], section: str) -> dict[str, Any]:
+    known = _SECTION_FIELDS[section]
     out: dict[str, Any] = {}
     for key, value in values.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ConfigError(f"unknown key '{section}.{key}'; valid keys: {', '.join(sorted(known))}")
-        out[name] = _coerce(value, known[name].type, f"{section}.{name}")
+        out[name] = _coerce(value, known[name], f"{section}.{name}")
     return out
 
 
@@ -275,8 +270,8 @@ def _check_types(layer: Mapping[str, Any]) -> None:
     for key, value in layer.items():
         name = key.replace("-", "_")
         if name in _SECTIONS and isinstance(value, Mapping):
-            known = {f.name for f in fields(_SECTIONS[name])}
-            _section_kwargs(_SECTIONS[name], {k: v for k, v in value.items() if k.replace("-", "_") in known}, name)
+            known = _SECTION_FIELDS[name]
+            _section_kwargs({k: v for k, v in value.items() if k.replace("-", "_") in known}, name)
         elif name in _TOP_LEVEL:
             _coerce(value, _TOP_LEVEL[name], name)
 
@@ -313,11 +308,9 @@ def config_from_dict(values: Mapping[str, Any]) -> RunConfig:
     model_values = dict(sections.pop("model", {}))
     preset = model_values.pop("preset", top.get("preset", "tiny"))
     top["preset"] = preset
-    model = get_preset(preset, **_section_kwargs(ModelConfig, model_values, "model"))
+    model = get_preset(preset, **_section_kwargs(model_values, "model"))
     built = {
-        name: cls(**_section_kwargs(cls, sections.get(name, {}), name))
-        for name, cls in _SECTIONS.items()
-        if name != "model"
+        name: cls(**_section_kwargs(sections.get(name, {}), name)) for name, cls in _SECTIONS.items() if name != "model"
     }
     train: TrainConfig = built["train"]
     data: DataConfig = built["data"]
@@ -364,17 +357,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if t.lr <= 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-    s = cfg.sparseloco
-    if s.quant_bits not in (0, 2, 4, 8):
-        raise ConfigError(f"sparseloco.quant_bits must be 0, 2, 4 or 8, got {s.quant_bits}")
-    if not 0 < s.topk <= s.chunk * s.chunk:
-        raise ConfigError(f"sparseloco.topk must be in 1..{s.chunk * s.chunk}, got {s.topk}")
-    if s.aggregation not in ("mean-over-all", "mean-over-contributors"):
-        raise ConfigError(
-            f"sparseloco.aggregation must be 'mean-over-all' or 'mean-over-contributors', got {s.aggregation!r}"
-        )
-    if not 0.0 <= s.beta < 1.0:
-        raise ConfigError(f"sparseloco.beta must be in [0, 1), got {s.beta}")
     w = cfg.swarm
     for name in ("rpc_timeout_s", "round_timeout_s", "record_ttl_s", "announce_interval_s", "claim_timeout_s"):
         if not getattr(w, name) > 0:

@@ -30,3 +30,9 @@ class ManifestMismatch(PeerError):
 
 class NetworkError(PeerError):
     """A peer, the DHT or a gRPC call could not be reached within its deadline."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, at most `limit` characters, for quoting inside a PeerError."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,11 +1,12 @@
 """Generate the committed gRPC stubs for protos/peer.proto into peer/net/transport/.
 
-    python protos/generate.py            # (re)write peer/net/transport/peer_pb2.py and peer_pb2_grpc.py
+    python protos/generate.py            # (re)write peer/net/transport/peer_pb2.py, .pyi and peer_pb2_grpc.py
     python protos/generate.py --check    # exit 1 if the committed stubs differ from a fresh build
     python protos/generate.py --out DIR  # write the stubs into DIR instead
 
 Runs `grpc_tools.protoc` in-process, then rewrites the absolute `import peer_pb2` in the gRPC stub
-to a package-relative one so the stubs import as `peer.net.transport.peer_pb2*`. The output depends
+to a package-relative one so the stubs import as `peer.net.transport.peer_pb2*`. `peer_pb2.pyi` gives
+the message classes their field types, so mypy checks the codec against the schema. The output depends
 on the grpcio-tools version (it is recorded in the stubs), so regenerate after upgrading it.
 """
 
@@ -20,7 +21,7 @@ PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parent
 PROTO_FILE = PROTO_DIR / "peer.proto"
 DEFAULT_OUT = REPO_ROOT / "peer" / "net" / "transport"
-STUB_NAMES = ("peer_pb2.py", "peer_pb2_grpc.py")
+STUB_NAMES = ("peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py")
 
 _ABSOLUTE_IMPORT = "import peer_pb2 as peer__pb2\n"
 _RELATIVE_IMPORT = "from . import peer_pb2 as peer__pb2\n"
@@ -37,6 +38,7 @@ def generate(out_dir: Path) -> list[Path]:
             "grpc_tools.protoc",
             f"--proto_path={PROTO_DIR}",
             f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
             PROTO_FILE.name,
         ]

@@ -1,65 +1,58 @@
-"""Shared test fixtures: a child-process reaper, /proc helpers to check for leftovers, tier markers.
+"""Shared test fixtures: a child-process reaper, psutil helpers to check for leftovers, tier markers.
 
 Tiers: tests/unit (pure math, milliseconds), tests/integration (real gRPC + hivemind DHT on
 127.0.0.1, in-process peers), tests/e2e (the `peer` CLI as separate processes).
+
+Processes are looked up with psutil; a pid is signalled only through a `psutil.Process`, which
+checks the process's creation time first, so a pid reused by an unrelated process is never killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import time
-from pathlib import Path
 
+import psutil
 import pytest
 
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, parent pid) of `pid` from /proc/<pid>/stat, or None once it is gone."""
+
+def _running(proc: psutil.Process) -> bool:
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
-    return fields[0], int(fields[1])
+        return proc.is_running() and proc.status() not in _GONE
+    except psutil.Error:
+        return False
 
 
 def is_live(pid: int) -> bool:
     """True while `pid` is a running process (not a zombie, not dead)."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X")
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.Error:
+        return False
 
 
 def cmdline(pid: int) -> str:
     """The command line of `pid`, space-separated ("" once it is gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline()).strip()
+    except psutil.Error:
         return ""
 
 
-def _children(pid: int, live_only: bool = False) -> set[int]:
-    """All descendant pids of `pid` (only running ones with `live_only`), read from /proc (Linux)."""
-    kids: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(int(entry.name))
-        if stat is None or (live_only and stat[0] in ("Z", "X")):
-            continue
-        kids.setdefault(stat[1], []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
+def _descendants(pid: int) -> list[psutil.Process]:
+    """Every descendant of `pid` (zombies included); empty once `pid` is gone."""
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return []
 
 
 def live_descendants(pid: int) -> set[int]:
     """Running descendants of `pid` (hivemind children, p2pd, CLI peers...)."""
-    return _children(pid, live_only=True)
+    return {p.pid for p in _descendants(pid) if _running(p)}
 
 
 def _is_shm_manager(pid: int) -> bool:
@@ -70,9 +63,13 @@ def _is_shm_manager(pid: int) -> bool:
     return "torch_shm_manager" in cmdline(pid)
 
 
+def _leftovers(before: set[int]) -> list[psutil.Process]:
+    return [p for p in _descendants(os.getpid()) if p.pid not in before and _running(p) and not _is_shm_manager(p.pid)]
+
+
 def leftover_children(before: set[int]) -> set[int]:
     """Running descendants of this process that were not there `before` (torch's shm manager aside)."""
-    return {pid for pid in live_descendants(os.getpid()) - before if not _is_shm_manager(pid)}
+    return {p.pid for p in _leftovers(before)}
 
 
 def wait_gone(pids: set[int], timeout_s: float) -> list[int]:
@@ -94,14 +91,17 @@ def assert_no_leftover_children(before: set[int], wait_s: float = 0.0, what: str
 
 @pytest.fixture
 def reap_children():
-    """Kill every process a test started and left behind (DHT daemons, CLI peers)."""
-    before = _children(os.getpid())
+    """Kill every process a test started and left behind (DHT daemons, CLI peers), and reap it."""
+    before = {p.pid for p in _descendants(os.getpid())}
     yield
-    for pid in leftover_children(before):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    live = _leftovers(before)
+    for proc in live:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            proc.kill()  # psutil checks first that the pid still names the same process
+    deadline = time.monotonic() + 5.0
+    while live and time.monotonic() < deadline:  # reap our own children; a zombie others reap counts as gone
+        _, live = psutil.wait_procs(live, timeout=0.05)
+        live = [p for p in live if _running(p)]
 
 
 def pytest_collection_modifyitems(config, items):

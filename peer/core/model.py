@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -100,11 +101,11 @@ class ModelConfig:
         d, v = self.d_model, self.vocab_size
         return v * d + self.n_layers * self.params_per_layer + d + v * d
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> ModelConfig:
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Inverse of `to_dict`; unknown or missing fields raise ConfigError naming them."""
         if not isinstance(data, dict):
             raise ConfigError(f"model config must be a mapping, got {type(data).__name__}")
@@ -139,7 +140,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_preset(name: str, **overrides) -> ModelConfig:
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
     """The preset `name` with `overrides` applied; ConfigError on an unknown preset or field."""
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
@@ -280,7 +281,8 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, h, L, hd)
         y = y.transpose(1, 2).reshape(b, L, self.n_heads * self.head_dim)  # (b, L, h*hd)
-        return self.wo(y)
+        out: Tensor = self.wo(y)  # (b, L, d)
+        return out
 
 
 class FeedForward(nn.Module):
@@ -293,7 +295,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class Block(nn.Module):
@@ -306,7 +309,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.ffn(self.ffn_norm(x))
+        out: Tensor = x + self.ffn(self.ffn_norm(x))
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,15 +369,16 @@ class Decoder(nn.Module):
         if self.embed is not None:
             if x.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"stage with the embedding expects token ids, got {x.dtype}")
-            h = self.embed(x)  # (b, L, d)
+            h: Tensor = self.embed(x)  # (b, L, d)
         else:
             h = x  # (b, L, d)
         cos, sin = self._rope_tables(h.device)
         cos, sin = cos[:L], sin[:L]  # (L, hd)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        if self.head is not None:
-            return self.head(self.norm(h))  # (b, L, V)
+        if self.head is not None and self.norm is not None:  # both exist exactly when has_head
+            logits: Tensor = self.head(self.norm(h))  # (b, L, V)
+            return logits
         return h
 
 

@@ -29,7 +29,8 @@ def lr_at(global_step: int, train: TrainConfig) -> float:
 
 def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.AdamW:
     """AdamW over the given parameters; 1-D tensors (norm gains) are not decayed."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in named_params:
         if not p.requires_grad:
             continue

@@ -1,31 +1,46 @@
-"""The outer step of one stage and the stage helpers around it (paper Alg. 1, eqs. 3–4).
+"""The two steps of paper Alg. 1 for one stage — the inner step and committing an outer round —
+and the stage helpers around them (eqs. 3–4).
 
-Used by the simulator (M replicas in one process) and by every peer of the swarm (full replicas,
-heads, stage peers, spares). Every holder of a stage keeps T⊥ as a buffer when the run uses a
-subspace, so one outer rule updates every holder of the embedding identically
-(`peer.core.subspace.embedding_outer_update`).
+`accumulate` + `adamw_step` are the one inner step (simulator replicas, full replicas, stage
+peers): micro-batch gradients of loss / n_micro add up, the stage's gradient norm is clipped to
+`train.grad_clip`, AdamW steps at the learning rate of the GLOBAL step t·H + h, and a compressed
+pipeline's stage 0 projects T_S back onto Col(U) (arXiv 2601.02360 §3.2).
 
-Outer step for stage s (paper Alg. 1, SparseLoCo):  θ ← θ_start − η·Δ̄, with the embedding's change
-split into its Col(U) part (kept in T_S) and the rest (moved into T⊥), so TE = T_S + T⊥ moves by
-exactly −η·Δ̄ and T⊥ stays bit-identical on every peer.
+`commit_round` is the one place a committed round is applied — by the simulator (M replicas in one
+process) and by every peer of the swarm (full replicas, heads, stage peers, spares):
+decoded contributions Δ̂ → median norm clip → Δ̄ = aggregate → θ ← θ_start − η·Δ̄ → the embedding's
+change split into its Col(U) part (kept in T_S) and the rest (moved into T⊥), so TE = T_S + T⊥
+moves by exactly −η·Δ̄. Every holder of a stage keeps T⊥ as a buffer when the run uses a subspace;
+stages without the embedding move their T⊥ by stage 0's committed change (`embedding_update`).
+
+Invariants: the same committed list in the same order gives the same bits on every holder
+(clipping, aggregation and the outer step are deterministic); an empty round leaves θ = θ_start;
+the same batch, parameters and optimizer state give the same inner step on every caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from peer.config import RunConfig
+from peer.config import RunConfig, TrainConfig
 from peer.core.model import Decoder
-from peer.core.sparseloco import outer_step
+from peer.core.optim import clip_grads, lr_at, set_lr
+from peer.core.sparseloco import ClipStats, SparseLoCoConfig, aggregate, clip_to_median, outer_step
 from peer.core.subspace import (
     embedding_outer_update,
     perp_outer_update,
+    project_,
     split_embedding,
 )
 
 EMBED = "embed.weight"
+
+# (inputs (b, L), targets (b, L)) of one micro-batch -> (its mean loss, values counted on the way)
+MicroForward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
 
 
 def stage_state(stage: Decoder) -> dict[str, torch.Tensor]:
@@ -36,6 +51,7 @@ def stage_state(stage: Decoder) -> dict[str, torch.Tensor]:
 def initial_split(cfg: RunConfig, U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(T_S, T⊥) of the seed's initial embedding; every peer computes the same split alone."""
     embed_only = Decoder(cfg.model, layers=range(0), has_embed=True, has_head=False, seed=cfg.seed)
+    assert embed_only.embed is not None  # built with has_embed=True
     with torch.no_grad():
         return split_embedding(embed_only.embed.weight, U)
 
@@ -59,16 +75,16 @@ def init_subspace(stages: list[Decoder], cfg: RunConfig, U: torch.Tensor) -> Non
 
 def perp_of(stage: Decoder) -> torch.Tensor:
     """T⊥ as held by a stage (the embedding's buffer on stage 0, a plain buffer elsewhere)."""
-    if stage.embed is not None:
-        return stage.embed.perp
-    return stage.perp
+    held = stage.embed.perp if stage.embed is not None else stage.get_buffer("perp")
+    if held is None:
+        raise ValueError("this stage holds no T⊥ (the run uses no subspace)")
+    return held
 
 
 def set_perp(stage: Decoder, perp: torch.Tensor) -> None:
-    if stage.embed is not None:
-        stage.embed.perp.copy_(perp)
-    else:
-        stage.perp.copy_(perp)
+    """Overwrite the stage's T⊥ in place (same shape, its own device)."""
+    with torch.no_grad():
+        perp_of(stage).copy_(perp)
 
 
 def apply_outer_update(
@@ -101,10 +117,97 @@ def apply_outer_update(
             set_perp(stage, perp_outer_update(perp_of(stage), embed_update, U))
 
 
+def accumulate(
+    forward: MicroForward, inputs: torch.Tensor, targets: torch.Tensor, n_micro: int, scale: float = 1.0
+) -> tuple[float, int]:
+    """Forward + backward of `n_micro` micro-batches; gradients add up as ∇(scale · loss / n_micro).
+
+    Returns (the batch's mean loss, the sum of the counts `forward` reported).
+    """
+    total_loss, counted = 0.0, 0
+    for mb_in, mb_tgt in zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True):
+        loss, n = forward(mb_in, mb_tgt)
+        weighted = loss / n_micro
+        torch.autograd.backward(weighted if scale == 1.0 else weighted * scale)
+        total_loss += loss.item() / n_micro
+        counted += n
+    return total_loss, counted
+
+
+def adamw_step(
+    stage: Decoder,
+    optimizer: torch.optim.Optimizer,
+    global_step: int,
+    train: TrainConfig,
+    keep_in_subspace: torch.Tensor | None = None,
+) -> None:
+    """Clip the stage's gradients, step AdamW at lr(global_step); with a basis U, T_S ← Π(T_S)."""
+    clip_grads(stage.parameters(), train.grad_clip)
+    set_lr(optimizer, lr_at(global_step, train))
+    optimizer.step()
+    if keep_in_subspace is not None:
+        if stage.embed is None:
+            raise ValueError("only the stage that holds the embedding keeps T_S in Col(U)")
+        with torch.no_grad():
+            project_(stage.embed.weight, keep_in_subspace)
+
+
+@dataclass(frozen=True)
+class RoundCommit:
+    """What committing one stage's round did: the clip stats and, when the stage holds the
+    embedding, its committed change −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
+
+    clip: ClipStats
+    embed_update: torch.Tensor | None = None
+
+
+NO_CLIP = ClipStats(0, (), 0.0, 0.0)
+
+
+def commit_round(
+    views: Sequence[Decoder],
+    start: Mapping[str, torch.Tensor],
+    decoded: Sequence[Mapping[str, torch.Tensor]],
+    cfg: SparseLoCoConfig,
+    U: torch.Tensor | None,
+    embed_update: torch.Tensor | None = None,
+) -> RoundCommit:
+    """Apply one committed round to every view of a stage: θ ← θ_start − η·mean(clip(Δ̂)).
+
+    `decoded` are the committed contributions Δ̂ in commit order; `views` are this process's
+    holders of the stage (one for a peer, M for the simulator); `embed_update` is stage 0's
+    committed change, which moves T⊥ of a stage without the embedding. No contribution: θ = θ_start.
+    """
+    if not decoded:
+        for view in views:
+            with torch.no_grad():
+                for name, p in view.named_parameters():
+                    p.copy_(start[name])
+        return RoundCommit(NO_CLIP)
+    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
+    device = next(iter(start.values())).device
+    agg = {k: v.to(device) for k, v in aggregate(clipped, len(clipped), cfg.aggregation).items()}
+    if embed_update is not None:
+        embed_update = embed_update.to(device)
+    for view in views:
+        apply_outer_update(view, start, agg, cfg.outer_lr, U, embed_update=embed_update)
+    own_update = -cfg.outer_lr * agg[EMBED] if EMBED in start and EMBED in agg else None
+    return RoundCommit(clip, own_update)
+
+
+def embedding_update(decoded: Sequence[Mapping[str, torch.Tensor]], cfg: SparseLoCoConfig) -> torch.Tensor:
+    """Stage 0's committed change of embed.weight (−η·Δ̄) for a holder that only observes stage 0.
+
+    Clipped exactly as `commit_round` clips stage 0 (norms over the whole contribution), so T⊥
+    moves by the same bits on every stage.
+    """
+    clipped, _ = clip_to_median(decoded, cfg.clip_median_factor)
+    embed_only = [{EMBED: d[EMBED]} for d in clipped]
+    return -cfg.outer_lr * aggregate(embed_only, len(embed_only), cfg.aggregation)[EMBED]
+
+
 def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over names, dtypes, shapes and bytes, in name order: equal iff bit-identical."""
-    import hashlib
-
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()

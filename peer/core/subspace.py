@@ -30,9 +30,11 @@ import hashlib
 import logging
 import math
 from fractions import Fraction
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import FunctionCtx
 
 from peer.errors import ConfigError
 
@@ -71,7 +73,7 @@ def make_basis(d: int, k: int, seed: int, dtype: torch.dtype = torch.float32) ->
     g = torch.randn(d, k, generator=gen, dtype=torch.float64, device="cpu")  # (d, k)
     q, r = torch.linalg.qr(g, mode="reduced")  # q (d, k), r (k, k)
     signs = torch.where(torch.diagonal(r) >= 0, 1.0, -1.0).to(torch.float64)  # (k,)
-    u = (q * signs).to(dtype).contiguous()  # (d, k)
+    u: Tensor = (q * signs).to(dtype).contiguous()  # (d, k)
     log.debug("subspace basis d=%d k=%d seed=%d hash=%s", d, k, seed, basis_hash(u))
     return u
 
@@ -186,13 +188,14 @@ class _CompressedBoundary(torch.autograd.Function):
     """expand(compress(X)) forward, expand_grad(compress_grad(∇)) backward; no grad to T⊥ or ids."""
 
     @staticmethod
-    def forward(ctx, X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: FunctionCtx, X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor) -> Tensor:
         ctx.save_for_backward(U)
         Xt = compress_activations(X, tokens, perp, U)  # (b, L, k)
         return expand_activations(Xt, tokens, perp, U)  # (b, L, d)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        # ctx is Any: torch's stubs give no public context type with `saved_tensors`.
         (U,) = ctx.saved_tensors
         grad_x = expand_grad(compress_grad(grad_out, U), U)  # (b, L, d)
         return grad_x, None, None, None
@@ -200,7 +203,8 @@ class _CompressedBoundary(torch.autograd.Function):
 
 def compressed_boundary(X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor) -> Tensor:
     """In-process stage boundary: exactly what crossing the wire does to X and to its gradient."""
-    return _CompressedBoundary.apply(X, tokens, perp, U)
+    out: Tensor = _CompressedBoundary.apply(X, tokens, perp, U)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,19 +5,58 @@ must agree on: the config fingerprint, the subspace basis U (rebuilt locally fro
 compared), the tokenizer file and the protocol version. `verify_manifest` rebuilds everything
 from the manifest on this machine and raises `ManifestMismatch` naming the first disagreement,
 so a peer with a different build refuses to join instead of training on different math.
+`wait_for_manifest` is the one bounded wait for the bootstrap's manifest (`peer join`, `peer status`).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
 from peer import __version__
 from peer.config import RunConfig, config_from_dict
 from peer.core.subspace import basis_hash, make_basis
-from peer.errors import ManifestMismatch, PeerError
+from peer.errors import ManifestMismatch, NetworkError, PeerError
+from peer.net.dht import SwarmDHT
+
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+POLL_S = 0.5  # pause between two manifest lookups while waiting for it
+
+
+def wait_for_manifest(
+    dht: SwarmDHT, timeout_s: float = 20.0, where: str = "the DHT", stop: threading.Event | None = None
+) -> dict[str, Any]:
+    """Poll the DHT for the run's manifest until `timeout_s` (or `stop`); NetworkError naming `where`.
+
+    A failed lookup is retried until the deadline and reported if it was the last word; a
+    `ManifestMismatch` (this node is not admitted) ends the wait at once.
+    """
+    stop = stop or threading.Event()
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            manifest = dht.get_manifest(timeout_s=min(remaining, dht.request_timeout_s))
+        except ManifestMismatch:
+            raise
+        except NetworkError as exc:  # retried until the deadline; reported if it is the last word
+            last_error, manifest = exc, None
+            log.debug("manifest lookup failed: %s", exc)
+        if manifest is not None:
+            return manifest
+        if stop.wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
+            raise PeerError("stopped before the manifest arrived")
+    cause = f" (last error: {last_error})" if last_error is not None else ""
+    raise NetworkError(
+        f"no manifest at {where} within {timeout_s:.0f} s: is the bootstrap running? check --initial-peers{cause}"
+    )
 
 
 def run_id_for(cfg: RunConfig) -> str:

@@ -18,14 +18,18 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
-__all__ = ["METRICS_FILE", "MetricsTail", "MetricsWriter", "read_events"]
+__all__ = ["METRICS_FILE", "MetricsTail", "MetricsWriter", "log_round", "read_events"]
 
 
 class MetricsWriter:
@@ -48,6 +52,42 @@ class MetricsWriter:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def log_round(
+    metrics: MetricsWriter,
+    t: int,
+    stages: Mapping[int, tuple[StageWorker, int]],
+    train_loss: float | None,
+    val_loss: float | None,
+    wall_s: float,
+    pg_bytes: int,
+    activations: tuple[int, int] = (0, 0),
+) -> None:
+    """The `round` event of a committed round t: per stage (worker, participants) its hashes and clip
+    stats; `pg_bytes` and `activations` = (sent, uncompressed equivalent) are cumulative bytes."""
+    metrics.log(
+        "round",
+        t=t,
+        stages={
+            str(s): {
+                "param_hash": w.param_hash(),
+                "perp_hash": w.perp_hash(),
+                "participants": n,
+                "clipped": w.last_clip.n_clipped,
+                "max_norm_ratio": w.last_clip.max_ratio,
+            }
+            for s, (w, n) in stages.items()
+        },
+        train_loss=train_loss,
+        val_loss=val_loss,
+        round_wall_s=wall_s,
+        bytes={
+            "activations": activations[0],
+            "activations_uncompressed_equiv": activations[1],
+            "pseudo_gradients": pg_bytes,
+        },
+    )
 
 
 def _parse(line: bytes | str) -> dict[str, Any] | None:

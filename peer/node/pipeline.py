@@ -21,19 +21,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from peer.config import WIRE_DTYPES
 from peer.errors import NetworkError, PeerError
+from peer.net.transport.client import PeerClient
 from peer.net.transport.codec import encoded_size
 from peer.net.transport.errors import NotFoundError, RemoteError
 from peer.net.transport.framing import framed_size
 from peer.net.transport.messages import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, StepRequest
 from peer.node.stage_worker import StageWorker
 
+if TYPE_CHECKING:
+    from peer.node.session import Session
+
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 class StageUnavailable(PeerError):
@@ -47,22 +55,22 @@ class PipelineBehind(NetworkError):
 
 
 class PipelineDriver:
-    def __init__(self, swarm, worker: StageWorker, stop: threading.Event) -> None:
-        self.swarm, self.worker, self.stop = swarm, worker, stop
-        self.cfg = swarm.cfg
-        self.pipeline_id = swarm.peer_id
+    def __init__(self, session: Session, worker: StageWorker, stop: threading.Event) -> None:
+        self.session, self.worker, self.stop = session, worker, stop
+        self.cfg = session.cfg
+        self.pipeline_id = session.peer_id
         self.peers: dict[int, tuple[str, str]] = {}  # stage -> (peer id, address)
         self.excluded: set[str] = set()
         self.last_loss: float | None = None
         self.tokens = 0
         self.started = time.monotonic()
-        self._equiv_cache: dict[tuple[int, int], int] = {}
+        self._equiv_cache: dict[tuple[int, int, bool], int] = {}
         self.act_equiv = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.stages - 1), thread_name_prefix="peer-step")
 
     # ------------------------------------------------------------------ claims
     def _candidates(self, stage: int, t: int) -> list[tuple[str, str]]:
-        peers = self.swarm.dht.get_stage_peers(stage)
+        peers = self.session.dht.get_stage_peers(stage)
         ready = [
             (pid, rec["address"])
             for pid, rec in peers.items()
@@ -77,7 +85,7 @@ class PipelineDriver:
     def _ahead(self, stage: int, t: int) -> bool:
         return any(
             rec.get("outer_step", -1) > t and rec.get("role") in ("spare", "trainer")
-            for rec in self.swarm.dht.get_stage_peers(stage).values()
+            for rec in self.session.dht.get_stage_peers(stage).values()
         )
 
     def _ensure_peer(self, stage: int, t: int) -> tuple[str, str]:
@@ -95,7 +103,7 @@ class PipelineDriver:
                 )
                 # publish the new binding ("pipeline_peers" of the replica record) before that peer can
                 # announce a payload for this pipeline (peer.node.rounds.bound_replica)
-                self.swarm.refresh_records()
+                self.session.records.refresh()
                 return found[0]
             self.stop.wait(0.5)
         if self.stop.is_set():
@@ -114,16 +122,16 @@ class PipelineDriver:
         if pid:
             log.warning("pipeline %s: dropping stage %d peer %s (%s)", self.pipeline_id[:8], stage, pid[:12], why)
             self.excluded.add(pid)
-            self.swarm.clients.drop(address)
+            self.session.clients.drop(address)
 
     # ------------------------------------------------------------------ calls with retry
-    def _call(self, stage: int, t: int, fn):
+    def _call(self, stage: int, t: int, fn: Callable[[PeerClient], R]) -> R:
         """Call `fn(client)` on this stage's peer; retry a busy peer, replace a claimed/dead one."""
         deadline = time.monotonic() + self.cfg.swarm.claim_timeout_s
         while True:
             pid, address = self._ensure_peer(stage, t)
             try:
-                return fn(self.swarm.clients.get(address))
+                return fn(self.session.clients.get(address))
             except NotFoundError as exc:
                 self._drop(stage, str(exc))
             except RemoteError as exc:
@@ -162,22 +170,31 @@ class PipelineDriver:
     def _run_inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         S, n_micro = self.cfg.stages, self.cfg.train.microbatches
         total = 0.0
-        for mb, (mb_x, mb_y) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro))):
+        for mb, (mb_x, mb_y) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro), strict=True)):
             key = (self.pipeline_id, mb)
             tokens = mb_x.to(torch.int32)
             hidden = self.worker.forward(key, mb_x, None, None).hidden  # (b, L, k)
             reply: ForwardReply | None = None
             for s in range(1, S):
                 req = ForwardRequest(
-                    self.pipeline_id, mb, t, h, s, tokens, hidden, targets=mb_y.to(torch.int32) if s == S - 1 else None
+                    self.pipeline_id,
+                    mb,
+                    t,
+                    h,
+                    s,
+                    tokens,
+                    _required(hidden, f"stage {s - 1} activations"),
+                    targets=mb_y.to(torch.int32) if s == S - 1 else None,
                 )
-                reply = self._call(s, t, lambda c, r=req: c.forward(r))
+                reply = self._call(s, t, _forward(req))
                 hidden = reply.hidden
+            if reply is None or reply.loss is None:
+                raise StageUnavailable(S - 1, f"stage {S - 1} returned no loss")
             loss, grad = reply.loss, reply.grad
             for s in range(S - 2, 0, -1):
-                req = BackwardRequest(self.pipeline_id, mb, t, h, s, grad)
-                grad = self._call(s, t, lambda c, r=req: c.backward(r)).grad
-            self.worker.backward(key, grad)
+                back = BackwardRequest(self.pipeline_id, mb, t, h, s, _required(grad, f"stage {s + 1} gradient"))
+                grad = self._call(s, t, _backward(back)).grad
+            self.worker.backward(key, _required(grad, "stage 1 gradient"))
             total += loss / n_micro
             self.act_equiv += self._equiv_bytes(mb_x.shape[0], mb_x.shape[1])
         step = StepRequest(self.pipeline_id, t, h, n_micro, x.numel())
@@ -188,13 +205,14 @@ class PipelineDriver:
         return total
 
     @torch.no_grad()
-    def evaluate(self, batches) -> float | None:
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Validation loss through the pipeline (no backward kept anywhere)."""
         t = self.worker.outer_step
-        losses = []
+        losses: list[float] = []
         for i, (x, y) in enumerate(batches):
             tokens = x.to(torch.int32)
             hidden = self.worker.evaluate(x, None, None).hidden
+            reply: ForwardReply | None = None
             try:
                 for s in range(1, self.cfg.stages):
                     req = ForwardRequest(
@@ -204,14 +222,17 @@ class PipelineDriver:
                         0,
                         s,
                         tokens,
-                        hidden,
+                        _required(hidden, f"stage {s - 1} activations"),
                         targets=y.to(torch.int32) if s == self.cfg.stages - 1 else None,
                         train=False,
                     )
-                    reply = self._call(s, t, lambda c, r=req: c.forward(r))
+                    reply = self._call(s, t, _forward(req))
                     hidden = reply.hidden
             except StageUnavailable as exc:
                 log.warning("validation skipped: %s", exc)
+                return None
+            if reply is None or reply.loss is None:
+                log.warning("validation skipped: the last stage returned no loss")
                 return None
             losses.append(reply.loss)
             self.act_equiv += self._equiv_bytes(x.shape[0], x.shape[1], train=False)
@@ -230,7 +251,9 @@ class PipelineDriver:
             for s in range(1, S):
                 last = s == S - 1
                 wire = self.cfg.subspace.wire_dtype
-                msgs = [ForwardRequest("p", 0, 0, 0, s, tok, full, targets=tok if last else None, train=train)]
+                msgs: list[Any] = [
+                    ForwardRequest("p", 0, 0, 0, s, tok, full, targets=tok if last else None, train=train)
+                ]
                 if last:
                     msgs.append(ForwardReply(loss=0.0, grad=full) if train else ForwardReply(loss=0.0))
                 else:
@@ -244,10 +267,25 @@ class PipelineDriver:
     @property
     def act_bytes(self) -> tuple[int, int]:
         """(bytes actually moved for activations and their gradients, uncompressed equivalent)."""
-        sent = self.swarm.clients.bytes_sent()
-        received = self.swarm.clients.bytes_received()
+        sent = self.session.clients.bytes_sent()
+        received = self.session.clients.bytes_received()
         moved = sum(sent.get(m, 0) + received.get(m, 0) for m in ("forward", "backward"))
         return moved, self.act_equiv
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(1e-9, time.monotonic() - self.started)
+
+
+def _required(tensor: torch.Tensor | None, what: str) -> torch.Tensor:
+    """A tensor a stage must have sent; a reply without it makes that stage unusable for this step."""
+    if tensor is None:
+        raise PeerError(f"the pipeline got no {what}")
+    return tensor
+
+
+def _forward(request: ForwardRequest) -> Callable[[PeerClient], ForwardReply]:
+    return lambda client: client.forward(request)
+
+
+def _backward(request: BackwardRequest) -> Callable[[PeerClient], BackwardReply]:
+    return lambda client: client.backward(request)

@@ -10,7 +10,9 @@ payload per stage, tagged with its own id). Each contributor
 3. commits every payload it holds, ordered by replica id, so all holders apply the same sum in the
    same order and stay bit-identical.
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
-without a payload of their own (observers).
+without a payload of their own (observers). `Rounds` holds one peer's round entry points (a head's,
+a full replica's and a stage peer's round) and commits every gathered set through
+`StageWorker.apply_round` → `peer.core.outer.commit_round`, parsing each payload once.
 
 An announcement's "replica" field is the sender's claim; it is bound only when sender == replica
 (a full replica or a head) or when that replica's own DHT record lists the sender as its stage-s
@@ -33,14 +35,24 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig
+import torch
+
+from peer.core.model import stage_shapes
+from peer.core.outer import EMBED, embedding_update
+from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig, decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
-from peer.net.transport.client import PeerClient
+from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
+from peer.node.metrics import log_round
+from peer.node.stage_worker import StageWorker
+
+if TYPE_CHECKING:
+    from peer.node.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -64,55 +76,6 @@ class PayloadStore:
             return self._data.get((t, stage))
 
 
-class ClientPool:
-    """One PeerClient per address, reused across rounds; byte counters survive dropped clients."""
-
-    def __init__(self, timeout_s: float, wire_dtype: str = "fp32") -> None:
-        self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
-        self._clients: dict[str, PeerClient] = {}
-        self._retired: dict[str, dict[str, int]] = {"bytes_sent": {}, "bytes_received": {}}
-        self._lock = threading.Lock()
-
-    def get(self, address: str) -> PeerClient:
-        with self._lock:
-            if address not in self._clients:
-                self._clients[address] = PeerClient(address, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype)
-            return self._clients[address]
-
-    def _retire(self, client: PeerClient) -> None:
-        stats = client.stats()
-        for kind in ("bytes_sent", "bytes_received"):
-            for method, n in stats[kind].items():
-                self._retired[kind][method] = self._retired[kind].get(method, 0) + n
-        client.close()
-
-    def drop(self, address: str) -> None:
-        with self._lock:
-            client = self._clients.pop(address, None)
-            if client is not None:
-                self._retire(client)
-
-    def _totals(self, kind: str) -> dict[str, int]:
-        with self._lock:
-            total = dict(self._retired[kind])
-            for c in self._clients.values():
-                for method, n in c.stats()[kind].items():
-                    total[method] = total.get(method, 0) + n
-        return total
-
-    def bytes_sent(self) -> dict[str, int]:
-        return self._totals("bytes_sent")
-
-    def bytes_received(self) -> dict[str, int]:
-        return self._totals("bytes_received")
-
-    def close(self) -> None:
-        with self._lock:
-            for c in self._clients.values():
-                self._retire(c)
-            self._clients = {}
-
-
 @dataclass
 class RoundResult:
     """What one peer committed for round (t, s), in commit order, and why it stopped waiting."""
@@ -121,6 +84,7 @@ class RoundResult:
     stage: int
     replicas: list[str] = field(default_factory=list)  # replica ids, commit order
     payloads: list[bytes] = field(default_factory=list)
+    parsed: list[Payload] = field(default_factory=list)  # the payloads, parsed once (same order)
     expected: int = 0
     rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
     timed_out: bool = False
@@ -170,17 +134,18 @@ def announced_replicas(dht: SwarmDHT, t: int, stage: int) -> set[str]:
 
 def payload_validator(
     shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig, required: Iterable[str] = ()
-) -> Callable[[bytes], None]:
+) -> Callable[[bytes], Payload]:
     """A `validate` for `gather_round`: a well-formed SparseLoCo payload (`Payload.from_bytes` with
     this run's settings) whose every entry is a parameter of the stage with its exact shape, each
     at most once, and that carries every `required` name (stage 0: embed.weight, which the round's
-    T⊥ update needs). Raises PayloadError, so a payload that could not be applied is never committed.
+    T⊥ update needs). Returns the parsed payload; raises PayloadError, so a payload that could not
+    be applied is never committed.
     """
     shapes = {name: tuple(shape) for name, shape in shapes.items()}
     required = frozenset(required)
     n_elements = sum(math.prod(shape) for shape in shapes.values())
 
-    def validate(data: bytes) -> None:
+    def validate(data: bytes) -> Payload:
         payload = Payload.from_bytes(data, max_elements=n_elements, cfg=cfg)
         seen: set[str] = set()
         for entry in payload.entries:
@@ -196,6 +161,7 @@ def payload_validator(
             seen.add(entry.name)
         if required - seen:
             raise PayloadError(f"invalid SparseLoCo payload: missing {sorted(required - seen)}")
+        return payload
 
     return validate
 
@@ -213,20 +179,24 @@ def gather_round(
     own: tuple[str, bytes] | None = None,
     store: PayloadStore | None = None,
     address: str = "",
-    validate: Callable[[bytes], None] | None = None,
+    validate: Callable[[bytes], Payload] | None = None,
     poll_s: float = 0.2,
     ttl_s: float = 60.0,
     stop: threading.Event | None = None,
 ) -> RoundResult:
     """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
 
-    `validate(payload)` raises PeerError for a malformed payload (it is then skipped, and its
-    replica no longer waited for). Announcements not bound to their replica (`bound_replica`) are
-    ignored. Returns when every expected replica's payload is held or rejected, or at the deadline.
+    `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
+    skipped, and its replica no longer waited for); without it payloads are parsed as they are.
+    Every payload is parsed exactly once (`RoundResult.parsed`). Announcements not bound to their
+    replica (`bound_replica`) are ignored. Returns when every expected replica's payload is held
+    or rejected, or at the deadline.
     """
+    parse = validate if validate is not None else Payload.from_bytes
     started = time.monotonic()
     deadline = started + timeout_s
     held: dict[str, bytes] = {}
+    parsed: dict[str, Payload] = {}
     bad: set[str] = set()  # senders whose payload failed its checks
     rejected: set[str] = set()  # the replicas they stood for
     unbound: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
@@ -244,6 +214,7 @@ def gather_round(
             ttl_s=ttl_s,
         )
         held[replica_id] = payload
+        parsed[replica_id] = Payload.from_bytes(payload)
     while True:
         replicas = dht.get_replicas()
         announced: dict[str, tuple[str, dict]] = {}  # sender -> (replica, record), bound ones only
@@ -272,8 +243,7 @@ def gather_round(
                 data = clients.get(rec["address"]).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
                 if sha256(data) != rec.get("sha256"):
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
-                if validate is not None:
-                    validate(data)
+                parsed[rid] = parse(data)
             except NetworkError as exc:
                 retry_at[sender] = time.monotonic() + 2.0
                 log.info("round %d stage %d: payload of %s not reachable yet: %s", t, stage, sender[:12], exc)
@@ -314,5 +284,116 @@ def gather_round(
     result.rejected = sorted(rejected - set(held))
     result.replicas = sorted(held)
     result.payloads = [held[r] for r in result.replicas]
+    result.parsed = [parsed[r] for r in result.replicas]
     result.wall_s = time.monotonic() - started
     return result
+
+
+class Rounds:
+    """One peer's outer rounds: gather (contributing or observing), commit, record."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
+
+    def _validator(self, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
+        """Payloads of round (t, stage): the format, and entries that fit the stage's parameters."""
+        cfg = self.session.cfg
+        if stage == worker.stage:
+            shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
+        else:  # an observer gather (stage 0 for T⊥)
+            shapes = stage_shapes(cfg.model, stage, cfg.stages)
+        return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
+
+    def gather(
+        self, worker: StageWorker, t: int, replica_id: str | None, stop: threading.Event, stage: int | None = None
+    ) -> RoundResult:
+        """Contribute worker's payload (if replica_id) and collect round (t, stage)."""
+        sess = self.session
+        own_stage = stage is None or stage == worker.stage
+        stage = worker.stage if stage is None else stage
+        own = None
+        if replica_id is not None:
+            own = (replica_id, worker.contribute(replica_id).to_bytes())
+        elif own_stage:
+            worker.observe()
+        result = gather_round(
+            sess.dht,
+            sess.clients,
+            t,
+            stage,
+            sess.cfg.swarm.round_timeout_s,
+            own=own,
+            store=sess.store,
+            address=sess.address,
+            validate=self._validator(worker, stage),
+            ttl_s=max(60.0, 2 * sess.cfg.swarm.round_timeout_s),
+            stop=stop,
+        )
+        self.pg_bytes += result.bytes_fetched
+        return result
+
+    def commit(
+        self,
+        workers: Mapping[int, StageWorker],
+        results: Mapping[int, RoundResult],
+        embed: RoundResult | None = None,
+    ) -> None:
+        """Apply each worker's committed round. Stage 0's embedding change moves every other stage's
+        T⊥: from stage 0's own commit when this peer holds it, else from `embed` (an observer gather
+        of stage 0), else T⊥ stays."""
+        update: torch.Tensor | None = None
+        if 0 in workers:
+            update = workers[0].apply_round(results[0].parsed, None, results[0].replicas).embed_update
+        elif embed is not None and embed.parsed:
+            update = embedding_update([decompress(p) for p in embed.parsed], self.session.cfg.sparseloco)
+        for s, w in workers.items():
+            if s != 0:
+                w.apply_round(results[s].parsed, update, results[s].replicas)
+
+    def head_round(self, worker: StageWorker, t: int, stop: threading.Event) -> RoundResult:
+        """Stage 0 of a head: contribute, gather and apply."""
+        result = self.gather(worker, t, self.session.peer_id, stop)
+        self.commit({worker.stage: worker}, {worker.stage: result})
+        return result
+
+    def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
+        """A full replica: contribute to and gather every stage's round at once, then apply them."""
+        with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+            futures = {s: pool.submit(self.gather, w, t, self.session.peer_id, stop) for s, w in workers.items()}
+            results = {s: f.result() for s, f in futures.items()}
+        self.commit(workers, results)
+        return results
+
+    def stage_round(self, worker: StageWorker, contributor: str | None, stop: threading.Event) -> None:
+        """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥."""
+        t = worker.outer_step
+        result = self.gather(worker, t, contributor, stop)
+        embed = self.gather(worker, t, None, stop, stage=0)
+        self.commit({worker.stage: worker}, {worker.stage: result}, embed)
+        self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
+
+    def complete(self, t: int, stage: int) -> bool:
+        """Every expected replica has announced its payload for (t, stage): a hot spare may apply it.
+
+        Until then the spare stays claimable: a head still at outer step t may need it.
+        """
+        announced = announced_replicas(self.session.dht, t, stage)
+        expected = expected_replicas(self.session.dht, t)
+        return bool(announced) and expected <= announced
+
+    def record(
+        self,
+        t: int,
+        stages: Mapping[int, tuple[StageWorker, int]],
+        train_loss: float | None,
+        val_loss: float | None,
+        wall_s: float,
+        activations: tuple[int, int] = (0, 0),
+    ) -> None:
+        """After a committed round: the `round` metrics event, then fresh DHT records."""
+        log_round(self.session.metrics, t, stages, train_loss, val_loss, wall_s, self.pg_bytes, activations)
+        self.session.records.refresh()
+        log.info(
+            "round %d committed: %s train %s val %s", t, {s: n for s, (_, n) in stages.items()}, train_loss, val_loss
+        )

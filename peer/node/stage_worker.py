@@ -6,9 +6,11 @@ A stage peer receives compressed activations X̃ (b, L, k) and token ids, expand
 in the same call. Gradients accumulate over micro-batches until the head says `step`.
 
 Outer round state lives here too: θ_start of the current outer step and the SparseLoCo error
-buffer. `encode_round()` produces this peer's payload; `apply_round()` applies a committed set.
-Every method is synchronous and thread-safe (one lock), so the gRPC handler can call it from any
-worker thread.
+buffer. `encode_round()` produces this peer's payload; `apply_round()` applies a committed set
+through `peer.core.outer.commit_round`; the inner step is `peer.core.outer.adamw_step`.
+`state_dict()` / `load_state_dict()` are the only way in or out of the stage's state (checkpoints,
+state sync). Every method is synchronous and thread-safe (one lock), so the gRPC handler can call
+it from any worker thread.
 """
 
 from __future__ import annotations
@@ -17,32 +19,28 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from peer.config import RunConfig
 from peer.core.model import Decoder, build_stage
-from peer.core.optim import build_adamw, clip_grads, lr_at, set_lr
-from peer.core.outer import EMBED, apply_outer_update, attach_subspace, initial_split, perp_of, stage_state, state_hash
-from peer.core.sparseloco import (
-    ClipStats,
-    Payload,
-    aggregate,
-    clip_to_median,
-    compress,
-    decompress,
-    pseudo_gradient,
-    restore_unsent,
+from peer.core.optim import build_adamw
+from peer.core.outer import (
+    NO_CLIP,
+    RoundCommit,
+    adamw_step,
+    attach_subspace,
+    commit_round,
+    initial_split,
+    perp_of,
+    set_perp,
+    stage_state,
+    state_hash,
 )
-from peer.core.subspace import (
-    compress_activations,
-    compress_grad,
-    expand_activations,
-    expand_grad,
-    make_basis,
-    project_,
-)
+from peer.core.sparseloco import ClipStats, Payload, compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.subspace import compress_activations, compress_grad, expand_activations, expand_grad, make_basis
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +70,26 @@ class StageWorker:
         self.lock = threading.RLock()
         self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outer_step = 0
-        self.start: dict[str, torch.Tensor] = stage_state(self.module)
+        self._start_version = 0
+        self._set_start(stage_state(self.module))
         self.errors: dict[str, torch.Tensor] | None = None
         self.microbatches_seen = 0
         self.seen: set[tuple[str, int]] = set()  # micro-batches of the current inner step
         self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) of the last round
         self.last_committed: list[str] = []  # replica ids committed in the last round
-        self.last_clip = ClipStats(0, (), 0.0, 0.0)  # what median clipping did in the last round
+        self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
+        self._hash_key: tuple[int, int] | None = None
+        self._hash_value = ("", "")
 
     @property
-    def start(self) -> dict[str, torch.Tensor]:
-        """θ_start: the committed parameters of the current outer step."""
+    def start(self) -> Mapping[str, torch.Tensor]:
+        """θ_start: the committed parameters of the current outer step (read-only)."""
         return self._start
 
-    @start.setter
-    def start(self, value: dict[str, torch.Tensor]) -> None:
+    def _set_start(self, value: dict[str, torch.Tensor]) -> None:
+        """Every change of θ_start (or T⊥) goes through here: it keys the hash cache."""
         self._start = value
-        self._start_version = getattr(self, "_start_version", 0) + 1
+        self._start_version += 1
 
     # ---------------------------------------------------------------- pipeline compute
     def forward(
@@ -128,7 +129,7 @@ class StageWorker:
                     )
                 (loss / self.cfg.train.microbatches).backward()
                 self.microbatches_seen += 1
-                grad = compress_grad(x_in.grad, self.U).cpu() if x_in is not None else None  # (b, L, k)
+                grad = _compressed_input_grad(x_in, self.U)  # (b, L, k)
                 return ForwardOut(loss=loss.item(), grad=grad)
             self.pending[key] = (x_in, out)
             return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
@@ -141,10 +142,14 @@ class StageWorker:
             if self.is_first:
                 out = self.module(tokens)
             else:
+                if hidden is None:
+                    raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
                 out = self.module(
                     expand_activations(hidden.to(self.device).float(), tokens, perp_of(self.module), self.U)
                 )
             if self.is_last:
+                if targets is None:
+                    raise ValueError("the last stage needs targets")
                 loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().to(self.device).flatten())
                 return ForwardOut(loss=loss.item())
             return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
@@ -157,7 +162,7 @@ class StageWorker:
             x_in, out = self.pending.pop(key)
             out.backward(expand_grad(grad.to(self.device).float(), self.U))  # already scaled by 1/n_micro
             self.microbatches_seen += 1
-            return compress_grad(x_in.grad, self.U).cpu() if x_in is not None else None
+            return _compressed_input_grad(x_in, self.U)
 
     def drop_pending(self, pipeline_id: str | None = None) -> None:
         """Forget activations of failed micro-batches (all, or one pipeline's)."""
@@ -169,12 +174,9 @@ class StageWorker:
         """Optimizer step of the accumulated gradients at the global step t·H + inner_step."""
         with self.lock:
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
-            clip_grads(self.module.parameters(), self.cfg.train.grad_clip)
-            set_lr(self.optimizer, lr_at(global_step, self.cfg.train))
-            self.optimizer.step()
+            keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
+            adamw_step(self.module, self.optimizer, global_step, self.cfg.train, keep_in)
             self._reset_step()
-            if self.is_first and self.compressed:
-                project_(self.module.embed.weight, self.U)  # keep T_S in Col(U)
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -195,60 +197,49 @@ class StageWorker:
             payload, self.errors = compress(delta, self.errors, self.cfg.sparseloco)
             return payload
 
+    def contribute(self, replica_id: str) -> Payload:
+        """`encode_round`, remembered as (replica id, payload) until the round is checked (`maintain`)."""
+        with self.lock:
+            payload = self.encode_round()
+            self.last_contribution = (replica_id, payload)
+            return payload
+
+    def observe(self) -> None:
+        """This round's own stage is gathered without a payload of ours (spare, catch-up)."""
+        with self.lock:
+            self.last_contribution = None
+
     def return_unsent(self, payload: Payload) -> None:
         """A payload that missed the commit goes back into the error buffer: nothing is lost."""
         with self.lock:
             self.errors = restore_unsent(self.errors, decompress(payload))
 
-    def apply_round(self, committed: Sequence[Payload], embed_update: torch.Tensor | None) -> ClipStats:
+    def apply_round(
+        self, committed: Sequence[Payload], embed_update: torch.Tensor | None, replicas: Sequence[str] = ()
+    ) -> RoundCommit:
         """θ ← θ_start − η·mean(clip(Δ̂)) over the committed set (in its given order); next outer step.
 
-        Each Δ̂ is norm-clipped against the round's median (`clip_to_median`); the stats are
-        returned and kept as `last_clip`.
+        `replicas` are the committed replica ids (published in this stage's record). Stage 0's
+        result carries the embedding's committed change, the T⊥ update of every other stage.
         """
-        slc = self.cfg.sparseloco
         with self.lock:
-            clip = ClipStats(0, (), 0.0, 0.0)
-            if committed:
-                decoded, clip = clip_to_median([decompress(p) for p in committed], slc.clip_median_factor)
-                if clip.n_clipped:
-                    log.info(
-                        "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
-                        self.stage,
-                        self.outer_step,
-                        clip.n_clipped,
-                        len(decoded),
-                        clip.max_ratio,
-                        clip.median,
-                    )
-                agg = {k: v.to(self.device) for k, v in aggregate(decoded, len(decoded), slc.aggregation).items()}
-                if embed_update is not None and not self.is_first:
-                    embed_update = embed_update.to(self.device)
-                apply_outer_update(
-                    self.module,
-                    self.start,
-                    agg,
-                    slc.outer_lr,
-                    self.U,
-                    embed_update=None if self.is_first else embed_update,
+            decoded = [decompress(p) for p in committed]
+            done = commit_round([self.module], self.start, decoded, self.cfg.sparseloco, self.U, embed_update)
+            if done.clip.n_clipped:
+                log.info(
+                    "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
+                    self.stage,
+                    self.outer_step,
+                    done.clip.n_clipped,
+                    len(decoded),
+                    done.clip.max_ratio,
+                    done.clip.median,
                 )
-            else:
-                self.load_params(self.start)
             self.outer_step += 1
-            self.start = stage_state(self.module)
-            self.last_clip = clip
-            return clip
-
-    @staticmethod
-    def embed_update(committed: Sequence[Payload], cfg: RunConfig) -> torch.Tensor:
-        """The committed change of embed.weight (−η·Δ̄) from stage 0's payloads.
-
-        Clipped exactly as stage 0's `apply_round` clips them (norms over the whole payload), so
-        T⊥ moves by the same bits on every stage.
-        """
-        clipped, _ = clip_to_median([decompress(p) for p in committed], cfg.sparseloco.clip_median_factor)
-        decoded = [{EMBED: d[EMBED]} for d in clipped]
-        return -cfg.sparseloco.outer_lr * aggregate(decoded, len(decoded), cfg.sparseloco.aggregation)[EMBED]
+            self._set_start(stage_state(self.module))
+            self.last_clip = done.clip
+            self.last_committed = list(replicas)
+            return done
 
     # ---------------------------------------------------------------- state
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -258,83 +249,59 @@ class StageWorker:
             out["perp"] = perp_of(self.module).detach().cpu().clone()
             return out
 
-    def load_snapshot(self, tensors: Mapping[str, torch.Tensor], outer_step: int, keep_errors: bool = False) -> None:
-        """Adopt a downloaded state; a late joiner starts with an empty error buffer, a peer that
-        re-syncs after a disagreement keeps its own (what it has not sent yet is not lost)."""
-        with self.lock:
-            expected = set(self.start) | {"perp"}
-            if set(tensors) != expected:
-                missing, extra = expected - set(tensors), set(tensors) - expected
-                raise ValueError(
-                    f"state for stage {self.stage} does not match: missing {sorted(missing)[:3]}, "
-                    f"unexpected {sorted(extra)[:3]}"
-                )
-            self.load_params({k: v for k, v in tensors.items() if k != "perp"})
-            perp_of(self.module).copy_(tensors["perp"].to(self.device))
-            self.outer_step = outer_step
-            self.start = stage_state(self.module)
-            if not keep_errors:
-                self.errors = None
-            self.optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next round depends on (the tensors are this worker's own, not copies):
 
-    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            own = dict(self.module.named_parameters())
-            for name, value in params.items():
-                if own[name].shape != value.shape:
-                    raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
-                own[name].copy_(value.to(own[name].device))
-
-    def optimizer_param_names(self) -> list[list[str]]:
-        """Global parameter names of each AdamW param group, in the optimizer's order."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-
-    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], list[dict]]:
-        """AdamW state by global name: ({"<param>/<exp_avg|exp_avg_sq|step>": tensor}, param groups).
-
-        The groups are JSON-serialisable: hyperparameters plus "params" as global names. Tensors
-        are the optimizer's own (not copied).
+        {"outer_step": t, "params": {name: θ}, "start": {name: θ_start}, "perp": T⊥,
+         "errors": {name: e} | None, "optimizer": {"state": {"<name>/<key>": tensor},
+         "param_groups": [{hyperparameters..., "params": [global names]}]}}
         """
         with self.lock:
-            names = {id(p): n for n, p in self.module.named_parameters()}
-            tensors = {
-                f"{names[id(p)]}/{key}": value.detach()
-                for p, st in self.optimizer.state.items()
-                for key, value in st.items()
+            return {
+                "outer_step": self.outer_step,
+                "params": {n: p.detach() for n, p in self.module.named_parameters()},
+                "start": dict(self.start),
+                "perp": perp_of(self.module).detach(),
+                "errors": None if self.errors is None else dict(self.errors),
+                "optimizer": named_optimizer_state(self.module, self.optimizer),
             }
-            groups = [
-                {
-                    **{
-                        k: (v.item() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v)
-                        for k, v in g.items()
-                        if k != "params"
-                    },
-                    "params": names_,
-                }
-                for g, names_ in zip(self.optimizer.param_groups, self.optimizer_param_names())
-            ]
-            return tensors, groups
 
-    def load_optimizer_state(self, tensors: Mapping[str, torch.Tensor], groups: Sequence[Mapping]) -> None:
-        """Restore what `optimizer_state` returned (into a fresh AdamW over this module)."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Adopt a state: "outer_step", "start" and "perp" are required; "params" defaults to θ_start,
+        "errors" to an empty buffer and "optimizer" to a fresh AdamW (a late joiner's state).
+
+        Every name and shape is checked before anything changes (ValueError); the current inner
+        step's gradients and pending activations are dropped.
+        """
         with self.lock:
+            own = dict(self.module.named_parameters())
+            start, params = state["start"], state.get("params", state["start"])
+            for what, tensors in (("state", start), ("parameters", params)):
+                if set(tensors) != set(own):
+                    missing, extra = set(own) - set(tensors), set(tensors) - set(own)
+                    raise ValueError(
+                        f"{what} for stage {self.stage} does not match: missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(extra)[:3]}"
+                    )
+                for name, value in tensors.items():
+                    if own[name].shape != value.shape:
+                        raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
+            perp = state["perp"]
+            if perp.shape != perp_of(self.module).shape:
+                raise ValueError(f"T⊥: shape {tuple(perp.shape)} != {tuple(perp_of(self.module).shape)}")
             optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
-            order = [n for g in self.optimizer_param_names() for n in g]
-            if [list(g["params"]) for g in groups] != self.optimizer_param_names():
-                raise ValueError(f"stage {self.stage}: optimizer parameter groups do not match this model")
-            index = {name: i for i, name in enumerate(order)}
-            state: dict[int, dict[str, torch.Tensor]] = {}
-            for key, value in tensors.items():
-                name, field = key.rsplit("/", 1)
-                state.setdefault(index[name], {})[field] = value
-            template = optimizer.state_dict()["param_groups"]
-            merged = [
-                {**tg, **{k: (tuple(v) if isinstance(tg.get(k), tuple) else v) for k, v in g.items() if k != "params"}}
-                for tg, g in zip(template, groups)
-            ]
-            optimizer.load_state_dict({"state": state, "param_groups": merged})
+            if state.get("optimizer") is not None:
+                load_named_optimizer_state(self.module, optimizer, state["optimizer"], self.stage)
+            with torch.no_grad():
+                for name, value in params.items():
+                    own[name].copy_(value.to(own[name].device))
+            set_perp(self.module, perp.to(self.device))
+            self._set_start({n: v.detach().to(own[n].device, own[n].dtype).clone() for n, v in start.items()})
+            errors = state.get("errors")
+            self.errors = None if errors is None else {n: e.to("cpu", torch.float32) for n, e in errors.items()}
             self.optimizer = optimizer
+            self.outer_step = int(state["outer_step"])
+            self._reset_step()
 
     def param_hash(self) -> str:
         """Hash of the committed parameters θ_start (published in every record refresh)."""
@@ -344,11 +311,67 @@ class StageWorker:
         return self._hashes()[1]
 
     def _hashes(self) -> tuple[str, str]:
-        """(θ_start, T⊥) hashes, computed once per committed state: `start` is re-assigned whenever
-        θ_start or T⊥ change, and every assignment bumps `_start_version`, which keys the cache."""
+        """(θ_start, T⊥) hashes, computed once per committed state: θ_start and T⊥ change only
+        through `_set_start`, which bumps `_start_version`, the key of the cache."""
         with self.lock:
             key = (self._start_version, self.outer_step)
-            if getattr(self, "_hash_key", None) != key:
+            if self._hash_key != key:
                 self._hash_value = (state_hash(self.start), state_hash({"perp": perp_of(self.module)}))
                 self._hash_key = key
             return self._hash_value
+
+
+def _compressed_input_grad(x_in: torch.Tensor | None, U: torch.Tensor) -> torch.Tensor | None:
+    """∇X̂·U of a stage's expanded input (b, L, k), for the stage before it; None on stage 0."""
+    if x_in is None or x_in.grad is None:
+        return None
+    return compress_grad(x_in.grad, U).cpu()
+
+
+def _param_names(module: Decoder, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Global parameter names of each AdamW param group, in the optimizer's order."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def named_optimizer_state(module: Decoder, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """AdamW state by global name: {"state": {"<param>/<exp_avg|exp_avg_sq|step>": tensor},
+    "param_groups": [JSON-serialisable hyperparameters + "params" as global names]}."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    tensors = {
+        f"{names[id(p)]}/{key}": value.detach() for p, st in optimizer.state.items() for key, value in st.items()
+    }
+    groups = [
+        {
+            **{
+                k: (v.item() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v)
+                for k, v in g.items()
+                if k != "params"
+            },
+            "params": names_,
+        }
+        for g, names_ in zip(optimizer.param_groups, _param_names(module, optimizer), strict=True)
+    ]
+    return {"state": tensors, "param_groups": groups}
+
+
+def load_named_optimizer_state(
+    module: Decoder, optimizer: torch.optim.Optimizer, named: Mapping[str, Any], stage: int
+) -> None:
+    """Load what `named_optimizer_state` returned into `optimizer` (fresh, over `module`); ValueError
+    when its parameter groups are not this model's."""
+    groups: Sequence[Mapping[str, Any]] = named["param_groups"]
+    own_groups = _param_names(module, optimizer)
+    if [list(g["params"]) for g in groups] != own_groups:
+        raise ValueError(f"stage {stage}: optimizer parameter groups do not match this model")
+    index = {name: i for i, name in enumerate(n for g in own_groups for n in g)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in named["state"].items():
+        name, field = key.rsplit("/", 1)
+        state.setdefault(index[name], {})[field] = value
+    template = optimizer.state_dict()["param_groups"]
+    merged = [
+        {**tg, **{k: (tuple(v) if isinstance(tg.get(k), tuple) else v) for k, v in g.items() if k != "params"}}
+        for tg, g in zip(template, groups, strict=True)
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": merged})

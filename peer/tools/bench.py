@@ -2,8 +2,16 @@
 
 Builds the model preset (or a preset with its layer count changed) whose parameter count is
 closest to the request, runs a few real AdamW steps on random tokens, takes Δ = θ_start − θ_now,
-and measures the serialized payload: bytes per parameter (budget ≤ 0.014 at defaults), the ratio
-to dense fp32, and the time to compress + serialize and to parse + decompress.
+and measures the serialized payload: bytes per parameter (budget ≤ 0.0105 at defaults), bits per
+index and per value, header bytes, the ratio to dense fp32, the time to compress + serialize, to
+parse + decompress, to parse and clip-and-aggregate M payloads, and the peak memory of that
+aggregation against one dense float32 copy of the parameters.
+
+`templar_roundtrip` is a baseline written for this benchmark after reading templar's
+`TopKCompressor` (v2.1.3, src/tplr/compress.py; not installable here): per 64×64 chunk torch.topk
+of |x| (sorted=False), gather, 12-bit index packing (two per 3 bytes), 8-bit quantization (mean
+shift, 6σ range over 256 bins, a lookup table of bin means) and, to decode, dequantize, unpack,
+scatter into zeros and rearrange back. It runs on the same tensors in the same process.
 
 Invariant: bytes are counted from `Payload.to_bytes()`, i.e. exactly what goes on the wire.
 """
@@ -12,17 +20,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import multiprocessing
+import statistics
+import threading
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 
 from peer.config import TrainConfig
 from peer.core.model import PRESETS, ModelConfig, build_model, get_preset
 from peer.core.optim import build_adamw, clip_grads
+from peer.core.payload import SPARSE, index_nbytes, n_selected
 from peer.core.sparseloco import (
     Payload,
     SparseLoCoConfig,
+    clip_and_aggregate,
     compress,
     decompress,
     ideal_bytes_per_param,
@@ -46,13 +64,192 @@ def closest_model(n_params: int) -> tuple[str, ModelConfig]:
             if best is None or gap < best[0]:
                 label = name if n_layers == preset.n_layers else f"{name}@{n_layers}layers"
                 best = (gap, label, cfg)
+    assert best is not None  # PRESETS is not empty
     return best[1], best[2]
 
 
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """(median seconds of `repeats` calls, the last result)."""
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _aggregate_child(wire: bytes, total: int, cfg: SparseLoCoConfig, m: int) -> int:
+    """In a fresh process: peak resident bytes added while parsing and clip-and-aggregating m payloads
+    (sampled every millisecond; kernels and torch's thread pool are warmed up on a tiny payload first)."""
+    proc = psutil.Process()
+    Payload.from_bytes(wire, max_bytes=len(wire), max_elements=total, cfg=cfg)  # loads the kernels
+    tiny = compress({"w": torch.ones(64, 64)}, None, cfg)[0]
+    clip_and_aggregate([tiny, tiny], cfg.clip_median_factor, cfg.aggregation)
+    base = peak = proc.memory_info().rss
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    payloads = [Payload.from_bytes(wire, max_bytes=len(wire), max_elements=total, cfg=cfg) for _ in range(m)]
+    agg = clip_and_aggregate(payloads, cfg.clip_median_factor, cfg.aggregation)[0]
+    done.set()
+    thread.join()
+    peak = max(peak, proc.memory_info().rss)
+    del agg
+    return int(peak - base)
+
+
+def _aggregate_peak(wire: bytes, total: int, cfg: SparseLoCoConfig, m: int) -> int:
+    """Peak memory of aggregating m payloads, measured in a spawned process (a clean allocator)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return int(pool.apply(_aggregate_child, (wire, total, cfg, m)))
+
+
+def _templar_pack12(idx: torch.Tensor) -> torch.Tensor:
+    """Two 12-bit indices in three bytes (templar's `pack_12bit_indices` layout). (n/2·3,) uint8."""
+    pairs = idx.reshape(-1, 2).to(torch.int32)
+    a, b = pairs[:, 0], pairs[:, 1]
+    out = torch.empty(pairs.shape[0], 3, dtype=torch.uint8)
+    out[:, 0] = (a & 0xFF).to(torch.uint8)
+    out[:, 1] = (((a >> 8) & 0xF) | ((b & 0xF) << 4)).to(torch.uint8)
+    out[:, 2] = ((b >> 4) & 0xFF).to(torch.uint8)
+    return out.reshape(-1)
+
+
+def _templar_unpack12(packed: torch.Tensor, n: int) -> torch.Tensor:
+    trip = packed.reshape(-1, 3).to(torch.int64)
+    out = torch.empty(trip.shape[0], 2, dtype=torch.int64)
+    out[:, 0] = trip[:, 0] | ((trip[:, 1] & 0xF) << 8)
+    out[:, 1] = (trip[:, 1] >> 4) | (trip[:, 2] << 4)
+    return out.reshape(-1)[:n]
+
+
+def _templar_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(y, x, h·w) chunk rows, as templar's ChunkingTransformer + compress rearrange (a copy)."""
+    if x.dim() >= 2:
+        rows, cols = x.shape[0], x.numel() // x.shape[0]
+        h, w = math.gcd(rows, chunk), math.gcd(cols, chunk)
+        return x.reshape(rows // h, h, cols // w, w).permute(0, 2, 1, 3).reshape(rows // h, cols // w, h * w)
+    w = math.gcd(x.numel(), chunk)
+    return x.reshape(-1, w)
+
+
+def templar_roundtrip(delta: Mapping[str, torch.Tensor], topk: int = 32, chunk: int = 64) -> dict[str, float]:
+    """Time and size of the templar-style baseline (see the module docstring) on these tensors."""
+    encoded: dict[str, tuple[Any, ...]] = {}
+    n_bytes = 0
+    t0 = time.perf_counter()
+    for name, x in delta.items():
+        rows = _templar_chunks(x, chunk)
+        k = max(2, min(topk, rows.shape[-1]))
+        k -= k % 2
+        idx = torch.topk(rows.abs(), k, dim=-1, largest=True, sorted=False).indices
+        val = torch.gather(rows, -1, idx)
+        packed = _templar_pack12(idx)
+        shift = val.mean()
+        centred = val - shift
+        std = centred.norm() / math.sqrt(max(1, centred.numel() - 1))
+        scale = float(6 * std / 256) or 1.0
+        q = (centred / scale + 128).round().clamp(0, 255).to(torch.uint8)
+        sums = torch.zeros(256).scatter_add_(0, q.reshape(-1).long(), centred.reshape(-1))
+        counts = torch.zeros(256).scatter_add_(0, q.reshape(-1).long(), torch.ones(q.numel()))
+        lookup = torch.where(counts > 0, sums / counts, torch.zeros_like(sums))
+        wire = (packed.numpy().tobytes(), q.numpy().tobytes(), lookup.numpy().tobytes(), float(shift))
+        n_bytes += len(wire[0]) + len(wire[1]) + len(wire[2]) + 8
+        encoded[name] = (wire, tuple(idx.shape), tuple(x.shape), tuple(rows.shape))
+    encode_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _name, (wire, idx_shape, shape, rows_shape) in encoded.items():
+        lookup = torch.from_numpy(np.frombuffer(wire[2], dtype=np.float32).copy())
+        q = torch.from_numpy(np.frombuffer(wire[1], dtype=np.uint8).copy()).reshape(idx_shape)
+        val = lookup[q.long()] + wire[3]
+        idx = _templar_unpack12(torch.from_numpy(np.frombuffer(wire[0], dtype=np.uint8).copy()), q.numel())
+        out = torch.zeros(rows_shape)
+        out.scatter_reduce_(-1, idx.reshape(idx_shape), val, reduce="mean", include_self=False)
+        if len(shape) >= 2:
+            n_y, n_x, _ = rows_shape
+            h, w = shape[0] // n_y, (out.numel() // shape[0]) // n_x
+            out = out.reshape(n_y, n_x, h, w).permute(0, 2, 1, 3).reshape(shape)
+        else:
+            out = out.reshape(shape)
+    decode_s = time.perf_counter() - t0
+    total = sum(t.numel() for t in delta.values())
+    return {"encode_s": encode_s, "decode_s": decode_s, "bytes_per_param": n_bytes / total}
+
+
+def codec_figures(
+    delta: Mapping[str, torch.Tensor], cfg: SparseLoCoConfig, repeats: int = 3, n_aggregate: int = 16
+) -> dict[str, Any]:
+    """Sizes, median times (encode, decode, templar's round trip, aggregate-M) and aggregation memory."""
+    total = sum(t.numel() for t in delta.values())
+
+    def encode() -> tuple[Payload, bytes]:
+        payload = compress(delta, None, cfg)[0]  # the new error buffers are dropped at once
+        return payload, payload.to_bytes()
+
+    encode_s, (payload, wire) = _median_time(encode, repeats)
+
+    def parse() -> Payload:
+        return Payload.from_bytes(wire, max_bytes=max(len(wire), 1), max_elements=total, cfg=cfg)
+
+    decode_s = _median_time(lambda: decompress(parse()), repeats)[0]
+    sparse = [e for e in payload.entries if e.kind == SPARSE]
+    n_idx = sum(n_selected(e.shape, cfg.chunk, cfg.topk) for e in sparse)
+    idx_bytes = sum(index_nbytes(e.shape, cfg.chunk, cfg.topk) for e in sparse)
+    value_bytes = sum(((cfg.quant_bits or 32) * n_selected(e.shape, cfg.chunk, cfg.topk) + 7) // 8 for e in sparse)
+    header_bytes = 13 + sum(6 + len(e.name.encode()) + 4 * len(e.shape) for e in payload.entries)
+    dense_copy = 4 * total
+
+    def aggregate_m() -> dict[str, torch.Tensor]:
+        return clip_and_aggregate([parse() for _ in range(n_aggregate)], cfg.clip_median_factor, cfg.aggregation)[0]
+
+    aggregate_s = _median_time(aggregate_m, 1)[0]
+    peak = _aggregate_peak(wire, total, cfg, n_aggregate)
+    templar = [templar_roundtrip(delta, cfg.topk, cfg.chunk) for _ in range(repeats)]
+    t_enc = statistics.median(t["encode_s"] for t in templar)
+    t_dec = statistics.median(t["decode_s"] for t in templar)
+    return {
+        "payload_bytes": len(wire),
+        "bytes_per_param": len(wire) / total,
+        "bits_per_index": 8 * idx_bytes / max(n_idx, 1),
+        "bits_per_value": 8 * value_bytes / max(n_idx, 1),
+        "header_bytes": header_bytes,
+        "encode_s": encode_s,
+        "decode_s": decode_s,
+        "roundtrip_s": encode_s + decode_s,
+        "aggregate_m": n_aggregate,
+        "aggregate_s": aggregate_s,
+        "aggregate_peak_bytes": peak,
+        "aggregate_peak_vs_dense": peak / dense_copy,
+        "templar_bytes_per_param": templar[0]["bytes_per_param"],
+        "templar_encode_s": t_enc,
+        "templar_decode_s": t_dec,
+        "templar_roundtrip_s": t_enc + t_dec,
+        "speedup_vs_templar": (t_enc + t_dec) / (encode_s + decode_s),
+    }
+
+
 def bench_payload(
-    n_params: int, seed: int = 0, steps: int = 3, cfg: SparseLoCoConfig | None = None, seq_len: int = 16
-) -> dict:
-    """Measure the payload of one round for a model of about `n_params` parameters."""
+    n_params: int,
+    seed: int = 0,
+    steps: int = 3,
+    cfg: SparseLoCoConfig | None = None,
+    seq_len: int = 16,
+    repeats: int = 3,
+    n_aggregate: int = 16,
+) -> dict[str, Any]:
+    """Measure the payload of one round for a model of about `n_params` parameters.
+
+    Times are medians of `repeats` runs; aggregation parses and clip-and-aggregates `n_aggregate`
+    copies of the payload (the work and memory of as many distinct ones).
+    """
     cfg = cfg or SparseLoCoConfig()
     preset, model_cfg = closest_model(n_params)
     torch.manual_seed(seed)
@@ -107,6 +304,8 @@ def bench_payload(
         "sent_norm_fraction": sent_norm / delta_norm if delta_norm else 0.0,
         "roundtrip_exact": Payload.from_bytes(wire, max_bytes=len(wire), max_elements=total).to_bytes() == wire,
     }
+    del decoded, errors, payload, model
+    result.update(codec_figures(delta, cfg, repeats, n_aggregate))
     log.info(
         "payload benchmark: %s params (%s), %d bytes, %.5f B/param, %.0fx vs fp32",
         total,
@@ -115,5 +314,4 @@ def bench_payload(
         result["bytes_per_param"],
         result["ratio_vs_fp32"],
     )
-    del errors
     return result

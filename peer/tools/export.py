@@ -13,6 +13,9 @@ SwiGLU, untied head, no biases), so export is a rename of tensors plus a config.
 Invariants: transformers is never imported here (it is only needed to *load* the result);
 the output folder is written atomically; the exported model computes the same logits as
 peer.core.model.Decoder up to float rounding.
+
+A folder of configurations (`peer simulate --save DIR` writes DIR/<config>/) is accepted too:
+with exactly one configuration that one is exported, with several the error lists them.
 """
 
 from __future__ import annotations
@@ -22,16 +25,23 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
 from peer.core.model import ModelConfig
 from peer.errors import CheckpointError
-from peer.node.checkpoints.model import TOKENIZER_FILE, atomic_directory, load_model_checkpoint
+from peer.node.checkpoints.model import (
+    META_FILE,
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    atomic_directory,
+    load_model_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_hf", "hf_config", "hf_name"]
+__all__ = ["export_hf", "hf_config", "hf_name", "list_configurations", "resolve_checkpoint"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
@@ -62,7 +72,7 @@ def hf_name(name: str) -> str:
     raise KeyError(name)
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json contents for LlamaForCausalLM (readable by transformers 4.4x and 5.x)."""
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -89,7 +99,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     }
 
 
-def _tokenizer_config(tokenizer_path: Path, cfg: ModelConfig) -> dict:
+def _tokenizer_config(tokenizer_path: Path, cfg: ModelConfig) -> dict[str, Any]:
     """tokenizer_config.json for LlamaTokenizer; special tokens read from the .model file."""
     import sentencepiece as spm  # local import: only export needs it here
 
@@ -124,7 +134,7 @@ def _warn_if_not_llama_compatible(tokenizer_path: Path) -> None:
     try:
         from sentencepiece import sentencepiece_model_pb2
 
-        proto = sentencepiece_model_pb2.ModelProto()
+        proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # built at import by protobuf
         proto.ParseFromString(tokenizer_path.read_bytes())
     except (ImportError, OSError, DecodeError) as e:  # only skips this check, and says so
         logger.warning("could not inspect %s (%s); tokenizer compatibility not checked", tokenizer_path, e)
@@ -140,12 +150,50 @@ def _warn_if_not_llama_compatible(tokenizer_path: Path) -> None:
         )
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """Whether `path` is meant as one checkpoint (complete or not): it holds meta.json or the weights."""
+    return (path / META_FILE).is_file() or (path / MODEL_FILE).is_file()
+
+
+def list_configurations(folder: Path | str) -> list[str]:
+    """Names of the checkpoint folders directly inside `folder` (e.g. `peer simulate --save`'s configs)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and _is_checkpoint(p))
+
+
+def resolve_checkpoint(path: Path | str) -> Path:
+    """The checkpoint folder `path` names: itself, or the only configuration it holds.
+
+    CheckpointError listing the configurations when it holds several, or saying what a
+    checkpoint folder looks like when it holds none.
+    """
+    path = Path(path)
+    if not path.is_dir() or _is_checkpoint(path):
+        return path  # load_model_checkpoint says what is missing
+    configs = list_configurations(path)
+    if len(configs) == 1:
+        logger.info("%s holds one configuration, %s; exporting it", path, configs[0])
+        return path / configs[0]
+    if configs:
+        raise CheckpointError(
+            f"{path} holds {len(configs)} configurations ({', '.join(configs)}); "
+            f"export one of them, e.g. `peer export {path / configs[0]} --out …`"
+        )
+    raise CheckpointError(
+        f"{path} is not a checkpoint: it holds no {META_FILE} + {MODEL_FILE} and no folder that does; "
+        f"pass a folder written by `peer simulate --save` or one of its configurations"
+    )
+
+
 def export_hf(checkpoint_dir: Path | str, out_dir: Path | str) -> Path:
     """Write a LlamaForCausalLM folder for the checkpoint; returns `out_dir`.
 
+    `checkpoint_dir` is a checkpoint or a folder holding exactly one (`resolve_checkpoint`).
     CheckpointError when the checkpoint is missing, corrupt, or not a whole model.
     """
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, out_dir = resolve_checkpoint(checkpoint_dir), Path(out_dir)
     state_dict, cfg, meta = load_model_checkpoint(checkpoint_dir)
     try:
         tensors = {hf_name(k): v for k, v in state_dict.items()}

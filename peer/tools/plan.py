@@ -20,8 +20,10 @@ and measured with `peer.net.transport.codec.encoded_size`, and payload sizes com
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size
 from peer.net.transport.messages import BackwardRequest, ForwardRequest
+from peer.tools.plots import figure
 
 # Shapes of larger models for planning only (never built): LLaMA-style, untied head, no GQA.
 PLAN_PRESETS: dict[str, ModelConfig] = {
@@ -65,10 +68,11 @@ class PlanInputs:
 
 def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
     """The preset's shape, or the known shape whose parameter count is nearest to `params`."""
-    if inputs.params is not None:
-        if not inputs.params > 0:
-            raise ConfigError(f"--params must be a positive parameter count, e.g. 7e9, got {inputs.params:g}")
-        name = min(PLAN_PRESETS, key=lambda n: abs(PLAN_PRESETS[n].n_params - inputs.params))
+    target = inputs.params
+    if target is not None:
+        if not target > 0:
+            raise ConfigError(f"--params must be a positive parameter count, e.g. 7e9, got {target:g}")
+        name = min(PLAN_PRESETS, key=lambda n: abs(PLAN_PRESETS[n].n_params - target))
         return name, PLAN_PRESETS[name]
     if inputs.preset not in PLAN_PRESETS:
         raise ConfigError(f"unknown preset {inputs.preset!r}; choose from {', '.join(PLAN_PRESETS)} or pass --params")
@@ -103,7 +107,7 @@ def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
         raise ConfigError(f"--flops must be a positive FLOP/s rate, e.g. 4e14, got {inputs.flops:g}")
 
 
-def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict]:
+def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict[str, Any]]:
     """One row per bandwidth: byte counts, times and utilisation of compressed vs uncompressed pipelines."""
     _check_inputs(inputs, bandwidths_mbps)
     name, cfg = resolve_model(inputs)
@@ -121,7 +125,7 @@ def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict]:
     slc = SparseLoCoConfig()
     payloads = [payload_nbytes(stage_shapes(cfg, s, S), slc) for s in range(S)]
     t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops
-    rows = []
+    rows: list[dict[str, Any]] = []
     for bw in bandwidths_mbps:
         bytes_per_s = bw * 1e6 / 8
         round_s = (inputs.replicas - 1) * max(payloads) / bytes_per_s
@@ -146,30 +150,19 @@ def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict]:
     return rows
 
 
-def plot_plan(rows: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_plan(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Utilisation against bandwidth (log scale), compressed vs uncompressed, as a PNG at `path`."""
     bws = [r["bandwidth_mbps"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(bws, [100 * r["util_compressed"] for r in rows], "o-", label=f"compressed (k={rows[0]['k']})")
-    ax.plot(bws, [100 * r["util_uncompressed"] for r in rows], "s--", label="uncompressed")
-    ax.set_xscale("log")
-    ax.set_xlabel("inter-stage bandwidth (Mbit/s)")
-    ax.set_ylabel("compute utilisation (%)")
-    ax.set_ylim(0, 105)
-    ax.grid(alpha=0.3, which="both")
-    ax.set_title(f"{rows[0]['model']}: utilisation vs bandwidth")
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = f"{rows[0]['model']}: utilisation vs bandwidth"
+    with figure(path, title, "inter-stage bandwidth (Mbit/s)", "compute utilisation (%)", figsize=(6.5, 4)) as ax:
+        ax.plot(bws, [100 * r["util_compressed"] for r in rows], "o-", label=f"compressed (k={rows[0]['k']})")
+        ax.plot(bws, [100 * r["util_uncompressed"] for r in rows], "s--", label="uncompressed")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3, which="both")
+    return Path(path)
 
 
-def with_inputs(inputs: PlanInputs, **changes) -> PlanInputs:
+def with_inputs(inputs: PlanInputs, **changes: Any) -> PlanInputs:
+    """A copy of `inputs` with `changes` applied."""
     return dataclasses.replace(inputs, **changes)

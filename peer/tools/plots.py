@@ -1,4 +1,4 @@
-"""Headless matplotlib figures for the CLI's `--plot` outputs (`peer simulate`, `peer demo`).
+"""Headless matplotlib figures for the CLI's plots (`peer simulate`, `peer demo`, `peer plan`).
 
 One place for the boilerplate every plot shares: the Agg backend (no display needed), one axes,
 labels, title, grid and legend, a parent folder created on demand, the PNG written at 120 dpi and

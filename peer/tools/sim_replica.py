@@ -3,6 +3,7 @@
 A *compressed* replica passes activations between its stages through the subspace boundary
 (X̃ = (X − T⊥[x])·U, expanded with Uᵀ) and keeps T_S in Col(U) after every inner step; an
 *uncompressed* one (a full replica) passes them as they are and trains its embedding freely.
+The inner step is the peers' own (`peer.core.outer`: micro-batch accumulation, clipped AdamW).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch.nn.functional as F
 
 from peer.config import RunConfig
 from peer.core.model import Decoder, build_stage
-from peer.core.optim import build_adamw, clip_grads, lr_at, set_lr
-from peer.core.outer import EMBED, init_subspace, perp_of
-from peer.core.subspace import compressed_boundary, project_
+from peer.core.optim import build_adamw
+from peer.core.outer import EMBED, accumulate, adamw_step, init_subspace, perp_of
+from peer.core.subspace import compressed_boundary
 
 
 @dataclass
@@ -43,7 +44,7 @@ class LocalReplica:
         stages = [build_stage(cfg.model, s, cfg.stages, cfg.seed) for s in range(cfg.stages)]
         if U is not None:
             init_subspace(stages, cfg, U)
-        optimizers = [build_adamw(st.named_parameters(), cfg.train) for st in stages]
+        optimizers: list[torch.optim.Optimizer] = [build_adamw(st.named_parameters(), cfg.train) for st in stages]
         return cls(cfg=cfg, compressed=compressed, U=U, stages=stages, optimizers=optimizers)
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -51,7 +52,7 @@ class LocalReplica:
         h = self.stages[0](inputs)
         crossed = 0
         for stage in self.stages[1:]:
-            if self.compressed:
+            if self.compressed and self.U is not None:
                 h = compressed_boundary(h, inputs, perp_of(stage), self.U)
                 crossed += 2 * h.shape[0] * h.shape[1] * self.U.shape[1]  # (b, L, k) forward + backward
             else:
@@ -66,25 +67,14 @@ class LocalReplica:
 
     def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> StepStats:
         """Forward + backward of `microbatches` micro-batches; gradients add up (times `scale`)."""
-        n_micro = self.cfg.train.microbatches
-        total_loss, crossed = 0.0, 0
-        for mb_in, mb_tgt in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):
-            loss, c = self.forward_loss(mb_in, mb_tgt)
-            (loss * (scale / n_micro)).backward()
-            total_loss += loss.item() / n_micro
-            crossed += c
-        return StepStats(loss=total_loss, tokens=inputs.numel(), boundary_values=crossed)
+        loss, crossed = accumulate(self.forward_loss, inputs, targets, self.cfg.train.microbatches, scale)
+        return StepStats(loss=loss, tokens=inputs.numel(), boundary_values=crossed)
 
     def apply_step(self, global_step: int) -> None:
         """Clip per stage (as a real pipeline does), AdamW step, keep T_S in Col(U)."""
-        lr = lr_at(global_step, self.cfg.train)
-        for stage, opt in zip(self.stages, self.optimizers):
-            clip_grads(stage.parameters(), self.cfg.train.grad_clip)
-            set_lr(opt, lr)
-            opt.step()
-        if self.compressed:
-            with torch.no_grad():
-                project_(self.stages[0].embed.weight, self.U)
+        for s, (stage, opt) in enumerate(zip(self.stages, self.optimizers, strict=True)):
+            keep_in = self.U if self.compressed and s == 0 else None
+            adamw_step(stage, opt, global_step, self.cfg.train, keep_in)
 
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int) -> StepStats:
         """One inner AdamW step on a (b, L) batch split into micro-batches."""
@@ -111,7 +101,7 @@ class LocalReplica:
         for stage in self.stages:
             for name, p in stage.named_parameters():
                 out[name] = p.detach().clone()
-        head = self.stages[0]
-        if head.embed.perp is not None:
-            out[EMBED] = out[EMBED] + head.embed.perp
+        head = self.stages[0].embed
+        if head is not None and head.perp is not None:
+            out[EMBED] = out[EMBED] + head.perp
         return out

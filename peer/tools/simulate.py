@@ -6,11 +6,12 @@ Runs, on the same data, seed and number of steps:
 - `pp-compress`     every replica's stage boundaries go through the k-dim subspace,
 - `het-pp-compress` a fraction α of the replicas is uncompressed, the rest compressed.
 
-Every replica is S stage views of the decoder (`peer.core.outer.LocalReplica`), so the stage
-boundaries and per-stage SparseLoCo rounds are the ones a real swarm runs; only the network is
-missing. Pseudo-gradients are serialised with the real payload format and counted in bytes;
-activation bytes count the values that cross stage boundaries (forward and backward) at the
-configured wire dtype, tokens as int32.
+Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the stage
+boundaries, the inner step (`peer.core.outer.accumulate`, `adamw_step`) and the per-stage SparseLoCo rounds
+(`peer.core.outer.commit_round`) are the ones a real swarm runs; only the network is missing.
+Pseudo-gradients are serialised with the real payload format and counted in bytes; activation
+bytes count the values that cross stage boundaries (forward and backward) at the configured wire
+dtype, tokens as int32.
 
 `final_val_loss` is the held-out loss of replica 0 on its own forward path (compressed for
 `pp-compress`, uncompressed otherwise — in `het-pp-compress` replica 0 is an uncompressed one).
@@ -26,13 +27,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.outer import EMBED, apply_outer_update, stage_state
-from peer.core.sparseloco import Payload, aggregate, clip_to_median, compress, decompress, pseudo_gradient
+from peer.core.outer import commit_round, stage_state
+from peer.core.sparseloco import Payload, compress, decompress, pseudo_gradient
 from peer.core.subspace import k_from_ratio, make_basis
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
@@ -61,7 +63,7 @@ class ConfigResult:
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         keys = ("name", "k_ratio", "het_fraction", "final_loss", "final_val_loss", "delta_pct", "pg_bytes", "act_bytes")
         return {k: getattr(self, k) for k in keys} | {"wall_s": round(self.wall_s, 2)}
 
@@ -132,7 +134,7 @@ def run_diloco(
     uses_subspace = kind != "sparseloco"
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if uses_subspace else None
     reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U) for m in range(replicas)]
-    errors: list[list[dict | None]] = [[None] * cfg.stages for _ in range(replicas)]
+    errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
     result = ConfigResult(
         kind,
         cfg.subspace.k_ratio if uses_subspace else None,
@@ -167,13 +169,10 @@ def run_diloco(
                 wire = payload.to_bytes()
                 pg_bytes[m] += len(wire)
                 decoded.append(decompress(Payload.from_bytes(wire)))
-            decoded, clip = clip_to_median(decoded, slc.clip_median_factor)
-            result.clipped += clip.n_clipped
-            agg = aggregate(decoded, replicas, slc.aggregation)
+            done = commit_round([rep.stages[s] for rep in reps], starts[s], decoded, slc, U, embed_update)
+            result.clipped += done.clip.n_clipped
             if s == 0:
-                embed_update = -slc.outer_lr * agg[EMBED]
-            for rep in reps:
-                apply_outer_update(rep.stages[s], starts[s], agg, slc.outer_lr, U, embed_update=embed_update)
+                embed_update = done.embed_update
         result.val_curve.append(((t + 1) * train.inner_steps, reps[0].eval_loss(val)))
     result.pg_bytes = sum(pg_bytes) // replicas
     result.act_bytes = sum(act_bytes) // replicas
@@ -224,7 +223,7 @@ def simulate(
     return results
 
 
-def with_overrides(cfg: RunConfig, **train_overrides) -> RunConfig:
+def with_overrides(cfg: RunConfig, **train_overrides: Any) -> RunConfig:
     """Convenience for tests and the CLI: a copy of cfg with some TrainConfig fields replaced."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_overrides))
 
@@ -234,7 +233,7 @@ def plot_curves(results: Sequence[ConfigResult], path: Path, title: str = "peer 
     with figure(path, title) as ax:
         for i, r in enumerate(results):
             color = f"C{i}"
-            steps, losses = zip(*r.train_curve)
+            steps, losses = zip(*r.train_curve, strict=True)
             window = max(1, len(losses) // 50)
             smooth = [
                 sum(losses[max(0, j - window + 1) : j + 1]) / len(losses[max(0, j - window + 1) : j + 1])
@@ -242,6 +241,6 @@ def plot_curves(results: Sequence[ConfigResult], path: Path, title: str = "peer 
             ]
             ax.plot(steps, smooth, color=color, alpha=0.6, linewidth=1, label=f"{r.name} train")
             if r.val_curve:
-                vs, vl = zip(*r.val_curve)
+                vs, vl = zip(*r.val_curve, strict=True)
                 ax.plot(vs, vl, "o-", color=color, markersize=3, label=f"{r.name} val")
     return Path(path)

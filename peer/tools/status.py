@@ -55,18 +55,25 @@ def wait_for_manifest(dht: SwarmDHT, timeout_s: float = 20.0, where: str = "the 
     )
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """`value` when it is a mapping (a manifest section), else an empty one."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def stage_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
-    out = {"peer_id": peer_id}
+    """One stage peer's row of `peer status --json`."""
+    out: dict[str, Any] = {"peer_id": peer_id}
     out.update({name: record.get(name) for name in STAGE_FIELDS})
     return out
 
 
 def replica_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
-    out = {"peer_id": peer_id}
+    """One full replica's row of `peer status --json`."""
+    out: dict[str, Any] = {"peer_id": peer_id}
     out.update({name: record.get(name) for name in REPLICA_FIELDS})
     return out
 
@@ -86,7 +93,7 @@ def collect_status(
     """
     if manifest is None:
         manifest = wait_for_manifest(dht, timeout_s, where)
-    config = manifest.get("config") if isinstance(manifest.get("config"), Mapping) else {}
+    config = _mapping(manifest.get("config"))
     run_id = manifest.get("run_id")
     if not isinstance(run_id, str):
         raise ManifestMismatch("the manifest has no run_id; the bootstrap is broken or too old")
@@ -105,6 +112,6 @@ def collect_status(
     replicas = dht.get_replicas()
     best = max([best, *(_int_or_none(r.get("outer_step")) or 0 for r in replicas.values())])
     full = [replica_entry(pid, replicas[pid]) for pid in sorted(replicas) if replicas[pid].get("kind") == "full"]
-    model = config.get("model") if isinstance(config.get("model"), Mapping) else {}
+    model = _mapping(config.get("model"))
     preset = config.get("preset", model.get("preset"))
     return {"run_id": run_id, "preset": preset, "outer_step": best, "stages": stages, "full_replicas": full}

@@ -8,6 +8,7 @@ rounds on their deadlines, re-sync peers that come back, and every survivor must
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -114,12 +115,10 @@ class Swarm:
         return self.procs[name].wait(timeout=timeout_s)
 
     def close(self) -> None:
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait(timeout=30)
 
 
@@ -169,9 +168,8 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
     n_steps = len(sw.events("head", "step"))
     stopped_at = time.time()
     sw.wait_for(lambda: len(sw.events("head", "step")) > n_steps)
-    print(
-        f"SIGSTOP {stalled}: the head stepped again after {sw.events('head', 'step')[n_steps]['time'] - stopped_at:.1f}s"
-    )
+    resumed_after_s = sw.events("head", "step")[n_steps]["time"] - stopped_at
+    print(f"SIGSTOP {stalled}: the head stepped again after {resumed_after_s:.1f}s")
     sw.wait_for(lambda: max(sw.rounds("full"), default=0) >= t_now + 3, timeout_s=240)
     os.kill(sw.procs[stalled].pid, signal.SIGCONT)
 

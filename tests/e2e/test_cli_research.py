@@ -189,6 +189,22 @@ def test_export_loads_in_transformers_with_same_logits(simulated, cache_dir):
         assert not torch.allclose(fresh(ids), want, atol=1e-4)
 
 
+def test_export_of_the_save_folder_lists_its_configurations(simulated, cache_dir, tmp_path):
+    proc = _peer(["export", str(simulated["save"]), "--out", str(tmp_path / "hf")], cache_dir, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "holds 4 configurations" in err and all(name in err for name in CONFIGS), err
+    assert "meta.json" not in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_simulate_without_output_flags_writes_under_runs(cache_dir, tmp_path):
+    _ok(_peer(["simulate", *SIM_ARGS, "--configs", "adamw"], cache_dir, tmp_path))
+    assert _is_png(tmp_path / "runs" / "simulate.png")
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]  # nothing else in the current directory
+
+
 # ---------------------------------------------------------------------------------------------- plan
 
 
@@ -265,6 +281,13 @@ def test_bad_input_is_a_clean_error(args, env, needle, tmp_path, cache_dir):
     assert len(err.splitlines()) == 1, err  # one line even past 80 columns on a non-terminal stderr
     assert needle in err, err
     assert not (tmp_path / "X").exists() and not (tmp_path / "p.png").exists()
+
+
+def test_python_m_peer_version(tmp_path, cache_dir):
+    from importlib import metadata
+
+    proc = _ok(_peer(["--version"], cache_dir, tmp_path))
+    assert proc.stdout.strip() == f"peer {metadata.version('peer')}"
 
 
 def test_python_m_peer_help(tmp_path, cache_dir):

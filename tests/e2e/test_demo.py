@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -18,17 +19,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 def _tagged(tag: str) -> list[str]:
     """Live processes that inherited DEMO_TEST_TAG=tag (the demo, its peers, their DHT daemons)."""
-    needle = f"DEMO_TEST_TAG={tag}".encode()
     out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                    out.append(f"{entry.name}: {cmdline[:200]}")
-        except OSError:
+            if proc.environ().get("DEMO_TEST_TAG") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:  # gone meanwhile, or another user's process
             continue
     return out
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from bootstrap.node import BootstrapNode
 from peer.config import RunConfig, build_config
 from peer.node.metrics import read_events
-from peer.node.session import SwarmOptions
-from tests.conftest import _children, assert_no_leftover_children
+from peer.node.session import SessionOptions
+from tests.conftest import assert_no_leftover_children, live_descendants
 
 OUTER = 4
 
@@ -65,13 +65,13 @@ class InProcessSwarm:
         self.peers: tuple[str, ...] = ()
 
     def __enter__(self) -> InProcessSwarm:
-        self._before = _children(os.getpid())
+        self._before = live_descendants(os.getpid())
         self._node = BootstrapNode(self.cfg).__enter__()
         self.peers = tuple(self._node.info.initial_peers)
         return self
 
-    def opts(self, name: str, resume: bool = False) -> SwarmOptions:
-        return SwarmOptions(initial_peers=self.peers, data_dir=self.root / name, manifest_timeout_s=30, resume=resume)
+    def opts(self, name: str, resume: bool = False) -> SessionOptions:
+        return SessionOptions(initial_peers=self.peers, data_dir=self.root / name, manifest_timeout_s=30, resume=resume)
 
     def metrics(self, name: str) -> Path:
         return self.root / name / "metrics.jsonl"

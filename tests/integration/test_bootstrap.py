@@ -152,14 +152,14 @@ def test_address_file_names_the_dht_node_and_the_grpc_server(boot):
 def test_stock_hivemind_client_reads_the_manifest(boot):
     stock = hivemind.DHT(initial_peers=boot.maddrs, start=True)
     try:
-        found = stock.get("peer.node.manifest", latest=True)
+        found = stock.get("peer.manifest", latest=True)
         assert found is not None and isinstance(found.value, str)
         manifest = json.loads(found.value)
         assert manifest["run_id"] == boot.record["run_id"] and manifest["bootstrap_address"] == boot.record["grpc"]
         # the refresh loop (every ttl/3 = 1 s) keeps a 3 s record alive past its first expiration
         first_expiration = found.expiration_time
         time.sleep(TTL_S + 0.5)
-        again = stock.get("peer.node.manifest", latest=True)
+        again = stock.get("peer.manifest", latest=True)
         assert again is not None and json.loads(again.value) == manifest
         assert again.expiration_time > max(first_expiration, hivemind.utils.get_dht_time())
     finally:

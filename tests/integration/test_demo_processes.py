@@ -3,6 +3,7 @@ the same spawning helper and `run_demo` as `peer demo` uses, then stopped, faile
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,11 +14,12 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from peer.errors import PeerError
-from peer.tools.demo import Children, DemoConfig, run_demo
-from tests.conftest import is_live
+from peer.tools.demo import DemoConfig, run_demo
+from peer.tools.processes import Children
 
 # A stand-in for `peer bootstrap` / `peer join`: same flags, same address and metrics files.
 FAKE_PEER = textwrap.dedent(r"""
@@ -46,8 +48,8 @@ FAKE_PEER = textwrap.dedent(r"""
     emit(event="start", role=role, stage=stage, peer_id=data.name, address="127.0.0.1:0")
     if mode == "hang":
         if role == "full":  # a grandchild that leaves the process group: only the marker sweep finds it
-            subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
-                             start_new_session=True)
+            stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+            subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True)
         while True:
             time.sleep(1)
     if mode == "fail" and role == "head":
@@ -70,15 +72,15 @@ FAKE_PEER = textwrap.dedent(r"""
 
 
 def _pids_with_env(tag: str) -> list[int]:
-    needle = f"DEMO_TEST_TAG={tag}".encode()
+    """Live (non-zombie) processes, other than this one, that inherited DEMO_TEST_TAG=tag."""
     out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and is_live(int(entry.name)):
-                out.append(int(entry.name))
-        except OSError:
+            if proc.environ().get("DEMO_TEST_TAG") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+        except psutil.Error:  # gone meanwhile, or another user's process
             continue
     return out
 
@@ -89,10 +91,8 @@ def tag(monkeypatch):
     monkeypatch.setenv("DEMO_TEST_TAG", value)
     yield value
     for pid in _pids_with_env(value):  # never leave anything behind, even when an assertion failed
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture
@@ -153,7 +153,8 @@ GRACEFUL = textwrap.dedent("""
     import signal, subprocess, sys, time
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like hivemind's DHT process
     def on_term(*_):
-        print("helper alive at shutdown" if helper.poll() is None else f"helper already gone: {helper.poll()}", flush=True)
+        alive = helper.poll() is None
+        print("helper alive at shutdown" if alive else f"helper already gone: {helper.poll()}", flush=True)
         helper.terminate(); helper.wait(); sys.exit(0)
     signal.signal(signal.SIGTERM, on_term)
     print("graceful up", flush=True)
@@ -280,8 +281,11 @@ def test_a_signal_to_the_demo_stops_every_process(tmp_path, tag, fake, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+    def heads_up() -> bool:
+        return any('"start"' in p.read_text() for p in workdir.glob("p0-s0/metrics.jsonl"))
+
     try:
-        heads_up = lambda: any('"start"' in p.read_text() for p in workdir.glob("p0-s0/metrics.jsonl"))
         _wait_for(lambda: heads_up() and len(_pids_with_env(tag)) >= 6, 30, "the stand-in swarm")
         # demo + bootstrap + p0-s1 + p0-s0 + full0 + full0's escaped grandchild
         demo.send_signal(sig)

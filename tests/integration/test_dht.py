@@ -15,7 +15,8 @@ import hivemind
 import pytest
 
 from peer.errors import ConfigError, NetworkError
-from peer.net.dht import SwarmDHT, dht_time, make_identity
+from peer.net.dht import SwarmDHT, dht_time
+from peer.net.identity import make_identity
 from tests.conftest import assert_no_leftover_children, is_live, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -63,7 +64,7 @@ def test_manifest_read_by_peer_and_by_stock_hivemind_client(nodes):
 
     stock = hivemind.DHT(initial_peers=maddrs, start=True)
     try:
-        found = stock.get("peer.node.manifest", latest=True)
+        found = stock.get("peer.manifest", latest=True)
         assert found is not None and isinstance(found.value, str)
         assert json.loads(found.value) == manifest
         assert found.expiration_time > hivemind.utils.get_dht_time()

@@ -12,7 +12,7 @@ import torch
 from peer.core.model import build_model, build_stage, get_preset
 from peer.errors import CheckpointError
 from peer.node.checkpoints.model import save_model_checkpoint
-from peer.tools.export import export_hf
+from peer.tools.export import export_hf, list_configurations, resolve_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,3 +130,39 @@ def test_export_refuses_a_stage_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not a whole model"):
         export_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def _save_configs(root: Path, names: list[str]) -> None:
+    cfg = get_preset("tiny", n_layers=1)
+    for i, name in enumerate(names):
+        save_model_checkpoint(
+            root / name, build_model(cfg, seed=i).state_dict(), cfg, None, {"simulate": {"name": name}}
+        )
+
+
+def test_export_of_a_folder_with_one_configuration_exports_it(tmp_path):
+    _save_configs(tmp_path / "ckpt", ["pp-compress"])
+    assert resolve_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "pp-compress"
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert out == tmp_path / "hf" and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_export_of_a_folder_with_several_configurations_lists_them(tmp_path):
+    _save_configs(tmp_path / "ckpt", ["sparseloco", "adamw"])
+    (tmp_path / "ckpt" / "notes").mkdir()  # not a checkpoint: not listed
+    assert list_configurations(tmp_path / "ckpt") == ["adamw", "sparseloco"]
+    with pytest.raises(CheckpointError, match=r"holds 2 configurations \(adamw, sparseloco\)") as err:
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert "meta.json" not in str(err.value) and str(tmp_path / "ckpt" / "adamw") in str(err.value)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_folder_without_checkpoints_says_what_to_pass(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="not a checkpoint.*peer simulate --save"):
+        export_hf(tmp_path / "empty", tmp_path / "hf")
+    incomplete = tmp_path / "incomplete"
+    _save_configs(tmp_path, ["incomplete"])
+    (incomplete / "meta.json").unlink()  # a checkpoint missing a file is still reported as incomplete
+    with pytest.raises(CheckpointError, match="incomplete"):
+        export_hf(incomplete, tmp_path / "hf")

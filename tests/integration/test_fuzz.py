@@ -12,6 +12,7 @@ Run with `-s` to see the status histogram.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -245,11 +246,12 @@ class Fuzzer:
         k, V = self.cfg.k, self.cfg.model.vocab_size
         good_tok = codec.tensor_to_proto(self.tokens())
         good_hid = codec.tensor_to_proto(self.hidden())
-        f32 = lambda shape, data=None: pb.Tensor(
-            dtype="float32",
-            shape=shape,  # noqa: E731
-            data=data if data is not None else b"\0" * (4 * _prod(shape)),
-        )
+
+        def f32(shape: list[int], data: bytes | None = None) -> pb.Tensor:
+            return pb.Tensor(
+                dtype="float32", shape=shape, data=data if data is not None else b"\0" * (4 * _prod(shape))
+            )
+
         tensors = {
             "tokens int64": (pb.Tensor(dtype="int64", shape=[B, L], data=b"\0" * 8 * B * L), good_hid),
             "tokens float": (f32([B, L]), good_hid),
@@ -270,7 +272,7 @@ class Fuzzer:
             "hidden rank 9": (good_tok, f32([1] * 9, b"\0" * 4)),
         }
         for _ in range(reps):
-            for name, (tok, hid) in tensors.items():
+            for tok, hid in tensors.values():
                 msg = pb.ForwardRequest(
                     pipeline_id=self.rng.choice((LEGIT, FUZZ)),
                     stage=1,
@@ -304,7 +306,7 @@ class Fuzzer:
 
         for _ in range(reps):
             pid = self.rng.choice((LEGIT, FUZZ))  # the claim holder's bad requests must not touch state either
-            fwd = lambda **kw: self.valid_forward(pipeline=pid, **kw)  # noqa: E731
+            fwd = functools.partial(self.valid_forward, pipeline=pid)
             cases = {
                 "nan hidden": fwd(hidden=nan_hidden(float("nan"))),
                 "inf hidden": fwd(hidden=nan_hidden(float("-inf"))),
@@ -336,13 +338,13 @@ class Fuzzer:
                 "inner step >= H": fwd(inner_step=H),
                 "micro-batch >= M": fwd(microbatch=M + self.rng.randrange(1000)),
             }
-            for name, req in cases.items():
+            for req in cases.values():
                 self.client_call("client-forward", lambda r=req: self.client.forward(r))
             half = self.valid_forward(pipeline=pid, hidden=nan_hidden(float("inf")))
-            self.client_call("client-forward", lambda: self.client16.forward(half))
+            self.client_call("client-forward", lambda h=half: self.client16.forward(h))
             self.client_call(
                 "client-forward",
-                lambda: self.client16.forward(self.valid_forward(pipeline=pid, hidden=self.hidden() * 1e5)),
+                lambda p=pid: self.client16.forward(self.valid_forward(pipeline=p, hidden=self.hidden() * 1e5)),
             )  # fp16 overflow -> inf on the wire
             for req in (
                 BackwardRequest(pid, self.rng.randrange(4), 0, 0, 1, self.hidden()),
@@ -481,7 +483,7 @@ def test_fuzzed_peer_keeps_serving_and_trains_bit_identically(live_peer, caplog)
         for h in range(3):
             xb = torch.randint(0, cfg.model.vocab_size, (B * M, L), generator=torch.Generator().manual_seed(h))
             yb = torch.roll(xb, -1, dims=1)
-            for mb, (mx, my) in enumerate(zip(xb.chunk(M), yb.chunk(M))):
+            for mb, (mx, my) in enumerate(zip(xb.chunk(M), yb.chunk(M), strict=True)):
                 key = (LEGIT, mb)
                 hidden = head.forward(key, mx, None, None).hidden  # (b, L, k)
                 req = ForwardRequest(LEGIT, mb, 0, h, 1, mx.to(torch.int32), hidden, targets=my.to(torch.int32))

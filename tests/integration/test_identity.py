@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 
 from peer.cli import app
 from peer.errors import ConfigError, ManifestMismatch
-from peer.net.dht import SwarmDHT, load_swarm_secret, make_identity, secret_commitment
+from peer.net.admission import load_swarm_secret, secret_commitment
+from peer.net.dht import SwarmDHT
+from peer.net.identity import make_identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -147,7 +149,7 @@ def test_manifest_is_taken_from_the_bootstrap_and_stays_readable_by_stock_hivemi
     joiner.shutdown()
 
     stock = stock_node(maddrs)  # a stock client without peer installed reads the plain mirror
-    found = stock.get("peer.node.manifest", latest=True)
+    found = stock.get("peer.manifest", latest=True)
     assert found is not None and isinstance(found.value, str)
     assert json.loads(found.value)["run_id"] in ("genuine", "impostor")  # unverified, by design
 
@@ -183,7 +185,7 @@ def test_secret_mode_wrong_secret_fails_at_join_and_its_records_are_invisible(no
     wrong.shutdown()
 
     stock = stock_node(maddrs)
-    assert json.loads(stock.get("peer.node.manifest", latest=True).value) == manifest
+    assert json.loads(stock.get("peer.manifest", latest=True).value) == manifest
 
 
 def test_secret_mode_without_a_secret_fails_and_env_secret_works(nodes, monkeypatch):

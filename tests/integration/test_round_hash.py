@@ -22,8 +22,9 @@ import torch
 from peer.config import build_config
 from peer.core.sparseloco import Payload, PayloadError, compress
 from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.rounds import ClientPool, PayloadStore, RoundResult, gather_round, payload_validator, sha256
+from peer.node.rounds import PayloadStore, RoundResult, gather_round, payload_validator, sha256
 from peer.node.service import PeerService
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -104,7 +105,7 @@ def three_replicas(reap_children):
 
 def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, delay_s: float = 0.0) -> RoundResult:
     time.sleep(delay_s)  # a slower replica: the others poll before it announces
-    validate = payload_validator(SHAPES, cfg.sparseloco)  # as Swarm._validator builds it
+    validate = payload_validator(SHAPES, cfg.sparseloco)  # as Rounds._validator builds it
     return gather_round(
         node.dht,
         node.clients,

@@ -23,9 +23,11 @@ def _assert_request_limit(address: str, limit: int) -> None:
     b, L = 1, 64
     width = limit // (4 * b * L) + 1  # just over the limit in float32
     req = ForwardRequest("probe", 0, 0, 0, 1, torch.zeros(b, L, dtype=torch.int64), torch.zeros(b, L, width))
-    with PeerClient(address, timeout_s=30, retries=0) as client:
-        with pytest.raises(RemoteError, match=f"larger than the {limit}-byte message limit") as err:
-            client.forward(req)
+    with (
+        PeerClient(address, timeout_s=30, retries=0) as client,
+        pytest.raises(RemoteError, match=f"larger than the {limit}-byte message limit") as err,
+    ):
+        client.forward(req)
     assert err.value.code == "INVALID_ARGUMENT"
 
 

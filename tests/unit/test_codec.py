@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from peer.config import WIRE_DTYPES
 from peer.errors import ConfigError, PeerError
 from peer.net.transport import codec, framing
 from peer.net.transport import peer_pb2 as pb
@@ -53,7 +54,10 @@ def _fwd(b=2, L=3, k=4, targets=True, vocab=50, seed=0) -> ForwardRequest:
     )
 
 
-def _roundtrip(msg, wire="fp32", limits=WireLimits()):
+_DEFAULT_LIMITS = WireLimits()
+
+
+def _roundtrip(msg, wire="fp32", limits=_DEFAULT_LIMITS):
     return from_bytes(PB_TYPE[type(msg)], to_bytes(msg, wire), limits)
 
 
@@ -93,9 +97,9 @@ def test_forward_request_round_trip(wire):
     assert out.tokens.dtype == torch.int32 and out.targets.dtype == torch.int32
     assert torch.equal(out.tokens, msg.tokens.to(torch.int32))
     assert torch.equal(out.targets, msg.targets.to(torch.int32))
-    assert out.hidden.dtype == codec.WIRE_DTYPES[wire]
+    assert out.hidden.dtype == WIRE_DTYPES[wire]
     # Bit-exact: what arrives is exactly the sender's tensor cast to the wire dtype.
-    assert torch.equal(out.hidden, msg.hidden.to(codec.WIRE_DTYPES[wire]))
+    assert torch.equal(out.hidden, msg.hidden.to(WIRE_DTYPES[wire]))
     assert (out.pipeline_id, out.microbatch, out.outer_step, out.inner_step, out.stage, out.train) == (
         "pipe-a",
         1,

@@ -1,5 +1,5 @@
-"""peer.core.data: corpus loading (txt/jsonl/parquet/stdlib/hub), sentencepiece tokenizer, token cache,
-the held-out split and deterministic disjoint shards."""
+"""peer.core.corpus, peer.core.tokenizer and peer.core.data: corpus loading (txt/jsonl/parquet/stdlib/hub),
+the sentencepiece tokenizer, the token cache, the held-out split and deterministic disjoint shards."""
 
 from __future__ import annotations
 
@@ -12,20 +12,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from peer.core.corpus import BUILTIN_STDLIB, DataConfig, default_corpus_files, load_documents
 from peer.core.data import (
-    BUILTIN_STDLIB,
-    DataConfig,
     TokenData,
-    Tokenizer,
     build_token_data,
-    default_corpus_files,
-    get_tokenizer,
-    load_documents,
     shard_bounds,
     split_documents,
     train_batch,
     val_batches,
 )
+from peer.core.tokenizer import Tokenizer, get_tokenizer
 from peer.errors import ConfigError, DataError
 
 SMALL = 300_000  # characters of builtin:stdlib used by the tests
@@ -204,7 +200,7 @@ def test_val_documents_are_held_out_of_train(tmp_path):
     train_text, val_text = data.tokenizer.decode(data.train), data.tokenizer.decode(data.val)
     in_val = [f"<doc {i}> " in val_text for i in range(40)]
     in_train = [f"<doc {i}> " in train_text for i in range(40)]
-    assert all(a != b for a, b in zip(in_val, in_train))  # every document on exactly one side
+    assert all(a != b for a, b in zip(in_val, in_train, strict=True))  # every document on exactly one side
     assert 1 <= sum(in_val) < 40
     eos = data.tokenizer.eos_id
     assert int((data.train == eos).sum()) + int((data.val == eos).sum()) == 40  # EOS after every document
@@ -280,7 +276,7 @@ def test_val_batches_are_deterministic(stdlib_data):
     a = val_batches(stdlib_data, 4, 32, max_batches=3)
     b = val_batches(stdlib_data, 4, 32, max_batches=3)
     assert len(a) == 3 and all(x.shape == (4, 32) for x, _ in a)
-    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
     pos = _positional(stdlib_data.tokenizer, 10, n_val=23)  # 2 windows of 10 (+1)
     batches = val_batches(pos, 4, 10, max_batches=5)
     assert len(batches) == 1 and batches[0][0][:, 0].tolist() == [0, 10]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from peer.tools.demo import DemoState, MetricsTail, ProcessView, summarize_runs
+from peer.node.metrics import MetricsTail
+from peer.tools.demo_summary import DemoState, ProcessView, summarize_runs
 
 
 def _round(role, t, stages, train_loss=None, val_loss=None, acts=0, equiv=0, pg=0):

@@ -104,3 +104,9 @@ def test_the_rule_checker_sees_a_violation(tmp_path):
     bad.parent.mkdir(parents=True)
     bad.write_text("import grpc\nfrom peer.net import dht\nfrom ..node import session\n")
     assert _hits(imports_of(bad, tmp_path), ("grpc", "peer.net", "peer.node")) == ["grpc", "peer.net", "peer.node"]
+
+
+def test_net_reads_process_trees_through_psutil():
+    """The DHT daemon's process tree is found and reaped with psutil, never by parsing /proc."""
+    readers = [str(f.relative_to(ROOT)) for f in _files("net") if "/proc/" in f.read_text()]
+    assert readers == []

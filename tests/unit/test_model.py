@@ -228,7 +228,7 @@ def test_stage_init_identical_to_whole_model_per_name():
 
 def test_init_depends_on_seed_and_name_only():
     a, b, c = build_model(TINY, SEED), build_model(TINY, SEED), build_model(TINY, SEED + 1)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), name
         if name.endswith("norm.weight"):
             assert torch.equal(pa, torch.ones_like(pa))

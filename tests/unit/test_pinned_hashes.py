@@ -11,7 +11,8 @@ import torch
 
 from peer.config import build_config
 from peer.core.data import TokenData
-from peer.core.outer import state_hash
+from peer.core.outer import embedding_update, state_hash
+from peer.core.sparseloco import decompress
 from peer.node.checkpoints.model import load_model_checkpoint
 from peer.node.stage_worker import StageWorker
 from peer.tools.simulate import simulate
@@ -64,21 +65,21 @@ def test_a_pipeline_and_a_full_replica_commit_the_pinned_round():
     pipe = [StageWorker(cfg, s, compressed=True) for s in range(2)]
     full = [StageWorker(cfg, s, compressed=False) for s in range(2)]
     x, y = _batch(cfg, 1)
-    for mb, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2))):
+    for mb, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
         hidden = pipe[0].forward(("p", mb), mx.int(), None, None).hidden
         out = pipe[1].forward(("p", mb), mx.int(), hidden, my.int())
         pipe[0].backward(("p", mb), out.grad)
     for w in pipe:
         w.step(0, 0)
     x, y = _batch(cfg, 2)
-    for mx, my in zip(x.chunk(2), y.chunk(2)):
+    for mx, my in zip(x.chunk(2), y.chunk(2), strict=True):
         logits = full[1].module(full[0].module(mx))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), my.flatten())
         (loss / 2).backward()
     for w in full:
         w.step(0, 0)
     payloads = {s: [pipe[s].encode_round(), full[s].encode_round()] for s in range(2)}
-    embed_update = StageWorker.embed_update(payloads[0], cfg)
+    embed_update = embedding_update([decompress(p) for p in payloads[0]], cfg.sparseloco)
     for s in range(2):
         pipe[s].apply_round(payloads[s], embed_update)
         full[s].apply_round(payloads[s], embed_update)

@@ -4,6 +4,7 @@ and utilisation behaves as the paper's Fig. 2/3 say it must."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -114,7 +115,7 @@ def test_utilisation_shape():
     for kind in ("compressed", "uncompressed"):
         utils = [r[f"util_{kind}"] for r in rows]
         assert all(0 < u <= 1 for u in utils)
-        assert all(a <= b for a, b in zip(utils, utils[1:])), (kind, utils)
+        assert all(a <= b for a, b in pairwise(utils)), (kind, utils)
     for r in rows:
         assert r["util_compressed"] >= r["util_uncompressed"]
     assert rows[0]["util_compressed"] > rows[0]["util_uncompressed"]  # slow links: compression matters

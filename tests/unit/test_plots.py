@@ -7,7 +7,7 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from peer.tools.demo import DemoResult, ProcessView, plot_demo
+from peer.tools.demo_summary import DemoResult, ProcessView, plot_demo
 from peer.tools.plots import figure
 from peer.tools.simulate import ConfigResult, plot_curves
 

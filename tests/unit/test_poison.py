@@ -3,8 +3,9 @@
 - `clip_to_median` against a plain reference written with Python floats and loops: honest
   contributions pass bit for bit, a huge one lands on factor × the lower median, factor 0 is a
   no-op, non-finite contributions become zeros, and the norm is exactly rounded (deterministic).
-- `StageWorker.apply_round` / `embed_update` clip a committed set with a poisoned payload the same
-  way on every holder: parameters and T⊥ stay bit-identical and the step stays bounded.
+- `StageWorker.apply_round` / `peer.core.outer.embedding_update` clip a committed set with a
+  poisoned payload the same way on every holder: parameters and T⊥ stay bit-identical and the
+  step stays bounded.
 - M = 4 in-process replicas where replica 3 sends an absurd payload every round: with clipping the
   loss still falls; with clipping disabled the same attack blows the model up.
 """
@@ -18,7 +19,7 @@ import torch
 
 from peer.config import build_config
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.outer import EMBED, apply_outer_update, perp_of, stage_state
+from peer.core.outer import EMBED, apply_outer_update, embedding_update, perp_of, stage_state
 from peer.core.sparseloco import (
     Payload,
     PayloadError,
@@ -48,7 +49,7 @@ def ref_clip(decoded, factor):
     voters = sorted(n for n in norms if math.isfinite(n) and n > 0)
     median = voters[(len(voters) - 1) // 2] if voters else 0.0  # the LOWER median
     out = []
-    for d, n in zip(decoded, norms):
+    for d, n in zip(decoded, norms, strict=True):
         if factor and not math.isfinite(n):
             out.append({k: torch.zeros_like(v) for k, v in d.items()})
         elif factor and n > factor * median:
@@ -107,9 +108,9 @@ def test_honest_contributions_pass_bit_for_bit():
     before = [{k: v.clone() for k, v in d.items()} for d in decoded]
     out, stats = clip_to_median(decoded, 2.0)
     assert stats.n_clipped == 0
-    for o, b in zip(out, before):
+    for o, b in zip(out, before, strict=True):
         _assert_same_bits(o, b)
-    for d, b in zip(decoded, before):  # inputs are not modified
+    for d, b in zip(decoded, before, strict=True):  # inputs are not modified
         _assert_same_bits(d, b)
     _, norms, median = ref_clip(decoded, 2.0)
     assert stats.norms == tuple(norms) and stats.median == median
@@ -161,7 +162,7 @@ def test_factor_zero_is_a_no_op():
     decoded = [_contribution(1.0, 0), _contribution(1e4, 1), {"w": torch.full((16, 24), math.nan)}]
     out, stats = clip_to_median(decoded, 0.0)
     assert stats.n_clipped == 0 and stats.max_ratio > 1e3  # still measured, for the metrics
-    for o, d in zip(out, decoded):
+    for o, d in zip(out, decoded, strict=True):
         _assert_same_bits(o, d)
 
 
@@ -190,7 +191,7 @@ def test_clipping_is_deterministic():
     a, sa = clip_to_median(decoded, 1.5)
     b, sb = clip_to_median([{k: v.clone() for k, v in d.items()} for d in decoded], 1.5)
     assert sa == sb and sa.n_clipped == 2
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         _assert_same_bits(x, y)
 
 
@@ -233,10 +234,10 @@ def test_every_holder_clips_a_poisoned_round_identically():
         payloads.append(_poisoned_payload(ws[0], 1e4, seed=s))
         committed[s] = payloads
     starts = {s: {k: v.clone() for k, v in ws[0].start.items()} for s, ws in holders.items()}
-    embed_update = StageWorker.embed_update(committed[0], cfg)
+    embed_update = embedding_update([decompress(p) for p in committed[0]], cfg.sparseloco)
     for s, ws in holders.items():
         for w in ws:
-            stats = w.apply_round(committed[s], embed_update)
+            stats = w.apply_round(committed[s], embed_update).clip
             assert stats is w.last_clip and stats.n_clipped == 1 and stats.max_ratio > 100
         assert ws[0].param_hash() == ws[1].param_hash()
         # the step is bounded: ‖θ − θ_start‖ ≤ η · (honest norms + 2·median) / 3
@@ -363,6 +364,6 @@ def test_clipping_bounds_a_wrong_sign_flood(runs):
     curve, clipped, max_ratio = runs[2.0, "flip"]
     assert clipped == 6 * 2 and max_ratio > 1e3
     assert math.isfinite(curve[-1]) and curve[-1] < honest[0] - 0.1  # still learning, slowly
-    assert all(b < a for a, b in zip(curve, curve[1:]))
+    assert all(b < a for a, b in zip(curve, curve[1:], strict=False))
     unclipped = runs[0.0, "flip"][0][-1]
     assert not math.isfinite(unclipped) or unclipped > 100 * honest[-1]

@@ -16,7 +16,7 @@ import torch
 
 from peer.config import build_config
 from peer.core.data import TokenData
-from peer.core.outer import EMBED, apply_outer_update, perp_of, stage_state, state_hash
+from peer.core.outer import EMBED, apply_outer_update, embedding_update, perp_of, stage_state, state_hash
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.subspace import make_basis, project
 from peer.node.stage_worker import StageWorker
@@ -53,7 +53,7 @@ def test_stage_workers_match_the_in_process_compressed_replica(stages):
 
     workers = [StageWorker(cfg, s) for s in range(stages)]
     losses = []
-    for mb, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2))):
+    for mb, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
         key = ("p", mb)
         hidden = workers[0].forward(key, mx.int(), None, None).hidden  # (b, L, k) on the wire
         assert hidden.shape[-1] == cfg.k
@@ -69,7 +69,9 @@ def test_stage_workers_match_the_in_process_compressed_replica(stages):
     for s, w in enumerate(workers):
         ref_grads = {n: p.grad for n, p in ref.stages[s].named_parameters()}
         for name, p in w.module.named_parameters():
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_outer_round_leaves_every_holder_bit_identical():
@@ -97,7 +99,7 @@ def test_outer_round_leaves_every_holder_bit_identical():
     torch.testing.assert_close(w0, project(w0, pipe[0].U), atol=1e-6, rtol=0)
 
     committed = {s: [full[s].encode_round(), pipe[s].encode_round()] for s in range(2)}
-    embed_update = StageWorker.embed_update(committed[0], cfg)
+    embed_update = embedding_update([decompress(p) for p in committed[0]], cfg.sparseloco)
     for s in range(2):
         full[s].apply_round(committed[s], embed_update)
         pipe[s].apply_round(committed[s], embed_update)

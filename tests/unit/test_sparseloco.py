@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from peer.core.payload import pack_bits
 from peer.core.sparseloco import (
     DENSE_F32,
     DENSE_U8,
@@ -187,8 +188,7 @@ def test_twelve_bit_indices_pack_two_per_three_bytes():
     cfg = SparseLoCoConfig(quant_bits=0)
     payload, _ = compress({"w": _rand(64, 64, seed=8)}, None, cfg)
     idx = payload.entries[0].indices
-    b = payload.to_bytes()
-    body = b[len(b) - 32 * 4 - 48 : len(b) - 32 * 4]  # 32 indices × 12 bits = 48 bytes
+    body = pack_bits(idx, 12)  # the fixed-width index layout (wire format for topk > 64)
     a0, a1 = int(idx[0]), int(idx[1])
     assert body[:3] == bytes([a0 & 0xFF, (a0 >> 8) | ((a1 & 0xF) << 4), a1 >> 4])
 
@@ -200,10 +200,10 @@ def test_bytes_per_param_at_defaults():
     payload, _ = compress(delta, None, cfg)
     n_params = sum(t.numel() for t in delta.values())
     bpp = len(payload.to_bytes()) / n_params
-    assert bpp <= 0.014
+    assert bpp <= 0.014 and bpp <= 0.0105  # enumerative indices: 34 bytes per 32 of 4096, not 48
     assert bpp == pytest.approx(ideal_bytes_per_param(cfg), rel=0.02)
     assert payload_density(cfg) == 32 / 4096
-    assert ideal_bytes_per_param(cfg) == pytest.approx(0.013671875)
+    assert ideal_bytes_per_param(cfg) == pytest.approx((34 + 8) / 4096)  # was 0.013671875 with 12-bit indices
 
 
 def test_aggregation_rules_on_hand_examples():
@@ -263,10 +263,17 @@ def _reencode(p: Payload, **changes) -> bytes:
     return Payload((TensorEntry(**fields),) + p.entries[1:], p.chunk, p.topk, p.quant_bits).to_bytes()
 
 
+def _sample_payload_wide(bits=2) -> bytes:
+    """topk > 64: fixed-width indices, where duplicate or outside indices can be written at all."""
+    delta = {"layers.0.attn.wq.weight": _rand(70, 130, seed=5), "layers.0.attn_norm.weight": _rand(20, seed=6)}
+    return compress(delta, None, SparseLoCoConfig(quant_bits=bits, topk=100))[0].to_bytes()
+
+
 def test_from_bytes_rejects_each_kind_of_bad_input():
     b = _sample_payload()
     p = Payload.from_bytes(b)
-    idx = p.entries[0].indices.copy()
+    wide = Payload.from_bytes(_sample_payload_wide())
+    idx = wide.entries[0].indices.copy()
     dup = idx.copy()
     dup[1] = dup[0]
     into_padding = idx.copy()
@@ -278,13 +285,14 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
         "version": b[:4] + bytes([9]) + b[5:],
         "truncated": b[:-1],
         "trailing": b + b"\0",
-        "duplicate": _reencode(p, indices=dup),
-        "outside": _reencode(p, indices=into_padding),
+        "duplicate": _reencode(wide, indices=dup),
+        "outside": _reencode(wide, indices=into_padding),
+        "rank out of range": _with_rank_bytes(b, 0xFF),
         "non-finite": _reencode(p, codebook=bad_cb),
         "bad name": _reencode(p, name="a\nb"),
         "not bytes": "SLCO",
     }
-    for what, data in cases.items():
+    for data in cases.values():
         with pytest.raises(PayloadError):
             Payload.from_bytes(data)
     with pytest.raises(PayloadError, match="exceeds"):
@@ -293,8 +301,10 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
         Payload.from_bytes(b, max_elements=1000)
     with pytest.raises(PayloadError, match="differ"):
         Payload.from_bytes(b, cfg=SparseLoCoConfig(topk=16))
+    with pytest.raises(PayloadError, match="reads version 2"):
+        Payload.from_bytes(b[:4] + bytes([1]) + b[5:])  # an older version names the readable ones
     absurd = (
-        struct.pack("<4sBBBHI", b"SLCO", 1, 2, 64, 32, 1)
+        struct.pack("<4sBBBHI", b"SLCO", 2, 2, 64, 32, 1)
         + struct.pack("<H", 1)
         + b"w"
         + struct.pack("<BB2I", SPARSE, 2, 2**32 - 1, 2**32 - 1)
@@ -304,12 +314,20 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
     assert issubclass(PayloadError, PeerError)
 
 
+def _with_rank_bytes(b: bytes, fill: int) -> bytes:
+    """`_sample_payload()` with the first chunk's 34 rank bytes (after the codebook) set to `fill`."""
+    p = Payload.from_bytes(b)
+    e = p.entries[0]
+    start = 13 + 2 + len(e.name) + 2 + 4 * len(e.shape) + 4 * 4  # header, entry header, codebook
+    return b[:start] + bytes([fill]) * 34 + b[start + 34 :]
+
+
 def test_fuzz_random_and_mutated_bytes_raise_only_payload_error():
     rng = random.Random(0)
-    seeds = [_sample_payload(bits) for bits in (0, 2, 8)]
+    seeds = [_sample_payload(bits) for bits in (0, 2, 8)] + [_sample_payload_wide()]
     accepted = 0
     for i in range(2000):
-        base = bytearray(seeds[i % 3])
+        base = bytearray(seeds[i % len(seeds)])
         mode = i % 4
         if mode == 0:
             data = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 64)))

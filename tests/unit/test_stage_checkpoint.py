@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import build_config
+from peer.core.outer import embedding_update
+from peer.core.sparseloco import decompress
 from peer.errors import CheckpointError, PeerError
 from peer.node.checkpoints.stage import (
     checkpoint_fingerprint,
@@ -59,7 +61,7 @@ def _batch(cfg, step):
 def _pipeline_step(workers, x, y, t, h):
     """One inner step through a compressed 2-stage pipeline, micro-batch by micro-batch."""
     n = workers[0].cfg.train.microbatches
-    for mb, (mx, my) in enumerate(zip(x.chunk(n), y.chunk(n))):
+    for mb, (mx, my) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
         key = ("pipe", mb)
         hidden = workers[0].forward(key, mx.int(), None, None).hidden  # (b, L, k)
         out = workers[1].forward(key, mx.int(), hidden, my.int())
@@ -71,7 +73,7 @@ def _pipeline_step(workers, x, y, t, h):
 def _full_step(workers, x, y, t, h):
     """One inner step of a full replica: stages chained in-process, no compression."""
     n = workers[0].cfg.train.microbatches
-    for mx, my in zip(x.chunk(n), y.chunk(n)):
+    for mx, my in zip(x.chunk(n), y.chunk(n), strict=True):
         hdn = mx
         for w in workers:
             hdn = w.module(hdn)
@@ -83,8 +85,8 @@ def _full_step(workers, x, y, t, h):
 def _round(workers):
     """Every stage encodes its payload and applies it as the round's only committed one."""
     payloads = [w.encode_round() for w in workers]
-    embed_update = StageWorker.embed_update([payloads[0]], workers[0].cfg)
-    for w, p in zip(workers, payloads):
+    embed_update = embedding_update([decompress(payloads[0])], workers[0].cfg.sparseloco)
+    for w, p in zip(workers, payloads, strict=True):
         w.apply_round([p], None if w.stage == 0 else embed_update)
 
 
@@ -107,17 +109,17 @@ def _as_dict(workers):
 
 
 def _assert_identical(a, b):
-    for wa, wb in zip(a, b):
+    for wa, wb in zip(a, b, strict=True):
         assert wa.outer_step == wb.outer_step
         assert wa.param_hash() == wb.param_hash()
         assert wa.perp_hash() == wb.perp_hash()
-        for (na, pa), (nb, pb) in zip(wa.module.named_parameters(), wb.module.named_parameters()):
+        for (na, pa), (nb, pb) in zip(wa.module.named_parameters(), wb.module.named_parameters(), strict=True):
             assert na == nb and torch.equal(pa, pb), na
         assert wa.errors.keys() == wb.errors.keys()
         for name in wa.errors:
             assert torch.equal(wa.errors[name], wb.errors[name]), name
-        ta, ga = wa.optimizer_state()
-        tb, gb = wb.optimizer_state()
+        oa, ob = wa.state_dict()["optimizer"], wb.state_dict()["optimizer"]
+        (ta, ga), (tb, gb) = (oa["state"], oa["param_groups"]), (ob["state"], ob["param_groups"])
         assert ga == gb and ta.keys() == tb.keys()
         for key in ta:
             assert torch.equal(ta[key], tb[key]), key
@@ -144,7 +146,7 @@ def test_resumed_peer_continues_bit_identically(tmp_path, compressed):
     forgetful = _make(cfg, compressed)
     load_latest_stage_checkpoint(tmp_path, _as_dict(forgetful), checkpoint_fingerprint(cfg))
     for w in forgetful:
-        w.errors = None
+        w.load_state_dict({**w.state_dict(), "errors": None})
     _train(forgetful, step_fn, 2)
     assert forgetful[0].param_hash() != ref[0].param_hash()
 

@@ -10,8 +10,9 @@ Public API (everything else in here is wire detail):
 It imports no math module of `peer` (model, subspace, sparseloco, data).
 """
 
+from peer.config import WIRE_DTYPES
 from peer.net.transport.client import PeerClient
-from peer.net.transport.codec import WIRE_DTYPES, WireLimits, encoded_size
+from peer.net.transport.codec import WireLimits, encoded_size
 from peer.net.transport.errors import NetworkError, NotFoundError, RemoteError, TransportError
 from peer.net.transport.framing import CHUNK_BYTES, framed_size
 from peer.net.transport.handler import PeerHandler

@@ -67,7 +67,7 @@ class PeerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         wire_dtype: str = "fp32",
         vocab_size: int | None = None,
-    ):
+    ) -> None:
         codec.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
         self.address = address
         self.timeout_s = timeout_s
@@ -82,7 +82,7 @@ class PeerClient:
                 ("grpc.max_send_message_length", framing.GRPC_MESSAGE_LIMIT),
             ],
         )
-        self._stub = pb_grpc.PeerStub(self._channel)
+        self._stub = pb_grpc.PeerStub(self._channel)  # type: ignore[no-untyped-call]  # generated, unannotated
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._sent: Counter[str] = Counter()
@@ -93,7 +93,7 @@ class PeerClient:
 
     # ------------------------------------------------------------------ RPCs
     def forward(self, request: ForwardRequest, timeout_s: float | None = None) -> ForwardReply:
-        reply = self._streamed("forward", self._stub.Forward, request, pb.ForwardReply, timeout_s)
+        reply: ForwardReply = self._streamed("forward", self._stub.Forward, request, pb.ForwardReply, timeout_s)
         try:
             codec.check_forward_reply(reply, request)
         except TransportError as exc:
@@ -101,26 +101,31 @@ class PeerClient:
         return reply
 
     def backward(self, request: BackwardRequest, timeout_s: float | None = None) -> BackwardReply:
-        reply = self._streamed("backward", self._stub.Backward, request, pb.BackwardReply, timeout_s)
+        reply: BackwardReply = self._streamed("backward", self._stub.Backward, request, pb.BackwardReply, timeout_s)
         if reply.grad is not None and tuple(reply.grad.shape[:2]) != tuple(request.grad.shape[:2]):
             shape = list(reply.grad.shape)
             self._fail("backward", f"invalid BackwardReply.grad: shape {shape} does not match the sent (b, L)")
         return reply
 
     def step(self, request: StepRequest, timeout_s: float | None = None) -> StepReply:
-        return self._unary("step", self._stub.Step, request, timeout_s, idempotent=False)
+        reply: StepReply = self._unary("step", self._stub.Step, request, timeout_s, idempotent=False)
+        return reply
 
     def get_payload(self, request: PayloadRequest, timeout_s: float | None = None) -> bytes:
-        return self._unary_streamed("get_payload", self._stub.GetPayload, request, pb.Blob, timeout_s)
+        payload: bytes = self._unary_streamed("get_payload", self._stub.GetPayload, request, pb.Blob, timeout_s)
+        return payload
 
     def get_state(self, request: StateRequest, timeout_s: float | None = None) -> StateReply:
-        return self._unary_streamed("get_state", self._stub.GetState, request, pb.StateReply, timeout_s)
+        reply: StateReply = self._unary_streamed("get_state", self._stub.GetState, request, pb.StateReply, timeout_s)
+        return reply
 
     def get_artifact(self, request: ArtifactRequest, timeout_s: float | None = None) -> bytes:
-        return self._unary_streamed("get_artifact", self._stub.GetArtifact, request, pb.Blob, timeout_s)
+        artifact: bytes = self._unary_streamed("get_artifact", self._stub.GetArtifact, request, pb.Blob, timeout_s)
+        return artifact
 
     def info(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._unary("info", self._stub.Info, pb.InfoRequest(), timeout_s, idempotent=True)
+        info: dict[str, Any] = self._unary("info", self._stub.Info, pb.InfoRequest(), timeout_s, idempotent=True)
+        return info
 
     # ----------------------------------------------------------- bookkeeping
     def stats(self) -> dict[str, dict[str, int]]:
@@ -168,7 +173,9 @@ class PeerClient:
             self._count(self._received, method, framing.chunk_size(len(chunk.data), chunk.last))
             yield chunk
 
-    def _streamed(self, method: str, rpc: Callable, request: Any, reply_type: type, timeout_s: float | None) -> Any:
+    def _streamed(
+        self, method: str, rpc: Callable[..., Any], request: Any, reply_type: type, timeout_s: float | None
+    ) -> Any:
         data = self._check(lambda: codec.to_bytes(request, self.wire_dtype), method)
 
         def attempt(timeout: float) -> Any:
@@ -178,7 +185,7 @@ class PeerClient:
         return self._call(method, attempt, timeout_s, idempotent=False)
 
     def _unary_streamed(
-        self, method: str, rpc: Callable, request: Any, reply_type: type, timeout_s: float | None
+        self, method: str, rpc: Callable[..., Any], request: Any, reply_type: type, timeout_s: float | None
     ) -> Any:
         msg = self._check(lambda: codec.encode(request, self.wire_dtype), method)
 
@@ -188,7 +195,9 @@ class PeerClient:
 
         return self._call(method, attempt, timeout_s, idempotent=True)
 
-    def _unary(self, method: str, rpc: Callable, request: Any, timeout_s: float | None, idempotent: bool) -> Any:
+    def _unary(
+        self, method: str, rpc: Callable[..., Any], request: Any, timeout_s: float | None, idempotent: bool
+    ) -> Any:
         if isinstance(request, pb.InfoRequest):
             msg = request
         else:

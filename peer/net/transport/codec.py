@@ -346,11 +346,11 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             train=bool(msg.train),
         )
     if isinstance(msg, pb.ForwardReply):
-        hidden, grad = _opt(msg, "hidden"), _opt(msg, "grad")
+        hidden_pb, grad_pb = _opt(msg, "hidden"), _opt(msg, "grad")
         reply = ForwardReply(
-            hidden=None if hidden is None else _boundary(hidden, "ForwardReply.hidden", limits),
+            hidden=None if hidden_pb is None else _boundary(hidden_pb, "ForwardReply.hidden", limits),
             loss=msg.loss if msg.HasField("loss") else None,
-            grad=None if grad is None else _boundary(grad, "ForwardReply.grad", limits),
+            grad=None if grad_pb is None else _boundary(grad_pb, "ForwardReply.grad", limits),
         )
         check_forward_reply(reply)
         return reply
@@ -364,8 +364,8 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             grad=_boundary(msg.grad, "BackwardRequest.grad", limits),
         )
     if isinstance(msg, pb.BackwardReply):
-        grad = _opt(msg, "grad")
-        return BackwardReply(grad=None if grad is None else _boundary(grad, "BackwardReply.grad", limits))
+        grad_pb = _opt(msg, "grad")
+        return BackwardReply(grad=None if grad_pb is None else _boundary(grad_pb, "BackwardReply.grad", limits))
     if isinstance(msg, pb.StepRequest):
         return StepRequest(
             pipeline_id=_text(msg.pipeline_id, "StepRequest.pipeline_id", limits),
@@ -411,7 +411,7 @@ def _decode_state(msg: pb.StateReply, limits: WireLimits) -> StateReply:
     return StateReply(outer_step=_index(msg.outer_step, "StateReply.outer_step"), meta=meta, tensors=tensors)
 
 
-def _dump_json(obj: dict, what: str) -> str:
+def _dump_json(obj: dict[str, Any], what: str) -> str:
     if not isinstance(obj, dict):
         raise TransportError(f"cannot send {what}: expected a dict, got {type(obj).__name__}")
     try:
@@ -420,7 +420,7 @@ def _dump_json(obj: dict, what: str) -> str:
         raise TransportError(f"cannot send {what}: not JSON-serialisable ({exc})") from None
 
 
-def _load_json_object(text: str, what: str, limits: WireLimits) -> dict:
+def _load_json_object(text: str, what: str, limits: WireLimits) -> dict[str, Any]:
     if len(text) > limits.max_message_bytes:
         raise TransportError(f"invalid {what}: {len(text)} characters, more than the message limit")
     try:
@@ -437,7 +437,8 @@ def _load_json_object(text: str, what: str, limits: WireLimits) -> dict:
 
 def to_bytes(msg: Any, wire_dtype_name: str = "fp32") -> bytes:
     """Serialize a message dataclass (or bytes, as a Blob) to protobuf bytes."""
-    return encode(msg, wire_dtype_name).SerializeToString()
+    data: bytes = encode(msg, wire_dtype_name).SerializeToString()
+    return data
 
 
 def parse(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> PbMessage:
@@ -464,4 +465,5 @@ def encoded_size(msg: Any, wire_dtype_name: str = "fp32") -> int:
 
     Equal to len(to_bytes(msg, wire_dtype_name)); chunk framing comes on top (framing.framed_size).
     """
-    return encode(msg, wire_dtype_name).ByteSize()
+    size: int = encode(msg, wire_dtype_name).ByteSize()
+    return size

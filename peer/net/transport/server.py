@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import Message as PbMessage
 
 from peer.errors import NetworkError, PeerError
 from peer.net.transport import codec, framing
@@ -46,10 +47,16 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """End the RPC with `code` and `details` (grpc's `abort` raises; grpc ships no types to say so)."""
+    context.abort(code, details)
+    raise AssertionError("grpc.ServicerContext.abort returned")  # never reached
+
+
 class _Servicer(pb_grpc.PeerServicer):
     """Adapts gRPC calls to the synchronous handler; counts in-flight handler calls for stop()."""
 
-    def __init__(self, handler: PeerHandler, limits: WireLimits, wire_dtype: str):
+    def __init__(self, handler: PeerHandler, limits: WireLimits, wire_dtype: str) -> None:
         self._handler = handler
         self._limits = limits
         self._wire_dtype = wire_dtype
@@ -58,54 +65,70 @@ class _Servicer(pb_grpc.PeerServicer):
 
     # ------------------------------------------------------------------ RPCs
     # Requests arrive as raw bytes (see `_method_handlers`); replies are protobuf messages.
-    def Forward(self, request_iterator, context):
+    def Forward(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._streamed(context, "forward", request_iterator, pb.ForwardRequest, ForwardReply)
 
-    def Backward(self, request_iterator, context):
+    def Backward(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._streamed(context, "backward", request_iterator, pb.BackwardRequest, BackwardReply)
 
-    def Step(self, request, context):
-        def call():
+    def Step(self, request: bytes, context: grpc.ServicerContext) -> PbMessage:
+        def call() -> PbMessage:
             step = self._handler.step(codec.from_bytes(pb.StepRequest, request, self._limits))
             return self._encode(step, StepReply, "step")
 
         return self._run(context, "step", call)
 
-    def GetPayload(self, request, context):
+    def GetPayload(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._unary_streamed(context, "get_payload", request, pb.PayloadRequest, bytes)
 
-    def GetState(self, request, context):
+    def GetState(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._unary_streamed(context, "get_state", request, pb.StateRequest, StateReply)
 
-    def GetArtifact(self, request, context):
+    def GetArtifact(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._unary_streamed(context, "get_artifact", request, pb.ArtifactRequest, bytes)
 
-    def Info(self, request, context):
-        def call():
+    def Info(self, request: bytes, context: grpc.ServicerContext) -> PbMessage:
+        def call() -> PbMessage:
             codec.parse(pb.InfoRequest, request, self._limits)  # carries nothing, but must be one
             return self._encode(self._handler.info(), dict, "info")
 
         return self._run(context, "info", call)
 
     # --------------------------------------------------------------- helpers
-    def _streamed(self, context, method, request_iterator, request_type, reply_type) -> Iterator[pb.Chunk]:
+    def _streamed(
+        self,
+        context: grpc.ServicerContext,
+        method: str,
+        request_iterator: Iterable[bytes],
+        request_type: type[PbMessage],
+        reply_type: type,
+    ) -> Iterator[pb.Chunk]:
         def call() -> bytes:
             chunks = (codec.parse(pb.Chunk, data, self._limits) for data in request_iterator)
             raw = framing.join(chunks, self._limits.max_message_bytes, request_type.__name__)
             request = codec.from_bytes(request_type, raw, self._limits)
             reply = getattr(self._handler, method)(request)
-            return self._encode(reply, reply_type, method).SerializeToString()
+            data: bytes = self._encode(reply, reply_type, method).SerializeToString()
+            return data
 
         yield from framing.split(self._run(context, method, call))
 
-    def _unary_streamed(self, context, method, request, request_type, reply_type) -> Iterator[pb.Chunk]:
+    def _unary_streamed(
+        self,
+        context: grpc.ServicerContext,
+        method: str,
+        request: bytes,
+        request_type: type[PbMessage],
+        reply_type: type,
+    ) -> Iterator[pb.Chunk]:
         def call() -> bytes:
             reply = getattr(self._handler, method)(codec.from_bytes(request_type, request, self._limits))
-            return self._encode(reply, reply_type, method).SerializeToString()
+            data: bytes = self._encode(reply, reply_type, method).SerializeToString()
+            return data
 
         yield from framing.split(self._run(context, method, call))
 
-    def _encode(self, reply: Any, reply_type: type, method: str):
+    def _encode(self, reply: Any, reply_type: type, method: str) -> PbMessage:
         if reply_type is bytes and isinstance(reply, (bytearray, memoryview)):
             reply = bytes(reply)
         if not isinstance(reply, reply_type):
@@ -122,27 +145,27 @@ class _Servicer(pb_grpc.PeerServicer):
         except grpc.RpcError:  # the request stream broke: client deadline, cancel or disconnect
             self._cancelled(context, method)
         except NotFoundError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
         except TransportError as exc:
             if not context.is_active():  # a cancelled upload can also look like a truncated stream
                 self._cancelled(context, method)
             log.info("rejected %s from %s: %s", method, context.peer(), exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except PeerError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:
             log.exception("handler.%s failed on a request from %s", method, context.peer())
             details = f"{method} failed inside the peer ({type(exc).__name__}: {exc}); see that peer's log"
-            context.abort(grpc.StatusCode.INTERNAL, details)
+            _abort(context, grpc.StatusCode.INTERNAL, details)
         finally:
             with self._idle:
                 self._in_flight -= 1
                 self._idle.notify_all()
 
     @staticmethod
-    def _cancelled(context: grpc.ServicerContext, method: str) -> None:
+    def _cancelled(context: grpc.ServicerContext, method: str) -> NoReturn:
         log.info("%s from %s ended by the client before the request arrived", method, context.peer())
-        context.abort(grpc.StatusCode.CANCELLED, f"{method} request stream ended by the client")
+        _abort(context, grpc.StatusCode.CANCELLED, f"{method} request stream ended by the client")
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no handler call is running; False if some still run after `timeout_s`."""
@@ -192,7 +215,7 @@ class PeerServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         vocab_size: int | None = None,
         wire_dtype: str = "fp32",
-    ):
+    ) -> None:
         missing = [m for m in HANDLER_METHODS if not callable(getattr(handler, m, None))]
         if missing:
             raise TypeError(f"{type(handler).__name__} does not implement PeerHandler: missing {', '.join(missing)}")
@@ -212,7 +235,7 @@ class PeerServer:
         self._server.add_registered_method_handlers(service, handlers)
         bind = format_address(host, port)
         try:
-            self._port = self._server.add_insecure_port(bind)
+            self._port: int = self._server.add_insecure_port(bind)
         except RuntimeError as exc:
             self._executor.shutdown(wait=False)
             raise NetworkError(f"cannot listen on {bind} ({exc}); choose a free port or another host") from None

@@ -19,7 +19,7 @@ Layout under a root (one per peer, `<data-dir>/checkpoints`):
 The directory is named by the outer step the peer resumes at (rounds committed so far).
 
 Invariants:
-- A save is atomic (temporary sibling directory, fsync, rename: peer.node.checkpoints.model.atomic_directory).
+- A save is atomic (temporary sibling directory, fsync, rename: peer.core.files.atomic_directory).
   A failed write (disk full, any OSError) leaves no half-written directory and never touches the
   previous checkpoints; it raises CheckpointError.
 - The newest `keep` complete checkpoints are kept; older ones, stale ones newer than the one just
@@ -27,6 +27,7 @@ Invariants:
 - Loading verifies sha256, config fingerprint, stages, tensor names and shapes BEFORE touching
   the workers, so a corrupt checkpoint never half-loads; the newest one that verifies wins.
 - save → load into fresh workers → continue is bit-identical to never having stopped.
+- Workers are read and restored only through `StageWorker.state_dict()` / `load_state_dict()`.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
 from peer.config import RunConfig
-from peer.core.outer import perp_of, set_perp, stage_state
+from peer.core.files import atomic_directory, file_sha256
 from peer.errors import CheckpointError
-from peer.node.checkpoints.model import atomic_directory, file_sha256
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -100,28 +100,27 @@ def _collect(workers: Mapping[int, StageWorker]) -> tuple[dict[str, torch.Tensor
     tensors: dict[str, torch.Tensor] = {}
     stages: dict[str, Any] = {}
     for s, w in sorted(workers.items()):
-        with w.lock:
-            params = {n: p.detach() for n, p in w.module.named_parameters()}
-            for name, p in params.items():
-                tensors[f"s{s}/param/{name}"] = p
-                if not torch.equal(w.start[name], p):
-                    tensors[f"s{s}/start/{name}"] = w.start[name]
-            tensors[f"s{s}/perp"] = perp_of(w.module).detach()
-            for name, e in (w.errors or {}).items():
-                tensors[f"s{s}/err/{name}"] = e.detach()
-            opt_tensors, groups = w.optimizer_state()
-            for key, value in opt_tensors.items():
-                tensors[f"s{s}/opt/{key}"] = value
-            steps = [int(v.item()) for k, v in opt_tensors.items() if k.endswith("/step")]
-            stages[str(s)] = {
-                "compressed": w.compressed,
-                "outer_step": w.outer_step,
-                "errors": w.errors is not None,
-                "adamw_step": max(steps, default=0),
-                "adamw_param_groups": groups,
-                "param_hash": w.param_hash(),
-                "perp_hash": w.perp_hash(),
-            }
+        state = w.state_dict()
+        for name, p in state["params"].items():
+            tensors[f"s{s}/param/{name}"] = p
+            if not torch.equal(state["start"][name], p):
+                tensors[f"s{s}/start/{name}"] = state["start"][name]
+        tensors[f"s{s}/perp"] = state["perp"]
+        for name, e in (state["errors"] or {}).items():
+            tensors[f"s{s}/err/{name}"] = e.detach()
+        opt_tensors = state["optimizer"]["state"]
+        for key, value in opt_tensors.items():
+            tensors[f"s{s}/opt/{key}"] = value
+        steps = [int(v.item()) for k, v in opt_tensors.items() if k.endswith("/step")]
+        stages[str(s)] = {
+            "compressed": w.compressed,
+            "outer_step": state["outer_step"],
+            "errors": state["errors"] is not None,
+            "adamw_step": max(steps, default=0),
+            "adamw_param_groups": state["optimizer"]["param_groups"],
+            "param_hash": w.param_hash(),
+            "perp_hash": w.perp_hash(),
+        }
     return {k: v.to("cpu").contiguous() for k, v in tensors.items()}, stages
 
 
@@ -200,6 +199,14 @@ def _complete(path: Path) -> bool:
         return False
 
 
+def _step_of(path: Path) -> int:
+    """The outer step in a step-NNNNNN directory's name."""
+    m = _STEP_DIR.match(path.name)
+    if m is None:
+        raise ValueError(f"{path} is not a step-NNNNNN checkpoint directory")
+    return int(m.group(1))
+
+
 def _clean_leftovers(root: Path) -> None:
     """Remove temporary / moved-aside directories of interrupted writes (`.step-….tmp-…`)."""
     for p in root.iterdir() if root.is_dir() else ():
@@ -209,12 +216,12 @@ def _clean_leftovers(root: Path) -> None:
 
 def _prune(root: Path, newest: Path, keep: int) -> None:
     """Keep `newest` and the keep-1 newest complete checkpoints older than it; drop the rest."""
-    t_new = int(_STEP_DIR.match(newest.name).group(1))
+    t_new = _step_of(newest)
     kept = 1
     for p in list_stage_checkpoints(root):
         if p == newest:
             continue
-        t = int(_STEP_DIR.match(p.name).group(1))
+        t = _step_of(p)
         if t < t_new and kept < keep and _complete(p):
             kept += 1
             continue
@@ -263,15 +270,17 @@ def _read_verified(
                 f"{path}: stage {s} was saved by a "
                 f"{'compressed pipeline' if info.get('compressed') else 'full replica'}"
             )
-        expected = {f"s{s}/param/{n}": tuple(p.shape) for n, p in w.module.named_parameters()}
-        expected[f"s{s}/perp"] = tuple(perp_of(w.module).shape)
+        own = w.state_dict()
+        expected = {f"s{s}/param/{n}": tuple(p.shape) for n, p in own["params"].items()}
+        expected[f"s{s}/perp"] = tuple(own["perp"].shape)
         for key, shape in expected.items():
             if key not in tensors or tuple(tensors[key].shape) != shape:
                 got = tuple(tensors[key].shape) if key in tensors else "missing"
                 raise CheckpointError(f"{path}: {key} is {got}, this model needs {shape}")
-        params = {n for n, _ in w.module.named_parameters()}
+        params = set(own["params"])
         groups = info.get("adamw_param_groups")
-        if not isinstance(groups, list) or [g.get("params") for g in groups] != w.optimizer_param_names():
+        own_groups = [g["params"] for g in own["optimizer"]["param_groups"]]
+        if not isinstance(groups, list) or [g.get("params") for g in groups] != own_groups:
             raise CheckpointError(f"{path}: stage {s}'s optimizer parameter groups do not match this model")
         for key, value in tensors.items():
             head, _, rest = key.partition("/")
@@ -281,11 +290,10 @@ def _read_verified(
             name = name.rsplit("/", 1)[0] if kind == "opt" else name
             if kind not in ("start", "err", "opt") or name not in params:
                 raise CheckpointError(f"{path}: unexpected tensor {key}")
-            if kind != "opt" or not key.endswith("/step"):
-                if tuple(value.shape) != expected[f"s{s}/param/{name}"]:
-                    raise CheckpointError(
-                        f"{path}: {key} has shape {tuple(value.shape)}, expected {expected[f's{s}/param/{name}']}"
-                    )
+            if (kind != "opt" or not key.endswith("/step")) and tuple(value.shape) != expected[f"s{s}/param/{name}"]:
+                raise CheckpointError(
+                    f"{path}: {key} has shape {tuple(value.shape)}, expected {expected[f's{s}/param/{name}']}"
+                )
     unknown = [k for k in tensors if k.split("/", 1)[0] not in {f"s{s}" for s in workers}]
     if unknown:
         raise CheckpointError(f"{path}: unexpected tensor {unknown[0]}")
@@ -296,19 +304,21 @@ def _read_verified(
 def _restore(worker: StageWorker, s: int, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], t: int) -> None:
     pre = f"s{s}/"
     mine = {k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)}
-    part = lambda kind: {k[len(kind) + 1 :]: v for k, v in mine.items() if k.startswith(kind + "/")}  # noqa: E731
-    params, starts, errs, opt = part("param"), part("start"), part("err"), part("opt")
-    with worker.lock:
-        worker.load_params(params)
-        with torch.no_grad():
-            set_perp(worker.module, mine["perp"].to(worker.device))
-        worker.start = stage_state(worker.module)
-        for name, value in starts.items():
-            worker.start[name] = value.to(worker.device)
-        worker.errors = {n: e.to(torch.float32) for n, e in errs.items()} if info.get("errors") else None
-        worker.load_optimizer_state(opt, info["adamw_param_groups"])
-        worker.zero_grad()  # no gradients or pending activations of an inner step survive a restore
-        worker.outer_step = t
+
+    def part(kind: str) -> dict[str, torch.Tensor]:
+        return {k[len(kind) + 1 :]: v for k, v in mine.items() if k.startswith(kind + "/")}
+
+    params = part("param")
+    worker.load_state_dict(
+        {
+            "outer_step": t,
+            "params": params,
+            "start": {**params, **part("start")},  # θ_start is stored only where it differs from θ
+            "perp": mine["perp"],
+            "errors": part("err") if info.get("errors") else None,
+            "optimizer": {"state": part("opt"), "param_groups": info["adamw_param_groups"]},
+        }
+    )
     if info.get("param_hash") and worker.param_hash() != info["param_hash"]:
         raise CheckpointError(f"stage {s}: restored parameters do not match the checkpoint's param_hash")
 

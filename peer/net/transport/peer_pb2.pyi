@@ -1,0 +1,157 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Chunk(_message.Message):
+    __slots__ = ("data", "last")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    last: bool
+    def __init__(self, data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train")
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    pipeline_id: str
+    microbatch: int
+    outer_step: int
+    inner_step: int
+    stage: int
+    tokens: Tensor
+    hidden: Tensor
+    targets: Tensor
+    train: bool
+    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("hidden", "loss", "grad")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    hidden: Tensor
+    loss: float
+    grad: Tensor
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "grad")
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    pipeline_id: str
+    microbatch: int
+    outer_step: int
+    inner_step: int
+    stage: int
+    grad: Tensor
+    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class BackwardReply(_message.Message):
+    __slots__ = ("grad",)
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    grad: Tensor
+    def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pipeline_id", "outer_step", "inner_step", "n_microbatches", "tokens")
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    N_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pipeline_id: str
+    outer_step: int
+    inner_step: int
+    n_microbatches: int
+    tokens: int
+    def __init__(self, pipeline_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., n_microbatches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PayloadRequest(_message.Message):
+    __slots__ = ("outer_step", "stage", "sender")
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    outer_step: int
+    stage: int
+    sender: str
+    def __init__(self, outer_step: _Optional[int] = ..., stage: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("stage",)
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    def __init__(self, stage: _Optional[int] = ...) -> None: ...
+
+class StateReply(_message.Message):
+    __slots__ = ("outer_step", "meta_json", "tensors")
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    outer_step: int
+    meta_json: str
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, outer_step: _Optional[int] = ..., meta_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class ArtifactRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class Blob(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

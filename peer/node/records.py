@@ -1,0 +1,128 @@
+"""What one peer publishes in the DHT about itself, and the thread that keeps it fresh (DESIGN §3).
+
+Records: `stage.{s}` (one per stage this process holds: address, role, state, outer step,
+parameter hash, claiming pipeline, last committed replica ids, tokens/s) and `replica` (a head or
+full replica: address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads,
+"pipeline_peers", which binds its stage peers' payload announcements: `peer.node.rounds.bound_replica`).
+
+Invariants: records are republished every `swarm.announce_interval_s` and after every round with
+ttl `swarm.record_ttl_s`, so a dead peer's records expire on their own; one lock serialises
+publishing; `close` stops the thread and withdraws every record it published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from peer.errors import PeerError
+from peer.node.stage_worker import StageWorker
+
+if TYPE_CHECKING:
+    from peer.node.session import Session
+
+log = logging.getLogger(__name__)
+
+Record = dict[str, Any]  # {"kind": "stage", "stage": s, "record": {...}} or {"kind": "replica", "record": {...}}
+
+
+class Records:
+    """Builds this peer's records and republishes them until `close`."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._publish: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._stages: set[int] = set()
+
+    def stage(self, worker: StageWorker, role: str) -> Record:
+        svc = self.session.service
+        state = "syncing" if svc is None else ("busy" if svc.claimed_by or svc.in_round else "ready")
+        return {
+            "kind": "stage",
+            "stage": worker.stage,
+            "record": {
+                "address": self.session.address,
+                "role": role,
+                "state": state,
+                "outer_step": worker.outer_step,
+                "param_hash": worker.param_hash(),
+                "pipeline": svc.claimed_by if svc else None,
+                "committed": [r[:16] for r in worker.last_committed],
+                "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
+            },
+        }
+
+    def replica(
+        self,
+        kind: str,
+        outer_step: int,
+        shard: int,
+        loss: float | None,
+        tokens_per_s: float,
+        pipeline_peers: dict[str, str] | None = None,
+    ) -> Record:
+        """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
+        announcements to this replica (peer.node.rounds.bound_replica)."""
+        record: dict[str, Any] = {
+            "address": self.session.address,
+            "kind": kind,
+            "outer_step": outer_step,
+            "shard": shard,
+            "loss": loss,
+            "tokens_per_s": tokens_per_s,
+            "joined_at": self.session.joined_at,
+        }
+        if pipeline_peers is not None:
+            record["pipeline_peers"] = pipeline_peers
+        return {"kind": "replica", "record": record}
+
+    def announce(self, *record_fns: Callable[[], Record]) -> None:
+        """Publish the records now and then every `announce_interval_s` until close()."""
+        dht, swarm_cfg = self.session.dht, self.session.cfg.swarm
+
+        def publish() -> None:
+            for fn in record_fns:
+                item = fn()
+                if item["kind"] == "stage":
+                    self._stages.add(item["stage"])
+                    dht.announce_stage(item["stage"], item["record"], ttl_s=swarm_cfg.record_ttl_s)
+                else:
+                    dht.announce_replica(item["record"], ttl_s=swarm_cfg.record_ttl_s)
+
+        def loop() -> None:
+            while not self._stop.wait(swarm_cfg.announce_interval_s):
+                self.refresh()
+
+        self._publish = publish
+        publish()
+        self._thread = threading.Thread(target=loop, name="peer-announce", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> None:
+        """Publish this peer's records now (after every round, so peers see its new outer step)."""
+        if self._publish is None:
+            return
+        with self._lock:
+            try:
+                self._publish()
+            except PeerError as exc:
+                log.warning("could not refresh DHT records: %s", exc)
+
+    def close(self) -> None:
+        """Stop republishing and withdraw what this peer published (a failure is logged)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            for stage in sorted(self._stages):
+                self.session.dht.withdraw_stage(stage)
+            if self.session.role in ("head", "full"):
+                self.session.dht.withdraw_replica()
+        except PeerError as exc:
+            log.warning("could not withdraw records: %s", exc)

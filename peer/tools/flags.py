@@ -1,0 +1,215 @@
+"""Every flag of the `peer` command line: its name, its help (units in names), its type.
+
+Each flag is a typed `Annotated` alias that `peer/cli.py` puts in a command's signature together
+with its default (`stages: SimStages = None`), so a flag shared by several commands is written
+once. Invariants: a flag's name and help are the ones `peer … --help` shows; nothing here parses,
+validates or runs anything (the CLI and peer.config do).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+# --- shared --------------------------------------------------------------------------------------
+
+Config = Annotated[
+    Path | None, typer.Option("--config", help="TOML run config (defaults < TOML < PEER_* env < flags).")
+]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")]
+Preset = Annotated[str | None, typer.Option(help="Model preset: tiny, small, 178M, 512M, 1B (default tiny).")]
+KRatio = Annotated[
+    str | None, typer.Option("--k-ratio", help="Subspace width k/d of compressed boundaries (default 1/8).")
+]
+BatchSize = Annotated[
+    int | None, typer.Option("--batch-size", help="Sequences per inner step per replica (default 8).")
+]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence (default 64).")]
+Seed = Annotated[int | None, typer.Option(help="Run seed: init, U, data order (default 0).")]
+SwarmSecret = Annotated[
+    Path | None,
+    typer.Option("--swarm-secret-file", help="The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."),
+]
+
+# --- peer simulate -------------------------------------------------------------------------------
+
+Replicas = Annotated[int, typer.Option(help="M: replicas trained side by side.")]
+SimStages = Annotated[int | None, typer.Option(help="S: pipeline stages per replica (default 2).")]
+HetFraction = Annotated[
+    float, typer.Option("--het-fraction", help="α: fraction of uncompressed replicas in het-pp-compress.")
+]
+SimInnerSteps = Annotated[int | None, typer.Option("--inner-steps", help="H: inner steps per outer step (default 10).")]
+SimOuterSteps = Annotated[int | None, typer.Option("--outer-steps", help="T: outer steps (default 20).")]
+Lr = Annotated[float | None, typer.Option(help="Peak inner learning rate.")]
+Configs = Annotated[str, typer.Option(help="Comma-separated configs to run.")]
+SimDataset = Annotated[str | None, typer.Option(help="Local path or hub name; default: the embedded corpus.")]
+SimPlot = Annotated[Path | None, typer.Option(help="Loss-curve PNG (default: next to --json, else runs/simulate.png).")]
+Save = Annotated[Path | None, typer.Option(help="Write each config's final model checkpoint under DIR/<config>/.")]
+
+# --- peer plan -----------------------------------------------------------------------------------
+
+PlanPreset = Annotated[str, typer.Option(help="Model preset (tiny … 1B, or 70B for the paper's Fig. 2).")]
+PlanParams = Annotated[float | None, typer.Option(help="Parameter count instead of a preset (e.g. 7e9).")]
+PlanStages = Annotated[int, typer.Option(help="Pipeline stages.")]
+PlanKRatio = Annotated[str, typer.Option("--k-ratio", help="k/d of compressed boundaries.")]
+PlanInnerSteps = Annotated[int, typer.Option("--inner-steps", help="H: inner steps per outer step.")]
+MicrobatchSize = Annotated[int, typer.Option("--microbatch-size", help="Sequences per micro-batch.")]
+Microbatches = Annotated[int, typer.Option(help="Micro-batches per inner step.")]
+PlanSeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
+Flops = Annotated[float, typer.Option(help="Sustained accelerator FLOP/s per stage (e.g. 4e14).")]
+BandwidthMbps = Annotated[str, typer.Option("--bandwidth-mbps", help="Inter-stage bandwidths in Mbit/s.")]
+PlanReplicas = Annotated[int, typer.Option(help="Holders of each stage in the pseudo-gradient round.")]
+PlanWireDtype = Annotated[str, typer.Option("--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16.")]
+Png = Annotated[
+    Path | None, typer.Option("--png", help="Utilisation plot (default: next to --json, else runs/plan.png).")
+]
+PlanJson = Annotated[Path | None, typer.Option("--json", help="Write the table as JSON.")]
+
+# --- peer bench / export -------------------------------------------------------------------------
+
+BenchParams = Annotated[
+    float, typer.Option(help="Approximate model size in parameters; a real model of that size is built.")
+]
+BenchSeed = Annotated[int, typer.Option()]
+BenchJson = Annotated[Path | None, typer.Option("--json", help="Write the measurement as JSON.")]
+Checkpoint = Annotated[
+    Path,
+    typer.Argument(
+        help="Checkpoint folder written by `peer simulate --save` or a peer: one configuration, "
+        "or a folder holding exactly one."
+    ),
+]
+ExportOut = Annotated[Path, typer.Option("--out", help="Output folder for the Hugging Face LlamaForCausalLM files.")]
+
+# --- peer bootstrap ------------------------------------------------------------------------------
+
+BootStages = Annotated[int | None, typer.Option(help="S: pipeline stages of compressed pipelines (default 2).")]
+BootInnerSteps = Annotated[
+    int | None, typer.Option("--inner-steps", help="H: inner steps per outer step (default 20).")
+]
+BootOuterSteps = Annotated[
+    int | None, typer.Option("--outer-steps", help="T: outer steps (rounds) of the run (default 10).")
+]
+BootDataset = Annotated[
+    str | None, typer.Option(help="Local file/folder or hub dataset name (default: the embedded corpus).")
+]
+MaxChars = Annotated[
+    int | None, typer.Option("--max-chars", help="Cap on the corpus size in characters (default 4000000).")
+]
+Tokenizer = Annotated[Path | None, typer.Option(help="Use this sentencepiece .model instead of training one.")]
+WireDtype = Annotated[str | None, typer.Option("--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16.")]
+RunName = Annotated[str | None, typer.Option("--run-name", help="Human name of the run (part of the run id).")]
+BootHost = Annotated[str, typer.Option(help="Interface to listen on (0.0.0.0: all interfaces).")]
+BootPort = Annotated[int, typer.Option(help="DHT (libp2p) TCP port; 0 picks a free one.")]
+GrpcPort = Annotated[
+    int, typer.Option("--grpc-port", help="gRPC TCP port serving the tokenizer and manifest; 0 picks a free one.")
+]
+BootAnnounceHost = Annotated[
+    str | None,
+    typer.Option(
+        "--announce-host", help="Host name or IP other machines reach this one at (needs an explicit --port)."
+    ),
+]
+BootIdentity = Annotated[
+    Path | None,
+    typer.Option(
+        help="libp2p private key file, created if missing; keeps the peer id and multiaddr stable across restarts."
+    ),
+]
+AddressFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--address-file", help="Once ready, write {initial_peers, grpc, run_id, peer_id} JSON here (removed on exit)."
+    ),
+]
+PrintPeerId = Annotated[
+    bool,
+    typer.Option("--print-peer-id", help="Print the peer id of --identity (creating the key if missing) and exit."),
+]
+Admission = Annotated[
+    str | None,
+    typer.Option(
+        "--admission",
+        help="Who may take part: open, secret (peers need --swarm-secret-file) or allowlist "
+        "(only --allow-peer ids). Default: secret with --swarm-secret-file, allowlist with --allow-peer, else open.",
+    ),
+]
+AllowPeer = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-peer",
+        help="Peer id admitted in allowlist mode (repeatable; a peer prints its id with "
+        "`peer bootstrap --identity KEY_FILE --print-peer-id`).",
+    ),
+]
+BootSwarmSecret = Annotated[
+    Path | None,
+    typer.Option(
+        "--swarm-secret-file",
+        help="File holding the swarm secret (secret mode; default $PEER_SWARM_SECRET). "
+        "Only a commitment to it is published.",
+    ),
+]
+
+# --- peer status / join --------------------------------------------------------------------------
+
+StatusPeers = Annotated[
+    list[str],
+    typer.Option(
+        "--initial-peers",
+        help="Multiaddr of a swarm peer, e.g. the bootstrap's /ip4/HOST/tcp/PORT/p2p/ID (repeatable).",
+    ),
+]
+StatusJson = Annotated[bool, typer.Option("--json", help="Print the status as JSON on stdout instead of tables.")]
+StatusTimeout = Annotated[
+    float, typer.Option("--timeout-s", help="Seconds to wait for the DHT and for the run's manifest.")
+]
+JoinPeers = Annotated[
+    list[str] | None, typer.Option("--initial-peers", help="Multiaddr printed by `peer bootstrap` (repeatable).")
+]
+JoinStage = Annotated[
+    int | None, typer.Option("--stage", help="Hold this pipeline stage (0 = a head that drives a pipeline).")
+]
+FullReplica = Annotated[bool, typer.Option("--full-replica", help="Hold every stage and train without compression.")]
+Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
+JoinHost = Annotated[str, typer.Option(help="Interface for the gRPC data plane and the DHT.")]
+JoinPort = Annotated[int, typer.Option(help="gRPC data-plane port (0 = any free port).")]
+DhtPort = Annotated[int, typer.Option("--dht-port", help="DHT port (0 = any free port).")]
+JoinAnnounceHost = Annotated[
+    str | None, typer.Option("--announce-host", help="Host others reach this peer at (behind NAT / port forwarding).")
+]
+DataDir = Annotated[
+    Path | None, typer.Option("--data-dir", help="Tokenizer, metrics.jsonl and state (default runs/<role>).")
+]
+JoinIdentity = Annotated[
+    Path | None, typer.Option("--identity", help="Persistent peer key file (created on first run).")
+]
+ManifestTimeout = Annotated[
+    float, typer.Option("--manifest-timeout-s", help="How long to wait for the bootstrap's manifest.")
+]
+Resume = Annotated[
+    bool, typer.Option("--resume", help="Continue from the newest good checkpoint in <data-dir>/checkpoints.")
+]
+
+# --- peer demo -----------------------------------------------------------------------------------
+
+Pipelines = Annotated[int, typer.Option(help="P: compressed pipelines, each S stage peers (stage 0 is the head).")]
+DemoStages = Annotated[int, typer.Option(help="S: pipeline stages.")]
+FullReplicas = Annotated[int, typer.Option("--full-replicas", help="F: uncompressed full replicas.")]
+DemoOuterSteps = Annotated[int, typer.Option("--outer-steps", help="T: outer rounds to train.")]
+DemoInnerSteps = Annotated[int, typer.Option("--inner-steps", help="H: inner steps per outer round.")]
+DemoPreset = Annotated[str, typer.Option(help="Model preset (tiny trains on a CPU in minutes).")]
+DemoJson = Annotated[Path | None, typer.Option("--json", help="Write the per-round summary as JSON here.")]
+DemoPlot = Annotated[
+    Path | None, typer.Option("--plot", help="Loss-curve PNG (default: next to --json, else WORKDIR/demo.png).")
+]
+Workdir = Annotated[
+    Path | None,
+    typer.Option("--workdir", help="Logs and data dirs of every process (default: a fresh runs/demo-<timestamp>)."),
+]
+DemoTimeout = Annotated[
+    float, typer.Option("--timeout-s", help="Seconds the whole demo may take before every process is stopped.")
+]
