@@ -3,7 +3,8 @@
 The learning rate is a function of the GLOBAL step `t * H + inner_step` (DESIGN §3 "Clock"), never
 of a local counter alone, so a late joiner or a resumed peer uses the same schedule as everyone.
 AdamW settings follow the paper: β = (0.9, 0.95), weight decay 0.1, clip 1.0. Norm gains and
-other 1-D parameters get no weight decay.
+other 1-D parameters get no weight decay. A model split over stages clips by the norm over all
+its stages (`grad_sq_norm` per stage, summed, then `clip_grads_to`), as a whole model would.
 """
 
 from __future__ import annotations
@@ -55,3 +56,27 @@ def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
     if not grads:
         return 0.0
     return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+
+
+def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """Σ‖g‖² over the parameters that have a gradient: one stage's share of a global norm."""
+    return math.fsum(float(p.grad.detach().double().square().sum()) for p in params if p.grad is not None)
+
+
+def clip_grads_to(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale gradients by min(1, max_norm / (total_norm + 1e-6)), where total_norm is the norm over
+    every stage of the model (gradient clipping by the global norm, split across stages)."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+def decoupled_decay(global_steps: Iterable[int], train: TrainConfig) -> float:
+    """Π (1 − lr(s)·weight_decay) over the given global steps: what AdamW's decoupled weight decay
+    does to a parameter in those steps, for a tensor that is not a parameter (T⊥)."""
+    factor = 1.0
+    for step in global_steps:
+        factor *= 1.0 - lr_at(step, train) * train.weight_decay
+    return factor

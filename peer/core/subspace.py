@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "compress_activations",
     "compress_grad",
     "compressed_boundary",
+    "distinct_ks",
     "embedding_outer_update",
     "expand_activations",
     "expand_grad",
@@ -106,7 +108,32 @@ def k_from_ratio(d: int, ratio: float | str) -> int:
     if not 0 < frac <= 1:
         raise ConfigError(f'subspace ratio {ratio!r} must be in (0, 1]; e.g. "1/8" keeps d/8 channels')
     k = math.floor(frac * d + Fraction(1, 2))  # round half up, exact
-    return max(1, min(d, k))
+    if k < 1:
+        raise ConfigError(
+            f"subspace ratio {ratio} gives k = round({d} × {frac}) = 0 channels at d_model={d}; "
+            f"the smallest valid ratio for this width is 1/{d}"
+        )
+    return min(d, k)
+
+
+def distinct_ks(d: int, ratios: Sequence[str]) -> list[int]:
+    """k for each ratio of a sweep; two ratios that round to the same k are a ConfigError.
+
+    A sweep's rows must be different experiments: "1/96" and "1/128" at d = 64 would both run
+    as k = 1 under different labels.
+    """
+    seen: dict[int, str] = {}
+    out = []
+    for ratio in ratios:
+        k = k_from_ratio(d, ratio)
+        if k in seen:
+            raise ConfigError(
+                f"subspace ratios {seen[k]} and {ratio} both give k = {k} at d_model={d}; drop one "
+                f"(distinct ratios are multiples of 1/{d}; the smallest valid ratio is 1/{d})"
+            )
+        seen[k] = ratio
+        out.append(k)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

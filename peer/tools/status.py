@@ -17,42 +17,17 @@ same rule as `SwarmDHT.current_outer_step`. Every wait has a deadline: the manif
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from peer.errors import ManifestMismatch, NetworkError
+from peer.errors import ManifestMismatch
 from peer.net.dht import SwarmDHT
+from peer.node.manifest import wait_for_manifest
 
 logger = logging.getLogger(__name__)
 
 STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address")
 REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s")
-POLL_S = 0.5  # pause between two manifest lookups while waiting for it
-
-
-def wait_for_manifest(dht: SwarmDHT, timeout_s: float = 20.0, where: str = "the DHT") -> dict[str, Any]:
-    """Poll the DHT for the run's manifest until `timeout_s`; NetworkError naming `where` if none appears."""
-    deadline = time.monotonic() + timeout_s
-    last_error: Exception | None = None
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        try:
-            manifest = dht.get_manifest(timeout_s=min(remaining, dht.request_timeout_s))
-        except ManifestMismatch:
-            raise
-        except NetworkError as exc:  # retried until the deadline; reported if it is the last word
-            last_error, manifest = exc, None
-            logger.debug("manifest lookup failed: %s", exc)
-        if manifest is not None:
-            return manifest
-        time.sleep(max(0.0, min(POLL_S, deadline - time.monotonic())))
-    cause = f" (last error: {last_error})" if last_error is not None else ""
-    raise NetworkError(
-        f"no manifest at {where} within {timeout_s:.0f} s: is the bootstrap running? check --initial-peers{cause}"
-    )
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
