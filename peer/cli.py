@@ -35,7 +35,6 @@ console = Console()
 err_console = Console(stderr=True)
 
 RUNS = Path("runs")  # where a command writes when no flag names a path
-SIMULATE_DEFAULTS = {"train.inner_steps": 10, "train.outer_steps": 20}
 
 
 def package_version() -> str:
@@ -78,9 +77,11 @@ def _png_path(flag: Path | None, json_out: Path | None, default: Path) -> Path:
 @app.command()
 def simulate(
     preset: flags.Preset = None,
-    replicas: flags.Replicas = 4,
+    replicas: Annotated[int | None, typer.Option(help="M: replicas trained side by side (default 4).")] = None,
     stages: flags.SimStages = None,
-    k_ratio: flags.KRatio = None,
+    k_ratio: Annotated[
+        str | None, typer.Option("--k-ratio", help="Subspace widths k/d, comma-separated: a sweep (default 1/8).")
+    ] = None,
     het_fraction: flags.HetFraction = 0.5,
     inner_steps: flags.SimInnerSteps = None,
     outer_steps: flags.SimOuterSteps = None,
@@ -88,7 +89,23 @@ def simulate(
     seq_len: flags.SeqLen = None,
     lr: flags.Lr = None,
     seed: flags.Seed = None,
+    seeds: Annotated[str | None, typer.Option(help="Seeds, comma-separated, e.g. 0,1,2 (default: --seed).")] = None,
     configs: flags.Configs = "adamw,sparseloco,pp-compress,het-pp-compress",
+    val_tokens: Annotated[int, typer.Option(help="Held-out tokens of every evaluation.")] = 16384,
+    quant_bits: Annotated[
+        int | None, typer.Option(help="Bits per sent value: 0 (float32), 2, 4, 8 (default 2).")
+    ] = None,
+    clip_median: Annotated[
+        float | None, typer.Option(help="Clip each Δ̂ to this × the round's median norm (default 0: off).")
+    ] = None,
+    adamw_lr: Annotated[
+        float | None, typer.Option(help="Inner learning rate of the adamw* configs (default --lr).")
+    ] = None,
+    te_adaptation: Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")] = True,
+    weight_projection: Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")] = False,
+    paper_settings: Annotated[
+        bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
+    ] = False,
     dataset: flags.SimDataset = None,
     json_out: flags.JsonOut = None,
     plot: flags.SimPlot = None,
@@ -96,38 +113,55 @@ def simulate(
     config: flags.Config = None,
     verbose: flags.Verbose = False,
 ) -> None:
-    """Run the paper's configurations (Table 2) in one process on the same data and steps."""
+    """Run the paper's configurations (Tables 2, 4, 5) in one process on the same data and steps."""
     _setup_logging(verbose)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from peer.config import build_config
     from peer.core.data import build_token_data
+    from peer.core.subspace import distinct_ks
+    from peer.tools import experiments as ex
     from peer.tools.render import simulate_table
-    from peer.tools.simulate import CONFIGS, plot_curves
-    from peer.tools.simulate import simulate as run_simulation
+    from peer.tools.simulate import CONFIGS, SIMULATE_DEFAULTS, SimOptions, plot_curves
 
     names = [c.strip() for c in configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise ConfigError(f"--configs: unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+    ratios = ex.parse_list(k_ratio, "--k-ratio") if k_ratio else None
     overrides = {
         "preset": preset,
         "seed": seed,
         "stages": stages,
-        "subspace.k_ratio": k_ratio,
+        "subspace.k_ratio": ratios[0] if ratios else None,
         "train.inner_steps": inner_steps,
         "train.outer_steps": outer_steps,
         "train.batch_size": batch_size,
         "train.seq_len": seq_len,
         "train.lr": lr,
+        "sparseloco.quant_bits": quant_bits,
+        "sparseloco.clip_median_factor": clip_median,
         "data.dataset": dataset,
     }
-    cfg = build_config(config, overrides, defaults=SIMULATE_DEFAULTS)
+    defaults = SIMULATE_DEFAULTS | (ex.PAPER_SETTINGS if paper_settings else {})
+    cfg = build_config(config, overrides, defaults=defaults)
+    m = replicas if replicas is not None else (ex.PAPER_REPLICAS if paper_settings else 4)
+    if adamw_lr is None and paper_settings and lr is None:
+        adamw_lr = ex.PAPER_ADAMW_LR
+    try:
+        seed_list = [int(x) for x in ex.parse_list(seeds, "--seeds")] if seeds else [cfg.seed]
+    except ValueError:
+        raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
+    ratio_list = ratios or [cfg.subspace.k_ratio]
+    distinct_ks(cfg.model.d_model, ratio_list)  # before any data is prepared
+    opts = SimOptions(m, het_fraction, val_tokens, te_adaptation, weight_projection, adamw_lr)
+    if m < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {m}")
     with console.status("preparing data and tokenizer…"):
         data = build_token_data(cfg.data)
     total = cfg.train.inner_steps * cfg.train.outer_steps
     columns = [
-        TextColumn("{task.description:<16}"),
+        TextColumn("{task.description:<28}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"),
@@ -135,32 +169,29 @@ def simulate(
         TimeRemainingColumn(),
     ]
     with Progress(*columns, console=console, transient=False) as bar:
-        tasks = {n: bar.add_task(n, total=total, loss=float("nan")) for n in names}
+        tasks: dict[str, Any] = {}
 
         def progress(name: str, done: int, _total: int, loss: float) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
             bar.update(tasks[name], completed=done, loss=loss)
 
-        results = run_simulation(cfg, data, replicas, names, het_fraction, progress, save)
+        results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, save)
 
-    console.print(simulate_table(results, cfg, replicas))
+    console.print(simulate_table(results, cfg, m))
+    rows = ex.summarize(results)
+    title = (
+        f"Table 2 shape — {cfg.preset}, M={m}, S={cfg.stages}, H={cfg.train.inner_steps}, T={cfg.train.outer_steps}, "
+        f"seeds {','.join(map(str, seed_list))}: mean ± std over seeds"
+    )
+    console.print(ex.summary_table(rows, title))
     plot_path = _png_path(plot, json_out, RUNS / "simulate.png")
-    plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={replicas}, S={cfg.stages})")
+    plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
     console.print(f"loss curves: {plot_path}")
     if json_out:
-        args = {
-            "preset": cfg.preset,
-            "replicas": replicas,
-            "stages": cfg.stages,
-            "k_ratio": cfg.subspace.k_ratio,
-            "het_fraction": het_fraction,
-            "inner_steps": cfg.train.inner_steps,
-            "outer_steps": cfg.train.outer_steps,
-            "batch_size": cfg.train.batch_size,
-            "seq_len": cfg.train.seq_len,
-            "seed": cfg.seed,
-            "configs": names,
-        }
-        _write_json(json_out, {"configs": [r.summary() for r in results], "args": args})
+        args = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, paper_settings)
+        out = {"configs": [r.summary() for r in results], "summary": rows, "args": args}
+        _write_json(json_out, out)
         console.print(f"results: {json_out}")
 
 
@@ -228,6 +259,34 @@ def bench_payload_cmd(
     console.print(metric_table("SparseLoCo payload", result))
     if json_out:
         _write_json(json_out, result)
+
+
+@bench_app.command("chaos")
+def bench_chaos_cmd(
+    faults: Annotated[int, typer.Option("--faults", help="Faults to inject (one is a bootstrap kill).")] = 20,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the fault schedule.")] = 0,
+    round_timeout_s: Annotated[float, typer.Option("--round-timeout-s", help="swarm.round_timeout_s.")] = 20.0,
+    inner_steps: Annotated[int, typer.Option("--inner-steps", help="H of the run.")] = 5,
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Logs and data (default: runs/chaos-…).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the table and every fault here.")] = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Random kill -9 / SIGTERM / SIGSTOP churn on a loopback swarm: recovery, stalls, disagreements, orphans."""
+    _setup_logging(verbose)
+    import time
+
+    from peer.tools.chaos import ChaosConfig, run_chaos
+    from peer.tools.render import metric_table
+
+    if faults < 1:
+        raise ConfigError("--faults must be 1 or more")
+    where = workdir or RUNS / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = ChaosConfig(faults=faults, seed=seed, workdir=where, round_timeout_s=round_timeout_s, inner_steps=inner_steps)
+    console.print(f"peer bench chaos: {faults} faults; logs in {where}", soft_wrap=True, highlight=False)
+    result = run_chaos(cfg, lambda line: console.print(line, soft_wrap=True, highlight=False))
+    console.print(metric_table("chaos", result.summary))
+    if json_out:
+        _write_json(json_out, {"summary": result.summary, "faults": result.faults})
 
 
 @app.command()
@@ -387,17 +446,18 @@ def join(
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
     from peer.net.dht import load_swarm_secret
-    from peer.node.session import SessionOptions
+    from peer.node.session import SessionOptions, usable_data_dir
     from peer.node.trainer import data_dir_default, run_full_replica, run_head, run_stage_peer
 
     role = "full" if full_replica else ("head" if stage == 0 else "stage")
+    data_dir = usable_data_dir(data_dir or data_dir_default(role, stage))
     opts = SessionOptions(
         initial_peers=tuple(initial_peers or ()),
         host=host,
         port=port,
         dht_port=dht_port,
         announce_host=announce_host,
-        data_dir=data_dir or data_dir_default(role, stage),
+        data_dir=data_dir,
         identity=str(identity) if identity else None,
         device=device,  # "auto" is decided after the DHT has started (hivemind forks before CUDA is touched)
         manifest_timeout_s=manifest_timeout_s,
@@ -426,8 +486,8 @@ def demo(
     pipelines: flags.Pipelines = 1,
     stages: flags.DemoStages = 2,
     full_replicas: flags.FullReplicas = 1,
-    outer_steps: flags.DemoOuterSteps = 4,
-    inner_steps: flags.DemoInnerSteps = 10,
+    outer_steps: flags.DemoOuterSteps = 18,
+    inner_steps: flags.DemoInnerSteps = 8,
     preset: flags.DemoPreset = "tiny",
     json_out: flags.DemoJson = None,
     plot: flags.DemoPlot = None,

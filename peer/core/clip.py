@@ -5,6 +5,8 @@
 Invariants: norms are exactly rounded (math.fsum of float32 squares, exact in float64), so every
 holder of a stage clips the same committed list to the same bits, whatever the summation order,
 thread count or hardware; `payload_norm(p)` equals `global_norm(decompress(p))` bit for bit.
+What clipping removes from a sender's contribution (`clipped_mass`) goes back into that sender's
+error buffer, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class ClipStats:
     norms: tuple[float, ...]  # global L2 norm of each contribution before clipping, in input order
     median: float  # lower median of the finite, non-zero norms (0.0 when there are none)
     max_ratio: float  # largest finite norm / median before clipping (0.0 when the median is 0)
+    scales: tuple[float | None, ...] = ()  # per contribution: None (kept), else the factor applied
 
 
 def global_norm(d: Mapping[str, Tensor]) -> float:
@@ -77,7 +80,7 @@ def clip_plan(norms: Sequence[float], factor: float) -> tuple[list[float | None]
     median = voters[(len(voters) - 1) // 2] if voters else 0.0
     max_ratio = max((n / median for n in norms if math.isfinite(n)), default=0.0) if median > 0 else 0.0
     if factor == 0:
-        return [None] * len(norms), ClipStats(0, norms, median, max_ratio)
+        return [None] * len(norms), ClipStats(0, norms, median, max_ratio, (None,) * len(norms))
     bound = factor * median
     plan: list[float | None] = []
     for norm in norms:
@@ -87,7 +90,19 @@ def clip_plan(norms: Sequence[float], factor: float) -> tuple[list[float | None]
             plan.append(float(np.float32(bound / norm)))  # exactly a float32: the same product on any device
         else:
             plan.append(None)
-    return plan, ClipStats(sum(s is not None for s in plan), norms, median, max_ratio)
+    return plan, ClipStats(sum(s is not None for s in plan), norms, median, max_ratio, tuple(plan))
+
+
+def clipped_mass(decoded: Mapping[str, Tensor], scale: float | None) -> dict[str, Tensor] | None:
+    """What clipping by `scale` removed from one contribution: Δ̂ − fl(Δ̂·scale), or None.
+
+    The sender adds it back to its error buffer (`restore_unsent`), so clipping delays an
+    update instead of losing it. None when nothing was removed (scale None) or the contribution
+    is not finite (a non-finite Δ̂ is zeroed, never fed back).
+    """
+    if scale is None or not math.isfinite(global_norm(decoded)):
+        return None
+    return {name: t.to(torch.float32) - t.to(torch.float32) * scale for name, t in decoded.items()}
 
 
 def clip_to_median(decoded: Sequence[Mapping[str, Tensor]], factor: float) -> tuple[list[dict[str, Tensor]], ClipStats]:

@@ -28,7 +28,7 @@ import torch
 
 from peer.config import RunConfig, TrainConfig
 from peer.core.model import Decoder
-from peer.core.optim import clip_grads, lr_at, set_lr
+from peer.core.optim import clip_grads, clip_grads_to, decoupled_decay, lr_at, set_lr
 from peer.core.sparseloco import ClipStats, SparseLoCoConfig, aggregate, clip_to_median, outer_step
 from peer.core.subspace import (
     embedding_outer_update,
@@ -87,6 +87,23 @@ def set_perp(stage: Decoder, perp: torch.Tensor) -> None:
         perp_of(stage).copy_(perp)
 
 
+def perp_decay(train: TrainConfig, outer_step: int) -> float:
+    """The weight-decay factor of T⊥ for outer step t: Π_h (1 − lr(t·H + h)·wd), applied at commit.
+
+    T⊥ is part of the embedding but no optimizer's parameter, so it decays here, once per round,
+    by what AdamW's decoupled decay did to T_S (and to a full model's embedding) in that round.
+    Every holder computes the same float from (train, t) alone.
+    """
+    H = train.inner_steps
+    return decoupled_decay(range(outer_step * H, (outer_step + 1) * H), train)
+
+
+def _decay_perp(stage: Decoder, factor: float) -> None:
+    if factor != 1.0:
+        with torch.no_grad():
+            perp_of(stage).mul_(factor)
+
+
 def apply_outer_update(
     stage: Decoder,
     start: Mapping[str, torch.Tensor],
@@ -94,13 +111,17 @@ def apply_outer_update(
     outer_lr: float,
     U: torch.Tensor | None,
     embed_update: torch.Tensor | None = None,
+    perp_factor: float = 1.0,
 ) -> None:
     """Set the stage's parameters to θ_start − η·Δ̄ (in place).
 
     `embed_update` is the committed change of `embed.weight` (−η·Δ̄ of stage 0); stages that hold
-    only T⊥ pass it so their T⊥ moves exactly as stage 0's does.
+    only T⊥ pass it so their T⊥ moves exactly as stage 0's does. `perp_factor` (`perp_decay`)
+    scales T⊥ before the update, on every holder of T⊥ alike.
     """
     new = outer_step({k: v for k, v in start.items() if k != EMBED}, aggregate, outer_lr)
+    if U is not None:
+        _decay_perp(stage, perp_factor)
     with torch.no_grad():
         params = dict(stage.named_parameters())
         for name, value in new.items():
@@ -140,9 +161,18 @@ def adamw_step(
     global_step: int,
     train: TrainConfig,
     keep_in_subspace: torch.Tensor | None = None,
+    total_norm: float | None = None,
 ) -> None:
-    """Clip the stage's gradients, step AdamW at lr(global_step); with a basis U, T_S ← Π(T_S)."""
-    clip_grads(stage.parameters(), train.grad_clip)
+    """Clip the gradients, step AdamW at lr(global_step); with a basis U, T_S ← Π(T_S).
+
+    `total_norm` is the gradient norm over every stage of the model (`grad_sq_norm` of each stage,
+    summed, square-rooted): the stage clips by it, as the whole model would. None clips by this
+    stage's own norm.
+    """
+    if total_norm is None:
+        clip_grads(stage.parameters(), train.grad_clip)
+    else:
+        clip_grads_to(stage.parameters(), train.grad_clip, total_norm)
     set_lr(optimizer, lr_at(global_step, train))
     optimizer.step()
     if keep_in_subspace is not None:
@@ -171,18 +201,22 @@ def commit_round(
     cfg: SparseLoCoConfig,
     U: torch.Tensor | None,
     embed_update: torch.Tensor | None = None,
+    perp_factor: float = 1.0,
 ) -> RoundCommit:
     """Apply one committed round to every view of a stage: θ ← θ_start − η·mean(clip(Δ̂)).
 
     `decoded` are the committed contributions Δ̂ in commit order; `views` are this process's
     holders of the stage (one for a peer, M for the simulator); `embed_update` is stage 0's
-    committed change, which moves T⊥ of a stage without the embedding. No contribution: θ = θ_start.
+    committed change, which moves T⊥ of a stage without the embedding; `perp_factor` is the
+    round's T⊥ weight decay (`perp_decay`). No contribution: θ = θ_start (T⊥ still decays).
     """
     if not decoded:
         for view in views:
             with torch.no_grad():
                 for name, p in view.named_parameters():
                     p.copy_(start[name])
+            if U is not None:
+                _decay_perp(view, perp_factor)
         return RoundCommit(NO_CLIP)
     clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
     device = next(iter(start.values())).device
@@ -190,7 +224,7 @@ def commit_round(
     if embed_update is not None:
         embed_update = embed_update.to(device)
     for view in views:
-        apply_outer_update(view, start, agg, cfg.outer_lr, U, embed_update=embed_update)
+        apply_outer_update(view, start, agg, cfg.outer_lr, U, embed_update=embed_update, perp_factor=perp_factor)
     own_update = -cfg.outer_lr * agg[EMBED] if EMBED in start and EMBED in agg else None
     return RoundCommit(clip, own_update)
 

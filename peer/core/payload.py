@@ -6,11 +6,12 @@ chunk² entries. A chunk with n_c real entries sends k_c = min(k, n_c) of them. 
 entry's local index is r·chunk + c (1-D: its offset); its compact index, r·(real columns) + c,
 numbers the real entries 0 … n_c − 1 in the same order.
 
-Wire format, version 2, little-endian:
+Wire format, version 3 (v2 + sign-magnitude codes), little-endian:
   header   b"SLCO" | u8 version | u8 quant_bits | u8 chunk | u16 topk | u32 n_tensors
   tensor   u16 name_len | utf-8 name | u8 kind | u8 ndim | u32 × ndim shape | body
-  SPARSE   [f32 × 2^quant_bits codebook] | indices |
-           codes, quant_bits each, LSB-first (quant_bits > 0)  or  f32 values (quant_bits == 0)
+  SPARSE   [f32 × 2^(quant_bits−1) magnitudes, each >= 0] | indices |
+           codes, quant_bits each, LSB-first (quant_bits > 0)  or  f32 values (quant_bits == 0);
+           a code is sign << (quant_bits − 1) | bin, its value ±magnitude[bin]
   indices  topk <= 64: per chunk, the rank of its sorted compact indices among the k_c-subsets of
            n_c (combinatorial number system, see payload_kernels) in ceil(log2 C(n_c, k_c) / 8)
            bytes; topk > 64: idx_bits-wide local indices, one LSB-first bit stream
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
     from peer.core.sparseloco import SparseLoCoConfig
 
 MAGIC = b"SLCO"
-VERSION = 2
-READ_VERSIONS = (2,)
+VERSION = 3
+READ_VERSIONS = (3,)
 QUANT_BITS = (0, 2, 4, 8)
 SPARSE, DENSE_F32, DENSE_U8 = 0, 1, 2
 MAX_NDIM = 8
@@ -347,6 +348,17 @@ class Payload:
         return payload
 
 
+def _levels(qb: int) -> int:  # magnitude levels of a qb-bit sign-magnitude code: the codebook's length
+    return 1 << (qb - 1)
+
+
+def dequantize(codes: np.ndarray, codebook: np.ndarray, qb: int) -> np.ndarray:
+    """±codebook[bin] of sign-magnitude codes (n,), float32: the sign bit is the value's sign."""
+    mag = codebook[(codes & (_levels(qb) - 1)).astype(np.int64)].astype(np.float32)
+    out: np.ndarray = np.where(codes >> (qb - 1) != 0, -mag, mag)
+    return out
+
+
 def entry_kind(shape: tuple[int, ...], cfg: SparseLoCoConfig) -> int:
     """How `compress` sends a tensor of this shape."""
     if len(shape) <= 1 and cfg.dense_1d:
@@ -362,7 +374,7 @@ def entry_nbytes(name: str, kind: int, shape: Sequence[int], chunk: int, topk: i
         n_sel = n_selected(shape, chunk, topk)
         idx = index_nbytes(shape, chunk, topk)
         if qb:
-            return n + 4 * (1 << qb) + idx + packed_len(n_sel, qb)
+            return n + 4 * _levels(qb) + idx + packed_len(n_sel, qb)
         return n + idx + 4 * n_sel
     if kind == DENSE_F32:
         return n + 4 * math.prod(shape)
@@ -453,7 +465,9 @@ def _decode(b: bytes, max_elements: int, cfg: SparseLoCoConfig | None) -> Payloa
         entry: TensorEntry
         if kind == SPARSE:
             n_sel = n_selected(shape, chunk, topk)
-            codebook = r.floats(2**qb, f"codebook of {name!r}") if qb else None
+            codebook = r.floats(_levels(qb), f"codebook of {name!r}") if qb else None
+            if codebook is not None and np.any(codebook < 0):
+                raise PayloadError(f"negative magnitude in the codebook of {name!r}")
             indices = decode_indices(shape, chunk, topk, r.take(index_nbytes(shape, chunk, topk), what))
             codes = unpack_bits(r.take(packed_len(n_sel, qb), what), n_sel, qb) if qb else None
             values = None if qb else r.floats(n_sel, f"values of {name!r}")
@@ -480,5 +494,6 @@ def entry_values(e: TensorEntry, chunk: int, topk: int) -> tuple[np.ndarray | No
     if e.kind == DENSE_U8:
         cb = _arr(e.codebook)
         return None, cb[0] + cb[1] * _arr(e.codes).astype(np.float32)  # float32: one multiply, one add
-    vals = e.values if e.codebook is None else e.codebook[_arr(e.codes).astype(np.int64)]
-    return positions(e.shape, chunk, topk, _arr(e.indices)), _arr(vals).astype(np.float32)
+    qb = (len(e.codebook) - 1).bit_length() + 1 if e.codebook is not None else 0
+    vals = _arr(e.values) if e.codebook is None else dequantize(_arr(e.codes), e.codebook, qb)
+    return positions(e.shape, chunk, topk, _arr(e.indices)), vals.astype(np.float32)

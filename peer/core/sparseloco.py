@@ -12,12 +12,14 @@ One outer round of SparseLoCo (arXiv 2508.15706, Alg. 1; DESIGN.md §2), per sta
 
 Chunking and the wire format live in `peer.core.payload` (re-exported here). A chunk with fewer
 than k real entries sends all of them, so padding is never selected. With `dense_1d`, 1-D tensors
-(norm gains) are sent whole: 8-bit linear (float32 when quant_bits == 0). Q is per tensor: 2^bits
-quantile bins of the selected values, and a codebook of the bin means (the paper's per-tensor
-shift is folded into the codebook entries, which are absolute values). quant_bits == 0 sends
-float32 values. `clip_and_aggregate` is the fused form of clip_to_median + aggregate over
-decoded payloads: norms come from the payloads' values, and each payload is scattered straight
-into one accumulator per tensor, in the same order, so the result is the same bits.
+(norm gains) are sent whole: 8-bit linear (float32 when quant_bits == 0). Q is per tensor and
+sign-true: each code is the value's sign bit plus one of 2^(bits−1) magnitude bins, and the
+codebook holds the bins' mean |v| (equal-count bins refined by Lloyd steps), so a sent value
+never changes sign. quant_bits == 0 (the paper's setting, §3) sends float32 values.
+`clip_and_aggregate` is the fused form of clip_to_median + aggregate over decoded payloads: norms
+come from the payloads' values, and each payload is scattered straight into one accumulator per
+tensor, in the same order, so the result is the same bits. What median clipping removes from a
+contribution (`clipped_mass`) goes back into its sender's error buffer.
 
 Invariants:
 - Δ̂ is exactly what a receiver decodes from the payload (compress decodes its own entries), so
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.clip import ClipStats, clip_plan, clip_to_median, global_norm, payload_norm
+from peer.core.clip import ClipStats, clip_plan, clip_to_median, clipped_mass, global_norm, payload_norm
 from peer.core.payload import (
     DENSE_F32,
     DENSE_U8,
@@ -76,6 +78,7 @@ __all__ = [
     "clip_and_aggregate",
     "clip_plan",
     "clip_to_median",
+    "clipped_mass",
     "compress",
     "decompress",
     "global_norm",
@@ -147,20 +150,52 @@ def ideal_bytes_per_param(cfg: SparseLoCoConfig) -> float:
 # ------------------------------------------------------------------------------------------
 
 
+LLOYD_ROUNDS = 16  # refinements of the magnitude bins after the equal-count start
+
+
 def _quantize(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Codes (n,) uint8 and codebook (2^bits,) float32 of the quantile-bin means of v (n,)."""
-    n_bins = 2**bits
+    """Sign-magnitude codes (n,) uint8 and magnitude codebook (2^(bits−1),) float32 of v (n,).
+
+    A code is sign << (bits − 1) | bin: the sign bit is v's own, so no value ever changes sign,
+    and the bin indexes up to 2^(bits−1) levels of |v|, each the mean |v| of its members. Bins
+    start as equal-count bins of |v| (a bin left empty by ties or a step is merged into its
+    neighbour; unused trailing levels repeat the last) and take `LLOYD_ROUNDS` Lloyd steps
+    (edges at the midpoints of neighbouring means), on the sorted magnitudes and their prefix
+    sums: deterministic float64.
+    """
+    n_bins = 2 ** (bits - 1)
     if v.size == 0:
         return np.zeros(0, np.uint8), np.zeros(n_bins, np.float32)
-    s = np.sort(v).astype(np.float64)
-    edges = s[(np.arange(1, n_bins) * v.size) // n_bins]  # (n_bins − 1,) quantile edges
-    codes = np.searchsorted(edges, v, side="right").astype(np.uint8)  # bin = #edges <= v
-    count = np.bincount(codes, minlength=n_bins)
-    sums = np.bincount(codes, weights=v.astype(np.float64), minlength=n_bins)
-    ext = np.concatenate([s[:1], edges, s[-1:]])
-    centre = (ext[:-1] + ext[1:]) / 2  # used for empty bins only
-    codebook = np.where(count > 0, sums / np.maximum(count, 1), centre).astype(np.float32)
-    return codes, codebook
+    a = np.abs(v.astype(np.float64))
+    s = np.sort(a)
+    csum = np.concatenate([[0.0], np.cumsum(s)])
+    edges = np.unique(s[(np.arange(1, n_bins) * a.size) // n_bins])  # equal-count start, ties merged
+    edges, means = _merge_empty(s, csum, edges)
+    for _ in range(LLOYD_ROUNDS):
+        edges, means = _merge_empty(s, csum, (means[:-1] + means[1:]) / 2)
+    mag = np.searchsorted(edges, a, side="right").astype(np.uint8)  # bin = #edges <= |v|
+    sign = (v < 0).astype(np.uint8) << (bits - 1)
+    codebook = np.full(n_bins, means[-1], dtype=np.float32)  # bins past the used ones: never decoded
+    codebook[: len(means)] = means
+    return sign | mag, codebook
+
+
+def _merge_empty(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(edges, bin means) with every empty bin merged into its upper neighbour (or its lower one)."""
+    means = _bin_means(s, csum, edges)
+    while np.isnan(means).any():
+        edges = np.delete(edges, min(int(np.argmax(np.isnan(means))), len(edges) - 1))
+        means = _bin_means(s, csum, edges)
+    return edges, means
+
+
+def _bin_means(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Mean of the sorted magnitudes s in each bin [edge_{i−1}, edge_i) (nan for an empty bin)."""
+    bounds = np.concatenate([[0], np.searchsorted(s, edges, side="left"), [s.size]])
+    counts = np.diff(bounds)
+    sums = csum[bounds[1:]] - csum[bounds[:-1]]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
 def _chunk_magnitudes(e: Tensor, chunk: int) -> Tensor:

@@ -10,6 +10,8 @@ Records (all values are msgpack-friendly; every record has an expiration):
 - ``peer.manifest.signed``: the run's manifest as canonical JSON **text** under the subkey
   ``[owner:<bootstrap's RSA public key>]``, signed by the bootstrap. Readers take the copy signed
   by one of their --initial-peers (or the only copy) and apply its admission policy.
+- ``peer.manifest.sealed``: the text with the bootstrap's signature inside (`identity.seal`),
+  re-published by every peer under its own subkey: the manifest outlives the bootstrap.
 - ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients:
   ``json.loads(hivemind.DHT(initial_peers=[...], start=True).get("peer.manifest", latest=True).value)``.
   Anyone can overwrite it; `peer` itself never trusts it.
@@ -30,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -43,7 +46,7 @@ from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -57,9 +60,9 @@ from peer.net.admission import (
     load_swarm_secret,
     secret_commitment,
 )
-from peer.net.identity import make_identity, node_identity, peer_id_of
+from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.processes import ProcessTree
-from peer.net.records import RecordReader, check_plain, choose_manifest
+from peer.net.records import RecordReader, check_plain, choose_manifest, unsealed_copies
 from peer.net.watchdog import Watchdog
 
 __all__ = [  # the admission and identity names are re-exported: callers import them from here
@@ -82,6 +85,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
+SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
 # inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never
@@ -140,6 +144,12 @@ async def _node_visible_maddrs(_dht: Any, node: Any) -> list[str]:
     return [str(m) for m in await node.get_visible_maddrs(latest=True)]
 
 
+async def _ping_peers(peer_ids: Sequence[str], _dht: Any, node: Any) -> int:
+    """Ping each peer by id (each side adds the other to its routing table); how many answered."""
+    pings = [await node.protocol.call_ping(PeerID.from_base58(pid), strict=False) for pid in peer_ids]
+    return sum(p is not None for p in pings)
+
+
 def _stop(dht: hivemind.DHT, tree: ProcessTree, watchdog: Watchdog) -> None:
     """Shut a hivemind DHT down, make sure its child and p2pd are gone, then release its watchdog."""
     try:
@@ -192,6 +202,7 @@ class SwarmDHT:
         self.run_id: str | None = None
         self.n_stages = 0
         self.manifest_signer: str | None = None
+        self._seal: dict[str, Any] | None = None  # the verified manifest's seal, re-published by `republish_manifest`
         self._initial_ids = {str(Multiaddr(a)["p2p"]) for a in initial}
         self._last_expiration: dict[tuple[str, bytes | None], float] = {}
         self._tree = ProcessTree()
@@ -200,6 +211,7 @@ class SwarmDHT:
         t0 = time.monotonic()
         with node_identity(identity_path) as identity:  # a throw-away key is deleted once p2pd has read it
             validator = RSASignatureValidator(identity.key)
+            self._key = identity.key  # seals the manifest this node publishes (`identity.seal`)
             self.owner_subkey: bytes = validator.local_public_key  # the DHT subkey of this peer's records
             self._reader = RecordReader(identity.peer_id, self._secret)
             kwargs: dict[str, Any] = dict(
@@ -291,6 +303,12 @@ class SwarmDHT:
         found = self._wait(self._dht.run_coroutine(_node_visible_maddrs, return_future=True), "address lookup", None)
         return [str(m) for m in found]
 
+    def ping_initial_peers(self, timeout_s: float | None = None) -> int:
+        """Ping the --initial-peers again (a restarted bootstrap learns of us); how many answered."""
+        self._check_open()
+        future = self._dht.run_coroutine(functools.partial(_ping_peers, sorted(self._initial_ids)), return_future=True)
+        return int(self._wait(future, "ping of the initial peers", timeout_s))
+
     def set_run(self, run_id: str, n_stages: int = 0) -> None:
         """Namespace the per-run keys (call after reading the manifest)."""
         if not _RUN_ID_RE.fullmatch(run_id):
@@ -322,7 +340,8 @@ class SwarmDHT:
         """Store with a later expiration than any before it; up to 3 attempts under one deadline.
 
         hivemind reports the answer of the LAST node to reply, and a node that gets the same record
-        twice answers False, so a refusal is retried (with a new, later expiration) before it counts.
+        twice answers False, so a refusal is retried (with a new, later expiration) before it counts;
+        a record of ours from an earlier process with this key (a "left" one) is outlived, not fought.
         """
         self._check_open()
         if ttl_s <= 0:
@@ -341,6 +360,9 @@ class SwarmDHT:
                 logger.debug("stored %s (%s) for %.0f s", key, "signed" if subkey else "plain", expiration - dht_time())
                 return
             logger.debug("DHT store of %r refused (attempt %d of 3)", key, attempt + 1)
+            (held,) = self._get_many([key], max(0.0, deadline - time.monotonic())) if subkey else (None,)
+            if isinstance(held, dict) and subkey in held:
+                self._last_expiration[(key, subkey)] = max(expiration, float(held[subkey].expiration_time))
         raise NetworkError(
             f"DHT store of {key!r} was refused (no node accepted it, or a newer record exists); {_CHECK_HINT}"
         )
@@ -386,6 +408,8 @@ class SwarmDHT:
         text = json.dumps(manifest, sort_keys=True, separators=(",", ":"), allow_nan=False)
         self._store(SIGNED_MANIFEST_KEY, text, ttl_s, self.owner_subkey, timeout_s)
         self._reader.admission, self.manifest_signer = admission, self.peer_id
+        self._seal = seal(self._key, self.owner_subkey, text)
+        self._store(SEALED_MANIFEST_KEY, self._seal, ttl_s, self.owner_subkey, timeout_s)
         try:  # the unsigned mirror is a convenience for stock clients: anyone may overwrite it
             self._store(MANIFEST_KEY, text, ttl_s, None, timeout_s)
         except NetworkError as e:
@@ -400,15 +424,24 @@ class SwarmDHT:
         if this node is not admitted: a wrong or missing swarm secret, or (unless client_mode) a
         peer id missing from the allow-list.
         """
-        (value,) = self._get_many([SIGNED_MANIFEST_KEY], timeout_s)
-        chosen = choose_manifest(value, self._initial_ids, self._reader.drop)
+        value, sealed = self._get_many([SIGNED_MANIFEST_KEY, SEALED_MANIFEST_KEY], timeout_s)
+        copies, seals = unsealed_copies(sealed)
+        copies.update(value if isinstance(value, dict) else {})  # the bootstrap's own record first
+        chosen = choose_manifest(copies, self._initial_ids, self._reader.drop)
         if chosen is None:
             return None
         signer, manifest = chosen
         admission = Admission.of_manifest(manifest)
         admission.check_member(self.peer_id, self._secret, self.client_mode)
         self._reader.admission, self.manifest_signer = admission, signer
+        self._seal = seals.get(signer, self._seal)
         return manifest
+
+    def republish_manifest(self, ttl_s: float, timeout_s: float | None = None) -> bool:
+        """Re-publish the seal of the manifest we verified (joins outlive the bootstrap); False if none."""
+        if self._seal is not None:
+            self._store(SEALED_MANIFEST_KEY, self._seal, ttl_s, self.owner_subkey, timeout_s)
+        return self._seal is not None
 
     # --- stages, replicas, rounds ----------------------------------------------------------------
 

@@ -159,3 +159,26 @@ def node_identity(identity_path: str | os.PathLike[str] | None) -> Iterator[Node
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def seal(key: IdentityKey, owner_subkey: bytes, text: str) -> dict[str, Any]:
+    """`text` signed by `key` (whose owner subkey is `owner_subkey`), verifiable by anyone holding
+    the seal alone: {"text", "owner", "sig"}. Lets any peer re-publish the bootstrap's manifest."""
+    return {"text": text, "owner": owner_subkey, "sig": key.sign(text.encode())}
+
+
+def unseal(item: Any) -> tuple[str, str] | None:
+    """(signer's peer id, text) of a valid `seal`, or None if it is malformed or its signature fails."""
+    if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not isinstance(item.get("sig"), bytes):
+        return None
+    owner = item.get("owner")
+    match = _OWNER_RE.fullmatch(owner) if isinstance(owner, bytes) else None
+    if match is None:
+        return None
+    try:
+        public = RSAPublicKey.from_bytes(match.group(1))
+        if not public.verify(item["text"].encode(), item["sig"]):
+            return None
+        return peer_id_of(public), item["text"]
+    except Exception:  # noqa: BLE001 - any parse or verification failure means "not a valid seal"
+        return None

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from peer.errors import ManifestMismatch
 from peer.net.admission import PROOF_FIELD, Admission, admission_proof
-from peer.net.identity import owner_peer_id
+from peer.net.identity import owner_peer_id, unseal
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +153,28 @@ def choose_manifest(
             f"the manifest signed by {signer} is not a JSON object; check --initial-peers points at a peer swarm"
         )
     return signer, manifest
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A manifest copy as `choose_manifest` reads it (like hivemind's ValueWithExpiration)."""
+
+    value: Any
+    expiration_time: float
+
+
+def unsealed_copies(sealed: Any) -> tuple[dict[bytes, _Copy], dict[str, dict[str, Any]]]:
+    """The valid seals of `peer.manifest.sealed` (whoever re-published them) as manifest copies keyed
+    by their signer's owner subkey, and {signer peer id: seal}."""
+    copies: dict[bytes, _Copy] = {}
+    seals: dict[str, dict[str, Any]] = {}
+    for item in sealed.values() if isinstance(sealed, dict) else ():
+        opened = unseal(item.value)
+        if opened is None:
+            continue
+        signer, text = opened
+        owner = item.value["owner"]
+        if owner not in copies or copies[owner].expiration_time < item.expiration_time:
+            copies[owner] = _Copy(text, item.expiration_time)
+            seals[signer] = item.value
+    return copies, seals

@@ -23,7 +23,8 @@ Invariants:
   found under a recorded process are ever signalled; psutil re-checks each process's creation
   time before a signal, so a reused pid is never hit;
 - nothing is signalled while the parent runs, and a ``stop`` line ends the watchdog at once;
-- the watchdog exits on its own within `POLL_S` plus the stopping time once the parent is gone;
+- the watchdog exits on its own within `POLL_S` plus the stopping time once the parent is gone,
+  and within `SCAN_S` once every process it recorded has exited by itself;
 - this module imports only the standard library, psutil and `peer.net.processes`, so the
   watchdog starts in a fraction of a second.
 """
@@ -159,6 +160,8 @@ def watch(parent_pid: int, root_pid: int, create_time: float, stop: threading.Ev
         if time.monotonic() >= next_scan:
             _record(recorded)
             recorded = {pid: p for pid, p in recorded.items() if running(p)}
+            if not recorded:  # the whole tree exited by itself: nothing left to guard
+                return []
             next_scan = time.monotonic() + SCAN_S
         if stop.wait(POLL_S):
             return []
@@ -196,4 +199,6 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    logging.shutdown()
+    os._exit(code)  # the stdin reader may still block in a read: a normal exit would abort on its lock

@@ -3,7 +3,9 @@
 The head (stage 0) runs its own layers, then calls each later stage's peer in turn (petals-style
 orchestration): forward carries X̃ (b, L, k) and the int32 token ids, the last stage answers with
 the loss and ∇X̃ of its input, and backward walks the stages in reverse. After the micro-batches
-of an inner step the head tells every stage to take its optimizer step.
+of an inner step the head tells every stage to take its optimizer step, with the gradient norm
+over all stages (each later stage reports its Σ‖g‖² with its last micro-batch), so a pipeline
+clips its gradients as a whole model does.
 
 Claims: the first forward of an outer step claims a ready peer for this pipeline until the round
 (`PeerService`). Every newly chosen peer is published at once in the head's replica record
@@ -19,6 +21,8 @@ the inner steps its predecessor took before failing are lost for that stage.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -52,6 +56,15 @@ class StageUnavailable(PeerError):
 
 class PipelineBehind(NetworkError):
     """The stage peers moved on to a later outer step: the head must re-sync before training."""
+
+
+_PEER_STEP = re.compile(r"(?:is at outer step|finishing outer round) (\d+)")
+
+
+def _past(message: str, t: int) -> bool:
+    """A stage peer's busy reply says it is already past outer step `t`."""
+    found = _PEER_STEP.search(message)
+    return found is not None and int(found.group(1)) > t
 
 
 class PipelineDriver:
@@ -139,6 +152,9 @@ class PipelineDriver:
                     self._drop(stage, "claimed by another pipeline")
                 elif exc.code != "FAILED_PRECONDITION":
                     raise StageUnavailable(stage, str(exc)) from None
+                elif _past(str(exc), t):  # the peer committed round t without us: we missed it
+                    self._drop(stage, "past this outer step")
+                    raise PipelineBehind(f"stage {stage} peer is past outer step {t}: {exc}") from None
                 elif time.monotonic() > deadline:
                     raise StageUnavailable(stage, f"stage {stage} stayed busy: {exc}") from None
                 else:
@@ -170,6 +186,7 @@ class PipelineDriver:
     def _run_inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         S, n_micro = self.cfg.stages, self.cfg.train.microbatches
         total = 0.0
+        sq_norms: list[float | None] = []  # Σ‖g‖² of stages S−1 … 1 after the last micro-batch
         for mb, (mb_x, mb_y) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro), strict=True)):
             key = (self.pipeline_id, mb)
             tokens = mb_x.to(torch.int32)
@@ -191,17 +208,24 @@ class PipelineDriver:
             if reply is None or reply.loss is None:
                 raise StageUnavailable(S - 1, f"stage {S - 1} returned no loss")
             loss, grad = reply.loss, reply.grad
+            sq_norms = [reply.grad_sq_norm]
             for s in range(S - 2, 0, -1):
                 back = BackwardRequest(self.pipeline_id, mb, t, h, s, _required(grad, f"stage {s + 1} gradient"))
-                grad = self._call(s, t, _backward(back)).grad
+                back_reply = self._call(s, t, _backward(back))
+                grad = back_reply.grad
+                sq_norms.append(back_reply.grad_sq_norm)
             self.worker.backward(key, _required(grad, "stage 1 gradient"))
             total += loss / n_micro
             self.act_equiv += self._equiv_bytes(mb_x.shape[0], mb_x.shape[1])
-        step = StepRequest(self.pipeline_id, t, h, n_micro, x.numel())
+        # global clipping: each later stage reported Σ‖g‖² with its last micro-batch (one scalar)
+        norm = None
+        if all(sq is not None for sq in sq_norms):
+            norm = math.sqrt(math.fsum([self.worker.grad_sq_norm(), *(sq for sq in sq_norms if sq is not None)]))
+        step = StepRequest(self.pipeline_id, t, h, n_micro, x.numel(), grad_norm=norm)
         futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, S)]
         for f in futures:
             f.result()
-        self.worker.step(t, h)
+        self.worker.step(t, h, norm)
         return total
 
     @torch.no_grad()

@@ -1,12 +1,14 @@
 """What one peer publishes in the DHT about itself, and the thread that keeps it fresh (DESIGN §3).
 
 Records: `stage.{s}` (one per stage this process holds: address, role, state, outer step,
-parameter hash, claiming pipeline, last committed replica ids, tokens/s) and `replica` (a head or
-full replica: address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads,
+parameter and T⊥ hashes, claiming pipeline, last committed replica ids, tokens/s) and `replica` (a
+head or full replica: address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads,
 "pipeline_peers", which binds its stage peers' payload announcements: `peer.node.rounds.bound_replica`).
 
 Invariants: records are republished every `swarm.announce_interval_s` and after every round with
-ttl `swarm.record_ttl_s`, so a dead peer's records expire on their own; one lock serialises
+ttl `swarm.record_ttl_s`, so a dead peer's records expire on their own (the same thread re-publishes
+the bootstrap's sealed manifest and pings the initial peers now and then); every record carries the
+process's incarnation "inc" (`peer.node.agreement.fresh`); one lock serialises
 publishing; `close` stops the thread and withdraws every record it published.
 """
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PING_EVERY = 5  # refreshes between two pings of the initial peers
 Record = dict[str, Any]  # {"kind": "stage", "stage": s, "record": {...}} or {"kind": "replica", "record": {...}}
 
 
@@ -52,6 +55,8 @@ class Records:
                 "state": state,
                 "outer_step": worker.outer_step,
                 "param_hash": worker.param_hash(),
+                "perp_hash": worker.perp_hash(),
+                "inc": self.session.incarnation,
                 "pipeline": svc.claimed_by if svc else None,
                 "committed": [r[:16] for r in worker.last_committed],
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
@@ -77,6 +82,8 @@ class Records:
             "loss": loss,
             "tokens_per_s": tokens_per_s,
             "joined_at": self.session.joined_at,
+            "inc": self.session.incarnation,
+            "done": self.session.finishing,
         }
         if pipeline_peers is not None:
             record["pipeline_peers"] = pipeline_peers
@@ -96,8 +103,19 @@ class Records:
                     dht.announce_replica(item["record"], ttl_s=swarm_cfg.record_ttl_s)
 
         def loop() -> None:
+            ticks = 0
             while not self._stop.wait(swarm_cfg.announce_interval_s):
                 self.refresh()
+                try:  # the manifest outlives the bootstrap: every peer keeps its sealed copy alive
+                    dht.republish_manifest(ttl_s=swarm_cfg.record_ttl_s)
+                except PeerError as exc:
+                    log.debug("could not re-publish the manifest: %s", exc)
+                ticks += 1
+                if ticks % PING_EVERY == 0:  # a restarted bootstrap is an island until someone calls it
+                    try:
+                        dht.ping_initial_peers(timeout_s=swarm_cfg.rpc_timeout_s)
+                    except PeerError as exc:
+                        log.debug("initial peers not reachable: %s", exc)
 
         self._publish = publish
         publish()

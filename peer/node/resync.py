@@ -2,9 +2,10 @@
 
 - `late_join`: a worker behind the swarm downloads the stage's committed state (a resumed
   checkpoint at or past the swarm's outer step is kept);
-- `maintain`: a worker more than `max_lag` rounds behind, or whose θ_start disagrees with the
-  majority of its stage's holders at the same outer step, re-syncs (keeping its error buffer, and
-  returning a payload that missed the majority's commit to it: nothing is lost);
+- `maintain`: a worker more than `max_lag` rounds behind, or whose committed state is not the
+  canonical one of its stage's holders at the same outer step (`peer.node.agreement.canonical`),
+  re-syncs (keeping its error buffer, and returning a payload that missed the canonical commit to
+  it: nothing is lost);
 - `catch_up`: after a download at outer step t the peer applies round t as an observer, since the
   others did not expect it in round t.
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.messages import StateRequest
+from peer.node.agreement import canonical, state_key
 from peer.node.rounds import expected_replicas
 from peer.node.stage_worker import StageWorker
 
@@ -73,9 +74,14 @@ class Resync:
             )
 
     def sync_state(
-        self, worker: StageWorker, reason: str, want_hash: str | None = None, keep_errors: bool = False
+        self,
+        worker: StageWorker,
+        reason: str,
+        want_hash: str | None = None,
+        keep_errors: bool = False,
+        want_perp: str | None = None,
     ) -> None:
-        """Download stage state from the most advanced holder (with `want_hash`, if given).
+        """Download stage state from the most advanced holder (with `want_hash` / `want_perp`, if given).
 
         Raises NetworkError when no holder serves a state that passes its hash check.
         """
@@ -84,7 +90,10 @@ class Resync:
         holders = {
             pid: rec
             for pid, rec in sess.dht.get_stage_peers(worker.stage).items()
-            if pid != sess.peer_id and rec.get("address") and (want_hash is None or rec.get("param_hash") == want_hash)
+            if pid != sess.peer_id
+            and rec.get("address")
+            and (want_hash is None or rec.get("param_hash") == want_hash)
+            and (want_perp is None or rec.get("perp_hash") == want_perp)
         }
         for pid, rec in sorted(holders.items(), key=lambda kv: (-kv[1].get("outer_step", 0), kv[0])):
             try:
@@ -107,6 +116,8 @@ class Resync:
                     "stage %d state from %s fails its hash check; trying another holder", worker.stage, pid[:12]
                 )
                 continue
+            committed = rec.get("committed")
+            worker.last_committed = [str(r) for r in committed] if isinstance(committed, list) else []
             # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
             sess.joined_at = max(sess.joined_at, reply.outer_step + 1)
             self.count += 1
@@ -142,8 +153,10 @@ class Resync:
         sess.records.refresh()
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
-        """Re-sync a worker that fell more than `max_lag` rounds behind, or whose committed parameters
-        disagree with the majority of its stage's holders at the same outer step (DESIGN §3)."""
+        """Re-sync a worker that fell more than `max_lag` rounds behind, or whose committed state is
+        not the canonical one among its stage's holders at the same outer step
+        (`peer.node.agreement.canonical`: the most committed replicas, then the smallest hashes —
+        the same answer on every holder, even with two of them)."""
         sess = self.session
         if sess.dht.current_outer_step() > worker.outer_step + max_lag:
             self.sync_state(worker, f"behind (outer step {worker.outer_step})")
@@ -155,17 +168,26 @@ class Resync:
         ]
         if not same:
             return
-        mine = worker.param_hash()
-        votes = Counter([rec["param_hash"] for rec in same] + [mine])
-        top, n = votes.most_common(1)[0]
-        if top == mine or 2 * n <= len(same) + 1:
+        mine = {
+            "committed": [r[:16] for r in worker.last_committed],
+            "param_hash": worker.param_hash(),
+            "perp_hash": worker.perp_hash(),
+        }
+        win = canonical([*same, mine])
+        if win is None or state_key(win) == state_key(mine):
             return
-        committed: list[str] = next((rec.get("committed", []) for rec in same if rec["param_hash"] == top), [])
+        committed: list[str] = list(win.get("committed") or [])
         last = worker.last_contribution
         unsent = last[1] if last is not None and last[0][:16] not in committed else None
         self.sync_state(
-            worker, f"hash {mine} disagrees with {n}/{len(same) + 1} holders", want_hash=top, keep_errors=True
+            worker,
+            f"hash {mine['param_hash']} disagrees with the canonical state {win['param_hash']} "
+            f"({len(committed)} replicas committed) of {len(same) + 1} holders",
+            want_hash=str(win["param_hash"]),
+            keep_errors=True,
+            want_perp=win.get("perp_hash"),
         )
         if unsent is not None:
             worker.return_unsent(unsent)  # our payload missed their commit: nothing is lost
-            log.info("stage %d: our payload missed the majority's commit; returned to the error buffer", worker.stage)
+            worker.observe()
+            log.info("stage %d: our payload missed the canonical commit; returned to the error buffer", worker.stage)

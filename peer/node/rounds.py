@@ -1,25 +1,23 @@
 """Outer rounds over the swarm: announce → fetch → commit the same set in the same order.
 
-Round (t, s) — DESIGN §3. Contributors are the replicas working on outer step t: every pipeline
-(its stage-s peer sends the payload, tagged with the pipeline's id) and every full replica (one
-payload per stage, tagged with its own id). Each contributor
+Round (t, s) — DESIGN §3, docs/protocol.md. Contributors are the replicas working on outer step t:
+every pipeline (its stage-s peer sends the payload, tagged with the pipeline's id) and every full
+replica (one payload per stage, tagged with its own id). Each contributor
 1. keeps its encoded payload in its `PayloadStore` (served by gRPC `get_payload`) and announces
-   {sha256, size, address, replica} under `round.{t}.{s}` in the DHT;
-2. polls the DHT until every expected replica has announced (or the round deadline passes),
-   fetching each new payload once and checking its sha256 and format;
+   {sha256, size, address, replica, inc} under `round.{t}.{s}` in the DHT (a head adds "peers",
+   the stage peers that did its last inner step: the round's binding);
+2. polls the DHT until every expected replica has announced (or was dropped, or the round
+   deadline passes), fetching each new payload once and checking its sha256 and format;
 3. commits every payload it holds, ordered by replica id, so all holders apply the same sum in the
    same order and stay bit-identical.
+Who is bound, expected, dropped or stale, when a round counts as committed elsewhere (then its
+committed set is taken, or the peer re-syncs) and which of two different commits wins are the pure
+rules of `peer.node.agreement`. A replica whose payload was rejected (bad hash or format), or whose
+sender left before serving it, is not waited for.
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
 without a payload of their own (observers). `Rounds` holds one peer's round entry points (a head's,
 a full replica's and a stage peer's round) and commits every gathered set through
 `StageWorker.apply_round` → `peer.core.outer.commit_round`, parsing each payload once.
-
-An announcement's "replica" field is the sender's claim; it is bound only when sender == replica
-(a full replica or a head) or when that replica's own DHT record lists the sender as its stage-s
-peer (`"pipeline_peers": {"<s>": peer id}`, published by the head as soon as its pipeline changes).
-Unbound announcements are ignored (never fetched), so no peer can contribute in another replica's
-name. A replica whose payload was rejected (bad hash or format) is not waited for: the round
-closes as soon as every other expected payload is held.
 
 Expected replicas for round t: live replica records (pipelines' heads and full replicas) that joined
 at or before t and are at outer step t − 1 or later. A dead replica drops out when its record
@@ -48,6 +46,7 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
+from peer.node.agreement import round_view, sender_alive
 from peer.node.metrics import log_round
 from peer.node.stage_worker import StageWorker
 
@@ -87,7 +86,10 @@ class RoundResult:
     parsed: list[Payload] = field(default_factory=list)  # the payloads, parsed once (same order)
     expected: int = 0
     rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
+    dropped: list[str] = field(default_factory=list)  # replicas out of the round for everyone
     timed_out: bool = False
+    behind: bool = False  # the round was committed elsewhere and cannot be reproduced here: re-sync
+    target: list[str] | None = None  # the set another holder committed (16-char id prefixes), if seen
     wall_s: float = 0.0
     bytes_fetched: int = 0
 
@@ -123,13 +125,6 @@ def bound_replica(sender: str, record: Mapping[str, Any], stage: int, replicas: 
     if isinstance(pipeline_peers, dict) and pipeline_peers.get(str(stage)) == sender:
         return rid
     return None
-
-
-def announced_replicas(dht: SwarmDHT, t: int, stage: int) -> set[str]:
-    """Replica ids with a bound payload announcement for round (t, stage)."""
-    replicas = dht.get_replicas()
-    bound = (bound_replica(sender, rec, stage, replicas) for sender, rec in dht.get_payloads(t, stage).items())
-    return {rid for rid in bound if rid is not None}
 
 
 def payload_validator(
@@ -183,57 +178,69 @@ def gather_round(
     poll_s: float = 0.2,
     ttl_s: float = 60.0,
     stop: threading.Event | None = None,
+    inc: str = "",
+    extra: Mapping[str, Any] | None = None,
+    grace_s: float = 5.0,
 ) -> RoundResult:
     """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
 
     `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
     skipped, and its replica no longer waited for); without it payloads are parsed as they are.
-    Every payload is parsed exactly once (`RoundResult.parsed`). Announcements not bound to their
-    replica (`bound_replica`) are ignored. Returns when every expected replica's payload is held
-    or rejected, or at the deadline.
+    Every payload is parsed exactly once (`RoundResult.parsed`). Who counts, who is waited for and
+    when the set is closed follow `peer.node.agreement` (docs/protocol.md): returns when every
+    expected replica's payload is held, rejected or dropped (never with only our own payload
+    while another holder still gathers), with exactly the committed set once another holder has
+    committed round t (`RoundResult.behind` when it cannot be reproduced within `grace_s`), or at
+    the deadline. `inc` is this process's incarnation and `extra` adds fields to our announcement
+    (a head's "peers" binding).
     """
     parse = validate if validate is not None else Payload.from_bytes
     started = time.monotonic()
     deadline = started + timeout_s
+    me = dht.peer_id
     held: dict[str, bytes] = {}
     parsed: dict[str, Payload] = {}
     bad: set[str] = set()  # senders whose payload failed its checks
     rejected: set[str] = set()  # the replicas they stood for
-    unbound: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
+    logged: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
     retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
+    target_since: float | None = None
     result = RoundResult(t=t, stage=stage)
+    own_rid = own[0] if own is not None else None
     if own is not None:
         replica_id, payload = own
         if store is None:
             raise ValueError("a contributor needs a PayloadStore to serve its payload")
         store.put(t, stage, payload)
-        dht.announce_payload(
-            t,
-            stage,
-            {"sha256": sha256(payload), "size": len(payload), "address": address, "replica": replica_id},
-            ttl_s=ttl_s,
-        )
+        record = {"sha256": sha256(payload), "size": len(payload), "address": address, "replica": replica_id}
+        record.update({"inc": inc, **(extra or {})})
+        dht.announce_payload(t, stage, record, ttl_s=ttl_s)
         held[replica_id] = payload
         parsed[replica_id] = Payload.from_bytes(payload)
     while True:
         replicas = dht.get_replicas()
-        announced: dict[str, tuple[str, dict]] = {}  # sender -> (replica, record), bound ones only
-        for sender, rec in dht.get_payloads(t, stage).items():
-            rid = bound_replica(sender, rec, stage, replicas)
-            if rid is not None:
-                announced[sender] = (rid, rec)
-            elif (sender, str(rec.get("replica"))) not in unbound and len(unbound) < 16:  # bounded log
-                unbound.add((sender, str(rec.get("replica"))))
+        holders = dht.get_stage_peers(stage)
+        payloads = dht.get_payloads(t, stage)
+        stage0 = payloads if stage == 0 else dht.get_payloads(t, 0)
+        view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc)
+        if own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
+            view.expected.discard(me)  # only we could send our replica's payload, and we observe
+        for sender, rid, why in view.ignored:
+            if (sender, rid) not in logged and len(logged) < 16:  # bounded log
+                logged.add((sender, rid))
                 log.warning(
-                    "round %d stage %d: ignoring the announcement of %s for replica %s: that replica's "
-                    "record does not list it as its stage-%d peer",
+                    "round %d stage %d: ignoring the announcement of %s for replica %s: %s",
                     t,
                     stage,
                     sender[:12],
-                    str(rec.get("replica"))[:12],
-                    stage,
+                    rid[:12],
+                    WHY[why].format(stage=stage),
                 )
-        for sender, (rid, rec) in sorted(announced.items()):
+        if view.behind:
+            result.behind = True
+            log.warning("round %d stage %d: other holders are rounds ahead; re-syncing instead", t, stage)
+            break
+        for sender, (rid, rec) in sorted(view.bound.items()):
             if rid in held or sender in bad or retry_at.get(sender, 0.0) > time.monotonic():
                 continue
             try:
@@ -245,6 +252,11 @@ def gather_round(
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
                 parsed[rid] = parse(data)
             except NetworkError as exc:
+                if not sender_alive(sender, holders, replicas):  # it died after announcing: out for us
+                    log.warning("round %d stage %d: dropping %s: it left and its payload is gone", t, stage, rid[:12])
+                    bad.add(sender)
+                    rejected.add(rid)
+                    continue
                 retry_at[sender] = time.monotonic() + 2.0
                 log.info("round %d stage %d: payload of %s not reachable yet: %s", t, stage, sender[:12], exc)
                 continue
@@ -255,16 +267,23 @@ def gather_round(
                 continue
             held[rid] = data
             result.bytes_fetched += len(data)
-        # every live replica of round t, and every replica with a bound announcement for it: a
-        # payload some peers hold and others skipped would split the stage's parameters
-        # announcers count while their replica is alive: one that died after announcing (its
-        # record expired) is no longer waited for
-        expected = expected_replicas(dht, t, replicas) | {rid for rid, _ in announced.values() if rid in replicas}
-        result.expected = len(expected)
-        # Done when every live replica of round t is held or rejected (an observer whose
-        # contributors all left commits what it holds; they linger after their last round so this is rare).
-        if expected <= set(held) | rejected:
-            break
+        result.expected = len(view.expected)
+        if view.target is not None:  # round t is committed elsewhere: take exactly that set
+            target_since = time.monotonic() if target_since is None else target_since
+            result.target = view.target
+            mine = {rid for rid in held if rid[:16] in view.target}
+            if len(mine) == len(view.target):
+                held = {rid: held[rid] for rid in mine}
+                break
+            if time.monotonic() - target_since >= grace_s:
+                result.behind = True
+                log.warning("round %d stage %d: cannot fetch the committed set; re-syncing instead", t, stage)
+                break
+        else:
+            target_since = None
+            lone = set(held) == {own_rid} and view.others_gathering
+            if view.expected <= set(held) | rejected | view.dropped and not lone:
+                break
         if time.monotonic() >= deadline:
             result.timed_out = True
             log.warning(
@@ -273,8 +292,8 @@ def gather_round(
                 stage,
                 timeout_s,
                 len(held),
-                len(expected),
-                ", ".join(sorted(expected - set(held) - rejected))[:200],
+                len(view.expected),
+                ", ".join(sorted(view.expected - set(held) - rejected))[:200],
             )
             break
         if stop is not None and stop.wait(poll_s):
@@ -282,11 +301,19 @@ def gather_round(
         elif stop is None:
             time.sleep(poll_s)
     result.rejected = sorted(rejected - set(held))
+    result.dropped = sorted(view.dropped - set(held))
     result.replicas = sorted(held)
     result.payloads = [held[r] for r in result.replicas]
     result.parsed = [parsed[r] for r in result.replicas]
     result.wall_s = time.monotonic() - started
     return result
+
+
+WHY = {
+    "unbound": "that replica's record does not list it as its stage-{stage} peer for this round",
+    "stale": "it comes from an earlier incarnation of that peer",
+    "malformed": "malformed replica field",
+}
 
 
 class Rounds:
@@ -306,7 +333,13 @@ class Rounds:
         return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
 
     def gather(
-        self, worker: StageWorker, t: int, replica_id: str | None, stop: threading.Event, stage: int | None = None
+        self,
+        worker: StageWorker,
+        t: int,
+        replica_id: str | None,
+        stop: threading.Event,
+        stage: int | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> RoundResult:
         """Contribute worker's payload (if replica_id) and collect round (t, stage)."""
         sess = self.session
@@ -317,18 +350,22 @@ class Rounds:
             own = (replica_id, worker.contribute(replica_id).to_bytes())
         elif own_stage:
             worker.observe()
+        swarm = sess.cfg.swarm
         result = gather_round(
             sess.dht,
             sess.clients,
             t,
             stage,
-            sess.cfg.swarm.round_timeout_s,
+            swarm.round_timeout_s,
             own=own,
             store=sess.store,
             address=sess.address,
             validate=self._validator(worker, stage),
-            ttl_s=max(60.0, 2 * sess.cfg.swarm.round_timeout_s),
+            ttl_s=max(60.0, 2 * swarm.round_timeout_s),
             stop=stop,
+            inc=sess.incarnation,
+            extra=extra,
+            grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
         )
         self.pg_bytes += result.bytes_fetched
         return result
@@ -338,10 +375,17 @@ class Rounds:
         workers: Mapping[int, StageWorker],
         results: Mapping[int, RoundResult],
         embed: RoundResult | None = None,
-    ) -> None:
+    ) -> bool:
         """Apply each worker's committed round. Stage 0's embedding change moves every other stage's
         T⊥: from stage 0's own commit when this peer holds it, else from `embed` (an observer gather
-        of stage 0), else T⊥ stays."""
+        of stage 0; no payload there: T⊥ stays). A round committed elsewhere that this peer could
+        not reproduce (`behind`) is not applied: the worker re-syncs instead. A payload of ours
+        that missed the committed set returns to our error buffer. False if anything re-synced."""
+        behind = [s for s, r in results.items() if r.behind or (s != 0 and embed is not None and embed.behind)]
+        if behind:
+            for s, w in workers.items():
+                self._resync_behind(w, results[s])
+            return False
         update: torch.Tensor | None = None
         if 0 in workers:
             update = workers[0].apply_round(results[0].parsed, None, results[0].replicas).embed_update
@@ -350,10 +394,32 @@ class Rounds:
         for s, w in workers.items():
             if s != 0:
                 w.apply_round(results[s].parsed, update, results[s].replicas)
+        for s, w in workers.items():
+            last = w.last_contribution
+            if last is not None and last[0] not in results[s].replicas:
+                w.return_unsent(last[1])  # our payload missed the commit: nothing is lost
+                w.observe()
+        return True
 
-    def head_round(self, worker: StageWorker, t: int, stop: threading.Event) -> RoundResult:
-        """Stage 0 of a head: contribute, gather and apply."""
-        result = self.gather(worker, t, self.session.peer_id, stop)
+    def _resync_behind(self, worker: StageWorker, result: RoundResult) -> None:
+        """Round t was committed without us being able to reproduce it: take the winning state."""
+        last = worker.last_contribution
+        unsent = last is not None and (result.target is None or last[0][:16] not in result.target)
+        try:
+            self.session.resync.sync_state(worker, f"round {result.t} committed elsewhere", keep_errors=True)
+        except PeerError as exc:
+            log.warning("stage %d: could not re-sync after round %d: %s", worker.stage, result.t, exc)
+            return
+        if unsent and last is not None:
+            worker.return_unsent(last[1])
+        worker.observe()
+
+    def head_round(
+        self, worker: StageWorker, t: int, stop: threading.Event, peers: Mapping[str, str] | None = None
+    ) -> RoundResult:
+        """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
+        that did this outer step's last inner step: the round's binding), gather and apply."""
+        result = self.gather(worker, t, self.session.peer_id, stop, extra={"peers": dict(peers or {})})
         self.commit({worker.stage: worker}, {worker.stage: result})
         return result
 
@@ -370,17 +436,29 @@ class Rounds:
         t = worker.outer_step
         result = self.gather(worker, t, contributor, stop)
         embed = self.gather(worker, t, None, stop, stage=0)
-        self.commit({worker.stage: worker}, {worker.stage: result}, embed)
-        self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
+        if self.commit({worker.stage: worker}, {worker.stage: result}, embed):
+            self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
 
     def complete(self, t: int, stage: int) -> bool:
-        """Every expected replica has announced its payload for (t, stage): a hot spare may apply it.
-
-        Until then the spare stays claimable: a head still at outer step t may need it.
-        """
-        announced = announced_replicas(self.session.dht, t, stage)
-        expected = expected_replicas(self.session.dht, t)
-        return bool(announced) and expected <= announced
+        """Round (t, stage) can be applied by a hot spare: another holder committed it, or every
+        expected replica has announced (or was dropped). Until then the spare stays claimable: a
+        head still at outer step t may need it."""
+        dht = self.session.dht
+        payloads = dht.get_payloads(t, stage)
+        view = round_view(
+            t,
+            stage,
+            payloads,
+            payloads if stage == 0 else dht.get_payloads(t, 0),
+            dht.get_replicas(),
+            dht.get_stage_peers(stage),
+            self.session.peer_id,
+            self.session.incarnation,
+        )
+        if view.target is not None or view.behind:
+            return True
+        announced = {rid for rid, _ in view.bound.values()}
+        return bool(announced or view.dropped) and view.expected <= announced | view.dropped
 
     def record(
         self,

@@ -157,7 +157,12 @@ class PeerService:
             out = worker.forward(key, request.tokens, request.hidden, request.targets)
         except (KeyError, ValueError) as exc:
             raise TransportError(f"stage {worker.stage} cannot run this micro-batch: {exc}") from None
-        return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad)
+        sq = worker.grad_sq_norm() if out.loss is not None and self._last_microbatch(request.microbatch) else None
+        return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad, grad_sq_norm=sq)
+
+    def _last_microbatch(self, microbatch: int) -> bool:
+        """After the inner step's last micro-batch a stage's gradients are complete (global clipping)."""
+        return microbatch == self.cfg.train.microbatches - 1
 
     def backward(self, request: BackwardRequest) -> BackwardReply:
         worker = self._worker_for(request.stage, request.outer_step, request.pipeline_id, claim=False)
@@ -175,7 +180,8 @@ class PeerService:
                 grad = worker.backward(key, request.grad)
             except (KeyError, ValueError) as exc:
                 raise PeerError(str(exc).strip("'\"")) from None
-        return BackwardReply(grad=grad)
+            sq = worker.grad_sq_norm() if self._last_microbatch(request.microbatch) else None
+        return BackwardReply(grad=grad, grad_sq_norm=sq)
 
     def step(self, request: StepRequest) -> StepReply:
         if not self.workers:
@@ -187,7 +193,7 @@ class PeerService:
             )
         workers = [self._worker_for(s, request.outer_step, request.pipeline_id, claim=False) for s in self.workers]
         for worker in workers:
-            worker.step(request.outer_step, request.inner_step)
+            worker.step(request.outer_step, request.inner_step, request.grad_norm)
         self.tokens += request.tokens
         if request.inner_step == self.cfg.train.inner_steps - 1:
             with self._lock:

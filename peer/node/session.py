@@ -19,9 +19,11 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
+import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from typing import Any
 from peer.config import RunConfig
 from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
-from peer.errors import DataError, ManifestMismatch, NetworkError, PeerError
+from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.client import PeerClient
@@ -79,6 +81,8 @@ class Session:
         self.opts, self.dht, self.manifest, self.cfg = opts, dht, manifest, cfg
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
+        self.incarnation = secrets.token_hex(6)  # this process: tells a restarted peer's records apart
+        self.finishing = False  # past the last round (published as "done" in the replica record)
         self.joined_at = 0  # the first round this peer contributes to (DESIGN §3: late joiners)
         self.store = PayloadStore()
         self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
@@ -108,7 +112,7 @@ class Session:
             manifest = wait_for_manifest(dht, opts.manifest_timeout_s, opts.initial_peers[0], stop)
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
-            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s)
+            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, _peer_addresses(dht, cfg))
             session = cls(opts, dht, manifest, cfg, role, stage)
         except BaseException:
             dht.shutdown()
@@ -135,7 +139,10 @@ class Session:
         self, workers: dict[int, StageWorker], on_last_step: Callable[[str, int], None] | None = None
     ) -> PeerService:
         """Serve the stage workers over gRPC; returns the service (claims, round state)."""
-        self.service = PeerService(self.cfg, workers, self.store, self.peer_id, self.role, on_last_step)
+        tokenizer = {"tokenizer": Path(self.cfg.data.tokenizer).read_bytes()} if self.cfg.data.tokenizer else {}
+        self.service = PeerService(  # serves the tokenizer too: joins work once the bootstrap is gone
+            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, artifacts=tokenizer
+        )
         self.server = PeerServer(
             self.service,
             host=self.opts.host,
@@ -150,6 +157,8 @@ class Session:
 
     def finish(self, stop: threading.Event) -> int:
         """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0."""
+        self.finishing = True
+        self.records.refresh()
         self.linger(stop)
         self.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
@@ -184,11 +193,16 @@ class Session:
             stop.wait(0.5)
 
     def linger(self, stop: threading.Event, max_s: float = 15.0) -> None:
-        """After the last round keep serving payloads until no live peer of the run is behind (bounded)."""
+        """After the last round keep serving payloads until no live peer of the run is behind and
+        every live head has finished (its validation after the last round uses our stage; bounded)."""
         T = self.cfg.train.outer_steps
         deadline = time.monotonic() + max_s
         while not stop.is_set() and time.monotonic() < deadline:
-            behind = [pid for pid, rec in self.dht.get_replicas().items() if rec.get("outer_step", T) < T]
+            behind = [
+                pid
+                for pid, rec in self.dht.get_replicas().items()
+                if rec.get("outer_step", T) < T or (rec.get("kind") == "pipeline" and rec.get("done") is False)
+            ]
             for s in range(self.cfg.stages):
                 behind += [pid for pid, rec in self.dht.get_stage_peers(s).items() if rec.get("outer_step", T) < T]
             if not [pid for pid in behind if pid != self.peer_id]:
@@ -210,6 +224,26 @@ class Session:
 
     def load_data(self) -> TokenData:
         return build_token_data(self.cfg.data)
+
+
+def usable_data_dir(path: Path) -> Path:
+    """`path`, created if missing, once a small file could be written there and removed; else a
+    one-line ConfigError (not a directory, not writable, full)."""
+    probe = path / f".peer-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(f"--data-dir {path} is not a directory (a file has that name)") from None
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # a half-written probe on a full disk
+            probe.unlink(missing_ok=True)
+        raise ConfigError(f"--data-dir {path} is not usable: {exc.strerror or exc}") from None
+    return path
 
 
 def max_request_bytes(cfg: RunConfig) -> int:
@@ -243,15 +277,39 @@ def _start_dht(opts: SessionOptions, attempts: int = 2) -> SwarmDHT:
     raise AssertionError("unreachable")
 
 
-def _with_tokenizer(cfg: RunConfig, manifest: dict, data_dir: Path, timeout_s: float) -> RunConfig:
-    """Download the run's tokenizer from the bootstrap, check its sha256, point the data config at it."""
+def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
+    """Data-plane addresses of the run's live peers (any stage), for artefacts the bootstrap cannot serve."""
+    found: list[str] = []
+    for s in range(cfg.stages):
+        try:
+            found += [str(r["address"]) for r in dht.get_stage_peers(s).values() if r.get("address")]
+        except PeerError:
+            continue
+    return list(dict.fromkeys(found))
+
+
+def _with_tokenizer(
+    cfg: RunConfig, manifest: dict, data_dir: Path, timeout_s: float, fallback: Sequence[str] = ()
+) -> RunConfig:
+    """Download the run's tokenizer from the bootstrap (else from a live peer), check its sha256
+    against the manifest, point the data config at it."""
     path = data_dir / "tokenizer.model"
     want = manifest["tokenizer_sha256"]
     if not (path.exists() and file_sha256(path) == want):
-        with PeerClient(manifest["bootstrap_address"], timeout_s=timeout_s) as client:
-            raw = client.get_artifact(ArtifactRequest("tokenizer"))
+        raw = b""
+        for i, address in enumerate([manifest["bootstrap_address"], *fallback]):
+            try:
+                with PeerClient(address, timeout_s=timeout_s if i == 0 else min(timeout_s, 10.0)) as client:
+                    raw = client.get_artifact(ArtifactRequest("tokenizer"))
+            except PeerError as exc:
+                log.warning("tokenizer not available from %s: %s", address, exc)
+                continue
+            if hashlib.sha256(raw).hexdigest() == want:
+                break
         if hashlib.sha256(raw).hexdigest() != want:
-            raise ManifestMismatch("the tokenizer served by the bootstrap does not match the manifest's sha256")
+            raise ManifestMismatch(
+                "no tokenizer matching the manifest's sha256 from the bootstrap or any live peer; retry later"
+            )
         try:
             atomic_write_bytes(path, raw)
         except OSError as exc:

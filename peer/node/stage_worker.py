@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from peer.config import RunConfig
 from peer.core.model import Decoder, build_stage
-from peer.core.optim import build_adamw
+from peer.core.optim import build_adamw, grad_sq_norm
 from peer.core.outer import (
     NO_CLIP,
     RoundCommit,
@@ -34,13 +34,29 @@ from peer.core.outer import (
     attach_subspace,
     commit_round,
     initial_split,
+    perp_decay,
     perp_of,
     set_perp,
     stage_state,
     state_hash,
 )
-from peer.core.sparseloco import ClipStats, Payload, compress, decompress, pseudo_gradient, restore_unsent
-from peer.core.subspace import compress_activations, compress_grad, expand_activations, expand_grad, make_basis
+from peer.core.sparseloco import (
+    ClipStats,
+    Payload,
+    clipped_mass,
+    compress,
+    decompress,
+    pseudo_gradient,
+    restore_unsent,
+)
+from peer.core.subspace import (
+    compress_activations,
+    compress_grad,
+    expand_activations,
+    expand_grad,
+    make_basis,
+    perp_outer_update,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +186,21 @@ class StageWorker:
             for key in [k for k in self.pending if pipeline_id is None or k[0] == pipeline_id]:
                 del self.pending[key]
 
-    def step(self, outer_step: int, inner_step: int) -> None:
-        """Optimizer step of the accumulated gradients at the global step t·H + inner_step."""
+    def step(self, outer_step: int, inner_step: int, total_norm: float | None = None) -> None:
+        """Optimizer step of the accumulated gradients at the global step t·H + inner_step.
+
+        `total_norm`: the gradient norm over all stages of the model (global clipping, as a whole
+        model clips); None clips by this stage's own norm."""
         with self.lock:
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
             keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
-            adamw_step(self.module, self.optimizer, global_step, self.cfg.train, keep_in)
+            adamw_step(self.module, self.optimizer, global_step, self.cfg.train, keep_in, total_norm)
             self._reset_step()
+
+    def grad_sq_norm(self) -> float:
+        """Σ‖g‖² of this stage's accumulated gradients: its share of the global gradient norm."""
+        with self.lock:
+            return grad_sq_norm(self.module.parameters())
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -224,7 +248,11 @@ class StageWorker:
         """
         with self.lock:
             decoded = [decompress(p) for p in committed]
-            done = commit_round([self.module], self.start, decoded, self.cfg.sparseloco, self.U, embed_update)
+            decay = perp_decay(self.cfg.train, self.outer_step)
+            done = commit_round([self.module], self.start, decoded, self.cfg.sparseloco, self.U, embed_update, decay)
+            self._return_clipped(committed, decoded, done.clip)
+            if not decoded and embed_update is not None and not self.is_first:  # stage 0 moved: so does T⊥
+                set_perp(self.module, perp_outer_update(perp_of(self.module), embed_update.to(self.device), self.U))
             if done.clip.n_clipped:
                 log.info(
                     "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
@@ -240,6 +268,18 @@ class StageWorker:
             self.last_clip = done.clip
             self.last_committed = list(replicas)
             return done
+
+    def _return_clipped(self, committed: Sequence[Payload], decoded: Sequence[Any], clip: ClipStats) -> None:
+        """What median clipping removed from our own committed payload goes back into our error buffer."""
+        own = self.last_contribution[1] if self.last_contribution is not None else None
+        if own is None or not clip.scales:
+            return
+        for payload, d, scale in zip(committed, decoded, clip.scales, strict=True):
+            if payload is own or payload.to_bytes() == own.to_bytes():
+                mass = clipped_mass(d, scale)
+                if mass is not None:
+                    self.errors = restore_unsent(self.errors, mass)
+                return
 
     # ---------------------------------------------------------------- state
     def snapshot(self) -> dict[str, torch.Tensor]:

@@ -130,8 +130,11 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
                 else:
                     stop.wait(cfg.swarm.announce_interval_s)
                 continue
-            result = session.rounds.head_round(worker, t, stop)
+            bound = {str(s): pid for s, (pid, _) in list(driver.peers.items())}  # who did the last step
+            result = session.rounds.head_round(worker, t, stop, peers=bound)
             driver.release()
+            if result.behind:  # round t was committed without us: we re-synced instead
+                continue
             val_loss = driver.evaluate(val)
             session.rounds.record(
                 t,
@@ -170,6 +173,9 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
         while chain[0].outer_step < train.outer_steps and not stop.is_set():
             for w in chain:
                 session.resync.maintain(w)
+            if not _align(session, chain):
+                stop.wait(cfg.swarm.announce_interval_s)
+                continue
             session.resync.catch_up(workers, stop)
             t = chain[0].outer_step
             if t >= train.outer_steps:
@@ -186,6 +192,8 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
             if stop.is_set():
                 break
             results = session.rounds.full_round(workers, t, stop)
+            if any(r.behind for r in results.values()):
+                continue  # re-synced instead of committing: align the stages before the next step
             val_loss = _full_eval(chain, val)
             session.rounds.record(
                 t,
@@ -206,6 +214,23 @@ def _housekeeping(session: Session, service: PeerService, worker: StageWorker) -
             session.resync.maintain(worker)
         except PeerError as exc:
             log.warning("stage %d: could not re-sync yet: %s", worker.stage, exc)
+
+
+def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> bool:
+    """A full replica's stages at different outer steps (one re-synced ahead): re-sync the ones
+    behind to the swarm's state until all are at the same outer step (bounded)."""
+    for _ in range(attempts):
+        top = max(w.outer_step for w in chain)
+        behind = [w for w in chain if w.outer_step < top]
+        if not behind:
+            return True
+        for w in behind:
+            try:
+                session.resync.sync_state(w, f"stage behind the replica's other stages (outer step {w.outer_step})")
+            except PeerError as exc:
+                log.warning("stage %d: could not align with the other stages yet: %s", w.stage, exc)
+                return False
+    return len({w.outer_step for w in chain}) == 1
 
 
 def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

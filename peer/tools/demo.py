@@ -46,8 +46,13 @@ class DemoConfig:
     pipelines: int = 1
     stages: int = 2
     full_replicas: int = 1
-    outer_steps: int = 4
-    inner_steps: int = 10
+    # T = 18 rounds of H = 8 at a peak inner lr of 1e-2 (warmup 5) with top-64 of each 64×64 chunk:
+    # validation loss falls by more than 1 nat in under 150 s on 2 cores (issue 10; README).
+    outer_steps: int = 18
+    inner_steps: int = 8
+    lr: float = 1e-2  # peak inner learning rate of the swarm (the bootstrap's train.lr)
+    warmup_steps: int = 5
+    topk: int = 64  # sparseloco.topk of the swarm
     preset: str = "tiny"
     workdir: Path | None = None  # default: a fresh ./runs/demo-<timestamp>
     timeout_s: float = 900.0  # the whole run, from the first process to the last round
@@ -124,6 +129,16 @@ def _quorum_env(cfg: DemoConfig) -> dict[str, str]:
     return {} if key in os.environ else {key: str(cfg.pipelines + cfg.full_replicas)}
 
 
+def _train_env(cfg: DemoConfig) -> dict[str, str]:
+    """The demo's training settings for the bootstrap's manifest (PEER_* set by the user win)."""
+    wanted = {
+        "PEER_TRAIN__LR": str(cfg.lr),
+        "PEER_TRAIN__WARMUP_STEPS": str(cfg.warmup_steps),
+        "PEER_SPARSELOCO__TOPK": str(cfg.topk),
+    }
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
 def run_demo(
     cfg: DemoConfig,
     progress: Callable[[DemoState], None] | None = None,
@@ -182,7 +197,7 @@ def run_demo(
                 address_file,
             ),
             runs_until_stopped=True,
-            env=_quorum_env(cfg),
+            env=_quorum_env(cfg) | _train_env(cfg),
         )
         info = _wait_address_file(address_file, children, t0 + cfg.startup_timeout_s)
         maddr = _pick_maddr(info["initial_peers"])

@@ -12,6 +12,8 @@ Invariants:
 - direct children are waited for through their `Popen` handle only, so their exit codes stay
   readable (`psutil` would reap them and lose the code);
 - zombies count as gone: their parent (or init) reaps them, no signal can;
+- every child is guarded by a `peer.net.watchdog.Watchdog`: should this process die without
+  `stop_all` (``kill -9``), the watchdog stops the child and everything under it;
 - `stop_on_signals` turns SIGINT/SIGTERM into a graceful-leave event and puts the previous
   handlers back afterwards, and in any process forked meanwhile.
 """
@@ -35,6 +37,7 @@ from typing import Any
 import psutil
 
 from peer.errors import PeerError
+from peer.net.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,7 @@ class Children:
         self.env[MARKER_ENV] = self.marker
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.children: list[Child] = []
+        self.watchdogs: list[Watchdog] = []  # one per child: stops it should this process be killed
 
     def spawn(
         self, name: str, argv: Sequence[str], runs_until_stopped: bool = False, env: Mapping[str, str] | None = None
@@ -147,6 +151,9 @@ class Children:
                 close_fds=True,
             )
         child = Child(name, list(argv), log_path, popen, runs_until_stopped)
+        watchdog = Watchdog()
+        watchdog.start(popen.pid)
+        self.watchdogs.append(watchdog)
         self.children.append(child)
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
         return child
@@ -219,6 +226,8 @@ class Children:
                     c.popen.wait(timeout=1.0)
                 except subprocess.TimeoutExpired:
                     log.error("%s (pid %d) did not die after SIGKILL", c.name, c.pid)
+            for watchdog in self.watchdogs:  # everything is stopped: they exit without touching anything
+                watchdog.stop()
 
     def _kill_everything(self, known: dict[int, tuple[psutil.Process, str | None]]) -> None:
         for _ in range(KILL_ROUNDS):

@@ -1,20 +1,25 @@
-"""Single-process M × S simulator of the paper's experiments (arXiv 2601.02360, Table 2).
+"""Single-process M × S simulator of the paper's experiments (arXiv 2601.02360, Tables 2, 4, 5).
 
 Runs, on the same data, seed and number of steps:
-- `adamw`           H = 1 with dense gradient averaging (data-parallel AdamW),
-- `sparseloco`      M uncompressed replicas, SparseLoCo every H steps,
-- `pp-compress`     every replica's stage boundaries go through the k-dim subspace,
-- `het-pp-compress` a fraction α of the replicas is uncompressed, the rest compressed.
+- `adamw`                  H = 1 with dense gradient averaging (data-parallel AdamW),
+- `sparseloco`             M uncompressed replicas, SparseLoCo every H steps,
+- `pp-compress`            every replica's stage boundaries go through the k-dim subspace,
+- `het-pp-compress`        a fraction α of the replicas is uncompressed, the rest compressed,
+- `adamw-pp-compress`      data-parallel AdamW, every replica compressed (Table 4),
+- `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4).
 
 Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the stage
 boundaries, the inner step (`peer.core.outer.accumulate`, `adamw_step`) and the per-stage SparseLoCo rounds
 (`peer.core.outer.commit_round`) are the ones a real swarm runs; only the network is missing.
-Pseudo-gradients are serialised with the real payload format and counted in bytes; activation
-bytes count the values that cross stage boundaries (forward and backward) at the configured wire
-dtype, tokens as int32.
+Gradients are clipped by the norm over all stages; median clipping is off unless asked
+(`sparseloco.clip_median_factor`), and where it clips, the clipped mass goes back to the
+sender's error buffer. T⊥ decays at every commit as AdamW decays the rest of the embedding.
 
-`final_val_loss` is the held-out loss of replica 0 on its own forward path (compressed for
-`pp-compress`, uncompressed otherwise — in `het-pp-compress` replica 0 is an uncompressed one).
+The metric is the paper's: after every outer step, the validation loss averaged over the M
+replicas, each on its OWN forward path (compressed or not), on `val_tokens` held-out tokens.
+After a commit all replicas hold the same weights, so each distinct path is evaluated once and
+weighted by its number of replicas. `delta_pct` compares that replica mean with the baseline of
+the config's family (`sparseloco`, or `adamw` for the adamw-* configs) of the same seed.
 This module does no I/O but the optional checkpoint and plot, and prints nothing: progress goes
 through a callback.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +39,8 @@ import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.outer import commit_round, stage_state
-from peer.core.sparseloco import Payload, compress, decompress, pseudo_gradient
+from peer.core.outer import commit_round, perp_decay, perp_of, set_perp, stage_state
+from peer.core.sparseloco import Payload, clipped_mass, compress, decompress, pseudo_gradient, restore_unsent
 from peer.core.subspace import k_from_ratio, make_basis
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
@@ -43,9 +49,36 @@ from peer.tools.sim_replica import LocalReplica
 
 log = logging.getLogger(__name__)
 
-CONFIGS = ("adamw", "sparseloco", "pp-compress", "het-pp-compress")
+CONFIGS = (
+    "adamw",
+    "sparseloco",
+    "pp-compress",
+    "het-pp-compress",
+    "adamw-pp-compress",
+    "adamw-het-pp-compress",
+)
+BASELINES = ("adamw", "sparseloco")  # no subspace: independent of k/d
+# `peer simulate`'s own defaults (its --help says the same): the paper's metric needs no median clip.
+SIMULATE_DEFAULTS: dict[str, Any] = {
+    "train.inner_steps": 10,
+    "train.outer_steps": 20,
+    "sparseloco.clip_median_factor": 0.0,
+}
+VAL_BATCH = 64  # sequences per validation forward pass
 
-Progress = Callable[[str, int, int, float], None]  # (config, done steps, total steps, last loss)
+Progress = Callable[[str, int, int, float], None]  # (config label, done steps, total steps, last loss)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Experiment switches that are not part of a run's config."""
+
+    replicas: int = 4
+    het_fraction: float = 0.5
+    val_tokens: int = 16384  # held-out tokens of every evaluation
+    te_adaptation: bool = True  # Table 5 "no TE adaptation": False keeps T⊥ at its initial value
+    weight_projection: bool = False  # Table 5: W_o / W_2 outputs kept in Col(U)
+    adamw_lr: float | None = None  # inner learning rate of the adamw* configs (None: train.lr)
 
 
 @dataclass
@@ -54,32 +87,57 @@ class ConfigResult:
     k_ratio: str | None
     het_fraction: float | None
     final_loss: float
-    final_val_loss: float
+    final_val_loss: float  # = val_loss_replica_mean
+    k: int | None = None  # the subspace width actually run
+    seed: int = 0
     delta_pct: float = 0.0
+    val_loss_replica_mean: float = math.nan
+    val_loss_compressed_path: float | None = None
+    val_loss_uncompressed_path: float | None = None
+    val_loss_stderr: float = math.nan  # standard error of the replica mean over held-out sequences
+    val_tokens: int = 0
     pg_bytes: int = 0  # pseudo-gradient (or dense gradient) bytes sent per replica
     act_bytes: int = 0  # stage-boundary bytes sent per replica (forward + backward)
     wall_s: float = 0.0
     clipped: int = 0  # contributions norm-clipped against their round's median, over the run
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
-    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
+    val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
 
     def summary(self) -> dict[str, Any]:
-        keys = ("name", "k_ratio", "het_fraction", "final_loss", "final_val_loss", "delta_pct", "pg_bytes", "act_bytes")
+        keys = (
+            "name",
+            "k_ratio",
+            "k",
+            "seed",
+            "het_fraction",
+            "final_loss",
+            "final_val_loss",
+            "val_loss_replica_mean",
+            "val_loss_compressed_path",
+            "val_loss_uncompressed_path",
+            "val_loss_stderr",
+            "val_tokens",
+            "delta_pct",
+            "pg_bytes",
+            "act_bytes",
+            "clipped",
+        )
         return {k: getattr(self, k) for k in keys} | {"wall_s": round(self.wall_s, 2)}
 
 
 def _n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:
-    if kind in ("adamw", "sparseloco"):
+    if kind in BASELINES:
         return replicas
-    if kind == "pp-compress":
-        return 0
-    n = round(het_fraction * replicas)
-    if not 0 < n < replicas:
-        raise ConfigError(
-            f"--het-fraction {het_fraction} with {replicas} replicas gives {n} uncompressed replicas; "
-            "choose a fraction that leaves at least one of each kind"
-        )
-    return n
+    if kind.endswith("het-pp-compress"):
+        n = round(het_fraction * replicas)
+        if not 0 < n < replicas:
+            raise ConfigError(
+                f"--het-fraction {het_fraction} with {replicas} replicas gives {n} uncompressed replicas; "
+                "choose a fraction that leaves at least one of each kind"
+            )
+        return n
+    return 0
 
 
 def _boundary_bytes(stats_values: int, cfg: RunConfig, tokens: int, compressed: bool) -> int:
@@ -89,63 +147,152 @@ def _boundary_bytes(stats_values: int, cfg: RunConfig, tokens: int, compressed: 
     return stats_values * per_value + (4 * tokens * hops if compressed else 0)
 
 
+@dataclass
+class _Scorer:
+    """The paper's metric: each of M replicas on its own path, the paths weighted by their counts."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    n_uncompressed: int
+    replicas: int
+
+    @classmethod
+    def build(cls, data: TokenData, cfg: RunConfig, opts: SimOptions, n_unc: int) -> _Scorer:
+        seq = cfg.train.seq_len
+        max_batches = max(1, -(-opts.val_tokens // (VAL_BATCH * seq)))
+        batches = val_batches(data, VAL_BATCH, seq, max_batches)
+        n_seq = -(-opts.val_tokens // seq)
+        kept, count = [], 0
+        for x, y in batches:  # exactly ceil(val_tokens / seq_len) sequences, when the split has them
+            take = min(len(x), n_seq - count)
+            if take <= 0:
+                break
+            kept.append((x[:take], y[:take]))
+            count += take
+        return cls(kept, n_unc, opts.replicas)
+
+    @property
+    def tokens(self) -> int:
+        return sum(y.numel() for _, y in self.batches)
+
+    def score(self, res: ConfigResult, unc: LocalReplica | None, comp: LocalReplica | None, step: int) -> None:
+        """Evaluate both paths (where they exist) and record the replica mean at global `step`."""
+        n_comp = self.replicas - self.n_uncompressed
+        per_seq = torch.zeros(0, dtype=torch.float64)
+        for model, n, compressed in ((unc, self.n_uncompressed, False), (comp, n_comp, True)):
+            if model is None or n == 0:
+                continue
+            losses = model.sequence_losses(self.batches, compressed)
+            per_seq = losses * (n / self.replicas) + (per_seq if per_seq.numel() else 0.0)
+            if compressed:
+                res.val_loss_compressed_path = float(losses.mean())
+            else:
+                res.val_loss_uncompressed_path = float(losses.mean())
+        mean = float(per_seq.mean())
+        res.val_curve.append((step, mean))
+        res.val_loss_replica_mean = res.final_val_loss = mean
+        n_seq = per_seq.numel()
+        res.val_loss_stderr = float(per_seq.std() / math.sqrt(n_seq)) if n_seq > 1 else math.nan
+        res.val_tokens = self.tokens
+        res.val_sequences = per_seq
+
+
+def _result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigResult:
+    uses_subspace = kind not in BASELINES
+    return ConfigResult(
+        kind,
+        cfg.subspace.k_ratio if uses_subspace else None,
+        (n_unc / opts.replicas) if "het" in kind else None,
+        0.0,
+        0.0,
+        k=cfg.k if uses_subspace else None,
+        seed=cfg.seed,
+    )
+
+
 def run_adamw(
-    cfg: RunConfig, data: TokenData, replicas: int, progress: Progress | None
+    cfg: RunConfig, data: TokenData, kind: str, opts: SimOptions, progress: Progress | None
 ) -> tuple[ConfigResult, LocalReplica]:
-    """Data-parallel AdamW: gradients of M shards averaged every step (dense fp32 on the wire)."""
-    train = cfg.train
+    """Data-parallel AdamW: gradients of M shards averaged every step (dense fp32 on the wire).
+
+    With a subspace (`adamw-*`), replica m computes its gradient on the compressed path unless it
+    is one of the uncompressed ones; the one shared model keeps T_S in Col(U).
+    """
+    if opts.adamw_lr is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=opts.adamw_lr))
+    train, replicas = cfg.train, opts.replicas
+    n_unc = _n_uncompressed(kind, replicas, opts.het_fraction)
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "adamw" else None
+    model = LocalReplica.build(cfg, compressed=False, U=U, weight_projection=opts.weight_projection and U is not None)
     total = train.inner_steps * train.outer_steps
-    model = LocalReplica.build(cfg, compressed=False, U=None)
     n_params = sum(p.numel() for s in model.stages for p in s.parameters())
-    result = ConfigResult("adamw", None, None, 0.0, 0.0)
-    val = val_batches(data, train.batch_size, train.seq_len, max_batches=4)
-    act_values = 0
+    result = _result(cfg, kind, opts, n_unc)
+    scorer = _Scorer.build(data, cfg, opts, n_unc)
+    act_bytes = 0
     for step in range(total):
         model.zero_grad()
         loss = 0.0
         for m in range(replicas):
+            model.compressed = U is not None and m >= n_unc
             x, y = train_batch(data, m, replicas, step, train.batch_size, train.seq_len)
             stats = model.accumulate(x, y, scale=1.0 / replicas)
             loss += stats.loss / replicas
-            act_values += stats.boundary_values
-        model.apply_step(step)
+            act_bytes += _boundary_bytes(stats.boundary_values, cfg, stats.tokens, model.compressed)
+        model.compressed = False
+        model.apply_step(step, keep_in_subspace=U is not None, decay_perp=U is not None and opts.te_adaptation)
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
-            result.val_curve.append((step + 1, model.eval_loss(val)))
+            scorer.score(result, model, model, step + 1)
         if progress:
-            progress("adamw", step + 1, total, loss)
+            progress(kind, step + 1, total, loss)
     result.pg_bytes = 4 * n_params * total
-    tokens = train.batch_size * train.seq_len * total
-    result.act_bytes = _boundary_bytes(act_values // replicas, cfg, tokens, compressed=False)
+    result.act_bytes = act_bytes // replicas
     return result, model
 
 
-def run_diloco(
+def _commit_stage(
+    reps: list[LocalReplica],
+    s: int,
+    start: dict[str, torch.Tensor],
+    errors: list[list[dict[str, torch.Tensor] | None]],
+    pg_bytes: list[int],
     cfg: RunConfig,
-    data: TokenData,
-    kind: str,
-    replicas: int,
-    het_fraction: float,
-    progress: Progress | None,
+    perp_factor: float,
+    embed_update: torch.Tensor | None,
+) -> tuple[int, torch.Tensor | None]:
+    """One stage's round over all replicas; clipped mass returns to its sender's error buffer."""
+    slc = cfg.sparseloco
+    decoded = []
+    for m, rep in enumerate(reps):
+        delta = pseudo_gradient(start, stage_state(rep.stages[s]))
+        payload, errors[m][s] = compress(delta, errors[m][s], slc)
+        wire = payload.to_bytes()
+        pg_bytes[m] += len(wire)
+        decoded.append(decompress(Payload.from_bytes(wire)))
+    U = reps[0].U
+    done = commit_round([rep.stages[s] for rep in reps], start, decoded, slc, U, embed_update, perp_factor)
+    for m, scale in enumerate(done.clip.scales):
+        mass = clipped_mass(decoded[m], scale)
+        if mass is not None:
+            errors[m][s] = restore_unsent(errors[m][s], mass)
+    return done.clip.n_clipped, done.embed_update
+
+
+def run_diloco(
+    cfg: RunConfig, data: TokenData, kind: str, opts: SimOptions, progress: Progress | None
 ) -> tuple[ConfigResult, LocalReplica]:
     """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries."""
-    train, slc = cfg.train, cfg.sparseloco
-    n_unc = _n_uncompressed(kind, replicas, het_fraction)
-    uses_subspace = kind != "sparseloco"
-    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if uses_subspace else None
-    reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U) for m in range(replicas)]
+    train, replicas = cfg.train, opts.replicas
+    n_unc = _n_uncompressed(kind, replicas, opts.het_fraction)
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
+    wp = opts.weight_projection and U is not None
+    reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp) for m in range(replicas)]
     errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
-    result = ConfigResult(
-        kind,
-        cfg.subspace.k_ratio if uses_subspace else None,
-        (n_unc / replicas) if kind == "het-pp-compress" else None,
-        0.0,
-        0.0,
-    )
-    val = val_batches(data, train.batch_size, train.seq_len, max_batches=4)
+    result = _result(cfg, kind, opts, n_unc)
+    scorer = _Scorer.build(data, cfg, opts, n_unc)
     total = train.inner_steps * train.outer_steps
     pg_bytes = [0] * replicas
     act_bytes = [0] * replicas
+    initial_perp = [perp_of(st).clone() for st in reps[0].stages] if U is not None else []
     for t in range(train.outer_steps):
         starts = [stage_state(st) for st in reps[0].stages]
         for h in range(train.inner_steps):
@@ -160,20 +307,22 @@ def run_diloco(
             result.train_curve.append((step, loss))
             if progress:
                 progress(kind, step + 1, total, loss)
+        factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
-            decoded = []
-            for m, rep in enumerate(reps):
-                delta = pseudo_gradient(starts[s], stage_state(rep.stages[s]))
-                payload, errors[m][s] = compress(delta, errors[m][s], slc)
-                wire = payload.to_bytes()
-                pg_bytes[m] += len(wire)
-                decoded.append(decompress(Payload.from_bytes(wire)))
-            done = commit_round([rep.stages[s] for rep in reps], starts[s], decoded, slc, U, embed_update)
-            result.clipped += done.clip.n_clipped
+            n_clipped, update = _commit_stage(reps, s, starts[s], errors, pg_bytes, cfg, factor, embed_update)
+            result.clipped += n_clipped
             if s == 0:
-                embed_update = done.embed_update
-        result.val_curve.append(((t + 1) * train.inner_steps, reps[0].eval_loss(val)))
+                embed_update = update
+        if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
+            for rep in reps:
+                for st, perp in zip(rep.stages, initial_perp, strict=True):
+                    set_perp(st, perp)
+        for rep in reps:
+            rep.project_outputs()
+        unc = reps[0] if n_unc > 0 else None
+        comp = reps[n_unc] if n_unc < replicas else None
+        scorer.score(result, unc, comp, (t + 1) * train.inner_steps)
     result.pg_bytes = sum(pg_bytes) // replicas
     result.act_bytes = sum(act_bytes) // replicas
     return result, reps[0]
@@ -184,42 +333,64 @@ def _final(curve: list[tuple[int, float]], last: int) -> float:
     return sum(tail) / max(1, len(tail))
 
 
+def check_configs(configs: Sequence[str]) -> None:
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"unknown simulator config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+
+
+def run_config(
+    cfg: RunConfig,
+    data: TokenData,
+    name: str,
+    opts: SimOptions,
+    progress: Progress | None = None,
+    save_dir: Path | None = None,
+) -> ConfigResult:
+    """One configuration at cfg's seed and k/d (checkpointed under save_dir/name if given)."""
+    torch.manual_seed(cfg.seed)
+    started = time.perf_counter()
+    if name.startswith("adamw"):
+        res, model = run_adamw(cfg, data, name, opts, progress)
+    else:
+        res, model = run_diloco(cfg, data, name, opts, progress)
+    res.wall_s = time.perf_counter() - started
+    res.final_loss = _final(res.train_curve, cfg.train.inner_steps)
+    log.info("%s: train %.4f val %.4f in %.1fs", name, res.final_loss, res.final_val_loss, res.wall_s)
+    if save_dir is not None:
+        meta = {"simulate": res.summary(), "run": cfg.to_dict()}
+        tok = data.tokenizer.path if data.tokenizer is not None else None
+        save_model_checkpoint(Path(save_dir) / name, model.full_state(), cfg.model, tok, meta)
+    return res
+
+
+def assign_deltas(results: Sequence[ConfigResult]) -> None:
+    """Δ % of each result against its family's baseline of the same seed (else the seed's first)."""
+    for r in results:
+        same_seed = [b for b in results if b.seed == r.seed]
+        family = "adamw" if r.name.startswith("adamw") else "sparseloco"
+        base = next((b for b in same_seed if b.name == family), same_seed[0])
+        r.delta_pct = 100.0 * (r.final_val_loss - base.final_val_loss) / base.final_val_loss
+
+
 def simulate(
     cfg: RunConfig,
     data: TokenData,
     replicas: int,
-    configs: Sequence[str] = CONFIGS,
+    configs: Sequence[str] = CONFIGS[:4],
     het_fraction: float = 0.5,
     progress: Progress | None = None,
     save_dir: Path | None = None,
+    options: SimOptions | None = None,
 ) -> list[ConfigResult]:
-    """Run each configuration on the same data and steps; Δ% is relative to `sparseloco` (or the first)."""
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise ConfigError(f"unknown simulator config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+    """Run each configuration on the same data and steps (one seed, one k/d); Δ% as `assign_deltas`."""
+    check_configs(configs)
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {replicas}")
     k_from_ratio(cfg.model.d_model, cfg.subspace.k_ratio)
-    results = []
-    for name in configs:
-        torch.manual_seed(cfg.seed)
-        started = time.perf_counter()
-        if name == "adamw":
-            res, model = run_adamw(cfg, data, replicas, progress)
-        else:
-            res, model = run_diloco(cfg, data, name, replicas, het_fraction, progress)
-        res.wall_s = time.perf_counter() - started
-        res.final_loss = _final(res.train_curve, cfg.train.inner_steps)
-        res.final_val_loss = res.val_curve[-1][1] if res.val_curve else float("nan")
-        log.info("%s: train %.4f val %.4f in %.1fs", name, res.final_loss, res.final_val_loss, res.wall_s)
-        if save_dir is not None:
-            meta = {"simulate": res.summary(), "run": cfg.to_dict()}
-            tok = data.tokenizer.path if data.tokenizer is not None else None
-            save_model_checkpoint(Path(save_dir) / name, model.full_state(), cfg.model, tok, meta)
-        results.append(res)
-    base = next((r for r in results if r.name == "sparseloco"), results[0])
-    for r in results:
-        r.delta_pct = 100.0 * (r.final_val_loss - base.final_val_loss) / base.final_val_loss
+    opts = dataclasses.replace(options or SimOptions(), replicas=replicas, het_fraction=het_fraction)
+    results = [run_config(cfg, data, name, opts, progress, save_dir) for name in configs]
+    assign_deltas(results)
     return results
 
 
@@ -232,15 +403,17 @@ def plot_curves(results: Sequence[ConfigResult], path: Path, title: str = "peer 
     """Train (thin) and validation (markers) loss against the global inner step, one colour per config."""
     with figure(path, title) as ax:
         for i, r in enumerate(results):
-            color = f"C{i}"
+            color = f"C{i % 10}"
+            label = r.name if r.k_ratio is None else f"{r.name} {r.k_ratio}"
+            label += f" s{r.seed}"
             steps, losses = zip(*r.train_curve, strict=True)
             window = max(1, len(losses) // 50)
             smooth = [
                 sum(losses[max(0, j - window + 1) : j + 1]) / len(losses[max(0, j - window + 1) : j + 1])
                 for j in range(len(losses))
             ]
-            ax.plot(steps, smooth, color=color, alpha=0.6, linewidth=1, label=f"{r.name} train")
+            ax.plot(steps, smooth, color=color, alpha=0.6, linewidth=1, label=f"{label} train")
             if r.val_curve:
                 vs, vl = zip(*r.val_curve, strict=True)
-                ax.plot(vs, vl, "o-", color=color, markersize=3, label=f"{r.name} val")
+                ax.plot(vs, vl, "o-", color=color, markersize=3, label=f"{label} val")
     return Path(path)

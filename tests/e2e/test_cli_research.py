@@ -36,6 +36,14 @@ SUMMARY_KEYS = {
     "pg_bytes",
     "act_bytes",
     "wall_s",
+    "k",
+    "seed",
+    "val_loss_replica_mean",
+    "val_loss_compressed_path",
+    "val_loss_uncompressed_path",
+    "val_loss_stderr",
+    "val_tokens",
+    "clipped",
 }
 ARGS_KEYS = {
     "preset",
@@ -49,6 +57,15 @@ ARGS_KEYS = {
     "seq_len",
     "seed",
     "configs",
+    "seeds",
+    "lr",
+    "adamw_lr",
+    "quant_bits",
+    "clip_median",
+    "val_tokens",
+    "te_adaptation",
+    "weight_projection",
+    "paper_settings",
 }
 SIM_ARGS = [
     "--preset",
@@ -114,19 +131,21 @@ def simulated(tmp_path_factory, cache_dir) -> dict:
 
 def test_simulate_json_has_documented_keys(simulated):
     result = simulated["json"]
-    assert set(result) == {"configs", "args"}
+    assert set(result) == {"configs", "summary", "args"}
     assert [c["name"] for c in result["configs"]] == CONFIGS
     for c in result["configs"]:
         assert set(c) == SUMMARY_KEYS, c.keys()
         assert math.isfinite(c["final_loss"]) and math.isfinite(c["final_val_loss"])
         assert 0 < c["final_val_loss"] < math.log(1024) + 1  # near or below uniform over the vocabulary
+        assert c["final_val_loss"] == c["val_loss_replica_mean"]  # the paper's metric
+        assert 0 < c["val_tokens"] <= 16384 and 0 < c["val_loss_stderr"] < 0.1  # a 200k-character corpus
         assert isinstance(c["pg_bytes"], int) and isinstance(c["act_bytes"], int)
     assert set(result["args"]) == ARGS_KEYS
     assert result["args"] == {
         "preset": "tiny",
         "replicas": 2,
         "stages": 2,
-        "k_ratio": "1/8",
+        "k_ratio": ["1/8"],
         "het_fraction": 0.5,
         "inner_steps": 3,
         "outer_steps": 2,
@@ -134,13 +153,27 @@ def test_simulate_json_has_documented_keys(simulated):
         "seq_len": 32,
         "seed": 0,
         "configs": CONFIGS,
+        "seeds": [0],
+        "lr": 3e-3,
+        "adamw_lr": None,
+        "quant_bits": 2,
+        "clip_median": 0.0,
+        "val_tokens": 16384,
+        "te_adaptation": True,
+        "weight_projection": False,
+        "paper_settings": False,
     }
+    (row,) = result["summary"]
+    assert row["k_ratio"] == "1/8" and row["k"] == 8 and row["pairs"][0]["a"] == "het-pp-compress"
 
 
 def test_simulate_configs_and_bytes(simulated):
     by = {c["name"]: c for c in simulated["json"]["configs"]}
     assert by["adamw"]["k_ratio"] is None and by["sparseloco"]["k_ratio"] is None
     assert by["pp-compress"]["k_ratio"] == by["het-pp-compress"]["k_ratio"] == "1/8"
+    assert by["pp-compress"]["k"] == 8 and by["sparseloco"]["k"] is None  # the k actually run
+    assert by["het-pp-compress"]["val_loss_compressed_path"] is not None
+    assert by["het-pp-compress"]["val_loss_uncompressed_path"] is not None
     assert by["het-pp-compress"]["het_fraction"] == 0.5 and by["pp-compress"]["het_fraction"] is None
     assert by["sparseloco"]["delta_pct"] == 0.0
     # dense fp32 gradients every step vs a 2-bit top-k payload every H steps
@@ -260,6 +293,9 @@ def test_bench_payload_bytes_per_param(tmp_path, cache_dir):
 BAD_INPUTS = [
     pytest.param(["simulate", *SIM_ARGS, "--configs", "nonsense"], {}, "nonsense", id="unknown-config"),
     pytest.param(["simulate", *SIM_ARGS, "--k-ratio", "0"], {}, "k_ratio", id="k-ratio-zero"),
+    pytest.param(["simulate", *SIM_ARGS, "--k-ratio", "1/256"], {}, "smallest valid ratio", id="k-ratio-below-one"),
+    pytest.param(["simulate", *SIM_ARGS, "--k-ratio", "1/8,1/64,1/100"], {}, "both give k = 1", id="k-ratio-same-k"),
+    pytest.param(["simulate", *SIM_ARGS, "--seeds", "0,x"], {}, "--seeds", id="bad-seeds"),
     pytest.param(["export", "/nonexistent", "--out", "X"], {}, "/nonexistent", id="missing-checkpoint"),
     pytest.param(["simulate"], {"PEER_TRAIN__INNER_STEPS": "abc"}, "train.inner_steps", id="env-wrong-type"),
     pytest.param(["simulate", *SIM_ARGS, "--stages", "9"], {}, "stages", id="too-many-stages"),

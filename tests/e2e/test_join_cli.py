@@ -139,3 +139,26 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
                 os.killpg(proc.pid, signal.SIGKILL)
         boot.send_signal(signal.SIGTERM)
         assert boot.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_file", "unwritable"])
+def test_unusable_data_dir_is_one_line_and_exit_code_2(tmp_path, where):
+    """No swarm needed: the data directory is checked before anything starts."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    data_dir = {
+        "under_a_file": afile / "sub",
+        "a_file": afile,
+        "unwritable": Path("/proc/peer-no-such-dir"),  # not writable even for root
+    }[where]
+    maddr = "/ip4/127.0.0.1/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    run = subprocess.run(
+        [sys.executable, "-m", "peer", "join", "--stage", "1", "--initial-peers", maddr, "--data-dir", str(data_dir)],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in run.stderr and len(lines) == 1 and "--data-dir" in lines[0], run.stderr

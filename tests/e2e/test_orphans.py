@@ -159,3 +159,34 @@ def test_kill_9_of_each_role_leaves_no_process(tmp_path, reap_children):
         )
     finally:
         roles.close()
+
+
+def test_kill_9_of_peer_demo_leaves_no_process(tmp_path, reap_children):
+    """`peer demo` guards each child with a watchdog: killing the demo itself stops its whole swarm."""
+    env = {**os.environ, "PEER_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "peer", "demo", "--outer-steps", "50", "--inner-steps", "2"]
+        + ["--workdir", str(tmp_path / "demo")],
+        env=env,
+        stdout=(tmp_path / "demo.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:  # bootstrap, stage-1 peer, head and full replica run their DHTs
+            if sum("p2pd" in _cmd(p) for p in _descendants(demo.pid) if _alive(p)) >= 4:
+                break
+            assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-2000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("peer demo did not start its four processes in time")
+        tree = [p for p in _descendants(demo.pid) if _alive(p)]
+        demo.kill()
+        demo.wait(10)
+        took, left = _wait_gone(tree, GONE_WITHIN_S + 5.0)
+        print(f"\nkill -9 of peer demo: {len(tree)} processes gone in {took:.2f} s")
+        assert not left, [f"{p.pid}: {_cmd(p)}" for p in left]
+    finally:
+        if demo.poll() is None:
+            demo.kill()

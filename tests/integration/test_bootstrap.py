@@ -313,3 +313,39 @@ def test_fixed_identity_keeps_the_multiaddr_across_restarts(tmp_path, reap_child
     assert first.peer_id == second.peer_id == make_identity(key)
     assert first.initial_peers == second.initial_peers == (f"/ip4/127.0.0.1/tcp/{port}/p2p/{first.peer_id}",)
     assert first.run_id == second.run_id and first.tokenizer_sha256 == second.tokenizer_sha256
+
+
+def test_the_manifest_outlives_the_bootstrap_through_any_peer(tmp_path, reap_children):
+    """A peer re-publishes the bootstrap's sealed manifest; once the bootstrap is gone (its own
+    record expired), a new node that knows only that peer still reads the bootstrap-signed manifest."""
+    boot = BootstrapProcess(tmp_path, tmp_path / "peer-cache")
+    try:
+        with SwarmDHT(initial_peers=boot.maddrs) as peer:
+            manifest = peer.get_manifest(timeout_s=10)
+            assert manifest is not None and peer.manifest_signer == boot.record["peer_id"]
+            assert peer.republish_manifest(ttl_s=60)
+            assert boot.stop() == 0
+            time.sleep(2 * TTL_S + 1)  # the bootstrap's own signed record has expired
+            with SwarmDHT(initial_peers=peer.visible_maddrs()) as joiner:
+                assert joiner.get_manifest(timeout_s=10) == manifest
+                assert joiner.manifest_signer == boot.record["peer_id"]  # trust stays with its signature
+    finally:
+        boot.stop()
+
+
+def test_a_forged_seal_is_not_a_manifest():
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from peer.net.identity import IdentityKey, seal, unseal
+
+    der = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    key = IdentityKey(der)
+    owner = b"[owner:" + key.get_public_key().to_bytes() + b"]"
+    good = seal(key, owner, '{"run_id": "x"}')
+    assert unseal(good) is not None and unseal(good)[1] == '{"run_id": "x"}'
+    assert unseal({**good, "text": '{"run_id": "evil"}'}) is None
+    assert unseal({**good, "owner": b"[owner:nope]"}) is None
+    assert unseal("not a seal") is None

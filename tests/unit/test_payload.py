@@ -1,4 +1,5 @@
-"""Payload v2: enumerative index coding, numba/numpy kernel agreement, fused aggregation, fixture."""
+"""Payload v3: sign-magnitude value codes, enumerative index coding, numba/numpy kernel agreement,
+fused aggregation, fixture."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ from peer.core.sparseloco import (
     payload_norm,
 )
 
-FIXTURE = Path(__file__).parent.parent / "fixtures" / "sparseloco_payload_v2.bin"
-FIXTURE_SHA256 = "ac582b9fa7a34228f198c2c8150292e97ff1d0d1610057fe1bf1e5c662644b36"
+# compress() at SparseLoCoConfig() of torch.randn with seeds 5, 6, 7, 8 (generator) for
+# layers.0.attn.wq.weight (70, 130), layers.0.attn_norm.weight (20,), layers.0.ffn.w1.weight
+# (2, 3, 40) and embed.weight (128, 192); regenerated for the v3 value coding.
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "sparseloco_payload_v3.bin"
+FIXTURE_SHA256 = "851090e19d791e2b77a7e6947f96f8f8a4b42e2706ede81f04447089d3b3f15d"
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -100,10 +104,10 @@ def test_numba_and_numpy_kernels_agree():
 
 def test_versions_and_out_of_range_ranks_are_payload_errors():
     b = FIXTURE.read_bytes()
-    for version in (0, 1, 3, 255):
-        with pytest.raises(PayloadError, match=f"unsupported version {version}; this build reads version 2"):
+    for version in (0, 1, 2, 4, 255):
+        with pytest.raises(PayloadError, match=f"unsupported version {version}; this build reads version 3"):
             Payload.from_bytes(b[:4] + bytes([version]) + b[5:])
-    assert READ_VERSIONS == (2,)
+    assert READ_VERSIONS == (3,)
 
 
 @pytest.mark.parametrize("rule", ["mean-over-all", "mean-over-contributors"])

@@ -1,6 +1,8 @@
 """Refactors that do not change the math keep results bit-identical (torchtitan's rule).
 
-The hashes below were recorded before the move into core/net/node/tools. If one changes, the math
+The hashes below pin the math as of issue 10 (sign-true quantizer and payload v3, global-norm
+gradient clipping across stages, T⊥ weight decay at each commit, clipped mass returned to the
+sender); they are recorded with one torch thread (tests/conftest.py). If one changes, the math
 changed: that must be a deliberate change of behaviour (say so in CHANGELOG.md and update the pin),
 never a side effect of moving code.
 """
@@ -18,10 +20,10 @@ from peer.node.stage_worker import StageWorker
 from peer.tools.simulate import simulate
 
 SIMULATOR_PINS = {
-    "sparseloco": "7231d0f1577fa579",
-    "het-pp-compress": "60207960e3d9932f",
+    "sparseloco": "240690f67f6f524f",
+    "het-pp-compress": "259880e1b3e5858a",
 }
-SWARM_ROUND_PIN = {0: "46fd7eb0be28daa4", 1: "4d1f708370a55c98"}
+SWARM_ROUND_PIN = {0: "5f495402c6712829", 1: "58ad86c1d285812b"}
 
 
 def _cfg():

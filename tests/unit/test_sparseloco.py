@@ -117,6 +117,7 @@ def test_error_feedback_keeps_what_was_not_sent(bits):
 
 
 def test_quantizer_codebook_holds_bin_means():
+    """v3 codes: sign bit (bit 1 at 2 bits) + magnitude bin; the codebook holds each bin's mean |v|."""
     cfg = SparseLoCoConfig(quant_bits=2, topk=64)
     e = _rand(64, 128, seed=3)
     payload, _ = compress({"w": e}, None, cfg)
@@ -125,13 +126,15 @@ def test_quantizer_codebook_holds_bin_means():
     vals = e[sent != 0]
     codes = torch.from_numpy(entry.codes.astype(np.int64))
     assert sorted(set(codes.tolist())) == [0, 1, 2, 3]
-    for b in range(4):
-        members = e[(sent == float(entry.codebook[b])) & (sent != 0)]
-        assert members.numel() == int((codes == b).sum()) > 0
-        assert math.isclose(float(entry.codebook[b]), float(members.double().mean()), rel_tol=1e-6)
-        assert members.max() - members.min() < entry.codebook[3] - entry.codebook[0]
-    # bins are ordered quantile bins: each bin's values lie between its neighbours'
+    assert len(entry.codebook) == 2
+    for b in range(2):
+        members = e[(sent.abs() == float(entry.codebook[b])) & (sent != 0)]
+        assert members.numel() == int(((codes & 1) == b).sum()) > 0
+        assert math.isclose(float(entry.codebook[b]), float(members.double().abs().mean()), rel_tol=1e-6)
+        assert members.abs().max() - members.abs().min() < entry.codebook[1]
+    # magnitude bins are ordered: each bin's |v| lie between its neighbours'
     assert np.all(np.diff(entry.codebook) > 0)
+    assert torch.equal(torch.sign(sent[sent != 0]), torch.sign(vals))  # no value changes sign
     assert vals.numel() == 2 * 64
 
 
@@ -279,7 +282,9 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
     into_padding = idx.copy()
     into_padding[-1] = 4095  # the last chunk is the 6×2 corner tile: local 4095 is padding
     bad_cb = p.entries[0].codebook.copy()
-    bad_cb[2] = np.nan
+    bad_cb[1] = np.nan
+    negative_cb = p.entries[0].codebook.copy()
+    negative_cb[0] = -negative_cb[0]
     cases = {
         "magic": b"XXXX" + b[4:],
         "version": b[:4] + bytes([9]) + b[5:],
@@ -289,6 +294,7 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
         "outside": _reencode(wide, indices=into_padding),
         "rank out of range": _with_rank_bytes(b, 0xFF),
         "non-finite": _reencode(p, codebook=bad_cb),
+        "negative magnitude": _reencode(p, codebook=negative_cb),
         "bad name": _reencode(p, name="a\nb"),
         "not bytes": "SLCO",
     }
@@ -301,10 +307,10 @@ def test_from_bytes_rejects_each_kind_of_bad_input():
         Payload.from_bytes(b, max_elements=1000)
     with pytest.raises(PayloadError, match="differ"):
         Payload.from_bytes(b, cfg=SparseLoCoConfig(topk=16))
-    with pytest.raises(PayloadError, match="reads version 2"):
+    with pytest.raises(PayloadError, match="reads version 3"):
         Payload.from_bytes(b[:4] + bytes([1]) + b[5:])  # an older version names the readable ones
     absurd = (
-        struct.pack("<4sBBBHI", b"SLCO", 2, 2, 64, 32, 1)
+        struct.pack("<4sBBBHI", b"SLCO", 3, 2, 64, 32, 1)
         + struct.pack("<H", 1)
         + b"w"
         + struct.pack("<BB2I", SPARSE, 2, 2**32 - 1, 2**32 - 1)
@@ -318,7 +324,7 @@ def _with_rank_bytes(b: bytes, fill: int) -> bytes:
     """`_sample_payload()` with the first chunk's 34 rank bytes (after the codebook) set to `fill`."""
     p = Payload.from_bytes(b)
     e = p.entries[0]
-    start = 13 + 2 + len(e.name) + 2 + 4 * len(e.shape) + 4 * 4  # header, entry header, codebook
+    start = 13 + 2 + len(e.name) + 2 + 4 * len(e.shape) + 4 * 2  # header, entry header, codebook
     return b[:start] + bytes([fill]) * 34 + b[start + 34 :]
 
 

@@ -89,8 +89,8 @@ def test_basis_rejects_bad_k(d, k):
         (10, 0.25, 3),
         (16, 1, 16),
         (16, "1", 16),
-        (7, "1/100", 1),
-        (7, 0.001, 1),
+        (7, "1/7", 1),
+        (7, 0.1, 1),  # 0.7 channels round to 1; below half a channel is an error (test_experiments)
         (64, " 1/16 ", 4),
         (64, "0.5", 32),
     ],
@@ -99,7 +99,9 @@ def test_k_from_ratio(d, ratio, k):
     assert k_from_ratio(d, ratio) == k
 
 
-@pytest.mark.parametrize("ratio", ["abc", "1/0", "", "0", 0, -0.5, 1.5, "3/2", float("nan"), float("inf"), True, None])
+@pytest.mark.parametrize(
+    "ratio", ["abc", "1/0", "", "0", 0, -0.5, 1.5, "3/2", float("nan"), float("inf"), True, None, "1/200", 0.001]
+)
 def test_k_from_ratio_rejects_nonsense(ratio):
     with pytest.raises(ConfigError):
         k_from_ratio(64, ratio)

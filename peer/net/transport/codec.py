@@ -183,6 +183,16 @@ def _opt(msg: PbMessage, name: str) -> pb.Tensor | None:
 # ------------------------------------------------------------------------------ validation
 
 
+def _norm(msg: PbMessage, name: str, what: str) -> float | None:
+    """An optional gradient norm field: absent → None; present → a finite number >= 0."""
+    if not msg.HasField(name):
+        return None
+    value = float(getattr(msg, name))
+    if not (math.isfinite(value) and value >= 0):
+        raise TransportError(f"invalid {what}.{name}: {value} is not a finite number >= 0")
+    return value
+
+
 def _index(value: int, what: str) -> int:
     value = int(value)
     if not 0 <= value < _MAX_INDEX:
@@ -274,6 +284,8 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             out.loss = float(msg.loss)
         if msg.grad is not None:
             out.grad.CopyFrom(_boundary_to_proto(msg.grad, "ForwardReply.grad", wd))
+        if msg.grad_sq_norm is not None:
+            out.grad_sq_norm = float(msg.grad_sq_norm)
         return out
     if isinstance(msg, BackwardRequest):
         return pb.BackwardRequest(
@@ -288,15 +300,20 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
         out = pb.BackwardReply()
         if msg.grad is not None:
             out.grad.CopyFrom(_boundary_to_proto(msg.grad, "BackwardReply.grad", wd))
+        if msg.grad_sq_norm is not None:
+            out.grad_sq_norm = float(msg.grad_sq_norm)
         return out
     if isinstance(msg, StepRequest):
-        return pb.StepRequest(
+        step = pb.StepRequest(
             pipeline_id=msg.pipeline_id,
             outer_step=msg.outer_step,
             inner_step=msg.inner_step,
             n_microbatches=msg.n_microbatches,
             tokens=msg.tokens,
         )
+        if msg.grad_norm is not None:
+            step.grad_norm = float(msg.grad_norm)
+        return step
     if isinstance(msg, StepReply):
         return pb.StepReply(ok=msg.ok, message=msg.message)
     if isinstance(msg, PayloadRequest):
@@ -351,6 +368,7 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             hidden=None if hidden_pb is None else _boundary(hidden_pb, "ForwardReply.hidden", limits),
             loss=msg.loss if msg.HasField("loss") else None,
             grad=None if grad_pb is None else _boundary(grad_pb, "ForwardReply.grad", limits),
+            grad_sq_norm=_norm(msg, "grad_sq_norm", "ForwardReply"),
         )
         check_forward_reply(reply)
         return reply
@@ -365,7 +383,10 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
         )
     if isinstance(msg, pb.BackwardReply):
         grad_pb = _opt(msg, "grad")
-        return BackwardReply(grad=None if grad_pb is None else _boundary(grad_pb, "BackwardReply.grad", limits))
+        return BackwardReply(
+            grad=None if grad_pb is None else _boundary(grad_pb, "BackwardReply.grad", limits),
+            grad_sq_norm=_norm(msg, "grad_sq_norm", "BackwardReply"),
+        )
     if isinstance(msg, pb.StepRequest):
         return StepRequest(
             pipeline_id=_text(msg.pipeline_id, "StepRequest.pipeline_id", limits),
@@ -373,6 +394,7 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             inner_step=_index(msg.inner_step, "StepRequest.inner_step"),
             n_microbatches=_index(msg.n_microbatches, "StepRequest.n_microbatches"),
             tokens=_index(msg.tokens, "StepRequest.tokens"),
+            grad_norm=_norm(msg, "grad_norm", "StepRequest"),
         )
     if isinstance(msg, pb.StepReply):
         return StepReply(ok=bool(msg.ok), message=_text(msg.message, "StepReply.message", limits))

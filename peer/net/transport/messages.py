@@ -58,6 +58,7 @@ class ForwardReply:
     hidden: Tensor | None = None
     loss: float | None = None
     grad: Tensor | None = None
+    grad_sq_norm: float | None = None  # last training micro-batch: the stage's Σ‖g‖² (global clipping)
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +78,7 @@ class BackwardReply:
     """Gradient w.r.t. the stage's input (b, L, k or d); None only when nobody upstream needs it."""
 
     grad: Tensor | None = None
+    grad_sq_norm: float | None = None  # last micro-batch of the inner step: the stage's Σ‖g‖²
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +90,7 @@ class StepRequest:
     inner_step: int
     n_microbatches: int
     tokens: int  # tokens processed by the pipeline in this inner step
+    grad_norm: float | None = None  # gradient norm over all stages; None: each stage clips by its own
 
 
 @dataclass(frozen=True, eq=False)

@@ -55,14 +55,16 @@ class ForwardRequest(_message.Message):
     def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("hidden", "loss", "grad")
+    __slots__ = ("hidden", "loss", "grad", "grad_sq_norm")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     loss: float
     grad: Tensor
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    grad_sq_norm: float
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "grad")
@@ -81,24 +83,28 @@ class BackwardRequest(_message.Message):
     def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "grad_sq_norm")
     GRAD_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     grad: Tensor
-    def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    grad_sq_norm: float
+    def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pipeline_id", "outer_step", "inner_step", "n_microbatches", "tokens")
+    __slots__ = ("pipeline_id", "outer_step", "inner_step", "n_microbatches", "tokens", "grad_norm")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     N_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     outer_step: int
     inner_step: int
     n_microbatches: int
     tokens: int
-    def __init__(self, pipeline_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., n_microbatches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    grad_norm: float
+    def __init__(self, pipeline_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., n_microbatches: _Optional[int] = ..., tokens: _Optional[int] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("ok", "message")

@@ -70,6 +70,10 @@ class PeerCheckpoints:
         every, t = cfg.swarm.checkpoint_every_rounds, next(iter(workers.values())).outer_step
         if every == 0 or (t % every and t != cfg.train.outer_steps):
             return None
+        steps = {w.outer_step for w in workers.values()}
+        if len(steps) > 1:  # one stage re-synced ahead of the others: save once they are aligned
+            log.warning("not saving a checkpoint: stage workers are at outer steps %s", sorted(steps))
+            return None
         started = time.monotonic()
         try:
             path = save_stage_checkpoint(self.root, workers, extra, keep=cfg.swarm.keep_checkpoints)

@@ -1,0 +1,146 @@
+"""Who counts in round (t, s) and which committed state wins: the pure rules of docs/protocol.md.
+
+Every function here reads only DHT records (plain dicts) and returns a decision, so every holder
+that sees the same records decides the same way, and each rule is testable without a swarm.
+
+- Incarnations: every process draws a fresh `inc` at start and puts it in all its records and
+  payload announcements. An announcement whose sender now publishes another `inc` (it restarted
+  with the same key) is stale: never fetched, never waited for (`fresh`).
+- Binding: a stage peer's payload speaks for pipeline head h in round (t, s) only if h's own
+  signed stage-0 announcement of round t lists it under "peers" (the peer that did the H-th inner
+  step, a replacement included). Before h has announced, h's replica record ("pipeline_peers")
+  binds provisionally. If h's announcement binds nobody for s, or a peer that died or moved on
+  without announcing, h is dropped from round (t, s) by every holder.
+- Following: once another holder of stage s has committed round t (its record is at t + 1), the
+  round's set is no longer open: a gatherer takes the committed set (`canonical` among them) or
+  re-syncs; a holder two or more rounds behind re-syncs at once (`RoundView.behind`).
+- Canonical state: among states of one (t, s), the one with the most committed replicas wins, ties
+  to the smallest (param_hash, perp_hash). A total order on record contents: two holders agree on
+  the winner without a majority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Record = Mapping[str, Any]
+
+
+def state_key(rec: Record) -> tuple[int, str, str]:
+    """Sort key of a committed state: more committed replicas first, then the smaller hashes."""
+    committed = rec.get("committed")
+    n = len(committed) if isinstance(committed, list) else 0
+    return (-n, str(rec.get("param_hash") or ""), str(rec.get("perp_hash") or ""))
+
+
+def canonical(states: Iterable[Record]) -> Record | None:
+    """The winning state among records of one (outer step, stage), or None when there are none."""
+    return min(states, key=state_key, default=None)
+
+
+def current_inc(sender: str, holders: Mapping[str, Record], replicas: Mapping[str, Record]) -> str | None:
+    """The incarnation `sender` publishes now (stage record first, then replica record), if any."""
+    for records in (holders, replicas):
+        inc = records.get(sender, {}).get("inc")
+        if isinstance(inc, str):
+            return inc
+    return None
+
+
+def fresh(
+    sender: str, ann: Record, holders: Mapping[str, Record], replicas: Mapping[str, Record], me: str, my_inc: str
+) -> bool:
+    """False for an announcement of an earlier incarnation of its sender (this peer's own included)."""
+    inc = ann.get("inc")
+    if sender == me:
+        return inc == my_inc
+    now = current_inc(sender, holders, replicas)
+    return now is None or inc is None or now == inc
+
+
+@dataclass
+class RoundView:
+    """One poll's reading of round (t, s); see the module docstring."""
+
+    bound: dict[str, tuple[str, Record]] = field(default_factory=dict)  # sender -> (replica, announcement)
+    expected: set[str] = field(default_factory=set)  # replica ids to wait for
+    dropped: set[str] = field(default_factory=set)  # replicas out of (t, s) for everyone
+    ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (sender, claimed replica, why)
+    target: list[str] | None = None  # the committed set (16-char id prefixes) when round t is committed
+    behind: bool = False  # another holder is two or more rounds past t
+    others_gathering: bool = False  # another live holder of stage s is still at outer step t
+
+
+def _head_binding(anns0: Mapping[str, Record], rid: str) -> Mapping[str, Any] | None:
+    """The "peers" binding of head `rid`'s own stage-0 announcement of the round, if announced."""
+    ann = anns0.get(rid)
+    if ann is None or ann.get("replica", rid) != rid:
+        return None
+    peers = ann.get("peers")
+    return peers if isinstance(peers, dict) else {}
+
+
+def round_view(
+    t: int,
+    stage: int,
+    payloads: Mapping[str, Record],
+    stage0: Mapping[str, Record],
+    replicas: Mapping[str, Record],
+    holders: Mapping[str, Record],
+    me: str,
+    my_inc: str,
+) -> RoundView:
+    """Read round (t, stage) from the DHT's records: `payloads` = announcements of (t, stage),
+    `stage0` = announcements of (t, 0) (the heads' bindings), `replicas` = replica records,
+    `holders` = stage-`stage` records, `me`/`my_inc` = this process."""
+    view = RoundView()
+    anns0 = {s: a for s, a in stage0.items() if fresh(s, a, {}, replicas, me, my_inc)}
+    for sender, ann in payloads.items():
+        rid = ann.get("replica", sender)
+        if not isinstance(rid, str):
+            view.ignored.append((sender, str(rid), "malformed"))
+            continue
+        if not fresh(sender, ann, holders, replicas, me, my_inc):
+            view.ignored.append((sender, rid, "stale"))
+            continue
+        if rid == sender:
+            view.bound[sender] = (rid, ann)
+            continue
+        binding = _head_binding(anns0, rid) if stage > 0 else None
+        if binding is None:  # the head has not announced yet: its record binds provisionally
+            listed = replicas.get(rid, {}).get("pipeline_peers")
+            binding = listed if isinstance(listed, dict) else {}
+        if binding.get(str(stage)) == sender:
+            view.bound[sender] = (rid, ann)
+        else:
+            view.ignored.append((sender, rid, "unbound"))
+    bound_rids = {rid for rid, _ in view.bound.values()}
+    for rid, rec in replicas.items():
+        if rec.get("joined_at", 0) > t or rec.get("outer_step", -1) < t - 1:
+            continue
+        binding = _head_binding(anns0, rid) if stage > 0 and rec.get("kind") == "pipeline" else None
+        if binding is None or rid in bound_rids:
+            view.expected.add(rid)
+            continue
+        peer = binding.get(str(stage))
+        peer_rec = holders.get(peer, {}) if isinstance(peer, str) else {}
+        if peer_rec.get("outer_step") == t:  # alive and still to announce
+            view.expected.add(rid)
+        else:  # bound nobody, or a peer that died or moved on without announcing
+            view.dropped.add(rid)
+    view.expected |= {rid for rid in bound_rids if rid in replicas}
+    others = {pid: rec for pid, rec in holders.items() if pid != me}
+    view.behind = any(rec.get("outer_step", -1) > t + 1 for rec in others.values())
+    done = [rec for rec in others.values() if rec.get("outer_step") == t + 1 and isinstance(rec.get("committed"), list)]
+    win = canonical(done)
+    if win is not None:
+        view.target = [str(r) for r in win["committed"]]
+    view.others_gathering = any(rec.get("outer_step") == t and rec.get("state") != "syncing" for rec in others.values())
+    return view
+
+
+def sender_alive(sender: str, holders: Mapping[str, Record], replicas: Mapping[str, Record]) -> bool:
+    """The sender still publishes a record (its announcement may still be served)."""
+    return sender in holders or sender in replicas

@@ -1,0 +1,308 @@
+"""`peer bench chaos`: random churn on a loopback swarm, then the liveness table (issue 8).
+
+Starts a bootstrap (fixed identity and ports, so it can come back at the same address), one
+pipeline head, two stage-1 peers (one a hot spare) and a full replica of the `tiny` 2-stage model
+as real `python -m peer` processes with short deadlines, waits for the first committed round, then
+injects `faults` faults one at a time, each on a random non-bootstrap role:
+- ``kill_resume`` / ``kill_fresh``: ``kill -9``, restart with --resume (same key and data) or with a
+  fresh data directory (a new peer);
+- ``term_resume``: SIGTERM (a clean leave), restart with --resume;
+- ``stop``: SIGSTOP for a few seconds, then SIGCONT;
+and one ``bootstrap_kill`` halfway (``kill -9``, restart with the same identity and ports). After a
+fault the harness waits until every live role has committed a round after it (the recovery time,
+capped), then a random pause. After a ``kill -9`` the victim's descendants must be gone within
+`orphan_wait_s` (else they count as orphans, and are killed); at the end every role gets SIGTERM and
+whatever still runs after `orphan_wait_s` counts too. The table is `peer.tools.chaos_report.summary`.
+
+Invariants: every process started here is stopped on the way out (`Children.stop_all`, and each
+child's watchdog should this process be killed); a fault never targets a role that is down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from peer.errors import NetworkError
+from peer.node.metrics import MetricsTail
+from peer.tools.chaos_report import fault_line, holder_name, summary
+from peer.tools.demo import peer_command
+from peer.tools.processes import Child, Children
+
+log = logging.getLogger(__name__)
+
+KINDS = ("kill_resume", "kill_fresh", "term_resume", "stop")
+ROLES = {"head": ("--stage", "0"), "s1a": ("--stage", "1"), "s1b": ("--stage", "1"), "full": ("--full-replica",)}
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    faults: int = 20
+    seed: int = 0
+    workdir: Path = Path("runs/chaos")
+    inner_steps: int = 5
+    round_timeout_s: float = 20.0
+    rpc_timeout_s: float = 3.0
+    record_ttl_s: float = 5.0
+    announce_interval_s: float = 1.0
+    pause_s: tuple[float, float] = (2.0, 6.0)  # between a recovery and the next fault
+    stop_s: tuple[float, float] = (3.0, 8.0)  # SIGSTOP duration
+    recovery_cap_s: float = 90.0  # a fault not recovered from by then counts as not recovered
+    orphan_wait_s: float = 10.0
+    startup_timeout_s: float = 240.0
+    bootstrap_kill: bool = True
+
+    @property
+    def stall_s(self) -> float:
+        return 2 * self.round_timeout_s
+
+
+@dataclass
+class Role:
+    name: str
+    flags: tuple[str, ...]
+    generation: int = 0
+    child: Child | None = None
+    tail: MetricsTail | None = None
+    last_round: float = 0.0  # wall time of its newest round event
+    starts: int = 0
+
+    @property
+    def data_dir_name(self) -> str:
+        return holder_name(self.name, self.generation)
+
+
+@dataclass
+class ChaosResult:
+    summary: dict[str, Any]
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    workdir: Path = Path()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ChaosRun:
+    """One chaos run: the swarm's processes, the fault loop and what it observed."""
+
+    def __init__(self, cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -> None:
+        self.cfg, self.progress = cfg, progress or (lambda _line: None)
+        self.workdir = Path(cfg.workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PEER_LOG_LEVEL": "INFO"}
+        self.children = Children(self.workdir, env=env)
+        self.rng = random.Random(cfg.seed)
+        self.roles = {name: Role(name, flags) for name, flags in ROLES.items()}
+        self.bootstrap: Child | None = None
+        self.ports = (_free_port(), _free_port())
+        self.maddr = ""
+        self.faults: list[dict[str, Any]] = []
+        self.orphans = 0
+        self.kill_windows: list[tuple[str, int, int]] = []  # (log name, offset before, after a kill -9)
+
+    # ------------------------------------------------------------------ processes
+    def _bootstrap_env(self) -> dict[str, str]:
+        c = self.cfg
+        return {
+            "PEER_SWARM__ROUND_TIMEOUT_S": str(c.round_timeout_s),
+            "PEER_SWARM__RPC_TIMEOUT_S": str(c.rpc_timeout_s),
+            "PEER_SWARM__RECORD_TTL_S": str(c.record_ttl_s),
+            "PEER_SWARM__ANNOUNCE_INTERVAL_S": str(c.announce_interval_s),
+            "PEER_SWARM__CLAIM_TIMEOUT_S": str(3 * c.round_timeout_s),
+            "PEER_SWARM__MIN_REPLICAS": "2",
+            "PEER_SWARM__CHECKPOINT_EVERY_ROUNDS": "1",
+        }
+
+    def start_bootstrap(self) -> None:
+        address_file = self.workdir / "bootstrap.json"
+        address_file.unlink(missing_ok=True)
+        argv = peer_command(
+            "bootstrap",
+            "--preset",
+            "tiny",
+            "--stages",
+            2,
+            "--inner-steps",
+            self.cfg.inner_steps,
+            "--outer-steps",
+            100_000,
+            "--port",
+            self.ports[0],
+            "--grpc-port",
+            self.ports[1],
+            "--identity",
+            self.workdir / "bootstrap.key",
+            "--address-file",
+            address_file,
+        )
+        self.bootstrap = self.children.spawn("bootstrap", argv, runs_until_stopped=True, env=self._bootstrap_env())
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                peers = json.loads(address_file.read_text()).get("initial_peers") or []
+                if peers:
+                    self.maddr = next((m for m in peers if "/127.0.0.1/" in m), peers[0])
+                    return
+            except (OSError, json.JSONDecodeError):
+                pass
+            if self.bootstrap.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise NetworkError(f"the bootstrap did not come up; see {self.workdir}/bootstrap.log")
+
+    def start(self, role: Role, resume: bool) -> None:
+        data_dir = self.workdir / role.data_dir_name
+        flags = [*role.flags, "--initial-peers", self.maddr, "--data-dir", data_dir]
+        flags += ["--identity", data_dir / "identity.key", "--device", "cpu", "--manifest-timeout-s", 60]
+        argv = peer_command("join", *flags, *(["--resume"] if resume else []))
+        role.child = self.children.spawn(role.data_dir_name, argv)
+        metrics = data_dir / "metrics.jsonl"
+        role.tail = MetricsTail(metrics)
+        role.tail.offset = metrics.stat().st_size if metrics.exists() else 0  # only this start's events
+        role.starts += 1
+
+    def poll_metrics(self) -> None:
+        for role in self.roles.values():
+            for ev in role.tail.read_new() if role.tail else []:
+                if ev.get("event") == "round":
+                    role.last_round = max(role.last_round, float(ev.get("time", 0.0)))
+
+    def _restart_exited(self) -> None:
+        """A role that exited by itself (a crash) comes back with --resume; it is logged in the faults."""
+        for role in self.roles.values():
+            if role.child is not None and role.child.poll() is not None:
+                rc = role.child.poll()
+                log.warning("%s exited by itself (rc %s); restarting it with --resume", role.name, rc)
+                why = role.child.log_tail(2, 300)
+                self.faults.append({"kind": "crash", "target": role.name, "rc": rc, "why": why, "recovery_s": None})
+                self.start(role, resume=True)
+
+    # ------------------------------------------------------------------ faults
+    def _kill9(self, child: Child) -> None:
+        before = child.descendants()
+        start = child.log_path.stat().st_size if child.log_path.exists() else 0
+        os.kill(child.pid, signal.SIGKILL)
+        child.popen.wait()
+        deadline = time.monotonic() + self.cfg.orphan_wait_s
+        left = [p for p in before if _alive(p)]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = [p for p in left if _alive(p)]
+        if left:
+            self.orphans += len(left)
+            log.warning("%s left %d processes running after kill -9: %s", child.name, len(left), [p.pid for p in left])
+            for p in left:
+                p.kill()
+        # what its DHT child printed while it noticed its parent was gone (a broken pipe) is the kill's
+        self.kill_windows.append((child.log_path.name, start, child.log_path.stat().st_size))
+
+    def inject(self, kind: str, role: Role) -> None:
+        assert role.child is not None
+        if kind in ("kill_resume", "kill_fresh"):
+            self._kill9(role.child)
+            if kind == "kill_fresh":
+                role.generation += 1
+            self.start(role, resume=kind == "kill_resume")
+        elif kind == "term_resume":
+            role.child.popen.send_signal(signal.SIGTERM)
+            try:
+                role.child.popen.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a peer that ignores SIGTERM is killed and counted below
+                self._kill9(role.child)
+            self.start(role, resume=True)
+        elif kind == "stop":
+            os.kill(role.child.pid, signal.SIGSTOP)
+            time.sleep(self.rng.uniform(*self.cfg.stop_s))
+            os.kill(role.child.pid, signal.SIGCONT)
+
+    def kill_bootstrap(self) -> None:
+        assert self.bootstrap is not None
+        self._kill9(self.bootstrap)
+        time.sleep(3.0)
+        self.start_bootstrap()
+
+    def wait_recovered(self, since: float) -> float | None:
+        """Seconds from `since` until every live role committed a round after it (None: capped)."""
+        deadline = time.monotonic() + self.cfg.recovery_cap_s
+        while time.monotonic() < deadline:
+            self.poll_metrics()
+            self._restart_exited()
+            if all(r.last_round > since for r in self.roles.values()):
+                return max(r.last_round for r in self.roles.values()) - since
+            time.sleep(0.5)
+        return None
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> ChaosResult:
+        try:
+            self.start_bootstrap()
+            for name in ("s1a", "s1b", "head", "full"):
+                self.start(self.roles[name], resume=False)
+            if self.wait_recovered(0.0) is None:
+                raise NetworkError(f"the swarm committed no round in time; see the logs in {self.workdir}")
+            self.progress("swarm up: every role committed a round")
+            bootstrap_at = self.cfg.faults // 2 if self.cfg.bootstrap_kill else -1
+            for i in range(self.cfg.faults):
+                time.sleep(self.rng.uniform(*self.cfg.pause_s))
+                self._restart_exited()
+                since = time.time()
+                if i == bootstrap_at:
+                    kind, target = "bootstrap_kill", "bootstrap"
+                    self.kill_bootstrap()
+                else:
+                    kind, target = self.rng.choice(KINDS), self.rng.choice(sorted(self.roles))
+                    self.inject(kind, self.roles[target])
+                fault = {"i": i, "kind": kind, "target": target, "time": since, "recovery_s": None}
+                fault["recovery_s"] = self.wait_recovered(since)
+                self.faults.append(fault)
+                self.progress(f"fault {i + 1}/{self.cfg.faults}: {fault_line(fault)}")
+            end = time.time()
+            self.orphans += self._orphans_after_sigterm()
+        finally:
+            self.children.stop_all(grace_s=5.0)
+        result = summary(self.workdir, self.faults, self.cfg.stall_s, self.orphans, end, self.kill_windows)
+        (self.workdir / "chaos.json").write_text(
+            json.dumps({"config": asdict(self.cfg), "summary": result, "faults": self.faults}, indent=2, default=str)
+        )
+        return ChaosResult(result, self.faults, self.workdir)
+
+    def _orphans_after_sigterm(self) -> int:
+        """SIGTERM every child (each leaves cleanly); what of the run still runs after the wait."""
+        for c in self.children.children:
+            if c.poll() is None:
+                c.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.orphan_wait_s + 10.0
+        while time.monotonic() < deadline and any(c.poll() is None for c in self.children.children):
+            time.sleep(0.2)
+        time.sleep(min(3.0, self.cfg.orphan_wait_s))  # watchdogs stop what a dead parent left
+        left = self.children.sweep()
+        stuck = [c.name for c in self.children.children if c.poll() is None]
+        if left or stuck:
+            log.warning("after SIGTERM still running: %s; %d other processes", stuck, len(left))
+        return len(left) + len(stuck)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -> ChaosResult:
+    """Run the swarm under `cfg.faults` random faults; the table of `peer.tools.chaos_report`."""
+    return ChaosRun(cfg, progress).run()

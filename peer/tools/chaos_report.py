@@ -1,0 +1,173 @@
+"""What `peer bench chaos` measured, read back from the swarm's metrics files and logs.
+
+Inputs: every `<workdir>/<holder>/metrics.jsonl` (one holder = one data directory: a role restarted
+with --resume keeps its holder, a fresh restart is a new one) and every `<workdir>/*.log`.
+- A `round` event of outer step t gives its holder's state (param_hash, perp_hash) of stage s at
+  outer step t + 1; a `sync` event gives the state it downloaded at its outer step.
+- Committed disagreements: (t + 1, s) where holders' round events disagree; unresolved: where the
+  holders' last known states still disagree at the end (a re-sync repairs a committed one).
+- Lone commits: a round event with one participant whose state another holder's round event for the
+  same (t, s) does not share.
+- Stalls: gaps longer than `stall_s` between two consecutive round events of the whole swarm.
+Only events up to the end of the fault schedule count: when every peer leaves at the end, a round
+in flight may close differently on different holders, and nobody is left to reconcile.
+Pure functions of files: the report of a finished workdir can be recomputed at any time.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from peer.node.metrics import read_events
+
+TRACEBACK = "Traceback (most recent call last)"
+State = tuple[str, str]  # (param_hash, perp_hash)
+Table = dict[tuple[int, int], dict[str, list[tuple[str, State]]]]  # (outer step, stage) -> holder -> states
+
+
+def holder_events(workdir: Path, end: float | None = None) -> dict[str, list[dict[str, Any]]]:
+    """{holder (data directory name): its metrics events in file order}, up to `end` (unix time)."""
+    out = {p.parent.name: read_events(p) for p in sorted(Path(workdir).glob("*/metrics.jsonl"))}
+    if end is not None:
+        out = {h: [ev for ev in evs if float(ev.get("time", 0.0)) <= end] for h, evs in out.items()}
+    return out
+
+
+def states(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> Table:
+    """{(outer step, stage): {holder: [(source "round"|"sync", state), ...] in time order}}."""
+    out: Table = defaultdict(lambda: defaultdict(list))
+    for holder, evs in events.items():
+        for ev in evs:
+            if ev.get("event") == "round":
+                for s, st in (ev.get("stages") or {}).items():
+                    state = (str(st.get("param_hash")), str(st.get("perp_hash")))
+                    out[(int(ev["t"]) + 1, int(s))][holder].append(("round", state))
+            elif ev.get("event") == "sync" and ev.get("stage") is not None:
+                out[(int(ev["t"]), int(ev["stage"]))][holder].append(("sync", (str(ev.get("param_hash")), "")))
+    return out
+
+
+def disagreements(table: Table) -> tuple[int, int]:
+    """(committed, unresolved) disagreement counts over (outer step, stage) pairs.
+
+    A sync event carries no T⊥ hash, so the unresolved check compares parameter hashes only.
+    """
+    committed = unresolved = 0
+    for per_holder in table.values():
+        rounds = {st for entries in per_holder.values() for src, st in entries if src == "round"}
+        committed += len(rounds) > 1
+        last = {entries[-1][1][0] for entries in per_holder.values() if entries}
+        unresolved += len(last) > 1
+    return committed, unresolved
+
+
+def lone_commits(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Round events with a single participant whose state no other holder of that (t, s) committed."""
+    by_key: dict[tuple[int, int], dict[str, tuple[int, State]]] = defaultdict(dict)
+    for holder, evs in events.items():
+        for ev in evs:
+            if ev.get("event") != "round":
+                continue
+            for s, st in (ev.get("stages") or {}).items():
+                state = (str(st.get("param_hash")), str(st.get("perp_hash")))
+                by_key[(int(ev["t"]), int(s))][holder] = (int(st.get("participants", 0)), state)
+    out = []
+    for (t, s), held in by_key.items():
+        for holder, (n, state) in held.items():
+            others = [st for h, (_, st) in held.items() if h != holder]
+            if n == 1 and others and state not in others:
+                out.append({"t": t, "stage": s, "holder": holder})
+    return out
+
+
+def round_times(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[float]:
+    return sorted(float(ev["time"]) for evs in events.values() for ev in evs if ev.get("event") == "round")
+
+
+def stalls(times: Sequence[float], stall_s: float, end: float | None = None) -> list[dict[str, float]]:
+    """Gaps longer than `stall_s` between consecutive round events (and before `end`)."""
+    marks = list(times) + ([end] if end is not None and times else [])
+    return [{"from": a, "gap_s": round(b - a, 1)} for a, b in zip(marks, marks[1:], strict=False) if b - a > stall_s]
+
+
+def tracebacks(workdir: Path, windows: Sequence[tuple[str, int, int]] = ()) -> tuple[dict[str, int], int]:
+    """({log file name: tracebacks in it} for every log that has one, tracebacks inside `windows`).
+
+    `windows` are (log name, start, end) byte ranges written while a process died of `kill -9`
+    (its DHT child reports the broken pipe to its parent); those are counted apart."""
+    out, in_windows = {}, 0
+    for path in sorted(Path(workdir).glob("*.log")):
+        data = path.read_bytes()
+        spans = [(a, b) for name, a, b in windows if name == path.name]
+        n = 0
+        for i in (m.start() for m in re.finditer(re.escape(TRACEBACK.encode()), data)):
+            if any(a <= i < b for a, b in spans):
+                in_windows += 1
+            else:
+                n += 1
+        if n:
+            out[path.name] = n
+    return out, in_windows
+
+
+def summary(
+    workdir: Path,
+    faults: Sequence[Mapping[str, Any]],
+    stall_s: float,
+    orphans: int,
+    end: float | None = None,
+    kill_windows: Sequence[tuple[str, int, int]] = (),
+) -> dict[str, Any]:
+    """The chaos table: faults by kind, recovery times, stalls, disagreements, lone commits,
+    orphans, tracebacks (`faults`: what the harness injected, with "recovery_s" or None)."""
+    events = holder_events(workdir, end)  # the final shutdown (every peer leaving) is not churn
+    table = states(events)
+    committed, unresolved = disagreements(table)
+    crashes = [f for f in faults if f["kind"] == "crash"]  # a role that exited by itself
+    faults = [f for f in faults if f["kind"] != "crash"]
+    by_kind: dict[str, int] = defaultdict(int)
+    for f in faults:
+        by_kind[str(f["kind"])] += 1
+    recovered = [float(f["recovery_s"]) for f in faults if f.get("recovery_s") is not None]
+    lone = lone_commits(events)
+    tb, tb_killed = tracebacks(workdir, kill_windows)
+    times = round_times(events)
+    return {
+        "faults": len(faults),
+        "faults_by_kind": dict(sorted(by_kind.items())),
+        "recovered": len(recovered),
+        "not_recovered": len(faults) - len(recovered),
+        "recovery_median_s": round(statistics.median(recovered), 1) if recovered else None,
+        "recovery_max_s": round(max(recovered), 1) if recovered else None,
+        "stalls": len(stalls(times, stall_s, end)),
+        "stall_threshold_s": stall_s,
+        "rounds_committed": len(times),
+        "outer_steps_reached": max((t for t, _ in table), default=0),
+        "hash_disagreements_committed": committed,
+        "hash_disagreements_unresolved": unresolved,
+        "lone_commits": len(lone),
+        "orphans": orphans,
+        "crashes": len(crashes),
+        "tracebacks": sum(tb.values()),
+        "traceback_logs": tb,
+        "tracebacks_of_killed_processes": tb_killed,
+    }
+
+
+def fault_line(f: Mapping[str, Any]) -> str:
+    rec = f.get("recovery_s")
+    return f"{f['kind']:<14} {f['target']:<10} " + ("not recovered" if rec is None else f"recovered in {rec:.1f}s")
+
+
+def holder_name(role: str, generation: int) -> str:
+    """The data directory of a role's `generation`-th fresh start (0: the first)."""
+    return role if generation == 0 else f"{role}-{generation}"
+
+
+def role_of(holder: str) -> str:
+    return re.sub(r"-\d+$", "", holder)

@@ -1,0 +1,232 @@
+"""Seeds × k/d sweeps of the simulator and their Table-2-shaped summary (arXiv 2601.02360).
+
+`run_sweep` runs, for every seed, the k-independent baselines (`adamw`, `sparseloco`) once and the
+subspace configs once per k/d; every result carries its seed, k/d and actual k. `summarize` gives,
+per k/d, the mean ± sample std over seeds of each config's Δ % (against its family's baseline of
+the same seed) and the paired differences het − uniform (`het-pp-compress` − `pp-compress`, and
+the AdamW pair of Table 4) in nats, with a 95 % Student-t interval over seeds and, per seed, the
+standard error of the difference over the shared held-out sequences. Pure: no printing.
+
+`PAPER_SETTINGS` are the paper's §3 settings (no quantization, M = 8, S = 4, H = 50, Table 9's
+warmup and learning rates, the AdamW baseline at its own learning rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from peer.config import RunConfig
+from peer.core.data import TokenData
+from peer.core.subspace import distinct_ks
+from peer.errors import ConfigError
+from peer.tools.simulate import BASELINES, ConfigResult, Progress, SimOptions, assign_deltas, check_configs, run_config
+
+# The paper's §3 / Table 9 settings for `peer simulate --paper-settings` (flags still override).
+PAPER_SETTINGS: dict[str, Any] = {
+    "sparseloco.quant_bits": 0,
+    "stages": 4,
+    "train.inner_steps": 50,
+    "train.lr": 1e-3,
+    "train.warmup_steps": 500,
+}
+PAPER_REPLICAS = 8
+PAPER_ADAMW_LR = 3e-4
+PAIRS = (("het-pp-compress", "pp-compress"), ("adamw-het-pp-compress", "adamw-pp-compress"))
+
+# two-sided 95 % Student-t quantiles by degrees of freedom (df > 30: the normal 1.96)
+_T95: tuple[float, ...] = (
+    *(12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131),
+    *(2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042),
+)
+
+
+def t95(df: int) -> float:
+    """Two-sided 95 % quantile of Student's t with df degrees of freedom."""
+    if df < 1:
+        return math.nan
+    return _T95[df - 1] if df <= len(_T95) else 1.96
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    """ "0,1,2" → ["0", "1", "2"], without blanks; at least one item."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ConfigError(f"{what}: give at least one value (comma-separated)")
+    return items
+
+
+def run_sweep(
+    cfg: RunConfig,
+    data: TokenData,
+    configs: Sequence[str],
+    seeds: Sequence[int],
+    ratios: Sequence[str],
+    opts: SimOptions,
+    progress: Progress | None = None,
+    save_dir: Path | None = None,
+) -> list[ConfigResult]:
+    """Every config at every seed and k/d (baselines once per seed); Δ % against each seed's baseline.
+
+    With `save_dir`, each final model goes under save_dir/<config> (one seed and k/d), else under
+    save_dir/k<k>-s<seed>/<config> (save_dir/s<seed>/<config> for the baselines).
+    """
+    check_configs(configs)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds lists a seed twice: {list(seeds)}")
+    distinct_ks(cfg.model.d_model, ratios)  # every row a different k, named honestly
+    sweep = len(seeds) > 1 or len(ratios) > 1
+    results: list[ConfigResult] = []
+
+    def one(run_cfg: RunConfig, name: str, ratio: str | None) -> None:
+        where = None if save_dir is None else Path(save_dir)
+        if where is not None and sweep:
+            where = where / (f"k{run_cfg.k}-s{run_cfg.seed}" if ratio else f"s{run_cfg.seed}")
+        results.append(run_config(run_cfg, data, name, opts, _label(progress, name, ratio, run_cfg.seed), where))
+
+    for seed in seeds:
+        seeded = dataclasses.replace(cfg, seed=seed)
+        for name in configs:
+            if name in BASELINES:
+                one(seeded, name, None)
+        for ratio in ratios:
+            at_k = dataclasses.replace(seeded, subspace=dataclasses.replace(cfg.subspace, k_ratio=ratio))
+            for name in configs:
+                if name not in BASELINES:
+                    one(at_k, name, ratio)
+    assign_deltas(results)
+    return results
+
+
+def sweep_args(
+    cfg: RunConfig,
+    opts: SimOptions,
+    configs: Sequence[str],
+    seeds: Sequence[int],
+    ratios: Sequence[str],
+    paper_settings: bool,
+) -> dict[str, Any]:
+    """The "args" of `peer simulate --json`: every setting the sweep ran with."""
+    return {
+        "preset": cfg.preset,
+        "replicas": opts.replicas,
+        "stages": cfg.stages,
+        "k_ratio": list(ratios),
+        "het_fraction": opts.het_fraction,
+        "inner_steps": cfg.train.inner_steps,
+        "outer_steps": cfg.train.outer_steps,
+        "batch_size": cfg.train.batch_size,
+        "seq_len": cfg.train.seq_len,
+        "seed": cfg.seed,
+        "configs": list(configs),
+        "seeds": list(seeds),
+        "lr": cfg.train.lr,
+        "adamw_lr": opts.adamw_lr,
+        "quant_bits": cfg.sparseloco.quant_bits,
+        "clip_median": cfg.sparseloco.clip_median_factor,
+        "val_tokens": opts.val_tokens,
+        "te_adaptation": opts.te_adaptation,
+        "weight_projection": opts.weight_projection,
+        "paper_settings": paper_settings,
+    }
+
+
+def _label(progress: Progress | None, name: str, ratio: str | None, seed: int) -> Progress | None:
+    if progress is None:
+        return None
+    label = f"{name} {ratio or '—'} s{seed}"
+
+    def relay(_name: str, done: int, total: int, loss: float) -> None:
+        progress(label, done, total, loss)
+
+    return relay
+
+
+def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
+
+
+def summarize(results: Sequence[ConfigResult]) -> list[dict[str, Any]]:
+    """One row per k/d: Δ % mean ± std over seeds per config, and the paired het − uniform rows."""
+    ratios = list(dict.fromkeys(r.k_ratio for r in results if r.k_ratio is not None))
+    base = [r for r in results if r.name == "sparseloco"]
+    rows = []
+    for ratio in ratios:
+        at = [r for r in results if r.k_ratio == ratio]
+        row: dict[str, Any] = {"k_ratio": ratio, "k": at[0].k, "seeds": sorted({r.seed for r in at})}
+        if base:
+            m, s = _mean_std([b.val_loss_replica_mean for b in base])
+            row["sparseloco_val_loss"] = {"mean": m, "std": s, "n": len(base)}
+        row["delta_pct"] = {}
+        for name in dict.fromkeys(r.name for r in at):
+            vals = [r.delta_pct for r in at if r.name == name]
+            m, s = _mean_std(vals)
+            row["delta_pct"][name] = {"mean": m, "std": s, "n": len(vals)}
+        row["pairs"] = [p for a, b in PAIRS if (p := _paired(at, a, b)) is not None]
+        rows.append(row)
+    return rows
+
+
+def _paired(at: Sequence[ConfigResult], a: str, b: str) -> dict[str, Any] | None:
+    """a − b in nats of replica-mean val loss, paired by seed, with a 95 % t interval over seeds."""
+    by_seed = {r.seed: r for r in at if r.name == b}
+    stderr = [_paired_stderr(r, by_seed[r.seed]) for r in at if r.name == a and r.seed in by_seed]
+    diffs = [
+        r.val_loss_replica_mean - by_seed[r.seed].val_loss_replica_mean for r in at if r.name == a and r.seed in by_seed
+    ]
+    if not diffs:
+        return None
+    m, s = _mean_std(diffs)
+    half = t95(len(diffs) - 1) * s / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return {
+        "a": a,
+        "b": b,
+        "diff_mean": m,
+        "diff_std": s,
+        "ci95": [m - half, m + half],
+        "n": len(diffs),
+        "a_ahead": sum(d < 0 for d in diffs),
+        "diffs": diffs,
+        "val_stderr": stderr,  # per seed: standard error of the difference over held-out sequences
+    }
+
+
+def _paired_stderr(a: ConfigResult, b: ConfigResult) -> float | None:
+    """Standard error of mean(a − b) over the same held-out sequences (None without them)."""
+    if a.val_sequences is None or b.val_sequences is None or a.val_sequences.shape != b.val_sequences.shape:
+        return None
+    d = a.val_sequences - b.val_sequences
+    return float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else None
+
+
+def _pm(stat: dict[str, Any], fmt: str) -> str:
+    std = stat["std"]
+    return f"{stat['mean']:{fmt}}" + ("" if math.isnan(std) else f" ± {std:{fmt[1:] if fmt[0] == '+' else fmt}}")
+
+
+def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
+    """The Table-2 shape: rows k/d; SparseLoCo loss, each config's Δ %, the paired het − uniform."""
+    names = list(dict.fromkeys(n for r in rows for n in r["delta_pct"]))
+    pairs = list(dict.fromkeys(f"{p['a']} − {p['b']}" for r in rows for p in r["pairs"]))
+    table = Table(title=title)
+    for col in ("k/d", "k", "SparseLoCo val", *(f"{n} Δ %" for n in names), *(f"{p} (nats, 95 % CI)" for p in pairs)):
+        table.add_column(col, justify="left" if col == "k/d" else "right")
+    for r in rows:
+        cells = [r["k_ratio"], str(r["k"])]
+        cells.append(_pm(r["sparseloco_val_loss"], ".4f") if "sparseloco_val_loss" in r else "—")
+        cells += [_pm(r["delta_pct"][n], "+.2f") if n in r["delta_pct"] else "—" for n in names]
+        for label in pairs:
+            p = next((p for p in r["pairs"] if f"{p['a']} − {p['b']}" == label), None)
+            if p is None:
+                cells.append("—")
+            else:
+                lo, hi = p["ci95"]
+                cells.append(f"{p['diff_mean']:+.4f} [{lo:+.4f}, {hi:+.4f}] ahead {p['a_ahead']}/{p['n']}")
+        table.add_row(*cells)
+    return table

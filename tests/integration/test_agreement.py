@@ -1,0 +1,200 @@
+"""Each transition of the round protocol (docs/protocol.md), on records alone: no DHT, no network.
+
+`round_view` is fed plain records; `gather_round` runs against an in-memory DHT and client pool, so
+every test shows one transition and ends in milliseconds (only the deadline test waits, 1 s).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from peer.config import build_config
+from peer.core.sparseloco import compress
+from peer.errors import NetworkError
+from peer.node.agreement import canonical, fresh, round_view
+from peer.node.rounds import gather_round, sha256
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = build_config(environ={})
+SHAPES = {"layers.2.attn.wq.weight": (64, 64)}
+
+
+def _payload(seed: int) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    delta = {n: torch.randn(s, generator=gen) * 1e-2 for n, s in SHAPES.items()}
+    return compress(delta, None, CFG.sparseloco)[0].to_bytes()
+
+
+def _replica(kind: str = "full", t: int = 0, **extra) -> dict:
+    return {"kind": kind, "outer_step": t, "joined_at": 0, **extra}
+
+
+# ------------------------------------------------------------------ round_view: who counts
+def test_incarnations_make_earlier_announcements_stale():
+    holders = {"p": {"inc": "new"}}
+    assert fresh("p", {"inc": "new"}, holders, {}, "me", "mine")
+    assert not fresh("p", {"inc": "old"}, holders, {}, "me", "mine")  # p restarted with the same key
+    assert not fresh("me", {"inc": "old"}, {}, {}, "me", "mine")  # our own dead incarnation
+    assert fresh("me", {"inc": "mine"}, {}, {}, "me", "mine")
+    assert fresh("gone", {"inc": "x"}, {}, {}, "me", "mine")  # no record now: not provably stale
+
+
+def test_heads_round_announcement_binds_the_replacement_not_the_record():
+    replicas = {"h": _replica("pipeline", pipeline_peers={"1": "next"})}  # the record moved on to t + 1
+    stage0 = {"h": {"replica": "h", "peers": {"1": "repl"}}}
+    payloads = {"repl": {"replica": "h"}, "next": {"replica": "h"}}
+    view = round_view(0, 1, payloads, stage0, replicas, {"repl": {"outer_step": 0}}, "me", "")
+    assert {s: rid for s, (rid, _) in view.bound.items()} == {"repl": "h"}
+    assert ("next", "h", "unbound") in view.ignored
+    assert view.expected == {"h"}
+
+
+def test_before_the_head_announces_its_record_binds_provisionally():
+    replicas = {"h": _replica("pipeline", pipeline_peers={"1": "p"})}
+    view = round_view(0, 1, {"p": {"replica": "h"}}, {}, replicas, {}, "me", "")
+    assert "p" in view.bound and view.expected == {"h"}
+
+
+def test_a_head_whose_bound_peer_died_without_announcing_is_dropped_for_everyone():
+    replicas = {"h": _replica("pipeline", t=1), "f": _replica()}
+    stage0 = {"h": {"replica": "h", "peers": {"1": "dead"}}}
+    view = round_view(0, 1, {"f": {}}, stage0, replicas, {"f": {"outer_step": 0}}, "me", "")
+    assert view.dropped == {"h"} and view.expected == {"f"}
+    alive = round_view(0, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 0}}, "me", "")
+    assert alive.expected == {"h", "f"} and not alive.dropped  # alive and at t: it will announce
+
+
+def test_a_committed_round_gives_its_set_and_two_rounds_ahead_means_behind():
+    holders = {"a": {"outer_step": 6, "committed": ["x", "y"], "param_hash": "2"}, "b": {"outer_step": 5}}
+    view = round_view(5, 1, {}, {}, {}, holders, "me", "")
+    assert view.target == ["x", "y"] and view.others_gathering and not view.behind
+    assert round_view(4, 1, {}, {}, {}, holders, "me", "").behind
+
+
+# ------------------------------------------------------------------ the canonical state
+def test_canonical_state_is_the_same_for_both_of_two_holders():
+    a = {"committed": ["x"], "param_hash": "bbb", "perp_hash": ""}
+    b = {"committed": ["x", "y"], "param_hash": "zzz", "perp_hash": ""}
+    c = {"committed": ["y", "z"], "param_hash": "aaa", "perp_hash": ""}
+    assert canonical([a, b]) is b and canonical([b, a]) is b  # the larger committed set wins
+    assert canonical([b, c]) is c and canonical([c, b]) is c  # a tie goes to the smaller hash
+
+
+# ------------------------------------------------------------------ gather_round: when it closes
+class FakeDHT:
+    def __init__(self, me: str) -> None:
+        self.peer_id = me
+        self.replicas: dict[str, dict] = {}
+        self.holders: dict[str, dict] = {}
+        self.payloads: dict[tuple[int, int], dict[str, dict]] = {}
+
+    def get_replicas(self):
+        return dict(self.replicas)
+
+    def get_stage_peers(self, stage):
+        return dict(self.holders)
+
+    def get_payloads(self, t, stage):
+        return dict(self.payloads.get((t, stage), {}))
+
+    def announce_payload(self, t, stage, record, ttl_s):
+        self.payloads.setdefault((t, stage), {})[self.peer_id] = dict(record)
+
+
+class FakeClients:
+    def __init__(self, served: dict[str, bytes]) -> None:
+        self.served = served
+
+    def get(self, address):
+        served = self.served
+
+        class Client:
+            def get_payload(self, req, timeout_s):
+                if address not in served:
+                    raise NetworkError(f"{address} unreachable")
+                return served[address]
+
+        return Client()
+
+
+class Store:
+    def put(self, *a):
+        pass
+
+
+def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3):
+    return gather_round(
+        dht, clients, 0, 1, timeout_s, own=own, store=Store(), address="me:1", poll_s=0.02, grace_s=grace_s
+    )
+
+
+def _other(dht: FakeDHT, clients: FakeClients, pid: str, data: bytes, **rec) -> None:
+    clients.served[f"{pid}:1"] = data
+    ann = {"sha256": sha256(data), "address": f"{pid}:1", "replica": pid, **rec}
+    dht.payloads.setdefault((0, 1), {})[pid] = ann
+
+
+def test_commit_once_every_expected_payload_is_held():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1))
+    result = _gather(dht, clients, own=("me", _payload(2)))
+    assert result.replicas == ["me", "o"] and not result.timed_out and not result.behind
+
+
+def test_no_lone_commit_while_another_holder_gathers_then_follow_its_set():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}  # another holder of the stage, still at t
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)))))
+    th.start()
+    th.join(0.3)
+    assert th.is_alive()  # our own payload alone: we do not commit while o gathers
+    dht.holders = {"o": {"outer_step": 1, "committed": ["me"], "param_hash": "h"}}  # o committed {me}
+    th.join(5)
+    assert done and done[0].replicas == ["me"] and done[0].target == ["me"]
+
+
+def test_a_committed_set_we_cannot_fetch_means_resync_not_waiting():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "gone": _replica()}
+    dht.holders = {"o": {"outer_step": 1, "committed": ["gone", "me"], "param_hash": "h"}}
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    assert result.behind and result.wall_s < 5
+
+
+def test_behind_two_rounds_returns_at_once():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica()}
+    dht.holders = {"o": {"outer_step": 2}}
+    assert _gather(dht, clients, own=("me", _payload(2)), timeout_s=30).behind
+
+
+def test_a_sender_that_left_after_announcing_is_dropped_not_waited_for():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1))
+    clients.served.clear()
+    del dht.replicas["o"]  # o's records expired, its announcement did not
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    assert result.replicas == ["me"] and result.rejected == ["o"] and result.wall_s < 5
+
+
+def test_our_own_earlier_incarnations_announcement_is_never_fetched():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(inc="now")}
+    dht.payloads[(0, 1)] = {"me": {"sha256": "x", "address": "old:1", "replica": "me", "inc": "before"}}
+    result = gather_round(dht, clients, 0, 1, 30, poll_s=0.02, inc="now")  # an observer (catch-up)
+    assert result.replicas == [] and not result.timed_out and result.wall_s < 5
+
+
+def test_the_deadline_ends_every_wait():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "slow": _replica()}
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0)
+    assert result.timed_out and result.replicas == ["me"]
