@@ -35,7 +35,8 @@ from bootstrap.artifacts import ArtifactHandler, manifest_bytes
 from peer.config import RunConfig
 from peer.core.data import build_token_data
 from peer.core.files import atomic_write_bytes
-from peer.errors import NetworkError
+from peer.errors import ConfigError, NetworkError
+from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
 from peer.net.transport import PeerServer
 from peer.node.manifest import build_manifest, run_id_for
@@ -277,3 +278,17 @@ def run_bootstrap(
         node.close()
         if written is not None:
             written.unlink(missing_ok=True)
+
+
+def export_swarm_secret(cfg: RunConfig, secret_file: Path | None) -> None:
+    """Check the run's admission against `--swarm-secret-file` and hand a secret-mode swarm's secret
+    to the bootstrap's DHT node (which reads it from $PEER_SWARM_SECRET); ConfigError naming the flag."""
+    secret = load_swarm_secret(secret_file)
+    if cfg.swarm.admission == "secret":
+        if secret is None:
+            raise ConfigError(f"--admission secret needs --swarm-secret-file FILE (or {SECRET_ENV})")
+        os.environ[SECRET_ENV] = secret.decode()
+    elif secret_file is not None:
+        raise ConfigError(
+            f"--swarm-secret-file needs --admission secret (this run's admission is {cfg.swarm.admission})"
+        )

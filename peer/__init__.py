@@ -5,3 +5,13 @@ distribution's version (importlib.metadata) and falls back to this one in a bare
 """
 
 __version__ = "0.1.0"
+
+
+def package_version() -> str:
+    """The installed distribution's version, or `__version__` when running from a source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("peer")
+    except metadata.PackageNotFoundError:
+        return __version__

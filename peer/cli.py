@@ -15,14 +15,13 @@ import logging
 import os
 import sys
 import threading
-from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from peer import __version__
+from peer import package_version
 from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError, PeerError
 from peer.tools import flags
@@ -35,14 +34,6 @@ console = Console()
 err_console = Console(stderr=True)
 
 RUNS = Path("runs")  # where a command writes when no flag names a path
-
-
-def package_version() -> str:
-    """The installed distribution's version, or peer.__version__ when running from a source tree."""
-    try:
-        return metadata.version("peer")
-    except metadata.PackageNotFoundError:
-        return __version__
 
 
 def _print_version(value: bool) -> None:
@@ -77,11 +68,9 @@ def _png_path(flag: Path | None, json_out: Path | None, default: Path) -> Path:
 @app.command()
 def simulate(
     preset: flags.Preset = None,
-    replicas: Annotated[int | None, typer.Option(help="M: replicas trained side by side (default 4).")] = None,
+    replicas: flags.SimReplicas = None,
     stages: flags.SimStages = None,
-    k_ratio: Annotated[
-        str | None, typer.Option("--k-ratio", help="Subspace widths k/d, comma-separated: a sweep (default 1/8).")
-    ] = None,
+    k_ratio: flags.SimKRatios = None,
     het_fraction: flags.HetFraction = 0.5,
     inner_steps: flags.SimInnerSteps = None,
     outer_steps: flags.SimOuterSteps = None,
@@ -89,23 +78,15 @@ def simulate(
     seq_len: flags.SeqLen = None,
     lr: flags.Lr = None,
     seed: flags.Seed = None,
-    seeds: Annotated[str | None, typer.Option(help="Seeds, comma-separated, e.g. 0,1,2 (default: --seed).")] = None,
+    seeds: flags.SimSeeds = None,
     configs: flags.Configs = "adamw,sparseloco,pp-compress,het-pp-compress",
-    val_tokens: Annotated[int, typer.Option(help="Held-out tokens of every evaluation.")] = 16384,
-    quant_bits: Annotated[
-        int | None, typer.Option(help="Bits per sent value: 0 (float32), 2, 4, 8 (default 2).")
-    ] = None,
-    clip_median: Annotated[
-        float | None, typer.Option(help="Clip each Δ̂ to this × the round's median norm (default 0: off).")
-    ] = None,
-    adamw_lr: Annotated[
-        float | None, typer.Option(help="Inner learning rate of the adamw* configs (default --lr).")
-    ] = None,
-    te_adaptation: Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")] = True,
-    weight_projection: Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")] = False,
-    paper_settings: Annotated[
-        bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
-    ] = False,
+    val_tokens: flags.ValTokens = 16384,
+    quant_bits: flags.SimQuantBits = None,
+    clip_median: flags.ClipMedian = None,
+    adamw_lr: flags.AdamwLr = None,
+    te_adaptation: flags.TeAdaptation = True,
+    weight_projection: flags.WeightProjection = False,
+    paper_settings: flags.PaperSettings = False,
     dataset: flags.SimDataset = None,
     json_out: flags.JsonOut = None,
     plot: flags.SimPlot = None,
@@ -115,60 +96,40 @@ def simulate(
 ) -> None:
     """Run the paper's configurations (Tables 2, 4, 5) in one process on the same data and steps."""
     _setup_logging(verbose)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import Progress
 
-    from peer.config import build_config
     from peer.core.data import build_token_data
-    from peer.core.subspace import distinct_ks
     from peer.tools import experiments as ex
-    from peer.tools.render import simulate_table
-    from peer.tools.simulate import CONFIGS, SIMULATE_DEFAULTS, SimOptions, plot_curves
+    from peer.tools.render import loss_progress_columns, simulate_table
+    from peer.tools.simulate import SimOptions, plot_curves
 
-    names = [c.strip() for c in configs.split(",") if c.strip()]
-    unknown = [c for c in names if c not in CONFIGS]
-    if unknown:
-        raise ConfigError(f"--configs: unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
-    ratios = ex.parse_list(k_ratio, "--k-ratio") if k_ratio else None
-    overrides = {
-        "preset": preset,
-        "seed": seed,
-        "stages": stages,
-        "subspace.k_ratio": ratios[0] if ratios else None,
-        "train.inner_steps": inner_steps,
-        "train.outer_steps": outer_steps,
-        "train.batch_size": batch_size,
-        "train.seq_len": seq_len,
-        "train.lr": lr,
-        "sparseloco.quant_bits": quant_bits,
-        "sparseloco.clip_median_factor": clip_median,
-        "data.dataset": dataset,
-    }
-    defaults = SIMULATE_DEFAULTS | (ex.PAPER_SETTINGS if paper_settings else {})
-    cfg = build_config(config, overrides, defaults=defaults)
-    m = replicas if replicas is not None else (ex.PAPER_REPLICAS if paper_settings else 4)
-    if adamw_lr is None and paper_settings and lr is None:
-        adamw_lr = ex.PAPER_ADAMW_LR
-    try:
-        seed_list = [int(x) for x in ex.parse_list(seeds, "--seeds")] if seeds else [cfg.seed]
-    except ValueError:
-        raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
-    ratio_list = ratios or [cfg.subspace.k_ratio]
-    distinct_ks(cfg.model.d_model, ratio_list)  # before any data is prepared
-    opts = SimOptions(m, het_fraction, val_tokens, te_adaptation, weight_projection, adamw_lr)
-    if m < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {m}")
+    cfg, names, seed_list, ratio_list, opts = ex.plan_sweep(
+        config,
+        {
+            "preset": preset,
+            "seed": seed,
+            "stages": stages,
+            "train.inner_steps": inner_steps,
+            "train.outer_steps": outer_steps,
+            "train.batch_size": batch_size,
+            "train.seq_len": seq_len,
+            "train.lr": lr,
+            "sparseloco.quant_bits": quant_bits,
+            "sparseloco.clip_median_factor": clip_median,
+            "data.dataset": dataset,
+        },
+        configs,
+        k_ratio,
+        seeds,
+        paper_settings,
+        replicas,
+        SimOptions(0, het_fraction, val_tokens, te_adaptation, weight_projection, adamw_lr),
+    )
+    m = opts.replicas
     with console.status("preparing data and tokenizer…"):
         data = build_token_data(cfg.data)
     total = cfg.train.inner_steps * cfg.train.outer_steps
-    columns = [
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
         tasks: dict[str, Any] = {}
 
         def progress(name: str, done: int, _total: int, loss: float) -> None:
@@ -180,18 +141,13 @@ def simulate(
 
     console.print(simulate_table(results, cfg, m))
     rows = ex.summarize(results)
-    title = (
-        f"Table 2 shape — {cfg.preset}, M={m}, S={cfg.stages}, H={cfg.train.inner_steps}, T={cfg.train.outer_steps}, "
-        f"seeds {','.join(map(str, seed_list))}: mean ± std over seeds"
-    )
-    console.print(ex.summary_table(rows, title))
+    console.print(ex.summary_table(rows, ex.summary_title(cfg, m, seed_list)))
     plot_path = _png_path(plot, json_out, RUNS / "simulate.png")
     plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
     console.print(f"loss curves: {plot_path}")
     if json_out:
         args = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, paper_settings)
-        out = {"configs": [r.summary() for r in results], "summary": rows, "args": args}
-        _write_json(json_out, out)
+        _write_json(json_out, {"configs": [r.summary() for r in results], "summary": rows, "args": args})
         console.print(f"results: {json_out}")
 
 
@@ -263,12 +219,12 @@ def bench_payload_cmd(
 
 @bench_app.command("chaos")
 def bench_chaos_cmd(
-    faults: Annotated[int, typer.Option("--faults", help="Faults to inject (one is a bootstrap kill).")] = 20,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the fault schedule.")] = 0,
-    round_timeout_s: Annotated[float, typer.Option("--round-timeout-s", help="swarm.round_timeout_s.")] = 20.0,
-    inner_steps: Annotated[int, typer.Option("--inner-steps", help="H of the run.")] = 5,
-    workdir: Annotated[Path | None, typer.Option("--workdir", help="Logs and data (default: runs/chaos-…).")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the table and every fault here.")] = None,
+    faults: flags.ChaosFaults = 20,
+    seed: flags.ChaosSeed = 0,
+    round_timeout_s: flags.ChaosRoundTimeout = 20.0,
+    inner_steps: flags.ChaosInnerSteps = 5,
+    workdir: flags.ChaosWorkdir = None,
+    json_out: flags.ChaosJson = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Random kill -9 / SIGTERM / SIGSTOP churn on a loopback swarm: recovery, stalls, disagreements, orphans."""
@@ -341,9 +297,8 @@ def bootstrap(
 
         typer.echo(make_identity(identity))
         return
-    from bootstrap.node import BootstrapInfo, run_bootstrap
+    from bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.config import build_config
-    from peer.net.dht import SECRET_ENV, load_swarm_secret
     from peer.tools.render import bootstrap_banner
 
     allowed = tuple(allow_peer or ())
@@ -365,15 +320,7 @@ def bootstrap(
         "swarm.allowlist": allowed or None,
     }
     cfg = build_config(config, overrides)
-    secret = load_swarm_secret(swarm_secret_file)
-    if cfg.swarm.admission == "secret":
-        if secret is None:
-            raise ConfigError(f"--admission secret needs --swarm-secret-file FILE (or {SECRET_ENV})")
-        os.environ[SECRET_ENV] = secret.decode()  # run_bootstrap's SwarmDHT reads the secret from here
-    elif swarm_secret_file is not None:
-        raise ConfigError(
-            f"--swarm-secret-file needs --admission secret (this run's admission is {cfg.swarm.admission})"
-        )
+    export_swarm_secret(cfg, swarm_secret_file)
 
     def on_ready(info: BootstrapInfo) -> None:
         for line in bootstrap_banner(info, cfg):
@@ -447,7 +394,7 @@ def join(
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
     from peer.net.dht import load_swarm_secret
     from peer.node.session import SessionOptions, usable_data_dir
-    from peer.node.trainer import data_dir_default, run_full_replica, run_head, run_stage_peer
+    from peer.node.trainer import data_dir_default, run_role
 
     role = "full" if full_replica else ("head" if stage == 0 else "stage")
     data_dir = usable_data_dir(data_dir or data_dir_default(role, stage))
@@ -468,12 +415,7 @@ def join(
     err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
     with stop_on_signals(stop):
         try:
-            if stage is None:
-                code = run_full_replica(opts, stop)
-            elif stage == 0:
-                code = run_head(opts, stop)
-            else:
-                code = run_stage_peer(opts, stage, stop)
+            code = run_role(opts, stage, stop)
         except PeerError:
             if not stop.is_set():
                 raise

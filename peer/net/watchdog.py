@@ -67,10 +67,11 @@ class Watchdog:
         """The watchdog's process id (None unless it was started)."""
         return None if self._popen is None else self._popen.pid
 
-    def start(self, root_pid: int) -> None:
+    def start(self, root_pid: int, env: dict[str, str] | None = None) -> None:
         """Start a watchdog that stops `root_pid` and its descendants if this process dies first.
 
-        A watchdog that cannot start is logged, not raised: the peer runs on without it.
+        `env`: the watchdog's environment (default: this process's). A watchdog that cannot start
+        is logged, not raised: the peer runs on without it.
         """
         if self._popen is not None:
             raise RuntimeError("this watchdog was started already")
@@ -78,7 +79,7 @@ class Watchdog:
             create_time = psutil.Process(root_pid).create_time()
         except psutil.Error:
             return  # the root is gone already: nothing to watch
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, "-m", "peer.net.watchdog", str(os.getpid()), str(root_pid), repr(create_time)]
         try:

@@ -18,6 +18,7 @@ SIGINT/SIGTERM (records withdrawn, server and DHT stopped).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -242,10 +243,12 @@ def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> t
 
 
 def _full_inner_step(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor, t: int, h: int) -> float:
-    """One inner step of a full replica: micro-batches through every stage, then each stage's step."""
+    """One inner step of a full replica: micro-batches through every stage, then each stage's step,
+    clipped by the gradient norm over all stages (as the whole model and a pipeline clip)."""
     loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, chain[0].cfg.train.microbatches)
+    total_norm = math.sqrt(math.fsum(w.grad_sq_norm() for w in chain))
     for w in chain:
-        w.step(t, h)
+        w.step(t, h, total_norm)
     return loss
 
 
@@ -253,6 +256,15 @@ def _full_inner_step(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor,
 def _full_eval(chain: list[StageWorker], batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     losses = [_chain_loss(chain, x, y).item() for x, y in batches]
     return sum(losses) / max(1, len(losses))
+
+
+def run_role(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:
+    """`peer join`: a full replica (stage None), a head (stage 0) or a stage peer; its exit code."""
+    if stage is None:
+        return run_full_replica(opts, stop)
+    if stage == 0:
+        return run_head(opts, stop)
+    return run_stage_peer(opts, stage, stop)
 
 
 def data_dir_default(role: str, stage: int | None) -> Path:

@@ -22,11 +22,21 @@ from typing import Any
 
 from rich.table import Table
 
-from peer.config import RunConfig
+from peer.config import RunConfig, build_config
 from peer.core.data import TokenData
 from peer.core.subspace import distinct_ks
 from peer.errors import ConfigError
-from peer.tools.simulate import BASELINES, ConfigResult, Progress, SimOptions, assign_deltas, check_configs, run_config
+from peer.tools.simulate import (
+    BASELINES,
+    CONFIGS,
+    SIMULATE_DEFAULTS,
+    ConfigResult,
+    Progress,
+    SimOptions,
+    assign_deltas,
+    check_configs,
+    run_config,
+)
 
 # The paper's §3 / Table 9 settings for `peer simulate --paper-settings` (flags still override).
 PAPER_SETTINGS: dict[str, Any] = {
@@ -60,6 +70,45 @@ def parse_list(text: str, what: str) -> list[str]:
     if not items:
         raise ConfigError(f"{what}: give at least one value (comma-separated)")
     return items
+
+
+def plan_sweep(
+    config: Path | None,
+    overrides: dict[str, Any],
+    configs: str,
+    k_ratios: str | None,
+    seeds: str | None,
+    paper_settings: bool,
+    replicas: int | None,
+    opts: SimOptions,
+) -> tuple[RunConfig, list[str], list[int], list[str], SimOptions]:
+    """What `peer simulate` will run, checked before any data is prepared.
+
+    Returns (config, config names, seeds, k/d ratios, options with the replica count filled in);
+    raises ConfigError naming the flag for an unknown config, bad seeds, k/d ratios that round to
+    the same k, or fewer than one replica.
+    """
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"--configs: unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+    ratios = parse_list(k_ratios, "--k-ratio") if k_ratios else None
+    overrides = overrides | {"subspace.k_ratio": ratios[0] if ratios else None}
+    defaults = SIMULATE_DEFAULTS | (PAPER_SETTINGS if paper_settings else {})
+    cfg = build_config(config, overrides, defaults=defaults)
+    m = replicas if replicas is not None else (PAPER_REPLICAS if paper_settings else 4)
+    if m < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {m}")
+    adamw_lr = opts.adamw_lr
+    if adamw_lr is None and paper_settings and overrides.get("train.lr") is None:
+        adamw_lr = PAPER_ADAMW_LR
+    try:
+        seed_list = [int(x) for x in parse_list(seeds, "--seeds")] if seeds else [cfg.seed]
+    except ValueError:
+        raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
+    ratio_list = ratios or [cfg.subspace.k_ratio]
+    distinct_ks(cfg.model.d_model, ratio_list)
+    return cfg, names, seed_list, ratio_list, dataclasses.replace(opts, replicas=m, adamw_lr=adamw_lr)
 
 
 def run_sweep(
@@ -208,6 +257,15 @@ def _paired_stderr(a: ConfigResult, b: ConfigResult) -> float | None:
 def _pm(stat: dict[str, Any], fmt: str) -> str:
     std = stat["std"]
     return f"{stat['mean']:{fmt}}" + ("" if math.isnan(std) else f" ± {std:{fmt[1:] if fmt[0] == '+' else fmt}}")
+
+
+def summary_title(cfg: RunConfig, replicas: int, seeds: Sequence[int]) -> str:
+    """The title of the Table-2-shaped summary: the setting every row shares."""
+    t = cfg.train
+    return (
+        f"Table 2 shape — {cfg.preset}, M={replicas}, S={cfg.stages}, H={t.inner_steps}, T={t.outer_steps}, "
+        f"seeds {','.join(map(str, seeds))}: mean ± std over seeds"
+    )
 
 
 def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:

@@ -194,6 +194,34 @@ Resume = Annotated[
     bool, typer.Option("--resume", help="Continue from the newest good checkpoint in <data-dir>/checkpoints.")
 ]
 
+# --- peer simulate (sweeps and the paper's switches) ----------------------------------------------
+
+SimReplicas = Annotated[int | None, typer.Option(help="M: replicas trained side by side (default 4).")]
+SimKRatios = Annotated[
+    str | None, typer.Option("--k-ratio", help="Subspace widths k/d, comma-separated: a sweep (default 1/8).")
+]
+SimSeeds = Annotated[str | None, typer.Option(help="Seeds, comma-separated, e.g. 0,1,2 (default: --seed).")]
+ValTokens = Annotated[int, typer.Option(help="Held-out tokens of every evaluation.")]
+SimQuantBits = Annotated[int | None, typer.Option(help="Bits per sent value: 0 (float32), 2, 4, 8 (default 2).")]
+ClipMedian = Annotated[
+    float | None, typer.Option(help="Clip each Δ̂ to this × the round's median norm (default 0: off).")
+]
+AdamwLr = Annotated[float | None, typer.Option(help="Inner learning rate of the adamw* configs (default --lr).")]
+TeAdaptation = Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")]
+WeightProjection = Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")]
+PaperSettings = Annotated[
+    bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
+]
+
+# --- peer bench chaos ----------------------------------------------------------------------------
+
+ChaosFaults = Annotated[int, typer.Option("--faults", help="Faults to inject (one is a bootstrap kill).")]
+ChaosSeed = Annotated[int, typer.Option("--seed", help="Seed of the fault schedule.")]
+ChaosRoundTimeout = Annotated[float, typer.Option("--round-timeout-s", help="swarm.round_timeout_s.")]
+ChaosInnerSteps = Annotated[int, typer.Option("--inner-steps", help="H of the run.")]
+ChaosWorkdir = Annotated[Path | None, typer.Option("--workdir", help="Logs and data (default: runs/chaos-…).")]
+ChaosJson = Annotated[Path | None, typer.Option("--json", help="Write the table and every fault here.")]
+
 # --- peer demo -----------------------------------------------------------------------------------
 
 Pipelines = Annotated[int, typer.Option(help="P: compressed pipelines, each S stage peers (stage 0 is the head).")]

@@ -151,8 +151,8 @@ class Children:
                 close_fds=True,
             )
         child = Child(name, list(argv), log_path, popen, runs_until_stopped)
-        watchdog = Watchdog()
-        watchdog.start(popen.pid)
+        watchdog = Watchdog()  # a bare environment: it is no process of the run (no marker, no test tags)
+        watchdog.start(popen.pid, env={k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")})
         self.watchdogs.append(watchdog)
         self.children.append(child)
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))

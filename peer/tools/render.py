@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich import filesize
+from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -257,3 +258,15 @@ def demo_summary(result: DemoResult, title: str) -> list[Text | Table]:
     else:
         agree = Text("parameters diverged: two holders of a stage reported different hashes", style="red")
     return [table, sent, agree]
+
+
+def loss_progress_columns() -> list[ProgressColumn]:
+    """Columns of a per-config progress bar: name, bar, steps, last loss, elapsed, remaining."""
+    return [
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
