@@ -8,7 +8,6 @@ import pytest
 from typer.testing import CliRunner
 
 import peer
-from peer import cli
 from peer.cli import app
 
 runner = CliRunner()
@@ -24,7 +23,7 @@ def test_version_falls_back_to_the_source_tree_version(monkeypatch):
     def not_installed(name: str) -> str:
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(cli.metadata, "version", not_installed)
+    monkeypatch.setattr(metadata, "version", not_installed)  # peer.package_version looks it up at call time
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"peer {peer.__version__}"
