@@ -19,5 +19,6 @@ COPY peer ./peer
 RUN pip install . && peer --version && peer --help > /dev/null
 
 # libp2p (DHT) and gRPC ports used by docker-compose.yml; any port works with --port/--dht-port/--grpc-port.
-EXPOSE 31337 31338
+# 9100: Prometheus metrics of `peer join --metrics-port 9100`.
+EXPOSE 31337 31338 9100
 CMD ["peer", "--help"]

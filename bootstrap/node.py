@@ -38,7 +38,8 @@ from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError, NetworkError
 from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
-from peer.net.transport import PeerServer
+from peer.net.transport import PeerServer, auth
+from peer.net.transport.gate import Gate
 from peer.node.manifest import build_manifest, run_id_for
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class BootstrapNode:
         announce_host: str | None = None,
         identity_path: str | os.PathLike | None = None,
         stop_event: threading.Event | None = None,
+        relay: bool = False,  # forward calls for peers that cannot be dialled (docs/connectivity.md)
     ):
         self.cfg = cfg
         self.run_id = run_id_for(cfg)
@@ -170,7 +172,14 @@ class BootstrapNode:
                     "preset": cfg.preset,
                 },
             )
-            self.server = PeerServer(self.handler, host=host, port=grpc_port)
+            swarm = cfg.swarm  # admission on the data plane, relaying: peer.net.transport.gate
+            verifier, credentials = auth.for_swarm(
+                swarm.admission, frozenset(swarm.allowlist), self.dht.peer_id, *self.dht.auth_material
+            )
+            auth.set_default_credentials(credentials)
+            self.gate = Gate(self.dht.peer_id, verifier, relay=relay)
+            self.server = PeerServer(self.handler, host=host, port=grpc_port, interceptors=[self.gate])
+            self.gate.bind(f"{host}:{self.server.port}")
             grpc_address = f"{grpc_host}:{self.server.port}"
             manifest = build_manifest(cfg, tok_sha, grpc_address)
             self.handler.add_artifact("manifest", manifest_bytes(manifest))
@@ -253,6 +262,7 @@ def run_bootstrap(
     address_file: str | os.PathLike | None = None,
     on_ready: Callable[[BootstrapInfo], None] | None = None,
     stop_event: threading.Event | None = None,
+    relay: bool = False,
 ) -> BootstrapInfo | None:
     """Run a bootstrap until `stop_event` is set; return its BootstrapInfo (None if stopped during start-up).
 
@@ -262,7 +272,7 @@ def run_bootstrap(
     """
     stop_event = stop_event or threading.Event()
     try:
-        node = BootstrapNode(cfg, host, dht_port, grpc_port, announce_host, identity_path, stop_event)
+        node = BootstrapNode(cfg, host, dht_port, grpc_port, announce_host, identity_path, stop_event, relay)
     except _Stopped:
         logger.info("stopped during start-up")
         return None

@@ -91,64 +91,16 @@ def simulate(
     json_out: flags.JsonOut = None,
     plot: flags.SimPlot = None,
     save: flags.Save = None,
+    attacks: flags.Attacks = None,
     config: flags.Config = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Run the paper's configurations (Tables 2, 4, 5) in one process on the same data and steps."""
     _setup_logging(verbose)
-    from rich.progress import Progress
+    from peer.tools.simulate_command import command
 
-    from peer.core.data import build_token_data
-    from peer.tools import experiments as ex
-    from peer.tools.render import loss_progress_columns, simulate_table
-    from peer.tools.simulate import SimOptions, plot_curves
-
-    cfg, names, seed_list, ratio_list, opts = ex.plan_sweep(
-        config,
-        {
-            "preset": preset,
-            "seed": seed,
-            "stages": stages,
-            "train.inner_steps": inner_steps,
-            "train.outer_steps": outer_steps,
-            "train.batch_size": batch_size,
-            "train.seq_len": seq_len,
-            "train.lr": lr,
-            "sparseloco.quant_bits": quant_bits,
-            "sparseloco.clip_median_factor": clip_median,
-            "data.dataset": dataset,
-        },
-        configs,
-        k_ratio,
-        seeds,
-        paper_settings,
-        replicas,
-        SimOptions(0, het_fraction, val_tokens, te_adaptation, weight_projection, adamw_lr),
-    )
-    m = opts.replicas
-    with console.status("preparing data and tokenizer…"):
-        data = build_token_data(cfg.data)
-    total = cfg.train.inner_steps * cfg.train.outer_steps
-    with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
-        tasks: dict[str, Any] = {}
-
-        def progress(name: str, done: int, _total: int, loss: float) -> None:
-            if name not in tasks:
-                tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
-            bar.update(tasks[name], completed=done, loss=loss)
-
-        results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, save)
-
-    console.print(simulate_table(results, cfg, m))
-    rows = ex.summarize(results)
-    console.print(ex.summary_table(rows, ex.summary_title(cfg, m, seed_list)))
-    plot_path = _png_path(plot, json_out, RUNS / "simulate.png")
-    plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
-    console.print(f"loss curves: {plot_path}")
-    if json_out:
-        args = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, paper_settings)
-        _write_json(json_out, {"configs": [r.summary() for r in results], "summary": rows, "args": args})
-        console.print(f"results: {json_out}")
+    args = dict(locals())
+    command(console, args, _png_path(plot, json_out, RUNS / "simulate.png"), _write_json)
 
 
 @app.command()
@@ -169,35 +121,10 @@ def plan(
     json_out: flags.PlanJson = None,
 ) -> None:
     """Will my link keep up? Compute utilisation of compressed vs uncompressed pipelines (paper Fig. 2/3)."""
-    from peer.tools.plan import PlanInputs, plan_rows, plot_plan
-    from peer.tools.render import plan_table
+    from peer.tools.plan import plan_command
 
-    try:
-        bws = [float(b) for b in bandwidth_mbps.split(",") if b.strip()]
-    except ValueError:
-        raise ConfigError(
-            f"--bandwidth-mbps: expected comma-separated numbers like 10,100,1000, got {bandwidth_mbps!r}"
-        ) from None
-    inputs = PlanInputs(
-        preset=preset,
-        params=params,
-        stages=stages,
-        k_ratio=k_ratio,
-        inner_steps=inner_steps,
-        microbatch_size=microbatch_size,
-        microbatches=microbatches,
-        seq_len=seq_len,
-        flops=flops,
-        replicas=replicas,
-        wire_dtype=wire_dtype,
-    )
-    rows = plan_rows(inputs, bws)
-    console.print(plan_table(rows, stages, inner_steps, k_ratio))
-    png_path = plot_plan(rows, _png_path(png, json_out, RUNS / "plan.png"))
-    console.print(f"plot: {png_path}")
-    if json_out:
-        _write_json(json_out, {"inputs": dataclasses.asdict(inputs), "rows": rows})
-        console.print(f"results: {json_out}")
+    args = dict(locals())
+    plan_command(console.print, args, _png_path(png, json_out, RUNS / "plan.png"), json_out, _write_json)
 
 
 @bench_app.command("payload")
@@ -215,6 +142,29 @@ def bench_payload_cmd(
     console.print(metric_table("SparseLoCo payload", result))
     if json_out:
         _write_json(json_out, result)
+
+
+@bench_app.command("pipeline")
+def bench_pipeline_cmd(
+    stages: flags.PipeStages = 2,
+    preset: flags.PipePreset = "small",
+    seq_len: flags.PipeSeqLen = 128,
+    batch_size: flags.PipeBatch = 16,
+    microbatches: flags.Microbatches = 8,
+    k_ratios: flags.PipeKRatios = "1/8,1",
+    rate: flags.PipeRate = "",
+    rtt_ms: flags.PipeRtt = "",
+    in_flight: flags.PipeInFlight = "1,0",
+    steps: flags.PipeSteps = 3,
+    repeats: flags.PipeRepeats = 1,
+    no_netns: flags.PipeNoNetns = False,
+    json_out: flags.PipeJson = None,
+) -> None:
+    """Measured pipeline throughput: stage processes on their own cores, shaped links, old vs new schedule."""
+    args = dict(locals())
+    from peer.tools.bench_pipeline import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), **args)
 
 
 @bench_app.command("chaos")
@@ -243,6 +193,19 @@ def bench_chaos_cmd(
     console.print(metric_table("chaos", result.summary))
     if json_out:
         _write_json(json_out, {"summary": result.summary, "faults": result.faults})
+
+
+@bench_app.command("caps")
+def bench_caps_cmd(
+    mbps: flags.CapsMbps = 20.0,
+    window_s: flags.CapsWindow = 10.0,
+    repeats: flags.CapsRepeats = 1,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Achieved rate under `peer join --max-upload-mbps/--max-download-mbps` caps (real gRPC on loopback)."""
+    from peer.tools.bench_caps import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), mbps, window_s, repeats, json_out)
 
 
 @app.command()
@@ -286,6 +249,7 @@ def bootstrap(
     admission: flags.Admission = None,
     allow_peer: flags.AllowPeer = None,
     swarm_secret_file: flags.BootSwarmSecret = None,
+    relay: flags.Relay = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
@@ -339,6 +303,7 @@ def bootstrap(
             address_file=address_file,
             on_ready=on_ready,
             stop_event=stop,
+            relay=bool(relay),
         )
     console.print("bootstrap stopped", soft_wrap=True)
 
@@ -383,23 +348,34 @@ def join(
     manifest_timeout_s: flags.ManifestTimeout = 60.0,
     swarm_secret_file: flags.SwarmSecret = None,
     resume: flags.Resume = False,
+    initial_peers_file: flags.InitialPeersFile = None,
+    metrics_port: flags.MetricsPort = None,
+    in_flight: flags.JoinInFlight = None,
+    max_upload_mbps: flags.MaxUploadMbps = None,
+    max_download_mbps: flags.MaxDownloadMbps = None,
+    relay: flags.Relay = None,
+    relay_max_mbps: flags.RelayMaxMbps = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
+    if in_flight is not None:  # a head's local schedule (peer.node.schedule reads it; not part of the run's config)
+        os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
     _setup_logging(verbose)
     if (stage is None) == (not full_replica):
         raise ConfigError("pass exactly one of --stage N or --full-replica")
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    from peer.config import build_link_config
     from peer.net.dht import load_swarm_secret
     from peer.node.session import SessionOptions, usable_data_dir
     from peer.node.trainer import data_dir_default, run_role
+    from peer.tools.join_setup import prepare_join
 
     role = "full" if full_replica else ("head" if stage == 0 else "stage")
     data_dir = usable_data_dir(data_dir or data_dir_default(role, stage))
     opts = SessionOptions(
-        initial_peers=tuple(initial_peers or ()),
+        initial_peers=prepare_join(initial_peers, initial_peers_file, manifest_timeout_s, metrics_port, host),
         host=host,
         port=port,
         dht_port=dht_port,
@@ -409,6 +385,7 @@ def join(
         device=device,  # "auto" is decided after the DHT has started (hivemind forks before CUDA is touched)
         manifest_timeout_s=manifest_timeout_s,
         resume=resume,
+        link=build_link_config(None, max_upload_mbps, max_download_mbps, relay, relay_max_mbps),
         swarm_secret=load_swarm_secret(swarm_secret_file),
     )
     stop = threading.Event()

@@ -57,6 +57,7 @@ class TrainConfig:
     outer_steps: int = 10  # T: outer rounds in the run (sets the cosine horizon)
     batch_size: int = 8  # sequences per inner step per replica
     microbatches: int = 2  # pipeline micro-batches per inner step (divides batch_size)
+    in_flight: int = 0  # micro-batches in the pipeline at once (1F1B); 0 = auto from stages and RTT, 1 = sequential
     seq_len: int = 64
     lr: float = 3e-3  # peak inner learning rate
     warmup_steps: int = 20
@@ -119,6 +120,7 @@ class RunConfig:
         d = self.to_dict()
         d["data"].pop("cache_dir", None)
         d["data"].pop("tokenizer", None)  # checked by the tokenizer's own sha256
+        d["train"].pop("in_flight", None)  # a head's local schedule choice; the math does not depend on it
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -204,6 +206,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in environ.items():
         if not key.startswith("PEER_") or key in ("PEER_CACHE_DIR", "PEER_LOG_LEVEL", "PEER_SWARM_SECRET"):
+            continue
+        if key.startswith("PEER_LINK__"):  # this peer's own link (LinkConfig), not the run's
             continue
         parts = key[len("PEER_") :].lower().split("__")
         if len(parts) == 1:
@@ -349,6 +353,8 @@ def validate(cfg: RunConfig) -> None:
     for name in ("inner_steps", "outer_steps", "batch_size", "microbatches", "seq_len"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    if t.in_flight < 0:
+        raise ConfigError(f"train.in_flight must be >= 0 (0 = auto), got {t.in_flight}")
     if t.batch_size % t.microbatches:
         raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of train.microbatches={t.microbatches}")
     if t.seq_len > cfg.model.max_seq_len:
@@ -380,3 +386,36 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"swarm.checkpoint_every_rounds must be >= 0 (0 = never), got {w.checkpoint_every_rounds}")
     if w.keep_checkpoints < 1:
         raise ConfigError(f"swarm.keep_checkpoints must be >= 1, got {w.keep_checkpoints}")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """One peer's own link, not part of the run's manifest (`peer join` flags, `PEER_LINK__*` env)."""
+
+    max_upload_mbps: float = 0.0  # cap on everything this peer sends, Mbit/s (0 = no cap)
+    max_download_mbps: float = 0.0  # cap on everything this peer receives, Mbit/s (0 = no cap)
+    relay: bool = False  # forward calls for peers that cannot be dialled (behind NAT)
+    relay_max_mbps: float = 0.0  # cap on the bytes relayed for others, Mbit/s (0 = no cap)
+
+    def __post_init__(self) -> None:
+        for name in ("max_upload_mbps", "max_download_mbps", "relay_max_mbps"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"link.{name} must be >= 0 Mbit/s (0 = no cap), got {getattr(self, name)}")
+
+
+def build_link_config(environ: Mapping[str, str] | None = None, *flags: Any) -> LinkConfig:
+    """defaults < `PEER_LINK__FIELD` environment variables < `flags` (LinkConfig's fields in order;
+    None: not given)."""
+    environ = os.environ if environ is None else environ
+    known = get_type_hints(LinkConfig)
+    values: dict[str, Any] = {}
+    for key, value in environ.items():
+        if key.startswith("PEER_LINK__"):
+            name = key[len("PEER_LINK__") :].lower()
+            if name not in known:
+                raise ConfigError(f"unknown key 'link.{name}' ({key}); valid keys: {', '.join(sorted(known))}")
+            values[name] = _coerce(value, known[name], f"link.{name} (from {key})")
+    for name, value in zip(known, flags, strict=False):
+        if value is not None:
+            values[name] = _coerce(value, known[name], f"link.{name}")
+    return LinkConfig(**values)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.payload import Payload, entry_values
+from peer.core.payload import Payload, values_of
 from peer.errors import ConfigError
 
 
@@ -62,7 +62,7 @@ def payload_norm(payload: Payload) -> float:
     """global_norm(decompress(payload)), exactly, from the payload's values without decoding it."""
     squares = []
     for e in payload.entries:
-        vals = entry_values(e, payload.chunk, payload.topk)[1]
+        vals = values_of(e)  # the values alone: no positions are decoded
         squares.append(vals[vals != 0].astype(np.float64) ** 2)
     return _exact_norm(squares)
 

@@ -8,13 +8,15 @@ pipeline's stage 0 projects T_S back onto Col(U) (arXiv 2601.02360 §3.2).
 
 `commit_round` is the one place a committed round is applied — by the simulator (M replicas in one
 process) and by every peer of the swarm (full replicas, heads, stage peers, spares):
-decoded contributions Δ̂ → median norm clip → Δ̄ = aggregate → θ ← θ_start − η·Δ̄ → the embedding's
+decoded contributions Δ̂ → median norm clip → drop outliers (`peer.core.robust.screen`) →
+Δ̄ = aggregate over the kept ones → θ ← θ_start − η·Δ̄ → the embedding's
 change split into its Col(U) part (kept in T_S) and the rest (moved into T⊥), so TE = T_S + T⊥
 moves by exactly −η·Δ̄. Every holder of a stage keeps T⊥ as a buffer when the run uses a subspace;
 stages without the embedding move their T⊥ by stage 0's committed change (`embedding_update`).
 
 Invariants: the same committed list in the same order gives the same bits on every holder
-(clipping, aggregation and the outer step are deterministic); an empty round leaves θ = θ_start;
+(clipping, screening, aggregation and the outer step are deterministic); a round that drops nothing
+gives exactly the bits it gave before screening existed; an empty round leaves θ = θ_start;
 the same batch, parameters and optimizer state give the same inner step on every caller.
 """
 
@@ -29,6 +31,8 @@ import torch
 from peer.config import RunConfig, TrainConfig
 from peer.core.model import Decoder
 from peer.core.optim import clip_grads, clip_grads_to, decoupled_decay, lr_at, set_lr
+from peer.core.robust import DEFAULT as ROBUST
+from peer.core.robust import RobustConfig, Screen, screen
 from peer.core.sparseloco import ClipStats, SparseLoCoConfig, aggregate, clip_to_median, outer_step
 from peer.core.subspace import (
     embedding_outer_update,
@@ -184,11 +188,35 @@ def adamw_step(
 
 @dataclass(frozen=True)
 class RoundCommit:
-    """What committing one stage's round did: the clip stats and, when the stage holds the
-    embedding, its committed change −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
+    """What committing one stage's round did: the clip stats, the outliers dropped (positions in
+    the committed list, `screen.dropped`) and, when the stage holds the embedding, its committed
+    change −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
 
     clip: ClipStats
     embed_update: torch.Tensor | None = None
+    screen: Screen = Screen()
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        return self.screen.dropped
+
+
+def robust_aggregate(
+    decoded: Sequence[Mapping[str, torch.Tensor]],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig = ROBUST,
+    keys: Sequence[str] | None = None,
+) -> tuple[dict[str, torch.Tensor], ClipStats, Screen]:
+    """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
+
+    With nothing dropped this is aggregate(clip_to_median(decoded), len(decoded)), bit for bit.
+    """
+    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
+    screened = screen(clipped, clip.norms, robust, keys)
+    if screened.dropped:
+        gone = set(screened.dropped)
+        clipped = [d for i, d in enumerate(clipped) if i not in gone]
+    return aggregate(clipped, len(clipped), cfg.aggregation), clip, screened
 
 
 NO_CLIP = ClipStats(0, (), 0.0, 0.0)
@@ -202,13 +230,16 @@ def commit_round(
     U: torch.Tensor | None,
     embed_update: torch.Tensor | None = None,
     perp_factor: float = 1.0,
+    robust: RobustConfig = ROBUST,
+    keys: Sequence[str] | None = None,
 ) -> RoundCommit:
-    """Apply one committed round to every view of a stage: θ ← θ_start − η·mean(clip(Δ̂)).
+    """Apply one committed round to every view of a stage: θ ← θ_start − η·mean(clip(Δ̂) kept).
 
     `decoded` are the committed contributions Δ̂ in commit order; `views` are this process's
     holders of the stage (one for a peer, M for the simulator); `embed_update` is stage 0's
     committed change, which moves T⊥ of a stage without the embedding; `perp_factor` is the
-    round's T⊥ weight decay (`perp_decay`). No contribution: θ = θ_start (T⊥ still decays).
+    round's T⊥ weight decay (`perp_decay`); `robust` the outlier rule and `keys` the
+    contributions' replica ids (its tie-break). No contribution: θ = θ_start (T⊥ still decays).
     """
     if not decoded:
         for view in views:
@@ -218,25 +249,31 @@ def commit_round(
             if U is not None:
                 _decay_perp(view, perp_factor)
         return RoundCommit(NO_CLIP)
-    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
+    summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys)
     device = next(iter(start.values())).device
-    agg = {k: v.to(device) for k, v in aggregate(clipped, len(clipped), cfg.aggregation).items()}
+    agg = {k: v.to(device) for k, v in summed.items()}
     if embed_update is not None:
         embed_update = embed_update.to(device)
     for view in views:
         apply_outer_update(view, start, agg, cfg.outer_lr, U, embed_update=embed_update, perp_factor=perp_factor)
     own_update = -cfg.outer_lr * agg[EMBED] if EMBED in start and EMBED in agg else None
-    return RoundCommit(clip, own_update)
+    return RoundCommit(clip, own_update, screened)
 
 
-def embedding_update(decoded: Sequence[Mapping[str, torch.Tensor]], cfg: SparseLoCoConfig) -> torch.Tensor:
+def embedding_update(
+    decoded: Sequence[Mapping[str, torch.Tensor]],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig = ROBUST,
+    keys: Sequence[str] | None = None,
+) -> torch.Tensor:
     """Stage 0's committed change of embed.weight (−η·Δ̄) for a holder that only observes stage 0.
 
-    Clipped exactly as `commit_round` clips stage 0 (norms over the whole contribution), so T⊥
-    moves by the same bits on every stage.
+    Clipped and screened exactly as `commit_round` treats stage 0 (norms and scores over the whole
+    contribution), so T⊥ moves by the same bits on every stage.
     """
-    clipped, _ = clip_to_median(decoded, cfg.clip_median_factor)
-    embed_only = [{EMBED: d[EMBED]} for d in clipped]
+    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
+    dropped = set(screen(clipped, clip.norms, robust, keys).dropped)
+    embed_only = [{EMBED: d[EMBED]} for i, d in enumerate(clipped) if i not in dropped]
     return -cfg.outer_lr * aggregate(embed_only, len(embed_only), cfg.aggregation)[EMBED]
 
 

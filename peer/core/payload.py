@@ -1,10 +1,8 @@
-"""The SparseLoCo payload: chunk geometry and the wire format of one participant's Δ̂.
+"""The SparseLoCo payload: the wire format of one participant's Δ̂.
 
-Chunking: tensors with ndim >= 2 are viewed as (shape[0], rest) and tiled into chunk×chunk tiles,
-each dimension zero-padded up to a multiple of `chunk`; 1-D tensors are cut into flat chunks of
-chunk² entries. A chunk with n_c real entries sends k_c = min(k, n_c) of them. Inside a chunk an
-entry's local index is r·chunk + c (1-D: its offset); its compact index, r·(real columns) + c,
-numbers the real entries 0 … n_c − 1 in the same order.
+Chunking, bit packing and index coding live in `peer.core.payload_index` (re-exported here): a
+tensor is cut into chunk×chunk tiles (1-D: chunk² entries) and each tile sends k_c of its n_c
+real entries.
 
 Wire format, version 3 (v2 + sign-magnitude codes), little-endian:
   header   b"SLCO" | u8 version | u8 quant_bits | u8 chunk | u16 topk | u32 n_tensors
@@ -21,22 +19,39 @@ Wire format, version 3 (v2 + sign-magnitude codes), little-endian:
 Invariants: every size is a function of (shapes, settings) alone (`payload_nbytes`). `to_bytes` is
 deterministic; `from_bytes` accepts only the canonical form (each rank < C(n_c, k_c), zero pad
 bits), so to_bytes(from_bytes(b)) == b, checks every size before allocating, and on any other
-input raises PayloadError and nothing else.
+input raises PayloadError and nothing else. A parsed sparse entry keeps its validated rank bytes;
+positions are unranked only where they are used (decompress, aggregation), straight into the
+output, so parsing never allocates per-index arrays.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from peer.core.payload_kernels import ENUM_MAX_K, binomial_table, rank_subsets, unrank_subsets
-from peer.errors import PeerError
+from peer.core.payload_index import (
+    PayloadError,
+    check_ranks,
+    decode_indices,
+    encode_indices,
+    enumerative,
+    index_bits,
+    index_nbytes,
+    index_positions,
+    n_selected,
+    pack_bits,
+    packed_len,
+    positions,
+    rank_nbytes,
+    scatter,
+    tile_dims,
+    unpack_bits,
+    valid_extent,
+)
 
 if TYPE_CHECKING:
     from peer.core.sparseloco import SparseLoCoConfig
@@ -52,195 +67,18 @@ DEFAULT_MAX_BYTES = 256 * 2**20
 DEFAULT_MAX_ELEMENTS = 2**31
 _HEADER = struct.Struct("<4sBBBHI")
 
-
-class PayloadError(PeerError):
-    """A SparseLoCo payload (or the tensors to encode) is malformed or violates a limit."""
-
-
-def index_bits(chunk: int) -> int:
-    """Bits of one fixed-width index inside a chunk (12 for 64×64)."""
-    return max(1, (chunk * chunk - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=1024)
-def rank_nbytes(n: int, k: int) -> int:
-    """Bytes of a chunk's index rank: ceil(log2 C(n, k) / 8) (0 when the chunk sends all n entries)."""
-    return ((math.comb(n, k) - 1).bit_length() + 7) // 8
-
-
-# ------------------------------------------------------------------------------------------
-# Chunk geometry (pure integer arithmetic, shared by encoder, decoder and size counter)
-# ------------------------------------------------------------------------------------------
-
-
-def tile_dims(shape: tuple[int, ...], chunk: int) -> tuple[int, int, int, int]:
-    """(rows, cols, tile height, tile width): a 1-D/0-D tensor is one row of chunk²-wide tiles."""
-    if len(shape) >= 2:
-        return shape[0], math.prod(shape[1:]), chunk, chunk
-    return 1, math.prod(shape), 1, chunk * chunk
-
-
-def _tile_classes(shape: tuple[int, ...], chunk: int) -> list[tuple[int, int]]:
-    """(number of tiles, real entries per tile) for the ≤ 4 kinds of tile of a tensor."""
-    rows, cols, th, tw = tile_dims(shape, chunk)
-    if rows == 0 or cols == 0:
-        return []
-    n_r, n_c = -(-rows // th), -(-cols // tw)
-    last_r, last_c = rows - (n_r - 1) * th, cols - (n_c - 1) * tw
-    out = [
-        ((n_r - 1) * (n_c - 1), th * tw),
-        (n_r - 1, th * last_c),
-        (n_c - 1, last_r * tw),
-        (1, last_r * last_c),
-    ]
-    return [(m, n) for m, n in out if m > 0]
-
-
-def n_selected(shape: tuple[int, ...], chunk: int, k: int) -> int:
-    """Number of sent entries: Σ over chunks of min(k, real entries of the chunk), in O(1)."""
-    return sum(m * min(k, n) for m, n in _tile_classes(shape, chunk))
-
-
-def valid_extent(shape: tuple[int, ...], chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per chunk, real rows and real columns (1-D: 1 row × real entries). Each (n_chunks,) int64."""
-    rows, cols, th, tw = tile_dims(shape, chunk)
-    n_r, n_c = (-(-rows // th), -(-cols // tw)) if rows and cols else (0, 0)
-    vr = np.minimum(th, rows - th * np.arange(n_r, dtype=np.int64))
-    vc = np.minimum(tw, cols - tw * np.arange(n_c, dtype=np.int64))
-    return np.repeat(vr, n_c), np.tile(vc, n_r)
-
-
-def positions(shape: tuple[int, ...], chunk: int, k: int, local: np.ndarray, check: bool = False) -> np.ndarray:
-    """Flat positions in the real tensor of the sent entries (chunk by chunk). (n_sel,) int64.
-
-    With `check`, raises PayloadError unless every index lies inside its chunk's real (unpadded)
-    part and indices are strictly ascending inside each chunk.
-    """
-    vr, vc = valid_extent(shape, chunk)
-    k_c = np.minimum(k, vr * vc)  # (n_chunks,)
-    chunk_id = np.repeat(np.arange(len(k_c), dtype=np.int64), k_c)  # (n_sel,)
-    local = local.astype(np.int64)
-    rows, cols, th, tw = tile_dims(shape, chunk)
-    r_in, c_in = local // tw, local % tw
-    if check:
-        if np.any(r_in >= vr[chunk_id]) or np.any(c_in >= vc[chunk_id]):
-            raise PayloadError("an index points outside the tensor (into padding or past its chunk)")
-        same = chunk_id[1:] == chunk_id[:-1]
-        if np.any(same & (local[1:] <= local[:-1])):
-            raise PayloadError("duplicate or unsorted indices inside a chunk")
-    n_c = -(-cols // tw) if cols else 1
-    t_r, t_c = chunk_id // n_c, chunk_id % n_c
-    flat: np.ndarray = (t_r * th + r_in) * cols + t_c * tw + c_in
-    return flat
-
-
-# ------------------------------------------------------------------------------------------
-# Bit packing (LSB-first bit stream; two 12-bit indices fill exactly 3 bytes)
-# ------------------------------------------------------------------------------------------
-
-
-def pack_bits(values: np.ndarray, bits: int) -> bytes:
-    """values (n,) < 2^bits as one LSB-first bit stream, zero-padded to whole bytes."""
-    if bits == 8:
-        return values.astype(np.uint8).tobytes()
-    if bits in (1, 2, 4):  # whole codes per byte: shift and add
-        per = 8 // bits
-        v = np.zeros(-(-len(values) // per) * per, dtype=np.uint8)
-        v[: len(values)] = values
-        shifts = (np.arange(per, dtype=np.uint8) * bits)[None, :]
-        packed: np.ndarray = np.bitwise_or.reduce(v.reshape(-1, per) << shifts, axis=1)
-        return packed.astype(np.uint8).tobytes()
-    v16 = values.astype(np.uint16)
-    bit_matrix = ((v16[:, None] >> np.arange(bits, dtype=np.uint16)) & 1).astype(np.uint8)  # (n, bits)
-    return np.packbits(bit_matrix.reshape(-1), bitorder="little").tobytes()
-
-
-def packed_len(n: int, bits: int) -> int:
-    return (n * bits + 7) // 8
-
-
-def unpack_bits(buf: bytes, n: int, bits: int) -> np.ndarray:
-    """Inverse of pack_bits; PayloadError if the unused high bits of the last byte are not zero."""
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    if bits == 8:
-        return raw.copy()
-    if (n * bits) % 8 and raw[-1] >> ((n * bits) % 8):
-        raise PayloadError("non-zero padding bits after packed values")
-    if bits in (1, 2, 4):
-        per = 8 // bits
-        shifts = (np.arange(per, dtype=np.uint8) * bits)[None, :]
-        return ((raw[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n].astype(np.uint8)
-    bit_matrix = np.unpackbits(raw, count=n * bits, bitorder="little").reshape(n, bits)  # (n, bits)
-    out: np.ndarray = (bit_matrix.astype(np.uint16) << np.arange(bits, dtype=np.uint16)).sum(axis=1, dtype=np.uint16)
-    return out
-
-
-# ------------------------------------------------------------------------------------------
-# Index coding of one sparse tensor
-# ------------------------------------------------------------------------------------------
-
-
-def _enumerative(chunk: int, topk: int) -> bool:
-    return topk <= ENUM_MAX_K
-
-
-def index_nbytes(shape: tuple[int, ...], chunk: int, topk: int) -> int:
-    """Serialized size of a sparse tensor's indices (a function of the shape and settings alone)."""
-    if not _enumerative(chunk, topk):
-        return packed_len(n_selected(shape, chunk, topk), index_bits(chunk))
-    return sum(m * rank_nbytes(n, min(topk, n)) for m, n in _tile_classes(shape, chunk))
-
-
-def _chunk_layout(shape: tuple[int, ...], chunk: int, topk: int) -> tuple[np.ndarray, ...]:
-    """(real columns, real entries, sent entries, rank bytes) per chunk, each (n_chunks,) int64."""
-    vr, vc = valid_extent(shape, chunk)
-    n = vr * vc
-    kc = np.minimum(topk, n)
-    nb = np.zeros_like(n)
-    for value in np.unique(n):  # ≤ 4 kinds of tile
-        nb[n == value] = rank_nbytes(int(value), min(topk, int(value)))
-    return vc, n, kc, nb
-
-
-def encode_indices(shape: tuple[int, ...], chunk: int, topk: int, local: np.ndarray) -> bytes:
-    """Wire bytes of the sent local indices (n_sel,) (chunk by chunk, ascending)."""
-    if not _enumerative(chunk, topk):
-        return pack_bits(local, index_bits(chunk))
-    vc, n, kc, nb = _chunk_layout(shape, chunk, topk)
-    if len(n) == 0:
-        return b""
-    tw = tile_dims(shape, chunk)[3]
-    slot = np.arange(topk)[None, :] < kc[:, None]  # (n_chunks, k)
-    lo = local.astype(np.int64)
-    q = np.zeros(slot.shape, dtype=np.int64)
-    q[slot] = (lo // tw) * np.repeat(vc, kc) + lo % tw  # compact indices, unused slots 0
-    table = binomial_table(chunk * chunk, min(topk, chunk * chunk))
-    limbs = rank_subsets(q, table).astype("<u4")  # (n_chunks, L)
-    raw = limbs.view(np.uint8).reshape(len(q), -1)  # (n_chunks, 4L) little-endian
-    return raw[np.arange(raw.shape[1])[None, :] < nb[:, None]].tobytes()
-
-
-def decode_indices(shape: tuple[int, ...], chunk: int, topk: int, buf: bytes) -> np.ndarray:
-    """Inverse of encode_indices: local indices (n_sel,) uint16; PayloadError if not canonical."""
-    if not _enumerative(chunk, topk):
-        local = unpack_bits(buf, n_selected(shape, chunk, topk), index_bits(chunk))
-        positions(shape, chunk, topk, local, check=True)
-        return local
-    vc, n, kc, nb = _chunk_layout(shape, chunk, topk)
-    if len(n) == 0:
-        return np.zeros(0, dtype=np.uint16)
-    table = binomial_table(chunk * chunk, min(topk, chunk * chunk))
-    raw = np.zeros((len(n), 4 * table.shape[2]), dtype=np.uint8)
-    raw[np.arange(raw.shape[1])[None, :] < nb[:, None]] = np.frombuffer(buf, dtype=np.uint8)
-    ranks = raw.view("<u4").astype(np.int64)  # (n_chunks, L)
-    q, bad = unrank_subsets(ranks, kc, n, table, min(topk, chunk * chunk))
-    if bad >= 0:
-        raise PayloadError(f"index rank of chunk {bad} is out of range")
-    tw = tile_dims(shape, chunk)[3]
-    q = q[np.arange(q.shape[1])[None, :] < kc[:, None]]  # (n_sel,)
-    vcs = np.repeat(vc, kc)
-    out: np.ndarray = ((q // vcs) * tw + q % vcs).astype(np.uint16)
-    return out
+__all__ = [
+    "PayloadError",
+    "index_bits",
+    "index_nbytes",
+    "n_selected",
+    "pack_bits",
+    "positions",
+    "rank_nbytes",
+    "tile_dims",
+    "unpack_bits",
+    "valid_extent",
+]
 
 
 # ------------------------------------------------------------------------------------------
@@ -248,27 +86,55 @@ def decode_indices(shape: tuple[int, ...], chunk: int, topk: int, buf: bytes) ->
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
 class TensorEntry:
     """One tensor of a payload. Arrays are numpy, little-endian on the wire.
 
     SPARSE: indices (n_sel,) uint16 local to their chunk, chunk by chunk, ascending; codes
     (n_sel,) uint8 + codebook (2^bits,) float32, or values (n_sel,) float32 when quant_bits == 0.
+    With `index_bytes` (the validated wire form of the indices, topk <= 64, for `chunk`/`topk`)
+    the indices are decoded from it on first use.
     DENSE_F32: values (numel,) float32.  DENSE_U8: codes (numel,) uint8, codebook = [lo, scale].
     """
 
-    name: str
-    kind: int
-    shape: tuple[int, ...]
-    indices: np.ndarray | None = None
-    codes: np.ndarray | None = None
-    values: np.ndarray | None = None
-    codebook: np.ndarray | None = None
+    __slots__ = ("name", "kind", "shape", "codes", "values", "codebook", "index_bytes", "_indices", "_coding")
+
+    def __init__(
+        self,
+        name: str,
+        kind: int,
+        shape: tuple[int, ...],
+        indices: np.ndarray | None = None,
+        codes: np.ndarray | None = None,
+        values: np.ndarray | None = None,
+        codebook: np.ndarray | None = None,
+        *,
+        index_bytes: bytes | None = None,
+        chunk: int = 0,
+        topk: int = 0,
+    ):
+        self.name, self.kind, self.shape = name, kind, tuple(shape)
+        self.codes, self.values, self.codebook = codes, values, codebook
+        self.index_bytes, self._indices, self._coding = index_bytes, indices, (chunk, topk)
+
+    @property
+    def indices(self) -> np.ndarray | None:
+        if self._indices is None and self.index_bytes is not None:
+            self._indices = decode_indices(self.shape, *self._coding, self.index_bytes)
+        return self._indices
+
+    def ranked(self, chunk: int, topk: int) -> bool:
+        """Whether `index_bytes` holds this entry's indices for these settings."""
+        return self.index_bytes is not None and self._coding == (chunk, topk)
 
 
 def _arr(a: np.ndarray | None) -> np.ndarray:
     assert a is not None
     return a
+
+
+def _bytes(b: bytes | None) -> bytes:
+    assert b is not None
+    return b
 
 
 class Payload:
@@ -303,7 +169,10 @@ class Payload:
                 np.asarray(e.shape, dtype="<u4").tobytes(),
             ]
             if e.kind == SPARSE:
-                idx = encode_indices(e.shape, self.chunk, self.topk, _arr(e.indices))
+                if e.ranked(self.chunk, self.topk):
+                    idx = _bytes(e.index_bytes)
+                else:
+                    idx = encode_indices(e.shape, self.chunk, self.topk, _arr(e.indices))
                 if qb:
                     entry += [_arr(e.codebook).astype("<f4").tobytes(), idx, pack_bits(_arr(e.codes), qb)]
                 else:
@@ -468,10 +337,15 @@ def _decode(b: bytes, max_elements: int, cfg: SparseLoCoConfig | None) -> Payloa
             codebook = r.floats(_levels(qb), f"codebook of {name!r}") if qb else None
             if codebook is not None and np.any(codebook < 0):
                 raise PayloadError(f"negative magnitude in the codebook of {name!r}")
-            indices = decode_indices(shape, chunk, topk, r.take(index_nbytes(shape, chunk, topk), what))
+            idx = r.take(index_nbytes(shape, chunk, topk), what)
+            ranks = enumerative(topk)
+            if ranks:
+                check_ranks(shape, chunk, topk, idx)
+            indices = None if ranks else decode_indices(shape, chunk, topk, idx)
             codes = unpack_bits(r.take(packed_len(n_sel, qb), what), n_sel, qb) if qb else None
             values = None if qb else r.floats(n_sel, f"values of {name!r}")
-            entry = TensorEntry(name, kind, shape, indices, codes, values, codebook)
+            coding: dict[str, Any] = {"index_bytes": idx, "chunk": chunk, "topk": topk} if ranks else {}
+            entry = TensorEntry(name, kind, shape, indices, codes, values, codebook, **coding)
         elif kind == DENSE_F32:
             entry = TensorEntry(name, kind, shape, values=r.floats(numel, f"values of {name!r}"))
         else:
@@ -487,13 +361,61 @@ def _decode(b: bytes, max_elements: int, cfg: SparseLoCoConfig | None) -> Payloa
     return Payload(entries, chunk, topk, qb)
 
 
-def entry_values(e: TensorEntry, chunk: int, topk: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """(flat positions or None for every entry, float32 values) of Δ̂, as every receiver decodes it."""
+def values_of(e: TensorEntry) -> np.ndarray:
+    """The float32 values of Δ̂ an entry sends (every entry of a dense one), as every receiver decodes them."""
     if e.kind == DENSE_F32:
-        return None, _arr(e.values).astype(np.float32)
+        return _arr(e.values).astype(np.float32)
     if e.kind == DENSE_U8:
         cb = _arr(e.codebook)
-        return None, cb[0] + cb[1] * _arr(e.codes).astype(np.float32)  # float32: one multiply, one add
+        out: np.ndarray = cb[0] + cb[1] * _arr(e.codes).astype(np.float32)  # float32: one multiply, one add
+        return out
     qb = (len(e.codebook) - 1).bit_length() + 1 if e.codebook is not None else 0
     vals = _arr(e.values) if e.codebook is None else dequantize(_arr(e.codes), e.codebook, qb)
-    return positions(e.shape, chunk, topk, _arr(e.indices)), vals.astype(np.float32)
+    return vals.astype(np.float32)
+
+
+def entry_values(e: TensorEntry, chunk: int, topk: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """(flat positions or None for every entry, float32 values) of Δ̂, as every receiver decodes it."""
+    vals = values_of(e)
+    if e.kind != SPARSE:
+        return None, vals
+    if e.ranked(chunk, topk):
+        return index_positions(e.shape, chunk, topk, _bytes(e.index_bytes)), vals
+    return positions(e.shape, chunk, topk, _arr(e.indices)), vals
+
+
+def write_entry(
+    e: TensorEntry,
+    chunk: int,
+    topk: int,
+    out: np.ndarray,
+    add: bool,
+    scale: float | None = None,
+    cnt: np.ndarray | None = None,
+) -> None:
+    """Write Δ̂ of one entry into the flat float32 `out`: out = Δ̂ (add False: every entry is written,
+    so `out` may be uninitialized) or out += Δ̂·scale (scale None: unscaled; a float32 product, then
+    one add). With `cnt`, cnt += 1 where the added value is non-zero. Sparse entries scatter straight in."""
+    vals = values_of(e)
+    if e.kind == SPARSE and e.ranked(chunk, topk):
+        scatter(e.shape, chunk, topk, _bytes(e.index_bytes), vals, out, add, scale, cnt)
+        return
+    pos = None if e.kind != SPARSE else positions(e.shape, chunk, topk, _arr(e.indices))
+    if scale is not None:
+        vals = vals * np.float32(scale)
+    if not add:
+        if pos is None:
+            out[:] = vals
+        else:
+            out[:] = 0
+            out[pos] = vals
+        return
+    if pos is None:
+        out += vals
+    else:
+        out[pos] += vals  # positions are distinct within a payload
+    if cnt is not None:
+        if pos is None:
+            cnt += vals != 0
+        else:
+            cnt[pos] += vals != 0

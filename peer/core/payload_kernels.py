@@ -1,4 +1,4 @@
-"""Fast kernels of the SparseLoCo payload: per-chunk top-k, enumerative index coding, bit packing.
+"""Numba/numpy kernels of the SparseLoCo payload: binomial tables and enumerative index coding.
 
 Index coding (the entropy limit of a k-subset): the k_c sorted positions q_0 < … < q_{k_c−1} a
 chunk sends among its n_c real entries are one integer, their rank in the combinatorial number
@@ -7,11 +7,10 @@ ceil(log2 C(n_c, k_c) / 8) bytes: 34 bytes for 32 of 4096 (266.2 bits), where 12
 take 48. Ranks are held as little-endian 32-bit limbs (in int64/uint32 arrays), so every step is
 exact integer arithmetic: the same bytes and the same positions on every machine.
 
-Each kernel has a numba version (compiled with cache=True into a writable directory, used for
-large inputs) and a numpy one (small inputs, or when numba is missing or fails); both give the
-same results bit for bit, which tests check. The top-k kernel returns a chunk's k largest |e|
-only when the k-th is strictly larger than the (k+1)-th (then the set is unique and equals
-torch.topk's); chunks with a tie there are flagged, and the caller ranks them with torch.topk.
+Each kernel has a numba version (compiled with cache=True and nogil into a writable directory,
+used for large inputs) and a numpy one (small inputs, or when numba is missing or fails); both
+give the same results bit for bit, which tests check. `compiled` also compiles the fused
+whole-tensor kernels of `peer.core.payload_fused` (top-k, ranks, unrank-and-scatter).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _cache_dir() -> str:
     return str(path)
 
 
-def _kernels(work: int) -> Any:
+def compiled(work: int) -> Any:
     """The compiled kernels, or None: disabled, numba missing or broken, or small work before any
     large work has loaded them (so tiny unit tests never wait for a JIT compilation)."""
     if not _state["enabled"]:
@@ -126,7 +125,7 @@ def _rank_np(q: np.ndarray, table: np.ndarray) -> np.ndarray:
     return _carry(table[j[None, :], q].sum(axis=1, dtype=np.int64))
 
 
-def _less_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def less_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise a <= b for limb arrays (m, L), most significant limb last."""
     out = np.ones(len(a), dtype=bool)
     decided = np.zeros(len(a), dtype=bool)
@@ -139,7 +138,7 @@ def _less_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
-def _float_table(n_max: int, k_max: int) -> np.ndarray:
+def float_table(n_max: int, k_max: int) -> np.ndarray:
     """binomial_table as float64 (relative error < 2^-50), to guess positions before exact checks."""
     table = binomial_table(n_max, k_max)
     weights = np.ldexp(1.0, 32 * np.arange(table.shape[2]))  # (L,)
@@ -158,10 +157,10 @@ def _unrank_np(ranks: np.ndarray, kc: np.ndarray, nc: np.ndarray, table: np.ndar
     m = len(ranks)
     r = ranks.astype(np.int64)
     top = table[kc, nc].astype(np.int64)
-    bad = _less_equal(top, r)  # rank >= C(n, k)
+    bad = less_equal(top, r)  # rank >= C(n, k)
     if bad.any():
         return np.zeros((m, k), np.int64), int(np.argmax(bad))
-    ftab = _float_table(table.shape[1] - 1, table.shape[0] - 1)
+    ftab = float_table(table.shape[1] - 1, table.shape[0] - 1)
     weights = np.ldexp(1.0, 32 * np.arange(r.shape[1]))
     q = np.zeros((m, k), dtype=np.int64)
     hi = nc.astype(np.int64).copy()  # exclusive upper bound of the next position
@@ -171,9 +170,9 @@ def _unrank_np(ranks: np.ndarray, kc: np.ndarray, nc: np.ndarray, table: np.ndar
         up = np.maximum(hi - 1, lo)
         guess = np.searchsorted(ftab[j], r.astype(np.float64) @ weights, side="right") - 1
         p = np.clip(guess, lo, up)
-        step_up = (p < up) & _less_equal(table[j, np.minimum(p + 1, up)].astype(np.int64), r)
+        step_up = (p < up) & less_equal(table[j, np.minimum(p + 1, up)].astype(np.int64), r)
         p = np.where(step_up, p + 1, p)
-        step_down = (p > lo) & ~_less_equal(table[j, p].astype(np.int64), r)
+        step_down = (p > lo) & ~less_equal(table[j, p].astype(np.int64), r)
         p = np.where(act, np.where(step_down, p - 1, p), 0)
         q[:, j - 1] = p
         r -= table[j, p].astype(np.int64)  # C(0, j) = 0 for the inactive rows
@@ -192,7 +191,7 @@ def _unrank_np(ranks: np.ndarray, kc: np.ndarray, nc: np.ndarray, table: np.ndar
 
 def rank_subsets(q: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Ranks (m, L) int64 of the ascending subsets q (m, k) int64 (unused slots 0, at the end)."""
-    kern = _kernels(q.size)
+    kern = compiled(q.size)
     if kern is None:
         return _rank_np(q, table)
     out = np.empty((len(q), table.shape[2]), dtype=np.int64)
@@ -204,7 +203,7 @@ def unrank_subsets(
     ranks: np.ndarray, kc: np.ndarray, nc: np.ndarray, table: np.ndarray, k: int
 ) -> tuple[np.ndarray, int]:
     """(q (m, k) int64, −1) from ranks (m, L); or (_, i) when rank i is not below C(nc[i], kc[i])."""
-    kern = _kernels(len(ranks) * k)
+    kern = compiled(len(ranks) * k)
     if kern is None:
         return _unrank_np(ranks, kc, nc, table, k)
     q = np.zeros((len(ranks), k), dtype=np.int64)
@@ -212,28 +211,19 @@ def unrank_subsets(
     return q, int(bad)
 
 
-def chunk_topk(x: np.ndarray, rows: int, cols: int, th: int, tw: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per th×tw tile of the row-major (rows, cols) float32 `x`, the local indices (r·tw + c) of its k
-    largest |x|, ascending, tiles row by row; a tile with n <= k real entries lists them all, then tw·th.
-    Returns (local (n_tiles, k) int64, tie (n_tiles,) bool), or None when numba is not in use.
-    Raises FloatingPointError if x has a non-finite entry.
-    """
-    kern = _kernels(x.size // 16)
-    if kern is None:
-        return None
-    n_r, n_c = -(-rows // th), -(-cols // tw)
-    local = np.empty((n_r * n_c, k), dtype=np.int64)
-    tie = np.zeros(n_r * n_c, dtype=np.bool_)
-    if not kern.topk(x.view(np.int32), rows, cols, th, tw, k, local, tie):
-        raise FloatingPointError("non-finite entry")
-    return local, tie
-
-
 def _compile(njit: Callable[[Any], Any]) -> Any:
     """The numba kernels: the plain functions below, compiled (their source is the one truth)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(rank=njit(_rank_jit), unrank=njit(_unrank_jit), topk=njit(_topk_jit))
+    from peer.core import payload_fused as pf
+
+    return SimpleNamespace(
+        rank=njit(_rank_jit),
+        unrank=njit(_unrank_jit),
+        encode=njit(pf._encode_jit),
+        gather=njit(pf._gather_jit),
+        walk=njit(pf._walk_jit),
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -296,91 +286,3 @@ def _unrank_jit(ranks: np.ndarray, kc: np.ndarray, nc: np.ndarray, table: np.nda
                 r[limb] = v + (borrow << 32)
             hi = lo
     return -1
-
-
-def _topk_jit(
-    xb: np.ndarray, rows: int, cols: int, th: int, tw: int, k: int, local: np.ndarray, tie: np.ndarray
-) -> bool:
-    # xb: the float32 entries' bits as int32; |x| orders as (bits & 0x7FFFFFFF) for finite x.
-    # Pass 1 takes the max of every run of <= 64 entries of a tile row; the (k+1)-th largest of
-    # those maxima is <= the tile's (k+1)-th largest |x|, so pass 2 only ranks entries >= it.
-    n_r, n_c = (rows + th - 1) // th, (cols + tw - 1) // tw
-    k1 = k + 1
-    seg_max = np.empty(th * ((tw + 63) // 64), dtype=np.int32)
-    cand_v = np.empty(th * tw, dtype=np.int32)
-    cand_i = np.empty(th * tw, dtype=np.int64)
-    vals = np.empty(k1, dtype=np.int32)
-    idx = np.empty(k1, dtype=np.int64)
-    for t in range(n_r * n_c):
-        r0, c0 = (t // n_c) * th, (t % n_c) * tw
-        vr, vc = min(th, rows - r0), min(tw, cols - c0)
-        n_seg = 0
-        for ri in range(vr):
-            base = (r0 + ri) * cols + c0
-            for s0 in range(0, vc, 64):
-                m = 0
-                for ci in range(s0, min(vc, s0 + 64)):
-                    m = max(m, xb[base + ci] & 0x7FFFFFFF)
-                if m >= 0x7F800000:  # inf or nan
-                    return False
-                seg_max[n_seg] = m
-                n_seg += 1
-        if vr * vc <= k:  # send every real entry
-            for i in range(k):
-                local[t, i] = th * tw if i >= vr * vc else (i // vc) * tw + i % vc
-            continue
-        thr = 0
-        if n_seg >= k1:
-            filled = 0
-            for i in range(n_seg):
-                v = seg_max[i]
-                if filled == k1:
-                    if v <= vals[k]:
-                        continue
-                    pos = k
-                else:
-                    pos = filled
-                    filled += 1
-                while pos > 0 and vals[pos - 1] < v:
-                    vals[pos] = vals[pos - 1]
-                    pos -= 1
-                vals[pos] = v
-            thr = vals[k]
-        n_cand = 0
-        seg = 0
-        for ri in range(vr):
-            base = (r0 + ri) * cols + c0
-            for s0 in range(0, vc, 64):
-                if seg_max[seg] >= thr:  # only runs whose max reaches the threshold hold candidates
-                    for ci in range(s0, min(vc, s0 + 64)):
-                        u = xb[base + ci] & 0x7FFFFFFF
-                        if u >= thr:
-                            cand_v[n_cand] = u
-                            cand_i[n_cand] = ri * tw + ci
-                            n_cand += 1
-                seg += 1
-        filled = 0
-        for i in range(n_cand):
-            v = cand_v[i]
-            if filled == k1:
-                if v <= vals[k]:
-                    continue
-                pos = k
-            else:
-                pos = filled
-                filled += 1
-            while pos > 0 and vals[pos - 1] < v:  # keep vals descending
-                vals[pos] = vals[pos - 1]
-                idx[pos] = idx[pos - 1]
-                pos -= 1
-            vals[pos] = v
-            idx[pos] = cand_i[i]
-        tie[t] = vals[k - 1] == vals[k]
-        for i in range(k):  # ascending local indices (insertion sort of k entries)
-            v_i = idx[i]
-            j = i
-            while j > 0 and local[t, j - 1] > v_i:
-                local[t, j] = local[t, j - 1]
-                j -= 1
-            local[t, j] = v_i
-    return True

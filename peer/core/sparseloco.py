@@ -10,12 +10,11 @@ One outer round of SparseLoCo (arXiv 2508.15706, Alg. 1; DESIGN.md §2), per sta
     Δ̄ = aggregate(Δ̂ over participants)    aggregate ("mean-over-all" or "mean-over-contributors")
     θ  = θ_start − η·Δ̄                     outer_step
 
-Chunking and the wire format live in `peer.core.payload` (re-exported here). A chunk with fewer
-than k real entries sends all of them, so padding is never selected. With `dense_1d`, 1-D tensors
-(norm gains) are sent whole: 8-bit linear (float32 when quant_bits == 0). Q is per tensor and
-sign-true: each code is the value's sign bit plus one of 2^(bits−1) magnitude bins, and the
-codebook holds the bins' mean |v| (equal-count bins refined by Lloyd steps), so a sent value
-never changes sign. quant_bits == 0 (the paper's setting, §3) sends float32 values.
+Chunking and the wire format live in `peer.core.payload` (re-exported here), the encoding of one
+tensor (top-k, the sign-true quantizer Q) in `peer.core.payload_encode`. A chunk with fewer than
+k real entries sends all of them, so padding is never selected. With `dense_1d`, 1-D tensors
+(norm gains) are sent whole: 8-bit linear (float32 when quant_bits == 0). quant_bits == 0 (the
+paper's setting, §3) sends float32 values.
 `clip_and_aggregate` is the fused form of clip_to_median + aggregate over decoded payloads: norms
 come from the payloads' values, and each payload is scattered straight into one accumulator per
 tensor, in the same order, so the result is the same bits. What median clipping removes from a
@@ -36,7 +35,6 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,15 +49,12 @@ from peer.core.payload import (
     Payload,
     PayloadError,
     TensorEntry,
-    entry_values,
     index_bits,
     payload_nbytes,
-    positions,
     rank_nbytes,
-    tile_dims,
-    valid_extent,
+    write_entry,
 )
-from peer.core.payload_kernels import chunk_topk
+from peer.core.payload_encode import encode_tensor, quantize
 from peer.errors import ConfigError
 
 __all__ = [
@@ -93,6 +88,7 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("mean-over-all", "mean-over-contributors")
+_quantize = quantize  # the name the quantizer tests import
 
 
 @dataclass(frozen=True)
@@ -145,158 +141,11 @@ def ideal_bytes_per_param(cfg: SparseLoCoConfig) -> float:
     return (idx + k * value_bits / 8) / cc
 
 
-# ------------------------------------------------------------------------------------------
-# Selection and quantization
-# ------------------------------------------------------------------------------------------
-
-
-LLOYD_ROUNDS = 16  # refinements of the magnitude bins after the equal-count start
-
-
-def _quantize(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sign-magnitude codes (n,) uint8 and magnitude codebook (2^(bits−1),) float32 of v (n,).
-
-    A code is sign << (bits − 1) | bin: the sign bit is v's own, so no value ever changes sign,
-    and the bin indexes up to 2^(bits−1) levels of |v|, each the mean |v| of its members. Bins
-    start as equal-count bins of |v| (a bin left empty by ties or a step is merged into its
-    neighbour; unused trailing levels repeat the last) and take `LLOYD_ROUNDS` Lloyd steps
-    (edges at the midpoints of neighbouring means), on the sorted magnitudes and their prefix
-    sums: deterministic float64.
-    """
-    n_bins = 2 ** (bits - 1)
-    if v.size == 0:
-        return np.zeros(0, np.uint8), np.zeros(n_bins, np.float32)
-    a = np.abs(v.astype(np.float64))
-    s = np.sort(a)
-    csum = np.concatenate([[0.0], np.cumsum(s)])
-    edges = np.unique(s[(np.arange(1, n_bins) * a.size) // n_bins])  # equal-count start, ties merged
-    edges, means = _merge_empty(s, csum, edges)
-    for _ in range(LLOYD_ROUNDS):
-        edges, means = _merge_empty(s, csum, (means[:-1] + means[1:]) / 2)
-    mag = np.searchsorted(edges, a, side="right").astype(np.uint8)  # bin = #edges <= |v|
-    sign = (v < 0).astype(np.uint8) << (bits - 1)
-    codebook = np.full(n_bins, means[-1], dtype=np.float32)  # bins past the used ones: never decoded
-    codebook[: len(means)] = means
-    return sign | mag, codebook
-
-
-def _merge_empty(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(edges, bin means) with every empty bin merged into its upper neighbour (or its lower one)."""
-    means = _bin_means(s, csum, edges)
-    while np.isnan(means).any():
-        edges = np.delete(edges, min(int(np.argmax(np.isnan(means))), len(edges) - 1))
-        means = _bin_means(s, csum, edges)
-    return edges, means
-
-
-def _bin_means(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """Mean of the sorted magnitudes s in each bin [edge_{i−1}, edge_i) (nan for an empty bin)."""
-    bounds = np.concatenate([[0], np.searchsorted(s, edges, side="left"), [s.size]])
-    counts = np.diff(bounds)
-    sums = csum[bounds[1:]] - csum[bounds[:-1]]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-
-
-def _chunk_magnitudes(e: Tensor, chunk: int) -> Tensor:
-    """|e| laid out one chunk per row, padding = −inf so it is never selected. (n_chunks, chunk²)."""
-    rows, cols, th, tw = tile_dims(tuple(e.shape), chunk)
-    n_r, n_c = -(-rows // th), -(-cols // tw)
-    if rows % th == 0 and cols % tw == 0:  # no padding: |e| straight into the tiled layout
-        tiles = torch.empty(n_r * n_c, th * tw)
-        torch.abs(e.view(n_r, th, n_c, tw), out=tiles.view(n_r, n_c, th, tw).permute(0, 2, 1, 3))
-        return tiles  # (n_chunks, th·tw)
-    padded = torch.full((n_r * th, n_c * tw), -math.inf)
-    torch.abs(e.view(rows, cols), out=padded[:rows, :cols])
-    return padded.view(n_r, th, n_c, tw).permute(0, 2, 1, 3).reshape(n_r * n_c, th * tw)  # (n_chunks, th·tw)
-
-
-def _tied_magnitudes(e: Tensor, chunk: int, tiles: np.ndarray) -> Tensor:
-    """The rows of `_chunk_magnitudes(e, chunk)` for the given tile numbers only. (len(tiles), chunk²)."""
-    rows, cols, th, tw = tile_dims(tuple(e.shape), chunk)
-    n_c = -(-cols // tw)
-    r = (tiles // n_c)[:, None] * th + (np.arange(th * tw) // tw)[None, :]  # (t, th·tw)
-    c = (tiles % n_c)[:, None] * tw + (np.arange(th * tw) % tw)[None, :]
-    real = (r < rows) & (c < cols)
-    flat = e.reshape(-1)[torch.from_numpy(np.where(real, r * cols + c, 0))].abs()
-    return torch.where(torch.from_numpy(real), flat, -math.inf)
-
-
-def _select(name: str, e: Tensor, cfg: SparseLoCoConfig) -> np.ndarray:
-    """Local indices (n_sel,) uint16 of the top-k |e| of every chunk, chunk by chunk, ascending.
-
-    A non-finite entry ranks above every finite one in torch.topk, so checking the selected
-    values finds any non-finite entry of e (the numba kernel checks every entry itself).
-    """
-    shape, c, cc = tuple(e.shape), cfg.chunk, cfg.chunk * cfg.chunk
-    if e.numel() == 0:
-        return np.zeros(0, dtype=np.uint16)
-    k = min(cfg.topk, cc)
-    rows, cols, th, tw = tile_dims(shape, c)
-    try:
-        fast = chunk_topk(e.reshape(-1).numpy(), rows, cols, th, tw, k)
-    except FloatingPointError:
-        _check_finite(name, np.array([np.nan]))
-        raise
-    vr, vc = valid_extent(shape, c)
-    k_c = torch.from_numpy(np.minimum(k, vr * vc))  # (n_chunks,) real entries to send
-    keep = torch.arange(k)[None, :] < k_c[:, None]  # (n_chunks, k)
-    if fast is None:
-        top = torch.topk(_chunk_magnitudes(e, c), k, dim=1, sorted=True).indices  # (n_chunks, k)
-    else:
-        local, tie = fast
-        top = torch.from_numpy(local)
-        tied = np.flatnonzero(tie)
-        if len(tied):  # the set is ambiguous there: let torch.topk break the tie as it always has
-            top[torch.from_numpy(tied)] = torch.topk(_tied_magnitudes(e, c, tied), k, dim=1, sorted=True).indices
-    top = torch.sort(torch.where(keep, top, cc), dim=1).values  # padding picks sort last
-    return top[keep].numpy().astype(np.uint16)  # (n_sel,) chunk by chunk, ascending
-
-
-def _encode_tensor(name: str, e: Tensor, cfg: SparseLoCoConfig) -> TensorEntry:
-    """Select, quantize and pack one error-feedback buffer e (any shape, float32, CPU, contiguous)."""
-    shape = tuple(e.shape)
-    flat = e.reshape(-1)
-    if e.dim() <= 1 and cfg.dense_1d:
-        x = flat.numpy()
-        _check_finite(name, x)
-        if cfg.quant_bits == 0:
-            return TensorEntry(name, DENSE_F32, shape, values=x.copy())
-        lo = np.float32(x.min()) if x.size else np.float32(0)
-        span = float(x.max()) - float(lo) if x.size else 0.0
-        scale = np.float32(span / 255)
-        if scale > 0:
-            codes = np.clip(np.rint((x.astype(np.float64) - float(lo)) / float(scale)), 0, 255)
-        else:
-            codes = np.zeros(x.size)
-        return TensorEntry(
-            name, DENSE_U8, shape, codes=codes.astype(np.uint8), codebook=np.array([lo, scale], dtype=np.float32)
-        )
-    local = _select(name, e, cfg)
-    vals = flat.numpy()[positions(shape, cfg.chunk, cfg.topk, local)]  # (n_sel,)
-    _check_finite(name, vals)
-    if cfg.quant_bits == 0:
-        return TensorEntry(name, SPARSE, shape, indices=local, values=vals.copy())
-    codes, codebook = _quantize(vals, cfg.quant_bits)
-    return TensorEntry(name, SPARSE, shape, indices=local, codes=codes, codebook=codebook)
-
-
-def _check_finite(name: str, x: np.ndarray) -> None:
-    if not np.all(np.isfinite(x)):
-        raise PayloadError(
-            f"pseudo-gradient of {name!r} is not finite; training diverged: lower "
-            "the learning rate or resume from a checkpoint"
-        )
-
-
 def _decode_tensor(e: TensorEntry, chunk: int, topk: int) -> Tensor:
-    """Dense float32 Δ̂ of one entry."""
-    pos, vals = entry_values(e, chunk, topk)
-    if pos is None:
-        return torch.from_numpy(vals.copy()).reshape(e.shape)
-    out = torch.zeros(math.prod(e.shape), dtype=torch.float32)
-    out[torch.from_numpy(pos)] = torch.from_numpy(vals)
-    return out.reshape(e.shape)
+    """Dense float32 Δ̂ of one entry (written once: the fused kernels zero each band as they fill it)."""
+    out = torch.empty(e.shape, dtype=torch.float32)
+    write_entry(e, chunk, topk, out.view(-1).numpy(), add=False)
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -321,27 +170,14 @@ def compress(
     """
     entries, new_errors = [], {}
     for name, d in delta.items():
-        d = d.detach().to("cpu", torch.float32)
+        d = d.detach().to("cpu", torch.float32).contiguous()
         prev = None if errors is None else errors.get(name)
-        if prev is None:
-            e = d.clone(memory_format=torch.contiguous_format)
-        else:
+        if prev is not None:
             if tuple(prev.shape) != tuple(d.shape):
                 raise ValueError(f"error buffer of {name!r} has shape {tuple(prev.shape)}, delta has {tuple(d.shape)}")
-            e = prev.detach().to("cpu", torch.float32).mul(cfg.beta).contiguous()
-            e.add_(d)  # e = β·e + Δ (two roundings, as written)
-        entry = _encode_tensor(name, e, cfg)
-        pos, vals = entry_values(entry, cfg.chunk, cfg.topk)
-        if not np.all(np.isfinite(vals)):
-            raise PayloadError(f"quantized update of {name!r} overflows float32; lower the learning rate")
-        flat = e.view(-1)
-        if pos is None:
-            flat.sub_(torch.from_numpy(vals))
-        else:
-            idx = torch.from_numpy(pos)
-            flat[idx] = flat[idx] - torch.from_numpy(vals)  # e − Δ̂, where Δ̂ ≠ 0
+            prev = prev.detach().to("cpu", torch.float32).contiguous()
+        entry, new_errors[name] = encode_tensor(name, d, prev, cfg)
         entries.append(entry)
-        new_errors[name] = e
     return Payload(entries, cfg.chunk, cfg.topk, cfg.quant_bits), new_errors
 
 
@@ -426,20 +262,8 @@ def aggregate_payloads(
                     counts[e.name] = torch.zeros(shape, dtype=torch.float32)
             if tuple(sums[e.name].shape) != shape:
                 raise _shape_mismatch(e.name, tuple(sums[e.name].shape), shape)
-            pos, vals = entry_values(e, p.chunk, p.topk)
-            if scale is not None:
-                vals = vals * np.float32(scale)  # float32 × float32, as `t * scale` in clip_to_median
-            acc = sums[e.name].view(-1).numpy()
-            if pos is None:
-                acc += vals
-            else:
-                acc[pos] += vals  # positions are distinct within a payload
-            if rule == "mean-over-contributors":
-                cnt = counts[e.name].view(-1).numpy()
-                if pos is None:
-                    cnt += vals != 0
-                else:
-                    cnt[pos] += vals != 0
+            cnt = counts[e.name].view(-1).numpy() if rule == "mean-over-contributors" else None
+            write_entry(e, p.chunk, p.topk, sums[e.name].view(-1).numpy(), True, scale, cnt)
     return _finish(sums, counts, n_participants, rule)
 
 

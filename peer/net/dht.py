@@ -212,6 +212,7 @@ class SwarmDHT:
         with node_identity(identity_path) as identity:  # a throw-away key is deleted once p2pd has read it
             validator = RSASignatureValidator(identity.key)
             self._key = identity.key  # seals the manifest this node publishes (`identity.seal`)
+            self.auth_material = (self._secret, identity.key)  # data-plane proofs: peer.net.transport.auth
             self.owner_subkey: bytes = validator.local_public_key  # the DHT subkey of this peer's records
             self._reader = RecordReader(identity.peer_id, self._secret)
             kwargs: dict[str, Any] = dict(

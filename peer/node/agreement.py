@@ -137,7 +137,11 @@ def round_view(
     win = canonical(done)
     if win is not None:
         view.target = [str(r) for r in win["committed"]]
-    view.others_gathering = any(rec.get("outer_step") == t and rec.get("state") != "syncing" for rec in others.values())
+    # a holder at t - 1 is about to gather t (a slow commit, a record refresh that lagged): a payload
+    # of ours alone must wait for it too, or the deadline, not close the round without it
+    view.others_gathering = any(
+        rec.get("outer_step") in (t - 1, t) and rec.get("state") != "syncing" for rec in others.values()
+    )
     return view
 
 

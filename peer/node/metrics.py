@@ -10,6 +10,8 @@ read (the demo, `peer status`, tests, notebooks):
 - `start`, `sync`, `resume`, `resume_kept`, `catch_up`, `pause`, `checkpoint`, `checkpoint_failed`,
   `exit` (reason);
 every event also carries `event`, `role` and `time` (unix seconds).
+Sinks (`add_sink`, e.g. the Prometheus exporter of `peer join --metrics-port`) see every event
+record of every writer in this process, after it is written; a failing sink is logged, never raised.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +31,20 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
-__all__ = ["METRICS_FILE", "MetricsTail", "MetricsWriter", "log_round", "read_events"]
+__all__ = ["METRICS_FILE", "MetricsTail", "MetricsWriter", "add_sink", "log_round", "read_events", "remove_sink"]
+
+Sink = Callable[[dict[str, Any]], None]
+_SINKS: list[Sink] = []
+
+
+def add_sink(sink: Sink) -> None:
+    """Call `sink(record)` for every event any MetricsWriter of this process logs from now on."""
+    _SINKS.append(sink)
+
+
+def remove_sink(sink: Sink) -> None:
+    if sink in _SINKS:
+        _SINKS.remove(sink)
 
 
 class MetricsWriter:
@@ -48,6 +63,11 @@ class MetricsWriter:
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
+        for sink in tuple(_SINKS):
+            try:
+                sink(record)
+            except Exception:  # a monitoring sink must not stop the peer: say so and go on
+                log.exception("metrics sink %r failed on a %r event", sink, event)
 
     def close(self) -> None:
         with self._lock:
@@ -74,6 +94,8 @@ def log_round(
                 "param_hash": w.param_hash(),
                 "perp_hash": w.perp_hash(),
                 "participants": n,
+                "committed": [r[:16] for r in w.last_committed],
+                "dropped": [r[:16] for r in w.last_dropped],
                 "clipped": w.last_clip.n_clipped,
                 "max_norm_ratio": w.last_clip.max_ratio,
             }

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +37,7 @@ from peer.net.transport.codec import encoded_size
 from peer.net.transport.errors import NotFoundError, RemoteError
 from peer.net.transport.framing import framed_size
 from peer.net.transport.messages import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, StepRequest
+from peer.node.schedule import PipelineBehind, PipelinedStep, past_step
 from peer.node.stage_worker import StageWorker
 
 if TYPE_CHECKING:
@@ -54,19 +54,6 @@ class StageUnavailable(PeerError):
         self.stage = stage
 
 
-class PipelineBehind(NetworkError):
-    """The stage peers moved on to a later outer step: the head must re-sync before training."""
-
-
-_PEER_STEP = re.compile(r"(?:is at outer step|finishing outer round) (\d+)")
-
-
-def _past(message: str, t: int) -> bool:
-    """A stage peer's busy reply says it is already past outer step `t`."""
-    found = _PEER_STEP.search(message)
-    return found is not None and int(found.group(1)) > t
-
-
 class PipelineDriver:
     def __init__(self, session: Session, worker: StageWorker, stop: threading.Event) -> None:
         self.session, self.worker, self.stop = session, worker, stop
@@ -77,9 +64,11 @@ class PipelineDriver:
         self.last_loss: float | None = None
         self.tokens = 0
         self.started = time.monotonic()
-        self._equiv_cache: dict[tuple[int, int, bool], int] = {}
+        self._equiv_cache: dict[tuple[int, int, bool, bool], int] = {}
         self.act_equiv = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.stages - 1), thread_name_prefix="peer-step")
+        self._pipelined = PipelinedStep(self)
+        self.in_flight = 1  # micro-batches in flight in the last inner step (1: the sequential schedule)
 
     # ------------------------------------------------------------------ claims
     def _candidates(self, stage: int, t: int) -> list[tuple[str, str]]:
@@ -152,7 +141,7 @@ class PipelineDriver:
                     self._drop(stage, "claimed by another pipeline")
                 elif exc.code != "FAILED_PRECONDITION":
                     raise StageUnavailable(stage, str(exc)) from None
-                elif _past(str(exc), t):  # the peer committed round t without us: we missed it
+                elif past_step(str(exc), t):  # the peer committed round t without us: we missed it
                     self._drop(stage, "past this outer step")
                     raise PipelineBehind(f"stage {stage} peer is past outer step {t}: {exc}") from None
                 elif time.monotonic() > deadline:
@@ -167,7 +156,16 @@ class PipelineDriver:
 
     # ------------------------------------------------------------------ training
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One inner step over `microbatches` micro-batches; replays after replacing a failed stage peer."""
+        """One inner step over `microbatches` micro-batches; replays after replacing a failed stage peer.
+
+        More than one micro-batch in flight: the pipelined schedule (`peer.node.schedule`)."""
+        self.in_flight = self._pipelined.in_flight(t) if self.cfg.stages > 1 else 1
+        if self.in_flight > 1:
+            loss, sq_norms = self._pipelined.run(t, h, x, y, self.in_flight)
+            self._step(t, h, x.numel(), sq_norms)
+            self.last_loss = loss
+            self.tokens += x.numel()
+            return loss
         attempts = 0
         while True:
             try:
@@ -217,16 +215,20 @@ class PipelineDriver:
             self.worker.backward(key, _required(grad, "stage 1 gradient"))
             total += loss / n_micro
             self.act_equiv += self._equiv_bytes(mb_x.shape[0], mb_x.shape[1])
-        # global clipping: each later stage reported Σ‖g‖² with its last micro-batch (one scalar)
+        self._step(t, h, x.numel(), sq_norms)
+        return total
+
+    def _step(self, t: int, h: int, tokens: int, sq_norms: list[float | None]) -> None:
+        """Every stage's optimizer step, clipped by the global norm: each later stage reported its
+        Σ‖g‖² with the last micro-batch (stages S−1 … 1)."""
         norm = None
         if all(sq is not None for sq in sq_norms):
             norm = math.sqrt(math.fsum([self.worker.grad_sq_norm(), *(sq for sq in sq_norms if sq is not None)]))
-        step = StepRequest(self.pipeline_id, t, h, n_micro, x.numel(), grad_norm=norm)
-        futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, S)]
+        step = StepRequest(self.pipeline_id, t, h, self.cfg.train.microbatches, tokens, grad_norm=norm)
+        futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, self.cfg.stages)]
         for f in futures:
             f.result()
         self.worker.step(t, h, norm)
-        return total
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
@@ -263,16 +265,24 @@ class PipelineDriver:
         return sum(losses) / max(1, len(losses))
 
     # ------------------------------------------------------------------ accounting
-    def _equiv_bytes(self, b: int, L: int, train: bool = True) -> int:
-        """Bytes the same micro-batch would take with uncompressed (b, L, d) boundaries."""
-        key = (b, L, train)
+    def _equiv_bytes(self, b: int, L: int, train: bool = True, streamed: bool = False) -> int:
+        """Bytes the same micro-batch would take on the head's link with uncompressed (b, L, d)
+        boundaries (streamed: only stage 1's call crosses it)."""
+        key = (b, L, train, streamed)
         if key not in self._equiv_cache:
             d, S = self.cfg.model.d_model, self.cfg.stages
             dtype = WIRE_DTYPES[self.cfg.subspace.wire_dtype]
             tok = torch.zeros(b, L, dtype=torch.int32)
             full = torch.zeros(b, L, d, dtype=dtype)  # (b, L, d)
             total = 0
-            for s in range(1, S):
+            if streamed:  # only stage 1's call crosses the head's link
+                route = tuple(self.peers[s][1] for s in range(2, S) if s in self.peers)
+                head: list[Any] = [
+                    ForwardRequest("p", 0, 0, 0, 1, tok, full, targets=tok, route=route, window=S),
+                    ForwardReply(loss=0.0, grad=full),
+                ]
+                total = sum(framed_size(encoded_size(m, self.cfg.subspace.wire_dtype)) for m in head)
+            for s in range(1, 1 if streamed else S):
                 last = s == S - 1
                 wire = self.cfg.subspace.wire_dtype
                 msgs: list[Any] = [

@@ -60,6 +60,7 @@ class Records:
                 "pipeline": svc.claimed_by if svc else None,
                 "committed": [r[:16] for r in worker.last_committed],
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
+                **self.session.net_fields(),  # connectivity, relay, caps, refused calls
             },
         }
 
@@ -84,6 +85,7 @@ class Records:
             "joined_at": self.session.joined_at,
             "inc": self.session.incarnation,
             "done": self.session.finishing,
+            **self.session.net_fields(),  # connectivity, relay, caps, refused calls
         }
         if pipeline_peers is not None:
             record["pipeline_peers"] = pipeline_peers

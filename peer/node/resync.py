@@ -154,20 +154,31 @@ class Resync:
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker that fell more than `max_lag` rounds behind, or whose committed state is
-        not the canonical one among its stage's holders at the same outer step
-        (`peer.node.agreement.canonical`: the most committed replicas, then the smallest hashes —
-        the same answer on every holder, even with two of them)."""
+        not the canonical one among its stage's holders at the same outer step (`reconcile`)."""
         sess = self.session
         if sess.dht.current_outer_step() > worker.outer_step + max_lag:
             self.sync_state(worker, f"behind (outer step {worker.outer_step})")
             return
+        self.reconcile(worker)
+
+    def reconcile(self, worker: StageWorker, before_round: bool = False) -> bool:
+        """Adopt the canonical state among the stage's holders at the worker's outer step
+        (`peer.node.agreement.canonical`: the most committed replicas, then the smallest hashes —
+        the same answer on every holder, even with two of them). True if the worker re-synced.
+
+        After a round (`before_round` False) a payload of ours that the canonical commit lacks
+        returns to the error buffer. Before a round (a claimed stage peer, which is never idle
+        between rounds) the payload just encoded for this round stays ours to send: it is a
+        pseudo-gradient of our inner steps, and the round applies it to the canonical θ_start.
+        """
+        sess = self.session
         same = [
             rec
             for pid, rec in sess.dht.get_stage_peers(worker.stage).items()
             if pid != sess.peer_id and rec.get("outer_step") == worker.outer_step and rec.get("param_hash")
         ]
         if not same:
-            return
+            return False
         mine = {
             "committed": [r[:16] for r in worker.last_committed],
             "param_hash": worker.param_hash(),
@@ -175,14 +186,18 @@ class Resync:
         }
         win = canonical([*same, mine])
         if win is None or state_key(win) == state_key(mine):
-            return
+            return False
         committed: list[str] = list(win.get("committed") or [])
+        if (win.get("param_hash"), win.get("perp_hash")) == (mine["param_hash"], mine["perp_hash"]):
+            worker.last_committed = committed  # the same state (e.g. resumed from a checkpoint): nothing to fetch
+            return False
         last = worker.last_contribution
-        unsent = last[1] if last is not None and last[0][:16] not in committed else None
+        unsent = last[1] if last is not None and not before_round and last[0][:16] not in committed else None
         self.sync_state(
             worker,
-            f"hash {mine['param_hash']} disagrees with the canonical state {win['param_hash']} "
-            f"({len(committed)} replicas committed) of {len(same) + 1} holders",
+            f"hash {mine['param_hash']}/{str(mine['perp_hash'])[:8]} disagrees with the canonical state "
+            f"{win['param_hash']}/{str(win.get('perp_hash'))[:8]} ({len(committed)} replicas committed) "
+            f"of {len(same) + 1} holders",
             want_hash=str(win["param_hash"]),
             keep_errors=True,
             want_perp=win.get("perp_hash"),
@@ -191,3 +206,4 @@ class Resync:
             worker.return_unsent(unsent)  # our payload missed their commit: nothing is lost
             worker.observe()
             log.info("stage %d: our payload missed the canonical commit; returned to the error buffer", worker.stage)
+        return True

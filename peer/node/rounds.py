@@ -27,12 +27,10 @@ wait is a bounded poll (`poll_s`) under one deadline.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,13 +39,14 @@ import torch
 
 from peer.core.model import stage_shapes
 from peer.core.outer import EMBED, embedding_update
-from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig, decompress
+from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
 from peer.node.agreement import round_view, sender_alive
 from peer.node.metrics import log_round
+from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
 from peer.node.stage_worker import StageWorker
 
 if TYPE_CHECKING:
@@ -55,24 +54,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-class PayloadStore:
-    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds."""
-
-    def __init__(self, keep: int = 3) -> None:
-        self._data: dict[tuple[int, int], bytes] = {}
-        self._lock = threading.Lock()
-        self.keep = keep
-
-    def put(self, t: int, stage: int, payload: bytes) -> None:
-        with self._lock:
-            self._data[(t, stage)] = payload
-            for key in [k for k in self._data if k[0] <= t - self.keep]:
-                del self._data[key]
-
-    def get(self, t: int, stage: int) -> bytes | None:
-        with self._lock:
-            return self._data.get((t, stage))
+__all__ = [
+    "PayloadStore",
+    "RoundResult",
+    "Rounds",
+    "bound_replica",
+    "expected_replicas",
+    "gather_round",
+    "payload_validator",
+    "sha256",
+]
 
 
 @dataclass
@@ -108,61 +99,6 @@ def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None
         if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
             out.add(rid)
     return out
-
-
-def bound_replica(sender: str, record: Mapping[str, Any], stage: int, replicas: Mapping[str, dict]) -> str | None:
-    """The replica id `sender`'s payload announcement for `stage` may stand for, or None if unbound.
-
-    Bound: the sender is the replica itself, or the replica's record (from `get_replicas`) lists the
-    sender as its stage peer in "pipeline_peers".
-    """
-    rid = record.get("replica", sender)
-    if not isinstance(rid, str):
-        return None
-    if rid == sender:
-        return rid
-    pipeline_peers = replicas.get(rid, {}).get("pipeline_peers")
-    if isinstance(pipeline_peers, dict) and pipeline_peers.get(str(stage)) == sender:
-        return rid
-    return None
-
-
-def payload_validator(
-    shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig, required: Iterable[str] = ()
-) -> Callable[[bytes], Payload]:
-    """A `validate` for `gather_round`: a well-formed SparseLoCo payload (`Payload.from_bytes` with
-    this run's settings) whose every entry is a parameter of the stage with its exact shape, each
-    at most once, and that carries every `required` name (stage 0: embed.weight, which the round's
-    T⊥ update needs). Returns the parsed payload; raises PayloadError, so a payload that could not
-    be applied is never committed.
-    """
-    shapes = {name: tuple(shape) for name, shape in shapes.items()}
-    required = frozenset(required)
-    n_elements = sum(math.prod(shape) for shape in shapes.values())
-
-    def validate(data: bytes) -> Payload:
-        payload = Payload.from_bytes(data, max_elements=n_elements, cfg=cfg)
-        seen: set[str] = set()
-        for entry in payload.entries:
-            if entry.name not in shapes:
-                raise PayloadError(f"invalid SparseLoCo payload: {entry.name[:64]!r} is not a parameter of this stage")
-            if tuple(entry.shape) != shapes[entry.name]:
-                raise PayloadError(
-                    f"invalid SparseLoCo payload: {entry.name!r} has shape {tuple(entry.shape)}, "
-                    f"the stage's parameter is {shapes[entry.name]}"
-                )
-            if entry.name in seen:
-                raise PayloadError(f"invalid SparseLoCo payload: {entry.name!r} appears twice")
-            seen.add(entry.name)
-        if required - seen:
-            raise PayloadError(f"invalid SparseLoCo payload: missing {sorted(required - seen)}")
-        return payload
-
-    return validate
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def gather_round(
@@ -340,14 +276,16 @@ class Rounds:
         stop: threading.Event,
         stage: int | None = None,
         extra: Mapping[str, Any] | None = None,
+        payload: Payload | None = None,
     ) -> RoundResult:
-        """Contribute worker's payload (if replica_id) and collect round (t, stage)."""
+        """Contribute worker's payload (if replica_id; `payload` when already encoded) and collect
+        round (t, stage)."""
         sess = self.session
         own_stage = stage is None or stage == worker.stage
         stage = worker.stage if stage is None else stage
         own = None
         if replica_id is not None:
-            own = (replica_id, worker.contribute(replica_id).to_bytes())
+            own = (replica_id, (payload if payload is not None else worker.contribute(replica_id)).to_bytes())
         elif own_stage:
             worker.observe()
         swarm = sess.cfg.swarm
@@ -381,7 +319,19 @@ class Rounds:
         of stage 0; no payload there: T⊥ stays). A round committed elsewhere that this peer could
         not reproduce (`behind`) is not applied: the worker re-syncs instead. A payload of ours
         that missed the committed set returns to our error buffer. False if anything re-synced."""
-        behind = [s for s, r in results.items() if r.behind or (s != 0 and embed is not None and embed.behind)]
+        embed_lost = embed is not None and embed.behind and 0 not in workers
+        if embed_lost and not self._stage_ahead(workers):
+            # stage 0's committed set cannot be fetched (its sender died) and no holder of our stage
+            # is ahead to sync from: commit our own stage with T⊥ unchanged rather than wait for a
+            # state nobody will ever have; the canonical-state rule reconciles holders that could
+            # fetch it (docs/protocol.md, RECONCILE)
+            log.warning(
+                "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
+                embed.t if embed is not None else -1,
+                sorted(workers),
+            )
+            embed, embed_lost = None, False
+        behind = [s for s, r in results.items() if r.behind or (s != 0 and embed_lost)]
         if behind:
             for s, w in workers.items():
                 self._resync_behind(w, results[s])
@@ -400,6 +350,15 @@ class Rounds:
                 w.return_unsent(last[1])  # our payload missed the commit: nothing is lost
                 w.observe()
         return True
+
+    def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
+        """Another holder of one of these stages is past our outer step (a state to sync to)."""
+        sess = self.session
+        for s, w in workers.items():
+            for pid, rec in sess.dht.get_stage_peers(s).items():
+                if pid != sess.peer_id and int(rec.get("outer_step", -1)) > w.outer_step:
+                    return True
+        return False
 
     def _resync_behind(self, worker: StageWorker, result: RoundResult) -> None:
         """Round t was committed without us being able to reproduce it: take the winning state."""
@@ -432,9 +391,23 @@ class Rounds:
         return results
 
     def stage_round(self, worker: StageWorker, contributor: str | None, stop: threading.Event) -> None:
-        """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥."""
+        """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥.
+
+        A claimed stage peer is never idle between rounds, so the canonical-state check
+        (`Resync.reconcile`) runs here, after our payload is encoded and before the round: a
+        disagreement seen in round t is repaired before round t commits."""
         t = worker.outer_step
-        result = self.gather(worker, t, contributor, stop)
+        payload = worker.contribute(contributor) if contributor is not None else None
+        try:
+            self.session.resync.reconcile(worker, before_round=True)
+        except PeerError as exc:
+            log.warning("stage %d: canonical state not reachable before round %d: %s", worker.stage, t, exc)
+        if worker.outer_step != t:  # the canonical holder had moved on: our payload waits for the next round
+            if payload is not None:
+                worker.return_unsent(payload)
+            worker.observe()
+            return
+        result = self.gather(worker, t, contributor, stop, payload=payload)
         embed = self.gather(worker, t, None, stop, stage=0)
         if self.commit({worker.stage: worker}, {worker.stage: result}, embed):
             self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)

@@ -12,6 +12,13 @@ values of magnitude <= MAX_BOUNDARY_ABS, targets only on the last stage, backwar
 like the pending forward's output). Only a valid forward claims the peer; backward and step need
 the claim. Rejections are TransportError (INVALID_ARGUMENT) or PeerError (FAILED_PRECONDITION),
 so a bad request never leaves pending state or gradients behind.
+
+Micro-batches in flight (`window` > 0, `peer.node.schedule`): the worker orders gradient
+accumulation by micro-batch (`StageWorker._admit`). With a `route` the stage streams: it sends its
+output straight to `route[0]` (the next stage, same pipeline claim), backpropagates the gradient
+that comes back and answers with the loss and its own input gradient, so only the first boundary
+crosses the head's link. Each hop has its own deadline (`swarm.rpc_timeout_s` per remaining stage);
+a failed hop is answered as `HopError` naming the failed stage, which the head replaces.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.errors import PeerError
-from peer.net.transport.errors import NotFoundError, TransportError
+from peer.errors import NetworkError, PeerError
+from peer.net.transport.client import PeerClient
+from peer.net.transport.errors import HopError, NotFoundError, RemoteError, TransportError
 from peer.net.transport.messages import (
     ArtifactRequest,
     BackwardReply,
@@ -76,6 +84,8 @@ class PeerService:
         self.started = time.monotonic()
         self.last_request = self.started
         self._lock = threading.Lock()
+        self._next: dict[str, PeerClient] = {}  # clients of the next stages' peers (streaming)
+        self.schedule: dict[str, Any] = {}  # the head's pipeline schedule (in flight, RTT), shown in info()
 
     # ------------------------------------------------------------------ pipeline
     def _stage_worker(self, stage: int) -> StageWorker:
@@ -138,8 +148,16 @@ class PeerService:
             )
         if not worker.is_first:
             _check_boundary(request.hidden, (b, L, self._width(worker)), f"stage {s} hidden")
-        if worker.is_last != (request.targets is not None):
-            raise TransportError(f"stage {s}: targets go with (and only with) the last stage, {self.cfg.stages - 1}")
+        if request.route and (not request.train or request.window < 1 or len(request.route) != self.cfg.stages - 1 - s):
+            raise TransportError(
+                f"stage {s}: a streamed training request names the {self.cfg.stages - 1 - s} later stages and a "
+                f"window, got {len(request.route)} and {request.window}"
+            )
+        if (worker.is_last or bool(request.route)) != (request.targets is not None):
+            raise TransportError(
+                f"stage {s}: targets go with (and only with) the last stage, {self.cfg.stages - 1}, "
+                "or a streamed request"
+            )
         if request.targets is not None:
             if tuple(request.targets.shape) != (b, L):
                 raise TransportError(f"stage {s}: targets {list(request.targets.shape)} differ from tokens [{b}, {L}]")
@@ -154,11 +172,87 @@ class PeerService:
                 with torch.no_grad():
                     out = worker.evaluate(request.tokens, request.hidden, request.targets)
                 return ForwardReply(hidden=out.hidden, loss=out.loss)
-            out = worker.forward(key, request.tokens, request.hidden, request.targets)
+            epoch = (request.inner_step, request.attempt) if request.window > 0 else None
+            if request.route:
+                return self._stream(worker, request, epoch)
+            out = worker.forward(key, request.tokens, request.hidden, request.targets, epoch, request.window)
         except (KeyError, ValueError) as exc:
             raise TransportError(f"stage {worker.stage} cannot run this micro-batch: {exc}") from None
         sq = worker.grad_sq_norm() if out.loss is not None and self._last_microbatch(request.microbatch) else None
         return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad, grad_sq_norm=sq)
+
+    def _stream(self, worker: StageWorker, request: ForwardRequest, epoch: tuple[int, int] | None) -> ForwardReply:
+        """Forward here, on to the next stage, backward here with the gradient it answers."""
+        key = (request.pipeline_id, request.microbatch)
+        out = worker.forward(key, request.tokens, request.hidden, None, epoch, request.window)
+        if out.hidden is None:
+            raise TransportError(f"stage {worker.stage} produced no activations to stream on")
+        onward = ForwardRequest(
+            request.pipeline_id,
+            request.microbatch,
+            request.outer_step,
+            request.inner_step,
+            worker.stage + 1,
+            request.tokens,
+            out.hidden,
+            targets=request.targets,
+            attempt=request.attempt,
+            route=request.route[1:],
+            window=request.window,
+        )
+        reply = self._hop(request.route[0], onward, len(request.route))
+        if reply.grad is None or reply.loss is None:
+            raise HopError(worker.stage + 1, "remote", "the reply carries no loss and gradient")
+        grad = worker.backward(key, reply.grad, epoch)
+        norms: tuple[float, ...] = ()
+        if self._last_microbatch(request.microbatch):
+            later = reply.sq_norms or ((reply.grad_sq_norm,) if reply.grad_sq_norm is not None else ())
+            norms = (*later, worker.grad_sq_norm())
+        return ForwardReply(loss=reply.loss, grad=grad, sq_norms=norms)
+
+    def _hop(self, address: str, request: ForwardRequest, depth: int) -> ForwardReply:
+        """One stage-to-stage call; any failure becomes a HopError naming the stage that failed."""
+        with self._lock:
+            client = self._next.get(address)
+            if client is None:
+                for old in list(self._next)[: max(0, len(self._next) - 7)]:  # a few peers at most
+                    self._next.pop(old).close()
+                client = self._next[address] = PeerClient(
+                    address,
+                    timeout_s=self.cfg.swarm.rpc_timeout_s,
+                    wire_dtype=self.cfg.subspace.wire_dtype,
+                    vocab_size=self.cfg.model.vocab_size,
+                )
+        try:
+            return client.forward(request, timeout_s=self.cfg.swarm.rpc_timeout_s * depth)
+        except NotFoundError as exc:
+            raise HopError(request.stage, "lost", str(exc)) from None
+        except RemoteError as exc:
+            if exc.code == "ABORTED" and HopError.parse(str(exc)) is not None:
+                found = HopError.parse(str(exc))
+                assert found is not None
+                raise HopError(found[0], found[1], str(exc).split("failed: ", 1)[-1]) from None
+            kind = (
+                "claimed"
+                if "claimed by pipeline" in str(exc)
+                else "busy"
+                if exc.code == "FAILED_PRECONDITION"
+                else "remote"
+            )
+            raise HopError(request.stage, kind, str(exc)) from None
+        except NetworkError as exc:
+            with self._lock:
+                if self._next.get(address) is client:
+                    self._next.pop(address).close()
+            raise HopError(request.stage, "network", str(exc)) from None
+        except TransportError as exc:
+            raise HopError(request.stage, "remote", str(exc)) from None
+
+    def _stream_bytes(self) -> int:
+        """Bytes this stage sent to and received from the next stage's peers (streaming)."""
+        with self._lock:
+            stats = [c.stats() for c in self._next.values()]
+        return sum(st[kind].get("forward", 0) for st in stats for kind in ("bytes_sent", "bytes_received"))
 
     def _last_microbatch(self, microbatch: int) -> bool:
         """After the inner step's last micro-batch a stage's gradients are complete (global clipping)."""
@@ -259,6 +353,9 @@ class PeerService:
             "outer_step": min((w.outer_step for w in self.workers.values()), default=0),
             "claimed_by": self.claimed_by,
             "in_round": self.in_round,
+            "busy_s": {str(s): round(w.busy_s, 4) for s, w in self.workers.items()},
+            "stream_bytes": self._stream_bytes(),
+            **self.schedule,
         }
 
 

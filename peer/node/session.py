@@ -9,6 +9,7 @@ The trainer (`peer.node.trainer`) then serves its stage workers and uses the ses
 - `records`     this peer's DHT records and their refresh thread (peer.node.records);
 - `checkpoints` `--resume` and periodic saves (peer.node.checkpoints.peer);
 - `metrics`     `<data-dir>/metrics.jsonl` (peer.node.metrics).
+- `connectivity` the reachability check and reverse streams (peer.node.connectivity; docs/connectivity.md).
 `Session.open` always records why the role ended and `close` leaves cleanly (records withdrawn,
 server and DHT stopped), whether the role finished, was stopped or failed.
 """
@@ -28,16 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.config import RunConfig
+from peer.config import LinkConfig, RunConfig
 from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
 from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
+from peer.net import ratelimit
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
+from peer.net.prometheus import watch_pool
+from peer.net.transport import auth
 from peer.net.transport.client import PeerClient
+from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.peer import PeerCheckpoints
+from peer.node.connectivity import Connectivity
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.records import Records
@@ -64,6 +70,7 @@ class SessionOptions:
     manifest_timeout_s: float = 60.0
     swarm_secret: bytes | None = field(default=None, repr=False)  # secret-mode swarms (None: $PEER_SWARM_SECRET)
     resume: bool = False  # restore <data_dir>/checkpoints before training (`peer join --resume`)
+    link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
 
 
 class Session:
@@ -86,8 +93,11 @@ class Session:
         self.joined_at = 0  # the first round this peer contributes to (DESIGN §3: late joiners)
         self.store = PayloadStore()
         self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
+        watch_pool(self.clients)  # --metrics-port: bytes per gRPC method, read at each scrape
         self.server: PeerServer | None = None
         self.service: PeerService | None = None
+        self.gate: Gate | None = None  # admission, reverse streams, caps (peer.net.transport.gate)
+        self.connectivity: Connectivity | None = None
         self.address = ""
         opts.data_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(opts.data_dir, role)
@@ -112,6 +122,13 @@ class Session:
             manifest = wait_for_manifest(dht, opts.manifest_timeout_s, opts.initial_peers[0], stop)
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
+            admission = dht.admission  # every data-plane call this process makes proves it is admitted
+            auth.set_default_credentials(
+                auth.for_swarm(admission.mode, admission.allowlist, dht.peer_id, *dht.auth_material)[1]
+            )
+            ratelimit.configure(
+                ratelimit.LinkCaps(opts.link.max_upload_mbps, opts.link.max_download_mbps, opts.link.relay_max_mbps)
+            )
             cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, _peer_addresses(dht, cfg))
             session = cls(opts, dht, manifest, cfg, role, stage)
         except BaseException:
@@ -150,10 +167,31 @@ class Session:
             max_message_bytes=max_request_bytes(self.cfg),
             vocab_size=self.cfg.model.vocab_size,
             wire_dtype=self.cfg.subspace.wire_dtype,
+            interceptors=[self._gate()],
         )
         self.address = f"{self.opts.announce_host or self.opts.host}:{self.server.port}"
+        assert self.gate is not None
+        self.gate.bind(f"{self.opts.host}:{self.server.port}")
+        self.connectivity = Connectivity(self, self.gate.hub.local_address)
+        self.connectivity.start()  # the reachability check; reverse streams when this peer cannot be dialled
+        self.metrics.log("connectivity", **self.connectivity.fields(), address=self.address)
         self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.address)
         return self.service
+
+    def _gate(self) -> Gate:
+        admission = self.dht.admission
+        verifier, _ = auth.for_swarm(admission.mode, admission.allowlist, self.peer_id, *self.dht.auth_material)
+        self.gate = Gate(self.peer_id, verifier, relay=self.opts.link.relay, net_info=self.net_fields)
+        return self.gate
+
+    def net_fields(self) -> dict[str, Any]:
+        """Connectivity, caps and refused calls, for this peer's records and Info."""
+        out: dict[str, Any] = self.connectivity.fields() if self.connectivity else {"connectivity": "direct"}
+        out["relay"] = self.opts.link.relay
+        out["auth_failures"] = self.gate.verifier.failure_count() if self.gate else 0
+        out["max_upload_mbps"] = self.opts.link.max_upload_mbps or None
+        out["max_download_mbps"] = self.opts.link.max_download_mbps or None
+        return out
 
     def finish(self, stop: threading.Event) -> int:
         """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0."""
@@ -168,6 +206,8 @@ class Session:
 
     def close(self) -> None:
         self.records.close()
+        if self.connectivity is not None:
+            self.connectivity.close()
         if self.server is not None:
             self.server.stop(grace_s=1.0)
         self.clients.close()

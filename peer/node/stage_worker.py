@@ -11,12 +11,21 @@ through `peer.core.outer.commit_round`; the inner step is `peer.core.outer.adamw
 `state_dict()` / `load_state_dict()` are the only way in or out of the stage's state (checkpoints,
 state sync). Every method is synchronous and thread-safe (one lock), so the gRPC handler can call
 it from any worker thread.
+
+Micro-batches in flight (`epoch` given): several forwards and backwards of one inner step may be
+in progress at once, but the gradients of micro-batch i are accumulated only after those of
+i − 1 (a backward waits for its turn, releasing the lock), so the sum is the sequential schedule's
+bit for bit whatever the network does. A forward of micro-batch i waits until at most
+`window − stage` micro-batches are stashed (1F1B). The epoch (inner step, attempt) orders
+replays: a higher one drops the step's gradients and wakes every waiter of the old one (which
+fails), a lower one is stale and refused. Without an epoch nothing waits (the sequential head).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +66,7 @@ from peer.core.subspace import (
     make_basis,
     perp_outer_update,
 )
+from peer.node.optimizer_state import load_named_optimizer_state, named_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +104,14 @@ class StageWorker:
         self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) of the last round
         self.last_committed: list[str] = []  # replica ids committed in the last round
         self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
+        self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
         self._hash_key: tuple[int, int] | None = None
         self._hash_value = ("", "")
+        self._turn = threading.Condition(self.lock)  # micro-batch order of gradient accumulation
+        self._epoch: tuple[int, int, int] | None = None  # (outer step, inner step, attempt) in progress
+        self._applied = 0  # micro-batches whose gradients are accumulated (in order) in this epoch
+        self._generation = 0  # bumped by every reset: waiters of an older one give up
+        self.busy_s = 0.0  # seconds spent computing forward/backward (benchmarks: busy fraction)
 
     @property
     def start(self) -> Mapping[str, torch.Tensor]:
@@ -109,46 +125,65 @@ class StageWorker:
 
     # ---------------------------------------------------------------- pipeline compute
     def forward(
-        self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None
+        self,
+        key: tuple[str, int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        epoch: tuple[int, int] | None = None,
+        window: int = 0,
     ) -> ForwardOut:
-        """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0."""
+        """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0.
+
+        `epoch` (inner step, attempt): micro-batches in flight (see the module docstring)."""
         tokens = tokens.long().to(self.device)
         hidden = hidden.to(self.device) if hidden is not None else None
         targets = targets.to(self.device) if targets is not None else None
         with self.lock:
-            if key in self.seen:  # the head replays the inner step (a stage peer failed): start it over
-                log.info(
-                    "stage %d: replay of inner step detected (micro-batch %s); dropping its gradients",
-                    self.stage,
-                    key[1],
+            self._admit(key[1], epoch, window, turn=self.is_last)
+            started = time.perf_counter()
+            try:
+                return self._forward_locked(key, tokens, hidden, targets)
+            finally:
+                self.busy_s += time.perf_counter() - started
+
+    def _forward_locked(
+        self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> ForwardOut:
+        if key in self.seen:  # the head replays the inner step (a stage peer failed): start it over
+            log.info(
+                "stage %d: replay of inner step detected (micro-batch %s); dropping its gradients",
+                self.stage,
+                key[1],
+            )
+            self._reset_step()
+        self.seen.add(key)
+        x_in = None
+        if self.is_first:
+            out = self.module(tokens)  # (b, L, d)
+        else:
+            if hidden is None:
+                raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
+            x_in = expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)  # (b, L, d)
+            x_in.requires_grad_(True)
+            out = self.module(x_in)
+        if self.is_last:
+            if targets is None:
+                raise ValueError("the last stage needs targets")
+            loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
+            if not torch.isfinite(loss):  # refused before backward: nothing non-finite reaches a gradient
+                self.seen.discard(key)
+                raise ValueError(
+                    f"the loss of micro-batch {key[1]} is {loss.item()}, refused before backward "
+                    "(out-of-range activations or diverged parameters; lower the learning rate)"
                 )
-                self._reset_step()
-            self.seen.add(key)
-            x_in = None
-            if self.is_first:
-                out = self.module(tokens)  # (b, L, d)
-            else:
-                if hidden is None:
-                    raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
-                x_in = expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)  # (b, L, d)
-                x_in.requires_grad_(True)
-                out = self.module(x_in)
-            if self.is_last:
-                if targets is None:
-                    raise ValueError("the last stage needs targets")
-                loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
-                if not torch.isfinite(loss):  # refused before backward: nothing non-finite reaches a gradient
-                    self.seen.discard(key)
-                    raise ValueError(
-                        f"the loss of micro-batch {key[1]} is {loss.item()}, refused before backward "
-                        "(out-of-range activations or diverged parameters; lower the learning rate)"
-                    )
-                (loss / self.cfg.train.microbatches).backward()
-                self.microbatches_seen += 1
-                grad = _compressed_input_grad(x_in, self.U)  # (b, L, k)
-                return ForwardOut(loss=loss.item(), grad=grad)
-            self.pending[key] = (x_in, out)
-            return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
+            (loss / self.cfg.train.microbatches).backward()
+            self.microbatches_seen += 1
+            self._accumulated()
+            grad = _compressed_input_grad(x_in, self.U)  # (b, L, k)
+            return ForwardOut(loss=loss.item(), grad=grad)
+        self.pending[key] = (x_in, out)
+        return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None) -> ForwardOut:
@@ -170,15 +205,55 @@ class StageWorker:
                 return ForwardOut(loss=loss.item())
             return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
 
-    def backward(self, key: tuple[str, int], grad: torch.Tensor) -> torch.Tensor | None:
-        """Backpropagate a compressed output gradient (b, L, k); returns ∇ of the input, compressed."""
+    def backward(
+        self, key: tuple[str, int], grad: torch.Tensor, epoch: tuple[int, int] | None = None
+    ) -> torch.Tensor | None:
+        """Backpropagate a compressed output gradient (b, L, k); returns ∇ of the input, compressed.
+
+        With `epoch`, waits until the micro-batches before this one are accumulated."""
         with self.lock:
+            self._admit(key[1], epoch, 0, turn=True)
             if key not in self.pending:
                 raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
+            started = time.perf_counter()
             x_in, out = self.pending.pop(key)
             out.backward(expand_grad(grad.to(self.device).float(), self.U))  # already scaled by 1/n_micro
             self.microbatches_seen += 1
+            self._accumulated()
+            self.busy_s += time.perf_counter() - started
             return _compressed_input_grad(x_in, self.U)
+
+    def _admit(self, mb: int, epoch: tuple[int, int] | None, window: int, turn: bool) -> None:
+        """Enter `epoch` and wait (lock released) until micro-batch `mb` may run here.
+
+        turn: its gradients are next in micro-batch order; window: fewer than window − stage
+        micro-batches are stashed. ValueError when the epoch is stale, a replay superseded the
+        wait, or `swarm.rpc_timeout_s` passed."""
+        if epoch is None:
+            return
+        full = (self.outer_step, epoch[0], epoch[1])
+        if self._epoch is not None and full < self._epoch:
+            raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
+        if self._epoch is None or full > self._epoch:
+            self._reset_step()
+            self._epoch = full
+        generation = self._generation
+        limit = max(1, window - self.stage)
+
+        def ready() -> bool:
+            if generation != self._generation:
+                return True
+            return (not turn or self._applied == mb) and (window <= 0 or mb - self._applied < limit)
+
+        if not self._turn.wait_for(ready, timeout=self.cfg.swarm.rpc_timeout_s):
+            raise ValueError(f"stage {self.stage}: micro-batch {mb} waited too long for micro-batch {self._applied}")
+        if generation != self._generation:
+            raise ValueError(f"stage {self.stage}: micro-batch {mb} was superseded by a replay")
+
+    def _accumulated(self) -> None:
+        """One more micro-batch's gradients are in: wake the next one."""
+        self._applied += 1
+        self._turn.notify_all()
 
     def drop_pending(self, pipeline_id: str | None = None) -> None:
         """Forget activations of failed micro-batches (all, or one pipeline's)."""
@@ -212,6 +287,9 @@ class StageWorker:
         self.pending.clear()
         self.seen.clear()
         self.microbatches_seen = 0
+        self._applied = 0
+        self._generation += 1
+        self._turn.notify_all()
 
     # ---------------------------------------------------------------- outer rounds
     def encode_round(self) -> Payload:
@@ -249,8 +327,21 @@ class StageWorker:
         with self.lock:
             decoded = [decompress(p) for p in committed]
             decay = perp_decay(self.cfg.train, self.outer_step)
-            done = commit_round([self.module], self.start, decoded, self.cfg.sparseloco, self.U, embed_update, decay)
-            self._return_clipped(committed, decoded, done.clip)
+            keys = list(replicas) if len(replicas) == len(decoded) else None  # the screening's tie-break
+            done = commit_round(
+                [self.module], self.start, decoded, self.cfg.sparseloco, self.U, embed_update, decay, keys=keys
+            )
+            self._return_clipped(committed, decoded, done.clip, done.dropped)
+            self.last_dropped = [keys[i] if keys is not None else str(i) for i in done.dropped]
+            if self.last_dropped:
+                log.warning(
+                    "stage %d round %d: screened out %d of %d contributions as outliers: %s",
+                    self.stage,
+                    self.outer_step,
+                    len(self.last_dropped),
+                    len(decoded),
+                    ", ".join(r[:12] for r in self.last_dropped),
+                )
             if not decoded and embed_update is not None and not self.is_first:  # stage 0 moved: so does T⊥
                 set_perp(self.module, perp_outer_update(perp_of(self.module), embed_update.to(self.device), self.U))
             if done.clip.n_clipped:
@@ -269,14 +360,22 @@ class StageWorker:
             self.last_committed = list(replicas)
             return done
 
-    def _return_clipped(self, committed: Sequence[Payload], decoded: Sequence[Any], clip: ClipStats) -> None:
-        """What median clipping removed from our own committed payload goes back into our error buffer."""
+    def _return_clipped(
+        self, committed: Sequence[Payload], decoded: Sequence[Any], clip: ClipStats, dropped: Sequence[int] = ()
+    ) -> None:
+        """What median clipping removed from our own committed payload goes back into our error
+        buffer; all of it when screening dropped it (nothing we computed is lost)."""
         own = self.last_contribution[1] if self.last_contribution is not None else None
-        if own is None or not clip.scales:
+        if own is None:
             return
-        for payload, d, scale in zip(committed, decoded, clip.scales, strict=True):
+        for i, (payload, d) in enumerate(zip(committed, decoded, strict=True)):
             if payload is own or payload.to_bytes() == own.to_bytes():
-                mass = clipped_mass(d, scale)
+                if i in dropped:
+                    self.errors = restore_unsent(self.errors, d)
+                    return
+                if not clip.scales:
+                    return
+                mass = clipped_mass(d, clip.scales[i])
                 if mass is not None:
                     self.errors = restore_unsent(self.errors, mass)
                 return
@@ -342,6 +441,7 @@ class StageWorker:
             self.optimizer = optimizer
             self.outer_step = int(state["outer_step"])
             self._reset_step()
+            self._epoch = None  # the outer step may have gone back: no epoch of it is stale
 
     def param_hash(self) -> str:
         """Hash of the committed parameters θ_start (published in every record refresh)."""
@@ -366,52 +466,3 @@ def _compressed_input_grad(x_in: torch.Tensor | None, U: torch.Tensor) -> torch.
     if x_in is None or x_in.grad is None:
         return None
     return compress_grad(x_in.grad, U).cpu()
-
-
-def _param_names(module: Decoder, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Global parameter names of each AdamW param group, in the optimizer's order."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-
-
-def named_optimizer_state(module: Decoder, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """AdamW state by global name: {"state": {"<param>/<exp_avg|exp_avg_sq|step>": tensor},
-    "param_groups": [JSON-serialisable hyperparameters + "params" as global names]}."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    tensors = {
-        f"{names[id(p)]}/{key}": value.detach() for p, st in optimizer.state.items() for key, value in st.items()
-    }
-    groups = [
-        {
-            **{
-                k: (v.item() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v)
-                for k, v in g.items()
-                if k != "params"
-            },
-            "params": names_,
-        }
-        for g, names_ in zip(optimizer.param_groups, _param_names(module, optimizer), strict=True)
-    ]
-    return {"state": tensors, "param_groups": groups}
-
-
-def load_named_optimizer_state(
-    module: Decoder, optimizer: torch.optim.Optimizer, named: Mapping[str, Any], stage: int
-) -> None:
-    """Load what `named_optimizer_state` returned into `optimizer` (fresh, over `module`); ValueError
-    when its parameter groups are not this model's."""
-    groups: Sequence[Mapping[str, Any]] = named["param_groups"]
-    own_groups = _param_names(module, optimizer)
-    if [list(g["params"]) for g in groups] != own_groups:
-        raise ValueError(f"stage {stage}: optimizer parameter groups do not match this model")
-    index = {name: i for i, name in enumerate(n for g in own_groups for n in g)}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in named["state"].items():
-        name, field = key.rsplit("/", 1)
-        state.setdefault(index[name], {})[field] = value
-    template = optimizer.state_dict()["param_groups"]
-    merged = [
-        {**tg, **{k: (tuple(v) if isinstance(tg.get(k), tuple) else v) for k, v in g.items() if k != "params"}}
-        for tg, g in zip(template, groups, strict=True)
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": merged})

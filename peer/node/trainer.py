@@ -22,7 +22,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -109,8 +109,8 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
         val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
         session.wait_for_quorum(worker.outer_step, stop)
         while worker.outer_step < train.outer_steps and not stop.is_set():
-            session.resync.maintain(worker)
-            session.resync.catch_up({0: worker}, stop)
+            if not _repair(session, {0: worker}, stop):
+                continue
             t = worker.outer_step
             if t >= train.outer_steps:
                 break
@@ -136,7 +136,11 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
             driver.release()
             if result.behind:  # round t was committed without us: we re-synced instead
                 continue
-            val_loss = driver.evaluate(val)
+            try:
+                val_loss = driver.evaluate(val)
+            except NetworkError as exc:  # e.g. the stage peer re-synced past us: the next step repairs it
+                log.warning("validation after round %d skipped: %s", t, exc)
+                val_loss = None
             session.rounds.record(
                 t,
                 {0: (worker, result.participants)},
@@ -172,12 +176,8 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
         val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
         chain = [workers[s] for s in range(cfg.stages)]
         while chain[0].outer_step < train.outer_steps and not stop.is_set():
-            for w in chain:
-                session.resync.maintain(w)
-            if not _align(session, chain):
-                stop.wait(cfg.swarm.announce_interval_s)
+            if not _repair(session, workers, stop, chain):
                 continue
-            session.resync.catch_up(workers, stop)
             t = chain[0].outer_step
             if t >= train.outer_steps:
                 break
@@ -215,6 +215,26 @@ def _housekeeping(session: Session, service: PeerService, worker: StageWorker) -
             session.resync.maintain(worker)
         except PeerError as exc:
             log.warning("stage %d: could not re-sync yet: %s", worker.stage, exc)
+
+
+def _repair(
+    session: Session, workers: Mapping[int, StageWorker], stop: threading.Event, chain: list[StageWorker] | None = None
+) -> bool:
+    """Before an outer step of a head or full replica: re-sync what is behind or not canonical,
+    align a full replica's stages, apply a round we synced into. False (after a pause) when a
+    holder to sync from is not reachable yet: the caller tries again, it never exits on it."""
+    try:
+        for w in workers.values():
+            session.resync.maintain(w)
+        if chain is not None and not _align(session, chain):
+            stop.wait(session.cfg.swarm.announce_interval_s)
+            return False
+        session.resync.catch_up(workers, stop)
+    except NetworkError as exc:
+        log.warning("could not re-sync yet: %s", exc)
+        stop.wait(session.cfg.swarm.announce_interval_s)
+        return False
+    return True
 
 
 def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> bool:

@@ -7,11 +7,11 @@ index and per value, header bytes, the ratio to dense fp32, the time to compress
 parse + decompress, to parse and clip-and-aggregate M payloads, and the peak memory of that
 aggregation against one dense float32 copy of the parameters.
 
-`templar_roundtrip` is a baseline written for this benchmark after reading templar's
-`TopKCompressor` (v2.1.3, src/tplr/compress.py; not installable here): per 64×64 chunk torch.topk
-of |x| (sorted=False), gather, 12-bit index packing (two per 3 bytes), 8-bit quantization (mean
-shift, 6σ range over 256 bins, a lookup table of bin means) and, to decode, dequantize, unpack,
-scatter into zeros and rearrange back. It runs on the same tensors in the same process.
+The baseline is `peer.tools.templar_baseline`, a pure-torch re-implementation of templar's
+`TopKCompressor` (v2.1.3: chunked top-k, 12-bit packed indices, 8-bit values with a lookup
+table). Each repetition times `peer`'s encode, its decode and the baseline's round trip one after
+the other on the same tensors in the same process, so a busy machine slows all three alike;
+the reported times are the medians.
 
 Invariant: bytes are counted from `Payload.to_bytes()`, i.e. exactly what goes on the wire.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import multiprocessing
 import statistics
 import threading
@@ -28,12 +27,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 import torch.nn.functional as F
 
 from peer.config import TrainConfig
+from peer.core import payload_kernels
 from peer.core.model import PRESETS, ModelConfig, build_model, get_preset
 from peer.core.optim import build_adamw, clip_grads
 from peer.core.payload import SPARSE, index_nbytes, n_selected
@@ -48,6 +47,7 @@ from peer.core.sparseloco import (
     pseudo_gradient,
 )
 from peer.errors import ConfigError
+from peer.tools import templar_baseline
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def _aggregate_child(wire: bytes, total: int, cfg: SparseLoCoConfig, m: int) -> int:
     """In a fresh process: peak resident bytes added while parsing and clip-and-aggregating m payloads
-    (sampled every millisecond; kernels and torch's thread pool are warmed up on a tiny payload first)."""
+    (sampled every millisecond; the kernels are loaded and torch's thread pool warmed up on a tiny
+    payload first)."""
     proc = psutil.Process()
-    Payload.from_bytes(wire, max_bytes=len(wire), max_elements=total, cfg=cfg)  # loads the kernels
+    payload_kernels.compiled(payload_kernels.NUMBA_MIN_WORK)  # numba and its compiled kernels load now
     tiny = compress({"w": torch.ones(64, 64)}, None, cfg)[0]
     clip_and_aggregate([tiny, tiny], cfg.clip_median_factor, cfg.aggregation)
     base = peak = proc.memory_info().rss
@@ -112,78 +113,6 @@ def _aggregate_peak(wire: bytes, total: int, cfg: SparseLoCoConfig, m: int) -> i
         return int(pool.apply(_aggregate_child, (wire, total, cfg, m)))
 
 
-def _templar_pack12(idx: torch.Tensor) -> torch.Tensor:
-    """Two 12-bit indices in three bytes (templar's `pack_12bit_indices` layout). (n/2·3,) uint8."""
-    pairs = idx.reshape(-1, 2).to(torch.int32)
-    a, b = pairs[:, 0], pairs[:, 1]
-    out = torch.empty(pairs.shape[0], 3, dtype=torch.uint8)
-    out[:, 0] = (a & 0xFF).to(torch.uint8)
-    out[:, 1] = (((a >> 8) & 0xF) | ((b & 0xF) << 4)).to(torch.uint8)
-    out[:, 2] = ((b >> 4) & 0xFF).to(torch.uint8)
-    return out.reshape(-1)
-
-
-def _templar_unpack12(packed: torch.Tensor, n: int) -> torch.Tensor:
-    trip = packed.reshape(-1, 3).to(torch.int64)
-    out = torch.empty(trip.shape[0], 2, dtype=torch.int64)
-    out[:, 0] = trip[:, 0] | ((trip[:, 1] & 0xF) << 8)
-    out[:, 1] = (trip[:, 1] >> 4) | (trip[:, 2] << 4)
-    return out.reshape(-1)[:n]
-
-
-def _templar_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """(y, x, h·w) chunk rows, as templar's ChunkingTransformer + compress rearrange (a copy)."""
-    if x.dim() >= 2:
-        rows, cols = x.shape[0], x.numel() // x.shape[0]
-        h, w = math.gcd(rows, chunk), math.gcd(cols, chunk)
-        return x.reshape(rows // h, h, cols // w, w).permute(0, 2, 1, 3).reshape(rows // h, cols // w, h * w)
-    w = math.gcd(x.numel(), chunk)
-    return x.reshape(-1, w)
-
-
-def templar_roundtrip(delta: Mapping[str, torch.Tensor], topk: int = 32, chunk: int = 64) -> dict[str, float]:
-    """Time and size of the templar-style baseline (see the module docstring) on these tensors."""
-    encoded: dict[str, tuple[Any, ...]] = {}
-    n_bytes = 0
-    t0 = time.perf_counter()
-    for name, x in delta.items():
-        rows = _templar_chunks(x, chunk)
-        k = max(2, min(topk, rows.shape[-1]))
-        k -= k % 2
-        idx = torch.topk(rows.abs(), k, dim=-1, largest=True, sorted=False).indices
-        val = torch.gather(rows, -1, idx)
-        packed = _templar_pack12(idx)
-        shift = val.mean()
-        centred = val - shift
-        std = centred.norm() / math.sqrt(max(1, centred.numel() - 1))
-        scale = float(6 * std / 256) or 1.0
-        q = (centred / scale + 128).round().clamp(0, 255).to(torch.uint8)
-        sums = torch.zeros(256).scatter_add_(0, q.reshape(-1).long(), centred.reshape(-1))
-        counts = torch.zeros(256).scatter_add_(0, q.reshape(-1).long(), torch.ones(q.numel()))
-        lookup = torch.where(counts > 0, sums / counts, torch.zeros_like(sums))
-        wire = (packed.numpy().tobytes(), q.numpy().tobytes(), lookup.numpy().tobytes(), float(shift))
-        n_bytes += len(wire[0]) + len(wire[1]) + len(wire[2]) + 8
-        encoded[name] = (wire, tuple(idx.shape), tuple(x.shape), tuple(rows.shape))
-    encode_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _name, (wire, idx_shape, shape, rows_shape) in encoded.items():
-        lookup = torch.from_numpy(np.frombuffer(wire[2], dtype=np.float32).copy())
-        q = torch.from_numpy(np.frombuffer(wire[1], dtype=np.uint8).copy()).reshape(idx_shape)
-        val = lookup[q.long()] + wire[3]
-        idx = _templar_unpack12(torch.from_numpy(np.frombuffer(wire[0], dtype=np.uint8).copy()), q.numel())
-        out = torch.zeros(rows_shape)
-        out.scatter_reduce_(-1, idx.reshape(idx_shape), val, reduce="mean", include_self=False)
-        if len(shape) >= 2:
-            n_y, n_x, _ = rows_shape
-            h, w = shape[0] // n_y, (out.numel() // shape[0]) // n_x
-            out = out.reshape(n_y, n_x, h, w).permute(0, 2, 1, 3).reshape(shape)
-        else:
-            out = out.reshape(shape)
-    decode_s = time.perf_counter() - t0
-    total = sum(t.numel() for t in delta.values())
-    return {"encode_s": encode_s, "decode_s": decode_s, "bytes_per_param": n_bytes / total}
-
-
 def codec_figures(
     delta: Mapping[str, torch.Tensor], cfg: SparseLoCoConfig, repeats: int = 3, n_aggregate: int = 16
 ) -> dict[str, Any]:
@@ -194,12 +123,19 @@ def codec_figures(
         payload = compress(delta, None, cfg)[0]  # the new error buffers are dropped at once
         return payload, payload.to_bytes()
 
-    encode_s, (payload, wire) = _median_time(encode, repeats)
+    def parse(b: bytes) -> Payload:
+        return Payload.from_bytes(b, max_bytes=max(len(b), 1), max_elements=total, cfg=cfg)
 
-    def parse() -> Payload:
-        return Payload.from_bytes(wire, max_bytes=max(len(wire), 1), max_elements=total, cfg=cfg)
+    def decode(b: bytes) -> float:
+        return _median_time(lambda: decompress(parse(b)), 1)[0]
 
-    decode_s = _median_time(lambda: decompress(parse()), repeats)[0]
+    enc_times, dec_times, templar = [], [], []
+    for _ in range(repeats):  # interleaved: a busy machine slows each codec alike
+        t, (payload, wire) = _median_time(encode, 1)
+        enc_times.append(t)
+        dec_times.append(decode(wire))
+        templar.append(templar_baseline.roundtrip(delta, cfg.topk, cfg.chunk))
+    encode_s, decode_s = statistics.median(enc_times), statistics.median(dec_times)
     sparse = [e for e in payload.entries if e.kind == SPARSE]
     n_idx = sum(n_selected(e.shape, cfg.chunk, cfg.topk) for e in sparse)
     idx_bytes = sum(index_nbytes(e.shape, cfg.chunk, cfg.topk) for e in sparse)
@@ -208,11 +144,11 @@ def codec_figures(
     dense_copy = 4 * total
 
     def aggregate_m() -> dict[str, torch.Tensor]:
-        return clip_and_aggregate([parse() for _ in range(n_aggregate)], cfg.clip_median_factor, cfg.aggregation)[0]
+        payloads = [parse(wire) for _ in range(n_aggregate)]
+        return clip_and_aggregate(payloads, cfg.clip_median_factor, cfg.aggregation)[0]
 
     aggregate_s = _median_time(aggregate_m, 1)[0]
     peak = _aggregate_peak(wire, total, cfg, n_aggregate)
-    templar = [templar_roundtrip(delta, cfg.topk, cfg.chunk) for _ in range(repeats)]
     t_enc = statistics.median(t["encode_s"] for t in templar)
     t_dec = statistics.median(t["decode_s"] for t in templar)
     return {

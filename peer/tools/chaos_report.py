@@ -6,8 +6,8 @@ with --resume keeps its holder, a fresh restart is a new one) and every `<workdi
   outer step t + 1; a `sync` event gives the state it downloaded at its outer step.
 - Committed disagreements: (t + 1, s) where holders' round events disagree; unresolved: where the
   holders' last known states still disagree at the end (a re-sync repairs a committed one).
-- Lone commits: a round event with one participant whose state another holder's round event for the
-  same (t, s) does not share.
+- Lone commits: a round event with a one-replica committed set that no other holder of the same
+  (t, s) committed.
 - Stalls: gaps longer than `stall_s` between two consecutive round events of the whole swarm.
 Only events up to the end of the fault schedule count: when every peer leaves at the end, a round
 in flight may close differently on different holders, and nobody is left to reconcile.
@@ -66,21 +66,43 @@ def disagreements(table: Table) -> tuple[int, int]:
     return committed, unresolved
 
 
+def longest_disagreement(table: Table) -> int:
+    """The most consecutive outer steps any one stage's holders committed different states (the
+    protocol resolves a disagreement within one round of seeing it: at most 2 here)."""
+    by_stage: dict[int, set[int]] = defaultdict(set)
+    for (t, s), per_holder in table.items():
+        if len({st for entries in per_holder.values() for src, st in entries if src == "round"}) > 1:
+            by_stage[s].add(t)
+    best = 0
+    for steps in by_stage.values():
+        for t in steps:
+            if t - 1 not in steps:
+                n = 1
+                while t + n in steps:
+                    n += 1
+                best = max(best, n)
+    return best
+
+
 def lone_commits(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """Round events with a single participant whose state no other holder of that (t, s) committed."""
-    by_key: dict[tuple[int, int], dict[str, tuple[int, State]]] = defaultdict(dict)
+    """Round events whose committed set has a single replica while another holder of the same (t, s)
+    committed a different set: a set that holder alone held. (Events without the committed set, from
+    older builds, fall back to comparing parameter hashes.) A T⊥ mismatch alone is a disagreement,
+    counted by `disagreements`, not a lone commit."""
+    by_key: dict[tuple[int, int], dict[str, tuple[int, tuple[str, ...] | str]]] = defaultdict(dict)
     for holder, evs in events.items():
         for ev in evs:
             if ev.get("event") != "round":
                 continue
             for s, st in (ev.get("stages") or {}).items():
-                state = (str(st.get("param_hash")), str(st.get("perp_hash")))
-                by_key[(int(ev["t"]), int(s))][holder] = (int(st.get("participants", 0)), state)
+                committed = st.get("committed")
+                key = tuple(sorted(committed)) if isinstance(committed, list) else str(st.get("param_hash"))
+                by_key[(int(ev["t"]), int(s))][holder] = (int(st.get("participants", 0)), key)
     out = []
     for (t, s), held in by_key.items():
-        for holder, (n, state) in held.items():
-            others = [st for h, (_, st) in held.items() if h != holder]
-            if n == 1 and others and state not in others:
+        for holder, (n, key) in held.items():
+            others = [k for h, (_, k) in held.items() if h != holder]
+            if n == 1 and others and key not in others:
                 out.append({"t": t, "stage": s, "holder": holder})
     return out
 
@@ -150,6 +172,7 @@ def summary(
         "outer_steps_reached": max((t for t, _ in table), default=0),
         "hash_disagreements_committed": committed,
         "hash_disagreements_unresolved": unresolved,
+        "hash_disagreement_longest_run": longest_disagreement(table),
         "lone_commits": len(lone),
         "orphans": orphans,
         "crashes": len(crashes),

@@ -7,6 +7,11 @@ the same seed) and the paired differences het − uniform (`het-pp-compress` −
 the AdamW pair of Table 4) in nats, with a 95 % Student-t interval over seeds and, per seed, the
 standard error of the difference over the shared held-out sequences. Pure: no printing.
 
+With `SimOptions.attacks` (`peer simulate --attacks random,flip,negate`) every SparseLoCo config
+also runs once per attack with its last replica poisoning every round (`peer.tools.attacks`):
+with median clipping alone and with clipping + outlier screening (`peer.core.robust`); its honest
+run then screens too, so its drops are the false-drop rate. `poison_tables` renders them.
+
 `PAPER_SETTINGS` are the paper's §3 settings (no quantization, M = 8, S = 4, H = 50, Table 9's
 warmup and learning rates, the AdamW baseline at its own learning rate).
 """
@@ -24,8 +29,11 @@ from rich.table import Table
 
 from peer.config import RunConfig, build_config
 from peer.core.data import TokenData
+from peer.core.robust import DEFAULT as SCREEN
+from peer.core.robust import OFF as NO_SCREEN
 from peer.core.subspace import distinct_ks
 from peer.errors import ConfigError
+from peer.tools.attacks import check_attack
 from peer.tools.simulate import (
     BASELINES,
     CONFIGS,
@@ -70,6 +78,16 @@ def parse_list(text: str, what: str) -> list[str]:
     if not items:
         raise ConfigError(f"{what}: give at least one value (comma-separated)")
     return items
+
+
+def attack_list(text: str | None) -> tuple[str, ...]:
+    """ "random,flip" → ("random", "flip"), each a known attack; None → ()."""
+    if not text:
+        return ()
+    names = tuple(parse_list(text, "--attacks"))
+    for name in names:
+        check_attack(name)
+    return names
 
 
 def plan_sweep(
@@ -137,7 +155,16 @@ def run_sweep(
         where = None if save_dir is None else Path(save_dir)
         if where is not None and sweep:
             where = where / (f"k{run_cfg.k}-s{run_cfg.seed}" if ratio else f"s{run_cfg.seed}")
-        results.append(run_config(run_cfg, data, name, opts, _label(progress, name, ratio, run_cfg.seed), where))
+        if not opts.attacks or name.startswith("adamw"):
+            results.append(run_config(run_cfg, data, name, opts, _label(progress, name, ratio, run_cfg.seed), where))
+            return
+        honest = dataclasses.replace(opts, robust=SCREEN, attack=None)
+        results.append(run_config(run_cfg, data, name, honest, _label(progress, name, ratio, run_cfg.seed), where))
+        for attack in opts.attacks:  # checkpoints only of honest runs
+            for screen in (NO_SCREEN, SCREEN):
+                attacked = dataclasses.replace(opts, robust=screen, attack=attack)
+                label = _label(progress, f"{name}+{attack}{'' if screen.enabled else ' clip'}", ratio, run_cfg.seed)
+                results.append(run_config(run_cfg, data, name, attacked, label))
 
     for seed in seeds:
         seeded = dataclasses.replace(cfg, seed=seed)
@@ -288,3 +315,35 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
                 cells.append(f"{p['diff_mean']:+.4f} [{lo:+.4f}, {hi:+.4f}] ahead {p['a_ahead']}/{p['n']}")
         table.add_row(*cells)
     return table
+
+
+def poison_tables(results: Sequence[ConfigResult]) -> list[Table]:
+    """One table per screened honest run that has attacked runs: final replica-mean val loss and
+    its Δ % against that honest run, contributions clipped, the attacker's contributions dropped
+    and honest ones dropped (false drops, out of the honest contributions of the run)."""
+    tables = []
+    for base in (r for r in results if r.attack is None and r.screening):
+        same = (base.config, base.k, base.seed)
+        rows = [r for r in results if r.attack is not None and (r.config, r.k, r.seed) == same]
+        if not rows:
+            continue
+        k = "" if base.k_ratio is None else f" {base.k_ratio}"
+        table = Table(
+            title=f"poisoning — {base.name}{k}, M={base.replicas}, seed {base.seed}: the last replica attacks"
+        )
+        for col in ("run", "screening", "val loss", "Δ % vs honest", "clipped", "attacker dropped", "honest dropped"):
+            table.add_column(col, justify="left" if col == "run" else "right")
+        for r in (base, *rows):
+            attacker = sum(1 for _, _, m in r.dropped if r.attack is not None and m == r.replicas - 1)
+            honest_sent = r.rounds * (r.replicas - (r.attack is not None))
+            table.add_row(
+                "honest" if r.attack is None else r.attack,
+                "on" if r.screening else "off (clip only)",
+                f"{r.final_val_loss:.4f}",
+                "—" if r is base else f"{r.delta_pct:+.2f}",
+                str(r.clipped),
+                "—" if r.attack is None else f"{attacker}/{r.rounds}",
+                f"{len(r.dropped) - attacker}/{honest_sent}",
+            )
+        tables.append(table)
+    return tables

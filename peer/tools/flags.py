@@ -48,6 +48,14 @@ Configs = Annotated[str, typer.Option(help="Comma-separated configs to run.")]
 SimDataset = Annotated[str | None, typer.Option(help="Local path or hub name; default: the embedded corpus.")]
 SimPlot = Annotated[Path | None, typer.Option(help="Loss-curve PNG (default: next to --json, else runs/simulate.png).")]
 Save = Annotated[Path | None, typer.Option(help="Write each config's final model checkpoint under DIR/<config>/.")]
+Attacks = Annotated[
+    str | None,
+    typer.Option(
+        "--attacks",
+        help="Also run each SparseLoCo config with its last replica poisoning every round (random, flip, negate; "
+        "comma-separated), with median clipping alone and with outlier screening, e.g. --replicas 8 --clip-median 2.",
+    ),
+]
 
 # --- peer plan -----------------------------------------------------------------------------------
 
@@ -193,6 +201,45 @@ ManifestTimeout = Annotated[
 Resume = Annotated[
     bool, typer.Option("--resume", help="Continue from the newest good checkpoint in <data-dir>/checkpoints.")
 ]
+InitialPeersFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--initial-peers-file",
+        help="JSON written by `peer bootstrap --address-file`: join through its multiaddrs, waiting for the "
+        "file up to --manifest-timeout-s (e.g. on a volume shared with the bootstrap).",
+    ),
+]
+MetricsPort = Annotated[
+    int | None,
+    typer.Option("--metrics-port", help="Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port)."),
+]
+
+MaxUploadMbps = Annotated[
+    float | None,
+    typer.Option(
+        "--max-upload-mbps", help="Cap on what this peer sends, Mbit/s (default: no cap; PEER_LINK__MAX_UPLOAD_MBPS)."
+    ),
+]
+MaxDownloadMbps = Annotated[
+    float | None,
+    typer.Option(
+        "--max-download-mbps",
+        help="Cap on what this peer receives, Mbit/s (default: no cap; PEER_LINK__MAX_DOWNLOAD_MBPS).",
+    ),
+]
+Relay = Annotated[
+    bool | None,
+    typer.Option(
+        "--relay", help="Relay calls for peers that cannot be dialled (behind NAT); see docs/connectivity.md."
+    ),
+]
+RelayMaxMbps = Annotated[
+    float | None,
+    typer.Option("--relay-max-mbps", help="Cap on the bytes relayed for others, Mbit/s (default: no cap)."),
+]
+CapsMbps = Annotated[float, typer.Option("--mbps", help="The upload and download cap to measure, Mbit/s.")]
+CapsWindow = Annotated[float, typer.Option("--window-s", help="Seconds each rate is measured over.")]
+CapsRepeats = Annotated[int, typer.Option("--repeats", help="Runs; the median of each figure is reported.")]
 
 # --- peer simulate (sweeps and the paper's switches) ----------------------------------------------
 
@@ -241,3 +288,30 @@ Workdir = Annotated[
 DemoTimeout = Annotated[
     float, typer.Option("--timeout-s", help="Seconds the whole demo may take before every process is stopped.")
 ]
+
+# --- peer join --in-flight / peer bench pipeline ---------------------------------------------------
+
+JoinInFlight = Annotated[
+    int | None,
+    typer.Option(
+        "--in-flight", help="Head: micro-batches in the pipeline at once (1 = sequential; default auto from S and RTT)."
+    ),
+]
+PipeStages = Annotated[int, typer.Option(help="S: stages, each a process pinned to its own core.")]
+PipePreset = Annotated[str, typer.Option(help="Model preset.")]
+PipeSeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
+PipeBatch = Annotated[int, typer.Option("--batch-size", help="Sequences per inner step.")]
+PipeKRatios = Annotated[str, typer.Option("--k-ratios", help="Comma-separated k/d to compare (1 = uncompressed).")]
+PipeRate = Annotated[
+    str, typer.Option("--rate", help="Comma-separated tc tbf link rates besides unshaped, e.g. 100mbit,10mbit (root).")
+]
+PipeRtt = Annotated[
+    str, typer.Option("--rtt-ms", help="Comma-separated round trips (ms) added on a 100mbit link by a delay relay.")
+]
+PipeInFlight = Annotated[
+    str, typer.Option("--in-flight", help="Comma-separated schedules: 1 = sequential, 0 = auto, K = K in flight.")
+]
+PipeSteps = Annotated[int, typer.Option(help="Measured inner steps (after one warm-up step).")]
+PipeRepeats = Annotated[int, typer.Option(help="Runs per configuration (the median is reported).")]
+PipeNoNetns = Annotated[bool, typer.Option("--no-netns", help="Loopback only, even as root (no shaping).")]
+PipeJson = Annotated[Path | None, typer.Option("--json", help="Write every row as JSON (PNG next to it).")]

@@ -12,6 +12,11 @@ bandwidths, estimate per bandwidth:
 - the pseudo-gradient round of one stage: each of M holders downloads M − 1 payloads,
 - utilisation = compute time / wall time of one outer step (H inner steps + the round).
 
+`predict_pipeline` models the schedule that runs (`peer.node.schedule`): the sequential one (every
+hop through the head) or K micro-batches in flight streamed stage to stage, with the pipeline
+bubble m/(m + S − 1), compute overlapped with full-duplex links and a round trip per link
+(`scheduled_step_s`); `peer bench pipeline` measures the same configurations.
+
 The byte counts are not a formula: boundary messages are built with the real transport messages
 and measured with `peer.net.transport.codec.encoded_size`, and payload sizes come from
 `peer.core.sparseloco.payload_nbytes`, which walks the same layout `Payload.to_bytes` writes.
@@ -20,7 +25,8 @@ and measured with `peer.net.transport.codec.encoded_size`, and payload sizes com
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +101,16 @@ def boundary_bytes(b: int, L: int, width: int, wire_dtype: str) -> tuple[int, in
     return encoded_size(fwd, wire_dtype), encoded_size(bwd, wire_dtype)
 
 
+def parse_bandwidths(text: str) -> list[float]:
+    """`--bandwidth-mbps 10,100,1000` as numbers (ConfigError otherwise)."""
+    try:
+        return [float(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--bandwidth-mbps: expected comma-separated numbers like 10,100,1000, got {text!r}"
+        ) from None
+
+
 def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
     if not bandwidths_mbps or any(not b > 0 for b in bandwidths_mbps):
         raise ConfigError("--bandwidth-mbps needs positive numbers, e.g. 10,100,1000")
@@ -161,6 +177,95 @@ def plot_plan(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
         ax.set_ylim(0, 105)
         ax.grid(alpha=0.3, which="both")
     return Path(path)
+
+
+def plan_command(
+    out: Callable[[Any], None],
+    args: Mapping[str, Any],
+    png: Path,
+    json_out: Path | None,
+    write_json: Callable[[Path, dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """`peer plan`: the rows for the CLI's flags (`args`), the table and the file paths handed to `out`."""
+    from peer.tools.render import plan_table
+
+    bws = parse_bandwidths(args["bandwidth_mbps"])
+    inputs = PlanInputs(**{f.name: args[f.name] for f in dataclasses.fields(PlanInputs) if f.name in args})
+    rows = plan_rows(inputs, bws)
+    out(plan_table(rows, inputs.stages, inputs.inner_steps, inputs.k_ratio))
+    out(f"plot: {plot_plan(rows, png)}")
+    if json_out:
+        write_json(json_out, {"inputs": dataclasses.asdict(inputs), "rows": rows})
+        out(f"results: {json_out}")
+    return rows
+
+
+# ---------------------------------------------------------------------------- the schedule that runs
+
+
+def compute_params(cfg: ModelConfig, stage: int, stages: int, seq_len: int) -> float:
+    """Parameters of a stage that cost 6 FLOPs per token (fwd + bwd): its matrices except the
+    embedding table (a lookup), plus L·d per layer for causal attention scores and mixing."""
+    shapes = stage_shapes(cfg, stage, stages)
+    mats = sum(math.prod(v) for n, v in shapes.items() if len(v) == 2 and not n.startswith("embed"))
+    layers = sum(1 for n in shapes if n.endswith("attn.wq.weight"))
+    return float(mats + layers * seq_len * cfg.d_model)
+
+
+def scheduled_step_s(t_stages: Sequence[float], t_msg: float, rtt_s: float, m: int, in_flight: int) -> float:
+    """Wall time of one inner step of m micro-batches, as `peer.node.schedule` runs it.
+
+    t_stages: compute (fwd + bwd) of one micro-batch on each stage; t_msg: one boundary message
+    on one link (bytes / bandwidth); rtt_s: round trip per link.
+    - in_flight 1 (sequential, every hop through the head): m · (Σ t_s + (4S − 6)·t_msg + (2S − 3)·rtt).
+    - in_flight K > 1 (1F1B, streamed stage to stage, each link full duplex): one micro-batch takes
+      the chain latency C = Σ t_s + (S − 1)(2·t_msg + rtt); then one finishes every 1/r with
+      r = min(1 / max(t_s, t_msg), K / C). Step = C + (m − 1)/r; with K ≥ S and fast links this is
+      (m + S − 1)·t: the bubble m / (m + S − 1).
+    """
+    S = len(t_stages)
+    if S == 1:
+        return m * t_stages[0]
+    if in_flight <= 1:
+        return m * (sum(t_stages) + (4 * S - 6) * t_msg + (2 * S - 3) * rtt_s)
+    chain = sum(t_stages) + (S - 1) * (2 * t_msg + rtt_s)
+    rate = min(1.0 / max(*t_stages, t_msg), in_flight / chain)
+    return chain + (m - 1) / rate
+
+
+def predict_pipeline(
+    cfg: ModelConfig,
+    stages: int,
+    microbatches: int,
+    batch_size: int,
+    seq_len: int,
+    k_ratio: str,
+    flops: float,
+    in_flight: int,
+    bandwidth_mbps: float | None = None,
+    rtt_ms: float = 0.0,
+    wire_dtype: str = "fp32",
+) -> dict[str, float]:
+    """Predicted tokens/s of a pipeline on this schedule; `flops` is one device's sustained FLOP/s
+    (e.g. `flops_from_tokens_per_s` of a measured one-device run). bandwidth None: unshaped."""
+    b = batch_size // microbatches
+    width = k_from_ratio(cfg.d_model, k_ratio)
+    fwd, bwd = boundary_bytes(b, seq_len, width, wire_dtype)
+    t_msg = 0.0 if bandwidth_mbps is None else max(fwd, bwd) * 8 / (bandwidth_mbps * 1e6)
+    t_stages = [6 * compute_params(cfg, s, stages, seq_len) * b * seq_len / flops for s in range(stages)]
+    step = scheduled_step_s(t_stages, t_msg, rtt_ms / 1e3, microbatches, in_flight)
+    one = microbatches * 6 * compute_params(cfg, 0, 1, seq_len) * b * seq_len / flops
+    return {
+        "tokens_per_s": batch_size * seq_len / step,
+        "one_device_tokens_per_s": batch_size * seq_len / one,
+        "efficiency": one / (stages * step),
+        "bubble": 1 - sum(t_stages) * microbatches / (stages * step),
+    }
+
+
+def flops_from_tokens_per_s(cfg: ModelConfig, seq_len: int, tokens_per_s: float) -> float:
+    """The sustained FLOP/s a whole-model run at `tokens_per_s` implies."""
+    return 6 * compute_params(cfg, 0, 1, seq_len) * tokens_per_s
 
 
 def with_inputs(inputs: PlanInputs, **changes: Any) -> PlanInputs:

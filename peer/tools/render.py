@@ -158,6 +158,14 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
     return out
 
 
+def link_cell(p: Mapping[str, Any]) -> str:
+    """How others reach a peer, its caps and refused calls: "relayed ↑10 ↓50 Mbit/s, 3 refused"."""
+    caps = [f"{arrow}{p[k]:g}" for arrow, k in (("↑", "max_upload_mbps"), ("↓", "max_download_mbps")) if p.get(k)]
+    cell = str(p.get("connectivity") or "?") + (" relay" if p.get("relay") else "")
+    cell += f" {' '.join(caps)} Mbit/s" if caps else ""
+    return cell + (f", {p['auth_failures']} refused" if p.get("auth_failures") else "")
+
+
 def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
     """`peer status`: a header line, the stage peers, the full replicas (or how to start one)."""
     out: list[Text | Table] = [
@@ -166,11 +174,13 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
             f"outer step {result['outer_step']}"
         )
     ]
-    columns = ("stage", "peer", "role", "state", "outer step", "tokens/s", "address")
-    table = _table("stage peers", columns, left=("peer", "role", "state", "address"))
+    columns = ("stage", "peer", "role", "state", "outer step", "tokens/s", "address", "link")
+    table = _table("stage peers", columns, left=("peer", "role", "state", "address", "link"))
     for stage, peers in result["stages"].items():
         if not peers:
-            table.add_row(stage, "—", "", "[yellow]no peer[/yellow]", "", "", f"start one: peer join --stage {stage} …")
+            table.add_row(
+                stage, "—", "", "[yellow]no peer[/yellow]", "", "", f"start one: peer join --stage {stage} …", ""
+            )
         for p in peers:
             table.add_row(
                 stage,
@@ -180,15 +190,20 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
                 fmt(p["outer_step"]),
                 fmt(p["tokens_per_s"], ".0f"),
                 fmt(p["address"]),
+                link_cell(p),
             )
     out.append(table)
     if not result["full_replicas"]:
         out.append(Text("no full replica (start one: peer join --full-replica …)"))
         return out
-    replicas = _table("full replicas", ("peer", "outer step", "loss", "tokens/s"), left=("peer",))
+    replicas = _table("full replicas", ("peer", "outer step", "loss", "tokens/s", "link"), left=("peer", "link"))
     for r in result["full_replicas"]:
         replicas.add_row(
-            short_id(r["peer_id"]), fmt(r["outer_step"]), fmt(r["loss"], ".4f"), fmt(r["tokens_per_s"], ".0f")
+            short_id(r["peer_id"]),
+            fmt(r["outer_step"]),
+            fmt(r["loss"], ".4f"),
+            fmt(r["tokens_per_s"], ".0f"),
+            link_cell(r),
         )
     out.append(replicas)
     return out

@@ -13,7 +13,11 @@ boundaries, the inner step (`peer.core.outer.accumulate`, `adamw_step`) and the 
 (`peer.core.outer.commit_round`) are the ones a real swarm runs; only the network is missing.
 Gradients are clipped by the norm over all stages; median clipping is off unless asked
 (`sparseloco.clip_median_factor`), and where it clips, the clipped mass goes back to the
-sender's error buffer. T⊥ decays at every commit as AdamW decays the rest of the embedding.
+sender's error buffer. Outlier screening (`peer.core.robust`) is off unless asked
+(`SimOptions.robust`); a contribution it drops goes back whole to its sender's error buffer.
+`SimOptions.attack` makes the last replica an attacker (`peer.tools.attacks`): every round it
+sends the poisoned contribution instead of its own. T⊥ decays at every commit as AdamW decays the
+rest of the embedding.
 
 The metric is the paper's: after every outer step, the validation loss averaged over the M
 replicas, each on its OWN forward path (compressed or not), on `val_tokens` held-out tokens.
@@ -40,10 +44,12 @@ import torch
 from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.outer import commit_round, perp_decay, perp_of, set_perp, stage_state
+from peer.core.robust import OFF, RobustConfig
 from peer.core.sparseloco import Payload, clipped_mass, compress, decompress, pseudo_gradient, restore_unsent
 from peer.core.subspace import k_from_ratio, make_basis
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
+from peer.tools.attacks import check_attack, poison
 from peer.tools.plots import figure
 from peer.tools.sim_replica import LocalReplica
 
@@ -79,6 +85,9 @@ class SimOptions:
     te_adaptation: bool = True  # Table 5 "no TE adaptation": False keeps T⊥ at its initial value
     weight_projection: bool = False  # Table 5: W_o / W_2 outputs kept in Col(U)
     adamw_lr: float | None = None  # inner learning rate of the adamw* configs (None: train.lr)
+    attacks: tuple[str, ...] = ()  # sweeps: also run each config under each attack (peer.tools.experiments)
+    robust: RobustConfig = OFF  # outlier screening of each round's contributions (the swarm's: DEFAULT)
+    attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
 
 
 @dataclass
@@ -100,6 +109,12 @@ class ConfigResult:
     act_bytes: int = 0  # stage-boundary bytes sent per replica (forward + backward)
     wall_s: float = 0.0
     clipped: int = 0  # contributions norm-clipped against their round's median, over the run
+    dropped: list[tuple[int, int, int]] = field(default_factory=list)  # (t, stage, replica) screened out
+    rounds: int = 0  # stage rounds committed (outer steps × stages)
+    config: str = ""  # the configuration run (`name` adds the attack, if any)
+    replicas: int = 0  # M
+    attack: str | None = None  # the last replica's attack (peer.tools.attacks); None: an honest run
+    screening: bool = False  # outlier screening (peer.core.robust) was on
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
@@ -122,8 +137,12 @@ class ConfigResult:
             "pg_bytes",
             "act_bytes",
             "clipped",
+            "attack",
+            "screening",
+            "rounds",
         )
-        return {k: getattr(self, k) for k in keys} | {"wall_s": round(self.wall_s, 2)}
+        extra = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        return {k: getattr(self, k) for k in keys} | extra
 
 
 def _n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:
@@ -198,14 +217,20 @@ class _Scorer:
 
 def _result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigResult:
     uses_subspace = kind not in BASELINES
+    screened = opts.robust.enabled
+    label = kind if opts.attack is None else f"{kind}+{opts.attack}" + ("" if screened else " (clip only)")
     return ConfigResult(
-        kind,
+        label,
         cfg.subspace.k_ratio if uses_subspace else None,
         (n_unc / opts.replicas) if "het" in kind else None,
         0.0,
         0.0,
         k=cfg.k if uses_subspace else None,
         seed=cfg.seed,
+        config=kind,
+        replicas=opts.replicas,
+        attack=opts.attack,
+        screening=screened,
     )
 
 
@@ -258,9 +283,14 @@ def _commit_stage(
     cfg: RunConfig,
     perp_factor: float,
     embed_update: torch.Tensor | None,
-) -> tuple[int, torch.Tensor | None]:
-    """One stage's round over all replicas; clipped mass returns to its sender's error buffer."""
-    slc = cfg.sparseloco
+    opts: SimOptions | None = None,
+    t: int = 0,
+) -> tuple[int, tuple[int, ...], torch.Tensor | None]:
+    """One stage's round over all replicas: (clipped, dropped replicas, stage 0's embedding change).
+
+    Clipped mass returns to its honest sender's error buffer; a dropped contribution returns whole.
+    """
+    slc, opts = cfg.sparseloco, opts or SimOptions()
     decoded = []
     for m, rep in enumerate(reps):
         delta = pseudo_gradient(start, stage_state(rep.stages[s]))
@@ -268,13 +298,20 @@ def _commit_stage(
         wire = payload.to_bytes()
         pg_bytes[m] += len(wire)
         decoded.append(decompress(Payload.from_bytes(wire)))
+    if opts.attack is not None:
+        decoded[-1] = poison(opts.attack, decoded[-1], t, s, slc)
     U = reps[0].U
-    done = commit_round([rep.stages[s] for rep in reps], start, decoded, slc, U, embed_update, perp_factor)
-    for m, scale in enumerate(done.clip.scales):
+    views = [rep.stages[s] for rep in reps]
+    done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, opts.robust)
+    honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
+    for m, scale in zip(honest, done.clip.scales, strict=False):
+        if m in done.dropped:
+            errors[m][s] = restore_unsent(errors[m][s], decoded[m])
+            continue
         mass = clipped_mass(decoded[m], scale)
         if mass is not None:
             errors[m][s] = restore_unsent(errors[m][s], mass)
-    return done.clip.n_clipped, done.embed_update
+    return done.clip.n_clipped, done.dropped, done.embed_update
 
 
 def run_diloco(
@@ -282,6 +319,7 @@ def run_diloco(
 ) -> tuple[ConfigResult, LocalReplica]:
     """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries."""
     train, replicas = cfg.train, opts.replicas
+    check_attack(opts.attack)
     n_unc = _n_uncompressed(kind, replicas, opts.het_fraction)
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
     wp = opts.weight_projection and U is not None
@@ -310,8 +348,12 @@ def run_diloco(
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
-            n_clipped, update = _commit_stage(reps, s, starts[s], errors, pg_bytes, cfg, factor, embed_update)
+            n_clipped, dropped, update = _commit_stage(
+                reps, s, starts[s], errors, pg_bytes, cfg, factor, embed_update, opts, t
+            )
             result.clipped += n_clipped
+            result.dropped += [(t, s, m) for m in dropped]
+            result.rounds += 1
             if s == 0:
                 embed_update = update
         if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
@@ -370,6 +412,9 @@ def assign_deltas(results: Sequence[ConfigResult]) -> None:
         same_seed = [b for b in results if b.seed == r.seed]
         family = "adamw" if r.name.startswith("adamw") else "sparseloco"
         base = next((b for b in same_seed if b.name == family), same_seed[0])
+        if r.attack is not None:  # an attacked run against the same config's honest run
+            honest = (b for b in same_seed if b.attack is None and b.config == r.config and b.k == r.k)
+            base = next(honest, base)
         r.delta_pct = 100.0 * (r.final_val_loss - base.final_val_loss) / base.final_val_loss
 
 

@@ -5,8 +5,9 @@ peers publish (DESIGN §3): `stage.{s}` (one subkey per stage peer) and `replica
 full replica or pipeline head). Returns one plain dict, the documented shape of `peer status --json`:
 
     {"run_id": str, "preset": str, "outer_step": int,
-     "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address"}, ...], ...},
-     "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s"}, ...]}
+     "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address", *LINK}, ...], ...},
+     "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s", *LINK}, ...]}
+    LINK = "connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures"
 
 Invariants: every stage 0..S-1 has a key (an empty list when no peer holds it); lists are sorted
 by peer id; "outer_step" is the largest outer step in any live record (0 when there is none), the
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address")
 REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s")
+# docs/connectivity.md: how others reach the peer (direct, reverse, relayed), its caps, refused calls
+LINK_FIELDS = ("connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures")
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
@@ -42,14 +45,14 @@ def _int_or_none(value: Any) -> int | None:
 def stage_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
     """One stage peer's row of `peer status --json`."""
     out: dict[str, Any] = {"peer_id": peer_id}
-    out.update({name: record.get(name) for name in STAGE_FIELDS})
+    out.update({name: record.get(name) for name in STAGE_FIELDS + LINK_FIELDS})
     return out
 
 
 def replica_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
     """One full replica's row of `peer status --json`."""
     out: dict[str, Any] = {"peer_id": peer_id}
-    out.update({name: record.get(name) for name in REPLICA_FIELDS})
+    out.update({name: record.get(name) for name in REPLICA_FIELDS + LINK_FIELDS})
     return out
 
 

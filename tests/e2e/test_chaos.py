@@ -34,6 +34,7 @@ def test_twenty_random_faults_leave_a_live_agreeing_swarm_and_nothing_behind(tmp
     assert s["not_recovered"] == 0, report
     assert s["stalls"] == 0, report
     assert s["hash_disagreements_unresolved"] == 0, report
+    assert s["hash_disagreement_longest_run"] <= 2, report  # resolved within one round of being seen
     assert s["lone_commits"] == 0, report
     assert s["orphans"] == 0, report
     assert s["tracebacks"] == 0, report

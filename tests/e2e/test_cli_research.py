@@ -44,6 +44,10 @@ SUMMARY_KEYS = {
     "val_loss_stderr",
     "val_tokens",
     "clipped",
+    "attack",  # the poisoning fields (docs/poisoning.md): the attack run, whether screening was on,
+    "screening",  # the rounds committed and the contributions screening dropped
+    "rounds",
+    "dropped",
 }
 ARGS_KEYS = {
     "preset",

@@ -146,6 +146,15 @@ def test_commit_once_every_expected_payload_is_held():
     assert result.replicas == ["me", "o"] and not result.timed_out and not result.behind
 
 
+def test_a_holder_one_round_behind_still_counts_as_gathering_for_the_lone_guard():
+    def gathering(rec: dict) -> bool:
+        return round_view(5, 0, {}, {}, {}, {"h": rec}, "me", "").others_gathering
+
+    assert gathering({"outer_step": 5}) and gathering({"outer_step": 4})  # at t, or about to reach it
+    assert not gathering({"outer_step": 3})  # two behind: it re-syncs, it will not send round 5
+    assert not gathering({"outer_step": 4, "state": "syncing"})
+
+
 def test_no_lone_commit_while_another_holder_gathers_then_follow_its_set():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica()}

@@ -192,3 +192,25 @@ def test_bad_inputs_raise_config_error(changes, bws, needle):
     with pytest.raises(ConfigError) as info:
         plan_rows(with_inputs(SMALL, **changes), bws)
     assert needle in str(info.value)
+
+
+def test_scheduled_step_has_the_1f1b_bubble_and_the_sequential_hops():
+    from peer.tools.plan import scheduled_step_s
+
+    t, m, S = 0.1, 8, 2
+    assert scheduled_step_s([t] * S, 0.0, 0.0, m, S) == pytest.approx((m + S - 1) * t)  # bubble m/(m+S-1)
+    assert scheduled_step_s([t] * S, 0.0, 0.0, m, 1) == pytest.approx(m * S * t)
+    # sequential at S = 3: 6 messages and 3 round trips through the head per micro-batch
+    assert scheduled_step_s([t] * 3, 0.01, 0.05, m, 1) == pytest.approx(m * (3 * t + 6 * 0.01 + 3 * 0.05))
+    # a slow link is the bottleneck once it exceeds the compute of a stage
+    assert scheduled_step_s([t] * S, 2 * t, 0.0, m, S) > scheduled_step_s([t] * S, 0.0, 0.0, m, S)
+    # too few in flight for the round trip: more in flight is faster
+    assert scheduled_step_s([t] * S, 0.0, 0.3, m, S) > scheduled_step_s([t] * S, 0.0, 0.3, m, 2 * S)
+
+
+def test_predicted_efficiency_of_a_balanced_fast_pipeline_is_its_bubble():
+    from peer.tools.plan import PLAN_PRESETS, predict_pipeline
+
+    out = predict_pipeline(PLAN_PRESETS["small"], 2, 8, 16, 128, "1/8", 1e10, in_flight=2)
+    assert 0.5 < out["efficiency"] <= 8 / 9 + 1e-9
+    assert out["tokens_per_s"] > out["one_device_tokens_per_s"]

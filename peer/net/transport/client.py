@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from peer.errors import NetworkError
-from peer.net.transport import codec, framing
+from peer.net.transport import codec, dialer, framing
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
 from peer.net.transport.codec import WireLimits
@@ -75,7 +75,7 @@ class PeerClient:
         self.backoff_s = backoff_s
         self.wire_dtype = wire_dtype
         self._limits = WireLimits(max_message_bytes=max_message_bytes, vocab_size=vocab_size)
-        self._channel = grpc.insecure_channel(
+        self._channel = dialer.open_channel(  # routes, admission proofs, caps: peer.net.transport.dialer
             address,
             options=[
                 ("grpc.max_receive_message_length", framing.GRPC_MESSAGE_LIMIT),

@@ -31,6 +31,8 @@ from google.protobuf.message import Message as PbMessage
 from peer.config import WIRE_DTYPES
 from peer.errors import ConfigError
 from peer.net.transport import peer_pb2 as pb
+from peer.net.transport.checks import _same_bl
+from peer.net.transport.checks import check_forward_reply as check_forward_reply  # re-exported
 from peer.net.transport.errors import TransportError
 from peer.net.transport.messages import (
     ArtifactRequest,
@@ -208,50 +210,26 @@ def _text(value: str, what: str, limits: WireLimits, allow_empty: bool = True) -
     return value
 
 
+def _route(route: Any, limits: WireLimits) -> list[str]:
+    """Stage-to-stage route: at most 64 non-empty "host:port" addresses."""
+    if len(route) > 64:
+        raise TransportError(f"invalid ForwardRequest.route: {len(route)} hops, more than 64")
+    return [_text(a, "ForwardRequest.route", limits, allow_empty=False) for a in route]
+
+
+def _sq_norms(values: Any) -> list[float]:
+    out = [float(v) for v in values]
+    if len(out) > 64 or not all(math.isfinite(v) and v >= 0 for v in out):
+        raise TransportError("invalid ForwardReply.sq_norms: at most 64 finite numbers >= 0")
+    return out
+
+
 def _boundary(msg: pb.Tensor, what: str, limits: WireLimits) -> torch.Tensor:
     return tensor_from_proto(msg, what, limits, BOUNDARY_DTYPES, rank=3)
 
 
 def _tokens(msg: pb.Tensor, what: str, limits: WireLimits) -> torch.Tensor:
     return tensor_from_proto(msg, what, limits, TOKEN_DTYPES, rank=2, token_ids=True)
-
-
-def _same_bl(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    if tuple(a.shape[:2]) != tuple(b.shape[:2]):
-        raise TransportError(f"invalid {what}: shape {list(a.shape)} does not match (b, L) = {list(b.shape[:2])}")
-
-
-def check_forward_reply(reply: ForwardReply, request: ForwardRequest | None = None) -> None:
-    """Check that a ForwardReply is one of: hidden only; loss only (eval); loss and grad (train).
-
-    With the request, also check that the reply kind fits it (targets -> loss, plus grad when
-    training; no targets -> hidden), that hidden keeps its (b, L) and grad the sent hidden's shape.
-    """
-    if (reply.hidden is None) == (reply.loss is None):
-        raise TransportError(
-            "invalid ForwardReply: exactly one of hidden (intermediate stage) or loss (last stage) must be set"
-        )
-    if reply.grad is not None and reply.loss is None:
-        raise TransportError("invalid ForwardReply: grad is only sent together with the loss of the last stage")
-    if reply.loss is not None and not math.isfinite(reply.loss):
-        raise TransportError(f"invalid ForwardReply.loss: {reply.loss} is not finite; the last stage diverged")
-    if request is None:
-        return
-    if request.targets is None and reply.hidden is None:
-        raise TransportError(
-            "invalid ForwardReply: a request without targets (intermediate stage) must be answered with hidden"
-        )
-    if request.targets is not None and reply.loss is None:
-        raise TransportError("invalid ForwardReply: a request with targets (last stage) must be answered with the loss")
-    if request.targets is not None and request.train and reply.grad is None:
-        raise TransportError("invalid ForwardReply: a training request to the last stage must be answered with grad")
-    if reply.hidden is not None:
-        _same_bl(reply.hidden, request.tokens, "ForwardReply.hidden")
-    if reply.grad is not None and tuple(reply.grad.shape) != tuple(request.hidden.shape):
-        raise TransportError(
-            f"invalid ForwardReply.grad: shape {list(reply.grad.shape)} differs from the sent hidden "
-            f"{list(request.hidden.shape)}"
-        )
 
 
 # -------------------------------------------------------------------------------- messages
@@ -272,6 +250,9 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             tokens=_tokens_to_proto(msg.tokens, "ForwardRequest.tokens"),
             hidden=_boundary_to_proto(msg.hidden, "ForwardRequest.hidden", wd),
             train=msg.train,
+            attempt=msg.attempt,
+            route=list(msg.route),
+            window=msg.window,
         )
         if msg.targets is not None:
             out.targets.CopyFrom(_tokens_to_proto(msg.targets, "ForwardRequest.targets"))
@@ -286,6 +267,7 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             out.grad.CopyFrom(_boundary_to_proto(msg.grad, "ForwardReply.grad", wd))
         if msg.grad_sq_norm is not None:
             out.grad_sq_norm = float(msg.grad_sq_norm)
+        out.sq_norms.extend(float(v) for v in msg.sq_norms)
         return out
     if isinstance(msg, BackwardRequest):
         return pb.BackwardRequest(
@@ -361,6 +343,9 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             hidden=hidden,
             targets=targets,
             train=bool(msg.train),
+            attempt=_index(msg.attempt, "ForwardRequest.attempt"),
+            route=tuple(_route(msg.route, limits)),
+            window=_index(msg.window, "ForwardRequest.window"),
         )
     if isinstance(msg, pb.ForwardReply):
         hidden_pb, grad_pb = _opt(msg, "hidden"), _opt(msg, "grad")
@@ -369,6 +354,7 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             loss=msg.loss if msg.HasField("loss") else None,
             grad=None if grad_pb is None else _boundary(grad_pb, "ForwardReply.grad", limits),
             grad_sq_norm=_norm(msg, "grad_sq_norm", "ForwardReply"),
+            sq_norms=tuple(_sq_norms(msg.sq_norms)),
         )
         check_forward_reply(reply)
         return reply

@@ -36,7 +36,9 @@ class ForwardRequest:
     """The head sends a micro-batch's boundary activation into `stage`.
 
     For the last stage `targets` is set and the stage runs forward, loss and (when `train`)
-    backward in one call, answering with the loss and the gradient w.r.t. its input.
+    backward in one call, answering with the loss and the gradient w.r.t. its input. With a
+    `route` (stage-to-stage streaming) an intermediate stage forwards its output to `route[0]`
+    itself, backpropagates the gradient that comes back and answers like the last stage.
     """
 
     pipeline_id: str
@@ -48,6 +50,9 @@ class ForwardRequest:
     hidden: Tensor  # (b, L, k or d) float
     targets: Tensor | None = None  # (b, L) int32, last stage only
     train: bool = True  # False: evaluation; the stage keeps nothing for a backward pass
+    attempt: int = 0  # replay number of this inner step: higher restarts it on the stage, lower is stale
+    route: tuple[str, ...] = ()  # streaming: addresses of stages stage+1 .. S-1 (targets travel along)
+    window: int = 0  # micro-batches in flight (0: sequential); stage s stashes at most window - s
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +64,7 @@ class ForwardReply:
     loss: float | None = None
     grad: Tensor | None = None
     grad_sq_norm: float | None = None  # last training micro-batch: the stage's Σ‖g‖² (global clipping)
+    sq_norms: tuple[float, ...] = ()  # streamed, last micro-batch: Σ‖g‖² of stages S-1, S-2, ..., this one
 
 
 @dataclass(frozen=True, eq=False)

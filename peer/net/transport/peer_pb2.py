@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x07peer.v1\"#\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04last\x18\x02 \x01(\x08\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"<\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x06tensor\x18\x02 \x01(\x0b\x32\x0f.peer.v1.Tensor\"\xe3\x01\n\x0e\x46orwardRequest\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x12\n\nmicrobatch\x18\x02 \x01(\x03\x12\x12\n\nouter_step\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05stage\x18\x05 \x01(\x03\x12\x1f\n\x06tokens\x18\x06 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x1f\n\x06hidden\x18\x07 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12 \n\x07targets\x18\x08 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\r\n\x05train\x18\t \x01(\x08\"\x96\x01\n\x0c\x46orwardReply\x12\x1f\n\x06hidden\x18\x01 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x11\n\x04loss\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x04grad\x18\x03 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x19\n\x0cgrad_sq_norm\x18\x04 \x01(\x01H\x01\x88\x01\x01\x42\x07\n\x05_lossB\x0f\n\r_grad_sq_norm\"\x90\x01\n\x0f\x42\x61\x63kwardRequest\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x12\n\nmicrobatch\x18\x02 \x01(\x03\x12\x12\n\nouter_step\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05stage\x18\x05 \x01(\x03\x12\x1d\n\x04grad\x18\x06 \x01(\x0b\x32\x0f.peer.v1.Tensor\"Z\n\rBackwardReply\x12\x1d\n\x04grad\x18\x01 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x19\n\x0cgrad_sq_norm\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_grad_sq_norm\"\x98\x01\n\x0bStepRequest\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x12\n\nouter_step\x18\x02 \x01(\x03\x12\x12\n\ninner_step\x18\x03 \x01(\x03\x12\x16\n\x0en_microbatches\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x16\n\tgrad_norm\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_grad_norm\"(\n\tStepReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"C\n\x0ePayloadRequest\x12\x12\n\nouter_step\x18\x01 \x01(\x03\x12\r\n\x05stage\x18\x02 \x01(\x03\x12\x0e\n\x06sender\x18\x03 \x01(\t\"\x1d\n\x0cStateRequest\x12\r\n\x05stage\x18\x01 \x01(\x03\"Z\n\nStateReply\x12\x12\n\nouter_step\x18\x01 \x01(\x03\x12\x11\n\tmeta_json\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.peer.v1.NamedTensor\"\x1f\n\x0f\x41rtifactRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x04\x42lob\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\r\n\x0bInfoRequest\"\x19\n\tInfoReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xf2\x02\n\x04Peer\x12-\n\x07\x46orward\x12\x0e.peer.v1.Chunk\x1a\x0e.peer.v1.Chunk(\x01\x30\x01\x12.\n\x08\x42\x61\x63kward\x12\x0e.peer.v1.Chunk\x1a\x0e.peer.v1.Chunk(\x01\x30\x01\x12\x30\n\x04Step\x12\x14.peer.v1.StepRequest\x1a\x12.peer.v1.StepReply\x12\x37\n\nGetPayload\x12\x17.peer.v1.PayloadRequest\x1a\x0e.peer.v1.Chunk0\x01\x12\x33\n\x08GetState\x12\x15.peer.v1.StateRequest\x1a\x0e.peer.v1.Chunk0\x01\x12\x39\n\x0bGetArtifact\x12\x18.peer.v1.ArtifactRequest\x1a\x0e.peer.v1.Chunk0\x01\x12\x30\n\x04Info\x12\x14.peer.v1.InfoRequest\x1a\x12.peer.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\npeer.proto\x12\x07peer.v1\"#\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04last\x18\x02 \x01(\x08\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"<\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x06tensor\x18\x02 \x01(\x0b\x32\x0f.peer.v1.Tensor\"\x93\x02\n\x0e\x46orwardRequest\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x12\n\nmicrobatch\x18\x02 \x01(\x03\x12\x12\n\nouter_step\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05stage\x18\x05 \x01(\x03\x12\x1f\n\x06tokens\x18\x06 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x1f\n\x06hidden\x18\x07 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12 \n\x07targets\x18\x08 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\r\n\x05train\x18\t \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\n \x01(\x03\x12\r\n\x05route\x18\x0b \x03(\t\x12\x0e\n\x06window\x18\x0c \x01(\x03\"\xa8\x01\n\x0c\x46orwardReply\x12\x1f\n\x06hidden\x18\x01 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x11\n\x04loss\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x04grad\x18\x03 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x19\n\x0cgrad_sq_norm\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08sq_norms\x18\x05 \x03(\x01\x42\x07\n\x05_lossB\x0f\n\r_grad_sq_norm\"\x90\x01\n\x0f\x42\x61\x63kwardRequest\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x12\n\nmicrobatch\x18\x02 \x01(\x03\x12\x12\n\nouter_step\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05stage\x18\x05 \x01(\x03\x12\x1d\n\x04grad\x18\x06 \x01(\x0b\x32\x0f.peer.v1.Tensor\"Z\n\rBackwardReply\x12\x1d\n\x04grad\x18\x01 \x01(\x0b\x32\x0f.peer.v1.Tensor\x12\x19\n\x0cgrad_sq_norm\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_grad_sq_norm\"\x98\x01\n\x0bStepRequest\x12\x13\n\x0bpipeline_id\x18\x01 \x01(\t\x12\x12\n\nouter_step\x18\x02 \x01(\x03\x12\x12\n\ninner_step\x18\x03 \x01(\x03\x12\x16\n\x0en_microbatches\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x16\n\tgrad_norm\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_grad_norm\"(\n\tStepReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"C\n\x0ePayloadRequest\x12\x12\n\nouter_step\x18\x01 \x01(\x03\x12\r\n\x05stage\x18\x02 \x01(\x03\x12\x0e\n\x06sender\x18\x03 \x01(\t\"\x1d\n\x0cStateRequest\x12\r\n\x05stage\x18\x01 \x01(\x03\"Z\n\nStateReply\x12\x12\n\nouter_step\x18\x01 \x01(\x03\x12\x11\n\tmeta_json\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.peer.v1.NamedTensor\"\x1f\n\x0f\x41rtifactRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x04\x42lob\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\r\n\x0bInfoRequest\"\x19\n\tInfoReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\'\n\tMetadatum\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xa8\x01\n\x05\x46rame\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x03\x12\x0e\n\x06method\x18\x02 \x01(\t\x12$\n\x08metadata\x18\x03 \x03(\x0b\x32\x12.peer.v1.Metadatum\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x07 \x01(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x0e\n\x06\x63\x61ncel\x18\t \x01(\x08\"\"\n\x0f\x44ialBackRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"^\n\rDialBackReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x11\n\tseen_host\x18\x04 \x01(\t\x12\r\n\x05relay\x18\x05 \x01(\x08\x32\xf2\x02\n\x04Peer\x12-\n\x07\x46orward\x12\x0e.peer.v1.Chunk\x1a\x0e.peer.v1.Chunk(\x01\x30\x01\x12.\n\x08\x42\x61\x63kward\x12\x0e.peer.v1.Chunk\x1a\x0e.peer.v1.Chunk(\x01\x30\x01\x12\x30\n\x04Step\x12\x14.peer.v1.StepRequest\x1a\x12.peer.v1.StepReply\x12\x37\n\nGetPayload\x12\x17.peer.v1.PayloadRequest\x1a\x0e.peer.v1.Chunk0\x01\x12\x33\n\x08GetState\x12\x15.peer.v1.StateRequest\x1a\x0e.peer.v1.Chunk0\x01\x12\x39\n\x0bGetArtifact\x12\x18.peer.v1.ArtifactRequest\x1a\x0e.peer.v1.Chunk0\x01\x12\x30\n\x04Info\x12\x14.peer.v1.InfoRequest\x1a\x12.peer.v1.InfoReply2u\n\x06Tunnel\x12-\n\x07Reverse\x12\x0e.peer.v1.Frame\x1a\x0e.peer.v1.Frame(\x01\x30\x01\x12<\n\x08\x44ialBack\x12\x18.peer.v1.DialBackRequest\x1a\x16.peer.v1.DialBackReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,31 +38,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NAMEDTENSOR']._serialized_start=114
   _globals['_NAMEDTENSOR']._serialized_end=174
   _globals['_FORWARDREQUEST']._serialized_start=177
-  _globals['_FORWARDREQUEST']._serialized_end=404
-  _globals['_FORWARDREPLY']._serialized_start=407
-  _globals['_FORWARDREPLY']._serialized_end=557
-  _globals['_BACKWARDREQUEST']._serialized_start=560
-  _globals['_BACKWARDREQUEST']._serialized_end=704
-  _globals['_BACKWARDREPLY']._serialized_start=706
-  _globals['_BACKWARDREPLY']._serialized_end=796
-  _globals['_STEPREQUEST']._serialized_start=799
-  _globals['_STEPREQUEST']._serialized_end=951
-  _globals['_STEPREPLY']._serialized_start=953
-  _globals['_STEPREPLY']._serialized_end=993
-  _globals['_PAYLOADREQUEST']._serialized_start=995
-  _globals['_PAYLOADREQUEST']._serialized_end=1062
-  _globals['_STATEREQUEST']._serialized_start=1064
-  _globals['_STATEREQUEST']._serialized_end=1093
-  _globals['_STATEREPLY']._serialized_start=1095
-  _globals['_STATEREPLY']._serialized_end=1185
-  _globals['_ARTIFACTREQUEST']._serialized_start=1187
-  _globals['_ARTIFACTREQUEST']._serialized_end=1218
-  _globals['_BLOB']._serialized_start=1220
-  _globals['_BLOB']._serialized_end=1240
-  _globals['_INFOREQUEST']._serialized_start=1242
-  _globals['_INFOREQUEST']._serialized_end=1255
-  _globals['_INFOREPLY']._serialized_start=1257
-  _globals['_INFOREPLY']._serialized_end=1282
-  _globals['_PEER']._serialized_start=1285
-  _globals['_PEER']._serialized_end=1655
+  _globals['_FORWARDREQUEST']._serialized_end=452
+  _globals['_FORWARDREPLY']._serialized_start=455
+  _globals['_FORWARDREPLY']._serialized_end=623
+  _globals['_BACKWARDREQUEST']._serialized_start=626
+  _globals['_BACKWARDREQUEST']._serialized_end=770
+  _globals['_BACKWARDREPLY']._serialized_start=772
+  _globals['_BACKWARDREPLY']._serialized_end=862
+  _globals['_STEPREQUEST']._serialized_start=865
+  _globals['_STEPREQUEST']._serialized_end=1017
+  _globals['_STEPREPLY']._serialized_start=1019
+  _globals['_STEPREPLY']._serialized_end=1059
+  _globals['_PAYLOADREQUEST']._serialized_start=1061
+  _globals['_PAYLOADREQUEST']._serialized_end=1128
+  _globals['_STATEREQUEST']._serialized_start=1130
+  _globals['_STATEREQUEST']._serialized_end=1159
+  _globals['_STATEREPLY']._serialized_start=1161
+  _globals['_STATEREPLY']._serialized_end=1251
+  _globals['_ARTIFACTREQUEST']._serialized_start=1253
+  _globals['_ARTIFACTREQUEST']._serialized_end=1284
+  _globals['_BLOB']._serialized_start=1286
+  _globals['_BLOB']._serialized_end=1306
+  _globals['_INFOREQUEST']._serialized_start=1308
+  _globals['_INFOREQUEST']._serialized_end=1321
+  _globals['_INFOREPLY']._serialized_start=1323
+  _globals['_INFOREPLY']._serialized_end=1348
+  _globals['_METADATUM']._serialized_start=1350
+  _globals['_METADATUM']._serialized_end=1389
+  _globals['_FRAME']._serialized_start=1392
+  _globals['_FRAME']._serialized_end=1560
+  _globals['_DIALBACKREQUEST']._serialized_start=1562
+  _globals['_DIALBACKREQUEST']._serialized_end=1596
+  _globals['_DIALBACKREPLY']._serialized_start=1598
+  _globals['_DIALBACKREPLY']._serialized_end=1692
+  _globals['_PEER']._serialized_start=1695
+  _globals['_PEER']._serialized_end=2065
+  _globals['_TUNNEL']._serialized_start=2067
+  _globals['_TUNNEL']._serialized_end=2184
 # @@protoc_insertion_point(module_scope)

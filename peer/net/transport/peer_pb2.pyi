@@ -33,7 +33,7 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train")
+    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train", "attempt", "route", "window")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,9 @@ class ForwardRequest(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     microbatch: int
     outer_step: int
@@ -52,19 +55,24 @@ class ForwardRequest(_message.Message):
     hidden: Tensor
     targets: Tensor
     train: bool
-    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ...) -> None: ...
+    attempt: int
+    route: _containers.RepeatedScalarFieldContainer[str]
+    window: int
+    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ..., attempt: _Optional[int] = ..., route: _Optional[_Iterable[str]] = ..., window: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("hidden", "loss", "grad", "grad_sq_norm")
+    __slots__ = ("hidden", "loss", "grad", "grad_sq_norm", "sq_norms")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    SQ_NORMS_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     loss: float
     grad: Tensor
     grad_sq_norm: float
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
+    sq_norms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "grad")
@@ -161,3 +169,53 @@ class InfoReply(_message.Message):
     JSON_FIELD_NUMBER: _ClassVar[int]
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class Metadatum(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("call", "method", "metadata", "data", "end", "code", "details", "timeout_s", "cancel")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    method: str
+    metadata: _containers.RepeatedCompositeFieldContainer[Metadatum]
+    data: bytes
+    end: bool
+    code: int
+    details: str
+    timeout_s: float
+    cancel: bool
+    def __init__(self, call: _Optional[int] = ..., method: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[Metadatum, _Mapping]]] = ..., data: _Optional[bytes] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., timeout_s: _Optional[float] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class DialBackReply(_message.Message):
+    __slots__ = ("ok", "peer_id", "detail", "seen_host", "relay")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SEEN_HOST_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    peer_id: str
+    detail: str
+    seen_host: str
+    relay: bool
+    def __init__(self, ok: _Optional[bool] = ..., peer_id: _Optional[str] = ..., detail: _Optional[str] = ..., seen_host: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...

@@ -358,3 +358,118 @@ class Peer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TunnelStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reverse = channel.stream_stream(
+                '/peer.v1.Tunnel/Reverse',
+                request_serializer=peer__pb2.Frame.SerializeToString,
+                response_deserializer=peer__pb2.Frame.FromString,
+                _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/peer.v1.Tunnel/DialBack',
+                request_serializer=peer__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=peer__pb2.DialBackReply.FromString,
+                _registered_method=True)
+
+
+class TunnelServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Reverse(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DialBack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TunnelServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reverse': grpc.stream_stream_rpc_method_handler(
+                    servicer.Reverse,
+                    request_deserializer=peer__pb2.Frame.FromString,
+                    response_serializer=peer__pb2.Frame.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=peer__pb2.DialBackRequest.FromString,
+                    response_serializer=peer__pb2.DialBackReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'peer.v1.Tunnel', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('peer.v1.Tunnel', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Tunnel:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Reverse(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/peer.v1.Tunnel/Reverse',
+            peer__pb2.Frame.SerializeToString,
+            peer__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peer.v1.Tunnel/DialBack',
+            peer__pb2.DialBackRequest.SerializeToString,
+            peer__pb2.DialBackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

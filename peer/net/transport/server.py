@@ -32,7 +32,7 @@ from peer.net.transport import codec, framing
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
 from peer.net.transport.codec import WireLimits
-from peer.net.transport.errors import NotFoundError, TransportError
+from peer.net.transport.errors import HopError, NotFoundError, TransportError
 from peer.net.transport.handler import HANDLER_METHODS, PeerHandler
 from peer.net.transport.messages import BackwardReply, ForwardReply, StateReply, StepReply
 
@@ -151,6 +151,8 @@ class _Servicer(pb_grpc.PeerServicer):
                 self._cancelled(context, method)
             log.info("rejected %s from %s: %s", method, context.peer(), exc)
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except HopError as exc:
+            _abort(context, grpc.StatusCode.ABORTED, str(exc))
         except PeerError as exc:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:
@@ -211,10 +213,11 @@ class PeerServer:
         handler: PeerHandler,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 8,
+        max_workers: int = 32,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         vocab_size: int | None = None,
         wire_dtype: str = "fp32",
+        interceptors: Iterable[grpc.ServerInterceptor] = (),  # e.g. peer.net.transport.gate.Gate
     ) -> None:
         missing = [m for m in HANDLER_METHODS if not callable(getattr(handler, m, None))]
         if missing:
@@ -229,7 +232,7 @@ class PeerServer:
             ("grpc.max_send_message_length", framing.GRPC_MESSAGE_LIMIT),
             ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
         ]
-        self._server = grpc.server(self._executor, options=options)
+        self._server = grpc.server(self._executor, options=options, interceptors=list(interceptors))
         service, handlers = _method_handlers(self._servicer)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         self._server.add_registered_method_handlers(service, handlers)

@@ -1,0 +1,96 @@
+"""The payloads of outer rounds, apart from the round logic: what a peer serves, what it accepts.
+
+- `PayloadStore`: the payloads this process serves over gRPC `get_payload`, newest rounds only.
+- `payload_validator`: a received payload parses with this run's settings and fits the stage's
+  parameters exactly (names, shapes, each once, stage 0's embedding present), else PayloadError:
+  a payload that could not be applied is never committed.
+- `bound_replica`: which replica a sender's announcement may stand for (itself, or the pipeline
+  whose record lists it as its stage peer).
+- `sha256`: the digest announced with every payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig
+
+__all__ = ["PayloadStore", "bound_replica", "payload_validator", "sha256"]
+
+
+class PayloadStore:
+    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self._data: dict[tuple[int, int], bytes] = {}
+        self._lock = threading.Lock()
+        self.keep = keep
+
+    def put(self, t: int, stage: int, payload: bytes) -> None:
+        with self._lock:
+            self._data[(t, stage)] = payload
+            for key in [k for k in self._data if k[0] <= t - self.keep]:
+                del self._data[key]
+
+    def get(self, t: int, stage: int) -> bytes | None:
+        with self._lock:
+            return self._data.get((t, stage))
+
+
+def bound_replica(sender: str, record: Mapping[str, Any], stage: int, replicas: Mapping[str, dict]) -> str | None:
+    """The replica id `sender`'s payload announcement for `stage` may stand for, or None if unbound.
+
+    Bound: the sender is the replica itself, or the replica's record (from `get_replicas`) lists the
+    sender as its stage peer in "pipeline_peers".
+    """
+    rid = record.get("replica", sender)
+    if not isinstance(rid, str):
+        return None
+    if rid == sender:
+        return rid
+    pipeline_peers = replicas.get(rid, {}).get("pipeline_peers")
+    if isinstance(pipeline_peers, dict) and pipeline_peers.get(str(stage)) == sender:
+        return rid
+    return None
+
+
+def payload_validator(
+    shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig, required: Iterable[str] = ()
+) -> Callable[[bytes], Payload]:
+    """A `validate` for `gather_round`: a well-formed SparseLoCo payload (`Payload.from_bytes` with
+    this run's settings) whose every entry is a parameter of the stage with its exact shape, each
+    at most once, and that carries every `required` name (stage 0: embed.weight, which the round's
+    T⊥ update needs). Returns the parsed payload; raises PayloadError, so a payload that could not
+    be applied is never committed.
+    """
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    required = frozenset(required)
+    n_elements = sum(math.prod(shape) for shape in shapes.values())
+
+    def validate(data: bytes) -> Payload:
+        payload = Payload.from_bytes(data, max_elements=n_elements, cfg=cfg)
+        seen: set[str] = set()
+        for entry in payload.entries:
+            if entry.name not in shapes:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name[:64]!r} is not a parameter of this stage")
+            if tuple(entry.shape) != shapes[entry.name]:
+                raise PayloadError(
+                    f"invalid SparseLoCo payload: {entry.name!r} has shape {tuple(entry.shape)}, "
+                    f"the stage's parameter is {shapes[entry.name]}"
+                )
+            if entry.name in seen:
+                raise PayloadError(f"invalid SparseLoCo payload: {entry.name!r} appears twice")
+            seen.add(entry.name)
+        if required - seen:
+            raise PayloadError(f"invalid SparseLoCo payload: missing {sorted(required - seen)}")
+        return payload
+
+    return validate
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,84 @@
+"""`peer simulate`: the body of the command (the CLI keeps only its flags, `peer/cli.py`).
+
+Plans the sweep from the flags (`experiments.plan_sweep`), builds the token data once, runs every
+configuration × seed × k/d with one progress bar per run, then prints the loss table, the summary
+(and poisoning) tables, writes the loss-curve PNG and, if asked, the JSON of every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+
+from peer.core.data import build_token_data
+from peer.tools import experiments as ex
+from peer.tools.render import loss_progress_columns, simulate_table
+from peer.tools.simulate import SimOptions, plot_curves
+
+
+def command(
+    console: Console,
+    args: Mapping[str, Any],
+    plot_path: Path,
+    write_json: Callable[[Path, dict[str, Any]], None],
+) -> None:
+    """Run `peer simulate` with the CLI's flag values `args` (names as in `peer.cli.simulate`)."""
+    a = dict(args)
+    cfg, names, seed_list, ratio_list, opts = ex.plan_sweep(
+        a["config"],
+        {
+            "preset": a["preset"],
+            "seed": a["seed"],
+            "stages": a["stages"],
+            "train.inner_steps": a["inner_steps"],
+            "train.outer_steps": a["outer_steps"],
+            "train.batch_size": a["batch_size"],
+            "train.seq_len": a["seq_len"],
+            "train.lr": a["lr"],
+            "sparseloco.quant_bits": a["quant_bits"],
+            "sparseloco.clip_median_factor": a["clip_median"],
+            "data.dataset": a["dataset"],
+        },
+        a["configs"],
+        a["k_ratio"],
+        a["seeds"],
+        a["paper_settings"],
+        a["replicas"],
+        SimOptions(
+            0,
+            a["het_fraction"],
+            a["val_tokens"],
+            a["te_adaptation"],
+            a["weight_projection"],
+            a["adamw_lr"],
+            ex.attack_list(a["attacks"]),
+        ),
+    )
+    m = opts.replicas
+    with console.status("preparing data and tokenizer…"):
+        data = build_token_data(cfg.data)
+    total = cfg.train.inner_steps * cfg.train.outer_steps
+    with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(name: str, done: int, _total: int, loss: float) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
+            bar.update(tasks[name], completed=done, loss=loss)
+
+        results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, a["save"])
+
+    console.print(simulate_table(results, cfg, m))
+    rows = ex.summarize(results)
+    console.print(ex.summary_table(rows, ex.summary_title(cfg, m, seed_list)), *ex.poison_tables(results))
+    plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
+    console.print(f"loss curves: {plot_path}")
+    json_out = a["json_out"]
+    if json_out:
+        sweep = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, a["paper_settings"])
+        write_json(json_out, {"configs": [r.summary() for r in results], "summary": rows, "args": sweep})
+        console.print(f"results: {json_out}")

@@ -1,0 +1,50 @@
+"""`peer bench payload`'s codec figures and its templar-style baseline (sizes and decoded values)."""
+
+from __future__ import annotations
+
+import torch
+
+from peer.core.sparseloco import SparseLoCoConfig
+from peer.tools import templar_baseline as tb
+from peer.tools.bench import codec_figures
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_templar_chunks_are_the_largest_divisor_up_to_64():
+    assert [tb.largest_divisor(n, 64) for n in (1024, 2688, 688, 256, 97, 1)] == [64, 64, 43, 64, 1, 1]
+
+
+def test_templar_baseline_sends_the_top_k_of_each_tile_with_12_bit_indices_and_8_bit_values():
+    x = _rand(128, 192, seed=1)
+    wire, idx_shape = tb.encode(x)
+    assert idx_shape == (2, 3, 32)
+    assert len(wire) == 192 * 3 // 2 + 192 + 4 * 256 + 8  # 12-bit indices, uint8 codes, lookup, shift/scale
+    y = tb.decode(wire, idx_shape, (128, 192))
+    for r in range(2):
+        for c in range(3):
+            tile, got = x[64 * r : 64 * r + 64, 64 * c : 64 * c + 64], y[64 * r : 64 * r + 64, 64 * c : 64 * c + 64]
+            want = set(torch.topk(tile.abs().reshape(-1), 32).indices.tolist())
+            assert set(torch.nonzero(got.reshape(-1)).reshape(-1).tolist()) == want
+            sel = got != 0
+            assert torch.all(torch.sign(got[sel]) == torch.sign(tile[sel]))
+            assert torch.allclose(got[sel], tile[sel], rtol=0.1, atol=0.05)  # 8-bit values over ±3σ
+    assert torch.equal(tb.unpack12(tb.pack12(torch.tensor([1, 4095, 2048, 7])), 4), torch.tensor([1, 4095, 2048, 7]))
+    ragged = tb.encode(_rand(688, 256, seed=2))[1]  # 43×64 tiles, as templar chunks a 688-row matrix
+    assert ragged == (16, 4, 32)
+    assert tb.decode(*tb.encode(_rand(100, seed=3)), (100,)).count_nonzero() == 2 * 32  # 2 runs of 50
+
+
+def test_codec_figures_report_sizes_times_memory_and_the_baseline():
+    delta = {"a.weight": _rand(128, 192, seed=4), "b.weight": _rand(64, 70, seed=5), "n.weight": _rand(64, seed=6)}
+    r = codec_figures(delta, SparseLoCoConfig(), repeats=1, n_aggregate=2)
+    assert 8 < r["bits_per_index"] < 12 and r["bits_per_value"] == 2
+    assert r["header_bytes"] == 13 + sum(6 + len(n) + 4 * len(t.shape) for n, t in delta.items())
+    assert r["bytes_per_param"] == r["payload_bytes"] / sum(t.numel() for t in delta.values())
+    assert r["roundtrip_s"] == r["encode_s"] + r["decode_s"] > 0
+    assert r["templar_roundtrip_s"] == r["templar_encode_s"] + r["templar_decode_s"] > 0
+    assert r["speedup_vs_templar"] == r["templar_roundtrip_s"] / r["roundtrip_s"]
+    assert r["templar_bytes_per_param"] > r["bytes_per_param"]
+    assert r["aggregate_m"] == 2 and r["aggregate_s"] > 0 and r["aggregate_peak_bytes"] >= 0

@@ -1,0 +1,55 @@
+"""The chaos report's counters (`peer.tools.chaos_report`) on metrics files written here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from peer.tools.chaos_report import disagreements, holder_events, lone_commits, longest_disagreement, stalls, states
+
+
+def _round(t: int, stage: int, param: str, perp: str, committed: list[str], when: float) -> dict:
+    st = {"param_hash": param, "perp_hash": perp, "participants": len(committed), "committed": committed}
+    return {"event": "round", "t": t, "time": when, "stages": {str(stage): st}}
+
+
+def _write(workdir: Path, holder: str, events: list[dict]) -> None:
+    (workdir / holder).mkdir(parents=True, exist_ok=True)
+    (workdir / holder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_a_lone_set_is_counted_once_and_a_perp_mismatch_is_not_a_lone_commit(tmp_path):
+    _write(tmp_path, "a", [_round(3, 1, "p", "x", ["head"], 1.0), _round(4, 1, "q", "x", ["head"], 2.0)])
+    _write(tmp_path, "b", [_round(3, 1, "p", "y", ["head"], 1.1), _round(4, 1, "r", "x", ["head", "full"], 2.1)])
+    events = holder_events(tmp_path)
+    lone = lone_commits(events)
+    # (3, 1): same set {head}, only T⊥ differs -> a disagreement, not a lone commit
+    # (4, 1): a committed {head} alone while b committed {head, full} -> one lone commit, a's
+    assert lone == [{"t": 4, "stage": 1, "holder": "a"}]
+    committed, unresolved = disagreements(states(events))
+    assert committed == 2 and unresolved == 1  # the last states of (5, 1) still differ
+
+
+def test_a_resync_resolves_a_committed_disagreement(tmp_path):
+    _write(tmp_path, "a", [_round(3, 1, "p", "x", ["h"], 1.0)])
+    _write(
+        tmp_path,
+        "b",
+        [_round(3, 1, "q", "x", ["h", "f"], 1.1), {"event": "sync", "t": 4, "stage": 1, "param_hash": "p", "time": 2}],
+    )
+    committed, unresolved = disagreements(states(holder_events(tmp_path)))
+    assert (committed, unresolved) == (1, 0)
+
+
+def test_longest_disagreement_counts_consecutive_outer_steps_per_stage(tmp_path):
+    a = [_round(t, 1, f"a{t}", "x", ["h"], t) for t in range(6)]
+    b = [_round(t, 1, f"a{t}" if t in (0, 4) else f"b{t}", "x", ["h"], t) for t in range(6)]
+    _write(tmp_path, "a", a)
+    _write(tmp_path, "b", b)
+    assert longest_disagreement(states(holder_events(tmp_path))) == 3  # t = 1, 2, 3 (+1 = outer steps 2..4)
+
+
+def test_stalls_are_gaps_longer_than_the_threshold_including_the_end():
+    assert stalls([0.0, 5.0, 30.0], stall_s=20.0) == [{"from": 5.0, "gap_s": 25.0}]
+    assert stalls([0.0, 5.0], stall_s=20.0, end=40.0) == [{"from": 5.0, "gap_s": 35.0}]
+    assert stalls([0.0, 5.0], stall_s=20.0, end=10.0) == []

@@ -1,0 +1,156 @@
+"""The fused whole-tensor kernels (peer.core.payload_fused) give the numpy/torch path's bits: encode
+(error feedback, top-k with ties, ranks), decode, positions and fused aggregation, split over threads."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from peer.core import payload_fused as pf
+from peer.core import payload_kernels as pk
+from peer.core.payload import entry_values, index_nbytes
+from peer.core.sparseloco import (
+    Payload,
+    PayloadError,
+    SparseLoCoConfig,
+    aggregate_payloads,
+    clip_and_aggregate,
+    compress,
+    decompress,
+)
+
+pytest.importorskip("numba")
+
+SHAPES = {
+    "full": (128, 192),  # 64×64 tiles only
+    "ragged": (70, 130),  # edge tiles of 6 rows, 2 columns, and a 6×2 corner sent whole
+    "deep": (3, 40, 50),  # viewed as (3, 2000): one band of partial-height tiles
+    "flat": (9000,),  # 1-D: chunk²-wide tiles (with dense_1d=False)
+    "thin": (200, 1),
+}
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@contextmanager
+def _path(fused: bool) -> Iterator[None]:
+    """Run with the fused kernels on every tensor, split over the thread pool (fused), or without numba."""
+    saved = pk.NUMBA_MIN_WORK, pf.MIN_SPLIT_WORK
+    pk.NUMBA_MIN_WORK, pf.MIN_SPLIT_WORK = 0, 0
+    pk.set_numba(fused)
+    try:
+        yield
+    finally:
+        pk.set_numba(True)
+        pk.NUMBA_MIN_WORK, pf.MIN_SPLIT_WORK = saved
+
+
+def _delta(seed: int) -> dict[str, torch.Tensor]:
+    out = {name: _rand(*shape, seed=seed + i) * (i + 1) for i, (name, shape) in enumerate(SHAPES.items())}
+    out["ties"] = torch.round(_rand(90, 140, seed=seed + 9) * 2) / 2  # many tiles tied at their k-th
+    out["zeros"] = torch.zeros(64, 70)
+    return out
+
+
+def _bits(d: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {name: t.contiguous().numpy().tobytes() for name, t in d.items()}
+
+
+@pytest.mark.parametrize("bits", [0, 2, 8])
+def test_fused_encode_gives_the_same_payload_and_errors_over_rounds(bits):
+    cfg = SparseLoCoConfig(quant_bits=bits, dense_1d=False)
+    runs = {}
+    for fused in (True, False):
+        with _path(fused):
+            errors, wires = None, []
+            for step in range(3):  # with error feedback: e = β·e + Δ in float32, as torch computes it
+                payload, errors = compress(_delta(10 * step), errors, cfg)
+                wires.append(payload.to_bytes())
+            runs[fused] = wires, _bits(errors)
+    assert runs[True] == runs[False]
+
+
+def test_fused_encode_error_buffer_matches_torch_on_a_large_tensor():
+    d, prev = _rand(640, 512, seed=1), _rand(640, 512, seed=2)
+    cfg = SparseLoCoConfig()
+    with _path(True):
+        payload, errors = compress({"w": d}, {"w": prev}, cfg)
+    sent = decompress(payload)["w"]
+    e = prev * cfg.beta + d  # the reference: float32, β·e rounded first
+    assert torch.equal(errors["w"], e - sent)
+    assert torch.equal(errors["w"][sent == 0], e[sent == 0])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_non_finite_entries_are_refused_on_both_paths(fused):
+    for bad in (float("nan"), float("inf")):
+        d = _rand(130, 70, seed=3)
+        d[129, 69] = bad
+        with _path(fused), pytest.raises(PayloadError, match="not finite"):
+            compress({"w": d}, None, SparseLoCoConfig())
+
+
+def test_fused_decode_positions_and_aggregation_equal_the_numpy_path():
+    cfg = SparseLoCoConfig(dense_1d=False)
+    payloads = [compress(_delta(7 * i), None, cfg)[0] for i in range(3)]
+    wires = [p.to_bytes() for p in payloads]
+    got = {}
+    for fused in (True, False):
+        with _path(fused):
+            parsed = [Payload.from_bytes(w) for w in wires]
+            assert [p.to_bytes() for p in parsed] == wires
+            positions = [entry_values(e, p.chunk, p.topk)[0] for p in parsed for e in p.entries]
+            got[fused] = (
+                [_bits(decompress(p)) for p in parsed],
+                [None if x is None else x.tobytes() for x in positions],
+                _bits(aggregate_payloads(parsed, 4, "mean-over-all", [None, 0.5, 0.0])),
+                _bits(aggregate_payloads(parsed, 3, "mean-over-contributors", [None, 0.25, None])),
+                _bits(clip_and_aggregate(parsed, 1.1)[0]),
+                [e.indices.tobytes() for p in parsed for e in p.entries],
+            )
+    assert got[True] == got[False]
+
+
+def test_a_rank_is_valid_exactly_below_the_binomial():
+    """The parse-time check (no unranking) accepts C(n, k) − 1 and refuses C(n, k), per tile class."""
+    cfg = SparseLoCoConfig()
+    payload, _ = compress({"w": _rand(64, 70, seed=4)}, None, cfg)  # tiles of 4096 and of 64·6 entries
+    wire = payload.to_bytes()
+    e = payload.entries[0]
+    start = 13 + 2 + len(e.name) + 2 + 4 * len(e.shape) + 4 * 2  # header, entry header, codebook
+    assert index_nbytes(e.shape, 64, 32) == 34 + 20
+    for tile, n, nb in ((0, 4096, 34), (1, 384, 20)):
+        at = start + (34 if tile else 0)
+        top = math.comb(n, 32)
+        ok = wire[:at] + (top - 1).to_bytes(nb, "little") + wire[at + nb :]
+        dense = decompress(Payload.from_bytes(ok))["w"]
+        cols = slice(0, 64) if tile == 0 else slice(64, 70)
+        assert int((dense[:, cols] != 0).sum()) == 32  # the last subset is a valid one
+        with pytest.raises(PayloadError, match="out of range"):
+            Payload.from_bytes(wire[:at] + top.to_bytes(nb, "little") + wire[at + nb :])
+
+
+def test_thread_split_does_not_change_the_result():
+    cfg = SparseLoCoConfig()
+    d = {"w": _rand(640, 256, seed=5)}
+    with _path(True):
+        split = compress(d, None, cfg)
+        pf.MIN_SPLIT_WORK = 1 << 60  # one range on the calling thread
+        whole = compress(d, None, cfg)
+    assert split[0].to_bytes() == whole[0].to_bytes()
+    assert torch.equal(split[1]["w"], whole[1]["w"])
+    assert pf.n_workers() >= 1
+    ranges: list[tuple[int, int]] = []
+    pf.MIN_SPLIT_WORK, saved = 0, pf.MIN_SPLIT_WORK
+    try:
+        pf.run_split(lambda b0, b1: ranges.append((b0, b1)), 7, 10**9)
+    finally:
+        pf.MIN_SPLIT_WORK = saved
+    assert sorted(ranges)[0][0] == 0 and sorted(ranges)[-1][1] == 7
+    assert sum(b - a for a, b in ranges) == 7

@@ -1,0 +1,44 @@
+"""The head's choice of micro-batches in flight and the wire fields of the pipelined schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from peer.net.transport import codec
+from peer.net.transport import peer_pb2 as pb
+from peer.net.transport.errors import HopError
+from peer.net.transport.messages import ForwardReply, ForwardRequest
+from peer.node.schedule import choose_in_flight, configured_in_flight
+
+
+def test_in_flight_defaults_to_the_stages_and_grows_with_the_round_trip():
+    assert choose_in_flight(0, stages=2, microbatches=8, rtt_s=0.0005) == 2
+    assert choose_in_flight(0, stages=4, microbatches=8, rtt_s=0.0) == 4
+    assert choose_in_flight(0, stages=2, microbatches=8, rtt_s=0.05) == 4
+    assert choose_in_flight(0, stages=4, microbatches=8, rtt_s=0.05) == 8  # capped by the micro-batches
+    assert choose_in_flight(3, stages=2, microbatches=8, rtt_s=1.0) == 3  # configured wins
+    assert choose_in_flight(0, stages=2, microbatches=1, rtt_s=0.0) == 1
+
+
+def test_the_local_override_wins_over_the_config(monkeypatch):
+    monkeypatch.setenv("PEER_TRAIN__IN_FLIGHT", "5")
+    assert configured_in_flight(0) == 5
+    monkeypatch.setenv("PEER_TRAIN__IN_FLIGHT", "many")
+    assert configured_in_flight(2) == 2
+
+
+def test_streamed_fields_round_trip():
+    tokens = torch.zeros(2, 4, dtype=torch.int32)
+    hidden = torch.randn(2, 4, 8)
+    req = ForwardRequest("p", 3, 1, 2, 1, tokens, hidden, targets=tokens, attempt=2, route=("10.0.0.2:5",), window=4)
+    back = codec.from_bytes(pb.ForwardRequest, codec.to_bytes(req))
+    assert (back.attempt, back.route, back.window) == (2, ("10.0.0.2:5",), 4)
+    reply = ForwardReply(loss=1.5, grad=hidden, sq_norms=(1.0, 2.0))
+    assert codec.from_bytes(pb.ForwardReply, codec.to_bytes(reply)).sq_norms == (1.0, 2.0)
+
+
+def test_a_hop_failure_names_its_stage_through_every_relay():
+    err = HopError(3, "network", "peer 10.0.0.4:5 forward: unavailable")
+    relayed = f"peer 10.0.0.2:5 forward: ABORTED: {err}"
+    assert HopError.parse(relayed) == (3, "network")
+    assert HopError.parse("FAILED_PRECONDITION: busy") is None
