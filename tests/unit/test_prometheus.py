@@ -120,3 +120,26 @@ def test_cumulative_totals_become_increments():
     assert totals.delta(("x",), 10) == 10
     assert totals.delta(("x",), 25) == 15
     assert totals.delta(("x",), 5) == 5  # restarted: counts from zero again
+
+
+def test_a_real_grpc_call_is_timed_and_counted_by_the_client():
+    """A PeerClient call (here to a port nobody listens on: real gRPC, UNAVAILABLE) lands in the
+    RPC latency histogram and the failure counter without any wiring by the caller."""
+    import socket
+
+    from peer.errors import NetworkError
+    from peer.net.transport.client import PeerClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    def sample(name: str, **labels: str) -> float:
+        value = prom.REGISTRY.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    calls, failures = sample("peer_rpc_seconds_count", method="info"), sample("peer_rpc_failures_total", method="info")
+    with PeerClient(f"127.0.0.1:{port}", timeout_s=2.0, retries=0) as client, pytest.raises(NetworkError):
+        client.info()
+    assert sample("peer_rpc_seconds_count", method="info") == calls + 1
+    assert sample("peer_rpc_failures_total", method="info") == failures + 1

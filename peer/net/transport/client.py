@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from peer.errors import NetworkError
+from peer.net import prometheus
 from peer.net.transport import codec, dialer, framing
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
@@ -165,12 +166,16 @@ class PeerClient:
 
     def _counted_out(self, method: str, chunks: Iterable[pb.Chunk]) -> Iterator[pb.Chunk]:
         for chunk in chunks:
-            self._count(self._sent, method, framing.chunk_size(len(chunk.data), chunk.last))
+            n = framing.chunk_size(len(chunk.data), chunk.last)
+            self._count(self._sent, method, n)
+            prometheus.count_bytes(method, self.address, sent=n)
             yield chunk
 
     def _counted_in(self, method: str, chunks: Iterable[pb.Chunk]) -> Iterator[pb.Chunk]:
         for chunk in chunks:
-            self._count(self._received, method, framing.chunk_size(len(chunk.data), chunk.last))
+            n = framing.chunk_size(len(chunk.data), chunk.last)
+            self._count(self._received, method, n)
+            prometheus.count_bytes(method, self.address, received=n)
             yield chunk
 
     def _streamed(
@@ -221,6 +226,16 @@ class PeerClient:
         return codec.from_bytes(reply_type, raw, self._limits)
 
     def _call(self, method: str, attempt: Callable[[float], T], timeout_s: float | None, idempotent: bool) -> T:
+        """`_attempt_call`, its latency and outcome observed for `peer join --metrics-port`."""
+        started, ok = time.monotonic(), False
+        try:
+            out = self._attempt_call(method, attempt, timeout_s, idempotent)
+            ok = True
+            return out
+        finally:
+            prometheus.observe_rpc(method, time.monotonic() - started, ok)
+
+    def _attempt_call(self, method: str, attempt: Callable[[float], T], timeout_s: float | None, idempotent: bool) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         self._count(self._calls, method, 1)
