@@ -12,9 +12,8 @@ Records (all values are msgpack-friendly; every record has an expiration):
   by one of their --initial-peers (or the only copy) and apply its admission policy.
 - ``peer.manifest.sealed``: the text with the bootstrap's signature inside (`identity.seal`),
   re-published by every peer under its own subkey: the manifest outlives the bootstrap.
-- ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients:
-  ``json.loads(hivemind.DHT(initial_peers=[...], start=True).get("peer.manifest", latest=True).value)``.
-  Anyone can overwrite it; `peer` itself never trusts it.
+- ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients
+  (``DHT(...).get("peer.manifest", latest=True)``); anyone can overwrite it, `peer` never trusts it.
 - ``peer.{run}.stage.{s}``, ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}``: one signed
   subkey per peer (see `peer.net.records`); readers return ``{peer id: record}`` with ``"time"``
   (DHT time at announcement) and ``"peer_id"`` added.
@@ -60,6 +59,7 @@ from peer.net.admission import (
     load_swarm_secret,
     secret_commitment,
 )
+from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.processes import ProcessTree
 from peer.net.records import RecordReader, check_plain, choose_manifest, unsealed_copies
@@ -225,6 +225,7 @@ class SwarmDHT:
                 kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
             if identity.fresh:
                 kwargs["check_if_identity_free"] = False  # a key made just now is not in use elsewhere
+            quiet_cancelled_futures()  # inherited by the DHT process (peer.net.hivemind_logs)
             self._dht = hivemind.DHT(
                 initial_peers=initial or None, start=False, record_validators=[validator], **kwargs
             )
