@@ -23,7 +23,8 @@ from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 3: payload format v3 (entropy-coded indices, sign-magnitude values), global-norm clipping fields
+PROTOCOL_VERSION = 4  # 4: streamed pipeline (route/window/attempt), data-plane proofs, Tunnel service, screening
+# 3: payload format v3 (entropy-coded indices, sign-magnitude values), global-norm clipping fields
 POLL_S = 0.5  # pause between two manifest lookups while waiting for it
 
 
