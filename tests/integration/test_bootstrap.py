@@ -30,7 +30,7 @@ from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT, make_identity
 from peer.net.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
 from peer.node.manifest import run_id_for, verify_manifest
-from peer.tools.status import collect_status
+from peer.tools.status import LINK_FIELDS, collect_status
 from tests.conftest import assert_no_leftover_children, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -249,6 +249,7 @@ def test_collect_status_reads_stage_and_replica_records(boot):
         head.withdraw_stage(0)
         head.withdraw_replica()
         full.withdraw_replica()
+    no_link = dict.fromkeys(LINK_FIELDS)  # records without connectivity fields (docs/connectivity.md)
     assert status == {
         "run_id": run_id,
         "preset": "tiny",
@@ -262,11 +263,12 @@ def test_collect_status_reads_stage_and_replica_records(boot):
                     "tokens_per_s": 1200.0,
                     "role": "head",
                     "address": "127.0.0.1:7000",
+                    **no_link,
                 }
             ],
             "1": [],
         },
-        "full_replicas": [{"peer_id": full.peer_id, "outer_step": 4, "loss": 4.25, "tokens_per_s": 900.0}],
+        "full_replicas": [{"peer_id": full.peer_id, "outer_step": 4, "loss": 4.25, "tokens_per_s": 900.0, **no_link}],
     }
 
 
