@@ -286,10 +286,10 @@ def test_a_signal_to_the_demo_stops_every_process(tmp_path, tag, fake, sig):
         return any('"start"' in p.read_text() for p in workdir.glob("p0-s0/metrics.jsonl"))
 
     try:
-        _wait_for(lambda: heads_up() and len(_pids_with_env(tag)) >= 6, 30, "the stand-in swarm")
+        _wait_for(lambda: heads_up() and len(_pids_with_env(tag)) >= 6, 90, "the stand-in swarm")
         # demo + bootstrap + p0-s1 + p0-s0 + full0 + full0's escaped grandchild
         demo.send_signal(sig)
-        out, _ = demo.communicate(timeout=15)
+        out, _ = demo.communicate(timeout=60)  # a deadline on a loaded CI machine, not a speed check
     finally:
         if demo.poll() is None:
             demo.kill()
