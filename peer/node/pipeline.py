@@ -160,16 +160,10 @@ class PipelineDriver:
 
         More than one micro-batch in flight: the pipelined schedule (`peer.node.schedule`)."""
         self.in_flight = self._pipelined.in_flight(t) if self.cfg.stages > 1 else 1
-        if self.in_flight > 1:
-            loss, sq_norms = self._pipelined.run(t, h, x, y, self.in_flight)
-            self._step(t, h, x.numel(), sq_norms)
-            self.last_loss = loss
-            self.tokens += x.numel()
-            return loss
         attempts = 0
         while True:
             try:
-                loss = self._run_inner_step(t, h, x, y)
+                loss = self._run_pipelined(t, h, x, y) if self.in_flight > 1 else self._run_inner_step(t, h, x, y)
                 break
             except StageUnavailable as exc:
                 attempts += 1
@@ -179,6 +173,13 @@ class PipelineDriver:
                 log.warning("replaying inner step %d of outer step %d after: %s", h, t, exc)
         self.last_loss = loss
         self.tokens += x.numel()
+        return loss
+
+    def _run_pipelined(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Micro-batches in flight (the schedule replays its own failed hops), then every stage's
+        step; a stage peer lost at the step is replaced and the whole inner step replayed."""
+        loss, sq_norms = self._pipelined.run(t, h, x, y, self.in_flight)
+        self._step(t, h, x.numel(), sq_norms)
         return loss
 
     def _run_inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
