@@ -274,7 +274,8 @@ class ChaosRun:
             self.orphans += self._orphans_after_sigterm()
         finally:
             self.children.stop_all(grace_s=5.0)
-        result = summary(self.workdir, self.faults, self.cfg.stall_s, self.orphans, end, self.kill_windows)
+        start = min((float(f["time"]) for f in self.faults), default=None)  # churn starts at the first fault
+        result = summary(self.workdir, self.faults, self.cfg.stall_s, self.orphans, end, self.kill_windows, start)
         (self.workdir / "chaos.json").write_text(
             json.dumps({"config": asdict(self.cfg), "summary": result, "faults": self.faults}, indent=2, default=str)
         )

@@ -9,13 +9,15 @@ with --resume keeps its holder, a fresh restart is a new one) and every `<workdi
 - Lone commits: a round event with a one-replica committed set that no other holder of the same
   (t, s) committed.
 - Stalls: gaps longer than `stall_s` between two consecutive round events of the whole swarm.
-Only events up to the end of the fault schedule count: when every peer leaves at the end, a round
+Only events from the first fault to the end of the fault schedule count (start-up is not churn):
+when every peer leaves at the end, a round
 in flight may close differently on different holders, and nobody is left to reconcile.
 Pure functions of files: the report of a finished workdir can be recomputed at any time.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -30,12 +32,13 @@ State = tuple[str, str]  # (param_hash, perp_hash)
 Table = dict[tuple[int, int], dict[str, list[tuple[str, State]]]]  # (outer step, stage) -> holder -> states
 
 
-def holder_events(workdir: Path, end: float | None = None) -> dict[str, list[dict[str, Any]]]:
-    """{holder (data directory name): its metrics events in file order}, up to `end` (unix time)."""
+def holder_events(
+    workdir: Path, end: float | None = None, start: float | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """{holder (data directory name): its metrics events in file order}, from `start` to `end` (unix time)."""
     out = {p.parent.name: read_events(p) for p in sorted(Path(workdir).glob("*/metrics.jsonl"))}
-    if end is not None:
-        out = {h: [ev for ev in evs if float(ev.get("time", 0.0)) <= end] for h, evs in out.items()}
-    return out
+    lo, hi = -math.inf if start is None else start, math.inf if end is None else end
+    return {h: [ev for ev in evs if lo <= float(ev.get("time", 0.0)) <= hi] for h, evs in out.items()}
 
 
 def states(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> Table:
@@ -144,10 +147,12 @@ def summary(
     orphans: int,
     end: float | None = None,
     kill_windows: Sequence[tuple[str, int, int]] = (),
+    start: float | None = None,
 ) -> dict[str, Any]:
     """The chaos table: faults by kind, recovery times, stalls, disagreements, lone commits,
     orphans, tracebacks (`faults`: what the harness injected, with "recovery_s" or None)."""
-    events = holder_events(workdir, end)  # the final shutdown (every peer leaving) is not churn
+    # the swarm's start-up (before the first fault) and its final shutdown are not churn
+    events = holder_events(workdir, end, start)
     table = states(events)
     committed, unresolved = disagreements(table)
     crashes = [f for f in faults if f["kind"] == "crash"]  # a role that exited by itself
