@@ -32,7 +32,8 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def _run(*cmd: str) -> None:
+def run_cmd(*cmd: str) -> None:
+    """Run one `ip`/`tc`/`iptables` command; RuntimeError with its stderr when it fails."""
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
@@ -60,13 +61,13 @@ class ShapedChain:
     def _setup(self) -> None:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)  # a leftover
-            _run("ip", "netns", "add", name)
+            run_cmd("ip", "netns", "add", name)
             self._made.append(name)
-            _run("ip", "-n", name, "link", "set", "lo", "up")
-            _run("ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            run_cmd("ip", "-n", name, "link", "set", "lo", "up")
+            run_cmd("ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         for i in range(self.stages - 1):
             left, right = f"{self.names[i]}r", f"{self.names[i + 1]}l"
-            _run(
+            run_cmd(
                 "ip",
                 "link",
                 "add",
@@ -81,17 +82,17 @@ class ShapedChain:
                 self.names[i + 1],
             )
             for ns, dev, host in ((self.names[i], left, 1), (self.names[i + 1], right, 2)):
-                _run("ip", "-n", ns, "addr", "add", f"10.77.{i}.{host}/24", "dev", dev)
-                _run("ip", "-n", ns, "link", "set", dev, "up")
+                run_cmd("ip", "-n", ns, "addr", "add", f"10.77.{i}.{host}/24", "dev", dev)
+                run_cmd("ip", "-n", ns, "link", "set", dev, "up")
                 if self.rate:
-                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                    run_cmd("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                          "burst", self.burst, "latency", "400ms")  # fmt: skip
         for i, ns in enumerate(self.names):  # routes to the subnets beyond the neighbours
             for j in range(self.stages - 1):
                 if j > i:
-                    _run("ip", "-n", ns, "route", "add", f"10.77.{j}.0/24", "via", f"10.77.{i}.2")
+                    run_cmd("ip", "-n", ns, "route", "add", f"10.77.{j}.0/24", "via", f"10.77.{i}.2")
                 elif j < i - 1:
-                    _run("ip", "-n", ns, "route", "add", f"10.77.{j}.0/24", "via", f"10.77.{i - 1}.1")
+                    run_cmd("ip", "-n", ns, "route", "add", f"10.77.{j}.0/24", "via", f"10.77.{i - 1}.1")
 
     def address(self, stage: int) -> str:
         """The IP stage `stage` listens on (reachable from every namespace of the chain)."""

@@ -18,6 +18,8 @@ import os
 import shutil
 import subprocess
 
+from peer.tools.netns import run_cmd as _run
+
 PUBLIC_IP = "10.200.0.1"
 
 
@@ -32,12 +34,6 @@ def unavailable() -> str | None:
     if probe.returncode != 0:
         return f"network namespaces are not available here: {probe.stderr.strip()}"
     return None
-
-
-def _run(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
 
 
 class NatLab:
