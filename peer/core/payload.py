@@ -223,8 +223,9 @@ def _levels(qb: int) -> int:  # magnitude levels of a qb-bit sign-magnitude code
 
 def dequantize(codes: np.ndarray, codebook: np.ndarray, qb: int) -> np.ndarray:
     """±codebook[bin] of sign-magnitude codes (n,), float32: the sign bit is the value's sign."""
-    mag = codebook[(codes & (_levels(qb) - 1)).astype(np.int64)].astype(np.float32)
-    out: np.ndarray = np.where(codes >> (qb - 1) != 0, -mag, mag)
+    mag = codebook.astype(np.float32)
+    lut = np.concatenate([mag, -mag])  # code = sign << (qb − 1) | bin  →  ±mag[bin]
+    out: np.ndarray = lut[codes]
     return out
 
 
@@ -392,13 +393,15 @@ def write_entry(
     add: bool,
     scale: float | None = None,
     cnt: np.ndarray | None = None,
+    zeroed: bool = False,
 ) -> None:
     """Write Δ̂ of one entry into the flat float32 `out`: out = Δ̂ (add False: every entry is written,
-    so `out` may be uninitialized) or out += Δ̂·scale (scale None: unscaled; a float32 product, then
-    one add). With `cnt`, cnt += 1 where the added value is non-zero. Sparse entries scatter straight in."""
+    so `out` may be uninitialized; `zeroed`: it holds zeros, which need not be written again) or
+    out += Δ̂·scale (scale None: unscaled; a float32 product, then one add). With `cnt`, cnt += 1
+    where the added value is non-zero. Sparse entries scatter straight in."""
     vals = values_of(e)
     if e.kind == SPARSE and e.ranked(chunk, topk):
-        scatter(e.shape, chunk, topk, _bytes(e.index_bytes), vals, out, add, scale, cnt)
+        scatter(e.shape, chunk, topk, _bytes(e.index_bytes), vals, out, add, scale, cnt, zeroed)
         return
     pos = None if e.kind != SPARSE else positions(e.shape, chunk, topk, _arr(e.indices))
     if scale is not None:

@@ -4,11 +4,13 @@
 
 `encode_tensor` runs the fused kernels (peer.core.payload_fused: one pass over the tensor per
 tile writes e, selects the top-k and writes the index ranks, split over the CPU cores) when numba
-is in use, else the torch/numpy path below; both give the same bits, which tests check.
+is in use, else the torch/numpy path below; both give the same bits, which tests check. With
+`in_place` the new error buffer is written over the old one, and the encoder's work arrays are
+kept per thread (`_scratch`): a steady-state round allocates nothing of the model's size.
 
 Q is per tensor and sign-true: each code is the value's sign bit plus one of 2^(bits−1) magnitude
-bins, and the codebook holds the bins' mean |v| (equal-count bins refined by Lloyd steps), so a
-sent value never changes sign. quant_bits == 0 sends float32 values.
+bins, and the codebook holds the bins' mean |v| (equal-count bins refined by Lloyd steps, which stop
+at a fixed point), so a sent value never changes sign. quant_bits == 0 sends float32 values.
 
 Invariants: top-k picks what torch.topk(|e| per chunk, sorted=True) picks, ties included (a chunk
 tied at its k-th entry is ranked by torch.topk itself); e is computed as torch does (β·e rounded
@@ -18,6 +20,7 @@ to float32, then + Δ); Δ̂ is exactly what a receiver decodes, so e_new keeps 
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,12 +41,13 @@ from peer.core.payload import (
     valid_extent,
 )
 from peer.core.payload_fused import run_split
-from peer.core.payload_index import enumerative, layout, rerank, tables
+from peer.core.payload_index import Layout, enumerative, layout, rerank, tables
 
 if TYPE_CHECKING:
     from peer.core.sparseloco import SparseLoCoConfig
 
 
+_kept = threading.local()  # per-thread work arrays of `_scratch`
 LLOYD_ROUNDS = 16  # refinements of the magnitude bins after the equal-count start
 
 
@@ -60,14 +64,20 @@ def quantize(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     n_bins = 2 ** (bits - 1)
     if v.size == 0:
         return np.zeros(0, np.uint8), np.zeros(n_bins, np.float32)
-    a = np.abs(v.astype(np.float64))
-    s = np.sort(a)
+    a = np.abs(v)  # sorted in v's own dtype (float32: twice as fast), summed in float64: exact widening
+    s = np.sort(a).astype(np.float64)
     csum = np.concatenate([[0.0], np.cumsum(s)])
     edges = np.unique(s[(np.arange(1, n_bins) * a.size) // n_bins])  # equal-count start, ties merged
     edges, means = _merge_empty(s, csum, edges)
     for _ in range(LLOYD_ROUNDS):
-        edges, means = _merge_empty(s, csum, (means[:-1] + means[1:]) / 2)
-    mag = np.searchsorted(edges, a, side="right").astype(np.uint8)  # bin = #edges <= |v|
+        step, means = _merge_empty(s, csum, (means[:-1] + means[1:]) / 2)
+        if np.array_equal(step, edges):  # a fixed point: every later step gives these again
+            break
+        edges = step
+    if len(edges) == 1:  # bin = #edges <= |v|, compared in float64
+        mag = np.greater_equal(a, np.float64(edges[0])).astype(np.uint8)
+    else:
+        mag = np.searchsorted(edges, a.astype(np.float64), side="right").astype(np.uint8)
     sign = (v < 0).astype(np.uint8) << (bits - 1)
     codebook = np.full(n_bins, means[-1], dtype=np.float32)  # bins past the used ones: never decoded
     codebook[: len(means)] = means
@@ -85,11 +95,13 @@ def _merge_empty(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> tuple[np
 
 def _bin_means(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """Mean of the sorted magnitudes s in each bin [edge_{i−1}, edge_i) (nan for an empty bin)."""
-    bounds = np.concatenate([[0], np.searchsorted(s, edges, side="left"), [s.size]])
-    counts = np.diff(bounds)
-    sums = csum[bounds[1:]] - csum[bounds[:-1]]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    bounds = np.empty(len(edges) + 2, dtype=np.int64)
+    bounds[0], bounds[-1] = 0, s.size
+    bounds[1:-1] = np.searchsorted(s, edges, side="left")
+    counts = bounds[1:] - bounds[:-1]
+    means: np.ndarray = (csum[bounds[1:]] - csum[bounds[:-1]]) / np.maximum(counts, 1)
+    means[counts == 0] = np.nan
+    return means
 
 
 def _chunk_magnitudes(e: Tensor, chunk: int) -> Tensor:
@@ -103,17 +115,6 @@ def _chunk_magnitudes(e: Tensor, chunk: int) -> Tensor:
     padded = torch.full((n_r * th, n_c * tw), -math.inf)
     torch.abs(e.view(rows, cols), out=padded[:rows, :cols])
     return padded.view(n_r, th, n_c, tw).permute(0, 2, 1, 3).reshape(n_r * n_c, th * tw)  # (n_chunks, th·tw)
-
-
-def _tied_magnitudes(e: Tensor, chunk: int, tiles: np.ndarray) -> Tensor:
-    """The rows of `_chunk_magnitudes(e, chunk)` for the given tile numbers only. (len(tiles), chunk²)."""
-    rows, cols, th, tw = tile_dims(tuple(e.shape), chunk)
-    n_c = -(-cols // tw)
-    r = (tiles // n_c)[:, None] * th + (np.arange(th * tw) // tw)[None, :]  # (t, th·tw)
-    c = (tiles % n_c)[:, None] * tw + (np.arange(th * tw) % tw)[None, :]
-    real = (r < rows) & (c < cols)
-    flat = e.reshape(-1)[torch.from_numpy(np.where(real, r * cols + c, 0))].abs()
-    return torch.where(torch.from_numpy(real), flat, -math.inf)
 
 
 def _select(e: Tensor, cfg: SparseLoCoConfig) -> np.ndarray:
@@ -165,20 +166,25 @@ def check_finite(name: str, x: np.ndarray) -> None:
         )
 
 
-def encode_tensor(name: str, d: Tensor, prev: Tensor | None, cfg: SparseLoCoConfig) -> tuple[TensorEntry, Tensor]:
+def encode_tensor(
+    name: str, d: Tensor, prev: Tensor | None, cfg: SparseLoCoConfig, in_place: bool = False
+) -> tuple[TensorEntry, Tensor]:
     """(entry of Δ̂, new error buffer e − Δ̂) for Δ `d` and the previous error buffer `prev` (or None).
 
-    d and prev: float32, CPU, contiguous, of one shape; neither is modified.
+    d and prev: float32, CPU, contiguous, of one shape. d is not modified; prev is not either,
+    unless `in_place`: then the new error buffer is written into prev (and returned), so a round
+    allocates nothing of the tensor's size.
     """
     shape = tuple(d.shape)
     dense = d.dim() <= 1 and cfg.dense_1d
+    in_place = in_place and prev is not None
     kern = None if dense or not enumerative(cfg.topk) else pk.compiled(d.numel() // 16)
     if kern is not None:
-        return _encode_fused(kern, name, d, prev, cfg)
+        return _encode_fused(kern, name, d, prev, cfg, in_place)
     if prev is None:
         e = d.clone(memory_format=torch.contiguous_format)
     else:
-        e = prev.mul(cfg.beta).contiguous()
+        e = prev.mul_(cfg.beta) if in_place else prev.mul(cfg.beta).contiguous()
         e.add_(d)  # e = β·e + Δ (two roundings, as written)
     entry = _encode_tensor(name, e, cfg)
     pos, vals = entry_values(entry, cfg.chunk, cfg.topk)
@@ -199,32 +205,35 @@ def _check_update(name: str, vals: np.ndarray) -> None:
 
 
 def _encode_fused(
-    kern: Any, name: str, d: Tensor, prev: Tensor | None, cfg: SparseLoCoConfig
+    kern: Any, name: str, d: Tensor, prev: Tensor | None, cfg: SparseLoCoConfig, in_place: bool
 ) -> tuple[TensorEntry, Tensor]:
     """encode_tensor of a sparse tensor with the fused kernels (see the module docstring)."""
     shape, chunk, topk = tuple(d.shape), cfg.chunk, cfg.topk
     lay = layout(shape, chunk, topk)
-    n_chunks, k = lay.n_chunks, lay.k
+    n_chunks, k, n_sel = lay.n_chunks, lay.k, int(lay.sel[-1])
     table = tables(chunk, topk)[0]
-    error = torch.empty(shape, dtype=torch.float32)  # every entry is written by the kernel
+    error = prev if in_place and prev is not None else torch.empty(shape, dtype=torch.float32)  # all written
     e = error.view(-1).numpy()
-    local = np.empty((n_chunks, k), dtype=np.int64)
-    tie = np.zeros(n_chunks, dtype=np.bool_)
-    bad = np.zeros(n_chunks, dtype=np.bool_)
-    rank_buf = np.empty(int(lay.off[-1]), dtype=np.uint8)
+    local = _scratch("local", n_chunks * k, np.int64).reshape(n_chunks, k)
+    tie, bad = _scratch("tie", n_chunks, np.bool_), _scratch("bad", n_chunks, np.bool_)
+    tie[:], bad[:] = False, False
+    rank_buf = _scratch("ranks", int(lay.off[-1]), np.uint8)  # copied into the entry
+    pos = _scratch("pos", n_sel, np.int64)
+    vals = np.empty(n_sel, dtype=np.float32) if cfg.quant_bits == 0 else _scratch("vals", n_sel, np.float32)
     p = np.zeros(0, dtype=np.float32) if prev is None else prev.reshape(-1).numpy()
     geometry = (lay.rows, lay.cols, lay.th, lay.tw, k)
-    args = (d.reshape(-1).numpy(), p, np.float32(cfg.beta), *geometry, table, lay.off, e, local, tie, bad, rank_buf)
+    out = (local, tie, bad, rank_buf, lay.sel, vals, pos)
+    args = (d.reshape(-1).numpy(), p, np.float32(cfg.beta), *geometry, table, lay.off, e, *out)
     if sum(run_split(kern.encode, lay.n_bands, e.size, *args)):
         check_finite(name, np.array([np.nan]))
     tied = np.flatnonzero(tie)
     if len(tied):  # the set is ambiguous there: let torch.topk break the tie as it always has
-        top = torch.topk(_tied_magnitudes(error, chunk, tied), k, dim=1, sorted=True).indices
+        mags = np.empty((len(tied), lay.th * lay.tw), dtype=np.float32)  # their rows of _chunk_magnitudes
+        kern.tiles(e, tied, lay.rows, lay.cols, lay.th, lay.tw, mags)
+        top = torch.topk(torch.from_numpy(mags), k, dim=1, sorted=True).indices
         local[tied] = torch.sort(top, dim=1).values.numpy()
         rerank(lay, local, tied, table, rank_buf)
-    n_sel = int(lay.sel[-1])
-    vals, pos = np.empty(n_sel, dtype=np.float32), np.empty(n_sel, dtype=np.int64)
-    run_split(kern.gather, lay.n_bands, n_sel * 64, e, local, lay.kc, lay.sel, lay.cols, lay.th, lay.tw, vals, pos)
+        _gather_tiles(lay, local, tied, e, vals, pos)
     coding = {"index_bytes": rank_buf.tobytes(), "chunk": chunk, "topk": topk}
     if cfg.quant_bits == 0:
         entry, sent = TensorEntry(name, SPARSE, shape, values=vals, **coding), vals  # type: ignore[arg-type]
@@ -233,5 +242,28 @@ def _encode_fused(
         entry = TensorEntry(name, SPARSE, shape, codes=codes, codebook=codebook, **coding)  # type: ignore[arg-type]
         sent = dequantize(codes, codebook, cfg.quant_bits)
     _check_update(name, sent)
-    e[pos] -= sent  # e − Δ̂ in float32; positions are distinct
+    n_c = -(-lay.cols // lay.tw)
+    run_split(kern.subtract, lay.n_bands, n_sel * 64, e, pos, sent, lay.sel, n_c)  # e − Δ̂; positions are distinct
     return entry, error
+
+
+def _scratch(key: str, n: int, dtype: type) -> np.ndarray:
+    """A work array of n entries that never leaves the encoder, kept per thread and reused by the next
+    tensor and round (fresh pages cost more than the work on them)."""
+    kept: dict[str, np.ndarray] = _kept.__dict__.setdefault("arrays", {})
+    buf = kept.get(key)
+    if buf is None or buf.size < n:
+        buf = kept[key] = np.empty(max(n, 1), dtype=dtype)
+    return buf[:n]
+
+
+def _gather_tiles(
+    lay: Layout, local: np.ndarray, tiles: np.ndarray, e: np.ndarray, vals: np.ndarray, pos: np.ndarray
+) -> None:
+    """pos/vals of the sent entries of the given full tiles from their local indices local[tiles] (t, k)."""
+    n_c = -(-lay.cols // lay.tw)
+    li = local[tiles]
+    flat = ((tiles // n_c)[:, None] * lay.th + li // lay.tw) * lay.cols + (tiles % n_c)[:, None] * lay.tw + li % lay.tw
+    at = lay.sel[tiles][:, None] + np.arange(lay.k)[None, :]  # (t, k)
+    pos[at] = flat
+    vals[at] = e[flat]

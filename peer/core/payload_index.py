@@ -324,11 +324,13 @@ def scatter(
     add: bool,
     scale: float | None = None,
     cnt: np.ndarray | None = None,
+    zeroed: bool = False,
 ) -> None:
     """out = vals at the positions a validated rank buffer sends and 0 elsewhere (add False; out may
-    be uninitialized), or out[p] += vals (× float32 scale); with cnt, cnt[p] += 1 where the added
-    value is non-zero. out, cnt: flat float32 of the tensor's size."""
-    mode = 1 if not add else 2 if scale is None else 3
+    be uninitialized unless `zeroed` says it holds zeros already), or out[p] += vals (× float32
+    scale); with cnt, cnt[p] += 1 where the added value is non-zero. out, cnt: flat float32 of the
+    tensor's size."""
+    mode = (4 if zeroed else 1) if not add else 2 if scale is None else 3
     s = np.float32(1 if scale is None else scale)
     extra = {} if cnt is None else {"cnt": cnt}
     if _walk(shape, chunk, topk, buf, mode, vals=vals, scale=s, out=out, **extra):

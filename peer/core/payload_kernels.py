@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,15 @@ ENUM_MAX_K = 64  # enumerative coding up to this topk; larger topk packs fixed-w
 NUMBA_MIN_WORK = 1 << 12  # work below which the numpy versions run (tiny tests never JIT-compile)
 
 _state: dict[str, Any] = {"enabled": True, "kernels": None}
+_lock = threading.Lock()  # held while the kernels load
+
+
+def _fresh_lock() -> None:  # a forked child has no thread that could release the parent's lock
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
 
 
 def set_numba(enabled: bool) -> None:
@@ -59,6 +69,13 @@ def compiled(work: int) -> Any:
     if not _state["enabled"]:
         return None
     if _state["kernels"] is None and work >= NUMBA_MIN_WORK:
+        with _lock:  # codec threads may ask at once: load the kernels once
+            _load()
+    return _state["kernels"] or None
+
+
+def _load() -> None:
+    if _state["kernels"] is None:
         try:
             os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())  # read when numba is imported
             import numba
@@ -67,7 +84,6 @@ def compiled(work: int) -> Any:
         except Exception as exc:  # noqa: BLE001  # any import/compile failure means: use numpy
             log.warning("numba kernels unavailable (%s: %s); using numpy", type(exc).__name__, exc)
             _state["kernels"] = False
-    return _state["kernels"] or None
 
 
 # ------------------------------------------------------------------------------------------
@@ -221,7 +237,8 @@ def _compile(njit: Callable[[Any], Any]) -> Any:
         rank=njit(_rank_jit),
         unrank=njit(_unrank_jit),
         encode=njit(pf._encode_jit),
-        gather=njit(pf._gather_jit),
+        subtract=njit(pf._subtract_jit),
+        tiles=njit(pf._tiles_jit),
         walk=njit(pf._walk_jit),
     )
 

@@ -35,6 +35,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,6 +56,7 @@ from peer.core.payload import (
     write_entry,
 )
 from peer.core.payload_encode import encode_tensor, quantize
+from peer.core.payload_fused import run_each
 from peer.errors import ConfigError
 
 __all__ = [
@@ -142,10 +144,15 @@ def ideal_bytes_per_param(cfg: SparseLoCoConfig) -> float:
 
 
 def _decode_tensor(e: TensorEntry, chunk: int, topk: int) -> Tensor:
-    """Dense float32 Δ̂ of one entry (written once: the fused kernels zero each band as they fill it)."""
-    out = torch.empty(e.shape, dtype=torch.float32)
-    write_entry(e, chunk, topk, out.view(-1).numpy(), add=False)
-    return out
+    """Dense float32 Δ̂ of one entry. A sparse one starts as np.zeros (calloc: fresh pages come zeroed
+    from the OS, never written twice) and only its sent entries are written; a dense one is written whole."""
+    if e.kind != SPARSE:
+        out = torch.empty(e.shape, dtype=torch.float32)
+        write_entry(e, chunk, topk, out.view(-1).numpy(), add=False)
+        return out
+    flat = np.zeros(math.prod(e.shape), dtype=np.float32)
+    write_entry(e, chunk, topk, flat, add=False, zeroed=True)
+    return torch.from_numpy(flat).view(e.shape)
 
 
 # ------------------------------------------------------------------------------------------
@@ -162,13 +169,20 @@ def pseudo_gradient(start: Mapping[str, Tensor], now: Mapping[str, Tensor]) -> d
 
 
 def compress(
-    delta: Mapping[str, Tensor], errors: Mapping[str, Tensor] | None, cfg: SparseLoCoConfig
+    delta: Mapping[str, Tensor],
+    errors: Mapping[str, Tensor] | None,
+    cfg: SparseLoCoConfig,
+    *,
+    in_place: bool = False,
 ) -> tuple[Payload, dict[str, Tensor]]:
     """e = β·e + Δ; Δ̂ = Q(TOP-k per chunk(e)); returns (payload of Δ̂, new errors e − Δ̂).
 
-    Inputs are not modified. Δ̂ is decoded from the entries exactly as a receiver decodes it.
+    Inputs are not modified, unless `in_place`: then the new errors are written into the tensors of
+    `errors` (float32, CPU, contiguous ones are used as they are) and returned, for a caller that
+    drops the old ones anyway; a steady-state round then allocates no buffer of the model's size.
+    The bits are the same either way. Δ̂ is decoded from the entries exactly as a receiver decodes it.
     """
-    entries, new_errors = [], {}
+    items = []
     for name, d in delta.items():
         d = d.detach().to("cpu", torch.float32).contiguous()
         prev = None if errors is None else errors.get(name)
@@ -176,14 +190,20 @@ def compress(
             if tuple(prev.shape) != tuple(d.shape):
                 raise ValueError(f"error buffer of {name!r} has shape {tuple(prev.shape)}, delta has {tuple(d.shape)}")
             prev = prev.detach().to("cpu", torch.float32).contiguous()
-        entry, new_errors[name] = encode_tensor(name, d, prev, cfg)
-        entries.append(entry)
-    return Payload(entries, cfg.chunk, cfg.topk, cfg.quant_bits), new_errors
+        items.append((name, d, prev))
+    done = run_each(lambda x: encode_tensor(*x, cfg, in_place), items, [x[1].numel() for x in items])
+    entries = [entry for entry, _ in done]
+    return Payload(entries, cfg.chunk, cfg.topk, cfg.quant_bits), {
+        x[0]: e for x, (_, e) in zip(items, done, strict=True)
+    }
 
 
 def decompress(payload: Payload) -> dict[str, Tensor]:
     """Dense float32 Δ̂ per name; shapes come from the payload."""
-    return {e.name: _decode_tensor(e, payload.chunk, payload.topk) for e in payload.entries}
+    entries = payload.entries
+    work = [math.prod(e.shape) for e in entries]
+    decoded = run_each(lambda e: _decode_tensor(e, payload.chunk, payload.topk), entries, work)
+    return {e.name: t for e, t in zip(entries, decoded, strict=True)}
 
 
 def _check_rule(rule: str, n_participants: int, n_payloads: int) -> None:
@@ -249,21 +269,29 @@ def aggregate_payloads(
     """
     _check_rule(rule, n_participants, len(payloads))
     scales = [None] * len(payloads) if scales is None else list(scales)
-    sums: dict[str, Tensor] = {}
-    counts: dict[str, Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    adds: dict[str, list[tuple[TensorEntry, Payload, float | None]]] = {}  # per tensor, in payload order
     for p, scale in zip(payloads, scales, strict=True):
         for e in p.entries:
             if names is not None and e.name not in names:
                 continue
-            shape = tuple(e.shape)
-            if e.name not in sums:
-                sums[e.name] = torch.zeros(shape, dtype=torch.float32)
-                if rule == "mean-over-contributors":
-                    counts[e.name] = torch.zeros(shape, dtype=torch.float32)
-            if tuple(sums[e.name].shape) != shape:
-                raise _shape_mismatch(e.name, tuple(sums[e.name].shape), shape)
-            cnt = counts[e.name].view(-1).numpy() if rule == "mean-over-contributors" else None
-            write_entry(e, p.chunk, p.topk, sums[e.name].view(-1).numpy(), True, scale, cnt)
+            shape = shapes.setdefault(e.name, tuple(e.shape))
+            if shape != tuple(e.shape):
+                raise _shape_mismatch(e.name, shape, tuple(e.shape))
+            adds.setdefault(e.name, []).append((e, p, scale))
+    contributors = rule == "mean-over-contributors"
+
+    def accumulate(name: str) -> tuple[Tensor, Tensor | None]:  # tensors are independent: shared out
+        total = torch.zeros(shapes[name], dtype=torch.float32)
+        count = torch.zeros(shapes[name], dtype=torch.float32) if contributors else None
+        for e, p, scale in adds[name]:
+            cnt = None if count is None else count.view(-1).numpy()
+            write_entry(e, p.chunk, p.topk, total.view(-1).numpy(), True, scale, cnt)
+        return total, count
+
+    done = run_each(accumulate, list(adds), [math.prod(shapes[n]) * len(adds[n]) for n in adds])
+    sums = {name: total for name, (total, _) in zip(adds, done, strict=True)}
+    counts = {name: count for name, (_, count) in zip(adds, done, strict=True) if count is not None}
     return _finish(sums, counts, n_participants, rule)
 
 

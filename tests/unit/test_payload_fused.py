@@ -7,12 +7,15 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
 from peer.core import payload_fused as pf
 from peer.core import payload_kernels as pk
 from peer.core.payload import entry_values, index_nbytes
+from peer.core.payload_encode import LLOYD_ROUNDS, quantize
+from peer.core.payload_index import layout
 from peer.core.sparseloco import (
     Payload,
     PayloadError,
@@ -54,6 +57,10 @@ def _path(fused: bool) -> Iterator[None]:
 def _delta(seed: int) -> dict[str, torch.Tensor]:
     out = {name: _rand(*shape, seed=seed + i) * (i + 1) for i, (name, shape) in enumerate(SHAPES.items())}
     out["ties"] = torch.round(_rand(90, 140, seed=seed + 9) * 2) / 2  # many tiles tied at their k-th
+    # Adam-like: most magnitudes equal, a few larger (every entry reaches the tiles' threshold)
+    g = torch.Generator().manual_seed(seed + 11)
+    few = (torch.rand(130, 128, generator=g) < 0.003).float()
+    out["levels"] = torch.sign(_rand(130, 128, seed=seed + 10)) * (1 + few * torch.rand(130, 128, generator=g))
     out["zeros"] = torch.zeros(64, 70)
     return out
 
@@ -154,3 +161,110 @@ def test_thread_split_does_not_change_the_result():
         pf.MIN_SPLIT_WORK = saved
     assert sorted(ranges)[0][0] == 0 and sorted(ranges)[-1][1] == 7
     assert sum(b - a for a, b in ranges) == 7
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_in_place_encode_gives_the_same_bits_into_the_old_buffers(fused):
+    cfg = SparseLoCoConfig(dense_1d=False)
+    with _path(fused):
+        _, errors = compress(_delta(1), None, cfg)
+        kept = {name: e.clone() for name, e in errors.items()}
+        payload, fresh = compress(_delta(2), errors, cfg)
+        assert _bits(errors) == _bits(kept)  # not in place: the inputs are left alone
+        again, reused = compress(_delta(2), errors, cfg, in_place=True)
+    assert again.to_bytes() == payload.to_bytes()
+    assert _bits(reused) == _bits(fresh)
+    assert all(reused[name].data_ptr() == errors[name].data_ptr() for name in errors)  # written into them
+
+
+def test_encode_kernel_ranks_candidates_by_counting_or_by_insertion_alike(monkeypatch):
+    """Up to MAX_COUNTED candidates of a tile are ranked by counting; the insertion path that takes
+    more gives the same selection, ties, ranks, values and error buffer."""
+    numba = pytest.importorskip("numba")
+    with _path(True):
+        counting = pk.compiled(1).encode
+    monkeypatch.setattr(pf, "MAX_COUNTED", 0)  # read when the copy below compiles
+    insertion = numba.njit(nogil=True)(pf._encode_jit)
+    table = pk.binomial_table(4096, 32)
+    for name, x in _delta(3).items():
+        if x.dim() < 2:
+            continue
+        lay = layout(tuple(x.shape), 64, 32)
+        runs = []
+        for kernel in (counting, insertion):
+            e = torch.empty_like(x).reshape(-1).numpy()
+            arrays = (
+                np.zeros((lay.n_chunks, lay.k), np.int64),
+                np.zeros(lay.n_chunks, np.bool_),
+                np.zeros(lay.n_chunks, np.bool_),
+                np.zeros(int(lay.off[-1]), np.uint8),
+                lay.sel,
+                np.zeros(int(lay.sel[-1]), np.float32),
+                np.zeros(int(lay.sel[-1]), np.int64),
+            )
+            prev = (x * 0.5).reshape(-1).numpy()
+            geometry = (lay.rows, lay.cols, lay.th, lay.tw, lay.k)
+            kernel(x.reshape(-1).numpy(), prev, np.float32(0.95), *geometry, table, lay.off, e, *arrays, 0, lay.n_bands)
+            runs.append([e.tobytes()] + [a.tobytes() for a in arrays])
+        assert runs[0] == runs[1], name
+
+
+def test_run_each_keeps_the_order_shares_nested_splits_and_raises_the_first_failure():
+    saved = pf.MIN_SPLIT_WORK
+    pf.MIN_SPLIT_WORK = 0
+    try:
+        # each item splits again on the same pool: nesting must neither deadlock nor mix results
+        out = pf.run_each(lambda n: sum(pf.run_split(lambda b0, b1: b1 - b0, n, 1)), list(range(1, 40)), [1] * 39)
+        assert out == list(range(1, 40))
+        done: list[int] = []
+
+        def fail_odd(i: int) -> int:
+            done.append(i)
+            if i % 2:
+                raise PayloadError(f"item {i}")
+            return i
+
+        with pytest.raises(PayloadError, match="item 1$"):
+            pf.run_each(fail_odd, list(range(8)), list(range(8)))  # largest work first: 7 fails first
+        assert sorted(done) == list(range(8))  # every item ran before the error was raised
+    finally:
+        pf.MIN_SPLIT_WORK = saved
+
+
+def test_quantizer_fast_paths_give_the_full_lloyd_reference():
+    """The float32 sort, the single-edge compare and the stop at a fixed point are exact shortcuts."""
+    g = np.random.default_rng(5)
+    cases = [g.standard_normal(n).astype(np.float32) for n in (1, 7, 1000, 40_000)]
+    cases += [np.full(50, -0.25, np.float32), np.zeros(9, np.float32), g.standard_normal(999)]  # ties, float64
+    cases += [(np.round(g.standard_normal(5000) * 4) / 4).astype(np.float32)]
+    for v in cases:
+        for bits in (2, 4, 8):
+            codes, codebook = quantize(v, bits)
+            ref_codes, ref_codebook = _reference_quantize(v, bits)
+            assert np.array_equal(codes, ref_codes) and codebook.tobytes() == ref_codebook.tobytes()
+
+
+def _reference_quantize(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The quantizer as issue 10 wrote it: float64 sort, every Lloyd round, searchsorted bins."""
+    n_bins = 2 ** (bits - 1)
+    a = np.abs(v.astype(np.float64))
+    s = np.sort(a)
+    csum = np.concatenate([[0.0], np.cumsum(s)])
+
+    def means_of(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        while True:
+            bounds = np.concatenate([[0], np.searchsorted(s, edges, side="left"), [s.size]])
+            counts = np.diff(bounds)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                means = np.where(counts > 0, (csum[bounds[1:]] - csum[bounds[:-1]]) / np.maximum(counts, 1), np.nan)
+            if not np.isnan(means).any():
+                return edges, means
+            edges = np.delete(edges, min(int(np.argmax(np.isnan(means))), len(edges) - 1))
+
+    edges, means = means_of(np.unique(s[(np.arange(1, n_bins) * a.size) // n_bins]))
+    for _ in range(LLOYD_ROUNDS):
+        edges, means = means_of((means[:-1] + means[1:]) / 2)
+    mag = np.searchsorted(edges, a, side="right").astype(np.uint8)
+    codebook = np.full(n_bins, means[-1], dtype=np.float32)
+    codebook[: len(means)] = means
+    return ((v < 0).astype(np.uint8) << (bits - 1)) | mag, codebook
