@@ -9,6 +9,9 @@ Start-up order (each step needs the one before it):
 4. build the manifest (`peer.node.manifest.build_manifest`) naming the gRPC address and publish it
    under "peer.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
 
+With `--metrics-port` it also serves Prometheus metrics of the swarm it sees (`bootstrap.monitor`),
+refreshed by the serve loop; the endpoint's URL goes into the address file ("metrics").
+
 Invariants: every network wait has a deadline (SwarmDHT's request timeout); a failed refresh is
 logged, counted (visible in `info`) and retried after at most 2 s; a manifest left unrefreshed
 for two ttls is fatal (`NetworkError`), since joiners can no longer find the run. `close()` stops
@@ -20,6 +23,7 @@ restarts. This module imports no hivemind; it reuses `peer.net.dht`.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -32,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.artifacts import ArtifactHandler, manifest_bytes
+from bootstrap.monitor import SwarmMonitor
 from peer.config import RunConfig
 from peer.core.data import build_token_data
 from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError, NetworkError
 from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
+from peer.net.prometheus import Exporter, serve_swarm_metrics
 from peer.net.transport import PeerServer, auth
 from peer.net.transport.gate import Gate
 from peer.node.manifest import build_manifest, run_id_for
@@ -62,15 +68,19 @@ class BootstrapInfo:
     grpc_address: str
     tokenizer_sha256: str
     manifest: dict[str, Any] = field(repr=False)
+    metrics_url: str = ""  # `--metrics-port`: where Prometheus scrapes this bootstrap ("" = not served)
 
     def address_record(self) -> dict[str, Any]:
         """The JSON written to --address-file."""
-        return {
+        out = {
             "initial_peers": list(self.initial_peers),
             "grpc": self.grpc_address,
             "run_id": self.run_id,
             "peer_id": self.peer_id,
         }
+        if self.metrics_url:
+            out["metrics"] = self.metrics_url
+        return out
 
 
 def _maddr_host(maddr: str) -> str | None:
@@ -222,17 +232,29 @@ class BootstrapNode:
         self.last_refresh = time.monotonic()
         return True
 
-    def serve(self, stop_event: threading.Event, poll_s: float = 0.5) -> None:
-        """Refresh the manifest every ttl/3 until `stop_event` is set (checked every `poll_s`)."""
+    def serve(
+        self,
+        stop_event: threading.Event,
+        poll_s: float = 0.5,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 2.0,
+    ) -> None:
+        """Refresh the manifest every ttl/3 until `stop_event` is set (checked every `poll_s`);
+        `tick()` (the metrics' read of the swarm) runs now and every `tick_s`."""
         next_at = time.monotonic() + self.refresh_interval_s
+        tick_at = time.monotonic()
         while not stop_event.is_set():
             now = time.monotonic()
+            if tick is not None and now >= tick_at:
+                tick()
+                tick_at = time.monotonic() + tick_s
+                continue
             if now >= next_at:
                 ok = self.refresh_manifest()
                 delay = self.refresh_interval_s if ok else min(RETRY_AFTER_FAILURE_S, self.refresh_interval_s)
                 next_at = time.monotonic() + delay
                 continue
-            stop_event.wait(min(poll_s, next_at - now))
+            stop_event.wait(min(poll_s, next_at - now, tick_at - now if tick is not None else poll_s))
 
     def close(self) -> None:
         """Stop the gRPC server, then the DHT node. Idempotent."""
@@ -263,12 +285,14 @@ def run_bootstrap(
     on_ready: Callable[[BootstrapInfo], None] | None = None,
     stop_event: threading.Event | None = None,
     relay: bool = False,
+    metrics_port: int | None = None,
 ) -> BootstrapInfo | None:
     """Run a bootstrap until `stop_event` is set; return its BootstrapInfo (None if stopped during start-up).
 
     `on_ready(info)` is called once the manifest is published (the CLI prints the join lines from
     it); `address_file`, if given, receives `info.address_record()` as JSON at that moment and is
-    removed again on a clean stop.
+    removed again on a clean stop. `metrics_port` (0: any free port) serves Prometheus metrics of
+    the swarm as this node sees it on host:port (`bootstrap.monitor`), started after the DHT fork.
     """
     stop_event = stop_event or threading.Event()
     try:
@@ -277,14 +301,25 @@ def run_bootstrap(
         logger.info("stopped during start-up")
         return None
     written: Path | None = None
+    exporter: Exporter | None = None
+    monitor: SwarmMonitor | None = None
     try:
+        if metrics_port is not None and node.dht is not None:
+            node.dht.set_run(node.run_id, cfg.stages)
+            monitor = SwarmMonitor(node.dht, cfg.stages, node.handler.stats)
+            exporter = serve_swarm_metrics(monitor.snapshot, metrics_port, host)
+            url_host = announce_host or (host if host not in _UNSPECIFIED else "127.0.0.1")
+            node.info = dataclasses.replace(node.info, metrics_url=f"http://{url_host}:{exporter.port}/metrics")
         if address_file is not None:
             written = write_address_file(address_file, node.info.address_record())
         if on_ready is not None:
             on_ready(node.info)
-        node.serve(stop_event)
+        tick_s = max(1.0, cfg.swarm.announce_interval_s)
+        node.serve(stop_event, tick=monitor.poll if monitor is not None else None, tick_s=tick_s)
         return node.info
     finally:
+        if exporter is not None:
+            exporter.stop()
         node.close()
         if written is not None:
             written.unlink(missing_ok=True)

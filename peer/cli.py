@@ -131,6 +131,7 @@ def plan(
 def bench_payload_cmd(
     params: flags.BenchParams = 178e6,
     seed: flags.BenchSeed = 0,
+    repeats: flags.BenchRepeats = 3,
     json_out: flags.BenchJson = None,
 ) -> None:
     """Serialized SparseLoCo payload bytes per parameter on a real model's pseudo-gradient."""
@@ -138,7 +139,9 @@ def bench_payload_cmd(
     from peer.tools.render import metric_table
 
     with console.status(f"building a ~{params:.3g}-parameter model and measuring its payload…"):
-        result = bench_payload(int(params), seed=seed)
+        if repeats < 1:
+            raise ConfigError("--repeats must be 1 or more")
+        result = bench_payload(int(params), seed=seed, repeats=repeats)
     console.print(metric_table("SparseLoCo payload", result))
     if json_out:
         _write_json(json_out, result)
@@ -173,6 +176,8 @@ def bench_chaos_cmd(
     seed: flags.ChaosSeed = 0,
     round_timeout_s: flags.ChaosRoundTimeout = 20.0,
     inner_steps: flags.ChaosInnerSteps = 5,
+    microbatches: flags.ChaosMicrobatches = 4,
+    in_flight: flags.ChaosInFlight = 0,
     workdir: flags.ChaosWorkdir = None,
     json_out: flags.ChaosJson = None,
     verbose: flags.Verbose = False,
@@ -187,8 +192,21 @@ def bench_chaos_cmd(
     if faults < 1:
         raise ConfigError("--faults must be 1 or more")
     where = workdir or RUNS / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = ChaosConfig(faults=faults, seed=seed, workdir=where, round_timeout_s=round_timeout_s, inner_steps=inner_steps)
-    console.print(f"peer bench chaos: {faults} faults; logs in {where}", soft_wrap=True, highlight=False)
+    cfg = ChaosConfig(
+        faults=faults,
+        seed=seed,
+        workdir=where,
+        round_timeout_s=round_timeout_s,
+        inner_steps=inner_steps,
+        microbatches=microbatches,
+        in_flight=in_flight,
+    )
+    schedule = "sequential" if in_flight == 1 else f"in flight {in_flight or 'auto'}"
+    console.print(
+        f"peer bench chaos: {faults} faults; {microbatches} micro-batches, {schedule}; logs in {where}",
+        soft_wrap=True,
+        highlight=False,
+    )
     result = run_chaos(cfg, lambda line: console.print(line, soft_wrap=True, highlight=False))
     console.print(metric_table("chaos", result.summary))
     if json_out:
@@ -250,6 +268,7 @@ def bootstrap(
     allow_peer: flags.AllowPeer = None,
     swarm_secret_file: flags.BootSwarmSecret = None,
     relay: flags.Relay = None,
+    metrics_port: flags.MetricsPort = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
@@ -304,6 +323,7 @@ def bootstrap(
             on_ready=on_ready,
             stop_event=stop,
             relay=bool(relay),
+            metrics_port=metrics_port,
         )
     console.print("bootstrap stopped", soft_wrap=True)
 

@@ -81,6 +81,10 @@ class SwarmConfig:
     min_replicas: int = 1  # replicas (pipelines + full replicas) to wait for before the first step
     checkpoint_every_rounds: int = 1  # save <data-dir>/checkpoints every N committed rounds (0 = never)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    # A replica dropped as an outlier in `ban_after` consecutive rounds of a stage is not fetched
+    # from for the next `ban_rounds` rounds of that stage (peer.node.bans; 0 = never ban)
+    ban_after: int = 3
+    ban_rounds: int = 10
     # Who may take part, set at the bootstrap: "open", "secret" (peers prove they know a shared
     # secret; the secret itself is never in the config) or "allowlist" (only these peer ids).
     admission: str = "open"
@@ -386,6 +390,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"swarm.checkpoint_every_rounds must be >= 0 (0 = never), got {w.checkpoint_every_rounds}")
     if w.keep_checkpoints < 1:
         raise ConfigError(f"swarm.keep_checkpoints must be >= 1, got {w.keep_checkpoints}")
+    for name in ("ban_after", "ban_rounds"):
+        if getattr(w, name) < 0:
+            raise ConfigError(f"swarm.{name} must be >= 0 (0 = never ban), got {getattr(w, name)}")
 
 
 @dataclass(frozen=True)

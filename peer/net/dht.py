@@ -96,6 +96,9 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this host can reach them"
 
 
+FROZEN_S = 5.0  # a wait that overran its deadline by this much was frozen, not unanswered
+
+
 def dht_time() -> float:
     """The DHT's clock (seconds since the epoch), the one every record's "time" uses."""
     return float(get_dht_time())
@@ -323,8 +326,16 @@ class SwarmDHT:
 
     def _wait(self, future: Any, what: str, timeout_s: float | None) -> Any:
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
         try:
-            return future.result(timeout=timeout_s)
+            try:
+                return future.result(timeout=timeout_s)
+            except TimeoutError:
+                # overslept by far: this process was frozen (SIGSTOP, a suspended VM) while the
+                # answer was on its way; a deadline counts time we ran, so wait once more
+                if time.monotonic() - started < timeout_s + FROZEN_S:
+                    raise
+                return future.result(timeout=max(timeout_s, self.request_timeout_s))
         except TimeoutError as e:
             future.cancel()
             raise NetworkError(f"DHT {what} got no answer within {timeout_s:.0f} s; {_CHECK_HINT}") from e
@@ -381,8 +392,8 @@ class SwarmDHT:
             out.append(None if found is None else found.value)
         return out
 
-    def _records(self, value: Any, max_age_s: float | None) -> dict[str, dict[str, Any]]:
-        return self._reader.records(value, dht_time(), max_age_s)
+    def _records(self, value: Any, max_age_s: float | None, keep_left: bool = False) -> dict[str, dict[str, Any]]:
+        return self._reader.records(value, dht_time(), max_age_s, keep_left)
 
     def _run_key(self, suffix: str) -> str:
         if self.run_id is None:
@@ -454,11 +465,11 @@ class SwarmDHT:
         self._announce(self._run_key(f"stage.{int(stage)}"), record, ttl_s, timeout_s)
 
     def get_stage_peers(
-        self, stage: int, max_age_s: float | None = None, timeout_s: float | None = None
+        self, stage: int, max_age_s: float | None = None, timeout_s: float | None = None, keep_left: bool = False
     ) -> dict[str, dict[str, Any]]:
-        """{peer id: record} of the peers currently holding `stage`."""
+        """{peer id: record} of the peers holding `stage` (`keep_left`: and {"state": "left"} of graceful leaves)."""
         (value,) = self._get_many([self._run_key(f"stage.{int(stage)}")], timeout_s)
-        return self._records(value, max_age_s)
+        return self._records(value, max_age_s, keep_left)
 
     def withdraw_stage(self, stage: int, timeout_s: float | None = None) -> None:
         """Graceful leave: replace this peer's stage record by a short-lived {"state": "left"}."""

@@ -7,6 +7,12 @@ call's caller already got its timeout; nothing is lost. `quiet_cancelled_futures
 on the `asyncio` logger that drops exactly those records (every other asyncio error still logs).
 It runs before the DHT process forks, so the filter is inherited by that process, where the
 record is emitted.
+
+A second, related case: when the peer process dies (`kill -9`) while it is handing the DHT process
+a call, the DHT process's pipe read fails (`ConnectionResetError`, `EOFError`, ...) and hivemind
+logs the full traceback, then keeps polling until the watchdog (`peer.net.watchdog`) stops it. The
+filter on `hivemind.dht.dht` turns that record into one warning line without the traceback; a
+failed pipe read while the parent is alive still logs, as a warning with the exception's text.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import logging
 from concurrent.futures import InvalidStateError
 
 __all__ = ["quiet_cancelled_futures"]
+
+PIPE_ERRORS = (ConnectionError, EOFError, OSError)
 
 
 class _CancelledFutureFilter(logging.Filter):
@@ -28,11 +36,30 @@ class _CancelledFutureFilter(logging.Filter):
         return not ("InvalidStateError" in message and "CANCELLED" in message)
 
 
+class _ParentPipeFilter(logging.Filter):
+    """The DHT process's failed read of its parent's pipe: one line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.funcName == "_run" and isinstance(exc, PIPE_ERRORS):
+            record.msg = "DHT process: the pipe from its peer process failed (%s: %s); the peer has likely exited"
+            record.args = (type(exc).__name__, exc)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 _FILTER = _CancelledFutureFilter()
+_PIPE_FILTER = _ParentPipeFilter()
 
 
 def quiet_cancelled_futures() -> None:
-    """Idempotent: drop asyncio's reports of results set on cancelled DHT futures."""
+    """Idempotent: drop asyncio's reports of results set on cancelled DHT futures, and shorten the
+    DHT process's report of a dead parent's pipe to one line."""
     logger = logging.getLogger("asyncio")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
+    dht_logger = logging.getLogger("hivemind.dht.dht")
+    if _PIPE_FILTER not in dht_logger.filters:
+        dht_logger.addFilter(_PIPE_FILTER)

@@ -11,6 +11,9 @@ Fed three ways, so no training code has to know about Prometheus:
 
 Every series is named `peer_*`; the HTTP server starts lazily, on the first event (the session
 logs none before its DHT daemon has forked, so no server thread exists at the fork).
+`peer bootstrap --metrics-port` serves its own registry instead (`serve_swarm_metrics`): the swarm
+as the bootstrap sees it (`peer_bootstrap_*`), read from a snapshot its serve loop refreshes, so a
+scrape never waits on the DHT.
 Invariants: cumulative inputs only ever increase the counters (a smaller total, e.g. after a
 restart, counts from zero again); a sink never raises into the caller's event path.
 """
@@ -24,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -207,15 +210,15 @@ def watch_pool(pool: _Pool) -> PoolCollector:
 
 
 class Exporter:
-    """The HTTP endpoint: `start()` serves REGISTRY on host:port (port 0 picks a free one)."""
+    """The HTTP endpoint: `start()` serves `registry` (REGISTRY) on host:port (port 0 picks a free one)."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
-        self.host, self.port = host, port
+    def __init__(self, port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> None:
+        self.host, self.port, self.registry = host, port, registry
         self._server: Any = None
 
     def start(self) -> int:
         if self._server is None:
-            self._server, _thread = start_http_server(self.port, addr=self.host, registry=REGISTRY)
+            self._server, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
             self.port = int(self._server.server_address[1])
             log.info("prometheus metrics on http://%s:%d/metrics", self.host, self.port)
         return self.port
@@ -229,3 +232,47 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class SwarmCollector(Collector):
+    """`peer bootstrap --metrics-port`: the swarm seen from the bootstrap, from `read()` at each scrape.
+
+    `read()` returns {"uptime_s", "outer_step", "stage_peers": {stage: live}, "stage_seen": {stage:
+    distinct peer ids since start}, "replicas": {kind: live}, "manifest_publications",
+    "manifest_refresh_failures", "artifacts_served", "poll_failures"} (`bootstrap.monitor`).
+    """
+
+    def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snap = self.read()
+        yield GaugeMetricFamily("peer_bootstrap_uptime_seconds", "Seconds since it started.", snap["uptime_s"])
+        yield GaugeMetricFamily("peer_bootstrap_outer_step", "Largest outer step in live records.", snap["outer_step"])
+        live = GaugeMetricFamily("peer_bootstrap_stage_peers", "Peers holding each stage now.", labels=["stage"])
+        seen = CounterMetricFamily("peer_bootstrap_stage_peers_seen", "Distinct peers seen.", labels=["stage"])
+        for stage, n in sorted(snap["stage_peers"].items()):
+            live.add_metric([str(stage)], float(n))
+            seen.add_metric([str(stage)], float(snap["stage_seen"].get(stage, 0)))
+        yield live
+        yield seen
+        replicas = GaugeMetricFamily("peer_bootstrap_replicas", "Replicas online, by kind.", labels=["kind"])
+        for kind, n in sorted(snap["replicas"].items()):
+            replicas.add_metric([kind], float(n))
+        yield replicas
+        for name, help_text in (
+            ("manifest_publications", "Publications of the run's manifest (the first and every refresh)."),
+            ("manifest_refresh_failures", "Manifest refreshes the DHT refused or timed out."),
+            ("artifacts_served", "Artefacts (tokenizer, manifest) served over gRPC."),
+            ("poll_failures", "Reads of the swarm's records that failed (the last snapshot is kept)."),
+        ):
+            yield CounterMetricFamily(f"peer_bootstrap_{name}", help_text, value=float(snap[name]))
+
+
+def serve_swarm_metrics(read: Callable[[], Mapping[str, Any]], port: int, host: str = "0.0.0.0") -> Exporter:
+    """Serve a `SwarmCollector` over `read` on its own registry at host:port; returns the started endpoint."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SwarmCollector(read))
+    exporter = Exporter(port, host, registry)
+    exporter.start()
+    return exporter

@@ -75,8 +75,11 @@ class RecordReader:
             out[PROOF_FIELD] = admission_proof(self._secret, self.peer_id)
         return out
 
-    def records(self, value: Any, now: float, max_age_s: float | None) -> dict[str, dict[str, Any]]:
-        """Live, signed, admitted per-peer records of a subkeyed DHT value, keyed by the signer's peer id.
+    def records(
+        self, value: Any, now: float, max_age_s: float | None, keep_left: bool = False
+    ) -> dict[str, dict[str, Any]]:
+        """Live, signed, admitted per-peer records of a subkeyed DHT value, keyed by the signer's peer id
+        (with `keep_left`, graceful leaves' {"state": "left"} records too).
 
         Signatures themselves were checked by this node's hivemind validator before we see them.
         """
@@ -100,7 +103,7 @@ class RecordReader:
             if not self.admission.admits(signer, record, self._secret):
                 self.drop("not_admitted", signer, f"it is not admitted to this {self.admission.mode}-mode swarm")
                 continue
-            if record.get("state") == "left":
+            if record.get("state") == "left" and not keep_left:
                 continue
             stamp = record.get("time")
             if max_age_s is not None and (not isinstance(stamp, (int, float)) or now - stamp > max_age_s):

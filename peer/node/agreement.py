@@ -15,24 +15,37 @@ that sees the same records decides the same way, and each rule is testable witho
   round's set is no longer open: a gatherer takes the committed set (`canonical` among them) or
   re-syncs; a holder two or more rounds behind re-syncs at once (`RoundView.behind`).
 - Canonical state: among states of one (t, s), the one with the most committed replicas wins, ties
-  to the smallest (param_hash, perp_hash). A total order on record contents: two holders agree on
-  the winner without a majority.
+  to the smallest (param_hash, perp_hash), then to the ban state (`peer.node.bans.Bans.key`). A
+  total order on record contents: two holders agree on the winner without a majority.
+- Deadline fence: every contributor announces when it closes the round at the latest ("closes",
+  DHT time). A holder about to close within `margin` of an earlier closer's deadline (or after it)
+  may hold a set that closer did not: it waits for that closer's commit (→ following) until the
+  closer's deadline + margin (`fenced_by`). The earliest closer never waits, so nobody deadlocks.
+- Bans: a holder that follows a committed set takes the winner's published bans with it
+  (`RoundView.target_bans`); an observer of a stage it does not hold reads the bans of that
+  stage's canonical holder at t (`round_bans`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from peer.node.bans import PREFIX, Bans, record_key
+
+if TYPE_CHECKING:
+    from peer.net.dht import SwarmDHT
 
 Record = Mapping[str, Any]
 
 
-def state_key(rec: Record) -> tuple[int, str, str]:
-    """Sort key of a committed state: more committed replicas first, then the smaller hashes."""
+def state_key(rec: Record) -> tuple[int, str, str, tuple[int, str]]:
+    """Sort key of a committed state: more committed replicas first, then the smaller hashes, then
+    the ban state (equal states whose bans differ still have one winner)."""
     committed = rec.get("committed")
     n = len(committed) if isinstance(committed, list) else 0
-    return (-n, str(rec.get("param_hash") or ""), str(rec.get("perp_hash") or ""))
+    return (-n, str(rec.get("param_hash") or ""), str(rec.get("perp_hash") or ""), record_key(rec.get("bans")))
 
 
 def canonical(states: Iterable[Record]) -> Record | None:
@@ -60,6 +73,14 @@ def fresh(
     return now is None or inc is None or now == inc
 
 
+IGNORED = {  # why round_view ignored an announcement (logged by gather_round)
+    "unbound": "that replica's record does not list it as its stage-{stage} peer for this round",
+    "stale": "it comes from an earlier incarnation of that peer",
+    "malformed": "malformed replica field",
+    "banned": "that replica is banned as a repeated outlier (docs/poisoning.md)",
+}
+
+
 @dataclass
 class RoundView:
     """One poll's reading of round (t, s); see the module docstring."""
@@ -69,8 +90,11 @@ class RoundView:
     dropped: set[str] = field(default_factory=set)  # replicas out of (t, s) for everyone
     ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (sender, claimed replica, why)
     target: list[str] | None = None  # the committed set (16-char id prefixes) when round t is committed
+    target_bans: Bans | None = None  # the bans its holder published with it (None: an older peer's record)
     behind: bool = False  # another holder is two or more rounds past t
     others_gathering: bool = False  # another live holder of stage s is still at outer step t
+    gathering: set[str] = field(default_factory=set)  # those holders' peer ids
+    banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.bans): out of (t, s), not fetched
 
 
 def _head_binding(anns0: Mapping[str, Record], rid: str) -> Mapping[str, Any] | None:
@@ -91,10 +115,13 @@ def round_view(
     holders: Mapping[str, Record],
     me: str,
     my_inc: str,
+    banned: Collection[str] = frozenset(),
 ) -> RoundView:
     """Read round (t, stage) from the DHT's records: `payloads` = announcements of (t, stage),
     `stage0` = announcements of (t, 0) (the heads' bindings), `replicas` = replica records,
-    `holders` = stage-`stage` records, `me`/`my_inc` = this process."""
+    `holders` = stage-`stage` records, `me`/`my_inc` = this process, `banned` = replica id prefixes
+    banned from round t (dropped from it, their announcements ignored, unless the set another
+    holder committed holds them)."""
     view = RoundView()
     anns0 = {s: a for s, a in stage0.items() if fresh(s, a, {}, replicas, me, my_inc)}
     for sender, ann in payloads.items():
@@ -137,14 +164,68 @@ def round_view(
     win = canonical(done)
     if win is not None:
         view.target = [str(r) for r in win["committed"]]
+        view.target_bans = Bans.from_record(win["bans"]) if "bans" in win else None
     # a holder at t - 1 is about to gather t (a slow commit, a record refresh that lagged): a payload
     # of ours alone must wait for it too, or the deadline, not close the round without it
-    view.others_gathering = any(
-        rec.get("outer_step") in (t - 1, t) and rec.get("state") != "syncing" for rec in others.values()
-    )
+    view.gathering = {
+        pid for pid, rec in others.items() if rec.get("outer_step") in (t - 1, t) and rec.get("state") != "syncing"
+    }
+    view.others_gathering = bool(view.gathering)
+    if banned:
+        _ban(view, banned)
     return view
+
+
+def _ban(view: RoundView, banned: Collection[str]) -> None:
+    """Banned replicas are dropped from the round and their announcements ignored; a committed set
+    that holds one is still followed as it is (the ban of the set's holder decides)."""
+    keep = set(view.target or ())
+    rids = view.expected | view.dropped | {rid for rid, _ in view.bound.values()}
+    view.banned = {rid for rid in rids if rid[:PREFIX] in banned and rid[:PREFIX] not in keep}
+    for sender, (rid, _) in sorted(view.bound.items()):
+        if rid in view.banned:
+            del view.bound[sender]
+            view.ignored.append((sender, rid, "banned"))
+    view.expected -= view.banned
+    view.dropped |= view.banned
+
+
+def fenced_by(view: RoundView, me: str, my_closes: float | None, now: float, margin_s: float) -> set[str]:
+    """Contributors of the round whose deadline comes before ours (ties: the smaller peer id) and is
+    within `margin_s` of `now` (DHT time): at that deadline each closes with what it holds, maybe
+    not our payload, so we wait for its commit instead of committing a set of our own."""
+    if my_closes is None:
+        return set()
+    out = set()
+    for sender, (_, ann) in view.bound.items():
+        closes = ann.get("closes")
+        if sender == me or not isinstance(closes, (int, float)) or (closes, sender) >= (my_closes, me):
+            continue
+        if closes - margin_s <= now < closes + margin_s:
+            out.add(sender)
+    return out
 
 
 def sender_alive(sender: str, holders: Mapping[str, Record], replicas: Mapping[str, Record]) -> bool:
     """The sender still publishes a record (its announcement may still be served)."""
     return sender in holders or sender in replicas
+
+
+def round_bans(holders: Mapping[str, Record], t: int, me: str = "") -> frozenset[str]:
+    """Replica id prefixes banned from round t of a stage, for an observer that does not hold it:
+    the bans of the stage's canonical holder still at outer step t (none when there is none)."""
+    at_t = [rec for pid, rec in holders.items() if pid != me and rec.get("outer_step") == t]
+    win = canonical(at_t)
+    return Bans.from_record(win.get("bans")).banned(t) if win is not None else frozenset()
+
+
+def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None = None) -> set[str]:
+    """Replica ids that should contribute to round t (see the module docstring).
+
+    `replicas` is `dht.get_replicas()` when the caller already has it.
+    """
+    out = set()
+    for rid, rec in (dht.get_replicas() if replicas is None else replicas).items():
+        if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
+            out.add(rid)
+    return out

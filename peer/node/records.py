@@ -1,9 +1,10 @@
 """What one peer publishes in the DHT about itself, and the thread that keeps it fresh (DESIGN §3).
 
 Records: `stage.{s}` (one per stage this process holds: address, role, state, outer step,
-parameter and T⊥ hashes, claiming pipeline, last committed replica ids, tokens/s) and `replica` (a
-head or full replica: address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads,
-"pipeline_peers", which binds its stage peers' payload announcements: `peer.node.rounds.bound_replica`).
+parameter and T⊥ hashes, claiming pipeline, last committed replica ids and ban state
+(`peer.node.bans`), tokens/s, a head's in-flight window) and `replica` (a head or full replica:
+address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads, "pipeline_peers",
+which binds its stage peers' payload announcements: `peer.node.rounds.bound_replica`).
 
 Invariants: records are republished every `swarm.announce_interval_s` and after every round with
 ttl `swarm.record_ttl_s`, so a dead peer's records expire on their own (the same thread re-publishes
@@ -59,7 +60,9 @@ class Records:
                 "inc": self.session.incarnation,
                 "pipeline": svc.claimed_by if svc else None,
                 "committed": [r[:16] for r in worker.last_committed],
+                "bans": worker.bans.to_record(),  # adopted with the committed state (peer.node.bans)
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
+                "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.schedule)
                 **self.session.net_fields(),  # connectivity, relay, caps, refused calls
             },
         }

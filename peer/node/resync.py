@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.messages import StateRequest
 from peer.node.agreement import canonical, state_key
+from peer.node.bans import Bans
 from peer.node.rounds import expected_replicas
 from peer.node.stage_worker import StageWorker
 
@@ -118,6 +119,7 @@ class Resync:
                 continue
             committed = rec.get("committed")
             worker.last_committed = [str(r) for r in committed] if isinstance(committed, list) else []
+            worker.bans = Bans.from_record(reply.meta.get("bans", rec.get("bans")))  # served with the state
             # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
             sess.joined_at = max(sess.joined_at, reply.outer_step + 1)
             self.count += 1
@@ -183,6 +185,7 @@ class Resync:
             "committed": [r[:16] for r in worker.last_committed],
             "param_hash": worker.param_hash(),
             "perp_hash": worker.perp_hash(),
+            "bans": worker.bans.to_record(),
         }
         win = canonical([*same, mine])
         if win is None or state_key(win) == state_key(mine):
@@ -190,6 +193,7 @@ class Resync:
         committed: list[str] = list(win.get("committed") or [])
         if (win.get("param_hash"), win.get("perp_hash")) == (mine["param_hash"], mine["perp_hash"]):
             worker.last_committed = committed  # the same state (e.g. resumed from a checkpoint): nothing to fetch
+            worker.bans = Bans.from_record(win.get("bans"))  # equal states, bans of the winner (peer.node.bans)
             return False
         last = worker.last_contribution
         unsent = last[1] if last is not None and not before_round and last[0][:16] not in committed else None

@@ -7,37 +7,64 @@
 - `bound_replica`: which replica a sender's announcement may stand for (itself, or the pipeline
   whose record lists it as its stage peer).
 - `sha256`: the digest announced with every payload.
+- `from_another_holder`: a second source for a payload whose sender is gone (any contributor or
+  observer of the round that fetched it serves it; the announced digest is checked).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig
+from peer.errors import PeerError
+from peer.net.pool import ClientPool
+from peer.net.transport.messages import PayloadRequest
 
-__all__ = ["PayloadStore", "bound_replica", "payload_validator", "sha256"]
+__all__ = ["SETTLE_S", "PayloadStore", "bound_replica", "from_another_holder", "payload_validator", "sha256"]
+
+log = logging.getLogger(__name__)
 
 
 class PayloadStore:
-    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds."""
+    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds.
+
+    Besides our own payload of each round it keeps the payloads we fetched from others (by sender),
+    so a holder can serve a committed set whose sender died after sending (`gather_round` asks the
+    round's other contributors for it; the announced sha256 makes any source as good as the sender).
+    """
 
     def __init__(self, keep: int = 3) -> None:
         self._data: dict[tuple[int, int], bytes] = {}
+        self._fetched: dict[tuple[int, int, str], bytes] = {}
         self._lock = threading.Lock()
         self.keep = keep
 
     def put(self, t: int, stage: int, payload: bytes) -> None:
         with self._lock:
             self._data[(t, stage)] = payload
-            for key in [k for k in self._data if k[0] <= t - self.keep]:
-                del self._data[key]
+            self._expire(t)
 
-    def get(self, t: int, stage: int) -> bytes | None:
+    def put_fetched(self, t: int, stage: int, sender: str, payload: bytes) -> None:
         with self._lock:
+            self._fetched[(t, stage, sender)] = payload
+            self._expire(t)
+
+    def _expire(self, t: int) -> None:
+        for key in [k for k in self._data if k[0] <= t - self.keep]:
+            del self._data[key]
+        for fkey in [k for k in self._fetched if k[0] <= t - self.keep]:
+            del self._fetched[fkey]
+
+    def get(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
+        """Our own payload of (t, stage) or, with `sender`, the one we fetched from that sender."""
+        with self._lock:
+            if sender is not None:
+                return self._fetched.get((t, stage, sender))
             return self._data.get((t, stage))
 
 
@@ -94,3 +121,35 @@ def payload_validator(
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+SETTLE_S = 2.0  # longer than a commit takes to appear in the DHT on a busy machine (chaos runs: < 1 s)
+
+
+def from_another_holder(
+    clients: ClientPool,
+    t: int,
+    stage: int,
+    sender: str,
+    rec: Mapping[str, Any],
+    payloads: Mapping[str, Mapping[str, Any]],
+    me: str,
+    timeout_s: float,
+) -> bytes | None:
+    """`sender`'s payload of (t, stage) from another contributor of the round that fetched it (its
+    `PayloadStore` keeps what it fetched); None if nobody serves it. Checked against the announced
+    sha256 here too, so a wrong answer only costs a try."""
+    for other, ann in sorted(payloads.items()):
+        address = ann.get("address")
+        if other in (sender, me) or not isinstance(address, str) or not address:
+            continue
+        try:
+            data = clients.get(address).get_payload(PayloadRequest(t, stage, sender), timeout_s=timeout_s)
+        except PeerError:  # unreachable, or it does not hold that payload: try the next one
+            continue
+        if sha256(data) == rec.get("sha256"):
+            log.info(
+                "round %d stage %d: payload of %s served by %s (its sender is gone)", t, stage, sender[:12], other[:12]
+            )
+            return data
+    return None

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,12 +41,21 @@ from peer.core.model import stage_shapes
 from peer.core.outer import EMBED, embedding_update
 from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
-from peer.net.dht import SwarmDHT
+from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
+from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
-from peer.node.agreement import round_view, sender_alive
+from peer.node.agreement import IGNORED, expected_replicas, fenced_by, round_bans, round_view, sender_alive
+from peer.node.bans import Bans
 from peer.node.metrics import log_round
-from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
+from peer.node.round_payloads import (
+    SETTLE_S,
+    PayloadStore,
+    bound_replica,
+    from_another_holder,
+    payload_validator,
+    sha256,
+)
 from peer.node.stage_worker import StageWorker
 
 if TYPE_CHECKING:
@@ -81,24 +90,13 @@ class RoundResult:
     timed_out: bool = False
     behind: bool = False  # the round was committed elsewhere and cannot be reproduced here: re-sync
     target: list[str] | None = None  # the set another holder committed (16-char id prefixes), if seen
+    target_bans: Bans | None = None  # the bans published with that set (adopted with it: peer.node.bans)
     wall_s: float = 0.0
     bytes_fetched: int = 0
 
     @property
     def participants(self) -> int:
         return len(self.replicas)
-
-
-def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None = None) -> set[str]:
-    """Replica ids that should contribute to round t (see the module docstring).
-
-    `replicas` is `dht.get_replicas()` when the caller already has it.
-    """
-    out = set()
-    for rid, rec in (dht.get_replicas() if replicas is None else replicas).items():
-        if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
-            out.add(rid)
-    return out
 
 
 def gather_round(
@@ -117,6 +115,9 @@ def gather_round(
     inc: str = "",
     extra: Mapping[str, Any] | None = None,
     grace_s: float = 5.0,
+    quorum: int = 1,
+    n_stages: int = 1,
+    banned: Collection[str] = frozenset(),
 ) -> RoundResult:
     """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
 
@@ -128,7 +129,11 @@ def gather_round(
     while another holder still gathers), with exactly the committed set once another holder has
     committed round t (`RoundResult.behind` when it cannot be reproduced within `grace_s`), or at
     the deadline. `inc` is this process's incarnation and `extra` adds fields to our announcement
-    (a head's "peers" binding).
+    (a head's "peers" binding). `quorum` (the run's first round only: `swarm.min_replicas`) keeps
+    the set open until that many payloads are held: at start-up a replica whose records are not
+    visible yet cannot be counted as gathering, so round 0 waits for it (or the deadline). A payload
+    whose sender is gone is asked of the round's other contributors (for stage 0 also of the other
+    `n_stages` − 1 stages' holders, which observe it): each keeps what it fetched. `banned`: bans.py.
     """
     parse = validate if validate is not None else Payload.from_bytes
     started = time.monotonic()
@@ -141,24 +146,44 @@ def gather_round(
     logged: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
     retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
     target_since: float | None = None
+    lost_at: float | None = None  # when a sender's payload was last given up as gone
+    seen: set[str] = set()  # other holders of the stage seen gathering this round
+    fenced: set[str] = set()  # earlier closers whose commit we wait for
+    rpc_s = min(grace_s, 3.0)  # one try at a second source
     result = RoundResult(t=t, stage=stage)
+    if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
+        log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])
+        own = None
     own_rid = own[0] if own is not None else None
+    my_closes: float | None = None
     if own is not None:
         replica_id, payload = own
         if store is None:
             raise ValueError("a contributor needs a PayloadStore to serve its payload")
         store.put(t, stage, payload)
+        my_closes = dht_time() + timeout_s  # the deadline fence (peer.node.agreement.fenced_by)
         record = {"sha256": sha256(payload), "size": len(payload), "address": address, "replica": replica_id}
-        record.update({"inc": inc, **(extra or {})})
+        record.update({"inc": inc, "closes": round(my_closes, 3), **(extra or {})})
         dht.announce_payload(t, stage, record, ttl_s=ttl_s)
         held[replica_id] = payload
         parsed[replica_id] = Payload.from_bytes(payload)
     while True:
-        replicas = dht.get_replicas()
-        holders = dht.get_stage_peers(stage)
-        payloads = dht.get_payloads(t, stage)
-        stage0 = payloads if stage == 0 else dht.get_payloads(t, 0)
-        view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc)
+        try:
+            replicas = dht.get_replicas()
+            holders = dht.get_stage_peers(stage, keep_left=True)
+            payloads = dht.get_payloads(t, stage)
+            stage0 = payloads if stage == 0 else dht.get_payloads(t, 0)
+        except NetworkError as exc:  # a DHT read that failed once is a missed poll, until the deadline
+            if time.monotonic() >= deadline:
+                raise
+            log.info("round %d stage %d: DHT read failed, polling again: %s", t, stage, exc)
+            if stop is not None and stop.wait(poll_s):
+                raise PeerError("stopped while waiting for a round") from None
+            continue
+        left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
+        holders = {pid: rec for pid, rec in holders.items() if pid not in left}
+        view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc, banned)
+        seen |= view.gathering
         if own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
         for sender, rid, why in view.ignored:
@@ -170,7 +195,7 @@ def gather_round(
                     stage,
                     sender[:12],
                     rid[:12],
-                    WHY[why].format(stage=stage),
+                    IGNORED[why].format(stage=stage),
                 )
         if view.behind:
             result.behind = True
@@ -183,15 +208,31 @@ def gather_round(
                 remaining = max(0.5, deadline - time.monotonic())
                 if not isinstance(rec.get("address"), str) or not rec["address"]:
                     raise PeerError(f"the announcement of {sender} has no address")
-                data = clients.get(rec["address"]).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
+                try:
+                    req = PayloadRequest(t, stage, sender)
+                    data = clients.get(rec["address"]).get_payload(req, timeout_s=remaining)
+                except (NetworkError, NotFoundError):  # the sender is gone, or restarted without it:
+                    others = {**payloads, **stage0}
+                    for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 fetched it too
+                        others.update(dht.get_payloads(t, x))
+                    second = from_another_holder(clients, t, stage, sender, rec, others, me, rpc_s)
+                    if second is None:
+                        raise
+                    data = second
                 if sha256(data) != rec.get("sha256"):
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
                 parsed[rid] = parse(data)
+                if store is not None:
+                    store.put_fetched(t, stage, sender, data)
             except NetworkError as exc:
                 if not sender_alive(sender, holders, replicas):  # it died after announcing: out for us
-                    log.warning("round %d stage %d: dropping %s: it left and its payload is gone", t, stage, rid[:12])
-                    bad.add(sender)
+                    if rid not in rejected:  # unless a holder that fetched it serves it later (retried)
+                        log.warning(
+                            "round %d stage %d: dropping %s: it left and its payload is gone", t, stage, rid[:12]
+                        )
+                        lost_at = time.monotonic()
                     rejected.add(rid)
+                    retry_at[sender] = time.monotonic() + 1.0
                     continue
                 retry_at[sender] = time.monotonic() + 2.0
                 log.info("round %d stage %d: payload of %s not reachable yet: %s", t, stage, sender[:12], exc)
@@ -204,9 +245,12 @@ def gather_round(
             held[rid] = data
             result.bytes_fetched += len(data)
         result.expected = len(view.expected)
+        # an earlier closer at (or past) its deadline may commit without our payload: its commit
+        # decides (→ FOLLOW), waited for until its deadline + the grace, even past ours
+        fenced = fenced_by(view, me, my_closes, dht_time(), grace_s) if view.target is None else set()
         if view.target is not None:  # round t is committed elsewhere: take exactly that set
             target_since = time.monotonic() if target_since is None else target_since
-            result.target = view.target
+            result.target, result.target_bans = view.target, view.target_bans
             mine = {rid for rid in held if rid[:16] in view.target}
             if len(mine) == len(view.target):
                 held = {rid: held[rid] for rid in mine}
@@ -217,10 +261,21 @@ def gather_round(
                 break
         else:
             target_since = None
-            lone = set(held) == {own_rid} and view.others_gathering
-            if view.expected <= set(held) | rejected | view.dropped and not lone:
+            # a holder seen gathering this round whose records then expired may only be frozen (a
+            # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
+            seen_gathering = bool(seen - left)  # a holder that left gracefully is not waited for
+            lone = set(held) == {own_rid} and seen_gathering
+            # an observer (no payload of its own) never decides a set while a contributor is around:
+            # it follows the first commit (a frozen contributor's expired records cannot mislead it)
+            follower = own is None and seen_gathering
+            short = t == 0 and quorum > 1 and len(held) < quorum  # start-up: peers still appearing
+            # a payload we lost (its sender left) may be held by a holder that already committed it:
+            # let its commit reach the DHT before closing without it (→ FOLLOW), bounded by the grace
+            settling = lost_at is not None and time.monotonic() - lost_at < min(grace_s, SETTLE_S)
+            closed = view.expected <= set(held) | rejected | view.dropped
+            if closed and not (lone or follower or short or settling or fenced):
                 break
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline and not fenced:
             result.timed_out = True
             log.warning(
                 "round %d stage %d: deadline after %.0fs with %d/%d payloads (missing: %s)",
@@ -243,13 +298,6 @@ def gather_round(
     result.parsed = [parsed[r] for r in result.replicas]
     result.wall_s = time.monotonic() - started
     return result
-
-
-WHY = {
-    "unbound": "that replica's record does not list it as its stage-{stage} peer for this round",
-    "stale": "it comes from an earlier incarnation of that peer",
-    "malformed": "malformed replica field",
-}
 
 
 class Rounds:
@@ -289,6 +337,7 @@ class Rounds:
         elif own_stage:
             worker.observe()
         swarm = sess.cfg.swarm
+        banned = worker.bans.banned(t) if own_stage else round_bans(sess.dht.get_stage_peers(stage), t, sess.peer_id)
         result = gather_round(
             sess.dht,
             sess.clients,
@@ -304,6 +353,9 @@ class Rounds:
             inc=sess.incarnation,
             extra=extra,
             grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
+            quorum=swarm.min_replicas if t == 0 else 1,
+            n_stages=sess.cfg.stages,
+            banned=banned,
         )
         self.pg_bytes += result.bytes_fetched
         return result
@@ -338,17 +390,21 @@ class Rounds:
             return False
         update: torch.Tensor | None = None
         if 0 in workers:
-            update = workers[0].apply_round(results[0].parsed, None, results[0].replicas).embed_update
+            done = workers[0].apply_round(results[0].parsed, None, results[0].replicas, results[0].target_bans)
+            update = done.embed_update
         elif embed is not None and embed.parsed:
             update = embedding_update([decompress(p) for p in embed.parsed], self.session.cfg.sparseloco)
         for s, w in workers.items():
             if s != 0:
-                w.apply_round(results[s].parsed, update, results[s].replicas)
+                w.apply_round(results[s].parsed, update, results[s].replicas, results[s].target_bans)
         for s, w in workers.items():
             last = w.last_contribution
             if last is not None and last[0] not in results[s].replicas:
                 w.return_unsent(last[1])  # our payload missed the commit: nothing is lost
                 w.observe()
+        # publish the committed set at once (before validation): a holder closing round t late
+        # follows it instead of committing a set of its own (docs/protocol.md, FOLLOW)
+        self.session.records.refresh()
         return True
 
     def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
@@ -417,17 +473,14 @@ class Rounds:
         expected replica has announced (or was dropped). Until then the spare stays claimable: a
         head still at outer step t may need it."""
         dht = self.session.dht
-        payloads = dht.get_payloads(t, stage)
-        view = round_view(
-            t,
-            stage,
-            payloads,
-            payloads if stage == 0 else dht.get_payloads(t, 0),
-            dht.get_replicas(),
-            dht.get_stage_peers(stage),
-            self.session.peer_id,
-            self.session.incarnation,
-        )
+        try:
+            payloads = dht.get_payloads(t, stage)
+            stage0 = payloads if stage == 0 else dht.get_payloads(t, 0)
+            replicas, holders = dht.get_replicas(), dht.get_stage_peers(stage)
+        except NetworkError as exc:  # not known to be complete: asked again at the next poll
+            log.info("round %d stage %d: DHT read failed: %s", t, stage, exc)
+            return False
+        view = round_view(t, stage, payloads, stage0, replicas, holders, self.session.peer_id, self.session.incarnation)
         if view.target is not None or view.behind:
             return True
         announced = {rid for rid, _ in view.bound.values()}

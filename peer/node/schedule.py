@@ -1,7 +1,9 @@
 """The head's pipelined inner step: micro-batches in flight (1F1B) with stage-to-stage streaming.
 
 The head keeps up to K micro-batches in the pipeline (`train.in_flight`; 0 picks K from the
-number of stages S and the measured round trip, `choose_in_flight`). For each micro-batch it runs
+number of stages S, the measured round trip, the time one boundary message takes through the
+slowest bandwidth cap of the chain and the measured compute time per micro-batch,
+`choose_in_flight`; re-evaluated before every inner step). For each micro-batch it runs
 stage 0's forward, sends the boundary X̃ and the targets to stage 1 with the route of the later
 stages' addresses, and gets back the loss and ∇X̃ of stage 1's input: stage s forwards to s + 1
 itself and backpropagates what s + 1 answers (`PeerService._stream`), so the head's link carries
@@ -23,12 +25,16 @@ import os
 import re
 import threading
 import time
+from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import torch
 
+from peer.config import WIRE_DTYPES, RunConfig
 from peer.errors import NetworkError, PeerError
+from peer.net import ratelimit
 from peer.net.transport.errors import HopError, NotFoundError, RemoteError, TransportError
 from peer.net.transport.messages import ForwardReply, ForwardRequest
 
@@ -38,16 +44,45 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IN_FLIGHT_ENV = "PEER_TRAIN__IN_FLIGHT"  # a head's local choice (also set by `peer join --in-flight`)
-RTT_PER_EXTRA_S = 0.025  # auto: one more micro-batch in flight per 25 ms of round trip per link
+RTT_PER_EXTRA_S = 0.025  # auto, before any compute is measured: one more micro-batch per 25 ms of hop time
+MIN_COMPUTE_S = 0.005  # a measured compute time per micro-batch below this counts as this (bounds K)
+MAX_STASH = 32  # a stage never stashes more micro-batches than this (their activations wait for backward)
+RTT_SAMPLES = 5  # the round trip is the smallest of the last probes (three at first, then one per step)
 
 
-def choose_in_flight(configured: int, stages: int, microbatches: int, rtt_s: float) -> int:
-    """K: `configured` when > 0, else S plus one per 25 ms of round trip on each of the S − 1
-    links (enough to cover the latency of the chain); never more than the micro-batches."""
+def choose_in_flight(
+    configured: int,
+    stages: int,
+    microbatches: int,
+    rtt_s: float,
+    serialize_s: float = 0.0,
+    compute_s: float = RTT_PER_EXTRA_S,
+    stash_limit: int = MAX_STASH,
+) -> int:
+    """K: `configured` when > 0, else S plus enough micro-batches to cover the chain's latency while
+    each stage computes: hop = round trip + `serialize_s` (a boundary message and its gradient at
+    the slowest cap, `serialization_s`), K = S + round((S − 1) · hop / compute per micro-batch);
+    never more than the micro-batches nor `stash_limit`."""
     if configured > 0:
         return max(1, min(configured, microbatches))
-    extra = round(max(0.0, rtt_s) * max(0, stages - 1) / RTT_PER_EXTRA_S)
-    return max(1, min(microbatches, stages + extra))
+    hop_s = max(0.0, rtt_s) + max(0.0, serialize_s)
+    extra = round(hop_s * max(0, stages - 1) / max(compute_s, MIN_COMPUTE_S))
+    return max(1, min(microbatches, stash_limit, stages + extra))
+
+
+def serialization_s(hop_bytes: int, caps_mbps: Iterable[float | None]) -> float:
+    """Seconds `hop_bytes` (one hop's boundary message and its gradient) take at the slowest of
+    `caps_mbps` (the head's and its stage peers' upload and download caps); 0 when none is capped."""
+    rates = [float(c) * ratelimit.MBIT for c in caps_mbps if c is not None and c > 0]
+    return hop_bytes / min(rates) if rates else 0.0
+
+
+def hop_bytes(cfg: RunConfig) -> int:
+    """Bytes of one hop of one micro-batch: the compressed boundary (b, L, k) with its int32 tokens
+    and targets forward, its gradient back (framing left out)."""
+    b, L = cfg.train.batch_size // cfg.train.microbatches, cfg.train.seq_len
+    boundary = b * L * cfg.k * WIRE_DTYPES[cfg.subspace.wire_dtype].itemsize
+    return 2 * boundary + 2 * b * L * 4
 
 
 def configured_in_flight(default: int) -> int:
@@ -88,37 +123,81 @@ class PipelinedStep:
 
     def __init__(self, driver: PipelineDriver) -> None:
         self.driver = driver
-        self._rtt: dict[str, float] = {}
+        self._rtt: dict[str, deque[float]] = {}
+        self._caps: dict[str, tuple[float | None, float | None]] = {}  # address -> its (upload, download) caps
+        self._busy = driver.worker.busy_s  # stage 0's compute seconds at the last choice
+        self._compute_s: float | None = None
+        self.k = 0
         self._equiv_lock = threading.Lock()
 
     # ------------------------------------------------------------------ schedule choice
     def in_flight(self, t: int) -> int:
+        """K for the next inner step, re-evaluated each time from the latest measurements."""
         cfg = self.driver.cfg
         configured = configured_in_flight(cfg.train.in_flight)
-        rtt = 0.0
+        rtt = ser = 0.0
+        compute = self._measured_compute()
         if configured == 0 and cfg.stages > 1:
-            rtt = self.rtt(self.driver._ensure_peer(1, t)[1])
-        k = choose_in_flight(configured, cfg.stages, cfg.train.microbatches, rtt)
+            route = [self.driver._ensure_peer(s, t)[1] for s in range(1, cfg.stages)]
+            rtt = self.rtt(route[0])
+            link = ratelimit.LINK.caps
+            caps = [link.upload_mbps, link.download_mbps, *(c for a in route for c in self.caps(a))]
+            ser = serialization_s(hop_bytes(cfg), caps)
+        k = choose_in_flight(configured, cfg.stages, cfg.train.microbatches, rtt, ser, compute or RTT_PER_EXTRA_S)
+        if k != self.k:
+            log.info(
+                "micro-batches in flight: %d (round trip %.1f ms, serialization %.1f ms, compute %s per micro-batch)",
+                k,
+                rtt * 1e3,
+                ser * 1e3,
+                "not measured yet" if compute is None else f"{compute * 1e3:.1f} ms",
+            )
+        self.k = k
         service = getattr(self.driver.session, "service", None)
         if service is not None:
-            service.schedule = {"in_flight": k, "rtt_ms": round(rtt * 1e3, 2)}
+            service.schedule = {"in_flight": k, "rtt_ms": round(rtt * 1e3, 2), "serialize_ms": round(ser * 1e3, 2)}
         return k
 
+    def _measured_compute(self) -> float | None:
+        """Stage 0's compute seconds per micro-batch in the inner step(s) since the last call
+        (smoothed); None before any was measured."""
+        busy, last = self.driver.worker.busy_s, self._busy
+        self._busy = busy
+        if busy > last:
+            per_mb = (busy - last) / max(1, self.driver.cfg.train.microbatches)
+            self._compute_s = per_mb if self._compute_s is None else 0.5 * (self._compute_s + per_mb)
+        return self._compute_s
+
     def rtt(self, address: str) -> float:
-        """Smallest of three `info` round trips to `address` (seconds), measured once per peer."""
-        if address not in self._rtt:
-            client = self.driver.session.clients.get(address)
-            times = []
-            for _ in range(3):
-                started = time.monotonic()
-                try:
-                    client.info(timeout_s=self.driver.cfg.swarm.rpc_timeout_s)
-                except PeerError:
-                    return 0.0
-                times.append(time.monotonic() - started)
-            self._rtt[address] = min(times)
-            log.info("round trip to %s: %.1f ms", address, self._rtt[address] * 1e3)
-        return self._rtt[address]
+        """Round trip to `address` (seconds): the smallest of its last `RTT_SAMPLES` `info` probes;
+        three at first sight, then one per call, so K follows a link whose latency changes."""
+        samples = self._rtt.setdefault(address, deque(maxlen=RTT_SAMPLES))
+        client = self.driver.session.clients.get(address)
+        for _ in range(1 if samples else 3):
+            started = time.monotonic()
+            try:
+                info = client.info(timeout_s=self.driver.cfg.swarm.rpc_timeout_s)
+            except PeerError:
+                break
+            samples.append(time.monotonic() - started)
+            self._remember_caps(address, info)
+        return min(samples) if samples else 0.0
+
+    def caps(self, address: str) -> tuple[float | None, float | None]:
+        """A stage peer's (upload, download) caps in Mbit/s from its `info` (asked once per address)."""
+        if address not in self._caps:
+            try:
+                info = self.driver.session.clients.get(address).info(timeout_s=self.driver.cfg.swarm.rpc_timeout_s)
+            except PeerError:
+                return (None, None)  # asked again next inner step
+            self._remember_caps(address, info)
+        return self._caps[address]
+
+    def _remember_caps(self, address: str, info: dict) -> None:
+        net = info.get("net")
+        net = net if isinstance(net, dict) else {}
+        up, down = (net.get(k) for k in ("max_upload_mbps", "max_download_mbps"))
+        self._caps[address] = (_cap(up), _cap(down))
 
     # ------------------------------------------------------------------ the inner step
     def run(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, list[float | None]]:
@@ -251,6 +330,13 @@ class PipelinedStep:
         if isinstance(exc, (TransportError, _Aborted, KeyError, ValueError)):
             return _StageFailed(str(exc))
         return exc if isinstance(exc, Exception) else PeerError(str(exc))
+
+
+def _cap(value: object) -> float | None:
+    """A cap field of a peer's info: Mbit/s, or None for no cap (missing, 0, junk)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        return None
+    return float(value)
 
 
 class _StageFailed(PeerError):

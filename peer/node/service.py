@@ -326,7 +326,9 @@ class PeerService:
 
     # ------------------------------------------------------------------ rounds and state
     def get_payload(self, request: PayloadRequest) -> bytes:
-        data = self.store.get(request.outer_step, request.stage)
+        """Our payload of the round, or (another sender named) one we fetched in it (a second source)."""
+        sender = None if request.sender in ("", self.peer_id) else request.sender
+        data = self.store.get(request.outer_step, request.stage, sender)
         if data is None:
             raise NotFoundError(f"no payload for round {request.outer_step} stage {request.stage} here")
         return data
@@ -338,6 +340,7 @@ class PeerService:
         with worker.lock:
             tensors = worker.snapshot()
             meta = {"param_hash": worker.param_hash(), "perp_hash": worker.perp_hash(), "stage": request.stage}
+            meta["bans"] = worker.bans.to_record()  # part of the committed state (peer.node.bans)
             return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
 
     def get_artifact(self, request: ArtifactRequest) -> bytes:

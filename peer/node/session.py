@@ -222,13 +222,14 @@ class Session:
         if t > 0:
             return
         need = self.cfg.swarm.min_replicas
-        deadline = time.monotonic() + self.cfg.swarm.round_timeout_s
+        wait_s = max(self.cfg.swarm.round_timeout_s, self.cfg.swarm.claim_timeout_s)  # heads form pipelines first
+        deadline = time.monotonic() + wait_s
         while not stop.is_set():
             have = len(expected_replicas(self.dht, t))
             if have >= need:
                 return
             if time.monotonic() >= deadline:
-                log.warning("starting with %d of %d replicas after %.0fs", have, need, self.cfg.swarm.round_timeout_s)
+                log.warning("starting with %d of %d replicas after %.0fs", have, need, wait_s)
                 return
             stop.wait(0.5)
 

@@ -66,6 +66,8 @@ from peer.core.subspace import (
     make_basis,
     perp_outer_update,
 )
+from peer.node.bans import NONE as NO_BANS
+from peer.node.bans import Bans, after_commit
 from peer.node.optimizer_state import load_named_optimizer_state, named_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ class StageWorker:
         self.last_committed: list[str] = []  # replica ids committed in the last round
         self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
         self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
+        self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
         self._hash_key: tuple[int, int] | None = None
         self._hash_value = ("", "")
         self._turn = threading.Condition(self.lock)  # micro-batch order of gradient accumulation
@@ -296,7 +299,9 @@ class StageWorker:
         """This peer's SparseLoCo payload for the current outer step (updates the error buffer)."""
         with self.lock:
             delta = pseudo_gradient(self.start, stage_state(self.module))
-            payload, self.errors = compress(delta, self.errors, self.cfg.sparseloco)
+            # the old error buffers are overwritten by the new ones (no model-sized allocation);
+            # nothing else holds them between rounds (checkpoints are written inside the round)
+            payload, self.errors = compress(delta, self.errors, self.cfg.sparseloco, in_place=True)
             return payload
 
     def contribute(self, replica_id: str) -> Payload:
@@ -317,12 +322,18 @@ class StageWorker:
             self.errors = restore_unsent(self.errors, decompress(payload))
 
     def apply_round(
-        self, committed: Sequence[Payload], embed_update: torch.Tensor | None, replicas: Sequence[str] = ()
+        self,
+        committed: Sequence[Payload],
+        embed_update: torch.Tensor | None,
+        replicas: Sequence[str] = (),
+        bans: Bans | None = None,
     ) -> RoundCommit:
         """θ ← θ_start − η·mean(clip(Δ̂)) over the committed set (in its given order); next outer step.
 
         `replicas` are the committed replica ids (published in this stage's record). Stage 0's
-        result carries the embedding's committed change, the T⊥ update of every other stage.
+        result carries the embedding's committed change, the T⊥ update of every other stage. The
+        ban state advances with the commit (`Bans.advance`), or is `bans` (a committed set taken
+        from another holder comes with that holder's bans), in the same locked step.
         """
         with self.lock:
             decoded = [decompress(p) for p in committed]
@@ -358,6 +369,13 @@ class StageWorker:
             self._set_start(stage_state(self.module))
             self.last_clip = done.clip
             self.last_committed = list(replicas)
+            if bans is None:  # our own screening decides (its keys are the replica ids)
+                swarm, ids = self.cfg.swarm, keys if keys is not None else []
+                dropped = self.last_dropped if keys is not None else []
+                bans = after_commit(
+                    self.bans, self.outer_step - 1, ids, dropped, swarm.ban_after, swarm.ban_rounds, self.stage
+                )
+            self.bans = bans
             return done
 
     def _return_clipped(

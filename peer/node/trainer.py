@@ -78,6 +78,8 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
             try:
                 session.rounds.stage_round(worker, contributor, stop)
                 session.checkpoints.after_round({stage: worker})  # still in the round: no pipeline can touch it
+            except NetworkError as exc:  # the DHT or every holder unreachable: housekeeping re-syncs
+                log.warning("stage %d: round %d did not complete: %s", stage, t, exc)
             finally:
                 service.round_done()
         return session.finish(stop)
@@ -132,7 +134,12 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
                     stop.wait(cfg.swarm.announce_interval_s)
                 continue
             bound = {str(s): pid for s, (pid, _) in list(driver.peers.items())}  # who did the last step
-            result = session.rounds.head_round(worker, t, stop, peers=bound)
+            try:
+                result = session.rounds.head_round(worker, t, stop, peers=bound)
+            except NetworkError as exc:  # the DHT unreachable past the deadline: repaired before the next step
+                log.warning("round %d did not complete: %s", t, exc)
+                driver.release()
+                continue
             driver.release()
             if result.behind:  # round t was committed without us: we re-synced instead
                 continue
@@ -192,7 +199,11 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
                     break
             if stop.is_set():
                 break
-            results = session.rounds.full_round(workers, t, stop)
+            try:
+                results = session.rounds.full_round(workers, t, stop)
+            except NetworkError as exc:  # the DHT unreachable past the deadline: repaired before the next step
+                log.warning("round %d did not complete: %s", t, exc)
+                continue
             if any(r.behind for r in results.values()):
                 continue  # re-synced instead of committing: align the stages before the next step
             val_loss = _full_eval(chain, val)

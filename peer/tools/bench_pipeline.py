@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,7 +174,9 @@ def run_bench(b: PipelineBench, progress: Callable[[str], None] = log.info) -> d
         progress(f"no network namespaces ({why}); stages talk over loopback, shaped links skipped")
         b = PipelineBench(**{**b.__dict__, "netns": False})
     root = Path(b.workdir or tempfile.mkdtemp(prefix="peer-bench-pipeline-"))
-    one = statistics.median(whole(b, root / f"whole{i}")["tokens_per_s"] for i in range(b.repeats))
+    wholes = sorted((whole(b, root / f"whole{i}") for i in range(b.repeats)), key=lambda r: r["tokens_per_s"])
+    median = wholes[len(wholes) // 2]
+    one = median["tokens_per_s"]
     progress(f"one device (whole model, one core): {one:.0f} tokens/s")
     rows = []
     for k_ratio in b.k_ratios:
@@ -193,7 +194,7 @@ def run_bench(b: PipelineBench, progress: Callable[[str], None] = log.info) -> d
                 row["efficiency"] = row["tokens_per_s"] / (b.stages * one)
                 row["bubble"] = 1.0 - sum(row["busy"]) / len(row["busy"])
                 row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
-                row["plan_tokens_per_s"] = planned(b, row, one)
+                row["plan_tokens_per_s"] = planned(b, row, median)
                 rows.append(row)
                 progress(_line(row))
     for row in rows:
@@ -206,6 +207,7 @@ def run_bench(b: PipelineBench, progress: Callable[[str], None] = log.info) -> d
     return {
         "bench": {k: (str(v) if isinstance(v, Path) else v) for k, v in b.__dict__.items()},
         "one_device_tokens_per_s": one,
+        "one_device_step_s": median.get("step_s"),
         "rows": rows,
         "shaping": "skipped: " + why if why and shaped else "tc tbf" if shaped else "none",
     }
@@ -222,16 +224,20 @@ def rate_mbps(rate: str) -> float | None:
     raise ValueError(f"cannot read the rate {rate!r} (use e.g. 100mbit)")
 
 
-def planned(b: PipelineBench, row: dict[str, Any], one_device: float) -> float:
-    """`peer plan`'s tokens/s for this row, calibrated by the measured one-device tokens/s."""
+def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -> float:
+    """`peer plan`'s tokens/s for this row, calibrated by the measured one-device run: its FLOP/s
+    without the optimizer step, and the step's seconds per parameter; `RPC_OVERHEAD_S` per call end."""
     from peer.core.model import PRESETS
-    from peer.tools.plan import flops_from_tokens_per_s, predict_pipeline
+    from peer.tools.plan import RPC_OVERHEAD_S, flops_from_tokens_per_s, predict_pipeline
 
     cfg = PRESETS[b.preset]
-    flops = flops_from_tokens_per_s(cfg, b.seq_len, one_device)
+    tokens, wall = one_device["tokens"], one_device["wall_s"]
+    step_s = one_device.get("step_s", 0.0) * b.steps
+    flops = flops_from_tokens_per_s(cfg, b.seq_len, tokens / max(1e-9, wall - step_s))
     return predict_pipeline(
         cfg, b.stages, b.microbatches, b.batch_size, b.seq_len, row["k_ratio"], flops, row["in_flight"],
-        rate_mbps(row["rate"]), row["rtt_ms"],
+        rate_mbps(row["rate"]), row["rtt_ms"], rpc_overhead_s=RPC_OVERHEAD_S,
+        opt_s_per_param=one_device.get("opt_s_per_param", 0.0),
     )["tokens_per_s"]  # fmt: skip
 
 

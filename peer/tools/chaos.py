@@ -52,6 +52,8 @@ class ChaosConfig:
     seed: int = 0
     workdir: Path = Path("runs/chaos")
     inner_steps: int = 5
+    microbatches: int = 4  # per inner step (batch 8): with in_flight 0 several are in the pipeline at a fault
+    in_flight: int = 0  # the heads' window: 0 = auto (1F1B), 1 = the sequential schedule
     round_timeout_s: float = 20.0
     rpc_timeout_s: float = 3.0
     record_ttl_s: float = 5.0
@@ -104,6 +106,7 @@ class ChaosRun:
         self.workdir = Path(cfg.workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PEER_LOG_LEVEL": "INFO"}
+        env["PEER_TRAIN__IN_FLIGHT"] = str(cfg.in_flight)  # a head's local schedule, not the run's config
         self.children = Children(self.workdir, env=env)
         self.rng = random.Random(cfg.seed)
         self.roles = {name: Role(name, flags) for name, flags in ROLES.items()}
@@ -125,6 +128,7 @@ class ChaosRun:
             "PEER_SWARM__CLAIM_TIMEOUT_S": str(3 * c.round_timeout_s),
             "PEER_SWARM__MIN_REPLICAS": "2",
             "PEER_SWARM__CHECKPOINT_EVERY_ROUNDS": "1",
+            "PEER_TRAIN__MICROBATCHES": str(c.microbatches),
         }
 
     def start_bootstrap(self) -> None:

@@ -82,6 +82,7 @@ BenchParams = Annotated[
     float, typer.Option(help="Approximate model size in parameters; a real model of that size is built.")
 ]
 BenchSeed = Annotated[int, typer.Option()]
+BenchRepeats = Annotated[int, typer.Option(help="Timed repetitions (rounds) of each codec; medians are reported.")]
 BenchJson = Annotated[Path | None, typer.Option("--json", help="Write the measurement as JSON.")]
 Checkpoint = Annotated[
     Path,
@@ -266,6 +267,10 @@ ChaosFaults = Annotated[int, typer.Option("--faults", help="Faults to inject (on
 ChaosSeed = Annotated[int, typer.Option("--seed", help="Seed of the fault schedule.")]
 ChaosRoundTimeout = Annotated[float, typer.Option("--round-timeout-s", help="swarm.round_timeout_s.")]
 ChaosInnerSteps = Annotated[int, typer.Option("--inner-steps", help="H of the run.")]
+ChaosMicrobatches = Annotated[int, typer.Option("--microbatches", help="Pipeline micro-batches per inner step.")]
+ChaosInFlight = Annotated[
+    int, typer.Option("--in-flight", help="Heads' micro-batches in flight: 0 = auto (1F1B), 1 = sequential.")
+]
 ChaosWorkdir = Annotated[Path | None, typer.Option("--workdir", help="Logs and data (default: runs/chaos-…).")]
 ChaosJson = Annotated[Path | None, typer.Option("--json", help="Write the table and every fault here.")]
 

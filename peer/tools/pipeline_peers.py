@@ -169,16 +169,21 @@ def whole_model(cfg: RunConfig, warmup: int, steps: int) -> dict[str, Any]:
     worker = StageWorker(one, 0, compressed=False)
     data = batches(cfg, warmup + steps)
     n = cfg.train.microbatches
-    started = 0.0
+    started, step_s = 0.0, 0.0
     for h, (x, y) in enumerate(data):
         if h == warmup:
-            started = time.perf_counter()
+            started, step_s = time.perf_counter(), 0.0
         for mb, (mx, my) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
             worker.forward(("whole", mb), mx, None, my)
+        stepped = time.perf_counter()
         worker.step(0, h)
+        step_s += time.perf_counter() - stepped
     wall = time.perf_counter() - started
     tokens = steps * cfg.train.batch_size * cfg.train.seq_len
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
+    n_params = sum(p.numel() for p in worker.module.parameters())
+    # the optimizer step apart (the planner's calibration: compute FLOP/s and step seconds per parameter)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "step_s": step_s / steps,
+            "opt_s_per_param": step_s / steps / n_params}  # fmt: skip
 
 
 class StageProcesses:

@@ -212,25 +212,43 @@ def compute_params(cfg: ModelConfig, stage: int, stages: int, seq_len: int) -> f
     return float(mats + layers * seq_len * cfg.d_model)
 
 
-def scheduled_step_s(t_stages: Sequence[float], t_msg: float, rtt_s: float, m: int, in_flight: int) -> float:
+RPC_OVERHEAD_S = 1.5e-3  # CPU one end of a pipeline call costs (gRPC stream, codec, checks; measured: docs/pipeline.md)
+
+
+def scheduled_step_s(
+    t_stages: Sequence[float],
+    t_msg: float,
+    rtt_s: float,
+    m: int,
+    in_flight: int,
+    t_rpc: float = 0.0,
+    t_opt: Sequence[float] = (),
+) -> float:
     """Wall time of one inner step of m micro-batches, as `peer.node.schedule` runs it.
 
     t_stages: compute (fwd + bwd) of one micro-batch on each stage; t_msg: one boundary message
-    on one link (bytes / bandwidth); rtt_s: round trip per link.
-    - in_flight 1 (sequential, every hop through the head): m · (Σ t_s + (4S − 6)·t_msg + (2S − 3)·rtt).
-    - in_flight K > 1 (1F1B, streamed stage to stage, each link full duplex): one micro-batch takes
-      the chain latency C = Σ t_s + (S − 1)(2·t_msg + rtt); then one finishes every 1/r with
-      r = min(1 / max(t_s, t_msg), K / C). Step = C + (m − 1)/r; with K ≥ S and fast links this is
-      (m + S − 1)·t: the bubble m / (m + S − 1).
+    on one link (bytes / bandwidth); rtt_s: round trip per link; t_rpc: the CPU each end of a call
+    spends on it (on the core that computes); t_opt: each stage's optimizer step (the head steps
+    after the later stages, which step in parallel).
+    - in_flight 1 (sequential, every hop through the head, 2S − 3 calls per micro-batch):
+      m · (Σ t_s + (4S − 6)·t_msg + (2S − 3)·(rtt + 2·t_rpc)).
+    - in_flight K > 1 (1F1B, streamed stage to stage, each link full duplex): stage s spends
+      t_s' = t_s + t_rpc per call it makes or serves per micro-batch (1 on the first and last stage,
+      2 between); one micro-batch takes the chain latency C = Σ t_s' + (S − 1)(2·t_msg + rtt);
+      then one finishes every 1/r with r = min(1 / max(t_s', t_msg), K / C). Step = C + (m − 1)/r;
+      with K ≥ S and fast links this is (m + S − 1)·t: the bubble m / (m + S − 1).
+    Plus the optimizer step: max of the later stages' t_opt, a round trip, then the head's.
     """
     S = len(t_stages)
+    opt = (max(t_opt[1:], default=0.0) + t_opt[0] + (rtt_s + 2 * t_rpc if S > 1 else 0.0)) if t_opt else 0.0
     if S == 1:
-        return m * t_stages[0]
+        return m * t_stages[0] + opt
     if in_flight <= 1:
-        return m * (sum(t_stages) + (4 * S - 6) * t_msg + (2 * S - 3) * rtt_s)
-    chain = sum(t_stages) + (S - 1) * (2 * t_msg + rtt_s)
-    rate = min(1.0 / max(*t_stages, t_msg), in_flight / chain)
-    return chain + (m - 1) / rate
+        return m * (sum(t_stages) + (4 * S - 6) * t_msg + (2 * S - 3) * (rtt_s + 2 * t_rpc)) + opt
+    busy = [t + (1 if s in (0, S - 1) else 2) * t_rpc for s, t in enumerate(t_stages)]
+    chain = sum(busy) + (S - 1) * (2 * t_msg + rtt_s)
+    rate = min(1.0 / max(*busy, t_msg), in_flight / chain)
+    return chain + (m - 1) / rate + opt
 
 
 def predict_pipeline(
@@ -245,22 +263,31 @@ def predict_pipeline(
     bandwidth_mbps: float | None = None,
     rtt_ms: float = 0.0,
     wire_dtype: str = "fp32",
+    rpc_overhead_s: float = 0.0,
+    opt_s_per_param: float = 0.0,
 ) -> dict[str, float]:
     """Predicted tokens/s of a pipeline on this schedule; `flops` is one device's sustained FLOP/s
-    (e.g. `flops_from_tokens_per_s` of a measured one-device run). bandwidth None: unshaped."""
+    for forward and backward (e.g. `flops_from_tokens_per_s` of a measured one-device run).
+    bandwidth None: unshaped. `rpc_overhead_s`: CPU per end of a call (`RPC_OVERHEAD_S` on this
+    machine); `opt_s_per_param`: optimizer step seconds per parameter (both 0: compute only)."""
     b = batch_size // microbatches
     width = k_from_ratio(cfg.d_model, k_ratio)
     fwd, bwd = boundary_bytes(b, seq_len, width, wire_dtype)
     t_msg = 0.0 if bandwidth_mbps is None else max(fwd, bwd) * 8 / (bandwidth_mbps * 1e6)
     t_stages = [6 * compute_params(cfg, s, stages, seq_len) * b * seq_len / flops for s in range(stages)]
-    step = scheduled_step_s(t_stages, t_msg, rtt_ms / 1e3, microbatches, in_flight)
-    one = microbatches * 6 * compute_params(cfg, 0, 1, seq_len) * b * seq_len / flops
+    t_opt = [opt_s_per_param * _n_params(stage_shapes(cfg, s, stages)) for s in range(stages)]
+    step = scheduled_step_s(t_stages, t_msg, rtt_ms / 1e3, microbatches, in_flight, rpc_overhead_s, t_opt)
+    one = microbatches * 6 * compute_params(cfg, 0, 1, seq_len) * b * seq_len / flops + opt_s_per_param * cfg.n_params
     return {
         "tokens_per_s": batch_size * seq_len / step,
         "one_device_tokens_per_s": batch_size * seq_len / one,
         "efficiency": one / (stages * step),
         "bubble": 1 - sum(t_stages) * microbatches / (stages * step),
     }
+
+
+def _n_params(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(v) for v in shapes.values())
 
 
 def flops_from_tokens_per_s(cfg: ModelConfig, seq_len: int, tokens_per_s: float) -> float:

@@ -154,6 +154,8 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
     if len(info.initial_peers) > 1:
         out.append(Text("other addresses of this node:"))
         out += [Text(f"  {other}") for other in info.initial_peers[1:]]
+    if info.metrics_url:
+        out.append(Text(f"prometheus metrics of the swarm at {info.metrics_url}"))
     out.append(Text("running; Ctrl-C or SIGTERM stops it"))
     return out
 
@@ -174,12 +176,12 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
             f"outer step {result['outer_step']}"
         )
     ]
-    columns = ("stage", "peer", "role", "state", "outer step", "tokens/s", "address", "link")
+    columns = ("stage", "peer", "role", "state", "outer step", "tokens/s", "in flight", "address", "link")
     table = _table("stage peers", columns, left=("peer", "role", "state", "address", "link"))
     for stage, peers in result["stages"].items():
         if not peers:
             table.add_row(
-                stage, "—", "", "[yellow]no peer[/yellow]", "", "", f"start one: peer join --stage {stage} …", ""
+                stage, "—", "", "[yellow]no peer[/yellow]", "", "", "", f"start one: peer join --stage {stage} …", ""
             )
         for p in peers:
             table.add_row(
@@ -189,6 +191,7 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
                 fmt(p["state"]),
                 fmt(p["outer_step"]),
                 fmt(p["tokens_per_s"], ".0f"),
+                fmt(p.get("in_flight")),
                 fmt(p["address"]),
                 link_cell(p),
             )

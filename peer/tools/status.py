@@ -5,7 +5,8 @@ peers publish (DESIGN §3): `stage.{s}` (one subkey per stage peer) and `replica
 full replica or pipeline head). Returns one plain dict, the documented shape of `peer status --json`:
 
     {"run_id": str, "preset": str, "outer_step": int,
-     "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address", *LINK}, ...], ...},
+     "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address", "in_flight",
+                       *LINK}, ...], ...},
      "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s", *LINK}, ...]}
     LINK = "connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures"
 
@@ -27,7 +28,7 @@ from peer.node.manifest import wait_for_manifest
 
 logger = logging.getLogger(__name__)
 
-STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address")
+STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address", "in_flight")  # in_flight: a head's K
 REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s")
 # docs/connectivity.md: how others reach the peer (direct, reverse, relayed), its caps, refused calls
 LINK_FIELDS = ("connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures")

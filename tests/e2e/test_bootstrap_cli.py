@@ -115,3 +115,62 @@ def test_print_peer_id_is_stable_and_needs_identity(tmp_path):
     assert make_identity(key) == peer_id  # the key file now exists and is only read: the id is fixed
     missing = subprocess.run([*PEER, "bootstrap", "--print-peer-id"], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--identity" in missing.stderr
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of a live Prometheus endpoint (real HTTP)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_bootstrap_metrics_port_serves_the_swarm_it_sees(tmp_path, reap_children):
+    """`--metrics-port 0`: the address file names the endpoint; a peer's stage and replica records
+    show up in it, the manifest's re-publications are counted, and it stops with the bootstrap."""
+    from peer.net.dht import SwarmDHT
+
+    proc, address_file, stdout = _start(tmp_path, "--stages", "2", "--metrics-port", "0")
+    record = _wait_ready(proc, address_file, stdout)
+    url = record["metrics"]
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url) and url in stdout.read_text()
+    first = _scrape(url)
+    assert first[("peer_bootstrap_uptime_seconds", ())] > 0
+    assert first[("peer_bootstrap_stage_peers", (("stage", "1"),))] == 0
+    assert first[("peer_bootstrap_manifest_publications_total", ())] >= 1
+    # one peer publishes a stage-1 record and a full replica's record, as `peer join` does
+    with SwarmDHT(initial_peers=record["initial_peers"], client_mode=True) as dht:
+        dht.set_run(record["run_id"], 2)
+        dht.announce_stage(1, {"address": "127.0.0.1:1", "role": "spare", "outer_step": 3}, ttl_s=60)
+        dht.announce_replica({"address": "127.0.0.1:1", "kind": "full", "outer_step": 3}, ttl_s=60)
+        deadline = time.monotonic() + 40  # a poll every 2 s, a manifest refresh every ttl/3 = 10 s
+        seen = first
+        while time.monotonic() < deadline:
+            seen = _scrape(url)
+            if (
+                seen[("peer_bootstrap_stage_peers", (("stage", "1"),))] == 1
+                and seen[("peer_bootstrap_manifest_publications_total", ())] >= 2
+            ):
+                break
+            time.sleep(0.5)
+    assert seen[("peer_bootstrap_stage_peers", (("stage", "1"),))] == 1, seen
+    assert seen[("peer_bootstrap_stage_peers", (("stage", "0"),))] == 0
+    assert seen[("peer_bootstrap_stage_peers_seen_total", (("stage", "1"),))] == 1
+    assert seen[("peer_bootstrap_replicas", (("kind", "full"),))] == 1
+    assert seen[("peer_bootstrap_replicas", (("kind", "pipeline"),))] == 0
+    assert seen[("peer_bootstrap_outer_step", ())] == 3
+    assert seen[("peer_bootstrap_manifest_publications_total", ())] >= 2  # re-published
+    assert seen[("peer_bootstrap_manifest_refresh_failures_total", ())] == 0
+    assert seen[("peer_bootstrap_uptime_seconds", ())] > first[("peer_bootstrap_uptime_seconds", ())]
+    children = live_descendants(proc.pid)
+    _stop(proc, lambda: proc.send_signal(signal.SIGTERM))
+    _assert_gone(children)
+    with pytest.raises(OSError):  # the endpoint went with the process
+        _scrape(url)

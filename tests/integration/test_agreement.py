@@ -14,8 +14,8 @@ import torch
 from peer.config import build_config
 from peer.core.sparseloco import compress
 from peer.errors import NetworkError
-from peer.node.agreement import canonical, fresh, round_view
-from peer.node.rounds import gather_round, sha256
+from peer.node.agreement import canonical, fenced_by, fresh, round_view
+from peer.node.rounds import dht_time, gather_round, sha256
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,8 +95,8 @@ class FakeDHT:
     def get_replicas(self):
         return dict(self.replicas)
 
-    def get_stage_peers(self, stage):
-        return dict(self.holders)
+    def get_stage_peers(self, stage, keep_left=False):
+        return {p: r for p, r in self.holders.items() if keep_left or r.get("state") != "left"}
 
     def get_payloads(self, t, stage):
         return dict(self.payloads.get((t, stage), {}))
@@ -123,6 +123,9 @@ class FakeClients:
 
 class Store:
     def put(self, *a):
+        pass
+
+    def put_fetched(self, *a):
         pass
 
 
@@ -207,3 +210,111 @@ def test_the_deadline_ends_every_wait():
     dht.replicas = {"me": _replica(), "slow": _replica()}
     result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0)
     assert result.timed_out and result.replicas == ["me"]
+
+
+def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
+    # at start-up a replica whose records are not visible yet cannot count as gathering: round 0
+    # stays open until `swarm.min_replicas` payloads are held (or the deadline), never a lone commit
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica()}  # the other replica has not published anything yet
+    done: list = []
+
+    def run() -> None:
+        done.append(gather_round(dht, clients, 0, 1, 10, own=("me", _payload(2)), store=Store(), poll_s=0.02, quorum=2))
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(0.3)
+    assert th.is_alive()  # expected = {me} is complete, but one payload is below the quorum of 2
+    dht.replicas["o"] = _replica()
+    _other(dht, clients, "o", _payload(1))
+    th.join(5)
+    assert done and done[0].replicas == ["me", "o"] and not done[0].timed_out
+    del dht.replicas["o"]  # o left: at t = 1 our payload alone closes the round
+    later = gather_round(dht, clients, 1, 1, 10, own=("me", _payload(3)), store=Store(), poll_s=0.02, quorum=2)
+    assert later.replicas == ["me"] and not later.timed_out  # the quorum holds only for round 0
+
+
+def test_a_holder_seen_gathering_whose_records_expired_is_waited_for_until_the_deadline():
+    # a stopped process's records expire while it is frozen: our payload alone must not close the
+    # round it may still send to; only the deadline (or its payload, or its commit) ends the wait
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=2.0)))
+    th.start()
+    th.join(0.3)
+    dht.holders = {}  # o's records expired
+    th.join(0.5)
+    assert th.is_alive()  # o was seen gathering: no lone close
+    th.join(5)
+    assert done and done[0].timed_out and done[0].replicas == ["me"]
+
+
+def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_set():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"a": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}  # a contributor of the stage, still gathering
+    _other(dht, clients, "a", _payload(1))
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=None)))
+    th.start()
+    th.join(0.4)
+    assert th.is_alive()  # every expected payload is held, but an observer does not decide the set
+    dht.holders = {"o": {"outer_step": 1, "committed": ["a"], "param_hash": "h"}}
+    th.join(5)
+    assert done and done[0].replicas == ["a"] and done[0].target == ["a"] and not done[0].timed_out
+
+
+def test_a_holder_that_left_gracefully_is_not_waited_for():
+    # SIGTERM: its records become {"state": "left"}; unlike a frozen peer it will not come back to t
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=20)))
+    th.start()
+    th.join(0.3)
+    assert th.is_alive()
+    dht.holders = {"o": {"state": "left"}}
+    th.join(5)
+    assert done and done[0].replicas == ["me"] and not done[0].timed_out and done[0].wall_s < 5
+
+
+# ------------------------------------------------------------------ deadline fence
+def test_only_an_earlier_closer_near_its_deadline_fences_us():
+    view = round_view(
+        0, 1, {"a": {"replica": "a", "closes": 100.0}, "z": {"replica": "z", "closes": 100.0}}, {}, {}, {}, "me", ""
+    )
+    assert fenced_by(view, "me", 105.0, now=99.0, margin_s=2.0) == {"a", "z"}  # both close before us
+    assert fenced_by(view, "me", 105.0, now=97.0, margin_s=2.0) == set()  # they have time to fetch ours
+    assert fenced_by(view, "me", 105.0, now=102.5, margin_s=2.0) == set()  # no commit by now: they are gone
+    assert fenced_by(view, "me", 100.0, now=99.0, margin_s=2.0) == {"a"}  # a tie: the smaller peer id closes first
+    assert fenced_by(view, "me", 95.0, now=99.0, margin_s=2.0) == set()  # we close first: we never wait
+    assert fenced_by(view, "me", None, now=99.0, margin_s=2.0) == set()  # an observer follows anyway
+
+
+def test_a_set_closing_at_an_earlier_closers_deadline_follows_its_commit():
+    # o closes at its deadline with what it holds (maybe not our payload): we wait for its commit
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.2)
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), grace_s=1.0)))
+    th.start()
+    th.join(0.4)
+    assert th.is_alive()  # both payloads held, but o's deadline is near: its commit decides
+    dht.holders = {"o": {"outer_step": 1, "committed": ["o"], "param_hash": "h"}}  # o closed without ours
+    th.join(5)
+    assert done and done[0].replicas == ["o"] and done[0].target == ["o"]
+
+
+def test_the_fence_ends_at_the_earlier_closers_deadline_plus_the_grace():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.1)
+    result = _gather(dht, clients, own=("me", _payload(2)), grace_s=0.5)
+    assert result.replicas == ["me", "o"] and not result.timed_out and 0.4 <= result.wall_s < 3

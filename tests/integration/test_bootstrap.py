@@ -227,6 +227,7 @@ def test_collect_status_reads_stage_and_replica_records(boot):
                 "inner_step": 5,
                 "tokens_per_s": 1200.0,
                 "loss": 4.5,
+                "in_flight": 4,
             },
             ttl_s=30,
         )
@@ -263,6 +264,7 @@ def test_collect_status_reads_stage_and_replica_records(boot):
                     "tokens_per_s": 1200.0,
                     "role": "head",
                     "address": "127.0.0.1:7000",
+                    "in_flight": 4,
                     **no_link,
                 }
             ],

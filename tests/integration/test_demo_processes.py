@@ -289,7 +289,7 @@ def test_a_signal_to_the_demo_stops_every_process(tmp_path, tag, fake, sig):
         _wait_for(lambda: heads_up() and len(_pids_with_env(tag)) >= 6, 90, "the stand-in swarm")
         # demo + bootstrap + p0-s1 + p0-s0 + full0 + full0's escaped grandchild
         demo.send_signal(sig)
-        out, _ = demo.communicate(timeout=60)  # a deadline on a loaded CI machine, not a speed check
+        out, _ = demo.communicate(timeout=180)  # a deadline on a loaded CI machine, not a speed check
     finally:
         if demo.poll() is None:
             demo.kill()

@@ -131,6 +131,8 @@ def test_another_peer_cannot_overwrite_or_forge_a_record(nodes, stock_node):
     assert reader.get_stage_peers(0)[a.peer_id]["state"] == "busy"
     a.withdraw_stage(0)
     assert set(reader.get_stage_peers(0)) == {reader.peer_id}
+    # a round in progress tells a graceful leave (a signed "left" record) from a record that expired
+    assert reader.get_stage_peers(0, keep_left=True)[a.peer_id]["state"] == "left"
 
 
 def test_manifest_is_taken_from_the_bootstrap_and_stays_readable_by_stock_hivemind(nodes, stock_node):

@@ -238,3 +238,38 @@ def test_stage_peer_listed_in_the_heads_record_contributes_in_its_name(three_rep
     for result in results:
         assert result.replicas == [rid for rid, _ in want] and result.payloads == [data for _, data in want]
         assert result.expected == 2 and not result.timed_out and result.wall_s < ROUND_TIMEOUT_S / 2
+
+
+def test_a_payload_whose_sender_died_is_served_by_a_holder_that_fetched_it(three_replicas):
+    """A sends, B fetches it and commits, A's process dies: C still commits A's payload, from B."""
+    from peer.net.transport.errors import NotFoundError
+    from peer.net.transport.messages import PayloadRequest
+
+    cfg, (a, b, c) = three_replicas
+    t, stage = 3, 1
+    a_data, c_data = _payload(1, cfg), _payload(3, cfg)
+    _announce(a, t, stage, a_data, a.id)
+    _announce(c, t, stage, c_data, c.id)
+    first = _gather(cfg, b, t, stage, (b.id, _payload(2, cfg)))
+    assert sorted(first.replicas) == sorted([a.id, b.id, c.id]) and not first.timed_out
+    a.server.stop(grace_s=0.2)  # A is gone (its records have not expired yet)
+    a.server = None
+    b.clients.close()
+    second = gather_round(
+        c.dht,
+        c.clients,
+        t,
+        stage,
+        ROUND_TIMEOUT_S,
+        own=(c.id, c_data),
+        store=c.store,
+        address=c.address,
+        validate=payload_validator(SHAPES, cfg.sparseloco),
+        poll_s=0.1,
+        ttl_s=60,
+    )
+    assert second.replicas == first.replicas and second.payloads == first.payloads  # the same set, same bytes
+    assert not second.timed_out and second.wall_s < ROUND_TIMEOUT_S / 2
+    # a holder asked for a sender's payload it never fetched says so; it never answers with its own
+    with pytest.raises(NotFoundError):
+        c.clients.get(b.address).get_payload(PayloadRequest(t, stage, "QmNobodyFetchedThis"), timeout_s=2.0)

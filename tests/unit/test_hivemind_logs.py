@@ -29,3 +29,23 @@ def test_only_the_cancelled_future_race_is_filtered(caplog):
         logger.error("Task exception was never retrieved", exc_info=(type(exc), exc, exc.__traceback__))
         logger.error("Task exception was never retrieved", exc_info=(ValueError, ValueError("real bug"), None))
     assert len(caplog.records) == 1 and caplog.records[0].exc_info[0] is ValueError
+
+
+def test_a_dead_parents_pipe_is_one_line_without_a_traceback(caplog):
+    quiet_cancelled_futures()
+    logger = logging.getLogger("hivemind.dht.dht")
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError as exc:
+        reset = exc
+    with caplog.at_level(logging.DEBUG, logger="hivemind.dht.dht"):
+        # what hivemind's DHT._run does when the pipe read fails: logger.exception(e)
+        record = logger.makeRecord(
+            logger.name, logging.ERROR, "dht.py", 130, reset, (), (ConnectionResetError, reset, None), func="_run"
+        )
+        logger.handle(record)
+        logger.error("another failure", exc_info=(ValueError, ValueError("real bug"), None))
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING and first.exc_info is None
+    assert "ConnectionResetError" in first.getMessage() and "Traceback" not in caplog.text.split("\n")[0]
+    assert second.levelno == logging.ERROR and second.exc_info[0] is ValueError  # other errors untouched

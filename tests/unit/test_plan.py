@@ -214,3 +214,30 @@ def test_predicted_efficiency_of_a_balanced_fast_pipeline_is_its_bubble():
     out = predict_pipeline(PLAN_PRESETS["small"], 2, 8, 16, 128, "1/8", 1e10, in_flight=2)
     assert 0.5 < out["efficiency"] <= 8 / 9 + 1e-9
     assert out["tokens_per_s"] > out["one_device_tokens_per_s"]
+
+
+def test_per_call_overhead_and_the_optimizer_step_lengthen_the_step():
+    from peer.tools.plan import scheduled_step_s
+
+    t, m = 0.1, 8
+    base = scheduled_step_s([t, t], 0.0, 0.0, m, 2)
+    # each micro-batch costs every stage one call end (the head's call, stage 1's answer)
+    assert scheduled_step_s([t, t], 0.0, 0.0, m, 2, t_rpc=0.002) == pytest.approx((m + 1) * (t + 0.002))
+    # the later stages step in parallel, then the head: max(later) + head + one call
+    stepped = scheduled_step_s([t, t, t], 0.0, 0.0, m, 3, t_rpc=0.0, t_opt=[0.03, 0.01, 0.02])
+    assert stepped == pytest.approx(scheduled_step_s([t, t, t], 0.0, 0.0, m, 3) + 0.02 + 0.03)
+    # sequential: 2S − 3 calls per micro-batch, both ends on the critical path
+    seq = scheduled_step_s([t, t, t], 0.0, 0.0, m, 1, t_rpc=0.001)
+    assert seq == pytest.approx(m * (3 * t + 3 * 2 * 0.001))
+    assert scheduled_step_s([t], 0.0, 0.0, m, 1, t_rpc=0.5, t_opt=[0.01]) == pytest.approx(m * t + 0.01)
+    assert base < scheduled_step_s([t, t], 0.0, 0.0, m, 2, t_rpc=0.001)
+
+
+def test_a_calibrated_optimizer_step_counts_for_the_one_device_baseline_too():
+    from peer.tools.plan import PLAN_PRESETS, predict_pipeline
+
+    small = PLAN_PRESETS["small"]
+    bare = predict_pipeline(small, 2, 8, 16, 128, "1/8", 1e10, in_flight=2)
+    real = predict_pipeline(small, 2, 8, 16, 128, "1/8", 1e10, 2, rpc_overhead_s=0.002, opt_s_per_param=3e-9)
+    assert real["one_device_tokens_per_s"] < bare["one_device_tokens_per_s"]
+    assert real["tokens_per_s"] < bare["tokens_per_s"] and real["efficiency"] < bare["efficiency"]

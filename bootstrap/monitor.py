@@ -1,0 +1,81 @@
+"""What `peer bootstrap --metrics-port` reports: the swarm as the bootstrap's DHT node sees it.
+
+`SwarmMonitor.poll()` reads the run's stage and replica records (one DHT read per stage plus one)
+and keeps a snapshot: peers holding each stage now, distinct peers seen per stage since start,
+replicas online by kind (pipeline heads, full replicas), the largest outer step, plus the
+bootstrap's own counters (manifest publications and failed refreshes, artefacts served) and its
+up time. The HTTP endpoint (`peer.net.prometheus.serve_swarm_metrics`) reads the snapshot at each
+scrape, so a scrape never waits on the DHT; `BootstrapNode.serve` polls every `poll_s`.
+
+Invariants: a failed read is counted and keeps the last snapshot (never raises into the serve
+loop); the sets of peers seen only grow; `summarize` is pure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from peer.errors import PeerError
+from peer.net.dht import SwarmDHT
+
+logger = logging.getLogger(__name__)
+
+Records = Mapping[str, Mapping[str, Any]]  # {peer id: record}
+
+
+def summarize(stages: Mapping[int, Records], replicas: Records) -> dict[str, Any]:
+    """Live peers per stage, replicas by kind and the largest outer step of a set of records."""
+    kinds: dict[str, int] = {"pipeline": 0, "full": 0}
+    for rec in replicas.values():
+        kind = rec.get("kind")
+        if isinstance(kind, str):
+            kinds[kind] = kinds.get(kind, 0) + 1
+    steps = [rec.get("outer_step") for recs in (*stages.values(), replicas) for rec in recs.values()]
+    outer = max([0, *(s for s in steps if isinstance(s, int) and not isinstance(s, bool))])
+    return {"stage_peers": {s: len(recs) for s, recs in stages.items()}, "replicas": kinds, "outer_step": outer}
+
+
+class SwarmMonitor:
+    """The bootstrap's snapshot of the swarm (see the module docstring); thread-safe."""
+
+    def __init__(self, dht: SwarmDHT, n_stages: int, counters: Callable[[], Mapping[str, int]]) -> None:
+        self.dht, self.n_stages, self.counters = dht, n_stages, counters
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._seen: dict[int, set[str]] = {s: set() for s in range(n_stages)}
+        self._last = summarize({s: {} for s in range(n_stages)}, {})
+        self._failures = 0
+
+    def poll(self) -> None:
+        """Read the stage and replica records once; a failed read is counted, the last snapshot kept."""
+        try:
+            stages = {s: self.dht.get_stage_peers(s) for s in range(self.n_stages)}
+            replicas = self.dht.get_replicas()
+        except PeerError as exc:
+            with self._lock:
+                self._failures += 1
+            logger.debug("could not read the swarm's records for metrics: %s", exc)
+            return
+        summary = summarize(stages, replicas)
+        with self._lock:
+            for s, recs in stages.items():
+                self._seen[s].update(recs)
+            self._last = summary
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `SwarmCollector` reads at each scrape."""
+        counters = self.counters()
+        with self._lock:
+            return {
+                **self._last,
+                "uptime_s": time.monotonic() - self.started,
+                "stage_seen": {s: len(ids) for s, ids in self._seen.items()},
+                "manifest_publications": 1 + counters.get("manifest_refreshes", 0),  # the first one, then refreshes
+                "manifest_refresh_failures": counters.get("manifest_refresh_failures", 0),
+                "artifacts_served": counters.get("artifacts_served", 0),
+                "poll_failures": self._failures,
+            }

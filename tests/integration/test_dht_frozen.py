@@ -1,0 +1,77 @@
+"""A process frozen mid-lookup (SIGSTOP) keeps its DHT: a wait that overslept its deadline while
+frozen gets its answer instead of a "no answer within N s" error (peer.net.dht.SwarmDHT._wait).
+
+The child runs a real hivemind DHT node and looks up a stage record in a tight loop, so its main
+thread is almost always inside a lookup's wait; the test freezes only that process (its DHT child
+keeps running) for longer than the lookup deadline + FROZEN_S, three times.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from peer.net.dht import FROZEN_S
+from tests.conftest import assert_no_leftover_children, live_descendants
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+TIMEOUT_S = 2.0
+
+CHILD = textwrap.dedent(
+    f"""
+    import sys
+    import time
+    from peer.net.dht import SwarmDHT
+    dht = SwarmDHT(request_timeout_s={TIMEOUT_S})
+    dht.set_run("frozen-run", n_stages=2)
+    dht.announce_stage(1, {{"address": "127.0.0.1:1", "outer_step": 0}}, ttl_s=600)
+    print("ready", flush=True)
+    n, stop_at = 0, time.monotonic() + 32  # past the three freezes
+    try:
+        while time.monotonic() < stop_at:
+            assert dht.get_stage_peers(1), "our own record vanished"
+            n += 1
+    except Exception as exc:
+        print("error", type(exc).__name__, exc, flush=True)
+        sys.exit(3)
+    finally:
+        dht.shutdown()
+    print("lookups", n, flush=True)
+    """
+)
+
+
+def test_a_lookup_frozen_past_its_deadline_still_gets_its_answer(tmp_path):
+    before = live_descendants(os.getpid())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", line
+        for _ in range(3):
+            time.sleep(0.5)
+            os.kill(proc.pid, signal.SIGSTOP)  # the Python process only: its hivemind child runs on
+            time.sleep(TIMEOUT_S + FROZEN_S + 1.0)
+            os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    lookups = [int(x.split()[1]) for x in out.splitlines() if x.startswith("lookups ")]
+    assert lookups and lookups[0] > 10, out
+    assert_no_leftover_children(before, wait_s=10.0)

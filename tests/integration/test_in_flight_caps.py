@@ -1,0 +1,82 @@
+"""The head's auto in-flight window follows a capped link: a real stage-1 server on 127.0.0.1.
+
+The head (`PipelineDriver` with the bench's session stand-in, `peer.tools.pipeline_peers.Directory`)
+picks K before every inner step from the measured round trip, the caps its stage peer reports in
+`info` ("net", `peer join --max-upload-mbps/--max-download-mbps`) and stage 0's measured compute
+per micro-batch. Uncapped on loopback K = S; behind a 1 Mbit/s stage link one hop's boundary and
+gradient take ~75 ms, so K grows (bounded by the micro-batches) while inner steps run through it
+(bit-identity across K is tests/integration/test_pipeline_schedule.py). The head's record shows K
+(`PeerService.schedule` → the stage record's "in_flight").
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from peer.config import build_config
+from peer.net.ratelimit import Link, LinkCaps
+from peer.net.transport.gate import Gate
+from peer.net.transport.server import PeerServer
+from peer.node.pipeline import PipelineDriver
+from peer.node.rounds import PayloadStore
+from peer.node.schedule import hop_bytes, serialization_s
+from peer.node.service import PeerService
+from peer.node.stage_worker import StageWorker
+from peer.tools.pipeline_peers import Directory, batches
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(autouse=True)
+def _no_local_override(monkeypatch):
+    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
+
+
+def _cfg():
+    overrides = {
+        "train.batch_size": 16,
+        "train.microbatches": 8,
+        "train.seq_len": 64,
+        "train.in_flight": 0,
+        "swarm.rpc_timeout_s": 60,
+    }
+    return build_config(overrides=overrides, environ={})
+
+
+def _stage1(cfg, caps: LinkCaps) -> tuple[PeerServer, str]:
+    service = PeerService(cfg, {1: StageWorker(cfg, 1)}, PayloadStore(), "stage-1", "stage")
+    gate = Gate("stage-1", link=Link(caps))  # its own link: a home peer with its own caps
+    server = PeerServer(
+        service, host="127.0.0.1", port=0, vocab_size=cfg.model.vocab_size, interceptors=[gate], wire_dtype="fp32"
+    )
+    gate.bind(server.address)
+    return server, server.address
+
+
+def test_k_grows_behind_a_capped_stage_link_and_is_re_evaluated_every_inner_step():
+    cfg = _cfg()
+    ks: dict[str, list[int]] = {}
+    for name, caps in (("uncapped", LinkCaps()), ("capped", LinkCaps(upload_mbps=1.0, download_mbps=1.0))):
+        server, address = _stage1(cfg, caps)
+        session = Directory(cfg, {1: address})
+        session.service = PeerService(cfg, {}, PayloadStore(), "bench-head", "head")
+        try:
+            driver = PipelineDriver(session, StageWorker(cfg, 0), threading.Event())  # type: ignore[arg-type]
+            losses = []
+            for h, (x, y) in enumerate(batches(cfg, 2)):
+                losses.append(driver.inner_step(0, h, x, y))
+                ks.setdefault(name, []).append(driver.in_flight)
+            assert all(0 < loss < 20 for loss in losses)
+            step = driver._pipelined
+            assert len(step._rtt[address]) == 3 + 1  # three probes at first, one more per inner step
+            assert step._compute_s is not None and step._compute_s > 0  # measured after the first step
+            assert step.caps(address) == ((1.0, 1.0) if name == "capped" else (None, None))
+            assert session.service.schedule["in_flight"] == driver.in_flight
+        finally:
+            session.clients.close()
+            server.stop(grace_s=0.5)
+    assert ks["uncapped"] == [2, 2]
+    assert serialization_s(hop_bytes(cfg), [1.0]) > 0.05
+    assert all(k > 2 for k in ks["capped"]) and max(ks["capped"]) <= cfg.train.microbatches, ks
