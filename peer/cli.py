@@ -151,6 +151,7 @@ def bench_payload_cmd(
 def bench_pipeline_cmd(
     stages: flags.PipeStages = 2,
     preset: flags.PipePreset = "small",
+    split: flags.PipeSplit = "cost",
     seq_len: flags.PipeSeqLen = 128,
     batch_size: flags.PipeBatch = 16,
     microbatches: flags.Microbatches = 8,

@@ -32,7 +32,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import torch
 
 from peer.core.data import DataConfig
-from peer.core.model import ModelConfig, get_preset, split_layers
+from peer.core.model import ModelConfig, get_preset, stage_layers
 from peer.core.sparseloco import SparseLoCoConfig
 from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
@@ -112,7 +112,7 @@ class RunConfig:
 
     @property
     def layer_ranges(self) -> list[range]:
-        return split_layers(self.model.n_layers, self.stages)
+        return stage_layers(self.model, self.stages)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

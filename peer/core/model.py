@@ -41,6 +41,7 @@ __all__ = [
     "PRESETS",
     "get_preset",
     "split_layers",
+    "stage_layers",
     "RMSNorm",
     "Embedding",
     "Attention",
@@ -58,6 +59,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
+STAGE_SPLITS = ("even", "cost")  # ModelConfig.stage_split: see `stage_layers`
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder. `n_heads * head_dim` may differ from `d_model` (the 1B preset)."""
@@ -72,12 +76,17 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    stage_split: str = "even"  # layers per stage: "even" counts, or "cost" (the head's matmul counted)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "ffn_hidden", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model field {name} must be a positive integer, got {value!r}")
+        if self.stage_split not in STAGE_SPLITS:
+            raise ConfigError(
+                f"model field stage_split must be one of {', '.join(STAGE_SPLITS)}, got {self.stage_split!r}"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"model field head_dim must be even for rotary embeddings, got {self.head_dim}")
         for name in ("rope_theta", "norm_eps", "init_std"):
@@ -170,6 +179,43 @@ def split_layers(n_layers: int, n_stages: int) -> list[range]:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def stage_layers(cfg: ModelConfig, n_stages: int) -> list[range]:
+    """The layers of each stage under `cfg.stage_split`: "even" (`split_layers`) or "cost"
+    (`split_layers_by_cost`)."""
+    if cfg.stage_split == "cost":
+        return split_layers_by_cost(cfg, n_stages)
+    return split_layers(cfg.n_layers, n_stages)
+
+
+def split_layers_by_cost(cfg: ModelConfig, n_stages: int) -> list[range]:
+    """Contiguous ranges, each of >= 1 layer, that minimise the largest stage's compute: a layer
+    costs its matrices (4·d·a + 3·d·f multiply-adds per token), the last stage also the head's
+    V·d (the embedding is a lookup). The last stage then holds fewer layers: with the `small`
+    preset's 8 layers at S = 2, 5 + 3 instead of 4 + 4. Ties go to the earliest cut."""
+    split_layers(cfg.n_layers, n_stages)  # the same errors for impossible splits
+    n = cfg.n_layers
+    layer = 4 * cfg.d_model * cfg.attn_dim + 3 * cfg.d_model * cfg.ffn_hidden
+    head = cfg.vocab_size * cfg.d_model
+    inf = float("inf")
+    # best[s][i]: the smallest largest cost of layers 0..i-1 in s stages; cut[s][i]: where stage s-1 starts
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for st in range(1, n_stages + 1):
+        for i in range(st, n + 1):
+            for j in range(st - 1, i):
+                cost = (i - j) * layer + (head if st == n_stages and i == n else 0)
+                value = max(best[st - 1][j], cost)
+                if value < best[st][i]:
+                    best[st][i], cut[st][i] = value, j
+    ranges, end = [], n
+    for st in range(n_stages, 0, -1):
+        start = cut[st][end]
+        ranges.append(range(start, end))
+        end = start
+    return ranges[::-1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +430,7 @@ class Decoder(nn.Module):
 
 def build_stage(cfg: ModelConfig, stage: int, n_stages: int, seed: int) -> Decoder:
     """Stage `stage` of an `n_stages`-way split: stage 0 embeds, the last one has the head."""
-    ranges = split_layers(cfg.n_layers, n_stages)
+    ranges = stage_layers(cfg, n_stages)
     if not 0 <= stage < n_stages:
         raise ConfigError(f"stage {stage} does not exist; choose a stage in 0..{n_stages - 1}")
     return Decoder(cfg, layers=ranges[stage], has_embed=stage == 0, has_head=stage == n_stages - 1, seed=seed)
@@ -403,7 +449,7 @@ def stage_shapes(cfg: ModelConfig, stage: int, n_stages: int) -> dict[str, tuple
     with torch.device("meta"):
         module = Decoder(
             cfg,
-            layers=split_layers(cfg.n_layers, n_stages)[stage],
+            layers=stage_layers(cfg, n_stages)[stage],
             has_embed=stage == 0,
             has_head=stage == n_stages - 1,
             init_weights=False,

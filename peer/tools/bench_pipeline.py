@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 class PipelineBench:
     stages: int = 2
     preset: str = "small"
+    split: str = "cost"  # model.stage_split: the head's matmul counted (peer.core.model.stage_layers)
     seq_len: int = 128
     batch_size: int = 16
     microbatches: int = 8
@@ -61,6 +62,7 @@ def _config(b: PipelineBench, k_ratio: str, in_flight: int) -> RunConfig:
     return build_config(
         overrides={
             "preset": b.preset,
+            "model.stage_split": b.split,
             "stages": b.stages,
             "subspace.k_ratio": k_ratio,
             "train.seq_len": b.seq_len,
@@ -227,10 +229,10 @@ def rate_mbps(rate: str) -> float | None:
 def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -> float:
     """`peer plan`'s tokens/s for this row, calibrated by the measured one-device run: its FLOP/s
     without the optimizer step, and the step's seconds per parameter; `RPC_OVERHEAD_S` per call end."""
-    from peer.core.model import PRESETS
+    from peer.core.model import get_preset
     from peer.tools.plan import RPC_OVERHEAD_S, flops_from_tokens_per_s, predict_pipeline
 
-    cfg = PRESETS[b.preset]
+    cfg = get_preset(b.preset, stage_split=b.split)
     tokens, wall = one_device["tokens"], one_device["wall_s"]
     step_s = one_device.get("step_s", 0.0) * b.steps
     flops = flops_from_tokens_per_s(cfg, b.seq_len, tokens / max(1e-9, wall - step_s))
@@ -295,7 +297,8 @@ def parse_list(text: str, cast: Callable[[str], Any], what: str) -> tuple[Any, .
 def summarize(result: dict[str, Any]) -> Sequence[str]:
     """One line per target of issue 9 that this result can speak to."""
     rows = result["rows"]
-    lines = [f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}"]
+    split = result["bench"].get("split", "even")
+    lines = [f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}; split: {split}"]
     for r in rows:
         if r["rate"] == "unshaped" and not r["rtt_ms"]:
             lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
@@ -311,6 +314,7 @@ def command(
     *,
     stages: int,
     preset: str,
+    split: str,
     seq_len: int,
     batch_size: int,
     microbatches: int,
@@ -332,6 +336,7 @@ def command(
         bench = PipelineBench(
             stages=stages,
             preset=preset,
+            split=split,
             seq_len=seq_len,
             batch_size=batch_size,
             microbatches=microbatches,

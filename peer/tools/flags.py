@@ -304,6 +304,9 @@ JoinInFlight = Annotated[
 ]
 PipeStages = Annotated[int, typer.Option(help="S: stages, each a process pinned to its own core.")]
 PipePreset = Annotated[str, typer.Option(help="Model preset.")]
+PipeSplit = Annotated[
+    str, typer.Option(help="Layers per stage (model.stage_split): even, or cost (the head's matmul counted).")
+]
 PipeSeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
 PipeBatch = Annotated[int, typer.Option("--batch-size", help="Sequences per inner step.")]
 PipeKRatios = Annotated[str, typer.Option("--k-ratios", help="Comma-separated k/d to compare (1 = uncompressed).")]

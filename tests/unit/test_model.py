@@ -15,6 +15,8 @@ from peer.core.model import (
     build_stage,
     get_preset,
     split_layers,
+    split_layers_by_cost,
+    stage_layers,
 )
 from peer.errors import ConfigError, PeerError
 
@@ -175,6 +177,38 @@ def test_split_layers_contiguous_and_balanced(n_layers, n_stages, expected):
 def test_split_layers_impossible(n_layers, n_stages):
     with pytest.raises(ConfigError):
         split_layers(n_layers, n_stages)
+
+
+def _stage_costs(cfg: ModelConfig, ranges: list[range]) -> list[int]:
+    layer = 4 * cfg.d_model * cfg.attn_dim + 3 * cfg.d_model * cfg.ffn_hidden
+    return [
+        len(r) * layer + (cfg.vocab_size * cfg.d_model if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges)
+    ]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "178M", "1B"])
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_cost_split_covers_every_layer_and_is_never_worse_than_the_even_one(preset, n_stages):
+    cfg = get_preset(preset, stage_split="cost")
+    ranges = split_layers_by_cost(cfg, n_stages)
+    assert [i for r in ranges for i in r] == list(range(cfg.n_layers)) and all(len(r) >= 1 for r in ranges)
+    assert max(_stage_costs(cfg, ranges)) <= max(_stage_costs(cfg, split_layers(cfg.n_layers, n_stages)))
+    # the largest stage is as small as any contiguous split can make it (checked by brute force at S = 2)
+    if n_stages == 2:
+        best = min(max(_stage_costs(cfg, [range(0, c), range(c, cfg.n_layers)])) for c in range(1, cfg.n_layers))
+        assert max(_stage_costs(cfg, ranges)) == best
+
+
+def test_cost_split_gives_the_head_stage_fewer_layers_and_is_chosen_by_config():
+    small = get_preset("small", stage_split="cost")
+    assert stage_layers(small, 2) == [range(0, 5), range(5, 8)]
+    assert stage_layers(get_preset("small"), 2) == [range(0, 4), range(4, 8)]  # "even", the default
+    stage1 = build_stage(small, 1, 2, seed=SEED)
+    assert sorted(stage1.layers) == ["5", "6", "7"] and stage1.head is not None
+    with pytest.raises(ConfigError, match="stage_split"):
+        get_preset("small", stage_split="greedy")
+    with pytest.raises(ConfigError):
+        split_layers_by_cost(small, 9)  # more stages than layers
 
 
 # ---------------------------------------------------------------------------- stage views
