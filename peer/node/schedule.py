@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,13 @@ def hop_bytes(cfg: RunConfig) -> int:
     return 2 * boundary + 2 * b * L * 4
 
 
+def network_per_hop(network_s: Sequence[float]) -> float:
+    """One hop's network seconds (both ways, framing and codec included) from the network part of an
+    inner step's calls into stage 1: their median, so a token bucket's free burst or one slow
+    message does not decide K."""
+    return float(statistics.median(network_s))
+
+
 def configured_in_flight(default: int) -> int:
     """The local override (`PEER_TRAIN__IN_FLIGHT`, set by `peer join --in-flight`) or the config's."""
     raw = os.environ.get(IN_FLIGHT_ENV, "").strip()
@@ -127,6 +135,8 @@ class PipelinedStep:
         self._caps: dict[str, tuple[float | None, float | None]] = {}  # address -> its (upload, download) caps
         self._busy = driver.worker.busy_s  # stage 0's compute seconds at the last choice
         self._compute_s: float | None = None
+        self._calls: list[float] = []  # network seconds of each streamed call into stage 1 in this inner step
+        self._network_s: float | None = None  # measured network time of one hop (smoothed)
         self.k = 0
         self._equiv_lock = threading.Lock()
 
@@ -143,10 +153,13 @@ class PipelinedStep:
             link = ratelimit.LINK.caps
             caps = [link.upload_mbps, link.download_mbps, *(c for a in route for c in self.caps(a))]
             ser = serialization_s(hop_bytes(cfg), caps)
+            network = self._measured_network()
+            if network is not None and network > rtt + ser:  # the link is slower than probes and caps say
+                rtt, ser = network, 0.0
         k = choose_in_flight(configured, cfg.stages, cfg.train.microbatches, rtt, ser, compute or RTT_PER_EXTRA_S)
         if k != self.k:
             log.info(
-                "micro-batches in flight: %d (round trip %.1f ms, serialization %.1f ms, compute %s per micro-batch)",
+                "micro-batches in flight: %d (hop %.1f ms + serialization %.1f ms, compute %s per micro-batch)",
                 k,
                 rtt * 1e3,
                 ser * 1e3,
@@ -167,6 +180,15 @@ class PipelinedStep:
             per_mb = (busy - last) / max(1, self.driver.cfg.train.microbatches)
             self._compute_s = per_mb if self._compute_s is None else 0.5 * (self._compute_s + per_mb)
         return self._compute_s
+
+    def _measured_network(self) -> float | None:
+        """Network seconds of one hop, measured on the last inner step's streamed calls (each call's
+        time less the time stage 1 held it, `ForwardReply.served_s`); smoothed, None until measured."""
+        calls, self._calls = self._calls, []
+        if calls:
+            hop = network_per_hop(calls)
+            self._network_s = hop if self._network_s is None else 0.5 * (self._network_s + hop)
+        return self._network_s
 
     def rtt(self, address: str) -> float:
         """Round trip to `address` (seconds): the smallest of its last `RTT_SAMPLES` `info` probes;
@@ -299,7 +321,11 @@ class PipelinedStep:
             with self._equiv_lock:  # every send, retries and replays included: like for like with `moved`
                 d.act_equiv += d._equiv_bytes(b, L, streamed=True)
             try:
-                return d.session.clients.get(address).forward(request, timeout_s=timeout)
+                started = time.monotonic()
+                reply = d.session.clients.get(address).forward(request, timeout_s=timeout)
+                if reply.served_s is not None:  # the network part of the call (an older peer: not known)
+                    self._calls.append(max(0.0, time.monotonic() - started - reply.served_s))
+                return reply
             except RemoteError as exc:
                 direct_busy = exc.code == "FAILED_PRECONDITION" and "claimed by pipeline" not in str(exc)
                 if not direct_busy or past_step(str(exc), t) or time.monotonic() > deadline:

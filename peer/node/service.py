@@ -23,6 +23,7 @@ a failed hop is answered as `HopError` naming the failed stage, which the head r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -164,6 +165,11 @@ class PeerService:
             _check_ids(request.targets, model.vocab_size, f"stage {s} targets")
 
     def forward(self, request: ForwardRequest) -> ForwardReply:
+        started = time.monotonic()
+        reply = self._forward(request)
+        return dataclasses.replace(reply, served_s=time.monotonic() - started)  # the caller's hop time less this
+
+    def _forward(self, request: ForwardRequest) -> ForwardReply:
         self._check_forward(self._stage_worker(request.stage), request)
         worker = self._worker_for(request.stage, request.outer_step, request.pipeline_id)
         key = (request.pipeline_id, request.microbatch)

@@ -13,6 +13,7 @@ import torch
 from peer.config import build_config
 from peer.net.ratelimit import MBIT
 from peer.net.transport import codec
+from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.messages import ForwardReply, ForwardRequest
 from peer.node.schedule import (
     MAX_STASH,
@@ -20,6 +21,7 @@ from peer.node.schedule import (
     RTT_PER_EXTRA_S,
     choose_in_flight,
     hop_bytes,
+    network_per_hop,
     serialization_s,
 )
 
@@ -78,3 +80,17 @@ def test_a_capped_home_link_needs_more_micro_batches_in_flight():
     uncapped = choose_in_flight(0, 2, 16, 0.002, 0.0, compute_s=0.02)
     capped = choose_in_flight(0, 2, 16, 0.002, ser, compute_s=0.02)
     assert uncapped == 2 and capped > uncapped
+
+
+def test_the_measured_hop_is_the_median_network_part_of_the_calls():
+    # a token bucket lets the first message through free; the median is what the link sustains
+    assert network_per_hop([0.002, 0.052, 0.050, 0.055]) == pytest.approx(0.051)
+    assert network_per_hop([0.01]) == 0.01
+    # a 10 Mbit/s link the caps do not report: 52 ms per hop over 67 ms of compute is one more in flight
+    assert choose_in_flight(0, 2, 8, network_per_hop([0.052, 0.053]), compute_s=0.067) == 3
+
+
+def test_a_reply_carries_the_time_the_stage_held_the_request():
+    reply = ForwardReply(loss=1.0, grad=torch.zeros(2, 4, 8), served_s=0.125)
+    assert codec.from_bytes(pb.ForwardReply, codec.to_bytes(reply)).served_s == 0.125
+    assert codec.from_bytes(pb.ForwardReply, codec.to_bytes(ForwardReply(loss=1.0))).served_s is None  # an older peer

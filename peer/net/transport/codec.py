@@ -186,7 +186,7 @@ def _opt(msg: PbMessage, name: str) -> pb.Tensor | None:
 
 
 def _norm(msg: PbMessage, name: str, what: str) -> float | None:
-    """An optional gradient norm field: absent → None; present → a finite number >= 0."""
+    """An optional gradient norm (or duration) field: absent → None; present → a finite number >= 0."""
     if not msg.HasField(name):
         return None
     value = float(getattr(msg, name))
@@ -268,6 +268,8 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
         if msg.grad_sq_norm is not None:
             out.grad_sq_norm = float(msg.grad_sq_norm)
         out.sq_norms.extend(float(v) for v in msg.sq_norms)
+        if msg.served_s is not None:
+            out.served_s = float(msg.served_s)
         return out
     if isinstance(msg, BackwardRequest):
         return pb.BackwardRequest(
@@ -355,6 +357,7 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             grad=None if grad_pb is None else _boundary(grad_pb, "ForwardReply.grad", limits),
             grad_sq_norm=_norm(msg, "grad_sq_norm", "ForwardReply"),
             sq_norms=tuple(_sq_norms(msg.sq_norms)),
+            served_s=_norm(msg, "served_s", "ForwardReply"),
         )
         check_forward_reply(reply)
         return reply

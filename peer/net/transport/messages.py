@@ -65,6 +65,7 @@ class ForwardReply:
     grad: Tensor | None = None
     grad_sq_norm: float | None = None  # last training micro-batch: the stage's Σ‖g‖² (global clipping)
     sq_norms: tuple[float, ...] = ()  # streamed, last micro-batch: Σ‖g‖² of stages S-1, S-2, ..., this one
+    served_s: float | None = None  # seconds the stage held the request (queue, compute, later hops)
 
 
 @dataclass(frozen=True, eq=False)

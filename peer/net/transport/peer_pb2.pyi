@@ -61,18 +61,20 @@ class ForwardRequest(_message.Message):
     def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ..., attempt: _Optional[int] = ..., route: _Optional[_Iterable[str]] = ..., window: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("hidden", "loss", "grad", "grad_sq_norm", "sq_norms")
+    __slots__ = ("hidden", "loss", "grad", "grad_sq_norm", "sq_norms", "served_s")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     SQ_NORMS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_S_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     loss: float
     grad: Tensor
     grad_sq_norm: float
     sq_norms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
+    served_s: float
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., sq_norms: _Optional[_Iterable[float]] = ..., served_s: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "grad")
