@@ -156,6 +156,11 @@ def test_a_holder_one_round_behind_still_counts_as_gathering_for_the_lone_guard(
     assert gathering({"outer_step": 5}) and gathering({"outer_step": 4})  # at t, or about to reach it
     assert not gathering({"outer_step": 3})  # two behind: it re-syncs, it will not send round 5
     assert not gathering({"outer_step": 4, "state": "syncing"})
+    # a full replica that re-synced past round 5 (it joined at 6) never sends it: not waited for
+    late = round_view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=6)}, {"h": {"outer_step": 5}}, "me", "")
+    assert not late.others_gathering
+    on_time = round_view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=5)}, {"h": {"outer_step": 5}}, "me", "")
+    assert on_time.others_gathering
 
 
 def test_no_lone_commit_while_another_holder_gathers_then_follow_its_set():
