@@ -97,6 +97,7 @@ _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this
 
 
 FROZEN_S = 5.0  # a wait that overran its deadline by this much was frozen, not unanswered
+MIN_WAIT_S = 1.0  # the shortest wait for an answer already on its way
 
 
 def dht_time() -> float:
@@ -325,7 +326,8 @@ class SwarmDHT:
     # --- low level: every wait has a deadline ----------------------------------------------------
 
     def _wait(self, future: Any, what: str, timeout_s: float | None) -> Any:
-        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        # at least MIN_WAIT_S: a shared deadline may have been spent by a freeze before this wait began
+        timeout_s = max(MIN_WAIT_S, self.request_timeout_s if timeout_s is None else timeout_s)
         started = time.monotonic()
         try:
             try:
