@@ -147,7 +147,7 @@ def gather_round(
     retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
     target_since: float | None = None
     lost_at: float | None = None  # when a sender's payload was last given up as gone
-    seen: dict[str, object] = {}  # other holders of the stage seen gathering this round -> their inc
+    seen: set[str] = set()  # other holders of the stage seen gathering this round
     fenced: set[str] = set()  # earlier closers whose commit we wait for
     rpc_s = min(grace_s, 3.0)  # one try at a second source
     result = RoundResult(t=t, stage=stage)
@@ -183,10 +183,7 @@ def gather_round(
         left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
         holders = {pid: rec for pid, rec in holders.items() if pid not in left}
         view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc, banned)
-        seen.update({pid: holders[pid].get("inc") for pid in view.gathering})
-        for pid in [p for p in seen if p in holders and p not in view.gathering]:
-            if holders[pid].get("inc") != seen[pid]:  # it restarted and is not at t: its old process is gone
-                del seen[pid]
+        seen |= view.gathering
         if own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
         for sender, rid, why in view.ignored:
@@ -266,7 +263,7 @@ def gather_round(
             target_since = None
             # a holder seen gathering this round whose records then expired may only be frozen (a
             # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
-            seen_gathering = bool(set(seen) - left)  # a holder that left gracefully is not waited for
+            seen_gathering = bool(seen - left)  # a holder that left gracefully is not waited for
             lone = set(held) == {own_rid} and seen_gathering
             # an observer (no payload of its own) never decides a set while a contributor is around:
             # it follows the first commit (a frozen contributor's expired records cannot mislead it)
