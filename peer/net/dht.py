@@ -59,6 +59,7 @@ from peer.net.admission import (
     load_swarm_secret,
     secret_commitment,
 )
+from peer.net.answers import await_answer
 from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.processes import ProcessTree
@@ -94,10 +95,6 @@ LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
 _SPAWN_LOCK = threading.Lock()
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this host can reach them"
-
-
-FROZEN_S = 5.0  # a wait that overran its deadline by this much was frozen, not unanswered
-MIN_WAIT_S = 1.0  # the shortest wait for an answer already on its way
 
 
 def dht_time() -> float:
@@ -326,24 +323,8 @@ class SwarmDHT:
     # --- low level: every wait has a deadline ----------------------------------------------------
 
     def _wait(self, future: Any, what: str, timeout_s: float | None) -> Any:
-        # at least MIN_WAIT_S: a shared deadline may have been spent by a freeze before this wait began
-        timeout_s = max(MIN_WAIT_S, self.request_timeout_s if timeout_s is None else timeout_s)
-        started = time.monotonic()
-        try:
-            try:
-                return future.result(timeout=timeout_s)
-            except TimeoutError:
-                # overslept by far: this process was frozen (SIGSTOP, a suspended VM) while the
-                # answer was on its way; a deadline counts time we ran, so wait once more
-                if time.monotonic() - started < timeout_s + FROZEN_S:
-                    raise
-                return future.result(timeout=max(timeout_s, self.request_timeout_s))
-        except TimeoutError as e:
-            future.cancel()
-            raise NetworkError(f"DHT {what} got no answer within {timeout_s:.0f} s; {_CHECK_HINT}") from e
-        except Exception as e:
-            text = " ".join(str(e).split())[:200]
-            raise NetworkError(f"DHT {what} failed ({type(e).__name__}: {text}); {_CHECK_HINT}") from e
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        return await_answer(future, f"DHT {what}", timeout_s, self.request_timeout_s, _CHECK_HINT)
 
     def _check_open(self) -> None:
         if self._closed:

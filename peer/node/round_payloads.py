@@ -7,6 +7,8 @@
 - `bound_replica`: which replica a sender's announcement may stand for (itself, or the pipeline
   whose record lists it as its stage peer).
 - `sha256`: the digest announced with every payload.
+- `read_round`, `poll_pause`: one poll of a round's DHT records (replicas, stage holders,
+  announcements), and the pause between polls.
 - `from_another_holder`: a second source for a payload whose sender is gone (any contributor or
   observer of the round that fetched it serves it; the announced digest is checked).
 """
@@ -17,6 +19,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -25,7 +28,16 @@ from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
 
-__all__ = ["SETTLE_S", "PayloadStore", "bound_replica", "from_another_holder", "payload_validator", "sha256"]
+__all__ = [
+    "SETTLE_S",
+    "PayloadStore",
+    "bound_replica",
+    "from_another_holder",
+    "payload_validator",
+    "poll_pause",
+    "read_round",
+    "sha256",
+]
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +165,20 @@ def from_another_holder(
             )
             return data
     return None
+
+
+def read_round(dht: Any, t: int, stage: int) -> tuple[dict, dict, dict, dict]:
+    """(replicas, holders of `stage` with graceful leaves kept, announcements of (t, stage), those of
+    (t, 0)): one poll of round (t, stage); a DHT that does not answer raises NetworkError."""
+    replicas = dht.get_replicas()
+    holders = dht.get_stage_peers(stage, keep_left=True)
+    payloads = dht.get_payloads(t, stage)
+    return replicas, holders, payloads, payloads if stage == 0 else dht.get_payloads(t, 0)
+
+
+def poll_pause(stop: threading.Event | None, poll_s: float) -> None:
+    """One poll interval of a gather; PeerError once `stop` is set."""
+    if stop is not None and stop.wait(poll_s):
+        raise PeerError("stopped while waiting for a round")
+    if stop is None:
+        time.sleep(poll_s)

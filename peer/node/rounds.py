@@ -54,6 +54,8 @@ from peer.node.round_payloads import (
     bound_replica,
     from_another_holder,
     payload_validator,
+    poll_pause,
+    read_round,
     sha256,
 )
 from peer.node.stage_worker import StageWorker
@@ -169,16 +171,12 @@ def gather_round(
         parsed[replica_id] = Payload.from_bytes(payload)
     while True:
         try:
-            replicas = dht.get_replicas()
-            holders = dht.get_stage_peers(stage, keep_left=True)
-            payloads = dht.get_payloads(t, stage)
-            stage0 = payloads if stage == 0 else dht.get_payloads(t, 0)
+            replicas, holders, payloads, stage0 = read_round(dht, t, stage)
         except NetworkError as exc:  # a DHT read that failed once is a missed poll, until the deadline
             if time.monotonic() >= deadline:
                 raise
             log.info("round %d stage %d: DHT read failed, polling again: %s", t, stage, exc)
-            if stop is not None and stop.wait(poll_s):
-                raise PeerError("stopped while waiting for a round") from None
+            poll_pause(stop, poll_s)
             continue
         left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
         holders = {pid: rec for pid, rec in holders.items() if pid not in left}
@@ -287,10 +285,7 @@ def gather_round(
                 ", ".join(sorted(view.expected - set(held) - rejected))[:200],
             )
             break
-        if stop is not None and stop.wait(poll_s):
-            raise PeerError("stopped while waiting for a round")
-        elif stop is None:
-            time.sleep(poll_s)
+        poll_pause(stop, poll_s)
     result.rejected = sorted(rejected - set(held))
     result.dropped = sorted(view.dropped - set(held))
     result.replicas = sorted(held)

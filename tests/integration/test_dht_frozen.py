@@ -1,5 +1,5 @@
 """A process frozen mid-lookup (SIGSTOP) keeps its DHT: a wait that overslept its deadline while
-frozen gets its answer instead of a "no answer within N s" error (peer.net.dht.SwarmDHT._wait).
+frozen gets its answer instead of a "no answer within N s" error (peer.net.answers.await_answer).
 
 The child runs a real hivemind DHT node and looks up a stage record in a tight loop, so its main
 thread is almost always inside a lookup's wait; the test freezes only that process (its DHT child
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from peer.net.dht import FROZEN_S
+from peer.net.answers import FROZEN_S
 from tests.conftest import assert_no_leftover_children, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
