@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 IN_FLIGHT_ENV = "PEER_TRAIN__IN_FLIGHT"  # a head's local choice (also set by `peer join --in-flight`)
 RTT_PER_EXTRA_S = 0.025  # auto, before any compute is measured: one more micro-batch per 25 ms of hop time
+SLACK = 2  # auto: micro-batches beyond the latency bound, for the messaging each stage's core does (docs/pipeline.md)
 MIN_COMPUTE_S = 0.005  # a measured compute time per micro-batch below this counts as this (bounds K)
 MAX_STASH = 32  # a stage never stashes more micro-batches than this (their activations wait for backward)
 RTT_SAMPLES = 5  # the round trip is the smallest of the last probes (three at first, then one per step)
@@ -61,14 +62,15 @@ def choose_in_flight(
     stash_limit: int = MAX_STASH,
 ) -> int:
     """K: `configured` when > 0, else S plus enough micro-batches to cover the chain's latency while
-    each stage computes: hop = round trip + `serialize_s` (a boundary message and its gradient at
-    the slowest cap, `serialization_s`), K = S + round((S − 1) · hop / compute per micro-batch);
-    never more than the micro-batches nor `stash_limit`."""
+    each stage computes, plus SLACK: hop = round trip + `serialize_s` (a boundary message and its
+    gradient at the slowest cap, `serialization_s`), K = S + SLACK + round((S − 1) · hop / compute
+    per micro-batch); never more than the micro-batches nor `stash_limit`; 1 for one stage."""
     if configured > 0:
         return max(1, min(configured, microbatches))
     hop_s = max(0.0, rtt_s) + max(0.0, serialize_s)
     extra = round(hop_s * max(0, stages - 1) / max(compute_s, MIN_COMPUTE_S))
-    return max(1, min(microbatches, stash_limit, stages + extra))
+    slack = SLACK if stages > 1 else 0
+    return max(1, min(microbatches, stash_limit, stages + slack + extra))
 
 
 def serialization_s(hop_bytes: int, caps_mbps: Iterable[float | None]) -> float:

@@ -4,7 +4,7 @@ The head (`PipelineDriver` with the bench's session stand-in, `peer.tools.pipeli
 picks K before every inner step from the measured round trip, the caps its stage peer reports in
 `info` ("net", `peer join --max-upload-mbps/--max-download-mbps`), stage 0's measured compute per
 micro-batch and the network part of its streamed calls (call time less the time stage 1 held the
-request, `ForwardReply.served_s`). Uncapped on loopback K starts at S; behind a 1 Mbit/s stage link
+request, `ForwardReply.served_s`). Uncapped on loopback K starts at S + SLACK; behind a 1 Mbit/s stage link
 one hop's boundary and gradient take ~75 ms, so K grows (bounded by the micro-batches) while inner
 steps run through it (bit-identity across K is tests/integration/test_pipeline_schedule.py). The
 head's record shows K (`PeerService.schedule` → the stage record's "in_flight").
@@ -22,7 +22,7 @@ from peer.net.transport.gate import Gate
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline import PipelineDriver
 from peer.node.rounds import PayloadStore
-from peer.node.schedule import hop_bytes, serialization_s
+from peer.node.schedule import SLACK, hop_bytes, serialization_s
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 from peer.tools.pipeline_peers import Directory, batches
@@ -82,9 +82,9 @@ def test_k_grows_behind_a_capped_stage_link_and_is_re_evaluated_every_inner_step
         finally:
             session.clients.close()
             server.stop(grace_s=0.5)
-    assert ks["uncapped"][0] == 2  # before anything is measured: K = S on a fast link
+    assert ks["uncapped"][0] == 2 + SLACK  # before anything is measured: K = S + SLACK on a fast link
     # loopback: the network part of a call is framing and codec, a few ms (more on a busy machine)
     assert 0 <= network["uncapped"] < 0.05, network
-    assert max(ks["uncapped"]) < max(ks["capped"]), ks
+    assert ks["uncapped"][0] < ks["capped"][0], ks
     assert serialization_s(hop_bytes(cfg), [1.0]) > 0.05
-    assert all(k > 2 for k in ks["capped"]) and max(ks["capped"]) <= cfg.train.microbatches, ks
+    assert all(k > 2 + SLACK for k in ks["capped"]) and max(ks["capped"]) <= cfg.train.microbatches, ks

@@ -8,16 +8,17 @@ from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.errors import HopError
 from peer.net.transport.messages import ForwardReply, ForwardRequest
-from peer.node.schedule import choose_in_flight, configured_in_flight
+from peer.node.schedule import SLACK, choose_in_flight, configured_in_flight
 
 
-def test_in_flight_defaults_to_the_stages_and_grows_with_the_round_trip():
-    assert choose_in_flight(0, stages=2, microbatches=8, rtt_s=0.0005) == 2
-    assert choose_in_flight(0, stages=4, microbatches=8, rtt_s=0.0) == 4
-    assert choose_in_flight(0, stages=2, microbatches=8, rtt_s=0.05) == 4
+def test_in_flight_defaults_to_the_stages_plus_slack_and_grows_with_the_round_trip():
+    assert choose_in_flight(0, stages=2, microbatches=8, rtt_s=0.0005) == 2 + SLACK
+    assert choose_in_flight(0, stages=4, microbatches=8, rtt_s=0.0) == 4 + SLACK
+    assert choose_in_flight(0, stages=2, microbatches=8, rtt_s=0.05) == 4 + SLACK
     assert choose_in_flight(0, stages=4, microbatches=8, rtt_s=0.05) == 8  # capped by the micro-batches
     assert choose_in_flight(3, stages=2, microbatches=8, rtt_s=1.0) == 3  # configured wins
     assert choose_in_flight(0, stages=2, microbatches=1, rtt_s=0.0) == 1
+    assert choose_in_flight(0, stages=1, microbatches=8, rtt_s=0.0) == 1  # one stage: nothing to overlap
 
 
 def test_the_local_override_wins_over_the_config(monkeypatch):
