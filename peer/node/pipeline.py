@@ -5,7 +5,11 @@ orchestration): forward carries X̃ (b, L, k) and the int32 token ids, the last 
 the loss and ∇X̃ of its input, and backward walks the stages in reverse. After the micro-batches
 of an inner step the head tells every stage to take its optimizer step, with the gradient norm
 over all stages (each later stage reports its Σ‖g‖² with its last micro-batch), so a pipeline
-clips its gradients as a whole model does.
+clips its gradients as a whole model does. With micro-batches in flight the head does not wait
+for that step's answer before its own step and the next inner step (a stage holds the next inner
+step's micro-batches until the step has arrived, `StageWorker._admit`), except after the outer
+step's last inner step, so the step costs no round trip; a step that failed shows up as the next
+inner step's failure of that stage, which replaces the peer as any failed hop does.
 
 Claims: the first forward of an outer step claims a ready peer for this pipeline until the round
 (`PeerService`). Every newly chosen peer is published at once in the head's replica record
@@ -25,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -69,6 +73,7 @@ class PipelineDriver:
         self._pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.stages - 1), thread_name_prefix="peer-step")
         self._pipelined = PipelinedStep(self)
         self.in_flight = 1  # micro-batches in flight in the last inner step (1: the sequential schedule)
+        self._unacked: list[Future[Any]] = []  # the later stages' step calls of the last inner step, not waited for
 
     # ------------------------------------------------------------------ claims
     def _candidates(self, stage: int, t: int) -> list[tuple[str, str]]:
@@ -118,6 +123,7 @@ class PipelineDriver:
     def release(self) -> None:
         """End of the outer step: claims end with the round; keep the same peers as first choice."""
         self.excluded.clear()
+        self.settle_steps()
 
     def _drop(self, stage: int, why: str) -> None:
         pid, address = self.peers.pop(stage, ("", ""))
@@ -160,6 +166,8 @@ class PipelineDriver:
 
         More than one micro-batch in flight: the pipelined schedule (`peer.node.schedule`)."""
         self.in_flight = self._pipelined.in_flight(t) if self.cfg.stages > 1 else 1
+        if self.in_flight == 1:
+            self.settle_steps()  # the sequential schedule's micro-batches do not wait for a step
         attempts = 0
         while True:
             try:
@@ -179,7 +187,7 @@ class PipelineDriver:
         """Micro-batches in flight (the schedule replays its own failed hops), then every stage's
         step; a stage peer lost at the step is replaced and the whole inner step replayed."""
         loss, sq_norms = self._pipelined.run(t, h, x, y, self.in_flight)
-        self._step(t, h, x.numel(), sq_norms)
+        self._step(t, h, x.numel(), sq_norms, wait=h == self.cfg.train.inner_steps - 1)
         return loss
 
     def _run_inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -219,17 +227,37 @@ class PipelineDriver:
         self._step(t, h, x.numel(), sq_norms)
         return total
 
-    def _step(self, t: int, h: int, tokens: int, sq_norms: list[float | None]) -> None:
+    def _step(self, t: int, h: int, tokens: int, sq_norms: list[float | None], wait: bool = True) -> None:
         """Every stage's optimizer step, clipped by the global norm: each later stage reported its
-        Σ‖g‖² with the last micro-batch (stages S−1 … 1)."""
+        Σ‖g‖² with the last micro-batch (stages S−1 … 1).
+
+        wait: the later stages' answers come before the head's own step (a failed one replays the
+        inner step); otherwise the head steps at once and looks at the answers after the next inner
+        step (`settle_steps`)."""
+        self.settle_steps()
         norm = None
         if all(sq is not None for sq in sq_norms):
             norm = math.sqrt(math.fsum([self.worker.grad_sq_norm(), *(sq for sq in sq_norms if sq is not None)]))
         step = StepRequest(self.pipeline_id, t, h, self.cfg.train.microbatches, tokens, grad_norm=norm)
         futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, self.cfg.stages)]
+        if not wait:
+            self._unacked = futures
+            self.worker.step(t, h, norm)
+            return
         for f in futures:
             f.result()
         self.worker.step(t, h, norm)
+
+    def settle_steps(self) -> None:
+        """Collect the step calls not waited for. One that failed has already cost its stage's peer
+        the next inner step (the peer holds that step's micro-batches until the step arrives, then
+        refuses them) and the head has replaced it, so it is only logged."""
+        unacked, self._unacked = self._unacked, []
+        for f in unacked:
+            try:
+                f.result(timeout=self.cfg.swarm.rpc_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - every outcome of a finished call is only logged here
+                log.warning("pipeline %s: a stage's optimizer step failed: %s", self.pipeline_id[:8], exc)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float | None:

@@ -18,7 +18,10 @@ i − 1 (a backward waits for its turn, releasing the lock), so the sum is the s
 bit for bit whatever the network does. A forward of micro-batch i waits until at most
 `window − stage` micro-batches are stashed (1F1B). The epoch (inner step, attempt) orders
 replays: a higher one drops the step's gradients and wakes every waiter of the old one (which
-fails), a lower one is stale and refused. Without an epoch nothing waits (the sequential head).
+fails), a lower one is stale and refused. The next inner step's micro-batches wait for the step
+of a complete one (the head sends the step without waiting for its answer); a step that does not
+arrive within `swarm.rpc_timeout_s` is dropped with its gradients and the micro-batch refused.
+Without an epoch nothing waits (the sequential head).
 """
 
 from __future__ import annotations
@@ -237,6 +240,13 @@ class StageWorker:
         full = (self.outer_step, epoch[0], epoch[1])
         if self._epoch is not None and full < self._epoch:
             raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
+        if self._unstepped(full) and not self._turn.wait_for(
+            lambda: not self._unstepped(full), timeout=self.cfg.swarm.rpc_timeout_s
+        ):
+            self._reset_step()  # the step is lost (as with a replaced peer); a replay starts clean
+            raise ValueError(f"stage {self.stage}: inner step {epoch[0] - 1} was never stepped before {full}")
+        if self._epoch is not None and full < self._epoch:  # a replay moved on while this one waited
+            raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
         if self._epoch is None or full > self._epoch:
             self._reset_step()
             self._epoch = full
@@ -252,6 +262,18 @@ class StageWorker:
             raise ValueError(f"stage {self.stage}: micro-batch {mb} waited too long for micro-batch {self._applied}")
         if generation != self._generation:
             raise ValueError(f"stage {self.stage}: micro-batch {mb} was superseded by a replay")
+
+    def _unstepped(self, full: tuple[int, int, int]) -> bool:
+        """The previous inner step of `full` has all its micro-batches accumulated but its `step` has
+        not arrived yet: the head sends it without waiting (`PipelineDriver._step`), so the next
+        inner step's first micro-batches may overtake it and must wait for it, not drop it."""
+        current = self._epoch
+        return (
+            current is not None
+            and current[0] == full[0]
+            and current[1] + 1 == full[1]
+            and self._applied >= self.cfg.train.microbatches
+        )
 
     def _accumulated(self) -> None:
         """One more micro-batch's gradients are in: wake the next one."""

@@ -237,10 +237,18 @@ def scheduled_step_s(
       2 between); one micro-batch takes the chain latency C = Σ t_s' + (S − 1)(2·t_msg + rtt);
       then one finishes every 1/r with r = min(1 / max(t_s', t_msg), K / C). Step = C + (m − 1)/r;
       with K ≥ S and fast links this is (m + S − 1)·t: the bubble m / (m + S − 1).
-    Plus the optimizer step: max of the later stages' t_opt, a round trip, then the head's.
+    Plus the optimizer step. Sequential: max of the later stages' t_opt, a round trip, then the
+    head's. In flight: every stage steps at once, the head not waiting for the others' answers
+    (their next micro-batches wait for their step instead), so max(t_opt) and no round trip (the
+    outer step's last inner step still waits; that one round trip per H steps is left out).
     """
     S = len(t_stages)
-    opt = (max(t_opt[1:], default=0.0) + t_opt[0] + (rtt_s + 2 * t_rpc if S > 1 else 0.0)) if t_opt else 0.0
+    if not t_opt:
+        opt = 0.0
+    elif in_flight > 1 and S > 1:
+        opt = max(t_opt)
+    else:
+        opt = max(t_opt[1:], default=0.0) + t_opt[0] + (rtt_s + 2 * t_rpc if S > 1 else 0.0)
     if S == 1:
         return m * t_stages[0] + opt
     if in_flight <= 1:

@@ -223,9 +223,12 @@ def test_per_call_overhead_and_the_optimizer_step_lengthen_the_step():
     base = scheduled_step_s([t, t], 0.0, 0.0, m, 2)
     # each micro-batch costs every stage one call end (the head's call, stage 1's answer)
     assert scheduled_step_s([t, t], 0.0, 0.0, m, 2, t_rpc=0.002) == pytest.approx((m + 1) * (t + 0.002))
-    # the later stages step in parallel, then the head: max(later) + head + one call
-    stepped = scheduled_step_s([t, t, t], 0.0, 0.0, m, 3, t_rpc=0.0, t_opt=[0.03, 0.01, 0.02])
-    assert stepped == pytest.approx(scheduled_step_s([t, t, t], 0.0, 0.0, m, 3) + 0.02 + 0.03)
+    # in flight every stage steps at once (the head does not wait for the others' answers)
+    stepped = scheduled_step_s([t, t, t], 0.05, 0.05, m, 3, t_rpc=0.0, t_opt=[0.03, 0.01, 0.02])
+    assert stepped == pytest.approx(scheduled_step_s([t, t, t], 0.05, 0.05, m, 3) + 0.03)
+    # sequential: the later stages step in parallel, then the head: max(later) + head + one round trip
+    stepped = scheduled_step_s([t, t, t], 0.0, 0.05, m, 1, t_rpc=0.0, t_opt=[0.03, 0.01, 0.02])
+    assert stepped == pytest.approx(scheduled_step_s([t, t, t], 0.0, 0.05, m, 1) + 0.02 + 0.03 + 0.05)
     # sequential: 2S − 3 calls per micro-batch, both ends on the critical path
     seq = scheduled_step_s([t, t, t], 0.0, 0.0, m, 1, t_rpc=0.001)
     assert seq == pytest.approx(m * (3 * t + 3 * 2 * 0.001))
