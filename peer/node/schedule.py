@@ -141,6 +141,23 @@ class PipelinedStep:
         self._network_s: float | None = None  # measured network time of one hop (smoothed)
         self.k = 0
         self._equiv_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # K workers, kept while K stays and no attempt fails
+        self._pool_k = 0
+
+    def _workers(self, k: int) -> ThreadPoolExecutor:
+        """The K micro-batch threads (the head's window). They live across inner steps: fresh
+        threads every step cost stage 0 ~10 % of its compute on a CPU (new allocator arenas and
+        caches; measured in docs/pipeline.md)."""
+        if self._pool is None or self._pool_k != k:
+            self._discard_pool()
+            self._pool, self._pool_k = ThreadPoolExecutor(max_workers=k, thread_name_prefix="peer-mb"), k
+        return self._pool
+
+    def _discard_pool(self) -> None:
+        """Give up the micro-batch threads (after a failed attempt some may still wait on a call)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
 
     # ------------------------------------------------------------------ schedule choice
     def in_flight(self, t: int) -> int:
@@ -252,8 +269,9 @@ class PipelinedStep:
         n = d.cfg.train.microbatches
         route = tuple(d._ensure_peer(s, t)[1] for s in range(1, d.cfg.stages))
         abort = threading.Event()
-        pool = ThreadPoolExecutor(max_workers=k, thread_name_prefix="peer-mb")
+        pool = self._workers(k)
         futures: list[Future[tuple[float, list[float | None]]]] = []
+        ok = False
         try:
             for mb, (mb_x, mb_y) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
                 futures.append(pool.submit(self._microbatch, t, h, mb, mb_x, mb_y, attempt, route, k, abort))
@@ -264,9 +282,11 @@ class PipelinedStep:
                 first = next((e for e in failed if not isinstance(e, _Aborted)), failed[0])
                 raise self._classify(first, t) from None
             results = [f.result() for f in futures]
+            ok = True
         finally:
             abort.set()
-            pool.shutdown(wait=False, cancel_futures=True)
+            if not ok:
+                self._discard_pool()
         total = 0.0
         for loss, _ in results:
             total += loss / n  # in micro-batch order, as the sequential schedule sums
