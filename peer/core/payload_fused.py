@@ -3,12 +3,12 @@
 Encode, one pass per tile (`_encode_jit`): e = β·e_prev + Δ (or a copy of Δ) is written to the
 error buffer (new, or e_prev itself: in place) while the |e| maxima of the tile's runs (columns of
 <= 16 rows) are taken; a histogram of the run maxima gives a threshold that at least k+1 entries
-reach, the tile's top-k is chosen among the few entries that reach it (ranked by counting), and
-the rank of its sorted positions (see payload_kernels) is written straight into the wire buffer,
-with the positions and values of the sent entries. Decode (`_walk_jit`): each tile's rank is
-unranked (a closed-form first guess, then exact checks) and every sent entry is written at its flat
-position: the position itself, out[p] = v, or out[p] += v·scale (the fused decode-and-aggregate),
-without any per-entry array in between.
+reach, the tile's top-k is chosen among the few entries that reach it (its k-th largest is found
+among the smallest of them), and the rank of its sorted positions (see payload_kernels) is written
+straight into the wire buffer, with the positions and values of the sent entries. Decode
+(`_walk_jit`): each tile's rank is unranked (a closed-form first guess, then exact checks) and every
+sent entry is written at its flat position: the position itself, out[p] = v, or out[p] += v·scale
+(the fused decode-and-aggregate), without any per-entry array in between.
 
 `run_each` shares the tensors of a payload out over the caller and a small thread pool (the
 kernels are compiled with nogil), and `run_split` the tiles of one tensor, in ranges taken
@@ -35,6 +35,7 @@ PIECES_PER_WORKER = 4  # ranges of bands per worker thread, taken dynamically
 GROUP = 16  # rows of a run of the encoder: one column of up to GROUP rows of a tile
 N_BINS = 256  # histogram bins of a tile's run maxima
 MAX_COUNTED = 96  # candidates ranked by counting (O(n²), branch-free); more: by insertion
+MAX_LOW = 24  # at most this many candidates beyond the k-th: keep only the smallest ones (by insertion)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -174,6 +175,9 @@ def _encode_jit(
     cand_i = np.empty(th * tw, dtype=np.int64)
     place = np.empty(MAX_COUNTED, dtype=np.int64)
     top_v = np.empty(k1, dtype=np.int32)
+    low_v = np.empty(MAX_LOW + 1, dtype=np.int32)
+    qsel = np.empty(k1, dtype=np.int64)  # compact indices of the selected entries, ascending
+    sink = np.zeros(1, dtype=np.int64)  # keeps the touch loop's loads
     acc = np.empty(n_limbs, dtype=np.int64)
     used = np.ones(k1, dtype=np.int64)  # limbs any C(p, j) fills, per j
     for j in range(k1):
@@ -251,7 +255,24 @@ def _encode_jit(
                         cand_v[n_cand] = a
                         cand_i[n_cand] = ri * tw + runs[i]
                         n_cand += a >= thr
-            if n_cand <= MAX_COUNTED:  # each candidate's place in descending order, ties by position
+            m = n_cand - k + 1  # >= 2: at least k+1 entries reach thr
+            if m <= MAX_LOW + 1:  # the usual case: the m smallest candidates, ascending, by insertion;
+                filled = 0  # the largest of them is the k-th largest, the one below it the (k+1)-th
+                for i in range(n_cand):
+                    v = cand_v[i]
+                    if filled == m:
+                        if v >= low_v[m - 1]:
+                            continue
+                        at = m - 1
+                    else:
+                        at = filled
+                        filled += 1
+                    while at > 0 and low_v[at - 1] > v:
+                        low_v[at] = low_v[at - 1]
+                        at -= 1
+                    low_v[at] = v
+                top_v[k - 1], top_v[k] = low_v[m - 1], low_v[m - 2]
+            elif n_cand <= MAX_COUNTED:  # each candidate's place in descending order, ties by position
                 for i in range(n_cand):
                     v, r = cand_v[i], 0
                     for i2 in range(n_cand):
@@ -289,10 +310,15 @@ def _encode_jit(
                     p = (r0 + li // tw) * cols + c0 + li % tw
                     pos[sel[t] + j] = p
                     vals[sel[t] + j] = e[p]
-                    qc = (li // tw) * vc + li % tw  # compact index among the tile's real entries
-                    for limb in range(used[j + 1]):
-                        acc[limb] += np.int64(table[j + 1, qc, limb])
+                    qsel[j] = (li // tw) * vc + li % tw  # compact index among the tile's real entries
                     j += 1
+            touch = np.int64(0)  # the selected rows of the binomial table (MBs) at once: their misses overlap
+            for jj in range(j):
+                touch += np.int64(table[jj + 1, qsel[jj], 0])
+            sink[0] += touch
+            for jj in range(j):  # rank = Σ C(q_j, j), limb by limb (carries below)
+                for limb in range(used[jj + 1]):
+                    acc[limb] += np.int64(table[jj + 1, qsel[jj], limb])
             carry = np.int64(0)
             for limb in range(n_limbs):
                 v64 = acc[limb] + carry

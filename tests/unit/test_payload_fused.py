@@ -178,12 +178,15 @@ def test_in_place_encode_gives_the_same_bits_into_the_old_buffers(fused):
 
 
 def test_encode_kernel_ranks_candidates_by_counting_or_by_insertion_alike(monkeypatch):
-    """Up to MAX_COUNTED candidates of a tile are ranked by counting; the insertion path that takes
-    more gives the same selection, ties, ranks, values and error buffer."""
+    """A tile's k-th and (k+1)-th largest candidates come from its few smallest candidates (up to
+    MAX_LOW beyond the k-th), else from ranks by counting (up to MAX_COUNTED candidates), else by
+    insertion; all three give the same selection, ties, ranks, values and error buffer."""
     numba = pytest.importorskip("numba")
     with _path(True):
-        counting = pk.compiled(1).encode
-    monkeypatch.setattr(pf, "MAX_COUNTED", 0)  # read when the copy below compiles
+        smallest = pk.compiled(1).encode
+    monkeypatch.setattr(pf, "MAX_LOW", -1)  # read when the copies below compile
+    counting = numba.njit(nogil=True)(pf._encode_jit)
+    monkeypatch.setattr(pf, "MAX_COUNTED", 0)
     insertion = numba.njit(nogil=True)(pf._encode_jit)
     table = pk.binomial_table(4096, 32)
     for name, x in _delta(3).items():
@@ -191,7 +194,7 @@ def test_encode_kernel_ranks_candidates_by_counting_or_by_insertion_alike(monkey
             continue
         lay = layout(tuple(x.shape), 64, 32)
         runs = []
-        for kernel in (counting, insertion):
+        for kernel in (smallest, counting, insertion):
             e = torch.empty_like(x).reshape(-1).numpy()
             arrays = (
                 np.zeros((lay.n_chunks, lay.k), np.int64),
@@ -206,7 +209,7 @@ def test_encode_kernel_ranks_candidates_by_counting_or_by_insertion_alike(monkey
             geometry = (lay.rows, lay.cols, lay.th, lay.tw, lay.k)
             kernel(x.reshape(-1).numpy(), prev, np.float32(0.95), *geometry, table, lay.off, e, *arrays, 0, lay.n_bands)
             runs.append([e.tobytes()] + [a.tobytes() for a in arrays])
-        assert runs[0] == runs[1], name
+        assert runs[0] == runs[1] == runs[2], name
 
 
 def test_run_each_keeps_the_order_shares_nested_splits_and_raises_the_first_failure():
