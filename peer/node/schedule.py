@@ -49,7 +49,7 @@ RTT_PER_EXTRA_S = 0.025  # auto, before any compute is measured: one more micro-
 SLACK = 2  # auto: micro-batches beyond the latency bound, for the messaging each stage's core does (docs/pipeline.md)
 MIN_COMPUTE_S = 0.005  # a measured compute time per micro-batch below this counts as this (bounds K)
 MAX_STASH = 32  # a stage never stashes more micro-batches than this (their activations wait for backward)
-RTT_SAMPLES = 5  # the round trip is the smallest of the last probes (three at first, then one per step)
+RTT_SAMPLES = 5  # the round trip: the smallest of the last probes (three at first, then one per step, unwaited)
 
 
 def choose_in_flight(
@@ -134,6 +134,8 @@ class PipelinedStep:
     def __init__(self, driver: PipelineDriver) -> None:
         self.driver = driver
         self._rtt: dict[str, deque[float]] = {}
+        self._rtt_lock = threading.Lock()
+        self._probing: set[str] = set()  # addresses with a background round-trip probe under way
         self._caps: dict[str, tuple[float | None, float | None]] = {}  # address -> its (upload, download) caps
         self._busy = driver.worker.busy_s  # stage 0's compute seconds at the last choice
         self._compute_s: float | None = None
@@ -211,18 +213,40 @@ class PipelinedStep:
 
     def rtt(self, address: str) -> float:
         """Round trip to `address` (seconds): the smallest of its last `RTT_SAMPLES` `info` probes;
-        three at first sight, then one per call, so K follows a link whose latency changes."""
-        samples = self._rtt.setdefault(address, deque(maxlen=RTT_SAMPLES))
-        client = self.driver.session.clients.get(address)
-        for _ in range(1 if samples else 3):
+        three at first sight (waited for), then one per call in the background (a daemon thread:
+        waiting for it would cost the inner step a round trip), so K follows a link whose latency
+        changes."""
+        with self._rtt_lock:
+            samples = self._rtt.setdefault(address, deque(maxlen=RTT_SAMPLES))
+            first = not samples
+            probing = address in self._probing
+            if not first and not probing:
+                self._probing.add(address)
+        if first:
+            for _ in range(3):
+                if not self._probe(address):
+                    break
+        elif not probing:
+            threading.Thread(target=self._probe, args=(address, True), daemon=True, name="peer-rtt").start()
+        with self._rtt_lock:
+            return min(samples) if samples else 0.0
+
+    def _probe(self, address: str, background: bool = False) -> bool:
+        """One `info` round trip to `address`, added to its samples (and its caps remembered)."""
+        try:
             started = time.monotonic()
-            try:
-                info = client.info(timeout_s=self.driver.cfg.swarm.rpc_timeout_s)
-            except PeerError:
-                break
-            samples.append(time.monotonic() - started)
-            self._remember_caps(address, info)
-        return min(samples) if samples else 0.0
+            info = self.driver.session.clients.get(address).info(timeout_s=self.driver.cfg.swarm.rpc_timeout_s)
+            elapsed = time.monotonic() - started
+        except PeerError:
+            return False
+        finally:
+            if background:
+                with self._rtt_lock:
+                    self._probing.discard(address)
+        with self._rtt_lock:
+            self._rtt.setdefault(address, deque(maxlen=RTT_SAMPLES)).append(elapsed)
+        self._remember_caps(address, info)
+        return True
 
     def caps(self, address: str) -> tuple[float | None, float | None]:
         """A stage peer's (upload, download) caps in Mbit/s from its `info` (asked once per address)."""
