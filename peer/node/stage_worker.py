@@ -18,10 +18,9 @@ i − 1 (a backward waits for its turn, releasing the lock), so the sum is the s
 bit for bit whatever the network does. A forward of micro-batch i waits until at most
 `window − stage` micro-batches are stashed (1F1B). The epoch (inner step, attempt) orders
 replays: a higher one drops the step's gradients and wakes every waiter of the old one (which
-fails), a lower one is stale and refused. The next inner step's micro-batches wait for the step
-of a complete one (the head sends the step without waiting for its answer); a step that does not
-arrive within `swarm.rpc_timeout_s` is dropped with its gradients and the micro-batch refused.
-Without an epoch nothing waits (the sequential head).
+fails), a lower one is stale and refused. The next inner step's micro-batches wait for the step of
+a complete one (the head does not wait for its answer); one that does not come within
+`swarm.rpc_timeout_s` is dropped with its gradients. Without an epoch nothing waits.
 """
 
 from __future__ import annotations
@@ -264,16 +263,9 @@ class StageWorker:
             raise ValueError(f"stage {self.stage}: micro-batch {mb} was superseded by a replay")
 
     def _unstepped(self, full: tuple[int, int, int]) -> bool:
-        """The previous inner step of `full` has all its micro-batches accumulated but its `step` has
-        not arrived yet: the head sends it without waiting (`PipelineDriver._step`), so the next
-        inner step's first micro-batches may overtake it and must wait for it, not drop it."""
-        current = self._epoch
-        return (
-            current is not None
-            and current[0] == full[0]
-            and current[1] + 1 == full[1]
-            and self._applied >= self.cfg.train.microbatches
-        )
+        """The inner step before `full` is complete but its `step` (sent unwaited) has not arrived."""
+        cur = self._epoch
+        return cur is not None and cur[:2] == (full[0], full[1] - 1) and self._applied >= self.cfg.train.microbatches
 
     def _accumulated(self) -> None:
         """One more micro-batch's gradients are in: wake the next one."""
@@ -503,6 +495,4 @@ class StageWorker:
 
 def _compressed_input_grad(x_in: torch.Tensor | None, U: torch.Tensor) -> torch.Tensor | None:
     """∇X̂·U of a stage's expanded input (b, L, k), for the stage before it; None on stage 0."""
-    if x_in is None or x_in.grad is None:
-        return None
-    return compress_grad(x_in.grad, U).cpu()
+    return None if x_in is None or x_in.grad is None else compress_grad(x_in.grad, U).cpu()
