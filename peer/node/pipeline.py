@@ -240,12 +240,11 @@ class PipelineDriver:
             norm = math.sqrt(math.fsum([self.worker.grad_sq_norm(), *(sq for sq in sq_norms if sq is not None)]))
         step = StepRequest(self.pipeline_id, t, h, self.cfg.train.microbatches, tokens, grad_norm=norm)
         futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, self.cfg.stages)]
-        if not wait:
+        if wait:
+            for f in futures:
+                f.result()
+        else:
             self._unacked = futures
-            self.worker.step(t, h, norm)
-            return
-        for f in futures:
-            f.result()
         self.worker.step(t, h, norm)
 
     def settle_steps(self) -> None:

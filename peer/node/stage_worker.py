@@ -237,14 +237,12 @@ class StageWorker:
         if epoch is None:
             return
         full = (self.outer_step, epoch[0], epoch[1])
-        if self._epoch is not None and full < self._epoch:
-            raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
-        if self._unstepped(full) and not self._turn.wait_for(
+        if self._unstepped(full) and not self._turn.wait_for(  # only a later epoch waits, so check stale after
             lambda: not self._unstepped(full), timeout=self.cfg.swarm.rpc_timeout_s
         ):
             self._reset_step()  # the step is lost (as with a replaced peer); a replay starts clean
             raise ValueError(f"stage {self.stage}: inner step {epoch[0] - 1} was never stepped before {full}")
-        if self._epoch is not None and full < self._epoch:  # a replay moved on while this one waited
+        if self._epoch is not None and full < self._epoch:
             raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
         if self._epoch is None or full > self._epoch:
             self._reset_step()

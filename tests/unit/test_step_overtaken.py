@@ -16,6 +16,7 @@ import torch
 from peer.config import build_config
 from peer.core.outer import stage_state, state_hash
 from peer.node.stage_worker import StageWorker
+from tests.unit.test_stage_checkpoint import SMALL  # the tiny model of the stage-worker tests
 
 MB = 2  # micro-batches per inner step
 
@@ -28,12 +29,7 @@ def _cfg(rpc_timeout_s: float = 30.0):
             "train.microbatches": MB,
             "train.seq_len": 16,
             "train.inner_steps": 4,
-            "model.d_model": 32,
-            "model.n_heads": 2,
-            "model.head_dim": 16,
-            "model.ffn_hidden": 32,
-            "model.vocab_size": 128,
-            "model.n_layers": 2,
+            **SMALL,
             "swarm.rpc_timeout_s": rpc_timeout_s,
         },
         environ={},
