@@ -81,6 +81,7 @@ class PeerService:
         self.artifacts = artifacts or {}
         self.claimed_by: str | None = None  # pipeline id (head's peer id) for the current outer step
         self.in_round = False  # between the last inner step and the committed round
+        self.leaving = False  # stopped: serves payloads a little longer, no pipeline work (Session.hand_off)
         self.tokens = 0
         self.started = time.monotonic()
         self.last_request = self.started
@@ -99,6 +100,8 @@ class PeerService:
         """The worker for a pipeline request; `claim=False`: the pipeline must already hold the claim."""
         worker = self._stage_worker(stage)
         with self._lock:
+            if self.leaving:
+                raise NotFoundError(f"peer {self.peer_id[:12]} is leaving the run; use another stage {stage} peer")
             if self.in_round:
                 raise Busy(f"stage {stage} is finishing outer round {worker.outer_step}; retry shortly")
             if outer_step != worker.outer_step:

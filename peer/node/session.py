@@ -194,12 +194,54 @@ class Session:
         return out
 
     def finish(self, stop: threading.Event) -> int:
-        """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0."""
+        """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0.
+
+        A stopped peer (Ctrl+C, SIGTERM) hands off instead: it takes no more pipeline work but
+        serves its last round's payload until the holders still gathering that round have it."""
         self.finishing = True
         self.records.refresh()
-        self.linger(stop)
+        if stop.is_set():
+            self.hand_off()
+        else:
+            self.linger(stop)
         self.log_exit("finished" if not stop.is_set() else "stopped")
         return 0
+
+    def hand_off(self, max_s: float = 10.0) -> None:
+        """Leaving mid-run right after a round: until no other live holder of our stages is still at
+        that round (bounded), keep serving its payload, so they commit it instead of re-syncing."""
+        svc = self.service
+        if svc is None or not svc.workers:
+            return
+        svc.leaving = True  # pipelines get NotFoundError and pick another peer at once
+        t = min(w.outer_step for w in svc.workers.values())
+        if t == 0:
+            return
+        deadline = time.monotonic() + max_s
+        waited = False
+        while time.monotonic() < deadline:
+            try:
+                gathering = [pid for pid, rec in self.dht.get_replicas().items() if rec.get("outer_step") == t - 1]
+                for s in svc.workers:
+                    gathering += [
+                        pid for pid, rec in self.dht.get_stage_peers(s).items() if rec.get("outer_step") == t - 1
+                    ]
+            except PeerError as exc:
+                log.info("leaving: cannot read who still gathers round %d: %s", t - 1, exc)
+                return
+            gathering = sorted({pid for pid in gathering if pid != self.peer_id})
+            if not gathering:
+                return
+            if not waited:
+                log.info(
+                    "leaving: serving round %d's payload until %d peer(s) still gathering it have it (at most %.0fs)",
+                    t - 1,
+                    len(gathering),
+                    max_s,
+                )
+                waited = True
+            time.sleep(0.25)
+        log.info("leaving: gave up waiting for %s to commit round %d", ", ".join(p[:12] for p in gathering), t - 1)
 
     def log_exit(self, reason: str) -> None:
         self.metrics.log("exit", reason=reason)

@@ -1,7 +1,8 @@
 """`peer join --resume` in a running swarm: real hivemind DHT, real gRPC on 127.0.0.1, in-process peers.
 
 A bootstrap, a 2-stage compressed pipeline (head + stage-1 peer) and a full replica train the tiny
-model. The stage-1 peer leaves right after committing round 0 and comes back with `resume=True`
+model. The stage-1 peer leaves right after checkpointing round 0 (before it can serve a whole inner
+step of outer step 1: its stop event fires as that checkpoint appears) and comes back with `resume=True`
 on the same data dir: it restores its checkpoint (outer step 1, the swarm's step, so the swarm's
 state download does not overwrite it), the pipeline picks it up again, and from then on its
 stage-1 parameters and T⊥ are bit-identical to the full replica's after every round.
@@ -20,16 +21,33 @@ from tests.integration.swarm_helpers import OUTER, InProcessSwarm, events, round
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
+class _LeaveOnFirstCheckpoint(threading.Event):
+    """A stop event that sets itself once a checkpoint exists under `root`.
+
+    The stage peer checks its stop event right after a round's checkpoint and before it serves the
+    next inner step, so it leaves at that boundary whatever the machine's load. Setting it from the
+    test after polling the metrics let a fast head finish outer step 1 with the old incarnation
+    first, and the swarm then committed round 1 without it.
+    """
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def is_set(self) -> bool:
+        if not super().is_set() and list_stage_checkpoints(self.root):
+            self.set()
+        return super().is_set()
+
+
 def test_stage_peer_leaves_after_a_round_and_resumes_from_its_checkpoint(tmp_path, reap_children):
-    stop_first = threading.Event()
     stage_dir = tmp_path / "stage1"
+    stop_first = _LeaveOnFirstCheckpoint(stage_dir / "checkpoints")
     with InProcessSwarm(swarm_config(), tmp_path) as sw:
         first = sw.spawn("stage1", run_stage_peer, sw.opts("stage1"), 1, stop_first)
         sw.spawn("full", run_full_replica, sw.opts("full"), sw.stop)
         sw.spawn("head", run_head, sw.opts("head"), sw.stop)
-        sw.wait_for(lambda: 0 in rounds(stage_dir / "metrics.jsonl"), timeout_s=240, poll_s=0.05)
-        stop_first.set()  # the stage peer leaves right after committing round 0
-        first.join(timeout=60)
+        first.join(timeout=240)  # it leaves right after checkpointing round 0
         assert not first.is_alive() and not sw.errors, sw.errors
         assert [p.name for p in list_stage_checkpoints(stage_dir / "checkpoints")] == ["step-000001"]
         sw.spawn("stage1-resumed", run_stage_peer, sw.opts("stage1", resume=True), 1, sw.stop)
@@ -57,8 +75,8 @@ def test_stage_peer_leaves_after_a_round_and_resumes_from_its_checkpoint(tmp_pat
         assert stage[t]["stages"]["1"]["param_hash"] == full[t]["stages"]["1"]["param_hash"]
         assert stage[t]["stages"]["1"]["perp_hash"] == full[t]["stages"]["1"]["perp_hash"]
         assert head[t]["stages"]["0"]["param_hash"] == full[t]["stages"]["0"]["param_hash"]
-    # the pipeline kept both replicas contributing to stage 1 after the resume
-    assert all(full[t]["stages"]["1"]["participants"] == 2 for t in range(1, OUTER))
+    # both replicas contributed to stage 1 in every round: the leaving peer handed off round 0's payload
+    assert all(full[t]["stages"]["1"]["participants"] == 2 for t in range(OUTER))
 
     # every role keeps its newest two checkpoints, the last one at the end of the run
     for name in ("stage1", "head", "full"):
