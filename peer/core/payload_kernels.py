@@ -231,9 +231,11 @@ def _compile(njit: Callable[[Any], Any]) -> Any:
     """The numba kernels: the plain functions below, compiled (their source is the one truth)."""
     from types import SimpleNamespace
 
+    from peer.core import payload_encode as pe
     from peer.core import payload_fused as pf
 
     return SimpleNamespace(
+        quantize=njit(pe._quantize_jit),
         rank=njit(_rank_jit),
         unrank=njit(_unrank_jit),
         encode=njit(pf._encode_jit),

@@ -234,17 +234,22 @@ def test_run_each_keeps_the_order_shares_nested_splits_and_raises_the_first_fail
         pf.MIN_SPLIT_WORK = saved
 
 
-def test_quantizer_fast_paths_give_the_full_lloyd_reference():
-    """The float32 sort, the single-edge compare and the stop at a fixed point are exact shortcuts."""
+@pytest.mark.parametrize("fused", [False, True], ids=["numpy", "numba"])
+def test_quantizer_fast_paths_give_the_full_lloyd_reference(fused):
+    """The float32 sort, the single-edge compare and the stop at a fixed point are exact shortcuts,
+    and the numba kernel (`_quantize_jit`) gives the numpy path's bits."""
     g = np.random.default_rng(5)
     cases = [g.standard_normal(n).astype(np.float32) for n in (1, 7, 1000, 40_000)]
     cases += [np.full(50, -0.25, np.float32), np.zeros(9, np.float32), g.standard_normal(999)]  # ties, float64
     cases += [(np.round(g.standard_normal(5000) * 4) / 4).astype(np.float32)]
-    for v in cases:
-        for bits in (2, 4, 8):
-            codes, codebook = quantize(v, bits)
-            ref_codes, ref_codebook = _reference_quantize(v, bits)
-            assert np.array_equal(codes, ref_codes) and codebook.tobytes() == ref_codebook.tobytes()
+    cases += [np.zeros(3000, np.float32), np.full(700, 3.0, np.float32)]  # one value: bins merged away
+    cases += [np.concatenate([np.zeros(30_000), g.standard_normal(100)]).astype(np.float32)]  # empty bins
+    with _path(fused):
+        for v in cases:
+            for bits in (2, 3, 4, 8):
+                codes, codebook = quantize(v, bits)
+                ref_codes, ref_codebook = _reference_quantize(v, bits)
+                assert np.array_equal(codes, ref_codes) and codebook.tobytes() == ref_codebook.tobytes()
 
 
 def _reference_quantize(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
