@@ -167,12 +167,14 @@ def round_view(
         view.target_bans = Bans.from_record(win["bans"]) if "bans" in win else None
     # a holder at t - 1 is about to gather t (a slow commit, a record refresh that lagged): a payload
     # of ours alone must wait for it too, or the deadline, not close the round without it; a replica
-    # that (re)joined after t (it re-synced past it) never sends round t and is not waited for
+    # that (re)joined after t (it re-synced past it) never sends round t and is not waited for, nor
+    # is a hot spare (an unclaimed stage peer only observes; a head that claims it is expected)
     view.gathering = {
         pid
         for pid, rec in others.items()
         if rec.get("outer_step") in (t - 1, t)
         and rec.get("state") != "syncing"
+        and rec.get("role") != "spare"
         and replicas.get(pid, {}).get("joined_at", 0) <= t
     }
     view.others_gathering = bool(view.gathering)

@@ -156,6 +156,8 @@ def test_a_holder_one_round_behind_still_counts_as_gathering_for_the_lone_guard(
     assert gathering({"outer_step": 5}) and gathering({"outer_step": 4})  # at t, or about to reach it
     assert not gathering({"outer_step": 3})  # two behind: it re-syncs, it will not send round 5
     assert not gathering({"outer_step": 4, "state": "syncing"})
+    assert not gathering({"outer_step": 5, "role": "spare"})  # a hot spare only observes the round
+    assert gathering({"outer_step": 5, "role": "trainer"})
     # a full replica that re-synced past round 5 (it joined at 6) never sends it: not waited for
     late = round_view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=6)}, {"h": {"outer_step": 5}}, "me", "")
     assert not late.others_gathering
@@ -255,6 +257,30 @@ def test_a_holder_seen_gathering_whose_records_expired_is_waited_for_until_the_d
     assert th.is_alive()  # o was seen gathering: no lone close
     th.join(5)
     assert done and done[0].timed_out and done[0].replicas == ["me"]
+
+
+def test_a_holder_seen_gathering_that_came_back_past_the_round_is_no_longer_waited_for():
+    # o was gathering, then restarted (same key) and re-synced past round 0: its live records say it
+    # will not send round 0, so our payload alone closes the round instead of waiting out the deadline
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
+    th.start()
+    th.join(0.3)
+    assert th.is_alive()  # o is expected and gathering
+    dht.replicas["o"] = _replica(t=0, joined_at=1)  # the new process: state downloaded at 0, sends from 1
+    th.join(5)
+    assert done and done[0].replicas == ["me"] and not done[0].timed_out and done[0].wall_s < 5
+
+
+def test_a_hot_spare_does_not_hold_a_lone_contributor_until_the_deadline():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica()}
+    dht.holders = {"s": {"outer_step": 0, "role": "spare"}}  # an unclaimed stage peer at t
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    assert result.replicas == ["me"] and not result.timed_out and result.wall_s < 5
 
 
 def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_set():
