@@ -20,6 +20,7 @@ gradients first, a lower one is refused as stale, so a replay never counts a gra
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -120,6 +121,9 @@ def past_step(message: str, t: int) -> bool:
     return found is not None and int(found.group(1)) > t
 
 
+_STALE = re.compile(r"is stale: stage (\d+) runs \((\d+), (\d+), \d+\)")  # StageWorker._admit's refusal
+
+
 class StageBusy(PeerError):
     """A stage is between rounds: wait and replay without counting a failure."""
 
@@ -145,6 +149,10 @@ class PipelinedStep:
         self._equiv_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # K workers, kept while K stays and no attempt fails
         self._pool_k = 0
+        # attempt numbers never repeat: they grow across replays, inner steps and paused retries,
+        # and start from the clock (ms), so a restarted head (same pipeline id) outnumbers its
+        # earlier process; restarting at 0 left stages refusing every replay as stale
+        self._attempts = itertools.count(time.time_ns() // 1_000_000)
 
     def _workers(self, k: int) -> ThreadPoolExecutor:
         """The K micro-batch threads (the head's window). They live across inner steps: fresh
@@ -267,7 +275,7 @@ class PipelinedStep:
     # ------------------------------------------------------------------ the inner step
     def run(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, list[float | None]]:
         """(mean loss, Σ‖g‖² of stages S−1 … 1) of inner step h; replays after a failed stage."""
-        failures, attempt = 0, 0
+        failures, attempt = 0, next(self._attempts)
         busy_until = time.monotonic() + self.driver.cfg.swarm.claim_timeout_s
         while True:
             try:
@@ -283,7 +291,7 @@ class PipelinedStep:
                 log.warning("replaying inner step %d of outer step %d (attempt %d) after: %s", h, t, attempt + 1, exc)
             if self.driver.stop.is_set():
                 raise PeerError("stopped")
-            attempt += 1
+            attempt = next(self._attempts)
             self.driver.worker.zero_grad()
 
     def _attempt(
@@ -304,7 +312,7 @@ class PipelinedStep:
             if failed:
                 abort.set()
                 first = next((e for e in failed if not isinstance(e, _Aborted)), failed[0])
-                raise self._classify(first, t) from None
+                raise self._classify(first, t, h) from None
             results = [f.result() for f in futures]
             ok = True
         finally:
@@ -379,9 +387,15 @@ class PipelinedStep:
             if abort.wait(0.2):
                 raise _Aborted("aborted")
 
-    def _classify(self, exc: BaseException, t: int) -> Exception:
+    def _classify(self, exc: BaseException, t: int, h: int) -> Exception:
         """The exception that ends this attempt: replay after dropping a peer, wait, or give up."""
         d = self.driver
+        ahead = _STALE.search(str(exc))
+        if ahead is not None and int(ahead.group(1)) > 0 and (int(ahead.group(2)), int(ahead.group(3))) > (t, h):
+            # the peer ran later inner steps of this outer step, for an earlier process of this
+            # pipeline (a restarted head): its weights moved on, it cannot serve this one again
+            d._drop(int(ahead.group(1)), "it ran later inner steps of this outer step for an earlier process")
+            return _StageFailed(str(exc))
         if isinstance(exc, NotFoundError):
             d._drop(1, str(exc))
             return _StageFailed(str(exc))

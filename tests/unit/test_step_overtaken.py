@@ -102,3 +102,21 @@ def test_a_step_that_never_arrives_is_dropped_and_the_micro_batch_refused_then_r
     worker.step(0, 1, None)
     reference.step(0, 1, None)
     assert _hash(worker) == _hash(reference)  # as if inner step 0 never ran here
+
+
+def test_a_stage_ahead_for_an_earlier_head_process_names_its_inner_step_in_the_refusal():
+    """A head restarted with the same key begins its outer step again at inner step 0. A stage that ran
+    later inner steps for the earlier process refuses it as stale; the head reads the stage's inner
+    step from that refusal (`peer.node.schedule._STALE`) and replaces the peer instead of replaying
+    into it forever. The head's own attempt numbers grow from the clock, never from 0 again."""
+    from peer.node.schedule import _STALE
+
+    worker = StageWorker(_cfg(), 1, compressed=True)
+    tokens, hidden, targets = _inputs(worker.cfg, 2, 0)
+    worker.forward(("p", 0), tokens, hidden, targets, epoch=(2, 5), window=4)  # the earlier process
+    with pytest.raises(ValueError) as refused:
+        worker.forward(("p", 0), tokens, hidden, targets, epoch=(0, 10**12), window=4)  # the restarted one
+    found = _STALE.search(f"stage 1 cannot run this micro-batch: {refused.value}")
+    assert found is not None and (int(found.group(1)), int(found.group(2)), int(found.group(3))) == (1, 0, 2)
+    # a later attempt of the same inner step is never refused: the replay restarts it on the stage
+    assert worker.forward(("p", 0), tokens, hidden, targets, epoch=(2, 10**12), window=4).loss is not None
