@@ -14,8 +14,9 @@ micro-batch order and the optimizer step stays synchronous at the end of the inn
 
 Failures: every request carries the attempt number of this inner step. A failed hop names its
 stage (`HopError`); the head drops that peer (`PipelineDriver._drop`), claims another and replays
-the whole inner step with attempt + 1. A stage that sees a higher attempt drops the step's
-gradients first, a lower one is refused as stale, so a replay never counts a gradient twice.
+the whole inner step with a new attempt (numbers grow from the clock and never repeat). A stage
+that sees a higher attempt drops the step's gradients first, a lower one is refused as stale, so a
+replay never counts a gradient twice.
 """
 
 from __future__ import annotations
