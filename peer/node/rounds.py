@@ -181,9 +181,9 @@ def gather_round(
         left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
         holders = {pid: rec for pid, rec in holders.items() if pid not in left}
         view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc, banned)
-        # waited for: holders seen gathering whose records are gone (maybe frozen) or still gather;
-        # not one whose live records say it will not send round t (it restarted past t, a spare)
-        seen = {pid for pid in seen | view.gathering if pid in view.gathering or pid not in holders}
+        # waited for: seen gathering and now gone (maybe frozen), still gathering, or past t (follow its
+        # commit); not one whose live records, at most at t, say it will not send t (restarted, spare)
+        seen = view.gathering | {p for p in seen if holders.get(p, {}).get("outer_step", t + 1) > t}
         if own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
         for sender, rid, why in view.ignored:

@@ -275,6 +275,25 @@ def test_a_holder_seen_gathering_that_came_back_past_the_round_is_no_longer_wait
     assert done and done[0].replicas == ["me"] and not done[0].timed_out and done[0].wall_s < 5
 
 
+def test_a_holder_seen_gathering_that_came_back_past_the_round_is_followed_not_dropped():
+    # o committed round 0 and restarted from that checkpoint (its records at 1): it may hold a set
+    # with our payload, so a lone close waits for its commit to show (→ FOLLOW), not the new records
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
+    th.start()
+    th.join(0.3)
+    dht.replicas["o"] = _replica(t=1, joined_at=1)
+    dht.holders = {"o": {"outer_step": 1}}  # the restarted process, its committed set not published yet
+    th.join(0.5)
+    assert th.is_alive()
+    dht.holders = {"o": {"outer_step": 1, "committed": ["me"], "param_hash": "h"}}
+    th.join(5)
+    assert done and done[0].target == ["me"] and not done[0].timed_out
+
+
 def test_a_hot_spare_does_not_hold_a_lone_contributor_until_the_deadline():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica()}
