@@ -259,9 +259,8 @@ def test_a_holder_seen_gathering_whose_records_expired_is_waited_for_until_the_d
     assert done and done[0].timed_out and done[0].replicas == ["me"]
 
 
-def test_a_holder_seen_gathering_that_came_back_past_the_round_is_no_longer_waited_for():
-    # o was gathering, then restarted (same key) and re-synced past round 0: its live records say it
-    # will not send round 0, so our payload alone closes the round instead of waiting out the deadline
+def _gathering_beside_o() -> tuple:
+    """Our lone gather of round 0 (in a thread, 30 s deadline) while holder o is seen gathering it."""
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "o": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
@@ -269,6 +268,13 @@ def test_a_holder_seen_gathering_that_came_back_past_the_round_is_no_longer_wait
     th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
     th.start()
     th.join(0.3)
+    return dht, done, th
+
+
+def test_a_holder_seen_gathering_that_came_back_past_the_round_is_no_longer_waited_for():
+    # o was gathering, then restarted (same key) and re-synced past round 0: its live records say it
+    # will not send round 0, so our payload alone closes the round instead of waiting out the deadline
+    dht, done, th = _gathering_beside_o()
     assert th.is_alive()  # o is expected and gathering
     dht.replicas["o"] = _replica(t=0, joined_at=1)  # the new process: state downloaded at 0, sends from 1
     th.join(5)
@@ -278,13 +284,7 @@ def test_a_holder_seen_gathering_that_came_back_past_the_round_is_no_longer_wait
 def test_a_holder_seen_gathering_that_came_back_past_the_round_is_followed_not_dropped():
     # o committed round 0 and restarted from that checkpoint (its records at 1): it may hold a set
     # with our payload, so a lone close waits for its commit to show (→ FOLLOW), not the new records
-    dht, clients = FakeDHT("me"), FakeClients({})
-    dht.replicas = {"me": _replica(), "o": _replica()}
-    dht.holders = {"o": {"outer_step": 0}}
-    done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
-    th.start()
-    th.join(0.3)
+    dht, done, th = _gathering_beside_o()
     dht.replicas["o"] = _replica(t=1, joined_at=1)
     dht.holders = {"o": {"outer_step": 1}}  # the restarted process, its committed set not published yet
     th.join(0.5)
