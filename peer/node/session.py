@@ -24,7 +24,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,17 +219,16 @@ class Session:
             return
         deadline = time.monotonic() + max_s
         waited = False
+
+        def at_round(rec: dict[str, Any]) -> bool:
+            return rec.get("outer_step") == t - 1
+
         while time.monotonic() < deadline:
             try:
-                gathering = [pid for pid, rec in self.dht.get_replicas().items() if rec.get("outer_step") == t - 1]
-                for s in svc.workers:
-                    gathering += [
-                        pid for pid, rec in self.dht.get_stage_peers(s).items() if rec.get("outer_step") == t - 1
-                    ]
+                gathering = self._others_where(at_round, at_round, svc.workers)
             except PeerError as exc:
                 log.info("leaving: cannot read who still gathers round %d: %s", t - 1, exc)
                 return
-            gathering = sorted({pid for pid in gathering if pid != self.peer_id})
             if not gathering:
                 return
             if not waited:
@@ -280,17 +279,24 @@ class Session:
         every live head has finished (its validation after the last round uses our stage; bounded)."""
         T = self.cfg.train.outer_steps
         deadline = time.monotonic() + max_s
+
+        def replica_behind(rec: dict[str, Any]) -> bool:
+            return rec.get("outer_step", T) < T or (rec.get("kind") == "pipeline" and rec.get("done") is False)
+
         while not stop.is_set() and time.monotonic() < deadline:
-            behind = [
-                pid
-                for pid, rec in self.dht.get_replicas().items()
-                if rec.get("outer_step", T) < T or (rec.get("kind") == "pipeline" and rec.get("done") is False)
-            ]
-            for s in range(self.cfg.stages):
-                behind += [pid for pid, rec in self.dht.get_stage_peers(s).items() if rec.get("outer_step", T) < T]
-            if not [pid for pid in behind if pid != self.peer_id]:
+            if not self._others_where(replica_behind, lambda rec: rec.get("outer_step", T) < T, range(self.cfg.stages)):
                 return
             stop.wait(0.5)
+
+    def _others_where(
+        self, replica: Callable[[dict[str, Any]], bool], stage: Callable[[dict[str, Any]], bool], stages: Iterable[int]
+    ) -> list[str]:
+        """Other peers of the run whose replica record, or stage record of one of `stages`, matches."""
+        out = {pid for pid, rec in self.dht.get_replicas().items() if replica(rec)}
+        for s in stages:
+            out |= {pid for pid, rec in self.dht.get_stage_peers(s).items() if stage(rec)}
+        out.discard(self.peer_id)
+        return sorted(out)
 
     def claim_shard(self, prefer: int | None = None) -> int:
         """The lowest data shard no live replica uses (DESIGN: disjoint data per replica).
