@@ -62,6 +62,7 @@ from peer.net.admission import (
 from peer.net.answers import await_answer
 from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
+from peer.net.identity_check import install_identity_check
 from peer.net.processes import ProcessTree
 from peer.net.records import RecordReader, check_plain, choose_manifest, unsealed_copies
 from peer.net.watchdog import Watchdog
@@ -227,6 +228,7 @@ class SwarmDHT:
             if identity.fresh:
                 kwargs["check_if_identity_free"] = False  # a key made just now is not in use elsewhere
             quiet_cancelled_futures()  # inherited by the DHT process (peer.net.hivemind_logs)
+            install_identity_check()  # so is this (peer.net.identity_check)
             self._dht = hivemind.DHT(
                 initial_peers=initial or None, start=False, record_validators=[validator], **kwargs
             )

@@ -148,6 +148,15 @@ def test_payload_announcements_per_round_and_stage(nodes):
     assert a.current_outer_step() == 0 and a.get_payloads(1, 0) == {}
 
 
+async def _list_connected(_dht, node) -> list[str]:
+    return [info.peer_id.to_base58() for info in await node.p2p.list_peers()]
+
+
+def _connected_ids(node: SwarmDHT) -> list[str]:
+    """Peer ids the node's p2pd is connected to now (runs inside its hivemind child)."""
+    return node._dht.run_coroutine(_list_connected, return_future=True).result(timeout=10)
+
+
 def test_identity_file_keeps_peer_id_across_restarts(nodes, tmp_path):
     path = tmp_path / "keys" / "peer.key"
     expected = make_identity(path)
@@ -158,13 +167,15 @@ def test_identity_file_keeps_peer_id_across_restarts(nodes, tmp_path):
     maddrs = boot.visible_maddrs()
     first = nodes(initial_peers=maddrs, identity_path=path)
     assert first.peer_id == expected
-    # hivemind detects the duplicate by asking the initial peer, which learns of `first` only once
-    # their connection is up: a start that slipped in before is stopped and tried again (bounded)
+    # hivemind detects the duplicate by asking the initial peer to find `first`, so wait until the
+    # initial peer is connected to it. A duplicate that slipped in before would take over that
+    # connection (same peer id) and leave the initial peer unable to find `first` at all.
     deadline = time.monotonic() + 15
+    while expected not in _connected_ids(boot):
+        assert time.monotonic() < deadline, "the initial peer never connected to the first node"
+        time.sleep(0.2)
     with pytest.raises(NetworkError, match="already used"):
-        while time.monotonic() < deadline:
-            nodes(initial_peers=maddrs, identity_path=path).shutdown()
-            time.sleep(0.5)
+        nodes(initial_peers=maddrs, identity_path=path)
     first.shutdown()
 
     t0 = time.monotonic()
