@@ -2,9 +2,18 @@
 
 `__version__` matches `version` in pyproject.toml; `peer --version` reports the installed
 distribution's version (importlib.metadata) and falls back to this one in a bare source tree.
+Importing the package switches gRPC's fork handlers off (see below; a user's setting wins).
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# gRPC's fork handlers (on by default in grpcio >= 1.78) run in every fork; when another thread is
+# inside gRPC at that moment, the forked DHT child (hivemind forks it without exec) inherits half-held
+# gRPC locks and aborts or segfaults on its own next fork (starting p2pd). We fork only to run
+# code that never calls gRPC, so the handlers are switched off before grpc is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 def package_version() -> str:
