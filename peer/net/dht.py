@@ -60,7 +60,7 @@ from peer.net.admission import (
     secret_commitment,
 )
 from peer.net.answers import await_answer
-from peer.net.hivemind_logs import quiet_cancelled_futures
+from peer.net.hivemind_logs import DHTProcess, quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.identity_check import install_identity_check
 from peer.net.processes import ProcessTree
@@ -229,9 +229,7 @@ class SwarmDHT:
                 kwargs["check_if_identity_free"] = False  # a key made just now is not in use elsewhere
             quiet_cancelled_futures()  # inherited by the DHT process (peer.net.hivemind_logs)
             install_identity_check()  # so is this (peer.net.identity_check)
-            self._dht = hivemind.DHT(
-                initial_peers=initial or None, start=False, record_validators=[validator], **kwargs
-            )
+            self._dht = DHTProcess(initial_peers=initial or None, start=False, record_validators=[validator], **kwargs)
             # Runs at interpreter exit if shutdown() was never called, so no p2pd outlives us.
             self._finalizer = weakref.finalize(self, _stop, self._dht, self._tree, self._watchdog)
             self.peer_id: str = self._start(start_timeout_s, initial, identity_path)

@@ -13,6 +13,9 @@ a call, the DHT process's pipe read fails (`ConnectionResetError`, `EOFError`, .
 logs the full traceback, then keeps polling until the watchdog (`peer.net.watchdog`) stops it. The
 filter on `hivemind.dht.dht` turns that record into one warning line without the traceback; a
 failed pipe read while the parent is alive still logs, as a warning with the exception's text.
+When the read ends in `EOFError`, which hivemind does not catch, the DHT process's main loop
+raised it and multiprocessing printed the traceback; `DHTProcess` (the DHT node `peer` starts)
+ends that process with one warning line instead.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import InvalidStateError
 
-__all__ = ["quiet_cancelled_futures"]
+import hivemind
+
+__all__ = ["DHTProcess", "quiet_cancelled_futures"]
 
 PIPE_ERRORS = (ConnectionError, EOFError, OSError)
 
@@ -63,3 +68,16 @@ def quiet_cancelled_futures() -> None:
     dht_logger = logging.getLogger("hivemind.dht.dht")
     if _PIPE_FILTER not in dht_logger.filters:
         dht_logger.addFilter(_PIPE_FILTER)
+
+
+class DHTProcess(hivemind.DHT):  # type: ignore[misc]  # hivemind has no type information
+    """hivemind's DHT process; when its peer process is gone (the pipe reads EOF), it exits with
+    one warning line instead of a traceback (the watchdog stops whatever it leaves)."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except EOFError:
+            logging.getLogger("hivemind.dht.dht").warning(
+                "DHT process: the pipe from its peer process is closed; the peer has exited, so this process exits"
+            )

@@ -147,7 +147,9 @@ def test_kill_9_of_each_role_leaves_no_process(tmp_path, reap_children):
             _, left_all = _wait_gone(tree, max(0.0, GONE_WITHIN_S - dht_s))
             took[name] = (dht_s, time.monotonic() - t0)
             assert not left and not left_all, f"kill -9 of {name} left {[_cmd(p) for p in left + left_all]}"
-            assert "died without stopping its DHT" in (tmp_path / f"{name}.log").read_text()  # the watchdog did it
+            # the watchdog stopped what was left, or the DHT process saw its pipe close and exited first
+            log = (tmp_path / f"{name}.log").read_text()
+            assert "died without stopping its DHT" in log or "the pipe from its peer process is closed" in log, log
 
         dht_times = [d for d, _ in took.values()]
         all_times = [a for _, a in took.values()]
