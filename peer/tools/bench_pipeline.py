@@ -50,6 +50,7 @@ class PipelineBench:
     rtt_ms: tuple[float, ...] = (0.0,)
     rtt_rate: str = "100mbit"  # the link the round trip is added to ("" = unshaped)
     in_flight: tuple[int, ...] = (1, 0)  # 0 = the default (auto)
+    wire_dtype: str = "fp32"  # subspace.wire_dtype: the boundary dtype on the wire
     warmup: int = 1
     steps: int = 3
     repeats: int = 1
@@ -71,6 +72,7 @@ def _config(b: PipelineBench, k_ratio: str, in_flight: int) -> RunConfig:
             "train.inner_steps": b.warmup + b.steps + 1,
             "train.in_flight": in_flight,
             "swarm.rpc_timeout_s": 120,
+            "subspace.wire_dtype": b.wire_dtype,
             **b.overrides,
         },
         environ={},
@@ -238,7 +240,7 @@ def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -
     flops = flops_from_tokens_per_s(cfg, b.seq_len, tokens / max(1e-9, wall - step_s))
     return predict_pipeline(
         cfg, b.stages, b.microbatches, b.batch_size, b.seq_len, row["k_ratio"], flops, row["in_flight"],
-        rate_mbps(row["rate"]), row["rtt_ms"], rpc_overhead_s=RPC_OVERHEAD_S,
+        rate_mbps(row["rate"]), row["rtt_ms"], wire_dtype=b.wire_dtype, rpc_overhead_s=RPC_OVERHEAD_S,
         opt_s_per_param=one_device.get("opt_s_per_param", 0.0),
     )["tokens_per_s"]  # fmt: skip
 
@@ -297,8 +299,11 @@ def parse_list(text: str, cast: Callable[[str], Any], what: str) -> tuple[Any, .
 def summarize(result: dict[str, Any]) -> Sequence[str]:
     """One line per target of issue 9 that this result can speak to."""
     rows = result["rows"]
-    split = result["bench"].get("split", "even")
-    lines = [f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}; split: {split}"]
+    split, wire = result["bench"].get("split", "even"), result["bench"].get("wire_dtype", "fp32")
+    lines = [
+        f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}; split: {split}; "
+        f"wire: {wire}"
+    ]
     for r in rows:
         if r["rate"] == "unshaped" and not r["rtt_ms"]:
             lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
@@ -322,6 +327,7 @@ def command(
     rate: str,
     rtt_ms: str,
     in_flight: str,
+    wire_dtype: str,
     steps: int,
     repeats: int,
     no_netns: bool,
@@ -344,12 +350,17 @@ def command(
             rates=("", *(r for r in parse_list(rate, str, "--rate") if r)),
             rtt_ms=tuple(x for x in parse_list(rtt_ms, float, "--rtt-ms") if x > 0) if rtt_ms.strip() else (),
             in_flight=parse_list(in_flight, int, "--in-flight"),
+            wire_dtype=wire_dtype,
             steps=steps,
             repeats=repeats,
             netns=not no_netns,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    from peer.config import WIRE_DTYPES
+
+    if wire_dtype not in WIRE_DTYPES:
+        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
     if stages < 2 or microbatches < 1 or batch_size % microbatches:
         raise ConfigError("--stages must be >= 2 and --batch-size a multiple of --microbatches")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # cleanups (namespaces, children) still run

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 
 from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.errors import HopError
 from peer.net.transport.messages import ForwardReply, ForwardRequest
-from peer.node.schedule import SLACK, choose_in_flight, configured_in_flight
+from peer.node.schedule import SLACK, _Aborted, _ForwardTurns, choose_in_flight, configured_in_flight
 
 
 def test_in_flight_defaults_to_the_stages_plus_slack_and_grows_with_the_round_trip():
@@ -43,3 +47,43 @@ def test_a_hop_failure_names_its_stage_through_every_relay():
     relayed = f"peer 10.0.0.2:5 forward: ABORTED: {err}"
     assert HopError.parse(relayed) == (3, "network")
     assert HopError.parse("FAILED_PRECONDITION: busy") is None
+
+
+def test_stage_zero_forwards_run_in_micro_batch_order_whatever_thread_starts_first():
+    turns, entered, lock = _ForwardTurns(threading.Event()), [], threading.Lock()
+
+    def forward(mb: int) -> None:
+        turns.wait(mb)
+        with lock:
+            entered.append(mb)
+        time.sleep(0.002)
+        turns.done(mb)
+
+    threads = [threading.Thread(target=forward, args=(mb,)) for mb in (5, 3, 7, 0, 6, 1, 4, 2)]
+    for th in threads:  # the later micro-batches start first
+        th.start()
+        time.sleep(0.005)
+    for th in threads:
+        th.join(5)
+    assert entered == list(range(8))
+
+
+def test_a_failed_attempt_releases_the_forwards_still_waiting():
+    abort = threading.Event()
+    turns, failed = _ForwardTurns(abort), []
+
+    def forward(mb: int) -> None:
+        try:
+            turns.wait(mb)
+        except _Aborted:
+            failed.append(mb)
+
+    waiting = threading.Thread(target=forward, args=(3,))
+    waiting.start()
+    time.sleep(0.1)
+    assert waiting.is_alive()  # micro-batches 0-2 have not run
+    abort.set()
+    waiting.join(2)
+    assert failed == [3]
+    with pytest.raises(_Aborted):
+        turns.wait(0)  # nothing new starts once the attempt failed
