@@ -357,10 +357,8 @@ def command(
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    from peer.config import WIRE_DTYPES
-
-    if wire_dtype not in WIRE_DTYPES:
-        raise ConfigError(f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
+    for k_ratio in bench.k_ratios:  # the run config's own checks (wire dtype, k/d, preset, stages), before any run
+        _config(bench, k_ratio, 0)
     if stages < 2 or microbatches < 1 or batch_size % microbatches:
         raise ConfigError("--stages must be >= 2 and --batch-size a multiple of --microbatches")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # cleanups (namespaces, children) still run
