@@ -285,3 +285,27 @@ def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
+
+
+def check_stage_state(
+    module: Decoder,
+    stage: int,
+    start: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    perp: torch.Tensor,
+) -> None:
+    """ValueError unless `start` and `params` name exactly `module`'s parameters with their shapes
+    and `perp` has T⊥'s shape (a state to adopt, checked before anything changes)."""
+    own = dict(module.named_parameters())
+    for what, tensors in (("state", start), ("parameters", params)):
+        if set(tensors) != set(own):
+            missing, extra = set(own) - set(tensors), set(tensors) - set(own)
+            raise ValueError(
+                f"{what} for stage {stage} does not match: missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(extra)[:3]}"
+            )
+        for name, value in tensors.items():
+            if own[name].shape != value.shape:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
+    if perp.shape != perp_of(module).shape:
+        raise ValueError(f"T⊥: shape {tuple(perp.shape)} != {tuple(perp_of(module).shape)}")

@@ -76,6 +76,7 @@ __all__ = [
     "clip_plan",
     "clip_to_median",
     "clipped_mass",
+    "removed_from_own",
     "compress",
     "decompress",
     "global_norm",
@@ -324,3 +325,21 @@ def restore_unsent(errors: Mapping[str, Tensor] | None, decoded: Mapping[str, Te
     for name, d in decoded.items():
         out[name] = out[name] + d.to(torch.float32) if name in out else d.to(torch.float32).clone()
     return out
+
+
+def removed_from_own(
+    own: Payload,
+    committed: Sequence[Payload],
+    decoded: Sequence[Mapping[str, Tensor]],
+    clip: ClipStats,
+    dropped: Sequence[int] = (),
+) -> dict[str, Tensor] | None:
+    """What a round took out of `own` (a committed payload of ours), for our error buffer: all of
+    it when screening dropped it, what median clipping removed when clipped, else None (nothing
+    we computed is lost)."""
+    for i, (payload, d) in enumerate(zip(committed, decoded, strict=True)):
+        if payload is own or payload.to_bytes() == own.to_bytes():
+            if i in dropped:
+                return dict(d)
+            return clipped_mass(d, clip.scales[i]) if clip.scales else None
+    return None

@@ -359,13 +359,16 @@ class PipelinedStep:
             attempt=attempt,
             route=route[1:],
             window=k,
+            defer_norms=mb == d.cfg.train.microbatches - 1,  # the flush: Σ‖g‖² come after the gradient
         )
         reply = self._send(route[0], request, t, abort)
         if reply.grad is None or reply.loss is None:
             raise TransportError("stage 1 answered a streamed micro-batch without loss and gradient")
         if abort.is_set():
             raise _Aborted("aborted")
-        d.worker.backward(key, reply.grad, epoch)
+        d.worker.backward(key, reply.grad, epoch)  # while the stages after compute their weight gradients
+        if reply.late is not None:
+            return reply.loss, list(reply.late())
         norms: list[float | None] = list(reply.sq_norms) or [reply.grad_sq_norm]
         return reply.loss, norms
 

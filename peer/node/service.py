@@ -184,11 +184,20 @@ class PeerService:
             epoch = (request.inner_step, request.attempt) if request.window > 0 else None
             if request.route:
                 return self._stream(worker, request, epoch)
-            out = worker.forward(key, request.tokens, request.hidden, request.targets, epoch, request.window)
+            defer = self._defers(request, epoch)
+            out = worker.forward(key, request.tokens, request.hidden, request.targets, epoch, request.window, defer)
         except (KeyError, ValueError) as exc:
             raise TransportError(f"stage {worker.stage} cannot run this micro-batch: {exc}") from None
-        sq = worker.grad_sq_norm() if out.loss is not None and self._last_microbatch(request.microbatch) else None
-        return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad, grad_sq_norm=sq)
+        if out.loss is None or not self._last_microbatch(request.microbatch):
+            return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad)
+        if defer:  # the gradient goes now, Σ‖g‖² once the weight gradients are done
+            generation = worker.generation
+            return ForwardReply(loss=out.loss, grad=out.grad, late=lambda: (_late_sq_norm(worker, generation),))
+        return ForwardReply(loss=out.loss, grad=out.grad, grad_sq_norm=worker.grad_sq_norm())
+
+    def _defers(self, request: ForwardRequest, epoch: tuple[int, int] | None) -> bool:
+        """The head asked for Σ‖g‖² after the answer on the last micro-batch of a pipelined step."""
+        return request.defer_norms and epoch is not None and self._last_microbatch(request.microbatch)
 
     def _stream(self, worker: StageWorker, request: ForwardRequest, epoch: tuple[int, int] | None) -> ForwardReply:
         """Forward here, on to the next stage, backward here with the gradient it answers."""
@@ -208,16 +217,24 @@ class PeerService:
             attempt=request.attempt,
             route=request.route[1:],
             window=request.window,
+            defer_norms=request.defer_norms,
         )
         reply = self._hop(request.route[0], onward, len(request.route))
         if reply.grad is None or reply.loss is None:
             raise HopError(worker.stage + 1, "remote", "the reply carries no loss and gradient")
-        grad = worker.backward(key, reply.grad, epoch)
-        norms: tuple[float, ...] = ()
-        if self._last_microbatch(request.microbatch):
-            later = reply.sq_norms or ((reply.grad_sq_norm,) if reply.grad_sq_norm is not None else ())
-            norms = (*later, worker.grad_sq_norm())
-        return ForwardReply(loss=reply.loss, grad=grad, sq_norms=norms)
+        defer = self._defers(request, epoch)
+        grad = worker.backward(key, reply.grad, epoch, defer)
+        if not self._last_microbatch(request.microbatch):
+            return ForwardReply(loss=reply.loss, grad=grad)
+        generation = worker.generation
+
+        def norms() -> tuple[float, ...]:  # Σ‖g‖² of stages S-1 .. this one
+            later = _later_norms(reply, worker.stage + 1)
+            return (*later, _late_sq_norm(worker, generation))
+
+        if defer:
+            return ForwardReply(loss=reply.loss, grad=grad, late=norms)
+        return ForwardReply(loss=reply.loss, grad=grad, sq_norms=norms())
 
     def _hop(self, address: str, request: ForwardRequest, depth: int) -> ForwardReply:
         """One stage-to-stage call; any failure becomes a HopError naming the stage that failed."""
@@ -234,28 +251,12 @@ class PeerService:
                 )
         try:
             return client.forward(request, timeout_s=self.cfg.swarm.rpc_timeout_s * depth)
-        except NotFoundError as exc:
-            raise HopError(request.stage, "lost", str(exc)) from None
-        except RemoteError as exc:
-            if exc.code == "ABORTED" and HopError.parse(str(exc)) is not None:
-                found = HopError.parse(str(exc))
-                assert found is not None
-                raise HopError(found[0], found[1], str(exc).split("failed: ", 1)[-1]) from None
-            kind = (
-                "claimed"
-                if "claimed by pipeline" in str(exc)
-                else "busy"
-                if exc.code == "FAILED_PRECONDITION"
-                else "remote"
-            )
-            raise HopError(request.stage, kind, str(exc)) from None
-        except NetworkError as exc:
-            with self._lock:
-                if self._next.get(address) is client:
-                    self._next.pop(address).close()
-            raise HopError(request.stage, "network", str(exc)) from None
-        except TransportError as exc:
-            raise HopError(request.stage, "remote", str(exc)) from None
+        except PeerError as exc:
+            if isinstance(exc, NetworkError):
+                with self._lock:
+                    if self._next.get(address) is client:
+                        self._next.pop(address).close()
+            raise hop_error(exc, request.stage) from None
 
     def _stream_bytes(self) -> int:
         """Bytes this stage sent to and received from the next stage's peers (streaming)."""
@@ -391,3 +392,39 @@ def _check_boundary(t: torch.Tensor | None, shape: tuple[int, int, int], what: s
             f"{what}: values up to {peak:.3g} (limit {MAX_BOUNDARY_ABS:.0e}); the sending stage "
             "diverged (lower the learning rate) or is faulty"
         )
+
+
+def _late_sq_norm(worker: StageWorker, generation: int) -> float:
+    """The stage's Σ‖g‖² for an answer already sent; PeerError if a replay reset them since."""
+    try:
+        return worker.grad_sq_norm(generation)
+    except ValueError as exc:
+        raise PeerError(str(exc)) from None
+
+
+def _later_norms(reply: ForwardReply, stage: int) -> tuple[float, ...]:
+    """Σ‖g‖² of the later stages from their reply: in it, or sent after it (`late`)."""
+    if reply.sq_norms or reply.grad_sq_norm is not None:
+        return reply.sq_norms or (float(reply.grad_sq_norm or 0.0),)
+    if reply.late is None:
+        return ()
+    try:
+        return reply.late()
+    except PeerError as exc:
+        raise hop_error(exc, stage) from None
+
+
+def hop_error(exc: PeerError, stage: int) -> HopError:
+    """The HopError for a failed call into `stage`: a deeper stage's own HopError passes through."""
+    if isinstance(exc, NotFoundError):
+        return HopError(stage, "lost", str(exc))
+    if isinstance(exc, RemoteError):
+        found = HopError.parse(str(exc)) if exc.code == "ABORTED" else None
+        if found is not None:
+            return HopError(found[0], found[1], str(exc).split("failed: ", 1)[-1])
+        claimed = "claimed by pipeline" in str(exc)
+        kind = "claimed" if claimed else "busy" if exc.code == "FAILED_PRECONDITION" else "remote"
+        return HopError(stage, kind, str(exc))
+    if isinstance(exc, NetworkError):
+        return HopError(stage, "network", str(exc))
+    return HopError(stage, "remote", str(exc))

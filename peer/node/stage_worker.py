@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from peer.core.outer import (
     RoundCommit,
     adamw_step,
     attach_subspace,
+    check_stage_state,
     commit_round,
     initial_split,
     perp_decay,
@@ -54,12 +55,13 @@ from peer.core.outer import (
 from peer.core.sparseloco import (
     ClipStats,
     Payload,
-    clipped_mass,
     compress,
     decompress,
     pseudo_gradient,
+    removed_from_own,
     restore_unsent,
 )
+from peer.core.split_backward import input_grad_first
 from peer.core.subspace import (
     compress_activations,
     compress_grad,
@@ -115,8 +117,9 @@ class StageWorker:
         self._turn = threading.Condition(self.lock)  # micro-batch order of gradient accumulation
         self._epoch: tuple[int, int, int] | None = None  # (outer step, inner step, attempt) in progress
         self._applied = 0  # micro-batches whose gradients are accumulated (in order) in this epoch
-        self._generation = 0  # bumped by every reset: waiters of an older one give up
+        self.generation = 0  # bumped by every reset: waiters of an older one give up
         self.busy_s = 0.0  # seconds spent computing forward/backward (benchmarks: busy fraction)
+        self._weights_due: Callable[[], None] | None = None  # deferred weight gradients (`defer`)
 
     @property
     def start(self) -> Mapping[str, torch.Tensor]:
@@ -137,10 +140,11 @@ class StageWorker:
         targets: torch.Tensor | None,
         epoch: tuple[int, int] | None = None,
         window: int = 0,
+        defer: bool = False,
     ) -> ForwardOut:
         """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0.
-
-        `epoch` (inner step, attempt): micro-batches in flight (see the module docstring)."""
+        `epoch` (inner step, attempt): micro-batches in flight (see the module docstring). `defer`
+        (last stage): the input gradient first, weight gradients at the next use (`split_backward`)."""
         tokens = tokens.long().to(self.device)
         hidden = hidden.to(self.device) if hidden is not None else None
         targets = targets.to(self.device) if targets is not None else None
@@ -148,12 +152,17 @@ class StageWorker:
             self._admit(key[1], epoch, window, turn=self.is_last)
             started = time.perf_counter()
             try:
-                return self._forward_locked(key, tokens, hidden, targets)
+                return self._forward_locked(key, tokens, hidden, targets, defer)
             finally:
                 self.busy_s += time.perf_counter() - started
 
     def _forward_locked(
-        self, key: tuple[str, int], tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None
+        self,
+        key: tuple[str, int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        defer: bool = False,
     ) -> ForwardOut:
         if key in self.seen:  # the head replays the inner step (a stage peer failed): start it over
             log.info(
@@ -182,10 +191,7 @@ class StageWorker:
                     f"the loss of micro-batch {key[1]} is {loss.item()}, refused before backward "
                     "(out-of-range activations or diverged parameters; lower the learning rate)"
                 )
-            (loss / self.cfg.train.microbatches).backward()
-            self.microbatches_seen += 1
-            self._accumulated()
-            grad = _compressed_input_grad(x_in, self.U)  # (b, L, k)
+            grad = self._backward(loss / self.cfg.train.microbatches, None, x_in, defer)  # (b, L, k)
             return ForwardOut(loss=loss.item(), grad=grad)
         self.pending[key] = (x_in, out)
         return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
@@ -211,22 +217,42 @@ class StageWorker:
             return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
 
     def backward(
-        self, key: tuple[str, int], grad: torch.Tensor, epoch: tuple[int, int] | None = None
+        self, key: tuple[str, int], grad: torch.Tensor, epoch: tuple[int, int] | None = None, defer: bool = False
     ) -> torch.Tensor | None:
         """Backpropagate a compressed output gradient (b, L, k); returns ∇ of the input, compressed.
-
-        With `epoch`, waits until the micro-batches before this one are accumulated."""
+        With `epoch`, waits until earlier micro-batches are accumulated; `defer` as in `forward`."""
         with self.lock:
             self._admit(key[1], epoch, 0, turn=True)
             if key not in self.pending:
                 raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
             started = time.perf_counter()
             x_in, out = self.pending.pop(key)
-            out.backward(expand_grad(grad.to(self.device).float(), self.U))  # already scaled by 1/n_micro
-            self.microbatches_seen += 1
-            self._accumulated()
+            try:  # the gradient is already scaled by 1/n_micro
+                return self._backward(out, expand_grad(grad.to(self.device).float(), self.U), x_in, defer)
+            finally:
+                self.busy_s += time.perf_counter() - started
+
+    def _backward(
+        self, root: torch.Tensor, root_grad: torch.Tensor | None, x_in: torch.Tensor | None, defer: bool
+    ) -> torch.Tensor | None:
+        """Accumulate one micro-batch's gradients; ∇ of the input, compressed (b, L, k), or None on
+        stage 0. defer: the weights' part waits for `_weights` (the step or Σ‖g‖² asks for it)."""
+        grad_in: torch.Tensor | None
+        if defer and x_in is not None:
+            grad_in, self._weights_due = input_grad_first(root, root_grad, x_in, self.module.parameters())
+        else:
+            root.backward(root_grad)
+            grad_in = None if x_in is None else x_in.grad
+        self.microbatches_seen += 1
+        self._accumulated()
+        return None if grad_in is None else compress_grad(grad_in, self.U).cpu()
+
+    def _weights(self) -> None:  # the deferred weight gradients, if any (under the lock)
+        due, self._weights_due = self._weights_due, None
+        if due is not None:
+            started = time.perf_counter()
+            due()
             self.busy_s += time.perf_counter() - started
-            return _compressed_input_grad(x_in, self.U)
 
     def _admit(self, mb: int, epoch: tuple[int, int] | None, window: int, turn: bool) -> None:
         """Enter `epoch` and wait (lock released) until micro-batch `mb` may run here.
@@ -247,17 +273,17 @@ class StageWorker:
         if self._epoch is None or full > self._epoch:
             self._reset_step()
             self._epoch = full
-        generation = self._generation
+        generation = self.generation
         limit = max(1, window - self.stage)
 
         def ready() -> bool:
-            if generation != self._generation:
+            if generation != self.generation:
                 return True
             return (not turn or self._applied == mb) and (window <= 0 or mb - self._applied < limit)
 
         if not self._turn.wait_for(ready, timeout=self.cfg.swarm.rpc_timeout_s):
             raise ValueError(f"stage {self.stage}: micro-batch {mb} waited too long for micro-batch {self._applied}")
-        if generation != self._generation:
+        if generation != self.generation:
             raise ValueError(f"stage {self.stage}: micro-batch {mb} was superseded by a replay")
 
     def _unstepped(self, full: tuple[int, int, int]) -> bool:
@@ -282,14 +308,19 @@ class StageWorker:
         `total_norm`: the gradient norm over all stages of the model (global clipping, as a whole
         model clips); None clips by this stage's own norm."""
         with self.lock:
+            self._weights()
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
             keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
             adamw_step(self.module, self.optimizer, global_step, self.cfg.train, keep_in, total_norm)
             self._reset_step()
 
-    def grad_sq_norm(self) -> float:
-        """Σ‖g‖² of this stage's accumulated gradients: its share of the global gradient norm."""
+    def grad_sq_norm(self, generation: int | None = None) -> float:
+        """Σ‖g‖² of this stage's accumulated gradients: its share of the global gradient norm.
+        ValueError when they were reset (a replay) since `generation` (`self.generation` earlier)."""
         with self.lock:
+            if generation not in (None, self.generation):
+                raise ValueError(f"stage {self.stage}: a replay reset the gradients before their Σ‖g‖² was sent")
+            self._weights()
             return grad_sq_norm(self.module.parameters())
 
     def zero_grad(self) -> None:
@@ -298,12 +329,13 @@ class StageWorker:
 
     def _reset_step(self) -> None:
         """Forget the current inner step's gradients and pending activations."""
+        self._weights_due = None
         self.optimizer.zero_grad(set_to_none=True)
         self.pending.clear()
         self.seen.clear()
         self.microbatches_seen = 0
         self._applied = 0
-        self._generation += 1
+        self.generation += 1
         self._turn.notify_all()
 
     # ---------------------------------------------------------------- outer rounds
@@ -393,22 +425,11 @@ class StageWorker:
     def _return_clipped(
         self, committed: Sequence[Payload], decoded: Sequence[Any], clip: ClipStats, dropped: Sequence[int] = ()
     ) -> None:
-        """What median clipping removed from our own committed payload goes back into our error
-        buffer; all of it when screening dropped it (nothing we computed is lost)."""
+        """What the round removed from our own committed payload goes back into our error buffer."""
         own = self.last_contribution[1] if self.last_contribution is not None else None
-        if own is None:
-            return
-        for i, (payload, d) in enumerate(zip(committed, decoded, strict=True)):
-            if payload is own or payload.to_bytes() == own.to_bytes():
-                if i in dropped:
-                    self.errors = restore_unsent(self.errors, d)
-                    return
-                if not clip.scales:
-                    return
-                mass = clipped_mass(d, clip.scales[i])
-                if mass is not None:
-                    self.errors = restore_unsent(self.errors, mass)
-                return
+        mass = None if own is None else removed_from_own(own, committed, decoded, clip, dropped)
+        if mass is not None:
+            self.errors = restore_unsent(self.errors, mass)
 
     # ---------------------------------------------------------------- state
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -444,20 +465,8 @@ class StageWorker:
         """
         with self.lock:
             own = dict(self.module.named_parameters())
-            start, params = state["start"], state.get("params", state["start"])
-            for what, tensors in (("state", start), ("parameters", params)):
-                if set(tensors) != set(own):
-                    missing, extra = set(own) - set(tensors), set(tensors) - set(own)
-                    raise ValueError(
-                        f"{what} for stage {self.stage} does not match: missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(extra)[:3]}"
-                    )
-                for name, value in tensors.items():
-                    if own[name].shape != value.shape:
-                        raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
-            perp = state["perp"]
-            if perp.shape != perp_of(self.module).shape:
-                raise ValueError(f"T⊥: shape {tuple(perp.shape)} != {tuple(perp_of(self.module).shape)}")
+            start, params, perp = state["start"], state.get("params", state["start"]), state["perp"]
+            check_stage_state(self.module, self.stage, start, params, perp)
             optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
             if state.get("optimizer") is not None:
                 load_named_optimizer_state(self.module, optimizer, state["optimizer"], self.stage)
@@ -489,8 +498,3 @@ class StageWorker:
                 self._hash_value = (state_hash(self.start), state_hash({"perp": perp_of(self.module)}))
                 self._hash_key = key
             return self._hash_value
-
-
-def _compressed_input_grad(x_in: torch.Tensor | None, U: torch.Tensor) -> torch.Tensor | None:
-    """∇X̂·U of a stage's expanded input (b, L, k), for the stage before it; None on stage 0."""
-    return None if x_in is None or x_in.grad is None else compress_grad(x_in.grad, U).cpu()

@@ -16,6 +16,7 @@ included, i.e. for a streamed message `framing.framed_size(codec.encoded_size(ms
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -94,7 +95,11 @@ class PeerClient:
 
     # ------------------------------------------------------------------ RPCs
     def forward(self, request: ForwardRequest, timeout_s: float | None = None) -> ForwardReply:
-        reply: ForwardReply = self._streamed("forward", self._stub.Forward, request, pb.ForwardReply, timeout_s)
+        reply: ForwardReply
+        if request.defer_norms:
+            reply = self._forward_deferred(request, timeout_s)
+        else:
+            reply = self._streamed("forward", self._stub.Forward, request, pb.ForwardReply, timeout_s)
         try:
             codec.check_forward_reply(reply, request)
         except TransportError as exc:
@@ -189,6 +194,36 @@ class PeerClient:
 
         return self._call(method, attempt, timeout_s, idempotent=False)
 
+    def _forward_deferred(self, request: ForwardRequest, timeout_s: float | None) -> ForwardReply:
+        """A `defer_norms` forward: the reply as soon as it arrives, with `late` reading the Σ‖g‖²
+        the stage sends after it on the same stream (a peer that put them in the reply sends none)."""
+        method = "forward"
+        data = self._check(lambda: codec.to_bytes(request, self.wire_dtype), method)
+
+        def attempt(timeout: float) -> ForwardReply:
+            call = self._stub.Forward(self._counted_out(method, framing.split(data)), timeout=timeout)
+            chunks = self._counted_in(method, call)
+            reply: ForwardReply = self._receive(method, chunks, pb.ForwardReply, call)
+            if reply.sq_norms or reply.grad_sq_norm is not None or reply.loss is None:
+                call.cancel()
+                return reply
+            return dataclasses.replace(reply, late=lambda: self._late_norms(chunks, call, timeout))
+
+        return self._call(method, attempt, timeout_s, idempotent=False)
+
+    def _late_norms(self, chunks: Iterator[pb.Chunk], call: Any, timeout: float) -> tuple[float, ...]:
+        """The second reply of a `defer_norms` forward (Σ‖g‖² only), within the call's deadline."""
+        try:
+            raw = framing.join(chunks, self._limits.max_message_bytes, "ForwardReply after the answer")
+            return codec.late_norms_from_bytes(raw, self._limits)
+        except grpc.RpcError as exc:
+            self._count(self._failed, "forward", 1)
+            raise self._error("forward", exc.code(), exc.details() or "", timeout) from None
+        except TransportError as exc:
+            self._count(self._failed, "forward", 1)
+            call.cancel()
+            raise TransportError(f"peer {self.address} forward: Σ‖g‖² after the reply: {exc}") from None
+
     def _unary_streamed(
         self, method: str, rpc: Callable[..., Any], request: Any, reply_type: type, timeout_s: float | None
     ) -> Any:
@@ -216,12 +251,14 @@ class PeerClient:
 
         return self._call(method, attempt, timeout_s, idempotent=idempotent)
 
-    def _receive(self, method: str, call: Any, reply_type: type) -> Any:
+    def _receive(self, method: str, call: Any, reply_type: type, cancel: Any = None) -> Any:
+        """One reply from `call` (chunks; `cancel`: the call to cancel on a bad stream, if not it)."""
         try:
             what = f"{reply_type.__name__} reply"
-            raw = framing.join(self._counted_in(method, call), self._limits.max_message_bytes, what)
+            chunks = call if cancel is not None else self._counted_in(method, call)
+            raw = framing.join(chunks, self._limits.max_message_bytes, what)
         except TransportError:
-            call.cancel()
+            (cancel or call).cancel()
             raise
         return codec.from_bytes(reply_type, raw, self._limits)
 

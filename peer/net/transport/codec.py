@@ -253,6 +253,7 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             attempt=msg.attempt,
             route=list(msg.route),
             window=msg.window,
+            defer_norms=msg.defer_norms,
         )
         if msg.targets is not None:
             out.targets.CopyFrom(_tokens_to_proto(msg.targets, "ForwardRequest.targets"))
@@ -348,6 +349,7 @@ def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
             attempt=_index(msg.attempt, "ForwardRequest.attempt"),
             route=tuple(_route(msg.route, limits)),
             window=_index(msg.window, "ForwardRequest.window"),
+            defer_norms=bool(msg.defer_norms),
         )
     if isinstance(msg, pb.ForwardReply):
         hidden_pb, grad_pb = _opt(msg, "hidden"), _opt(msg, "grad")
@@ -464,6 +466,19 @@ def parse(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise TransportError(f"invalid {pb_type.__name__}: not a parseable protobuf message ({exc})") from None
     return msg
+
+
+def late_norms_to_bytes(sq_norms: tuple[float, ...]) -> bytes:
+    """The second reply of a `defer_norms` forward: a ForwardReply with only sq_norms set."""
+    return bytes(pb.ForwardReply(sq_norms=[float(v) for v in sq_norms]).SerializeToString())
+
+
+def late_norms_from_bytes(data: bytes, limits: WireLimits = WireLimits()) -> tuple[float, ...]:
+    """Σ‖g‖² of the second reply of a `defer_norms` forward; TransportError if it is anything else."""
+    msg = parse(pb.ForwardReply, data, limits)
+    if msg.HasField("hidden") or msg.HasField("grad") or msg.HasField("loss") or not msg.sq_norms:
+        raise TransportError("invalid ForwardReply after the answer: it must carry sq_norms and nothing else")
+    return tuple(_sq_norms(msg.sq_norms))
 
 
 def from_bytes(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> Any:

@@ -12,6 +12,7 @@ Messages are immutable containers (frozen); `eq=False` because tensors have no b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ class ForwardRequest:
     attempt: int = 0  # replay number of this inner step: higher restarts it on the stage, lower is stale
     route: tuple[str, ...] = ()  # streaming: addresses of stages stage+1 .. S-1 (targets travel along)
     window: int = 0  # micro-batches in flight (0: sequential); stage s stashes at most window - s
+    defer_norms: bool = False  # last micro-batch, streamed: Σ‖g‖² follow the answer (see ForwardReply.late)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +68,9 @@ class ForwardReply:
     grad_sq_norm: float | None = None  # last training micro-batch: the stage's Σ‖g‖² (global clipping)
     sq_norms: tuple[float, ...] = ()  # streamed, last micro-batch: Σ‖g‖² of stages S-1, S-2, ..., this one
     served_s: float | None = None  # seconds the stage held the request (queue, compute, later hops)
+    # asked with `defer_norms`: Σ‖g‖² of stages S-1 .. this one, sent after the answer once the
+    # weight gradients are done (a second message on the same stream); not itself on the wire
+    late: Callable[[], tuple[float, ...]] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, eq=False)

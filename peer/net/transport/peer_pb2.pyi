@@ -33,7 +33,7 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train", "attempt", "route", "window")
+    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train", "attempt", "route", "window", "defer_norms")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ForwardRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DEFER_NORMS_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     microbatch: int
     outer_step: int
@@ -58,7 +59,8 @@ class ForwardRequest(_message.Message):
     attempt: int
     route: _containers.RepeatedScalarFieldContainer[str]
     window: int
-    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ..., attempt: _Optional[int] = ..., route: _Optional[_Iterable[str]] = ..., window: _Optional[int] = ...) -> None: ...
+    defer_norms: bool
+    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ..., attempt: _Optional[int] = ..., route: _Optional[_Iterable[str]] = ..., window: _Optional[int] = ..., defer_norms: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("hidden", "loss", "grad", "grad_sq_norm", "sq_norms", "served_s")

@@ -66,7 +66,10 @@ class _Servicer(pb_grpc.PeerServicer):
     # ------------------------------------------------------------------ RPCs
     # Requests arrive as raw bytes (see `_method_handlers`); replies are protobuf messages.
     def Forward(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-        yield from self._streamed(context, "forward", request_iterator, pb.ForwardRequest, ForwardReply)
+        late: list[Callable[[], tuple[float, ...]]] = []
+        yield from self._streamed(context, "forward", request_iterator, pb.ForwardRequest, ForwardReply, late)
+        if late:  # `defer_norms`: Σ‖g‖² as a second reply, once the stage's weight gradients are done
+            yield from framing.split(self._run(context, "forward", lambda: codec.late_norms_to_bytes(late[0]())))
 
     def Backward(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._streamed(context, "backward", request_iterator, pb.BackwardRequest, BackwardReply)
@@ -102,12 +105,17 @@ class _Servicer(pb_grpc.PeerServicer):
         request_iterator: Iterable[bytes],
         request_type: type[PbMessage],
         reply_type: type,
+        late: list[Callable[[], tuple[float, ...]]] | None = None,
     ) -> Iterator[pb.Chunk]:
+        """late: receives a ForwardReply's `late` (to send after this reply) when it has one."""
+
         def call() -> bytes:
             chunks = (codec.parse(pb.Chunk, data, self._limits) for data in request_iterator)
             raw = framing.join(chunks, self._limits.max_message_bytes, request_type.__name__)
             request = codec.from_bytes(request_type, raw, self._limits)
             reply = getattr(self._handler, method)(request)
+            if late is not None and isinstance(reply, ForwardReply) and reply.late is not None:
+                late.append(reply.late)
             data: bytes = self._encode(reply, reply_type, method).SerializeToString()
             return data
 
