@@ -159,7 +159,7 @@ def bench_pipeline_cmd(
     rate: flags.PipeRate = "",
     rtt_ms: flags.PipeRtt = "",
     in_flight: flags.PipeInFlight = "1,0",
-    wire_dtype: flags.PlanWireDtype = "fp32",
+    wire_dtype: flags.PlanWireDtype = "bf16",
     steps: flags.PipeSteps = 3,
     repeats: flags.PipeRepeats = 1,
     no_netns: flags.PipeNoNetns = False,

@@ -46,7 +46,7 @@ class SubspaceConfig:
     """Boundary compression of compressed pipelines: k = k_ratio · d columns of U."""
 
     k_ratio: str = "1/8"
-    wire_dtype: str = "fp32"  # dtype of boundary activations and gradients on the wire
+    wire_dtype: str = "bf16"  # dtype of boundary activations and gradients on the wire (fp32, bf16, fp16)
 
 
 @dataclass(frozen=True)

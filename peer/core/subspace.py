@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from peer.errors import ConfigError
 
@@ -211,26 +210,36 @@ def expand_grad(Gt: Tensor, U: Tensor) -> Tensor:
     return Gt @ _as(U, Gt).T  # (…, d)
 
 
+def _on_wire(t: Tensor, wire: torch.dtype) -> Tensor:
+    """What the wire does to a float32 boundary tensor: rounded to `wire`, read back as float32."""
+    return t if wire == torch.float32 else t.to(wire).float()
+
+
 class _CompressedBoundary(torch.autograd.Function):
-    """expand(compress(X)) forward, expand_grad(compress_grad(∇)) backward; no grad to T⊥ or ids."""
+    """expand(compress(X)) forward, expand_grad(compress_grad(∇)) backward, both rounded to the
+    wire dtype in their compressed (b, L, k) form; no grad to T⊥ or ids."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor) -> Tensor:
+    def forward(ctx: Any, X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor, wire: torch.dtype) -> Tensor:
         ctx.save_for_backward(U)
-        Xt = compress_activations(X, tokens, perp, U)  # (b, L, k)
+        ctx.wire = wire
+        Xt = _on_wire(compress_activations(X, tokens, perp, U), wire)  # (b, L, k)
         return expand_activations(Xt, tokens, perp, U)  # (b, L, d)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
         # ctx is Any: torch's stubs give no public context type with `saved_tensors`.
         (U,) = ctx.saved_tensors
-        grad_x = expand_grad(compress_grad(grad_out, U), U)  # (b, L, d)
-        return grad_x, None, None, None
+        grad_x = expand_grad(_on_wire(compress_grad(grad_out, U), ctx.wire), U)  # (b, L, d)
+        return grad_x, None, None, None, None
 
 
-def compressed_boundary(X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor) -> Tensor:
-    """In-process stage boundary: exactly what crossing the wire does to X and to its gradient."""
-    out: Tensor = _CompressedBoundary.apply(X, tokens, perp, U)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
+def compressed_boundary(
+    X: Tensor, tokens: Tensor, perp: Tensor, U: Tensor, wire: torch.dtype = torch.float32
+) -> Tensor:
+    """In-process stage boundary: exactly what crossing the wire (`subspace.wire_dtype`) does to X
+    and to its gradient."""
+    out: Tensor = _CompressedBoundary.apply(X, tokens, perp, U, wire)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
     return out
 
 

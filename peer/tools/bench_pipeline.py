@@ -50,7 +50,7 @@ class PipelineBench:
     rtt_ms: tuple[float, ...] = (0.0,)
     rtt_rate: str = "100mbit"  # the link the round trip is added to ("" = unshaped)
     in_flight: tuple[int, ...] = (1, 0)  # 0 = the default (auto)
-    wire_dtype: str = "fp32"  # subspace.wire_dtype: the boundary dtype on the wire
+    wire_dtype: str = "bf16"  # subspace.wire_dtype (its default): the boundary dtype on the wire
     warmup: int = 1
     steps: int = 3
     repeats: int = 1

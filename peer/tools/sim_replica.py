@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from peer.config import RunConfig
+from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.model import Decoder, build_stage
 from peer.core.optim import build_adamw, grad_sq_norm, lr_at
 from peer.core.outer import EMBED, accumulate, adamw_step, init_subspace, perp_of
@@ -76,7 +76,7 @@ class LocalReplica:
         crossed = 0
         for stage in self.stages[1:]:
             if self.compressed and self.U is not None:
-                h = compressed_boundary(h, inputs, perp_of(stage), self.U)
+                h = compressed_boundary(h, inputs, perp_of(stage), self.U, WIRE_DTYPES[self.cfg.subspace.wire_dtype])
                 crossed += 2 * h.shape[0] * h.shape[1] * self.U.shape[1]  # (b, L, k) forward + backward
             else:
                 crossed += 2 * h.numel()

@@ -23,7 +23,7 @@ import grpc
 import pytest
 import torch
 
-from peer.config import build_config
+from peer.config import WIRE_DTYPES, build_config
 from peer.core.sparseloco import Payload, PayloadError, compress, decompress
 from peer.errors import NetworkError
 from peer.net.transport import (
@@ -489,7 +489,8 @@ def test_fuzzed_peer_keeps_serving_and_trains_bit_identically(live_peer, caplog)
                 req = ForwardRequest(LEGIT, mb, 0, h, 1, mx.to(torch.int32), hidden, targets=my.to(torch.int32))
                 reply = fz.client.forward(req)
                 want = ref.forward(key, mx.to(torch.int32), hidden, my.to(torch.int32))
-                assert reply.loss == want.loss and torch.equal(reply.grad, want.grad)
+                on_wire = want.grad.to(WIRE_DTYPES[cfg.subspace.wire_dtype]).float()  # the peer's reply dtype
+                assert reply.loss == want.loss and torch.equal(reply.grad.float(), on_wire)
                 head.backward(key, reply.grad)
                 fz.hostile_dataclasses(1)  # mid-step: pending gradients must survive rejections
                 fz.mutated_messages(40, workers=2)

@@ -42,6 +42,7 @@ def _cfg():
         "train.seq_len": 64,
         "train.in_flight": 0,
         "swarm.rpc_timeout_s": 60,
+        "subspace.wire_dtype": "fp32",  # a 10 KB hop: > 50 ms through the 1 Mbit/s cap
     }
     return build_config(overrides=overrides, environ={})
 
@@ -50,7 +51,12 @@ def _stage1(cfg, caps: LinkCaps) -> tuple[PeerServer, str]:
     service = PeerService(cfg, {1: StageWorker(cfg, 1)}, PayloadStore(), "stage-1", "stage")
     gate = Gate("stage-1", link=Link(caps))  # its own link: a home peer with its own caps
     server = PeerServer(
-        service, host="127.0.0.1", port=0, vocab_size=cfg.model.vocab_size, interceptors=[gate], wire_dtype="fp32"
+        service,
+        host="127.0.0.1",
+        port=0,
+        vocab_size=cfg.model.vocab_size,
+        interceptors=[gate],
+        wire_dtype=cfg.subspace.wire_dtype,
     )
     gate.bind(server.address)
     return server, server.address

@@ -68,7 +68,8 @@ def test_hop_bytes_match_the_encoded_boundary_and_gradient():
     hidden = torch.zeros(b, L, cfg.k)
     request = ForwardRequest("p", 0, 0, 0, 1, tokens, hidden, targets=tokens, window=2)
     reply = ForwardReply(loss=1.0, grad=hidden)
-    encoded = len(codec.to_bytes(request)) + len(codec.to_bytes(reply))
+    wire = cfg.subspace.wire_dtype  # bf16 by default
+    encoded = len(codec.to_bytes(request, wire)) + len(codec.to_bytes(reply, wire))
     assert hop_bytes(cfg) <= encoded <= hop_bytes(cfg) + 512  # framing and small fields only
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from peer.config import build_config
+from peer.config import WIRE_DTYPES, build_config
 from peer.core.data import TokenData
 from peer.core.outer import EMBED, apply_outer_update, embedding_update, perp_decay, perp_of, stage_state, state_hash
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
@@ -52,18 +52,23 @@ def test_stage_workers_match_the_in_process_compressed_replica(stages):
     ref_loss = ref.accumulate(x, y).loss
 
     workers = [StageWorker(cfg, s) for s in range(stages)]
+    dtype = WIRE_DTYPES[cfg.subspace.wire_dtype]  # bf16 by default: both sides round the boundary alike
+
+    def wire(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).float()
+
     losses = []
     for mb, (mx, my) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
         key = ("p", mb)
         hidden = workers[0].forward(key, mx.int(), None, None).hidden  # (b, L, k) on the wire
         assert hidden.shape[-1] == cfg.k
         for w in workers[1:-1]:
-            hidden = w.forward(key, mx.int(), hidden, None).hidden
-        out = workers[-1].forward(key, mx.int(), hidden, my.int())
+            hidden = w.forward(key, mx.int(), wire(hidden), None).hidden
+        out = workers[-1].forward(key, mx.int(), wire(hidden), my.int())
         losses.append(out.loss)
         grad = out.grad
         for w in reversed(workers[:-1]):
-            grad = w.backward(key, grad)
+            grad = w.backward(key, wire(grad))
         assert grad is None  # the head needs no gradient of its input
     assert sum(losses) / 2 == pytest.approx(ref_loss, abs=1e-6)
     for s, w in enumerate(workers):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peer.config import WIRE_DTYPES
 from peer.core.subspace import (
     basis_hash,
     compress_activations,
@@ -21,6 +22,8 @@ from peer.core.subspace import (
     split_embedding,
 )
 from peer.errors import ConfigError
+from peer.net.transport import ForwardReply, ForwardRequest, codec
+from peer.net.transport import peer_pb2 as pb
 
 D, K, V, B, L = 16, 4, 11, 2, 5
 
@@ -268,3 +271,21 @@ def test_outer_update_rejects_shape_mismatch():
     _, U, _, w, perp, _ = _setup()
     with pytest.raises(ValueError):
         embedding_outer_update(w, perp, torch.zeros(V + 1, D, dtype=torch.float64), U)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_compressed_boundary_rounds_like_the_wire(wire):
+    """The simulator's boundary (`wire` = subspace.wire_dtype) is what the codec does to X̃ and ∇X̃."""
+    g, U, _, _, perp, tokens = _setup(dtype=torch.float32)
+    X = torch.randn(B, L, D, generator=g, requires_grad=True)
+    W = torch.randn(B, L, D, generator=g)
+    out = compressed_boundary(X, tokens, perp, U, WIRE_DTYPES[wire])
+    (gx,) = torch.autograd.grad((out * W).sum(), [X])
+
+    Xt = compress_activations(X.detach(), tokens, perp, U)
+    sent = ForwardRequest("p", 0, 0, 0, 1, tokens.int(), Xt)
+    got = codec.from_bytes(pb.ForwardRequest, codec.to_bytes(sent, wire)).hidden.float()
+    assert not torch.equal(got, Xt)  # the wire really rounds
+    assert torch.equal(out.detach(), expand_activations(got, tokens, perp, U))
+    back = codec.from_bytes(pb.ForwardReply, codec.to_bytes(ForwardReply(loss=0.0, grad=compress_grad(W, U)), wire))
+    assert torch.equal(gx, expand_grad(back.grad.float(), U))
