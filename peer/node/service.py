@@ -404,8 +404,10 @@ def _late_sq_norm(worker: StageWorker, generation: int) -> float:
 
 def _later_norms(reply: ForwardReply, stage: int) -> tuple[float, ...]:
     """Σ‖g‖² of the later stages from their reply: in it, or sent after it (`late`)."""
-    if reply.sq_norms or reply.grad_sq_norm is not None:
-        return reply.sq_norms or (float(reply.grad_sq_norm or 0.0),)
+    if reply.sq_norms:
+        return reply.sq_norms
+    if reply.grad_sq_norm is not None:
+        return (reply.grad_sq_norm,)
     if reply.late is None:
         return ()
     try:

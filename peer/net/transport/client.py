@@ -203,7 +203,7 @@ class PeerClient:
         def attempt(timeout: float) -> ForwardReply:
             call = self._stub.Forward(self._counted_out(method, framing.split(data)), timeout=timeout)
             chunks = self._counted_in(method, call)
-            reply: ForwardReply = self._receive(method, chunks, pb.ForwardReply, call)
+            reply: ForwardReply = self._receive(method, call, pb.ForwardReply, chunks)
             if reply.sq_norms or reply.grad_sq_norm is not None or reply.loss is None:
                 call.cancel()
                 return reply
@@ -251,14 +251,14 @@ class PeerClient:
 
         return self._call(method, attempt, timeout_s, idempotent=idempotent)
 
-    def _receive(self, method: str, call: Any, reply_type: type, cancel: Any = None) -> Any:
-        """One reply from `call` (chunks; `cancel`: the call to cancel on a bad stream, if not it)."""
+    def _receive(self, method: str, call: Any, reply_type: type, chunks: Iterator[pb.Chunk] | None = None) -> Any:
+        """One reply from `call`, read from `chunks` (its counted stream; made here when None)."""
         try:
             what = f"{reply_type.__name__} reply"
-            chunks = call if cancel is not None else self._counted_in(method, call)
+            chunks = self._counted_in(method, call) if chunks is None else chunks
             raw = framing.join(chunks, self._limits.max_message_bytes, what)
         except TransportError:
-            (cancel or call).cancel()
+            call.cancel()
             raise
         return codec.from_bytes(reply_type, raw, self._limits)
 
