@@ -242,18 +242,21 @@ class PipelinedStep:
 
     def _probe(self, address: str, background: bool = False) -> bool:
         """One `info` round trip to `address`, added to its samples (and its caps remembered)."""
+        info = None
         try:
             started = time.monotonic()
             info = self.driver.session.clients.get(address).info(timeout_s=self.driver.cfg.swarm.rpc_timeout_s)
             elapsed = time.monotonic() - started
         except PeerError:
-            return False
+            pass
         finally:
-            if background:
-                with self._rtt_lock:
+            with self._rtt_lock:  # the sample lands before the probe counts as done
+                if info is not None:
+                    self._rtt.setdefault(address, deque(maxlen=RTT_SAMPLES)).append(elapsed)
+                if background:
                     self._probing.discard(address)
-        with self._rtt_lock:
-            self._rtt.setdefault(address, deque(maxlen=RTT_SAMPLES)).append(elapsed)
+        if info is None:
+            return False
         self._remember_caps(address, info)
         return True
 

@@ -13,6 +13,7 @@ head's record shows K (`PeerService.schedule` → the stage record's "in_flight"
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -78,7 +79,11 @@ def test_k_grows_behind_a_capped_stage_link_and_is_re_evaluated_every_inner_step
                 ks.setdefault(name, []).append(driver.in_flight)
             assert all(0 < loss < 20 for loss in losses)
             step = driver._pipelined
-            assert len(step._rtt[address]) == 3 + 1  # three probes at first, one more per inner step
+            # three probes at first, then one more per inner step in a background thread: wait for it
+            deadline = time.monotonic() + 30
+            while address in step._probing and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(step._rtt[address]) == 3 + 1
             assert step._compute_s is not None and step._compute_s > 0  # measured after the first step
             assert step.caps(address) == ((1.0, 1.0) if name == "capped" else (None, None))
             assert session.service.schedule["in_flight"] == driver.in_flight
