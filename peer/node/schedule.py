@@ -370,9 +370,7 @@ class PipelinedStep:
         if abort.is_set():
             raise _Aborted("aborted")
         d.worker.backward(key, reply.grad, epoch)  # while the stages after compute their weight gradients
-        if reply.late is not None:
-            return reply.loss, list(reply.late())
-        norms: list[float | None] = list(reply.sq_norms) or [reply.grad_sq_norm]
+        norms: list[float | None] = [*reply.norms()] or [None]
         return reply.loss, norms
 
     def _send(self, address: str, request: ForwardRequest, t: int, abort: threading.Event) -> ForwardReply:

@@ -403,15 +403,10 @@ def _late_sq_norm(worker: StageWorker, generation: int) -> float:
 
 
 def _later_norms(reply: ForwardReply, stage: int) -> tuple[float, ...]:
-    """Σ‖g‖² of the later stages from their reply: in it, or sent after it (`late`)."""
-    if reply.sq_norms:
-        return reply.sq_norms
-    if reply.grad_sq_norm is not None:
-        return (reply.grad_sq_norm,)
-    if reply.late is None:
-        return ()
+    """Σ‖g‖² of the later stages from their reply (`ForwardReply.norms`); a failure to send them
+    after the answer is a failed hop into `stage`."""
     try:
-        return reply.late()
+        return reply.norms()
     except PeerError as exc:
         raise hop_error(exc, stage) from None
 

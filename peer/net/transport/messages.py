@@ -72,6 +72,15 @@ class ForwardReply:
     # weight gradients are done (a second message on the same stream); not itself on the wire
     late: Callable[[], tuple[float, ...]] | None = field(default=None, repr=False)
 
+    def norms(self) -> tuple[float, ...]:
+        """Σ‖g‖² of the answering stages (S-1 .. this one), wherever they came: in the reply, or
+        after it (`late`, which waits for them); () when the reply carries none."""
+        if self.sq_norms:
+            return self.sq_norms
+        if self.grad_sq_norm is not None:
+            return (self.grad_sq_norm,)
+        return () if self.late is None else self.late()
+
 
 @dataclass(frozen=True, eq=False)
 class BackwardRequest:
