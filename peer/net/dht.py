@@ -50,6 +50,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from peer.errors import ConfigError, NetworkError
+from peer.net import unreachable
 from peer.net.admission import (
     ADMISSION_MODES,
     SECRET_ENV,
@@ -131,7 +132,7 @@ def _start_error(e: Exception, initial: Sequence[str], identity_path: object) ->
             f"identity {identity_path} is already used by a running peer; stop that peer or use another identity file"
         )
     if initial and ("bootstrap" in text or "initial_peers" in text):
-        return f"none of the {len(initial)} initial peer(s) answered; {_CHECK_HINT}"
+        return unreachable.explain(initial)  # dials each address once to name the likely cause
     if isinstance(e, P2PDaemonError):
         return f"the libp2p daemon failed to start ({text[:200]}); check --host/--port are free and valid"
     return f"DHT node failed to start: {type(e).__name__}: {text[:200]}"
