@@ -24,7 +24,6 @@ restarts. This module imports no hivemind; it reuses `peer.net.dht`.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from peer.config import RunConfig
 from peer.core.data import build_token_data
 from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError, NetworkError
+from peer.net.addresses import advertised_host, order_maddrs
 from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
 from peer.net.prometheus import Exporter, serve_swarm_metrics
@@ -51,7 +51,6 @@ from peer.node.manifest import build_manifest, run_id_for
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_FAILURE_S = 2.0  # a failed manifest refresh is retried this soon (or at the next interval)
-_UNSPECIFIED = ("0.0.0.0", "::", "")
 
 
 class _Stopped(Exception):
@@ -81,45 +80,6 @@ class BootstrapInfo:
         if self.metrics_url:
             out["metrics"] = self.metrics_url
         return out
-
-
-def _maddr_host(maddr: str) -> str | None:
-    """The host part of /ip4/H/..., /ip6/H/..., /dns*/H/...; None otherwise."""
-    parts = maddr.split("/")
-    if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
-        return parts[2]
-    return None
-
-
-def _is_loopback(maddr: str) -> bool:
-    host = _maddr_host(maddr)
-    try:
-        return host is not None and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _order_maddrs(maddrs: list[str]) -> tuple[str, ...]:
-    """Reachable-from-elsewhere addresses first (stable order otherwise)."""
-    return tuple(sorted(maddrs, key=_is_loopback))
-
-
-def _grpc_host(host: str, announce_host: str | None, maddrs: tuple[str, ...]) -> str:
-    """The host other peers use for gRPC: --announce-host, else the bind host, else the DHT's address."""
-    if announce_host:
-        return announce_host
-    if host not in _UNSPECIFIED:
-        return host
-    for m in maddrs:
-        found = _maddr_host(m)
-        if found:
-            logger.warning(
-                "bound to %s without --announce-host; announcing gRPC on %s (pass --announce-host to choose)",
-                host or "all interfaces",
-                found,
-            )
-            return found
-    return "127.0.0.1"
 
 
 def write_address_file(path: str | os.PathLike[str], record: dict[str, Any]) -> Path:
@@ -166,11 +126,11 @@ class BootstrapNode:
         check_stop()
         try:
             self.dht = SwarmDHT(host=host, port=dht_port, announce_host=announce_host, identity_path=identity_path)
-            maddrs = _order_maddrs(self.dht.visible_maddrs())
+            maddrs = order_maddrs(self.dht.visible_maddrs())
             if not maddrs:
                 raise NetworkError(f"the DHT node on {host} reports no reachable address; pass another --host")
             check_stop()
-            grpc_host = _grpc_host(host, announce_host, maddrs)
+            grpc_host = advertised_host(host, announce_host, listening=maddrs)
             self.handler = ArtifactHandler(
                 {"tokenizer": tokenizer_bytes},
                 {
@@ -308,7 +268,7 @@ def run_bootstrap(
             node.dht.set_run(node.run_id, cfg.stages)
             monitor = SwarmMonitor(node.dht, cfg.stages, node.handler.stats)
             exporter = serve_swarm_metrics(monitor.snapshot, metrics_port, host)
-            url_host = announce_host or (host if host not in _UNSPECIFIED else "127.0.0.1")
+            url_host = node.info.grpc_address.rpartition(":")[0]  # the host others reach this node at
             node.info = dataclasses.replace(node.info, metrics_url=f"http://{url_host}:{exporter.port}/metrics")
         if address_file is not None:
             written = write_address_file(address_file, node.info.address_record())

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeElapsedColu
 from rich.table import Table
 from rich.text import Text
 
+from peer.net.addresses import Reach, maddr_port, reach_of
 from peer.tools.demo_summary import DemoResult, DemoState
 
 if TYPE_CHECKING:  # annotations only: the renderers never need these modules at run time
@@ -125,7 +126,7 @@ def metric_table(title: str, result: Mapping[str, Any]) -> Table:
 def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
     """`peer bootstrap`: run, model, split, k, H, and the exact lines other machines paste."""
     layers = " | ".join(f"{r.start}-{r.stop - 1}" for r in cfg.layer_ranges)
-    maddr = info.initial_peers[0]
+    maddr = info.initial_peers[0]  # the widest-reaching address (peer.net.addresses.order_maddrs)
     out = [
         Text.from_markup(f"[bold]peer bootstrap[/bold] — run [bold]{info.run_id}[/bold]"),
         Text(
@@ -138,7 +139,7 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
             f"tokenizer sha256 {info.tokenizer_sha256[:16]}… served at {info.grpc_address}; manifest refreshed "
             f"every {cfg.swarm.record_ttl_s / 3:.0f} s (ttl {cfg.swarm.record_ttl_s:.0f} s)"
         ),
-        Text("join this run (paste on another machine):"),
+        *who_can_join(info),
     ]
     admission = cfg.swarm.admission
     extra = {"secret": " --swarm-secret-file SECRET_FILE", "allowlist": " --identity KEY_FILE"}.get(admission, "")
@@ -158,6 +159,27 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
         out.append(Text(f"prometheus metrics of the swarm at {info.metrics_url}"))
     out.append(Text("running; Ctrl-C or SIGTERM stops it"))
     return out
+
+
+def who_can_join(info: BootstrapInfo) -> list[Text]:
+    """The heading of the join lines: who can use them and, if not everyone, which flags open the run."""
+    reach = reach_of(info.initial_peers)
+    ports = f"--port {maddr_port(info.initial_peers[0])} --grpc-port {info.grpc_address.rpartition(':')[2]}"
+    if reach is Reach.THIS_MACHINE:
+        only_here = (
+            "only this machine can join: this bootstrap listens on loopback only (--host 127.0.0.1, or this machine "
+            "has no other address). To let other machines join, restart it with --host 0.0.0.0 (all interfaces); "
+            f"behind a forwarded port or NAT add --announce-host PUBLIC_IP {ports}"
+        )
+        return [Text(only_here, style="yellow"), Text("join this run (on this machine only):")]
+    heading = Text("join this run (paste on another machine):")
+    if reach is Reach.ANYONE:
+        return [heading]
+    private = (
+        "these addresses are private: machines on this network can join; from outside it, forward these TCP ports "
+        f"to this machine and restart with --announce-host PUBLIC_IP {ports}"
+    )
+    return [Text(private), heading]
 
 
 def link_cell(p: Mapping[str, Any]) -> str:
