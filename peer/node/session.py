@@ -34,6 +34,7 @@ from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
 from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
 from peer.net import ratelimit
+from peer.net.addresses import advertised_host
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.prometheus import watch_pool
@@ -169,7 +170,9 @@ class Session:
             wire_dtype=self.cfg.subspace.wire_dtype,
             interceptors=[self._gate()],
         )
-        self.address = f"{self.opts.announce_host or self.opts.host}:{self.server.port}"
+        o = self.opts  # on every interface: the address facing the swarm (peer.net.addresses)
+        host = advertised_host(o.host, o.announce_host, o.initial_peers, self.dht.visible_maddrs())
+        self.address = f"{host}:{self.server.port}"
         assert self.gate is not None
         self.gate.bind(f"{self.opts.host}:{self.server.port}")
         self.connectivity = Connectivity(self, self.gate.hub.local_address)

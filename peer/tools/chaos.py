@@ -37,7 +37,7 @@ import psutil
 from peer.errors import NetworkError
 from peer.node.metrics import MetricsTail
 from peer.tools.chaos_report import fault_line, holder_name, summary
-from peer.tools.demo import peer_command
+from peer.tools.demo import LOOPBACK, peer_command
 from peer.tools.processes import Child, Children
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,8 @@ class ChaosRun:
             self.cfg.inner_steps,
             "--outer-steps",
             100_000,
+            "--host",
+            LOOPBACK,
             "--port",
             self.ports[0],
             "--grpc-port",
@@ -170,7 +172,7 @@ class ChaosRun:
 
     def start(self, role: Role, resume: bool) -> None:
         data_dir = self.workdir / role.data_dir_name
-        flags = [*role.flags, "--initial-peers", self.maddr, "--data-dir", data_dir]
+        flags = [*role.flags, "--host", LOOPBACK, "--initial-peers", self.maddr, "--data-dir", data_dir]
         flags += ["--identity", data_dir / "identity.key", "--device", "cpu", "--manifest-timeout-s", 60]
         argv = peer_command("join", *flags, *(["--resume"] if resume else []))
         role.child = self.children.spawn(role.data_dir_name, argv)

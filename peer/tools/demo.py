@@ -36,6 +36,8 @@ from peer.tools.processes import Child, Children
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"  # the demo's peers listen here only: nothing of it is reachable from elsewhere
+
 
 class DemoInterrupted(PeerError):
     """The demo was stopped by a signal; every process it started has been stopped."""
@@ -191,6 +193,8 @@ def run_demo(
                 cfg.outer_steps,
                 "--inner-steps",
                 cfg.inner_steps,
+                "--host",
+                LOOPBACK,
                 "--port",
                 0,
                 "--address-file",
@@ -206,7 +210,7 @@ def run_demo(
         def join(name: str, role: str, stage: int | None, *flags: object) -> None:
             data_dir = workdir / name
             joins[name] = children.spawn(
-                name, command("join", *flags, "--initial-peers", maddr, "--data-dir", data_dir)
+                name, command("join", *flags, "--host", LOOPBACK, "--initial-peers", maddr, "--data-dir", data_dir)
             )
             views.append(ProcessView(name, role, stage))
             tails[name] = MetricsTail(data_dir / "metrics.jsonl")

@@ -111,7 +111,10 @@ MaxChars = Annotated[
 Tokenizer = Annotated[Path | None, typer.Option(help="Use this sentencepiece .model instead of training one.")]
 WireDtype = Annotated[str | None, typer.Option("--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16.")]
 RunName = Annotated[str | None, typer.Option("--run-name", help="Human name of the run (part of the run id).")]
-BootHost = Annotated[str, typer.Option(help="Interface to listen on (0.0.0.0: all interfaces).")]
+BootHost = Annotated[
+    str,
+    typer.Option(help="Interface to listen on: 0.0.0.0, all (others can join); 127.0.0.1: this machine only."),
+]
 BootPort = Annotated[int, typer.Option(help="DHT (libp2p) TCP port; 0 picks a free one.")]
 GrpcPort = Annotated[
     int, typer.Option("--grpc-port", help="gRPC TCP port serving the tokenizer and manifest; 0 picks a free one.")
@@ -184,7 +187,13 @@ JoinStage = Annotated[
 ]
 FullReplica = Annotated[bool, typer.Option("--full-replica", help="Hold every stage and train without compression.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
-JoinHost = Annotated[str, typer.Option(help="Interface for the gRPC data plane and the DHT.")]
+JoinHost = Annotated[
+    str,
+    typer.Option(
+        help="Interface for the gRPC data plane and the DHT: 0.0.0.0, all (others can dial it); "
+        "127.0.0.1: this machine only."
+    ),
+]
 JoinPort = Annotated[int, typer.Option(help="gRPC data-plane port (0 = any free port).")]
 DhtPort = Annotated[int, typer.Option("--dht-port", help="DHT port (0 = any free port).")]
 JoinAnnounceHost = Annotated[

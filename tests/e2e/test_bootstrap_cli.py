@@ -7,13 +7,16 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from peer.net.addresses import Reach, maddr_host, maddr_port, reach_of
 from peer.net.dht import make_identity
 from tests.conftest import cmdline, is_live, live_descendants, wait_gone
 
@@ -22,6 +25,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 PEER = [sys.executable, "-m", "peer"]
 START_DEADLINE_S = 90.0  # tokenizer on the tiny corpus + DHT start on a loaded 2-core CI machine
 STOP_DEADLINE_S = 15.0
+
+
+def _has_non_loopback_ipv4() -> bool:
+    return any(
+        a.family == socket.AF_INET and not a.address.startswith("127.")
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+    )
 
 
 def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
@@ -67,7 +78,10 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
     record = _wait_ready(proc, address_file, stdout)
     print(f"\npeer bootstrap ready in {time.monotonic() - t0:.1f} s")
     maddr = record["initial_peers"][0]
-    assert maddr.startswith("/ip4/127.0.0.1/tcp/") and maddr.endswith(f"/p2p/{record['peer_id']}")
+    assert maddr.endswith(f"/p2p/{record['peer_id']}")
+    # on every interface by default: the line to paste names an address other machines can use, if there is one
+    assert (reach_of([maddr]) is Reach.THIS_MACHINE) == (not _has_non_loopback_ipv4()), record
+    assert record["grpc"].rpartition(":")[0] == maddr_host(maddr)  # the data plane is announced there too
     lines = [ln.strip() for ln in stdout.read_text().splitlines()]
     for expected in (
         f"peer join --stage 0 --initial-peers {maddr}",
@@ -94,9 +108,14 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
 
 def test_bootstrap_stops_on_ctrl_c_to_its_process_group(tmp_path, reap_children):
     # A terminal's Ctrl-C reaches every process of the group at once, p2pd included.
-    proc, address_file, stdout = _start(tmp_path, "--stages", "1")
-    _wait_ready(proc, address_file, stdout)
+    proc, address_file, stdout = _start(tmp_path, "--stages", "1", "--host", "127.0.0.1")
+    record = _wait_ready(proc, address_file, stdout)
     assert "peer join --stage 1 " not in stdout.read_text()  # one stage: only --stage 0 is printed
+    port = maddr_port(record["initial_peers"][0])
+    assert record["initial_peers"] == [f"/ip4/127.0.0.1/tcp/{port}/p2p/{record['peer_id']}"]
+    said = " ".join(stdout.read_text().split())  # on loopback only: it says so, and which flag opens it
+    assert "only this machine can join" in said and "restart it with --host 0.0.0.0" in said, said
+    assert "join this run (on this machine only):" in said and "paste on another machine" not in said
     children = live_descendants(proc.pid)
     took = _stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
     print(f"\npeer bootstrap exited {took:.2f} s after Ctrl-C")
@@ -140,7 +159,8 @@ def test_bootstrap_metrics_port_serves_the_swarm_it_sees(tmp_path, reap_children
     proc, address_file, stdout = _start(tmp_path, "--stages", "2", "--metrics-port", "0")
     record = _wait_ready(proc, address_file, stdout)
     url = record["metrics"]
-    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url) and url in stdout.read_text()
+    grpc_host = record["grpc"].rpartition(":")[0]  # listening on every interface: served where others reach it
+    assert re.fullmatch(rf"http://{re.escape(grpc_host)}:\d+/metrics", url) and url in stdout.read_text()
     first = _scrape(url)
     assert first[("peer_bootstrap_uptime_seconds", ())] > 0
     assert first[("peer_bootstrap_stage_peers", (("stage", "1"),))] == 0
