@@ -108,6 +108,6 @@ def explain(initial: Sequence[str]) -> str:
         found = dial(host, port) if host and port and i < MAX_PROBED else Dial.NOT_DIALLED
         reasons.append(cause(maddr, found))
     if len(initial) == 1:
-        return f"cannot reach the initial peer {initial[0]}: {reasons[0]}"
+        return f"--initial-peers {initial[0]} did not answer: {reasons[0]}"
     listed = "; ".join(f"{m}: {r}" for m, r in zip(initial, reasons, strict=True))
-    return f"none of the {len(initial)} initial peers answered: {listed}"
+    return f"none of the {len(initial)} --initial-peers answered: {listed}"

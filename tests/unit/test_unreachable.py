@@ -82,6 +82,6 @@ def test_explain_is_one_line_per_join_and_names_each_address():
         addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{ID}"
         one = unreachable.explain([addr])
         two = unreachable.explain([addr, f"/dns/no-such-host.invalid/tcp/1/p2p/{ID}"])
-    assert one.startswith(f"cannot reach the initial peer {addr}: 127.0.0.1 is a loopback address")
-    assert two.startswith("none of the 2 initial peers answered: ") and "does not resolve" in two
+    assert one.startswith(f"--initial-peers {addr} did not answer: 127.0.0.1 is a loopback address")
+    assert two.startswith("none of the 2 --initial-peers answered: ") and "does not resolve" in two
     assert "\n" not in one + two
