@@ -13,9 +13,10 @@ the embedding output is `weight[x] + perp[x]`.
 Invariants:
 - Parameter names are global (`layers.{i}....` with the global layer index), so a stage's
   state dict is a subset of the whole model's state dict, key for key.
-- Every parameter is initialised from a generator seeded by (seed, parameter name) only, so a
-  stage view initialises exactly the values the whole model would: chaining the stages of a
-  split gives the whole model's logits and gradients bit for bit.
+- Every parameter is initialised from (seed, parameter name) only, by integer arithmetic
+  (`peer.core.portable.canonical_normal`), so a stage view initialises exactly the values the
+  whole model would, on any machine: chaining the stages of a split gives the whole model's
+  logits and gradients bit for bit, and every holder of a stage starts from the same bytes.
 - Math only: this module imports neither grpc, hivemind, asyncio nor the transport/DHT code.
 """
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from peer.core.portable import canonical_normal
 from peer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -238,13 +240,13 @@ def _init_std(cfg: ModelConfig, name: str) -> float:
 
 @torch.no_grad()
 def _init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Norm gains 1; every other weight `canonical_normal` (integers only: the same bits on every
+    machine, so every holder of a stage starts from one state, defined by bytes)."""
     for name, p in module.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue
-        g = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
-        values = torch.randn(p.shape, generator=g, dtype=torch.float32) * _init_std(cfg, name)
-        p.copy_(values)
+        p.copy_(canonical_normal(param_seed(seed, name), tuple(p.shape), _init_std(cfg, name)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,17 +15,20 @@ from collections.abc import Iterable
 import torch
 
 from peer.config import TrainConfig
+from peer.core.portable import portable_cos
 
 
 def lr_at(global_step: int, train: TrainConfig) -> float:
-    """Linear warmup to `train.lr`, then cosine down to `min_lr_ratio * lr` at the run's end."""
+    """Linear warmup to `train.lr`, then cosine down to `min_lr_ratio * lr` at the run's end.
+
+    The same float on every machine (`portable_cos`): the T⊥ decay of a commit depends on it."""
     total = max(1, train.inner_steps * train.outer_steps)
     if global_step < train.warmup_steps:
         return train.lr * (global_step + 1) / train.warmup_steps
     span = max(1, total - train.warmup_steps)
     progress = min(1.0, (global_step - train.warmup_steps) / span)
     floor = train.min_lr_ratio * train.lr
-    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (train.lr - floor) * 0.5 * (1.0 + portable_cos(math.pi * progress))
 
 
 def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.AdamW:

@@ -1,45 +1,30 @@
-"""The two steps of paper Alg. 1 for one stage — the inner step and committing an outer round —
-and the stage helpers around them (eqs. 3–4).
+"""The inner step of paper Alg. 1 for one stage, and the stage helpers around it (eqs. 3–4).
 
 `accumulate` + `adamw_step` are the one inner step (simulator replicas, full replicas, stage
 peers): micro-batch gradients of loss / n_micro add up, the stage's gradient norm is clipped to
 `train.grad_clip`, AdamW steps at the learning rate of the GLOBAL step t·H + h, and a compressed
-pipeline's stage 0 projects T_S back onto Col(U) (arXiv 2601.02360 §3.2).
+pipeline's stage 0 projects T_S back onto Col(U) (arXiv 2601.02360 §3.2). Training is
+device-native: what every holder must agree on — the initial state and each committed round — is
+`peer.core.commit` (portable, on the CPU).
 
-`commit_round` is the one place a committed round is applied — by the simulator (M replicas in one
-process) and by every peer of the swarm (full replicas, heads, stage peers, spares):
-decoded contributions Δ̂ → median norm clip → drop outliers (`peer.core.robust.screen`) →
-Δ̄ = aggregate over the kept ones → θ ← θ_start − η·Δ̄ → the embedding's
-change split into its Col(U) part (kept in T_S) and the rest (moved into T⊥), so TE = T_S + T⊥
-moves by exactly −η·Δ̄. Every holder of a stage keeps T⊥ as a buffer when the run uses a subspace;
-stages without the embedding move their T⊥ by stage 0's committed change (`embedding_update`).
+Stage helpers: a stage's parameters by global name (`stage_state`), the initial T_S/T⊥ split of
+the seed's embedding (`initial_split`, portable), T⊥ as a stage holds it (`perp_of`, `set_perp`)
+and the checks a state to adopt must pass (`check_stage_state`).
 
-Invariants: the same committed list in the same order gives the same bits on every holder
-(clipping, screening, aggregation and the outer step are deterministic); a round that drops nothing
-gives exactly the bits it gave before screening existed; an empty round leaves θ = θ_start;
-the same batch, parameters and optimizer state give the same inner step on every caller.
+Invariants: the same batch, parameters and optimizer state give the same inner step on every
+caller; every holder of a compressed run keeps T⊥ as a buffer.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import torch
 
 from peer.config import RunConfig, TrainConfig
 from peer.core.model import Decoder
-from peer.core.optim import clip_grads, clip_grads_to, decoupled_decay, lr_at, set_lr
-from peer.core.robust import DEFAULT as ROBUST
-from peer.core.robust import RobustConfig, Screen, screen
-from peer.core.sparseloco import ClipStats, SparseLoCoConfig, aggregate, clip_to_median, outer_step
-from peer.core.subspace import (
-    embedding_outer_update,
-    perp_outer_update,
-    project_,
-    split_embedding,
-)
+from peer.core.optim import clip_grads, clip_grads_to, lr_at, set_lr
+from peer.core.subspace import project_, split_embedding
 
 EMBED = "embed.weight"
 
@@ -91,57 +76,6 @@ def set_perp(stage: Decoder, perp: torch.Tensor) -> None:
         perp_of(stage).copy_(perp)
 
 
-def perp_decay(train: TrainConfig, outer_step: int) -> float:
-    """The weight-decay factor of T⊥ for outer step t: Π_h (1 − lr(t·H + h)·wd), applied at commit.
-
-    T⊥ is part of the embedding but no optimizer's parameter, so it decays here, once per round,
-    by what AdamW's decoupled decay did to T_S (and to a full model's embedding) in that round.
-    Every holder computes the same float from (train, t) alone.
-    """
-    H = train.inner_steps
-    return decoupled_decay(range(outer_step * H, (outer_step + 1) * H), train)
-
-
-def _decay_perp(stage: Decoder, factor: float) -> None:
-    if factor != 1.0:
-        with torch.no_grad():
-            perp_of(stage).mul_(factor)
-
-
-def apply_outer_update(
-    stage: Decoder,
-    start: Mapping[str, torch.Tensor],
-    aggregate: Mapping[str, torch.Tensor],
-    outer_lr: float,
-    U: torch.Tensor | None,
-    embed_update: torch.Tensor | None = None,
-    perp_factor: float = 1.0,
-) -> None:
-    """Set the stage's parameters to θ_start − η·Δ̄ (in place).
-
-    `embed_update` is the committed change of `embed.weight` (−η·Δ̄ of stage 0); stages that hold
-    only T⊥ pass it so their T⊥ moves exactly as stage 0's does. `perp_factor` (`perp_decay`)
-    scales T⊥ before the update, on every holder of T⊥ alike.
-    """
-    new = outer_step({k: v for k, v in start.items() if k != EMBED}, aggregate, outer_lr)
-    if U is not None:
-        _decay_perp(stage, perp_factor)
-    with torch.no_grad():
-        params = dict(stage.named_parameters())
-        for name, value in new.items():
-            params[name].copy_(value)
-        if EMBED in start:
-            update = -outer_lr * aggregate[EMBED]
-            if U is None:
-                params[EMBED].copy_(start[EMBED] + update)
-            else:
-                w, perp = embedding_outer_update(start[EMBED], perp_of(stage), update, U)
-                params[EMBED].copy_(w)
-                set_perp(stage, perp)
-        elif U is not None and embed_update is not None:
-            set_perp(stage, perp_outer_update(perp_of(stage), embed_update, U))
-
-
 def accumulate(
     forward: MicroForward, inputs: torch.Tensor, targets: torch.Tensor, n_micro: int, scale: float = 1.0
 ) -> tuple[float, int]:
@@ -184,107 +118,6 @@ def adamw_step(
             raise ValueError("only the stage that holds the embedding keeps T_S in Col(U)")
         with torch.no_grad():
             project_(stage.embed.weight, keep_in_subspace)
-
-
-@dataclass(frozen=True)
-class RoundCommit:
-    """What committing one stage's round did: the clip stats, the outliers dropped (positions in
-    the committed list, `screen.dropped`) and, when the stage holds the embedding, its committed
-    change −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
-
-    clip: ClipStats
-    embed_update: torch.Tensor | None = None
-    screen: Screen = Screen()
-
-    @property
-    def dropped(self) -> tuple[int, ...]:
-        return self.screen.dropped
-
-
-def robust_aggregate(
-    decoded: Sequence[Mapping[str, torch.Tensor]],
-    cfg: SparseLoCoConfig,
-    robust: RobustConfig = ROBUST,
-    keys: Sequence[str] | None = None,
-) -> tuple[dict[str, torch.Tensor], ClipStats, Screen]:
-    """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
-
-    With nothing dropped this is aggregate(clip_to_median(decoded), len(decoded)), bit for bit.
-    """
-    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
-    screened = screen(clipped, clip.norms, robust, keys)
-    if screened.dropped:
-        gone = set(screened.dropped)
-        clipped = [d for i, d in enumerate(clipped) if i not in gone]
-    return aggregate(clipped, len(clipped), cfg.aggregation), clip, screened
-
-
-NO_CLIP = ClipStats(0, (), 0.0, 0.0)
-
-
-def commit_round(
-    views: Sequence[Decoder],
-    start: Mapping[str, torch.Tensor],
-    decoded: Sequence[Mapping[str, torch.Tensor]],
-    cfg: SparseLoCoConfig,
-    U: torch.Tensor | None,
-    embed_update: torch.Tensor | None = None,
-    perp_factor: float = 1.0,
-    robust: RobustConfig = ROBUST,
-    keys: Sequence[str] | None = None,
-) -> RoundCommit:
-    """Apply one committed round to every view of a stage: θ ← θ_start − η·mean(clip(Δ̂) kept).
-
-    `decoded` are the committed contributions Δ̂ in commit order; `views` are this process's
-    holders of the stage (one for a peer, M for the simulator); `embed_update` is stage 0's
-    committed change, which moves T⊥ of a stage without the embedding; `perp_factor` is the
-    round's T⊥ weight decay (`perp_decay`); `robust` the outlier rule and `keys` the
-    contributions' replica ids (its tie-break). No contribution: θ = θ_start (T⊥ still decays).
-    """
-    if not decoded:
-        for view in views:
-            with torch.no_grad():
-                for name, p in view.named_parameters():
-                    p.copy_(start[name])
-            if U is not None:
-                _decay_perp(view, perp_factor)
-        return RoundCommit(NO_CLIP)
-    summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys)
-    device = next(iter(start.values())).device
-    agg = {k: v.to(device) for k, v in summed.items()}
-    if embed_update is not None:
-        embed_update = embed_update.to(device)
-    for view in views:
-        apply_outer_update(view, start, agg, cfg.outer_lr, U, embed_update=embed_update, perp_factor=perp_factor)
-    own_update = -cfg.outer_lr * agg[EMBED] if EMBED in start and EMBED in agg else None
-    return RoundCommit(clip, own_update, screened)
-
-
-def embedding_update(
-    decoded: Sequence[Mapping[str, torch.Tensor]],
-    cfg: SparseLoCoConfig,
-    robust: RobustConfig = ROBUST,
-    keys: Sequence[str] | None = None,
-) -> torch.Tensor:
-    """Stage 0's committed change of embed.weight (−η·Δ̄) for a holder that only observes stage 0.
-
-    Clipped and screened exactly as `commit_round` treats stage 0 (norms and scores over the whole
-    contribution), so T⊥ moves by the same bits on every stage.
-    """
-    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
-    dropped = set(screen(clipped, clip.norms, robust, keys).dropped)
-    embed_only = [{EMBED: d[EMBED]} for i, d in enumerate(clipped) if i not in dropped]
-    return -cfg.outer_lr * aggregate(embed_only, len(embed_only), cfg.aggregation)[EMBED]
-
-
-def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and bytes, in name order: equal iff bit-identical."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
 
 
 def check_stage_state(

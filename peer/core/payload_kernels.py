@@ -48,7 +48,12 @@ def set_numba(enabled: bool) -> None:
     _state["enabled"] = enabled
 
 
-def _cache_dir() -> str:
+def numba_enabled() -> bool:
+    """Whether numba kernels may be used (`set_numba`)."""
+    return bool(_state["enabled"])
+
+
+def cache_dir() -> str:
     """A writable directory for numba's on-disk cache: $NUMBA_CACHE_DIR, ~/.cache/peer/numba, or tmp."""
     for cand in (os.environ.get("NUMBA_CACHE_DIR"), Path.home() / ".cache" / "peer" / "numba"):
         if cand:
@@ -77,7 +82,7 @@ def compiled(work: int) -> Any:
 def _load() -> None:
     if _state["kernels"] is None:
         try:
-            os.environ.setdefault("NUMBA_CACHE_DIR", _cache_dir())  # read when numba is imported
+            os.environ.setdefault("NUMBA_CACHE_DIR", cache_dir())  # read when numba is imported
             import numba
 
             _state["kernels"] = _compile(numba.njit(cache=True, nogil=True))

@@ -8,7 +8,7 @@ One outer round of SparseLoCo (arXiv 2508.15706, Alg. 1; DESIGN.md §2), per sta
     e  = e − Δ̂                             compress: the new error buffer it returns
     Δ̂ ← Δ̂·min(1, c·med/‖Δ̂‖)              clip_to_median (peer.core.clip): robust to poisoning
     Δ̄ = aggregate(Δ̂ over participants)    aggregate ("mean-over-all" or "mean-over-contributors")
-    θ  = θ_start − η·Δ̄                     outer_step
+    θ  = θ_start − η·Δ̄                     the portable commit (peer.core.commit)
 
 Chunking and the wire format live in `peer.core.payload` (re-exported here), the encoding of one
 tensor (top-k, the sign-true quantizer Q) in `peer.core.payload_encode`. A chunk with fewer than
@@ -82,7 +82,6 @@ __all__ = [
     "global_norm",
     "ideal_bytes_per_param",
     "index_bits",
-    "outer_step",
     "payload_density",
     "payload_nbytes",
     "payload_norm",
@@ -306,17 +305,6 @@ def clip_and_aggregate(
     """
     plan, stats = clip_plan([payload_norm(p) for p in payloads], factor)
     return aggregate_payloads(payloads, len(payloads), rule, plan, names), stats
-
-
-def outer_step(start: Mapping[str, Tensor], agg: Mapping[str, Tensor], lr: float) -> dict[str, Tensor]:
-    """θ = θ_start − lr·Δ̄ for every name of `start` (unchanged copy where Δ̄ has no entry)."""
-    out = {}
-    for name, s in start.items():
-        if name in agg:
-            out[name] = (s.float() - lr * agg[name].to(s.device, torch.float32)).to(s.dtype)
-        else:
-            out[name] = s.clone()
-    return out
 
 
 def restore_unsent(errors: Mapping[str, Tensor] | None, decoded: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -13,12 +13,15 @@ orthonormal basis U (d, k) and the projector Π(T) = T·U·Uᵀ:
   `update`; T_S stays in Col(U).
 
 Invariants:
-- `make_basis` is a pure function of (d, k, seed): Gaussian from a seeded CPU generator, float64
-  reduced QR, column signs fixed so diag(R) > 0, then cast. `basis_hash` identifies it.
+- `make_basis` is a pure function of (d, k, seed), the same bits on every machine: a canonical
+  Gaussian from integers, float64 Gram–Schmidt with exactly rounded sums (diag(R) > 0), then
+  cast (`peer.core.portable`). `basis_hash` identifies it.
 - The boundary is exact for activations of the form T⊥[x] + Z·Uᵀ and loses precisely the part of
   X − T⊥[x] outside Col(U) otherwise.
-- `perp_outer_update` is the only place the change of T⊥ is computed, so every peer that applies
-  the same committed update holds a bit-identical T⊥.
+- The initial split and the outer-step split are portable (float64, fixed order:
+  `peer.core.portable.project64`), so every peer that applies the same committed update holds a
+  bit-identical T⊥ on any hardware. Boundary compression and the in-step projection of T_S are
+  training, and stay device-native (`project`).
 - Token ids cross the wire as int32 and are never mixed into a float channel.
 
 Pure torch: no networking imports.
@@ -33,9 +36,11 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from peer.core.portable import orthonormal_basis, project64
 from peer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -64,19 +69,24 @@ __all__ = [
 
 
 def make_basis(d: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Orthonormal U (d, k) drawn from `seed`; identical on every machine that runs it."""
+    """Orthonormal U (d, k) drawn from `seed`: the same bits on every machine.
+
+    A canonical Gaussian (d, k) matrix (integer arithmetic), orthonormalised by modified
+    Gram–Schmidt in float64 with exactly rounded sums (`peer.core.portable.orthonormal_basis`;
+    diag(R) > 0), then cast to `dtype`.
+    """
     if isinstance(d, bool) or isinstance(k, bool) or not isinstance(d, int) or not isinstance(k, int):
         raise ConfigError(f"subspace width k={k!r} and model width d={d!r} must be integers")
     if not 0 < k <= d:
         raise ConfigError(f"subspace width k={k} must satisfy 0 < k <= d_model={d}; pick a smaller ratio")
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int(seed))
-    g = torch.randn(d, k, generator=gen, dtype=torch.float64, device="cpu")  # (d, k)
-    q, r = torch.linalg.qr(g, mode="reduced")  # q (d, k), r (k, k)
-    signs = torch.where(torch.diagonal(r) >= 0, 1.0, -1.0).to(torch.float64)  # (k,)
-    u: Tensor = (q * signs).to(dtype).contiguous()  # (d, k)
+    u: Tensor = torch.from_numpy(orthonormal_basis(d, k, basis_key(d, k, seed))).to(dtype).contiguous()  # (d, k)
     log.debug("subspace basis d=%d k=%d seed=%d hash=%s", d, k, seed, basis_hash(u))
     return u
+
+
+def basis_key(d: int, k: int, seed: int) -> int:
+    """The integer stream `make_basis` draws its Gaussian matrix from."""
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}/subspace.U/{d}x{k}".encode()).digest()[:8], "little")
 
 
 def basis_hash(U: Tensor) -> str:
@@ -158,10 +168,13 @@ def project_(param: Tensor, U: Tensor) -> Tensor:
 
 
 def split_embedding(TE: Tensor, U: Tensor) -> tuple[Tensor, Tensor]:
-    """TE (V, d) -> (w, perp): w = Π(TE) in Col(U), perp = TE − w."""
+    """TE (V, d) -> (w, perp): w = Π(TE) in Col(U), perp = TE − w (on CPU, in TE's dtype).
+
+    Portable (the initial state every holder computes alike): Π in float64 by `project64`,
+    w = round(Π), perp = round(TE − Π)."""
     _check_basis(U, TE.shape[-1])
-    w = project(TE, U)  # (V, d)
-    return w, TE - w
+    p = project64(TE, U)  # (V, d) float64
+    return _back(p, TE), _back(_f64(TE) - p, TE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,31 +261,39 @@ def compressed_boundary(
 # ---------------------------------------------------------------------------------------------
 
 
-def _outer_residual(update: Tensor, U: Tensor) -> Tensor:
-    """r = update − Π(update): the part of the committed embedding change outside Col(U)."""
-    _check_basis(U, update.shape[-1])
-    return update - project(update, U)  # (V, d)
+def _f64(t: Tensor) -> np.ndarray:
+    """t on the CPU as float64 (exact for float32 and float64 values)."""
+    t = t.detach().to("cpu")
+    return (t if t.dtype == torch.float64 else t.to(torch.float32)).numpy().astype(np.float64)
+
+
+def _back(values: np.ndarray, like: Tensor) -> Tensor:
+    """float64 values rounded once to `like`'s dtype (float32, or float64 kept), on the CPU."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return torch.from_numpy(values).to(dtype)
 
 
 @torch.no_grad()
 def perp_outer_update(perp: Tensor, update: Tensor, U: Tensor) -> Tensor:
-    """T⊥_new = T⊥ + (update − Π(update)); the single definition every peer applies."""
-    return perp + _outer_residual(update, U).to(perp.dtype)
+    """T⊥_new = round(T⊥ + (update − Π(update))), float64 inside, on CPU; the single definition
+    every peer applies (stage 0 through `embedding_outer_update`, the same bits)."""
+    _check_basis(U, update.shape[-1])
+    return _back(_f64(perp) + (_f64(update) - project64(update, U)), perp)
 
 
 @torch.no_grad()
 def embedding_outer_update(w_start: Tensor, perp: Tensor, update: Tensor, U: Tensor) -> tuple[Tensor, Tensor]:
-    """Apply the committed change `update` of embed.weight to (T_S, T⊥).
+    """Apply the committed change `update` of embed.weight to (T_S, T⊥), portably (on CPU).
 
-    r = update − Π(update); T⊥_new = T⊥ + r; T_S_new = T_S + (update − r). TE = T_S + T⊥ moves
-    by `update` (to float rounding) and T_S stays in Col(U) when it started there.
+    With p = Π(update) in float64 (`project64`): T_S_new = round(T_S + p) and
+    T⊥_new = round(T⊥ + (update − p)), rounded once to the stored dtype. TE = T_S + T⊥ moves by
+    `update` (to that rounding) and T_S stays in Col(U) when it started there.
     """
     if not (w_start.shape == perp.shape == update.shape):
         raise ValueError(
             f"embedding shapes differ: weight {tuple(w_start.shape)}, perp {tuple(perp.shape)}, "
             f"update {tuple(update.shape)}"
         )
-    perp_new = perp_outer_update(perp, update, U)
-    r = _outer_residual(update, U)
-    w_new = w_start + (update - r).to(w_start.dtype)
-    return w_new, perp_new
+    _check_basis(U, update.shape[-1])
+    p = project64(update, U)  # (V, d) float64
+    return _back(_f64(w_start) + p, w_start), _back(_f64(perp) + (_f64(update) - p), perp)

@@ -11,46 +11,28 @@ that sees the same records decides the same way, and each rule is testable witho
   step, a replacement included). Before h has announced, h's replica record ("pipeline_peers")
   binds provisionally. If h's announcement binds nobody for s, or a peer that died or moved on
   without announcing, h is dropped from round (t, s) by every holder.
-- Following: once another holder of stage s has committed round t (its record is at t + 1), the
-  round's set is no longer open: a gatherer takes the committed set (`canonical` among them) or
-  re-syncs; a holder two or more rounds behind re-syncs at once (`RoundView.behind`).
-- Canonical state: among states of one (t, s), the one with the most committed replicas wins, ties
-  to the smallest (param_hash, perp_hash), then to the ban state (`peer.node.bans.Bans.key`). A
-  total order on record contents: two holders agree on the winner without a majority.
+- Following, the canonical state and re-syncs read holders' state claims: `peer.node.claims`.
 - Deadline fence: every contributor announces when it closes the round at the latest ("closes",
   DHT time). A holder about to close within `margin` of an earlier closer's deadline (or after it)
   may hold a set that closer did not: it waits for that closer's commit (→ following) until the
   closer's deadline + margin (`fenced_by`). The earliest closer never waits, so nobody deadlocks.
-- Bans: a holder that follows a committed set takes the winner's published bans with it
-  (`RoundView.target_bans`); an observer of a stage it does not hold reads the bans of that
-  stage's canonical holder at t (`round_bans`).
+- Bans: part of the committed state, recomputed by every holder that commits a set; an observer
+  of a stage it does not hold skips only the replicas that every holder of that stage at t bans
+  (`round_bans`: a lone holder cannot make it skip an honest replica).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from peer.node.bans import PREFIX, Bans, record_key
+from peer.node.bans import PREFIX, Bans
 
 if TYPE_CHECKING:
     from peer.net.dht import SwarmDHT
 
 Record = Mapping[str, Any]
-
-
-def state_key(rec: Record) -> tuple[int, str, str, tuple[int, str]]:
-    """Sort key of a committed state: more committed replicas first, then the smaller hashes, then
-    the ban state (equal states whose bans differ still have one winner)."""
-    committed = rec.get("committed")
-    n = len(committed) if isinstance(committed, list) else 0
-    return (-n, str(rec.get("param_hash") or ""), str(rec.get("perp_hash") or ""), record_key(rec.get("bans")))
-
-
-def canonical(states: Iterable[Record]) -> Record | None:
-    """The winning state among records of one (outer step, stage), or None when there are none."""
-    return min(states, key=state_key, default=None)
 
 
 def current_inc(sender: str, holders: Mapping[str, Record], replicas: Mapping[str, Record]) -> str | None:
@@ -89,9 +71,6 @@ class RoundView:
     expected: set[str] = field(default_factory=set)  # replica ids to wait for
     dropped: set[str] = field(default_factory=set)  # replicas out of (t, s) for everyone
     ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (sender, claimed replica, why)
-    target: list[str] | None = None  # the committed set (16-char id prefixes) when round t is committed
-    target_bans: Bans | None = None  # the bans its holder published with it (None: an older peer's record)
-    behind: bool = False  # another holder is two or more rounds past t
     others_gathering: bool = False  # another live holder of stage s is still at outer step t
     gathering: set[str] = field(default_factory=set)  # those holders' peer ids
     banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.bans): out of (t, s), not fetched
@@ -159,12 +138,6 @@ def round_view(
             view.dropped.add(rid)
     view.expected |= {rid for rid in bound_rids if rid in replicas}
     others = {pid: rec for pid, rec in holders.items() if pid != me}
-    view.behind = any(rec.get("outer_step", -1) > t + 1 for rec in others.values())
-    done = [rec for rec in others.values() if rec.get("outer_step") == t + 1 and isinstance(rec.get("committed"), list)]
-    win = canonical(done)
-    if win is not None:
-        view.target = [str(r) for r in win["committed"]]
-        view.target_bans = Bans.from_record(win["bans"]) if "bans" in win else None
     # a holder at t - 1 is about to gather t (a slow commit, a record refresh that lagged): a payload
     # of ours alone must wait for it too, or the deadline, not close the round without it; a replica
     # that (re)joined after t (it re-synced past it) never sends round t and is not waited for, nor
@@ -184,11 +157,10 @@ def round_view(
 
 
 def _ban(view: RoundView, banned: Collection[str]) -> None:
-    """Banned replicas are dropped from the round and their announcements ignored; a committed set
-    that holds one is still followed as it is (the ban of the set's holder decides)."""
-    keep = set(view.target or ())
+    """Banned replicas are dropped from the round and their announcements ignored (a committed set
+    that holds one is still followed as it is: `peer.node.rounds`)."""
     rids = view.expected | view.dropped | {rid for rid, _ in view.bound.values()}
-    view.banned = {rid for rid in rids if rid[:PREFIX] in banned and rid[:PREFIX] not in keep}
+    view.banned = {rid for rid in rids if rid[:PREFIX] in banned}
     for sender, (rid, _) in sorted(view.bound.items()):
         if rid in view.banned:
             del view.bound[sender]
@@ -219,11 +191,13 @@ def sender_alive(sender: str, holders: Mapping[str, Record], replicas: Mapping[s
 
 
 def round_bans(holders: Mapping[str, Record], t: int, me: str = "") -> frozenset[str]:
-    """Replica id prefixes banned from round t of a stage, for an observer that does not hold it:
-    the bans of the stage's canonical holder still at outer step t (none when there is none)."""
+    """Replica id prefixes banned from round t of a stage, for an observer that does not hold it: the
+    ones every holder of the stage still at outer step t bans (none when there is none), so no
+    single holder's claim makes the observer skip a replica."""
     at_t = [rec for pid, rec in holders.items() if pid != me and rec.get("outer_step") == t]
-    win = canonical(at_t)
-    return Bans.from_record(win.get("bans")).banned(t) if win is not None else frozenset()
+    if not at_t:
+        return frozenset()
+    return frozenset.intersection(*(Bans.from_record(rec.get("bans")).banned(t) for rec in at_t))
 
 
 def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None = None) -> set[str]:

@@ -2,7 +2,8 @@
 
 Records: `stage.{s}` (one per stage this process holds: address, role, state, outer step,
 parameter and T⊥ hashes, claiming pipeline, last committed replica ids and ban state
-(`peer.node.bans`), tokens/s, a head's in-flight window) and `replica` (a head or full replica:
+(`peer.node.bans`), the state claim — state id and link (`peer.node.claims`) — and the holders
+this peer refused, tokens/s, a head's in-flight window) and `replica` (a head or full replica:
 address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads, "pipeline_peers",
 which binds its stage peers' payload announcements: `peer.node.rounds.bound_replica`).
 
@@ -60,7 +61,10 @@ class Records:
                 "inc": self.session.incarnation,
                 "pipeline": svc.claimed_by if svc else None,
                 "committed": [r[:16] for r in worker.last_committed],
-                "bans": worker.bans.to_record(),  # adopted with the committed state (peer.node.bans)
+                "bans": worker.bans.to_record(),  # part of the committed state (peer.node.bans)
+                "state_id": worker.state_id(),  # the claim (peer.node.claims): checked, never taken on trust
+                "link": worker.link.to_record() if worker.link is not None else None,
+                "refused": self.session.refusals.record(),  # holders whose state failed its check
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
                 "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.schedule)
                 **self.session.net_fields(),  # connectivity, relay, caps, refused calls

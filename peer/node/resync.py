@@ -1,32 +1,44 @@
-"""Keeping one peer's stages on the swarm's committed state (DESIGN §3: late joiners, divergence).
+"""Keeping one peer's stages on the swarm's committed state, adopting nothing on a claim alone.
 
-- `late_join`: a worker behind the swarm downloads the stage's committed state (a resumed
-  checkpoint at or past the swarm's outer step is kept);
-- `maintain`: a worker more than `max_lag` rounds behind, or whose committed state is not the
-  canonical one of its stage's holders at the same outer step (`peer.node.agreement.canonical`),
-  re-syncs (keeping its error buffer, and returning a payload that missed the canonical commit to
-  it: nothing is lost);
+- `reconcile` (after every commit, and before a stage peer's round): the canonical-state check.
+  Claims of the same round from the same state as ours that the canonical order puts first (the
+  most committed payloads, then the smallest state id: `peer.node.claims.better`) are CHECKED by
+  recomputing their set from the state we committed from (`StageWorker.recompute`): a claim whose
+  set is genuine and whose state follows from it replaces our commit (`StageWorker.switch`, no
+  download); one that names payloads no replica announced, or whose state does not follow, gets
+  its holder refused (`peer.node.refusals`). Only when a strict majority of the holders at our
+  step agrees on another state that cannot be checked do we download it.
+- `sync_state`: download the state a strict majority of the stage's other live holders claims
+  (counted by peer id, at a step the swarm's clock admits: `peer.node.claims.majority`), from
+  one of them, hash-checked against that state id. No majority: NetworkError, retry later.
+- `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
+  checkpoint at or past the clock is kept);
+- `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;
 - `catch_up`: after a download at outer step t the peer applies round t as an observer, since the
   others did not expect it in round t.
 
-Invariants: a downloaded state is adopted only through `StageWorker.load_state_dict` and only when
-its parameter hash matches the holder's claim; a peer that (re)synced at t contributes from t + 1
-(`Session.joined_at`); no holder serving a good state is a `NetworkError` that says when to retry.
+Invariants: a state is adopted only through `StageWorker.load_state_dict` (a download) or
+`StageWorker.switch` (a checked recomputation); a peer that (re)synced at t contributes from t + 1
+(`Session.joined_at`); no majority to sync to is a `NetworkError` that says when to retry.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from peer.core.commit import embedding_update
+from peer.core.sparseloco import decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.messages import StateRequest
-from peer.node.agreement import canonical, state_key
-from peer.node.bans import Bans
-from peer.node.rounds import expected_replicas
+from peer.node.agreement import expected_replicas
+from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
+from peer.node.stage_commit import add
 from peer.node.stage_worker import StageWorker
+from peer.node.verify import SetFetcher
 
 if TYPE_CHECKING:
     from peer.node.session import Session
@@ -35,20 +47,27 @@ log = logging.getLogger(__name__)
 
 
 class Resync:
-    """State downloads and divergence checks of one peer's stage workers."""
+    """State checks, switches and downloads of one peer's stage workers."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.count = 0  # state downloads adopted over the run
+        self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
+
+    def clock(self) -> int:
+        """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
+        sess = self.session
+        others = {pid: rec for pid, rec in sess.dht.get_replicas().items() if pid != sess.peer_id}
+        return swarm_clock(others, sess.refusals.peers())
 
     def late_join(self, worker: StageWorker) -> None:
-        """If the swarm is past this worker's outer step, download the stage's committed state.
+        """If the swarm's clock is past this worker's outer step, download the stage's majority state.
 
-        A state resumed from a checkpoint at (or past) the swarm's outer step is kept; one that is
-        behind loses to the swarm's (error buffer and optimizer reset, as for any late joiner).
+        A state resumed from a checkpoint at (or past) the clock is kept; one that is behind loses
+        to the swarm's (error buffer and optimizer reset, as for any late joiner).
         """
         sess = self.session
-        t_swarm = sess.dht.current_outer_step()
+        t_swarm = self.clock()
         resumed = sess.checkpoints.resumed_at is not None
         if t_swarm > worker.outer_step:
             if resumed:
@@ -78,68 +97,85 @@ class Resync:
         self,
         worker: StageWorker,
         reason: str,
-        want_hash: str | None = None,
         keep_errors: bool = False,
-        want_perp: str | None = None,
+        vote: bool = False,
+        wait_s: float | None = None,
     ) -> None:
-        """Download stage state from the most advanced holder (with `want_hash` / `want_perp`, if given).
+        """Download the state a strict majority of the stage's other holders claims (with our own
+        state as one more vote when `vote`), from one of them, checked against its state id.
 
-        Raises NetworkError when no holder serves a state that passes its hash check.
+        Holders that just committed and holders still committing the same round split the vote for
+        a moment: without a majority we read again until one appears, for at most `wait_s`
+        (default `swarm.round_timeout_s`). Raises NetworkError when none appears, or no claimer
+        serves its state intact.
         """
         sess = self.session
-        t_swarm = sess.dht.current_outer_step()
-        holders = {
-            pid: rec
-            for pid, rec in sess.dht.get_stage_peers(worker.stage).items()
-            if pid != sess.peer_id
-            and rec.get("address")
-            and (want_hash is None or rec.get("param_hash") == want_hash)
-            and (want_perp is None or rec.get("perp_hash") == want_perp)
-        }
-        for pid, rec in sorted(holders.items(), key=lambda kv: (-kv[1].get("outer_step", 0), kv[0])):
-            try:
-                reply = sess.clients.get(rec["address"]).get_state(StateRequest(worker.stage))
-                if reply.meta.get("param_hash") is None:
-                    raise PeerError("state reply without a parameter hash")
-                state: dict[str, Any] = {
-                    "outer_step": reply.outer_step,
-                    "start": {k: v for k, v in reply.tensors.items() if k != "perp"},
-                    "perp": reply.tensors["perp"],
-                }
-                if keep_errors:  # what this peer has not sent yet is not lost
-                    state["errors"] = worker.state_dict()["errors"]
-                worker.load_state_dict(state)
-            except (PeerError, ValueError, KeyError) as exc:
-                log.warning("state download of stage %d from %s failed: %s", worker.stage, pid[:12], exc)
-                continue
-            if worker.param_hash() != reply.meta["param_hash"]:
-                log.warning(
-                    "stage %d state from %s fails its hash check; trying another holder", worker.stage, pid[:12]
-                )
-                continue
-            committed = rec.get("committed")
-            worker.last_committed = [str(r) for r in committed] if isinstance(committed, list) else []
-            worker.bans = Bans.from_record(reply.meta.get("bans", rec.get("bans")))  # served with the state
-            # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
-            sess.joined_at = max(sess.joined_at, reply.outer_step + 1)
-            self.count += 1
-            log.info(
-                "%s: stage %d state at outer step %d from %s (hash %s)",
-                reason,
-                worker.stage,
-                reply.outer_step,
-                pid[:12],
-                worker.param_hash(),
+        deadline = time.monotonic() + (sess.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
+        while True:
+            holders = sess.dht.get_stage_peers(worker.stage)
+            claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
+            clock = max(self.clock(), worker.outer_step)
+            win = majority(claims.values(), clock, (worker.outer_step, worker.state_id()) if vote else None)
+            if win is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(min(1.0, sess.cfg.swarm.announce_interval_s))
+        if win is None:
+            raise NetworkError(
+                f"no state of stage {worker.stage} is claimed by a majority of its {len(claims)} other holder(s) "
+                f"(swarm at outer step {clock}); retry when they agree or more holders are online"
             )
-            sess.metrics.log(
-                "sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason
-            )
-            sess.records.refresh()
+        if (win.outer_step, win.state) == (worker.outer_step, worker.state_id()):
             return
+        for pid in win.holders:
+            if self._download(worker, pid, holders[pid], claims[pid], reason, keep_errors):
+                return
         raise NetworkError(
-            f"the swarm is at outer step {t_swarm} but no peer served stage {worker.stage}'s state; "
-            "retry when a holder of that stage is online"
+            f"none of the {len(win.holders)} holder(s) of stage {worker.stage}'s majority state {win.state} "
+            "served it intact; retry later"
         )
+
+    def _download(
+        self, worker: StageWorker, pid: str, rec: Mapping[str, Any], claim: Claim, reason: str, keep_errors: bool
+    ) -> bool:
+        """Adopt `claim`'s state served by `pid`: True when it loaded and has the claimed state id."""
+        sess = self.session
+        address = rec.get("address")
+        if not isinstance(address, str) or not address:
+            return False
+        try:
+            reply = sess.clients.get(address).get_state(StateRequest(worker.stage))
+            state: dict[str, Any] = {
+                "outer_step": reply.outer_step,
+                "start": {k: v for k, v in reply.tensors.items() if k != "perp"},
+                "perp": reply.tensors["perp"],
+                "bans": reply.meta.get("bans"),
+                "link": None if claim.link is None else {**claim.link.to_record(), "state": claim.state},
+            }
+            if keep_errors:  # what this peer has not sent yet is not lost
+                state["errors"] = worker.state_dict()["errors"]
+            worker.load_state_dict(state)
+        except (PeerError, ValueError, KeyError) as exc:
+            log.warning("state download of stage %d from %s failed: %s", worker.stage, pid[:12], exc)
+            return False
+        if (worker.outer_step, worker.state_id()) != (claim.outer_step, claim.state):
+            log.warning(
+                "stage %d state from %s is not the state it claims; trying another holder", worker.stage, pid[:12]
+            )
+            return False
+        # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
+        sess.joined_at = max(sess.joined_at, reply.outer_step + 1)
+        self.count += 1
+        log.info(
+            "%s: stage %d state at outer step %d from %s (state %s)",
+            reason,
+            worker.stage,
+            reply.outer_step,
+            pid[:12],
+            claim.state,
+        )
+        sess.metrics.log("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason)
+        sess.records.refresh()
+        return True
 
     def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event) -> None:
         """After a state download at outer step t, apply round t as an observer instead of
@@ -155,59 +191,118 @@ class Resync:
         sess.records.refresh()
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
-        """Re-sync a worker that fell more than `max_lag` rounds behind, or whose committed state is
-        not the canonical one among its stage's holders at the same outer step (`reconcile`)."""
-        sess = self.session
-        if sess.dht.current_outer_step() > worker.outer_step + max_lag:
+        """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""
+        if self.clock() > worker.outer_step + max_lag:
             self.sync_state(worker, f"behind (outer step {worker.outer_step})")
             return
         self.reconcile(worker)
 
     def reconcile(self, worker: StageWorker, before_round: bool = False) -> bool:
-        """Adopt the canonical state among the stage's holders at the worker's outer step
-        (`peer.node.agreement.canonical`: the most committed replicas, then the smallest hashes —
-        the same answer on every holder, even with two of them). True if the worker re-synced.
+        """The canonical-state check (module docstring). True if the worker's state changed.
 
-        After a round (`before_round` False) a payload of ours that the canonical commit lacks
-        returns to the error buffer. Before a round (a claimed stage peer, which is never idle
-        between rounds) the payload just encoded for this round stays ours to send: it is a
-        pseudo-gradient of our inner steps, and the round applies it to the canonical θ_start.
+        `before_round`: a claimed stage peer checks again at the start of a round, after encoding
+        its payload; that payload is a pseudo-gradient of our inner steps and stays ours to send
+        (applied to whichever θ_start the round starts from).
         """
         sess = self.session
-        same = [
-            rec
-            for pid, rec in sess.dht.get_stage_peers(worker.stage).items()
-            if pid != sess.peer_id and rec.get("outer_step") == worker.outer_step and rec.get("param_hash")
-        ]
-        if not same:
+        holders = sess.dht.get_stage_peers(worker.stage)
+        claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
+        mine = Claim(sess.peer_id, worker.outer_step, worker.state_id(), worker.link)
+        for claim in better(claims.values(), mine):
+            if self._check_and_switch(worker, claim, holders):
+                return True
+        same = [c for c in claims.values() if c.outer_step == worker.outer_step]
+        win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
+        if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
             return False
-        mine = {
-            "committed": [r[:16] for r in worker.last_committed],
-            "param_hash": worker.param_hash(),
-            "perp_hash": worker.perp_hash(),
-            "bans": worker.bans.to_record(),
-        }
-        win = canonical([*same, mine])
-        if win is None or state_key(win) == state_key(mine):
-            return False
-        committed: list[str] = list(win.get("committed") or [])
-        if (win.get("param_hash"), win.get("perp_hash")) == (mine["param_hash"], mine["perp_hash"]):
-            worker.last_committed = committed  # the same state (e.g. resumed from a checkpoint): nothing to fetch
-            worker.bans = Bans.from_record(win.get("bans"))  # equal states, bans of the winner (peer.node.bans)
-            return False
-        last = worker.last_contribution
-        unsent = last[1] if last is not None and not before_round and last[0][:16] not in committed else None
+        prev = worker.prev
         self.sync_state(
             worker,
-            f"hash {mine['param_hash']}/{str(mine['perp_hash'])[:8]} disagrees with the canonical state "
-            f"{win['param_hash']}/{str(win.get('perp_hash'))[:8]} ({len(committed)} replicas committed) "
-            f"of {len(same) + 1} holders",
-            want_hash=str(win["param_hash"]),
+            f"state {mine.state} disagrees with {win.state}, claimed by {len(win.holders)} of "
+            f"{len(same) + 1} holders at outer step {worker.outer_step}",
             keep_errors=True,
-            want_perp=win.get("perp_hash"),
+            vote=True,
         )
-        if unsent is not None:
-            worker.return_unsent(unsent)  # our payload missed their commit: nothing is lost
-            worker.observe()
-            log.info("stage %d: our payload missed the canonical commit; returned to the error buffer", worker.stage)
+        if prev is not None and not before_round:  # our commit's share of our payload, redone for theirs
+            worker.errors = add(worker.errors, prev.adjustment, -1.0)
+            if prev.own is not None and (worker.link is None or prev.own[0][:16] not in worker.link.replicas):
+                worker.return_unsent(prev.own[1])
         return True
+
+    def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, Any]) -> bool:
+        """Check `claim` by recomputing its set from the state we committed its round from; switch
+        to it when it holds (True), refuse its holder when it is false (False), or leave it for now
+        when its payloads cannot be fetched (False)."""
+        sess = self.session
+        link, own = claim.link, worker.link
+        assert link is not None and own is not None
+        if (link.entries, link.embed) == (own.entries, own.embed):
+            sess.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
+            return False
+        address = holders.get(claim.peer, {}).get("address")
+        address = address if isinstance(address, str) else None
+        fetcher = SetFetcher(sess.dht, sess.clients, sess.store, sess.peer_id, min(3.0, sess.cfg.swarm.rpc_timeout_s))
+        parse = sess.rounds.validator(worker, worker.stage)
+        got = fetcher.fetch(
+            link.t, worker.stage, link.entries, parse, claimer_address=address, n_stages=sess.cfg.stages
+        )
+        embed_update = None
+        if got.complete and link.embed is not None and worker.stage != 0:
+            got0 = fetcher.fetch(link.t, 0, link.embed, sess.rounds.validator(worker, 0), claimer_address=address)
+            got.forged += got0.forged
+            got.missing += got0.missing
+            if got0.complete and got0.payloads:
+                keys = [got0.replicas[e] for e in link.embed]
+                decoded = [decompress(got0.payloads[e][1]) for e in link.embed]
+                embed_update = embedding_update(decoded, sess.cfg.sparseloco, keys=keys)
+        if got.forged:
+            names = ", ".join(r[:12] for r, _ in got.forged)
+            sess.refusals.refuse(
+                claim.peer, worker.stage, link.t, f"its committed set names payloads no replica announced ({names})"
+            )
+            return False
+        if not got.complete:
+            log.info(
+                "stage %d: cannot check the state %s of %s yet (%d payload(s) not available)",
+                worker.stage,
+                claim.state,
+                claim.peer[:12],
+                len(got.missing),
+            )
+            return False
+        payloads = [got.payloads[e][1] for e in link.entries]
+        out = worker.recompute(payloads, [got.replicas[e] for e in link.entries], embed_update)
+        if out is None:
+            return False
+        if out.state != claim.state:
+            sess.refusals.refuse(
+                claim.peer,
+                worker.stage,
+                link.t,
+                f"its state {claim.state} does not follow from its set (gives {out.state})",
+            )
+            return False
+        worker.switch(out, payloads, link.embed)
+        self.switches += 1
+        log.info(
+            "stage %d round %d: switched to the checked state %s of %s (%d payloads; ours had %d)",
+            worker.stage,
+            link.t,
+            claim.state,
+            claim.peer[:12],
+            len(link.entries),
+            len(own.entries),
+        )
+        sess.metrics.log("switch", stage=worker.stage, t=link.t, state=claim.state, peer=claim.peer)
+        sess.records.refresh()
+        return True
+
+
+def _worse(mine: Claim, theirs: list[Claim]) -> bool:
+    """Whether a majority state that we could not check should replace ours: always when it was
+    reached from another state than ours (we are the odd one out since an earlier round), else
+    only when the canonical order puts it first (if ours is first, they will switch to ours)."""
+    other = theirs[0]
+    if mine.link is None or other.link is None or other.link.prev != mine.link.prev:
+        return True
+    return (other.key, other.state) < (mine.key, mine.state)

@@ -1,63 +1,42 @@
-"""Outer rounds over the swarm: announce → fetch → commit the same set in the same order.
+"""One peer's outer rounds: gather (contributing or observing), commit, check, record.
 
-Round (t, s) — DESIGN §3, docs/protocol.md. Contributors are the replicas working on outer step t:
-every pipeline (its stage-s peer sends the payload, tagged with the pipeline's id) and every full
-replica (one payload per stage, tagged with its own id). Each contributor
-1. keeps its encoded payload in its `PayloadStore` (served by gRPC `get_payload`) and announces
-   {sha256, size, address, replica, inc} under `round.{t}.{s}` in the DHT (a head adds "peers",
-   the stage peers that did its last inner step: the round's binding);
-2. polls the DHT until every expected replica has announced (or was dropped, or the round
-   deadline passes), fetching each new payload once and checking its sha256 and format;
-3. commits every payload it holds, ordered by replica id, so all holders apply the same sum in the
-   same order and stay bit-identical.
-Who is bound, expected, dropped or stale, when a round counts as committed elsewhere (then its
-committed set is taken, or the peer re-syncs) and which of two different commits wins are the pure
-rules of `peer.node.agreement`. A replica whose payload was rejected (bad hash or format), or whose
-sender left before serving it, is not waited for.
+Round (t, s) — DESIGN §3, docs/protocol.md. `Rounds` holds a peer's round entry points (a head's,
+a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.gather`)
+and commits every gathered set through `StageWorker.apply_round` → `peer.core.commit.commit_state`
+(portable: the same bits on every holder), parsing each payload once. A set taken from another
+holder's claim (FOLLOW) is committed by us, and the claimer's state is then compared with ours: a
+holder whose state does not follow from the set it named is refused (`peer.node.refusals`).
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
-without a payload of their own (observers). `Rounds` holds one peer's round entry points (a head's,
-a full replica's and a stage peer's round) and commits every gathered set through
-`StageWorker.apply_round` → `peer.core.outer.commit_round`, parsing each payload once.
+without a payload of their own (observers). After a commit the canonical-state check runs at once
+(`Resync.reconcile`: claims of the same round from the same state, checked by recomputation).
 
 Expected replicas for round t: live replica records (pipelines' heads and full replicas) that joined
 at or before t and are at outer step t − 1 or later. A dead replica drops out when its record
 expires; a slow one is waited for until the deadline. The DHT offers no notifications, so the
-wait is a bounded poll (`poll_s`) under one deadline.
+wait is a bounded poll under one deadline.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer.config import RunConfig
+from peer.core.commit import embedding_update
 from peer.core.model import stage_shapes
-from peer.core.outer import EMBED, embedding_update
+from peer.core.outer import EMBED
 from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
-from peer.net.dht import SwarmDHT, dht_time
-from peer.net.pool import ClientPool
-from peer.net.transport.errors import NotFoundError
-from peer.net.transport.messages import PayloadRequest
-from peer.node.agreement import IGNORED, expected_replicas, fenced_by, round_bans, round_view, sender_alive
-from peer.node.bans import Bans
+from peer.node.agreement import expected_replicas, round_bans, round_view
+from peer.node.claims import Entry, entry, parse_claims
+from peer.node.gather import RoundResult, gather_round
 from peer.node.metrics import log_round
-from peer.node.round_payloads import (
-    SETTLE_S,
-    PayloadStore,
-    bound_replica,
-    from_another_holder,
-    payload_validator,
-    poll_pause,
-    read_round,
-    sha256,
-)
+from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
 from peer.node.stage_worker import StageWorker
 
 if TYPE_CHECKING:
@@ -77,226 +56,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class RoundResult:
-    """What one peer committed for round (t, s), in commit order, and why it stopped waiting."""
-
-    t: int
-    stage: int
-    replicas: list[str] = field(default_factory=list)  # replica ids, commit order
-    payloads: list[bytes] = field(default_factory=list)
-    parsed: list[Payload] = field(default_factory=list)  # the payloads, parsed once (same order)
-    expected: int = 0
-    rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
-    dropped: list[str] = field(default_factory=list)  # replicas out of the round for everyone
-    timed_out: bool = False
-    behind: bool = False  # the round was committed elsewhere and cannot be reproduced here: re-sync
-    target: list[str] | None = None  # the set another holder committed (16-char id prefixes), if seen
-    target_bans: Bans | None = None  # the bans published with that set (adopted with it: peer.node.bans)
-    wall_s: float = 0.0
-    bytes_fetched: int = 0
-
-    @property
-    def participants(self) -> int:
-        return len(self.replicas)
-
-
-def gather_round(
-    dht: SwarmDHT,
-    clients: ClientPool,
-    t: int,
-    stage: int,
-    timeout_s: float,
-    own: tuple[str, bytes] | None = None,
-    store: PayloadStore | None = None,
-    address: str = "",
-    validate: Callable[[bytes], Payload] | None = None,
-    poll_s: float = 0.2,
-    ttl_s: float = 60.0,
-    stop: threading.Event | None = None,
-    inc: str = "",
-    extra: Mapping[str, Any] | None = None,
-    grace_s: float = 5.0,
-    quorum: int = 1,
-    n_stages: int = 1,
-    banned: Collection[str] = frozenset(),
-) -> RoundResult:
-    """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
-
-    `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
-    skipped, and its replica no longer waited for); without it payloads are parsed as they are.
-    Every payload is parsed exactly once (`RoundResult.parsed`). Who counts, who is waited for and
-    when the set is closed follow `peer.node.agreement` (docs/protocol.md): returns when every
-    expected replica's payload is held, rejected or dropped (never with only our own payload
-    while another holder still gathers), with exactly the committed set once another holder has
-    committed round t (`RoundResult.behind` when it cannot be reproduced within `grace_s`), or at
-    the deadline. `inc` is this process's incarnation and `extra` adds fields to our announcement
-    (a head's "peers" binding). `quorum` (the run's first round only: `swarm.min_replicas`) keeps
-    the set open until that many payloads are held: at start-up a replica whose records are not
-    visible yet cannot be counted as gathering, so round 0 waits for it (or the deadline). A payload
-    whose sender is gone is asked of the round's other contributors (for stage 0 also of the other
-    `n_stages` − 1 stages' holders, which observe it): each keeps what it fetched. `banned`: bans.py.
-    """
-    parse = validate if validate is not None else Payload.from_bytes
-    started = time.monotonic()
-    deadline = started + timeout_s
-    me = dht.peer_id
-    held: dict[str, bytes] = {}
-    parsed: dict[str, Payload] = {}
-    bad: set[str] = set()  # senders whose payload failed its checks
-    rejected: set[str] = set()  # the replicas they stood for
-    logged: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
-    retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
-    target_since: float | None = None
-    lost_at: float | None = None  # when a sender's payload was last given up as gone
-    seen: set[str] = set()  # other holders of the stage seen gathering this round
-    fenced: set[str] = set()  # earlier closers whose commit we wait for
-    rpc_s = min(grace_s, 3.0)  # one try at a second source
-    result = RoundResult(t=t, stage=stage)
-    if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
-        log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])
-        own = None
-    own_rid = own[0] if own is not None else None
-    my_closes: float | None = None
-    if own is not None:
-        replica_id, payload = own
-        if store is None:
-            raise ValueError("a contributor needs a PayloadStore to serve its payload")
-        store.put(t, stage, payload)
-        my_closes = dht_time() + timeout_s  # the deadline fence (peer.node.agreement.fenced_by)
-        record = {"sha256": sha256(payload), "size": len(payload), "address": address, "replica": replica_id}
-        record.update({"inc": inc, "closes": round(my_closes, 3), **(extra or {})})
-        dht.announce_payload(t, stage, record, ttl_s=ttl_s)
-        held[replica_id] = payload
-        parsed[replica_id] = Payload.from_bytes(payload)
-    while True:
-        try:
-            replicas, holders, payloads, stage0 = read_round(dht, t, stage)
-        except NetworkError as exc:  # a DHT read that failed once is a missed poll, until the deadline
-            if time.monotonic() >= deadline:
-                raise
-            log.info("round %d stage %d: DHT read failed, polling again: %s", t, stage, exc)
-            poll_pause(stop, poll_s)
-            continue
-        left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
-        holders = {pid: rec for pid, rec in holders.items() if pid not in left}
-        view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc, banned)
-        # waited for: seen gathering and now gone (maybe frozen), still gathering, or past t (follow its
-        # commit); not one whose live records, at most at t, say it will not send t (restarted, spare)
-        seen = view.gathering | {p for p in seen if holders.get(p, {}).get("outer_step", t + 1) > t}
-        if own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
-            view.expected.discard(me)  # only we could send our replica's payload, and we observe
-        for sender, rid, why in view.ignored:
-            if (sender, rid) not in logged and len(logged) < 16:  # bounded log
-                logged.add((sender, rid))
-                log.warning(
-                    "round %d stage %d: ignoring the announcement of %s for replica %s: %s",
-                    t,
-                    stage,
-                    sender[:12],
-                    rid[:12],
-                    IGNORED[why].format(stage=stage),
-                )
-        if view.behind:
-            result.behind = True
-            log.warning("round %d stage %d: other holders are rounds ahead; re-syncing instead", t, stage)
-            break
-        for sender, (rid, rec) in sorted(view.bound.items()):
-            if rid in held or sender in bad or retry_at.get(sender, 0.0) > time.monotonic():
-                continue
-            try:
-                remaining = max(0.5, deadline - time.monotonic())
-                if not isinstance(rec.get("address"), str) or not rec["address"]:
-                    raise PeerError(f"the announcement of {sender} has no address")
-                try:
-                    req = PayloadRequest(t, stage, sender)
-                    data = clients.get(rec["address"]).get_payload(req, timeout_s=remaining)
-                except (NetworkError, NotFoundError):  # the sender is gone, or restarted without it:
-                    others = {**payloads, **stage0}
-                    for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 fetched it too
-                        others.update(dht.get_payloads(t, x))
-                    second = from_another_holder(clients, t, stage, sender, rec, others, me, rpc_s)
-                    if second is None:
-                        raise
-                    data = second
-                if sha256(data) != rec.get("sha256"):
-                    raise PeerError(f"payload from {sender} does not match its announced sha256")
-                parsed[rid] = parse(data)
-                if store is not None:
-                    store.put_fetched(t, stage, sender, data)
-            except NetworkError as exc:
-                if not sender_alive(sender, holders, replicas):  # it died after announcing: out for us
-                    if rid not in rejected:  # unless a holder that fetched it serves it later (retried)
-                        log.warning(
-                            "round %d stage %d: dropping %s: it left and its payload is gone", t, stage, rid[:12]
-                        )
-                        lost_at = time.monotonic()
-                    rejected.add(rid)
-                    retry_at[sender] = time.monotonic() + 1.0
-                    continue
-                retry_at[sender] = time.monotonic() + 2.0
-                log.info("round %d stage %d: payload of %s not reachable yet: %s", t, stage, sender[:12], exc)
-                continue
-            except PeerError as exc:
-                log.warning("round %d stage %d: rejecting payload of %s: %s", t, stage, sender[:12], exc)
-                bad.add(sender)
-                rejected.add(rid)
-                continue
-            held[rid] = data
-            result.bytes_fetched += len(data)
-        result.expected = len(view.expected)
-        # an earlier closer at (or past) its deadline may commit without our payload: its commit
-        # decides (→ FOLLOW), waited for until its deadline + the grace, even past ours
-        fenced = fenced_by(view, me, my_closes, dht_time(), grace_s) if view.target is None else set()
-        if view.target is not None:  # round t is committed elsewhere: take exactly that set
-            target_since = time.monotonic() if target_since is None else target_since
-            result.target, result.target_bans = view.target, view.target_bans
-            mine = {rid for rid in held if rid[:16] in view.target}
-            if len(mine) == len(view.target):
-                held = {rid: held[rid] for rid in mine}
-                break
-            if time.monotonic() - target_since >= grace_s:
-                result.behind = True
-                log.warning("round %d stage %d: cannot fetch the committed set; re-syncing instead", t, stage)
-                break
-        else:
-            target_since = None
-            # a holder seen gathering this round whose records then expired may only be frozen (a
-            # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
-            seen_gathering = bool(seen - left)  # a holder that left gracefully is not waited for
-            lone = set(held) == {own_rid} and seen_gathering
-            # an observer (no payload of its own) never decides a set while a contributor is around:
-            # it follows the first commit (a frozen contributor's expired records cannot mislead it)
-            follower = own is None and seen_gathering
-            short = t == 0 and quorum > 1 and len(held) < quorum  # start-up: peers still appearing
-            # a payload we lost (its sender left) may be held by a holder that already committed it:
-            # let its commit reach the DHT before closing without it (→ FOLLOW), bounded by the grace
-            settling = lost_at is not None and time.monotonic() - lost_at < min(grace_s, SETTLE_S)
-            closed = view.expected <= set(held) | rejected | view.dropped
-            if closed and not (lone or follower or short or settling or fenced):
-                break
-        if time.monotonic() >= deadline and not fenced:
-            result.timed_out = True
-            log.warning(
-                "round %d stage %d: deadline after %.0fs with %d/%d payloads (missing: %s)",
-                t,
-                stage,
-                timeout_s,
-                len(held),
-                len(view.expected),
-                ", ".join(sorted(view.expected - set(held) - rejected))[:200],
-            )
-            break
-        poll_pause(stop, poll_s)
-    result.rejected = sorted(rejected - set(held))
-    result.dropped = sorted(view.dropped - set(held))
-    result.replicas = sorted(held)
-    result.payloads = [held[r] for r in result.replicas]
-    result.parsed = [parsed[r] for r in result.replicas]
-    result.wall_s = time.monotonic() - started
-    return result
-
-
 class Rounds:
     """One peer's outer rounds: gather (contributing or observing), commit, record."""
 
@@ -312,6 +71,9 @@ class Rounds:
         else:  # an observer gather (stage 0 for T⊥)
             shapes = stage_shapes(cfg.model, stage, cfg.stages)
         return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
+
+    def validator(self, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
+        return self._validator(worker, stage)
 
     def gather(
         self,
@@ -345,7 +107,8 @@ class Rounds:
             store=sess.store,
             address=sess.address,
             validate=self._validator(worker, stage),
-            ttl_s=max(60.0, 2 * swarm.round_timeout_s),
+            # announcements outlive the round: a claim naming them is checked against them later
+            ttl_s=max(120.0, 4 * swarm.round_timeout_s),
             stop=stop,
             inc=sess.incarnation,
             extra=extra,
@@ -353,6 +116,8 @@ class Rounds:
             quorum=swarm.min_replicas if t == 0 else 1,
             n_stages=sess.cfg.stages,
             banned=banned,
+            prev=worker.state_id() if own_stage else None,
+            refusals=sess.refusals,
         )
         self.pg_bytes += result.bytes_fetched
         return result
@@ -366,13 +131,15 @@ class Rounds:
         """Apply each worker's committed round. Stage 0's embedding change moves every other stage's
         T⊥: from stage 0's own commit when this peer holds it, else from `embed` (an observer gather
         of stage 0; no payload there: T⊥ stays). A round committed elsewhere that this peer could
-        not reproduce (`behind`) is not applied: the worker re-syncs instead. A payload of ours
-        that missed the committed set returns to our error buffer. False if anything re-synced."""
+        not reproduce (`behind`) is not applied: the worker re-syncs instead. What a round took from
+        our own payload returns to our error buffer (`StageWorker.apply_round`). A followed claim
+        whose state differs from the one we computed from its set is refused. Then the
+        canonical-state check runs (`Resync.reconcile`). False if anything re-synced."""
         embed_lost = embed is not None and embed.behind and 0 not in workers
         if embed_lost and not self._stage_ahead(workers):
             # stage 0's committed set cannot be fetched (its sender died) and no holder of our stage
             # is ahead to sync from: commit our own stage with T⊥ unchanged rather than wait for a
-            # state nobody will ever have; the canonical-state rule reconciles holders that could
+            # state nobody will ever have; the canonical-state check reconciles holders that could
             # fetch it (docs/protocol.md, RECONCILE)
             log.warning(
                 "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
@@ -386,37 +153,57 @@ class Rounds:
                 self._resync_behind(w, results[s])
             return False
         update: torch.Tensor | None = None
+        embed_set: list[Entry] | None = None
         if 0 in workers:
-            done = workers[0].apply_round(results[0].parsed, None, results[0].replicas, results[0].target_bans)
-            update = done.embed_update
-        elif embed is not None and embed.parsed:
-            update = embedding_update([decompress(p) for p in embed.parsed], self.session.cfg.sparseloco)
+            r0 = results[0]
+            update = workers[0].apply_round(r0.parsed, None, r0.replicas).embed_update
+            embed_set = _set_of(r0)
+        elif embed is not None:
+            embed_set = _set_of(embed)
+            if embed.parsed:
+                update = stage0_update(embed, self.session.cfg)
         for s, w in workers.items():
             if s != 0:
-                w.apply_round(results[s].parsed, update, results[s].replicas, results[s].target_bans)
+                w.apply_round(results[s].parsed, update, results[s].replicas, embed_set if w.U is not None else None)
         for s, w in workers.items():
-            last = w.last_contribution
-            if last is not None and last[0] not in results[s].replicas:
-                w.return_unsent(last[1])  # our payload missed the commit: nothing is lost
-                w.observe()
+            self._check_followed(w, results[s])
         # publish the committed set at once (before validation): a holder closing round t late
         # follows it instead of committing a set of its own (docs/protocol.md, FOLLOW)
         self.session.records.refresh()
+        for w in workers.values():
+            try:
+                self.session.resync.reconcile(w)
+            except PeerError as exc:
+                log.warning("stage %d: canonical state not checked after round %d: %s", w.stage, w.outer_step - 1, exc)
         return True
+
+    def _check_followed(self, worker: StageWorker, result: RoundResult) -> None:
+        """The holder whose committed set we took claims the state that set gives: ours. If not, its
+        claim is false (the commit is portable), and it is refused."""
+        claim = result.followed
+        if claim is None or claim.state == worker.state_id():
+            return
+        self.session.refusals.refuse(
+            claim.peer,
+            worker.stage,
+            result.t,
+            f"it claims state {claim.state} for its committed set, which gives {worker.state_id()}",
+        )
 
     def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
         """Another holder of one of these stages is past our outer step (a state to sync to)."""
         sess = self.session
         for s, w in workers.items():
             for pid, rec in sess.dht.get_stage_peers(s).items():
-                if pid != sess.peer_id and int(rec.get("outer_step", -1)) > w.outer_step:
+                if pid != sess.peer_id and pid not in sess.refusals and int(rec.get("outer_step", -1)) > w.outer_step:
                     return True
         return False
 
     def _resync_behind(self, worker: StageWorker, result: RoundResult) -> None:
-        """Round t was committed without us being able to reproduce it: take the winning state."""
+        """Round t was committed without us being able to reproduce it: take the majority's state."""
         last = worker.last_contribution
-        unsent = last is not None and (result.target is None or last[0][:16] not in result.target)
+        followed = result.followed.link.replicas if result.followed and result.followed.link else None
+        unsent = last is not None and (followed is None or last[0][:16] not in followed)
         try:
             self.session.resync.sync_state(worker, f"round {result.t} committed elsewhere", keep_errors=True)
         except PeerError as exc:
@@ -477,9 +264,10 @@ class Rounds:
         except NetworkError as exc:  # not known to be complete: asked again at the next poll
             log.info("round %d stage %d: DHT read failed: %s", t, stage, exc)
             return False
-        view = round_view(t, stage, payloads, stage0, replicas, holders, self.session.peer_id, self.session.incarnation)
-        if view.target is not None or view.behind:
-            return True
+        sess = self.session
+        view = round_view(t, stage, payloads, stage0, replicas, holders, sess.peer_id, sess.incarnation)
+        if any(c.outer_step > t for c in parse_claims(holders, sess.peer_id, sess.refusals.peers()).values()):
+            return True  # committed (or passed) by another holder: the spare follows it
         announced = {rid for rid, _ in view.bound.values()}
         return bool(announced or view.dropped) and view.expected <= announced | view.dropped
 
@@ -498,3 +286,14 @@ class Rounds:
         log.info(
             "round %d committed: %s train %s val %s", t, {s: n for s, (_, n) in stages.items()}, train_loss, val_loss
         )
+
+
+def _set_of(result: RoundResult) -> list[Entry]:
+    """A gathered round's committed set, as a link names it: (replica prefix, sha256 prefix)."""
+    return [entry(r, sha256(b)) for r, b in zip(result.replicas, result.payloads, strict=True)]
+
+
+def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
+    """Stage 0's committed embedding change from an observer gather of stage 0: screened with the
+    replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.apply_round`)."""
+    return embedding_update([decompress(p) for p in embed.parsed], cfg.sparseloco, keys=embed.replicas)

@@ -350,6 +350,7 @@ class PeerService:
         with worker.lock:
             tensors = worker.snapshot()
             meta = {"param_hash": worker.param_hash(), "perp_hash": worker.perp_hash(), "stage": request.stage}
+            meta["state_id"] = worker.state_id()
             meta["bans"] = worker.bans.to_record()  # part of the committed state (peer.node.bans)
             return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
 

@@ -5,7 +5,8 @@ bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it again
 (`verify_manifest`), downloads and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`.
 The trainer (`peer.node.trainer`) then serves its stage workers and uses the session's duties:
 - `rounds`      outer rounds: gather, commit, record (peer.node.rounds);
-- `resync`      late join, divergence checks, catch-up (peer.node.resync);
+- `resync`      late join, the canonical-state check, downloads, catch-up (peer.node.resync);
+- `refusals`    holders whose published state failed its check (peer.node.refusals);
 - `records`     this peer's DHT records and their refresh thread (peer.node.records);
 - `checkpoints` `--resume` and periodic saves (peer.node.checkpoints.peer);
 - `metrics`     `<data-dir>/metrics.jsonl` (peer.node.metrics).
@@ -44,10 +45,12 @@ from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.peer import PeerCheckpoints
+from peer.node.claims import swarm_clock
 from peer.node.connectivity import Connectivity
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.records import Records
+from peer.node.refusals import Refusals
 from peer.node.resync import Resync
 from peer.node.rounds import PayloadStore, Rounds, expected_replicas
 from peer.node.service import PeerService
@@ -102,6 +105,7 @@ class Session:
         self.address = ""
         opts.data_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(opts.data_dir, role)
+        self.refusals = Refusals(on_refuse=self.metrics.log)  # holders whose state failed its check
         self.records = Records(self)
         self.rounds = Rounds(self)
         self.resync = Resync(self)
@@ -135,7 +139,7 @@ class Session:
         except BaseException:
             dht.shutdown()
             raise
-        session.joined_at = dht.current_outer_step()
+        session.joined_at = swarm_clock(dht.get_replicas())  # the lower median: no single record moves it
         log.info("joined run %s as %s%s", manifest["run_id"], role, "" if stage is None else f" of stage {stage}")
         return session
 

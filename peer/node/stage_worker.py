@@ -25,6 +25,7 @@ a complete one (the head does not wait for its answer); one that does not come w
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -36,21 +37,17 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import RunConfig
+from peer.core.commit import NO_CLIP, RoundCommit, state_hash
 from peer.core.model import Decoder, build_stage
 from peer.core.optim import build_adamw, grad_sq_norm
 from peer.core.outer import (
-    NO_CLIP,
-    RoundCommit,
     adamw_step,
     attach_subspace,
     check_stage_state,
-    commit_round,
     initial_split,
-    perp_decay,
     perp_of,
     set_perp,
     stage_state,
-    state_hash,
 )
 from peer.core.sparseloco import (
     ClipStats,
@@ -58,7 +55,6 @@ from peer.core.sparseloco import (
     compress,
     decompress,
     pseudo_gradient,
-    removed_from_own,
     restore_unsent,
 )
 from peer.core.split_backward import input_grad_first
@@ -68,11 +64,12 @@ from peer.core.subspace import (
     expand_activations,
     expand_grad,
     make_basis,
-    perp_outer_update,
 )
 from peer.node.bans import NONE as NO_BANS
-from peer.node.bans import Bans, after_commit
+from peer.node.bans import Bans
+from peer.node.claims import Entry, Link, entry, state_id
 from peer.node.optimizer_state import load_named_optimizer_state, named_optimizer_state
+from peer.node.stage_commit import Outcome, Prev, add, compute, own_adjustment
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +104,13 @@ class StageWorker:
         self.errors: dict[str, torch.Tensor] | None = None
         self.microbatches_seen = 0
         self.seen: set[tuple[str, int]] = set()  # micro-batches of the current inner step
-        self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) of the last round
+        self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) until its round commits
         self.last_committed: list[str] = []  # replica ids committed in the last round
         self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
         self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
         self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
+        self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
+        self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
         self._hash_key: tuple[int, int] | None = None
         self._hash_value = ("", "")
         self._turn = threading.Condition(self.lock)  # micro-batch order of gradient accumulation
@@ -126,9 +125,10 @@ class StageWorker:
         """θ_start: the committed parameters of the current outer step (read-only)."""
         return self._start
 
-    def _set_start(self, value: dict[str, torch.Tensor]) -> None:
-        """Every change of θ_start (or T⊥) goes through here: it keys the hash cache."""
-        self._start = value
+    def _set_start(self, value: Mapping[str, torch.Tensor]) -> None:
+        """Every change of θ_start (or T⊥) goes through here: it keys the hash cache. θ_start is
+        kept on the CPU in float32 (the portable commit's input), whatever device trains."""
+        self._start = {n: v.detach().to("cpu", torch.float32) for n, v in value.items()}
         self._start_version += 1
 
     # ---------------------------------------------------------------- pipeline compute
@@ -370,66 +370,105 @@ class StageWorker:
         committed: Sequence[Payload],
         embed_update: torch.Tensor | None,
         replicas: Sequence[str] = (),
-        bans: Bans | None = None,
+        embed_set: Sequence[Entry] | None = None,
     ) -> RoundCommit:
-        """θ ← θ_start − η·mean(clip(Δ̂)) over the committed set (in its given order); next outer step.
+        """Commit the current round: θ ← θ_start − η·mean(clip(Δ̂)) over the committed set (in its
+        given order, from `replicas`), the ban state advanced with it; next outer step.
 
-        `replicas` are the committed replica ids (published in this stage's record). Stage 0's
-        result carries the embedding's committed change, the T⊥ update of every other stage. The
-        ban state advances with the commit (`Bans.advance`), or is `bans` (a committed set taken
-        from another holder comes with that holder's bans), in the same locked step.
+        Stage 0's result carries the embedding's committed change, the T⊥ update of every other
+        stage (`embed_update`, from stage 0's committed set `embed_set`, which the link names).
+        What the round took from our own payload (all of it if the set lacks it) returns to our
+        error buffer. The state committed from is kept (`prev`) so a claim of another holder can
+        be checked against it (`recompute`).
         """
         with self.lock:
-            decoded = [decompress(p) for p in committed]
-            decay = perp_decay(self.cfg.train, self.outer_step)
-            keys = list(replicas) if len(replicas) == len(decoded) else None  # the screening's tie-break
-            done = commit_round(
-                [self.module], self.start, decoded, self.cfg.sparseloco, self.U, embed_update, decay, keys=keys
+            t = self.outer_step
+            perp = self._perp_cpu()
+            out = compute(
+                self.cfg, self.stage, self.U, t, self.start, perp, self.bans, committed, replicas, embed_update
             )
-            self._return_clipped(committed, decoded, done.clip, done.dropped)
-            self.last_dropped = [keys[i] if keys is not None else str(i) for i in done.dropped]
-            if self.last_dropped:
-                log.warning(
-                    "stage %d round %d: screened out %d of %d contributions as outliers: %s",
-                    self.stage,
-                    self.outer_step,
-                    len(self.last_dropped),
-                    len(decoded),
-                    ", ".join(r[:12] for r in self.last_dropped),
-                )
-            if not decoded and embed_update is not None and not self.is_first:  # stage 0 moved: so does T⊥
-                set_perp(self.module, perp_outer_update(perp_of(self.module), embed_update.to(self.device), self.U))
-            if done.clip.n_clipped:
-                log.info(
-                    "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
-                    self.stage,
-                    self.outer_step,
-                    done.clip.n_clipped,
-                    len(decoded),
-                    done.clip.max_ratio,
-                    done.clip.median,
-                )
-            self.outer_step += 1
-            self._set_start(stage_state(self.module))
-            self.last_clip = done.clip
-            self.last_committed = list(replicas)
-            if bans is None:  # our own screening decides (its keys are the replica ids)
-                swarm, ids = self.cfg.swarm, keys if keys is not None else []
-                dropped = self.last_dropped if keys is not None else []
-                bans = after_commit(
-                    self.bans, self.outer_step - 1, ids, dropped, swarm.ban_after, swarm.ban_rounds, self.stage
-                )
-            self.bans = bans
-            return done
+            adjustment = own_adjustment(self.last_contribution, out, committed)
+            prev = Prev(t, self.start, perp, self.bans, self.state_id(), adjustment, self.last_contribution)
+            self.errors = add(self.errors, adjustment)
+            self._install(out, Link(t, prev.state, out.state, _entries(replicas, committed), _set(embed_set)))
+            self.prev = prev
+            self._log_commit(out, len(committed))
+            return out.committed.commit
 
-    def _return_clipped(
-        self, committed: Sequence[Payload], decoded: Sequence[Any], clip: ClipStats, dropped: Sequence[int] = ()
-    ) -> None:
-        """What the round removed from our own committed payload goes back into our error buffer."""
-        own = self.last_contribution[1] if self.last_contribution is not None else None
-        mass = None if own is None else removed_from_own(own, committed, decoded, clip, dropped)
-        if mass is not None:
-            self.errors = restore_unsent(self.errors, mass)
+    def recompute(
+        self, committed: Sequence[Payload], replicas: Sequence[str], embed_update: torch.Tensor | None
+    ) -> Outcome | None:
+        """The commit of the last round with another set, from the state it was committed from (nothing
+        changes); None when that state is not kept (initial, downloaded or resumed state)."""
+        with self.lock:
+            prev = self.prev
+        if prev is None:
+            return None
+        return compute(
+            self.cfg, self.stage, self.U, prev.t, prev.start, prev.perp, prev.bans, committed, replicas, embed_update
+        )
+
+    def switch(self, out: Outcome, committed: Sequence[Payload], embed_set: Sequence[Entry] | None = None) -> None:
+        """Replace our commit of the last round by `out` (a checked better claim, `recompute`): the
+        state, bans and link become its own; our error buffer gives back what our commit took from
+        our payload and takes what `out` takes instead."""
+        with self.lock:
+            prev = self.prev
+            if prev is None or out.t != prev.t or self.outer_step != prev.t + 1:
+                raise ValueError(f"stage {self.stage}: no commit of round {out.t} to replace")
+            adjustment = own_adjustment(prev.own, out, committed)
+            self.errors = add(add(self.errors, prev.adjustment, -1.0), adjustment)
+            self._install(out, Link(out.t, prev.state, out.state, _entries(out.replicas, committed), _set(embed_set)))
+            self.prev = Prev(prev.t, prev.start, prev.perp, prev.bans, prev.state, adjustment, prev.own)
+            self._reset_step()
+
+    def _install(self, out: Outcome, link: Link) -> None:
+        """Make a computed commit our state (under the lock): parameters, T⊥, θ_start, bans, link."""
+        done = out.committed
+        with torch.no_grad():
+            params = dict(self.module.named_parameters())
+            for name, value in done.params.items():
+                params[name].copy_(value)
+            if done.perp is not None:
+                set_perp(self.module, done.perp)
+        self.outer_step = out.t + 1
+        self._set_start(done.params)
+        self._hash_key, self._hash_value = (self._start_version, self.outer_step), (out.param_hash, out.perp_hash)
+        self.bans = out.bans
+        self.last_clip = done.commit.clip
+        self.last_dropped = list(out.dropped)
+        self.last_committed = list(out.replicas)
+        self.last_contribution = None
+        self.link = link
+
+    def _perp_cpu(self) -> torch.Tensor | None:
+        """A CPU copy of T⊥ (None when the run uses no subspace)."""
+        try:
+            return perp_of(self.module).detach().to("cpu", torch.float32, copy=True)
+        except ValueError:
+            return None
+
+    def _log_commit(self, out: Outcome, n: int) -> None:
+        clip = out.committed.commit.clip
+        if out.dropped:
+            log.warning(
+                "stage %d round %d: screened out %d of %d contributions as outliers: %s",
+                self.stage,
+                out.t,
+                len(out.dropped),
+                n,
+                ", ".join(r[:12] for r in out.dropped),
+            )
+        if clip.n_clipped:
+            log.info(
+                "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
+                self.stage,
+                out.t,
+                clip.n_clipped,
+                n,
+                clip.max_ratio,
+                clip.median,
+            )
 
     # ---------------------------------------------------------------- state
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -444,7 +483,8 @@ class StageWorker:
 
         {"outer_step": t, "params": {name: θ}, "start": {name: θ_start}, "perp": T⊥,
          "errors": {name: e} | None, "optimizer": {"state": {"<name>/<key>": tensor},
-         "param_groups": [{hyperparameters..., "params": [global names]}]}}
+         "param_groups": [{hyperparameters..., "params": [global names]}]},
+         "bans": the ban record, "link": the link record (or None)}
         """
         with self.lock:
             return {
@@ -454,14 +494,18 @@ class StageWorker:
                 "perp": perp_of(self.module).detach(),
                 "errors": None if self.errors is None else dict(self.errors),
                 "optimizer": named_optimizer_state(self.module, self.optimizer),
+                "bans": self.bans.to_record(),
+                "link": None if self.link is None else {**self.link.to_record(), "state": self.link.state},
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Adopt a state: "outer_step", "start" and "perp" are required; "params" defaults to θ_start,
-        "errors" to an empty buffer and "optimizer" to a fresh AdamW (a late joiner's state).
+        "errors" to an empty buffer, "optimizer" to a fresh AdamW, "bans" to none and "link" to
+        none (a late joiner's state).
 
         Every name and shape is checked before anything changes (ValueError); the current inner
-        step's gradients and pending activations are dropped.
+        step's gradients and pending activations are dropped. The state the last round was
+        committed from is forgotten: a loaded state is checked against claims by majority only.
         """
         with self.lock:
             own = dict(self.module.named_parameters())
@@ -474,11 +518,16 @@ class StageWorker:
                 for name, value in params.items():
                     own[name].copy_(value.to(own[name].device))
             set_perp(self.module, perp.to(self.device))
-            self._set_start({n: v.detach().to(own[n].device, own[n].dtype).clone() for n, v in start.items()})
+            self._set_start(start)
             errors = state.get("errors")
             self.errors = None if errors is None else {n: e.to("cpu", torch.float32) for n, e in errors.items()}
             self.optimizer = optimizer
             self.outer_step = int(state["outer_step"])
+            self.bans = Bans.from_record(state.get("bans"))
+            link = state.get("link")
+            self.link = Link.from_record(link, link.get("state")) if isinstance(link, Mapping) else None
+            self.last_committed = self.link.replicas if self.link is not None else []
+            self.prev = None
             self._reset_step()
             self._epoch = None  # the outer step may have gone back: no epoch of it is stale
 
@@ -489,6 +538,11 @@ class StageWorker:
     def perp_hash(self) -> str:
         return self._hashes()[1]
 
+    def state_id(self) -> str:
+        """The id of the committed state (parameters, T⊥, bans): what this holder claims (peer.node.claims)."""
+        with self.lock:
+            return state_id(self.param_hash(), self.perp_hash(), self.bans.to_record())
+
     def _hashes(self) -> tuple[str, str]:
         """(θ_start, T⊥) hashes, computed once per committed state: θ_start and T⊥ change only
         through `_set_start`, which bumps `_start_version`, the key of the cache."""
@@ -498,3 +552,14 @@ class StageWorker:
                 self._hash_value = (state_hash(self.start), state_hash({"perp": perp_of(self.module)}))
                 self._hash_key = key
             return self._hash_value
+
+
+def _entries(replicas: Sequence[str], payloads: Sequence[Payload]) -> tuple[Entry, ...]:
+    """A committed set's names: (replica id prefix, payload sha256 prefix) in commit order (positions
+    stand in for replica ids a caller did not give)."""
+    ids = list(replicas) if len(replicas) == len(payloads) else [f"{i:016d}" for i in range(len(payloads))]
+    return tuple(entry(r, hashlib.sha256(p.to_bytes()).hexdigest()) for r, p in zip(ids, payloads, strict=True))
+
+
+def _set(value: Sequence[Entry] | None) -> tuple[Entry, ...] | None:
+    return None if value is None else tuple(value)

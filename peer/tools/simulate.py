@@ -42,8 +42,9 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.commit import commit_round, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.outer import commit_round, perp_decay, perp_of, set_perp, stage_state
+from peer.core.outer import perp_of, set_perp, stage_state
 from peer.core.robust import OFF, RobustConfig
 from peer.core.sparseloco import Payload, clipped_mass, compress, decompress, pseudo_gradient, restore_unsent
 from peer.core.subspace import k_from_ratio, make_basis

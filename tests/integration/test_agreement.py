@@ -1,7 +1,9 @@
 """Each transition of the round protocol (docs/protocol.md), on records alone: no DHT, no network.
 
-`round_view` is fed plain records; `gather_round` runs against an in-memory DHT and client pool, so
-every test shows one transition and ends in milliseconds (only the deadline test waits, 1 s).
+`round_view` is fed plain records; `gather_round` runs against an in-memory table of records and
+payloads standing in for what a poll reads (the real DHT and gRPC path is
+tests/integration/test_round_hash.py and the swarm tests), so every test shows one transition and
+ends in milliseconds (only the deadline tests wait, about 1 s).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import torch
 from peer.config import build_config
 from peer.core.sparseloco import compress
 from peer.errors import NetworkError
-from peer.node.agreement import canonical, fenced_by, fresh, round_view
-from peer.node.rounds import dht_time, gather_round, sha256
+from peer.net.dht import dht_time
+from peer.node.agreement import fenced_by, fresh, round_view
+from peer.node.claims import entry
+from peer.node.gather import gather_round
+from peer.node.refusals import Refusals
+from peer.node.round_payloads import sha256
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,22 +74,6 @@ def test_a_head_whose_bound_peer_died_without_announcing_is_dropped_for_everyone
     assert alive.expected == {"h", "f"} and not alive.dropped  # alive and at t: it will announce
 
 
-def test_a_committed_round_gives_its_set_and_two_rounds_ahead_means_behind():
-    holders = {"a": {"outer_step": 6, "committed": ["x", "y"], "param_hash": "2"}, "b": {"outer_step": 5}}
-    view = round_view(5, 1, {}, {}, {}, holders, "me", "")
-    assert view.target == ["x", "y"] and view.others_gathering and not view.behind
-    assert round_view(4, 1, {}, {}, {}, holders, "me", "").behind
-
-
-# ------------------------------------------------------------------ the canonical state
-def test_canonical_state_is_the_same_for_both_of_two_holders():
-    a = {"committed": ["x"], "param_hash": "bbb", "perp_hash": ""}
-    b = {"committed": ["x", "y"], "param_hash": "zzz", "perp_hash": ""}
-    c = {"committed": ["y", "z"], "param_hash": "aaa", "perp_hash": ""}
-    assert canonical([a, b]) is b and canonical([b, a]) is b  # the larger committed set wins
-    assert canonical([b, c]) is c and canonical([c, b]) is c  # a tie goes to the smaller hash
-
-
 # ------------------------------------------------------------------ gather_round: when it closes
 class FakeDHT:
     def __init__(self, me: str) -> None:
@@ -128,11 +118,34 @@ class Store:
     def put_fetched(self, *a):
         pass
 
+    def get(self, *a):
+        return None
 
-def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3):
+
+PREV = "s0"  # our state id at outer step 0: the state the claims below committed round 0 from
+
+
+def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None):
     return gather_round(
-        dht, clients, 0, 1, timeout_s, own=own, store=Store(), address="me:1", poll_s=0.02, grace_s=grace_s
+        dht,
+        clients,
+        0,
+        1,
+        timeout_s,
+        own=own,
+        store=Store(),
+        address="me:1",
+        poll_s=0.02,
+        grace_s=grace_s,
+        prev=PREV,
+        refusals=refusals,
     )
+
+
+def _claim(*items: tuple[str, bytes], prev: str = PREV, state: str = "s1", t: int = 0) -> dict:
+    """A holder's record after committing round t: outer step t + 1, its state id and link."""
+    link = {"t": t, "prev": prev, "set": [list(entry(rid, sha256(data))) for rid, data in items]}
+    return {"outer_step": t + 1, "state_id": state, "link": link}
 
 
 def _other(dht: FakeDHT, clients: FakeClients, pid: str, data: bytes, **rec) -> None:
@@ -174,24 +187,60 @@ def test_no_lone_commit_while_another_holder_gathers_then_follow_its_set():
     th.start()
     th.join(0.3)
     assert th.is_alive()  # our own payload alone: we do not commit while o gathers
-    dht.holders = {"o": {"outer_step": 1, "committed": ["me"], "param_hash": "h"}}  # o committed {me}
+    dht.holders = {"o": _claim(("me", _payload(2)))}  # o committed {our payload} from our state
     th.join(5)
-    assert done and done[0].replicas == ["me"] and done[0].target == ["me"]
+    assert done and done[0].replicas == ["me"] and done[0].followed is not None and done[0].followed.peer == "o"
 
 
 def test_a_committed_set_we_cannot_fetch_means_resync_not_waiting():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "gone": _replica()}
-    dht.holders = {"o": {"outer_step": 1, "committed": ["gone", "me"], "param_hash": "h"}}
+    _other(dht, clients, "gone", _payload(1))
+    clients.served.clear()  # announced, then gone: nobody serves its payload
+    dht.holders = {"o": _claim(("gone", _payload(1)), ("me", _payload(2)))}
+    refusals = Refusals()
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30, refusals=refusals)
+    assert result.behind and result.wall_s < 5 and "o" not in refusals  # genuine but unavailable: no blame
+
+
+def test_a_set_naming_payloads_no_replica_announced_gets_its_claimer_refused():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1))
+    padded = [("o", _payload(1)), ("me", _payload(2))] + [(f"made-up-{i}", _payload(10 + i)) for i in range(8)]
+    dht.holders = {"o": _claim(*padded)}
+    refusals = Refusals()
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30, refusals=refusals)
+    assert "o" in refusals  # its set names replicas that never announced: a forged claim
+    assert result.followed is None and result.replicas == ["me", "o"] and not result.behind
+
+
+def test_a_claim_from_another_state_is_not_followed():
+    # o committed round 0 from a state that is not ours: we could not check its result, so we do not
+    # take its set; our own gather closes as usual (the canonical-state check runs after the commit)
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1))
+    dht.holders = {"o": _claim(("o", _payload(1)), prev="elsewhere")}
     result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
-    assert result.behind and result.wall_s < 5
+    assert result.followed is None and result.replicas == ["me", "o"]
 
 
 def test_behind_two_rounds_returns_at_once():
     dht, clients = FakeDHT("me"), FakeClients({})
-    dht.replicas = {"me": _replica()}
-    dht.holders = {"o": {"outer_step": 2}}
+    dht.replicas = {"me": _replica(), "o": _replica(t=2)}  # the swarm's clock: two rounds past us
+    dht.holders = {"o": {"outer_step": 2, "state_id": "s2"}}
     assert _gather(dht, clients, own=("me", _payload(2)), timeout_s=30).behind
+
+
+def test_a_lone_holder_claiming_rounds_ahead_of_the_swarm_is_not_believed():
+    # x claims outer step 7 while every replica's record is at 0: no re-sync to its state
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1))
+    dht.holders = {"x": {"outer_step": 7, "state_id": "forged"}}
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    assert not result.behind and result.replicas == ["me", "o"]
 
 
 def test_a_sender_that_left_after_announcing_is_dropped_not_waited_for():
@@ -289,9 +338,9 @@ def test_a_holder_seen_gathering_that_came_back_past_the_round_is_followed_not_d
     dht.holders = {"o": {"outer_step": 1}}  # the restarted process, its committed set not published yet
     th.join(0.5)
     assert th.is_alive()
-    dht.holders = {"o": {"outer_step": 1, "committed": ["me"], "param_hash": "h"}}
+    dht.holders = {"o": _claim(("me", _payload(2)))}
     th.join(5)
-    assert done and done[0].target == ["me"] and not done[0].timed_out
+    assert done and done[0].followed is not None and done[0].replicas == ["me"] and not done[0].timed_out
 
 
 def test_a_hot_spare_does_not_hold_a_lone_contributor_until_the_deadline():
@@ -312,9 +361,9 @@ def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_se
     th.start()
     th.join(0.4)
     assert th.is_alive()  # every expected payload is held, but an observer does not decide the set
-    dht.holders = {"o": {"outer_step": 1, "committed": ["a"], "param_hash": "h"}}
+    dht.holders = {"o": _claim(("a", _payload(1)))}
     th.join(5)
-    assert done and done[0].replicas == ["a"] and done[0].target == ["a"] and not done[0].timed_out
+    assert done and done[0].replicas == ["a"] and done[0].followed is not None and not done[0].timed_out
 
 
 def test_a_holder_that_left_gracefully_is_not_waited_for():
@@ -356,9 +405,9 @@ def test_a_set_closing_at_an_earlier_closers_deadline_follows_its_commit():
     th.start()
     th.join(0.4)
     assert th.is_alive()  # both payloads held, but o's deadline is near: its commit decides
-    dht.holders = {"o": {"outer_step": 1, "committed": ["o"], "param_hash": "h"}}  # o closed without ours
+    dht.holders = {"o": _claim(("o", _payload(1)))}  # o closed without ours
     th.join(5)
-    assert done and done[0].replicas == ["o"] and done[0].target == ["o"]
+    assert done and done[0].replicas == ["o"] and done[0].followed is not None
 
 
 def test_the_fence_ends_at_the_earlier_closers_deadline_plus_the_grace():
@@ -368,3 +417,43 @@ def test_the_fence_ends_at_the_earlier_closers_deadline_plus_the_grace():
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.1)
     result = _gather(dht, clients, own=("me", _payload(2)), grace_s=0.5)
     assert result.replicas == ["me", "o"] and not result.timed_out and 0.4 <= result.wall_s < 3
+
+
+# ------------------------------------------------------------------ a freeze mid-round
+class SlowClients(FakeClients):
+    """Serves like FakeClients; a fetch from `slow` first runs `during` (the world moves on) and
+    takes `delay_s`, as if this process had been frozen (SIGSTOP, a stalled machine) mid-round."""
+
+    def __init__(self, served: dict[str, bytes], slow: str, delay_s: float, during) -> None:
+        super().__init__(served)
+        self.slow, self.delay_s, self.during = slow, delay_s, during
+
+    def get(self, address):
+        inner = super().get(address)
+        outer = self
+
+        class Client:
+            def get_payload(self, req, timeout_s):
+                if address == outer.slow and outer.delay_s:
+                    outer.during()
+                    threading.Event().wait(outer.delay_s)
+                    outer.delay_s = 0.0
+                return inner.get_payload(req, timeout_s)
+
+        return Client()
+
+
+def test_a_holder_frozen_past_the_deadline_follows_the_set_committed_meanwhile():
+    # we read the round (o gathering), then froze past our deadline while o committed {o} without
+    # us; on waking, the set we would close is stale: we read again and take o's set instead
+    dht = FakeDHT("me")
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+
+    def o_commits() -> None:
+        dht.holders = {"o": _claim(("o", _payload(1)))}
+
+    clients = SlowClients({}, "o:1", 1.5, o_commits)
+    _other(dht, clients, "o", _payload(1))
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0)
+    assert result.followed is not None and result.replicas == ["o"] and not result.timed_out

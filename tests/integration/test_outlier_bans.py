@@ -159,7 +159,7 @@ def test_a_replica_dropped_three_rounds_in_a_row_is_no_longer_fetched_and_holder
                 assert ra.bytes_fetched == len(pb.to_bytes()) and rb.bytes_fetched == len(pa.to_bytes())
     assert observer is not None
     rc = observer.result(timeout=120)
-    assert rc.target is not None and rc.replicas == sorted([a.id, b.id])  # followed the committed set
+    assert rc.followed is not None and rc.replicas == sorted([a.id, b.id])  # followed the committed set
     assert rc.bytes_fetched == len(pa.to_bytes()) + len(pb.to_bytes())  # not X's
     assert _state(c) == _state(a) == _state(b)
     assert a.worker.bans.banned(5) == {x_id[:16]} and a.worker.bans.entries[x_id[:16]].until == 2 + 1 + 10

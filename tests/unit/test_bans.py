@@ -5,10 +5,11 @@
 - honest rounds (nothing dropped) never create any state;
 - the state is a function of (state, round, set, drops): holders that commit the same rounds hold
   the same bans in any order of the ids; the record round-trips, junk is ignored, size is capped;
-- agreement: the canonical state orders equal states by their bans, a committed set carries its
-  holder's bans (`RoundView.target_bans`), banned replicas are dropped from a round unless the
-  committed set holds them, an observer reads the bans of the stage's canonical holder;
-- `StageWorker.apply_round` advances the bans from its own screening, or adopts the given ones.
+- agreement: the ban state is part of the state id (two states that differ only by their bans are
+  two claims), banned replicas are dropped from a round, an observer skips only the replicas every
+  holder of the stage at that round bans;
+- `StageWorker.apply_round` advances the bans from its own screening: a holder that commits the
+  same set from the same state holds the same bans (no bans are ever taken from a claim).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from peer.config import build_config
 from peer.core.sparseloco import compress, decompress
 from peer.errors import ConfigError
-from peer.node.agreement import canonical, round_bans, round_view, state_key
+from peer.node.agreement import round_bans, round_view
 from peer.node.bans import MAX_ENTRIES, NONE, Bans, Entry
+from peer.node.claims import state_id
 from peer.node.stage_worker import StageWorker
 
 A, B, C, X = ("A" * 20, "B" * 20, "C" * 20, "X" * 20)  # replica ids; bans key them by 16-char prefix
@@ -88,46 +90,41 @@ def test_the_record_round_trips_ignores_junk_and_stays_small():
     assert len(many.entries) == MAX_ENTRIES and min(e.last for e in many.entries.values()) == 2 * MAX_ENTRIES
 
 
-def test_canonical_state_orders_equal_states_by_their_bans():
+def test_the_ban_state_is_part_of_the_state_id():
     banned = _run([([A, X], [X])] * 3).to_record()
-    plain = {"committed": ["a", "b"], "param_hash": "h", "perp_hash": "p"}
-    with_bans = {**plain, "bans": banned}
-    assert canonical([plain, with_bans]) is with_bans and canonical([with_bans, plain]) is with_bans
-    assert state_key(plain) == state_key({**plain, "bans": {}})  # records of older peers: no bans
-    assert canonical([{**plain, "committed": ["a", "b", "c"]}, with_bans])["committed"] == ["a", "b", "c"]
+    assert state_id("h", "p", banned) != state_id("h", "p", {})  # other bans: another claim
+    assert state_id("h", "p", banned) == state_id("h", "p", dict(reversed(list(banned.items()))))
+    assert state_id("h", "p", {}) != state_id("h", "q", {}) != state_id("g", "p", {})
 
 
 def _replica(t: int = 0) -> dict:
     return {"kind": "full", "outer_step": t, "joined_at": 0, "address": "x:1"}
 
 
-def test_banned_replicas_are_out_of_the_round_unless_a_committed_set_holds_them():
+def test_banned_replicas_are_out_of_the_round():
     anns = {rid: {"replica": rid, "sha256": "0", "address": "x:1"} for rid in (A, X)}
     replicas = {rid: _replica(3) for rid in (A, B, X)}
     view = round_view(3, 1, anns, {}, replicas, {}, B, "", banned=frozenset({x}))
     assert set(view.bound) == {A} and view.banned == {X} and X in view.dropped and X not in view.expected
     assert (X, X, "banned") in view.ignored
-    # another holder committed a set with X (its bans differ): the set is followed as it is, with its bans
-    holders = {A: {"outer_step": 4, "committed": [A[:16], x], "bans": {}, "param_hash": "h"}}
-    view = round_view(3, 1, anns, {}, replicas, holders, B, "", banned=frozenset({x}))
-    assert X in {rid for rid, _ in view.bound.values()} and not view.banned and view.target_bans == NONE
-    old = {A: {"outer_step": 4, "committed": [A[:16]], "param_hash": "h"}}  # a record without bans
-    assert round_view(3, 1, anns, {}, replicas, old, B, "").target_bans is None
 
 
-def test_an_observer_reads_the_bans_of_the_stages_canonical_holder_at_that_round():
+def test_an_observer_skips_only_what_every_holder_of_the_stage_at_that_round_bans():
     rec = _run([([A, X], [X])] * 3).to_record()
     holders = {
-        A: {"outer_step": 3, "committed": [A[:16], x], "param_hash": "h", "bans": rec},
-        B: {"outer_step": 3, "committed": [A[:16]], "param_hash": "g", "bans": {}},  # fewer committed: loses
-        C: {"outer_step": 2, "committed": [], "param_hash": "f", "bans": {}},
+        A: {"outer_step": 3, "bans": rec},
+        B: {"outer_step": 3, "bans": rec},
+        C: {"outer_step": 2, "bans": {}},  # another round: not read
     }
     assert round_bans(holders, 3) == {x}
-    assert round_bans(holders, 3, me=A) == frozenset()
+    assert round_bans({**holders, "D": {"outer_step": 3, "bans": {}}}, 3) == frozenset()  # one holder disagrees
+    lone = {A: {"outer_step": 3, "bans": rec}, B: {"outer_step": 3, "bans": {}}}
+    assert round_bans(lone, 3) == frozenset()  # a lone holder cannot make an observer skip a replica
+    assert round_bans(holders, 3, me=A) == {x}
     assert round_bans(holders, 5) == frozenset()
 
 
-def test_apply_round_advances_the_bans_from_screening_or_adopts_the_given_ones():
+def test_apply_round_advances_the_bans_from_screening_and_the_same_set_gives_the_same_bans():
     cfg = build_config()
     cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, ban_after=2, ban_rounds=4))
     worker = StageWorker(cfg, 1)
@@ -143,6 +140,10 @@ def test_apply_round_advances_the_bans_from_screening_or_adopts_the_given_ones()
         worker.apply_round([*honest, attacker], None, [A, B, C, X])
         assert worker.last_dropped == [X]
     assert worker.bans.banned(2) == {x} and worker.bans.entries[x].until == 2 + 4
-    given = Bans({A[:16]: Entry(1, 1, 0)})
-    worker.apply_round([payload(99)], None, [A], bans=given)
-    assert worker.bans is given
+    # a second holder that commits the same sets from the same state holds the same bans and state
+    other = StageWorker(cfg, 1)
+    for t in range(2):
+        honest = [payload(10 * t + i) for i in range(3)]
+        attacker = compress({n: -1e4 * v for n, v in decompress(honest[0]).items()}, None, cfg.sparseloco)[0]
+        other.apply_round([*honest, attacker], None, [A, B, C, X])
+    assert other.bans == worker.bans and other.state_id() == worker.state_id()

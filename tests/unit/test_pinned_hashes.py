@@ -1,36 +1,42 @@
 """Refactors that do not change the math keep results bit-identical (torchtitan's rule).
 
-The hashes below pin the math as of issue 10 (sign-true quantizer and payload v3, global-norm
-gradient clipping across stages, T⊥ weight decay at each commit, clipped mass returned to the
-sender); they are recorded with one torch thread (tests/conftest.py). If one changes, the math
-changed: that must be a deliberate change of behaviour (say so in CHANGELOG.md and update the pin),
-never a side effect of moving code.
+The hashes below pin the math as of issue 20 (the portable initial state and commit: canonical
+integer initialisation, Gram–Schmidt basis, float64 fixed-order T_S/T⊥ split, `portable_cos`),
+on top of issue 10's (sign-true quantizer and payload v3, global-norm gradient clipping across
+stages, T⊥ weight decay at each commit, clipped mass returned to the sender). If one changes, the
+math changed: that must be a deliberate change of behaviour (say so in CHANGELOG.md and update the
+pin), never a side effect of moving code.
+
+Training is device-native, so its bits depend on the CPU's kernels (torch picks AVX2 or AVX-512
+code paths, MKL its own). The pins are therefore computed in a subprocess on the REFERENCE
+kernels — torch's default (non-vectorised) CPU capability, MKL's conditional numerical
+reproducibility in COMPATIBLE mode, one thread — which give the same bits on every x86 machine
+(checked here with MKL's instruction set lowered too), so one set of pins holds everywhere.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 
 from peer.config import build_config
+from peer.core.commit import embedding_update, state_hash
 from peer.core.data import TokenData
-from peer.core.outer import embedding_update, state_hash
 from peer.core.sparseloco import decompress
 from peer.node.checkpoints.model import load_model_checkpoint
 from peer.node.stage_worker import StageWorker
 from peer.tools.simulate import simulate
 
-# Float kernels differ between CPUs (torch picks AVX2 or AVX-512 code paths, whose sums round in a
-# different order), so each kind of machine the pins were recorded on has its own set; a run must
-# match every hash of one set. A new kind of machine gets its set added deliberately (say so in the
-# commit), never to paper over a change of the math on a known one.
-SIMULATOR_PINS = [
-    {"sparseloco": "240690f67f6f524f", "het-pp-compress": "259880e1b3e5858a"},  # issue-10 machine
-    {"sparseloco": "8777c875abbe4fad", "het-pp-compress": "623d0931e665171d"},  # AMD EPYC, AVX-512
-]
-SWARM_ROUND_PINS = [
-    {0: "5f495402c6712829", 1: "58ad86c1d285812b"},  # issue-10 machine
-    {0: "e29aee03f5318b47", 1: "58ad86c1d285812b"},  # AMD EPYC, AVX-512
-]
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1"}
+SIMULATOR_PIN = {"sparseloco": "daf6bdd7ee25cd14", "het-pp-compress": "f8df3e1e6288eb50"}
+SWARM_ROUND_PIN = {"0": "bd88c80df68f88a3", "1": "a08768f897760d49"}
 
 
 def _cfg():
@@ -56,13 +62,13 @@ def _data(cfg) -> TokenData:
     return TokenData(train=train, val=train[:2_000].clone(), tokenizer=None)
 
 
-def test_a_short_simulator_run_keeps_its_parameter_hash(tmp_path):
+def simulator_hashes() -> dict[str, str]:
     cfg = _cfg()
-    names = list(SIMULATOR_PINS[0])
-    results = simulate(cfg, _data(cfg), replicas=2, configs=names, het_fraction=0.5, save_dir=tmp_path)
-    assert [r.name for r in results] == names
-    got = {name: state_hash(load_model_checkpoint(tmp_path / name)[0]) for name in names}
-    assert got in SIMULATOR_PINS, f"{got} (CPU {torch.backends.cpu.get_cpu_capability()}) matches no pinned set"
+    names = list(SIMULATOR_PIN)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = simulate(cfg, _data(cfg), replicas=2, configs=names, het_fraction=0.5, save_dir=Path(tmp))
+        assert [r.name for r in results] == names
+        return {name: state_hash(load_model_checkpoint(Path(tmp) / name)[0]) for name in names}
 
 
 def _batch(cfg, seed):
@@ -71,9 +77,9 @@ def _batch(cfg, seed):
     return x[:, :-1], x[:, 1:]
 
 
-def test_a_pipeline_and_a_full_replica_commit_the_pinned_round():
+def swarm_round_hashes() -> dict[str, str]:
     """A compressed 2-stage pipeline and a full replica each take one inner step, then commit the
-    round for both stages the way peers do: the committed parameters match the pin."""
+    round for both stages the way peers do: {stage: the committed parameters' hash}."""
     cfg = _cfg()
     pipe = [StageWorker(cfg, s, compressed=True) for s in range(2)]
     full = [StageWorker(cfg, s, compressed=False) for s in range(2)]
@@ -99,5 +105,27 @@ def test_a_pipeline_and_a_full_replica_commit_the_pinned_round():
     for s in range(2):
         assert pipe[s].param_hash() == full[s].param_hash()
         assert pipe[s].perp_hash() == full[s].perp_hash()
-    got = {s: pipe[s].param_hash() for s in range(2)}
-    assert got in SWARM_ROUND_PINS, f"{got} (CPU {torch.backends.cpu.get_cpu_capability()}) matches no pinned set"
+    return {str(s): pipe[s].param_hash() for s in range(2)}
+
+
+def _on_reference_kernels(fn: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """`fn()` of this module in a fresh interpreter on the reference kernels (module docstring)."""
+    env = {**os.environ, **REFERENCE_KERNELS, **(extra or {})}
+    code = (
+        "import json, torch; torch.set_num_threads(1); "
+        f"from tests.unit import test_pinned_hashes as m; print(json.dumps(m.{fn}()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
+
+
+def test_a_short_simulator_run_keeps_its_parameter_hash():
+    assert _on_reference_kernels("simulator_hashes") == SIMULATOR_PIN
+
+
+def test_a_pipeline_and_a_full_replica_commit_the_pinned_round():
+    assert _on_reference_kernels("swarm_round_hashes") == SWARM_ROUND_PIN
+    # MKL's instruction set lowered (as on an older CPU): the reference kernels give the same bits
+    assert _on_reference_kernels("swarm_round_hashes", {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}) == SWARM_ROUND_PIN

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from peer.config import build_config
+from peer.core.commit import embedding_update, outer_delta, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.outer import EMBED, apply_outer_update, embedding_update, perp_decay, perp_of, stage_state
+from peer.core.outer import EMBED, perp_of, stage_state
 from peer.core.sparseloco import (
     Payload,
     PayloadError,
@@ -329,9 +330,16 @@ def _train(cfg, data: TokenData, attack: str | None) -> tuple[list[float], int, 
             clipped, max_ratio = clipped + stats.n_clipped, max(max_ratio, stats.max_ratio)
             agg = aggregate(decoded, M, slc.aggregation)
             for rep in reps:
-                apply_outer_update(rep.stages[s], starts[s], agg, slc.outer_lr, None)
+                _apply(rep.stages[s], starts[s], agg, slc.outer_lr)
         curve.append(reps[0].eval_loss(val))
     return curve, clipped, max_ratio
+
+
+@torch.no_grad()
+def _apply(stage, start, agg, lr):
+    """θ = θ_start + fl32(−η·Δ̄) (the portable commit's outer step, no subspace)."""
+    for name, p in stage.named_parameters():
+        p.copy_(start[name] + outer_delta(agg[name], lr) if name in agg else start[name])
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from peer.config import WIRE_DTYPES, build_config
+from peer.core.commit import commit_round, embedding_update, perp_decay, state_hash
 from peer.core.data import TokenData
-from peer.core.outer import EMBED, apply_outer_update, embedding_update, perp_decay, perp_of, stage_state, state_hash
+from peer.core.outer import perp_of, stage_state
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.subspace import make_basis, project
 from peer.node.stage_worker import StageWorker
@@ -135,7 +136,7 @@ def test_unsent_payload_returns_to_the_error_buffer():
         torch.testing.assert_close(w.errors[k], delta[k], atol=1e-6, rtol=1e-5)  # β·0 + Δ, nothing lost
 
 
-def test_local_replicas_agree_after_apply_outer_update():
+def test_local_replicas_agree_after_commit_round():
     cfg = _cfg()
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
     reps = [LocalReplica.build(cfg, compressed=(m == 1), U=U) for m in range(2)]
@@ -148,11 +149,10 @@ def test_local_replicas_agree_after_apply_outer_update():
             decompress(compress(pseudo_gradient(starts[s], stage_state(r.stages[s])), None, cfg.sparseloco)[0])
             for r in reps
         ]
-        agg = {k: (decoded[0][k] + decoded[1][k]) / 2 for k in decoded[0]}
+        done = commit_round([r.stages[s] for r in reps], starts[s], decoded, cfg.sparseloco, U, embed_update)
         if s == 0:
-            embed_update = -cfg.sparseloco.outer_lr * agg[EMBED]
-        for r in reps:
-            apply_outer_update(r.stages[s], starts[s], agg, cfg.sparseloco.outer_lr, U, embed_update)
+            embed_update = done.embed_update
+            assert embed_update is not None
     for s in range(cfg.stages):
         a, b = (dict(r.stages[s].state_dict()) for r in reps)
         assert state_hash(a) == state_hash(b)

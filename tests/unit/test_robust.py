@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from peer.core.outer import embedding_update, perp_decay, stage_state
+from peer.core.commit import embedding_update, perp_decay
+from peer.core.outer import stage_state
 from peer.core.sparseloco import SparseLoCoConfig, decompress, global_norm
 from peer.errors import ConfigError
 from peer.node.stage_worker import StageWorker
@@ -80,7 +81,7 @@ def test_honest_rounds_drop_nothing_and_commit_the_same_bits():
                 p.add_(0.01 * torch.randn(p.shape, generator=g))
         payloads.append(ws[0].encode_round())
         ws[0].load_state_dict(ws[1].state_dict())
-    from peer.core.outer import commit_round
+    from peer.core.commit import commit_round
 
     decoded = [decompress(p) for p in payloads]
     start = {k: v.clone() for k, v in ws[1].start.items()}
@@ -178,7 +179,7 @@ def test_too_few_voters_or_screening_off_drops_nothing():
 def test_every_holder_drops_the_same_contribution_and_moves_t_perp_alike():
     """A stage-0 round with a wrong-sign contribution: heads, full replicas and observers of
     stage 0 (`embedding_update`) drop it alike, so parameters and T⊥ stay bit-identical."""
-    from peer.core.outer import commit_round
+    from peer.core.commit import commit_round
 
     cfg = _cfg()
     holders = [StageWorker(cfg, 0, compressed=True) for _ in range(2)]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import build_config
-from peer.core.outer import embedding_update
+from peer.core.commit import embedding_update
 from peer.core.sparseloco import decompress
 from peer.errors import CheckpointError, PeerError
 from peer.node.checkpoints.stage import (

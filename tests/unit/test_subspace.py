@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from peer.config import WIRE_DTYPES
+from peer.core.portable import canonical_gaussian64
 from peer.core.subspace import (
     basis_hash,
+    basis_key,
     compress_activations,
     compress_grad,
     compressed_boundary,
@@ -68,8 +70,7 @@ def test_basis_deterministic_per_seed():
 
 def test_basis_sign_convention_diag_r_positive():
     U = make_basis(D, K, seed=11, dtype=torch.float64)
-    g = _gen(11)
-    G = torch.randn(D, K, generator=g, dtype=torch.float64)  # the same draw as make_basis
+    G = torch.from_numpy(canonical_gaussian64(basis_key(D, K, 11), D * K).reshape(D, K))  # make_basis's draw
     R = U.T @ G  # G = U R with R upper triangular
     assert torch.all(torch.diagonal(R) > 0)
     assert torch.allclose(torch.tril(R, diagonal=-1), torch.zeros(K, K, dtype=torch.float64), atol=1e-10)

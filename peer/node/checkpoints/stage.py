@@ -120,6 +120,8 @@ def _collect(workers: Mapping[int, StageWorker]) -> tuple[dict[str, torch.Tensor
             "adamw_param_groups": state["optimizer"]["param_groups"],
             "param_hash": w.param_hash(),
             "perp_hash": w.perp_hash(),
+            "bans": state["bans"],  # part of the committed state (its state id)
+            "link": state["link"],  # how it was reached: the claim a resumed holder publishes again
         }
     return {k: v.to("cpu").contiguous() for k, v in tensors.items()}, stages
 
@@ -317,6 +319,8 @@ def _restore(worker: StageWorker, s: int, info: Mapping[str, Any], tensors: Mapp
             "perp": mine["perp"],
             "errors": part("err") if info.get("errors") else None,
             "optimizer": {"state": part("opt"), "param_groups": info["adamw_param_groups"]},
+            "bans": info.get("bans"),
+            "link": info.get("link"),
         }
     )
     if info.get("param_hash") and worker.param_hash() != info["param_hash"]:

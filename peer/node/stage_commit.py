@@ -1,0 +1,119 @@
+"""One holder's commit of a stage's round, as data: computed from a state, installed apart.
+
+`compute` runs the portable commit (`peer.core.commit.commit_state`) from a given state — θ_start,
+T⊥ and the ban state of round t — and returns an `Outcome`: the new state, its hashes and state id,
+the new bans and what the commit took from our own payload. Nothing is changed by computing, so
+the same function serves a holder's own commit (`StageWorker.apply_round`) and the check of
+another holder's claim (`StageWorker.recompute`: the named set applied to the state we committed
+round t from, kept as `Prev` until the next commit).
+
+Error feedback across a switch: a commit may return part of our payload to our error buffer
+(clipped or screened mass, or all of it when the set lacks it: `own_adjustment`). When a holder
+replaces its commit of round t by a checked better one (`StageWorker.switch`), it subtracts what
+its own commit added and adds what the new one adds, so nothing we sent is lost or counted twice
+(to float32 rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from peer.config import RunConfig
+from peer.core.commit import Committed, commit_state, perp_decay, state_hash
+from peer.core.sparseloco import Payload, clipped_mass, decompress
+from peer.node.bans import Bans, after_commit
+from peer.node.claims import state_id
+
+__all__ = ["Outcome", "Prev", "add", "compute", "own_adjustment"]
+
+
+@dataclass(frozen=True)
+class Prev:
+    """The state round `t` was committed from (kept until the next commit: checks recompute from it)."""
+
+    t: int
+    start: Mapping[str, Tensor]  # θ_start of round t, CPU float32
+    perp: Tensor | None  # T⊥ before round t, CPU float32
+    bans: Bans
+    state: str  # its state id
+    adjustment: dict[str, Tensor] | None  # what our commit of round t added to our error buffer
+    own: tuple[str, Payload] | None = None  # our payload of round t (replica id, payload), if we sent one
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A computed commit of round `t`, not yet installed."""
+
+    t: int
+    committed: Committed
+    bans: Bans
+    replicas: tuple[str, ...]  # the committed replica ids, commit order
+    dropped: tuple[str, ...]  # those screening dropped
+    param_hash: str
+    perp_hash: str
+
+    @property
+    def state(self) -> str:
+        return state_id(self.param_hash, self.perp_hash, self.bans.to_record())
+
+
+def compute(
+    cfg: RunConfig,
+    stage: int,
+    U: Tensor | None,
+    t: int,
+    start: Mapping[str, Tensor],
+    perp: Tensor | None,
+    bans: Bans,
+    payloads: Sequence[Payload],
+    replicas: Sequence[str],
+    embed_update: Tensor | None,
+) -> Outcome:
+    """Commit round t of `stage` from (start, perp, bans): the portable commit of `payloads` (in the
+    given order, from `replicas`), then the ban state advanced by the set and its outliers."""
+    decoded = [decompress(p) for p in payloads]
+    keys = list(replicas) if len(replicas) == len(decoded) else None  # the screening's tie-break
+    done = commit_state(start, perp, decoded, cfg.sparseloco, U, embed_update, perp_decay(cfg.train, t), keys=keys)
+    dropped = tuple(keys[i] for i in done.commit.dropped) if keys is not None else ()
+    swarm = cfg.swarm
+    new_bans = after_commit(bans, t, keys or [], dropped, swarm.ban_after, swarm.ban_rounds, stage)
+    perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
+    return Outcome(t, done, new_bans, tuple(replicas), dropped, state_hash(done.params), perp_hash)
+
+
+def own_adjustment(
+    own: tuple[str, Payload] | None, outcome: Outcome, payloads: Sequence[Payload]
+) -> dict[str, Tensor] | None:
+    """What `outcome` takes from our own payload of its round, for our error buffer: all of it when
+    the set lacks it or screening dropped it, what median clipping removed when clipped, else None."""
+    if own is None:
+        return None
+    rid, payload = own
+    wire = payload.to_bytes()
+    at = [
+        i for i, (r, p) in enumerate(zip(outcome.replicas, payloads, strict=True)) if r == rid and p.to_bytes() == wire
+    ]
+    if not at:
+        return decompress(payload)
+    commit = outcome.committed.commit
+    if at[0] in commit.dropped:
+        return decompress(payload)
+    scale = commit.clip.scales[at[0]] if commit.clip.scales else None
+    return clipped_mass(decompress(payload), scale) if scale is not None else None
+
+
+def add(
+    errors: Mapping[str, Tensor] | None, change: Mapping[str, Tensor] | None, sign: float = 1.0
+) -> dict[str, Tensor] | None:
+    """errors ± change, per tensor (float32, CPU); None + nothing stays None."""
+    if change is None:
+        return None if errors is None else dict(errors)
+    out = {name: t.clone() for name, t in (errors or {}).items()}
+    for name, d in change.items():
+        d32 = d.to("cpu", torch.float32)
+        out[name] = out[name] + sign * d32 if name in out else sign * d32
+    return out

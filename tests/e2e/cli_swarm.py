@@ -1,0 +1,130 @@
+"""A swarm of `peer` CLI processes on loopback for end-to-end tests, and its metrics.
+
+`Swarm` starts a bootstrap (short deadlines: `DEADLINES`), joins peers as separate processes
+(`join`; any module with a `peer`-like CLI, e.g. tests/e2e/forger.py, via `module`), reads each
+peer's metrics.jsonl (`events`, `rounds`), waits with a deadline that prints every log on failure
+(`wait_for`), and kills every process group at `close`. The fixture `swarm_factory`
+(tests/e2e/conftest.py) closes every swarm a test made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINES = {
+    "PEER_SWARM__RPC_TIMEOUT_S": "3",
+    "PEER_SWARM__RECORD_TTL_S": "5",
+    "PEER_SWARM__ANNOUNCE_INTERVAL_S": "0.5",
+    "PEER_SWARM__ROUND_TIMEOUT_S": "20",
+    "PEER_SWARM__CLAIM_TIMEOUT_S": "60",
+}
+
+
+class Swarm:
+    """The processes of one test swarm and their metrics."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        outer_steps: int,
+        min_replicas: int = 2,
+        batch: str = "8",
+        seq_len: str = "64",
+        deadlines: dict[str, str] | None = None,
+    ):
+        self.tmp = tmp
+        self.env = {
+            **os.environ,
+            "PEER_CACHE_DIR": str(tmp / "cache"),
+            "HF_HUB_OFFLINE": "1",
+            "PEER_LOG_LEVEL": "INFO",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+        address = tmp / "bootstrap.json"
+        self.start(
+            "bootstrap",
+            [
+                "bootstrap",
+                "--inner-steps",
+                "4",
+                "--outer-steps",
+                str(outer_steps),
+                "--batch-size",
+                batch,
+                "--seq-len",
+                seq_len,
+                "--max-chars",
+                "200000",
+                "--address-file",
+                str(address),
+            ],
+            extra_env={**(deadlines or DEADLINES), "PEER_SWARM__MIN_REPLICAS": str(min_replicas)},
+        )
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert self.procs["bootstrap"].poll() is None, self.log("bootstrap")
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        self.maddr = json.loads(address.read_text())["initial_peers"][0]
+
+    def start(self, name: str, args: list[str], extra_env: dict | None = None, module: str = "peer") -> None:
+        log = (self.tmp / f"{name}.log").open("a")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,  # `module` may be a test's (tests/e2e/forger.py)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**self.env, **(extra_env or {})},
+            start_new_session=True,
+        )
+
+    def join(self, name: str, *flags: str, extra_env: dict | None = None, module: str = "peer") -> None:
+        args = ["join", *flags, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)]
+        self.start(name, args, extra_env, module)
+
+    def events(self, name: str, kind: str | None = None) -> list[dict]:
+        path = self.tmp / name / "metrics.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return [r for r in recs if kind is None or r["event"] == kind]
+
+    def rounds(self, name: str) -> dict[int, dict]:
+        return {r["t"]: r for r in self.events(name, "round")}
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-4000:]
+
+    def wait_for(self, what, timeout_s: float = 180, poll_s: float = 0.1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not what():
+            assert time.monotonic() < deadline, "timed out waiting; logs:\n" + "\n".join(
+                f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs
+            )
+            time.sleep(poll_s)
+
+    def claimed_stage_peer(self, names: list[str], t: int) -> str:
+        """Which stage peer the head uses: the one that contributed (not just observed) at step t."""
+        starts = {n: e["address"] for n in names for e in self.events(n, "start")}
+        head_log = (self.tmp / "head.log").read_text()
+        last = {n: head_log.rfind(f"at {addr}") for n, addr in starts.items()}
+        name = max(last, key=last.get)
+        assert last[name] >= 0, head_log[-3000:]
+        return name
+
+    def wait_exit(self, name: str, timeout_s: float = 240) -> int:
+        return self.procs[name].wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)

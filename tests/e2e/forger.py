@@ -1,0 +1,46 @@
+"""A dishonest holder, for tests: `peer` unchanged, except that it publishes forged states.
+
+`python -m tests.e2e.forger join ...` runs the real CLI with one change to `StageWorker.apply_round`:
+after every commit it negates its stage's parameters (θ and θ_start: the state it serves and
+claims) and lists `FAKE_REPLICAS` made-up replicas beside the real ones in its committed set (the
+link and "committed" of its records). That is the attack of issue 20: a holder whose record claims
+more committed replicas than anyone, for a state no honest commit produces. Honest holders must
+refuse it (its set names payloads no replica announced; its state does not follow from its set)
+and never adopt its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from peer.cli import main
+from peer.node.claims import entry
+from peer.node.stage_worker import StageWorker
+
+FAKE_REPLICAS = 8
+_honest_apply = StageWorker.apply_round
+
+
+def _forged_apply(self: StageWorker, *args, **kwargs):
+    done = _honest_apply(self, *args, **kwargs)
+    with self.lock, torch.no_grad():
+        for p in self.module.parameters():
+            p.neg_()
+        self._set_start({name: -value for name, value in self.start.items()})
+        fake = tuple(
+            entry(f"madeup{i:02d}".ljust(16, "x"), hashlib.sha256(f"{self.outer_step}/{i}".encode()).hexdigest())
+            for i in range(FAKE_REPLICAS)
+        )
+        assert self.link is not None
+        self.link = dataclasses.replace(self.link, entries=self.link.entries + fake, state=self.state_id())
+        self.last_committed = self.last_committed + [r for r, _ in fake]
+    return done
+
+
+StageWorker.apply_round = _forged_apply  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    main()  # the `peer` CLI (it reads sys.argv and exits)

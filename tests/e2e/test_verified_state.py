@@ -1,0 +1,129 @@
+"""One verifiable state (issue 20), with real processes: other hardware, a dishonest holder, a freeze.
+
+- A full replica computing with another kernel set (torch's default kernels, MKL lowered to
+  SSE4.2, numba compiling for a generic x86-64: a CPU without AVX2/FMA) beside a pipeline on this
+  machine's best kernels: one state per (outer step, stage), no re-sync, not even at the join.
+- The same swarm with a dishonest stage-1 holder (tests/e2e/forger.py: negates its parameters
+  after each commit and pads its committed set with made-up replicas): every honest holder of
+  stage 1 refuses it, none adopts its state, and the honest swarm commits what it committed without
+  the forger (its per-round states equal, its validation loss falls the same).
+- A full replica frozen (SIGSTOP) in the middle of a round for longer than two round deadlines:
+  on waking it follows the set the others committed meanwhile, or re-syncs; it never commits a
+  set of its own for a round others closed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "NUMBA_CPU_NAME": "generic"}
+T = 8
+HONEST: dict[str, dict] = {}  # the first test's rounds, the second test's baseline
+
+
+def _mixed_swarm(swarm_factory):
+    sw = swarm_factory(outer_steps=T)
+    sw.join("s1", "--stage", "1")
+    sw.wait_for(lambda: sw.events("s1", "start"))
+    sw.join("full", "--full-replica", extra_env=OTHER_KERNELS)
+    sw.join("head", "--stage", "0")
+    return sw
+
+
+def _states(sw, names=("head", "s1", "full")) -> dict[tuple[int, str], set[tuple[str, str]]]:
+    """{(t, stage): {(param_hash, perp_hash) reported by any of `names` for that round}}."""
+    out: dict[tuple[int, str], set[tuple[str, str]]] = {}
+    for name in names:
+        for t, rec in sw.rounds(name).items():
+            for s, st in rec["stages"].items():
+                out.setdefault((t, s), set()).add((st["param_hash"], st["perp_hash"]))
+    return out
+
+
+def _finish(sw, names) -> None:
+    for name in names:
+        rc = sw.wait_exit(name)
+        assert rc == 0, f"{name} exited {rc}\n{sw.log(name)}"
+
+
+def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(swarm_factory):
+    sw = _mixed_swarm(swarm_factory)
+    _finish(sw, ("head", "s1", "full"))
+    states = _states(sw)
+    assert {t for t, _ in states} == set(range(T))
+    split = {k: v for k, v in states.items() if len(v) != 1}
+    assert not split, f"holders disagree: {split}"
+    for name in ("head", "s1", "full"):  # no download, no replaced commit: not even at the join
+        assert not sw.events(name, "sync") and not sw.events(name, "switch"), sw.log(name)
+    full = sw.rounds("full")
+    assert all(full[t]["stages"]["0"]["participants"] == 2 for t in range(T))  # both replicas, every round
+    print("\nround  stage 0 state      stage 1 state")
+    for t in range(T):
+        print(f"{t:5d}  {full[t]['stages']['0']['param_hash']}  {full[t]['stages']['1']['param_hash']}")
+    HONEST.update(head=sw.rounds("head"), full=full)
+
+
+def test_a_holder_that_forges_its_state_is_refused_and_never_adopted(swarm_factory):
+    sw = _mixed_swarm(swarm_factory)
+    sw.wait_for(lambda: 0 in sw.rounds("head"))  # the head has claimed the honest stage-1 peer
+    sw.join("forger", "--stage", "1", module="tests.e2e.forger")
+    sw.wait_for(lambda: sw.events("forger", "start"))
+    forger = sw.events("forger", "start")[0]["peer_id"]
+    _finish(sw, ("head", "s1", "full"))
+    sw.procs["forger"].send_signal(signal.SIGTERM)
+    for name in ("s1", "full"):  # every honest holder of stage 1 checked its claim and refused it
+        refused = [e for e in sw.events(name, "refused") if e["peer"] == forger]
+        assert refused, f"{name} did not refuse the forger\n{sw.log(name)}"
+        print(f"\n{name} refused {forger[:12]}: {refused[0]['reason']}")
+    for name in ("head", "s1", "full"):  # and nobody adopted anything: no download, no switch
+        assert not sw.events(name, "sync") and not sw.events(name, "switch"), sw.log(name)
+    split = {k: v for k, v in _states(sw).items() if len(v) != 1}
+    assert not split, f"honest holders disagree: {split}"
+    head = sw.rounds("head")
+    losses = [head[t]["val_loss"] for t in range(T)]
+    assert losses[-1] < losses[0] - 0.05, losses
+    if HONEST:  # the same swarm without the forger: the same states, round by round
+        honest = HONEST["full"]
+        full = sw.rounds("full")
+        same = [t for t in range(T) if full[t]["stages"]["0"]["param_hash"] == honest[t]["stages"]["0"]["param_hash"]]
+        print(
+            f"rounds with the honest run's state: {len(same)}/{T}; val loss {losses[-1]:.4f} "
+            f"vs {HONEST['head'][T - 1]['val_loss']:.4f} without the forger"
+        )
+        assert abs(losses[-1] - HONEST["head"][T - 1]["val_loss"]) < 0.01 * HONEST["head"][T - 1]["val_loss"]
+
+
+def test_a_replica_frozen_past_two_round_deadlines_never_commits_a_stale_set(swarm_factory):
+    deadlines = {
+        "PEER_SWARM__RPC_TIMEOUT_S": "3",
+        "PEER_SWARM__RECORD_TTL_S": "4",
+        "PEER_SWARM__ANNOUNCE_INTERVAL_S": "0.5",
+        "PEER_SWARM__ROUND_TIMEOUT_S": "5",
+        "PEER_SWARM__CLAIM_TIMEOUT_S": "60",
+    }
+    sw = swarm_factory(outer_steps=T, deadlines=deadlines)
+    sw.join("s1", "--stage", "1")
+    sw.wait_for(lambda: sw.events("s1", "start"))
+    sw.join("full", "--full-replica")
+    sw.join("head", "--stage", "0")
+    # freeze the full replica right after its last inner step of round 2: in the middle of the round
+    sw.wait_for(lambda: any(e["t"] == 2 and e["h"] == 3 for e in sw.events("full", "step")), poll_s=0.02)
+    os.kill(sw.procs["full"].pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    sw.wait_for(lambda: 2 in sw.rounds("head"))  # the others close round 2 without waiting for it
+    time.sleep(max(0.0, 2.5 * 5 - (time.monotonic() - frozen_at)))  # > two round deadlines in all
+    os.kill(sw.procs["full"].pid, signal.SIGCONT)
+    _finish(sw, ("head", "s1", "full"))
+    head, full = sw.rounds("head"), sw.rounds("full")
+    synced = {e["t"] for e in sw.events("full", "sync")}
+    print(f"\nfull replica after the freeze: committed rounds {sorted(full)}, re-synced at {sorted(synced)}")
+    for t in sorted(set(head) & set(full)):
+        assert full[t]["stages"]["0"]["param_hash"] == head[t]["stages"]["0"]["param_hash"], (t, sw.log("full"))
+        assert full[t]["stages"]["0"]["participants"] == head[t]["stages"]["0"]["participants"], t
+    assert 2 in full or synced, sw.log("full")  # it followed round 2's set, or re-synced past it

@@ -1,0 +1,139 @@
+"""The pure rules that read state claims (`peer.node.claims`, docs/protocol.md "Claims"), row by row."""
+
+from __future__ import annotations
+
+from peer.node.claims import (
+    SHA_CHARS,
+    Claim,
+    Link,
+    ahead,
+    better,
+    entry,
+    followable,
+    majority,
+    observed,
+    parse_claims,
+    state_id,
+    swarm_clock,
+)
+
+SHA = "a" * 64
+
+
+def _link(t: int, prev: str, *rids: str, state: str = "s") -> dict:
+    return {"t": t, "prev": prev, "set": [list(entry(r * 20, SHA)) for r in rids]}
+
+
+def _rec(step: int, sid: str, link: dict | None = None, **extra) -> dict:
+    return {"outer_step": step, "state_id": sid, **({"link": link} if link else {}), **extra}
+
+
+def test_a_link_round_trips_and_malformed_links_are_none():
+    link = Link(3, "p", "s", (entry("A" * 20, SHA), entry("B" * 20, "b" * 64)), embed=(entry("H" * 20, SHA),))
+    assert Link.from_record(link.to_record(), "s") == link
+    assert link.replicas == ["A" * 16, "B" * 16] and len(link.entries[0][1]) == SHA_CHARS
+    good = link.to_record()
+    for bad in (
+        None,
+        {**good, "t": -1},
+        {**good, "t": True},
+        {**good, "prev": ""},
+        {**good, "set": [["A", "short"]]},
+        {**good, "set": [["A", "z" * SHA_CHARS]]},  # not hex
+        {**good, "set": "everything"},
+        {**good, "embed": [[1, 2]]},
+    ):
+        assert Link.from_record(bad, "s") is None
+    assert Link.from_record(good, "") is None  # a link without its state claims nothing
+
+
+def test_parse_claims_keeps_only_well_formed_live_claims_of_others():
+    holders = {
+        "me": _rec(2, "x"),
+        "a": _rec(2, "s", _link(1, "p", "A")),
+        "b": _rec(2, "s"),  # no link: a downloaded or initial state
+        "gone": {"state": "left"},
+        "sync": _rec(2, "s", state="syncing"),
+        "junk": {"outer_step": "2", "state_id": "s"},
+        "bad": _rec(2, "s"),
+    }
+    claims = parse_claims(holders, me="me", refused={"bad"})
+    assert set(claims) == {"a", "b"}
+    assert claims["a"].link is not None and claims["b"].link is None
+
+
+def test_only_claims_from_our_own_state_are_followable_best_first():
+    claims = parse_claims(
+        {
+            "x": _rec(6, "s2", _link(5, "mine", "A")),
+            "y": _rec(6, "s9", _link(5, "mine", "A", "B")),  # more payloads: first
+            "z": _rec(6, "s1", _link(5, "other", "A", "B", "C")),  # from another state: not checkable
+            "w": _rec(7, "s3", _link(6, "s9", "A")),  # a later round
+        }
+    )
+    assert [c.peer for c in followable(claims.values(), 5, "mine")] == ["y", "x"]
+    assert followable(claims.values(), 5, "nobody's") == []
+
+
+def test_the_canonical_order_is_more_payloads_then_the_smaller_state():
+    mine = Claim("me", 6, "s5", Link(5, "p", "s5", (entry("A" * 20, SHA),)))
+    claims = parse_claims(
+        {
+            "big": _rec(6, "s9", _link(5, "p", "A", "B")),
+            "tie_small": _rec(6, "s1", _link(5, "p", "C")),
+            "tie_large": _rec(6, "s7", _link(5, "p", "D")),
+            "same": _rec(6, "s5", _link(5, "p", "A")),  # our own state: nothing to check
+        }
+    )
+    assert [c.peer for c in better(claims.values(), mine)] == ["big", "tie_small"]
+    assert better(claims.values(), Claim("me", 6, "s5", None)) == []  # no link: nothing to compare
+
+
+def test_the_swarm_clock_is_the_lower_median_of_the_replicas():
+    reps = {p: {"outer_step": t} for p, t in (("a", 4), ("b", 5), ("c", 90))}
+    assert swarm_clock(reps) == 5  # one replica claiming round 90 does not move it
+    assert swarm_clock({"a": {"outer_step": 4}, "x": {"outer_step": 90}}) == 4  # a 1:1 split: the lower
+    assert swarm_clock({**reps, "d": {"outer_step": 99}}) == 5
+    assert swarm_clock(reps, refused={"a"}) == 5 and swarm_clock({}) == 0
+    assert swarm_clock({"a": {"outer_step": 3}, "l": {"state": "left", "outer_step": 9}}) == 3
+
+
+def test_a_majority_is_strict_counted_by_peer_and_bounded_by_the_clock():
+    def claims(**states: tuple[int, str]):
+        return list(parse_claims({p: _rec(t, s) for p, (t, s) in states.items()}).values())
+
+    win = majority(claims(a=(5, "h"), b=(5, "h"), x=(5, "f")), clock=5)
+    assert win is not None and (win.outer_step, win.state, win.holders) == (5, "h", ("a", "b"))
+    assert majority(claims(a=(5, "h"), x=(5, "f")), clock=5) is None  # an even split: nobody wins
+    assert majority(claims(a=(5, "h"), x=(5, "f")), clock=5, mine=(5, "h")).state == "h"  # our vote breaks it
+    assert majority(claims(x=(5, "f")), clock=5, mine=(5, "h")) is None
+    assert majority(claims(x=(9, "f")), clock=5) is None  # past the swarm's clock: not believed
+    lone = majority(claims(x=(6, "f")), clock=5)
+    assert lone is not None and lone.holders == ("x",)  # the only other holder, one round ahead
+    assert majority(claims(a=(5, "h")), clock=5, mine=(5, "h")).holders == ("a",)
+
+
+def test_behind_needs_the_clock_two_rounds_ahead_and_a_majority_there():
+    def claims(**states: tuple[int, str]):
+        return list(parse_claims({p: _rec(t, s) for p, (t, s) in states.items()}).values())
+
+    assert ahead(claims(a=(7, "h"), b=(7, "h")), clock=7, t=5).state == "h"
+    assert ahead(claims(a=(7, "h"), b=(7, "h")), clock=6, t=5) is None  # the replicas are not there
+    assert ahead(claims(a=(6, "h"), b=(6, "h")), clock=7, t=5) is None  # one round: follow, not re-sync
+    assert ahead(claims(a=(7, "h"), x=(7, "f")), clock=7, t=5) is None  # no majority
+
+
+def test_an_observer_takes_the_set_most_holders_committed():
+    claims = parse_claims(
+        {
+            "a": _rec(4, "s1", _link(3, "p", "A", "B")),
+            "b": _rec(4, "s1", _link(3, "p", "A", "B")),
+            "x": _rec(4, "s0", _link(3, "q", "A", "B", "C")),  # bigger, but alone
+        }
+    )
+    assert [c.peer for c in observed(claims.values(), 3)] == ["a", "x"]
+
+
+def test_state_ids_cover_parameters_perp_and_bans():
+    ids = {state_id(p, q, b) for p in ("1", "2") for q in ("1", "2") for b in ({}, {"A": [1, 2, 0]})}
+    assert len(ids) == 8 and all(len(i) == 16 for i in ids)

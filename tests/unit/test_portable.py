@@ -1,0 +1,136 @@
+"""Portable arithmetic (`peer.core.portable`): the same bits whoever computes them, and sound math.
+
+Each compiled kernel equals its numpy twin bit for bit; the machine code of every kernel the
+commit or the initial state runs holds no fused multiply-add (a CPU without FMA would round
+differently); the values are what they claim to be (normal-like, orthonormal, Π, cos).
+Different kernel sets and thread counts in separate processes: tests/integration/test_portable_commit.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from peer.core import payload_kernels, portable
+from peer.core.portable import (
+    SIGMA,
+    canonical_gaussian64,
+    canonical_normal,
+    check_denormals,
+    orthonormal_basis,
+    portable_cos,
+    project64,
+)
+from peer.core.sparseloco import SparseLoCoConfig, clip_and_aggregate, compress
+
+
+@pytest.fixture
+def numpy_only():
+    payload_kernels.set_numba(False)
+    yield
+    payload_kernels.set_numba(True)
+
+
+def test_canonical_normal_is_deterministic_normal_like_and_keyed():
+    a = canonical_normal(12345, (1024, 1024), 0.02)
+    assert a.dtype == torch.float32 and a.shape == (1024, 1024)
+    assert torch.equal(a, canonical_normal(12345, (1024, 1024), 0.02))
+    assert not torch.equal(a, canonical_normal(12346, (1024, 1024), 0.02))
+    z = (a / 0.02).double()
+    assert abs(z.mean().item()) < 0.005 and abs(z.std().item() - 1.0) < 0.005
+    kurtosis = ((z - z.mean()) ** 4).mean().item() / z.var().item() ** 2
+    assert abs(kurtosis - (3 - 1.2 / portable.TERMS)) < 0.02  # Irwin–Hall(8): 3 − 0.15
+    bound = portable.TERMS * 0xFFFF / 2 / SIGMA  # ±4.9σ: the sum's range
+    assert z.abs().max().item() <= bound + 1e-6
+
+
+def test_canonical_normal_compiled_equals_numpy(numpy_only):
+    shape = (portable.NUMBA_MIN_ELEMENTS // 512 + 3, 512)  # large enough for the kernel
+    plain = canonical_normal(99, shape, 0.05)
+    payload_kernels.set_numba(True)
+    assert torch.equal(canonical_normal(99, shape, 0.05), plain)
+
+
+def test_the_basis_is_orthonormal_deterministic_and_sign_fixed():
+    U = orthonormal_basis(96, 12, key=5)
+    assert np.abs(U.T @ U - np.eye(12)).max() < 1e-14
+    assert np.array_equal(U, orthonormal_basis(96, 12, key=5))
+    G = canonical_gaussian64(5, 96 * 12).reshape(96, 12)
+    R = U.T @ G
+    assert np.all(np.diag(R) > 0) and np.abs(np.tril(R, -1)).max() < 1e-12  # G = U·R, R upper, diag > 0
+
+
+def test_projection_compiled_equals_numpy_and_is_pi(numpy_only):
+    U = torch.from_numpy(orthonormal_basis(64, 8, key=3)).float()
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(portable.NUMBA_MIN_ROWS + 5, 64, generator=gen)
+    X[X.abs() < 1.0] = 0.0  # sparse rows and zero terms, as a committed change has
+    X[3] = 0.0
+    plain = project64(X, U)
+    payload_kernels.set_numba(True)
+    compiled = project64(X, U)
+    assert compiled.tobytes() == plain.tobytes()
+    reference = (X.double() @ U.double()) @ U.double().T
+    assert np.abs(compiled - reference.numpy()).max() < 1e-12
+    assert np.all(compiled[3] == 0) and not np.signbit(compiled[3]).any()  # +0.0, never −0.0
+
+
+def test_portable_cos_is_cos_with_exact_ends():
+    assert portable_cos(0.0) == 1.0 and portable_cos(math.pi) == -1.0
+    xs = [i * math.pi / 997 for i in range(998)]
+    assert max(abs(portable_cos(x) - math.cos(x)) for x in xs) < 1e-15
+    with pytest.raises(ValueError):
+        portable_cos(4.0)
+
+
+def test_a_process_that_flushes_subnormals_is_refused():
+    check_denormals()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        with pytest.raises(RuntimeError, match="subnormal"):
+            check_denormals()
+    finally:
+        torch.set_flush_denormal(False)
+    check_denormals()
+
+
+def _fma_count(fn, signature, **flags) -> int:
+    """FMA instructions in `fn` compiled afresh for `signature` (numba's on-disk cache returns no
+    machine code to inspect, and caching does not change the code generated)."""
+    import numba
+
+    fresh = numba.njit(nogil=True, **flags)(fn)
+    fresh.compile(signature)
+    code = fresh.inspect_asm(signature).lower()
+    return sum(code.count(op) for op in ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub"))
+
+
+def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
+    from peer.core import payload_fused
+
+    U = torch.from_numpy(orthonormal_basis(64, 8, key=3)).float()
+    project64(torch.randn(portable.NUMBA_MIN_ROWS, 64), U)  # compiles the kernels the commit uses
+    canonical_normal(1, (portable.NUMBA_MIN_ELEMENTS,), 1.0)
+    payload, _ = compress({"w": torch.randn(1024, 1024)}, None, SparseLoCoConfig())
+    clip_and_aggregate([payload, payload], 2.0)  # the decode-and-aggregate scatter, scaled
+    compiled = payload_kernels.compiled(1 << 20)
+    kernels = {
+        portable._project_jit: portable._kernel("project", portable._project_jit),
+        portable._normal_jit: portable._kernel("normal", portable._normal_jit),
+    }
+    if compiled is None or any(k is None for k in kernels.values()):
+        pytest.skip("numba is not available here: the numpy twins run (no FMA by construction)")
+    kernels[payload_fused._walk_jit] = compiled.walk
+    for fn, kernel in kernels.items():
+        assert kernel.signatures, f"{fn.__name__} was not compiled"
+        assert _fma_count(fn, kernel.signatures[0]) == 0, fn.__name__
+    # the check sees FMA where LLVM may form it (on a CPU that has FMA): it can fail
+    import llvmlite.binding as llvm
+
+    if llvm.get_host_cpu_features().get("fma"):
+        sig = kernels[portable._project_jit].signatures[0]
+        assert _fma_count(portable._project_jit, sig, fastmath={"contract"}) > 0
