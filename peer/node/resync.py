@@ -1,6 +1,8 @@
 """Keeping one peer's stages on the swarm's committed state, adopting nothing on a claim alone.
 
 - `reconcile` (after every commit, and before a stage peer's round): the canonical-state check.
+  Every claim is first audited cheaply, whatever its round (`_audit`): a set naming payloads no
+  replica announced, or our own set of a round from our own state with another state, is false.
   Claims of the same round from the same state as ours that the canonical order puts first (the
   most committed payloads, then the smallest state id: `peer.node.claims.better`) are CHECKED by
   recomputing their set from the state we committed from (`StageWorker.recompute`): a claim whose
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from peer.core.commit import embedding_update
@@ -38,7 +40,7 @@ from peer.node.agreement import expected_replicas
 from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.stage_commit import add
 from peer.node.stage_worker import StageWorker
-from peer.node.verify import SetFetcher
+from peer.node.verify import SetFetcher, Verdict, resolve
 
 if TYPE_CHECKING:
     from peer.node.session import Session
@@ -53,6 +55,7 @@ class Resync:
         self.session = session
         self.count = 0  # state downloads adopted over the run
         self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
+        self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
 
     def clock(self) -> int:
         """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
@@ -207,6 +210,8 @@ class Resync:
         sess = self.session
         holders = sess.dht.get_stage_peers(worker.stage)
         claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
+        self._audit(worker, claims.values())
+        claims = {p: c for p, c in claims.items() if p not in sess.refusals}
         mine = Claim(sess.peer_id, worker.outer_step, worker.state_id(), worker.link)
         for claim in better(claims.values(), mine):
             if self._check_and_switch(worker, claim, holders):
@@ -228,6 +233,39 @@ class Resync:
             if prev.own is not None and (worker.link is None or prev.own[0][:16] not in worker.link.replicas):
                 worker.return_unsent(prev.own[1])
         return True
+
+    def _audit(self, worker: StageWorker, claims: Iterable[Claim]) -> None:
+        """Cheap checks of every claim, whatever its round (once per claim): a set naming payloads
+        no replica announced (`peer.node.verify.resolve`), or our own set of that round from our
+        own state with another state, is false: its holder is refused. Claims of other sets are
+        checked by recomputation in `reconcile` (same round and state only)."""
+        sess = self.session
+        reads: dict[tuple[int, int], Mapping[str, Any]] = {}
+
+        def announcements(t: int, stage: int) -> Mapping[str, Any]:
+            if (t, stage) not in reads:
+                reads[(t, stage)] = sess.dht.get_payloads(t, stage)
+            return reads[(t, stage)]
+
+        replicas: Mapping[str, Any] | None = None
+        for c in claims:
+            if c.link is None or (c.peer, c.state) in self._audited:
+                continue
+            self._audited.add((c.peer, c.state))
+            link, ours = c.link, worker.history.get(c.link.t)
+            if ours is not None and (ours.prev, ours.entries, ours.embed) == (link.prev, link.entries, link.embed):
+                if ours.state != c.state:
+                    sess.refusals.refuse(c.peer, worker.stage, link.t, f"it claims state {c.state} for our set")
+                continue
+            replicas = sess.dht.get_replicas() if replicas is None else replicas
+            for stage, entries in ((worker.stage, link.entries), (0, link.embed or ())):
+                anns, anns0 = announcements(link.t, stage), announcements(link.t, 0)
+                forged = [e for e in entries if resolve(e, stage, anns, anns0, replicas).verdict is Verdict.FORGED]
+                if forged:
+                    names = ", ".join(r[:12] for r, _ in forged)
+                    reason = f"its committed set names payloads no replica announced ({names})"
+                    sess.refusals.refuse(c.peer, worker.stage, link.t, reason)
+                    break
 
     def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, Any]) -> bool:
         """Check `claim` by recomputing its set from the state we committed its round from; switch

@@ -73,6 +73,8 @@ from peer.node.stage_commit import Outcome, Prev, add, compute, own_adjustment
 
 log = logging.getLogger(__name__)
 
+HISTORY = 16  # rounds of our own links kept to audit other holders' claims of those rounds
+
 
 @dataclass
 class ForwardOut:
@@ -110,6 +112,7 @@ class StageWorker:
         self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
         self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
         self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
+        self.history: dict[int, Link] = {}  # our links of the last HISTORY rounds (claims are audited against them)
         self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
         self._hash_key: tuple[int, int] | None = None
         self._hash_value = ("", "")
@@ -440,6 +443,9 @@ class StageWorker:
         self.last_committed = list(out.replicas)
         self.last_contribution = None
         self.link = link
+        self.history[link.t] = link
+        for old in [t for t in self.history if t <= link.t - HISTORY]:
+            del self.history[old]
 
     def _perp_cpu(self) -> torch.Tensor | None:
         """A CPU copy of T⊥ (None when the run uses no subspace)."""
@@ -528,6 +534,7 @@ class StageWorker:
             self.link = Link.from_record(link, link.get("state")) if isinstance(link, Mapping) else None
             self.last_committed = self.link.replicas if self.link is not None else []
             self.prev = None
+            self.history = {} if self.link is None else {self.link.t: self.link}
             self._reset_step()
             self._epoch = None  # the outer step may have gone back: no epoch of it is stale
 
