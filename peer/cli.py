@@ -180,39 +180,31 @@ def bench_chaos_cmd(
     inner_steps: flags.ChaosInnerSteps = 5,
     microbatches: flags.ChaosMicrobatches = 4,
     in_flight: flags.ChaosInFlight = 0,
+    long_stops: flags.ChaosLongStops = 2,
     workdir: flags.ChaosWorkdir = None,
     json_out: flags.ChaosJson = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Random kill -9 / SIGTERM / SIGSTOP churn on a loopback swarm: recovery, stalls, disagreements, orphans."""
     _setup_logging(verbose)
-    import time
+    from peer.tools.chaos import command
 
-    from peer.tools.chaos import ChaosConfig, run_chaos
-    from peer.tools.render import metric_table
+    args = dict(locals())
+    command(lambda line: console.print(line, soft_wrap=True, highlight=False), args, RUNS, _write_json)
 
-    if faults < 1:
-        raise ConfigError("--faults must be 1 or more")
-    where = workdir or RUNS / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = ChaosConfig(
-        faults=faults,
-        seed=seed,
-        workdir=where,
-        round_timeout_s=round_timeout_s,
-        inner_steps=inner_steps,
-        microbatches=microbatches,
-        in_flight=in_flight,
-    )
-    schedule = "sequential" if in_flight == 1 else f"in flight {in_flight or 'auto'}"
-    console.print(
-        f"peer bench chaos: {faults} faults; {microbatches} micro-batches, {schedule}; logs in {where}",
-        soft_wrap=True,
-        highlight=False,
-    )
-    result = run_chaos(cfg, lambda line: console.print(line, soft_wrap=True, highlight=False))
-    console.print(metric_table("chaos", result.summary))
-    if json_out:
-        _write_json(json_out, {"summary": result.summary, "faults": result.faults})
+
+@bench_app.command("commit")
+def bench_commit_cmd(
+    preset: flags.CommitPreset = "178M",
+    stages: flags.CommitStages = 2,
+    replicas: flags.CommitReplicas = 4,
+    repeats: flags.CommitRepeats = 3,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Cost of committing one round at a preset's stage 0: the portable commit against the one before it."""
+    from peer.tools.bench_commit import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), RUNS, _write_json)
 
 
 @bench_app.command("caps")

@@ -47,6 +47,7 @@ from peer.core.payload_fused import run_split
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "arithmetic_fingerprint",
     "canonical_normal",
     "check_denormals",
     "orthonormal_basis",
@@ -288,3 +289,21 @@ def check_denormals() -> None:
             "this process flushes subnormal floats to zero (torch.set_flush_denormal(True) or a library "
             "built with -ffast-math); committed states would differ from other peers'. Turn it off."
         )
+
+
+def arithmetic_fingerprint() -> str:
+    """sha256 (16 hex chars) of a few values of every portable function, computed here: equal on
+    two peers whose builds compute the initial state and commits alike (the manifest carries the
+    bootstrap's; a joiner whose build differs refuses to join rather than fork the model)."""
+    import hashlib
+
+    U = orthonormal_basis(17, 5, key=1)
+    X = canonical_normal(2, (9, 17), 1.0)
+    X[X.abs() < 0.5] = 0.0
+    parts = [
+        canonical_normal(3, (257,), 0.02).numpy().tobytes(),
+        U.tobytes(),
+        project64(X, torch.from_numpy(U).float()).tobytes(),
+        np.array([portable_cos(i * math.pi / 7) for i in range(8)]).tobytes(),
+    ]
+    return hashlib.sha256(b"".join(parts)).hexdigest()[:16]

@@ -2,9 +2,11 @@
 
 A manifest is a JSON object with the full `RunConfig` and the hashes of the artefacts every peer
 must agree on: the config fingerprint, the subspace basis U (rebuilt locally from the seed and
-compared), the tokenizer file and the protocol version. `verify_manifest` rebuilds everything
-from the manifest on this machine and raises `ManifestMismatch` naming the first disagreement,
-so a peer with a different build refuses to join instead of training on different math.
+compared), the fingerprint of the portable arithmetic (the initial state and commits are computed
+alike: `peer.core.portable.arithmetic_fingerprint`), the tokenizer file and the protocol version.
+`verify_manifest` rebuilds everything from the manifest on this machine and raises
+`ManifestMismatch` naming the first disagreement, so a peer with a different build refuses to join
+instead of training on different math.
 `wait_for_manifest` is the one bounded wait for the bootstrap's manifest (`peer join`, `peer status`).
 """
 
@@ -17,13 +19,15 @@ from typing import Any
 
 from peer import __version__
 from peer.config import RunConfig, config_from_dict
+from peer.core.portable import arithmetic_fingerprint
 from peer.core.subspace import basis_hash, make_basis
 from peer.errors import ManifestMismatch, NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 4  # 4: streamed pipeline (route/window/attempt), data-plane proofs, Tunnel service, screening
+PROTOCOL_VERSION = 5  # 5: portable initial state and commit, state claims (state_id, link), checked adoption
+# 4: streamed pipeline (route/window/attempt), data-plane proofs, Tunnel service, screening
 # 3: payload format v3 (entropy-coded indices, sign-magnitude values), global-norm clipping fields
 POLL_S = 0.5  # pause between two manifest lookups while waiting for it
 
@@ -82,6 +86,7 @@ def build_manifest(cfg: RunConfig, tokenizer_sha256: str, bootstrap_address: str
         "config": config,
         "fingerprint": cfg.fingerprint(),
         "u_hash": basis_hash_for(cfg),
+        "arithmetic": arithmetic_fingerprint(),
         "k": cfg.k,
         "tokenizer_sha256": tokenizer_sha256,
         "bootstrap_address": bootstrap_address,
@@ -120,10 +125,17 @@ def verify_manifest(manifest: dict[str, Any]) -> RunConfig:
                 else "install the peer version the swarm runs"
             )
         )
+    local = arithmetic_fingerprint()
+    if manifest.get("arithmetic", local) != local:
+        raise ManifestMismatch(
+            f"this build's portable arithmetic ({local}) differs from the bootstrap's ({manifest['arithmetic']}): "
+            "it would compute other initial states and commits and fork the model; "
+            f"install the peer version the swarm runs ({swarm_version})"
+        )
     local_u = basis_hash_for(cfg)
     if local_u != manifest["u_hash"]:
         raise ManifestMismatch(
-            f"subspace basis hash {local_u} != manifest {manifest['u_hash']}: this machine's torch/LAPACK "
-            "builds a different U from the seed; use the torch version the swarm uses"
+            f"subspace basis hash {local_u} != manifest {manifest['u_hash']}: this build computes a different "
+            f"U from the seed; install the peer version the swarm runs ({swarm_version})"
         )
     return cfg

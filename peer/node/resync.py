@@ -331,7 +331,16 @@ class Resync:
             len(link.entries),
             len(own.entries),
         )
-        sess.metrics.log("switch", stage=worker.stage, t=link.t, state=claim.state, peer=claim.peer)
+        sess.metrics.log(
+            "switch",
+            stage=worker.stage,
+            t=worker.outer_step,
+            round=link.t,
+            state=claim.state,
+            peer=claim.peer,
+            param_hash=worker.param_hash(),
+            perp_hash=worker.perp_hash(),
+        )
         sess.records.refresh()
         return True
 

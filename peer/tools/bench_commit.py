@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +164,23 @@ def bench_commit(
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
     }
+
+
+def command(
+    show: Callable[[Any], None], args: dict[str, Any], runs: Path, write_json: Callable[[Path, dict], None]
+) -> None:
+    """`peer bench commit`: time both commits of one round of stage 0 and show the table."""
+    from peer.errors import ConfigError
+    from peer.tools.render import metric_table
+
+    if args["replicas"] < 1 or args["repeats"] < 1 or args["stages"] < 1:
+        raise ConfigError("--replicas, --repeats and --stages must be 1 or more")
+    where = runs / f"commit-{args['preset']}"
+    show(f"peer bench commit: stage 0 of {args['preset']} split in {args['stages']}, {args['replicas']} contributions")
+    result = bench_commit(where, args["preset"], args["stages"], 0, args["replicas"], args["repeats"])
+    show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s")}))
+    if args["json_out"]:
+        write_json(args["json_out"], result)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -8,6 +8,9 @@ injects `faults` faults one at a time, each on a random non-bootstrap role:
   fresh data directory (a new peer);
 - ``term_resume``: SIGTERM (a clean leave), restart with --resume;
 - ``stop``: SIGSTOP for a few seconds, then SIGCONT;
+- ``long_stop``: SIGSTOP for longer than two round deadlines (a frozen machine, a long swap), then
+  SIGCONT: the woken peer must follow what the others committed meanwhile or re-sync, never
+  commit a stale set of its own (`long_stops` of the faults, at random places);
 and one ``bootstrap_kill`` halfway (``kill -9``, restart with the same identity and ports). After a
 fault the harness waits until every live role has committed a round after it (the recovery time,
 capped), then a random pause. After a ``kill -9`` the victim's descendants must be gone within
@@ -60,6 +63,8 @@ class ChaosConfig:
     announce_interval_s: float = 1.0
     pause_s: tuple[float, float] = (2.0, 6.0)  # between a recovery and the next fault
     stop_s: tuple[float, float] = (3.0, 8.0)  # SIGSTOP duration
+    long_stops: int = 2  # faults that are a SIGSTOP longer than two round deadlines
+    long_stop_rounds: tuple[float, float] = (2.2, 3.0)  # its duration, in round deadlines
     recovery_cap_s: float = 90.0  # a fault not recovered from by then counts as not recovered
     orphan_wait_s: float = 10.0
     startup_timeout_s: float = 240.0
@@ -230,9 +235,12 @@ class ChaosRun:
             except Exception:  # noqa: BLE001 - a peer that ignores SIGTERM is killed and counted below
                 self._kill9(role.child)
             self.start(role, resume=True)
-        elif kind == "stop":
+        elif kind in ("stop", "long_stop"):
+            lo, hi = (
+                self.cfg.stop_s if kind == "stop" else [r * self.cfg.round_timeout_s for r in self.cfg.long_stop_rounds]
+            )
             os.kill(role.child.pid, signal.SIGSTOP)
-            time.sleep(self.rng.uniform(*self.cfg.stop_s))
+            time.sleep(self.rng.uniform(lo, hi))
             os.kill(role.child.pid, signal.SIGCONT)
 
     def kill_bootstrap(self) -> None:
@@ -262,6 +270,8 @@ class ChaosRun:
                 raise NetworkError(f"the swarm committed no round in time; see the logs in {self.workdir}")
             self.progress("swarm up: every role committed a round")
             bootstrap_at = self.cfg.faults // 2 if self.cfg.bootstrap_kill else -1
+            others = [i for i in range(self.cfg.faults) if i != bootstrap_at]
+            long_at = set(self.rng.sample(others, min(self.cfg.long_stops, len(others))))
             for i in range(self.cfg.faults):
                 time.sleep(self.rng.uniform(*self.cfg.pause_s))
                 self._restart_exited()
@@ -270,7 +280,8 @@ class ChaosRun:
                     kind, target = "bootstrap_kill", "bootstrap"
                     self.kill_bootstrap()
                 else:
-                    kind, target = self.rng.choice(KINDS), self.rng.choice(sorted(self.roles))
+                    kind = "long_stop" if i in long_at else self.rng.choice(KINDS)
+                    target = self.rng.choice(sorted(self.roles))
                     self.inject(kind, self.roles[target])
                 fault = {"i": i, "kind": kind, "target": target, "time": since, "recovery_s": None}
                 fault["recovery_s"] = self.wait_recovered(since)
@@ -313,3 +324,28 @@ def _alive(proc: psutil.Process) -> bool:
 def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -> ChaosResult:
     """Run the swarm under `cfg.faults` random faults; the table of `peer.tools.chaos_report`."""
     return ChaosRun(cfg, progress).run()
+
+
+def command(
+    show: Callable[[Any], None], args: dict[str, Any], runs: Path, write_json: Callable[[Path, dict], None]
+) -> None:
+    """`peer bench chaos`: check the flags, run, show the table (and write --json)."""
+    from peer.errors import ConfigError
+    from peer.tools.render import metric_table
+
+    if args["faults"] < 1:
+        raise ConfigError("--faults must be 1 or more")
+    if not 0 <= args["long_stops"] < args["faults"]:
+        raise ConfigError("--long-stops must be between 0 and --faults − 1 (one fault is a bootstrap kill)")
+    where = args["workdir"] or runs / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    keys = ("faults", "seed", "round_timeout_s", "inner_steps", "microbatches", "in_flight", "long_stops")
+    cfg = ChaosConfig(workdir=where, **{k: args[k] for k in keys})
+    schedule = "sequential" if cfg.in_flight == 1 else f"in flight {cfg.in_flight or 'auto'}"
+    show(
+        f"peer bench chaos: {cfg.faults} faults ({cfg.long_stops} long freezes); {cfg.microbatches} micro-batches, "
+        f"{schedule}; logs in {where}"
+    )
+    result = run_chaos(cfg, show)
+    show(metric_table("chaos", result.summary))
+    if args["json_out"]:
+        write_json(args["json_out"], {"summary": result.summary, "faults": result.faults})

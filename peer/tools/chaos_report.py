@@ -3,7 +3,8 @@
 Inputs: every `<workdir>/<holder>/metrics.jsonl` (one holder = one data directory: a role restarted
 with --resume keeps its holder, a fresh restart is a new one) and every `<workdir>/*.log`.
 - A `round` event of outer step t gives its holder's state (param_hash, perp_hash) of stage s at
-  outer step t + 1; a `sync` event gives the state it downloaded at its outer step.
+  outer step t + 1; a `sync` event gives the state it downloaded at its outer step, a `switch` event
+  the checked state it replaced its own commit with (docs/protocol.md, RECONCILE).
 - Committed disagreements: (t + 1, s) where holders' round events disagree; unresolved: where the
   holders' last known states still disagree at the end (a re-sync repairs a committed one).
 - Lone commits: a round event with a one-replica committed set that no other holder of the same
@@ -52,11 +53,15 @@ def states(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> Table:
                     out[(int(ev["t"]) + 1, int(s))][holder].append(("round", state))
             elif ev.get("event") == "sync" and ev.get("stage") is not None:
                 out[(int(ev["t"]), int(ev["stage"]))][holder].append(("sync", (str(ev.get("param_hash")), "")))
+            elif ev.get("event") == "switch" and ev.get("stage") is not None:
+                state = (str(ev.get("param_hash")), str(ev.get("perp_hash")))
+                out[(int(ev["t"]), int(ev["stage"]))][holder].append(("switch", state))
     return out
 
 
 def disagreements(table: Table) -> tuple[int, int]:
-    """(committed, unresolved) disagreement counts over (outer step, stage) pairs.
+    """(committed, unresolved) disagreement counts over (outer step, stage) pairs: holders whose
+    commits of one round differ (a split), and those whose last known states still differ.
 
     A sync event carries no T⊥ hash, so the unresolved check compares parameter hashes only.
     """
@@ -179,6 +184,9 @@ def summary(
         "hash_disagreements_unresolved": unresolved,
         "hash_disagreement_longest_run": longest_disagreement(table),
         "lone_commits": len(lone),
+        "switches": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "switch"),
+        "syncs": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "sync"),
+        "refusals": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "refused"),
         "orphans": orphans,
         "crashes": len(crashes),
         "tracebacks": sum(tb.values()),

@@ -282,6 +282,16 @@ ChaosInFlight = Annotated[
 ]
 ChaosWorkdir = Annotated[Path | None, typer.Option("--workdir", help="Logs and data (default: runs/chaos-…).")]
 ChaosJson = Annotated[Path | None, typer.Option("--json", help="Write the table and every fault here.")]
+ChaosLongStops = Annotated[
+    int, typer.Option("--long-stops", help="Faults that are a SIGSTOP longer than two round deadlines.")
+]
+
+# --- peer bench commit ---------------------------------------------------------------------------
+
+CommitPreset = Annotated[str, typer.Option("--preset", help="Model preset whose stage 0 is committed.")]
+CommitStages = Annotated[int, typer.Option("--stages", help="Stages the model is split into (stage 0 is timed).")]
+CommitReplicas = Annotated[int, typer.Option("--replicas", help="M: contributions in the round (3+: screening runs).")]
+CommitRepeats = Annotated[int, typer.Option("--repeats", help="Timed commits of each kind; medians are reported.")]
 
 # --- peer demo -----------------------------------------------------------------------------------
 

@@ -78,6 +78,13 @@ def test_tampered_u_hash(manifest):
     assert "subspace basis hash" in message and "f" * 16 in message and ACTION.search(message)
 
 
+def test_a_build_whose_portable_arithmetic_differs_is_refused(manifest):
+    assert manifest["arithmetic"] and len(manifest["arithmetic"]) == 16  # the bootstrap's, computed
+    manifest["arithmetic"] = "0" * 16  # a build that would compute other initial states and commits
+    message = _mismatch(manifest)
+    assert "portable arithmetic" in message and "0" * 16 in message and ACTION.search(message)
+
+
 @pytest.mark.parametrize("where", [("train", "bogus_steps"), (None, "bogus_section_key")])
 def test_unknown_config_key(manifest, where):
     section, key = where
