@@ -178,11 +178,13 @@ class Rounds:
         return True
 
     def _check_followed(self, worker: StageWorker, result: RoundResult) -> None:
-        """The holder whose committed set we took claims the state that set gives: ours. If not, its
-        claim is false (the commit is portable), and it is refused."""
-        claim = result.followed
-        if claim is None or claim.state == worker.state_id():
+        """The holder whose committed set we took claims the state that set gives from our state: ours.
+        If not (same set, same stage-0 set), its claim is false (the commit is portable): refused."""
+        claim, ours = result.followed, worker.link
+        if claim is None or claim.link is None or ours is None or claim.state == worker.state_id():
             return
+        if (claim.link.entries, claim.link.embed) != (ours.entries, ours.embed):
+            return  # another stage-0 set moved its T⊥ (or the set changed): nothing to conclude here
         self.session.refusals.refuse(
             claim.peer,
             worker.stage,
