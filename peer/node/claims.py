@@ -202,10 +202,10 @@ def observed(claims: Iterable[Claim], t: int) -> list[Claim]:
     return sorted(best, key=lambda c: (-len(groups[c.link.entries]) if c.link else 0, c.key, c.peer))
 
 
-def ahead(claims: Iterable[Claim], clock: int, t: int) -> Majority | None:
-    """The state to re-sync to when this holder (at outer step t) is behind: the swarm's clock is
-    two or more rounds past t and a strict majority of the other holders claims one state there."""
-    if clock < t + 2:
-        return None
-    win = majority(claims, clock)
-    return win if win is not None and win.outer_step >= t + 2 else None
+def closed_elsewhere(clock: int, t: int) -> bool:
+    """Whether the swarm closed round t at least a round ago: its clock (the lower median of the
+    other replicas' outer steps, which a dishonest minority cannot move) is two or more rounds past
+    t. A holder still gathering t then (it woke from a freeze, or stalled) never commits a set of its
+    own: it re-syncs to the state a majority of its stage's holders claims (`majority`), whether or
+    not one exists at this very moment (holders one round apart split the vote for a while)."""
+    return clock >= t + 2

@@ -13,8 +13,8 @@ checking its sha256 and format, until the set is closed:
   that stage's holders committed: `observed`): we take exactly its set, every entry fetched by
   content and proven genuine (`peer.node.verify`) — a set naming payloads no replica announced
   gets its claimer refused — or, when it cannot be fetched within the grace, re-sync (`behind`);
-- or the swarm is two rounds past us and a majority of the holders agrees on a state there
-  (`peer.node.claims.ahead`): re-sync (`behind`);
+- or the swarm's clock is two rounds past us (`peer.node.claims.closed_elsewhere`): the others
+  closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
 - or the deadline passes.
 A close is decided only on a view read moments before (`FRESH_S`): a process frozen mid-round (a
 stopped peer, a stalled machine) wakes to a fresh read and follows what the others committed
@@ -37,7 +37,7 @@ from peer.net.pool import ClientPool
 from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
 from peer.node.agreement import IGNORED, RoundView, fenced_by, round_view, sender_alive
-from peer.node.claims import Claim, ahead, followable, observed, parse_claims, swarm_clock
+from peer.node.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
 from peer.node.refusals import Refusals
 from peer.node.round_payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
 from peer.node.verify import SetFetcher
@@ -216,7 +216,7 @@ def gather_round(
         refused = refusals.peers() if refusals is not None else frozenset()
         claims = parse_claims(holders, me, refused)
         clock = swarm_clock({p: r for p, r in replicas.items() if p != me}, refused)
-        if ahead(claims.values(), clock, t) is not None:
+        if closed_elsewhere(clock, t):
             result.behind = True
             log.warning("round %d stage %d: the swarm is rounds ahead; re-syncing instead", t, stage)
             break

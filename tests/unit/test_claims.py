@@ -6,8 +6,8 @@ from peer.node.claims import (
     SHA_CHARS,
     Claim,
     Link,
-    ahead,
     better,
+    closed_elsewhere,
     entry,
     followable,
     majority,
@@ -113,14 +113,11 @@ def test_a_majority_is_strict_counted_by_peer_and_bounded_by_the_clock():
     assert majority(claims(a=(5, "h")), clock=5, mine=(5, "h")).holders == ("a",)
 
 
-def test_behind_needs_the_clock_two_rounds_ahead_and_a_majority_there():
-    def claims(**states: tuple[int, str]):
-        return list(parse_claims({p: _rec(t, s) for p, (t, s) in states.items()}).values())
-
-    assert ahead(claims(a=(7, "h"), b=(7, "h")), clock=7, t=5).state == "h"
-    assert ahead(claims(a=(7, "h"), b=(7, "h")), clock=6, t=5) is None  # the replicas are not there
-    assert ahead(claims(a=(6, "h"), b=(6, "h")), clock=7, t=5) is None  # one round: follow, not re-sync
-    assert ahead(claims(a=(7, "h"), x=(7, "f")), clock=7, t=5) is None  # no majority
+def test_a_round_is_closed_elsewhere_once_the_clock_is_two_rounds_past_it():
+    assert closed_elsewhere(clock=7, t=5)  # the replicas committed t + 1 already: re-sync, never commit t
+    assert closed_elsewhere(clock=20, t=5)  # woke from a long freeze, whatever the holders' votes say now
+    assert not closed_elsewhere(clock=6, t=5)  # one round: the others may still follow or be followed
+    assert not closed_elsewhere(clock=5, t=5)
 
 
 def test_an_observer_takes_the_set_most_holders_committed():
