@@ -249,8 +249,12 @@ class Rounds:
                 worker.return_unsent(payload)
             worker.observe()
             return
-        result = self.gather(worker, t, contributor, stop, payload=payload)
-        embed = self.gather(worker, t, None, stop, stage=0)
+        # both gathers at once, under one deadline: a replica that froze mid-round costs the round
+        # one deadline, not one for our stage and then another for stage 0's set
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            ours = pool.submit(self.gather, worker, t, contributor, stop, payload=payload)
+            stage0 = pool.submit(self.gather, worker, t, None, stop, stage=0)
+            result, embed = ours.result(), stage0.result()
         if self.commit({worker.stage: worker}, {worker.stage: result}, embed):
             self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
 
