@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+LOOPBACK = "127.0.0.1"  # test swarms listen and announce here only (the CLI's default is every interface)
 DEADLINES = {
     "PEER_SWARM__RPC_TIMEOUT_S": "3",
     "PEER_SWARM__RECORD_TTL_S": "5",
@@ -54,6 +55,8 @@ class Swarm:
             "bootstrap",
             [
                 "bootstrap",
+                "--host",
+                LOOPBACK,
                 "--inner-steps",
                 "4",
                 "--outer-steps",
@@ -88,7 +91,7 @@ class Swarm:
         )
 
     def join(self, name: str, *flags: str, extra_env: dict | None = None, module: str = "peer") -> None:
-        args = ["join", *flags, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)]
+        args = ["join", *flags, "--host", LOOPBACK, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)]
         self.start(name, args, extra_env, module)
 
     def events(self, name: str, kind: str | None = None) -> list[dict]:

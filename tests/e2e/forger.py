@@ -6,13 +6,15 @@ claims) and lists `FAKE_REPLICAS` made-up replicas beside the real ones in its c
 link and "committed" of its records). That is the attack of issue 20: a holder whose record claims
 more committed replicas than anyone, for a state no honest commit produces. Honest holders must
 refuse it (its set names payloads no replica announced; its state does not follow from its set)
-and never adopt its state.
+and never adopt its state. `FORGER_FAKE_REPLICAS=0` keeps the genuine set and forges the state
+alone (refused because that set gives another state).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 
 import torch
 
@@ -20,7 +22,7 @@ from peer.cli import main
 from peer.node.claims import entry
 from peer.node.stage_worker import StageWorker
 
-FAKE_REPLICAS = 8
+FAKE_REPLICAS = int(os.environ.get("FORGER_FAKE_REPLICAS", "8"))  # 0: altered parameters, the genuine set
 _honest_apply = StageWorker.apply_round
 
 

@@ -50,6 +50,8 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
     boot = _peer(
         [
             "bootstrap",
+            "--host",
+            "127.0.0.1",
             "--inner-steps",
             "3",
             "--outer-steps",
@@ -84,7 +86,16 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
                 (
                     name,
                     _peer(
-                        ["join", *flags, "--initial-peers", maddr, "--data-dir", str(tmp_path / name)],
+                        [
+                            "join",
+                            *flags,
+                            "--host",
+                            "127.0.0.1",
+                            "--initial-peers",
+                            maddr,
+                            "--data-dir",
+                            str(tmp_path / name),
+                        ],
                         env,
                         tmp_path / f"{name}.log",
                     ),

@@ -108,7 +108,19 @@ class Roles:
 def test_kill_9_of_each_role_leaves_no_process(tmp_path, reap_children):
     roles = Roles(tmp_path)
     address = tmp_path / "bootstrap.json"
-    boot_args = ["bootstrap", "--inner-steps", "4", "--outer-steps", "1000", "--batch-size", "4", "--seq-len", "32"]
+    boot_args = [
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--inner-steps",
+        "4",
+        "--outer-steps",
+        "1000",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+    ]
     boot_args += ["--max-chars", "200000", "--port", "0", "--address-file", str(address)]
     try:
         roles.start("bootstrap", boot_args, PEER_SWARM__MIN_REPLICAS="2")
@@ -121,7 +133,10 @@ def test_kill_9_of_each_role_leaves_no_process(tmp_path, reap_children):
         joins = {"stage1": ["--stage", "1"], "head": ["--stage", "0"], "full": ["--full-replica"]}
         joins["spare"] = ["--stage", "1"]
         for name, flags in joins.items():
-            roles.start(name, ["join", *flags, "--initial-peers", maddr, "--data-dir", str(tmp_path / name)])
+            roles.start(
+                name,
+                ["join", *flags, "--host", "127.0.0.1", "--initial-peers", maddr, "--data-dir", str(tmp_path / name)],
+            )
         roles.wait_dht(["bootstrap", *joins])
 
         # a clean leave still exits 0 and takes its whole tree with it

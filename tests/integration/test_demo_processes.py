@@ -262,9 +262,11 @@ def test_run_demo_times_out_and_cleans_up(tmp_path, tag, fake, monkeypatch):
 
 
 DRIVER = textwrap.dedent("""
+    import signal
     import sys
     from pathlib import Path
     from peer.tools.demo import DemoConfig, run_demo
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a shell's `&` ignores SIGINT)
     fake, workdir = sys.argv[1], Path(sys.argv[2])
     run_demo(DemoConfig(workdir=workdir, timeout_s=120, grace_s=1.0, poll_interval_s=0.05),
              command=lambda *a: [sys.executable, fake, *map(str, a)])
