@@ -235,6 +235,15 @@ def export(
     console.print(f"exported to {path} — load it with transformers.LlamaForCausalLM.from_pretrained('{path}')")
 
 
+def _print_peer_id(identity: Path | None) -> None:
+    """`peer bootstrap --print-peer-id`: the peer id of a key file (made if missing), for the join lines."""
+    if identity is None:
+        raise ConfigError("--print-peer-id needs --identity PATH (the key file whose peer id to print)")
+    from peer.net.dht import make_identity
+
+    typer.echo(make_identity(identity))
+
+
 @app.command()
 def bootstrap(
     config: flags.Config = None,
@@ -268,11 +277,7 @@ def bootstrap(
     """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
     _setup_logging(verbose)
     if print_peer_id:
-        if identity is None:
-            raise ConfigError("--print-peer-id needs --identity PATH (the key file whose peer id to print)")
-        from peer.net.dht import make_identity
-
-        typer.echo(make_identity(identity))
+        _print_peer_id(identity)
         return
     from bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.config import build_config
