@@ -16,9 +16,10 @@ checking its sha256 and format, until the set is closed:
 - or the swarm's clock is two rounds past us (`peer.node.claims.closed_elsewhere`): the others
   closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
 - or the deadline passes.
-A close is decided only on a view read moments before (`FRESH_S`): a process frozen mid-round (a
-stopped peer, a stalled machine) wakes to a fresh read and follows what the others committed
-meanwhile, never a set decided on what it read before the freeze.
+A close is decided only on a view whose read began moments before (`FRESH_S`): a process frozen
+mid-round (a stopped peer, a stalled machine) — even inside a DHT read, whose answer its DHT child
+took before the freeze — wakes to a fresh read and follows what the others committed meanwhile, or
+re-syncs, never a set decided on what it read before the freeze.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from peer.node.verify import SetFetcher
 
 log = logging.getLogger(__name__)
 
-FRESH_S = 1.0  # a set is closed only on a DHT read at most this old (a frozen process re-reads)
+FRESH_S = 1.0  # a set is closed only on a DHT read begun at most this long ago (a frozen process re-reads)
+MAX_SLOW_READS = 3  # reads in a row that each took longer than FRESH_S: the DHT is slow, not we frozen
 FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads
 
 
@@ -194,7 +196,9 @@ def gather_round(
         my_closes = _announce(dht, t, stage, own, store, address, inc, extra, timeout_s, ttl_s)
         held.data[own[0]], held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
     view = RoundView()
+    slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
     while True:
+        read_at = time.monotonic()  # a read's age counts from its start: one begun before a freeze is stale
         try:
             replicas, holders, payloads, stage0 = read_round(dht, t, stage)
         except NetworkError as exc:  # a DHT read that failed once is a missed poll, until the deadline
@@ -203,7 +207,10 @@ def gather_round(
             log.info("round %d stage %d: DHT read failed, polling again: %s", t, stage, exc)
             poll_pause(stop, poll_s)
             continue
-        read_at = time.monotonic()
+        # a read that took longer than FRESH_S (the process froze while its DHT child answered, and
+        # records it read then look expired now) is read again; a DHT that is this slow every time
+        # is believed after MAX_SLOW_READS reads in a row, so the gather cannot spin
+        slow_reads = slow_reads + 1 if time.monotonic() - read_at > FRESH_S else 0
         left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
         holders = {pid: rec for pid, rec in holders.items() if pid not in left}
         view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc, banned)
@@ -251,7 +258,8 @@ def gather_round(
             held.data[rid] = data
             result.bytes_fetched += len(data)
         result.expected = len(view.expected)
-        fresh = time.monotonic() - read_at <= FRESH_S  # decide on a view read moments ago, never an old one
+        # decide on a view read moments ago, never an old one
+        fresh = time.monotonic() - read_at <= FRESH_S or slow_reads >= MAX_SLOW_READS
         targets = followable(claims.values(), t, prev) if prev is not None else observed(claims.values(), t)
         targets = [c for c in targets if refusals is None or c.peer not in refusals]
         # an earlier closer at (or past) its deadline may commit without our payload: its commit

@@ -108,18 +108,31 @@ class Resync:
         state as one more vote when `vote`), from one of them, checked against its state id.
 
         Holders that just committed and holders still committing the same round split the vote for
-        a moment: without a majority we read again until one appears, for at most `wait_s`
-        (default `swarm.round_timeout_s`). Raises NetworkError when none appears, or no claimer
-        serves its state intact.
+        a moment, and a majority's holders may commit the next round while we download: we read
+        again until a majority's state is served intact, for at most `wait_s` (default
+        `swarm.round_timeout_s`). Raises NetworkError when no majority appears, or none is served.
         """
         sess = self.session
         deadline = time.monotonic() + (sess.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
+        served = True  # no download has failed yet (one that did may have loaded a state it did not claim)
         while True:
             holders = sess.dht.get_stage_peers(worker.stage)
             claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
             clock = max(self.clock(), worker.outer_step)
-            win = majority(claims.values(), clock, (worker.outer_step, worker.state_id()) if vote else None)
-            if win is not None or time.monotonic() >= deadline:
+            # after a failed download our state may be what a holder served but did not claim: no vote
+            mine = (worker.outer_step, worker.state_id()) if served else None
+            win = majority(claims.values(), clock, mine if vote else None)
+            if win is not None:
+                if (win.outer_step, win.state) == mine:
+                    return
+                if any(
+                    self._download(worker, pid, holders[pid], claims[pid], reason, keep_errors) for pid in win.holders
+                ):
+                    return
+                # nobody served the claimed state intact: most often its holders committed the next
+                # round while we downloaded; read the claims again
+                served = False
+            if time.monotonic() >= deadline:
                 break
             time.sleep(min(1.0, sess.cfg.swarm.announce_interval_s))
         if win is None:
@@ -127,11 +140,6 @@ class Resync:
                 f"no state of stage {worker.stage} is claimed by a majority of its {len(claims)} other holder(s) "
                 f"(swarm at outer step {clock}); retry when they agree or more holders are online"
             )
-        if (win.outer_step, win.state) == (worker.outer_step, worker.state_id()):
-            return
-        for pid in win.holders:
-            if self._download(worker, pid, holders[pid], claims[pid], reason, keep_errors):
-                return
         raise NetworkError(
             f"none of the {len(win.holders)} holder(s) of stage {worker.stage}'s majority state {win.state} "
             "served it intact; retry later"

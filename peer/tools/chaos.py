@@ -199,7 +199,16 @@ class ChaosRun:
                 rc = role.child.poll()
                 log.warning("%s exited by itself (rc %s); restarting it with --resume", role.name, rc)
                 why = role.child.log_tail(2, 300)
-                self.faults.append({"kind": "crash", "target": role.name, "rc": rc, "why": why, "recovery_s": None})
+                self.faults.append(
+                    {
+                        "kind": "crash",
+                        "target": role.name,
+                        "time": time.time(),
+                        "rc": rc,
+                        "why": why,
+                        "recovery_s": None,
+                    }
+                )
                 self.start(role, resume=True)
 
     # ------------------------------------------------------------------ faults
