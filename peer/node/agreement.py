@@ -19,10 +19,14 @@ that sees the same records decides the same way, and each rule is testable witho
 - Bans: part of the committed state, recomputed by every holder that commits a set; an observer
   of a stage it does not hold skips only the replicas that every holder of that stage at t bans
   (`round_bans`: a lone holder cannot make it skip an honest replica).
+- Closing a gather: after every poll, `close_decision` turns what the poll knows (`Poll`) into
+  one named outcome (`Close`): keep polling, read again, or stop with a complete set, at the
+  deadline, with a followed set, or behind (re-sync).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -210,3 +214,60 @@ def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None
         if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
             out.add(rid)
     return out
+
+
+class Close(enum.Enum):
+    """What a gather does after one poll of round (t, s)."""
+
+    WAIT = "wait"  # poll again after the poll interval
+    REREAD = "reread"  # the view is stale (we may have been frozen): read the round again at once
+    COMPLETE = "complete"  # stop: every expected payload is held, rejected or dropped
+    DEADLINE = "deadline"  # stop at the deadline with what we hold
+    FOLLOWED = "followed"  # stop: we hold exactly the set another holder committed from our state
+    BEHIND = "behind"  # stop: the round was closed elsewhere and cannot be reproduced here: re-sync
+
+
+@dataclass(frozen=True)
+class Poll:
+    """What one poll of a gather knows, as the close decision reads it (docs/protocol.md, GATHER).
+
+    `fresh`: the view was read moments ago (`peer.node.gather.FRESH_S`); `past_deadline`: the
+    round's deadline has passed; `fenced`: an earlier closer's deadline is near, so its commit
+    decides (`fenced_by`). `closed_elsewhere`: the swarm's clock is two rounds past t. Following:
+    `following` a claim from our state, whose set we now hold whole (`follow_held`) or have failed
+    to fetch for longer than the grace (`follow_expired`). Otherwise, `complete`: every expected
+    replica is held, rejected or dropped, which closes the set unless one of the holds applies:
+    `lone` (only our payload, while a holder seen gathering may be frozen), `follower` (an observer
+    while a contributor is around), `short` (the first round's start-up quorum), `settling` (a
+    payload just lost may be in a commit about to appear)."""
+
+    fresh: bool
+    past_deadline: bool = False
+    fenced: bool = False
+    closed_elsewhere: bool = False
+    following: bool = False
+    follow_held: bool = False
+    follow_expired: bool = False
+    complete: bool = False
+    lone: bool = False
+    follower: bool = False
+    short: bool = False
+    settling: bool = False
+
+
+def close_decision(poll: Poll) -> Close:
+    """The one rule that ends a gather (tested row by row in tests/unit/test_close_decision.py)."""
+    if poll.closed_elsewhere:
+        return Close.BEHIND
+    if poll.following:
+        if poll.follow_held:
+            return Close.FOLLOWED
+        if poll.follow_expired:
+            return Close.BEHIND
+    elif (
+        poll.complete and poll.fresh and not (poll.lone or poll.follower or poll.short or poll.settling or poll.fenced)
+    ):
+        return Close.COMPLETE
+    if poll.past_deadline and not poll.fenced:
+        return Close.DEADLINE if poll.fresh else Close.REREAD
+    return Close.WAIT if poll.fresh else Close.REREAD

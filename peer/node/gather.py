@@ -31,14 +31,16 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.config import SwarmConfig
 from peer.core.sparseloco import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
 from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
-from peer.node.agreement import IGNORED, RoundView, fenced_by, round_view, sender_alive
+from peer.node.agreement import IGNORED, Close, Poll, RoundView, close_decision, fenced_by, round_view, sender_alive
 from peer.node.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
+from peer.node.follow import Follow, Held
 from peer.node.refusals import Refusals
 from peer.node.round_payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
 from peer.node.verify import SetFetcher
@@ -47,7 +49,6 @@ log = logging.getLogger(__name__)
 
 FRESH_S = 1.0  # a set is closed only on a DHT read begun at most this long ago (a frozen process re-reads)
 MAX_SLOW_READS = 3  # reads in a row that each took longer than FRESH_S: the DHT is slow, not we frozen
-FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads
 
 
 @dataclass
@@ -73,69 +74,27 @@ class RoundResult:
         return len(self.replicas)
 
 
-@dataclass
-class _Held:
-    """The payloads one gather holds, by replica id."""
+@dataclass(frozen=True)
+class RoundTimings:
+    """A round's clocks, one value built from the run's config (`from_config`)."""
 
-    data: dict[str, bytes] = field(default_factory=dict)
-    parsed: dict[str, Payload] = field(default_factory=dict)
+    deadline_s: float  # T_r: how long a gather waits for the expected payloads
+    grace_s: float = 5.0  # FOLLOW and the deadline fence: how long past T_r; to fetch a followed set
+    poll_s: float = 0.2  # between two DHT polls
+    ttl_s: float = 60.0  # announcements' lifetime: a claim naming them is checked against them later
 
-    def by_digest(self) -> dict[str, bytes]:
-        return {sha256(b): b for b in self.data.values()}
+    @classmethod
+    def from_config(cls, swarm: SwarmConfig) -> RoundTimings:
+        return cls(
+            deadline_s=swarm.round_timeout_s,
+            grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
+            ttl_s=max(120.0, 4 * swarm.round_timeout_s),  # announcements outlive the round
+        )
 
-
-class _Follow:
-    """Taking another holder's committed set of the round (see the module docstring)."""
-
-    def __init__(self, fetcher: SetFetcher, refusals: Refusals | None, t: int, stage: int, n_stages: int) -> None:
-        self.fetcher, self.refusals, self.t, self.stage, self.n_stages = fetcher, refusals, t, stage, n_stages
-        self.since: float | None = None
-        self.tried_at = 0.0
-
-    def take(self, claim: Claim, held: _Held, holders: Mapping[str, Any], parse: Callable[[bytes], Payload]) -> bool:
-        """Hold exactly `claim`'s set (fetching what is missing, now and then); True once held."""
-        assert claim.link is not None
-        self.since = time.monotonic() if self.since is None else self.since
-        digests = {sha256(b): rid for rid, b in held.data.items()}
-        have: dict[str, str] = {}  # entry's replica prefix -> our replica id
-        missing = []
-        for rid16, sha in claim.link.entries:
-            rid = next((r for d, r in digests.items() if d.startswith(sha) and r[:16] == rid16), None)
-            if rid is None:
-                missing.append((rid16, sha))
-            else:
-                have[rid16] = rid
-        if missing and time.monotonic() - self.tried_at >= FOLLOW_FETCH_S:
-            self.tried_at = time.monotonic()
-            address = holders.get(claim.peer, {}).get("address")
-            got = self.fetcher.fetch(
-                self.t,
-                self.stage,
-                missing,
-                parse,
-                held.by_digest(),
-                address if isinstance(address, str) else None,
-                self.n_stages,
-            )
-            if got.forged and self.refusals is not None:
-                names = ", ".join(r[:12] for r, _ in got.forged)
-                self.refusals.refuse(
-                    claim.peer, self.stage, self.t, f"its committed set names payloads no replica announced ({names})"
-                )
-            for item, (data, payload) in got.payloads.items():
-                rid = got.replicas[item]
-                held.data[rid], held.parsed[rid] = data, payload
-                have[item[0]] = rid
-            missing = [e for e in missing if e[0] not in have]
-        if missing:
-            return False
-        keep = set(have.values())
-        held.data = {r: b for r, b in held.data.items() if r in keep}
-        held.parsed = {r: p for r, p in held.parsed.items() if r in keep}
-        return True
-
-    def expired(self, grace_s: float) -> bool:
-        return self.since is not None and time.monotonic() - self.since >= grace_s
+    @property
+    def rpc_s(self) -> float:
+        """One try at a second source of a payload."""
+        return min(self.grace_s, 3.0)
 
 
 def gather_round(
@@ -143,17 +102,14 @@ def gather_round(
     clients: ClientPool,
     t: int,
     stage: int,
-    timeout_s: float,
+    timings: RoundTimings,
     own: tuple[str, bytes] | None = None,
     store: PayloadStore | None = None,
     address: str = "",
     validate: Callable[[bytes], Payload] | None = None,
-    poll_s: float = 0.2,
-    ttl_s: float = 60.0,
     stop: threading.Event | None = None,
     inc: str = "",
     extra: Mapping[str, Any] | None = None,
-    grace_s: float = 5.0,
     quorum: int = 1,
     n_stages: int = 1,
     banned: Collection[str] = frozenset(),
@@ -165,153 +121,252 @@ def gather_round(
     `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
     skipped, and its replica no longer waited for); without it payloads are parsed as they are.
     Every payload is parsed exactly once (`RoundResult.parsed`). When the set is closed: see the
-    module docstring. `prev` is the id of our state at outer step t (a holder of the stage; None
-    for an observer of a stage it does not hold): the claims we may follow start from it.
-    `refusals`: holders whose claims are ignored (and where a forged set's claimer goes). `inc` is
-    this process's incarnation and `extra` adds fields to our announcement (a head's "peers").
-    `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until that many
-    payloads are held. A payload whose sender is gone is asked of the round's other contributors
-    (for stage 0 also of the other `n_stages` − 1 stages' holders). `banned`: peer.node.bans.
+    module docstring and `peer.node.agreement.close_decision`. `prev` is the id of our state at
+    outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
+    claims we may follow start from it. `refusals`: holders whose claims are ignored (and where a
+    forged set's claimer goes). `inc` is this process's incarnation and `extra` adds fields to our
+    announcement (a head's "peers"). `quorum` (the run's first round only: `swarm.min_replicas`)
+    keeps the set open until that many payloads are held. A payload whose sender is gone is asked
+    of the round's other contributors (for stage 0 also of the other `n_stages` − 1 stages'
+    holders). `banned`: peer.node.bans.
     """
-    parse = validate if validate is not None else Payload.from_bytes
-    started = time.monotonic()
-    deadline = started + timeout_s
-    me = dht.peer_id
-    held = _Held()
-    bad: set[str] = set()  # senders whose payload failed its checks
-    rejected: set[str] = set()  # the replicas they stood for
-    logged: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
-    retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
-    lost_at: float | None = None  # when a sender's payload was last given up as gone
-    seen: set[str] = set()  # other holders of the stage seen gathering this round
-    rpc_s = min(grace_s, 3.0)  # one try at a second source
-    result = RoundResult(t=t, stage=stage)
-    follow = _Follow(SetFetcher(dht, clients, store or PayloadStore(), me, rpc_s), refusals, t, stage, n_stages)
     if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
         log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])
         own = None
-    own_rid = own[0] if own is not None else None
-    my_closes: float | None = None
+    gather = _Gather(dht, clients, t, stage, timings, own, store, validate, inc, n_stages, banned, prev, refusals)
     if own is not None:
-        my_closes = _announce(dht, t, stage, own, store, address, inc, extra, timeout_s, ttl_s)
-        held.data[own[0]], held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
-    view = RoundView()
-    slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
-    while True:
-        read_at = time.monotonic()  # a read's age counts from its start: one begun before a freeze is stale
+        gather.contribute(own, store, address, extra)
+    return gather.run(stop, quorum)
+
+
+@dataclass
+class _Read:
+    """One poll's DHT read of round (t, s), and what it says."""
+
+    at: float  # when the read began (monotonic): its age
+    replicas: Mapping[str, Any]
+    holders: Mapping[str, Any]  # live holders of the stage (graceful leaves removed)
+    left: set[str]  # holders that left gracefully
+    payloads: Mapping[str, Any]
+    stage0: Mapping[str, Any]
+    view: RoundView
+    claims: Mapping[str, Claim]
+    clock: int
+
+
+class _Gather:
+    """The state of one gather of round (t, stage) across its polls (module docstring)."""
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        clients: ClientPool,
+        t: int,
+        stage: int,
+        timings: RoundTimings,
+        own: tuple[str, bytes] | None,
+        store: PayloadStore | None,
+        validate: Callable[[bytes], Payload] | None,
+        inc: str,
+        n_stages: int,
+        banned: Collection[str],
+        prev: str | None,
+        refusals: Refusals | None,
+    ) -> None:
+        self.dht, self.clients, self.t, self.stage, self.timings = dht, clients, t, stage, timings
+        self.store, self.inc, self.n_stages, self.banned = store, inc, n_stages, banned
+        self.prev, self.refusals = prev, refusals
+        self.parse = validate if validate is not None else Payload.from_bytes
+        self.me = dht.peer_id
+        self.started = time.monotonic()
+        self.deadline = self.started + timings.deadline_s
+        self.own = own
+        self.my_closes: float | None = None  # when we close the round at the latest (DHT time)
+        self.held = Held()
+        self.bad: set[str] = set()  # senders whose payload failed its checks
+        self.rejected: set[str] = set()  # the replicas they stood for
+        self.logged: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
+        self.retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
+        self.lost_at: float | None = None  # when a sender's payload was last given up as gone
+        self.seen: set[str] = set()  # other holders of the stage seen gathering this round
+        self.slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
+        self.view = RoundView()
+        self.why_behind = ""  # why a BEHIND decision was taken, for the log
+        self.result = RoundResult(t=t, stage=stage)
+        fetcher = SetFetcher(dht, clients, store or PayloadStore(), self.me, timings.rpc_s)
+        self.follow = Follow(fetcher, refusals, t, stage, n_stages)
+
+    def contribute(
+        self, own: tuple[str, bytes], store: PayloadStore | None, address: str, extra: Mapping[str, Any] | None
+    ) -> None:
+        """Serve and announce our payload, and hold it."""
+        timings = self.timings
+        self.my_closes = _announce(
+            self.dht, self.t, self.stage, own, store, address, self.inc, extra, timings.deadline_s, timings.ttl_s
+        )
+        self.held.data[own[0]], self.held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
+
+    def run(self, stop: threading.Event | None, quorum: int) -> RoundResult:
+        """Poll until `close_decision` stops the gather; the result in commit order."""
+        while True:
+            read = self._read()
+            if read is None:  # a DHT read that failed once is a missed poll, until the deadline
+                poll_pause(stop, self.timings.poll_s)
+                continue
+            decision = self._decide(read, quorum)
+            if decision is Close.WAIT:
+                poll_pause(stop, self.timings.poll_s)
+            elif decision is not Close.REREAD:
+                break
+        return self._finish(decision)
+
+    def _read(self) -> _Read | None:
+        """One DHT read of the round, parsed; None when it failed (NetworkError past the deadline)."""
+        t, stage, me = self.t, self.stage, self.me
+        at = time.monotonic()  # a read's age counts from its start: one begun before a freeze is stale
         try:
-            replicas, holders, payloads, stage0 = read_round(dht, t, stage)
-        except NetworkError as exc:  # a DHT read that failed once is a missed poll, until the deadline
-            if time.monotonic() >= deadline:
+            replicas, holders, payloads, stage0 = read_round(self.dht, t, stage)
+        except NetworkError as exc:
+            if time.monotonic() >= self.deadline:
                 raise
             log.info("round %d stage %d: DHT read failed, polling again: %s", t, stage, exc)
-            poll_pause(stop, poll_s)
-            continue
+            return None
         # a read that took longer than FRESH_S (the process froze while its DHT child answered, and
         # records it read then look expired now) is read again; a DHT that is this slow every time
         # is believed after MAX_SLOW_READS reads in a row, so the gather cannot spin
-        slow_reads = slow_reads + 1 if time.monotonic() - read_at > FRESH_S else 0
+        self.slow_reads = self.slow_reads + 1 if time.monotonic() - at > FRESH_S else 0
         left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
         holders = {pid: rec for pid, rec in holders.items() if pid not in left}
-        view = round_view(t, stage, payloads, stage0, replicas, holders, me, inc, banned)
+        view = round_view(t, stage, payloads, stage0, replicas, holders, me, self.inc, self.banned)
         # waited for: seen gathering and now gone (maybe frozen), still gathering, or past t (follow its
         # commit); not one whose live records, at most at t, say it will not send t (restarted, spare)
-        seen = view.gathering | {p for p in seen if holders.get(p, {}).get("outer_step", t + 1) > t}
-        if own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
+        self.seen = view.gathering | {p for p in self.seen if holders.get(p, {}).get("outer_step", t + 1) > t}
+        if self.own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
-        _log_ignored(view, logged, t, stage)
-        refused = refusals.peers() if refusals is not None else frozenset()
+        _log_ignored(view, self.logged, t, stage)
+        refused = self.refusals.peers() if self.refusals is not None else frozenset()
         claims = parse_claims(holders, me, refused)
         clock = swarm_clock({p: r for p, r in replicas.items() if p != me}, refused)
-        if closed_elsewhere(clock, t):
-            result.behind = True
-            log.warning("round %d stage %d: the swarm is rounds ahead; re-syncing instead", t, stage)
-            break
-        for sender, (rid, rec) in sorted(view.bound.items()):
-            if rid in held.data or sender in bad or retry_at.get(sender, 0.0) > time.monotonic():
+        self.view = view
+        return _Read(at, replicas, holders, left, payloads, stage0, view, claims, clock)
+
+    def _decide(self, read: _Read, quorum: int) -> Close:
+        """Fetch what is bound and missing, then the close decision of this poll."""
+        if closed_elsewhere(read.clock, self.t):
+            self.why_behind = "the swarm is rounds ahead"
+            return close_decision(Poll(fresh=True, closed_elsewhere=True))
+        self._fetch_bound(read)
+        self.result.expected = len(read.view.expected)
+        # decide on a view read moments ago, never an old one
+        fresh = time.monotonic() - read.at <= FRESH_S or self.slow_reads >= MAX_SLOW_READS
+        refusals = self.refusals
+        claims = read.claims.values()
+        targets = followable(claims, self.t, self.prev) if self.prev is not None else observed(claims, self.t)
+        targets = [c for c in targets if refusals is None or c.peer not in refusals]
+        if targets:  # round t is committed elsewhere, from our state: take exactly that set
+            self.result.followed = targets[0]
+            taken = self.follow.take(targets[0], self.held, read.holders, self.parse)
+            expired = self.follow.expired(self.timings.grace_s)
+            self.why_behind = "cannot fetch the committed set"
+            past_deadline = time.monotonic() >= self.deadline
+            poll = Poll(fresh, past_deadline, following=True, follow_held=taken, follow_expired=expired)
+            return close_decision(poll)
+        self.follow.since, self.result.followed = None, None
+        # an earlier closer at (or past) its deadline may commit without our payload: its commit
+        # decides (→ FOLLOW), waited for until its deadline + the grace, even past ours
+        fenced = fenced_by(read.view, self.me, self.my_closes, dht_time(), self.timings.grace_s)
+        held = set(self.held.data)
+        # a holder seen gathering this round whose records then expired may only be frozen (a
+        # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
+        seen_gathering = bool(self.seen - read.left)  # a holder that left gracefully is not waited for
+        own_rid = self.own[0] if self.own is not None else None
+        # a payload we lost (its sender left) may be held by a holder that already committed it:
+        # let its commit reach the DHT before closing without it (→ FOLLOW), bounded by the grace
+        lost = self.lost_at is not None and time.monotonic() - self.lost_at < min(self.timings.grace_s, SETTLE_S)
+        poll = Poll(
+            fresh,
+            past_deadline=time.monotonic() >= self.deadline,
+            fenced=bool(fenced),
+            complete=read.view.expected <= held | self.rejected | read.view.dropped,
+            lone=held == {own_rid} and seen_gathering,
+            # an observer (no payload of its own) never decides a set while a contributor is around:
+            # it follows the first commit (a frozen contributor's expired records cannot mislead it)
+            follower=self.own is None and seen_gathering,
+            short=self.t == 0 and quorum > 1 and len(held) < quorum,  # start-up: peers still appearing
+            settling=lost,
+        )
+        return close_decision(poll)
+
+    def _fetch_bound(self, read: _Read) -> None:
+        """Fetch each bound announcement's payload not held yet, once (unreachable: retried later)."""
+        t, stage, held = self.t, self.stage, self.held
+        for sender, (rid, rec) in sorted(read.view.bound.items()):
+            if rid in held.data or sender in self.bad or self.retry_at.get(sender, 0.0) > time.monotonic():
                 continue
             try:
-                data = _fetch(dht, clients, t, stage, sender, rec, payloads, stage0, me, n_stages, deadline, rpc_s)
+                data = _fetch(
+                    self.dht,
+                    self.clients,
+                    t,
+                    stage,
+                    sender,
+                    rec,
+                    read.payloads,
+                    read.stage0,
+                    self.me,
+                    self.n_stages,
+                    self.deadline,
+                    self.timings.rpc_s,
+                )
                 if sha256(data) != rec.get("sha256"):
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
-                held.parsed[rid] = parse(data)
-                if store is not None:
-                    store.put_fetched(t, stage, sender, data)
+                held.parsed[rid] = self.parse(data)
+                if self.store is not None:
+                    self.store.put_fetched(t, stage, sender, data)
             except NetworkError as exc:
-                if not sender_alive(sender, holders, replicas):  # it died after announcing: out for us
-                    if rid not in rejected:  # unless a holder that fetched it serves it later (retried)
+                if not sender_alive(sender, read.holders, read.replicas):  # it died after announcing: out for us
+                    if rid not in self.rejected:  # unless a holder that fetched it serves it later (retried)
                         log.warning(
                             "round %d stage %d: dropping %s: it left and its payload is gone", t, stage, rid[:12]
                         )
-                        lost_at = time.monotonic()
-                    rejected.add(rid)
-                    retry_at[sender] = time.monotonic() + 1.0
+                        self.lost_at = time.monotonic()
+                    self.rejected.add(rid)
+                    self.retry_at[sender] = time.monotonic() + 1.0
                     continue
-                retry_at[sender] = time.monotonic() + 2.0
+                self.retry_at[sender] = time.monotonic() + 2.0
                 log.info("round %d stage %d: payload of %s not reachable yet: %s", t, stage, sender[:12], exc)
                 continue
             except PeerError as exc:
                 log.warning("round %d stage %d: rejecting payload of %s: %s", t, stage, sender[:12], exc)
-                bad.add(sender)
-                rejected.add(rid)
+                self.bad.add(sender)
+                self.rejected.add(rid)
                 continue
             held.data[rid] = data
-            result.bytes_fetched += len(data)
-        result.expected = len(view.expected)
-        # decide on a view read moments ago, never an old one
-        fresh = time.monotonic() - read_at <= FRESH_S or slow_reads >= MAX_SLOW_READS
-        targets = followable(claims.values(), t, prev) if prev is not None else observed(claims.values(), t)
-        targets = [c for c in targets if refusals is None or c.peer not in refusals]
-        # an earlier closer at (or past) its deadline may commit without our payload: its commit
-        # decides (→ FOLLOW), waited for until its deadline + the grace, even past ours
-        fenced = fenced_by(view, me, my_closes, dht_time(), grace_s) if not targets else set()
-        if targets:  # round t is committed elsewhere, from our state: take exactly that set
-            result.followed = targets[0]
-            if follow.take(targets[0], held, holders, parse):
-                break
-            if follow.expired(grace_s):
-                result.behind = True
-                log.warning("round %d stage %d: cannot fetch the committed set; re-syncing instead", t, stage)
-                break
-        else:
-            follow.since, result.followed = None, None
-            # a holder seen gathering this round whose records then expired may only be frozen (a
-            # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
-            seen_gathering = bool(seen - left)  # a holder that left gracefully is not waited for
-            lone = set(held.data) == {own_rid} and seen_gathering
-            # an observer (no payload of its own) never decides a set while a contributor is around:
-            # it follows the first commit (a frozen contributor's expired records cannot mislead it)
-            follower = own is None and seen_gathering
-            short = t == 0 and quorum > 1 and len(held.data) < quorum  # start-up: peers still appearing
-            # a payload we lost (its sender left) may be held by a holder that already committed it:
-            # let its commit reach the DHT before closing without it (→ FOLLOW), bounded by the grace
-            settling = lost_at is not None and time.monotonic() - lost_at < min(grace_s, SETTLE_S)
-            closed = view.expected <= set(held.data) | rejected | view.dropped
-            if closed and fresh and not (lone or follower or short or settling or fenced):
-                break
-        if time.monotonic() >= deadline and not fenced:
-            if not fresh:
-                continue  # woke past the deadline (a freeze?): read the round again before closing it
+            self.result.bytes_fetched += len(data)
+
+    def _finish(self, decision: Close) -> RoundResult:
+        result, held, view = self.result, self.held, self.view
+        if decision is Close.BEHIND:
+            result.behind = True
+            log.warning("round %d stage %d: %s; re-syncing instead", self.t, self.stage, self.why_behind)
+        elif decision is Close.DEADLINE:
             result.timed_out = True
             log.warning(
                 "round %d stage %d: deadline after %.0fs with %d/%d payloads (missing: %s)",
-                t,
-                stage,
-                timeout_s,
+                self.t,
+                self.stage,
+                self.timings.deadline_s,
                 len(held.data),
                 len(view.expected),
-                ", ".join(sorted(view.expected - set(held.data) - rejected))[:200],
+                ", ".join(sorted(view.expected - set(held.data) - self.rejected))[:200],
             )
-            break
-        if fresh:
-            poll_pause(stop, poll_s)
-    result.rejected = sorted(rejected - set(held.data))
-    result.dropped = sorted(view.dropped - set(held.data))
-    result.replicas = sorted(held.data)
-    result.payloads = [held.data[r] for r in result.replicas]
-    result.parsed = [held.parsed[r] for r in result.replicas]
-    result.wall_s = time.monotonic() - started
-    return result
+        result.rejected = sorted(self.rejected - set(held.data))
+        result.dropped = sorted(view.dropped - set(held.data))
+        result.replicas = sorted(held.data)
+        result.payloads = [held.data[r] for r in result.replicas]
+        result.parsed = [held.parsed[r] for r in result.replicas]
+        result.wall_s = time.monotonic() - self.started
+        return result
 
 
 def _announce(

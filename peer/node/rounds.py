@@ -34,7 +34,7 @@ from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
 from peer.node.agreement import expected_replicas, round_bans, round_view
 from peer.node.claims import Entry, entry, parse_claims
-from peer.node.gather import RoundResult, gather_round
+from peer.node.gather import RoundResult, RoundTimings, gather_round
 from peer.node.metrics import log_round
 from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
 from peer.node.stage_worker import StageWorker
@@ -102,17 +102,14 @@ class Rounds:
             sess.clients,
             t,
             stage,
-            swarm.round_timeout_s,
+            RoundTimings.from_config(swarm),
             own=own,
             store=sess.store,
             address=sess.address,
             validate=self._validator(worker, stage),
-            # announcements outlive the round: a claim naming them is checked against them later
-            ttl_s=max(120.0, 4 * swarm.round_timeout_s),
             stop=stop,
             inc=sess.incarnation,
             extra=extra,
-            grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
             quorum=swarm.min_replicas if t == 0 else 1,
             n_stages=sess.cfg.stages,
             banned=banned,

@@ -19,7 +19,7 @@ from peer.errors import NetworkError
 from peer.net.dht import dht_time
 from peer.node.agreement import fenced_by, fresh, round_view
 from peer.node.claims import entry
-from peer.node.gather import gather_round
+from peer.node.gather import RoundTimings, gather_round
 from peer.node.refusals import Refusals
 from peer.node.round_payloads import sha256
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 CFG = build_config(environ={})
 SHAPES = {"layers.2.attn.wq.weight": (64, 64)}
+FAST = RoundTimings(10, poll_s=0.02)
 
 
 def _payload(seed: int) -> bytes:
@@ -131,12 +132,10 @@ def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None):
         clients,
         0,
         1,
-        timeout_s,
+        RoundTimings(timeout_s, grace_s=grace_s, poll_s=0.02),
         own=own,
         store=Store(),
         address="me:1",
-        poll_s=0.02,
-        grace_s=grace_s,
         prev=PREV,
         refusals=refusals,
     )
@@ -257,7 +256,7 @@ def test_our_own_earlier_incarnations_announcement_is_never_fetched():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(inc="now")}
     dht.payloads[(0, 1)] = {"me": {"sha256": "x", "address": "old:1", "replica": "me", "inc": "before"}}
-    result = gather_round(dht, clients, 0, 1, 30, poll_s=0.02, inc="now")  # an observer (catch-up)
+    result = gather_round(dht, clients, 0, 1, RoundTimings(30, poll_s=0.02), inc="now")  # an observer (catch-up)
     assert result.replicas == [] and not result.timed_out and result.wall_s < 5
 
 
@@ -276,7 +275,7 @@ def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
     done: list = []
 
     def run() -> None:
-        done.append(gather_round(dht, clients, 0, 1, 10, own=("me", _payload(2)), store=Store(), poll_s=0.02, quorum=2))
+        done.append(gather_round(dht, clients, 0, 1, FAST, own=("me", _payload(2)), store=Store(), quorum=2))
 
     th = threading.Thread(target=run)
     th.start()
@@ -287,7 +286,7 @@ def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
     th.join(5)
     assert done and done[0].replicas == ["me", "o"] and not done[0].timed_out
     del dht.replicas["o"]  # o left: at t = 1 our payload alone closes the round
-    later = gather_round(dht, clients, 1, 1, 10, own=("me", _payload(3)), store=Store(), poll_s=0.02, quorum=2)
+    later = gather_round(dht, clients, 1, 1, FAST, own=("me", _payload(3)), store=Store(), quorum=2)
     assert later.replicas == ["me"] and not later.timed_out  # the quorum holds only for round 0
 
 

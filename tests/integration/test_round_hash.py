@@ -24,12 +24,14 @@ from peer.core.sparseloco import Payload, PayloadError, compress
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
+from peer.node.gather import RoundTimings
 from peer.node.rounds import PayloadStore, RoundResult, gather_round, payload_validator, sha256
 from peer.node.service import PeerService
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 ROUND_TIMEOUT_S = 8.0  # a round that has to wait for it failed: every round here closes well before
+TIMINGS = RoundTimings(ROUND_TIMEOUT_S, poll_s=0.1, ttl_s=60)
 SHAPES = {"layers.2.attn.wq.weight": (64, 64), "layers.2.attn_norm.weight": (64,)}
 
 
@@ -111,13 +113,11 @@ def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, 
         node.clients,
         t,
         stage,
-        ROUND_TIMEOUT_S,
+        TIMINGS,
         own=own,
         store=node.store,
         address=node.address,
         validate=validate,
-        poll_s=0.1,
-        ttl_s=60,
     )
 
 
@@ -260,13 +260,11 @@ def test_a_payload_whose_sender_died_is_served_by_a_holder_that_fetched_it(three
         c.clients,
         t,
         stage,
-        ROUND_TIMEOUT_S,
+        TIMINGS,
         own=(c.id, c_data),
         store=c.store,
         address=c.address,
         validate=payload_validator(SHAPES, cfg.sparseloco),
-        poll_s=0.1,
-        ttl_s=60,
     )
     assert second.replicas == first.replicas and second.payloads == first.payloads  # the same set, same bytes
     assert not second.timed_out and second.wall_s < ROUND_TIMEOUT_S / 2

@@ -1,0 +1,88 @@
+"""FOLLOW: taking exactly the set another holder committed for round (t, s) (docs/protocol.md).
+
+A gather (`peer.node.gather`) that sees a claim of round t committed from our own state holds
+exactly that claim's set: what it holds already is kept, every missing entry is fetched by
+content and proven genuine against its signed announcement (`peer.node.verify.SetFetcher`), now
+and then (`FOLLOW_FETCH_S`); a set naming payloads no replica announced gets its claimer refused.
+`Follow.expired` tells the gather when to give up and re-sync instead (the grace).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from peer.core.sparseloco import Payload
+from peer.node.claims import Claim
+from peer.node.refusals import Refusals
+from peer.node.round_payloads import sha256
+from peer.node.verify import SetFetcher
+
+FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads
+
+
+@dataclass
+class Held:
+    """The payloads one gather holds, by replica id."""
+
+    data: dict[str, bytes] = field(default_factory=dict)
+    parsed: dict[str, Payload] = field(default_factory=dict)
+
+    def by_digest(self) -> dict[str, bytes]:
+        return {sha256(b): b for b in self.data.values()}
+
+
+class Follow:
+    """Taking another holder's committed set of the round (see the module docstring)."""
+
+    def __init__(self, fetcher: SetFetcher, refusals: Refusals | None, t: int, stage: int, n_stages: int) -> None:
+        self.fetcher, self.refusals, self.t, self.stage, self.n_stages = fetcher, refusals, t, stage, n_stages
+        self.since: float | None = None
+        self.tried_at = 0.0
+
+    def take(self, claim: Claim, held: Held, holders: Mapping[str, Any], parse: Callable[[bytes], Payload]) -> bool:
+        """Hold exactly `claim`'s set (fetching what is missing, now and then); True once held."""
+        assert claim.link is not None
+        self.since = time.monotonic() if self.since is None else self.since
+        digests = {sha256(b): rid for rid, b in held.data.items()}
+        have: dict[str, str] = {}  # entry's replica prefix -> our replica id
+        missing = []
+        for rid16, sha in claim.link.entries:
+            rid = next((r for d, r in digests.items() if d.startswith(sha) and r[:16] == rid16), None)
+            if rid is None:
+                missing.append((rid16, sha))
+            else:
+                have[rid16] = rid
+        if missing and time.monotonic() - self.tried_at >= FOLLOW_FETCH_S:
+            self.tried_at = time.monotonic()
+            address = holders.get(claim.peer, {}).get("address")
+            got = self.fetcher.fetch(
+                self.t,
+                self.stage,
+                missing,
+                parse,
+                held.by_digest(),
+                address if isinstance(address, str) else None,
+                self.n_stages,
+            )
+            if got.forged and self.refusals is not None:
+                names = ", ".join(r[:12] for r, _ in got.forged)
+                self.refusals.refuse(
+                    claim.peer, self.stage, self.t, f"its committed set names payloads no replica announced ({names})"
+                )
+            for item, (data, payload) in got.payloads.items():
+                rid = got.replicas[item]
+                held.data[rid], held.parsed[rid] = data, payload
+                have[item[0]] = rid
+            missing = [e for e in missing if e[0] not in have]
+        if missing:
+            return False
+        keep = set(have.values())
+        held.data = {r: b for r, b in held.data.items() if r in keep}
+        held.parsed = {r: p for r, p in held.parsed.items() if r in keep}
+        return True
+
+    def expired(self, grace_s: float) -> bool:
+        return self.since is not None and time.monotonic() - self.since >= grace_s
