@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PING_EVERY = 5  # refreshes between two pings of the initial peers
+WITHDRAW_S = 3.0  # leaving spends at most this long withdrawing records (they expire by TTL anyway)
 Record = dict[str, Any]  # {"kind": "stage", "stage": s, "record": {...}} or {"kind": "replica", "record": {...}}
 
 
@@ -142,14 +143,26 @@ class Records:
                 log.warning("could not refresh DHT records: %s", exc)
 
     def close(self) -> None:
-        """Stop republishing and withdraw what this peer published (a failure is logged)."""
+        """Stop republishing and withdraw what this peer published, best effort within `WITHDRAW_S`:
+        when the whole swarm leaves at once nobody may answer, and the records expire by their TTL
+        anyway (a failure is logged)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        deadline = time.monotonic() + WITHDRAW_S
+        dht = self.session.dht
         try:
             for stage in sorted(self._stages):
-                self.session.dht.withdraw_stage(stage)
+                dht.withdraw_stage(stage, timeout_s=_left(deadline))
             if self.session.role in ("head", "full"):
-                self.session.dht.withdraw_replica()
+                dht.withdraw_replica(timeout_s=_left(deadline))
         except PeerError as exc:
-            log.warning("could not withdraw records: %s", exc)
+            ttl = self.session.cfg.swarm.record_ttl_s
+            log.warning(
+                "could not withdraw records within %.0f s (they expire within %.0f s): %s", WITHDRAW_S, ttl, exc
+            )
+
+
+def _left(deadline: float) -> float:
+    """Seconds to a deadline, at least a moment (a DHT call with no time left fails at once)."""
+    return max(0.2, deadline - time.monotonic())

@@ -36,7 +36,6 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
     sw.wait_for(lambda: len(sw.events("head", "step")) > n_steps)
     recovered_s = sw.events("head", "step")[n_steps]["time"] - killed_at
     print(f"\nkill -9 {victim}: the head stepped again after {recovered_s:.1f}s (rerouted to {spare})")
-    assert recovered_s < 30
 
     # 2. the killed peer comes back (same data dir): it re-syncs and becomes the spare
     sw.join(victim + "-back", "--stage", "1")
