@@ -16,7 +16,6 @@ with one line that names the cause. Skipped with the reason when not root or wit
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from peer.node.metrics import read_events
 from peer.tools.netns import ShapedChain
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -86,11 +86,6 @@ def _spawn(net: ShapedChain, host: int, line: str, env: dict[str, str], log: Pat
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-
-
-def _events(path: Path, kind: str) -> list[dict]:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
 def _wait_banner(proc: subprocess.Popen, log: Path) -> str:
@@ -162,10 +157,10 @@ def test_readme_join_lines_train_a_round_across_hosts(tmp_path, reap_children):
 
     metrics = {name: tmp_path / f"host{where}" / "runs" / data / "metrics.jsonl" for name, where, data in JOINS}
     hosts = {name: where for name, where, _ in JOINS}
-    rounds = {name: {r["t"]: r for r in _events(path, "round")} for name, path in metrics.items()}
+    rounds = {name: {r["t"]: r for r in read_events(path, "round")} for name, path in metrics.items()}
     for name, done in rounds.items():
         assert sorted(done) == [0], f"{name} did rounds {sorted(done)}"
-        (conn,) = _events(metrics[name], "connectivity")
+        (conn,) = read_events(metrics[name], "connectivity")
         assert conn["connectivity"] == "direct", (name, conn)  # dialled back across hosts
         assert conn["address"].rpartition(":")[0] == ADDRESS[hosts[name]], (name, conn)
     for stage, holders in (("0", ("head", "full")), ("1", ("stage1", "full"))):

@@ -10,7 +10,6 @@ Skipped with the reason when not root or iptables is missing.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from peer.node.metrics import read_events
 from tests.integration import nat_lab
 from tests.integration.nat_lab import PUBLIC_IP, NatLab
 
@@ -57,11 +57,6 @@ def _spawn(lab: NatLab, ns: str, args: list[str], env: dict[str, str], log: Path
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-
-
-def _events(path: Path, kind: str) -> list[dict]:
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
 def _swarm(tmp_path: Path, homes: int, roles: dict[str, tuple[list[str], int | None]], relay: bool) -> dict:
@@ -102,8 +97,8 @@ def _swarm(tmp_path: Path, homes: int, roles: dict[str, tuple[list[str], int | N
     out = {}
     for name in roles:
         metrics = tmp_path / name / "metrics.jsonl"
-        (conn,) = _events(metrics, "connectivity")
-        out[name] = ({r["t"]: r for r in _events(metrics, "round")}, conn)
+        (conn,) = read_events(metrics, "connectivity")
+        out[name] = ({r["t"]: r for r in read_events(metrics, "round")}, conn)
     return out
 
 
