@@ -33,7 +33,7 @@ from peer.core.outer import EMBED
 from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
 from peer.node.agreement import expected_replicas, round_bans, round_view
-from peer.node.claims import Entry, entry, parse_claims
+from peer.node.claims import Entry, entry, majority, parse_claims
 from peer.node.gather import RoundResult, RoundTimings, gather_round
 from peer.node.metrics import log_round
 from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
@@ -190,12 +190,15 @@ class Rounds:
         )
 
     def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
-        """Another holder of one of these stages is past our outer step (a state to sync to)."""
+        """A strict majority of another stage's holders claims a state past our outer step, at a
+        step the swarm's clock admits: a state to sync to (one holder's claim alone is not)."""
         sess = self.session
+        clock = sess.resync.clock()
         for s, w in workers.items():
-            for pid, rec in sess.dht.get_stage_peers(s).items():
-                if pid != sess.peer_id and pid not in sess.refusals and int(rec.get("outer_step", -1)) > w.outer_step:
-                    return True
+            claims = parse_claims(sess.dht.get_stage_peers(s), sess.peer_id, sess.refusals.peers())
+            win = majority(claims.values(), max(clock, w.outer_step))
+            if win is not None and win.outer_step > w.outer_step:
+                return True
         return False
 
     def _resync_behind(self, worker: StageWorker, result: RoundResult) -> None:
