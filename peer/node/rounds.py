@@ -33,7 +33,7 @@ from peer.core.outer import EMBED
 from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
 from peer.node.agreement import expected_replicas, round_bans, round_view
-from peer.node.claims import Entry, entry, majority, parse_claims
+from peer.node.claims import Entry, closed_elsewhere, entry, majority, parse_claims
 from peer.node.gather import RoundResult, RoundTimings, gather_round
 from peer.node.metrics import log_round
 from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
@@ -132,6 +132,9 @@ class Rounds:
         our own payload returns to our error buffer (`StageWorker.apply_round`). A followed claim
         whose state differs from the one we computed from its set is refused. Then the
         canonical-state check runs (`Resync.reconcile`). False if anything re-synced."""
+        if self._closed_elsewhere(results):
+            for r in results.values():  # the trainers skip a round that was not committed here
+                r.behind = True
         embed_lost = embed is not None and embed.behind and 0 not in workers
         if embed_lost and not self._stage_ahead(workers):
             # stage 0's committed set cannot be fetched (its sender died) and no holder of our stage
@@ -188,6 +191,26 @@ class Rounds:
             result.t,
             f"it claims state {claim.state} for its committed set, which gives {worker.state_id()}",
         )
+
+    def _closed_elsewhere(self, results: Mapping[int, RoundResult]) -> bool:
+        """Whether the swarm's clock, read now, is two rounds past the round about to be committed.
+
+        A gather decides on a fresh view, but the process may freeze between that decision and its
+        commit (a SIGSTOP, a stalled machine); others then close the round without the payloads
+        only it held. Read again right before applying: never commit a round the swarm closed a
+        round ago (`peer.node.claims.closed_elsewhere`), re-sync instead."""
+        if not results or all(r.behind for r in results.values()):
+            return False
+        t = next(iter(results.values())).t
+        try:
+            clock = self.session.resync.clock()
+        except NetworkError as exc:  # not known: the gather's fresh decision stands
+            log.info("round %d: swarm clock not read before committing: %s", t, exc)
+            return False
+        if closed_elsewhere(clock, t):
+            log.warning("round %d: the swarm is at outer step %d by now (a freeze?); re-syncing instead", t, clock)
+            return True
+        return False
 
     def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
         """A strict majority of another stage's holders claims a state past our outer step, at a
