@@ -141,6 +141,109 @@ def _train_env(cfg: DemoConfig) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
+class _DemoRun:
+    """One demo run's processes and their live views: started in order, followed to the end."""
+
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        workdir: Path,
+        progress: Callable[[DemoState], None] | None,
+        command: Callable[..., list[str]],
+    ) -> None:
+        self.cfg, self.workdir, self.progress, self.command = cfg, workdir, progress, command
+        self.t0 = time.monotonic()
+        n_compute = cfg.pipelines * cfg.stages + cfg.full_replicas
+        self.children = Children(workdir, env={**os.environ, **_thread_env(n_compute)})
+        self.views: list[ProcessView] = []
+        self.tails: dict[str, MetricsTail] = {}
+        self.joins: dict[str, Child] = {}
+
+    def report(self, phase: str) -> DemoState:
+        """Fold new metrics into the views, hand the state to the progress callback, and return it."""
+        for v in self.views:
+            for ev in self.tails[v.name].read_new():
+                v.apply(ev)
+            v.exit_code = self.joins[v.name].poll() if v.name in self.joins else None
+        s = DemoState(phase, time.monotonic() - self.t0, self.cfg.outer_steps, self.workdir, list(self.views))
+        if self.progress is not None:
+            self.progress(s)
+        return s
+
+    def start_bootstrap(self) -> str:
+        """Start the bootstrap and return the loopback address the peers join at."""
+        cfg = self.cfg
+        self.report("starting bootstrap")
+        address_file = self.workdir / "bootstrap.json"
+        address_file.unlink(missing_ok=True)
+        args: list[object] = ["--preset", cfg.preset, "--stages", cfg.stages, "--outer-steps", cfg.outer_steps]
+        args += ["--inner-steps", cfg.inner_steps, "--host", LOOPBACK, "--port", 0, "--address-file", address_file]
+        self.children.spawn(
+            "bootstrap",
+            self.command("bootstrap", *args),
+            runs_until_stopped=True,
+            env=_quorum_env(cfg) | _train_env(cfg),
+        )
+        info = _wait_address_file(address_file, self.children, self.t0 + cfg.startup_timeout_s)
+        maddr = _pick_maddr(info["initial_peers"])
+        log.info("bootstrap is up at %s", maddr)
+        return maddr
+
+    def join(self, maddr: str, name: str, role: str, stage: int | None, *flags: object) -> None:
+        data_dir = self.workdir / name
+        argv = self.command("join", *flags, "--host", LOOPBACK, "--initial-peers", maddr, "--data-dir", data_dir)
+        self.joins[name] = self.children.spawn(name, argv)
+        self.views.append(ProcessView(name, role, stage))
+        self.tails[name] = MetricsTail(data_dir / "metrics.jsonl")
+
+    def start_peers(self, maddr: str) -> None:
+        """Downstream stages first (so heads find them when they start), then every trainer together
+        (so their first rounds line up)."""
+        cfg = self.cfg
+        for i in range(cfg.pipelines):
+            for s in range(cfg.stages - 1, 0, -1):
+                self.join(maddr, f"p{i}-s{s}", "stage", s, "--stage", s)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not all(v.started for v in self.views):
+            self.children.check()
+            if time.monotonic() > deadline:
+                late = ", ".join(v.name for v in self.views if not v.started)
+                raise NetworkError(
+                    f"{late} did not start within {cfg.startup_timeout_s:.0f} s; see their logs in {self.workdir}"
+                )
+            self.report("starting peers")
+            time.sleep(cfg.poll_interval_s)
+        for i in range(cfg.pipelines):
+            self.join(maddr, f"p{i}-s0", "head", 0, "--stage", 0)
+        for j in range(cfg.full_replicas):
+            self.join(maddr, f"full{j}", "full", None, "--full-replica")
+
+    def train_to_end(self) -> DemoState:
+        """Follow the run until every peer exited cleanly; a failed child or the deadline raises."""
+        cfg = self.cfg
+        deadline = self.t0 + cfg.timeout_s
+        while True:
+            self.children.check()
+            now = self.report("training")
+            if all(c.poll() == 0 for c in self.joins.values()):
+                return self.report("stopping")
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"the demo did not finish within {cfg.timeout_s:.0f} s (round {now.round}/{cfg.outer_steps}); "
+                    f"raise --timeout-s or read the logs in {self.workdir}"
+                )
+            time.sleep(cfg.poll_interval_s)
+
+    def result(self, final: DemoState) -> DemoResult:
+        metrics = {name: self.workdir / name / "metrics.jsonl" for name in self.joins}
+        summary = summarize_runs(list(metrics.values()))
+        summary["wall_s"] = round(time.monotonic() - self.t0, 3)
+        for v in final.processes:
+            if v.rounds_done < self.cfg.outer_steps:
+                log.warning("%s exited after %d of %d rounds", v.name, v.rounds_done, self.cfg.outer_steps)
+        return DemoResult(summary, self.workdir, metrics, final.processes)
+
+
 def run_demo(
     cfg: DemoConfig,
     progress: Callable[[DemoState], None] | None = None,
@@ -151,26 +254,7 @@ def run_demo(
     `command(*args)` turns `peer` arguments into an argv (tests pass stand-in children)."""
     workdir = Path(cfg.workdir) if cfg.workdir is not None else default_workdir()
     workdir.mkdir(parents=True, exist_ok=True)
-    workdir = workdir.resolve()
-    t0 = time.monotonic()
-    n_compute = cfg.pipelines * cfg.stages + cfg.full_replicas
-    children = Children(workdir, env={**os.environ, **_thread_env(n_compute)})
-    views: list[ProcessView] = []
-    tails: dict[str, MetricsTail] = {}
-    joins: dict[str, Child] = {}
-
-    def state(phase: str) -> DemoState:
-        for v in views:
-            for ev in tails[v.name].read_new():
-                v.apply(ev)
-            v.exit_code = joins[v.name].poll() if v.name in joins else None
-        return DemoState(phase, time.monotonic() - t0, cfg.outer_steps, workdir, list(views))
-
-    def report(phase: str) -> DemoState:
-        s = state(phase)
-        if progress is not None:
-            progress(s)
-        return s
+    run = _DemoRun(cfg, workdir.resolve(), progress, command)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise DemoInterrupted("demo stopped by SIGTERM; every process it started was stopped")
@@ -178,82 +262,10 @@ def run_demo(
     in_main = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
-        report("starting bootstrap")
-        address_file = workdir / "bootstrap.json"
-        address_file.unlink(missing_ok=True)
-        children.spawn(
-            "bootstrap",
-            command(
-                "bootstrap",
-                "--preset",
-                cfg.preset,
-                "--stages",
-                cfg.stages,
-                "--outer-steps",
-                cfg.outer_steps,
-                "--inner-steps",
-                cfg.inner_steps,
-                "--host",
-                LOOPBACK,
-                "--port",
-                0,
-                "--address-file",
-                address_file,
-            ),
-            runs_until_stopped=True,
-            env=_quorum_env(cfg) | _train_env(cfg),
-        )
-        info = _wait_address_file(address_file, children, t0 + cfg.startup_timeout_s)
-        maddr = _pick_maddr(info["initial_peers"])
-        log.info("bootstrap is up at %s", maddr)
-
-        def join(name: str, role: str, stage: int | None, *flags: object) -> None:
-            data_dir = workdir / name
-            joins[name] = children.spawn(
-                name, command("join", *flags, "--host", LOOPBACK, "--initial-peers", maddr, "--data-dir", data_dir)
-            )
-            views.append(ProcessView(name, role, stage))
-            tails[name] = MetricsTail(data_dir / "metrics.jsonl")
-
-        for i in range(cfg.pipelines):  # downstream stages first, so heads find them when they start
-            for s in range(cfg.stages - 1, 0, -1):
-                join(f"p{i}-s{s}", "stage", s, "--stage", s)
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        while not all(v.started for v in views):
-            children.check()
-            if time.monotonic() > deadline:
-                late = ", ".join(v.name for v in views if not v.started)
-                raise NetworkError(
-                    f"{late} did not start within {cfg.startup_timeout_s:.0f} s; see their logs in {workdir}"
-                )
-            report("starting peers")
-            time.sleep(cfg.poll_interval_s)
-        for i in range(cfg.pipelines):  # the trainers start together, so their first rounds line up
-            join(f"p{i}-s0", "head", 0, "--stage", 0)
-        for j in range(cfg.full_replicas):
-            join(f"full{j}", "full", None, "--full-replica")
-
-        deadline = t0 + cfg.timeout_s
-        while True:
-            children.check()
-            now = report("training")
-            if all(c.poll() == 0 for c in joins.values()):
-                break
-            if time.monotonic() > deadline:
-                raise PeerError(
-                    f"the demo did not finish within {cfg.timeout_s:.0f} s (round {now.round}/{cfg.outer_steps}); "
-                    f"raise --timeout-s or read the logs in {workdir}"
-                )
-            time.sleep(cfg.poll_interval_s)
-        final = report("stopping")
+        run.start_peers(run.start_bootstrap())
+        final = run.train_to_end()
     finally:
-        children.stop_all(cfg.grace_s)
+        run.children.stop_all(cfg.grace_s)
         if in_main and old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
-    metrics = {name: workdir / name / "metrics.jsonl" for name in joins}
-    summary = summarize_runs(list(metrics.values()))
-    summary["wall_s"] = round(time.monotonic() - t0, 3)
-    for v in final.processes:
-        if v.rounds_done < cfg.outer_steps:
-            log.warning("%s exited after %d of %d rounds", v.name, v.rounds_done, cfg.outer_steps)
-    return DemoResult(summary, workdir, metrics, final.processes)
+    return run.result(final)

@@ -39,6 +39,7 @@ from peer.net.transport import (
     TransportError,
     codec,
     framing,
+    tensors,
 )
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
@@ -244,20 +245,20 @@ class Fuzzer:
     def handmade_protobuf(self, reps: int) -> None:
         """Well-framed protobuf whose tensors lie about dtype, rank, size or contents."""
         k, V = self.cfg.k, self.cfg.model.vocab_size
-        good_tok = codec.tensor_to_proto(self.tokens())
-        good_hid = codec.tensor_to_proto(self.hidden())
+        good_tok = tensors.tensor_to_proto(self.tokens())
+        good_hid = tensors.tensor_to_proto(self.hidden())
 
         def f32(shape: list[int], data: bytes | None = None) -> pb.Tensor:
             return pb.Tensor(
                 dtype="float32", shape=shape, data=data if data is not None else b"\0" * (4 * _prod(shape))
             )
 
-        tensors = {
+        lies = {
             "tokens int64": (pb.Tensor(dtype="int64", shape=[B, L], data=b"\0" * 8 * B * L), good_hid),
             "tokens float": (f32([B, L]), good_hid),
             "tokens rank 3": (pb.Tensor(dtype="int32", shape=[B, L, 1], data=b"\0" * 4 * B * L), good_hid),
-            "tokens negative": (codec.tensor_to_proto(torch.full((B, L), -5, dtype=torch.int32)), good_hid),
-            "tokens >= vocab": (codec.tensor_to_proto(torch.full((B, L), V, dtype=torch.int32)), good_hid),
+            "tokens negative": (tensors.tensor_to_proto(torch.full((B, L), -5, dtype=torch.int32)), good_hid),
+            "tokens >= vocab": (tensors.tensor_to_proto(torch.full((B, L), V, dtype=torch.int32)), good_hid),
             "hidden int32": (good_tok, pb.Tensor(dtype="int32", shape=[B, L, k], data=b"\0" * 4 * B * L * k)),
             "hidden float64": (good_tok, pb.Tensor(dtype="float64", shape=[B, L, k], data=b"\0" * 8 * B * L * k)),
             "hidden no dtype": (good_tok, pb.Tensor(shape=[B, L, k], data=b"\0" * 4 * B * L * k)),
@@ -272,7 +273,7 @@ class Fuzzer:
             "hidden rank 9": (good_tok, f32([1] * 9, b"\0" * 4)),
         }
         for _ in range(reps):
-            for tok, hid in tensors.values():
+            for tok, hid in lies.values():
                 msg = pb.ForwardRequest(
                     pipeline_id=self.rng.choice((LEGIT, FUZZ)),
                     stage=1,

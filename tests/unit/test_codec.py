@@ -9,9 +9,9 @@ import torch
 
 from peer.config import WIRE_DTYPES
 from peer.errors import ConfigError, PeerError
-from peer.net.transport import codec, framing
+from peer.net.transport import codec, framing, tensors
 from peer.net.transport import peer_pb2 as pb
-from peer.net.transport.codec import WireLimits, decode, encode, encoded_size, from_bytes, to_bytes
+from peer.net.transport.codec import decode, encode, encoded_size, from_bytes, to_bytes
 from peer.net.transport.errors import TransportError
 from peer.net.transport.messages import (
     ArtifactRequest,
@@ -25,6 +25,7 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
+from peer.net.transport.tensors import WireLimits, tensor_to_proto
 
 PB_TYPE = {
     ForwardRequest: pb.ForwardRequest,
@@ -130,16 +131,16 @@ def test_every_message_round_trips():
 
 def test_bf16_carried_as_raw_words():
     t = torch.tensor([1.0, -2.5, 3.140625], dtype=torch.bfloat16)
-    proto = codec.tensor_to_proto(t)
+    proto = tensors.tensor_to_proto(t)
     assert proto.dtype == "bfloat16" and list(proto.shape) == [3]
     assert proto.data == t.view(torch.int16).numpy().astype("<i2").tobytes()
-    back = codec.tensor_from_proto(proto, "x", WireLimits(), codec.BOUNDARY_DTYPES)
+    back = tensors.tensor_from_proto(proto, "x", WireLimits(), tensors.BOUNDARY_DTYPES)
     assert torch.equal(back, t)
 
 
 def test_non_contiguous_tensor_is_sent_in_logical_order():
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # (4, 3), not contiguous
-    back = codec.tensor_from_proto(codec.tensor_to_proto(t), "x", WireLimits(), codec.STATE_DTYPES)
+    back = tensors.tensor_from_proto(tensors.tensor_to_proto(t), "x", WireLimits(), tensors.STATE_DTYPES)
     assert torch.equal(back, t)
 
 
@@ -151,8 +152,8 @@ def _tensor(dtype="float32", shape=(2, 3), data=None) -> pb.Tensor:
 
 def _bad(proto: pb.Tensor, match: str, **kw):
     with pytest.raises(TransportError, match=match):
-        limits, dtypes = kw.pop("limits", WireLimits()), kw.pop("dtypes", codec.BOUNDARY_DTYPES)
-        codec.tensor_from_proto(proto, "T.hidden", limits, dtypes, **kw)
+        limits, dtypes = kw.pop("limits", WireLimits()), kw.pop("dtypes", tensors.BOUNDARY_DTYPES)
+        tensors.tensor_from_proto(proto, "T.hidden", limits, dtypes, **kw)
 
 
 def test_rejects_wrong_byte_length():
@@ -185,7 +186,7 @@ def test_rejects_token_ids_out_of_range():
     for bad in (50, -1):
         ids = torch.tensor([[1, 2], [3, bad]], dtype=torch.int32).numpy().tobytes()
         proto = _tensor(dtype="int32", shape=(2, 2), data=ids)
-        _bad(proto, r"outside \[0, 50\)", dtypes=codec.TOKEN_DTYPES, token_ids=True, limits=limits)
+        _bad(proto, r"outside \[0, 50\)", dtypes=tensors.TOKEN_DTYPES, token_ids=True, limits=limits)
     msg = _fwd(vocab=50)
     assert torch.equal(_roundtrip(msg, limits=limits).tokens, msg.tokens.to(torch.int32))
     with pytest.raises(TransportError, match="ForwardRequest.tokens"):
@@ -199,13 +200,13 @@ def _mutated_forward(mutate) -> pb.ForwardRequest:
 
 
 def test_rejects_inconsistent_messages():
-    t2 = codec.tensor_to_proto(torch.zeros(2))
-    t111 = codec.tensor_to_proto(torch.zeros(1, 1, 1))
+    t2 = tensors.tensor_to_proto(torch.zeros(2))
+    t111 = tensors.tensor_to_proto(torch.zeros(1, 1, 1))
     cases = [
         (_mutated_forward(lambda m: m.ClearField("hidden")), "ForwardRequest.hidden: missing"),
-        (_mutated_forward(lambda m: m.hidden.CopyFrom(codec.tensor_to_proto(torch.zeros(2, 4, 4)))), "does not match"),
+        (_mutated_forward(lambda m: m.hidden.CopyFrom(tensor_to_proto(torch.zeros(2, 4, 4)))), "does not match"),
         (
-            _mutated_forward(lambda m: m.targets.CopyFrom(codec.tensor_to_proto(torch.zeros(2, 2, dtype=torch.int32)))),
+            _mutated_forward(lambda m: m.targets.CopyFrom(tensor_to_proto(torch.zeros(2, 2, dtype=torch.int32)))),
             "differs from tokens",
         ),
         (_mutated_forward(lambda m: setattr(m, "stage", -1)), "non-negative"),
@@ -243,7 +244,7 @@ def test_encode_rejects_misuse():
     with pytest.raises(TransportError, match="JSON"):
         encode(StateReply(outer_step=0, meta={"x": object()}))
     with pytest.raises(ConfigError, match="fp8"):
-        codec.wire_dtype("fp8")
+        tensors.wire_dtype("fp8")
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])

@@ -12,7 +12,7 @@ It imports no math module of `peer` (model, subspace, sparseloco, data).
 
 from peer.config import WIRE_DTYPES
 from peer.net.transport.client import PeerClient
-from peer.net.transport.codec import WireLimits, encoded_size
+from peer.net.transport.codec import encoded_size
 from peer.net.transport.errors import NetworkError, NotFoundError, RemoteError, TransportError
 from peer.net.transport.framing import CHUNK_BYTES, framed_size
 from peer.net.transport.handler import PeerHandler
@@ -29,6 +29,7 @@ from peer.net.transport.messages import (
     StepRequest,
 )
 from peer.net.transport.server import PeerServer
+from peer.net.transport.tensors import WireLimits
 
 __all__ = [
     "CHUNK_BYTES",

@@ -28,10 +28,9 @@ import grpc
 
 from peer.errors import NetworkError
 from peer.net import prometheus
-from peer.net.transport import codec, dialer, framing
+from peer.net.transport import codec, dialer, framing, tensors
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
-from peer.net.transport.codec import WireLimits
 from peer.net.transport.errors import NotFoundError, RemoteError, TransportError
 from peer.net.transport.messages import (
     ArtifactRequest,
@@ -45,6 +44,7 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
+from peer.net.transport.tensors import WireLimits
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class PeerClient:
         wire_dtype: str = "fp32",
         vocab_size: int | None = None,
     ) -> None:
-        codec.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
+        tensors.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries

@@ -1,8 +1,7 @@
 """Tensor and message codec: dataclasses of `peer.net.transport.messages` <-> protobuf (peer.proto).
 
-The wire format lives here and nowhere else. A tensor travels as (dtype name, shape, raw bytes):
-little-endian, C-contiguous, bfloat16 as raw 2-byte words, len(data) == prod(shape) * itemsize.
-Boundary tensors (`hidden`, `grad`) are cast to the sender's wire dtype ("fp32", "bf16", "fp16");
+The wire format lives here and in `peer.net.transport.tensors` (one tensor or scalar field), nowhere
+else. Boundary tensors (`hidden`, `grad`) are cast to the sender's wire dtype ("fp32", "bf16", "fp16");
 token ids travel as int32; state tensors keep their dtype (bit-exact).
 
 Decoding never trusts the peer. Every tensor is checked against a dtype allow-list, the expected
@@ -17,19 +16,14 @@ that builds what is sent; `peer.net.transport.framing.framed_size` adds the chun
 from __future__ import annotations
 
 import json
-import math
 import re
-import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as PbMessage
 
-from peer.config import WIRE_DTYPES
-from peer.errors import ConfigError
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.checks import _same_bl
 from peer.net.transport.checks import check_forward_reply as check_forward_reply  # re-exported
@@ -46,193 +40,26 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
+from peer.net.transport.tensors import (
+    DEFAULT_LIMITS,
+    STATE_DTYPES,
+    WireLimits,
+    boundary_to_proto,
+    optional_tensor,
+    read_boundary,
+    read_index,
+    read_norm,
+    read_route,
+    read_sq_norms,
+    read_text,
+    read_tokens,
+    tensor_from_proto,
+    tensor_to_proto,
+    tokens_to_proto,
+    wire_dtype,
+)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-BOUNDARY_DTYPES = ("float32", "bfloat16", "float16")
-TOKEN_DTYPES = ("int32",)
-STATE_DTYPES = tuple(DTYPES)
-_MAX_INDEX = 1 << 62  # steps, micro-batch and stage indices
 _ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
-_INT32 = torch.iinfo(torch.int32)
-
-
-@dataclass(frozen=True)
-class WireLimits:
-    """What a receiver accepts. `max_message_bytes` bounds one reassembled message."""
-
-    max_message_bytes: int = 1 << 30
-    max_rank: int = 8
-    max_string_chars: int = 1024
-    max_state_tensors: int = 100_000
-    vocab_size: int | None = None  # token ids must lie in [0, vocab_size) when set
-
-
-def wire_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a wire dtype setting ("fp32", "bf16", "fp16")."""
-    try:
-        return WIRE_DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown wire dtype {name!r}; use one of {', '.join(WIRE_DTYPES)}") from None
-
-
-# ----------------------------------------------------------------------------------- tensors
-
-
-def tensor_to_proto(t: torch.Tensor, cast_to: torch.dtype | None = None) -> pb.Tensor:
-    """Encode a tensor (any device) as pb.Tensor, optionally cast to `cast_to` first."""
-    t = t.detach()
-    if cast_to is not None and t.dtype != cast_to:
-        t = t.to(cast_to)
-    if t.dtype not in _DTYPE_NAMES:
-        raise TransportError(f"cannot send a {t.dtype} tensor; supported dtypes: {', '.join(DTYPES)}")
-    flat = t.to("cpu").contiguous().reshape(-1)  # (numel,)
-    raw = flat.view(torch.uint8).numpy()  # (numel * itemsize,)
-    if sys.byteorder != "little" and flat.element_size() > 1:
-        raw = raw.reshape(-1, flat.element_size())[:, ::-1]
-    return pb.Tensor(dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), data=raw.tobytes())
-
-
-def tensor_from_proto(
-    msg: pb.Tensor,
-    what: str,
-    limits: WireLimits,
-    dtypes: tuple[str, ...],
-    rank: int | None = None,
-    token_ids: bool = False,
-) -> torch.Tensor:
-    """Decode and validate a pb.Tensor; `what` names the field in error messages."""
-    if not msg.dtype:
-        raise TransportError(f"invalid {what}: missing (no dtype); the sender is incompatible with this peer")
-    if msg.dtype not in dtypes:
-        raise TransportError(f"invalid {what}: dtype {msg.dtype!r} not allowed here (allowed: {', '.join(dtypes)})")
-    dtype = DTYPES[msg.dtype]
-    shape = [int(s) for s in msg.shape]
-    if len(shape) > limits.max_rank or (rank is not None and len(shape) != rank):
-        expected = f"rank {rank}" if rank is not None else f"rank <= {limits.max_rank}"
-        raise TransportError(f"invalid {what}: shape {_fmt_shape(shape)} has rank {len(shape)}, expected {expected}")
-    if any(s < 0 for s in shape):
-        raise TransportError(f"invalid {what}: negative dimension in shape {_fmt_shape(shape)}")
-    itemsize = dtype.itemsize
-    nbytes = math.prod(shape) * itemsize
-    if nbytes > limits.max_message_bytes:
-        raise TransportError(
-            f"invalid {what}: shape {_fmt_shape(shape)} {msg.dtype} needs {nbytes} bytes, more than the "
-            f"{limits.max_message_bytes}-byte message limit; raise max_message_bytes if this is expected"
-        )
-    if len(msg.data) != nbytes:
-        raise TransportError(
-            f"invalid {what}: {len(msg.data)} data bytes for shape {_fmt_shape(shape)} {msg.dtype} "
-            f"(expected {nbytes}); the sender is incompatible or the stream was corrupted"
-        )
-    if nbytes == 0:
-        t = torch.empty(shape, dtype=dtype)
-    else:
-        buf = bytearray(msg.data)
-        if sys.byteorder != "little" and itemsize > 1:
-            arr = np.frombuffer(buf, dtype=np.uint8).reshape(-1, itemsize)[:, ::-1]
-            buf = bytearray(arr.tobytes())
-        t = torch.frombuffer(buf, dtype=dtype).reshape(shape)
-    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-        raise TransportError(
-            f"invalid {what}: contains NaN or Inf; the sending peer diverged (lower the learning rate "
-            "or check its inputs)"
-        )
-    if token_ids and limits.vocab_size is not None and t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= limits.vocab_size:
-            raise TransportError(
-                f"invalid {what}: token ids span [{lo}, {hi}], outside [0, {limits.vocab_size}); "
-                "the sender uses a different tokenizer or vocabulary than this run's manifest"
-            )
-    return t
-
-
-def _fmt_shape(shape: list[int]) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def _tokens_to_proto(t: torch.Tensor, what: str) -> pb.Tensor:
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TransportError(f"cannot send {what}: token ids must be an integer tensor, got {t.dtype}")
-    if t.dtype != torch.int32 and t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < _INT32.min or hi > _INT32.max:
-            raise TransportError(f"cannot send {what}: token ids [{lo}, {hi}] do not fit in int32")
-    return tensor_to_proto(t, cast_to=torch.int32)
-
-
-def _boundary_to_proto(t: torch.Tensor, what: str, dtype: torch.dtype) -> pb.Tensor:
-    if not t.is_floating_point():
-        raise TransportError(f"cannot send {what}: expected a float tensor, got {t.dtype}")
-    return tensor_to_proto(t, cast_to=dtype)
-
-
-def _opt(msg: PbMessage, name: str) -> pb.Tensor | None:
-    return getattr(msg, name) if msg.HasField(name) else None
-
-
-# ------------------------------------------------------------------------------ validation
-
-
-def _norm(msg: PbMessage, name: str, what: str) -> float | None:
-    """An optional gradient norm (or duration) field: absent → None; present → a finite number >= 0."""
-    if not msg.HasField(name):
-        return None
-    value = float(getattr(msg, name))
-    if not (math.isfinite(value) and value >= 0):
-        raise TransportError(f"invalid {what}.{name}: {value} is not a finite number >= 0")
-    return value
-
-
-def _index(value: int, what: str) -> int:
-    value = int(value)
-    if not 0 <= value < _MAX_INDEX:
-        raise TransportError(f"invalid {what}: {value} is not a non-negative index")
-    return value
-
-
-def _text(value: str, what: str, limits: WireLimits, allow_empty: bool = True) -> str:
-    if len(value) > limits.max_string_chars:
-        raise TransportError(f"invalid {what}: {len(value)} characters, more than {limits.max_string_chars}")
-    if not allow_empty and not value:
-        raise TransportError(f"invalid {what}: must not be empty")
-    return value
-
-
-def _route(route: Any, limits: WireLimits) -> list[str]:
-    """Stage-to-stage route: at most 64 non-empty "host:port" addresses."""
-    if len(route) > 64:
-        raise TransportError(f"invalid ForwardRequest.route: {len(route)} hops, more than 64")
-    return [_text(a, "ForwardRequest.route", limits, allow_empty=False) for a in route]
-
-
-def _sq_norms(values: Any) -> list[float]:
-    out = [float(v) for v in values]
-    if len(out) > 64 or not all(math.isfinite(v) and v >= 0 for v in out):
-        raise TransportError("invalid ForwardReply.sq_norms: at most 64 finite numbers >= 0")
-    return out
-
-
-def _boundary(msg: pb.Tensor, what: str, limits: WireLimits) -> torch.Tensor:
-    return tensor_from_proto(msg, what, limits, BOUNDARY_DTYPES, rank=3)
-
-
-def _tokens(msg: pb.Tensor, what: str, limits: WireLimits) -> torch.Tensor:
-    return tensor_from_proto(msg, what, limits, TOKEN_DTYPES, rank=2, token_ids=True)
-
-
-# -------------------------------------------------------------------------------- messages
 
 
 def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
@@ -247,8 +74,8 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             outer_step=msg.outer_step,
             inner_step=msg.inner_step,
             stage=msg.stage,
-            tokens=_tokens_to_proto(msg.tokens, "ForwardRequest.tokens"),
-            hidden=_boundary_to_proto(msg.hidden, "ForwardRequest.hidden", wd),
+            tokens=tokens_to_proto(msg.tokens, "ForwardRequest.tokens"),
+            hidden=boundary_to_proto(msg.hidden, "ForwardRequest.hidden", wd),
             train=msg.train,
             attempt=msg.attempt,
             route=list(msg.route),
@@ -256,16 +83,16 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             defer_norms=msg.defer_norms,
         )
         if msg.targets is not None:
-            out.targets.CopyFrom(_tokens_to_proto(msg.targets, "ForwardRequest.targets"))
+            out.targets.CopyFrom(tokens_to_proto(msg.targets, "ForwardRequest.targets"))
         return out
     if isinstance(msg, ForwardReply):
         out = pb.ForwardReply()
         if msg.hidden is not None:
-            out.hidden.CopyFrom(_boundary_to_proto(msg.hidden, "ForwardReply.hidden", wd))
+            out.hidden.CopyFrom(boundary_to_proto(msg.hidden, "ForwardReply.hidden", wd))
         if msg.loss is not None:
             out.loss = float(msg.loss)
         if msg.grad is not None:
-            out.grad.CopyFrom(_boundary_to_proto(msg.grad, "ForwardReply.grad", wd))
+            out.grad.CopyFrom(boundary_to_proto(msg.grad, "ForwardReply.grad", wd))
         if msg.grad_sq_norm is not None:
             out.grad_sq_norm = float(msg.grad_sq_norm)
         out.sq_norms.extend(float(v) for v in msg.sq_norms)
@@ -279,12 +106,12 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             outer_step=msg.outer_step,
             inner_step=msg.inner_step,
             stage=msg.stage,
-            grad=_boundary_to_proto(msg.grad, "BackwardRequest.grad", wd),
+            grad=boundary_to_proto(msg.grad, "BackwardRequest.grad", wd),
         )
     if isinstance(msg, BackwardReply):
         out = pb.BackwardReply()
         if msg.grad is not None:
-            out.grad.CopyFrom(_boundary_to_proto(msg.grad, "BackwardReply.grad", wd))
+            out.grad.CopyFrom(boundary_to_proto(msg.grad, "BackwardReply.grad", wd))
         if msg.grad_sq_norm is not None:
             out.grad_sq_norm = float(msg.grad_sq_norm)
         return out
@@ -316,99 +143,120 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
     raise TypeError(f"no wire encoding for {type(msg).__name__}")
 
 
-def decode(msg: PbMessage, limits: WireLimits = WireLimits()) -> Any:
+def _decode_blob(msg: pb.Blob, limits: WireLimits) -> bytes:
+    if len(msg.data) > limits.max_message_bytes:
+        limit = limits.max_message_bytes
+        raise TransportError(f"invalid Blob: {len(msg.data)} bytes, more than the {limit}-byte limit")
+    return msg.data
+
+
+def _decode_forward_request(msg: pb.ForwardRequest, limits: WireLimits) -> ForwardRequest:
+    tokens = read_tokens(msg.tokens, "ForwardRequest.tokens", limits)
+    hidden = read_boundary(msg.hidden, "ForwardRequest.hidden", limits)
+    _same_bl(hidden, tokens, "ForwardRequest.hidden")
+    targets = None
+    if msg.HasField("targets"):
+        targets = read_tokens(msg.targets, "ForwardRequest.targets", limits)
+        if targets.shape != tokens.shape:
+            raise TransportError(
+                f"invalid ForwardRequest.targets: shape {list(targets.shape)} differs from tokens {list(tokens.shape)}"
+            )
+    return ForwardRequest(
+        pipeline_id=read_text(msg.pipeline_id, "ForwardRequest.pipeline_id", limits),
+        microbatch=read_index(msg.microbatch, "ForwardRequest.microbatch"),
+        outer_step=read_index(msg.outer_step, "ForwardRequest.outer_step"),
+        inner_step=read_index(msg.inner_step, "ForwardRequest.inner_step"),
+        stage=read_index(msg.stage, "ForwardRequest.stage"),
+        tokens=tokens,
+        hidden=hidden,
+        targets=targets,
+        train=bool(msg.train),
+        attempt=read_index(msg.attempt, "ForwardRequest.attempt"),
+        route=tuple(read_route(msg.route, limits)),
+        window=read_index(msg.window, "ForwardRequest.window"),
+        defer_norms=bool(msg.defer_norms),
+    )
+
+
+def _decode_forward_reply(msg: pb.ForwardReply, limits: WireLimits) -> ForwardReply:
+    hidden_pb, grad_pb = optional_tensor(msg, "hidden"), optional_tensor(msg, "grad")
+    reply = ForwardReply(
+        hidden=None if hidden_pb is None else read_boundary(hidden_pb, "ForwardReply.hidden", limits),
+        loss=msg.loss if msg.HasField("loss") else None,
+        grad=None if grad_pb is None else read_boundary(grad_pb, "ForwardReply.grad", limits),
+        grad_sq_norm=read_norm(msg, "grad_sq_norm", "ForwardReply"),
+        sq_norms=tuple(read_sq_norms(msg.sq_norms)),
+        served_s=read_norm(msg, "served_s", "ForwardReply"),
+    )
+    check_forward_reply(reply)
+    return reply
+
+
+def _decode_backward_request(msg: pb.BackwardRequest, limits: WireLimits) -> BackwardRequest:
+    return BackwardRequest(
+        pipeline_id=read_text(msg.pipeline_id, "BackwardRequest.pipeline_id", limits),
+        microbatch=read_index(msg.microbatch, "BackwardRequest.microbatch"),
+        outer_step=read_index(msg.outer_step, "BackwardRequest.outer_step"),
+        inner_step=read_index(msg.inner_step, "BackwardRequest.inner_step"),
+        stage=read_index(msg.stage, "BackwardRequest.stage"),
+        grad=read_boundary(msg.grad, "BackwardRequest.grad", limits),
+    )
+
+
+def _decode_backward_reply(msg: pb.BackwardReply, limits: WireLimits) -> BackwardReply:
+    grad_pb = optional_tensor(msg, "grad")
+    return BackwardReply(
+        grad=None if grad_pb is None else read_boundary(grad_pb, "BackwardReply.grad", limits),
+        grad_sq_norm=read_norm(msg, "grad_sq_norm", "BackwardReply"),
+    )
+
+
+def _decode_step_request(msg: pb.StepRequest, limits: WireLimits) -> StepRequest:
+    return StepRequest(
+        pipeline_id=read_text(msg.pipeline_id, "StepRequest.pipeline_id", limits),
+        outer_step=read_index(msg.outer_step, "StepRequest.outer_step"),
+        inner_step=read_index(msg.inner_step, "StepRequest.inner_step"),
+        n_microbatches=read_index(msg.n_microbatches, "StepRequest.n_microbatches"),
+        tokens=read_index(msg.tokens, "StepRequest.tokens"),
+        grad_norm=read_norm(msg, "grad_norm", "StepRequest"),
+    )
+
+
+def _decode_step_reply(msg: pb.StepReply, limits: WireLimits) -> StepReply:
+    return StepReply(ok=bool(msg.ok), message=read_text(msg.message, "StepReply.message", limits))
+
+
+def _decode_payload_request(msg: pb.PayloadRequest, limits: WireLimits) -> PayloadRequest:
+    return PayloadRequest(
+        outer_step=read_index(msg.outer_step, "PayloadRequest.outer_step"),
+        stage=read_index(msg.stage, "PayloadRequest.stage"),
+        sender=read_text(msg.sender, "PayloadRequest.sender", limits),
+    )
+
+
+def _decode_state_request(msg: pb.StateRequest, limits: WireLimits) -> StateRequest:
+    return StateRequest(stage=read_index(msg.stage, "StateRequest.stage"))
+
+
+def _decode_artifact_request(msg: pb.ArtifactRequest, limits: WireLimits) -> ArtifactRequest:
+    if not _ARTIFACT_NAME.match(msg.name):
+        raise TransportError(
+            f"invalid ArtifactRequest.name {msg.name[:64]!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "not starting with '.'"
+        )
+    return ArtifactRequest(name=msg.name)
+
+
+def _decode_info_reply(msg: pb.InfoReply, limits: WireLimits) -> dict[str, Any]:
+    return _load_json_object(msg.json, "InfoReply.json", limits)
+
+
+def decode(msg: PbMessage, limits: WireLimits = DEFAULT_LIMITS) -> Any:
     """Validate a protobuf message and return its dataclass (bytes for Blob, dict for InfoReply)."""
-    if isinstance(msg, pb.Blob):
-        if len(msg.data) > limits.max_message_bytes:
-            raise TransportError(
-                f"invalid Blob: {len(msg.data)} bytes, more than the {limits.max_message_bytes}-byte limit"
-            )
-        return msg.data
-    if isinstance(msg, pb.ForwardRequest):
-        tokens = _tokens(msg.tokens, "ForwardRequest.tokens", limits)
-        hidden = _boundary(msg.hidden, "ForwardRequest.hidden", limits)
-        _same_bl(hidden, tokens, "ForwardRequest.hidden")
-        targets = None
-        if msg.HasField("targets"):
-            targets = _tokens(msg.targets, "ForwardRequest.targets", limits)
-            if targets.shape != tokens.shape:
-                raise TransportError(
-                    f"invalid ForwardRequest.targets: shape {list(targets.shape)} differs from tokens "
-                    f"{list(tokens.shape)}"
-                )
-        return ForwardRequest(
-            pipeline_id=_text(msg.pipeline_id, "ForwardRequest.pipeline_id", limits),
-            microbatch=_index(msg.microbatch, "ForwardRequest.microbatch"),
-            outer_step=_index(msg.outer_step, "ForwardRequest.outer_step"),
-            inner_step=_index(msg.inner_step, "ForwardRequest.inner_step"),
-            stage=_index(msg.stage, "ForwardRequest.stage"),
-            tokens=tokens,
-            hidden=hidden,
-            targets=targets,
-            train=bool(msg.train),
-            attempt=_index(msg.attempt, "ForwardRequest.attempt"),
-            route=tuple(_route(msg.route, limits)),
-            window=_index(msg.window, "ForwardRequest.window"),
-            defer_norms=bool(msg.defer_norms),
-        )
-    if isinstance(msg, pb.ForwardReply):
-        hidden_pb, grad_pb = _opt(msg, "hidden"), _opt(msg, "grad")
-        reply = ForwardReply(
-            hidden=None if hidden_pb is None else _boundary(hidden_pb, "ForwardReply.hidden", limits),
-            loss=msg.loss if msg.HasField("loss") else None,
-            grad=None if grad_pb is None else _boundary(grad_pb, "ForwardReply.grad", limits),
-            grad_sq_norm=_norm(msg, "grad_sq_norm", "ForwardReply"),
-            sq_norms=tuple(_sq_norms(msg.sq_norms)),
-            served_s=_norm(msg, "served_s", "ForwardReply"),
-        )
-        check_forward_reply(reply)
-        return reply
-    if isinstance(msg, pb.BackwardRequest):
-        return BackwardRequest(
-            pipeline_id=_text(msg.pipeline_id, "BackwardRequest.pipeline_id", limits),
-            microbatch=_index(msg.microbatch, "BackwardRequest.microbatch"),
-            outer_step=_index(msg.outer_step, "BackwardRequest.outer_step"),
-            inner_step=_index(msg.inner_step, "BackwardRequest.inner_step"),
-            stage=_index(msg.stage, "BackwardRequest.stage"),
-            grad=_boundary(msg.grad, "BackwardRequest.grad", limits),
-        )
-    if isinstance(msg, pb.BackwardReply):
-        grad_pb = _opt(msg, "grad")
-        return BackwardReply(
-            grad=None if grad_pb is None else _boundary(grad_pb, "BackwardReply.grad", limits),
-            grad_sq_norm=_norm(msg, "grad_sq_norm", "BackwardReply"),
-        )
-    if isinstance(msg, pb.StepRequest):
-        return StepRequest(
-            pipeline_id=_text(msg.pipeline_id, "StepRequest.pipeline_id", limits),
-            outer_step=_index(msg.outer_step, "StepRequest.outer_step"),
-            inner_step=_index(msg.inner_step, "StepRequest.inner_step"),
-            n_microbatches=_index(msg.n_microbatches, "StepRequest.n_microbatches"),
-            tokens=_index(msg.tokens, "StepRequest.tokens"),
-            grad_norm=_norm(msg, "grad_norm", "StepRequest"),
-        )
-    if isinstance(msg, pb.StepReply):
-        return StepReply(ok=bool(msg.ok), message=_text(msg.message, "StepReply.message", limits))
-    if isinstance(msg, pb.PayloadRequest):
-        return PayloadRequest(
-            outer_step=_index(msg.outer_step, "PayloadRequest.outer_step"),
-            stage=_index(msg.stage, "PayloadRequest.stage"),
-            sender=_text(msg.sender, "PayloadRequest.sender", limits),
-        )
-    if isinstance(msg, pb.StateRequest):
-        return StateRequest(stage=_index(msg.stage, "StateRequest.stage"))
-    if isinstance(msg, pb.StateReply):
-        return _decode_state(msg, limits)
-    if isinstance(msg, pb.ArtifactRequest):
-        if not _ARTIFACT_NAME.match(msg.name):
-            raise TransportError(
-                f"invalid ArtifactRequest.name {msg.name[:64]!r}: use 1-128 characters from [A-Za-z0-9._-], "
-                "not starting with '.'"
-            )
-        return ArtifactRequest(name=msg.name)
-    if isinstance(msg, pb.InfoReply):
-        return _load_json_object(msg.json, "InfoReply.json", limits)
-    raise TypeError(f"no decoder for {type(msg).__name__}")
+    decoder = _DECODERS.get(type(msg))
+    if decoder is None:
+        raise TypeError(f"no decoder for {type(msg).__name__}")
+    return decoder(msg, limits)
 
 
 def _decode_state(msg: pb.StateReply, limits: WireLimits) -> StateReply:
@@ -416,12 +264,29 @@ def _decode_state(msg: pb.StateReply, limits: WireLimits) -> StateReply:
         raise TransportError(f"invalid StateReply: {len(msg.tensors)} tensors, more than {limits.max_state_tensors}")
     tensors: dict[str, torch.Tensor] = {}
     for item in msg.tensors:
-        name = _text(item.name, "StateReply tensor name", limits, allow_empty=False)
+        name = read_text(item.name, "StateReply tensor name", limits, allow_empty=False)
         if name in tensors:
             raise TransportError(f"invalid StateReply: tensor {name!r} appears twice")
         tensors[name] = tensor_from_proto(item.tensor, f"StateReply tensor {name!r}", limits, STATE_DTYPES)
     meta = _load_json_object(msg.meta_json, "StateReply.meta", limits)
-    return StateReply(outer_step=_index(msg.outer_step, "StateReply.outer_step"), meta=meta, tensors=tensors)
+    return StateReply(outer_step=read_index(msg.outer_step, "StateReply.outer_step"), meta=meta, tensors=tensors)
+
+
+# One validating decoder per wire message type (decode's dispatch).
+_DECODERS: dict[type, Callable[[Any, WireLimits], Any]] = {
+    pb.Blob: _decode_blob,
+    pb.ForwardRequest: _decode_forward_request,
+    pb.ForwardReply: _decode_forward_reply,
+    pb.BackwardRequest: _decode_backward_request,
+    pb.BackwardReply: _decode_backward_reply,
+    pb.StepRequest: _decode_step_request,
+    pb.StepReply: _decode_step_reply,
+    pb.PayloadRequest: _decode_payload_request,
+    pb.StateRequest: _decode_state_request,
+    pb.StateReply: _decode_state,
+    pb.ArtifactRequest: _decode_artifact_request,
+    pb.InfoReply: _decode_info_reply,
+}
 
 
 def _dump_json(obj: dict[str, Any], what: str) -> str:
@@ -454,7 +319,7 @@ def to_bytes(msg: Any, wire_dtype_name: str = "fp32") -> bytes:
     return data
 
 
-def parse(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> PbMessage:
+def parse(pb_type: type[PbMessage], data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> PbMessage:
     """Parse protobuf bytes of `pb_type` (no field validation); TransportError if they are not one."""
     if len(data) > limits.max_message_bytes:
         raise TransportError(
@@ -473,15 +338,15 @@ def late_norms_to_bytes(sq_norms: tuple[float, ...]) -> bytes:
     return bytes(pb.ForwardReply(sq_norms=[float(v) for v in sq_norms]).SerializeToString())
 
 
-def late_norms_from_bytes(data: bytes, limits: WireLimits = WireLimits()) -> tuple[float, ...]:
+def late_norms_from_bytes(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> tuple[float, ...]:
     """Σ‖g‖² of the second reply of a `defer_norms` forward; TransportError if it is anything else."""
     msg = parse(pb.ForwardReply, data, limits)
     if msg.HasField("hidden") or msg.HasField("grad") or msg.HasField("loss") or not msg.sq_norms:
         raise TransportError("invalid ForwardReply after the answer: it must carry sq_norms and nothing else")
-    return tuple(_sq_norms(msg.sq_norms))
+    return tuple(read_sq_norms(msg.sq_norms))
 
 
-def from_bytes(pb_type: type[PbMessage], data: bytes, limits: WireLimits = WireLimits()) -> Any:
+def from_bytes(pb_type: type[PbMessage], data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> Any:
     """Parse protobuf bytes of `pb_type` and decode (validate) them into the dataclass."""
     return decode(parse(pb_type, data, limits), limits)
 

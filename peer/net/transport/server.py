@@ -28,13 +28,13 @@ import grpc
 from google.protobuf.message import Message as PbMessage
 
 from peer.errors import NetworkError, PeerError
-from peer.net.transport import codec, framing
+from peer.net.transport import codec, framing, tensors
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
-from peer.net.transport.codec import WireLimits
 from peer.net.transport.errors import HopError, NotFoundError, TransportError
 from peer.net.transport.handler import HANDLER_METHODS, PeerHandler
 from peer.net.transport.messages import BackwardReply, ForwardReply, StateReply, StepReply
+from peer.net.transport.tensors import WireLimits
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class PeerServer:
         missing = [m for m in HANDLER_METHODS if not callable(getattr(handler, m, None))]
         if missing:
             raise TypeError(f"{type(handler).__name__} does not implement PeerHandler: missing {', '.join(missing)}")
-        codec.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
+        tensors.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
         self._host = host
         self._limits = WireLimits(max_message_bytes=max_message_bytes, vocab_size=vocab_size)
         self._servicer = _Servicer(handler, self._limits, wire_dtype)
