@@ -16,16 +16,25 @@ failed pipe read while the parent is alive still logs, as a warning with the exc
 When the read ends in `EOFError`, which hivemind does not catch, the DHT process's main loop
 raised it and multiprocessing printed the traceback; `DHTProcess` (the DHT node `peer` starts)
 ends that process with one warning line instead.
+
+A third: a connection handed between the two processes travels through multiprocessing's
+`resource_sharer`, whose server thread reports any failed hand-off through `sys.excepthook`. When a
+signal to the process group stops both ends at once, that hand-off fails (`ConnectionResetError`,
+`EOFError`) and the thread printed a full traceback. `quiet_fd_handoffs` (installed with the other
+filters, before the fork) turns exactly those reports into one warning line; every other uncaught
+exception still reaches the previous hook.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from concurrent.futures import InvalidStateError
+from types import TracebackType
 
 import hivemind
 
-__all__ = ["DHTProcess", "quiet_cancelled_futures"]
+__all__ = ["DHTProcess", "quiet_cancelled_futures", "quiet_fd_handoffs"]
 
 PIPE_ERRORS = (ConnectionError, EOFError, OSError)
 
@@ -55,6 +64,37 @@ class _ParentPipeFilter(logging.Filter):
         return True
 
 
+def _through_resource_sharer(tb: TracebackType | None) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("multiprocessing/resource_sharer.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _FdHandoffHook:
+    """`sys.excepthook` that reports a failed fd hand-off of multiprocessing's resource sharer in one line."""
+
+    def __init__(self, previous: object) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, PIPE_ERRORS) and _through_resource_sharer(tb):
+            logging.getLogger("hivemind.dht.dht").warning(
+                "a connection hand-off between the peer and its DHT process failed (%s: %s); one side is exiting",
+                kind.__name__,
+                exc,
+            )
+            return
+        self.previous(kind, exc, tb)  # type: ignore[operator]
+
+
+def quiet_fd_handoffs() -> None:
+    """Idempotent: one warning line instead of a traceback when the resource sharer's hand-off fails."""
+    if not isinstance(sys.excepthook, _FdHandoffHook):
+        sys.excepthook = _FdHandoffHook(sys.excepthook)
+
+
 _FILTER = _CancelledFutureFilter()
 _PIPE_FILTER = _ParentPipeFilter()
 
@@ -68,6 +108,7 @@ def quiet_cancelled_futures() -> None:
     dht_logger = logging.getLogger("hivemind.dht.dht")
     if _PIPE_FILTER not in dht_logger.filters:
         dht_logger.addFilter(_PIPE_FILTER)
+    quiet_fd_handoffs()
 
 
 class DHTProcess(hivemind.DHT):  # type: ignore[misc]  # hivemind has no type information

@@ -122,7 +122,9 @@ def _record(recorded: dict[int, psutil.Process]) -> None:
     """Add the live descendants of every recorded process that still runs."""
     for proc in [p for p in recorded.values() if running(p)]:
         for child in descendants(proc.pid):
-            recorded.setdefault(child.pid, child)
+            if child.pid not in recorded:
+                recorded[child.pid] = child
+                logger.debug("recorded process %d (a descendant of %d)", child.pid, proc.pid)
 
 
 def _root(parent_pid: int, root_pid: int, create_time: float) -> psutil.Process | None:
@@ -188,7 +190,8 @@ def watch(parent_pid: int, root_pid: int, create_time: float, stop: threading.Ev
 
 def main(argv: Sequence[str]) -> int:
     """Entry point: ``python -m peer.net.watchdog PARENT_PID ROOT_PID ROOT_CREATE_TIME``."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s peer watchdog[%(process)d]: %(message)s")
+    level = os.environ.get("PEER_LOG_LEVEL", "WARNING").upper()  # as the CLI reads it
+    logging.basicConfig(level=level, format="%(asctime)s peer watchdog[%(process)d]: %(message)s")
     if len(argv) != 3:
         logger.error("usage: python -m peer.net.watchdog PARENT_PID ROOT_PID ROOT_CREATE_TIME")
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -62,14 +63,25 @@ def _start_parent(mode: str) -> tuple[subprocess.Popen, dict[str, psutil.Process
         [sys.executable, "-c", PARENT, mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,  # the watchdog inherits it: its debug lines say what it recorded
         text=True,
         start_new_session=True,
+        env={**os.environ, "PEER_LOG_LEVEL": "DEBUG"},
     )
+    log: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [log.put(line) for line in parent.stderr], daemon=True).start()
     pids = json.loads(parent.stdout.readline())
     procs = {name: psutil.Process(pid) for name, pid in pids.items()}
     assert _wait(lambda: procs["root"].children(), 10), "the root started no grandchild"
     (procs["grandchild"],) = procs["root"].children()
-    time.sleep(SCAN_S + 0.5)  # the watchdog has recorded the grandchild by now
+    recorded = f"recorded process {procs['grandchild'].pid} "
+    deadline = time.monotonic() + 10 * SCAN_S
+    while True:  # wait for the watchdog's own word that it recorded the grandchild
+        try:
+            if recorded in log.get(timeout=max(0.0, deadline - time.monotonic())):
+                break
+        except queue.Empty:
+            raise AssertionError("the watchdog never recorded the grandchild") from None
     return parent, procs, procs["watchdog"]
 
 
@@ -102,8 +114,7 @@ def test_stop_ends_the_watchdog_and_touches_nothing(reap_children):
         assert not _alive(watchdog)
         assert _alive(procs["root"]) and _alive(procs["grandchild"])
         parent.send_signal(signal.SIGKILL)  # no watchdog any more: the root is left to us
-        parent.wait(5)
-        time.sleep(0.5)
+        parent.wait(5)  # the watchdog that could have acted on this death exited above
         assert _alive(procs["root"]) and _alive(procs["grandchild"]) and _alive(procs["sibling"])
     finally:
         _kill_all(procs)
