@@ -4,7 +4,9 @@
 - `peer/net/` (the network) imports nothing from `peer.core`, `peer.node` or `peer.tools`;
 - `peer/node/` (one peer) may import `peer.core` and `peer.net`, never `peer.tools`;
 - `peer/tools/` imports anything but the CLI; nothing imports `peer.cli`;
-- only `peer/net/` imports hivemind, only `peer/net/transport/` imports grpc and the wire protobufs.
+- only `peer/net/` imports hivemind, only `peer/net/transport/` imports grpc and the wire protobufs;
+- no import circle anywhere in `peer/`, counting every import a file makes: at the top, inside a
+  function and under `TYPE_CHECKING`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,74 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names if base == "peer")  # `from peer import x`
     return names
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: the modules of this project it imports}. `from pkg import name` is an edge to the
+    submodule `pkg.name` when that is a module (as import-linter and pydeps count it), else to `pkg`."""
+    files = {module_name(f, root): f for f in (root / "peer").rglob("*.py")}
+
+    def nearest(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]  # `peer.core.model.ModelConfig` -> `peer.core.model`
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(nearest(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parent = parts[: len(parts) - node.level + 1]
+                    base = ".".join([*parent, base] if base else parent)
+                edges.update(f"{base}.{a.name}" if f"{base}.{a.name}" in files else nearest(base) for a in node.names)
+        graph[name] = edges - {"", name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
 
 
 def _hits(names: set[str], banned: tuple[str, ...]) -> list[str]:
@@ -110,3 +180,28 @@ def test_net_reads_process_trees_through_psutil():
     """The DHT daemon's process tree is found and reaped with psutil, never by parsing /proc."""
     readers = [str(f.relative_to(ROOT)) for f in _files("net") if "/proc/" in f.read_text()]
     assert readers == []
+
+
+def test_no_import_circles_anywhere():
+    """Every import counts, also one inside a function or under `TYPE_CHECKING`: a circle hidden
+    there is still a circle in the design."""
+    graph = import_graph()
+    assert len(graph) > 50 and graph["peer.node.session"], "the import graph is empty"
+    assert import_circles(graph) == []
+
+
+def test_the_circle_checker_sees_hidden_circles(tmp_path):
+    """A circle made only by a function-local import and one made under TYPE_CHECKING are found."""
+    pkg = tmp_path / "peer" / "node"
+    pkg.mkdir(parents=True)
+    (tmp_path / "peer" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from peer.node import b\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from peer.node.d import D\n")
+    (pkg / "d.py").write_text("import peer.node.c\n")
+    (pkg / "e.py").write_text("import peer.node.a\n")  # imports into a circle, is not in one
+    assert import_circles(import_graph(tmp_path)) == [
+        ["peer.node.a", "peer.node.b"],
+        ["peer.node.c", "peer.node.d"],
+    ]
