@@ -1,7 +1,7 @@
 """Committing one stage's outer round: the portable commit every holder of the stage applies.
 
     Δ̂_i    = decode(payload_i)                          integer unranking, codebook lookups
-    Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (peer.core.clip)
+    Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (peer.core.codec.clip)
     keep    = screen(Δ̂)                                  drop outliers (peer.core.robust)
     Δ̄      = aggregate(Δ̂_i, i ∈ keep)                   in commit order ("mean-over-all" or
                                                           "mean-over-contributors")
@@ -50,13 +50,15 @@ import torch
 from torch import Tensor
 
 from peer.config import TrainConfig
+from peer.core.codec.clip import ClipStats, clip_to_median
+from peer.core.codec.format import SparseLoCoConfig
 from peer.core.model import Decoder
 from peer.core.optim import decoupled_decay
 from peer.core.outer import EMBED, perp_of, set_perp
 from peer.core.portable import check_denormals
 from peer.core.robust import DEFAULT as ROBUST
 from peer.core.robust import RobustConfig, Screen, screen
-from peer.core.sparseloco import ClipStats, SparseLoCoConfig, aggregate, clip_to_median
+from peer.core.sparseloco import aggregate
 from peer.core.subspace import embedding_outer_update, perp_outer_update
 
 __all__ = [

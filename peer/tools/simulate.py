@@ -42,11 +42,13 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.codec.clip import clipped_mass
+from peer.core.codec.format import Payload
 from peer.core.commit import commit_round, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.outer import perp_of, set_perp, stage_state
 from peer.core.robust import OFF, RobustConfig
-from peer.core.sparseloco import Payload, clipped_mass, compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import compress, decompress, pseudo_gradient, restore_unsent
 from peer.core.subspace import k_from_ratio, make_basis
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint

@@ -18,20 +18,12 @@ import pytest
 import torch
 
 from peer.config import build_config
+from peer.core.codec.clip import clip_to_median, global_norm
+from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.commit import embedding_update, outer_delta, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.outer import EMBED, perp_of, stage_state
-from peer.core.sparseloco import (
-    Payload,
-    PayloadError,
-    SparseLoCoConfig,
-    aggregate,
-    clip_to_median,
-    compress,
-    decompress,
-    global_norm,
-    pseudo_gradient,
-)
+from peer.core.sparseloco import aggregate, compress, decompress, pseudo_gradient
 from peer.errors import ConfigError
 from peer.node.stage_worker import StageWorker
 from peer.tools.sim_replica import LocalReplica
