@@ -37,11 +37,10 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from peer.config import TrainConfig
 from peer.core.codec import kernels as codec_kernels
 from peer.core.codec.format import SPARSE, Payload, SparseLoCoConfig, index_nbytes, n_selected
 from peer.core.model import PRESETS, ModelConfig, build_model, get_preset
-from peer.core.optim import build_adamw, clip_grads
+from peer.core.optim import TrainConfig, build_adamw, clip_grads
 from peer.core.sparseloco import (
     clip_and_aggregate,
     compress,

@@ -11,8 +11,8 @@ import torch
 from peer.config import build_config
 from peer.core.codec.encode import quantize
 from peer.core.codec.format import Payload, SparseLoCoConfig, dequantize
-from peer.core.outer import stage_state
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
+from peer.core.state import stage_state
 from peer.tools.sim_replica import LocalReplica
 
 

@@ -19,8 +19,8 @@ import torch
 from peer.core.codec.clip import global_norm
 from peer.core.codec.format import SparseLoCoConfig
 from peer.core.commit import embedding_update, perp_decay
-from peer.core.outer import stage_state
 from peer.core.sparseloco import decompress
+from peer.core.state import stage_state
 from peer.errors import ConfigError
 from peer.node.stage_worker import StageWorker
 from tests.unit.test_poison import _assert_same_bits, _cfg
