@@ -7,8 +7,12 @@ the run's manifest; every peer builds the same objects from it.
 Precedence: defaults < TOML file < `PEER_*` environment variables < CLI flags. Environment
 variables name a section and a field with a double underscore, e.g. `PEER_TRAIN__INNER_STEPS=20`,
 `PEER_SEED=3`. Unknown sections and keys, wrong types and bad cross-field combinations raise
-`ConfigError` naming the field. Each section checks its own fields (ModelConfig, SparseLoCoConfig and
-DataConfig in their `__post_init__`); `validate` checks the rest and the combinations.
+`ConfigError` naming the field. The math's sections live beside the code that uses them, and this
+module assembles them (core never imports it): `ModelConfig` (peer.core.model), `TrainConfig`
+(peer.core.optim), `SparseLoCoConfig` (peer.core.codec.format), `DataConfig` (peer.core.corpus);
+`SubspaceConfig` and `SwarmConfig` are defined here. Each section checks its own fields
+(ModelConfig, SparseLoCoConfig and DataConfig in their `__post_init__`); `validate` checks the rest
+and the combinations.
 
 Kept by hand, not pydantic: pydantic's lax mode reads True as 1 / 1.0 (an error here), the sections
 are core's plain dataclasses (core does not depend on pydantic), and every error must name the field
@@ -31,9 +35,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
+from peer.core.codec.format import SparseLoCoConfig
 from peer.core.data import DataConfig
 from peer.core.model import ModelConfig, get_preset, stage_layers
-from peer.core.sparseloco import SparseLoCoConfig
+from peer.core.optim import TrainConfig
 from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
 
@@ -47,25 +52,6 @@ class SubspaceConfig:
 
     k_ratio: str = "1/8"
     wire_dtype: str = "bf16"  # dtype of boundary activations and gradients on the wire (fp32, bf16, fp16)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Inner optimizer (AdamW, warmup + cosine) and the outer-step clock."""
-
-    inner_steps: int = 20  # H: inner steps between two outer rounds
-    outer_steps: int = 10  # T: outer rounds in the run (sets the cosine horizon)
-    batch_size: int = 8  # sequences per inner step per replica
-    microbatches: int = 2  # pipeline micro-batches per inner step (divides batch_size)
-    in_flight: int = 0  # micro-batches in the pipeline at once (1F1B); 0 = auto from stages and RTT, 1 = sequential
-    seq_len: int = 64
-    lr: float = 3e-3  # peak inner learning rate
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""The math and the data, in-process only: model, subspace, sparseloco, outer, optim (torch), and
-corpus -> tokenizer -> data (documents, sentencepiece, token shards and batches).
+"""The math and the data, in-process only: model, subspace, sparseloco (with its codec in
+`peer.core.codec`), the inner step, the commit, optim (torch), and corpus -> tokenizer -> data
+(documents, sentencepiece, token shards and batches).
 
-Imports only peer.core, peer.config and peer.errors from this project; no grpc, hivemind, asyncio.
+Imports only peer.core and peer.errors from this project (each module owns its config section;
+peer.config assembles them and is never imported here); no grpc, hivemind, asyncio.
 """

@@ -1,7 +1,7 @@
 """Committing one stage's outer round: the portable commit every holder of the stage applies.
 
     Δ̂_i    = decode(payload_i)                          integer unranking, codebook lookups
-    Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (peer.core.clip)
+    Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (peer.core.codec.clip)
     keep    = screen(Δ̂)                                  drop outliers (peer.core.robust)
     Δ̄      = aggregate(Δ̂_i, i ∈ keep)                   in commit order ("mean-over-all" or
                                                           "mean-over-contributors")
@@ -41,7 +41,6 @@ leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,15 +48,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.config import TrainConfig
+from peer.core.codec.clip import ClipStats, clip_to_median
+from peer.core.codec.format import SparseLoCoConfig
 from peer.core.model import Decoder
-from peer.core.optim import decoupled_decay
-from peer.core.outer import EMBED, perp_of, set_perp
+from peer.core.optim import TrainConfig, decoupled_decay
 from peer.core.portable import check_denormals
 from peer.core.robust import DEFAULT as ROBUST
 from peer.core.robust import RobustConfig, Screen, screen
-from peer.core.sparseloco import ClipStats, SparseLoCoConfig, aggregate, clip_to_median
+from peer.core.sparseloco import aggregate
 from peer.core.subspace import embedding_outer_update, perp_outer_update
+from peer.core.subspace_state import EMBED, perp_of, set_perp
 
 __all__ = [
     "NO_CLIP",
@@ -69,7 +69,6 @@ __all__ = [
     "outer_delta",
     "perp_decay",
     "robust_aggregate",
-    "state_hash",
 ]
 
 
@@ -229,13 +228,3 @@ def embedding_update(
     dropped = set(screen(clipped, clip.norms, robust, keys).dropped)
     embed_only = [{EMBED: d[EMBED]} for i, d in enumerate(clipped) if i not in dropped]
     return outer_delta(aggregate(embed_only, len(embed_only), cfg.aggregation)[EMBED], cfg.outer_lr)
-
-
-def state_hash(tensors: Mapping[str, Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and bytes, in name order: equal iff bit-identical."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]

@@ -11,11 +11,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-from peer.config import TrainConfig
 from peer.core.portable import portable_cos
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Inner optimizer (AdamW, warmup + cosine) and the outer-step clock: the `[train]` section of a
+    run, assembled and cross-checked by `peer.config`."""
+
+    inner_steps: int = 20  # H: inner steps between two outer rounds
+    outer_steps: int = 10  # T: outer rounds in the run (sets the cosine horizon)
+    batch_size: int = 8  # sequences per inner step per replica
+    microbatches: int = 2  # pipeline micro-batches per inner step (divides batch_size)
+    in_flight: int = 0  # micro-batches in the pipeline at once (1F1B); 0 = auto from stages and RTT, 1 = sequential
+    seq_len: int = 64
+    lr: float = 3e-3  # peak inner learning rate
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
 
 
 def lr_at(global_step: int, train: TrainConfig) -> float:

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core import payload_kernels
-from peer.core.payload_fused import run_split
+from peer.core.codec import kernels as codec_kernels
+from peer.core.codec.fused import run_split
 
 log = logging.getLogger(__name__)
 
@@ -218,13 +218,13 @@ def _project_np(X: np.ndarray, U: np.ndarray, Ut: np.ndarray) -> np.ndarray:
 
 def _kernel(name: str, fn: Any) -> Any:
     """`fn` compiled by numba (cached on disk, nogil, no fastmath: LLVM never forms an FMA), or None
-    when numba is disabled (`payload_kernels.set_numba`), missing or broken: the numpy twin runs."""
-    if not payload_kernels.numba_enabled():
+    when numba is disabled (`codec_kernels.set_numba`), missing or broken: the numpy twin runs."""
+    if not codec_kernels.numba_enabled():
         return None
     with _lock:
         if _state.get(name) is None:
             try:
-                os.environ.setdefault("NUMBA_CACHE_DIR", payload_kernels.cache_dir())
+                os.environ.setdefault("NUMBA_CACHE_DIR", codec_kernels.cache_dir())
                 import numba
 
                 _state[name] = numba.njit(cache=True, nogil=True)(fn)

@@ -1,6 +1,6 @@
 """Outlier contributions of a round: score each Δ̂ against the round's robust consensus, drop outliers.
 
-Median clipping (`peer.core.clip`) bounds how FAR a contribution can move the model, not WHERE: an
+Median clipping (`peer.core.codec.clip`) bounds how FAR a contribution can move the model, not WHERE: an
 attacker clipped to 2 × the median norm still pushes in its own direction. This module drops, before
 aggregation, the contributions that are far outside the honest range by norm or point against the
 round's consensus (DESIGN.md §2, issue 12):

@@ -6,13 +6,14 @@ One outer round of SparseLoCo (arXiv 2508.15706, Alg. 1; DESIGN.md §2), per sta
     e  = β·e + Δ                           compress: error feedback
     Δ̂ = Q(TOP-k per chunk(e))              compress: k entries of every 64×64 tile, quantized
     e  = e − Δ̂                             compress: the new error buffer it returns
-    Δ̂ ← Δ̂·min(1, c·med/‖Δ̂‖)              clip_to_median (peer.core.clip): robust to poisoning
+    Δ̂ ← Δ̂·min(1, c·med/‖Δ̂‖)              clip_to_median (peer.core.codec.clip): robust to poisoning
     Δ̄ = aggregate(Δ̂ over participants)    aggregate ("mean-over-all" or "mean-over-contributors")
     θ  = θ_start − η·Δ̄                     the portable commit (peer.core.commit)
 
-Chunking and the wire format live in `peer.core.payload` (re-exported here), the encoding of one
-tensor (top-k, the sign-true quantizer Q) in `peer.core.payload_encode`. A chunk with fewer than
-k real entries sends all of them, so padding is never selected. With `dense_1d`, 1-D tensors
+The codec is `peer.core.codec` (this module uses it; it never imports this one): chunking, the
+wire format and `SparseLoCoConfig` in `codec.format`, the encoding of one tensor (top-k, the
+sign-true quantizer Q) in `codec.encode`, norms and median clipping in `codec.clip`. A chunk with
+fewer than k real entries sends all of them, so padding is never selected. With `dense_1d`, 1-D tensors
 (norm gains) are sent whole: 8-bit linear (float32 when quant_bits == 0). quant_bits == 0 (the
 paper's setting, §3) sends float32 values.
 `clip_and_aggregate` is the fused form of clip_to_median + aggregate over decoded payloads: norms
@@ -33,97 +34,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.clip import ClipStats, clip_plan, clip_to_median, clipped_mass, global_norm, payload_norm
-from peer.core.payload import (
-    DENSE_F32,
-    DENSE_U8,
-    MAX_CHUNK,
-    QUANT_BITS,
+from peer.core.codec.clip import ClipStats, clip_plan, clipped_mass, payload_norm
+from peer.core.codec.encode import encode_tensor
+from peer.core.codec.format import (
+    AGGREGATIONS,
     SPARSE,
-    VERSION,
     Payload,
     PayloadError,
+    SparseLoCoConfig,
     TensorEntry,
     index_bits,
-    payload_nbytes,
     rank_nbytes,
     write_entry,
 )
-from peer.core.payload_encode import encode_tensor, quantize
-from peer.core.payload_fused import run_each
+from peer.core.codec.fused import run_each
 from peer.errors import ConfigError
 
 __all__ = [
-    "AGGREGATIONS",
-    "DENSE_F32",
-    "DENSE_U8",
-    "SPARSE",
-    "VERSION",
-    "ClipStats",
-    "Payload",
-    "PayloadError",
-    "SparseLoCoConfig",
-    "TensorEntry",
     "aggregate",
     "aggregate_payloads",
     "clip_and_aggregate",
-    "clip_plan",
-    "clip_to_median",
-    "clipped_mass",
-    "removed_from_own",
     "compress",
     "decompress",
-    "global_norm",
     "ideal_bytes_per_param",
-    "index_bits",
     "payload_density",
-    "payload_nbytes",
-    "payload_norm",
     "pseudo_gradient",
+    "removed_from_own",
     "restore_unsent",
 ]
-
-AGGREGATIONS = ("mean-over-all", "mean-over-contributors")
-_quantize = quantize  # the name the quantizer tests import
-
-
-@dataclass(frozen=True)
-class SparseLoCoConfig:
-    topk: int = 32  # entries sent per chunk
-    chunk: int = 64  # tile side: a chunk holds chunk² = 4096 entries
-    quant_bits: int = 2  # 0 (float32 values), 2, 4 or 8
-    beta: float = 0.95  # error-feedback decay
-    outer_lr: float = 1.0  # η of the outer SGD step
-    aggregation: str = "mean-over-all"  # or "mean-over-contributors"
-    dense_1d: bool = True  # send 1-D tensors dense (8-bit)
-    clip_median_factor: float = 2.0  # clip each Δ̂ to this × the round's median norm; 0 disables
-
-    def __post_init__(self) -> None:
-        if self.quant_bits not in QUANT_BITS:
-            raise ConfigError(f"sparseloco.quant_bits must be 0, 2, 4 or 8, got {self.quant_bits}")
-        if not 1 <= self.chunk <= MAX_CHUNK:
-            raise ConfigError(f"sparseloco.chunk must be in 1..{MAX_CHUNK}, got {self.chunk}")
-        if not 0 < self.topk <= self.chunk * self.chunk:
-            raise ConfigError(f"sparseloco.topk must be in 1..{self.chunk * self.chunk}, got {self.topk}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(
-                f"sparseloco.aggregation must be 'mean-over-all' or 'mean-over-contributors', got {self.aggregation!r}"
-            )
-        if not 0.0 <= self.beta < 1.0:
-            raise ConfigError(f"sparseloco.beta must be in [0, 1), got {self.beta}")
-        if not self.outer_lr > 0:
-            raise ConfigError(f"sparseloco.outer_lr must be > 0, got {self.outer_lr}")
-        if not self.clip_median_factor >= 0 or math.isinf(self.clip_median_factor):
-            raise ConfigError(
-                "sparseloco.clip_median_factor must be a finite number >= 0 (0 disables "
-                f"clipping), got {self.clip_median_factor}"
-            )
 
 
 def payload_density(cfg: SparseLoCoConfig) -> float:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.core.sparseloco import Payload
+from peer.core.codec.format import Payload
 from peer.node.claims import Claim
 from peer.node.refusals import Refusals
 from peer.node.round_payloads import sha256

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.config import SwarmConfig
-from peer.core.sparseloco import Payload
+from peer.core.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig
+from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peer.config import RunConfig
+from peer.core.codec.format import Payload
 from peer.core.commit import embedding_update
 from peer.core.model import stage_shapes
-from peer.core.outer import EMBED
-from peer.core.sparseloco import Payload, decompress
+from peer.core.sparseloco import decompress
+from peer.core.subspace_state import EMBED
 from peer.errors import NetworkError, PeerError
 from peer.node.agreement import expected_replicas, round_bans, round_view
 from peer.node.claims import Entry, closed_elsewhere, entry, majority, parse_claims

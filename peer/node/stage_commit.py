@@ -23,8 +23,11 @@ import torch
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.commit import Committed, commit_state, perp_decay, state_hash
-from peer.core.sparseloco import Payload, clipped_mass, decompress
+from peer.core.codec.clip import clipped_mass
+from peer.core.codec.format import Payload
+from peer.core.commit import Committed, commit_state, perp_decay
+from peer.core.sparseloco import decompress
+from peer.core.state import state_hash
 from peer.node.bans import Bans, after_commit
 from peer.node.claims import state_id
 

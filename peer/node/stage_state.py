@@ -21,12 +21,15 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.commit import NO_CLIP, RoundCommit, state_hash
+from peer.core.codec.clip import ClipStats
+from peer.core.codec.format import Payload
+from peer.core.commit import NO_CLIP, RoundCommit
 from peer.core.model import Decoder, build_stage
 from peer.core.optim import build_adamw
-from peer.core.outer import attach_subspace, check_stage_state, initial_split, perp_of, set_perp, stage_state
-from peer.core.sparseloco import ClipStats, Payload, compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.state import check_stage_state, stage_state, state_hash
 from peer.core.subspace import make_basis
+from peer.core.subspace_state import attach_subspace, initial_split, perp_of, set_perp
 from peer.node.bans import NONE as NO_BANS
 from peer.node.bans import Bans
 from peer.node.claims import Entry, Link, entry, state_id

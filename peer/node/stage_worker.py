@@ -6,7 +6,7 @@ A stage peer receives compressed activations X̃ (b, L, k) and token ids, expand
 in the same call. Gradients accumulate over micro-batches until the head says `step`.
 
 The committed state and the outer rounds are `peer.node.stage_state.StageState`, which this class
-extends; the inner step is `peer.core.outer.adamw_step`. Every method is synchronous and
+extends; the inner step is `peer.core.inner.adamw_step`. Every method is synchronous and
 thread-safe (one lock), so the gRPC handler can call it from any worker thread.
 
 Micro-batches in flight (`epoch` given): several forwards and backwards of one inner step may be
@@ -33,11 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import RunConfig
+from peer.core.inner import adamw_step
 from peer.core.optim import grad_sq_norm
-from peer.core.outer import (
-    adamw_step,
-    perp_of,
-)
 from peer.core.split_backward import input_grad_first
 from peer.core.subspace import (
     compress_activations,
@@ -45,6 +42,7 @@ from peer.core.subspace import (
     expand_activations,
     expand_grad,
 )
+from peer.core.subspace_state import perp_of
 from peer.node.stage_state import StageState
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
 workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.rounds; re-syncs:
-peer.node.resync; every committed round goes through peer.core.outer.commit_round):
+peer.node.resync; every committed round goes through peer.core.commit.commit_round):
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.core.data import train_batch, val_batches
-from peer.core.outer import accumulate
+from peer.core.inner import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.pipeline import PipelineBehind, PipelineDriver
 from peer.node.service import PeerService

@@ -2,7 +2,7 @@
 
 Each attack maps the attacker's honest decoded Δ̂ of round (t, stage s) to what every receiver
 decodes instead. All of them are well-formed: they pass every wire check a peer makes, so only
-the round's robust aggregation (median clipping, `peer.core.clip`; outlier screening,
+the round's robust aggregation (median clipping, `peer.core.codec.clip`; outlier screening,
 `peer.core.robust`) stands between them and the model.
 
 - `random`: a valid payload of a huge random tensor (1e3 · N(0, 1), compressed as any payload);
@@ -18,7 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-from peer.core.sparseloco import Payload, SparseLoCoConfig, compress, decompress
+from peer.core.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco import compress, decompress
 from peer.errors import ConfigError
 
 ATTACKS = ("random", "flip", "negate")

@@ -37,14 +37,11 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from peer.config import TrainConfig
-from peer.core import payload_kernels
+from peer.core.codec import kernels as codec_kernels
+from peer.core.codec.format import SPARSE, Payload, SparseLoCoConfig, index_nbytes, n_selected
 from peer.core.model import PRESETS, ModelConfig, build_model, get_preset
-from peer.core.optim import build_adamw, clip_grads
-from peer.core.payload import SPARSE, index_nbytes, n_selected
+from peer.core.optim import TrainConfig, build_adamw, clip_grads
 from peer.core.sparseloco import (
-    Payload,
-    SparseLoCoConfig,
     clip_and_aggregate,
     compress,
     decompress,
@@ -89,7 +86,7 @@ def _aggregate_child(wire: bytes, total: int, cfg: SparseLoCoConfig, m: int) -> 
     (sampled every millisecond; the kernels are loaded and torch's thread pool warmed up on a tiny
     payload first)."""
     proc = psutil.Process()
-    payload_kernels.compiled(payload_kernels.NUMBA_MIN_WORK)  # numba and its compiled kernels load now
+    codec_kernels.compiled(codec_kernels.NUMBA_MIN_WORK)  # numba and its compiled kernels load now
     tiny = compress({"w": torch.ones(64, 64)}, None, cfg)[0]
     clip_and_aggregate([tiny, tiny], cfg.clip_median_factor, cfg.aggregation)
     base = peak = proc.memory_info().rss

@@ -33,12 +33,14 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.commit import perp_decay, robust_aggregate, state_hash
+from peer.core.codec.format import Payload
+from peer.core.commit import perp_decay, robust_aggregate
 from peer.core.model import build_stage, stage_shapes
-from peer.core.outer import EMBED, initial_split, stage_state
 from peer.core.portable import canonical_normal
-from peer.core.sparseloco import Payload, compress, decompress
+from peer.core.sparseloco import compress, decompress
+from peer.core.state import stage_state, state_hash
 from peer.core.subspace import make_basis
+from peer.core.subspace_state import EMBED, initial_split
 from peer.node.bans import NONE as NO_BANS
 from peer.node.stage_commit import compute
 

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, config_from_dict
-from peer.core.commit import state_hash
-from peer.core.outer import stage_state
+from peer.core.state import stage_state, state_hash
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline import PipelineDriver

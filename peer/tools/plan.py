@@ -19,7 +19,7 @@ bubble m/(m + S − 1), compute overlapped with full-duplex links and a round tr
 
 The byte counts are not a formula: boundary messages are built with the real transport messages
 and measured with `peer.net.transport.codec.encoded_size`, and payload sizes come from
-`peer.core.sparseloco.payload_nbytes`, which walks the same layout `Payload.to_bytes` writes.
+`peer.core.codec.format.payload_nbytes`, which walks the same layout `Payload.to_bytes` writes.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES
+from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
 from peer.core.model import PRESETS, ModelConfig, split_layers, stage_shapes
-from peer.core.sparseloco import SparseLoCoConfig, payload_nbytes
 from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size

@@ -3,7 +3,7 @@
 A *compressed* replica passes activations between its stages through the subspace boundary
 (X̃ = (X − T⊥[x])·U, expanded with Uᵀ) and keeps T_S in Col(U) after every inner step; an
 *uncompressed* one (a full replica) passes them as they are and trains its embedding freely.
-The inner step is the peers' own (`peer.core.outer`: micro-batch accumulation, clipped AdamW);
+The inner step is the peers' own (`peer.core.inner`: micro-batch accumulation, clipped AdamW);
 gradients are clipped by the norm over ALL stages, so a pipeline clips as a whole model does.
 
 Switches of the paper's ablations (Table 5): `weight_projection` keeps the outputs of every
@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.inner import accumulate, adamw_step
 from peer.core.model import Decoder, build_stage
 from peer.core.optim import build_adamw, grad_sq_norm, lr_at
-from peer.core.outer import EMBED, accumulate, adamw_step, init_subspace, perp_of
 from peer.core.subspace import compressed_boundary
+from peer.core.subspace_state import EMBED, init_subspace, perp_of
 
 
 @dataclass

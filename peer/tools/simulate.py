@@ -9,8 +9,8 @@ Runs, on the same data, seed and number of steps:
 - `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4).
 
 Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the stage
-boundaries, the inner step (`peer.core.outer.accumulate`, `adamw_step`) and the per-stage SparseLoCo rounds
-(`peer.core.outer.commit_round`) are the ones a real swarm runs; only the network is missing.
+boundaries, the inner step (`peer.core.inner.accumulate`, `adamw_step`) and the per-stage SparseLoCo rounds
+(`peer.core.commit.commit_round`) are the ones a real swarm runs; only the network is missing.
 Gradients are clipped by the norm over all stages; median clipping is off unless asked
 (`sparseloco.clip_median_factor`), and where it clips, the clipped mass goes back to the
 sender's error buffer. Outlier screening (`peer.core.robust`) is off unless asked
@@ -42,12 +42,15 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.codec.clip import clipped_mass
+from peer.core.codec.format import Payload
 from peer.core.commit import commit_round, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.outer import perp_of, set_perp, stage_state
 from peer.core.robust import OFF, RobustConfig
-from peer.core.sparseloco import Payload, clipped_mass, compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.state import stage_state
 from peer.core.subspace import k_from_ratio, make_basis
+from peer.core.subspace_state import perp_of, set_perp
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
 from peer.tools.attacks import check_attack, poison

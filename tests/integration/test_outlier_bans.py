@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.sparseloco import Payload, compress, decompress
+from peer.core.codec.format import Payload
+from peer.core.sparseloco import compress, decompress
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.rounds import PayloadStore, RoundResult, sha256

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from peer.core.sparseloco import SparseLoCoConfig
+from peer.core.codec.format import SparseLoCoConfig
 from peer.tools import templar_baseline as tb
 from peer.tools.bench import codec_figures
 

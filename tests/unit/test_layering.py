@@ -1,6 +1,7 @@
 """The dependency direction of the layout holds, checked by folder (docs/architecture.md):
 
-- `peer/core/` (the math) imports only `peer.core`, `peer.config`, `peer.errors`, and no networking;
+- `peer/core/` (the math) imports only `peer.core` and `peer.errors`, and no networking; each core
+  module owns its config section and `peer/config.py` assembles them, so core never imports it;
 - `peer/net/` (the network) imports nothing from `peer.core`, `peer.node` or `peer.tools`;
 - `peer/node/` (one peer) may import `peer.core` and `peer.net`, never `peer.tools`;
 - `peer/tools/` imports anything but the CLI; nothing imports `peer.cli`;
@@ -133,10 +134,11 @@ def test_every_module_lives_in_a_room():
     }
 
 
-def test_core_imports_only_core_config_errors_and_no_networking():
-    banned = ("peer.net", "peer.node", "peer.tools", "peer.cli", *NETWORK)
+def test_core_imports_only_core_errors_and_no_networking():
+    banned = ("peer.net", "peer.node", "peer.tools", "peer.cli", "peer.config", *NETWORK)
     assert _offenders("core", banned) == {}
     assert _files("core"), "peer/core is empty"
+    assert _files("core/codec"), "peer/core/codec is empty"
 
 
 def test_net_imports_neither_core_nor_node():
@@ -174,6 +176,18 @@ def test_the_rule_checker_sees_a_violation(tmp_path):
     bad.parent.mkdir(parents=True)
     bad.write_text("import grpc\nfrom peer.net import dht\nfrom ..node import session\n")
     assert _hits(imports_of(bad, tmp_path), ("grpc", "peer.net", "peer.node")) == ["grpc", "peer.net", "peer.node"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["from peer.config import TrainConfig", "from peer import config", "import peer.config", "from ... import config"],
+)
+def test_the_rule_checker_sees_core_importing_the_config(tmp_path, line):
+    """However a core module (here two folders down, as in peer/core/codec/) names peer.config, it is caught."""
+    bad = tmp_path / "peer" / "core" / "codec" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text(line + "\n")
+    assert _hits(imports_of(bad, tmp_path), ("peer.config",)) == ["peer.config"]
 
 
 def test_net_reads_process_trees_through_psutil():

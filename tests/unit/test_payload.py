@@ -12,21 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core import payload_kernels as pk
-from peer.core.payload import READ_VERSIONS, VERSION, index_nbytes, rank_nbytes
-from peer.core.sparseloco import (
+from peer.core.codec import kernels as pk
+from peer.core.codec.clip import clip_to_median, global_norm, payload_norm
+from peer.core.codec.format import (
+    READ_VERSIONS,
+    VERSION,
     Payload,
     PayloadError,
     SparseLoCoConfig,
-    aggregate,
-    aggregate_payloads,
-    clip_and_aggregate,
-    clip_to_median,
-    compress,
-    decompress,
-    global_norm,
-    payload_norm,
+    index_nbytes,
+    rank_nbytes,
 )
+from peer.core.sparseloco import aggregate, aggregate_payloads, clip_and_aggregate, compress, decompress
 
 # compress() at SparseLoCoConfig() of torch.randn with seeds 5, 6, 7, 8 (generator) for
 # layers.0.attn.wq.weight (70, 130), layers.0.attn_norm.weight (20,), layers.0.ffn.w1.weight

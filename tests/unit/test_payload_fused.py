@@ -1,4 +1,4 @@
-"""The fused whole-tensor kernels (peer.core.payload_fused) give the numpy/torch path's bits: encode
+"""The fused whole-tensor kernels (peer.core.codec.fused) give the numpy/torch path's bits: encode
 (error feedback, top-k with ties, ranks), decode, positions and fused aggregation, split over threads."""
 
 from __future__ import annotations
@@ -11,20 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core import payload_fused as pf
-from peer.core import payload_kernels as pk
-from peer.core.payload import entry_values, index_nbytes
-from peer.core.payload_encode import LLOYD_ROUNDS, quantize
-from peer.core.payload_index import layout
-from peer.core.sparseloco import (
-    Payload,
-    PayloadError,
-    SparseLoCoConfig,
-    aggregate_payloads,
-    clip_and_aggregate,
-    compress,
-    decompress,
-)
+from peer.core.codec import fused as pf
+from peer.core.codec import kernels as pk
+from peer.core.codec.encode import LLOYD_ROUNDS, quantize
+from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig, entry_values, index_nbytes
+from peer.core.codec.index import layout
+from peer.core.sparseloco import aggregate_payloads, clip_and_aggregate, compress, decompress
 
 pytest.importorskip("numba")
 

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from peer.config import build_config
-from peer.core.commit import embedding_update, state_hash
+from peer.core.commit import embedding_update
 from peer.core.data import TokenData
 from peer.core.sparseloco import decompress
+from peer.core.state import state_hash
 from peer.node.checkpoints.model import load_model_checkpoint
 from peer.node.stage_worker import StageWorker
 from peer.tools.simulate import simulate

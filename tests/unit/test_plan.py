@@ -9,8 +9,9 @@ from itertools import pairwise
 import pytest
 import torch
 
+from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
 from peer.core.model import build_stage, get_preset, stage_shapes
-from peer.core.sparseloco import SparseLoCoConfig, compress, payload_nbytes
+from peer.core.sparseloco import compress
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size, to_bytes
 from peer.net.transport.messages import BackwardRequest, ForwardRequest

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core import payload_kernels, portable
+from peer.core import portable
+from peer.core.codec import kernels as codec_kernels
+from peer.core.codec.format import SparseLoCoConfig
 from peer.core.portable import (
     SIGMA,
     canonical_gaussian64,
@@ -24,14 +26,14 @@ from peer.core.portable import (
     portable_cos,
     project64,
 )
-from peer.core.sparseloco import SparseLoCoConfig, clip_and_aggregate, compress
+from peer.core.sparseloco import clip_and_aggregate, compress
 
 
 @pytest.fixture
 def numpy_only():
-    payload_kernels.set_numba(False)
+    codec_kernels.set_numba(False)
     yield
-    payload_kernels.set_numba(True)
+    codec_kernels.set_numba(True)
 
 
 def test_canonical_normal_is_deterministic_normal_like_and_keyed():
@@ -50,7 +52,7 @@ def test_canonical_normal_is_deterministic_normal_like_and_keyed():
 def test_canonical_normal_compiled_equals_numpy(numpy_only):
     shape = (portable.NUMBA_MIN_ELEMENTS // 512 + 3, 512)  # large enough for the kernel
     plain = canonical_normal(99, shape, 0.05)
-    payload_kernels.set_numba(True)
+    codec_kernels.set_numba(True)
     assert torch.equal(canonical_normal(99, shape, 0.05), plain)
 
 
@@ -70,7 +72,7 @@ def test_projection_compiled_equals_numpy_and_is_pi(numpy_only):
     X[X.abs() < 1.0] = 0.0  # sparse rows and zero terms, as a committed change has
     X[3] = 0.0
     plain = project64(X, U)
-    payload_kernels.set_numba(True)
+    codec_kernels.set_numba(True)
     compiled = project64(X, U)
     assert compiled.tobytes() == plain.tobytes()
     reference = (X.double() @ U.double()) @ U.double().T
@@ -110,21 +112,21 @@ def _fma_count(fn, signature, **flags) -> int:
 
 
 def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
-    from peer.core import payload_fused
+    from peer.core.codec import fused
 
     U = torch.from_numpy(orthonormal_basis(64, 8, key=3)).float()
     project64(torch.randn(portable.NUMBA_MIN_ROWS, 64), U)  # compiles the kernels the commit uses
     canonical_normal(1, (portable.NUMBA_MIN_ELEMENTS,), 1.0)
     payload, _ = compress({"w": torch.randn(1024, 1024)}, None, SparseLoCoConfig())
     clip_and_aggregate([payload, payload], 2.0)  # the decode-and-aggregate scatter, scaled
-    compiled = payload_kernels.compiled(1 << 20)
+    compiled = codec_kernels.compiled(1 << 20)
     kernels = {
         portable._project_jit: portable._kernel("project", portable._project_jit),
         portable._normal_jit: portable._kernel("normal", portable._normal_jit),
     }
     if compiled is None or any(k is None for k in kernels.values()):
         pytest.skip("numba is not available here: the numpy twins run (no FMA by construction)")
-    kernels[payload_fused._walk_jit] = compiled.walk
+    kernels[fused._walk_jit] = compiled.walk
     for fn, kernel in kernels.items():
         assert kernel.signatures, f"{fn.__name__} was not compiled"
         assert _fma_count(fn, kernel.signatures[0]) == 0, fn.__name__

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.outer import stage_state
-from peer.core.payload import dequantize
-from peer.core.sparseloco import Payload, SparseLoCoConfig, _quantize, compress, decompress, pseudo_gradient
+from peer.core.codec.encode import quantize
+from peer.core.codec.format import Payload, SparseLoCoConfig, dequantize
+from peer.core.sparseloco import compress, decompress, pseudo_gradient
+from peer.core.state import stage_state
 from peer.tools.sim_replica import LocalReplica
 
 
@@ -29,7 +30,7 @@ def _old_quantize(v: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _new_quantize(v: np.ndarray, bits: int) -> np.ndarray:
-    codes, codebook = _quantize(v, bits)
+    codes, codebook = quantize(v, bits)
     return dequantize(codes, codebook, bits)
 
 
@@ -95,7 +96,7 @@ def test_no_value_ever_changes_sign(bits):
         np.zeros(7, dtype=np.float32),
     ]
     for v in cases:
-        codes, codebook = _quantize(v, bits)
+        codes, codebook = quantize(v, bits)
         assert codebook.shape == (2 ** (bits - 1),) and np.all(codebook >= 0)
         q = dequantize(codes, codebook, bits)
         assert np.all(np.sign(q) * np.sign(v) >= 0)  # same sign, or a zero on one side

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from peer.config import WIRE_DTYPES, build_config
-from peer.core.commit import commit_round, embedding_update, perp_decay, state_hash
+from peer.core.commit import commit_round, embedding_update, perp_decay
 from peer.core.data import TokenData
-from peer.core.outer import perp_of, stage_state
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
+from peer.core.state import stage_state, state_hash
 from peer.core.subspace import make_basis, project
+from peer.core.subspace_state import perp_of
 from peer.node.stage_worker import StageWorker
 from peer.tools.sim_replica import LocalReplica
 from peer.tools.simulate import simulate

@@ -16,9 +16,11 @@ import math
 import pytest
 import torch
 
+from peer.core.codec.clip import global_norm
+from peer.core.codec.format import SparseLoCoConfig
 from peer.core.commit import embedding_update, perp_decay
-from peer.core.outer import stage_state
-from peer.core.sparseloco import SparseLoCoConfig, decompress, global_norm
+from peer.core.sparseloco import decompress
+from peer.core.state import stage_state
 from peer.errors import ConfigError
 from peer.node.stage_worker import StageWorker
 from tests.unit.test_poison import _assert_same_bits, _cfg
@@ -95,8 +97,8 @@ def test_honest_rounds_drop_nothing_and_commit_the_same_bits():
 
 @pytest.mark.parametrize("attack", ["random", "flip", "negate"])
 def test_each_attack_is_dropped_and_only_it(attack):
+    from peer.core.codec.clip import clip_to_median
     from peer.core.robust import screen
-    from peer.core.sparseloco import clip_to_median
     from peer.tools.attacks import poison
 
     cfg = SparseLoCoConfig()

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from peer.config import build_config
+from peer.core.codec.format import Payload, PayloadError
 from peer.core.model import stage_shapes
-from peer.core.outer import EMBED
-from peer.core.sparseloco import Payload, PayloadError, compress
+from peer.core.sparseloco import compress
+from peer.core.subspace_state import EMBED
 from peer.net.transport import ForwardRequest, TransportError
 from peer.node.rounds import PayloadStore, bound_replica, payload_validator
 from peer.node.service import PeerService

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peer.core.commit import state_hash
 from peer.core.model import Decoder, ModelConfig
-from peer.core.outer import stage_state
 from peer.core.split_backward import input_grad_first
+from peer.core.state import stage_state, state_hash
 from peer.node.stage_worker import StageWorker
 from tests.unit.test_step_overtaken import MB, _cfg, _inputs
 

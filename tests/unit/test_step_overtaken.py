@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.commit import state_hash
-from peer.core.outer import stage_state
+from peer.core.state import stage_state, state_hash
 from peer.node.stage_worker import StageWorker
 from tests.unit.test_stage_checkpoint import SMALL  # the tiny model of the stage-worker tests
 

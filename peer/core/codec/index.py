@@ -1,11 +1,11 @@
-"""Chunk geometry, bit packing and the index coding of the SparseLoCo payload (see peer.core.payload).
+"""Chunk geometry, bit packing and the index coding of the SparseLoCo payload (see peer.core.codec.format).
 
 Tensors with ndim >= 2 are viewed as (shape[0], rest) and tiled into chunk×chunk tiles, each
 dimension zero-padded up to a multiple of `chunk`; 1-D tensors are cut into flat chunks of chunk²
 entries. A chunk with n_c real entries sends k_c = min(k, n_c) of them. Inside a chunk an entry's
 local index is r·chunk + c (1-D: its offset); its compact index, r·(real columns) + c, numbers the
 real entries 0 … n_c − 1 in the same order. For topk <= 64 a chunk's sorted compact indices are
-sent as their rank among the k_c-subsets of n_c (payload_kernels), in ceil(log2 C(n_c, k_c) / 8)
+sent as their rank among the k_c-subsets of n_c (peer.core.codec.kernels), in ceil(log2 C(n_c, k_c) / 8)
 little-endian bytes; for larger topk as fixed-width local indices in one LSB-first bit stream.
 
 Invariants: every size is a function of (shape, chunk, topk) alone. A rank below C(n_c, k_c) is
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from peer.core import payload_kernels as pk
-from peer.core.payload_fused import run_split
+from peer.core.codec import kernels as pk
+from peer.core.codec.fused import run_split
 from peer.errors import PeerError
 
 

@@ -1,6 +1,6 @@
 """The SparseLoCo payload: the wire format of one participant's Δ̂.
 
-Chunking, bit packing and index coding live in `peer.core.payload_index` (re-exported here): a
+Chunking, bit packing and index coding live in `peer.core.codec.index` (re-exported here): a
 tensor is cut into chunk×chunk tiles (1-D: chunk² entries) and each tile sends k_c of its n_c
 real entries.
 
@@ -11,7 +11,7 @@ Wire format, version 3 (v2 + sign-magnitude codes), little-endian:
            codes, quant_bits each, LSB-first (quant_bits > 0)  or  f32 values (quant_bits == 0);
            a code is sign << (quant_bits − 1) | bin, its value ±magnitude[bin]
   indices  topk <= 64: per chunk, the rank of its sorted compact indices among the k_c-subsets of
-           n_c (combinatorial number system, see payload_kernels) in ceil(log2 C(n_c, k_c) / 8)
+           n_c (combinatorial number system, see codec.kernels) in ceil(log2 C(n_c, k_c) / 8)
            bytes; topk > 64: idx_bits-wide local indices, one LSB-first bit stream
   DENSE_F32  f32 × numel
   DENSE_U8   f32 lo | f32 scale | u8 × numel           (value = lo + scale·code, in float32)
@@ -29,11 +29,12 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from peer.core.payload_index import (
+from peer.core.codec.index import (
     PayloadError,
     check_ranks,
     decode_indices,
@@ -52,9 +53,7 @@ from peer.core.payload_index import (
     unpack_bits,
     valid_extent,
 )
-
-if TYPE_CHECKING:
-    from peer.core.sparseloco import SparseLoCoConfig
+from peer.errors import ConfigError
 
 MAGIC = b"SLCO"
 VERSION = 3
@@ -79,6 +78,45 @@ __all__ = [
     "unpack_bits",
     "valid_extent",
 ]
+
+AGGREGATIONS = ("mean-over-all", "mean-over-contributors")
+
+
+@dataclass(frozen=True)
+class SparseLoCoConfig:
+    """The `[sparseloco]` section of a run: how a payload is encoded (topk, chunk, quant_bits,
+    dense_1d) and the round's rule (β, η, aggregation, the median clip). It lives beside the format
+    because its checks are the format's limits; `peer.config` assembles it into a `RunConfig`."""
+
+    topk: int = 32  # entries sent per chunk
+    chunk: int = 64  # tile side: a chunk holds chunk² = 4096 entries
+    quant_bits: int = 2  # 0 (float32 values), 2, 4 or 8
+    beta: float = 0.95  # error-feedback decay
+    outer_lr: float = 1.0  # η of the outer SGD step
+    aggregation: str = "mean-over-all"  # or "mean-over-contributors"
+    dense_1d: bool = True  # send 1-D tensors dense (8-bit)
+    clip_median_factor: float = 2.0  # clip each Δ̂ to this × the round's median norm; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.quant_bits not in QUANT_BITS:
+            raise ConfigError(f"sparseloco.quant_bits must be 0, 2, 4 or 8, got {self.quant_bits}")
+        if not 1 <= self.chunk <= MAX_CHUNK:
+            raise ConfigError(f"sparseloco.chunk must be in 1..{MAX_CHUNK}, got {self.chunk}")
+        if not 0 < self.topk <= self.chunk * self.chunk:
+            raise ConfigError(f"sparseloco.topk must be in 1..{self.chunk * self.chunk}, got {self.topk}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"sparseloco.aggregation must be 'mean-over-all' or 'mean-over-contributors', got {self.aggregation!r}"
+            )
+        if not 0.0 <= self.beta < 1.0:
+            raise ConfigError(f"sparseloco.beta must be in [0, 1), got {self.beta}")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"sparseloco.outer_lr must be > 0, got {self.outer_lr}")
+        if not self.clip_median_factor >= 0 or math.isinf(self.clip_median_factor):
+            raise ConfigError(
+                "sparseloco.clip_median_factor must be a finite number >= 0 (0 disables "
+                f"clipping), got {self.clip_median_factor}"
+            )
 
 
 # ------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Encode, one pass per tile (`_encode_jit`): e = β·e_prev + Δ (or a copy of Δ)
 error buffer (new, or e_prev itself: in place) while the |e| maxima of the tile's runs (columns of
 <= 16 rows) are taken; a histogram of the run maxima gives a threshold that at least k+1 entries
 reach, the tile's top-k is chosen among the few entries that reach it (its k-th largest is found
-among the smallest of them), and the rank of its sorted positions (see payload_kernels) is written
+among the smallest of them), and the rank of its sorted positions (see peer.core.codec.kernels) is written
 straight into the wire buffer, with the positions and values of the sent entries. Decode
 (`_walk_jit`): each tile's rank is unranked (a closed-form first guess, then exact checks) and every
 sent entry is written at its flat position: the position itself, out[p] = v, or out[p] += v·scale
@@ -129,7 +129,7 @@ def run_each(fn: Callable[[T], R], items: Sequence[T], work: Sequence[int]) -> l
 
 
 # ------------------------------------------------------------------------------------------
-# numba kernels (plain Python here; compiled by payload_kernels._compile with nogil)
+# numba kernels (plain Python here; compiled by kernels._compile with nogil)
 # ------------------------------------------------------------------------------------------
 
 

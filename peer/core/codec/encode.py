@@ -2,7 +2,7 @@
 
     e  = β·e_prev + Δ;   Δ̂ = Q(TOP-k per chunk(e));   e_new = e − Δ̂      (SparseLoCo, Alg. 1)
 
-`encode_tensor` runs the fused kernels (peer.core.payload_fused: one pass over the tensor per
+`encode_tensor` runs the fused kernels (peer.core.codec.fused: one pass over the tensor per
 tile writes e, selects the top-k and writes the index ranks, split over the CPU cores) when numba
 is in use, else the torch/numpy path below; both give the same bits, which tests check. With
 `in_place` the new error buffer is written over the old one, and the encoder's work arrays are
@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core import payload_kernels as pk
-from peer.core.payload import (
+from peer.core.codec import kernels as pk
+from peer.core.codec.format import (
     DENSE_F32,
     DENSE_U8,
     SPARSE,
     PayloadError,
+    SparseLoCoConfig,
     TensorEntry,
     dequantize,
     entry_values,
@@ -40,12 +41,8 @@ from peer.core.payload import (
     tile_dims,
     valid_extent,
 )
-from peer.core.payload_fused import run_split
-from peer.core.payload_index import Layout, enumerative, layout, rerank, tables
-
-if TYPE_CHECKING:
-    from peer.core.sparseloco import SparseLoCoConfig
-
+from peer.core.codec.fused import run_split
+from peer.core.codec.index import Layout, enumerative, layout, rerank, tables
 
 _kept = threading.local()  # per-thread work arrays of `_scratch`
 LLOYD_ROUNDS = 16  # refinements of the magnitude bins after the equal-count start
@@ -107,66 +104,6 @@ def _bin_means(s: np.ndarray, csum: np.ndarray, edges: np.ndarray) -> np.ndarray
     means: np.ndarray = (csum[bounds[1:]] - csum[bounds[:-1]]) / np.maximum(counts, 1)
     means[counts == 0] = np.nan
     return means
-
-
-def _quantize_jit(
-    v: np.ndarray, sorted_abs: np.ndarray, bits: int, rounds: int, codes: np.ndarray, codebook: np.ndarray
-) -> None:
-    # `quantize` after its sort as one numba kernel (compiled by payload_kernels._compile), the
-    # same float64 operations in the same order: cumsum is sequential, bins are counted with the
-    # same searchsorted, an empty bin is merged away as `_merge_empty` does. Tests compare the bits.
-    n, n_bins = v.size, 1 << (bits - 1)
-    a = np.abs(v)
-    s = sorted_abs.astype(np.float64)
-    csum = np.empty(n + 1)
-    csum[0] = 0.0
-    for i in range(n):
-        csum[i + 1] = csum[i] + s[i]
-    cur = np.empty(n_bins)  # edges to try: the equal-count start, then midpoints of the means
-    n_c = 0
-    for b in range(1, n_bins):  # ties merged (np.unique of the sorted picks)
-        x = s[(b * n) // n_bins]
-        if n_c == 0 or cur[n_c - 1] != x:
-            cur[n_c] = x
-            n_c += 1
-    edges = np.empty(n_bins)  # the edges in use, edges[:n_e]
-    means = np.empty(n_bins)
-    n_e, r = -1, 0
-    while True:
-        while True:  # means of cur's bins; the first empty bin merged into a neighbour, again
-            empty, lo = -1, 0
-            for b in range(n_c + 1):
-                hi = np.searchsorted(s, cur[b]) if b < n_c else n
-                if hi == lo:
-                    empty = b
-                    break
-                means[b] = (csum[hi] - csum[lo]) / np.float64(hi - lo)
-                lo = hi
-            if empty < 0:
-                break
-            for b in range(min(empty, n_c - 1), n_c - 1):
-                cur[b] = cur[b + 1]
-            n_c -= 1
-        same = n_c == n_e
-        for b in range(max(0, min(n_c, n_e))):
-            same = same and cur[b] == edges[b]
-        if same:  # a fixed point
-            break
-        edges[:n_c] = cur[:n_c]
-        n_e = n_c
-        if r == rounds:
-            break
-        r += 1
-        for b in range(n_e):  # a Lloyd step: edges at the midpoints of neighbouring means
-            cur[b] = (means[b] + means[b + 1]) / 2
-    sign = np.uint8(1 << (bits - 1))
-    for i in range(n):
-        x, m = np.float64(a[i]), 0
-        while m < n_e and edges[m] <= x:  # searchsorted(edges, x, side="right")
-            m += 1
-        codes[i] = np.uint8(m) | (sign if v[i] < 0 else np.uint8(0))
-    for b in range(n_bins):
-        codebook[b] = np.float32(means[min(b, n_e)])
 
 
 def _chunk_magnitudes(e: Tensor, chunk: int) -> Tensor:

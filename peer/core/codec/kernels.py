@@ -10,7 +10,9 @@ exact integer arithmetic: the same bytes and the same positions on every machine
 Each kernel has a numba version (compiled with cache=True and nogil into a writable directory,
 used for large inputs) and a numpy one (small inputs, or when numba is missing or fails); both
 give the same results bit for bit, which tests check. `compiled` also compiles the fused
-whole-tensor kernels of `peer.core.payload_fused` (top-k, ranks, unrank-and-scatter).
+whole-tensor kernels of `peer.core.codec.fused` (top-k, ranks, unrank-and-scatter) and the
+quantizer (`_quantize_jit`, the twin of `peer.core.codec.encode.quantize`). This module imports
+no other part of the codec but `fused`: the encoder and the index coding call it, never back.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
+from peer.core.codec import fused as pf
 
 log = logging.getLogger(__name__)
 
@@ -234,13 +239,8 @@ def unrank_subsets(
 
 def _compile(njit: Callable[[Any], Any]) -> Any:
     """The numba kernels: the plain functions below, compiled (their source is the one truth)."""
-    from types import SimpleNamespace
-
-    from peer.core import payload_encode as pe
-    from peer.core import payload_fused as pf
-
     return SimpleNamespace(
-        quantize=njit(pe._quantize_jit),
+        quantize=njit(_quantize_jit),
         rank=njit(_rank_jit),
         unrank=njit(_unrank_jit),
         encode=njit(pf._encode_jit),
@@ -310,3 +310,64 @@ def _unrank_jit(ranks: np.ndarray, kc: np.ndarray, nc: np.ndarray, table: np.nda
                 r[limb] = v + (borrow << 32)
             hi = lo
     return -1
+
+
+def _quantize_jit(
+    v: np.ndarray, sorted_abs: np.ndarray, bits: int, rounds: int, codes: np.ndarray, codebook: np.ndarray
+) -> None:
+    # `peer.core.codec.encode.quantize` after its sort as one numba kernel (compiled by `_compile`),
+    # the same float64 operations in the same order: cumsum is sequential, bins are counted with the
+    # same searchsorted, an empty bin is merged away as `encode._merge_empty` does. Tests compare
+    # the bits.
+    n, n_bins = v.size, 1 << (bits - 1)
+    a = np.abs(v)
+    s = sorted_abs.astype(np.float64)
+    csum = np.empty(n + 1)
+    csum[0] = 0.0
+    for i in range(n):
+        csum[i + 1] = csum[i] + s[i]
+    cur = np.empty(n_bins)  # edges to try: the equal-count start, then midpoints of the means
+    n_c = 0
+    for b in range(1, n_bins):  # ties merged (np.unique of the sorted picks)
+        x = s[(b * n) // n_bins]
+        if n_c == 0 or cur[n_c - 1] != x:
+            cur[n_c] = x
+            n_c += 1
+    edges = np.empty(n_bins)  # the edges in use, edges[:n_e]
+    means = np.empty(n_bins)
+    n_e, r = -1, 0
+    while True:
+        while True:  # means of cur's bins; the first empty bin merged into a neighbour, again
+            empty, lo = -1, 0
+            for b in range(n_c + 1):
+                hi = np.searchsorted(s, cur[b]) if b < n_c else n
+                if hi == lo:
+                    empty = b
+                    break
+                means[b] = (csum[hi] - csum[lo]) / np.float64(hi - lo)
+                lo = hi
+            if empty < 0:
+                break
+            for b in range(min(empty, n_c - 1), n_c - 1):
+                cur[b] = cur[b + 1]
+            n_c -= 1
+        same = n_c == n_e
+        for b in range(max(0, min(n_c, n_e))):
+            same = same and cur[b] == edges[b]
+        if same:  # a fixed point
+            break
+        edges[:n_c] = cur[:n_c]
+        n_e = n_c
+        if r == rounds:
+            break
+        r += 1
+        for b in range(n_e):  # a Lloyd step: edges at the midpoints of neighbouring means
+            cur[b] = (means[b] + means[b + 1]) / 2
+    sign = np.uint8(1 << (bits - 1))
+    for i in range(n):
+        x, m = np.float64(a[i]), 0
+        while m < n_e and edges[m] <= x:  # searchsorted(edges, x, side="right")
+            m += 1
+        codes[i] = np.uint8(m) | (sign if v[i] < 0 else np.uint8(0))
+    for b in range(n_bins):
+        codebook[b] = np.float32(means[min(b, n_e)])

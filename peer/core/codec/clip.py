@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.payload import Payload, values_of
+from peer.core.codec.format import Payload, values_of
 from peer.errors import ConfigError
 
 
