@@ -97,6 +97,7 @@ LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
 _SPAWN_LOCK = threading.Lock()
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this host can reach them"
+_GONE = "the hivemind DHT process exited; restart this peer"
 
 
 def dht_time() -> float:
@@ -325,13 +326,15 @@ class SwarmDHT:
 
     def _wait(self, future: Any, what: str, timeout_s: float | None) -> Any:
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
-        return await_answer(future, f"DHT {what}", timeout_s, self.request_timeout_s, _CHECK_HINT)
+        return await_answer(
+            future, f"DHT {what}", timeout_s, self.request_timeout_s, _CHECK_HINT, self._dht.is_alive, _GONE
+        )
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this SwarmDHT was shut down")
         if not self._dht.is_alive():
-            raise NetworkError("the hivemind DHT process exited; restart this peer")
+            raise NetworkError(_GONE)
 
     def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None, timeout_s: float | None) -> None:
         """Store with a later expiration than any before it; up to 3 attempts under one deadline.

@@ -14,8 +14,10 @@ injects `faults` faults one at a time, each on a random non-bootstrap role:
 and one ``bootstrap_kill`` halfway (``kill -9``, restart with the same identity and ports). After a
 fault the harness waits until every live role has committed a round after it (the recovery time,
 capped), then a random pause. After a ``kill -9`` the victim's descendants must be gone within
-`orphan_wait_s` (else they count as orphans, and are killed); at the end every role gets SIGTERM and
-whatever still runs after `orphan_wait_s` counts too. The table is `peer.tools.chaos_report.summary`.
+`orphan_wait_s` (else they count as orphans, and are killed). At the end every role's process group
+gets SIGTERM at the same moment (the whole swarm stops): a role that takes longer than `leave_s` to
+exit is a slow leave, and whatever still runs after `orphan_wait_s` counts as an orphan. The table
+is `peer.tools.chaos_report.summary` plus `leave_max_s` and `slow_leaves`.
 
 Invariants: every process started here is stopped on the way out (`Children.stop_all`, and each
 child's watchdog should this process be killed); a fault never targets a role that is down.
@@ -23,6 +25,7 @@ child's watchdog should this process be killed); a fault never targets a role th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -67,6 +70,7 @@ class ChaosConfig:
     long_stop_rounds: tuple[float, float] = (2.2, 3.0)  # its duration, in round deadlines
     recovery_cap_s: float = 90.0  # a fault not recovered from by then counts as not recovered
     orphan_wait_s: float = 10.0
+    leave_s: float = 10.0  # at the end every process group gets SIGTERM at once; a slower leave is counted
     startup_timeout_s: float = 240.0
     bootstrap_kill: bool = True
 
@@ -297,30 +301,42 @@ class ChaosRun:
                 self.faults.append(fault)
                 self.progress(f"fault {i + 1}/{self.cfg.faults}: {fault_line(fault)}")
             end = time.time()
-            self.orphans += self._orphans_after_sigterm()
+            leaves = self._leave_all()
         finally:
             self.children.stop_all(grace_s=5.0)
         start = min((float(f["time"]) for f in self.faults), default=None)  # churn starts at the first fault
         result = summary(self.workdir, self.faults, self.cfg.stall_s, self.orphans, end, self.kill_windows, start)
+        result["leave_max_s"] = max((v for v in leaves.values() if v is not None), default=None)
+        result["slow_leaves"] = sorted(k for k, v in leaves.items() if v is None or v > self.cfg.leave_s)
         (self.workdir / "chaos.json").write_text(
             json.dumps({"config": asdict(self.cfg), "summary": result, "faults": self.faults}, indent=2, default=str)
         )
         return ChaosResult(result, self.faults, self.workdir)
 
-    def _orphans_after_sigterm(self) -> int:
-        """SIGTERM every child (each leaves cleanly); what of the run still runs after the wait."""
-        for c in self.children.children:
-            if c.poll() is None:
-                c.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.orphan_wait_s + 10.0
-        while time.monotonic() < deadline and any(c.poll() is None for c in self.children.children):
-            time.sleep(0.2)
+    def _leave_all(self) -> dict[str, float | None]:
+        """SIGTERM every live child's process group at the same moment, as stopping a whole swarm (or
+        Ctrl-C in its terminal) does: each peer, its DHT process and p2pd get it together. Returns
+        {name: seconds until it exited, None if it never did}; what of the run still runs after the
+        wait counts as orphans."""
+        live = [c for c in self.children.children if c.poll() is None]
+        t0 = time.monotonic()
+        for c in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.pid, signal.SIGTERM)  # each child leads its own session (Children.spawn)
+        left: dict[str, float | None] = {c.name: None for c in live}
+        deadline = t0 + self.cfg.orphan_wait_s + 10.0
+        while time.monotonic() < deadline and any(v is None for v in left.values()):
+            for c in live:
+                if left[c.name] is None and c.poll() is not None:
+                    left[c.name] = round(time.monotonic() - t0, 2)
+            time.sleep(0.1)
         time.sleep(min(3.0, self.cfg.orphan_wait_s))  # watchdogs stop what a dead parent left
-        left = self.children.sweep()
-        stuck = [c.name for c in self.children.children if c.poll() is None]
-        if left or stuck:
-            log.warning("after SIGTERM still running: %s; %d other processes", stuck, len(left))
-        return len(left) + len(stuck)
+        stray = self.children.sweep()
+        stuck = [c.name for c in live if c.poll() is None]
+        if stray or stuck:
+            log.warning("after SIGTERM still running: %s; %d other processes", stuck, len(stray))
+        self.orphans += len(stray) + len(stuck)
+        return left
 
 
 def _alive(proc: psutil.Process) -> bool:

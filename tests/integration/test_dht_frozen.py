@@ -13,11 +13,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import psutil
 import pytest
 
+from peer.errors import NetworkError
 from peer.net.answers import FROZEN_S
+from peer.net.dht import SwarmDHT
 from tests.conftest import assert_no_leftover_children, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -75,3 +79,32 @@ def test_a_lookup_frozen_past_its_deadline_still_gets_its_answer(tmp_path):
     lookups = [int(x.split()[1]) for x in out.splitlines() if x.startswith("lookups ")]
     assert lookups and lookups[0] > 10, out
     assert_no_leftover_children(before, wait_s=10.0)
+
+
+def test_a_lookup_ends_when_its_dht_process_dies_instead_of_waiting_out_the_deadline(reap_children):
+    """A signal to the whole process group stops the DHT process too: a lookup then in flight must
+    end with "the hivemind DHT process exited", not wait out its deadline for an answer that cannot
+    come (leaving took 15 s per wait). The DHT process is frozen so the lookup is surely in flight,
+    then killed."""
+    dht = SwarmDHT(request_timeout_s=600.0)
+    try:
+        dht.set_run("gone-run", n_stages=2)
+        (dht_pid,) = [pid for pid in dht.child_pids if psutil.Process(pid).ppid() == os.getpid()]
+        os.kill(dht_pid, signal.SIGSTOP)
+        outcome: list[BaseException] = []
+        lookup = threading.Thread(target=lambda: _record_error(outcome, lambda: dht.get_stage_peers(1)))
+        lookup.start()
+        os.kill(dht_pid, signal.SIGKILL)
+        lookup.join(300.0)
+        assert not lookup.is_alive()
+        (error,) = outcome
+        assert isinstance(error, NetworkError) and "the hivemind DHT process exited" in str(error), error
+    finally:
+        dht.shutdown()
+
+
+def _record_error(out: list[BaseException], fn) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test inspects what the lookup raised
+        out.append(e)
