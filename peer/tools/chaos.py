@@ -308,6 +308,7 @@ class ChaosRun:
         result = summary(self.workdir, self.faults, self.cfg.stall_s, self.orphans, end, self.kill_windows, start)
         result["leave_max_s"] = max((v for v in leaves.values() if v is not None), default=None)
         result["slow_leaves"] = sorted(k for k, v in leaves.items() if v is None or v > self.cfg.leave_s)
+        result["leave_s"] = leaves
         (self.workdir / "chaos.json").write_text(
             json.dumps({"config": asdict(self.cfg), "summary": result, "faults": self.faults}, indent=2, default=str)
         )
