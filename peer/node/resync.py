@@ -33,12 +33,12 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from peer.core.commit import embedding_update
+from peer.core.feedback import add_to_errors
 from peer.core.sparseloco import decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.messages import StateRequest
 from peer.node.agreement import expected_replicas
 from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
-from peer.node.stage_commit import add
 from peer.node.stage_worker import StageWorker
 from peer.node.verify import SetFetcher, Verdict, resolve
 
@@ -237,7 +237,7 @@ class Resync:
             vote=True,
         )
         if prev is not None and not before_round:  # our commit's share of our payload, redone for theirs
-            worker.errors = add(worker.errors, prev.adjustment, -1.0)
+            worker.errors = add_to_errors(worker.errors, prev.adjustment, -1.0)
             if prev.own is not None and (worker.link is None or prev.own[0][:16] not in worker.link.replicas):
                 worker.return_unsent(prev.own[1])
         return True

@@ -22,16 +22,17 @@ import torch
 
 from peer.config import RunConfig
 from peer.core.commit import NO_CLIP, RoundCommit, state_hash
+from peer.core.feedback import add_to_errors
 from peer.core.model import Decoder, build_stage
 from peer.core.optim import build_adamw
 from peer.core.outer import attach_subspace, check_stage_state, initial_split, perp_of, set_perp, stage_state
-from peer.core.sparseloco import ClipStats, Payload, compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import ClipStats, Payload, compress, decompress, pseudo_gradient
 from peer.core.subspace import make_basis
 from peer.node.bans import NONE as NO_BANS
 from peer.node.bans import Bans
 from peer.node.claims import Entry, Link, entry, state_id
 from peer.node.optimizer_state import load_named_optimizer_state, named_optimizer_state
-from peer.node.stage_commit import Outcome, Prev, add, compute, own_adjustment
+from peer.node.stage_commit import Outcome, Prev, compute, own_adjustment
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class StageState:
     def return_unsent(self, payload: Payload) -> None:
         """A payload that missed the commit goes back into the error buffer: nothing is lost."""
         with self.lock:
-            self.errors = restore_unsent(self.errors, decompress(payload))
+            self.errors = add_to_errors(self.errors, decompress(payload))
 
     def apply_round(
         self,
@@ -135,7 +136,7 @@ class StageState:
             )
             adjustment = own_adjustment(self.last_contribution, out, committed)
             prev = Prev(t, self.start, perp, self.bans, self.state_id(), adjustment, self.last_contribution)
-            self.errors = add(self.errors, adjustment)
+            self.errors = add_to_errors(self.errors, adjustment)
             self._install(out, Link(t, prev.state, out.state, _entries(replicas, committed), _set(embed_set)))
             self.prev = prev
             self._log_commit(out, len(committed))
@@ -163,7 +164,7 @@ class StageState:
             if prev is None or out.t != prev.t or self.outer_step != prev.t + 1:
                 raise ValueError(f"stage {self.stage}: no commit of round {out.t} to replace")
             adjustment = own_adjustment(prev.own, out, committed)
-            self.errors = add(add(self.errors, prev.adjustment, -1.0), adjustment)
+            self.errors = add_to_errors(add_to_errors(self.errors, prev.adjustment, -1.0), adjustment)
             self._install(out, Link(out.t, prev.state, out.state, _entries(out.replicas, committed), _set(embed_set)))
             self.prev = Prev(prev.t, prev.start, prev.perp, prev.bans, prev.state, adjustment, prev.own)
             self._reset_step()

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from peer.config import RunConfig
+from peer.core.chain import token_loss
 from peer.core.optim import grad_sq_norm
 from peer.core.outer import (
     adamw_step,
@@ -126,7 +126,7 @@ class StageWorker(StageState):
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets")
-            loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
+            loss = token_loss(out, targets)
             if not torch.isfinite(loss):  # refused before backward: nothing non-finite reaches a gradient
                 self.seen.discard(key)
                 raise ValueError(
@@ -154,7 +154,7 @@ class StageWorker(StageState):
             if self.is_last:
                 if targets is None:
                     raise ValueError("the last stage needs targets")
-                loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().to(self.device).flatten())
+                loss = token_loss(out, targets.to(self.device))
                 return ForwardOut(loss=loss.item())
             return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
 

@@ -18,7 +18,6 @@ SIGINT/SIGTERM (records withdrawn, server and DHT stopped).
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -26,8 +25,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from peer.core.chain import chain_forward, global_grad_norm, token_loss
 from peer.core.data import train_batch, val_batches
 from peer.core.outer import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
@@ -267,17 +266,15 @@ def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> boo
 
 def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed."""
-    hdn = x.to(chain[0].device)
-    for w in chain:
-        hdn = w.module(hdn)
-    return F.cross_entropy(hdn.flatten(0, 1).float(), y.to(chain[0].device).flatten())
+    device = chain[0].device
+    return token_loss(chain_forward([w.module for w in chain], x.to(device)), y.to(device))
 
 
 def _full_inner_step(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor, t: int, h: int) -> float:
     """One inner step of a full replica: micro-batches through every stage, then each stage's step,
     clipped by the gradient norm over all stages (as the whole model and a pipeline clip)."""
     loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, chain[0].cfg.train.microbatches)
-    total_norm = math.sqrt(math.fsum(w.grad_sq_norm() for w in chain))
+    total_norm = global_grad_norm(w.grad_sq_norm() for w in chain)
     for w in chain:
         w.step(t, h, total_norm)
     return loss

@@ -44,9 +44,10 @@ import torch
 from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.commit import commit_round, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
+from peer.core.feedback import add_to_errors, returned
 from peer.core.outer import perp_of, set_perp, stage_state
 from peer.core.robust import OFF, RobustConfig
-from peer.core.sparseloco import Payload, clipped_mass, compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import Payload, compress, decompress, pseudo_gradient
 from peer.core.subspace import k_from_ratio, make_basis
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
@@ -305,13 +306,10 @@ def _commit_stage(
     views = [rep.stages[s] for rep in reps]
     done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, opts.robust)
     honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
-    for m, scale in zip(honest, done.clip.scales, strict=False):
-        if m in done.dropped:
-            errors[m][s] = restore_unsent(errors[m][s], decoded[m])
-            continue
-        mass = clipped_mass(decoded[m], scale)
-        if mass is not None:
-            errors[m][s] = restore_unsent(errors[m][s], mass)
+    for m in honest:
+        back = returned(decoded[m], m, done.clip, done.dropped)
+        if back is not None:
+            errors[m][s] = add_to_errors(errors[m][s], back)
     return done.clip.n_clipped, done.dropped, done.embed_update
 
 
