@@ -3,8 +3,10 @@
 A *compressed* replica passes activations between its stages through the subspace boundary
 (X̃ = (X − T⊥[x])·U, expanded with Uᵀ) and keeps T_S in Col(U) after every inner step; an
 *uncompressed* one (a full replica) passes them as they are and trains its embedding freely.
-The inner step is the peers' own (`peer.core.outer`: micro-batch accumulation, clipped AdamW);
-gradients are clipped by the norm over ALL stages, so a pipeline clips as a whole model does.
+The stages are chained as a full replica chains them (`peer.core.chain.chain_forward`, with the
+compressed boundary between stages), and the inner step is the peers' own (`peer.core.outer`:
+micro-batch accumulation, clipped AdamW); gradients are clipped by the norm over ALL stages
+(`peer.core.chain.global_grad_norm`), so a pipeline clips as a whole model does.
 
 Switches of the paper's ablations (Table 5): `weight_projection` keeps the outputs of every
 W_o and W_2 in Col(U) (W ← U·Uᵀ·W after each step), so the residual stream stays in

@@ -8,13 +8,14 @@ Runs, on the same data, seed and number of steps:
 - `adamw-pp-compress`      data-parallel AdamW, every replica compressed (Table 4),
 - `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4).
 
-Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the stage
-boundaries, the inner step (`peer.core.outer.accumulate`, `adamw_step`) and the per-stage SparseLoCo rounds
-(`peer.core.outer.commit_round`) are the ones a real swarm runs; only the network is missing.
-Gradients are clipped by the norm over all stages; median clipping is off unless asked
-(`sparseloco.clip_median_factor`), and where it clips, the clipped mass goes back to the
-sender's error buffer. Outlier screening (`peer.core.robust`) is off unless asked
-(`SimOptions.robust`); a contribution it drops goes back whole to its sender's error buffer.
+Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the chain
+forward (`peer.core.chain`), the stage boundaries, the inner step (`peer.core.outer.accumulate`,
+`adamw_step`) and the per-stage SparseLoCo rounds (`peer.core.commit.commit_round`) are the ones a
+real swarm runs; only the network is missing. Gradients are clipped by the norm over all stages;
+median clipping is off unless asked (`sparseloco.clip_median_factor`), and where it clips, the
+clipped mass goes back to the sender's error buffer (`peer.core.feedback`, as on every holder).
+Outlier screening (`peer.core.robust`) is off unless asked (`SimOptions.robust`); a contribution
+it drops goes back whole to its sender's error buffer.
 `SimOptions.attack` makes the last replica an attacker (`peer.tools.attacks`): every round it
 sends the poisoned contribution instead of its own. T⊥ decays at every commit as AdamW decays the
 rest of the embedding.
