@@ -19,12 +19,12 @@ paper's setting, §3) sends float32 values.
 `clip_and_aggregate` is the fused form of clip_to_median + aggregate over decoded payloads: norms
 come from the payloads' values, and each payload is scattered straight into one accumulator per
 tensor, in the same order, so the result is the same bits. What median clipping removes from a
-contribution (`clipped_mass`) goes back into its sender's error buffer.
+contribution (`clipped_mass`) goes back into its sender's error buffer (`peer.core.feedback`).
 
 Invariants:
 - Δ̂ is exactly what a receiver decodes from the payload (compress decodes its own entries), so
-  e_new = fl(e − Δ̂) keeps the quantization error, and `restore_unsent` puts a payload that missed
-  the commit back into the buffer.
+  e_new = fl(e − Δ̂) keeps the quantization error, and `peer.core.feedback.add_to_errors` puts a
+  payload that missed the commit back into the buffer.
 - Top-k picks what torch.topk(|e| per chunk, sorted=True) picks, ties included (a chunk tied at
   its k-th entry is ranked by torch.topk itself).
 Pure torch/numpy: no networking imports.
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.codec.clip import ClipStats, clip_plan, clipped_mass, payload_norm
+from peer.core.codec.clip import ClipStats, clip_plan, payload_norm
 from peer.core.codec.encode import encode_tensor
 from peer.core.codec.format import (
     AGGREGATIONS,
@@ -64,8 +64,6 @@ __all__ = [
     "ideal_bytes_per_param",
     "payload_density",
     "pseudo_gradient",
-    "removed_from_own",
-    "restore_unsent",
 ]
 
 
@@ -248,29 +246,3 @@ def clip_and_aggregate(
     """
     plan, stats = clip_plan([payload_norm(p) for p in payloads], factor)
     return aggregate_payloads(payloads, len(payloads), rule, plan, names), stats
-
-
-def restore_unsent(errors: Mapping[str, Tensor] | None, decoded: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A payload that missed the round's commit goes back into the error buffer: e + Δ̂."""
-    out = {name: t.clone() for name, t in (errors or {}).items()}
-    for name, d in decoded.items():
-        out[name] = out[name] + d.to(torch.float32) if name in out else d.to(torch.float32).clone()
-    return out
-
-
-def removed_from_own(
-    own: Payload,
-    committed: Sequence[Payload],
-    decoded: Sequence[Mapping[str, Tensor]],
-    clip: ClipStats,
-    dropped: Sequence[int] = (),
-) -> dict[str, Tensor] | None:
-    """What a round took out of `own` (a committed payload of ours), for our error buffer: all of
-    it when screening dropped it, what median clipping removed when clipped, else None (nothing
-    we computed is lost)."""
-    for i, (payload, d) in enumerate(zip(committed, decoded, strict=True)):
-        if payload is own or payload.to_bytes() == own.to_bytes():
-            if i in dropped:
-                return dict(d)
-            return clipped_mass(d, clip.scales[i]) if clip.scales else None
-    return None

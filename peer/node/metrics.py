@@ -94,10 +94,10 @@ def log_round(
                 "param_hash": w.param_hash(),
                 "perp_hash": w.perp_hash(),
                 "participants": n,
-                "committed": [r[:16] for r in w.last_committed],
-                "dropped": [r[:16] for r in w.last_dropped],
-                "clipped": w.last_clip.n_clipped,
-                "max_norm_ratio": w.last_clip.max_ratio,
+                "committed": [r[:16] for r in w.ledger.last_committed],
+                "dropped": [r[:16] for r in w.ledger.last_dropped],
+                "clipped": w.ledger.last_clip.n_clipped,
+                "max_norm_ratio": w.ledger.last_clip.max_ratio,
             }
             for s, (w, n) in stages.items()
         },

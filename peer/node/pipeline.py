@@ -25,7 +25,6 @@ the inner steps its predecessor took before failing are lost for that stage.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from peer.config import WIRE_DTYPES
+from peer.core.chain import global_grad_norm
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.client import PeerClient
 from peer.net.transport.codec import encoded_size
@@ -237,7 +237,7 @@ class PipelineDriver:
         self.settle_steps()
         norm = None
         if all(sq is not None for sq in sq_norms):
-            norm = math.sqrt(math.fsum([self.worker.grad_sq_norm(), *(sq for sq in sq_norms if sq is not None)]))
+            norm = global_grad_norm([self.worker.grad_sq_norm(), *(sq for sq in sq_norms if sq is not None)])
         step = StepRequest(self.pipeline_id, t, h, self.cfg.train.microbatches, tokens, grad_norm=norm)
         futures = [self._pool.submit(self._call, s, t, lambda c: c.step(step)) for s in range(1, self.cfg.stages)]
         if wait:

@@ -61,10 +61,10 @@ class Records:
                 "perp_hash": worker.perp_hash(),
                 "inc": self.session.incarnation,
                 "pipeline": svc.claimed_by if svc else None,
-                "committed": [r[:16] for r in worker.last_committed],
-                "bans": worker.bans.to_record(),  # part of the committed state (peer.node.bans)
+                "committed": [r[:16] for r in worker.ledger.last_committed],
+                "bans": worker.ledger.bans.to_record(),  # part of the committed state (peer.node.bans)
                 "state_id": worker.state_id(),  # the claim (peer.node.claims): checked, never taken on trust
-                "link": worker.link.to_record() if worker.link is not None else None,
+                "link": worker.ledger.link.to_record() if worker.ledger.link is not None else None,
                 "refused": self.session.refusals.record(),  # holders whose state failed its check
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
                 "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.schedule)

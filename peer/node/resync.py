@@ -38,7 +38,6 @@ from peer.errors import NetworkError, PeerError
 from peer.net.transport.messages import StateRequest
 from peer.node.agreement import expected_replicas
 from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
-from peer.node.stage_commit import add
 from peer.node.stage_worker import StageWorker
 from peer.node.verify import SetFetcher, Verdict, resolve
 
@@ -220,7 +219,7 @@ class Resync:
         claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
         self._audit(worker, claims.values())
         claims = {p: c for p, c in claims.items() if p not in sess.refusals}
-        mine = Claim(sess.peer_id, worker.outer_step, worker.state_id(), worker.link)
+        mine = Claim(sess.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
         for claim in better(claims.values(), mine):
             if self._check_and_switch(worker, claim, holders):
                 return True
@@ -228,7 +227,7 @@ class Resync:
         win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
         if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
             return False
-        prev = worker.prev
+        prev = worker.ledger.prev
         self.sync_state(
             worker,
             f"state {mine.state} disagrees with {win.state}, claimed by {len(win.holders)} of "
@@ -237,8 +236,10 @@ class Resync:
             vote=True,
         )
         if prev is not None and not before_round:  # our commit's share of our payload, redone for theirs
-            worker.errors = add(worker.errors, prev.adjustment, -1.0)
-            if prev.own is not None and (worker.link is None or prev.own[0][:16] not in worker.link.replicas):
+            worker.optim.feed_back(prev.adjustment, -1.0)
+            if prev.own is not None and (
+                worker.ledger.link is None or prev.own[0][:16] not in worker.ledger.link.replicas
+            ):
                 worker.return_unsent(prev.own[1])
         return True
 
@@ -260,7 +261,7 @@ class Resync:
             if c.link is None or (c.peer, c.state) in self._audited:
                 continue
             self._audited.add((c.peer, c.state))
-            link, ours = c.link, worker.history.get(c.link.t)
+            link, ours = c.link, worker.ledger.history.get(c.link.t)
             if ours is not None and (ours.prev, ours.entries, ours.embed) == (link.prev, link.entries, link.embed):
                 if ours.state != c.state:
                     sess.refusals.refuse(c.peer, worker.stage, link.t, f"it claims state {c.state} for our set")
@@ -280,7 +281,7 @@ class Resync:
         to it when it holds (True), refuse its holder when it is false (False), or leave it for now
         when its payloads cannot be fetched (False)."""
         sess = self.session
-        link, own = claim.link, worker.link
+        link, own = claim.link, worker.ledger.link
         assert link is not None and own is not None
         if (link.entries, link.embed) == (own.entries, own.embed):
             sess.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")

@@ -97,7 +97,9 @@ class Rounds:
         elif own_stage:
             worker.observe()
         swarm = sess.cfg.swarm
-        banned = worker.bans.banned(t) if own_stage else round_bans(sess.dht.get_stage_peers(stage), t, sess.peer_id)
+        banned = (
+            worker.ledger.bans.banned(t) if own_stage else round_bans(sess.dht.get_stage_peers(stage), t, sess.peer_id)
+        )
         result = gather_round(
             sess.dht,
             sess.clients,
@@ -181,7 +183,7 @@ class Rounds:
     def _check_followed(self, worker: StageWorker, result: RoundResult) -> None:
         """The holder whose committed set we took claims the state that set gives from our state: ours.
         If not (same set, same stage-0 set), its claim is false (the commit is portable): refused."""
-        claim, ours = result.followed, worker.link
+        claim, ours = result.followed, worker.ledger.link
         if claim is None or claim.link is None or ours is None or claim.state == worker.state_id():
             return
         if (claim.link.entries, claim.link.embed) != (ours.entries, ours.embed):
@@ -227,7 +229,7 @@ class Rounds:
 
     def _resync_behind(self, worker: StageWorker, result: RoundResult) -> None:
         """Round t was committed without us being able to reproduce it: take the majority's state."""
-        last = worker.last_contribution
+        last = worker.ledger.last_contribution
         followed = result.followed.link.replicas if result.followed and result.followed.link else None
         unsent = last is not None and (followed is None or last[0][:16] not in followed)
         try:

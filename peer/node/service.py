@@ -191,7 +191,7 @@ class PeerService:
         if out.loss is None or not self._last_microbatch(request.microbatch):
             return ForwardReply(hidden=out.hidden, loss=out.loss, grad=out.grad)
         if defer:  # the gradient goes now, Σ‖g‖² once the weight gradients are done
-            generation = worker.generation
+            generation = worker.gate.generation
             return ForwardReply(loss=out.loss, grad=out.grad, late=lambda: (_late_sq_norm(worker, generation),))
         return ForwardReply(loss=out.loss, grad=out.grad, grad_sq_norm=worker.grad_sq_norm())
 
@@ -226,7 +226,7 @@ class PeerService:
         grad = worker.backward(key, reply.grad, epoch, defer)
         if not self._last_microbatch(request.microbatch):
             return ForwardReply(loss=reply.loss, grad=grad)
-        generation = worker.generation
+        generation = worker.gate.generation
 
         def norms() -> tuple[float, ...]:  # Σ‖g‖² of stages S-1 .. this one
             later = _later_norms(reply, worker.stage + 1)
@@ -351,7 +351,7 @@ class PeerService:
             tensors = worker.snapshot()
             meta = {"param_hash": worker.param_hash(), "perp_hash": worker.perp_hash(), "stage": request.stage}
             meta["state_id"] = worker.state_id()
-            meta["bans"] = worker.bans.to_record()  # part of the committed state (peer.node.bans)
+            meta["bans"] = worker.ledger.bans.to_record()  # part of the committed state (peer.node.bans)
             return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
 
     def get_artifact(self, request: ArtifactRequest) -> bytes:

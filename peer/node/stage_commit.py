@@ -10,8 +10,8 @@ round t from, kept as `Prev` until the next commit).
 Error feedback across a switch: a commit may return part of our payload to our error buffer
 (clipped or screened mass, or all of it when the set lacks it: `own_adjustment`). When a holder
 replaces its commit of round t by a checked better one (`StageWorker.switch`), it subtracts what
-its own commit added and adds what the new one adds, so nothing we sent is lost or counted twice
-(to float32 rounding).
+its own commit added and adds what the new one adds (`peer.core.feedback.add_to_errors`), so
+nothing we sent is lost or counted twice (to float32 rounding).
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.codec.clip import clipped_mass
 from peer.core.codec.format import Payload
 from peer.core.commit import Committed, commit_state, perp_decay
+from peer.core.feedback import returned
 from peer.core.sparseloco import decompress
 from peer.core.state import state_hash
 from peer.node.bans import Bans, after_commit
 from peer.node.claims import state_id
 
-__all__ = ["Outcome", "Prev", "add", "compute", "own_adjustment"]
+__all__ = ["Outcome", "Prev", "compute", "own_adjustment"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,8 @@ def own_adjustment(
     own: tuple[str, Payload] | None, outcome: Outcome, payloads: Sequence[Payload]
 ) -> dict[str, Tensor] | None:
     """What `outcome` takes from our own payload of its round, for our error buffer: all of it when
-    the set lacks it or screening dropped it, what median clipping removed when clipped, else None."""
+    the set lacks it, else what `peer.core.feedback.returned` says (dropped: all, clipped: the mass
+    clipping removed, else None)."""
     if own is None:
         return None
     rid, payload = own
@@ -103,20 +103,4 @@ def own_adjustment(
     if not at:
         return decompress(payload)
     commit = outcome.committed.commit
-    if at[0] in commit.dropped:
-        return decompress(payload)
-    scale = commit.clip.scales[at[0]] if commit.clip.scales else None
-    return clipped_mass(decompress(payload), scale) if scale is not None else None
-
-
-def add(
-    errors: Mapping[str, Tensor] | None, change: Mapping[str, Tensor] | None, sign: float = 1.0
-) -> dict[str, Tensor] | None:
-    """errors ± change, per tensor (float32, CPU); None + nothing stays None."""
-    if change is None:
-        return None if errors is None else dict(errors)
-    out = {name: t.clone() for name, t in (errors or {}).items()}
-    for name, d in change.items():
-        d32 = d.to("cpu", torch.float32)
-        out[name] = out[name] + sign * d32 if name in out else sign * d32
-    return out
+    return returned(payload, at[0], commit.clip, commit.dropped)

@@ -1,48 +1,81 @@
 """One stage's committed state held by a peer, and its outer rounds (no networking, no pipeline).
 
-θ_start of the current outer step (kept on the CPU, float32: the portable commit's input), T⊥,
-the SparseLoCo error buffer, the ban state and the claim that reached the state (`link`; the state
-committed from, `prev`, kept until the next commit). `encode_round()` produces this peer's payload;
-`apply_round()` commits a set through `peer.node.stage_commit.compute` → `peer.core.commit`;
-`recompute()` / `switch()` check another holder's claim of the same round and take it when it holds
-(docs/protocol.md). `state_dict()` / `load_state_dict()` are the only way in or out of the stage's
-state (checkpoints, state sync). Every method is synchronous and thread-safe (one lock).
-`peer.node.stage_worker.StageWorker` adds the pipeline compute on top.
+The parts, each its own job: the stage's view of the model and T⊥ (`module`), θ_start of the
+current outer step and the hashes of the committed state (`StartCache`: θ_start kept on the CPU,
+float32, the portable commit's input), the inner AdamW and the SparseLoCo error buffer
+(`peer.node.stage_optimizer.StageOptimizer`), and what the rounds left behind: the ban state, the
+claim that reached the state (`link`) and the state committed from (`prev`, kept until the next
+commit) (`peer.node.round_ledger.RoundLedger`).
+
+`encode_round()` produces this peer's payload; `apply_round()` commits a set through
+`peer.node.stage_commit.compute` → `peer.core.commit`; `recompute()` / `switch()` check another
+holder's claim of the same round and take it when it holds (docs/protocol.md). `state_dict()` /
+`load_state_dict()` are the only way in or out of the stage's state (checkpoints, state sync).
+Every method is synchronous and thread-safe (one lock). `peer.node.stage_worker.StageWorker` adds
+the pipeline compute on top.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.clip import ClipStats
 from peer.core.codec.format import Payload
-from peer.core.commit import NO_CLIP, RoundCommit
+from peer.core.commit import RoundCommit
 from peer.core.model import Decoder, build_stage
-from peer.core.optim import build_adamw
-from peer.core.sparseloco import compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import decompress, pseudo_gradient
 from peer.core.state import check_stage_state, stage_state, state_hash
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import attach_subspace, initial_split, perp_of, set_perp
-from peer.node.bans import NONE as NO_BANS
 from peer.node.bans import Bans
-from peer.node.claims import Entry, Link, entry, state_id
-from peer.node.optimizer_state import load_named_optimizer_state, named_optimizer_state
-from peer.node.stage_commit import Outcome, Prev, add, compute, own_adjustment
+from peer.node.claims import Entry, Link, state_id
+from peer.node.round_ledger import RoundLedger, make_link
+from peer.node.stage_commit import Outcome, Prev, compute, own_adjustment
+from peer.node.stage_optimizer import StageOptimizer
 
 log = logging.getLogger(__name__)
 
-HISTORY = 16  # rounds of our own links kept to audit other holders' claims of those rounds
+
+class StartCache:
+    """θ_start of the current outer step (CPU, float32) and the (θ_start, T⊥) hashes of the
+    committed state, computed once per state: every change of θ_start or T⊥ goes through `set`,
+    which bumps the version that keys the cache."""
+
+    def __init__(self, start: Mapping[str, torch.Tensor]) -> None:
+        self._version = 0
+        self._key: tuple[int, int] | None = None
+        self._value = ("", "")
+        self.set(start)
+
+    @property
+    def start(self) -> Mapping[str, torch.Tensor]:
+        return self._start
+
+    def set(self, value: Mapping[str, torch.Tensor]) -> None:
+        """A new θ_start (or T⊥): kept on the CPU in float32, whatever device trains."""
+        self._start = {n: v.detach().to("cpu", torch.float32) for n, v in value.items()}
+        self._version += 1
+
+    def hashes(self, outer_step: int, perp: Callable[[], torch.Tensor]) -> tuple[str, str]:
+        """(θ_start, T⊥) hashes of the state at `outer_step`, computed when the state changed."""
+        key = (self._version, outer_step)
+        if self._key != key:
+            self._value = (state_hash(self._start), state_hash({"perp": perp()}))
+            self._key = key
+        return self._value
+
+    def known(self, outer_step: int, hashes: tuple[str, str]) -> None:
+        """The hashes of the current θ_start at `outer_step` are already known (a commit computed them)."""
+        self._key, self._value = (self._version, outer_step), hashes
 
 
 class StageState:
-    """One stage view with its optimizer, subspace buffers and committed round state."""
+    """One stage view with its optimizers, θ_start and committed round state."""
 
     def __init__(self, cfg: RunConfig, stage: int, compressed: bool = True, device: str = "cpu") -> None:
         """compressed=False: a full replica's stage (T_S trained freely, no boundary compression)."""
@@ -55,64 +88,43 @@ class StageState:
         attach_subspace(self.module, w, perp)
         self.module.to(self.device)
         self.U = U.to(self.device)
-        self.optimizer = build_adamw(self.module.named_parameters(), cfg.train)
+        self.optim = StageOptimizer(self.module, cfg.train, cfg.sparseloco)
         self.lock = threading.RLock()
         self.outer_step = 0
-        self._start_version = 0
-        self._set_start(stage_state(self.module))
-        self.errors: dict[str, torch.Tensor] | None = None
-        self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) until its round commits
-        self.last_committed: list[str] = []  # replica ids committed in the last round
-        self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
-        self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
-        self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
-        self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
-        self.history: dict[int, Link] = {}  # our links of the last HISTORY rounds (claims are audited against them)
-        self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
-        self._hash_key: tuple[int, int] | None = None
-        self._hash_value = ("", "")
+        self.cache = StartCache(stage_state(self.module))
+        self.ledger = RoundLedger()
 
     @property
     def start(self) -> Mapping[str, torch.Tensor]:
         """θ_start: the committed parameters of the current outer step (read-only)."""
-        return self._start
-
-    def _set_start(self, value: Mapping[str, torch.Tensor]) -> None:
-        """Every change of θ_start (or T⊥) goes through here: it keys the hash cache. θ_start is
-        kept on the CPU in float32 (the portable commit's input), whatever device trains."""
-        self._start = {n: v.detach().to("cpu", torch.float32) for n, v in value.items()}
-        self._start_version += 1
+        return self.cache.start
 
     def _reset_step(self) -> None:
         """Forget the current inner step's gradients (the pipeline also forgets its activations)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optim.zero_grad()
 
     # ---------------------------------------------------------------- outer rounds
     def encode_round(self) -> Payload:
         """This peer's SparseLoCo payload for the current outer step (updates the error buffer)."""
         with self.lock:
-            delta = pseudo_gradient(self.start, stage_state(self.module))
-            # the old error buffers are overwritten by the new ones (no model-sized allocation);
-            # nothing else holds them between rounds (checkpoints are written inside the round)
-            payload, self.errors = compress(delta, self.errors, self.cfg.sparseloco, in_place=True)
-            return payload
+            return self.optim.encode(pseudo_gradient(self.start, stage_state(self.module)))
 
     def contribute(self, replica_id: str) -> Payload:
         """`encode_round`, remembered as (replica id, payload) until the round is checked (`maintain`)."""
         with self.lock:
             payload = self.encode_round()
-            self.last_contribution = (replica_id, payload)
+            self.ledger.last_contribution = (replica_id, payload)
             return payload
 
     def observe(self) -> None:
         """This round's own stage is gathered without a payload of ours (spare, catch-up)."""
         with self.lock:
-            self.last_contribution = None
+            self.ledger.last_contribution = None
 
     def return_unsent(self, payload: Payload) -> None:
         """A payload that missed the commit goes back into the error buffer: nothing is lost."""
         with self.lock:
-            self.errors = restore_unsent(self.errors, decompress(payload))
+            self.optim.feed_back(decompress(payload))
 
     def apply_round(
         self,
@@ -133,14 +145,15 @@ class StageState:
         with self.lock:
             t = self.outer_step
             perp = self._perp_cpu()
+            ledger = self.ledger
             out = compute(
-                self.cfg, self.stage, self.U, t, self.start, perp, self.bans, committed, replicas, embed_update
+                self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, committed, replicas, embed_update
             )
-            adjustment = own_adjustment(self.last_contribution, out, committed)
-            prev = Prev(t, self.start, perp, self.bans, self.state_id(), adjustment, self.last_contribution)
-            self.errors = add(self.errors, adjustment)
-            self._install(out, Link(t, prev.state, out.state, _entries(replicas, committed), _set(embed_set)))
-            self.prev = prev
+            adjustment = own_adjustment(ledger.last_contribution, out, committed)
+            prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, ledger.last_contribution)
+            self.optim.feed_back(adjustment)
+            self._install(out, make_link(t, prev.state, out, committed, embed_set))
+            ledger.prev = prev
             self._log_commit(out, len(committed))
             return out.committed.commit
 
@@ -150,7 +163,7 @@ class StageState:
         """The commit of the last round with another set, from the state it was committed from (nothing
         changes); None when that state is not kept (initial, downloaded or resumed state)."""
         with self.lock:
-            prev = self.prev
+            prev = self.ledger.prev
         if prev is None:
             return None
         return compute(
@@ -162,13 +175,14 @@ class StageState:
         state, bans and link become its own; our error buffer gives back what our commit took from
         our payload and takes what `out` takes instead."""
         with self.lock:
-            prev = self.prev
+            prev = self.ledger.prev
             if prev is None or out.t != prev.t or self.outer_step != prev.t + 1:
                 raise ValueError(f"stage {self.stage}: no commit of round {out.t} to replace")
             adjustment = own_adjustment(prev.own, out, committed)
-            self.errors = add(add(self.errors, prev.adjustment, -1.0), adjustment)
-            self._install(out, Link(out.t, prev.state, out.state, _entries(out.replicas, committed), _set(embed_set)))
-            self.prev = Prev(prev.t, prev.start, prev.perp, prev.bans, prev.state, adjustment, prev.own)
+            self.optim.feed_back(prev.adjustment, -1.0)
+            self.optim.feed_back(adjustment)
+            self._install(out, make_link(out.t, prev.state, out, committed, embed_set))
+            self.ledger.prev = Prev(prev.t, prev.start, prev.perp, prev.bans, prev.state, adjustment, prev.own)
             self._reset_step()
 
     def _install(self, out: Outcome, link: Link) -> None:
@@ -181,17 +195,9 @@ class StageState:
             if done.perp is not None:
                 set_perp(self.module, done.perp)
         self.outer_step = out.t + 1
-        self._set_start(done.params)
-        self._hash_key, self._hash_value = (self._start_version, self.outer_step), (out.param_hash, out.perp_hash)
-        self.bans = out.bans
-        self.last_clip = done.commit.clip
-        self.last_dropped = list(out.dropped)
-        self.last_committed = list(out.replicas)
-        self.last_contribution = None
-        self.link = link
-        self.history[link.t] = link
-        for old in [t for t in self.history if t <= link.t - HISTORY]:
-            del self.history[old]
+        self.cache.set(done.params)
+        self.cache.known(self.outer_step, (out.param_hash, out.perp_hash))
+        self.ledger.committed(out, link)
 
     def _perp_cpu(self) -> torch.Tensor | None:
         """A CPU copy of T⊥ (None when the run uses no subspace)."""
@@ -239,15 +245,15 @@ class StageState:
          "bans": the ban record, "link": the link record (or None)}
         """
         with self.lock:
+            link = self.ledger.link
             return {
                 "outer_step": self.outer_step,
                 "params": {n: p.detach() for n, p in self.module.named_parameters()},
                 "start": dict(self.start),
                 "perp": perp_of(self.module).detach(),
-                "errors": None if self.errors is None else dict(self.errors),
-                "optimizer": named_optimizer_state(self.module, self.optimizer),
-                "bans": self.bans.to_record(),
-                "link": None if self.link is None else {**self.link.to_record(), "state": self.link.state},
+                **self.optim.state_dict(),  # "errors", "optimizer"
+                "bans": self.ledger.bans.to_record(),
+                "link": None if link is None else {**link.to_record(), "state": link.state},
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -263,24 +269,19 @@ class StageState:
             own = dict(self.module.named_parameters())
             start, params, perp = state["start"], state.get("params", state["start"]), state["perp"]
             check_stage_state(self.module, self.stage, start, params, perp)
-            optimizer = build_adamw(self.module.named_parameters(), self.cfg.train)
-            if state.get("optimizer") is not None:
-                load_named_optimizer_state(self.module, optimizer, state["optimizer"], self.stage)
+            optim = self.optim.loaded(state, self.stage)
             with torch.no_grad():
                 for name, value in params.items():
                     own[name].copy_(value.to(own[name].device))
             set_perp(self.module, perp.to(self.device))
-            self._set_start(start)
-            errors = state.get("errors")
-            self.errors = None if errors is None else {n: e.to("cpu", torch.float32) for n, e in errors.items()}
-            self.optimizer = optimizer
+            self.cache.set(start)
+            self.optim = optim
             self.outer_step = int(state["outer_step"])
-            self.bans = Bans.from_record(state.get("bans"))
             link = state.get("link")
-            self.link = Link.from_record(link, link.get("state")) if isinstance(link, Mapping) else None
-            self.last_committed = self.link.replicas if self.link is not None else []
-            self.prev = None
-            self.history = {} if self.link is None else {self.link.t: self.link}
+            self.ledger.adopted(
+                Bans.from_record(state.get("bans")),
+                Link.from_record(link, link.get("state")) if isinstance(link, Mapping) else None,
+            )
             self._reset_step()
 
     def param_hash(self) -> str:
@@ -293,25 +294,9 @@ class StageState:
     def state_id(self) -> str:
         """The id of the committed state (parameters, T⊥, bans): what this holder claims (peer.node.claims)."""
         with self.lock:
-            return state_id(self.param_hash(), self.perp_hash(), self.bans.to_record())
+            return state_id(self.param_hash(), self.perp_hash(), self.ledger.bans.to_record())
 
     def _hashes(self) -> tuple[str, str]:
-        """(θ_start, T⊥) hashes, computed once per committed state: θ_start and T⊥ change only
-        through `_set_start`, which bumps `_start_version`, the key of the cache."""
+        """(θ_start, T⊥) hashes of the committed state (`StartCache`)."""
         with self.lock:
-            key = (self._start_version, self.outer_step)
-            if self._hash_key != key:
-                self._hash_value = (state_hash(self.start), state_hash({"perp": perp_of(self.module)}))
-                self._hash_key = key
-            return self._hash_value
-
-
-def _entries(replicas: Sequence[str], payloads: Sequence[Payload]) -> tuple[Entry, ...]:
-    """A committed set's names: (replica id prefix, payload sha256 prefix) in commit order (positions
-    stand in for replica ids a caller did not give)."""
-    ids = list(replicas) if len(replicas) == len(payloads) else [f"{i:016d}" for i in range(len(payloads))]
-    return tuple(entry(r, hashlib.sha256(p.to_bytes()).hexdigest()) for r, p in zip(ids, payloads, strict=True))
-
-
-def _set(value: Sequence[Entry] | None) -> tuple[Entry, ...] | None:
-    return None if value is None else tuple(value)
+            return self.cache.hashes(self.outer_step, lambda: perp_of(self.module))

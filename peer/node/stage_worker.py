@@ -6,34 +6,27 @@ A stage peer receives compressed activations X̃ (b, L, k) and token ids, expand
 in the same call. Gradients accumulate over micro-batches until the head says `step`.
 
 The committed state and the outer rounds are `peer.node.stage_state.StageState`, which this class
-extends; the inner step is `peer.core.inner.adamw_step`. Every method is synchronous and
-thread-safe (one lock), so the gRPC handler can call it from any worker thread.
+extends; the inner step is its `StageOptimizer` (`peer.core.inner.adamw_step`). Every method is
+synchronous and thread-safe (one lock), so the gRPC handler can call it from any worker thread.
 
 Micro-batches in flight (`epoch` given): several forwards and backwards of one inner step may be
-in progress at once, but the gradients of micro-batch i are accumulated only after those of
-i − 1 (a backward waits for its turn, releasing the lock), so the sum is the sequential schedule's
-bit for bit whatever the network does. A forward of micro-batch i waits until at most
-`window − stage` micro-batches are stashed (1F1B). The epoch (inner step, attempt) orders
-replays: a higher one drops the step's gradients and wakes every waiter of the old one (which
-fails), a lower one is stale and refused. The next inner step's micro-batches wait for the step of
-a complete one (the head does not wait for its answer); one that does not come within
-`swarm.rpc_timeout_s` is dropped with its gradients. Without an epoch nothing waits.
+in progress at once; `peer.node.epoch_gate.EpochGate` admits each in the order that keeps the
+gradient sum the sequential schedule's, bit for bit (1F1B window, replays, the step of the last
+inner step), waiting at most `swarm.rpc_timeout_s`. Without an epoch nothing waits.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from peer.config import RunConfig
-from peer.core.inner import adamw_step
+from peer.core.chain import token_loss
 from peer.core.optim import grad_sq_norm
 from peer.core.split_backward import input_grad_first
 from peer.core.subspace import (
@@ -43,6 +36,7 @@ from peer.core.subspace import (
     expand_grad,
 )
 from peer.core.subspace_state import perp_of
+from peer.node.epoch_gate import EpochGate
 from peer.node.stage_state import StageState
 
 log = logging.getLogger(__name__)
@@ -64,10 +58,8 @@ class StageWorker(StageState):
         self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.microbatches_seen = 0
         self.seen: set[tuple[str, int]] = set()  # micro-batches of the current inner step
-        self._turn = threading.Condition(self.lock)  # micro-batch order of gradient accumulation
-        self._epoch: tuple[int, int, int] | None = None  # (outer step, inner step, attempt) in progress
-        self._applied = 0  # micro-batches whose gradients are accumulated (in order) in this epoch
-        self.generation = 0  # bumped by every reset: waiters of an older one give up
+        swarm = cfg.swarm
+        self.gate = EpochGate(self.lock, stage, cfg.train.microbatches, swarm.rpc_timeout_s, self._reset_step)
         self.busy_s = 0.0  # seconds spent computing forward/backward (benchmarks: busy fraction)
         self._weights_due: Callable[[], None] | None = None  # deferred weight gradients (`defer`)
 
@@ -124,7 +116,7 @@ class StageWorker(StageState):
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets")
-            loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().flatten())
+            loss = token_loss(out, targets)
             if not torch.isfinite(loss):  # refused before backward: nothing non-finite reaches a gradient
                 self.seen.discard(key)
                 raise ValueError(
@@ -152,7 +144,7 @@ class StageWorker(StageState):
             if self.is_last:
                 if targets is None:
                     raise ValueError("the last stage needs targets")
-                loss = F.cross_entropy(out.flatten(0, 1).float(), targets.long().to(self.device).flatten())
+                loss = token_loss(out, targets.to(self.device))
                 return ForwardOut(loss=loss.item())
             return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
 
@@ -184,7 +176,7 @@ class StageWorker(StageState):
             root.backward(root_grad)
             grad_in = None if x_in is None else x_in.grad
         self.microbatches_seen += 1
-        self._accumulated()
+        self.gate.accumulated()
         return None if grad_in is None else compress_grad(grad_in, self.U).cpu()
 
     def _weights(self) -> None:  # the deferred weight gradients, if any (under the lock)
@@ -195,46 +187,9 @@ class StageWorker(StageState):
             self.busy_s += time.perf_counter() - started
 
     def _admit(self, mb: int, epoch: tuple[int, int] | None, window: int, turn: bool) -> None:
-        """Enter `epoch` and wait (lock released) until micro-batch `mb` may run here.
-
-        turn: its gradients are next in micro-batch order; window: fewer than window − stage
-        micro-batches are stashed. ValueError when the epoch is stale, a replay superseded the
-        wait, or `swarm.rpc_timeout_s` passed."""
-        if epoch is None:
-            return
-        full = (self.outer_step, epoch[0], epoch[1])
-        if self._unstepped(full) and not self._turn.wait_for(  # only a later epoch waits, so check stale after
-            lambda: not self._unstepped(full), timeout=self.cfg.swarm.rpc_timeout_s
-        ):
-            self._reset_step()  # the step is lost (as with a replaced peer); a replay starts clean
-            raise ValueError(f"stage {self.stage}: inner step {epoch[0] - 1} was never stepped before {full}")
-        if self._epoch is not None and full < self._epoch:
-            raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
-        if self._epoch is None or full > self._epoch:
-            self._reset_step()
-            self._epoch = full
-        generation = self.generation
-        limit = max(1, window - self.stage)
-
-        def ready() -> bool:
-            if generation != self.generation:
-                return True
-            return (not turn or self._applied == mb) and (window <= 0 or mb - self._applied < limit)
-
-        if not self._turn.wait_for(ready, timeout=self.cfg.swarm.rpc_timeout_s):
-            raise ValueError(f"stage {self.stage}: micro-batch {mb} waited too long for micro-batch {self._applied}")
-        if generation != self.generation:
-            raise ValueError(f"stage {self.stage}: micro-batch {mb} was superseded by a replay")
-
-    def _unstepped(self, full: tuple[int, int, int]) -> bool:
-        """The inner step before `full` is complete but its `step` (sent unwaited) has not arrived."""
-        cur = self._epoch
-        return cur is not None and cur[:2] == (full[0], full[1] - 1) and self._applied >= self.cfg.train.microbatches
-
-    def _accumulated(self) -> None:
-        """One more micro-batch's gradients are in: wake the next one."""
-        self._applied += 1
-        self._turn.notify_all()
+        """`EpochGate.admit` of micro-batch `mb` in (outer step, *epoch); nothing waits without an epoch."""
+        if epoch is not None:
+            self.gate.admit(mb, (self.outer_step, epoch[0], epoch[1]), window, turn)
 
     def drop_pending(self, pipeline_id: str | None = None) -> None:
         """Forget activations of failed micro-batches (all, or one pipeline's)."""
@@ -251,14 +206,14 @@ class StageWorker(StageState):
             self._weights()
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
             keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
-            adamw_step(self.module, self.optimizer, global_step, self.cfg.train, keep_in, total_norm)
+            self.optim.step(global_step, keep_in, total_norm)
             self._reset_step()
 
     def grad_sq_norm(self, generation: int | None = None) -> float:
         """Σ‖g‖² of this stage's accumulated gradients: its share of the global gradient norm.
-        ValueError when they were reset (a replay) since `generation` (`self.generation` earlier)."""
+        ValueError when they were reset (a replay) since `generation` (`self.gate.generation` earlier)."""
         with self.lock:
-            if generation not in (None, self.generation):
+            if generation not in (None, self.gate.generation):
                 raise ValueError(f"stage {self.stage}: a replay reset the gradients before their Σ‖g‖² was sent")
             self._weights()
             return grad_sq_norm(self.module.parameters())
@@ -270,16 +225,14 @@ class StageWorker(StageState):
     def _reset_step(self) -> None:
         """Forget the current inner step's gradients and pending activations."""
         self._weights_due = None
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optim.zero_grad()
         self.pending.clear()
         self.seen.clear()
         self.microbatches_seen = 0
-        self._applied = 0
-        self.generation += 1
-        self._turn.notify_all()
+        self.gate.reset()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """`StageState.load_state_dict`; the outer step may have gone back, so no epoch of it is stale."""
         with self.lock:
             super().load_state_dict(state)
-            self._epoch = None
+            self.gate.forget()

@@ -2,10 +2,12 @@
 
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
 workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.rounds; re-syncs:
-peer.node.resync; every committed round goes through peer.core.commit.commit_round):
+peer.node.resync; every committed round goes through peer.core.commit):
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
+                    a head and a full replica share one outer loop (`_outer_loop`) and differ only in
+                    what `_Head` and `_Full` do inside it (inner step, pause, round, validation);
 - stage peer (s>0): serves forward/backward/step for the pipeline that claimed it; after the H-th
                     step (or, as a hot spare, when the round's first payload appears) it runs the
                     round for its stage plus an observer gather of stage 0 for T⊥.
@@ -18,19 +20,20 @@ SIGINT/SIGTERM (records withdrawn, server and DHT stopped).
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from peer.core.data import train_batch, val_batches
+from peer.core.chain import chain_forward, global_grad_norm, token_loss
+from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
+from peer.node.gather import RoundResult
 from peer.node.pipeline import PipelineBehind, PipelineDriver
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
@@ -88,14 +91,10 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
-        cfg = session.cfg
-        worker = StageWorker(cfg, 0, compressed=True, device=session.opts.device)
-        resumed = session.checkpoints.resume({0: worker}) or {}
-        session.serve({0: worker})
-        session.resync.late_join(worker)
-        data = session.load_data()
-        shard = session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
-        driver = PipelineDriver(session, worker, stop)
+        worker = StageWorker(session.cfg, 0, compressed=True, device=session.opts.device)
+        data, shard = _join(session, {0: worker})
+        head = _Head(session, worker, PipelineDriver(session, worker, stop), stop)
+        driver = head.driver
         session.records.announce(
             lambda: session.records.stage(worker, role="head"),
             lambda: session.records.replica(
@@ -107,56 +106,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
                 pipeline_peers={str(s): pid for s, (pid, _) in list(driver.peers.items())},
             ),
         )
-        H, train = cfg.train.inner_steps, cfg.train
-        val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
-        session.wait_for_quorum(worker.outer_step, stop)
-        while worker.outer_step < train.outer_steps and not stop.is_set():
-            if not _repair(session, {0: worker}, stop):
-                continue
-            t = worker.outer_step
-            if t >= train.outer_steps:
-                break
-            losses = []
-            try:
-                for h in range(H):
-                    x, y = train_batch(data, shard, cfg.swarm.n_shards, t * H + h, train.batch_size, train.seq_len)
-                    losses.append(driver.inner_step(t, h, x, y))
-                    session.metrics.log("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
-            except NetworkError as exc:
-                # no usable peer for a stage: pause, then start the outer step over (re-synced if behind)
-                log.warning("pipeline paused at outer step %d: %s", t, exc)
-                session.metrics.log("pause", t=t, reason=str(exc))
-                worker.zero_grad()
-                driver.release()
-                if isinstance(exc, PipelineBehind):
-                    session.resync.maintain(worker, max_lag=0)
-                else:
-                    stop.wait(cfg.swarm.announce_interval_s)
-                continue
-            bound = {str(s): pid for s, (pid, _) in list(driver.peers.items())}  # who did the last step
-            try:
-                result = session.rounds.head_round(worker, t, stop, peers=bound)
-            except NetworkError as exc:  # the DHT unreachable past the deadline: repaired before the next step
-                log.warning("round %d did not complete: %s", t, exc)
-                driver.release()
-                continue
-            driver.release()
-            if result.behind:  # round t was committed without us: we re-synced instead
-                continue
-            try:
-                val_loss = driver.evaluate(val)
-            except NetworkError as exc:  # e.g. the stage peer re-synced past us: the next step repairs it
-                log.warning("validation after round %d skipped: %s", t, exc)
-                val_loss = None
-            session.rounds.record(
-                t,
-                {0: (worker, result.participants)},
-                sum(losses) / len(losses),
-                val_loss,
-                result.wall_s,
-                activations=driver.act_bytes,
-            )
-            session.checkpoints.after_round({0: worker}, {"shard": shard})  # data position: (shard, outer step)
+        _outer_loop(session, head, data, shard, stop)
         return session.finish(stop)
 
 
@@ -165,57 +115,178 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
         workers = {s: StageWorker(cfg, s, compressed=False, device=session.opts.device) for s in range(cfg.stages)}
-        resumed = session.checkpoints.resume(workers) or {}
-        session.serve(workers)
-        for w in workers.values():
-            session.resync.late_join(w)
-        data = session.load_data()
-        shard = session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
-        stats: dict[str, float | None] = {"loss": None, "tokens_per_s": 0.0}
+        data, shard = _join(session, workers)
+        full = _Full(session, workers, stop)
         session.records.announce(
-            lambda: session.records.replica(
-                "full", workers[0].outer_step, shard, stats["loss"], stats["tokens_per_s"] or 0.0
-            ),
+            lambda: session.records.replica("full", workers[0].outer_step, shard, full.last_loss, full.tokens_per_s),
             *[lambda w=w: session.records.stage(w, role="full") for w in workers.values()],
         )
-        session.wait_for_quorum(workers[0].outer_step, stop)
-        train, H = cfg.train, cfg.train.inner_steps
-        val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
-        chain = [workers[s] for s in range(cfg.stages)]
-        while chain[0].outer_step < train.outer_steps and not stop.is_set():
-            if not _repair(session, workers, stop, chain):
-                continue
-            t = chain[0].outer_step
-            if t >= train.outer_steps:
-                break
-            losses, started = [], time.monotonic()
+        _outer_loop(session, full, data, shard, stop)
+        return session.finish(stop)
+
+
+def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int]:
+    """A head or full replica joins: resume its checkpoint, serve its stages, catch up with the
+    swarm, then its data and shard (a resumed peer's own shard when still free)."""
+    resumed = session.checkpoints.resume(workers) or {}
+    session.serve(workers)
+    for w in workers.values():
+        session.resync.late_join(w)
+    data = session.load_data()
+    return data, session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
+
+
+class _Replica(Protocol):
+    """What a head and a full replica do their own way inside the one outer loop (`_outer_loop`)."""
+
+    @property
+    def workers(self) -> Mapping[int, StageWorker]:
+        """The stages this replica holds, by stage."""
+
+    @property
+    def chain(self) -> list[StageWorker] | None:
+        """Every stage in order, kept at one outer step (a full replica); None: a head."""
+
+    def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One inner step on a (b, L) batch; its loss (NetworkError: no usable peer for a stage)."""
+
+    def pause(self, t: int, exc: NetworkError) -> None:
+        """An inner step failed: forget the outer step's gradients and wait before it starts over."""
+
+    def round(self, t: int) -> Mapping[int, RoundResult]:
+        """Round t of every stage held: the results by stage (NetworkError: the DHT unreachable)."""
+
+    def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        """The validation loss after round t (None: skipped)."""
+
+    @property
+    def activations(self) -> tuple[int, int]:
+        """Stage-boundary bytes so far, as the `round` metric counts them."""
+
+
+def _outer_loop(session: Session, replica: _Replica, data: TokenData, shard: int, stop: threading.Event) -> None:
+    """The outer steps of a head or a full replica until the run's last round (or `stop`): repair,
+    H inner steps on our shard, the round of every stage held, validation, the record, the checkpoint."""
+    cfg = session.cfg
+    train, H, first = cfg.train, cfg.train.inner_steps, replica.workers[0]
+    val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
+    session.wait_for_quorum(first.outer_step, stop)
+    while first.outer_step < train.outer_steps and not stop.is_set():
+        if not _repair(session, replica.workers, stop, replica.chain):
+            continue
+        t = first.outer_step
+        if t >= train.outer_steps:
+            break
+        losses = []
+        try:
             for h in range(H):
                 x, y = train_batch(data, shard, cfg.swarm.n_shards, t * H + h, train.batch_size, train.seq_len)
-                losses.append(_full_inner_step(chain, x, y, t, h))
-                stats["loss"] = losses[-1]
-                stats["tokens_per_s"] = (h + 1) * x.numel() / max(1e-9, time.monotonic() - started)
+                losses.append(replica.inner_step(t, h, x, y))
                 session.metrics.log("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
                 if stop.is_set():
-                    break
-            if stop.is_set():
-                break
-            try:
-                results = session.rounds.full_round(workers, t, stop)
-            except NetworkError as exc:  # the DHT unreachable past the deadline: repaired before the next step
-                log.warning("round %d did not complete: %s", t, exc)
-                continue
-            if any(r.behind for r in results.values()):
-                continue  # re-synced instead of committing: align the stages before the next step
-            val_loss = _full_eval(chain, val)
-            session.rounds.record(
-                t,
-                {s: (workers[s], results[s].participants) for s in workers},
-                sum(losses) / len(losses),
-                val_loss,
-                max(r.wall_s for r in results.values()),
-            )
-            session.checkpoints.after_round(workers, {"shard": shard})
-        return session.finish(stop)
+                    return
+        except NetworkError as exc:  # no usable peer for a stage: pause, then start the outer step over
+            log.warning("pipeline paused at outer step %d: %s", t, exc)
+            session.metrics.log("pause", t=t, reason=str(exc))
+            replica.pause(t, exc)
+            continue
+        try:
+            results = replica.round(t)
+        except NetworkError as exc:  # the DHT unreachable past the deadline: repaired before the next step
+            log.warning("round %d did not complete: %s", t, exc)
+            continue
+        if any(r.behind for r in results.values()):
+            continue  # round t was committed without us: we re-synced instead (aligned before the next step)
+        session.rounds.record(
+            t,
+            {s: (replica.workers[s], r.participants) for s, r in results.items()},
+            sum(losses) / len(losses),
+            replica.evaluate(t, val),
+            max(r.wall_s for r in results.values()),
+            activations=replica.activations,
+        )
+        session.checkpoints.after_round(replica.workers, {"shard": shard})  # data position: (shard, outer step)
+
+
+class _Head:
+    """A head's outer steps: stage 0 here, the inner steps through a claimed pipeline."""
+
+    chain = None
+
+    def __init__(self, session: Session, worker: StageWorker, driver: PipelineDriver, stop: threading.Event) -> None:
+        self.session, self.worker, self.driver, self.stop = session, worker, driver, stop
+        self.workers = {0: worker}
+
+    def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.driver.inner_step(t, h, x, y)
+
+    def pause(self, t: int, exc: NetworkError) -> None:
+        """Free the pipeline; re-sync at once when a stage peer is ahead of us (`PipelineBehind`)."""
+        self.worker.zero_grad()
+        self.driver.release()
+        if isinstance(exc, PipelineBehind):
+            self.session.resync.maintain(self.worker, max_lag=0)
+        else:
+            self.stop.wait(self.session.cfg.swarm.announce_interval_s)
+
+    def round(self, t: int) -> Mapping[int, RoundResult]:
+        bound = {str(s): pid for s, (pid, _) in list(self.driver.peers.items())}  # who did the last step
+        try:
+            return {0: self.session.rounds.head_round(self.worker, t, self.stop, peers=bound)}
+        finally:
+            self.driver.release()
+
+    def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        try:
+            return self.driver.evaluate(val)
+        except NetworkError as exc:  # e.g. the stage peer re-synced past us: the next step repairs it
+            log.warning("validation after round %d skipped: %s", t, exc)
+            return None
+
+    @property
+    def activations(self) -> tuple[int, int]:
+        return self.driver.act_bytes
+
+
+class _Full:
+    """A full replica's outer steps: every stage here, uncompressed, chained in this process."""
+
+    activations = (0, 0)
+
+    def __init__(self, session: Session, workers: dict[int, StageWorker], stop: threading.Event) -> None:
+        self.session, self.workers, self.stop = session, workers, stop
+        self.chain = [workers[s] for s in range(len(workers))]
+        self.last_loss: float | None = None
+        self.tokens_per_s = 0.0
+        self._started = 0.0  # when the outer step's first inner step started
+
+    def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Micro-batches through every stage, then each stage's step, clipped by the gradient norm
+        over all stages (as the whole model and a pipeline clip)."""
+        if h == 0:
+            self._started = time.monotonic()
+        chain = self.chain
+        loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, chain[0].cfg.train.microbatches)
+        total_norm = global_grad_norm(w.grad_sq_norm() for w in chain)
+        for w in chain:
+            w.step(t, h, total_norm)
+        self.last_loss = loss
+        self.tokens_per_s = (h + 1) * x.numel() / max(1e-9, time.monotonic() - self._started)
+        return loss
+
+    def pause(self, t: int, exc: NetworkError) -> None:
+        """Forget the outer step's gradients and wait (its inner steps are local: none waits on a peer)."""
+        for w in self.chain:
+            w.zero_grad()
+        self.stop.wait(self.session.cfg.swarm.announce_interval_s)
+
+    def round(self, t: int) -> Mapping[int, RoundResult]:
+        return self.session.rounds.full_round(self.workers, t, self.stop)
+
+    @torch.no_grad()
+    def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        losses = [_chain_loss(self.chain, x, y).item() for x, y in val]
+        return sum(losses) / max(1, len(losses))
 
 
 def _housekeeping(session: Session, service: PeerService, worker: StageWorker) -> None:
@@ -267,26 +338,8 @@ def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> boo
 
 def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed."""
-    hdn = x.to(chain[0].device)
-    for w in chain:
-        hdn = w.module(hdn)
-    return F.cross_entropy(hdn.flatten(0, 1).float(), y.to(chain[0].device).flatten())
-
-
-def _full_inner_step(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor, t: int, h: int) -> float:
-    """One inner step of a full replica: micro-batches through every stage, then each stage's step,
-    clipped by the gradient norm over all stages (as the whole model and a pipeline clip)."""
-    loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, chain[0].cfg.train.microbatches)
-    total_norm = math.sqrt(math.fsum(w.grad_sq_norm() for w in chain))
-    for w in chain:
-        w.step(t, h, total_norm)
-    return loss
-
-
-@torch.no_grad()
-def _full_eval(chain: list[StageWorker], batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    losses = [_chain_loss(chain, x, y).item() for x, y in batches]
-    return sum(losses) / max(1, len(losses))
+    device = chain[0].device
+    return token_loss(chain_forward([w.module for w in chain], x.to(device)), y.to(device))
 
 
 def run_role(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:

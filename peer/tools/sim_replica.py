@@ -3,8 +3,10 @@
 A *compressed* replica passes activations between its stages through the subspace boundary
 (X̃ = (X − T⊥[x])·U, expanded with Uᵀ) and keeps T_S in Col(U) after every inner step; an
 *uncompressed* one (a full replica) passes them as they are and trains its embedding freely.
-The inner step is the peers' own (`peer.core.inner`: micro-batch accumulation, clipped AdamW);
-gradients are clipped by the norm over ALL stages, so a pipeline clips as a whole model does.
+The stages are chained as a full replica chains them (`peer.core.chain.chain_forward`, with the
+compressed boundary between stages), and the inner step is the peers' own (`peer.core.inner`:
+micro-batch accumulation, clipped AdamW); gradients are clipped by the norm over ALL stages
+(`peer.core.chain.global_grad_norm`), so a pipeline clips as a whole model does.
 
 Switches of the paper's ablations (Table 5): `weight_projection` keeps the outputs of every
 W_o and W_2 in Col(U) (W ← U·Uᵀ·W after each step), so the residual stream stays in
@@ -13,13 +15,12 @@ T⊥[x] + Col(U) and boundaries lose nothing.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.chain import Boundary, chain_forward, global_grad_norm, token_loss
 from peer.core.inner import accumulate, adamw_step
 from peer.core.model import Decoder, build_stage
 from peer.core.optim import build_adamw, grad_sq_norm, lr_at
@@ -73,22 +74,22 @@ class LocalReplica:
 
     def logits(self, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Run the stages with boundary compression if compressed; returns (logits, boundary values)."""
-        h = self.stages[0](inputs)
-        crossed = 0
-        for stage in self.stages[1:]:
-            if self.compressed and self.U is not None:
-                h = compressed_boundary(h, inputs, perp_of(stage), self.U, WIRE_DTYPES[self.cfg.subspace.wire_dtype])
-                crossed += 2 * h.shape[0] * h.shape[1] * self.U.shape[1]  # (b, L, k) forward + backward
-            else:
-                crossed += 2 * h.numel()
-            h = stage(h)
-        return h, crossed
+        boundary: Boundary | None = None
+        width = self.cfg.model.d_model  # values of one token crossing a boundary: (b, L, d) ...
+        if self.compressed and self.U is not None:
+            U, wire = self.U, WIRE_DTYPES[self.cfg.subspace.wire_dtype]
+            width = U.shape[1]  # ... or (b, L, k) compressed
+
+            def boundary(h: torch.Tensor, stage: Decoder) -> torch.Tensor:
+                return compressed_boundary(h, inputs, perp_of(stage), U, wire)
+
+        crossed = (len(self.stages) - 1) * 2 * inputs.shape[0] * inputs.shape[1] * width  # forward + backward
+        return chain_forward(self.stages, inputs, boundary), crossed
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Mean cross-entropy of a (b, L) batch on this replica's path; (loss, boundary values)."""
         h, crossed = self.logits(inputs)
-        loss = F.cross_entropy(h.flatten(0, 1).float(), targets.flatten())
-        return loss, crossed
+        return token_loss(h, targets), crossed
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:
@@ -103,7 +104,7 @@ class LocalReplica:
         """Clip by the norm over all stages, AdamW step, keep T_S in Col(U) (compressed replicas,
         or as `keep_in_subspace` says); `decay_perp` decays T⊥ as AdamW decays the embedding
         (for a model that steps without outer rounds; SparseLoCo decays T⊥ at each commit)."""
-        total = math.sqrt(math.fsum(grad_sq_norm(st.parameters()) for st in self.stages))
+        total = global_grad_norm(grad_sq_norm(st.parameters()) for st in self.stages)
         keep = self.compressed if keep_in_subspace is None else keep_in_subspace
         for s, (stage, opt) in enumerate(zip(self.stages, self.optimizers, strict=True)):
             keep_in = self.U if keep and s == 0 else None
@@ -131,7 +132,7 @@ class LocalReplica:
             out = []
             for x, y in batches:
                 h, _ = self.logits(x)
-                per_token = F.cross_entropy(h.flatten(0, 1).float(), y.flatten(), reduction="none")
+                per_token = token_loss(h, y, reduction="none")
                 out.append(per_token.view(y.shape).double().mean(dim=1))
         finally:
             self.compressed = saved

@@ -8,13 +8,14 @@ Runs, on the same data, seed and number of steps:
 - `adamw-pp-compress`      data-parallel AdamW, every replica compressed (Table 4),
 - `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4).
 
-Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the stage
-boundaries, the inner step (`peer.core.inner.accumulate`, `adamw_step`) and the per-stage SparseLoCo rounds
-(`peer.core.commit.commit_round`) are the ones a real swarm runs; only the network is missing.
-Gradients are clipped by the norm over all stages; median clipping is off unless asked
-(`sparseloco.clip_median_factor`), and where it clips, the clipped mass goes back to the
-sender's error buffer. Outlier screening (`peer.core.robust`) is off unless asked
-(`SimOptions.robust`); a contribution it drops goes back whole to its sender's error buffer.
+Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalReplica`), so the chain
+forward (`peer.core.chain`), the stage boundaries, the inner step (`peer.core.inner.accumulate`,
+`adamw_step`) and the per-stage SparseLoCo rounds (`peer.core.commit.commit_round`) are the ones a
+real swarm runs; only the network is missing. Gradients are clipped by the norm over all stages;
+median clipping is off unless asked (`sparseloco.clip_median_factor`), and where it clips, the
+clipped mass goes back to the sender's error buffer (`peer.core.feedback`, as on every holder).
+Outlier screening (`peer.core.robust`) is off unless asked (`SimOptions.robust`); a contribution
+it drops goes back whole to its sender's error buffer.
 `SimOptions.attack` makes the last replica an attacker (`peer.tools.attacks`): every round it
 sends the poisoned contribution instead of its own. T⊥ decays at every commit as AdamW decays the
 rest of the embedding.
@@ -42,12 +43,12 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
-from peer.core.codec.clip import clipped_mass
 from peer.core.codec.format import Payload
 from peer.core.commit import commit_round, perp_decay
 from peer.core.data import TokenData, train_batch, val_batches
+from peer.core.feedback import add_to_errors, returned
 from peer.core.robust import OFF, RobustConfig
-from peer.core.sparseloco import compress, decompress, pseudo_gradient, restore_unsent
+from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
 from peer.core.subspace import k_from_ratio, make_basis
 from peer.core.subspace_state import perp_of, set_perp
@@ -308,13 +309,10 @@ def _commit_stage(
     views = [rep.stages[s] for rep in reps]
     done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, opts.robust)
     honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
-    for m, scale in zip(honest, done.clip.scales, strict=False):
-        if m in done.dropped:
-            errors[m][s] = restore_unsent(errors[m][s], decoded[m])
-            continue
-        mass = clipped_mass(decoded[m], scale)
-        if mass is not None:
-            errors[m][s] = restore_unsent(errors[m][s], mass)
+    for m in honest:
+        back = returned(decoded[m], m, done.clip, done.dropped)
+        if back is not None:
+            errors[m][s] = add_to_errors(errors[m][s], back)
     return done.clip.n_clipped, done.dropped, done.embed_update
 
 

@@ -31,14 +31,15 @@ def _forged_apply(self: StageWorker, *args, **kwargs):
     with self.lock, torch.no_grad():
         for p in self.module.parameters():
             p.neg_()
-        self._set_start({name: -value for name, value in self.start.items()})
+        self.cache.set({name: -value for name, value in self.start.items()})
         fake = tuple(
             entry(f"madeup{i:02d}".ljust(16, "x"), hashlib.sha256(f"{self.outer_step}/{i}".encode()).hexdigest())
             for i in range(FAKE_REPLICAS)
         )
-        assert self.link is not None
-        self.link = dataclasses.replace(self.link, entries=self.link.entries + fake, state=self.state_id())
-        self.last_committed = self.last_committed + [r for r, _ in fake]
+        ledger = self.ledger
+        assert ledger.link is not None
+        ledger.link = dataclasses.replace(ledger.link, entries=ledger.link.entries + fake, state=self.state_id())
+        ledger.last_committed = ledger.last_committed + [r for r, _ in fake]
     return done
 
 

@@ -129,7 +129,7 @@ def _round(h: Holder, t: int, payload: Payload | None, stop: threading.Event) ->
 
 def _state(h: Holder) -> tuple[int, str, str, dict]:
     w = h.worker
-    return w.outer_step, w.param_hash(), w.perp_hash(), w.bans.to_record()
+    return w.outer_step, w.param_hash(), w.perp_hash(), w.ledger.bans.to_record()
 
 
 def test_a_replica_dropped_three_rounds_in_a_row_is_no_longer_fetched_and_holders_agree(swarm, caplog):
@@ -152,8 +152,8 @@ def test_a_replica_dropped_three_rounds_in_a_row_is_no_longer_fetched_and_holder
             assert not ra.timed_out and not rb.timed_out
             if t < 3:  # screened out, still fetched
                 assert ra.replicas == rb.replicas == sorted([a.id, b.id, x_id])
-                assert a.worker.last_dropped == b.worker.last_dropped == [x_id]
-                assert (x_id[:16] in a.worker.bans.banned(t + 1)) == (t == 2)
+                assert a.worker.ledger.last_dropped == b.worker.ledger.last_dropped == [x_id]
+                assert (x_id[:16] in a.worker.ledger.bans.banned(t + 1)) == (t == 2)
             else:  # banned: out of the round, its payload never fetched
                 assert ra.replicas == rb.replicas == sorted([a.id, b.id])
                 assert x_id in ra.dropped and x_id in rb.dropped
@@ -163,7 +163,7 @@ def test_a_replica_dropped_three_rounds_in_a_row_is_no_longer_fetched_and_holder
     assert rc.followed is not None and rc.replicas == sorted([a.id, b.id])  # followed the committed set
     assert rc.bytes_fetched == len(pa.to_bytes()) + len(pb.to_bytes())  # not X's
     assert _state(c) == _state(a) == _state(b)
-    assert a.worker.bans.banned(5) == {x_id[:16]} and a.worker.bans.entries[x_id[:16]].until == 2 + 1 + 10
+    assert a.worker.ledger.bans.banned(5) == {x_id[:16]} and a.worker.ledger.bans.entries[x_id[:16]].until == 2 + 1 + 10
     banned_logs = [r for r in caplog.records if "banned as a repeated outlier" in r.getMessage()]
     assert banned_logs and all(x_id[:12] in r.getMessage() for r in banned_logs)
     started = [r for r in caplog.records if "dropped as an outlier in 3 rounds in a row" in r.getMessage()]

@@ -138,12 +138,12 @@ def test_apply_round_advances_the_bans_from_screening_and_the_same_set_gives_the
         honest = [payload(10 * t + i) for i in range(3)]
         attacker = compress({n: -1e4 * v for n, v in decompress(honest[0]).items()}, None, cfg.sparseloco)[0]
         worker.apply_round([*honest, attacker], None, [A, B, C, X])
-        assert worker.last_dropped == [X]
-    assert worker.bans.banned(2) == {x} and worker.bans.entries[x].until == 2 + 4
+        assert worker.ledger.last_dropped == [X]
+    assert worker.ledger.bans.banned(2) == {x} and worker.ledger.bans.entries[x].until == 2 + 4
     # a second holder that commits the same sets from the same state holds the same bans and state
     other = StageWorker(cfg, 1)
     for t in range(2):
         honest = [payload(10 * t + i) for i in range(3)]
         attacker = compress({n: -1e4 * v for n, v in decompress(honest[0]).items()}, None, cfg.sparseloco)[0]
         other.apply_round([*honest, attacker], None, [A, B, C, X])
-    assert other.bans == worker.bans and other.state_id() == worker.state_id()
+    assert other.ledger.bans == worker.ledger.bans and other.state_id() == worker.state_id()

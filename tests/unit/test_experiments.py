@@ -207,11 +207,11 @@ def test_a_stage_worker_takes_back_what_clipping_removed_from_its_payload():
             for p in w.module.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * (0.01 + 3 * i))
     payloads = [w.contribute(f"r{i}") for i, w in enumerate(workers)]
-    before = {n: e.clone() for n, e in workers[2].errors.items()}
+    before = {n: e.clone() for n, e in workers[2].optim.errors.items()}
     done = workers[2].apply_round(payloads, None, ["r0", "r1", "r2"])
     assert done.clip.scales[2] is not None
     mass = clipped_mass(decompress(payloads[2]), done.clip.scales[2])
-    for name, e in workers[2].errors.items():
+    for name, e in workers[2].optim.errors.items():
         assert torch.allclose(e, before[name] + mass[name], atol=1e-6)
 
 

@@ -233,11 +233,11 @@ def test_every_holder_clips_a_poisoned_round_identically():
     for s, ws in holders.items():
         for w in ws:
             stats = w.apply_round(committed[s], embed_update).clip
-            assert stats is w.last_clip and stats.n_clipped == 1 and stats.max_ratio > 100
+            assert stats is w.ledger.last_clip and stats.n_clipped == 1 and stats.max_ratio > 100
         assert ws[0].param_hash() == ws[1].param_hash()
         # the step is bounded: ‖θ − θ_start‖ ≤ η · (honest norms + 2·median) / 3
-        norms = sorted(ws[0].last_clip.norms)
-        bound = cfg.sparseloco.outer_lr * (norms[0] + norms[1] + 2.0 * ws[0].last_clip.median) / 3
+        norms = sorted(ws[0].ledger.last_clip.norms)
+        bound = cfg.sparseloco.outer_lr * (norms[0] + norms[1] + 2.0 * ws[0].ledger.last_clip.median) / 3
         moved = global_norm({k: ws[0].start[k] - starts[s][k] for k in starts[s] if k != EMBED})
         assert moved <= bound * (1 + 1e-5)
     assert len({w.perp_hash() for ws in holders.values() for w in ws}) == 1

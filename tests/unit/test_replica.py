@@ -129,12 +129,12 @@ def test_unsent_payload_returns_to_the_error_buffer():
             p.add_(0.01 * torch.randn_like(p))
     delta = pseudo_gradient(w.start, stage_state(w.module))
     payload = w.encode_round()
-    e_after = {k: v.clone() for k, v in w.errors.items()}
+    e_after = {k: v.clone() for k, v in w.optim.errors.items()}
     w.return_unsent(payload)
     sent = decompress(payload)
     for k in delta:
-        torch.testing.assert_close(w.errors[k], e_after[k] + sent[k])
-        torch.testing.assert_close(w.errors[k], delta[k], atol=1e-6, rtol=1e-5)  # β·0 + Δ, nothing lost
+        torch.testing.assert_close(w.optim.errors[k], e_after[k] + sent[k])
+        torch.testing.assert_close(w.optim.errors[k], delta[k], atol=1e-6, rtol=1e-5)  # β·0 + Δ, nothing lost
 
 
 def test_local_replicas_agree_after_commit_round():

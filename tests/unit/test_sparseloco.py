@@ -28,7 +28,6 @@ from peer.core.sparseloco import (
     ideal_bytes_per_param,
     payload_density,
     pseudo_gradient,
-    restore_unsent,
 )
 from peer.errors import ConfigError, PeerError
 
@@ -231,16 +230,6 @@ def test_outer_step_and_pseudo_gradient():
     delta = pseudo_gradient(start, now)
     assert torch.equal(delta["w"], torch.tensor([0.5, -0.5]))
     assert torch.equal(outer_delta(torch.tensor([0.5, -0.5]), 2.0), torch.tensor([-1.0, 1.0]))
-
-
-def test_restore_unsent_returns_payload_to_error_buffer():
-    cfg = SparseLoCoConfig(quant_bits=0)
-    delta = {"w": _rand(64, 128, seed=11), "g": _rand(7, seed=12)}
-    payload, errors = compress(delta, None, cfg)
-    back = restore_unsent(errors, decompress(payload))
-    for k in delta:
-        assert torch.equal(back[k], delta[k])
-    assert torch.equal(restore_unsent(None, decompress(payload))["w"], decompress(payload)["w"])
 
 
 def test_config_validation():

@@ -77,7 +77,7 @@ def test_a_replay_drops_the_deferred_weight_gradients():
         tokens, hidden, targets = _inputs(cfg, 0, mb)
         worker.forward(("p", mb), tokens, hidden, targets, epoch=(0, 0), window=4, defer=mb == MB - 1)
     assert worker._weights_due is not None
-    answered = worker.generation  # the answer went out; its Σ‖g‖² is still to come
+    answered = worker.gate.generation  # the answer went out; its Σ‖g‖² is still to come
     worker.zero_grad()
     assert worker._weights_due is None and all(p.grad is None for p in worker.module.parameters())
     with pytest.raises(ValueError, match="a replay reset the gradients"):

@@ -115,9 +115,9 @@ def _assert_identical(a, b):
         assert wa.perp_hash() == wb.perp_hash()
         for (na, pa), (nb, pb) in zip(wa.module.named_parameters(), wb.module.named_parameters(), strict=True):
             assert na == nb and torch.equal(pa, pb), na
-        assert wa.errors.keys() == wb.errors.keys()
-        for name in wa.errors:
-            assert torch.equal(wa.errors[name], wb.errors[name]), name
+        assert wa.optim.errors.keys() == wb.optim.errors.keys()
+        for name in wa.optim.errors:
+            assert torch.equal(wa.optim.errors[name], wb.optim.errors[name]), name
         oa, ob = wa.state_dict()["optimizer"], wb.state_dict()["optimizer"]
         (ta, ga), (tb, gb) = (oa["state"], oa["param_groups"]), (ob["state"], ob["param_groups"])
         assert ga == gb and ta.keys() == tb.keys()

@@ -96,7 +96,7 @@ def clip_plan(norms: Sequence[float], factor: float) -> tuple[list[float | None]
 def clipped_mass(decoded: Mapping[str, Tensor], scale: float | None) -> dict[str, Tensor] | None:
     """What clipping by `scale` removed from one contribution: Δ̂ − fl(Δ̂·scale), or None.
 
-    The sender adds it back to its error buffer (`restore_unsent`), so clipping delays an
+    The sender adds it back to its error buffer (`peer.core.feedback`), so clipping delays an
     update instead of losing it. None when nothing was removed (scale None) or the contribution
     is not finite (a non-finite Δ̂ is zeroed, never fed back).
     """

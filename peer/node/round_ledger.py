@@ -1,0 +1,79 @@
+"""What one stage's rounds left behind on a holder: the ban state, the claim, our recent links.
+
+The ban state (`peer.node.bans`, advanced by every commit in `peer.node.stage_commit.compute`) is
+part of the committed state. The link says how the committed state was reached (round t, the state
+committed from, the committed set; None for an initial, downloaded or resumed state): it is what
+this holder claims (`peer.node.claims`). Our links of the last HISTORY rounds audit other holders'
+claims of those rounds; `prev`, the state the last round was committed from, lets a claim of the
+same round be checked by recomputation. The last round's committed set, clip stats and screened
+replicas feed the records and metrics; our payload waits in `last_contribution` until its round
+is checked.
+
+Invariants: a commit replaces all of it at once (`committed`), an adopted state resets it
+(`adopted`); the holder's lock guards it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from peer.core.codec.clip import ClipStats
+from peer.core.codec.format import Payload
+from peer.core.commit import NO_CLIP
+from peer.node.bans import NONE as NO_BANS
+from peer.node.bans import Bans
+from peer.node.claims import Entry, Link, entry
+from peer.node.stage_commit import Outcome, Prev
+
+HISTORY = 16  # rounds of our own links kept to audit other holders' claims of those rounds
+
+
+class RoundLedger:
+    """The ban state, claim and round records of one stage's holder."""
+
+    def __init__(self) -> None:
+        self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
+        self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
+        self.history: dict[int, Link] = {}  # our links of the last HISTORY rounds (claims are audited against them)
+        self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
+        self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) until its round commits
+        self.last_committed: list[str] = []  # replica ids committed in the last round
+        self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
+        self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
+
+    def committed(self, out: Outcome, link: Link) -> None:
+        """A computed commit became our state: its bans, its link, its round's records."""
+        self.bans = out.bans
+        self.last_clip = out.committed.commit.clip
+        self.last_dropped = list(out.dropped)
+        self.last_committed = list(out.replicas)
+        self.last_contribution = None
+        self.link = link
+        self.history[link.t] = link
+        for old in [t for t in self.history if t <= link.t - HISTORY]:
+            del self.history[old]
+
+    def adopted(self, bans: Bans, link: Link | None) -> None:
+        """A loaded state: its bans and link; the state committed from is unknown (majority checks only)."""
+        self.bans = bans
+        self.link = link
+        self.last_committed = link.replicas if link is not None else []
+        self.prev = None
+        self.history = {} if link is None else {link.t: link}
+
+
+def make_link(
+    t: int,
+    prev_state: str,
+    out: Outcome,
+    payloads: Sequence[Payload],
+    embed_set: Sequence[Entry] | None,
+) -> Link:
+    """The link of commit `out` of round t from state `prev_state`: its set named by (replica id
+    prefix, payload sha256 prefix) in commit order (positions stand in for replica ids a caller did
+    not give) and stage 0's set `embed_set` the commit used."""
+    replicas = out.replicas
+    ids = list(replicas) if len(replicas) == len(payloads) else [f"{i:016d}" for i in range(len(payloads))]
+    entries = tuple(entry(r, hashlib.sha256(p.to_bytes()).hexdigest()) for r, p in zip(ids, payloads, strict=True))
+    return Link(t, prev_state, out.state, entries, None if embed_set is None else tuple(embed_set))
