@@ -45,6 +45,7 @@ from peer.core.subspace import (
     expand_activations,
     expand_grad,
 )
+from peer.errors import PeerError
 from peer.node.stage_state import StageState
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,15 @@ class ForwardOut:
     hidden: torch.Tensor | None = None  # (b, L, k) compressed output, for stages before the last
     loss: float | None = None  # last stage only
     grad: torch.Tensor | None = None  # last stage only: (b, L, k) gradient wrt its compressed input
+
+
+class StaleMicrobatch(PeerError):
+    """A micro-batch of an older (outer step, inner step, attempt) than the stage runs (`epoch`):
+    refused, never run (the service answers it as a typed STALE refusal)."""
+
+    def __init__(self, stage: int, epoch: tuple[int, int, int], message: str) -> None:
+        super().__init__(message)
+        self.stage, self.epoch = stage, epoch
 
 
 class StageWorker(StageState):
@@ -200,8 +210,8 @@ class StageWorker(StageState):
         """Enter `epoch` and wait (lock released) until micro-batch `mb` may run here.
 
         turn: its gradients are next in micro-batch order; window: fewer than window − stage
-        micro-batches are stashed. ValueError when the epoch is stale, a replay superseded the
-        wait, or `swarm.rpc_timeout_s` passed."""
+        micro-batches are stashed. StaleMicrobatch when the epoch is stale; ValueError when a
+        replay superseded the wait or `swarm.rpc_timeout_s` passed."""
         if epoch is None:
             return
         full = (self.outer_step, epoch[0], epoch[1])
@@ -211,7 +221,9 @@ class StageWorker(StageState):
             self._reset_step()  # the step is lost (as with a replaced peer); a replay starts clean
             raise ValueError(f"stage {self.stage}: inner step {epoch[0] - 1} was never stepped before {full}")
         if self._epoch is not None and full < self._epoch:
-            raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}")
+            raise StaleMicrobatch(
+                self.stage, self._epoch, f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self._epoch}"
+            )
         if self._epoch is None or full > self._epoch:
             self._reset_step()
             self._epoch = full

@@ -3,7 +3,7 @@
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
 workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.rounds; re-syncs:
 peer.node.resync; every committed round goes through peer.core.outer.commit_round):
-- head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline) → round for
+- head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline.driver) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
 - stage peer (s>0): serves forward/backward/step for the pipeline that claimed it; after the H-th
@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 from peer.core.data import train_batch, val_batches
 from peer.core.outer import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
-from peer.node.pipeline import PipelineBehind, PipelineDriver
+from peer.node.pipeline.driver import PipelineDriver
+from peer.node.pipeline.failures import PipelineBehind
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
@@ -91,11 +93,24 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
         cfg = session.cfg
         worker = StageWorker(cfg, 0, compressed=True, device=session.opts.device)
         resumed = session.checkpoints.resume({0: worker}) or {}
-        session.serve({0: worker})
+        service = session.serve({0: worker})
         session.resync.late_join(worker)
         data = session.load_data()
         shard = session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
-        driver = PipelineDriver(session, worker, stop)
+
+        def show_schedule(schedule: dict[str, Any]) -> None:  # in the head's info() and its record
+            service.schedule = schedule
+
+        driver = PipelineDriver(
+            cfg,
+            session.peer_id,
+            worker,
+            session.dht,
+            session.clients,
+            stop,
+            on_bind=session.records.refresh,
+            on_schedule=show_schedule,
+        )
         session.records.announce(
             lambda: session.records.stage(worker, role="head"),
             lambda: session.records.replica(
