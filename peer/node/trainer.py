@@ -97,20 +97,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
         session.resync.late_join(worker)
         data = session.load_data()
         shard = session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
-
-        def show_schedule(schedule: dict[str, Any]) -> None:  # in the head's info() and its record
-            service.schedule = schedule
-
-        driver = PipelineDriver(
-            cfg,
-            session.peer_id,
-            worker,
-            session.dht,
-            session.clients,
-            stop,
-            on_bind=session.records.refresh,
-            on_schedule=show_schedule,
-        )
+        driver = _head_driver(session, service, worker, stop)
         session.records.announce(
             lambda: session.records.stage(worker, role="head"),
             lambda: session.records.replica(
@@ -173,6 +160,25 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
             )
             session.checkpoints.after_round({0: worker}, {"shard": shard})  # data position: (shard, outer step)
         return session.finish(stop)
+
+
+def _head_driver(session: Session, service: PeerService, worker: StageWorker, stop: threading.Event) -> PipelineDriver:
+    """The head's pipeline: claims from the DHT's stage records, binds published in the head's
+    record, the chosen schedule shown in its `info` and record (`PeerService.schedule`)."""
+
+    def show_schedule(schedule: dict[str, Any]) -> None:
+        service.schedule = schedule
+
+    return PipelineDriver(
+        session.cfg,
+        session.peer_id,
+        worker,
+        session.dht,
+        session.clients,
+        stop,
+        on_bind=session.records.refresh,
+        on_schedule=show_schedule,
+    )
 
 
 def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
