@@ -4,28 +4,35 @@ Each refusal a head decides on (busy, claimed, lost, stale, a failed hop) reache
 `Refusal` on its `RemoteError`, carried in the status's trailing metadata: directly, through a
 stage-to-stage hop (the refusal of the stage that failed, ABORTED), and from a peer that serves
 over a reverse stream (the refusal travels in the last Frame and the hub answers it unchanged).
-The status codes and messages stay what they were.
+The status codes and messages stay what they were. A head decides on them: it replaces a
+stage peer another pipeline claimed, and replays a refused inner step at most
+`swarm.inner_step_replays` times.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from peer.config import build_config
+from peer.errors import NetworkError
+from peer.net.pool import ClientPool
 from peer.net.transport import auth
 from peer.net.transport.client import PeerClient
-from peer.net.transport.errors import NotFoundError, Refusal, RefusalKind, RemoteError
+from peer.net.transport.errors import NotFoundError, Refusal, RefusalKind, RemoteError, TransportError
 from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ForwardRequest
 from peer.net.transport.reverse import ReverseLink
 from peer.net.transport.server import PeerServer
+from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import Action, classify
 from peer.node.rounds import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
+from peer.tools.pipeline_peers import batches
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -127,3 +134,74 @@ def test_a_refusal_crosses_a_reverse_stream_unchanged(cfg, stages):
         link.close()
         auth.set_default_credentials(None)
         hub.stop(grace_s=0.5)
+
+
+class _Records:
+    """Stage records naming the given peers of stage 1 (one trainer each, at outer step 0)."""
+
+    def __init__(self, peers: dict[str, str]) -> None:
+        self.peers = peers
+
+    def get_stage_peers(self, stage: int) -> dict[str, dict]:
+        rec = {"role": "trainer", "outer_step": 0, "pipeline": None}
+        return {pid: {**rec, "address": a} for pid, a in self.peers.items()} if stage == 1 else {}
+
+
+def _two_stages(**overrides):
+    base = {"stages": 2, "train.batch_size": 4, "train.microbatches": 2, "train.seq_len": L, "swarm.rpc_timeout_s": 30}
+    return build_config(overrides={**base, **overrides}, environ={})
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_the_head_replaces_a_peer_another_pipeline_claimed_and_replays(in_flight, monkeypatch):
+    """Stage 1 has two peers; another pipeline holds the first the head picks. Its CLAIMED refusal
+    drops it and the inner step runs on the other, in either schedule."""
+    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
+    cfg = _two_stages(**{"train.in_flight": in_flight})
+    servers = {
+        pid: _serve(cfg, PeerService(cfg, {1: StageWorker(cfg, 1)}, PayloadStore(), pid, "stage"))
+        for pid in ("stage-1-a", "stage-1-b")
+    }
+    clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
+    try:
+        taken = clients.get(servers["stage-1-a"].address).forward(_forward(cfg, 1, OTHER))
+        assert taken.loss is not None  # OTHER claimed stage-1-a
+        records = _Records({pid: s.address for pid, s in servers.items()})
+        driver = PipelineDriver(cfg, A, StageWorker(cfg, 0), records, clients, threading.Event())
+        x, y = batches(cfg, 1)[0]
+        loss = driver.inner_step(0, 0, x, y)
+        assert 0 < loss < 20 and driver.in_flight == in_flight
+        assert driver.peers[1][0] == "stage-1-b" and driver.routing.excluded == {"stage-1-a"}
+    finally:
+        clients.close()
+        for server in servers.values():
+            server.stop(grace_s=0.5)
+
+
+class _AlwaysRefuses(PeerService):
+    """A stage 1 that refuses every micro-batch as malformed (a REPLAY each time), counting them."""
+
+    forwards = 0
+
+    def forward(self, request: ForwardRequest):
+        self.forwards += 1
+        raise TransportError("stage 1 cannot run this micro-batch: refused by the test")
+
+
+def test_an_inner_step_is_replayed_at_most_swarm_inner_step_replays_times(monkeypatch):
+    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
+    cfg = _two_stages(**{"train.in_flight": 1, "swarm.inner_step_replays": 2})
+    service = _AlwaysRefuses(cfg, {1: StageWorker(cfg, 1)}, PayloadStore(), "stage-1", "stage")
+    server = _serve(cfg, service)
+    clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
+    try:
+        records = _Records({"stage-1": server.address})
+        driver = PipelineDriver(cfg, A, StageWorker(cfg, 0), records, clients, threading.Event())
+        x, y = batches(cfg, 1)[0]
+        with pytest.raises(NetworkError, match="failed 3 times"):
+            driver.inner_step(0, 0, x, y)
+        assert service.forwards == 3  # the first try and two replays, each ending at micro-batch 0
+        assert driver.peers[1][0] == "stage-1"  # a refused request is replayed, the peer kept
+    finally:
+        clients.close()
+        server.stop(grace_s=0.5)
