@@ -436,11 +436,13 @@ def _later_norms(reply: ForwardReply, stage: int) -> tuple[float, ...]:
 def hop_error(exc: PeerError, stage: int) -> HopError:
     """The HopError for a failed call into `stage`: the refusal that peer sent passes through (a
     deeper stage's own hop failure names that stage; one naming an earlier stage is not believed);
-    without one, the kind follows the error."""
+    without one, the kind follows the error (an untyped FAILED_PRECONDITION is an older peer's busy)."""
     if isinstance(exc, RemoteError) and exc.refusal is not None and exc.refusal.stage >= stage:
         return HopError(exc.refusal, str(exc))
     if isinstance(exc, NotFoundError):
         return HopError(Refusal(RefusalKind.LOST, stage), str(exc))
     if isinstance(exc, NetworkError):
         return HopError(Refusal(RefusalKind.NETWORK, stage), str(exc))
+    if isinstance(exc, RemoteError) and exc.code == "FAILED_PRECONDITION":  # an older peer's busy, untyped
+        return HopError(Refusal(RefusalKind.BUSY, stage), str(exc))
     return HopError(Refusal(RefusalKind.REMOTE, stage), str(exc))

@@ -29,6 +29,7 @@ from peer.node.pipeline.failures import (
     StageFailed,
     classify,
 )
+from peer.node.service import hop_error
 
 S, T, H = 4, 5, 2  # stages; the head is at outer step T, inner step H
 
@@ -126,3 +127,17 @@ def test_the_wire_form_round_trips_and_rejects_what_is_not_a_refusal():
     assert from_pb(pb.Refusal(stage=1)) is None  # no kind
     for kind in RefusalKind:  # the numbers are the proto's
         assert pb.Refusal.Kind.Name(int(kind)) == ("KIND_UNSPECIFIED" if kind is RefusalKind.UNSPECIFIED else kind.name)
+
+
+def test_a_stage_answers_a_failed_hop_with_a_refusal_naming_the_stage_that_failed():
+    """`PeerService._hop`: a deeper refusal passes through; without one the error's kind decides."""
+    deeper = Refusal(RefusalKind.CLAIMED, 3)
+    assert hop_error(_remote(deeper, "ABORTED"), 2).refusal == deeper
+    earlier = _remote(Refusal(RefusalKind.LOST, 1), "INVALID_ARGUMENT")  # names a stage before the one called
+    assert hop_error(earlier, 2).refusal == Refusal(RefusalKind.REMOTE, 2)
+    assert hop_error(NotFoundError("gone", code="NOT_FOUND"), 2).refusal == Refusal(RefusalKind.LOST, 2)
+    assert hop_error(NetworkError("no answer"), 2).refusal == Refusal(RefusalKind.NETWORK, 2)
+    assert hop_error(_remote(None, "FAILED_PRECONDITION"), 2).refusal == Refusal(RefusalKind.BUSY, 2)
+    assert hop_error(_remote(None, "INVALID_ARGUMENT"), 2).refusal == Refusal(RefusalKind.REMOTE, 2)
+    assert hop_error(PeerError("no loss"), 2).refusal == Refusal(RefusalKind.REMOTE, 2)
+    assert "hop to stage 3 [claimed] failed" in str(hop_error(_remote(deeper, "ABORTED"), 2))  # for people
