@@ -378,7 +378,9 @@ def join(
 ) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
-    if in_flight is not None:  # a head's local schedule (peer.node.schedule reads it; not part of the run's config)
+    if (
+        in_flight is not None
+    ):  # a head's local schedule (peer.node.pipeline.schedule reads it; not part of the run's config)
         os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
     _setup_logging(verbose)
     if (stage is None) == (not full_replica):

@@ -63,6 +63,9 @@ class SwarmConfig:
     record_ttl_s: float = 30.0  # DHT records expire unless refreshed
     announce_interval_s: float = 2.0  # how often peers refresh their records
     claim_timeout_s: float = 120.0  # a head waits this long for a ready peer of each stage
+    # a head replays an inner step at most this many times after failed stage peers, then pauses
+    # its pipeline and starts the outer step over (a head's own choice: not in the fingerprint)
+    inner_step_replays: int = 3
     n_shards: int = 16  # data shards; each head / full replica claims a free one
     min_replicas: int = 1  # replicas (pipelines + full replicas) to wait for before the first step
     checkpoint_every_rounds: int = 1  # save <data-dir>/checkpoints every N committed rounds (0 = never)
@@ -111,6 +114,7 @@ class RunConfig:
         d["data"].pop("cache_dir", None)
         d["data"].pop("tokenizer", None)  # checked by the tokenizer's own sha256
         d["train"].pop("in_flight", None)  # a head's local schedule choice; the math does not depend on it
+        d["swarm"].pop("inner_step_replays", None)  # a head's retry budget; the math does not depend on it
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -360,6 +364,8 @@ def validate(cfg: RunConfig) -> None:
     for name in ("n_shards", "min_replicas"):
         if getattr(w, name) < 1:
             raise ConfigError(f"swarm.{name} must be >= 1, got {getattr(w, name)}")
+    if w.inner_step_replays < 0:
+        raise ConfigError(f"swarm.inner_step_replays must be >= 0, got {w.inner_step_replays}")
     if w.admission not in ("open", "secret", "allowlist"):
         raise ConfigError(f"swarm.admission must be open, secret or allowlist, got {w.admission!r}")
     if w.admission == "allowlist" and not w.allowlist:

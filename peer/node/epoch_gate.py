@@ -19,7 +19,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from peer.errors import PeerError
+
 Epoch = tuple[int, int, int]  # (outer step, inner step, attempt)
+
+
+class StaleMicrobatch(PeerError):
+    """A micro-batch of an older (outer step, inner step, attempt) than the stage runs (`epoch`):
+    refused, never run (the service answers it as a typed STALE refusal)."""
+
+    def __init__(self, stage: int, epoch: Epoch, message: str) -> None:
+        super().__init__(message)
+        self.stage, self.epoch = stage, epoch
 
 
 class EpochGate:
@@ -40,15 +51,17 @@ class EpochGate:
         """Enter epoch `full` and wait (lock released) until micro-batch `mb` may run here.
 
         turn: its gradients are next in micro-batch order; window: fewer than window − stage
-        micro-batches are stashed. ValueError when the epoch is stale, a replay superseded the
-        wait, or the timeout passed."""
+        micro-batches are stashed. StaleMicrobatch when the epoch is stale; ValueError when a
+        replay superseded the wait or the timeout passed."""
         if self._unstepped(full) and not self._turn.wait_for(  # only a later epoch waits, so check stale after
             lambda: not self._unstepped(full), timeout=self.timeout_s
         ):
             self._reset_step()  # the step is lost (as with a replaced peer); a replay starts clean
             raise ValueError(f"stage {self.stage}: inner step {full[1] - 1} was never stepped before {full}")
         if self.epoch is not None and full < self.epoch:
-            raise ValueError(f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self.epoch}")
+            raise StaleMicrobatch(
+                self.stage, self.epoch, f"micro-batch {mb} of {full} is stale: stage {self.stage} runs {self.epoch}"
+            )
         if self.epoch is None or full > self.epoch:
             self._reset_step()
             self.epoch = full

@@ -67,7 +67,7 @@ class Records:
                 "link": worker.ledger.link.to_record() if worker.ledger.link is not None else None,
                 "refused": self.session.refusals.record(),  # holders whose state failed its check
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
-                "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.schedule)
+                "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.pipeline.schedule)
                 **self.session.net_fields(),  # connectivity, relay, caps, refused calls
             },
         }

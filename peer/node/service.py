@@ -11,14 +11,15 @@ Hostile input: every pipeline request is checked against this stage before it to
 values of magnitude <= MAX_BOUNDARY_ABS, targets only on the last stage, backward grads shaped
 like the pending forward's output). Only a valid forward claims the peer; backward and step need
 the claim. Rejections are TransportError (INVALID_ARGUMENT) or PeerError (FAILED_PRECONDITION),
-so a bad request never leaves pending state or gradients behind.
+so a bad request never leaves pending state or gradients behind. A refusal the head decides on
+(busy, claimed, lost, stale, a failed hop) carries a typed `Refusal` (`peer.net.transport.errors`).
 
-Micro-batches in flight (`window` > 0, `peer.node.schedule`): the worker orders gradient
+Micro-batches in flight (`window` > 0, `peer.node.pipeline.step`): the worker orders gradient
 accumulation by micro-batch (`StageWorker._admit`). With a `route` the stage streams: it sends its
 output straight to `route[0]` (the next stage, same pipeline claim), backpropagates the gradient
 that comes back and answers with the loss and its own input gradient, so only the first boundary
 crosses the head's link. Each hop has its own deadline (`swarm.rpc_timeout_s` per remaining stage);
-a failed hop is answered as `HopError` naming the failed stage, which the head replaces.
+a failed hop is answered as `HopError` whose refusal names the failed stage, which the head replaces.
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ import torch
 from peer.config import RunConfig
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.client import PeerClient
-from peer.net.transport.errors import HopError, NotFoundError, RemoteError, TransportError
+from peer.net.transport.errors import (
+    HopError,
+    NotFoundError,
+    Refusal,
+    RefusalKind,
+    Refused,
+    RemoteError,
+    TransportError,
+)
 from peer.net.transport.messages import (
     ArtifactRequest,
     BackwardReply,
@@ -48,6 +57,7 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
+from peer.node.epoch_gate import StaleMicrobatch
 from peer.node.rounds import PayloadStore
 from peer.node.stage_worker import StageWorker
 
@@ -56,10 +66,6 @@ log = logging.getLogger(__name__)
 # |X̃| or |∇X̃| above this means a diverged or hostile sender: expanding ~3e38 overflows float32
 # and turns this stage's gradients into NaN while the loss still looks finite.
 MAX_BOUNDARY_ABS = 1e6
-
-
-class Busy(PeerError):
-    """The stage peer serves another pipeline or is between rounds; the head should retry or pick another."""
 
 
 class PeerService:
@@ -93,7 +99,10 @@ class PeerService:
     def _stage_worker(self, stage: int) -> StageWorker:
         worker = self.workers.get(stage)
         if worker is None or self.role != "stage":
-            raise NotFoundError(f"peer {self.peer_id[:12]} does not serve stage {stage} to pipelines")
+            raise NotFoundError(
+                f"peer {self.peer_id[:12]} does not serve stage {stage} to pipelines",
+                refusal=Refusal(RefusalKind.LOST, stage),
+            )
         return worker
 
     def _worker_for(self, stage: int, outer_step: int, pipeline_id: str, claim: bool = True) -> StageWorker:
@@ -101,13 +110,20 @@ class PeerService:
         worker = self._stage_worker(stage)
         with self._lock:
             if self.leaving:
-                raise NotFoundError(f"peer {self.peer_id[:12]} is leaving the run; use another stage {stage} peer")
+                raise NotFoundError(
+                    f"peer {self.peer_id[:12]} is leaving the run; use another stage {stage} peer",
+                    refusal=Refusal(RefusalKind.LOST, stage),
+                )
+            busy = Refusal(RefusalKind.BUSY, stage, outer_step=worker.outer_step)
             if self.in_round:
-                raise Busy(f"stage {stage} is finishing outer round {worker.outer_step}; retry shortly")
+                raise Refused(busy, f"stage {stage} is finishing outer round {worker.outer_step}; retry shortly")
             if outer_step != worker.outer_step:
-                raise Busy(f"stage {stage} is at outer step {worker.outer_step}, request is for {outer_step}")
+                raise Refused(busy, f"stage {stage} is at outer step {worker.outer_step}, request is for {outer_step}")
             if self.claimed_by not in (None, pipeline_id):
-                raise Busy(f"stage {stage} peer is claimed by pipeline {self.claimed_by[:12]} this round")
+                raise Refused(
+                    Refusal(RefusalKind.CLAIMED, stage),
+                    f"stage {stage} peer is claimed by pipeline {self.claimed_by[:12]} this round",
+                )
             if not claim and self.claimed_by != pipeline_id:
                 raise PeerError(
                     f"pipeline {pipeline_id[:12]!r} sent no forward pass to stage {stage} in outer step "
@@ -186,6 +202,12 @@ class PeerService:
                 return self._stream(worker, request, epoch)
             defer = self._defers(request, epoch)
             out = worker.forward(key, request.tokens, request.hidden, request.targets, epoch, request.window, defer)
+        except StaleMicrobatch as exc:
+            t, h, attempt = exc.epoch
+            raise TransportError(
+                f"stage {worker.stage} cannot run this micro-batch: {exc}",
+                refusal=Refusal(RefusalKind.STALE, exc.stage, outer_step=t, inner_step=h, attempt=attempt),
+            ) from None
         except (KeyError, ValueError) as exc:
             raise TransportError(f"stage {worker.stage} cannot run this micro-batch: {exc}") from None
         if out.loss is None or not self._last_microbatch(request.microbatch):
@@ -221,7 +243,7 @@ class PeerService:
         )
         reply = self._hop(request.route[0], onward, len(request.route))
         if reply.grad is None or reply.loss is None:
-            raise HopError(worker.stage + 1, "remote", "the reply carries no loss and gradient")
+            raise HopError(Refusal(RefusalKind.REMOTE, worker.stage + 1), "the reply carries no loss and gradient")
         defer = self._defers(request, epoch)
         grad = worker.backward(key, reply.grad, epoch, defer)
         if not self._last_microbatch(request.microbatch):
@@ -413,16 +435,15 @@ def _later_norms(reply: ForwardReply, stage: int) -> tuple[float, ...]:
 
 
 def hop_error(exc: PeerError, stage: int) -> HopError:
-    """The HopError for a failed call into `stage`: a deeper stage's own HopError passes through."""
+    """The HopError for a failed call into `stage`: the refusal that peer sent passes through (a
+    deeper stage's own hop failure names that stage; one naming an earlier stage is not believed);
+    without one, the kind follows the error (an untyped FAILED_PRECONDITION is an older peer's busy)."""
+    if isinstance(exc, RemoteError) and exc.refusal is not None and exc.refusal.stage >= stage:
+        return HopError(exc.refusal, str(exc))
     if isinstance(exc, NotFoundError):
-        return HopError(stage, "lost", str(exc))
-    if isinstance(exc, RemoteError):
-        found = HopError.parse(str(exc)) if exc.code == "ABORTED" else None
-        if found is not None:
-            return HopError(found[0], found[1], str(exc).split("failed: ", 1)[-1])
-        claimed = "claimed by pipeline" in str(exc)
-        kind = "claimed" if claimed else "busy" if exc.code == "FAILED_PRECONDITION" else "remote"
-        return HopError(stage, kind, str(exc))
+        return HopError(Refusal(RefusalKind.LOST, stage), str(exc))
     if isinstance(exc, NetworkError):
-        return HopError(stage, "network", str(exc))
-    return HopError(stage, "remote", str(exc))
+        return HopError(Refusal(RefusalKind.NETWORK, stage), str(exc))
+    if isinstance(exc, RemoteError) and exc.code == "FAILED_PRECONDITION":  # an older peer's busy, untyped
+        return HopError(Refusal(RefusalKind.BUSY, stage), str(exc))
+    return HopError(Refusal(RefusalKind.REMOTE, stage), str(exc))

@@ -3,7 +3,7 @@
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
 workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.rounds; re-syncs:
 peer.node.resync; every committed round goes through peer.core.commit):
-- head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline) → round for
+- head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline.driver) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
                     a head and a full replica share one outer loop (`_outer_loop`) and differ only in
@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -34,7 +34,8 @@ from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.gather import RoundResult
-from peer.node.pipeline import PipelineBehind, PipelineDriver
+from peer.node.pipeline.driver import PipelineDriver
+from peer.node.pipeline.failures import PipelineBehind
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
@@ -92,8 +93,8 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
         worker = StageWorker(session.cfg, 0, compressed=True, device=session.opts.device)
-        data, shard = _join(session, {0: worker})
-        head = _Head(session, worker, PipelineDriver(session, worker, stop), stop)
+        data, shard, service = _join(session, {0: worker})
+        head = _Head(session, worker, _head_driver(session, service, worker, stop), stop)
         driver = head.driver
         session.records.announce(
             lambda: session.records.stage(worker, role="head"),
@@ -110,12 +111,31 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
         return session.finish(stop)
 
 
+def _head_driver(session: Session, service: PeerService, worker: StageWorker, stop: threading.Event) -> PipelineDriver:
+    """The head's pipeline: claims from the DHT's stage records, binds published in the head's
+    record, the chosen schedule shown in its `info` and record (`PeerService.schedule`)."""
+
+    def show_schedule(schedule: dict[str, Any]) -> None:
+        service.schedule = schedule
+
+    return PipelineDriver(
+        session.cfg,
+        session.peer_id,
+        worker,
+        session.dht,
+        session.clients,
+        stop,
+        on_bind=session.records.refresh,
+        on_schedule=show_schedule,
+    )
+
+
 def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
     """All stages locally, no boundary compression; contributes to every stage's round."""
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
         workers = {s: StageWorker(cfg, s, compressed=False, device=session.opts.device) for s in range(cfg.stages)}
-        data, shard = _join(session, workers)
+        data, shard, _ = _join(session, workers)
         full = _Full(session, workers, stop)
         session.records.announce(
             lambda: session.records.replica("full", workers[0].outer_step, shard, full.last_loss, full.tokens_per_s),
@@ -125,15 +145,15 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
         return session.finish(stop)
 
 
-def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int]:
+def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int, PeerService]:
     """A head or full replica joins: resume its checkpoint, serve its stages, catch up with the
-    swarm, then its data and shard (a resumed peer's own shard when still free)."""
+    swarm, then its data and shard (a resumed peer's own shard when still free); the service."""
     resumed = session.checkpoints.resume(workers) or {}
-    session.serve(workers)
+    service = session.serve(workers)
     for w in workers.values():
         session.resync.late_join(w)
     data = session.load_data()
-    return data, session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
+    return data, session.claim_shard(prefer=resumed.get("extra", {}).get("shard")), service
 
 
 class _Replica(Protocol):

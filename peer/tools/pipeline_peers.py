@@ -3,7 +3,7 @@
 Each stage s >= 1 runs as its own process (`python -m peer.tools.pipeline_peers stage ...`): a
 `StageWorker`, the real `PeerService` and `PeerServer` on a TCP port; it prints `READY <port>` and,
 when stopped (SIGTERM), writes a JSON report (hash of its live parameters, busy seconds). The head
-(`... head ...`) runs `PipelineDriver` over a fixed directory of those addresses (`Directory`, in
+(`... head ...`) runs `PipelineDriver` over a fixed map of those addresses (`FixedStages`, in
 place of the DHT's stage records: discovery is not what is measured) for a number of inner steps
 on seeded random tokens, and writes the losses, timings, busy fractions and per-link bytes.
 `whole` measures the whole model in one process (the one-device baseline).
@@ -33,7 +33,7 @@ from peer.config import RunConfig, config_from_dict
 from peer.core.state import stage_state, state_hash
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.pipeline import PipelineDriver
+from peer.node.pipeline.driver import PipelineDriver
 from peer.node.rounds import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
@@ -44,12 +44,10 @@ log = logging.getLogger(__name__)
 _DATA = ("forward", "backward")
 
 
-class _Records:
-    def refresh(self) -> None:
-        """Nothing to publish: the directory is fixed."""
+class FixedStages:
+    """The stage records of a fixed stage -> address map (`peer.node.pipeline.routing.StageRecords`):
+    one trainer per stage at outer step 0, free for any pipeline."""
 
-
-class _Dht:
     def __init__(self, addresses: dict[int, str]) -> None:
         self.addresses = addresses
 
@@ -60,15 +58,17 @@ class _Dht:
         return {f"stage-{stage}": {"role": "trainer", "outer_step": 0, "address": address, "pipeline": None}}
 
 
-class Directory:
-    """What `PipelineDriver` needs of a session, with a fixed stage -> address map."""
-
-    def __init__(self, cfg: RunConfig, addresses: dict[int, str], peer_id: str = "bench-head") -> None:
-        self.cfg, self.peer_id = cfg, peer_id
-        self.dht = _Dht(addresses)
-        self.records = _Records()
-        self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
-        self.service: PeerService | None = None
+def head_driver(
+    cfg: RunConfig,
+    addresses: dict[int, str],
+    worker: StageWorker,
+    clients: ClientPool,
+    on_schedule: Callable[[dict[str, Any]], None] | None = None,
+) -> PipelineDriver:
+    """A head's pipeline over the stage peers at `addresses` (stage -> host:port)."""
+    return PipelineDriver(
+        cfg, "bench-head", worker, FixedStages(addresses), clients, threading.Event(), on_schedule=on_schedule
+    )
 
 
 def batches(cfg: RunConfig, n: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -105,28 +105,28 @@ def serve_stage(cfg: RunConfig, stage: int, host: str, port: int, report: Path) 
 
 def run_head(cfg: RunConfig, addresses: dict[int, str], warmup: int, steps: int) -> dict[str, Any]:
     """`warmup` + `steps` inner steps of outer step 0; timings of the last `steps` only."""
-    session = Directory(cfg, addresses)
+    clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
     worker = StageWorker(cfg, 0)
-    driver = PipelineDriver(session, worker, threading.Event())  # type: ignore[arg-type]  # a Session stand-in
+    driver = head_driver(cfg, addresses, worker, clients)
     data = batches(cfg, warmup + steps)
     losses: list[float] = []
     for h, (x, y) in enumerate(data[:warmup]):
         losses.append(driver.inner_step(0, h, x, y))
-    busy0 = _busy(session, worker, addresses)
-    bytes0 = _link_bytes(session, addresses)
+    busy0 = _busy(clients, worker, addresses)
+    bytes0 = _link_bytes(clients, addresses)
     started = time.perf_counter()
     for h, (x, y) in enumerate(data[warmup:], start=warmup):
         losses.append(driver.inner_step(0, h, x, y))
     driver.settle_steps()  # the later stages' last step is part of the timed work
     wall = time.perf_counter() - started
-    busy1 = _busy(session, worker, addresses)
-    bytes1 = _link_bytes(session, addresses)
+    busy1 = _busy(clients, worker, addresses)
+    bytes1 = _link_bytes(clients, addresses)
     tokens = steps * cfg.train.batch_size * cfg.train.seq_len
     busy = [(b1 - b0) / wall for b0, b1 in zip(busy0, busy1, strict=True)]
     links = [(b1 - b0) / tokens for b0, b1 in zip(bytes0, bytes1, strict=True)]
     with worker.lock:
         head_hash = state_hash(stage_state(worker.module))
-    session.clients.close()
+    clients.close()
     return {
         "losses": losses,
         "wall_s": wall,
@@ -139,25 +139,25 @@ def run_head(cfg: RunConfig, addresses: dict[int, str], warmup: int, steps: int)
     }
 
 
-def _busy(session: Directory, worker: StageWorker, addresses: dict[int, str]) -> list[float]:
+def _busy(clients: ClientPool, worker: StageWorker, addresses: dict[int, str]) -> list[float]:
     out = [worker.busy_s]
     for s in sorted(addresses):
-        info = session.clients.get(addresses[s]).info()
+        info = clients.get(addresses[s]).info()
         out.append(float(info["busy_s"][str(s)]))
     return out
 
 
-def _link_bytes(session: Directory, addresses: dict[int, str]) -> list[float]:
+def _link_bytes(clients: ClientPool, addresses: dict[int, str]) -> list[float]:
     """Bytes over each link s -> s + 1 of the chain (both directions): the head's calls to stage j
     cross links 0 .. j − 1, a stage's streamed calls cross its own link."""
     S = len(addresses) + 1
     per_stage = {s: 0 for s in range(1, S)}
     for s, address in addresses.items():
-        stats = session.clients.get(address).stats()  # the data plane only: forward and backward
+        stats = clients.get(address).stats()  # the data plane only: forward and backward
         per_stage[s] = sum(stats[k].get(m, 0) for k in ("bytes_sent", "bytes_received") for m in _DATA)
     links = [float(sum(per_stage[j] for j in range(s + 1, S))) for s in range(S - 1)]
     for s in range(1, S - 1):
-        info = session.clients.get(addresses[s]).info()
+        info = clients.get(addresses[s]).info()
         links[s] += float(info.get("stream_bytes", 0))
     return links
 

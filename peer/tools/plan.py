@@ -12,7 +12,7 @@ bandwidths, estimate per bandwidth:
 - the pseudo-gradient round of one stage: each of M holders downloads M − 1 payloads,
 - utilisation = compute time / wall time of one outer step (H inner steps + the round).
 
-`predict_pipeline` models the schedule that runs (`peer.node.schedule`): the sequential one (every
+`predict_pipeline` models the schedule that runs (`peer.node.pipeline.step`): the sequential one (every
 hop through the head) or K micro-batches in flight streamed stage to stage, with the pipeline
 bubble m/(m + S − 1), compute overlapped with full-duplex links and a round trip per link
 (`scheduled_step_s`); `peer bench pipeline` measures the same configurations.
@@ -224,7 +224,7 @@ def scheduled_step_s(
     t_rpc: float = 0.0,
     t_opt: Sequence[float] = (),
 ) -> float:
-    """Wall time of one inner step of m micro-batches, as `peer.node.schedule` runs it.
+    """Wall time of one inner step of m micro-batches, as `peer.node.pipeline.step` runs it.
 
     t_stages: compute (fwd + bwd) of one micro-batch on each stage; t_msg: one boundary message
     on one link (bytes / bandwidth); rtt_s: round trip per link; t_rpc: the CPU each end of a call

@@ -461,7 +461,7 @@ def test_fuzzed_peer_keeps_serving_and_trains_bit_identically(live_peer, caplog)
     fz = Fuzzer(server.address, cfg, tally, seed=1234)
     try:
         # The legit head claims the peer with an evaluation pass (changes no state), as it would
-        # with its first forward; hostile well-formed requests from other pipelines are then Busy.
+        # with its first forward; hostile well-formed requests from other pipelines are then refused (CLAIMED).
         x, y = fz.tokens(), fz.tokens()
         hid = head.evaluate(x.long(), None, None).hidden
         fz.client.forward(ForwardRequest(LEGIT, 10_000, 0, 0, 1, x, hid, targets=y, train=False))

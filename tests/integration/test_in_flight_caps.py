@@ -1,6 +1,6 @@
 """The head's auto in-flight window follows a capped link: a real stage-1 server on 127.0.0.1.
 
-The head (`PipelineDriver` with the bench's session stand-in, `peer.tools.pipeline_peers.Directory`)
+The head (`PipelineDriver` over the bench's fixed stage map, `peer.tools.pipeline_peers.head_driver`)
 picks K before every inner step from the measured round trip, the caps its stage peer reports in
 `info` ("net", `peer join --max-upload-mbps/--max-download-mbps`), stage 0's measured compute per
 micro-batch and the network part of its streamed calls (call time less the time stage 1 held the
@@ -12,21 +12,20 @@ head's record shows K (`PeerService.schedule` → the stage record's "in_flight"
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from peer.config import build_config
+from peer.net.pool import ClientPool
 from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport.gate import Gate
 from peer.net.transport.server import PeerServer
-from peer.node.pipeline import PipelineDriver
+from peer.node.pipeline.schedule import SLACK, hop_bytes, serialization_s
 from peer.node.rounds import PayloadStore
-from peer.node.schedule import SLACK, hop_bytes, serialization_s
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
-from peer.tools.pipeline_peers import Directory, batches
+from peer.tools.pipeline_peers import batches, head_driver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -63,22 +62,29 @@ def _stage1(cfg, caps: LinkCaps) -> tuple[PeerServer, str]:
     return server, server.address
 
 
+def _shown(service: PeerService):
+    def show(schedule: dict) -> None:
+        service.schedule = schedule
+
+    return show
+
+
 def test_k_grows_behind_a_capped_stage_link_and_is_re_evaluated_every_inner_step():
     cfg = _cfg()
     ks: dict[str, list[int]] = {}
     network: dict[str, float] = {}
     for name, caps in (("uncapped", LinkCaps()), ("capped", LinkCaps(upload_mbps=1.0, download_mbps=1.0))):
         server, address = _stage1(cfg, caps)
-        session = Directory(cfg, {1: address})
-        session.service = PeerService(cfg, {}, PayloadStore(), "bench-head", "head")
+        clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
+        head = PeerService(cfg, {}, PayloadStore(), "bench-head", "head")
         try:
-            driver = PipelineDriver(session, StageWorker(cfg, 0), threading.Event())  # type: ignore[arg-type]
+            driver = head_driver(cfg, {1: address}, StageWorker(cfg, 0), clients, on_schedule=_shown(head))
             losses = []
             for h, (x, y) in enumerate(batches(cfg, 2)):
                 losses.append(driver.inner_step(0, h, x, y))
                 ks.setdefault(name, []).append(driver.in_flight)
             assert all(0 < loss < 20 for loss in losses)
-            step = driver._pipelined
+            step = driver.links
             # three probes at first, then one more per inner step in a background thread: wait for it
             deadline = time.monotonic() + 30
             while address in step._probing and time.monotonic() < deadline:
@@ -86,12 +92,12 @@ def test_k_grows_behind_a_capped_stage_link_and_is_re_evaluated_every_inner_step
             assert len(step._rtt[address]) == 3 + 1
             assert step._compute_s is not None and step._compute_s > 0  # measured after the first step
             assert step.caps(address) == ((1.0, 1.0) if name == "capped" else (None, None))
-            assert session.service.schedule["in_flight"] == driver.in_flight
+            assert head.schedule["in_flight"] == driver.in_flight
             # the hop time measured from the streamed calls, less the time stage 1 held each
             assert step._network_s is not None
             network[name] = step._network_s
         finally:
-            session.clients.close()
+            clients.close()
             server.stop(grace_s=0.5)
     assert ks["uncapped"][0] == 2 + SLACK  # before anything is measured: K = S + SLACK on a fast link
     # loopback: the network part of a call is framing and codec, a few ms (more on a busy machine)

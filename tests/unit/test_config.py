@@ -220,6 +220,7 @@ def test_wrong_type_is_an_error_even_when_a_later_layer_overrides_it(tmp_path):
         ({"train.min_lr_ratio": 1.5}, ("train.min_lr_ratio",)),
         ({"swarm.round_timeout_s": 0}, ("swarm.round_timeout_s",)),
         ({"swarm.n_shards": 0}, ("swarm.n_shards",)),
+        ({"swarm.inner_step_replays": -1}, ("swarm.inner_step_replays",)),
         ({"model.head_dim": 15}, ("head_dim",)),
         ({"preset": "huge"}, ("huge", "tiny")),
     ],
@@ -277,6 +278,9 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
     assert elsewhere.data.cache_dir == tmp_path / "cache"
     assert elsewhere != base
     assert elsewhere.fingerprint() == base.fingerprint()
+    # nor do a head's own schedule and retry budget
+    for local in ({"train.in_flight": 3}, {"swarm.inner_step_replays": 7}):
+        assert build_config(None, local, environ={}).fingerprint() == base.fingerprint(), local
 
 
 # ------------------------------------------------------------------------------------ round trip

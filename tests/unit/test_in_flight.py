@@ -1,7 +1,7 @@
 """The head's auto in-flight window (`train.in_flight = 0`) against round trip, bandwidth caps and compute.
 
 K = S + SLACK + round((S − 1) · (rtt + serialization) / compute per micro-batch), bounded by the
-micro-batches and the stash limit (`peer.node.schedule.choose_in_flight`); the serialization is
+micro-batches and the stash limit (`peer.node.pipeline.schedule.choose_in_flight`); the serialization is
 one hop's boundary and gradient at the slowest cap of the chain (`serialization_s`, `hop_bytes`).
 """
 
@@ -15,7 +15,7 @@ from peer.net.ratelimit import MBIT
 from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.messages import ForwardReply, ForwardRequest
-from peer.node.schedule import (
+from peer.node.pipeline.schedule import (
     MAX_STASH,
     MIN_COMPUTE_S,
     RTT_PER_EXTRA_S,

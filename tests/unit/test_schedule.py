@@ -10,9 +10,9 @@ import torch
 
 from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
-from peer.net.transport.errors import HopError
 from peer.net.transport.messages import ForwardReply, ForwardRequest
-from peer.node.schedule import SLACK, _Aborted, _ForwardTurns, choose_in_flight, configured_in_flight
+from peer.node.pipeline.schedule import SLACK, choose_in_flight, configured_in_flight
+from peer.node.pipeline.step import _Aborted, _ForwardTurns
 
 
 def test_in_flight_defaults_to_the_stages_plus_slack_and_grows_with_the_round_trip():
@@ -40,13 +40,6 @@ def test_streamed_fields_round_trip():
     assert (back.attempt, back.route, back.window) == (2, ("10.0.0.2:5",), 4)
     reply = ForwardReply(loss=1.5, grad=hidden, sq_norms=(1.0, 2.0))
     assert codec.from_bytes(pb.ForwardReply, codec.to_bytes(reply)).sq_norms == (1.0, 2.0)
-
-
-def test_a_hop_failure_names_its_stage_through_every_relay():
-    err = HopError(3, "network", "peer 10.0.0.4:5 forward: unavailable")
-    relayed = f"peer 10.0.0.2:5 forward: ABORTED: {err}"
-    assert HopError.parse(relayed) == (3, "network")
-    assert HopError.parse("FAILED_PRECONDITION: busy") is None
 
 
 def test_stage_zero_forwards_run_in_micro_batch_order_whatever_thread_starts_first():

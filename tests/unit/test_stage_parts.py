@@ -17,7 +17,7 @@ from peer.core.sparseloco import compress
 from peer.core.state import state_hash
 from peer.node.bans import NONE, Bans
 from peer.node.claims import Link
-from peer.node.epoch_gate import EpochGate
+from peer.node.epoch_gate import EpochGate, StaleMicrobatch
 from peer.node.round_ledger import HISTORY, RoundLedger
 from peer.node.stage_commit import Outcome
 from peer.node.stage_optimizer import StageOptimizer
@@ -45,8 +45,9 @@ def test_gate_enters_epochs_in_order_and_refuses_stale_ones():
         assert gate.epoch == (0, 0, 0) and len(resets) == 1 and gate.generation == 1
         gate.admit(1, (0, 0, 1), window=0, turn=False)  # a replay of the inner step: starts it over
         assert gate.epoch == (0, 0, 1) and len(resets) == 2 and gate.generation == 2
-        with pytest.raises(ValueError, match="stale"):
+        with pytest.raises(StaleMicrobatch) as stale:
             gate.admit(0, (0, 0, 0), window=0, turn=False)
+        assert stale.value.epoch == (0, 0, 1)  # typed: the refusal carries the epoch the stage runs
         gate.forget()  # a loaded state: nothing of it is stale
         gate.admit(0, (0, 0, 0), window=0, turn=False)
         assert gate.epoch == (0, 0, 0)

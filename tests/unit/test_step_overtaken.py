@@ -1,7 +1,7 @@
 """A stage's optimizer step overtaken by the next inner step's micro-batches (peer.node.stage_worker).
 
 With micro-batches in flight the head sends each inner step's `step` without waiting for its answer
-(`PipelineDriver._step`), so on a stage peer the next inner step's first forwards can arrive before
+(`StepExecutor._step`), so on a stage peer the next inner step's first forwards can arrive before
 the step. They must wait for it rather than drop the complete step's gradients: the stage ends
 bit-identical to one that got every step first. A step that never arrives costs only that step.
 """
@@ -15,6 +15,9 @@ import torch
 
 from peer.config import build_config
 from peer.core.state import stage_state, state_hash
+from peer.net.transport.errors import Refusal, RefusalKind
+from peer.node.epoch_gate import StaleMicrobatch
+from peer.node.pipeline.failures import Action, from_refusal
 from peer.node.stage_worker import StageWorker
 from tests.unit.test_stage_checkpoint import SMALL  # the tiny model of the stage-worker tests
 
@@ -106,17 +109,18 @@ def test_a_step_that_never_arrives_is_dropped_and_the_micro_batch_refused_then_r
 
 def test_a_stage_ahead_for_an_earlier_head_process_names_its_inner_step_in_the_refusal():
     """A head restarted with the same key begins its outer step again at inner step 0. A stage that ran
-    later inner steps for the earlier process refuses it as stale; the head reads the stage's inner
-    step from that refusal (`peer.node.schedule._STALE`) and replaces the peer instead of replaying
-    into it forever. The head's own attempt numbers grow from the clock, never from 0 again."""
-    from peer.node.schedule import _STALE
-
+    later inner steps for the earlier process refuses it as stale, naming the epoch it runs; the head
+    decides on that typed refusal (`peer.node.pipeline.failures`) and replaces the peer instead of
+    replaying into it forever. The head's own attempt numbers grow from the clock, never from 0 again."""
     worker = StageWorker(_cfg(), 1, compressed=True)
     tokens, hidden, targets = _inputs(worker.cfg, 2, 0)
     worker.forward(("p", 0), tokens, hidden, targets, epoch=(2, 5), window=4)  # the earlier process
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(StaleMicrobatch) as refused:
         worker.forward(("p", 0), tokens, hidden, targets, epoch=(0, 10**12), window=4)  # the restarted one
-    found = _STALE.search(f"stage 1 cannot run this micro-batch: {refused.value}")
-    assert found is not None and (int(found.group(1)), int(found.group(2)), int(found.group(3))) == (1, 0, 2)
+    assert (refused.value.stage, refused.value.epoch) == (1, (0, 2, 5))
+    t, h, attempt = refused.value.epoch
+    refusal = Refusal(RefusalKind.STALE, refused.value.stage, outer_step=t, inner_step=h, attempt=attempt)
+    assert from_refusal(refusal, t=0, h=0, reason="stale").action is Action.REPLACE
+    assert from_refusal(refusal, t=0, h=2, reason="stale").action is Action.REPLAY  # not ahead: replay
     # a later attempt of the same inner step is never refused: the replay restarts it on the stage
     assert worker.forward(("p", 0), tokens, hidden, targets, epoch=(2, 10**12), window=4).loss is not None

@@ -6,14 +6,24 @@ Public API (everything else in here is wire detail):
 - PeerHandler: the synchronous interface a peer implements; PeerServer serves it.
 - PeerClient: synchronous calls with deadlines, bounded retries and byte counters.
 - encoded_size / framed_size: exact wire bytes of a message, for planners and metrics.
-- TransportError, RemoteError, NotFoundError (and peer.errors.NetworkError).
+- TransportError, RemoteError, NotFoundError (and peer.errors.NetworkError); Refusal, RefusalKind:
+  the typed reason a peer refused a pipeline call (`RemoteError.refusal`; a handler raises
+  `Refused`, or a NotFoundError / TransportError / HopError with a refusal).
 It imports no math module of `peer` (model, subspace, sparseloco, data).
 """
 
 from peer.config import WIRE_DTYPES
 from peer.net.transport.client import PeerClient
 from peer.net.transport.codec import encoded_size
-from peer.net.transport.errors import NetworkError, NotFoundError, RemoteError, TransportError
+from peer.net.transport.errors import (
+    NetworkError,
+    NotFoundError,
+    Refusal,
+    RefusalKind,
+    Refused,
+    RemoteError,
+    TransportError,
+)
 from peer.net.transport.framing import CHUNK_BYTES, framed_size
 from peer.net.transport.handler import PeerHandler
 from peer.net.transport.messages import (
@@ -45,6 +55,9 @@ __all__ = [
     "PeerClient",
     "PeerHandler",
     "PeerServer",
+    "Refusal",
+    "RefusalKind",
+    "Refused",
     "RemoteError",
     "StateReply",
     "StateRequest",

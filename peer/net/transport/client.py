@@ -45,6 +45,7 @@ from peer.net.transport.messages import (
     StepRequest,
 )
 from peer.net.transport.tensors import WireLimits
+from peer.net.transport.trailers import refusal_from_metadata
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class PeerClient:
             return codec.late_norms_from_bytes(raw, self._limits)
         except grpc.RpcError as exc:
             self._count(self._failed, "forward", 1)
-            raise self._error("forward", exc.code(), exc.details() or "", timeout) from None
+            raise self._error("forward", exc, timeout) from None
         except TransportError as exc:
             self._count(self._failed, "forward", 1)
             call.cancel()
@@ -306,14 +307,17 @@ class PeerClient:
                     self._closed.wait(delay)
                     continue
                 self._count(self._failed, method, 1)
-                raise self._error(method, code, exc.details() or "", timeout) from None
+                raise self._error(method, exc, timeout) from None
             except TransportError as exc:
                 self._count(self._failed, method, 1)
                 if isinstance(exc, RemoteError):
                     raise
                 raise TransportError(f"peer {self.address} {method}: {exc}") from None
 
-    def _error(self, method: str, code: grpc.StatusCode, details: str, timeout: float) -> Exception:
+    def _error(self, method: str, exc: grpc.RpcError, timeout: float) -> Exception:
+        """The PeerError for a failed call: NetworkError for the network's codes, else RemoteError
+        (NotFoundError) with the typed refusal the peer sent in the trailing metadata, if any."""
+        code, details = exc.code(), exc.details() or ""
         where = f"peer {self.address} {method}"
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return NetworkError(f"{where}: no answer within {timeout:.1f}s; the peer is overloaded or unreachable")
@@ -322,7 +326,14 @@ class PeerClient:
                 f"{where}: {code.name.lower()} ({details}); check that the peer is running and reachable"
             )
         cls = NotFoundError if code == grpc.StatusCode.NOT_FOUND else RemoteError
-        return cls(f"{where}: {code.name}: {details}", address=self.address, method=method, code=code.name)
+        trailers = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+        return cls(
+            f"{where}: {code.name}: {details}",
+            address=self.address,
+            method=method,
+            code=code.name,
+            refusal=refusal_from_metadata(trailers),
+        )
 
     def _check(self, fn: Callable[[], T], method: str) -> T:
         """Run a local encode/decode step, naming the peer and method in a TransportError."""

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -174,6 +175,36 @@ class InfoReply(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class Refusal(_message.Message):
+    __slots__ = ("kind", "stage", "outer_step", "inner_step", "attempt")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Refusal.Kind]
+        BUSY: _ClassVar[Refusal.Kind]
+        CLAIMED: _ClassVar[Refusal.Kind]
+        LOST: _ClassVar[Refusal.Kind]
+        STALE: _ClassVar[Refusal.Kind]
+        NETWORK: _ClassVar[Refusal.Kind]
+        REMOTE: _ClassVar[Refusal.Kind]
+    KIND_UNSPECIFIED: Refusal.Kind
+    BUSY: Refusal.Kind
+    CLAIMED: Refusal.Kind
+    LOST: Refusal.Kind
+    STALE: Refusal.Kind
+    NETWORK: Refusal.Kind
+    REMOTE: Refusal.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    kind: Refusal.Kind
+    stage: int
+    outer_step: int
+    inner_step: int
+    attempt: int
+    def __init__(self, kind: _Optional[_Union[Refusal.Kind, str]] = ..., stage: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
 class Metadatum(_message.Message):
     __slots__ = ("key", "value")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -183,7 +214,7 @@ class Metadatum(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("call", "method", "metadata", "data", "end", "code", "details", "timeout_s", "cancel")
+    __slots__ = ("call", "method", "metadata", "data", "end", "code", "details", "timeout_s", "cancel", "refusal")
     CALL_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +224,7 @@ class Frame(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     call: int
     method: str
     metadata: _containers.RepeatedCompositeFieldContainer[Metadatum]
@@ -202,7 +234,8 @@ class Frame(_message.Message):
     details: str
     timeout_s: float
     cancel: bool
-    def __init__(self, call: _Optional[int] = ..., method: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[Metadatum, _Mapping]]] = ..., data: _Optional[bytes] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., timeout_s: _Optional[float] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    refusal: Refusal
+    def __init__(self, call: _Optional[int] = ..., method: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[Metadatum, _Mapping]]] = ..., data: _Optional[bytes] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., timeout_s: _Optional[float] = ..., cancel: _Optional[bool] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("address",)

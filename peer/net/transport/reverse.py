@@ -5,9 +5,10 @@ call (protos/peer.proto). X's `TunnelHub` keeps it under N's peer id. A call for
 metadata `peer-target: N` (`peer.net.transport.dialer`); X's hub sends its Frames down the stream;
 N's link replays the call against N's own server on its local address, so N's admission check,
 caps and validation apply to it exactly as to a direct call, and streams the reply's Frames back;
-the last Frame carries the status, which X answers to the caller. X forwards calls of other peers
-only when it offers relaying (`relay=True`, `--relay`, counted against its relay byte cap);
-without that only X's own calls use the stream ("reverse" connectivity).
+the last Frame carries the status and its typed refusal, if any (`peer.net.transport.trailers`),
+which X answers to the caller. X forwards calls of other peers only when it offers relaying
+(`relay=True`, `--relay`, counted against its relay byte cap); without that only X's own calls
+use the stream ("reverse" connectivity).
 
 `TunnelHub.dial_back` answers the reachability check: it dials the address a joining peer
 announces (Peer.Info, short deadline) and says whether it answered and as whom.
@@ -35,6 +36,7 @@ from peer.errors import PeerError
 from peer.net.ratelimit import LINK, Link
 from peer.net.transport import dialer
 from peer.net.transport import peer_pb2 as pb
+from peer.net.transport.trailers import REFUSAL_KEY, refusal_pb_from_metadata
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +241,8 @@ class TunnelHub:
                     yield frame.data
                 if frame.end:
                     if frame.code:
+                        if frame.HasField("refusal"):  # the hidden peer's typed refusal, passed on unchanged
+                            context.set_trailing_metadata(((REFUSAL_KEY, frame.refusal.SerializeToString()),))
                         _abort(context, _CODES.get(frame.code, grpc.StatusCode.UNKNOWN), frame.details)
                     return
         finally:
@@ -448,7 +452,8 @@ class ReverseLink:
             self.served += 1
         except grpc.RpcError as exc:
             code = exc.code() or grpc.StatusCode.UNKNOWN
-            send(pb.Frame(call=call_id, end=True, code=code.value[0], details=exc.details() or ""))
+            refusal = refusal_pb_from_metadata(exc.trailing_metadata() if isinstance(exc, grpc.Call) else None)
+            send(pb.Frame(call=call_id, end=True, code=code.value[0], details=exc.details() or "", refusal=refusal))
         except _Status as exc:
             send(pb.Frame(call=call_id, end=True, code=exc.code.value[0], details=exc.details))
         except queue.Full:

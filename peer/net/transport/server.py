@@ -10,7 +10,8 @@ line, never grpcio's INTERNAL with a logged traceback (a hostile peer cannot flo
 
 Invariants: every handler call is wrapped, so a bad request or a failing handler ends only that
 RPC, never the server: validation failures -> INVALID_ARGUMENT, `NotFoundError` -> NOT_FOUND,
-other `PeerError` -> FAILED_PRECONDITION, anything else -> INTERNAL with the traceback logged.
+`HopError` -> ABORTED, other `PeerError` -> FAILED_PRECONDITION, anything else -> INTERNAL with
+the traceback logged; an error that carries a typed `Refusal` sends it in the trailing metadata.
 No request larger than `max_message_bytes` is ever buffered. `stop()` waits for in-flight handler
 calls (bounded by the grace period) and shuts every thread the server started down.
 """
@@ -31,10 +32,11 @@ from peer.errors import NetworkError, PeerError
 from peer.net.transport import codec, framing, tensors
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
-from peer.net.transport.errors import HopError, NotFoundError, TransportError
+from peer.net.transport.errors import HopError, NotFoundError, Refusal, Refused, TransportError
 from peer.net.transport.handler import HANDLER_METHODS, PeerHandler
 from peer.net.transport.messages import BackwardReply, ForwardReply, StateReply, StepReply
 from peer.net.transport.tensors import WireLimits
+from peer.net.transport.trailers import trailing_metadata
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,14 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -
     """End the RPC with `code` and `details` (grpc's `abort` raises; grpc ships no types to say so)."""
     context.abort(code, details)
     raise AssertionError("grpc.ServicerContext.abort returned")  # never reached
+
+
+def _refuse(context: grpc.ServicerContext, code: grpc.StatusCode, exc: PeerError, refusal: Refusal | None) -> NoReturn:
+    """End the RPC with `code`, the message of `exc` and, when given, its typed refusal in the
+    trailing metadata (`peer.net.transport.trailers`)."""
+    if refusal is not None:
+        context.set_trailing_metadata(trailing_metadata(refusal))
+    _abort(context, code, str(exc))
 
 
 class _Servicer(pb_grpc.PeerServicer):
@@ -153,14 +163,16 @@ class _Servicer(pb_grpc.PeerServicer):
         except grpc.RpcError:  # the request stream broke: client deadline, cancel or disconnect
             self._cancelled(context, method)
         except NotFoundError as exc:
-            _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+            _refuse(context, grpc.StatusCode.NOT_FOUND, exc, exc.refusal)
         except TransportError as exc:
             if not context.is_active():  # a cancelled upload can also look like a truncated stream
                 self._cancelled(context, method)
             log.info("rejected %s from %s: %s", method, context.peer(), exc)
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc, exc.refusal)
         except HopError as exc:
-            _abort(context, grpc.StatusCode.ABORTED, str(exc))
+            _refuse(context, grpc.StatusCode.ABORTED, exc, exc.refusal)
+        except Refused as exc:
+            _refuse(context, grpc.StatusCode.FAILED_PRECONDITION, exc, exc.refusal)
         except PeerError as exc:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:
