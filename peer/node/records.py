@@ -20,13 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from peer.config import SwarmConfig
 from peer.errors import PeerError
+from peer.net.dht import SwarmDHT
+from peer.node.presence import Presence
+from peer.node.refusals import Refusals
 from peer.node.stage_worker import StageWorker
-
-if TYPE_CHECKING:
-    from peer.node.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,33 @@ WITHDRAW_S = 3.0  # leaving spends at most this long withdrawing records (they e
 Record = dict[str, Any]  # {"kind": "stage", "stage": s, "record": {...}} or {"kind": "replica", "record": {...}}
 
 
-class Records:
-    """Builds this peer's records and republishes them until `close`."""
+class Serving(Protocol):
+    """What the records say about the service (`peer.node.service.PeerService`)."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    claimed_by: str | None
+    in_round: bool
+    tokens: int
+    started: float
+    schedule: dict[str, Any]
+
+
+class Records:
+    """Builds this peer's records and republishes them until `close`.
+
+    `service` is read at each publish (None until the peer serves: state "syncing");
+    `net_fields` adds connectivity, caps and refused calls to every record."""
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        swarm: SwarmConfig,
+        me: Presence,
+        refusals: Refusals,
+        net_fields: Callable[[], dict[str, Any]],
+        service: Callable[[], Serving | None],
+    ) -> None:
+        self.dht, self.swarm, self.me, self.refusals = dht, swarm, me, refusals
+        self.net_fields, self.service = net_fields, service
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._publish: Callable[[], None] | None = None
@@ -47,28 +70,28 @@ class Records:
         self._stages: set[int] = set()
 
     def stage(self, worker: StageWorker, role: str) -> Record:
-        svc = self.session.service
+        svc = self.service()
         state = "syncing" if svc is None else ("busy" if svc.claimed_by or svc.in_round else "ready")
         return {
             "kind": "stage",
             "stage": worker.stage,
             "record": {
-                "address": self.session.address,
+                "address": self.me.address,
                 "role": role,
                 "state": state,
                 "outer_step": worker.outer_step,
                 "param_hash": worker.param_hash(),
                 "perp_hash": worker.perp_hash(),
-                "inc": self.session.incarnation,
+                "inc": self.me.incarnation,
                 "pipeline": svc.claimed_by if svc else None,
                 "committed": [r[:16] for r in worker.last_committed],
                 "bans": worker.bans.to_record(),  # part of the committed state (peer.node.bans)
                 "state_id": worker.state_id(),  # the claim (peer.node.claims): checked, never taken on trust
                 "link": worker.link.to_record() if worker.link is not None else None,
-                "refused": self.session.refusals.record(),  # holders whose state failed its check
+                "refused": self.refusals.record(),  # holders whose state failed its check
                 "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
                 "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.schedule)
-                **self.session.net_fields(),  # connectivity, relay, caps, refused calls
+                **self.net_fields(),  # connectivity, relay, caps, refused calls
             },
         }
 
@@ -84,16 +107,16 @@ class Records:
         """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
         announcements to this replica (peer.node.rounds.bound_replica)."""
         record: dict[str, Any] = {
-            "address": self.session.address,
+            "address": self.me.address,
             "kind": kind,
             "outer_step": outer_step,
             "shard": shard,
             "loss": loss,
             "tokens_per_s": tokens_per_s,
-            "joined_at": self.session.joined_at,
-            "inc": self.session.incarnation,
-            "done": self.session.finishing,
-            **self.session.net_fields(),  # connectivity, relay, caps, refused calls
+            "joined_at": self.me.joined_at,
+            "inc": self.me.incarnation,
+            "done": self.me.finishing,
+            **self.net_fields(),  # connectivity, relay, caps, refused calls
         }
         if pipeline_peers is not None:
             record["pipeline_peers"] = pipeline_peers
@@ -101,7 +124,7 @@ class Records:
 
     def announce(self, *record_fns: Callable[[], Record]) -> None:
         """Publish the records now and then every `announce_interval_s` until close()."""
-        dht, swarm_cfg = self.session.dht, self.session.cfg.swarm
+        dht, swarm_cfg = self.dht, self.swarm
 
         def publish() -> None:
             for fn in record_fns:
@@ -150,14 +173,14 @@ class Records:
         if self._thread is not None:
             self._thread.join(timeout=5)
         deadline = time.monotonic() + WITHDRAW_S
-        dht = self.session.dht
+        dht = self.dht
         try:
             for stage in sorted(self._stages):
                 dht.withdraw_stage(stage, timeout_s=_left(deadline))
-            if self.session.role in ("head", "full"):
+            if self.me.role in ("head", "full"):
                 dht.withdraw_replica(timeout_s=_left(deadline))
         except PeerError as exc:
-            ttl = self.session.cfg.swarm.record_ttl_s
+            ttl = self.swarm.record_ttl_s
             log.warning(
                 "could not withdraw records within %.0f s (they expire within %.0f s): %s", WITHDRAW_S, ttl, exc
             )

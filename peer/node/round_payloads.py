@@ -3,7 +3,8 @@
 - `PayloadStore`: the payloads this process serves over gRPC `get_payload`, newest rounds only.
 - `payload_validator`: a received payload parses with this run's settings and fits the stage's
   parameters exactly (names, shapes, each once, stage 0's embedding present), else PayloadError:
-  a payload that could not be applied is never committed.
+  a payload that could not be applied is never committed; `round_validator` builds it for round
+  (t, stage) as seen by one of our stage workers (an observer of stage 0 uses stage 0's shapes).
 - `bound_replica`: which replica a sender's announcement may stand for (itself, or the pipeline
   whose record lists it as its stage peer).
 - `sha256`: the digest announced with every payload.
@@ -21,12 +22,18 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from peer.config import RunConfig
+from peer.core.model import stage_shapes
+from peer.core.outer import EMBED
 from peer.core.sparseloco import Payload, PayloadError, SparseLoCoConfig
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
+
+if TYPE_CHECKING:
+    from peer.node.stage_worker import StageWorker
 
 __all__ = [
     "SETTLE_S",
@@ -129,6 +136,16 @@ def payload_validator(
         return payload
 
     return validate
+
+
+def round_validator(cfg: RunConfig, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
+    """Payloads of round (t, stage) for `worker`: the format, and entries that fit the stage's
+    parameters (its own stage: the worker's tensors; an observer gather of stage 0: stage 0's shapes)."""
+    if stage == worker.stage:
+        shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
+    else:
+        shapes = stage_shapes(cfg.model, stage, cfg.stages)
+    return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
 
 
 def sha256(data: bytes) -> str:

@@ -48,7 +48,7 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
-from peer.node.rounds import PayloadStore
+from peer.node.round_payloads import PayloadStore
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)

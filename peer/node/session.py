@@ -3,8 +3,10 @@
 `Session.connect` joins the DHT first (hivemind forks; nothing else may run yet), waits for the
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
 (`verify_manifest`), downloads and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`.
-The trainer (`peer.node.trainer`) then serves its stage workers and uses the session's duties:
-- `rounds`      outer rounds: gather, commit, record (peer.node.rounds);
+The session is the composition root: it builds the duties below and hands each what it uses (the
+config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
+receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
+- `rounds`      outer rounds: gather, commit, record, catch up after a download (peer.node.rounds);
 - `resync`      late join, the canonical-state check, downloads, catch-up (peer.node.resync);
 - `refusals`    holders whose published state failed its check (peer.node.refusals);
 - `records`     this peer's DHT records and their refresh thread (peer.node.records);
@@ -22,7 +24,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -44,15 +45,18 @@ from peer.net.transport.client import PeerClient
 from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
+from peer.node.agreement import expected_replicas
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import swarm_clock
 from peer.node.connectivity import Connectivity
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
+from peer.node.presence import Presence
 from peer.node.records import Records
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
-from peer.node.rounds import PayloadStore, Rounds, expected_replicas
+from peer.node.round_payloads import PayloadStore
+from peer.node.rounds import Rounds
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 
@@ -92,9 +96,7 @@ class Session:
         self.opts, self.dht, self.manifest, self.cfg = opts, dht, manifest, cfg
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
-        self.incarnation = secrets.token_hex(6)  # this process: tells a restarted peer's records apart
-        self.finishing = False  # past the last round (published as "done" in the replica record)
-        self.joined_at = 0  # the first round this peer contributes to (DESIGN §3: late joiners)
+        self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
         self.store = PayloadStore()
         self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
         watch_pool(self.clients)  # --metrics-port: bytes per gRPC method, read at each scrape
@@ -102,14 +104,39 @@ class Session:
         self.service: PeerService | None = None
         self.gate: Gate | None = None  # admission, reverse streams, caps (peer.net.transport.gate)
         self.connectivity: Connectivity | None = None
-        self.address = ""
         opts.data_dir.mkdir(parents=True, exist_ok=True)
+        # the composition root: each part gets what it uses, none gets the session
         self.metrics = MetricsWriter(opts.data_dir, role)
         self.refusals = Refusals(on_refuse=self.metrics.log)  # holders whose state failed its check
-        self.records = Records(self)
-        self.rounds = Rounds(self)
-        self.resync = Resync(self)
-        self.checkpoints = PeerCheckpoints(self)
+        self.records = Records(dht, cfg.swarm, self.me, self.refusals, self.net_fields, lambda: self.service)
+        self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
+        round_parts = (cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, self.records.refresh)
+        self.resync = Resync(*round_parts, checkpoints=self.checkpoints)
+        self.rounds = Rounds(*round_parts, resync=self.resync)
+
+    @property
+    def address(self) -> str:
+        return self.me.address
+
+    @address.setter
+    def address(self, value: str) -> None:
+        self.me.address = value
+
+    @property
+    def incarnation(self) -> str:
+        return self.me.incarnation
+
+    @property
+    def joined_at(self) -> int:
+        return self.me.joined_at
+
+    @joined_at.setter
+    def joined_at(self, value: int) -> None:
+        self.me.joined_at = value
+
+    @property
+    def finishing(self) -> bool:
+        return self.me.finishing
 
     # ------------------------------------------------------------------ joining and leaving
     @classmethod
@@ -179,7 +206,14 @@ class Session:
         self.address = f"{host}:{self.server.port}"
         assert self.gate is not None
         self.gate.bind(f"{self.opts.host}:{self.server.port}")
-        self.connectivity = Connectivity(self, self.gate.hub.local_address)
+        self.connectivity = Connectivity(
+            self.dht,
+            self.me,
+            self.cfg.stages,
+            self.cfg.swarm.announce_interval_s,
+            str(self.manifest.get("bootstrap_address", "")),
+            self.gate.hub.local_address,
+        )
         self.connectivity.start()  # the reachability check; reverse streams when this peer cannot be dialled
         self.metrics.log("connectivity", **self.connectivity.fields(), address=self.address)
         self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.address)
@@ -205,7 +239,7 @@ class Session:
 
         A stopped peer (Ctrl+C, SIGTERM) hands off instead: it takes no more pipeline work but
         serves its last round's payload until the holders still gathering that round have it."""
-        self.finishing = True
+        self.me.finishing = True
         self.records.refresh()
         if stop.is_set():
             self.hand_off()
