@@ -25,6 +25,7 @@ from typing import Any
 
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.reverse import ReverseLink, ask_dial_back
 from peer.node.presence import Presence
 
@@ -46,11 +47,13 @@ class Connectivity:
         announce_interval_s: float,
         bootstrap_address: str,
         local_address: str,
+        outbound: Outbound,
     ) -> None:
         """`me.address` is the direct address to check; a routed one replaces it when nobody can dial it."""
         self.dht, self.me, self.stages = dht, me, stages
         self.announce_interval_s, self.bootstrap_address = announce_interval_s, bootstrap_address
         self.local_address = local_address  # where this peer's own server answers its reverse streams
+        self.outbound = outbound  # the proof and link of this peer's calls (dial-back, reverse streams)
         self.direct_address = me.address
         self.mode = "direct"
         self.seen_host = ""
@@ -103,7 +106,7 @@ class Connectivity:
         relays: list[str] = []
         for hub in self._candidates():
             try:
-                reply = ask_dial_back(hub, self.direct_address, timeout_s=CHECK_TIMEOUT_S)
+                reply = ask_dial_back(hub, self.direct_address, timeout_s=CHECK_TIMEOUT_S, outbound=self.outbound)
             except PeerError as exc:
                 log.debug("reachability check via %s failed: %s", hub, exc)
                 continue
@@ -142,7 +145,9 @@ class Connectivity:
     def _open(self, hub: str) -> None:
         with self._lock:
             if hub not in self._links:
-                self._links[hub] = ReverseLink(hub, self.local_address, on_change=self._publish_address)
+                self._links[hub] = ReverseLink(
+                    hub, self.local_address, on_change=self._publish_address, outbound=self.outbound
+                )
 
     def _sync_links(self) -> None:
         """Reverse mode: one stream to each directly reachable peer of the run (at most MAX_LINKS)."""

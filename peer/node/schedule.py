@@ -180,7 +180,7 @@ class PipelinedStep:
         if configured == 0 and cfg.stages > 1:
             route = [self.driver._ensure_peer(s, t)[1] for s in range(1, cfg.stages)]
             rtt = self.rtt(route[0])
-            link = ratelimit.LINK.caps
+            link = self.driver.session.clients.outbound.link.caps  # this peer's own caps
             caps = [link.upload_mbps, link.download_mbps, *(c for a in route for c in self.caps(a))]
             ser = serialization_s(hop_bytes(cfg), caps)
             network = self._measured_network()

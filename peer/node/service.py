@@ -35,6 +35,7 @@ import torch
 from peer.config import RunConfig
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.client import PeerClient
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.errors import HopError, NotFoundError, RemoteError, TransportError
 from peer.net.transport.messages import (
     ArtifactRequest,
@@ -74,11 +75,14 @@ class PeerService:
         role: str,
         on_last_step: Callable[[str, int], None] | None = None,
         artifacts: dict[str, bytes] | None = None,
+        outbound: Outbound | None = None,
     ) -> None:
+        """`outbound`: the proof and link of the calls this peer makes to the next stages."""
         self.cfg, self.workers, self.store = cfg, workers, store
         self.peer_id, self.role = peer_id, role
         self.on_last_step = on_last_step
         self.artifacts = artifacts or {}
+        self.outbound = outbound
         self.claimed_by: str | None = None  # pipeline id (head's peer id) for the current outer step
         self.in_round = False  # between the last inner step and the committed round
         self.leaving = False  # stopped: serves payloads a little longer, no pipeline work (Session.hand_off)
@@ -248,6 +252,7 @@ class PeerService:
                     timeout_s=self.cfg.swarm.rpc_timeout_s,
                     wire_dtype=self.cfg.subspace.wire_dtype,
                     vocab_size=self.cfg.model.vocab_size,
+                    outbound=self.outbound,
                 )
         try:
             return client.forward(request, timeout_s=self.cfg.swarm.rpc_timeout_s * depth)

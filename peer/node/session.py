@@ -35,13 +35,14 @@ from peer.config import LinkConfig, RunConfig
 from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
 from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
-from peer.net import ratelimit
 from peer.net.addresses import advertised_host
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.prometheus import watch_pool
+from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport import auth
 from peer.net.transport.client import PeerClient
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
@@ -92,13 +93,17 @@ class Session:
         cfg: RunConfig,
         role: str,
         stage: int | None,
+        outbound: Outbound | None = None,
     ) -> None:
+        """`outbound` (default: from the DHT's admission and `opts.link`): what every call this
+        peer makes carries, its admission proof and its one link with the caps."""
         self.opts, self.dht, self.manifest, self.cfg = opts, dht, manifest, cfg
+        self.outbound = outbound or _outbound(opts, dht)
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
         self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
         self.store = PayloadStore()
-        self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
+        self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, self.outbound)
         watch_pool(self.clients)  # --metrics-port: bytes per gRPC method, read at each scrape
         self.server: PeerServer | None = None
         self.service: PeerService | None = None
@@ -154,15 +159,10 @@ class Session:
             manifest = wait_for_manifest(dht, opts.manifest_timeout_s, opts.initial_peers[0], stop)
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
-            admission = dht.admission  # every data-plane call this process makes proves it is admitted
-            auth.set_default_credentials(
-                auth.for_swarm(admission.mode, admission.allowlist, dht.peer_id, *dht.auth_material)[1]
-            )
-            ratelimit.configure(
-                ratelimit.LinkCaps(opts.link.max_upload_mbps, opts.link.max_download_mbps, opts.link.relay_max_mbps)
-            )
-            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, _peer_addresses(dht, cfg))
-            session = cls(opts, dht, manifest, cfg, role, stage)
+            outbound = _outbound(opts, dht)  # the manifest's admission is known now
+            addresses = _peer_addresses(dht, cfg)
+            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound)
+            session = cls(opts, dht, manifest, cfg, role, stage, outbound)
         except BaseException:
             dht.shutdown()
             raise
@@ -190,7 +190,7 @@ class Session:
         """Serve the stage workers over gRPC; returns the service (claims, round state)."""
         tokenizer = {"tokenizer": Path(self.cfg.data.tokenizer).read_bytes()} if self.cfg.data.tokenizer else {}
         self.service = PeerService(  # serves the tokenizer too: joins work once the bootstrap is gone
-            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, artifacts=tokenizer
+            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, tokenizer, self.outbound
         )
         self.server = PeerServer(
             self.service,
@@ -213,6 +213,7 @@ class Session:
             self.cfg.swarm.announce_interval_s,
             str(self.manifest.get("bootstrap_address", "")),
             self.gate.hub.local_address,
+            self.outbound,
         )
         self.connectivity.start()  # the reachability check; reverse streams when this peer cannot be dialled
         self.metrics.log("connectivity", **self.connectivity.fields(), address=self.address)
@@ -222,7 +223,9 @@ class Session:
     def _gate(self) -> Gate:
         admission = self.dht.admission
         verifier, _ = auth.for_swarm(admission.mode, admission.allowlist, self.peer_id, *self.dht.auth_material)
-        self.gate = Gate(self.peer_id, verifier, relay=self.opts.link.relay, net_info=self.net_fields)
+        self.gate = Gate(
+            self.peer_id, verifier, relay=self.opts.link.relay, net_info=self.net_fields, outbound=self.outbound
+        )
         return self.gate
 
     def net_fields(self) -> dict[str, Any]:
@@ -407,6 +410,14 @@ def _start_dht(opts: SessionOptions, attempts: int = 2) -> SwarmDHT:
     raise AssertionError("unreachable")
 
 
+def _outbound(opts: SessionOptions, dht: SwarmDHT) -> Outbound:
+    """This peer's admission proof under the swarm's policy and its link with the `opts.link` caps."""
+    admission = dht.admission
+    _, credentials = auth.for_swarm(admission.mode, admission.allowlist, dht.peer_id, *dht.auth_material)
+    caps = LinkCaps(opts.link.max_upload_mbps, opts.link.max_download_mbps, opts.link.relay_max_mbps)
+    return Outbound(credentials, Link(caps))
+
+
 def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
     """Data-plane addresses of the run's live peers (any stage), for artefacts the bootstrap cannot serve."""
     found: list[str] = []
@@ -419,7 +430,12 @@ def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
 
 
 def _with_tokenizer(
-    cfg: RunConfig, manifest: dict, data_dir: Path, timeout_s: float, fallback: Sequence[str] = ()
+    cfg: RunConfig,
+    manifest: dict,
+    data_dir: Path,
+    timeout_s: float,
+    fallback: Sequence[str] = (),
+    outbound: Outbound | None = None,
 ) -> RunConfig:
     """Download the run's tokenizer from the bootstrap (else from a live peer), check its sha256
     against the manifest, point the data config at it."""
@@ -429,7 +445,8 @@ def _with_tokenizer(
         raw = b""
         for i, address in enumerate([manifest["bootstrap_address"], *fallback]):
             try:
-                with PeerClient(address, timeout_s=timeout_s if i == 0 else min(timeout_s, 10.0)) as client:
+                wait_s = timeout_s if i == 0 else min(timeout_s, 10.0)
+                with PeerClient(address, timeout_s=wait_s, outbound=outbound) as client:
                     raw = client.get_artifact(ArtifactRequest("tokenizer"))
             except PeerError as exc:
                 log.warning("tokenizer not available from %s: %s", address, exc)
