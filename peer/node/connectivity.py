@@ -25,6 +25,7 @@ from typing import Any
 
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
+from peer.net.records import ReplicaRecord, StageRecord
 from peer.net.transport.dialer import Outbound
 from peer.net.transport.reverse import ReverseLink, ask_dial_back
 from peer.node.presence import Presence
@@ -121,26 +122,27 @@ class Connectivity:
         return True, relays, "nobody"
 
     # ------------------------------------------------------------------ streams
-    def _records(self) -> list[dict[str, Any]]:
-        dht, out = self.dht, []
+    def _records(self) -> list[StageRecord | ReplicaRecord]:
+        """Other peers' live stage and replica records (none when the DHT cannot be read)."""
+        out: list[tuple[str, StageRecord | ReplicaRecord]] = []
         try:
             for s in range(self.stages):
-                out += [{"peer_id": pid, **r} for pid, r in dht.get_stage_peers(s).items()]
-            out += [{"peer_id": pid, **r} for pid, r in dht.get_replicas().items()]
+                out += self.dht.get_stage_peers(s).items()
+            out += self.dht.get_replicas().items()
         except PeerError as exc:
             log.debug("connectivity: could not read the swarm's records: %s", exc)
-        return [r for r in out if r["peer_id"] != self.me.peer_id]
+        return [r for pid, r in out if pid != self.me.peer_id]
 
     def _direct_peers(self) -> list[str]:
         addresses = [
-            str(r.get("address"))
+            r.address
             for r in self._records()
-            if r.get("address") and "@" not in str(r.get("address")) and r.get("connectivity", "direct") == "direct"
+            if r.address and "@" not in r.address and (r.net.connectivity or "direct") == "direct"
         ]
         return list(dict.fromkeys(addresses))
 
     def _relay_peers(self) -> list[str]:
-        return [str(r["address"]) for r in self._records() if r.get("relay") and "@" not in str(r.get("address", ""))]
+        return [r.address for r in self._records() if r.net.relay and "@" not in r.address]
 
     def _open(self, hub: str) -> None:
         with self._lock:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from peer.core.sparseloco import Payload
+from peer.net.records import StageRecord
 from peer.node.claims import Claim
 from peer.node.refusals import Refusals
 from peer.node.round_payloads import sha256
@@ -42,7 +42,9 @@ class Follow:
         self.since: float | None = None
         self.tried_at = 0.0
 
-    def take(self, claim: Claim, held: Held, holders: Mapping[str, Any], parse: Callable[[bytes], Payload]) -> bool:
+    def take(
+        self, claim: Claim, held: Held, holders: Mapping[str, StageRecord], parse: Callable[[bytes], Payload]
+    ) -> bool:
         """Hold exactly `claim`'s set (fetching what is missing, now and then); True once held."""
         assert claim.link is not None
         self.since = time.monotonic() if self.since is None else self.since
@@ -57,14 +59,15 @@ class Follow:
                 have[rid16] = rid
         if missing and time.monotonic() - self.tried_at >= FOLLOW_FETCH_S:
             self.tried_at = time.monotonic()
-            address = holders.get(claim.peer, {}).get("address")
+            holder = holders.get(claim.peer)
+            address = holder.address if holder is not None and holder.address else None
             got = self.fetcher.fetch(
                 self.t,
                 self.stage,
                 missing,
                 parse,
                 held.by_digest(),
-                address if isinstance(address, str) else None,
+                address,
                 self.n_stages,
             )
             if got.forged and self.refusals is not None:

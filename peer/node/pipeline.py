@@ -79,19 +79,19 @@ class PipelineDriver:
     def _candidates(self, stage: int, t: int) -> list[tuple[str, str]]:
         peers = self.session.dht.get_stage_peers(stage)
         ready = [
-            (pid, rec["address"])
+            (pid, rec.address)
             for pid, rec in peers.items()
-            if rec.get("role") in ("spare", "trainer")
-            and rec.get("outer_step") == t
-            and rec.get("address")
+            if rec.role in ("spare", "trainer")
+            and rec.outer_step == t
+            and rec.address
             and pid not in self.excluded
-            and (rec.get("pipeline") in (None, self.pipeline_id))
+            and (rec.pipeline in (None, self.pipeline_id))
         ]
         return sorted(ready, key=lambda p: (p[0] != self.peers.get(stage, ("",))[0], p[0]))
 
     def _ahead(self, stage: int, t: int) -> bool:
         return any(
-            rec.get("outer_step", -1) > t and rec.get("role") in ("spare", "trainer")
+            rec.outer_step is not None and rec.outer_step > t and rec.role in ("spare", "trainer")
             for rec in self.session.dht.get_stage_peers(stage).values()
         )
 
@@ -109,7 +109,7 @@ class PipelineDriver:
                     "pipeline %s: stage %d -> %s at %s", self.pipeline_id[:8], stage, found[0][0][:12], found[0][1]
                 )
                 # publish the new binding ("pipeline_peers" of the replica record) before that peer can
-                # announce a payload for this pipeline (peer.node.rounds.bound_replica)
+                # announce a payload for this pipeline (peer.node.agreement.binding)
                 self.session.records.refresh()
                 return found[0]
             self.stop.wait(0.5)

@@ -36,6 +36,7 @@ from peer.core.sparseloco import decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateRequest
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
@@ -160,11 +161,11 @@ class Resync:
         )
 
     def _download(
-        self, worker: StageWorker, pid: str, rec: Mapping[str, Any], claim: Claim, reason: str, keep_errors: bool
+        self, worker: StageWorker, pid: str, rec: StageRecord, claim: Claim, reason: str, keep_errors: bool
     ) -> bool:
         """Adopt `claim`'s state served by `pid`: True when it loaded and has the claimed state id."""
-        address = rec.get("address")
-        if not isinstance(address, str) or not address:
+        address = rec.address
+        if not address:
             return False
         try:
             reply = self.clients.get(address).get_state(StateRequest(worker.stage))
@@ -246,14 +247,14 @@ class Resync:
         no replica announced (`peer.node.verify.resolve`), or our own set of that round from our
         own state with another state, is false: its holder is refused. Claims of other sets are
         checked by recomputation in `reconcile` (same round and state only)."""
-        reads: dict[tuple[int, int], Mapping[str, Any]] = {}
+        reads: dict[tuple[int, int], Mapping[str, Announcement]] = {}
 
-        def announcements(t: int, stage: int) -> Mapping[str, Any]:
+        def announcements(t: int, stage: int) -> Mapping[str, Announcement]:
             if (t, stage) not in reads:
                 reads[(t, stage)] = self.dht.get_payloads(t, stage)
             return reads[(t, stage)]
 
-        replicas: Mapping[str, Any] | None = None
+        replicas: Mapping[str, ReplicaRecord] | None = None
         for c in claims:
             if c.link is None or (c.peer, c.state) in self._audited:
                 continue
@@ -273,7 +274,7 @@ class Resync:
                     self.refusals.refuse(c.peer, worker.stage, link.t, reason)
                     break
 
-    def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, Any]) -> bool:
+    def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord]) -> bool:
         """Check `claim` by recomputing its set from the state we committed its round from; switch
         to it when it holds (True), refuse its holder when it is false (False), or leave it for now
         when its payloads cannot be fetched (False)."""
@@ -282,8 +283,8 @@ class Resync:
         if (link.entries, link.embed) == (own.entries, own.embed):
             self.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
             return False
-        address = holders.get(claim.peer, {}).get("address")
-        address = address if isinstance(address, str) else None
+        holder = holders.get(claim.peer)
+        address = holder.address if holder is not None and holder.address else None
         timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
         fetcher = SetFetcher(self.dht, self.clients, self.store, self.me.peer_id, timeout_s)
         parse = round_validator(self.cfg, worker, worker.stage)

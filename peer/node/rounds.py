@@ -24,7 +24,6 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -41,7 +40,7 @@ from peer.node.metrics import MetricsWriter, log_round
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
-from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, round_validator, sha256
+from peer.node.round_payloads import PayloadStore, payload_validator, round_validator, sha256
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,6 @@ __all__ = [
     "PayloadStore",
     "RoundResult",
     "Rounds",
-    "bound_replica",
     "expected_replicas",
     "gather_round",
     "payload_validator",
@@ -87,7 +85,7 @@ class Rounds:
         replica_id: str | None,
         stop: threading.Event,
         stage: int | None = None,
-        extra: Mapping[str, Any] | None = None,
+        peers: Mapping[str, str] | None = None,
         payload: Payload | None = None,
     ) -> RoundResult:
         """Contribute worker's payload (if replica_id; `payload` when already encoded) and collect
@@ -113,7 +111,7 @@ class Rounds:
             validate=round_validator(self.cfg, worker, stage),
             stop=stop,
             inc=self.me.incarnation,
-            extra=extra,
+            peers=peers,
             quorum=swarm.min_replicas if t == 0 else 1,
             n_stages=self.cfg.stages,
             banned=banned,
@@ -246,7 +244,7 @@ class Rounds:
     ) -> RoundResult:
         """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
         that did this outer step's last inner step: the round's binding), gather and apply."""
-        result = self.gather(worker, t, self.me.peer_id, stop, extra={"peers": dict(peers or {})})
+        result = self.gather(worker, t, self.me.peer_id, stop, peers=dict(peers or {}))
         self.commit({worker.stage: worker}, {worker.stage: result})
         return result
 

@@ -40,6 +40,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.prometheus import watch_pool
 from peer.net.ratelimit import Link, LinkCaps
+from peer.net.records import NetFields, ReplicaRecord, StageRecord
 from peer.net.transport import auth
 from peer.net.transport.client import PeerClient
 from peer.net.transport.dialer import Outbound
@@ -113,7 +114,7 @@ class Session:
         # the composition root: each part gets what it uses, none gets the session
         self.metrics = MetricsWriter(opts.data_dir, role)
         self.refusals = Refusals(on_refuse=self.metrics.log)  # holders whose state failed its check
-        self.records = Records(dht, cfg.swarm, self.me, self.refusals, self.net_fields, lambda: self.service)
+        self.records = Records(dht, cfg.swarm, self.me, self.refusals, self.net, lambda: self.service)
         self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
         round_parts = (cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, self.records.refresh)
         self.resync = Resync(*round_parts, checkpoints=self.checkpoints)
@@ -224,18 +225,25 @@ class Session:
         admission = self.dht.admission
         verifier, _ = auth.for_swarm(admission.mode, admission.allowlist, self.peer_id, *self.dht.auth_material)
         self.gate = Gate(
-            self.peer_id, verifier, relay=self.opts.link.relay, net_info=self.net_fields, outbound=self.outbound
+            self.peer_id,
+            verifier,
+            relay=self.opts.link.relay,
+            net_info=lambda: self.net().to_record(),
+            outbound=self.outbound,
         )
         return self.gate
 
-    def net_fields(self) -> dict[str, Any]:
+    def net(self) -> NetFields:
         """Connectivity, caps and refused calls, for this peer's records and Info."""
-        out: dict[str, Any] = self.connectivity.fields() if self.connectivity else {"connectivity": "direct"}
-        out["relay"] = self.opts.link.relay
-        out["auth_failures"] = self.gate.verifier.failure_count() if self.gate else 0
-        out["max_upload_mbps"] = self.opts.link.max_upload_mbps or None
-        out["max_download_mbps"] = self.opts.link.max_download_mbps or None
-        return out
+        c, link = self.connectivity, self.opts.link
+        return NetFields(
+            connectivity=c.mode if c is not None else "direct",
+            via=tuple(c.via()) if c is not None else None,
+            relay=link.relay,
+            auth_failures=self.gate.verifier.failure_count() if self.gate else 0,
+            max_upload_mbps=link.max_upload_mbps or None,
+            max_download_mbps=link.max_download_mbps or None,
+        )
 
     def finish(self, stop: threading.Event) -> int:
         """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0.
@@ -264,8 +272,8 @@ class Session:
         deadline = time.monotonic() + max_s
         waited = False
 
-        def at_round(rec: dict[str, Any]) -> bool:
-            return rec.get("outer_step") == t - 1
+        def at_round(rec: StageRecord | ReplicaRecord) -> bool:
+            return rec.outer_step == t - 1
 
         while time.monotonic() < deadline:
             try:
@@ -324,16 +332,19 @@ class Session:
         T = self.cfg.train.outer_steps
         deadline = time.monotonic() + max_s
 
-        def replica_behind(rec: dict[str, Any]) -> bool:
-            return rec.get("outer_step", T) < T or (rec.get("kind") == "pipeline" and rec.get("done") is False)
+        def behind(rec: StageRecord | ReplicaRecord) -> bool:
+            return rec.outer_step is not None and rec.outer_step < T
+
+        def replica_behind(rec: ReplicaRecord) -> bool:
+            return behind(rec) or (rec.kind == "pipeline" and rec.done is False)
 
         while not stop.is_set() and time.monotonic() < deadline:
-            if not self._others_where(replica_behind, lambda rec: rec.get("outer_step", T) < T, range(self.cfg.stages)):
+            if not self._others_where(replica_behind, behind, range(self.cfg.stages)):
                 return
             stop.wait(0.5)
 
     def _others_where(
-        self, replica: Callable[[dict[str, Any]], bool], stage: Callable[[dict[str, Any]], bool], stages: Iterable[int]
+        self, replica: Callable[[ReplicaRecord], bool], stage: Callable[[StageRecord], bool], stages: Iterable[int]
     ) -> list[str]:
         """Other peers of the run whose replica record, or stage record of one of `stages`, matches."""
         out = {pid for pid, rec in self.dht.get_replicas().items() if replica(rec)}
@@ -347,7 +358,7 @@ class Session:
 
         `prefer` (a resumed peer's shard) is taken when it is still free.
         """
-        used = {rec.get("shard") for pid, rec in self.dht.get_replicas().items() if pid != self.peer_id}
+        used = {rec.shard for pid, rec in self.dht.get_replicas().items() if pid != self.peer_id}
         if isinstance(prefer, int) and 0 <= prefer < self.cfg.swarm.n_shards and prefer not in used:
             return prefer
         for shard in range(self.cfg.swarm.n_shards):
@@ -423,7 +434,7 @@ def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
     found: list[str] = []
     for s in range(cfg.stages):
         try:
-            found += [str(r["address"]) for r in dht.get_stage_peers(s).values() if r.get("address")]
+            found += [r.address for r in dht.get_stage_peers(s).values() if r.address]
         except PeerError:
             continue
     return list(dict.fromkeys(found))

@@ -33,6 +33,7 @@ from peer.config import RunConfig, config_from_dict
 from peer.core.commit import state_hash
 from peer.core.outer import stage_state
 from peer.net.pool import ClientPool
+from peer.net.records import StageRecord
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline import PipelineDriver
 from peer.node.rounds import PayloadStore
@@ -54,11 +55,11 @@ class _Dht:
     def __init__(self, addresses: dict[int, str]) -> None:
         self.addresses = addresses
 
-    def get_stage_peers(self, stage: int) -> dict[str, dict[str, Any]]:
+    def get_stage_peers(self, stage: int) -> dict[str, StageRecord]:
         address = self.addresses.get(stage)
         if address is None:
             return {}
-        return {f"stage-{stage}": {"role": "trainer", "outer_step": 0, "address": address, "pipeline": None}}
+        return {f"stage-{stage}": StageRecord(role="trainer", outer_step=0, address=address, pipeline=None)}
 
 
 class Directory:
