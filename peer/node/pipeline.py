@@ -109,7 +109,7 @@ class PipelineDriver:
                     "pipeline %s: stage %d -> %s at %s", self.pipeline_id[:8], stage, found[0][0][:12], found[0][1]
                 )
                 # publish the new binding ("pipeline_peers" of the replica record) before that peer can
-                # announce a payload for this pipeline (peer.node.agreement.binding)
+                # announce a payload for this pipeline (peer.node.round.agreement.binding)
                 self.session.records.refresh()
                 return found[0]
             self.stop.wait(0.5)

@@ -5,13 +5,13 @@ parameter and T⊥ hashes, claiming pipeline, last committed replica ids and ban
 (`peer.node.bans`), the state claim — state id and link (`peer.node.claims`) — and the holders
 this peer refused, tokens/s, a head's in-flight window) and `replica` (a head or full replica:
 address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads, "pipeline_peers",
-which binds its stage peers' payload announcements: `peer.node.agreement.binding`).
+which binds its stage peers' payload announcements: `peer.node.round.agreement.binding`).
 Each is a typed record of `peer.net.records` (`StageRecord`, `ReplicaRecord`), published as its `to_record()`.
 
 Invariants: records are republished every `swarm.announce_interval_s` and after every round with
 ttl `swarm.record_ttl_s`, so a dead peer's records expire on their own (the same thread re-publishes
 the bootstrap's sealed manifest and pings the initial peers now and then); every record carries the
-process's incarnation "inc" (`peer.node.agreement.fresh`); one lock serialises
+process's incarnation "inc" (`peer.node.round.agreement.fresh`); one lock serialises
 publishing; `close` stops the thread and withdraws every record it published.
 """
 
@@ -112,7 +112,7 @@ class Records:
         pipeline_peers: dict[str, str] | None = None,
     ) -> Own:
         """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
-        announcements to this replica (`peer.node.agreement.binding`)."""
+        announcements to this replica (`peer.node.round.agreement.binding`)."""
         record = ReplicaRecord(
             address=self.me.address,
             kind=kind,

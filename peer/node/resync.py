@@ -16,7 +16,7 @@
 - `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
   checkpoint at or past the clock is kept);
 - `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;
-(`catch_up`, applying the round after a download as an observer, is a round: `peer.node.rounds`.)
+(`catch_up`, applying the round after a download as an observer, is a round: `peer.node.round.rounds`.)
 
 Invariants: a state is adopted only through `StageWorker.load_state_dict` (a download) or
 `StageWorker.switch` (a checked recomputation); a peer that (re)synced at t contributes from t + 1
@@ -43,10 +43,10 @@ from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
-from peer.node.round_payloads import PayloadStore, round_validator
+from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_commit import add
 from peer.node.stage_worker import StageWorker
-from peer.node.verify import SetFetcher, Verdict, resolve
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class Resync:
 
     def _audit(self, worker: StageWorker, claims: Iterable[Claim]) -> None:
         """Cheap checks of every claim, whatever its round (once per claim): a set naming payloads
-        no replica announced (`peer.node.verify.resolve`), or our own set of that round from our
+        no replica announced (`peer.node.round.verify.resolve`), or our own set of that round from our
         own state with another state, is false: its holder is refused. Claims of other sets are
         checked by recomputation in `reconcile` (same round and state only)."""
         reads: dict[tuple[int, int], Mapping[str, Announcement]] = {}

@@ -49,7 +49,7 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
-from peer.node.round_payloads import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)

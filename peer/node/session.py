@@ -6,7 +6,7 @@ bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it again
 The session is the composition root: it builds the duties below and hands each what it uses (the
 config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
 receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
-- `rounds`      outer rounds: gather, commit, record, catch up after a download (peer.node.rounds);
+- `rounds`      outer rounds: gather, commit, record, catch up after a download (peer.node.round.rounds);
 - `resync`      late join, the canonical-state check, downloads, catch-up (peer.node.resync);
 - `refusals`    holders whose published state failed its check (peer.node.refusals);
 - `records`     this peer's DHT records and their refresh thread (peer.node.records);
@@ -47,7 +47,6 @@ from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
-from peer.node.agreement import expected_replicas
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import swarm_clock
 from peer.node.connectivity import Connectivity
@@ -57,8 +56,9 @@ from peer.node.presence import Presence
 from peer.node.records import Records
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
-from peer.node.round_payloads import PayloadStore
-from peer.node.rounds import Rounds
+from peer.node.round.agreement import expected_replicas
+from peer.node.round.payloads import PayloadStore
+from peer.node.round.rounds import Rounds
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 

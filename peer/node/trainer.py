@@ -1,7 +1,7 @@
 """`peer join`: the training loops of a stage peer, a pipeline head and a full replica.
 
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
-workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.rounds; re-syncs:
+workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.round.rounds; re-syncs:
 peer.node.resync; every committed round goes through peer.core.outer.commit_round):
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline) → round for
                     stage 0 → validation loss;

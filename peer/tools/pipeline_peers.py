@@ -36,7 +36,7 @@ from peer.net.pool import ClientPool
 from peer.net.records import StageRecord
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline import PipelineDriver
-from peer.node.rounds import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 

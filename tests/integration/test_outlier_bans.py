@@ -26,7 +26,8 @@ from peer.config import build_config
 from peer.core.sparseloco import Payload, compress, decompress
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
-from peer.node.rounds import PayloadStore, RoundResult, sha256
+from peer.node.round.gather import RoundResult
+from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker

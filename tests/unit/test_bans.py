@@ -23,9 +23,9 @@ from peer.config import build_config
 from peer.core.sparseloco import compress, decompress
 from peer.errors import ConfigError
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.agreement import round_bans, round_view
 from peer.node.bans import MAX_ENTRIES, NONE, Bans, Entry
 from peer.node.claims import state_id
+from peer.node.round.agreement import round_bans, round_view
 from peer.node.stage_worker import StageWorker
 
 A, B, C, X = ("A" * 20, "B" * 20, "C" * 20, "X" * 20)  # replica ids; bans key them by 16-char prefix

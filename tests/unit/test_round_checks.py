@@ -20,8 +20,8 @@ from peer.core.outer import EMBED
 from peer.core.sparseloco import Payload, PayloadError, compress
 from peer.net.records import Announcement, ReplicaRecord
 from peer.net.transport import ForwardRequest, TransportError
-from peer.node.agreement import bound_to
-from peer.node.round_payloads import PayloadStore, payload_validator
+from peer.node.round.agreement import bound_to
+from peer.node.round.payloads import PayloadStore, payload_validator
 from peer.node.service import PeerService
 from peer.node.session import max_request_bytes
 from peer.node.stage_worker import StageWorker

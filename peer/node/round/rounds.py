@@ -1,7 +1,7 @@
 """One peer's outer rounds: gather (contributing or observing), commit, check, record.
 
 Round (t, s) — DESIGN §3, docs/protocol.md. `Rounds` holds a peer's round entry points (a head's,
-a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.gather`)
+a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.round.gather`)
 and commits every gathered set through `StageWorker.apply_round` → `peer.core.commit.commit_state`
 (portable: the same bits on every holder), parsing each payload once. A set taken from another
 holder's claim (FOLLOW) is committed by us, and the claimer's state is then compared with ours: a
@@ -33,27 +33,17 @@ from peer.core.sparseloco import Payload, decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
-from peer.node.agreement import expected_replicas, round_bans, round_view
 from peer.node.claims import Entry, closed_elsewhere, entry, majority, parse_claims
-from peer.node.gather import RoundResult, RoundTimings, gather_round
 from peer.node.metrics import MetricsWriter, log_round
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
-from peer.node.round_payloads import PayloadStore, payload_validator, round_validator, sha256
+from peer.node.round.agreement import expected_replicas, round_bans, round_view
+from peer.node.round.gather import RoundResult, RoundTimings, gather_round
+from peer.node.round.payloads import PayloadStore, round_validator, sha256
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "PayloadStore",
-    "RoundResult",
-    "Rounds",
-    "expected_replicas",
-    "gather_round",
-    "payload_validator",
-    "sha256",
-]
 
 
 class Rounds:

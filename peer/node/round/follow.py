@@ -1,8 +1,8 @@
 """FOLLOW: taking exactly the set another holder committed for round (t, s) (docs/protocol.md).
 
-A gather (`peer.node.gather`) that sees a claim of round t committed from our own state holds
+A gather (`peer.node.round.gather`) that sees a claim of round t committed from our own state holds
 exactly that claim's set: what it holds already is kept, every missing entry is fetched by
-content and proven genuine against its signed announcement (`peer.node.verify.SetFetcher`), now
+content and proven genuine against its signed announcement (`peer.node.round.verify.SetFetcher`), now
 and then (`FOLLOW_FETCH_S`); a set naming payloads no replica announced gets its claimer refused.
 `Follow.expired` tells the gather when to give up and re-sync instead (the grace).
 """
@@ -17,8 +17,8 @@ from peer.core.sparseloco import Payload
 from peer.net.records import StageRecord
 from peer.node.claims import Claim
 from peer.node.refusals import Refusals
-from peer.node.round_payloads import sha256
-from peer.node.verify import SetFetcher
+from peer.node.round.payloads import sha256
+from peer.node.round.verify import SetFetcher
 
 FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads
 

@@ -7,11 +7,11 @@ the round's binding); then it polls the DHT, fetching each bound announcement's 
 checking its sha256 and format, until the set is closed:
 - every expected replica's payload is held, rejected or dropped, and neither the lone guard, the
   observer rule, the start-up quorum, the settle after a lost payload nor the deadline fence holds
-  it open (`peer.node.agreement`);
+  it open (`peer.node.round.agreement`);
 - or another holder has committed round t FROM OUR STATE (its claim's `prev` is our state id:
   `peer.node.claims.followable`; an observer of a stage it does not hold takes the set most of
   that stage's holders committed: `observed`): we take exactly its set, every entry fetched by
-  content and proven genuine (`peer.node.verify`) — a set naming payloads no replica announced
+  content and proven genuine (`peer.node.round.verify`) — a set naming payloads no replica announced
   gets its claimer refused — or, when it cannot be fetched within the grace, re-sync (`behind`);
 - or the swarm's clock is two rounds past us (`peer.node.claims.closed_elsewhere`): the others
   closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
@@ -38,12 +38,21 @@ from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
-from peer.node.agreement import IGNORED, Close, Poll, RoundView, close_decision, fenced_by, round_view, sender_alive
 from peer.node.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
-from peer.node.follow import Follow, Held
 from peer.node.refusals import Refusals
-from peer.node.round_payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
-from peer.node.verify import SetFetcher
+from peer.node.round.agreement import (
+    IGNORED,
+    Close,
+    Poll,
+    RoundView,
+    close_decision,
+    fenced_by,
+    round_view,
+    sender_alive,
+)
+from peer.node.round.follow import Follow, Held
+from peer.node.round.payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
+from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +130,7 @@ def gather_round(
     `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
     skipped, and its replica no longer waited for); without it payloads are parsed as they are.
     Every payload is parsed exactly once (`RoundResult.parsed`). When the set is closed: see the
-    module docstring and `peer.node.agreement.close_decision`. `prev` is the id of our state at
+    module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at
     outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
     claims we may follow start from it. `refusals`: holders whose claims are ignored (and where a
     forged set's claimer goes). `inc` is this process's incarnation and `peers` is a head's binding
@@ -383,7 +392,7 @@ def _announce(
     ttl_s: float,
 ) -> float:
     """Serve and announce our payload of (t, stage); returns when we close the round at the latest
-    (DHT time: the deadline fence, `peer.node.agreement.fenced_by`)."""
+    (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`)."""
     replica_id, payload = own
     if store is None:
         raise ValueError("a contributor needs a PayloadStore to serve its payload")

@@ -179,7 +179,7 @@ def round_view(
 
 def _ban(view: RoundView, banned: Collection[str]) -> None:
     """Banned replicas are dropped from the round and their announcements ignored (a committed set
-    that holds one is still followed as it is: `peer.node.rounds`)."""
+    that holds one is still followed as it is: `peer.node.round.rounds`)."""
     rids = view.expected | view.dropped | {rid for rid, _ in view.bound.values()}
     view.banned = {rid for rid in rids if rid[:PREFIX] in banned}
     for sender, (rid, _) in sorted(view.bound.items()):
@@ -248,7 +248,7 @@ class Close(enum.Enum):
 class Poll:
     """What one poll of a gather knows, as the close decision reads it (docs/protocol.md, GATHER).
 
-    `fresh`: the view was read moments ago (`peer.node.gather.FRESH_S`); `past_deadline`: the
+    `fresh`: the view was read moments ago (`peer.node.round.gather.FRESH_S`); `past_deadline`: the
     round's deadline has passed; `fenced`: an earlier closer's deadline is near, so its commit
     decides (`fenced_by`). `closed_elsewhere`: the swarm's clock is two rounds past t. Following:
     `following` a claim from our state, whose set we now hold whole (`follow_held`) or have failed

@@ -28,10 +28,10 @@ from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement
 from peer.net.transport.messages import PayloadRequest
-from peer.node.agreement import Announcements, Replicas, bound_to
 from peer.node.bans import PREFIX
 from peer.node.claims import Entry
-from peer.node.round_payloads import PayloadStore, from_another_holder, sha256
+from peer.node.round.agreement import Announcements, Replicas, bound_to
+from peer.node.round.payloads import PayloadStore, from_another_holder, sha256
 
 log = logging.getLogger(__name__)
 
