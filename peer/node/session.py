@@ -116,33 +116,13 @@ class Session:
         self.refusals = Refusals(on_refuse=self.metrics.log)  # holders whose state failed its check
         self.records = Records(dht, cfg.swarm, self.me, self.refusals, self.net, lambda: self.service)
         self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
-        round_parts = (cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, self.records.refresh)
-        self.resync = Resync(*round_parts, checkpoints=self.checkpoints)
-        self.rounds = Rounds(*round_parts, resync=self.resync)
-
-    @property
-    def address(self) -> str:
-        return self.me.address
-
-    @address.setter
-    def address(self, value: str) -> None:
-        self.me.address = value
-
-    @property
-    def incarnation(self) -> str:
-        return self.me.incarnation
-
-    @property
-    def joined_at(self) -> int:
-        return self.me.joined_at
-
-    @joined_at.setter
-    def joined_at(self, value: int) -> None:
-        self.me.joined_at = value
-
-    @property
-    def finishing(self) -> bool:
-        return self.me.finishing
+        publish = self.records.refresh
+        self.resync = Resync(
+            cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.checkpoints
+        )
+        self.rounds = Rounds(
+            cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.resync
+        )
 
     # ------------------------------------------------------------------ joining and leaving
     @classmethod
@@ -167,7 +147,7 @@ class Session:
         except BaseException:
             dht.shutdown()
             raise
-        session.joined_at = swarm_clock(dht.get_replicas())  # the lower median: no single record moves it
+        session.me.joined_at = swarm_clock(dht.get_replicas())  # the lower median: no single record moves it
         log.info("joined run %s as %s%s", manifest["run_id"], role, "" if stage is None else f" of stage {stage}")
         return session
 
@@ -204,7 +184,7 @@ class Session:
         )
         o = self.opts  # on every interface: the address facing the swarm (peer.net.addresses)
         host = advertised_host(o.host, o.announce_host, o.initial_peers, self.dht.visible_maddrs())
-        self.address = f"{host}:{self.server.port}"
+        self.me.address = f"{host}:{self.server.port}"
         assert self.gate is not None
         self.gate.bind(f"{self.opts.host}:{self.server.port}")
         self.connectivity = Connectivity(
@@ -217,8 +197,8 @@ class Session:
             self.outbound,
         )
         self.connectivity.start()  # the reachability check; reverse streams when this peer cannot be dialled
-        self.metrics.log("connectivity", **self.connectivity.fields(), address=self.address)
-        self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.address)
+        self.metrics.log("connectivity", **self.connectivity.fields(), address=self.me.address)
+        self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.me.address)
         return self.service
 
     def _gate(self) -> Gate:

@@ -70,7 +70,7 @@ def _holder(dht: SwarmDHT, cfg, root: Path, name: str, shard: int, serve: bool =
     if serve:
         session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
         session.server = PeerServer(session.service, host="127.0.0.1", port=0)
-        session.address = session.server.address
+        session.me.address = session.server.address
         session.records.announce(
             lambda: session.records.stage(worker, role="trainer"),
             lambda: session.records.replica("full", worker.outer_step, shard, None, 0.0),
