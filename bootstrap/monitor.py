@@ -21,21 +21,20 @@ from typing import Any
 
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
+from peer.net.records import ReplicaRecord, StageRecord
 
 logger = logging.getLogger(__name__)
 
-Records = Mapping[str, Mapping[str, Any]]  # {peer id: record}
 
-
-def summarize(stages: Mapping[int, Records], replicas: Records) -> dict[str, Any]:
+def summarize(stages: Mapping[int, Mapping[str, StageRecord]], replicas: Mapping[str, ReplicaRecord]) -> dict[str, Any]:
     """Live peers per stage, replicas by kind and the largest outer step of a set of records."""
     kinds: dict[str, int] = {"pipeline": 0, "full": 0}
     for rec in replicas.values():
-        kind = rec.get("kind")
-        if isinstance(kind, str):
-            kinds[kind] = kinds.get(kind, 0) + 1
-    steps = [rec.get("outer_step") for recs in (*stages.values(), replicas) for rec in recs.values()]
-    outer = max([0, *(s for s in steps if isinstance(s, int) and not isinstance(s, bool))])
+        if rec.kind:
+            kinds[rec.kind] = kinds.get(rec.kind, 0) + 1
+    steps = [rec.outer_step for recs in stages.values() for rec in recs.values()]
+    steps += [rec.outer_step for rec in replicas.values()]
+    outer = max([0, *(s for s in steps if s is not None)])
     return {"stage_peers": {s: len(recs) for s, recs in stages.items()}, "replicas": kinds, "outer_step": outer}
 
 

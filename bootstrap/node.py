@@ -45,6 +45,7 @@ from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
 from peer.net.prometheus import Exporter, serve_swarm_metrics
 from peer.net.transport import PeerServer, auth
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from peer.node.manifest import build_manifest, run_id_for
 
@@ -146,8 +147,7 @@ class BootstrapNode:
             verifier, credentials = auth.for_swarm(
                 swarm.admission, frozenset(swarm.allowlist), self.dht.peer_id, *self.dht.auth_material
             )
-            auth.set_default_credentials(credentials)
-            self.gate = Gate(self.dht.peer_id, verifier, relay=relay)
+            self.gate = Gate(self.dht.peer_id, verifier, relay=relay, outbound=Outbound(credentials))
             self.server = PeerServer(self.handler, host=host, port=grpc_port, interceptors=[self.gate])
             self.gate.bind(f"{host}:{self.server.port}")
             grpc_address = f"{grpc_host}:{self.server.port}"

@@ -15,8 +15,8 @@ Records (all values are msgpack-friendly; every record has an expiration):
 - ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients
   (``DHT(...).get("peer.manifest", latest=True)``); anyone can overwrite it, `peer` never trusts it.
 - ``peer.{run}.stage.{s}``, ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}``: one signed
-  subkey per peer (see `peer.net.records`); readers return ``{peer id: record}`` with ``"time"``
-  (DHT time at announcement) and ``"peer_id"`` added.
+  subkey per peer (see `peer.net.records`); readers return ``{peer id: typed record}``
+  (`StageRecord`, `ReplicaRecord`, `Announcement`, with the signer's ``time`` and ``peer_id``).
 
 Invariants:
 - hivemind keeps, per (key, subkey), the value with the LATEST expiration and refuses an older
@@ -65,7 +65,15 @@ from peer.net.hivemind_logs import DHTProcess, quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.identity_check import install_identity_check
 from peer.net.processes import ProcessTree
-from peer.net.records import RecordReader, check_plain, choose_manifest, unsealed_copies
+from peer.net.records import (
+    Announcement,
+    RecordReader,
+    ReplicaRecord,
+    StageRecord,
+    check_plain,
+    choose_manifest,
+    unsealed_copies,
+)
 from peer.net.watchdog import Watchdog
 
 __all__ = [  # the admission and identity names are re-exported: callers import them from here
@@ -379,9 +387,6 @@ class SwarmDHT:
             out.append(None if found is None else found.value)
         return out
 
-    def _records(self, value: Any, max_age_s: float | None, keep_left: bool = False) -> dict[str, dict[str, Any]]:
-        return self._reader.records(value, dht_time(), max_age_s, keep_left)
-
     def _run_key(self, suffix: str) -> str:
         if self.run_id is None:
             raise RuntimeError("call set_run(run_id) (from the manifest) before using per-run DHT records")
@@ -453,10 +458,10 @@ class SwarmDHT:
 
     def get_stage_peers(
         self, stage: int, max_age_s: float | None = None, timeout_s: float | None = None, keep_left: bool = False
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, StageRecord]:
         """{peer id: record} of the peers holding `stage` (`keep_left`: and {"state": "left"} of graceful leaves)."""
         (value,) = self._get_many([self._run_key(f"stage.{int(stage)}")], timeout_s)
-        return self._records(value, max_age_s, keep_left)
+        return self._reader.records(value, dht_time(), max_age_s, StageRecord.parse, keep_left)
 
     def withdraw_stage(self, stage: int, timeout_s: float | None = None) -> None:
         """Graceful leave: replace this peer's stage record by a short-lived {"state": "left"}."""
@@ -466,10 +471,10 @@ class SwarmDHT:
         """Publish this peer's replica record (outer_step, inner step, tokens/s, loss, ...)."""
         self._announce(self._run_key("replica"), record, ttl_s, timeout_s)
 
-    def get_replicas(self, max_age_s: float | None = None, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+    def get_replicas(self, max_age_s: float | None = None, timeout_s: float | None = None) -> dict[str, ReplicaRecord]:
         """{peer id: record} of full replicas and pipeline heads."""
         (value,) = self._get_many([self._run_key("replica")], timeout_s)
-        return self._records(value, max_age_s)
+        return self._reader.records(value, dht_time(), max_age_s, ReplicaRecord.parse)
 
     def withdraw_replica(self, timeout_s: float | None = None) -> None:
         """Graceful leave: replace this peer's replica record by a short-lived {"state": "left"}."""
@@ -481,18 +486,16 @@ class SwarmDHT:
         """Announce this peer's payload (hash, size, address) for round (outer_step, stage)."""
         self._announce(self._run_key(f"round.{int(outer_step)}.{int(stage)}"), record, ttl_s, timeout_s)
 
-    def get_payloads(self, outer_step: int, stage: int, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
-        """{peer id: record} of payloads announced for round (outer_step, stage)."""
+    def get_payloads(self, outer_step: int, stage: int, timeout_s: float | None = None) -> dict[str, Announcement]:
+        """{peer id: announcement} of payloads announced for round (outer_step, stage)."""
         (value,) = self._get_many([self._run_key(f"round.{int(outer_step)}.{int(stage)}")], timeout_s)
-        return self._records(value, None)
+        return self._reader.records(value, dht_time(), None, Announcement.parse)
 
     def current_outer_step(self, timeout_s: float | None = None) -> int:
         """Largest "outer_step" in live replica and stage records (stages 0..n_stages-1), 0 if none."""
         keys = [self._run_key("replica")] + [self._run_key(f"stage.{s}") for s in range(self.n_stages)]
-        best = 0
-        for value in self._get_many(keys, timeout_s):
-            for record in self._records(value, None).values():
-                step = record.get("outer_step")
-                if isinstance(step, int) and not isinstance(step, bool):
-                    best = max(best, step)
-        return best
+        (replicas, *stages), now = self._get_many(keys, timeout_s), dht_time()
+        steps = [r.outer_step for r in self._reader.records(replicas, now, None, ReplicaRecord.parse).values()]
+        for value in stages:
+            steps += [r.outer_step for r in self._reader.records(value, now, None, StageRecord.parse).values()]
+        return max([0, *(s for s in steps if s is not None)])

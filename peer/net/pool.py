@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from peer.net.transport.client import PeerClient
+from peer.net.transport.dialer import Outbound
 
 _COUNTERS = ("bytes_sent", "bytes_received")
 
@@ -19,8 +20,10 @@ _COUNTERS = ("bytes_sent", "bytes_received")
 class ClientPool:
     """One PeerClient per address, reused across rounds; byte counters survive dropped clients."""
 
-    def __init__(self, timeout_s: float, wire_dtype: str = "fp32") -> None:
+    def __init__(self, timeout_s: float, wire_dtype: str = "fp32", outbound: Outbound | None = None) -> None:
+        """`outbound`: the admission proof and link buckets of every client (default: none, uncapped)."""
         self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
+        self.outbound = outbound or Outbound()
         self._clients: dict[str, PeerClient] = {}
         self._retired: dict[str, dict[str, int]] = {kind: {} for kind in _COUNTERS}
         self._lock = threading.Lock()
@@ -29,7 +32,9 @@ class ClientPool:
         """The open client for `address`, created on first use."""
         with self._lock:
             if address not in self._clients:
-                self._clients[address] = PeerClient(address, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype)
+                self._clients[address] = PeerClient(
+                    address, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype, outbound=self.outbound
+                )
             return self._clients[address]
 
     def _retire(self, client: PeerClient) -> None:

@@ -7,10 +7,10 @@ Two priorities: `HIGH` (pipeline activations and gradients, Info) and `LOW` (rou
 artefacts). A LOW acquire waits while any HIGH one waits, so rounds yield to activations on a
 shared link; with no pipeline traffic they get the whole cap.
 
-`Link` is one process's link: an upload bucket, a download bucket and a relay bucket (bytes this
-peer forwards for others, `peer join --relay`), with byte counters; `LINK` is the process's one
-instance (a peer is a process: its caps cover every server and client it runs), set by
-`configure`. A rate of None or <= 0 means no cap (counted, never delayed).
+`Link` is one peer's link: an upload bucket, a download bucket and a relay bucket (bytes this
+peer forwards for others, `peer join --relay`), with byte counters. The session builds one from
+its caps and hands it to every server and client it runs (`peer.net.transport.dialer.Outbound`,
+`peer.net.transport.gate.Gate`). A rate of None or <= 0 means no cap (counted, never delayed).
 
 Invariants: waits are bounded by the bytes asked for (at most debt / rate + a short poll); the
 counters only grow; every method is thread-safe. No grpc here: the transport wraps its message
@@ -149,11 +149,3 @@ class Link:
             "bytes_down": self.down.total,
             "bytes_relayed": self.relay.total,
         }
-
-
-LINK = Link()
-
-
-def configure(caps: LinkCaps) -> None:
-    """Set this process's caps (`peer join --max-upload-mbps ...`)."""
-    LINK.configure(caps)

@@ -8,7 +8,10 @@ signer's peer id and keeps a record only if
 - its subkey is an owner key (else "unsigned"),
 - its ``"peer_id"`` field is the signer's (else "forged"),
 - the swarm's `Admission` admits the signer (else "not_admitted"),
-- it is not a ``{"state": "left"}`` record and not older than the caller's `max_age_s`.
+- it is not a ``{"state": "left"}`` record and not older than the caller's `max_age_s`,
+- it parses into its typed record (`StageRecord`, `ReplicaRecord`, `Announcement`: every field
+  present has its type, else "malformed").
+Readers get typed records, never the raw dicts; `to_record` gives back the exact dict an owner publishes.
 
 Invariants: values are msgpack-friendly builtins (`check_plain`); a dropped record is counted and
 warned about once per (reason, peer), with the warnings bounded so forged keys cannot flood the log.
@@ -20,7 +23,7 @@ import json
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from peer.errors import ManifestMismatch
 from peer.net.admission import PROOF_FIELD, Admission, admission_proof
@@ -28,7 +31,8 @@ from peer.net.identity import owner_peer_id, unseal
 
 logger = logging.getLogger(__name__)
 
-DROP_REASONS = ("unsigned", "forged", "not_admitted")
+DROP_REASONS = ("unsigned", "forged", "not_admitted", "malformed")
+R = TypeVar("R")
 _MAX_WARNED = 64  # distinct (reason, peer) warnings per reader: keys are free to make
 
 
@@ -76,10 +80,15 @@ class RecordReader:
         return out
 
     def records(
-        self, value: Any, now: float, max_age_s: float | None, keep_left: bool = False
-    ) -> dict[str, dict[str, Any]]:
-        """Live, signed, admitted per-peer records of a subkeyed DHT value, keyed by the signer's peer id
-        (with `keep_left`, graceful leaves' {"state": "left"} records too).
+        self,
+        value: Any,
+        now: float,
+        max_age_s: float | None,
+        parse: Callable[[Any], R | None],
+        keep_left: bool = False,
+    ) -> dict[str, R]:
+        """Live, signed, admitted per-peer records of a subkeyed DHT value, parsed by `parse`, keyed by
+        the signer's peer id (with `keep_left`, graceful leaves' {"state": "left"} records too).
 
         Signatures themselves were checked by this node's hivemind validator before we see them.
         """
@@ -88,7 +97,7 @@ class RecordReader:
         if not isinstance(value, dict):
             logger.warning("ignoring a DHT value of type %s where per-peer records were expected", type(value).__name__)
             return {}
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, R] = {}
         for subkey, item in value.items():
             record = getattr(item, "value", None)
             signer = owner_peer_id(subkey)
@@ -108,7 +117,11 @@ class RecordReader:
             stamp = record.get("time")
             if max_age_s is not None and (not isinstance(stamp, (int, float)) or now - stamp > max_age_s):
                 continue
-            out[signer] = {k: v for k, v in record.items() if k != PROOF_FIELD}
+            parsed = parse({k: v for k, v in record.items() if k != PROOF_FIELD})
+            if parsed is None:
+                self.drop("malformed", signer, "a field of its record has the wrong type")
+                continue
+            out[signer] = parsed
         return out
 
 
@@ -181,3 +194,277 @@ def unsealed_copies(sealed: Any) -> tuple[dict[bytes, _Copy], dict[str, dict[str
             copies[owner] = _Copy(text, item.expiration_time)
             seals[signer] = item.value
     return copies, seals
+
+
+# ---------------------------------------------------------------------------------- typed records
+# Each per-peer record is parsed once, where it leaves the DHT (`RecordReader.records`), into one of
+# the frozen records below; readers use attributes. `parse` returns None for a record with a field
+# of the wrong type (the reader drops it as "malformed"); a missing field takes the default its
+# readers always assumed. `to_record` is the exact dict the owner publishes (the signer adds "time"
+# and "peer_id"; `parse` reads them back), so the wire format is the one of docs/protocol.md.
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _is_dict(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) for k in v)
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+
+
+def _str_map(v: Any) -> bool:
+    return _is_dict(v) and all(isinstance(x, str) for x in v.values())
+
+
+def _fields(raw: Any, spec: Mapping[str, Callable[[Any], bool]]) -> dict[str, Any] | None:
+    """The fields of `spec` present in `raw`, each checked; None when `raw` is not a dict or one is malformed."""
+    if not isinstance(raw, Mapping):
+        return None
+    out = {}
+    for name, check in spec.items():
+        if name in raw:
+            if not check(raw[name]):
+                return None
+            out[name] = raw[name]
+    return out
+
+
+_SIGNED = {"peer_id": _is_str, "time": _is_num}  # added by the signer (`RecordReader.sign`)
+
+
+@dataclass(frozen=True)
+class NetFields:
+    """How others reach a peer and what it allows (docs/connectivity.md): in its stage and replica records.
+
+    Its owner publishes every field but "via" (see `to_record`); None is a record that does not say."""
+
+    connectivity: str | None = None  # direct, reverse, relayed (None: a record that does not say)
+    via: tuple[str, ...] | None = None  # hubs holding its reverse streams (absent before the check ran)
+    relay: bool | None = None  # it relays for others (`peer join --relay`)
+    auth_failures: int | None = None  # calls its gate refused
+    max_upload_mbps: float | None = None
+    max_download_mbps: float | None = None
+
+    SPEC: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "connectivity": _opt(_is_str),
+        "via": _opt(_str_list),
+        "relay": _opt(lambda v: isinstance(v, bool)),
+        "auth_failures": _opt(_is_int),
+        "max_upload_mbps": _opt(_is_num),
+        "max_download_mbps": _opt(_is_num),
+    }
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any]) -> NetFields:
+        """From checked fields (`_fields(raw, NetFields.SPEC)`)."""
+        out = dict(fields)
+        if out.get("via") is not None:
+            out["via"] = tuple(out["via"])
+        return cls(**out)
+
+    def to_record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"connectivity": self.connectivity}
+        if self.via is not None:
+            out["via"] = list(self.via)
+        out.update(
+            relay=self.relay,
+            auth_failures=self.auth_failures,
+            max_upload_mbps=self.max_upload_mbps,
+            max_download_mbps=self.max_download_mbps,
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """A holder's `stage.{s}` record: where it serves, its state and its claim (`peer.node.claims`).
+
+    A graceful leave publishes only {"state": "left"}: `left` is then true and the rest is default."""
+
+    address: str = ""
+    role: str = ""  # "trainer", "spare", "head", "full"
+    state: str = ""  # "syncing", "ready", "busy", "left"
+    outer_step: int | None = None
+    param_hash: str | None = None
+    perp_hash: str | None = None
+    inc: str | None = None  # the publishing process's incarnation
+    pipeline: str | None = None  # the head that claimed it this outer step
+    committed: tuple[str, ...] = ()  # replica id prefixes of its last committed set
+    bans: dict[str, Any] | None = None  # raw: `peer.node.bans.Bans.from_record`
+    state_id: str | None = None
+    link: dict[str, Any] | None = None  # raw: `peer.node.claims.Link.from_record`
+    refused: tuple[str, ...] = ()  # holders whose state failed its check (prefixes)
+    tokens_per_s: float | None = None
+    in_flight: int | None = None  # a head's micro-batches in flight
+    net: NetFields = NetFields()
+    peer_id: str = ""  # the signer
+    time: float = 0.0  # DHT time of the announcement
+
+    SPEC: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "address": _is_str,
+        "role": _is_str,
+        "state": _is_str,
+        "outer_step": _opt(_is_int),
+        "param_hash": _opt(_is_str),
+        "perp_hash": _opt(_is_str),
+        "inc": _opt(_is_str),
+        "pipeline": _opt(_is_str),
+        "committed": _str_list,
+        "bans": _opt(_is_dict),
+        "state_id": _opt(_is_str),
+        "link": _opt(_is_dict),
+        "refused": _str_list,
+        "tokens_per_s": _opt(_is_num),
+        "in_flight": _opt(_is_int),
+        **_SIGNED,
+    }
+
+    @property
+    def left(self) -> bool:
+        return self.state == "left"
+
+    @classmethod
+    def parse(cls, raw: Any) -> StageRecord | None:
+        fields, net = _fields(raw, cls.SPEC), _fields(raw, NetFields.SPEC)
+        if fields is None or net is None:
+            return None
+        for name in ("committed", "refused"):
+            if name in fields:
+                fields[name] = tuple(fields[name])
+        return cls(**fields, net=NetFields.of(net))
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "role": self.role,
+            "state": self.state,
+            "outer_step": self.outer_step,
+            "param_hash": self.param_hash,
+            "perp_hash": self.perp_hash,
+            "inc": self.inc,
+            "pipeline": self.pipeline,
+            "committed": list(self.committed),
+            "bans": self.bans,
+            "state_id": self.state_id,
+            "link": self.link,
+            "refused": list(self.refused),
+            "tokens_per_s": self.tokens_per_s,
+            "in_flight": self.in_flight,
+            **self.net.to_record(),
+        }
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """A pipeline head's or full replica's `replica` record: its outer step, data shard and progress."""
+
+    address: str = ""
+    kind: str = ""  # "pipeline" or "full"
+    outer_step: int | None = None
+    shard: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    joined_at: int = 0  # the first round it contributes to
+    inc: str | None = None
+    done: bool | None = None  # past its last round (None: a record that does not say)
+    pipeline_peers: dict[str, str] | None = None  # a head's {"<stage>": peer id}: binds their payloads
+    net: NetFields = NetFields()
+    left: bool = False  # {"state": "left"}: a graceful leave
+    peer_id: str = ""
+    time: float = 0.0
+
+    SPEC: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "address": _is_str,
+        "kind": _is_str,
+        "outer_step": _opt(_is_int),
+        "shard": _opt(_is_int),
+        "loss": _opt(_is_num),
+        "tokens_per_s": _opt(_is_num),
+        "joined_at": _is_int,
+        "inc": _opt(_is_str),
+        "done": _opt(lambda v: isinstance(v, bool)),
+        "pipeline_peers": _opt(_str_map),
+        **_SIGNED,
+    }
+
+    @classmethod
+    def parse(cls, raw: Any) -> ReplicaRecord | None:
+        fields, net = _fields(raw, cls.SPEC), _fields(raw, NetFields.SPEC)
+        if fields is None or net is None or not _opt(_is_str)(raw.get("state")):
+            return None
+        return cls(**fields, net=NetFields.of(net), left=raw.get("state") == "left")
+
+    def to_record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "address": self.address,
+            "kind": self.kind,
+            "outer_step": self.outer_step,
+            "shard": self.shard,
+            "loss": self.loss,
+            "tokens_per_s": self.tokens_per_s,
+            "joined_at": self.joined_at,
+            "inc": self.inc,
+            "done": self.done,
+            **self.net.to_record(),
+        }
+        if self.pipeline_peers is not None:
+            out["pipeline_peers"] = self.pipeline_peers
+        return out
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A payload announcement of round (t, s) (`round.{t}.{s}`): what to fetch, from where, for whom."""
+
+    sha256: str = ""
+    size: int = 0
+    address: str = ""
+    replica: str | None = None  # the replica it speaks for (None: its sender)
+    inc: str | None = None
+    closes: float | None = None  # DHT time by which its sender closes the round (the deadline fence)
+    peers: dict[str, str] | None = None  # a head's stage-0 announcement: {"<stage>": peer id} it binds
+    peer_id: str = ""
+    time: float = 0.0
+
+    SPEC: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "sha256": _is_str,
+        "size": _is_int,
+        "address": _is_str,
+        "replica": lambda v: isinstance(v, str) and bool(v),
+        "inc": _opt(_is_str),
+        "closes": _opt(_is_num),
+        "peers": _str_map,
+        **_SIGNED,
+    }
+
+    def replica_of(self, sender: str) -> str:
+        """The replica this announcement speaks for: its "replica", else its sender."""
+        return self.replica if self.replica is not None else sender
+
+    @classmethod
+    def parse(cls, raw: Any) -> Announcement | None:
+        fields = _fields(raw, cls.SPEC)
+        return None if fields is None else cls(**fields)
+
+    def to_record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sha256": self.sha256, "size": self.size, "address": self.address}
+        out.update(replica=self.replica, inc=self.inc, closes=self.closes)
+        if self.peers is not None:
+            out["peers"] = self.peers
+        return out

@@ -98,7 +98,7 @@ class Bans:
 
     def key(self) -> tuple[int, str]:
         """Order of two ban states of one committed state: more entries first, then the record's
-        JSON (a total order on contents; `peer.node.agreement.state_key`)."""
+        JSON (a total order on contents; `peer.node.round.agreement.state_key`)."""
         return (-len(self.entries), json.dumps(self.to_record(), sort_keys=True, separators=(",", ":")))
 
     @classmethod

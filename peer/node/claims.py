@@ -10,14 +10,14 @@ A holder's stage record is a claim, never an authority (docs/protocol.md, "Claim
 
 Every payload of a set is named by content (the first `SHA_CHARS` hex chars of its sha256, 128
 bits) and must match a signed announcement of round (t, s) by a sender bound to that replica
-(`peer.node.verify`). Because the commit is portable (`peer.core.commit`), a claim whose `prev` is
+(`peer.node.round.verify`). Because the commit is portable (`peer.core.commit`), a claim whose `prev` is
 a holder's own state can be CHECKED by that holder: recompute the commit of the named payloads and
 compare state ids. Claims are adopted only that way, or — for a peer that holds no comparable
 state (a late joiner, a holder rounds behind) — when a strict majority of the stage's other live
 holders, counted by peer id, claim the same state at a step the swarm's clock admits (`majority`,
 `swarm_clock`): sound against a dishonest minority of identities (docs/protocol.md).
 
-Everything here reads plain records and returns decisions, so every rule is tested row by row.
+Everything here reads typed records (`peer.net.records`) and returns decisions, so every rule is tested row by row.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from peer.net.records import ReplicaRecord, StageRecord
 from peer.node.bans import PREFIX
 
 SHA_CHARS = 32  # hex chars of a payload's sha256 named in a committed set (128 bits)
 MAX_SET = 4096  # entries of a committed set read from a record (larger sets are malformed)
 
-Record = Mapping[str, Any]
 Entry = tuple[str, str]  # (replica id prefix, payload sha256 prefix)
 
 
@@ -113,17 +113,17 @@ class Claim:
         return (-len(self.link.entries) if self.link is not None else 0, self.state)
 
 
-def parse_claims(holders: Mapping[str, Record], me: str = "", refused: Collection[str] = ()) -> dict[str, Claim]:
+def parse_claims(holders: Mapping[str, StageRecord], me: str = "", refused: Collection[str] = ()) -> dict[str, Claim]:
     """{peer: Claim} of the stage's other live holders with a well-formed state claim (not ours, not
     a refused holder's, not one that is leaving or still syncing)."""
     out = {}
     for pid, rec in holders.items():
-        if pid == me or pid in refused or rec.get("state") in ("left", "syncing"):
+        if pid == me or pid in refused or rec.state in ("left", "syncing"):
             continue
-        step, state = rec.get("outer_step"), rec.get("state_id")
-        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(state, str) or not state:
+        step, state = rec.outer_step, rec.state_id
+        if step is None or not state:
             continue
-        out[pid] = Claim(pid, step, state, Link.from_record(rec.get("link"), state))
+        out[pid] = Claim(pid, step, state, Link.from_record(rec.link, state))
     return out
 
 
@@ -143,16 +143,13 @@ def better(claims: Iterable[Claim], mine: Claim) -> list[Claim]:
     return [c for c in same if (c.key, c.state) < (mine.key, mine.state) and c.state != mine.state]
 
 
-def swarm_clock(replicas: Mapping[str, Record], refused: Collection[str] = ()) -> int:
+def swarm_clock(replicas: Mapping[str, ReplicaRecord], refused: Collection[str] = ()) -> int:
     """The swarm's outer step: the lower median of the live replicas' (heads', full replicas')
     outer steps, so a dishonest minority of replicas cannot move it; 0 without replicas."""
     steps = sorted(
-        int(rec["outer_step"])
+        rec.outer_step
         for pid, rec in replicas.items()
-        if pid not in refused
-        and rec.get("state") != "left"
-        and isinstance(rec.get("outer_step"), int)
-        and not isinstance(rec.get("outer_step"), bool)
+        if pid not in refused and not rec.left and rec.outer_step is not None
     )
     return steps[(len(steps) - 1) // 2] if steps else 0
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peer.errors import PeerError
+from peer.net.dht import SwarmDHT
+from peer.net.records import ReplicaRecord, StageRecord
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.reverse import ReverseLink, ask_dial_back
-
-if TYPE_CHECKING:
-    from peer.node.session import Session
+from peer.node.presence import Presence
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,22 @@ CONNECT_WAIT_S = 10.0  # how long start() waits for the first stream before publ
 class Connectivity:
     """Decides this peer's connectivity mode and keeps its reverse streams (see module docstring)."""
 
-    def __init__(self, session: Session, local_address: str) -> None:
-        self.session = session
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        me: Presence,
+        stages: int,
+        announce_interval_s: float,
+        bootstrap_address: str,
+        local_address: str,
+        outbound: Outbound,
+    ) -> None:
+        """`me.address` is the direct address to check; a routed one replaces it when nobody can dial it."""
+        self.dht, self.me, self.stages = dht, me, stages
+        self.announce_interval_s, self.bootstrap_address = announce_interval_s, bootstrap_address
         self.local_address = local_address  # where this peer's own server answers its reverse streams
-        self.direct_address = session.address
+        self.outbound = outbound  # the proof and link of this peer's calls (dial-back, reverse streams)
+        self.direct_address = me.address
         self.mode = "direct"
         self.seen_host = ""
         self._links: dict[str, ReverseLink] = {}
@@ -85,7 +98,7 @@ class Connectivity:
 
     def _candidates(self) -> list[str]:
         """Who to ask for a dial-back: the bootstrap, then a few directly reachable live peers."""
-        found = [str(self.session.manifest.get("bootstrap_address", ""))]
+        found = [self.bootstrap_address]
         found += self._direct_peers()[:3]
         return [a for a in dict.fromkeys(found) if a and a != self.direct_address]
 
@@ -94,14 +107,14 @@ class Connectivity:
         relays: list[str] = []
         for hub in self._candidates():
             try:
-                reply = ask_dial_back(hub, self.direct_address, timeout_s=CHECK_TIMEOUT_S)
+                reply = ask_dial_back(hub, self.direct_address, timeout_s=CHECK_TIMEOUT_S, outbound=self.outbound)
             except PeerError as exc:
                 log.debug("reachability check via %s failed: %s", hub, exc)
                 continue
             self.seen_host = reply.seen_host
             if reply.relay:
                 relays.append(hub)
-            if reply.ok and reply.peer_id in ("", self.session.peer_id):
+            if reply.ok and reply.peer_id in ("", self.me.peer_id):
                 return True, relays, hub
             relays += [a for a in self._relay_peers() if a not in relays]
             return False, relays, hub
@@ -109,31 +122,34 @@ class Connectivity:
         return True, relays, "nobody"
 
     # ------------------------------------------------------------------ streams
-    def _records(self) -> list[dict[str, Any]]:
-        dht, out = self.session.dht, []
+    def _records(self) -> list[StageRecord | ReplicaRecord]:
+        """Other peers' live stage and replica records (none when the DHT cannot be read)."""
+        out: list[tuple[str, StageRecord | ReplicaRecord]] = []
         try:
-            for s in range(self.session.cfg.stages):
-                out += [{"peer_id": pid, **r} for pid, r in dht.get_stage_peers(s).items()]
-            out += [{"peer_id": pid, **r} for pid, r in dht.get_replicas().items()]
+            for s in range(self.stages):
+                out += self.dht.get_stage_peers(s).items()
+            out += self.dht.get_replicas().items()
         except PeerError as exc:
             log.debug("connectivity: could not read the swarm's records: %s", exc)
-        return [r for r in out if r["peer_id"] != self.session.peer_id]
+        return [r for pid, r in out if pid != self.me.peer_id]
 
     def _direct_peers(self) -> list[str]:
         addresses = [
-            str(r.get("address"))
+            r.address
             for r in self._records()
-            if r.get("address") and "@" not in str(r.get("address")) and r.get("connectivity", "direct") == "direct"
+            if r.address and "@" not in r.address and (r.net.connectivity or "direct") == "direct"
         ]
         return list(dict.fromkeys(addresses))
 
     def _relay_peers(self) -> list[str]:
-        return [str(r["address"]) for r in self._records() if r.get("relay") and "@" not in str(r.get("address", ""))]
+        return [r.address for r in self._records() if r.net.relay and "@" not in r.address]
 
     def _open(self, hub: str) -> None:
         with self._lock:
             if hub not in self._links:
-                self._links[hub] = ReverseLink(hub, self.local_address, on_change=self._publish_address)
+                self._links[hub] = ReverseLink(
+                    hub, self.local_address, on_change=self._publish_address, outbound=self.outbound
+                )
 
     def _sync_links(self) -> None:
         """Reverse mode: one stream to each directly reachable peer of the run (at most MAX_LINKS)."""
@@ -154,7 +170,7 @@ class Connectivity:
                 return
 
     def _keep(self) -> None:
-        interval = self.session.cfg.swarm.announce_interval_s
+        interval = self.announce_interval_s
         while not self._stop.wait(max(1.0, interval)):
             try:
                 if self.mode == "reverse":
@@ -173,7 +189,7 @@ class Connectivity:
             return
         via = self.via()
         hub = self._relay if self.mode == "relayed" else (via[0] if via else "-")
-        self.session.address = f"{self.session.peer_id}@{hub}"
+        self.me.address = f"{self.me.peer_id}@{hub}"
 
     def fields(self) -> dict[str, Any]:
         """What this peer's records say about its connectivity."""

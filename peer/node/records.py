@@ -5,12 +5,13 @@ parameter and T⊥ hashes, claiming pipeline, last committed replica ids and ban
 (`peer.node.bans`), the state claim — state id and link (`peer.node.claims`) — and the holders
 this peer refused, tokens/s, a head's in-flight window) and `replica` (a head or full replica:
 address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads, "pipeline_peers",
-which binds its stage peers' payload announcements: `peer.node.rounds.bound_replica`).
+which binds its stage peers' payload announcements: `peer.node.round.agreement.binding`).
+Each is a typed record of `peer.net.records` (`StageRecord`, `ReplicaRecord`), published as its `to_record()`.
 
 Invariants: records are republished every `swarm.announce_interval_s` and after every round with
 ttl `swarm.record_ttl_s`, so a dead peer's records expire on their own (the same thread re-publishes
 the bootstrap's sealed manifest and pings the initial peers now and then); every record carries the
-process's incarnation "inc" (`peer.node.agreement.fresh`); one lock serialises
+process's incarnation "inc" (`peer.node.round.agreement.fresh`); one lock serialises
 publishing; `close` stops the thread and withdraws every record it published.
 """
 
@@ -20,57 +21,86 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from peer.config import SwarmConfig
 from peer.errors import PeerError
+from peer.net.dht import SwarmDHT
+from peer.net.records import NetFields, ReplicaRecord, StageRecord
+from peer.node.presence import Presence
+from peer.node.refusals import Refusals
 from peer.node.stage_worker import StageWorker
-
-if TYPE_CHECKING:
-    from peer.node.session import Session
 
 log = logging.getLogger(__name__)
 
 PING_EVERY = 5  # refreshes between two pings of the initial peers
 WITHDRAW_S = 3.0  # leaving spends at most this long withdrawing records (they expire by TTL anyway)
-Record = dict[str, Any]  # {"kind": "stage", "stage": s, "record": {...}} or {"kind": "replica", "record": {...}}
+
+
+@dataclass(frozen=True)
+class Own:
+    """One record this peer publishes: a `stage.{stage}` record, or (stage None) its replica record."""
+
+    record: StageRecord | ReplicaRecord
+    stage: int | None = None
+
+
+class Serving(Protocol):
+    """What the records say about the service (`peer.node.service.PeerService`)."""
+
+    claimed_by: str | None
+    in_round: bool
+    tokens: int
+    started: float
+    schedule: dict[str, Any]
 
 
 class Records:
-    """Builds this peer's records and republishes them until `close`."""
+    """Builds this peer's records and republishes them until `close`.
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    `service` is read at each publish (None until the peer serves: state "syncing");
+    `net` gives the connectivity, caps and refused calls every record carries."""
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        swarm: SwarmConfig,
+        me: Presence,
+        refusals: Refusals,
+        net: Callable[[], NetFields],
+        service: Callable[[], Serving | None],
+    ) -> None:
+        self.dht, self.swarm, self.me, self.refusals = dht, swarm, me, refusals
+        self.net, self.service = net, service
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._publish: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._stages: set[int] = set()
 
-    def stage(self, worker: StageWorker, role: str) -> Record:
-        svc = self.session.service
+    def stage(self, worker: StageWorker, role: str) -> Own:
+        svc = self.service()
         state = "syncing" if svc is None else ("busy" if svc.claimed_by or svc.in_round else "ready")
-        return {
-            "kind": "stage",
-            "stage": worker.stage,
-            "record": {
-                "address": self.session.address,
-                "role": role,
-                "state": state,
-                "outer_step": worker.outer_step,
-                "param_hash": worker.param_hash(),
-                "perp_hash": worker.perp_hash(),
-                "inc": self.session.incarnation,
-                "pipeline": svc.claimed_by if svc else None,
-                "committed": [r[:16] for r in worker.ledger.last_committed],
-                "bans": worker.ledger.bans.to_record(),  # part of the committed state (peer.node.bans)
-                "state_id": worker.state_id(),  # the claim (peer.node.claims): checked, never taken on trust
-                "link": worker.ledger.link.to_record() if worker.ledger.link is not None else None,
-                "refused": self.session.refusals.record(),  # holders whose state failed its check
-                "tokens_per_s": svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
-                "in_flight": svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.pipeline.schedule)
-                **self.session.net_fields(),  # connectivity, relay, caps, refused calls
-            },
-        }
+        record = StageRecord(
+            address=self.me.address,
+            role=role,
+            state=state,
+            outer_step=worker.outer_step,
+            param_hash=worker.param_hash(),
+            perp_hash=worker.perp_hash(),
+            inc=self.me.incarnation,
+            pipeline=svc.claimed_by if svc else None,
+            committed=tuple(r[:16] for r in worker.ledger.last_committed),
+            bans=worker.ledger.bans.to_record(),  # part of the committed state (peer.node.bans)
+            state_id=worker.state_id(),  # the claim (peer.node.claims): checked, never taken on trust
+            link=worker.ledger.link.to_record() if worker.ledger.link is not None else None,
+            refused=tuple(self.refusals.record()),  # holders whose state failed its check
+            tokens_per_s=svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
+            in_flight=svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.pipeline.schedule)
+            net=self.net(),  # connectivity, relay, caps, refused calls
+        )
+        return Own(record, worker.stage)
 
     def replica(
         self,
@@ -80,37 +110,36 @@ class Records:
         loss: float | None,
         tokens_per_s: float,
         pipeline_peers: dict[str, str] | None = None,
-    ) -> Record:
+    ) -> Own:
         """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
-        announcements to this replica (peer.node.rounds.bound_replica)."""
-        record: dict[str, Any] = {
-            "address": self.session.address,
-            "kind": kind,
-            "outer_step": outer_step,
-            "shard": shard,
-            "loss": loss,
-            "tokens_per_s": tokens_per_s,
-            "joined_at": self.session.joined_at,
-            "inc": self.session.incarnation,
-            "done": self.session.finishing,
-            **self.session.net_fields(),  # connectivity, relay, caps, refused calls
-        }
-        if pipeline_peers is not None:
-            record["pipeline_peers"] = pipeline_peers
-        return {"kind": "replica", "record": record}
+        announcements to this replica (`peer.node.round.agreement.binding`)."""
+        record = ReplicaRecord(
+            address=self.me.address,
+            kind=kind,
+            outer_step=outer_step,
+            shard=shard,
+            loss=loss,
+            tokens_per_s=tokens_per_s,
+            joined_at=self.me.joined_at,
+            inc=self.me.incarnation,
+            done=self.me.finishing,
+            pipeline_peers=pipeline_peers,
+            net=self.net(),  # connectivity, relay, caps, refused calls
+        )
+        return Own(record)
 
-    def announce(self, *record_fns: Callable[[], Record]) -> None:
+    def announce(self, *record_fns: Callable[[], Own]) -> None:
         """Publish the records now and then every `announce_interval_s` until close()."""
-        dht, swarm_cfg = self.session.dht, self.session.cfg.swarm
+        dht, swarm_cfg = self.dht, self.swarm
 
         def publish() -> None:
             for fn in record_fns:
-                item = fn()
-                if item["kind"] == "stage":
-                    self._stages.add(item["stage"])
-                    dht.announce_stage(item["stage"], item["record"], ttl_s=swarm_cfg.record_ttl_s)
+                own = fn()
+                if own.stage is not None:
+                    self._stages.add(own.stage)
+                    dht.announce_stage(own.stage, own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
                 else:
-                    dht.announce_replica(item["record"], ttl_s=swarm_cfg.record_ttl_s)
+                    dht.announce_replica(own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
 
         def loop() -> None:
             ticks = 0
@@ -150,14 +179,14 @@ class Records:
         if self._thread is not None:
             self._thread.join(timeout=5)
         deadline = time.monotonic() + WITHDRAW_S
-        dht = self.session.dht
+        dht = self.dht
         try:
             for stage in sorted(self._stages):
                 dht.withdraw_stage(stage, timeout_s=_left(deadline))
-            if self.session.role in ("head", "full"):
+            if self.me.role in ("head", "full"):
                 dht.withdraw_replica(timeout_s=_left(deadline))
         except PeerError as exc:
-            ttl = self.session.cfg.swarm.record_ttl_s
+            ttl = self.swarm.record_ttl_s
             log.warning(
                 "could not withdraw records within %.0f s (they expire within %.0f s): %s", WITHDRAW_S, ttl, exc
             )

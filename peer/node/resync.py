@@ -16,33 +16,36 @@
 - `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
   checkpoint at or past the clock is kept);
 - `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;
-- `catch_up`: after a download at outer step t the peer applies round t as an observer, since the
-  others did not expect it in round t.
+(`catch_up`, applying the round after a download as an observer, is a round: `peer.node.round.rounds`.)
 
 Invariants: a state is adopted only through `StageWorker.load_state_dict` (a download) or
 `StageWorker.switch` (a checked recomputation); a peer that (re)synced at t contributes from t + 1
-(`Session.joined_at`); no majority to sync to is a `NetworkError` that says when to retry.
+(`Presence.joined_at`); no majority to sync to is a `NetworkError` that says when to retry.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+from peer.config import RunConfig
 from peer.core.commit import embedding_update
 from peer.core.sparseloco import decompress
 from peer.errors import NetworkError, PeerError
+from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateRequest
-from peer.node.agreement import expected_replicas
+from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
+from peer.node.metrics import MetricsWriter
+from peer.node.presence import Presence
+from peer.node.refusals import Refusals
+from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_worker import StageWorker
-from peer.node.verify import SetFetcher, Verdict, resolve
-
-if TYPE_CHECKING:
-    from peer.node.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +53,31 @@ log = logging.getLogger(__name__)
 class Resync:
     """State checks, switches and downloads of one peer's stage workers."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dht: SwarmDHT,
+        clients: ClientPool,
+        store: PayloadStore,
+        me: Presence,
+        refusals: Refusals,
+        metrics: MetricsWriter,
+        publish: Callable[[], None],
+        checkpoints: PeerCheckpoints,
+    ) -> None:
+        """`publish` refreshes this peer's DHT records (after a download or a switch);
+        `checkpoints.resumed_at` tells `late_join` whether the state came from `--resume`."""
+        self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
+        self.me, self.refusals, self.metrics = me, refusals, metrics
+        self.publish, self.checkpoints = publish, checkpoints
         self.count = 0  # state downloads adopted over the run
         self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
         self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
 
     def clock(self) -> int:
         """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
-        sess = self.session
-        others = {pid: rec for pid, rec in sess.dht.get_replicas().items() if pid != sess.peer_id}
-        return swarm_clock(others, sess.refusals.peers())
+        others = {pid: rec for pid, rec in self.dht.get_replicas().items() if pid != self.me.peer_id}
+        return swarm_clock(others, self.refusals.peers())
 
     def late_join(self, worker: StageWorker) -> None:
         """If the swarm's clock is past this worker's outer step, download the stage's majority state.
@@ -68,9 +85,8 @@ class Resync:
         A state resumed from a checkpoint at (or past) the clock is kept; one that is behind loses
         to the swarm's (error buffer and optimizer reset, as for any late joiner).
         """
-        sess = self.session
         t_swarm = self.clock()
-        resumed = sess.checkpoints.resumed_at is not None
+        resumed = self.checkpoints.resumed_at is not None
         if t_swarm > worker.outer_step:
             if resumed:
                 log.warning(
@@ -91,7 +107,7 @@ class Resync:
                 worker.outer_step,
                 t_swarm,
             )
-            sess.metrics.log(
+            self.metrics.log(
                 "resume_kept", stage=worker.stage, t=worker.outer_step, swarm_t=t_swarm, param_hash=worker.param_hash()
             )
 
@@ -111,12 +127,11 @@ class Resync:
         again until a majority's state is served intact, for at most `wait_s` (default
         `swarm.round_timeout_s`). Raises NetworkError when no majority appears, or none is served.
         """
-        sess = self.session
-        deadline = time.monotonic() + (sess.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
+        deadline = time.monotonic() + (self.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
         served = True  # no download has failed yet (one that did may have loaded a state it did not claim)
         while True:
-            holders = sess.dht.get_stage_peers(worker.stage)
-            claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
+            holders = self.dht.get_stage_peers(worker.stage)
+            claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
             clock = max(self.clock(), worker.outer_step)
             # after a failed download our state may be what a holder served but did not claim: no vote
             mine = (worker.outer_step, worker.state_id()) if served else None
@@ -133,7 +148,7 @@ class Resync:
                 served = False
             if time.monotonic() >= deadline:
                 break
-            time.sleep(min(1.0, sess.cfg.swarm.announce_interval_s))
+            time.sleep(min(1.0, self.cfg.swarm.announce_interval_s))
         if win is None:
             raise NetworkError(
                 f"no state of stage {worker.stage} is claimed by a majority of its {len(claims)} other holder(s) "
@@ -145,15 +160,14 @@ class Resync:
         )
 
     def _download(
-        self, worker: StageWorker, pid: str, rec: Mapping[str, Any], claim: Claim, reason: str, keep_errors: bool
+        self, worker: StageWorker, pid: str, rec: StageRecord, claim: Claim, reason: str, keep_errors: bool
     ) -> bool:
         """Adopt `claim`'s state served by `pid`: True when it loaded and has the claimed state id."""
-        sess = self.session
-        address = rec.get("address")
-        if not isinstance(address, str) or not address:
+        address = rec.address
+        if not address:
             return False
         try:
-            reply = sess.clients.get(address).get_state(StateRequest(worker.stage))
+            reply = self.clients.get(address).get_state(StateRequest(worker.stage))
             state: dict[str, Any] = {
                 "outer_step": reply.outer_step,
                 "start": {k: v for k, v in reply.tensors.items() if k != "perp"},
@@ -173,7 +187,7 @@ class Resync:
             )
             return False
         # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
-        sess.joined_at = max(sess.joined_at, reply.outer_step + 1)
+        self.me.joined_at = max(self.me.joined_at, reply.outer_step + 1)
         self.count += 1
         log.info(
             "%s: stage %d state at outer step %d from %s (state %s)",
@@ -183,22 +197,9 @@ class Resync:
             pid[:12],
             claim.state,
         )
-        sess.metrics.log("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason)
-        sess.records.refresh()
+        self.metrics.log("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason)
+        self.publish()
         return True
-
-    def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event) -> None:
-        """After a state download at outer step t, apply round t as an observer instead of
-        contributing to it: the others did not expect this replica in round t."""
-        sess = self.session
-        t = min(w.outer_step for w in workers.values())
-        if sess.joined_at <= t or not expected_replicas(sess.dht, t):
-            return
-        results = {s: sess.rounds.gather(w, t, None, stop) for s, w in workers.items()}
-        embed = None if 0 in results else sess.rounds.gather(next(iter(workers.values())), t, None, stop, stage=0)
-        sess.rounds.commit(workers, results, embed)
-        sess.metrics.log("catch_up", t=t)
-        sess.records.refresh()
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""
@@ -214,12 +215,11 @@ class Resync:
         its payload; that payload is a pseudo-gradient of our inner steps and stays ours to send
         (applied to whichever θ_start the round starts from).
         """
-        sess = self.session
-        holders = sess.dht.get_stage_peers(worker.stage)
-        claims = parse_claims(holders, sess.peer_id, sess.refusals.peers())
+        holders = self.dht.get_stage_peers(worker.stage)
+        claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
         self._audit(worker, claims.values())
-        claims = {p: c for p, c in claims.items() if p not in sess.refusals}
-        mine = Claim(sess.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
+        claims = {p: c for p, c in claims.items() if p not in self.refusals}
+        mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
         for claim in better(claims.values(), mine):
             if self._check_and_switch(worker, claim, holders):
                 return True
@@ -245,18 +245,17 @@ class Resync:
 
     def _audit(self, worker: StageWorker, claims: Iterable[Claim]) -> None:
         """Cheap checks of every claim, whatever its round (once per claim): a set naming payloads
-        no replica announced (`peer.node.verify.resolve`), or our own set of that round from our
+        no replica announced (`peer.node.round.verify.resolve`), or our own set of that round from our
         own state with another state, is false: its holder is refused. Claims of other sets are
         checked by recomputation in `reconcile` (same round and state only)."""
-        sess = self.session
-        reads: dict[tuple[int, int], Mapping[str, Any]] = {}
+        reads: dict[tuple[int, int], Mapping[str, Announcement]] = {}
 
-        def announcements(t: int, stage: int) -> Mapping[str, Any]:
+        def announcements(t: int, stage: int) -> Mapping[str, Announcement]:
             if (t, stage) not in reads:
-                reads[(t, stage)] = sess.dht.get_payloads(t, stage)
+                reads[(t, stage)] = self.dht.get_payloads(t, stage)
             return reads[(t, stage)]
 
-        replicas: Mapping[str, Any] | None = None
+        replicas: Mapping[str, ReplicaRecord] | None = None
         for c in claims:
             if c.link is None or (c.peer, c.state) in self._audited:
                 continue
@@ -264,47 +263,47 @@ class Resync:
             link, ours = c.link, worker.ledger.history.get(c.link.t)
             if ours is not None and (ours.prev, ours.entries, ours.embed) == (link.prev, link.entries, link.embed):
                 if ours.state != c.state:
-                    sess.refusals.refuse(c.peer, worker.stage, link.t, f"it claims state {c.state} for our set")
+                    self.refusals.refuse(c.peer, worker.stage, link.t, f"it claims state {c.state} for our set")
                 continue
-            replicas = sess.dht.get_replicas() if replicas is None else replicas
+            replicas = self.dht.get_replicas() if replicas is None else replicas
             for stage, entries in ((worker.stage, link.entries), (0, link.embed or ())):
                 anns, anns0 = announcements(link.t, stage), announcements(link.t, 0)
                 forged = [e for e in entries if resolve(e, stage, anns, anns0, replicas).verdict is Verdict.FORGED]
                 if forged:
                     names = ", ".join(r[:12] for r, _ in forged)
                     reason = f"its committed set names payloads no replica announced ({names})"
-                    sess.refusals.refuse(c.peer, worker.stage, link.t, reason)
+                    self.refusals.refuse(c.peer, worker.stage, link.t, reason)
                     break
 
-    def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, Any]) -> bool:
+    def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord]) -> bool:
         """Check `claim` by recomputing its set from the state we committed its round from; switch
         to it when it holds (True), refuse its holder when it is false (False), or leave it for now
         when its payloads cannot be fetched (False)."""
-        sess = self.session
         link, own = claim.link, worker.ledger.link
         assert link is not None and own is not None
         if (link.entries, link.embed) == (own.entries, own.embed):
-            sess.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
+            self.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
             return False
-        address = holders.get(claim.peer, {}).get("address")
-        address = address if isinstance(address, str) else None
-        fetcher = SetFetcher(sess.dht, sess.clients, sess.store, sess.peer_id, min(3.0, sess.cfg.swarm.rpc_timeout_s))
-        parse = sess.rounds.validator(worker, worker.stage)
+        holder = holders.get(claim.peer)
+        address = holder.address if holder is not None and holder.address else None
+        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
+        fetcher = SetFetcher(self.dht, self.clients, self.store, self.me.peer_id, timeout_s)
+        parse = round_validator(self.cfg, worker, worker.stage)
         got = fetcher.fetch(
-            link.t, worker.stage, link.entries, parse, claimer_address=address, n_stages=sess.cfg.stages
+            link.t, worker.stage, link.entries, parse, claimer_address=address, n_stages=self.cfg.stages
         )
         embed_update = None
         if got.complete and link.embed is not None and worker.stage != 0:
-            got0 = fetcher.fetch(link.t, 0, link.embed, sess.rounds.validator(worker, 0), claimer_address=address)
+            got0 = fetcher.fetch(link.t, 0, link.embed, round_validator(self.cfg, worker, 0), claimer_address=address)
             got.forged += got0.forged
             got.missing += got0.missing
             if got0.complete and got0.payloads:
                 keys = [got0.replicas[e] for e in link.embed]
                 decoded = [decompress(got0.payloads[e][1]) for e in link.embed]
-                embed_update = embedding_update(decoded, sess.cfg.sparseloco, keys=keys)
+                embed_update = embedding_update(decoded, self.cfg.sparseloco, keys=keys)
         if got.forged:
             names = ", ".join(r[:12] for r, _ in got.forged)
-            sess.refusals.refuse(
+            self.refusals.refuse(
                 claim.peer, worker.stage, link.t, f"its committed set names payloads no replica announced ({names})"
             )
             return False
@@ -322,7 +321,7 @@ class Resync:
         if out is None:
             return False
         if out.state != claim.state:
-            sess.refusals.refuse(
+            self.refusals.refuse(
                 claim.peer,
                 worker.stage,
                 link.t,
@@ -340,7 +339,7 @@ class Resync:
             len(link.entries),
             len(own.entries),
         )
-        sess.metrics.log(
+        self.metrics.log(
             "switch",
             stage=worker.stage,
             t=worker.outer_step,
@@ -350,7 +349,7 @@ class Resync:
             param_hash=worker.param_hash(),
             perp_hash=worker.perp_hash(),
         )
-        sess.records.refresh()
+        self.publish()
         return True
 
 

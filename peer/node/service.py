@@ -36,6 +36,7 @@ import torch
 from peer.config import RunConfig
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.client import PeerClient
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.errors import (
     HopError,
     NotFoundError,
@@ -58,7 +59,7 @@ from peer.net.transport.messages import (
     StepRequest,
 )
 from peer.node.epoch_gate import StaleMicrobatch
-from peer.node.rounds import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,14 @@ class PeerService:
         role: str,
         on_last_step: Callable[[str, int], None] | None = None,
         artifacts: dict[str, bytes] | None = None,
+        outbound: Outbound | None = None,
     ) -> None:
+        """`outbound`: the proof and link of the calls this peer makes to the next stages."""
         self.cfg, self.workers, self.store = cfg, workers, store
         self.peer_id, self.role = peer_id, role
         self.on_last_step = on_last_step
         self.artifacts = artifacts or {}
+        self.outbound = outbound
         self.claimed_by: str | None = None  # pipeline id (head's peer id) for the current outer step
         self.in_round = False  # between the last inner step and the committed round
         self.leaving = False  # stopped: serves payloads a little longer, no pipeline work (Session.hand_off)
@@ -270,6 +274,7 @@ class PeerService:
                     timeout_s=self.cfg.swarm.rpc_timeout_s,
                     wire_dtype=self.cfg.subspace.wire_dtype,
                     vocab_size=self.cfg.model.vocab_size,
+                    outbound=self.outbound,
                 )
         try:
             return client.forward(request, timeout_s=self.cfg.swarm.rpc_timeout_s * depth)

@@ -3,8 +3,10 @@
 `Session.connect` joins the DHT first (hivemind forks; nothing else may run yet), waits for the
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
 (`verify_manifest`), downloads and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`.
-The trainer (`peer.node.trainer`) then serves its stage workers and uses the session's duties:
-- `rounds`      outer rounds: gather, commit, record (peer.node.rounds);
+The session is the composition root: it builds the duties below and hands each what it uses (the
+config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
+receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
+- `rounds`      outer rounds: gather, commit, record, catch up after a download (peer.node.round.rounds);
 - `resync`      late join, the canonical-state check, downloads, catch-up (peer.node.resync);
 - `refusals`    holders whose published state failed its check (peer.node.refusals);
 - `records`     this peer's DHT records and their refresh thread (peer.node.records);
@@ -22,7 +24,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,13 +35,15 @@ from peer.config import LinkConfig, RunConfig
 from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
 from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
-from peer.net import ratelimit
 from peer.net.addresses import advertised_host
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.prometheus import watch_pool
+from peer.net.ratelimit import Link, LinkCaps
+from peer.net.records import NetFields, ReplicaRecord, StageRecord
 from peer.net.transport import auth
 from peer.net.transport.client import PeerClient
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
@@ -49,10 +52,13 @@ from peer.node.claims import swarm_clock
 from peer.node.connectivity import Connectivity
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
+from peer.node.presence import Presence
 from peer.node.records import Records
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
-from peer.node.rounds import PayloadStore, Rounds, expected_replicas
+from peer.node.round.agreement import expected_replicas
+from peer.node.round.payloads import PayloadStore
+from peer.node.round.rounds import Rounds
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 
@@ -88,28 +94,35 @@ class Session:
         cfg: RunConfig,
         role: str,
         stage: int | None,
+        outbound: Outbound | None = None,
     ) -> None:
+        """`outbound` (default: from the DHT's admission and `opts.link`): what every call this
+        peer makes carries, its admission proof and its one link with the caps."""
         self.opts, self.dht, self.manifest, self.cfg = opts, dht, manifest, cfg
+        self.outbound = outbound or _outbound(opts, dht)
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
-        self.incarnation = secrets.token_hex(6)  # this process: tells a restarted peer's records apart
-        self.finishing = False  # past the last round (published as "done" in the replica record)
-        self.joined_at = 0  # the first round this peer contributes to (DESIGN §3: late joiners)
+        self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
         self.store = PayloadStore()
-        self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
+        self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, self.outbound)
         watch_pool(self.clients)  # --metrics-port: bytes per gRPC method, read at each scrape
         self.server: PeerServer | None = None
         self.service: PeerService | None = None
         self.gate: Gate | None = None  # admission, reverse streams, caps (peer.net.transport.gate)
         self.connectivity: Connectivity | None = None
-        self.address = ""
         opts.data_dir.mkdir(parents=True, exist_ok=True)
+        # the composition root: each part gets what it uses, none gets the session
         self.metrics = MetricsWriter(opts.data_dir, role)
         self.refusals = Refusals(on_refuse=self.metrics.log)  # holders whose state failed its check
-        self.records = Records(self)
-        self.rounds = Rounds(self)
-        self.resync = Resync(self)
-        self.checkpoints = PeerCheckpoints(self)
+        self.records = Records(dht, cfg.swarm, self.me, self.refusals, self.net, lambda: self.service)
+        self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
+        publish = self.records.refresh
+        self.resync = Resync(
+            cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.checkpoints
+        )
+        self.rounds = Rounds(
+            cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.resync
+        )
 
     # ------------------------------------------------------------------ joining and leaving
     @classmethod
@@ -127,19 +140,14 @@ class Session:
             manifest = wait_for_manifest(dht, opts.manifest_timeout_s, opts.initial_peers[0], stop)
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
-            admission = dht.admission  # every data-plane call this process makes proves it is admitted
-            auth.set_default_credentials(
-                auth.for_swarm(admission.mode, admission.allowlist, dht.peer_id, *dht.auth_material)[1]
-            )
-            ratelimit.configure(
-                ratelimit.LinkCaps(opts.link.max_upload_mbps, opts.link.max_download_mbps, opts.link.relay_max_mbps)
-            )
-            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, _peer_addresses(dht, cfg))
-            session = cls(opts, dht, manifest, cfg, role, stage)
+            outbound = _outbound(opts, dht)  # the manifest's admission is known now
+            addresses = _peer_addresses(dht, cfg)
+            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound)
+            session = cls(opts, dht, manifest, cfg, role, stage, outbound)
         except BaseException:
             dht.shutdown()
             raise
-        session.joined_at = swarm_clock(dht.get_replicas())  # the lower median: no single record moves it
+        session.me.joined_at = swarm_clock(dht.get_replicas())  # the lower median: no single record moves it
         log.info("joined run %s as %s%s", manifest["run_id"], role, "" if stage is None else f" of stage {stage}")
         return session
 
@@ -163,7 +171,7 @@ class Session:
         """Serve the stage workers over gRPC; returns the service (claims, round state)."""
         tokenizer = {"tokenizer": Path(self.cfg.data.tokenizer).read_bytes()} if self.cfg.data.tokenizer else {}
         self.service = PeerService(  # serves the tokenizer too: joins work once the bootstrap is gone
-            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, artifacts=tokenizer
+            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, tokenizer, self.outbound
         )
         self.server = PeerServer(
             self.service,
@@ -176,36 +184,53 @@ class Session:
         )
         o = self.opts  # on every interface: the address facing the swarm (peer.net.addresses)
         host = advertised_host(o.host, o.announce_host, o.initial_peers, self.dht.visible_maddrs())
-        self.address = f"{host}:{self.server.port}"
+        self.me.address = f"{host}:{self.server.port}"
         assert self.gate is not None
         self.gate.bind(f"{self.opts.host}:{self.server.port}")
-        self.connectivity = Connectivity(self, self.gate.hub.local_address)
+        self.connectivity = Connectivity(
+            self.dht,
+            self.me,
+            self.cfg.stages,
+            self.cfg.swarm.announce_interval_s,
+            str(self.manifest.get("bootstrap_address", "")),
+            self.gate.hub.local_address,
+            self.outbound,
+        )
         self.connectivity.start()  # the reachability check; reverse streams when this peer cannot be dialled
-        self.metrics.log("connectivity", **self.connectivity.fields(), address=self.address)
-        self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.address)
+        self.metrics.log("connectivity", **self.connectivity.fields(), address=self.me.address)
+        self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.me.address)
         return self.service
 
     def _gate(self) -> Gate:
         admission = self.dht.admission
         verifier, _ = auth.for_swarm(admission.mode, admission.allowlist, self.peer_id, *self.dht.auth_material)
-        self.gate = Gate(self.peer_id, verifier, relay=self.opts.link.relay, net_info=self.net_fields)
+        self.gate = Gate(
+            self.peer_id,
+            verifier,
+            relay=self.opts.link.relay,
+            net_info=lambda: self.net().to_record(),
+            outbound=self.outbound,
+        )
         return self.gate
 
-    def net_fields(self) -> dict[str, Any]:
+    def net(self) -> NetFields:
         """Connectivity, caps and refused calls, for this peer's records and Info."""
-        out: dict[str, Any] = self.connectivity.fields() if self.connectivity else {"connectivity": "direct"}
-        out["relay"] = self.opts.link.relay
-        out["auth_failures"] = self.gate.verifier.failure_count() if self.gate else 0
-        out["max_upload_mbps"] = self.opts.link.max_upload_mbps or None
-        out["max_download_mbps"] = self.opts.link.max_download_mbps or None
-        return out
+        c, link = self.connectivity, self.opts.link
+        return NetFields(
+            connectivity=c.mode if c is not None else "direct",
+            via=tuple(c.via()) if c is not None else None,
+            relay=link.relay,
+            auth_failures=self.gate.verifier.failure_count() if self.gate else 0,
+            max_upload_mbps=link.max_upload_mbps or None,
+            max_download_mbps=link.max_download_mbps or None,
+        )
 
     def finish(self, stop: threading.Event) -> int:
         """The end of a role's loop: keep serving until nobody is behind, record why we stop; exit 0.
 
         A stopped peer (Ctrl+C, SIGTERM) hands off instead: it takes no more pipeline work but
         serves its last round's payload until the holders still gathering that round have it."""
-        self.finishing = True
+        self.me.finishing = True
         self.records.refresh()
         if stop.is_set():
             self.hand_off()
@@ -227,8 +252,8 @@ class Session:
         deadline = time.monotonic() + max_s
         waited = False
 
-        def at_round(rec: dict[str, Any]) -> bool:
-            return rec.get("outer_step") == t - 1
+        def at_round(rec: StageRecord | ReplicaRecord) -> bool:
+            return rec.outer_step == t - 1
 
         while time.monotonic() < deadline:
             try:
@@ -287,16 +312,19 @@ class Session:
         T = self.cfg.train.outer_steps
         deadline = time.monotonic() + max_s
 
-        def replica_behind(rec: dict[str, Any]) -> bool:
-            return rec.get("outer_step", T) < T or (rec.get("kind") == "pipeline" and rec.get("done") is False)
+        def behind(rec: StageRecord | ReplicaRecord) -> bool:
+            return rec.outer_step is not None and rec.outer_step < T
+
+        def replica_behind(rec: ReplicaRecord) -> bool:
+            return behind(rec) or (rec.kind == "pipeline" and rec.done is False)
 
         while not stop.is_set() and time.monotonic() < deadline:
-            if not self._others_where(replica_behind, lambda rec: rec.get("outer_step", T) < T, range(self.cfg.stages)):
+            if not self._others_where(replica_behind, behind, range(self.cfg.stages)):
                 return
             stop.wait(0.5)
 
     def _others_where(
-        self, replica: Callable[[dict[str, Any]], bool], stage: Callable[[dict[str, Any]], bool], stages: Iterable[int]
+        self, replica: Callable[[ReplicaRecord], bool], stage: Callable[[StageRecord], bool], stages: Iterable[int]
     ) -> list[str]:
         """Other peers of the run whose replica record, or stage record of one of `stages`, matches."""
         out = {pid for pid, rec in self.dht.get_replicas().items() if replica(rec)}
@@ -310,7 +338,7 @@ class Session:
 
         `prefer` (a resumed peer's shard) is taken when it is still free.
         """
-        used = {rec.get("shard") for pid, rec in self.dht.get_replicas().items() if pid != self.peer_id}
+        used = {rec.shard for pid, rec in self.dht.get_replicas().items() if pid != self.peer_id}
         if isinstance(prefer, int) and 0 <= prefer < self.cfg.swarm.n_shards and prefer not in used:
             return prefer
         for shard in range(self.cfg.swarm.n_shards):
@@ -373,19 +401,32 @@ def _start_dht(opts: SessionOptions, attempts: int = 2) -> SwarmDHT:
     raise AssertionError("unreachable")
 
 
+def _outbound(opts: SessionOptions, dht: SwarmDHT) -> Outbound:
+    """This peer's admission proof under the swarm's policy and its link with the `opts.link` caps."""
+    admission = dht.admission
+    _, credentials = auth.for_swarm(admission.mode, admission.allowlist, dht.peer_id, *dht.auth_material)
+    caps = LinkCaps(opts.link.max_upload_mbps, opts.link.max_download_mbps, opts.link.relay_max_mbps)
+    return Outbound(credentials, Link(caps))
+
+
 def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
     """Data-plane addresses of the run's live peers (any stage), for artefacts the bootstrap cannot serve."""
     found: list[str] = []
     for s in range(cfg.stages):
         try:
-            found += [str(r["address"]) for r in dht.get_stage_peers(s).values() if r.get("address")]
+            found += [r.address for r in dht.get_stage_peers(s).values() if r.address]
         except PeerError:
             continue
     return list(dict.fromkeys(found))
 
 
 def _with_tokenizer(
-    cfg: RunConfig, manifest: dict, data_dir: Path, timeout_s: float, fallback: Sequence[str] = ()
+    cfg: RunConfig,
+    manifest: dict,
+    data_dir: Path,
+    timeout_s: float,
+    fallback: Sequence[str] = (),
+    outbound: Outbound | None = None,
 ) -> RunConfig:
     """Download the run's tokenizer from the bootstrap (else from a live peer), check its sha256
     against the manifest, point the data config at it."""
@@ -395,7 +436,8 @@ def _with_tokenizer(
         raw = b""
         for i, address in enumerate([manifest["bootstrap_address"], *fallback]):
             try:
-                with PeerClient(address, timeout_s=timeout_s if i == 0 else min(timeout_s, 10.0)) as client:
+                wait_s = timeout_s if i == 0 else min(timeout_s, 10.0)
+                with PeerClient(address, timeout_s=wait_s, outbound=outbound) as client:
                     raw = client.get_artifact(ArtifactRequest("tokenizer"))
             except PeerError as exc:
                 log.warning("tokenizer not available from %s: %s", address, exc)

@@ -1,7 +1,7 @@
 """`peer join`: the training loops of a stage peer, a pipeline head and a full replica.
 
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
-workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.rounds; re-syncs:
+workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.round.rounds; re-syncs:
 peer.node.resync; every committed round goes through peer.core.commit):
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline.driver) → round for
                     stage 0 → validation loss;
@@ -33,9 +33,9 @@ from peer.core.chain import chain_forward, global_grad_norm, token_loss
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
-from peer.node.gather import RoundResult
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
+from peer.node.round.gather import RoundResult
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
@@ -331,7 +331,7 @@ def _repair(
         if chain is not None and not _align(session, chain):
             stop.wait(session.cfg.swarm.announce_interval_s)
             return False
-        session.resync.catch_up(workers, stop)
+        session.rounds.catch_up(workers, stop)
     except NetworkError as exc:
         log.warning("could not re-sync yet: %s", exc)
         stop.wait(session.cfg.swarm.announce_interval_s)

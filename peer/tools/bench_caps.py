@@ -73,8 +73,7 @@ def serve(up_mbps: float, down_mbps: float) -> None:
     from peer.net.transport import PeerServer
     from peer.net.transport.gate import Gate
 
-    ratelimit.configure(ratelimit.LinkCaps(up_mbps, down_mbps))
-    gate = Gate("capped")
+    gate = Gate("capped", link=ratelimit.Link(ratelimit.LinkCaps(up_mbps, down_mbps)))
     server = PeerServer(_Capped(), interceptors=[gate], max_message_bytes=64 << 20)
     sys.stdout.write(json.dumps({"address": server.address}) + "\n")
     sys.stdout.flush()

@@ -32,9 +32,10 @@ import torch
 from peer.config import RunConfig, config_from_dict
 from peer.core.state import stage_state, state_hash
 from peer.net.pool import ClientPool
+from peer.net.records import StageRecord
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline.driver import PipelineDriver
-from peer.node.rounds import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 
@@ -51,11 +52,11 @@ class FixedStages:
     def __init__(self, addresses: dict[int, str]) -> None:
         self.addresses = addresses
 
-    def get_stage_peers(self, stage: int) -> dict[str, dict[str, Any]]:
+    def get_stage_peers(self, stage: int) -> dict[str, StageRecord]:
         address = self.addresses.get(stage)
         if address is None:
             return {}
-        return {f"stage-{stage}": {"role": "trainer", "outer_step": 0, "address": address, "pipeline": None}}
+        return {f"stage-{stage}": StageRecord(role="trainer", outer_step=0, address=address, pipeline=None)}
 
 
 def head_driver(

@@ -24,6 +24,7 @@ from typing import Any
 
 from peer.errors import ManifestMismatch
 from peer.net.dht import SwarmDHT
+from peer.net.records import NetFields, ReplicaRecord, StageRecord
 from peer.node.manifest import wait_for_manifest
 
 logger = logging.getLogger(__name__)
@@ -43,18 +44,31 @@ def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def stage_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
-    """One stage peer's row of `peer status --json`."""
-    out: dict[str, Any] = {"peer_id": peer_id}
-    out.update({name: record.get(name) for name in STAGE_FIELDS + LINK_FIELDS})
-    return out
+def _link(net: NetFields) -> dict[str, Any]:
+    """The LINK_FIELDS of a record (None where it does not say)."""
+    return {
+        "connectivity": net.connectivity,
+        "relay": net.relay,
+        "max_upload_mbps": net.max_upload_mbps,
+        "max_download_mbps": net.max_download_mbps,
+        "auth_failures": net.auth_failures,
+    }
 
 
-def replica_entry(peer_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
-    """One full replica's row of `peer status --json`."""
-    out: dict[str, Any] = {"peer_id": peer_id}
-    out.update({name: record.get(name) for name in REPLICA_FIELDS + LINK_FIELDS})
-    return out
+def stage_entry(peer_id: str, record: StageRecord) -> dict[str, Any]:
+    """One stage peer's row of `peer status --json` (STAGE_FIELDS, then LINK_FIELDS)."""
+    r = record
+    out = {"peer_id": peer_id, "state": r.state or None, "outer_step": r.outer_step, "tokens_per_s": r.tokens_per_s}
+    out.update(role=r.role or None, address=r.address or None, in_flight=r.in_flight)
+    return out | _link(r.net)
+
+
+def replica_entry(peer_id: str, record: ReplicaRecord) -> dict[str, Any]:
+    """One full replica's row of `peer status --json` (REPLICA_FIELDS, then LINK_FIELDS)."""
+    r = record
+    return {"peer_id": peer_id, "outer_step": r.outer_step, "loss": r.loss, "tokens_per_s": r.tokens_per_s} | _link(
+        r.net
+    )
 
 
 def collect_status(
@@ -87,10 +101,10 @@ def collect_status(
     for s in range(n_stages):
         records = dht.get_stage_peers(s)
         stages[str(s)] = [stage_entry(pid, records[pid]) for pid in sorted(records)]
-        best = max([best, *(_int_or_none(r.get("outer_step")) or 0 for r in records.values())])
+        best = max([best, *(r.outer_step or 0 for r in records.values())])
     replicas = dht.get_replicas()
-    best = max([best, *(_int_or_none(r.get("outer_step")) or 0 for r in replicas.values())])
-    full = [replica_entry(pid, replicas[pid]) for pid in sorted(replicas) if replicas[pid].get("kind") == "full"]
+    best = max([best, *(r.outer_step or 0 for r in replicas.values())])
+    full = [replica_entry(pid, replicas[pid]) for pid in sorted(replicas) if replicas[pid].kind == "full"]
     model = _mapping(config.get("model"))
     preset = config.get("preset", model.get("preset"))
     return {"run_id": run_id, "preset": preset, "outer_step": best, "stages": stages, "full_replicas": full}

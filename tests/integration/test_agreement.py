@@ -1,6 +1,6 @@
 """Each transition of the round protocol (docs/protocol.md), on records alone: no DHT, no network.
 
-`round_view` is fed plain records; `gather_round` runs against an in-memory table of records and
+`round_view` is fed records as the DHT reader parses them; `gather_round` runs against an in-memory table of records and
 payloads standing in for what a poll reads (the real DHT and gRPC path is
 tests/integration/test_round_hash.py and the swarm tests), so every test shows one transition and
 ends in milliseconds (only the deadline tests wait, about 1 s).
@@ -17,11 +17,12 @@ from peer.config import build_config
 from peer.core.sparseloco import compress
 from peer.errors import NetworkError
 from peer.net.dht import dht_time
-from peer.node.agreement import fenced_by, fresh, round_view
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.claims import entry
-from peer.node.gather import RoundTimings, gather_round
 from peer.node.refusals import Refusals
-from peer.node.round_payloads import sha256
+from peer.node.round.agreement import fenced_by, fresh, round_view
+from peer.node.round.gather import RoundTimings, gather_round
+from peer.node.round.payloads import sha256
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,21 +41,34 @@ def _replica(kind: str = "full", t: int = 0, **extra) -> dict:
     return {"kind": kind, "outer_step": t, "joined_at": 0, **extra}
 
 
+def _parse(kind, records: dict[str, dict]) -> dict:
+    """Published records as the DHT reader hands them over (each parsed once, none malformed here)."""
+    out = {p: kind.parse(r) for p, r in records.items()}
+    assert None not in out.values(), records
+    return out
+
+
+def _view(t, stage, payloads, stage0, replicas, holders, me="me", inc=""):
+    """`round_view` of published records."""
+    anns, anns0 = _parse(Announcement, payloads), _parse(Announcement, stage0)
+    return round_view(t, stage, anns, anns0, _parse(ReplicaRecord, replicas), _parse(StageRecord, holders), me, inc)
+
+
 # ------------------------------------------------------------------ round_view: who counts
 def test_incarnations_make_earlier_announcements_stale():
-    holders = {"p": {"inc": "new"}}
-    assert fresh("p", {"inc": "new"}, holders, {}, "me", "mine")
-    assert not fresh("p", {"inc": "old"}, holders, {}, "me", "mine")  # p restarted with the same key
-    assert not fresh("me", {"inc": "old"}, {}, {}, "me", "mine")  # our own dead incarnation
-    assert fresh("me", {"inc": "mine"}, {}, {}, "me", "mine")
-    assert fresh("gone", {"inc": "x"}, {}, {}, "me", "mine")  # no record now: not provably stale
+    holders = {"p": StageRecord(inc="new")}
+    assert fresh("p", Announcement(inc="new"), holders, {}, "me", "mine")
+    assert not fresh("p", Announcement(inc="old"), holders, {}, "me", "mine")  # p restarted with the same key
+    assert not fresh("me", Announcement(inc="old"), {}, {}, "me", "mine")  # our own dead incarnation
+    assert fresh("me", Announcement(inc="mine"), {}, {}, "me", "mine")
+    assert fresh("gone", Announcement(inc="x"), {}, {}, "me", "mine")  # no record now: not provably stale
 
 
 def test_heads_round_announcement_binds_the_replacement_not_the_record():
     replicas = {"h": _replica("pipeline", pipeline_peers={"1": "next"})}  # the record moved on to t + 1
     stage0 = {"h": {"replica": "h", "peers": {"1": "repl"}}}
     payloads = {"repl": {"replica": "h"}, "next": {"replica": "h"}}
-    view = round_view(0, 1, payloads, stage0, replicas, {"repl": {"outer_step": 0}}, "me", "")
+    view = _view(0, 1, payloads, stage0, replicas, {"repl": {"outer_step": 0}}, "me", "")
     assert {s: rid for s, (rid, _) in view.bound.items()} == {"repl": "h"}
     assert ("next", "h", "unbound") in view.ignored
     assert view.expected == {"h"}
@@ -62,16 +76,16 @@ def test_heads_round_announcement_binds_the_replacement_not_the_record():
 
 def test_before_the_head_announces_its_record_binds_provisionally():
     replicas = {"h": _replica("pipeline", pipeline_peers={"1": "p"})}
-    view = round_view(0, 1, {"p": {"replica": "h"}}, {}, replicas, {}, "me", "")
+    view = _view(0, 1, {"p": {"replica": "h"}}, {}, replicas, {}, "me", "")
     assert "p" in view.bound and view.expected == {"h"}
 
 
 def test_a_head_whose_bound_peer_died_without_announcing_is_dropped_for_everyone():
     replicas = {"h": _replica("pipeline", t=1), "f": _replica()}
     stage0 = {"h": {"replica": "h", "peers": {"1": "dead"}}}
-    view = round_view(0, 1, {"f": {}}, stage0, replicas, {"f": {"outer_step": 0}}, "me", "")
+    view = _view(0, 1, {"f": {}}, stage0, replicas, {"f": {"outer_step": 0}}, "me", "")
     assert view.dropped == {"h"} and view.expected == {"f"}
-    alive = round_view(0, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 0}}, "me", "")
+    alive = _view(0, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 0}}, "me", "")
     assert alive.expected == {"h", "f"} and not alive.dropped  # alive and at t: it will announce
 
 
@@ -91,7 +105,7 @@ class FakeDHT:
         with self._polled:
             self.polls += 1
             self._polled.notify_all()
-        return dict(self.replicas)
+        return _parse(ReplicaRecord, self.replicas)
 
     def polled(self, n: int) -> bool:
         """Whether the gather polls `n` more times: True means it has not closed the round by then
@@ -101,10 +115,11 @@ class FakeDHT:
             return self._polled.wait_for(lambda: self.polls >= target, timeout=10)
 
     def get_stage_peers(self, stage, keep_left=False):
-        return {p: r for p, r in self.holders.items() if keep_left or r.get("state") != "left"}
+        holders = _parse(StageRecord, self.holders)
+        return {p: r for p, r in holders.items() if keep_left or not r.left}
 
     def get_payloads(self, t, stage):
-        return dict(self.payloads.get((t, stage), {}))
+        return _parse(Announcement, self.payloads.get((t, stage), {}))
 
     def announce_payload(self, t, stage, record, ttl_s):
         self.payloads.setdefault((t, stage), {})[self.peer_id] = dict(record)
@@ -177,7 +192,7 @@ def test_commit_once_every_expected_payload_is_held():
 
 def test_a_holder_one_round_behind_still_counts_as_gathering_for_the_lone_guard():
     def gathering(rec: dict) -> bool:
-        return round_view(5, 0, {}, {}, {}, {"h": rec}, "me", "").others_gathering
+        return _view(5, 0, {}, {}, {}, {"h": rec}, "me", "").others_gathering
 
     assert gathering({"outer_step": 5}) and gathering({"outer_step": 4})  # at t, or about to reach it
     assert not gathering({"outer_step": 3})  # two behind: it re-syncs, it will not send round 5
@@ -185,9 +200,9 @@ def test_a_holder_one_round_behind_still_counts_as_gathering_for_the_lone_guard(
     assert not gathering({"outer_step": 5, "role": "spare"})  # a hot spare only observes the round
     assert gathering({"outer_step": 5, "role": "trainer"})
     # a full replica that re-synced past round 5 (it joined at 6) never sends it: not waited for
-    late = round_view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=6)}, {"h": {"outer_step": 5}}, "me", "")
+    late = _view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=6)}, {"h": {"outer_step": 5}}, "me", "")
     assert not late.others_gathering
-    on_time = round_view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=5)}, {"h": {"outer_step": 5}}, "me", "")
+    on_time = _view(5, 0, {}, {}, {"h": _replica(t=5, joined_at=5)}, {"h": {"outer_step": 5}}, "me", "")
     assert on_time.others_gathering
 
 
@@ -390,7 +405,7 @@ def test_a_holder_that_left_gracefully_is_not_waited_for():
 
 # ------------------------------------------------------------------ deadline fence
 def test_only_an_earlier_closer_near_its_deadline_fences_us():
-    view = round_view(
+    view = _view(
         0, 1, {"a": {"replica": "a", "closes": 100.0}, "z": {"replica": "z", "closes": 100.0}}, {}, {}, {}, "me", ""
     )
     assert fenced_by(view, "me", 105.0, now=99.0, margin_s=2.0) == {"a", "z"}  # both close before us

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 
+from peer.errors import PeerError
 from peer.net.transport import (
     ArtifactRequest,
     BackwardRequest,
@@ -24,6 +25,7 @@ from peer.net.transport import (
     StepRequest,
     auth,
 )
+from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from tests.integration.test_transport import ToyStage, _request
 
@@ -105,20 +107,18 @@ def test_secret_swarm_refuses_every_method_without_a_valid_proof():
         assert toy.steps == []
         assert gate.verifier.failure_count() == refused
         assert set(gate.verifier.failures) == {"missing", "stale", "forged"}
-        auth.set_default_credentials(good)
-        with PeerClient(server.address, timeout_s=10) as client:
+        with PeerClient(server.address, timeout_s=10, outbound=Outbound(good)) as client:
             info = client.info()
         assert info["net"]["auth_failures"] == refused
     finally:
-        auth.set_default_credentials(None)
         server.stop()
 
 
 def test_secret_swarm_serves_every_method_to_an_admitted_client():
     server, gate, toy = _serve(auth.Verifier("secret", secret=SECRET))
-    auth.set_default_credentials(auth.Credentials("secret", "caller-peer", secret=SECRET))
+    admitted = Outbound(auth.Credentials("secret", "caller-peer", secret=SECRET))
     try:
-        with PeerClient(server.address, timeout_s=10, vocab_size=64) as client:
+        with PeerClient(server.address, timeout_s=10, vocab_size=64, outbound=admitted) as client:
             fwd = client.forward(_request(stage=1))
             assert fwd.hidden is not None
             back = client.backward(BackwardRequest("p0", 0, 0, 0, 1, torch.ones(2, 5, 8)))
@@ -129,8 +129,11 @@ def test_secret_swarm_serves_every_method_to_an_admitted_client():
             assert client.get_artifact(ArtifactRequest("tokenizer.model")) == b"spm-model-bytes"
             assert client.info()["net"]["auth_failures"] == 0
         assert len(toy.steps) == 1
+        # the proof travels with the client that was given it, never as process-wide state
+        with PeerClient(server.address, timeout_s=10, retries=0) as stranger, pytest.raises(PeerError):
+            stranger.step(StepRequest("p0", 0, 0, 1, 10))
+        assert len(toy.steps) == 1
     finally:
-        auth.set_default_credentials(None)
         server.stop()
 
 
@@ -164,12 +167,10 @@ def test_allowlist_swarm_checks_the_callers_signature_and_listing(tmp_path):
                 assert _raw_call(server.address, method, metadata) == grpc.StatusCode.UNAUTHENTICATED, method
             assert _raw_call(server.address, method, good.metadata(method)) != grpc.StatusCode.UNAUTHENTICATED
         assert set(gate.verifier.failures) == {"missing", "unlisted", "forged", "stale"}
-        auth.set_default_credentials(good)
-        with PeerClient(server.address, timeout_s=10, vocab_size=64) as client:
+        with PeerClient(server.address, timeout_s=10, vocab_size=64, outbound=Outbound(good)) as client:
             assert client.step(StepRequest("p0", 0, 0, 1, 10)).ok
             assert client.info()["net"]["auth_failures"] == 5 * len(METHODS)
     finally:
-        auth.set_default_credentials(None)
         server.stop()
 
 

@@ -90,24 +90,24 @@ def test_stage_records_replicas_and_withdraw(nodes):
     for reader in (a, b):
         peers = reader.get_stage_peers(0)
         assert set(peers) == {a.peer_id, b.peer_id}
-        assert peers[a.peer_id]["address"] == "127.0.0.1:5000"
-        assert peers[b.peer_id]["state"] == "syncing"
-        assert all(t_before <= r["time"] <= dht_time() for r in peers.values())
+        assert peers[a.peer_id].address == "127.0.0.1:5000"
+        assert peers[b.peer_id].state == "syncing"
+        assert all(t_before <= r.time <= dht_time() for r in peers.values())
     assert set(a.get_stage_peers(1)) == {b.peer_id}
     assert a.get_stage_peers(5) == {}
 
     # an update replaces this peer's record (same subkey), even with a shorter ttl
     a.announce_stage(0, {"address": "127.0.0.1:5000", "state": "busy", "outer_step": 3}, ttl_s=20)
-    assert b.get_stage_peers(0)[a.peer_id]["state"] == "busy"
+    assert b.get_stage_peers(0)[a.peer_id].state == "busy"
 
     # stale records are dropped on request (margins of 0.6 s either side for slow CI machines)
-    time_a = b.get_stage_peers(0)[a.peer_id]["time"]
+    time_a = b.get_stage_peers(0)[a.peer_id].time
     time.sleep(1.2)
     b.announce_stage(0, {"address": "127.0.0.1:5001", "state": "ready", "outer_step": 4}, ttl_s=60)
     assert set(a.get_stage_peers(0, max_age_s=dht_time() - time_a - 0.6)) == {b.peer_id}
 
     a.announce_replica({"outer_step": 7, "inner_step": 12, "tokens_per_s": 1000.0, "loss": 3.5}, ttl_s=60)
-    assert b.get_replicas()[a.peer_id]["loss"] == 3.5
+    assert b.get_replicas()[a.peer_id].loss == 3.5
     assert b.current_outer_step() == 7
 
     # graceful leave: the record disappears for readers even though the first one had a longer ttl
@@ -121,6 +121,21 @@ def test_stage_records_replicas_and_withdraw(nodes):
         a.announce_stage(0, {"bad": object()}, ttl_s=10)
 
 
+def test_a_malformed_record_is_dropped_never_read(nodes):
+    a = nodes()
+    b = nodes(initial_peers=a.visible_maddrs())
+    for n in (a, b):
+        n.set_run("junk", n_stages=1)
+    a.announce_stage(0, {"address": "127.0.0.1:5000", "state": "ready", "outer_step": 3}, ttl_s=60)
+    b.announce_stage(0, {"address": "127.0.0.1:5001", "state": "ready", "outer_step": "99"}, ttl_s=60)
+    b.announce_replica({"outer_step": 7, "joined_at": "soon"}, ttl_s=60)
+    b.announce_payload(1, 0, {"sha256": ["aa"], "size": 1, "address": "127.0.0.1:5001"}, ttl_s=60)
+    assert set(a.get_stage_peers(0)) == {a.peer_id} and a.get_stage_peers(0)[a.peer_id].outer_step == 3
+    assert a.get_replicas() == {} and a.get_payloads(1, 0) == {}
+    assert a.current_outer_step() == 3  # the junk outer steps count nowhere
+    assert a.dropped_records["malformed"] >= 3
+
+
 def test_payload_announcements_per_round_and_stage(nodes):
     a = nodes()
     b = nodes(initial_peers=a.visible_maddrs())
@@ -130,15 +145,15 @@ def test_payload_announcements_per_round_and_stage(nodes):
         n.set_run("r2", n_stages=2)
     assert a.current_outer_step() == 0
 
-    a.announce_payload(1, 0, {"hash": "aa", "size": 100, "address": "127.0.0.1:1"}, ttl_s=60)
-    b.announce_payload(1, 0, {"hash": "bb", "size": 120, "address": "127.0.0.1:2"}, ttl_s=60)
-    b.announce_payload(1, 1, {"hash": "cc", "size": 130, "address": "127.0.0.1:2"}, ttl_s=60)
-    b.announce_payload(2, 0, {"hash": "dd", "size": 140, "address": "127.0.0.1:2"}, ttl_s=60)
+    a.announce_payload(1, 0, {"sha256": "aa", "size": 100, "address": "127.0.0.1:1"}, ttl_s=60)
+    b.announce_payload(1, 0, {"sha256": "bb", "size": 120, "address": "127.0.0.1:2"}, ttl_s=60)
+    b.announce_payload(1, 1, {"sha256": "cc", "size": 130, "address": "127.0.0.1:2"}, ttl_s=60)
+    b.announce_payload(2, 0, {"sha256": "dd", "size": 140, "address": "127.0.0.1:2"}, ttl_s=60)
 
     r10 = a.get_payloads(1, 0)
-    assert {p: r["hash"] for p, r in r10.items()} == {a.peer_id: "aa", b.peer_id: "bb"}
-    assert {p: r["hash"] for p, r in b.get_payloads(1, 1).items()} == {b.peer_id: "cc"}
-    assert {p: r["hash"] for p, r in a.get_payloads(2, 0).items()} == {b.peer_id: "dd"}
+    assert {p: r.sha256 for p, r in r10.items()} == {a.peer_id: "aa", b.peer_id: "bb"}
+    assert {p: r.sha256 for p, r in b.get_payloads(1, 1).items()} == {b.peer_id: "cc"}
+    assert {p: r.sha256 for p, r in a.get_payloads(2, 0).items()} == {b.peer_id: "dd"}
     assert a.get_payloads(3, 0) == {}
 
     # outer step comes from stage records too, not only from replicas

@@ -44,7 +44,7 @@ from peer.net.transport import (
 )
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
-from peer.node.rounds import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 

@@ -80,18 +80,18 @@ def test_identity_file_is_created_and_keeps_peer_id_and_record_ownership(nodes, 
     owner = a.owner_subkey
     a.set_run("ident")
     a.announce_stage(0, RECORD, ttl_s=60)
-    assert boot.get_stage_peers(0)[peer_id]["address"] == "127.0.0.1:5000"
+    assert boot.get_stage_peers(0)[peer_id].address == "127.0.0.1:5000"
     a.shutdown()
 
     # restarted from the same file: same peer id, same signing key, so it can update its own record
     restarted = nodes(initial_peers=boot.visible_maddrs(), identity_path=key)
     assert restarted.peer_id == peer_id and restarted.owner_subkey == owner
     restarted.set_run("ident")
-    assert boot.get_stage_peers(0)[peer_id]["state"] == "ready"  # the record outlived the process
+    assert boot.get_stage_peers(0)[peer_id].state == "ready"  # the record outlived the process
     restarted.announce_stage(0, {**RECORD, "state": "busy"}, ttl_s=60)
     peers = boot.get_stage_peers(0)
-    assert set(peers) == {peer_id} and peers[peer_id]["state"] == "busy"
-    assert peers[peer_id]["peer_id"] == peer_id
+    assert set(peers) == {peer_id} and peers[peer_id].state == "busy"
+    assert peers[peer_id].peer_id == peer_id
 
     # without --identity every start is a new peer (a throw-away key that signs just as well)
     assert boot.peer_id != peer_id and boot.owner_subkey != owner
@@ -122,17 +122,17 @@ def test_another_peer_cannot_overwrite_or_forge_a_record(nodes, stock_node):
     for node in (reader, a):
         peers = node.get_stage_peers(0)
         assert set(peers) == {a.peer_id, reader.peer_id}
-        assert peers[a.peer_id]["address"] == "127.0.0.1:5000"
+        assert peers[a.peer_id].address == "127.0.0.1:5000"
         assert node.current_outer_step() == 3
     assert reader.dropped_records["forged"] >= 1 and reader.dropped_records["unsigned"] >= 1
 
     # A still owns its subkey: its own update and withdrawal go through
     a.announce_stage(0, {**RECORD, "state": "busy"}, ttl_s=30)
-    assert reader.get_stage_peers(0)[a.peer_id]["state"] == "busy"
+    assert reader.get_stage_peers(0)[a.peer_id].state == "busy"
     a.withdraw_stage(0)
     assert set(reader.get_stage_peers(0)) == {reader.peer_id}
     # a round in progress tells a graceful leave (a signed "left" record) from a record that expired
-    assert reader.get_stage_peers(0, keep_left=True)[a.peer_id]["state"] == "left"
+    assert reader.get_stage_peers(0, keep_left=True)[a.peer_id].state == "left"
 
 
 def test_manifest_is_taken_from_the_bootstrap_and_stays_readable_by_stock_hivemind(nodes, stock_node):
@@ -182,7 +182,8 @@ def test_secret_mode_wrong_secret_fails_at_join_and_its_records_are_invisible(no
         assert set(reader.get_stage_peers(0)) == {good.peer_id}
         assert reader.get_replicas() == {}
         assert reader.current_outer_step() == 3
-        assert "admission" not in reader.get_stage_peers(0)[good.peer_id]  # the proof is checked, then stripped
+        rec = reader.get_stage_peers(0)[good.peer_id]  # the proof is checked, then stripped; the rest parsed
+        assert (rec.address, rec.state, rec.outer_step) == (RECORD["address"], RECORD["state"], RECORD["outer_step"])
     assert good.dropped_records["not_admitted"] >= 1
     wrong.shutdown()
 

@@ -22,7 +22,7 @@ from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport.gate import Gate
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline.schedule import SLACK, hop_bytes, serialization_s
-from peer.node.rounds import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 from peer.tools.pipeline_peers import batches, head_driver

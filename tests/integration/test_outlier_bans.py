@@ -27,7 +27,8 @@ from peer.core.codec.format import Payload
 from peer.core.sparseloco import compress, decompress
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
-from peer.node.rounds import PayloadStore, RoundResult, sha256
+from peer.node.round.gather import RoundResult
+from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
@@ -70,7 +71,7 @@ def _holder(dht: SwarmDHT, cfg, root: Path, name: str, shard: int, serve: bool =
     if serve:
         session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
         session.server = PeerServer(session.service, host="127.0.0.1", port=0)
-        session.address = session.server.address
+        session.me.address = session.server.address
         session.records.announce(
             lambda: session.records.stage(worker, role="trainer"),
             lambda: session.records.replica("full", worker.outer_step, shard, None, 0.0),

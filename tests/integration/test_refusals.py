@@ -29,7 +29,7 @@ from peer.net.transport.reverse import ReverseLink
 from peer.net.transport.server import PeerServer
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import Action, classify
-from peer.node.rounds import PayloadStore
+from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
 from peer.tools.pipeline_peers import batches

@@ -25,8 +25,8 @@ from peer.core.sparseloco import compress
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.gather import RoundTimings
-from peer.node.rounds import PayloadStore, RoundResult, gather_round, payload_validator, sha256
+from peer.node.round.gather import RoundResult, RoundTimings, gather_round
+from peer.node.round.payloads import PayloadStore, payload_validator, sha256
 from peer.node.service import PeerService
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -146,7 +146,7 @@ def _check_committed(results: list[RoundResult], honest: list[Node], cfg, bad: N
 
 def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replicas, caplog):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.round.rounds")
     announced, served = _payload(99, cfg), _payload(98, cfg)
     Payload.from_bytes(served, cfg=cfg.sparseloco)  # a well-formed payload: only the hash gives it away
     _announce(b, 0, 0, served, b.id, announced=announced)
@@ -161,7 +161,7 @@ def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replica
 
 def test_malformed_payload_with_a_valid_hash_is_rejected_by_validation(three_replicas, caplog):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.round.rounds")
     garbage = bytearray(_payload(97, cfg))
     garbage[4] = 9  # unsupported format version
     garbage = bytes(garbage)
@@ -188,7 +188,7 @@ def test_malformed_payload_with_a_valid_hash_is_rejected_by_validation(three_rep
 )
 def test_well_formed_payload_that_does_not_fit_the_stage_is_rejected(three_replicas, caplog, shapes):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.round.rounds")
     misfit = _payload(95, cfg, shapes)
     Payload.from_bytes(misfit, cfg=cfg.sparseloco)  # a valid SparseLoCo payload: only its tensors are wrong
     _announce(b, 0, 1, misfit, b.id)
@@ -203,7 +203,7 @@ def test_well_formed_payload_that_does_not_fit_the_stage_is_rejected(three_repli
 
 def test_payload_announced_in_another_replicas_name_is_ignored(three_replicas, caplog):
     cfg, (a, b, c) = three_replicas
-    caplog.set_level(logging.WARNING, logger="peer.node.rounds")
+    caplog.set_level(logging.WARNING, logger="peer.node.round.rounds")
     b.dht.withdraw_replica()  # B is not a replica, and A's record lists no stage peer
     forged = _payload(94, cfg)  # well formed, right hash: only the binding gives it away
     _announce(b, 0, 0, forged, a.id)

@@ -22,9 +22,10 @@ import torch
 from peer.config import build_config
 from peer.core.sparseloco import compress, decompress
 from peer.errors import ConfigError
-from peer.node.agreement import round_bans, round_view
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.bans import MAX_ENTRIES, NONE, Bans, Entry
 from peer.node.claims import state_id
+from peer.node.round.agreement import round_bans, round_view
 from peer.node.stage_worker import StageWorker
 
 A, B, C, X = ("A" * 20, "B" * 20, "C" * 20, "X" * 20)  # replica ids; bans key them by 16-char prefix
@@ -97,12 +98,12 @@ def test_the_ban_state_is_part_of_the_state_id():
     assert state_id("h", "p", {}) != state_id("h", "q", {}) != state_id("g", "p", {})
 
 
-def _replica(t: int = 0) -> dict:
-    return {"kind": "full", "outer_step": t, "joined_at": 0, "address": "x:1"}
+def _replica(t: int = 0) -> ReplicaRecord:
+    return ReplicaRecord(kind="full", outer_step=t, joined_at=0, address="x:1")
 
 
 def test_banned_replicas_are_out_of_the_round():
-    anns = {rid: {"replica": rid, "sha256": "0", "address": "x:1"} for rid in (A, X)}
+    anns = {rid: Announcement(replica=rid, sha256="0", address="x:1") for rid in (A, X)}
     replicas = {rid: _replica(3) for rid in (A, B, X)}
     view = round_view(3, 1, anns, {}, replicas, {}, B, "", banned=frozenset({x}))
     assert set(view.bound) == {A} and view.banned == {X} and X in view.dropped and X not in view.expected
@@ -112,13 +113,13 @@ def test_banned_replicas_are_out_of_the_round():
 def test_an_observer_skips_only_what_every_holder_of_the_stage_at_that_round_bans():
     rec = _run([([A, X], [X])] * 3).to_record()
     holders = {
-        A: {"outer_step": 3, "bans": rec},
-        B: {"outer_step": 3, "bans": rec},
-        C: {"outer_step": 2, "bans": {}},  # another round: not read
+        A: StageRecord(outer_step=3, bans=rec),
+        B: StageRecord(outer_step=3, bans=rec),
+        C: StageRecord(outer_step=2, bans={}),  # another round: not read
     }
     assert round_bans(holders, 3) == {x}
-    assert round_bans({**holders, "D": {"outer_step": 3, "bans": {}}}, 3) == frozenset()  # one holder disagrees
-    lone = {A: {"outer_step": 3, "bans": rec}, B: {"outer_step": 3, "bans": {}}}
+    assert round_bans({**holders, "D": StageRecord(outer_step=3, bans={})}, 3) == frozenset()  # one disagrees
+    lone = {A: StageRecord(outer_step=3, bans=rec), B: StageRecord(outer_step=3, bans={})}
     assert round_bans(lone, 3) == frozenset()  # a lone holder cannot make an observer skip a replica
     assert round_bans(holders, 3, me=A) == {x}
     assert round_bans(holders, 5) == frozenset()

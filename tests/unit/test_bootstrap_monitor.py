@@ -14,11 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from bootstrap.monitor import SwarmMonitor, summarize
 from peer.errors import NetworkError
 from peer.net.prometheus import SwarmCollector
+from peer.net.records import ReplicaRecord, StageRecord
 
 
 def test_summarize_counts_live_peers_replicas_and_the_outer_step():
-    stages = {0: {"h": {"outer_step": 4}}, 1: {"a": {"outer_step": 3}, "b": {"outer_step": True}}, 2: {}}
-    replicas = {"h": {"kind": "pipeline", "outer_step": 4}, "f": {"kind": "full", "outer_step": 5}, "x": {}}
+    stages = {0: {"h": StageRecord(outer_step=4)}, 1: {"a": StageRecord(outer_step=3), "b": StageRecord()}, 2: {}}
+    replicas = {
+        "h": ReplicaRecord(kind="pipeline", outer_step=4),
+        "f": ReplicaRecord(kind="full", outer_step=5),
+        "x": ReplicaRecord(),
+    }
     out = summarize(stages, replicas)
     assert out == {"stage_peers": {0: 1, 1: 2, 2: 0}, "replicas": {"pipeline": 1, "full": 1}, "outer_step": 5}
     assert summarize({0: {}}, {})["outer_step"] == 0
@@ -52,10 +57,10 @@ def test_the_monitor_keeps_peers_seen_and_the_last_snapshot_when_a_read_fails():
     records = _Records()
     counters = {"manifest_refreshes": 2, "artifacts_served": 5}
     monitor = SwarmMonitor(records, 2, lambda: counters)  # type: ignore[arg-type]
-    records.stages[1] = {"a": {"outer_step": 1}, "b": {"outer_step": 1}}
-    records.replicas = {"f": {"kind": "full", "outer_step": 1}}
+    records.stages[1] = {"a": StageRecord(outer_step=1), "b": StageRecord(outer_step=1)}
+    records.replicas = {"f": ReplicaRecord(kind="full", outer_step=1)}
     monitor.poll()
-    records.stages[1] = {"b": {"outer_step": 2}}  # a left
+    records.stages[1] = {"b": StageRecord(outer_step=2)}  # a left
     monitor.poll()
     records.fail = True
     monitor.poll()

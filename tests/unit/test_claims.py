@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from peer.net.records import ReplicaRecord, StageRecord
 from peer.node.claims import (
     SHA_CHARS,
     Claim,
@@ -24,8 +25,11 @@ def _link(t: int, prev: str, *rids: str, state: str = "s") -> dict:
     return {"t": t, "prev": prev, "set": [list(entry(r * 20, SHA)) for r in rids]}
 
 
-def _rec(step: int, sid: str, link: dict | None = None, **extra) -> dict:
-    return {"outer_step": step, "state_id": sid, **({"link": link} if link else {}), **extra}
+def _rec(step: int, sid: str, link: dict | None = None, **extra) -> StageRecord:
+    """A holder's stage record as the DHT reader hands it over: parsed from what the holder published."""
+    rec = StageRecord.parse({"outer_step": step, "state_id": sid, **({"link": link} if link else {}), **extra})
+    assert rec is not None
+    return rec
 
 
 def test_a_link_round_trips_and_malformed_links_are_none():
@@ -52,11 +56,12 @@ def test_parse_claims_keeps_only_well_formed_live_claims_of_others():
         "me": _rec(2, "x"),
         "a": _rec(2, "s", _link(1, "p", "A")),
         "b": _rec(2, "s"),  # no link: a downloaded or initial state
-        "gone": {"state": "left"},
+        "gone": StageRecord(state="left"),
         "sync": _rec(2, "s", state="syncing"),
-        "junk": {"outer_step": "2", "state_id": "s"},
+        "no_state": StageRecord(outer_step=2),
         "bad": _rec(2, "s"),
     }
+    assert StageRecord.parse({"outer_step": "2", "state_id": "s"}) is None  # junk never reaches a reader
     claims = parse_claims(holders, me="me", refused={"bad"})
     assert set(claims) == {"a", "b"}
     assert claims["a"].link is not None and claims["b"].link is None
@@ -90,12 +95,14 @@ def test_the_canonical_order_is_more_payloads_then_the_smaller_state():
 
 
 def test_the_swarm_clock_is_the_lower_median_of_the_replicas():
-    reps = {p: {"outer_step": t} for p, t in (("a", 4), ("b", 5), ("c", 90))}
+    reps = {p: ReplicaRecord(outer_step=t) for p, t in (("a", 4), ("b", 5), ("c", 90))}
     assert swarm_clock(reps) == 5  # one replica claiming round 90 does not move it
-    assert swarm_clock({"a": {"outer_step": 4}, "x": {"outer_step": 90}}) == 4  # a 1:1 split: the lower
-    assert swarm_clock({**reps, "d": {"outer_step": 99}}) == 5
+    assert swarm_clock({"a": ReplicaRecord(outer_step=4), "x": ReplicaRecord(outer_step=90)}) == 4  # 1:1: the lower
+    assert swarm_clock({**reps, "d": ReplicaRecord(outer_step=99)}) == 5
     assert swarm_clock(reps, refused={"a"}) == 5 and swarm_clock({}) == 0
-    assert swarm_clock({"a": {"outer_step": 3}, "l": {"state": "left", "outer_step": 9}}) == 3
+    left = ReplicaRecord.parse({"state": "left", "outer_step": 9})
+    assert left is not None and left.left
+    assert swarm_clock({"a": ReplicaRecord(outer_step=3), "l": left, "n": ReplicaRecord()}) == 3
 
 
 def test_a_majority_is_strict_counted_by_peer_and_bounded_by_the_clock():

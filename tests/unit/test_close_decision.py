@@ -1,4 +1,4 @@
-"""The close decision of a gather (`peer.node.agreement.close_decision`), row by row.
+"""The close decision of a gather (`peer.node.round.agreement.close_decision`), row by row.
 
 Each row is one poll as a gather sees it (`Poll`) and the one outcome it must lead to; the rows
 name the rule of docs/protocol.md (GATHER, FOLLOW, RESYNC, the holds, fresh reads) they pin.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.node.agreement import Close, Poll, close_decision
+from peer.node.round.agreement import Close, Poll, close_decision
 
 ROWS = [
     # (why, poll, outcome)

@@ -2,8 +2,8 @@
 
 - `payload_validator`: a round payload must be well formed AND fit the stage: every entry a
   parameter of the stage with its exact shape, once; stage 0's must carry embed.weight.
-- `bound_replica`: a payload announcement speaks for its replica only if the sender is the replica
-  or the replica's record lists the sender as its stage peer ("pipeline_peers").
+- `bound_to`: a payload announcement speaks for its replica only if the sender is the replica or
+  the head's binding names it (its stage-0 announcement's "peers", else its record's "pipeline_peers").
 - `max_request_bytes`: the server's request limit follows the run's largest legitimate request.
 - `StageWorker.forward` on the last stage refuses a non-finite loss before backward, and the
   service turns that into a rejected request.
@@ -19,8 +19,10 @@ from peer.core.codec.format import Payload, PayloadError
 from peer.core.model import stage_shapes
 from peer.core.sparseloco import compress
 from peer.core.subspace_state import EMBED
+from peer.net.records import Announcement, ReplicaRecord
 from peer.net.transport import ForwardRequest, TransportError
-from peer.node.rounds import PayloadStore, bound_replica, payload_validator
+from peer.node.round.agreement import bound_to
+from peer.node.round.payloads import PayloadStore, payload_validator
 from peer.node.service import PeerService
 from peer.node.session import max_request_bytes
 from peer.node.stage_worker import StageWorker
@@ -96,22 +98,24 @@ def test_a_payload_of_other_settings_or_oversized_is_refused(cfg):
 # ----------------------------------------------------------------------------- bindings
 
 
-def test_announcements_are_bound_to_their_replica_only_by_the_replicas_record():
+def test_announcements_are_bound_to_their_replica_only_by_the_heads_binding():
     replicas = {
-        "head-a": {"kind": "pipeline", "pipeline_peers": {"1": "stage-peer-p", "2": "stage-peer-q"}},
-        "full-f": {"kind": "full"},
-        "odd": {"pipeline_peers": ["stage-peer-p"]},
+        "head-a": ReplicaRecord(kind="pipeline", pipeline_peers={"1": "stage-peer-p", "2": "stage-peer-q"}),
+        "full-f": ReplicaRecord(kind="full"),
     }
-    assert bound_replica("full-f", {"replica": "full-f"}, 1, replicas) == "full-f"
-    assert bound_replica("full-f", {}, 1, replicas) == "full-f"  # no claim: its own
-    assert bound_replica("head-a", {"replica": "head-a"}, 0, replicas) == "head-a"
-    assert bound_replica("stage-peer-p", {"replica": "head-a"}, 1, replicas) == "head-a"
-    assert bound_replica("stage-peer-q", {"replica": "head-a"}, 2, replicas) == "head-a"
-    assert bound_replica("stage-peer-p", {"replica": "head-a"}, 2, replicas) is None  # not its stage
-    assert bound_replica("stage-peer-p", {"replica": "full-f"}, 1, replicas) is None  # a full replica lists none
-    assert bound_replica("stage-peer-p", {"replica": "gone"}, 1, replicas) is None  # no such replica
-    assert bound_replica("stage-peer-p", {"replica": "odd"}, 1, replicas) is None  # malformed record
-    assert bound_replica("full-f", {"replica": ["full-f"]}, 1, replicas) is None  # malformed claim
+    assert Announcement().replica_of("full-f") == "full-f"  # no claim: its own
+    assert bound_to("full-f", "full-f", 1, {}, replicas)
+    assert bound_to("head-a", "head-a", 0, {}, replicas)
+    assert bound_to("stage-peer-p", "head-a", 1, {}, replicas)  # before the head announced: its record
+    assert bound_to("stage-peer-q", "head-a", 2, {}, replicas)
+    assert not bound_to("stage-peer-p", "head-a", 2, {}, replicas)  # not its stage
+    assert not bound_to("stage-peer-p", "full-f", 1, {}, replicas)  # a full replica lists none
+    assert not bound_to("stage-peer-p", "gone", 1, {}, replicas)  # no such replica
+    # once the head announced, its announcement's binding (a replacement peer) replaces its record's
+    announced = {"head-a": Announcement(replica="head-a", peers={"1": "stage-peer-r"})}
+    assert bound_to("stage-peer-r", "head-a", 1, announced, replicas)
+    assert not bound_to("stage-peer-p", "head-a", 1, announced, replicas)
+    assert not bound_to("stage-peer-q", "head-a", 2, announced, replicas)  # it binds nobody for stage 2
 
 
 # ----------------------------------------------------------------------------- request limit

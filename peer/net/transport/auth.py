@@ -189,18 +189,6 @@ def _check_signature(peer_id: str, pubkey: str, msg: bytes, proof: str) -> str |
     return None if ok else "forged: the signature does not verify"
 
 
-_DEFAULT: list[Credentials | None] = [None]
-
-
-def set_default_credentials(credentials: Credentials | None) -> None:
-    """The credentials every PeerClient of this process attaches (a peer is a process)."""
-    _DEFAULT[0] = credentials
-
-
-def default_credentials() -> Credentials | None:
-    return _DEFAULT[0]
-
-
 def for_swarm(
     mode: str, allowlist: frozenset[str], peer_id: str, secret: bytes | None, key: Any
 ) -> tuple[Verifier, Credentials]:

@@ -70,6 +70,7 @@ class PeerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         wire_dtype: str = "fp32",
         vocab_size: int | None = None,
+        outbound: dialer.Outbound | None = None,
     ) -> None:
         tensors.wire_dtype(wire_dtype)  # ConfigError early on a bad setting
         self.address = address
@@ -84,6 +85,7 @@ class PeerClient:
                 ("grpc.max_receive_message_length", framing.GRPC_MESSAGE_LIMIT),
                 ("grpc.max_send_message_length", framing.GRPC_MESSAGE_LIMIT),
             ],
+            outbound=outbound,
         )
         self._stub = pb_grpc.PeerStub(self._channel)  # type: ignore[no-untyped-call]  # generated, unannotated
         self._closed = threading.Event()

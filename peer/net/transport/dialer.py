@@ -6,9 +6,11 @@ with): the call goes there with metadata `peer-target: PEERID` (`peer.net.transp
 When a server of this process holds PEERID's reverse stream itself (`register_local`), the call
 goes to that server instead, whatever host the address names ("reverse" connectivity).
 
-Every call carries this process's credentials (`auth.default_credentials()`, set when a peer
-joins) and passes the process's link buckets (`peer.net.ratelimit.LINK`): requests are uploads,
+Every call carries the caller's `Outbound`: its admission proof (`auth.Credentials`, built by
+the session or bootstrap from the manifest; None in an open swarm) and its link buckets
+(`peer.net.ratelimit.Link`, one per peer process, shared with its server): requests are uploads,
 replies downloads; round payloads, state and artefacts go at LOW priority, pipeline traffic HIGH.
+Both are values handed to each client; nothing here is process-wide but the local routes below.
 
 Invariants: the interceptor never changes a message; Tunnel calls (reverse streams, dial-back)
 are not throttled here (the bytes they carry are throttled by the server that runs the call).
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
 
-from peer.net.ratelimit import HIGH, LINK, LOW, Link, TokenBucket
+from peer.net.ratelimit import HIGH, LOW, Link, TokenBucket
 from peer.net.transport import auth
 
 TARGET_KEY = "peer-target"
@@ -32,6 +35,15 @@ _NOWHERE = "unix:/nonexistent/peer-has-no-route"  # a routed address with no hub
 
 _local: dict[str, str] = {}  # target peer id -> address of a server of this process holding its stream
 _local_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Outbound:
+    """What every call a peer makes carries: its admission proof (None: an open swarm, or a caller
+    outside the swarm) and the link buckets it passes (a peer's caps cover all its clients)."""
+
+    credentials: auth.Credentials | None = None
+    link: Link = field(default_factory=Link)
 
 
 def priority(method: str) -> int:
@@ -99,12 +111,12 @@ class _Outgoing(
 ):
     """Adds the route and the proof to every call; throttles its messages."""
 
-    def __init__(self, target: str | None, link: Link) -> None:
-        self.target, self.link = target, link
+    def __init__(self, target: str | None, outbound: Outbound) -> None:
+        self.target, self.link, self.credentials = target, outbound.link, outbound.credentials
 
     def _details(self, details: Any) -> _Details:
         metadata = list(details.metadata or ())
-        credentials = auth.default_credentials()
+        credentials = self.credentials
         if credentials is not None:
             metadata += credentials.metadata(details.method)
         if self.target is not None:
@@ -141,11 +153,14 @@ class _Outgoing(
         return self._down(details.method, continuation(self._details(details), self._up(details.method, requests)))
 
 
-def open_channel(address: str, options: Sequence[tuple[str, Any]] = (), link: Link = LINK) -> grpc.Channel:
+def open_channel(
+    address: str, options: Sequence[tuple[str, Any]] = (), outbound: Outbound | None = None
+) -> grpc.Channel:
     """An insecure channel to `address` (plain or routed, see the module docstring) that adds
-    this process's credentials and route to every call and throttles it by `link`."""
+    `outbound`'s credentials and the route to every call and throttles it by `outbound.link`
+    (default: no proof, an uncapped link of its own)."""
     target, hub = split_route(address)
     if target is not None:
         hub = local_route(target) or (hub if hub not in ("", "-") else _NOWHERE)
     channel = grpc.insecure_channel(hub, options=list(options))
-    return grpc.intercept_channel(channel, _Outgoing(target, link))
+    return grpc.intercept_channel(channel, _Outgoing(target, outbound or Outbound()))

@@ -5,7 +5,7 @@
 2. Tunnel calls (`peer.net.transport.reverse`): reverse streams and the reachability dial-back;
 3. calls for another peer (metadata `peer-target`): forwarded over that peer's reverse stream;
 4. everything else goes to the PeerServer's own handler, with its request messages through the
-   download bucket and its reply messages through the upload bucket (`peer.net.ratelimit.LINK`),
+   download bucket and its reply messages through the upload bucket (the peer's `peer.net.ratelimit.Link`),
    and Peer.Info's JSON gains a "net" entry (`Gate.net_info`: connectivity, caps, auth failures).
 
 Invariants: the Gate never parses a Peer request (raw bytes pass through untouched); a rejected
@@ -21,9 +21,10 @@ from typing import Any
 
 import grpc
 
-from peer.net.ratelimit import LINK, Link
+from peer.net.ratelimit import Link
 from peer.net.transport import auth, dialer, reverse
 from peer.net.transport import peer_pb2 as pb
+from peer.net.transport.dialer import Outbound
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,17 @@ class Gate(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships ServerIn
         peer_id: str,
         verifier: auth.Verifier | None = None,
         relay: bool = False,
-        link: Link = LINK,
+        link: Link | None = None,
         net_info: Callable[[], dict[str, Any]] | None = None,
+        outbound: Outbound | None = None,
     ) -> None:
+        """`outbound`: the proof and link of this peer's own calls (dial-backs); `link` (default:
+        `outbound`'s, else an uncapped one) throttles what this server receives and sends."""
         self.peer_id = peer_id
         self.verifier = verifier or auth.Verifier("open")
-        self.hub = reverse.TunnelHub(peer_id, relay=relay, link=link)
-        self.link = link
+        outbound = outbound or Outbound(link=link or Link())
+        self.link = link or outbound.link
+        self.hub = reverse.TunnelHub(peer_id, relay=relay, link=self.link, outbound=outbound)
         self._net_info = net_info
 
     def bind(self, address: str) -> None:

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 import grpc
 
 from peer.errors import PeerError
-from peer.net.ratelimit import LINK, Link
+from peer.net.ratelimit import Link
 from peer.net.transport import dialer
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.trailers import REFUSAL_KEY, refusal_pb_from_metadata
@@ -116,8 +116,13 @@ def _host_of(peer: str) -> str:
 class TunnelHub:
     """The dialled side: holds hidden peers' streams and forwards calls over them."""
 
-    def __init__(self, peer_id: str, relay: bool = False, link: Link = LINK) -> None:
-        self.peer_id, self.relay, self.link = peer_id, relay, link
+    def __init__(
+        self, peer_id: str, relay: bool = False, link: Link | None = None, outbound: dialer.Outbound | None = None
+    ) -> None:
+        """`outbound`: this peer's proof and link for the dial-backs it makes."""
+        self.peer_id, self.relay = peer_id, relay
+        self.link = link or (outbound.link if outbound else Link())
+        self.outbound = outbound or dialer.Outbound(link=self.link)
         self.local_address = ""  # this server's own address, set once it listens
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -278,7 +283,7 @@ class TunnelHub:
             )
         try:
             try:
-                with PeerClient(address, timeout_s=timeout_s, retries=0) as client:
+                with PeerClient(address, timeout_s=timeout_s, retries=0, outbound=self.outbound) as client:
                     info = client.info()
                 return pb.DialBackReply(ok=True, peer_id=str(info.get("peer_id", "")), seen_host=seen, relay=self.relay)
             except RemoteError as exc:  # it answered (e.g. UNAUTHENTICATED for this dialler): reachable
@@ -289,9 +294,11 @@ class TunnelHub:
             self._dials.release()
 
 
-def ask_dial_back(hub_address: str, my_address: str, timeout_s: float = 20.0) -> pb.DialBackReply:
+def ask_dial_back(
+    hub_address: str, my_address: str, timeout_s: float = 20.0, outbound: dialer.Outbound | None = None
+) -> pb.DialBackReply:
     """Ask the peer at `hub_address` to dial `my_address`; `PeerError` if it cannot be asked."""
-    with dialer.open_channel(hub_address) as channel:
+    with dialer.open_channel(hub_address, outbound=outbound) as channel:
         rpc = channel.unary_unary(
             DIAL_BACK_METHOD,
             request_serializer=pb.DialBackRequest.SerializeToString,
@@ -310,8 +317,15 @@ class ReverseLink:
     """The hidden side: keeps one reverse stream to `hub_address` open and serves calls over it
     by replaying them against this peer's own server at `local_address`."""
 
-    def __init__(self, hub_address: str, local_address: str, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        hub_address: str,
+        local_address: str,
+        on_change: Callable[[], None] | None = None,
+        outbound: dialer.Outbound | None = None,
+    ) -> None:
         self.hub_address, self.local_address = hub_address, local_address
+        self.outbound = outbound
         self.on_change = on_change
         self.connected = threading.Event()
         self.served = 0
@@ -365,7 +379,7 @@ class ReverseLink:
                     return
                 yield frame
 
-        with dialer.open_channel(self.hub_address) as channel:
+        with dialer.open_channel(self.hub_address, outbound=self.outbound) as channel:
             rpc = channel.stream_stream(
                 REVERSE_METHOD, request_serializer=pb.Frame.SerializeToString, response_deserializer=pb.Frame.FromString
             )

@@ -15,8 +15,9 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from peer.config import RunConfig
 from peer.errors import CheckpointError
 from peer.node.checkpoints.stage import (
     checkpoint_fingerprint,
@@ -24,10 +25,8 @@ from peer.node.checkpoints.stage import (
     load_latest_stage_checkpoint,
     save_stage_checkpoint,
 )
+from peer.node.metrics import MetricsWriter
 from peer.node.stage_worker import StageWorker
-
-if TYPE_CHECKING:
-    from peer.node.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +34,14 @@ log = logging.getLogger(__name__)
 class PeerCheckpoints:
     """Resume and periodic saves of one peer's stage workers under `<data-dir>/checkpoints`."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self.root = session.opts.data_dir / "checkpoints"
+    def __init__(self, data_dir: Path, cfg: RunConfig, metrics: MetricsWriter, resume: bool) -> None:
+        self.cfg, self.metrics, self.resume_asked = cfg, metrics, resume  # `peer join --resume`
+        self.root = data_dir / "checkpoints"
         self.resumed_at: int | None = None  # outer step of the checkpoint restored by `resume`
 
     def resume(self, workers: Mapping[int, StageWorker]) -> dict[str, Any] | None:
         """With `--resume`, restore the newest good checkpoint of <data_dir>/checkpoints; its meta or None."""
-        sess = self.session
-        if not sess.opts.resume:
+        if not self.resume_asked:
             found = list_stage_checkpoints(self.root)
             if found:
                 log.warning(
@@ -52,12 +50,12 @@ class PeerCheckpoints:
                     found[0],
                 )
             return None
-        meta = load_latest_stage_checkpoint(self.root, workers, checkpoint_fingerprint(sess.cfg))
+        meta = load_latest_stage_checkpoint(self.root, workers, checkpoint_fingerprint(self.cfg))
         if meta is None:
             log.warning("--resume: no checkpoint in %s yet; starting from the swarm's state", self.root)
             return None
         self.resumed_at = meta["outer_step"]
-        sess.metrics.log("resume", t=meta["outer_step"], path=meta["path"], extra=meta.get("extra", {}))
+        self.metrics.log("resume", t=meta["outer_step"], path=meta["path"], extra=meta.get("extra", {}))
         return meta
 
     def after_round(self, workers: Mapping[int, StageWorker], extra: dict[str, Any] | None = None) -> Path | None:
@@ -66,7 +64,7 @@ class PeerCheckpoints:
         Call while nothing trains the workers. A failed save is logged (and recorded in the
         metrics) but does not stop training: the previous checkpoint stays on disk.
         """
-        cfg, metrics = self.session.cfg, self.session.metrics
+        cfg, metrics = self.cfg, self.metrics
         every, t = cfg.swarm.checkpoint_every_rounds, next(iter(workers.values())).outer_step
         if every == 0 or (t % every and t != cfg.train.outer_steps):
             return None

@@ -19,11 +19,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from peer.config import RunConfig
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
+from peer.net.records import StageRecord
 from peer.net.transport.client import PeerClient
 from peer.node.pipeline.failures import Action, Failure, NoReadyPeer, PipelineBehind
 
@@ -36,7 +37,7 @@ BUSY_RETRY_S = 0.2  # how soon a busy stage peer (between rounds) is asked again
 class StageRecords(Protocol):
     """The stage records a head reads (`peer.net.dht` in a swarm; a fixed map in `peer bench pipeline`)."""
 
-    def get_stage_peers(self, stage: int) -> Mapping[str, Mapping[str, Any]]:
+    def get_stage_peers(self, stage: int) -> Mapping[str, StageRecord]:
         """peer id -> its stage record ("role", "outer_step", "address", "pipeline")."""
         ...
 
@@ -66,19 +67,19 @@ class Routing:
 
     def _candidates(self, stage: int, t: int) -> list[tuple[str, str]]:
         ready = [
-            (pid, rec["address"])
+            (pid, rec.address)
             for pid, rec in self.records.get_stage_peers(stage).items()
-            if rec.get("role") in ("spare", "trainer")
-            and rec.get("outer_step") == t
-            and rec.get("address")
+            if rec.role in ("spare", "trainer")
+            and rec.outer_step == t
+            and rec.address
             and pid not in self.excluded
-            and (rec.get("pipeline") in (None, self.pipeline_id))
+            and (rec.pipeline in (None, self.pipeline_id))
         ]
         return sorted(ready, key=lambda p: (p[0] != self.peers.get(stage, ("",))[0], p[0]))
 
     def _ahead(self, stage: int, t: int) -> bool:
         return any(
-            rec.get("outer_step", -1) > t and rec.get("role") in ("spare", "trainer")
+            rec.outer_step is not None and rec.outer_step > t and rec.role in ("spare", "trainer")
             for rec in self.records.get_stage_peers(stage).values()
         )
 
@@ -99,7 +100,7 @@ class Routing:
                     "pipeline %s: stage %d -> %s at %s", self.pipeline_id[:8], stage, found[0][0][:12], found[0][1]
                 )
                 # publish the new binding ("pipeline_peers" of the replica record) before that peer can
-                # announce a payload for this pipeline (peer.node.rounds.bound_replica)
+                # announce a payload for this pipeline (peer.node.round.agreement.binding)
                 self.on_bind()
                 return found[0]
             self.stop.wait(CLAIM_POLL_S)

@@ -122,7 +122,7 @@ class LinkEstimator:
         if configured == 0 and cfg.stages > 1:
             addresses = route()
             rtt = self.rtt(addresses[0])
-            link = ratelimit.LINK.caps
+            link = self.clients.outbound.link.caps  # this peer's own caps
             caps = [link.upload_mbps, link.download_mbps, *(c for a in addresses for c in self.caps(a))]
             ser = serialization_s(hop_bytes(cfg), caps)
             network = self._measured_network()

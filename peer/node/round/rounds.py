@@ -1,7 +1,7 @@
 """One peer's outer rounds: gather (contributing or observing), commit, check, record.
 
 Round (t, s) — DESIGN §3, docs/protocol.md. `Rounds` holds a peer's round entry points (a head's,
-a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.gather`)
+a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.round.gather`)
 and commits every gathered set through `StageWorker.apply_round` → `peer.core.commit.commit_state`
 (portable: the same bits on every holder), parsing each payload once. A set taken from another
 holder's claim (FOLLOW) is committed by us, and the claimer's state is then compared with ours: a
@@ -9,6 +9,8 @@ holder whose state does not follow from the set it named is refused (`peer.node.
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
 without a payload of their own (observers). After a commit the canonical-state check runs at once
 (`Resync.reconcile`: claims of the same round from the same state, checked by recomputation).
+After a state download at outer step t, `catch_up` applies round t as an observer: the others did
+not expect this replica in round t.
 
 Expected replicas for round t: live replica records (pipelines' heads and full replicas) that joined
 at or before t and are at outer step t − 1 or later. A dead replica drops out when its record
@@ -22,59 +24,50 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peer.config import RunConfig
 from peer.core.codec.format import Payload
 from peer.core.commit import embedding_update
-from peer.core.model import stage_shapes
 from peer.core.sparseloco import decompress
-from peer.core.subspace_state import EMBED
 from peer.errors import NetworkError, PeerError
-from peer.node.agreement import expected_replicas, round_bans, round_view
+from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
 from peer.node.claims import Entry, closed_elsewhere, entry, majority, parse_claims
-from peer.node.gather import RoundResult, RoundTimings, gather_round
-from peer.node.metrics import log_round
-from peer.node.round_payloads import PayloadStore, bound_replica, payload_validator, sha256
+from peer.node.metrics import MetricsWriter, log_round
+from peer.node.presence import Presence
+from peer.node.refusals import Refusals
+from peer.node.resync import Resync
+from peer.node.round.agreement import expected_replicas, round_bans, round_view
+from peer.node.round.gather import RoundResult, RoundTimings, gather_round
+from peer.node.round.payloads import PayloadStore, round_validator, sha256
 from peer.node.stage_worker import StageWorker
 
-if TYPE_CHECKING:
-    from peer.node.session import Session
-
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "PayloadStore",
-    "RoundResult",
-    "Rounds",
-    "bound_replica",
-    "expected_replicas",
-    "gather_round",
-    "payload_validator",
-    "sha256",
-]
 
 
 class Rounds:
     """One peer's outer rounds: gather (contributing or observing), commit, record."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dht: SwarmDHT,
+        clients: ClientPool,
+        store: PayloadStore,
+        me: Presence,
+        refusals: Refusals,
+        metrics: MetricsWriter,
+        publish: Callable[[], None],
+        resync: Resync,
+    ) -> None:
+        """`publish` refreshes this peer's DHT records (after every commit); `resync` checks and
+        repairs the committed state (the swarm's clock, `reconcile`, `sync_state`)."""
+        self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
+        self.me, self.refusals, self.metrics = me, refusals, metrics
+        self.publish, self.resync = publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
-
-    def _validator(self, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
-        """Payloads of round (t, stage): the format, and entries that fit the stage's parameters."""
-        cfg = self.session.cfg
-        if stage == worker.stage:
-            shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
-        else:  # an observer gather (stage 0 for T⊥)
-            shapes = stage_shapes(cfg.model, stage, cfg.stages)
-        return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
-
-    def validator(self, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
-        return self._validator(worker, stage)
 
     def gather(
         self,
@@ -83,12 +76,11 @@ class Rounds:
         replica_id: str | None,
         stop: threading.Event,
         stage: int | None = None,
-        extra: Mapping[str, Any] | None = None,
+        peers: Mapping[str, str] | None = None,
         payload: Payload | None = None,
     ) -> RoundResult:
         """Contribute worker's payload (if replica_id; `payload` when already encoded) and collect
         round (t, stage)."""
-        sess = self.session
         own_stage = stage is None or stage == worker.stage
         stage = worker.stage if stage is None else stage
         own = None
@@ -96,28 +88,30 @@ class Rounds:
             own = (replica_id, (payload if payload is not None else worker.contribute(replica_id)).to_bytes())
         elif own_stage:
             worker.observe()
-        swarm = sess.cfg.swarm
+        swarm = self.cfg.swarm
         banned = (
-            worker.ledger.bans.banned(t) if own_stage else round_bans(sess.dht.get_stage_peers(stage), t, sess.peer_id)
+            worker.ledger.bans.banned(t)
+            if own_stage
+            else round_bans(self.dht.get_stage_peers(stage), t, self.me.peer_id)
         )
         result = gather_round(
-            sess.dht,
-            sess.clients,
+            self.dht,
+            self.clients,
             t,
             stage,
             RoundTimings.from_config(swarm),
             own=own,
-            store=sess.store,
-            address=sess.address,
-            validate=self._validator(worker, stage),
+            store=self.store,
+            address=self.me.address,
+            validate=round_validator(self.cfg, worker, stage),
             stop=stop,
-            inc=sess.incarnation,
-            extra=extra,
+            inc=self.me.incarnation,
+            peers=peers,
             quorum=swarm.min_replicas if t == 0 else 1,
-            n_stages=sess.cfg.stages,
+            n_stages=self.cfg.stages,
             banned=banned,
             prev=worker.state_id() if own_stage else None,
-            refusals=sess.refusals,
+            refusals=self.refusals,
         )
         self.pg_bytes += result.bytes_fetched
         return result
@@ -164,7 +158,7 @@ class Rounds:
         elif embed is not None:
             embed_set = _set_of(embed)
             if embed.parsed:
-                update = stage0_update(embed, self.session.cfg)
+                update = stage0_update(embed, self.cfg)
         for s, w in workers.items():
             if s != 0:
                 w.apply_round(results[s].parsed, update, results[s].replicas, embed_set if w.U is not None else None)
@@ -172,10 +166,10 @@ class Rounds:
             self._check_followed(w, results[s])
         # publish the committed set at once (before validation): a holder closing round t late
         # follows it instead of committing a set of its own (docs/protocol.md, FOLLOW)
-        self.session.records.refresh()
+        self.publish()
         for w in workers.values():
             try:
-                self.session.resync.reconcile(w)
+                self.resync.reconcile(w)
             except PeerError as exc:
                 log.warning("stage %d: canonical state not checked after round %d: %s", w.stage, w.outer_step - 1, exc)
         return True
@@ -188,7 +182,7 @@ class Rounds:
             return
         if (claim.link.entries, claim.link.embed) != (ours.entries, ours.embed):
             return  # another stage-0 set moved its T⊥ (or the set changed): nothing to conclude here
-        self.session.refusals.refuse(
+        self.refusals.refuse(
             claim.peer,
             worker.stage,
             result.t,
@@ -206,7 +200,7 @@ class Rounds:
             return False
         t = next(iter(results.values())).t
         try:
-            clock = self.session.resync.clock()
+            clock = self.resync.clock()
         except NetworkError as exc:  # not known: the gather's fresh decision stands
             log.info("round %d: swarm clock not read before committing: %s", t, exc)
             return False
@@ -218,10 +212,9 @@ class Rounds:
     def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
         """A strict majority of another stage's holders claims a state past our outer step, at a
         step the swarm's clock admits: a state to sync to (one holder's claim alone is not)."""
-        sess = self.session
-        clock = sess.resync.clock()
+        clock = self.resync.clock()
         for s, w in workers.items():
-            claims = parse_claims(sess.dht.get_stage_peers(s), sess.peer_id, sess.refusals.peers())
+            claims = parse_claims(self.dht.get_stage_peers(s), self.me.peer_id, self.refusals.peers())
             win = majority(claims.values(), max(clock, w.outer_step))
             if win is not None and win.outer_step > w.outer_step:
                 return True
@@ -233,7 +226,7 @@ class Rounds:
         followed = result.followed.link.replicas if result.followed and result.followed.link else None
         unsent = last is not None and (followed is None or last[0][:16] not in followed)
         try:
-            self.session.resync.sync_state(worker, f"round {result.t} committed elsewhere", keep_errors=True)
+            self.resync.sync_state(worker, f"round {result.t} committed elsewhere", keep_errors=True)
         except PeerError as exc:
             log.warning("stage %d: could not re-sync after round %d: %s", worker.stage, result.t, exc)
             return
@@ -246,14 +239,14 @@ class Rounds:
     ) -> RoundResult:
         """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
         that did this outer step's last inner step: the round's binding), gather and apply."""
-        result = self.gather(worker, t, self.session.peer_id, stop, extra={"peers": dict(peers or {})})
+        result = self.gather(worker, t, self.me.peer_id, stop, peers=dict(peers or {}))
         self.commit({worker.stage: worker}, {worker.stage: result})
         return result
 
     def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
         """A full replica: contribute to and gather every stage's round at once, then apply them."""
         with ThreadPoolExecutor(max_workers=len(workers)) as pool:
-            futures = {s: pool.submit(self.gather, w, t, self.session.peer_id, stop) for s, w in workers.items()}
+            futures = {s: pool.submit(self.gather, w, t, self.me.peer_id, stop) for s, w in workers.items()}
             results = {s: f.result() for s, f in futures.items()}
         self.commit(workers, results)
         return results
@@ -267,7 +260,7 @@ class Rounds:
         t = worker.outer_step
         payload = worker.contribute(contributor) if contributor is not None else None
         try:
-            self.session.resync.reconcile(worker, before_round=True)
+            self.resync.reconcile(worker, before_round=True)
         except PeerError as exc:
             log.warning("stage %d: canonical state not reachable before round %d: %s", worker.stage, t, exc)
         if worker.outer_step != t:  # the canonical holder had moved on: our payload waits for the next round
@@ -284,11 +277,23 @@ class Rounds:
         if self.commit({worker.stage: worker}, {worker.stage: result}, embed):
             self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
 
+    def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event) -> None:
+        """After a state download at outer step t, apply round t as an observer instead of
+        contributing to it: the others did not expect this replica in round t."""
+        t = min(w.outer_step for w in workers.values())
+        if self.me.joined_at <= t or not expected_replicas(self.dht, t):
+            return
+        results = {s: self.gather(w, t, None, stop) for s, w in workers.items()}
+        embed = None if 0 in results else self.gather(next(iter(workers.values())), t, None, stop, stage=0)
+        self.commit(workers, results, embed)
+        self.metrics.log("catch_up", t=t)
+        self.publish()
+
     def complete(self, t: int, stage: int) -> bool:
         """Round (t, stage) can be applied by a hot spare: another holder committed it, or every
         expected replica has announced (or was dropped). Until then the spare stays claimable: a
         head still at outer step t may need it."""
-        dht = self.session.dht
+        dht = self.dht
         try:
             payloads = dht.get_payloads(t, stage)
             stage0 = payloads if stage == 0 else dht.get_payloads(t, 0)
@@ -296,9 +301,8 @@ class Rounds:
         except NetworkError as exc:  # not known to be complete: asked again at the next poll
             log.info("round %d stage %d: DHT read failed: %s", t, stage, exc)
             return False
-        sess = self.session
-        view = round_view(t, stage, payloads, stage0, replicas, holders, sess.peer_id, sess.incarnation)
-        if any(c.outer_step > t for c in parse_claims(holders, sess.peer_id, sess.refusals.peers()).values()):
+        view = round_view(t, stage, payloads, stage0, replicas, holders, self.me.peer_id, self.me.incarnation)
+        if any(c.outer_step > t for c in parse_claims(holders, self.me.peer_id, self.refusals.peers()).values()):
             return True  # committed (or passed) by another holder: the spare follows it
         announced = {rid for rid, _ in view.bound.values()}
         return bool(announced or view.dropped) and view.expected <= announced | view.dropped
@@ -313,8 +317,8 @@ class Rounds:
         activations: tuple[int, int] = (0, 0),
     ) -> None:
         """After a committed round: the `round` metrics event, then fresh DHT records."""
-        log_round(self.session.metrics, t, stages, train_loss, val_loss, wall_s, self.pg_bytes, activations)
-        self.session.records.refresh()
+        log_round(self.metrics, t, stages, train_loss, val_loss, wall_s, self.pg_bytes, activations)
+        self.publish()
         log.info(
             "round %d committed: %s train %s val %s", t, {s: n for s, (_, n) in stages.items()}, train_loss, val_loss
         )

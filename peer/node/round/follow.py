@@ -1,8 +1,8 @@
 """FOLLOW: taking exactly the set another holder committed for round (t, s) (docs/protocol.md).
 
-A gather (`peer.node.gather`) that sees a claim of round t committed from our own state holds
+A gather (`peer.node.round.gather`) that sees a claim of round t committed from our own state holds
 exactly that claim's set: what it holds already is kept, every missing entry is fetched by
-content and proven genuine against its signed announcement (`peer.node.verify.SetFetcher`), now
+content and proven genuine against its signed announcement (`peer.node.round.verify.SetFetcher`), now
 and then (`FOLLOW_FETCH_S`); a set naming payloads no replica announced gets its claimer refused.
 `Follow.expired` tells the gather when to give up and re-sync instead (the grace).
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from peer.core.codec.format import Payload
+from peer.net.records import StageRecord
 from peer.node.claims import Claim
 from peer.node.refusals import Refusals
-from peer.node.round_payloads import sha256
-from peer.node.verify import SetFetcher
+from peer.node.round.payloads import sha256
+from peer.node.round.verify import SetFetcher
 
 FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads
 
@@ -42,7 +42,9 @@ class Follow:
         self.since: float | None = None
         self.tried_at = 0.0
 
-    def take(self, claim: Claim, held: Held, holders: Mapping[str, Any], parse: Callable[[bytes], Payload]) -> bool:
+    def take(
+        self, claim: Claim, held: Held, holders: Mapping[str, StageRecord], parse: Callable[[bytes], Payload]
+    ) -> bool:
         """Hold exactly `claim`'s set (fetching what is missing, now and then); True once held."""
         assert claim.link is not None
         self.since = time.monotonic() if self.since is None else self.since
@@ -57,14 +59,15 @@ class Follow:
                 have[rid16] = rid
         if missing and time.monotonic() - self.tried_at >= FOLLOW_FETCH_S:
             self.tried_at = time.monotonic()
-            address = holders.get(claim.peer, {}).get("address")
+            holder = holders.get(claim.peer)
+            address = holder.address if holder is not None and holder.address else None
             got = self.fetcher.fetch(
                 self.t,
                 self.stage,
                 missing,
                 parse,
                 held.by_digest(),
-                address if isinstance(address, str) else None,
+                address,
                 self.n_stages,
             )
             if got.forged and self.refusals is not None:

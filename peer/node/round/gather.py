@@ -7,11 +7,11 @@ the round's binding); then it polls the DHT, fetching each bound announcement's 
 checking its sha256 and format, until the set is closed:
 - every expected replica's payload is held, rejected or dropped, and neither the lone guard, the
   observer rule, the start-up quorum, the settle after a lost payload nor the deadline fence holds
-  it open (`peer.node.agreement`);
+  it open (`peer.node.round.agreement`);
 - or another holder has committed round t FROM OUR STATE (its claim's `prev` is our state id:
   `peer.node.claims.followable`; an observer of a stage it does not hold takes the set most of
   that stage's holders committed: `observed`): we take exactly its set, every entry fetched by
-  content and proven genuine (`peer.node.verify`) — a set naming payloads no replica announced
+  content and proven genuine (`peer.node.round.verify`) — a set naming payloads no replica announced
   gets its claimer refused — or, when it cannot be fetched within the grace, re-sync (`behind`);
 - or the swarm's clock is two rounds past us (`peer.node.claims.closed_elsewhere`): the others
   closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
@@ -29,21 +29,30 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from peer.config import SwarmConfig
 from peer.core.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
-from peer.node.agreement import IGNORED, Close, Poll, RoundView, close_decision, fenced_by, round_view, sender_alive
 from peer.node.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
-from peer.node.follow import Follow, Held
 from peer.node.refusals import Refusals
-from peer.node.round_payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
-from peer.node.verify import SetFetcher
+from peer.node.round.agreement import (
+    IGNORED,
+    Close,
+    Poll,
+    RoundView,
+    close_decision,
+    fenced_by,
+    round_view,
+    sender_alive,
+)
+from peer.node.round.follow import Follow, Held
+from peer.node.round.payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
+from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +118,7 @@ def gather_round(
     validate: Callable[[bytes], Payload] | None = None,
     stop: threading.Event | None = None,
     inc: str = "",
-    extra: Mapping[str, Any] | None = None,
+    peers: Mapping[str, str] | None = None,
     quorum: int = 1,
     n_stages: int = 1,
     banned: Collection[str] = frozenset(),
@@ -121,11 +130,11 @@ def gather_round(
     `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
     skipped, and its replica no longer waited for); without it payloads are parsed as they are.
     Every payload is parsed exactly once (`RoundResult.parsed`). When the set is closed: see the
-    module docstring and `peer.node.agreement.close_decision`. `prev` is the id of our state at
+    module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at
     outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
     claims we may follow start from it. `refusals`: holders whose claims are ignored (and where a
-    forged set's claimer goes). `inc` is this process's incarnation and `extra` adds fields to our
-    announcement (a head's "peers"). `quorum` (the run's first round only: `swarm.min_replicas`)
+    forged set's claimer goes). `inc` is this process's incarnation and `peers` is a head's binding
+    in our announcement ({"<stage>": peer id}). `quorum` (the run's first round only: `swarm.min_replicas`)
     keeps the set open until that many payloads are held. A payload whose sender is gone is asked
     of the round's other contributors (for stage 0 also of the other `n_stages` − 1 stages'
     holders). `banned`: peer.node.bans.
@@ -135,7 +144,7 @@ def gather_round(
         own = None
     gather = _Gather(dht, clients, t, stage, timings, own, store, validate, inc, n_stages, banned, prev, refusals)
     if own is not None:
-        gather.contribute(own, store, address, extra)
+        gather.contribute(own, store, address, peers)
     return gather.run(stop, quorum)
 
 
@@ -144,11 +153,11 @@ class _Read:
     """One poll's DHT read of round (t, s), and what it says."""
 
     at: float  # when the read began (monotonic): its age
-    replicas: Mapping[str, Any]
-    holders: Mapping[str, Any]  # live holders of the stage (graceful leaves removed)
+    replicas: Mapping[str, ReplicaRecord]
+    holders: Mapping[str, StageRecord]  # live holders of the stage (graceful leaves removed)
     left: set[str]  # holders that left gracefully
-    payloads: Mapping[str, Any]
-    stage0: Mapping[str, Any]
+    payloads: Mapping[str, Announcement]
+    stage0: Mapping[str, Announcement]
     view: RoundView
     claims: Mapping[str, Claim]
     clock: int
@@ -197,12 +206,12 @@ class _Gather:
         self.follow = Follow(fetcher, refusals, t, stage, n_stages)
 
     def contribute(
-        self, own: tuple[str, bytes], store: PayloadStore | None, address: str, extra: Mapping[str, Any] | None
+        self, own: tuple[str, bytes], store: PayloadStore | None, address: str, peers: Mapping[str, str] | None
     ) -> None:
         """Serve and announce our payload, and hold it."""
         timings = self.timings
         self.my_closes = _announce(
-            self.dht, self.t, self.stage, own, store, address, self.inc, extra, timings.deadline_s, timings.ttl_s
+            self.dht, self.t, self.stage, own, store, address, self.inc, peers, timings.deadline_s, timings.ttl_s
         )
         self.held.data[own[0]], self.held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
 
@@ -235,13 +244,14 @@ class _Gather:
         # records it read then look expired now) is read again; a DHT that is this slow every time
         # is believed after MAX_SLOW_READS reads in a row, so the gather cannot spin
         self.slow_reads = self.slow_reads + 1 if time.monotonic() - at > FRESH_S else 0
-        left = {pid for pid, rec in holders.items() if rec.get("state") == "left"}  # graceful leaves
+        left = {pid for pid, rec in holders.items() if rec.left}  # graceful leaves
         holders = {pid: rec for pid, rec in holders.items() if pid not in left}
         view = round_view(t, stage, payloads, stage0, replicas, holders, me, self.inc, self.banned)
         # waited for: seen gathering and now gone (maybe frozen), still gathering, or past t (follow its
         # commit); not one whose live records, at most at t, say it will not send t (restarted, spare)
-        self.seen = view.gathering | {p for p in self.seen if holders.get(p, {}).get("outer_step", t + 1) > t}
-        if self.own is None and (stage == 0 or replicas.get(me, {}).get("kind") == "full"):
+        self.seen = view.gathering | {p for p in self.seen if _past(holders.get(p), t)}
+        mine = replicas.get(me)
+        if self.own is None and (stage == 0 or (mine is not None and mine.kind == "full")):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
         _log_ignored(view, self.logged, t, stage)
         refused = self.refusals.peers() if self.refusals is not None else frozenset()
@@ -318,7 +328,7 @@ class _Gather:
                     self.deadline,
                     self.timings.rpc_s,
                 )
-                if sha256(data) != rec.get("sha256"):
+                if sha256(data) != rec.sha256:
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
                 held.parsed[rid] = self.parse(data)
                 if self.store is not None:
@@ -377,20 +387,20 @@ def _announce(
     store: PayloadStore | None,
     address: str,
     inc: str,
-    extra: Mapping[str, Any] | None,
+    peers: Mapping[str, str] | None,
     timeout_s: float,
     ttl_s: float,
 ) -> float:
     """Serve and announce our payload of (t, stage); returns when we close the round at the latest
-    (DHT time: the deadline fence, `peer.node.agreement.fenced_by`)."""
+    (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`)."""
     replica_id, payload = own
     if store is None:
         raise ValueError("a contributor needs a PayloadStore to serve its payload")
     store.put(t, stage, payload)
     closes = dht_time() + timeout_s
-    record = {"sha256": sha256(payload), "size": len(payload), "address": address, "replica": replica_id}
-    record.update({"inc": inc, "closes": round(closes, 3), **(extra or {})})
-    dht.announce_payload(t, stage, record, ttl_s=ttl_s)
+    peers = dict(peers) if peers is not None else None
+    record = Announcement(sha256(payload), len(payload), address, replica_id, inc, round(closes, 3), peers)
+    dht.announce_payload(t, stage, record.to_record(), ttl_s=ttl_s)
     return closes
 
 
@@ -400,9 +410,9 @@ def _fetch(
     t: int,
     stage: int,
     sender: str,
-    rec: Mapping[str, Any],
-    payloads: Mapping[str, Any],
-    stage0: Mapping[str, Any],
+    rec: Announcement,
+    payloads: Mapping[str, Announcement],
+    stage0: Mapping[str, Announcement],
     me: str,
     n_stages: int,
     deadline: float,
@@ -410,11 +420,11 @@ def _fetch(
 ) -> bytes:
     """A bound announcement's payload: from its sender, else from another holder of the round that
     fetched it (the announced sha256 is checked by the caller). NetworkError when nobody serves it."""
-    if not isinstance(rec.get("address"), str) or not rec["address"]:
+    if not rec.address:
         raise PeerError(f"the announcement of {sender} has no address")
     remaining = max(0.5, deadline - time.monotonic())
     try:
-        return clients.get(rec["address"]).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
+        return clients.get(rec.address).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
     except (NetworkError, NotFoundError):  # the sender is gone, or restarted without it:
         others = {**payloads, **stage0}
         for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 fetched it too
@@ -423,6 +433,11 @@ def _fetch(
         if second is None:
             raise
         return second
+
+
+def _past(rec: StageRecord | None, t: int) -> bool:
+    """A holder seen gathering round t is still waited for: gone, or its record is not at or before t."""
+    return rec is None or rec.outer_step is None or rec.outer_step > t
 
 
 def _log_ignored(view: RoundView, logged: set[tuple[str, str]], t: int, stage: int) -> None:

@@ -26,14 +26,14 @@ from typing import Any
 from peer.core.codec.format import Payload
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
+from peer.net.records import Announcement
 from peer.net.transport.messages import PayloadRequest
 from peer.node.bans import PREFIX
 from peer.node.claims import Entry
-from peer.node.round_payloads import PayloadStore, from_another_holder, sha256
+from peer.node.round.agreement import Announcements, Replicas, bound_to
+from peer.node.round.payloads import PayloadStore, from_another_holder, sha256
 
 log = logging.getLogger(__name__)
-
-Record = Mapping[str, Any]
 
 
 class Verdict(enum.Enum):
@@ -48,39 +48,26 @@ class Resolved:
 
     verdict: Verdict
     sender: str = ""
-    record: Record = field(default_factory=dict)
-
-
-def _bound(sender: str, rid: str, stage: int, stage0: Mapping[str, Record], replicas: Mapping[str, Record]) -> bool:
-    """`sender` may speak for replica `rid` in stage `stage` (itself, or its head's binding)."""
-    if sender == rid:
-        return True
-    ann = stage0.get(rid)
-    peers = ann.get("peers") if ann is not None and ann.get("replica", rid) == rid else None
-    if not isinstance(peers, Mapping):
-        listed = replicas.get(rid, {}).get("pipeline_peers")
-        peers = listed if isinstance(listed, Mapping) else {}
-    return peers.get(str(stage)) == sender
+    record: Announcement = Announcement()
 
 
 def resolve(
     item: Entry,
     stage: int,
-    announcements: Mapping[str, Record],
-    stage0: Mapping[str, Record],
-    replicas: Mapping[str, Record],
+    announcements: Announcements,
+    stage0: Announcements,
+    replicas: Replicas,
 ) -> Resolved:
     """The verdict on one entry of a set of round (t, `stage`) (module docstring); `announcements`
     are the round's, `stage0` those of (t, 0) (the heads' bindings), `replicas` the replica records."""
     rid, sha = item
     of_replica = False
     for sender, ann in sorted(announcements.items()):
-        full = ann.get("replica", sender)
-        if not isinstance(full, str) or full[:PREFIX] != rid:
+        full = ann.replica_of(sender)
+        if full[:PREFIX] != rid:
             continue
         of_replica = True
-        digest = ann.get("sha256")
-        if isinstance(digest, str) and digest.startswith(sha) and _bound(sender, full, stage, stage0, replicas):
+        if ann.sha256.startswith(sha) and bound_to(sender, full, stage, stage0, replicas):
             return Resolved(Verdict.GENUINE, sender, ann)
     if not of_replica and announcements:
         return Resolved(Verdict.FORGED)
@@ -131,8 +118,8 @@ class SetFetcher:
             if found.verdict is not Verdict.GENUINE:
                 (out.forged if found.verdict is Verdict.FORGED else out.missing).append(item)
                 continue
-            want = str(found.record.get("sha256"))
-            out.replicas[item] = str(found.record.get("replica", found.sender))
+            want = found.record.sha256
+            out.replicas[item] = found.record.replica_of(found.sender)
             data = self._bytes(t, stage, found, want, have or {}, claimer_address, announcements, n_stages)
             if data is None:
                 out.missing.append(item)
@@ -152,7 +139,7 @@ class SetFetcher:
         want: str,
         have: Mapping[str, bytes],
         claimer_address: str | None,
-        announcements: Mapping[str, Record],
+        announcements: Announcements,
         n_stages: int,
     ) -> bytes | None:
         if want in have:
@@ -161,8 +148,7 @@ class SetFetcher:
             if data is not None and sha256(data) == want:
                 return data
         request = PayloadRequest(t, stage, found.sender)
-        addresses = [found.record.get("address"), claimer_address]
-        for address in dict.fromkeys(a for a in addresses if isinstance(a, str) and a):
+        for address in dict.fromkeys(a for a in (found.record.address, claimer_address) if a):
             try:
                 data = self.clients.get(address).get_payload(request, timeout_s=self.rpc_timeout_s)
             except PeerError:

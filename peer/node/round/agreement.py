@@ -1,6 +1,6 @@
 """Who counts in round (t, s) and which committed state wins: the pure rules of docs/protocol.md.
 
-Every function here reads only DHT records (plain dicts) and returns a decision, so every holder
+Every function here reads only DHT records (typed, `peer.net.records`) and returns a decision, so every holder
 that sees the same records decides the same way, and each rule is testable without a swarm.
 
 - Incarnations: every process draws a fresh `inc` at start and puts it in all its records and
@@ -29,30 +29,41 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.bans import PREFIX, Bans
 
 if TYPE_CHECKING:
     from peer.net.dht import SwarmDHT
 
-Record = Mapping[str, Any]
+Holders = Mapping[str, StageRecord]  # {peer id: stage record}
+Replicas = Mapping[str, ReplicaRecord]  # {peer id: replica record}
+Announcements = Mapping[str, Announcement]  # {sender: payload announcement}
 
 
-def current_inc(sender: str, holders: Mapping[str, Record], replicas: Mapping[str, Record]) -> str | None:
+def current_inc(sender: str, holders: Holders, replicas: Replicas) -> str | None:
     """The incarnation `sender` publishes now (stage record first, then replica record), if any."""
-    for records in (holders, replicas):
-        inc = records.get(sender, {}).get("inc")
-        if isinstance(inc, str):
-            return inc
+    for rec in (holders.get(sender), replicas.get(sender)):
+        if rec is not None and rec.inc is not None:
+            return rec.inc
     return None
 
 
-def fresh(
-    sender: str, ann: Record, holders: Mapping[str, Record], replicas: Mapping[str, Record], me: str, my_inc: str
-) -> bool:
+def step_of(rec: StageRecord | ReplicaRecord | None) -> int:
+    """A record's outer step; -1 for a record without one (a leave) or no record."""
+    return -1 if rec is None or rec.outer_step is None else rec.outer_step
+
+
+def joined_at(replicas: Replicas, pid: str) -> int:
+    """The first round replica `pid` contributes to (0 without a replica record)."""
+    rec = replicas.get(pid)
+    return 0 if rec is None else rec.joined_at
+
+
+def fresh(sender: str, ann: Announcement, holders: Holders, replicas: Replicas, me: str, my_inc: str) -> bool:
     """False for an announcement of an earlier incarnation of its sender (this peer's own included)."""
-    inc = ann.get("inc")
+    inc = ann.inc
     if sender == me:
         return inc == my_inc
     now = current_inc(sender, holders, replicas)
@@ -62,7 +73,6 @@ def fresh(
 IGNORED = {  # why round_view ignored an announcement (logged by gather_round)
     "unbound": "that replica's record does not list it as its stage-{stage} peer for this round",
     "stale": "it comes from an earlier incarnation of that peer",
-    "malformed": "malformed replica field",
     "banned": "that replica is banned as a repeated outlier (docs/poisoning.md)",
 }
 
@@ -71,7 +81,7 @@ IGNORED = {  # why round_view ignored an announcement (logged by gather_round)
 class RoundView:
     """One poll's reading of round (t, s); see the module docstring."""
 
-    bound: dict[str, tuple[str, Record]] = field(default_factory=dict)  # sender -> (replica, announcement)
+    bound: dict[str, tuple[str, Announcement]] = field(default_factory=dict)  # sender -> (replica, announcement)
     expected: set[str] = field(default_factory=set)  # replica ids to wait for
     dropped: set[str] = field(default_factory=set)  # replicas out of (t, s) for everyone
     ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (sender, claimed replica, why)
@@ -80,22 +90,36 @@ class RoundView:
     banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.bans): out of (t, s), not fetched
 
 
-def _head_binding(anns0: Mapping[str, Record], rid: str) -> Mapping[str, Any] | None:
+def _head_binding(anns0: Announcements, rid: str) -> Mapping[str, str] | None:
     """The "peers" binding of head `rid`'s own stage-0 announcement of the round, if announced."""
     ann = anns0.get(rid)
-    if ann is None or ann.get("replica", rid) != rid:
+    if ann is None or ann.replica_of(rid) != rid:
         return None
-    peers = ann.get("peers")
-    return peers if isinstance(peers, dict) else {}
+    return ann.peers or {}
+
+
+def binding(rid: str, anns0: Announcements, replicas: Replicas) -> Mapping[str, str]:
+    """{"<stage>": peer id} that replica `rid`'s payloads of the round may come from: its own stage-0
+    announcement's "peers", else (before it announced) its replica record's "pipeline_peers"."""
+    announced = _head_binding(anns0, rid)
+    if announced is not None:
+        return announced
+    head = replicas.get(rid)
+    return (head.pipeline_peers if head is not None else None) or {}
+
+
+def bound_to(sender: str, rid: str, stage: int, anns0: Announcements, replicas: Replicas) -> bool:
+    """`sender` may speak for replica `rid` in stage `stage`: it is the replica, or its binding names it."""
+    return sender == rid or binding(rid, anns0, replicas).get(str(stage)) == sender
 
 
 def round_view(
     t: int,
     stage: int,
-    payloads: Mapping[str, Record],
-    stage0: Mapping[str, Record],
-    replicas: Mapping[str, Record],
-    holders: Mapping[str, Record],
+    payloads: Announcements,
+    stage0: Announcements,
+    replicas: Replicas,
+    holders: Holders,
     me: str,
     my_inc: str,
     banned: Collection[str] = frozenset(),
@@ -108,35 +132,28 @@ def round_view(
     view = RoundView()
     anns0 = {s: a for s, a in stage0.items() if fresh(s, a, {}, replicas, me, my_inc)}
     for sender, ann in payloads.items():
-        rid = ann.get("replica", sender)
-        if not isinstance(rid, str):
-            view.ignored.append((sender, str(rid), "malformed"))
-            continue
+        rid = ann.replica_of(sender)
         if not fresh(sender, ann, holders, replicas, me, my_inc):
             view.ignored.append((sender, rid, "stale"))
             continue
         if rid == sender:
             view.bound[sender] = (rid, ann)
             continue
-        binding = _head_binding(anns0, rid) if stage > 0 else None
-        if binding is None:  # the head has not announced yet: its record binds provisionally
-            listed = replicas.get(rid, {}).get("pipeline_peers")
-            binding = listed if isinstance(listed, dict) else {}
-        if binding.get(str(stage)) == sender:
+        # before the head announced, its record binds provisionally
+        if bound_to(sender, rid, stage, anns0 if stage > 0 else {}, replicas):
             view.bound[sender] = (rid, ann)
         else:
             view.ignored.append((sender, rid, "unbound"))
     bound_rids = {rid for rid, _ in view.bound.values()}
     for rid, rec in replicas.items():
-        if rec.get("joined_at", 0) > t or rec.get("outer_step", -1) < t - 1:
+        if rec.joined_at > t or step_of(rec) < t - 1:
             continue
-        binding = _head_binding(anns0, rid) if stage > 0 and rec.get("kind") == "pipeline" else None
-        if binding is None or rid in bound_rids:
+        announced = _head_binding(anns0, rid) if stage > 0 and rec.kind == "pipeline" else None
+        if announced is None or rid in bound_rids:
             view.expected.add(rid)
             continue
-        peer = binding.get(str(stage))
-        peer_rec = holders.get(peer, {}) if isinstance(peer, str) else {}
-        if peer_rec.get("outer_step") == t:  # alive and still to announce
+        peer = announced.get(str(stage))
+        if peer is not None and step_of(holders.get(peer)) == t:  # alive and still to announce
             view.expected.add(rid)
         else:  # bound nobody, or a peer that died or moved on without announcing
             view.dropped.add(rid)
@@ -149,10 +166,10 @@ def round_view(
     view.gathering = {
         pid
         for pid, rec in others.items()
-        if rec.get("outer_step") in (t - 1, t)
-        and rec.get("state") != "syncing"
-        and rec.get("role") != "spare"
-        and replicas.get(pid, {}).get("joined_at", 0) <= t
+        if rec.outer_step in (t - 1, t)
+        and rec.state != "syncing"
+        and rec.role != "spare"
+        and joined_at(replicas, pid) <= t
     }
     view.others_gathering = bool(view.gathering)
     if banned:
@@ -162,7 +179,7 @@ def round_view(
 
 def _ban(view: RoundView, banned: Collection[str]) -> None:
     """Banned replicas are dropped from the round and their announcements ignored (a committed set
-    that holds one is still followed as it is: `peer.node.rounds`)."""
+    that holds one is still followed as it is: `peer.node.round.rounds`)."""
     rids = view.expected | view.dropped | {rid for rid, _ in view.bound.values()}
     view.banned = {rid for rid in rids if rid[:PREFIX] in banned}
     for sender, (rid, _) in sorted(view.bound.items()):
@@ -181,37 +198,37 @@ def fenced_by(view: RoundView, me: str, my_closes: float | None, now: float, mar
         return set()
     out = set()
     for sender, (_, ann) in view.bound.items():
-        closes = ann.get("closes")
-        if sender == me or not isinstance(closes, (int, float)) or (closes, sender) >= (my_closes, me):
+        closes = ann.closes
+        if sender == me or closes is None or (closes, sender) >= (my_closes, me):
             continue
         if closes - margin_s <= now < closes + margin_s:
             out.add(sender)
     return out
 
 
-def sender_alive(sender: str, holders: Mapping[str, Record], replicas: Mapping[str, Record]) -> bool:
+def sender_alive(sender: str, holders: Holders, replicas: Replicas) -> bool:
     """The sender still publishes a record (its announcement may still be served)."""
     return sender in holders or sender in replicas
 
 
-def round_bans(holders: Mapping[str, Record], t: int, me: str = "") -> frozenset[str]:
+def round_bans(holders: Holders, t: int, me: str = "") -> frozenset[str]:
     """Replica id prefixes banned from round t of a stage, for an observer that does not hold it: the
     ones every holder of the stage still at outer step t bans (none when there is none), so no
     single holder's claim makes the observer skip a replica."""
-    at_t = [rec for pid, rec in holders.items() if pid != me and rec.get("outer_step") == t]
+    at_t = [rec for pid, rec in holders.items() if pid != me and rec.outer_step == t]
     if not at_t:
         return frozenset()
-    return frozenset.intersection(*(Bans.from_record(rec.get("bans")).banned(t) for rec in at_t))
+    return frozenset.intersection(*(Bans.from_record(rec.bans).banned(t) for rec in at_t))
 
 
-def expected_replicas(dht: SwarmDHT, t: int, replicas: Mapping[str, dict] | None = None) -> set[str]:
+def expected_replicas(dht: SwarmDHT, t: int, replicas: Replicas | None = None) -> set[str]:
     """Replica ids that should contribute to round t (see the module docstring).
 
     `replicas` is `dht.get_replicas()` when the caller already has it.
     """
     out = set()
     for rid, rec in (dht.get_replicas() if replicas is None else replicas).items():
-        if rec.get("joined_at", 0) <= t and rec.get("outer_step", -1) >= t - 1:
+        if rec.joined_at <= t and step_of(rec) >= t - 1:
             out.add(rid)
     return out
 
@@ -231,7 +248,7 @@ class Close(enum.Enum):
 class Poll:
     """What one poll of a gather knows, as the close decision reads it (docs/protocol.md, GATHER).
 
-    `fresh`: the view was read moments ago (`peer.node.gather.FRESH_S`); `past_deadline`: the
+    `fresh`: the view was read moments ago (`peer.node.round.gather.FRESH_S`); `past_deadline`: the
     round's deadline has passed; `fenced`: an earlier closer's deadline is near, so its commit
     decides (`fenced_by`). `closed_elsewhere`: the swarm's clock is two rounds past t. Following:
     `following` a claim from our state, whose set we now hold whole (`follow_held`) or have failed

@@ -3,9 +3,8 @@
 - `PayloadStore`: the payloads this process serves over gRPC `get_payload`, newest rounds only.
 - `payload_validator`: a received payload parses with this run's settings and fits the stage's
   parameters exactly (names, shapes, each once, stage 0's embedding present), else PayloadError:
-  a payload that could not be applied is never committed.
-- `bound_replica`: which replica a sender's announcement may stand for (itself, or the pipeline
-  whose record lists it as its stage peer).
+  a payload that could not be applied is never committed; `round_validator` builds it for round
+  (t, stage) as seen by one of our stage workers (an observer of stage 0 uses stage 0's shapes).
 - `sha256`: the digest announced with every payload.
 - `read_round`, `poll_pause`: one poll of a round's DHT records (replicas, stage holders,
   announcements), and the pause between polls.
@@ -21,17 +20,23 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from peer.config import RunConfig
 from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
+from peer.core.model import stage_shapes
+from peer.core.subspace_state import EMBED
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import PayloadRequest
+
+if TYPE_CHECKING:
+    from peer.node.stage_worker import StageWorker
 
 __all__ = [
     "SETTLE_S",
     "PayloadStore",
-    "bound_replica",
     "from_another_holder",
     "payload_validator",
     "poll_pause",
@@ -80,23 +85,6 @@ class PayloadStore:
             return self._data.get((t, stage))
 
 
-def bound_replica(sender: str, record: Mapping[str, Any], stage: int, replicas: Mapping[str, dict]) -> str | None:
-    """The replica id `sender`'s payload announcement for `stage` may stand for, or None if unbound.
-
-    Bound: the sender is the replica itself, or the replica's record (from `get_replicas`) lists the
-    sender as its stage peer in "pipeline_peers".
-    """
-    rid = record.get("replica", sender)
-    if not isinstance(rid, str):
-        return None
-    if rid == sender:
-        return rid
-    pipeline_peers = replicas.get(rid, {}).get("pipeline_peers")
-    if isinstance(pipeline_peers, dict) and pipeline_peers.get(str(stage)) == sender:
-        return rid
-    return None
-
-
 def payload_validator(
     shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig, required: Iterable[str] = ()
 ) -> Callable[[bytes], Payload]:
@@ -131,6 +119,16 @@ def payload_validator(
     return validate
 
 
+def round_validator(cfg: RunConfig, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
+    """Payloads of round (t, stage) for `worker`: the format, and entries that fit the stage's
+    parameters (its own stage: the worker's tensors; an observer gather of stage 0: stage 0's shapes)."""
+    if stage == worker.stage:
+        shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
+    else:
+        shapes = stage_shapes(cfg.model, stage, cfg.stages)
+    return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -143,8 +141,8 @@ def from_another_holder(
     t: int,
     stage: int,
     sender: str,
-    rec: Mapping[str, Any],
-    payloads: Mapping[str, Mapping[str, Any]],
+    rec: Announcement,
+    payloads: Mapping[str, Announcement],
     me: str,
     timeout_s: float,
 ) -> bytes | None:
@@ -152,14 +150,14 @@ def from_another_holder(
     `PayloadStore` keeps what it fetched); None if nobody serves it. Checked against the announced
     sha256 here too, so a wrong answer only costs a try."""
     for other, ann in sorted(payloads.items()):
-        address = ann.get("address")
-        if other in (sender, me) or not isinstance(address, str) or not address:
+        address = ann.address
+        if other in (sender, me) or not address:
             continue
         try:
             data = clients.get(address).get_payload(PayloadRequest(t, stage, sender), timeout_s=timeout_s)
         except PeerError:  # unreachable, or it does not hold that payload: try the next one
             continue
-        if sha256(data) == rec.get("sha256"):
+        if sha256(data) == rec.sha256:
             log.info(
                 "round %d stage %d: payload of %s served by %s (its sender is gone)", t, stage, sender[:12], other[:12]
             )
@@ -167,7 +165,9 @@ def from_another_holder(
     return None
 
 
-def read_round(dht: Any, t: int, stage: int) -> tuple[dict, dict, dict, dict]:
+def read_round(
+    dht: Any, t: int, stage: int
+) -> tuple[dict[str, ReplicaRecord], dict[str, StageRecord], dict[str, Announcement], dict[str, Announcement]]:
     """(replicas, holders of `stage` with graceful leaves kept, announcements of (t, stage), those of
     (t, 0)): one poll of round (t, stage); a DHT that does not answer raises NetworkError."""
     replicas = dht.get_replicas()
