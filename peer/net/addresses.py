@@ -4,7 +4,8 @@ A node that listens on all interfaces (`--host 0.0.0.0`, the default) is reachab
 address of this machine; libp2p lists them (its "visible multiaddrs"), loopback among them. This
 module orders them for people (`order_maddrs`: addresses another machine can use first), says who
 can use the first one (`reach_of`: this machine only, this network, anyone) and picks the host a
-peer announces for its gRPC data plane (`advertised_host`).
+peer announces for its gRPC data plane (`advertised_host`). It also builds the multiaddr a node
+listens on (`listen_maddr`) and checks a pasted initial peer (`check_initial_peer`).
 
 Invariants: a loopback address is printed first only when the node has no other; the announced
 data-plane host is never 0.0.0.0 or ::, and is loopback only when the node listens on loopback
@@ -18,6 +19,10 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
+
+from hivemind.utils.multiaddr import Multiaddr
+
+from peer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +126,25 @@ def advertised_host(
         if found is not None:
             return found
     return "127.0.0.1"
+
+
+def listen_maddr(host: str, port: int) -> str:
+    """The libp2p multiaddr of `host` (an IP or a DNS name) and a TCP port."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"/dns/{host}/tcp/{port}"
+    return f"/ip{ip.version}/{host}/tcp/{port}"
+
+
+def check_initial_peer(addr: str) -> str:
+    """`addr` as a full multiaddr ending in /p2p/<peer id>; ConfigError saying what to paste instead."""
+    try:
+        maddr = Multiaddr(addr)
+        maddr["p2p"]
+    except Exception as e:
+        raise ConfigError(
+            f"initial peer {addr!r} is not a full multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...; "
+            "copy the line the bootstrap printed"
+        ) from e
+    return str(maddr)

@@ -32,7 +32,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import ipaddress
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from peer.errors import ConfigError, NetworkError
 from peer.net import unreachable
+from peer.net.addresses import check_initial_peer, listen_maddr
 from peer.net.admission import (
     ADMISSION_MODES,
     SECRET_ENV,
@@ -111,26 +111,6 @@ _GONE = "the hivemind DHT process exited; restart this peer"
 def dht_time() -> float:
     """The DHT's clock (seconds since the epoch), the one every record's "time" uses."""
     return float(get_dht_time())
-
-
-def _maddr(host: str, port: int) -> str:
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return f"/dns/{host}/tcp/{port}"
-    return f"/ip{ip.version}/{host}/tcp/{port}"
-
-
-def _check_initial_peer(addr: str) -> str:
-    try:
-        maddr = Multiaddr(addr)
-        maddr["p2p"]
-    except Exception as e:
-        raise ConfigError(
-            f"initial peer {addr!r} is not a full multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...; "
-            "copy the line the bootstrap printed"
-        ) from e
-    return str(maddr)
 
 
 def _start_error(e: Exception, initial: Sequence[str], identity_path: object) -> str:
@@ -201,7 +181,7 @@ class SwarmDHT:
     ) -> None:
         """`identity_path`: the persistent key file (created if missing); None = a throw-away key.
         `swarm_secret`: the secret of a secret-mode swarm (None: $PEER_SWARM_SECRET, if set)."""
-        initial = [_check_initial_peer(str(a)) for a in initial_peers]
+        initial = [check_initial_peer(str(a)) for a in initial_peers]
         if announce_host is not None and port == 0:
             raise ConfigError("--announce-host needs an explicit --port (port 0 cannot be announced)")
         if isinstance(swarm_secret, str):
@@ -228,13 +208,13 @@ class SwarmDHT:
             self.owner_subkey: bytes = validator.local_public_key  # the DHT subkey of this peer's records
             self._reader = RecordReader(identity.peer_id, self._secret)
             kwargs: dict[str, Any] = dict(
-                host_maddrs=[_maddr(host, port)],
+                host_maddrs=[listen_maddr(host, port)],
                 client_mode=client_mode,
                 startup_timeout=start_timeout_s,
                 identity_path=str(identity.path),
             )
             if announce_host is not None:
-                kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
+                kwargs["announce_maddrs"] = [listen_maddr(announce_host, port)]
             if identity.fresh:
                 kwargs["check_if_identity_free"] = False  # a key made just now is not in use elsewhere
             quiet_cancelled_futures()  # inherited by the DHT process (peer.net.hivemind_logs)
