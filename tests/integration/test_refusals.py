@@ -20,7 +20,8 @@ import torch
 from peer.config import build_config
 from peer.errors import NetworkError
 from peer.net.pool import ClientPool
-from peer.net.transport import auth
+from peer.net.records import StageRecord
+from peer.net.transport import auth, dialer
 from peer.net.transport.client import PeerClient
 from peer.net.transport.errors import NotFoundError, Refusal, RefusalKind, RemoteError, TransportError
 from peer.net.transport.gate import Gate
@@ -119,8 +120,8 @@ def test_a_refusal_crosses_a_reverse_stream_unchanged(cfg, stages):
     gate = Gate("hub", relay=True)
     hub = _serve(cfg, hub_service, interceptors=[gate])
     gate.bind(hub.address)
-    auth.set_default_credentials(auth.Credentials("open", "stage-2"))  # the hidden peer's id on its stream
-    link = ReverseLink(hub.address, stages[2].address)
+    hidden = dialer.Outbound(credentials=auth.Credentials("open", "stage-2"))  # the hidden peer's id on its stream
+    link = ReverseLink(hub.address, stages[2].address, outbound=hidden)
     try:
         assert link.connected.wait(20), link.last_error
         with PeerClient(f"stage-2@{hub.address}", timeout_s=30, wire_dtype=cfg.subspace.wire_dtype) as client:
@@ -132,7 +133,6 @@ def test_a_refusal_crosses_a_reverse_stream_unchanged(cfg, stages):
         assert gate.hub.forwarded >= 3
     finally:
         link.close()
-        auth.set_default_credentials(None)
         hub.stop(grace_s=0.5)
 
 
@@ -142,9 +142,10 @@ class _Records:
     def __init__(self, peers: dict[str, str]) -> None:
         self.peers = peers
 
-    def get_stage_peers(self, stage: int) -> dict[str, dict]:
-        rec = {"role": "trainer", "outer_step": 0, "pipeline": None}
-        return {pid: {**rec, "address": a} for pid, a in self.peers.items()} if stage == 1 else {}
+    def get_stage_peers(self, stage: int) -> dict[str, StageRecord]:
+        if stage != 1:
+            return {}
+        return {pid: StageRecord(address=a, role="trainer", outer_step=0) for pid, a in self.peers.items()}
 
 
 def _two_stages(**overrides):
