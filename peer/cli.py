@@ -23,6 +23,7 @@ from rich.console import Console
 
 from peer import package_version
 from peer.core.files import atomic_write_bytes
+from peer.core.memory import parse_bytes
 from peer.errors import ConfigError, PeerError
 from peer.tools import flags
 from peer.tools.processes import stop_on_signals
@@ -358,6 +359,9 @@ def join(
     stage: flags.JoinStage = None,
     full_replica: flags.FullReplica = False,
     device: flags.Device = "auto",
+    precision: flags.Precision = "auto",
+    activation_checkpointing: flags.ActivationCheckpointing = False,
+    max_memory: flags.MaxMemory = None,
     host: flags.JoinHost = "0.0.0.0",
     port: flags.JoinPort = 0,
     dht_port: flags.DhtPort = 0,
@@ -383,17 +387,13 @@ def join(
     ):  # a head's local schedule (peer.node.pipeline.schedule reads it; not part of the run's config)
         os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
     _setup_logging(verbose)
-    if (stage is None) == (not full_replica):
-        raise ConfigError("pass exactly one of --stage N or --full-replica")
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
     from peer.config import build_link_config
     from peer.net.dht import load_swarm_secret
     from peer.node.session import SessionOptions, usable_data_dir
     from peer.node.trainer import data_dir_default, run_role
-    from peer.tools.join_setup import prepare_join
+    from peer.tools.join_setup import join_role, prepare_join
 
-    role = "full" if full_replica else ("head" if stage == 0 else "stage")
+    role = join_role(stage, full_replica, device, precision)
     data_dir = usable_data_dir(data_dir or data_dir_default(role, stage))
     opts = SessionOptions(
         initial_peers=prepare_join(initial_peers, initial_peers_file, manifest_timeout_s, metrics_port, host),
@@ -403,6 +403,9 @@ def join(
         announce_host=announce_host,
         data_dir=data_dir,
         identity=str(identity) if identity else None,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        max_memory=None if max_memory is None else parse_bytes(max_memory, "--max-memory"),
         device=device,  # "auto" is decided after the DHT has started (hivemind forks before CUDA is touched)
         manifest_timeout_s=manifest_timeout_s,
         resume=resume,

@@ -77,6 +77,9 @@ class SessionOptions:
     data_dir: Path = Path("runs/peer")
     identity: str | None = None
     device: str = "cpu"
+    precision: str = "auto"  # compute dtype of inner steps: auto, bf16, fp16, fp32 (`peer join --precision`)
+    activation_checkpointing: bool = False  # recompute layer activations in backward (`--activation-checkpointing`)
+    max_memory: int | None = None  # bytes this peer may use (`--max-memory`; None: the device's free memory)
     manifest_timeout_s: float = 60.0
     swarm_secret: bytes | None = field(default=None, repr=False)  # secret-mode swarms (None: $PEER_SWARM_SECRET)
     resume: bool = False  # restore <data_dir>/checkpoints before training (`peer join --resume`)

@@ -187,6 +187,28 @@ JoinStage = Annotated[
 ]
 FullReplica = Annotated[bool, typer.Option("--full-replica", help="Hold every stage and train without compression.")]
 Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
+Precision = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        help="Compute dtype of the inner steps: auto (bf16 where the device supports it, fp32 on CPU), bf16, fp16 "
+        "(with loss scaling) or fp32. Weights, θ_start, the error buffer and every commit stay fp32.",
+    ),
+]
+ActivationCheckpointing = Annotated[
+    bool,
+    typer.Option(
+        "--activation-checkpointing",
+        help="Recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more compute).",
+    ),
+]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory",
+        help="Memory this peer may use for its stages, e.g. 6GiB or 800MB (default: the device's free memory).",
+    ),
+]
 JoinHost = Annotated[
     str,
     typer.Option(

@@ -1,4 +1,5 @@
-"""What `peer join` does before its role starts: resolve the initial peers and start monitoring.
+"""What `peer join` does before its role starts: check its flags, resolve the initial peers and
+start monitoring.
 
 - `--initial-peers-file F`: wait (up to the manifest timeout) for the bootstrap's address file and
   join through its multiaddrs, after any `--initial-peers` given too (`peer.node.discovery`);
@@ -12,9 +13,22 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from peer.errors import ConfigError
 from peer.net.prometheus import EventSink, Exporter
 from peer.node.discovery import wait_for_address_file
 from peer.node.metrics import add_sink
+
+
+def join_role(stage: int | None, full_replica: bool, device: str, precision: str) -> str:
+    """The role `peer join`'s flags ask for ("full", "head" or "stage"); a one-line ConfigError for
+    flags that do not go together or an unknown device or precision."""
+    if (stage is None) == (not full_replica):
+        raise ConfigError("pass exactly one of --stage N or --full-replica")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if precision not in ("auto", "bf16", "fp16", "fp32"):
+        raise ConfigError(f"--precision must be auto, bf16, fp16 or fp32, got {precision!r}")
+    return "full" if full_replica else ("head" if stage == 0 else "stage")
 
 
 def start_metrics(port: int, host: str) -> EventSink:
