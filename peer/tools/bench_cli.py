@@ -1,0 +1,129 @@
+"""`peer bench …`: the benchmarks that measure the design's budgets, as a typer sub-app of `peer`.
+
+Each command parses its flags (`peer.tools.flags`) and hands them to the module that measures
+(`peer.tools.bench`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`); results go to the
+terminal and, with `--json`, to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from peer.core.files import atomic_write_bytes
+from peer.errors import ConfigError
+from peer.tools import flags
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that measure the design's budgets.")
+console = Console()
+
+RUNS = Path("runs")  # where a benchmark writes when no flag names a path
+
+
+def _setup_logging(verbose: bool) -> None:
+    level = os.environ.get("PEER_LOG_LEVEL", "DEBUG" if verbose else "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+
+
+@bench_app.command("payload")
+def bench_payload_cmd(
+    params: flags.BenchParams = 178e6,
+    seed: flags.BenchSeed = 0,
+    repeats: flags.BenchRepeats = 3,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Serialized SparseLoCo payload bytes per parameter on a real model's pseudo-gradient."""
+    from peer.tools.bench import bench_payload
+    from peer.tools.render import metric_table
+
+    with console.status(f"building a ~{params:.3g}-parameter model and measuring its payload…"):
+        if repeats < 1:
+            raise ConfigError("--repeats must be 1 or more")
+        result = bench_payload(int(params), seed=seed, repeats=repeats)
+    console.print(metric_table("SparseLoCo payload", result))
+    if json_out:
+        _write_json(json_out, result)
+
+
+@bench_app.command("pipeline")
+def bench_pipeline_cmd(
+    stages: flags.PipeStages = 2,
+    preset: flags.PipePreset = "small",
+    split: flags.PipeSplit = "cost",
+    seq_len: flags.PipeSeqLen = 128,
+    batch_size: flags.PipeBatch = 16,
+    microbatches: flags.Microbatches = 8,
+    k_ratios: flags.PipeKRatios = "1/8,1",
+    rate: flags.PipeRate = "",
+    rtt_ms: flags.PipeRtt = "",
+    in_flight: flags.PipeInFlight = "1,0",
+    wire_dtype: flags.PlanWireDtype = "bf16",
+    steps: flags.PipeSteps = 3,
+    repeats: flags.PipeRepeats = 1,
+    no_netns: flags.PipeNoNetns = False,
+    json_out: flags.PipeJson = None,
+) -> None:
+    """Measured pipeline throughput: stage processes on their own cores, shaped links, old vs new schedule."""
+    args = dict(locals())
+    from peer.tools.bench_pipeline import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), **args)
+
+
+@bench_app.command("chaos")
+def bench_chaos_cmd(
+    faults: flags.ChaosFaults = 20,
+    seed: flags.ChaosSeed = 0,
+    round_timeout_s: flags.ChaosRoundTimeout = 20.0,
+    inner_steps: flags.ChaosInnerSteps = 5,
+    microbatches: flags.ChaosMicrobatches = 4,
+    in_flight: flags.ChaosInFlight = 0,
+    long_stops: flags.ChaosLongStops = 2,
+    workdir: flags.ChaosWorkdir = None,
+    json_out: flags.ChaosJson = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Random kill -9 / SIGTERM / SIGSTOP churn on a loopback swarm: recovery, stalls, disagreements, orphans."""
+    _setup_logging(verbose)
+    from peer.tools.chaos import command
+
+    args = dict(locals())
+    command(lambda line: console.print(line, soft_wrap=True, highlight=False), args, RUNS, _write_json)
+
+
+@bench_app.command("commit")
+def bench_commit_cmd(
+    preset: flags.CommitPreset = "178M",
+    stages: flags.CommitStages = 2,
+    replicas: flags.CommitReplicas = 4,
+    repeats: flags.CommitRepeats = 3,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Cost of committing one round at a preset's stage 0: the portable commit against the one before it."""
+    from peer.tools.bench_commit import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), RUNS, _write_json)
+
+
+@bench_app.command("caps")
+def bench_caps_cmd(
+    mbps: flags.CapsMbps = 20.0,
+    window_s: flags.CapsWindow = 10.0,
+    repeats: flags.CapsRepeats = 1,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Achieved rate under `peer join --max-upload-mbps/--max-download-mbps` caps (real gRPC on loopback)."""
+    from peer.tools.bench_caps import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), mbps, window_s, repeats, json_out)
