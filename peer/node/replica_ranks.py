@@ -67,7 +67,7 @@ def live_hashes(chain: list[StageWorker]) -> dict[str, str]:
     return {str(w.stage): state_hash(dict(w.module.named_parameters())) for w in chain}
 
 
-def _parallel(chain: list[StageWorker], group: ReplicaGroup) -> DataParallel:
+def parallel_chain(chain: list[StageWorker], group: ReplicaGroup) -> DataParallel:
     """The chain under DDP (a collective: every rank builds it at the same point)."""
     device = chain[0].device
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
@@ -100,7 +100,7 @@ class _Ranked(_Full):
     ) -> None:
         super().__init__(session, workers, stop)
         self.group, self.ranks = group, group.world
-        self.parallel = _parallel(self.chain, group)
+        self.parallel = parallel_chain(self.chain, group)
         self._shared: tuple[Any, ...] | None = None  # which state the followers hold
         self._failed = False
 
@@ -146,7 +146,7 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
     device = group.device(setup["device"])
     chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
     data = build_token_data(cfg.data)
-    parallel = _parallel(chain, group)
+    parallel = parallel_chain(chain, group)
     metrics = MetricsWriter(opts.data_dir, "full", name=f"metrics-rank{group.rank}.jsonl")
     metrics.log("start", rank=group.rank, ranks=group.world, device=device)
     train, shard = cfg.train, int(setup["shard"])
