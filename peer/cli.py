@@ -296,8 +296,9 @@ def join(
     _setup_logging(verbose)
     from peer.config import build_link_config
     from peer.net.dht import load_swarm_secret
+    from peer.node.replica_ranks import run_join  # torchrun: one full replica over its processes
     from peer.node.session import SessionOptions, usable_data_dir
-    from peer.node.trainer import data_dir_default, run_role
+    from peer.node.trainer import data_dir_default
     from peer.tools.join_setup import join_role, prepare_join
 
     role = join_role(stage, full_replica, device, precision)
@@ -323,7 +324,7 @@ def join(
     err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
     with stop_on_signals(stop):
         try:
-            code = run_role(opts, stage, stop)
+            code = run_join(opts, stage, stop)
         except PeerError:
             if not stop.is_set():
                 raise

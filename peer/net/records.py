@@ -384,6 +384,8 @@ class ReplicaRecord:
     inc: str | None = None
     done: bool | None = None  # past its last round (None: a record that does not say)
     pipeline_peers: dict[str, str] | None = None  # a head's {"<stage>": peer id}: binds their payloads
+    ranks: int | None = None  # a full replica's processes (torchrun ranks; None: a record that does not say)
+    global_batch: int | None = None  # sequences per inner step over all its ranks
     net: NetFields = NetFields()
     left: bool = False  # {"state": "left"}: a graceful leave
     peer_id: str = ""
@@ -400,6 +402,8 @@ class ReplicaRecord:
         "inc": _opt(_is_str),
         "done": _opt(lambda v: isinstance(v, bool)),
         "pipeline_peers": _opt(_str_map),
+        "ranks": _opt(_is_int),
+        "global_batch": _opt(_is_int),
         **_SIGNED,
     }
 
@@ -425,6 +429,8 @@ class ReplicaRecord:
         }
         if self.pipeline_peers is not None:
             out["pipeline_peers"] = self.pipeline_peers
+        if self.ranks is not None:  # absent, not null: a record older peers read as before
+            out["ranks"], out["global_batch"] = self.ranks, self.global_batch
         return out
 
 

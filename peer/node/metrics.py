@@ -50,9 +50,10 @@ def remove_sink(sink: Sink) -> None:
 class MetricsWriter:
     """Appends events to `<data_dir>/metrics.jsonl` from any thread."""
 
-    def __init__(self, data_dir: Path, role: str) -> None:
+    def __init__(self, data_dir: Path, role: str, name: str = METRICS_FILE) -> None:
+        """`name`: another file of the data dir (a torchrun rank > 0 writes `metrics-rank<r>.jsonl`)."""
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.path = data_dir / METRICS_FILE
+        self.path = data_dir / name
         self.role = role
         self._lock = threading.Lock()
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - kept open for the peer's lifetime

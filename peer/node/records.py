@@ -109,10 +109,13 @@ class Records:
         shard: int,
         loss: float | None,
         tokens_per_s: float,
+        ranks: int | None = None,
+        batch_size: int | None = None,
         pipeline_peers: dict[str, str] | None = None,
     ) -> Own:
         """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
-        announcements to this replica (`peer.node.round.agreement.binding`)."""
+        announcements to this replica (`peer.node.round.agreement.binding`). A full replica says how
+        many processes train it (`ranks`, torchrun) and its global batch, ranks × `batch_size`."""
         record = ReplicaRecord(
             address=self.me.address,
             kind=kind,
@@ -124,6 +127,8 @@ class Records:
             inc=self.me.incarnation,
             done=self.me.finishing,
             pipeline_peers=pipeline_peers,
+            ranks=ranks,
+            global_batch=None if ranks is None or batch_size is None else ranks * batch_size,
             net=self.net(),  # connectivity, relay, caps, refused calls
         )
         return Own(record)

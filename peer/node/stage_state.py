@@ -93,6 +93,7 @@ class StageState:
         self.outer_step = 0
         self.cache = StartCache(stage_state(self.module))
         self.ledger = RoundLedger()
+        self.loads = 0  # states adopted so far (`load_state_dict`): a change no hash may show (the optimizer)
 
     @property
     def start(self) -> Mapping[str, torch.Tensor]:
@@ -282,6 +283,7 @@ class StageState:
                 Bans.from_record(state.get("bans")),
                 Link.from_record(link, link.get("state")) if isinstance(link, Mapping) else None,
             )
+            self.loads += 1
             self._reset_step()
 
     def param_hash(self) -> str:

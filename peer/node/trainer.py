@@ -29,10 +29,11 @@ from typing import Any, Protocol
 
 import torch
 
-from peer.core.chain import chain_forward, global_grad_norm, token_loss
+from peer.core.chain import chain_forward, token_loss
 from peer.core.data import TokenData, train_batch, val_batches
-from peer.core.inner import accumulate
+from peer.core.inner import MicroForward
 from peer.errors import ConfigError, NetworkError, PeerError
+from peer.node.data_parallel import chain_step, rank_batch_index
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
 from peer.node.round.gather import RoundResult
@@ -130,19 +131,40 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
     )
 
 
-def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
-    """All stages locally, no boundary compression; contributes to every stage's round."""
+def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull | None = None) -> int:
+    """All stages locally, no boundary compression; contributes to every stage's round.
+
+    `make` (torchrun's rank 0, peer.node.replica_ranks): builds the `_Full` that trains across the
+    replica's ranks, once the session and its data are up; it is closed when the loop ends."""
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
-        workers = {s: StageWorker(cfg, s, compressed=False, device=session.opts.device) for s in range(cfg.stages)}
+        device = session.opts.device if make is None else make.device(session.opts.device)
+        workers = {s: StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)}
         data, shard, _ = _join(session, workers)
-        full = _Full(session, workers, stop)
+        full = _Full(session, workers, stop) if make is None else make(session, workers, shard, stop)
+        batch = cfg.train.batch_size  # per rank: the record says ranks × batch
         session.records.announce(
-            lambda: session.records.replica("full", workers[0].outer_step, shard, full.last_loss, full.tokens_per_s),
+            lambda: session.records.replica(
+                "full", workers[0].outer_step, shard, full.last_loss, full.tokens_per_s, full.ranks, batch
+            ),
             *[lambda w=w: session.records.stage(w, role="full") for w in workers.values()],
         )
-        _outer_loop(session, full, data, shard, stop)
+        try:
+            _outer_loop(session, full, data, shard, stop)
+        finally:
+            full.close()
         return session.finish(stop)
+
+
+class MakeFull(Protocol):
+    """Builds a full replica that trains across several ranks (peer.node.replica_ranks)."""
+
+    def device(self, device: str) -> str:
+        """The device this rank's stages live on."""
+
+    def __call__(
+        self, session: Session, workers: dict[int, StageWorker], shard: int, stop: threading.Event
+    ) -> _Full: ...
 
 
 def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int, PeerService]:
@@ -166,6 +188,10 @@ class _Replica(Protocol):
     @property
     def chain(self) -> list[StageWorker] | None:
         """Every stage in order, kept at one outer step (a full replica); None: a head."""
+
+    @property
+    def ranks(self) -> int:
+        """Processes training this replica together (torchrun); rank 0 runs this loop."""
 
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         """One inner step on a (b, L) batch; its loss (NetworkError: no usable peer for a stage)."""
@@ -200,7 +226,8 @@ def _outer_loop(session: Session, replica: _Replica, data: TokenData, shard: int
         losses = []
         try:
             for h in range(H):
-                x, y = train_batch(data, shard, cfg.swarm.n_shards, t * H + h, train.batch_size, train.seq_len)
+                batch = rank_batch_index(t, h, H, replica.ranks, 0)  # rank 0's; the others' follow it
+                x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
                 losses.append(replica.inner_step(t, h, x, y))
                 session.metrics.log("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
                 if stop.is_set():
@@ -232,6 +259,7 @@ class _Head:
     """A head's outer steps: stage 0 here, the inner steps through a claimed pipeline."""
 
     chain = None
+    ranks = 1
 
     def __init__(self, session: Session, worker: StageWorker, driver: PipelineDriver, stop: threading.Event) -> None:
         self.session, self.worker, self.driver, self.stop = session, worker, driver, stop
@@ -272,27 +300,30 @@ class _Full:
     """A full replica's outer steps: every stage here, uncompressed, chained in this process."""
 
     activations = (0, 0)
+    ranks = 1  # a subclass trains across torchrun's ranks (peer.node.replica_ranks)
 
     def __init__(self, session: Session, workers: dict[int, StageWorker], stop: threading.Event) -> None:
         self.session, self.workers, self.stop = session, workers, stop
         self.chain = [workers[s] for s in range(len(workers))]
         self.last_loss: float | None = None
-        self.tokens_per_s = 0.0
+        self.tokens_per_s = 0.0  # of the whole replica (every rank)
         self._started = 0.0  # when the outer step's first inner step started
 
+    def forward(self) -> MicroForward:
+        """One inner step's micro-batch forward through the chain (`peer.core.inner.accumulate`)."""
+        return lambda mx, my: (_chain_loss(self.chain, mx, my), 0)
+
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Micro-batches through every stage, then each stage's step, clipped by the gradient norm
-        over all stages (as the whole model and a pipeline clip)."""
+        """`peer.node.data_parallel.chain_step`: every stage's micro-batches, then their clipped steps."""
         if h == 0:
             self._started = time.monotonic()
-        chain = self.chain
-        loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, chain[0].cfg.train.microbatches)
-        total_norm = global_grad_norm(w.grad_sq_norm() for w in chain)
-        for w in chain:
-            w.step(t, h, total_norm)
+        loss = chain_step(self.chain, self.forward(), t, h, x, y)
         self.last_loss = loss
-        self.tokens_per_s = (h + 1) * x.numel() / max(1e-9, time.monotonic() - self._started)
+        self.tokens_per_s = (h + 1) * x.numel() * self.ranks / max(1e-9, time.monotonic() - self._started)
         return loss
+
+    def close(self) -> None:
+        """The outer loop ended (finished, stopped or failed): nothing to release on one rank."""
 
     def pause(self, t: int, exc: NetworkError) -> None:
         """Forget the outer step's gradients and wait (its inner steps are local: none waits on a peer)."""

@@ -127,3 +127,32 @@ def bench_caps_cmd(
     from peer.tools.bench_caps import command
 
     command(lambda x: console.print(x, soft_wrap=True, highlight=False), mbps, window_s, repeats, json_out)
+
+
+@bench_app.command("replica")
+def bench_replica_cmd(
+    ranks: flags.ReplicaRanks = 2,
+    preset: flags.PipePreset = "small",
+    stages: flags.ReplicaStages = 2,
+    batch_size: flags.PipeBatch = 8,
+    seq_len: flags.PipeSeqLen = 128,
+    microbatches: flags.Microbatches = 2,
+    warmup: flags.ReplicaWarmup = 2,
+    steps: flags.ReplicaSteps = 6,
+    repeats: flags.ReplicaRepeats = 3,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Full-replica tokens/s: 1 rank on one core against N torchrun ranks on N cores (DDP, gloo)."""
+    from peer.tools.bench_replica import run_bench
+
+    if ranks < 2 or repeats < 1 or steps < 1 or warmup < 0:
+        raise ConfigError("--ranks must be 2 or more, --repeats and --steps 1 or more, --warmup 0 or more")
+    args = [preset, *map(str, (stages, batch_size, seq_len, microbatches, warmup, steps))]
+    result = run_bench(ranks, repeats, args, lambda line: console.print(line, highlight=False))
+    console.print(
+        f"median tokens/s: 1 rank {result['median_1']:,.0f}, {ranks} ranks {result[f'median_{ranks}']:,.0f}: "
+        f"{result['speedup']:.2f}x (load average {result['load_avg']:.2f})",
+        highlight=False,
+    )
+    if json_out:
+        _write_json(json_out, result)

@@ -364,3 +364,8 @@ PipeSteps = Annotated[int, typer.Option(help="Measured inner steps (after one wa
 PipeRepeats = Annotated[int, typer.Option(help="Runs per configuration (the median is reported).")]
 PipeNoNetns = Annotated[bool, typer.Option("--no-netns", help="Loopback only, even as root (no shaping).")]
 PipeJson = Annotated[Path | None, typer.Option("--json", help="Write every row as JSON (PNG next to it).")]
+ReplicaRanks = Annotated[int, typer.Option(help="N: ranks of the replica under torchrun, each on its own core.")]
+ReplicaStages = Annotated[int, typer.Option(help="Stages of the replica's chain (all local).")]
+ReplicaWarmup = Annotated[int, typer.Option(help="Inner steps before the measured ones.")]
+ReplicaSteps = Annotated[int, typer.Option(help="Measured inner steps per run.")]
+ReplicaRepeats = Annotated[int, typer.Option(help="Runs of each (1 rank, N ranks), alternating; medians reported.")]

@@ -9,6 +9,7 @@ start monitoring.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,6 @@ def prepare_join(
     peers = tuple(initial_peers or ())
     if peers_file is not None:
         peers += wait_for_address_file(peers_file, timeout_s, stop)
-    if metrics_port is not None:
+    if metrics_port is not None and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks for the replica
         start_metrics(metrics_port, host)
     return peers

@@ -221,13 +221,16 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
     if not result["full_replicas"]:
         out.append(Text("no full replica (start one: peer join --full-replica …)"))
         return out
-    replicas = _table("full replicas", ("peer", "outer step", "loss", "tokens/s", "link"), left=("peer", "link"))
+    heads = ("peer", "outer step", "loss", "tokens/s", "ranks × batch", "link")
+    replicas = _table("full replicas", heads, left=("peer", "link"))
     for r in result["full_replicas"]:
+        ranks, batch = r.get("ranks"), r.get("global_batch")
         replicas.add_row(
             short_id(r["peer_id"]),
             fmt(r["outer_step"]),
             fmt(r["loss"], ".4f"),
             fmt(r["tokens_per_s"], ".0f"),
+            "–" if ranks is None else f"{ranks} × {(batch or 0) // max(1, ranks)}",
             link_cell(r),
         )
     out.append(replicas)

@@ -7,7 +7,7 @@ full replica or pipeline head). Returns one plain dict, the documented shape of 
     {"run_id": str, "preset": str, "outer_step": int,
      "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address", "in_flight",
                        *LINK}, ...], ...},
-     "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s", *LINK}, ...]}
+     "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s", "ranks", "global_batch", *LINK}, ...]}
     LINK = "connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures"
 
 Invariants: every stage 0..S-1 has a key (an empty list when no peer holds it); lists are sorted
@@ -30,7 +30,7 @@ from peer.node.manifest import wait_for_manifest
 logger = logging.getLogger(__name__)
 
 STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address", "in_flight")  # in_flight: a head's K
-REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s")
+REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s", "ranks", "global_batch")  # ranks: torchrun processes
 # docs/connectivity.md: how others reach the peer (direct, reverse, relayed), its caps, refused calls
 LINK_FIELDS = ("connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures")
 
@@ -66,9 +66,8 @@ def stage_entry(peer_id: str, record: StageRecord) -> dict[str, Any]:
 def replica_entry(peer_id: str, record: ReplicaRecord) -> dict[str, Any]:
     """One full replica's row of `peer status --json` (REPLICA_FIELDS, then LINK_FIELDS)."""
     r = record
-    return {"peer_id": peer_id, "outer_step": r.outer_step, "loss": r.loss, "tokens_per_s": r.tokens_per_s} | _link(
-        r.net
-    )
+    out = {"peer_id": peer_id, "outer_step": r.outer_step, "loss": r.loss, "tokens_per_s": r.tokens_per_s}
+    return out | {"ranks": r.ranks, "global_batch": r.global_batch} | _link(r.net)
 
 
 def collect_status(

@@ -1,0 +1,193 @@
+"""`torchrun --nproc-per-node N -m peer join --full-replica …`: one full replica trained by N processes.
+
+Rank 0 is the replica in the swarm: it opens the session (DHT first, then the process group),
+resumes, re-syncs, claims the shard, publishes the records (N ranks, the N × b global batch,
+tokens/s of all ranks) and runs every round, exactly as a one-process full replica
+(`peer.node.trainer.run_full_replica` with `_Lead`). The other ranks open no DHT and no server:
+they take the verified config, the tokenizer and the shard from rank 0 (`peer.node.replica_group`,
+key "setup"), build the same stage workers and follow rank 0's control messages (`follow`):
+- "step t h": draw this rank's batch of the shard (`rank_batch_index`) and run the inner step
+  under DDP (`peer.node.data_parallel`); every rank takes the same averaged step;
+- `state` set on a message: first adopt each stage's `state_dict()` from rank 0, sent whenever
+  rank 0's committed state changed (a commit, a re-sync, `--resume`), so every rank holds the same bits;
+- "stop": exit with rank 0's code (its last committed state adopted first).
+Each rank logs the hash of its live parameters after the H inner steps of every outer step
+(`replica_hash`; rank 0 in metrics.jsonl, rank r in `metrics-rank<r>.jsonl`) and a follower the
+state it adopted (`replica_state`), so the ranks' lockstep is checkable.
+
+Failure: a rank that dies closes its sockets; the others' next collective raises `RankLost`:
+rank 0 leaves the swarm (records withdrawn, server and DHT stopped) and exits 2, so
+`torchrun --max-restarts R … --resume` starts the replica again from rank 0's checkpoint. torchrun
+itself SIGTERMs the other ranks when one fails: rank 0 then leaves as on Ctrl-C, a follower stops
+at its next control message (at most `replica_group.POLL_S`) and exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.config import RunConfig
+from peer.core.data import build_token_data, train_batch
+from peer.core.files import atomic_write_bytes
+from peer.core.inner import MicroForward
+from peer.core.state import state_hash
+from peer.errors import ConfigError
+from peer.node.data_parallel import DataParallel, chain_step, rank_batch_index
+from peer.node.metrics import MetricsWriter
+from peer.node.replica_group import Control, RankLost, ReplicaGroup, launched_ranks
+from peer.node.session import Session, SessionOptions
+from peer.node.stage_worker import StageWorker
+from peer.node.trainer import _chain_loss, _Full, run_full_replica, run_role
+
+log = logging.getLogger(__name__)
+
+
+def run_join(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:
+    """`peer join`: under torchrun with several processes a full replica across them, else `run_role`."""
+    ranks = launched_ranks()
+    if ranks == 1:
+        return run_role(opts, stage, stop)
+    if stage is not None:
+        raise ConfigError(f"--stage runs in one process; under torchrun ({ranks} processes) use --full-replica")
+    group = ReplicaGroup.from_env()
+    if group.lead:
+        return run_full_replica(opts, stop, make=_Lead(group))
+    return follow(opts, stop, group)
+
+
+def live_hashes(chain: list[StageWorker]) -> dict[str, str]:
+    """{stage: hash of its live parameters}: equal on two ranks iff bit-identical."""
+    return {str(w.stage): state_hash(dict(w.module.named_parameters())) for w in chain}
+
+
+def parallel_chain(chain: list[StageWorker], group: ReplicaGroup) -> DataParallel:
+    """The chain under DDP (a collective: every rank builds it at the same point)."""
+    device = chain[0].device
+    ids = [device.index] if device.type == "cuda" and device.index is not None else None
+    return DataParallel(chain, lambda x, y: _chain_loss(chain, x, y), device_ids=ids)
+
+
+class _Lead:
+    """Rank 0's part in `run_full_replica`: set the followers up, then the `_Ranked` replica."""
+
+    def __init__(self, group: ReplicaGroup) -> None:
+        self.group = group
+
+    def device(self, device: str) -> str:
+        return self.group.device(device)
+
+    def __call__(self, session: Session, workers: dict[int, StageWorker], shard: int, stop: threading.Event) -> _Full:
+        cfg, tokenizer = session.cfg, session.cfg.data.tokenizer
+        setup = {"cfg": cfg, "shard": shard, "device": session.opts.device}
+        setup["tokenizer"] = Path(tokenizer).read_bytes() if tokenizer else None
+        self.group.post(setup, key="setup")
+        self.group.open(session.opts.device)  # after the DHT (Session.open): hivemind has forked
+        return _Ranked(session, workers, stop, self.group)
+
+
+class _Ranked(_Full):
+    """Rank 0 of a replica over several ranks: each inner step announced, then run under DDP."""
+
+    def __init__(
+        self, session: Session, workers: dict[int, StageWorker], stop: threading.Event, group: ReplicaGroup
+    ) -> None:
+        super().__init__(session, workers, stop)
+        self.group, self.ranks = group, group.world
+        self.parallel = parallel_chain(self.chain, group)
+        self._shared: tuple[Any, ...] | None = None  # which state the followers hold
+        self._failed = False
+
+    def forward(self) -> MicroForward:
+        return self.parallel.forward()
+
+    def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        self._tell(Control("step", t, h))
+        try:
+            loss = super().inner_step(t, h, x, y)
+        except RuntimeError as exc:  # gloo/NCCL: a rank closed its sockets
+            self._failed = True
+            raise RankLost(f"a rank of this replica is gone ({exc}); stopping the replica") from None
+        if h == self.session.cfg.train.inner_steps - 1:
+            self.session.metrics.log("replica_hash", t=t, rank=0, stages=live_hashes(self.chain))
+        return loss
+
+    def close(self) -> None:
+        """Tell the followers to stop: with the last committed state, unless a rank is gone or
+        torchrun is stopping every rank (SIGTERM): then the state would wait on ranks that left."""
+        quick = self._failed or self.stop.is_set()
+        self._tell(Control("stop", code=1 if self._failed else 0), share=not quick)
+
+    def _tell(self, msg: Control, share: bool = True) -> None:
+        """Post `msg`; first the stages' states when they changed since the followers got them."""
+        held = tuple((w.outer_step, w.state_id(), w.loads) for w in self.chain)
+        send = share and held != self._shared
+        self.group.post(dataclasses.replace(msg, state=send))
+        if send:
+            try:
+                self.group.share_states({w.stage: w.state_dict() for w in self.chain})
+            except RankLost:
+                self._failed = True
+                raise
+            self._shared = held
+
+
+def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> int:
+    """A rank > 0: train the replica rank 0 speaks for, step by step, until it says stop."""
+    setup = group.receive(stop, key="setup")
+    cfg = _local_config(setup, opts.data_dir, group.rank)
+    group.open(setup["device"])
+    device = group.device(setup["device"])
+    chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
+    data = build_token_data(cfg.data)
+    parallel = parallel_chain(chain, group)
+    metrics = MetricsWriter(opts.data_dir, "full", name=f"metrics-rank{group.rank}.jsonl")
+    metrics.log("start", rank=group.rank, ranks=group.world, device=device)
+    train, shard = cfg.train, int(setup["shard"])
+    try:
+        while True:
+            msg: Control = group.receive(stop)
+            if msg.state:
+                _adopt(chain, group.share_states(None), metrics)
+            if msg.kind == "stop":
+                metrics.log("exit", reason=f"rank 0 stopped (exit code {msg.code})")
+                return msg.code
+            batch = rank_batch_index(msg.t, msg.h, train.inner_steps, group.world, group.rank)
+            x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
+            try:
+                loss = chain_step(chain, parallel.forward(), msg.t, msg.h, x, y)
+            except RuntimeError as exc:
+                raise RankLost(f"rank {group.rank}: a rank of this replica is gone ({exc})") from None
+            metrics.log("step", t=msg.t, h=msg.h, loss=loss, tokens=x.numel())
+            if msg.h == train.inner_steps - 1:
+                metrics.log("replica_hash", t=msg.t, rank=group.rank, stages=live_hashes(chain))
+    except BaseException as exc:
+        metrics.log("exit", reason="stopped" if stop.is_set() else f"error: {exc}")
+        raise
+    finally:
+        metrics.close()
+
+
+def _adopt(chain: list[StageWorker], states: Mapping[int, Mapping[str, Any]], metrics: MetricsWriter) -> None:
+    """Load rank 0's states; log what this rank now holds (θ_start and live parameter hashes)."""
+    for w in chain:
+        w.load_state_dict(states[w.stage])
+    live = live_hashes(chain)
+    stages = {str(w.stage): {"param_hash": w.param_hash(), "live_hash": live[str(w.stage)]} for w in chain}
+    metrics.log("replica_state", outer_step=chain[0].outer_step, stages=stages)
+
+
+def _local_config(setup: Mapping[str, Any], data_dir: Path, rank: int) -> RunConfig:
+    """Rank 0's verified config with the tokenizer it sent written to this rank's own file."""
+    cfg: RunConfig = setup["cfg"]
+    if setup.get("tokenizer") is None:
+        return cfg
+    path = data_dir / f"tokenizer-rank{rank}.model"
+    atomic_write_bytes(path, setup["tokenizer"])
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=path))

@@ -1,0 +1,134 @@
+"""A full replica over two torchrun processes (gloo, CPU) beside a compressed pipeline, as real processes.
+
+- Every round and stage: the pipeline's holders and the two-rank replica commit the same state; rank 1
+  holds rank 0's live parameters after each outer step's inner steps and adopts each committed state
+  bit for bit; the replica's record says 2 ranks and a global batch of 2 × b.
+- `kill -9` of one rank: the other rank and torchrun's agent exit, no process of the replica is left
+  (its DHT process and p2pd included), and the pipeline goes on committing rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.cli_swarm import LOOPBACK
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+GONE_WITHIN_S = 15.0
+
+
+def _torchrun(sw, name: str, *flags: str) -> None:
+    args = ["--nproc-per-node", "2", "--standalone", "--max-restarts", "0", "-m", "peer", "join", "--full-replica"]
+    args += ["--host", LOOPBACK, "--initial-peers", sw.maddr, "--data-dir", str(sw.tmp / name), *flags]
+    sw.start(name, args, module="torch.distributed.run")  # cwd: the repository, so the workers import this peer
+
+
+def _ranks(sw, name: str) -> dict[int, psutil.Process]:
+    """{rank: process} of a torchrun replica (its workers carry RANK in their environment)."""
+    out = {}
+    for p in psutil.Process(sw.procs[name].pid).children():  # not the DHT process a rank forked
+        try:
+            if "peer" in p.cmdline() and "join" in p.cmdline():
+                out[int(p.environ().get("RANK", "-1"))] = p
+        except psutil.Error:
+            continue
+    return out
+
+
+def _rank_events(sw, name: str, rank: int, kind: str) -> list[dict]:
+    path = sw.tmp / name / f"metrics-rank{rank}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
+
+
+def test_a_two_rank_replica_commits_the_swarms_rounds_and_its_ranks_hold_the_same_bits(swarm_factory):
+    T = 3
+    sw = swarm_factory(outer_steps=T)
+    sw.join("s1", "--stage", "1")
+    sw.wait_for(lambda: sw.events("s1", "start"))
+    _torchrun(sw, "full")
+    sw.join("head", "--stage", "0")
+    for name in ("head", "s1", "full"):
+        assert sw.wait_exit(name) == 0, sw.log(name)
+    states: dict[tuple[int, str], set[str]] = {}
+    for name in ("head", "s1", "full"):
+        for t, rec in sw.rounds(name).items():
+            for s, st in rec["stages"].items():
+                states.setdefault((t, s), set()).add(st["param_hash"])
+    assert {t for t, _ in states} == set(range(T)), states
+    assert all(len(v) == 1 for v in states.values()), f"holders disagree: {states}"
+    full = sw.rounds("full")
+    assert len(full) >= 2 and all(r["stages"]["0"]["participants"] == 2 for r in full.values())
+    # rank 1 trained in lockstep with rank 0 (same live parameters after every outer step's inner steps) ...
+    lead = {e["t"]: e["stages"] for e in sw.events("full", "replica_hash")}
+    follower = {e["t"]: e["stages"] for e in _rank_events(sw, "full", 1, "replica_hash")}
+    assert set(lead) == set(follower) and len(lead) >= T, (lead, follower)
+    assert lead == follower
+    # ... and adopted every committed state bit for bit
+    adopted = {e["outer_step"]: e["stages"] for e in _rank_events(sw, "full", 1, "replica_state")}
+    for t, rec in full.items():
+        got = adopted[t + 1]
+        for s, st in rec["stages"].items():
+            assert got[s]["param_hash"] == st["param_hash"] and got[s]["live_hash"] == got[s]["param_hash"]
+    # two different batches per step: rank 1's losses are its own
+    losses0 = [e["loss"] for e in sw.events("full", "step")]
+    losses1 = [e["loss"] for e in _rank_events(sw, "full", 1, "step")]
+    assert len(losses1) == len(losses0) and losses0 != losses1
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill_rank_and_check(sw, name: str, rank: int) -> None:
+    """kill -9 one rank: torchrun's agent exits, no process of its tree is left, the pipeline goes on."""
+    agent = psutil.Process(sw.procs[name].pid)
+    tree = [agent, *agent.children(recursive=True)]
+    cmds = [" ".join(p.cmdline()) for p in tree if _alive(p)]
+    assert any("p2pd" in c for c in cmds) and any("peer.net.watchdog" in c for c in cmds), cmds
+    head_rounds = len(sw.rounds("head"))
+    _ranks(sw, name)[rank].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    assert sw.procs[name].wait(timeout=GONE_WITHIN_S) != 0, sw.log(name)
+    while any(_alive(p) for p in tree) and time.monotonic() - t0 < GONE_WITHIN_S:
+        time.sleep(0.1)
+    left = [" ".join(p.cmdline()) for p in tree if _alive(p)]
+    assert not left, f"kill -9 of rank {rank} left {left}\n{sw.log(name)}"
+    print(f"\nkill -9 of rank {rank}: every process of the replica gone in {time.monotonic() - t0:.2f} s")
+    sw.wait_for(lambda: len(sw.rounds("head")) >= head_rounds + 2, timeout_s=90)
+
+
+def test_kill_9_of_a_rank_stops_the_replica_and_leaves_no_process(swarm_factory):
+    sw = swarm_factory(outer_steps=1000)
+    sw.join("s1", "--stage", "1")
+    sw.wait_for(lambda: sw.events("s1", "start"))
+    _torchrun(sw, "full")
+    sw.join("head", "--stage", "0")
+    sw.wait_for(lambda: sw.rounds("full") and sw.rounds("head"))
+    # the replica's record: 2 ranks, a global batch of 2 x 8
+    out = subprocess.run(
+        [sys.executable, "-m", "peer", "status", "--initial-peers", sw.maddr, "--json", "--timeout-s", "20"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=sw.env,
+        check=True,
+    )
+    full = json.loads(out.stdout)["full_replicas"]
+    assert [(r["ranks"], r["global_batch"]) for r in full] == [(2, 16)], out.stdout
+    _kill_rank_and_check(sw, "full", 1)
+    assert "a rank of this replica is gone" in sw.log("full") or "stopped" in sw.log("full"), sw.log("full")
+    _torchrun(sw, "full2")
+    sw.wait_for(lambda: sw.rounds("full2"), timeout_s=120)
+    _kill_rank_and_check(sw, "full2", 0)
