@@ -33,6 +33,7 @@ from peer.core.chain import chain_forward, global_grad_norm, token_loss
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import accumulate
 from peer.errors import ConfigError, NetworkError, PeerError
+from peer.node.fit import check_join
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
 from peer.node.round.gather import RoundResult
@@ -54,6 +55,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
                 f"--stage {stage} does not exist in this run (stages 0..{cfg.stages - 1}); "
                 "stage 0 is a head, or use --full-replica"
             )
+        check_join(cfg, stage, session.opts)  # before the stage is built or announced
         worker = StageWorker(cfg, stage, compressed=True, device=session.opts.device)
         session.checkpoints.resume({stage: worker})
         triggers: queue.Queue[tuple[str, int]] = queue.Queue()
@@ -92,6 +94,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
+        check_join(session.cfg, 0, session.opts)  # before the stage is built or announced
         worker = StageWorker(session.cfg, 0, compressed=True, device=session.opts.device)
         data, shard, service = _join(session, {0: worker})
         head = _Head(session, worker, _head_driver(session, service, worker, stop), stop)
@@ -134,6 +137,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
     """All stages locally, no boundary compression; contributes to every stage's round."""
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
+        check_join(cfg, None, session.opts)  # before the stages are built or announced
         workers = {s: StageWorker(cfg, s, compressed=False, device=session.opts.device) for s in range(cfg.stages)}
         data, shard, _ = _join(session, workers)
         full = _Full(session, workers, stop)
