@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -53,7 +53,7 @@ def largest_window(cfg: RunConfig) -> int:
 
 def estimate(cfg: RunConfig, ask: Ask, device_kind: str) -> StageMemory:
     """The estimate of `ask` on this run's shapes."""
-    shape = {
+    shape: dict[str, Any] = {
         "microbatch_size": cfg.train.batch_size // cfg.train.microbatches,
         "seq_len": cfg.train.seq_len,
         "precision": "fp32" if ask.precision == "auto" else ask.precision,
@@ -117,7 +117,8 @@ def describe(cfg: RunConfig, need: StageMemory) -> str:
     ]
     acts = f"activations {format_bytes(need.per_microbatch)} × {need.stashed} in flight"
     shown = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts)
-    return f"{need.label} of {cfg.preset}: needs ~{format_bytes(need.peak)} ({shown}, {acts}, workspace {format_bytes(need.workspace)})"
+    work = format_bytes(need.workspace)
+    return f"{need.label} of {cfg.preset}: needs ~{format_bytes(need.peak)} ({shown}, {acts}, workspace {work})"
 
 
 def remedies(cfg: RunConfig, ask: Ask, kind: str, budget: int) -> list[str]:

@@ -85,8 +85,12 @@ def run_config(case: Case) -> RunConfig:
 
 def estimate(case: Case) -> StageMemory:
     cfg = run_config(case)
-    shape = {"microbatch_size": case.microbatch_size, "seq_len": case.seq_len, "precision": case.precision}
-    modes = {"checkpointing": case.checkpointing, "k": cfg.k, "replicas": 1, **shape}
+    shape: dict[str, Any] = {
+        "microbatch_size": case.microbatch_size,
+        "seq_len": case.seq_len,
+        "precision": case.precision,
+    }
+    modes: dict[str, Any] = {"checkpointing": case.checkpointing, "k": cfg.k, "replicas": 1, **shape}
     if case.stage is None:
         return estimate_replica(cfg.model, case.stages, **modes)
     return estimate_stage(cfg.model, case.stage, case.stages, in_flight=case.in_flight, **modes)
@@ -143,10 +147,9 @@ def _replica_steps(case: Case, cfg: RunConfig) -> list[StageWorker]:
     """A full replica's two inner steps (micro-batches one after another) with a round between."""
     torch.manual_seed(0)
     chain = [_worker(cfg, s, False, case.precision, case.checkpointing) for s in range(case.stages)]
-    n = case.in_flight
+    n, modules = case.in_flight, [w.module for w in chain]
     for h in range(2):
         x = torch.randint(0, cfg.model.vocab_size, (n * case.microbatch_size, case.seq_len + 1))
-        modules = [w.module for w in chain]
         accumulate(lambda mx, my: (token_loss(chain_forward(modules, mx), my), 0), x[:, :-1], x[:, 1:], n)
         norm = global_grad_norm(w.grad_sq_norm() for w in chain)
         for w in chain:
@@ -208,7 +211,11 @@ def measure_rss(case: Case) -> int:
         "print(_rss_child(Case(**json.loads(sys.argv[1]))))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(asdict(case))], capture_output=True, text=True, check=True, env=os.environ
+        [sys.executable, "-c", code, json.dumps(asdict(case))],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=os.environ,
     )
     return int(out.stdout.strip().splitlines()[-1])
 

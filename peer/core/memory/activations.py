@@ -116,8 +116,8 @@ def workspace_bytes(
     the largest of its phases, which run one after another.
 
     - a block: the residual gradient and the gradient entering the block (N·d each), the
-      gradients of the SwiGLU product's three inputs and output (N·f each: the product rule
-      needs both factors' gradients at once) and one weight gradient's temporary (d·f) before it
+      gradients of the SwiGLU product's three inputs and output (N·f each, in the compute dtype:
+      the product rule needs both factors' gradients at once) and one weight gradient's temporary (d·f) before it
       is added into `.grad`; with checkpointing, the block's recomputed stash on top;
     - the head: the logits (c bytes), the float32 copy the loss reads, the gradients of the
       log-softmax and of the logits (float32); the head weight's gradient comes after the
@@ -127,7 +127,7 @@ def workspace_bytes(
     """
     m, N, c = mb.cfg, mb.N, mb.c
     d, f, V = m.d_model, max(m.ffn_hidden, m.attn_dim), m.vocab_size
-    block = F32 * (2 * N * d + 4 * N * f + d * f) + recompute_bytes(mb, checkpointing)
+    block = F32 * (2 * N * d + d * f) + c * 4 * N * f + recompute_bytes(mb, checkpointing)
     parts = [block, F32 * largest_param]
     if has_head:
         upcast = F32 * N * V if c != F32 else 0  # token_loss reads the logits in float32

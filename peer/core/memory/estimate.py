@@ -38,8 +38,12 @@ from peer.core.memory.activations import (
 )
 from peer.core.model import ModelConfig, stage_layers, stage_shapes
 
-ROUND_COPIES = 3  # a round's own P-sized float32 copies besides the decoded payloads: the clone of θ the
-# pseudo-gradient reads, Δ itself, and the committed state before it replaces θ_start
+
+def _round_bytes(cfg: ModelConfig, P: int, replicas: int) -> int:
+    """A round's host transients: encoding holds a clone of θ and Δ (2·P; the error buffer is
+    updated in place), then the commit holds every decoded payload, the committed state before it
+    replaces θ_start ((replicas + 1)·P) and a CPU copy of T⊥ (measured: `peer bench memory`)."""
+    return F32 * (max(2, replicas + 1) * P + cfg.vocab_size * cfg.d_model)
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ def estimate_stage(
         k,
         activations=(per_mb, stashed),
         workspace=workspace_bytes(mb, has_embed, has_head, largest, checkpointing),
-        round_bytes=F32 * ((replicas + ROUND_COPIES) * P + cfg.vocab_size * cfg.d_model),
+        round_bytes=_round_bytes(cfg, P, replicas),
         on_cuda=device_kind == "cuda",
     )
 
@@ -160,7 +164,7 @@ def estimate_replica(
         k,
         activations=(stash_bytes(mb, cfg.n_layers, True, checkpointing), 1),
         workspace=workspace_bytes(mb, True, True, max(lg for _, lg in counts), checkpointing),
-        round_bytes=F32 * ((replicas + ROUND_COPIES) * max(p for p, _ in counts) + cfg.vocab_size * cfg.d_model),
+        round_bytes=_round_bytes(cfg, max(p for p, _ in counts), replicas),
         on_cuda=device_kind == "cuda",
         copies=n_stages,
     )
