@@ -120,11 +120,17 @@ def plan(
     wire_dtype: flags.PlanWireDtype = "bf16",
     png: flags.Png = None,
     json_out: flags.PlanJson = None,
+    memory: flags.PlanMemory = False,
 ) -> None:
     """Will my link keep up? Compute utilisation of compressed vs uncompressed pipelines (paper Fig. 2/3)."""
     from peer.tools.plan import plan_command
 
     args = dict(locals())
+    if memory:  # the memory table (peer.tools.plan_memory) for the same micro-batch flags
+        from peer.tools.plan_memory import plan_memory_command
+
+        plan_memory_command(console.print, args, json_out, _write_json)
+        return
     plan_command(console.print, args, _png_path(png, json_out, RUNS / "plan.png"), json_out, _write_json)
 
 

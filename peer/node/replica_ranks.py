@@ -40,6 +40,7 @@ from peer.core.inner import MicroForward
 from peer.core.state import state_hash
 from peer.errors import ConfigError
 from peer.node.data_parallel import DataParallel, chain_step, rank_batch_index
+from peer.node.fit import check_join
 from peer.node.metrics import MetricsWriter
 from peer.node.replica_group import Control, RankLost, ReplicaGroup, launched_ranks
 from peer.node.session import Session, SessionOptions
@@ -144,6 +145,7 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
     cfg = _local_config(setup, opts.data_dir, group.rank)
     group.open(setup["device"])
     device = group.device(setup["device"])
+    check_join(cfg, None, dataclasses.replace(opts, device=str(device)))  # this rank's own device fits too
     chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
     data = build_token_data(cfg.data)
     parallel = parallel_chain(chain, group)

@@ -34,6 +34,7 @@ from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import MicroForward
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.data_parallel import chain_step, rank_batch_index
+from peer.node.fit import check_join
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
 from peer.node.round.gather import RoundResult
@@ -55,6 +56,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
                 f"--stage {stage} does not exist in this run (stages 0..{cfg.stages - 1}); "
                 "stage 0 is a head, or use --full-replica"
             )
+        check_join(cfg, stage, session.opts)  # before the stage is built or announced
         worker = StageWorker(cfg, stage, compressed=True, device=session.opts.device)
         session.checkpoints.resume({stage: worker})
         triggers: queue.Queue[tuple[str, int]] = queue.Queue()
@@ -93,6 +95,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
+        check_join(session.cfg, 0, session.opts)  # before the stage is built or announced
         worker = StageWorker(session.cfg, 0, compressed=True, device=session.opts.device)
         data, shard, service = _join(session, {0: worker})
         head = _Head(session, worker, _head_driver(session, service, worker, stop), stop)
@@ -138,6 +141,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull
     replica's ranks, once the session and its data are up; it is closed when the loop ends."""
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
+        check_join(cfg, None, session.opts)  # before the stages are built or announced
         device = session.opts.device if make is None else make.device(session.opts.device)
         workers = {s: StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)}
         data, shard, _ = _join(session, workers)

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -156,3 +156,21 @@ def bench_replica_cmd(
     )
     if json_out:
         _write_json(json_out, result)
+
+
+@bench_app.command("memory")
+def bench_memory_cmd(
+    rss: Annotated[bool, typer.Option("--rss", help="Also peak RSS per case (a fresh process each).")] = False,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """The memory estimate against the measured peak for tiny and small stages on the CPU."""
+    from peer.core.memory import format_bytes
+    from peer.tools.bench_memory import bench_memory, default_cases
+
+    rows = bench_memory(list(default_cases()), rss=rss)
+    for r in rows:
+        extra = f"  rss {format_bytes(r['rss'])}" if rss else ""
+        est, measured = format_bytes(r["estimate"]), format_bytes(r["measured"])
+        console.print(f"{r['case']:<32} estimate {est:>9}  measured {measured:>9}  {r['error']:+.1%}{extra}")
+    if json_out:
+        _write_json(json_out, {"rows": rows})

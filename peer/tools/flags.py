@@ -75,6 +75,9 @@ Png = Annotated[
     Path | None, typer.Option("--png", help="Utilisation plot (default: next to --json, else runs/plan.png).")
 ]
 PlanJson = Annotated[Path | None, typer.Option("--json", help="Write the table as JSON.")]
+PlanMemory = Annotated[
+    bool, typer.Option("--memory", help="Peak memory per stage for every preset and stage count instead.")
+]
 
 # --- peer bench / export -------------------------------------------------------------------------
 

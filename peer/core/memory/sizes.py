@@ -1,4 +1,4 @@
-"""Memory sizes: what a stage needs on its device, and the byte counts users type (`--max-memory`).
+"""Sizes as users type them (`--max-memory 6GiB`) and as tables show them.
 
 `parse_bytes("6GiB")` and `format_bytes` are the one spelling of sizes on the command line and in
 tables: binary units (KiB, MiB, GiB, TiB) and decimal ones (KB, MB, GB, TB), or plain bytes.

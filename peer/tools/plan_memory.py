@@ -1,0 +1,85 @@
+"""`peer plan --memory`: the estimated peak memory of one stage's holder for every preset.
+
+For every shape in `peer.tools.plan.PLAN_PRESETS` (tiny … 1B, and the plan-only 7B, 13B, 70B) and
+1, 2, 4 and 8 stages (where the layers allow), the largest `peer.core.memory.estimate_stage` peak
+over the stages, at fp32 and bf16, with and without activation checkpointing, for the flags'
+micro-batch size, sequence length (capped at each preset's `max_seq_len`) and micro-batches in
+flight (the auto window's cap: all the micro-batches, at most `MAX_STASH`). The same numbers
+`peer join` checks against the device before it claims a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from peer.core.memory import estimate_stage, format_bytes
+from peer.core.subspace import k_from_ratio
+from peer.tools.plan import PLAN_PRESETS
+
+STAGE_COUNTS = (1, 2, 4, 8)
+MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))
+MAX_STASH = 32  # peer.node.pipeline.schedule.MAX_STASH: a stage never stashes more micro-batches
+
+
+def mode_name(precision: str, checkpointing: bool) -> str:
+    return precision + (" + ckpt" if checkpointing else "")
+
+
+def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: str) -> list[dict[str, Any]]:
+    """One row per (preset, stage count): the largest stage's peak bytes in each mode."""
+    rows = []
+    for name, cfg in PLAN_PRESETS.items():
+        L = min(seq_len, cfg.max_seq_len)
+        k = k_from_ratio(cfg.d_model, k_ratio)
+        for S in (s for s in STAGE_COUNTS if s <= cfg.n_layers):
+            window = 1 if S == 1 else min(microbatches, MAX_STASH)
+            row: dict[str, Any] = {"model": name, "n_params": cfg.n_params, "stages": S, "seq_len": L}
+            row["in_flight"] = window
+            for precision, ckpt in MODES:
+                peaks = [
+                    estimate_stage(
+                        cfg,
+                        s,
+                        S,
+                        microbatch_size=microbatch_size,
+                        seq_len=L,
+                        in_flight=window,
+                        precision=precision,
+                        checkpointing=ckpt,
+                        k=k,
+                    ).peak
+                    for s in range(S)
+                ]
+                row[mode_name(precision, ckpt)] = max(peaks)
+            rows.append(row)
+    return rows
+
+
+def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
+    table = Table(title=f"peer plan --memory — peak per stage (largest stage), micro-batch size {microbatch_size}")
+    for col in ("model", "stages", "seq len", "in flight", *(mode_name(p, c) for p, c in MODES)):
+        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
+    for r in rows:
+        modes = [format_bytes(r[mode_name(p, c)]) for p, c in MODES]
+        table.add_row(r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes)
+    return table
+
+
+def plan_memory_command(
+    out: Callable[[Any], None],
+    args: Mapping[str, Any],
+    json_out: Path | None,
+    write_json: Callable[[Path, dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """`peer plan --memory`: the table for the flags' micro-batch shape, and the JSON file."""
+    inputs = {n: args[n] for n in ("microbatch_size", "seq_len", "microbatches", "k_ratio")}
+    rows = memory_rows(**inputs)
+    out(memory_table(rows, inputs["microbatch_size"]))
+    if json_out:
+        write_json(json_out, {"inputs": inputs, "rows": rows})
+        out(f"results: {json_out}")
+    return rows
