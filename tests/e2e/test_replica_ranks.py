@@ -1,5 +1,6 @@
 """A full replica over two torchrun processes (gloo, CPU) beside a compressed pipeline, as real processes.
 
+One swarm, one test (it is the slowest part of the suite):
 - Every round and stage: the pipeline's holders and the two-rank replica commit the same state; rank 1
   holds rank 0's live parameters after each outer step's inner steps and adopts each committed state
   bit for bit; the replica's record says 2 ranks and a global batch of 2 × b.
@@ -49,39 +50,38 @@ def _rank_events(sw, name: str, rank: int, kind: str) -> list[dict]:
     return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
 
 
-def test_a_two_rank_replica_commits_the_swarms_rounds_and_its_ranks_hold_the_same_bits(swarm_factory):
-    T = 3
-    sw = swarm_factory(outer_steps=T)
-    sw.join("s1", "--stage", "1")
-    sw.wait_for(lambda: sw.events("s1", "start"))
-    _torchrun(sw, "full")
-    sw.join("head", "--stage", "0")
-    for name in ("head", "s1", "full"):
-        assert sw.wait_exit(name) == 0, sw.log(name)
+def _check_lockstep(sw, name: str, holders: tuple[str, ...], rounds: int) -> None:
+    """Every round and stage committed by all of `holders` has one state; rank 1 of the replica `name`
+    held rank 0's live parameters after each outer step's inner steps and adopted each committed state."""
     states: dict[tuple[int, str], set[str]] = {}
-    for name in ("head", "s1", "full"):
-        for t, rec in sw.rounds(name).items():
-            for s, st in rec["stages"].items():
-                states.setdefault((t, s), set()).add(st["param_hash"])
-    assert {t for t, _ in states} == set(range(T)), states
+    done = [set(sw.rounds(h)) for h in holders]
+    common = set.intersection(*done)
+    assert len(common) >= rounds, done
+    for h in holders:
+        for t, rec in sw.rounds(h).items():
+            if t in common:
+                for s, st in rec["stages"].items():
+                    states.setdefault((t, s), set()).add(st["param_hash"])
     assert all(len(v) == 1 for v in states.values()), f"holders disagree: {states}"
-    full = sw.rounds("full")
-    assert len(full) >= 2 and all(r["stages"]["0"]["participants"] == 2 for r in full.values())
+    full = {t: r for t, r in sw.rounds(name).items() if t in common}
+    assert all(r["stages"]["0"]["participants"] == 2 for r in full.values()), full
     # rank 1 trained in lockstep with rank 0 (same live parameters after every outer step's inner steps) ...
-    lead = {e["t"]: e["stages"] for e in sw.events("full", "replica_hash")}
-    follower = {e["t"]: e["stages"] for e in _rank_events(sw, "full", 1, "replica_hash")}
-    assert set(lead) == set(follower) and len(lead) >= T, (lead, follower)
-    assert lead == follower
+    lead = {e["t"]: e["stages"] for e in sw.events(name, "replica_hash")}
+    follower = {e["t"]: e["stages"] for e in _rank_events(sw, name, 1, "replica_hash")}
+    both = set(lead) & set(follower)
+    assert len(both) >= rounds and all(lead[t] == follower[t] for t in both), (lead, follower)
     # ... and adopted every committed state bit for bit
-    adopted = {e["outer_step"]: e["stages"] for e in _rank_events(sw, "full", 1, "replica_state")}
+    adopted = {e["outer_step"]: e["stages"] for e in _rank_events(sw, name, 1, "replica_state")}
     for t, rec in full.items():
-        got = adopted[t + 1]
-        for s, st in rec["stages"].items():
-            assert got[s]["param_hash"] == st["param_hash"] and got[s]["live_hash"] == got[s]["param_hash"]
+        if t + 1 in adopted:
+            got = adopted[t + 1]
+            for s, st in rec["stages"].items():
+                assert got[s]["param_hash"] == st["param_hash"] and got[s]["live_hash"] == got[s]["param_hash"]
+    assert len([t for t in full if t + 1 in adopted]) >= rounds - 1, (sorted(full), sorted(adopted))
     # two different batches per step: rank 1's losses are its own
-    losses0 = [e["loss"] for e in sw.events("full", "step")]
-    losses1 = [e["loss"] for e in _rank_events(sw, "full", 1, "step")]
-    assert len(losses1) == len(losses0) and losses0 != losses1
+    losses0 = [e["loss"] for e in sw.events(name, "step")][:4]
+    losses1 = [e["loss"] for e in _rank_events(sw, name, 1, "step")][:4]
+    assert len(losses1) == len(losses0) == 4 and losses0 != losses1
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -106,16 +106,17 @@ def _kill_rank_and_check(sw, name: str, rank: int) -> None:
     left = [" ".join(p.cmdline()) for p in tree if _alive(p)]
     assert not left, f"kill -9 of rank {rank} left {left}\n{sw.log(name)}"
     print(f"\nkill -9 of rank {rank}: every process of the replica gone in {time.monotonic() - t0:.2f} s")
-    sw.wait_for(lambda: len(sw.rounds("head")) >= head_rounds + 2, timeout_s=90)
+    sw.wait_for(lambda: len(sw.rounds("head")) >= head_rounds + 1, timeout_s=90)
 
 
-def test_kill_9_of_a_rank_stops_the_replica_and_leaves_no_process(swarm_factory):
+def test_a_two_rank_replica_agrees_with_the_swarm_and_kill_9_of_a_rank_leaves_no_process(swarm_factory):
     sw = swarm_factory(outer_steps=1000)
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
     _torchrun(sw, "full")
     sw.join("head", "--stage", "0")
-    sw.wait_for(lambda: sw.rounds("full") and sw.rounds("head"))
+    sw.wait_for(lambda: len(sw.rounds("full")) >= 3 and len(sw.rounds("head")) >= 3, timeout_s=150)
+    _check_lockstep(sw, "full", ("head", "s1", "full"), rounds=2)
     # the replica's record: 2 ranks, a global batch of 2 x 8
     out = subprocess.run(
         [sys.executable, "-m", "peer", "status", "--initial-peers", sw.maddr, "--json", "--timeout-s", "20"],
