@@ -32,6 +32,7 @@ import torch
 from peer.core.chain import chain_forward, global_grad_norm, token_loss
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import accumulate
+from peer.core.precision import autocast
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
@@ -54,7 +55,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
                 f"--stage {stage} does not exist in this run (stages 0..{cfg.stages - 1}); "
                 "stage 0 is a head, or use --full-replica"
             )
-        worker = StageWorker(cfg, stage, compressed=True, device=session.opts.device)
+        worker = _worker(session, stage, compressed=True)
         session.checkpoints.resume({stage: worker})
         triggers: queue.Queue[tuple[str, int]] = queue.Queue()
         service = session.serve({stage: worker}, on_last_step=lambda pipeline, t: triggers.put((pipeline, t)))
@@ -92,7 +93,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
-        worker = StageWorker(session.cfg, 0, compressed=True, device=session.opts.device)
+        worker = _worker(session, 0, compressed=True)
         data, shard, service = _join(session, {0: worker})
         head = _Head(session, worker, _head_driver(session, service, worker, stop), stop)
         driver = head.driver
@@ -134,7 +135,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
     """All stages locally, no boundary compression; contributes to every stage's round."""
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
-        workers = {s: StageWorker(cfg, s, compressed=False, device=session.opts.device) for s in range(cfg.stages)}
+        workers = {s: _worker(session, s, compressed=False) for s in range(cfg.stages)}
         data, shard, _ = _join(session, workers)
         full = _Full(session, workers, stop)
         session.records.announce(
@@ -143,6 +144,12 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event) -> int:
         )
         _outer_loop(session, full, data, shard, stop)
         return session.finish(stop)
+
+
+def _worker(session: Session, stage: int, compressed: bool) -> StageWorker:
+    """A stage worker with this peer's device, precision and activation checkpointing."""
+    opts = session.opts
+    return StageWorker(session.cfg, stage, compressed, opts.device, opts.precision, opts.activation_checkpointing)
 
 
 def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int, PeerService]:
@@ -286,7 +293,8 @@ class _Full:
         if h == 0:
             self._started = time.monotonic()
         chain = self.chain
-        loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, chain[0].cfg.train.microbatches)
+        n_micro, scale = chain[0].cfg.train.microbatches, _loss_scale(chain)
+        loss, _ = accumulate(lambda mx, my: (_chain_loss(chain, mx, my), 0), x, y, n_micro, scale)
         total_norm = global_grad_norm(w.grad_sq_norm() for w in chain)
         for w in chain:
             w.step(t, h, total_norm)
@@ -357,9 +365,21 @@ def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> boo
 
 
 def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed."""
+    """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed, under
+    autocast in the replica's precision (the loss itself in float32)."""
     device = chain[0].device
-    return token_loss(chain_forward([w.module for w in chain], x.to(device)), y.to(device))
+    with autocast(device, chain[0].precision):
+        logits = chain_forward([w.module for w in chain], x.to(device))  # (b, L, V)
+    return token_loss(logits, y.to(device))
+
+
+def _loss_scale(chain: list[StageWorker]) -> float:
+    """The loss scale of a full replica's one backward through every stage: its stages' scalers
+    agree, because each step gives all of them the same total norm (`StageWorker.step`)."""
+    scales = {w.scaler.scale for w in chain}
+    if len(scales) != 1:
+        raise RuntimeError(f"the full replica's stages disagree on the loss scale: {sorted(scales)}")
+    return scales.pop()
 
 
 def run_role(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:
