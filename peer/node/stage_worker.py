@@ -284,7 +284,8 @@ class StageWorker(StageState):
         self._reset_step()
 
     def grad_sq_norm(self, generation: int | None = None) -> float:
-        """Σ‖g‖² of this stage's accumulated gradients: its share of the global gradient norm.
+        """Σ‖g‖² of this stage's accumulated gradients, unscaled (÷ S²): its share of the global
+        gradient norm; inf after an overflow, so the global norm is inf and every stage skips.
         ValueError when they were reset (a replay) since `generation` (`self.gate.generation` earlier)."""
         with self.lock:
             if generation not in (None, self.gate.generation):
