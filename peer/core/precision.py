@@ -36,9 +36,10 @@ def resolve_precision(precision: str, device: str | torch.device) -> str:
     """`bf16`, `fp16` or `fp32` for `precision` (`auto` or one of them) on `device`.
 
     `auto` is bf16 on a CUDA device with native bf16 (Ampere, compute capability 8.0, and later)
-    and fp32 everywhere else: on a CPU (bf16 autocast is slower than fp32 on CPUs without AMX,
-    docs/configuration.md) and on older GPUs (V100, T4, the GTX/RTX 20 series), which get fp32
-    because fp16 needs loss scaling and is only taken when asked for (`--precision fp16`).
+    and fp32 everywhere else: on a CPU (bf16 is emulated and an order of magnitude slower on CPUs
+    without AVX512-BF16 or AMX, docs/configuration.md; ask for it where the CPU has them) and on
+    older GPUs (V100, T4, the GTX/RTX 20 series), which get fp32 because fp16 needs loss scaling
+    and is only taken when asked for (`--precision fp16`).
     """
     if precision in PRECISIONS:
         return precision

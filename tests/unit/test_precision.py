@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.errors import TransportError
 from peer.net.transport.messages import StepRequest
 from peer.node.stage_worker import StageWorker
+from peer.node.trainer import _Full
 from tests.unit.test_stage_checkpoint import BASE, SMALL
 
 MB = 2
@@ -274,3 +276,26 @@ def test_an_fp32_and_a_bf16_holder_of_a_stage_commit_one_round_to_the_same_state
         assert all(v.dtype == torch.float32 for v in w.start.values())
         assert w.optim.errors is not None and all(e.dtype == torch.float32 for e in w.optim.errors.values())
         assert all(p.dtype == torch.float32 for p in w.module.parameters())
+
+
+# ------------------------------------------------------------------------------ the full replica
+
+
+def test_a_full_replica_in_fp16_scales_its_one_backward_and_skips_an_overflow_on_every_stage():
+    cfg = _cfg()
+    workers = {s: StageWorker(cfg, s, False, "cpu", "fp16") for s in range(cfg.stages)}
+    full = _Full(None, workers, threading.Event())  # type: ignore[arg-type]  # inner steps need no session
+    for w in full.chain:  # an overflow of fp16 in the chain's backward
+        w.scaler = LossScaler(True, init_scale=2.0**100)
+    before = _hashes(full.chain)
+    loss = full.inner_step(0, 0, *_batch(cfg, 0))
+    assert math.isfinite(loss) and _hashes(full.chain) == before
+    assert [w.scaler.scale for w in full.chain] == [2.0**99] * 3 and all(w.skipped_steps == 1 for w in full.chain)
+    for w in full.chain:
+        w.scaler = LossScaler(True)
+    full.inner_step(0, 1, *_batch(cfg, 1))
+    assert all(a != b for a, b in zip(_hashes(full.chain), before, strict=True))
+    assert all(w.skipped_steps == 1 and w.scaler.scale == 2.0**16 for w in full.chain)
+    full.chain[0].scaler = LossScaler(True, init_scale=2.0**8)
+    with pytest.raises(RuntimeError, match="disagree on the loss scale"):
+        full.inner_step(0, 2, *_batch(cfg, 2))
