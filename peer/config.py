@@ -194,12 +194,22 @@ def _merge(into: dict[str, Any], layer: Mapping[str, Any]) -> None:
             into[key] = value
 
 
+# PEER_* variables that set one peer's own options (its `peer join` flags), not the run's config
+_NOT_RUN_ENV = (
+    "PEER_CACHE_DIR",
+    "PEER_LOG_LEVEL",
+    "PEER_SWARM_SECRET",
+    "PEER_PRECISION",
+    "PEER_ACTIVATION_CHECKPOINTING",
+)
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`PEER_SEED=1`, `PEER_TRAIN__INNER_STEPS=20` → nested dict."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for key, value in environ.items():
-        if not key.startswith("PEER_") or key in ("PEER_CACHE_DIR", "PEER_LOG_LEVEL", "PEER_SWARM_SECRET"):
+        if not key.startswith("PEER_") or key in _NOT_RUN_ENV:
             continue
         if key.startswith("PEER_LINK__"):  # this peer's own link (LinkConfig), not the run's
             continue

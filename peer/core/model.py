@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from peer.core.portable import canonical_normal
 from peer.errors import ConfigError
@@ -371,7 +372,14 @@ class Decoder(nn.Module):
 
     forward(x): x is token ids (b, L) int64 when `has_embed`, else hidden states (b, L, d).
     Returns logits (b, L, V) when `has_head`, else hidden states (b, L, d).
+
+    `activation_checkpointing`: with grad enabled, each block keeps only its input and recomputes
+    its activations in backward (`torch.utils.checkpoint`, non-reentrant): memory for one block's
+    activations instead of all of them, for about one more forward of compute. The recomputation
+    runs the same ops on the same inputs, so gradients are the ones without it, bit for bit.
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(
         self,
@@ -422,8 +430,9 @@ class Decoder(nn.Module):
             h = x  # (b, L, d)
         cos, sin = self._rope_tables(h.device)
         cos, sin = cos[:L], sin[:L]  # (L, hd)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = checkpoint(block, h, cos, sin, use_reentrant=False) if recompute else block(h, cos, sin)  # (b, L, d)
         if self.head is not None and self.norm is not None:  # both exist exactly when has_head
             logits: Tensor = self.head(self.norm(h))  # (b, L, V)
             return logits

@@ -43,11 +43,20 @@ def chain_step(
 ) -> float:
     """Micro-batches through every stage, then each stage's step, clipped by the gradient norm
     over all stages (as the whole model and a pipeline clip); the batch's mean loss."""
-    loss, _ = accumulate(forward, x, y, chain[0].cfg.train.microbatches)
+    loss, _ = accumulate(forward, x, y, chain[0].cfg.train.microbatches, loss_scale(chain))
     total_norm = global_grad_norm(w.grad_sq_norm() for w in chain)
     for w in chain:
         w.step(t, h, total_norm)
     return loss
+
+
+def loss_scale(chain: Sequence[StageWorker]) -> float:
+    """The loss scale of a full replica's one backward through every stage: its stages' scalers
+    agree, because each step gives all of them the same total norm (`StageWorker.step`)."""
+    scales = {w.scaler.scale for w in chain}
+    if len(scales) != 1:
+        raise RuntimeError(f"the full replica's stages disagree on the loss scale: {sorted(scales)}")
+    return scales.pop()
 
 
 class _Chain(nn.Module):

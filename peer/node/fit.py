@@ -7,8 +7,8 @@ MemAvailable through psutil). A stage that does not fit is a one-line `ConfigErr
 what would make it fit, each with its estimate: fewer micro-batches in flight, activation
 checkpointing, bf16, or another stage.
 
-`auto` precision is counted as fp32 (the most a peer may need) until `peer.core.precision`
-resolves it per device.
+The precision is the one `peer join` computes in (`peer.core.precision.resolve_precision`: `auto`
+is bf16 on a GPU that supports it, fp32 elsewhere).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import psutil
 
 from peer.config import RunConfig
 from peer.core.memory import StageMemory, estimate_replica, estimate_stage, format_bytes
+from peer.core.precision import resolve_precision
 from peer.errors import ConfigError
 from peer.node.pipeline.schedule import MAX_STASH, configured_in_flight
 
@@ -56,7 +57,7 @@ def estimate(cfg: RunConfig, ask: Ask, device_kind: str) -> StageMemory:
     shape: dict[str, Any] = {
         "microbatch_size": cfg.train.batch_size // cfg.train.microbatches,
         "seq_len": cfg.train.seq_len,
-        "precision": "fp32" if ask.precision == "auto" else ask.precision,
+        "precision": resolve_precision(ask.precision, device_kind),
         "checkpointing": ask.checkpointing,
         "k": cfg.k,
         "replicas": max(2, cfg.swarm.min_replicas),

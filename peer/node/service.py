@@ -395,6 +395,8 @@ class PeerService:
             "claimed_by": self.claimed_by,
             "in_round": self.in_round,
             "busy_s": {str(s): round(w.busy_s, 4) for s, w in self.workers.items()},
+            "precision": {str(s): w.precision for s, w in self.workers.items()},
+            "skipped_steps": {str(s): w.skipped_steps for s, w in self.workers.items()},
             "stream_bytes": self._stream_bytes(),
             **self.schedule,
         }

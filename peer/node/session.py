@@ -34,6 +34,7 @@ from typing import Any
 from peer.config import LinkConfig, RunConfig
 from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
+from peer.core.precision import resolve_precision
 from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
 from peer.net.addresses import advertised_host
 from peer.net.dht import SwarmDHT
@@ -139,6 +140,7 @@ class Session:
             import torch
 
             opts = dataclasses.replace(opts, device="cuda" if torch.cuda.is_available() else "cpu")
+        opts = dataclasses.replace(opts, precision=resolve_precision(opts.precision, opts.device))
         try:
             manifest = wait_for_manifest(dht, opts.manifest_timeout_s, opts.initial_peers[0], stop)
             cfg = verify_manifest(manifest)
@@ -152,6 +154,12 @@ class Session:
             raise
         session.me.joined_at = swarm_clock(dht.get_replicas())  # the lower median: no single record moves it
         log.info("joined run %s as %s%s", manifest["run_id"], role, "" if stage is None else f" of stage {stage}")
+        log.info(
+            "inner steps on %s in %s (weights, θ_start and commits in fp32), activation checkpointing %s",
+            opts.device,
+            opts.precision,
+            "on" if opts.activation_checkpointing else "off",
+        )
         return session
 
     @classmethod

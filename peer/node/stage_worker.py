@@ -13,11 +13,23 @@ Micro-batches in flight (`epoch` given): several forwards and backwards of one i
 in progress at once; `peer.node.epoch_gate.EpochGate` admits each in the order that keeps the
 gradient sum the sequential schedule's, bit for bit (1F1B window, replays, the step of the last
 inner step), waiting at most `swarm.rpc_timeout_s`. Without an epoch nothing waits.
+
+Precision (`peer.core.precision`): the stage's forward runs under autocast in its own precision,
+whatever the other stages of the pipeline use; parameters and `.grad` stay float32 and the
+boundary tensors it sends are float32 (the wire's dtype is chosen by the transport). With fp16 the
+stage multiplies the gradient it backpropagates (the loss on the last stage, the root gradient
+elsewhere) by its loss scale S, so `.grad` is S times the gradient for the whole inner step; the
+input gradient it sends is divided by S first and `grad_sq_norm` reports the unscaled Σ‖g‖², so
+no other stage sees S. A non-finite Σ‖g‖² (an overflow) makes the global norm non-finite, and
+every stage given that norm skips the step (`step`): the whole inner step is skipped on every
+stage together, and each fp16 stage halves its S. An input gradient that overflowed goes out as
+zeros (the wire carries finite values only) and this stage reports Σ‖g‖² = inf.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +40,7 @@ import torch
 from peer.config import RunConfig
 from peer.core.chain import token_loss
 from peer.core.optim import grad_sq_norm
+from peer.core.precision import LossScaler, autocast, resolve_precision
 from peer.core.split_backward import input_grad_first
 from peer.core.subspace import (
     compress_activations,
@@ -52,9 +65,23 @@ class ForwardOut:
 class StageWorker(StageState):
     """One stage's pipeline compute (forward, backward, step) on top of its committed state."""
 
-    def __init__(self, cfg: RunConfig, stage: int, compressed: bool = True, device: str = "cpu") -> None:
-        """compressed=False: a full replica's stage (T_S trained freely, no boundary compression)."""
+    def __init__(
+        self,
+        cfg: RunConfig,
+        stage: int,
+        compressed: bool = True,
+        device: str = "cpu",
+        precision: str = "fp32",
+        activation_checkpointing: bool = False,
+    ) -> None:
+        """compressed=False: a full replica's stage (T_S trained freely, no boundary compression).
+        precision: bf16, fp16, fp32 or auto (`resolve_precision` on `device`); activation_checkpointing:
+        `Decoder.activation_checkpointing` of the stage's module."""
         super().__init__(cfg, stage, compressed, device)
+        self.precision = resolve_precision(precision, self.device)
+        self.module.activation_checkpointing = activation_checkpointing
+        self.scaler = LossScaler.for_precision(self.precision)
+        self._overflow = False  # an input gradient of this inner step was not finite (sent as zeros)
         self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.microbatches_seen = 0
         self.seen: set[tuple[str, int]] = set()  # micro-batches of the current inner step
@@ -62,6 +89,7 @@ class StageWorker(StageState):
         self.gate = EpochGate(self.lock, stage, cfg.train.microbatches, swarm.rpc_timeout_s, self._reset_step)
         self.busy_s = 0.0  # seconds spent computing forward/backward (benchmarks: busy fraction)
         self._weights_due: Callable[[], None] | None = None  # deferred weight gradients (`defer`)
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm (`step`)
 
     # ---------------------------------------------------------------- pipeline compute
     def forward(
@@ -106,13 +134,13 @@ class StageWorker(StageState):
         self.seen.add(key)
         x_in = None
         if self.is_first:
-            out = self.module(tokens)  # (b, L, d)
+            out = self._run(tokens)  # (b, L, d)
         else:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
             x_in = expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)  # (b, L, d)
             x_in.requires_grad_(True)
-            out = self.module(x_in)
+            out = self._run(x_in)
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets")
@@ -123,10 +151,22 @@ class StageWorker(StageState):
                     f"the loss of micro-batch {key[1]} is {loss.item()}, refused before backward "
                     "(out-of-range activations or diverged parameters; lower the learning rate)"
                 )
-            grad = self._backward(loss / self.cfg.train.microbatches, None, x_in, defer)  # (b, L, k)
+            root = self._scaled(loss / self.cfg.train.microbatches)
+            grad = self._backward(root, None, x_in, defer)  # (b, L, k)
             return ForwardOut(loss=loss.item(), grad=grad)
         self.pending[key] = (x_in, out)
         return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's module on its input under autocast in this stage's precision; float32 out
+        (logits (b, L, V) or hidden (b, L, d)): the loss and the boundary are computed in float32."""
+        with autocast(self.device, self.precision):
+            out = self.module(x)
+        return out.float()
+
+    def _scaled(self, root_or_grad: torch.Tensor) -> torch.Tensor:
+        """× S, the loss scale (fp16); as it is when the scaler is off (bf16, fp32)."""
+        return root_or_grad * self.scaler.scale if self.scaler.enabled else root_or_grad
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None) -> ForwardOut:
@@ -134,11 +174,11 @@ class StageWorker(StageState):
         tokens = tokens.long().to(self.device)
         with self.lock:
             if self.is_first:
-                out = self.module(tokens)
+                out = self._run(tokens)
             else:
                 if hidden is None:
                     raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
-                out = self.module(
+                out = self._run(
                     expand_activations(hidden.to(self.device).float(), tokens, perp_of(self.module), self.U)
                 )
             if self.is_last:
@@ -159,8 +199,9 @@ class StageWorker(StageState):
                 raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
             started = time.perf_counter()
             x_in, out = self.pending.pop(key)
-            try:  # the gradient is already scaled by 1/n_micro
-                return self._backward(out, expand_grad(grad.to(self.device).float(), self.U), x_in, defer)
+            try:  # the gradient is already scaled by 1/n_micro; × S here (fp16)
+                root_grad = self._scaled(expand_grad(grad.to(self.device).float(), self.U))
+                return self._backward(out, root_grad, x_in, defer)
             finally:
                 self.busy_s += time.perf_counter() - started
 
@@ -168,7 +209,8 @@ class StageWorker(StageState):
         self, root: torch.Tensor, root_grad: torch.Tensor | None, x_in: torch.Tensor | None, defer: bool
     ) -> torch.Tensor | None:
         """Accumulate one micro-batch's gradients; ∇ of the input, compressed (b, L, k), or None on
-        stage 0. defer: the weights' part waits for `_weights` (the step or Σ‖g‖² asks for it)."""
+        stage 0. defer: the weights' part waits for `_weights` (the step or Σ‖g‖² asks for it).
+        `root`/`root_grad` carry the loss scale S; the input gradient goes out divided by it."""
         grad_in: torch.Tensor | None
         if defer and x_in is not None:
             grad_in, self._weights_due = input_grad_first(root, root_grad, x_in, self.module.parameters())
@@ -177,7 +219,14 @@ class StageWorker(StageState):
             grad_in = None if x_in is None else x_in.grad
         self.microbatches_seen += 1
         self.gate.accumulated()
-        return None if grad_in is None else compress_grad(grad_in, self.U).cpu()
+        if grad_in is None:
+            return None
+        if self.scaler.enabled:
+            grad_in = grad_in / self.scaler.scale  # exact: S is a power of two
+        if not bool(torch.isfinite(grad_in).all()):  # an overflow: the step is skipped everywhere (`step`)
+            self._overflow = True
+            grad_in = torch.zeros_like(grad_in)
+        return compress_grad(grad_in, self.U).cpu()
 
     def _weights(self) -> None:  # the deferred weight gradients, if any (under the lock)
         due, self._weights_due = self._weights_due, None
@@ -201,22 +250,55 @@ class StageWorker(StageState):
         """Optimizer step of the accumulated gradients at the global step t·H + inner_step.
 
         `total_norm`: the gradient norm over all stages of the model (global clipping, as a whole
-        model clips); None clips by this stage's own norm."""
+        model clips); None clips by this stage's own norm. A non-finite norm (an overflow on any
+        stage: every stage gets the same norm) skips the step: the gradients are dropped and the
+        loss scale halves. Otherwise `.grad` is unscaled (÷ S) before clipping and AdamW."""
         with self.lock:
             self._weights()
+            norm = total_norm if total_norm is not None else math.sqrt(self._sq_norm())
+            if not math.isfinite(norm):
+                self._skip(outer_step, inner_step, norm)
+                return
+            if self.scaler.enabled:
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.scaler.scale)  # exact: S is a power of two
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
             keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
             self.optim.step(global_step, keep_in, total_norm)
+            self.scaler.update(finite=True)
             self._reset_step()
 
+    def _skip(self, outer_step: int, inner_step: int, norm: float) -> None:
+        """Skip this inner step's optimizer step: its gradients overflowed somewhere in the model."""
+        self.scaler.update(finite=False)
+        log.info(
+            "stage %d: the gradient norm of inner step %d of outer step %d is %s; step skipped%s",
+            self.stage,
+            inner_step,
+            outer_step,
+            norm,
+            f", fp16 loss scale now {self.scaler.scale:g}" if self.scaler.enabled else "",
+        )
+        self.skipped_steps += 1
+        self._reset_step()
+
     def grad_sq_norm(self, generation: int | None = None) -> float:
-        """Σ‖g‖² of this stage's accumulated gradients: its share of the global gradient norm.
+        """Σ‖g‖² of this stage's accumulated gradients, unscaled (÷ S²): its share of the global
+        gradient norm; inf after an overflow, so the global norm is inf and every stage skips.
         ValueError when they were reset (a replay) since `generation` (`self.gate.generation` earlier)."""
         with self.lock:
             if generation not in (None, self.gate.generation):
                 raise ValueError(f"stage {self.stage}: a replay reset the gradients before their Σ‖g‖² was sent")
             self._weights()
-            return grad_sq_norm(self.module.parameters())
+            return self._sq_norm()
+
+    def _sq_norm(self) -> float:
+        """The unscaled Σ‖g‖² (÷ S²); inf when anything overflowed (never NaN: the head sums it)."""
+        sq = grad_sq_norm(self.module.parameters())
+        if self.scaler.enabled:
+            sq /= self.scaler.scale**2
+        return sq if math.isfinite(sq) and not self._overflow else math.inf
 
     def zero_grad(self) -> None:
         with self.lock:
@@ -225,6 +307,7 @@ class StageWorker(StageState):
     def _reset_step(self) -> None:
         """Forget the current inner step's gradients and pending activations."""
         self._weights_due = None
+        self._overflow = False
         self.optim.zero_grad()
         self.pending.clear()
         self.seen.clear()

@@ -32,6 +32,7 @@ import torch
 from peer.core.chain import chain_forward, token_loss
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import MicroForward
+from peer.core.precision import autocast
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.data_parallel import chain_step, rank_batch_index
 from peer.node.fit import check_join
@@ -57,7 +58,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
                 "stage 0 is a head, or use --full-replica"
             )
         check_join(cfg, stage, session.opts)  # before the stage is built or announced
-        worker = StageWorker(cfg, stage, compressed=True, device=session.opts.device)
+        worker = _worker(session, stage, compressed=True)
         session.checkpoints.resume({stage: worker})
         triggers: queue.Queue[tuple[str, int]] = queue.Queue()
         service = session.serve({stage: worker}, on_last_step=lambda pipeline, t: triggers.put((pipeline, t)))
@@ -96,7 +97,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     """Stage 0: drive a compressed pipeline through the other stages' peers."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
         check_join(session.cfg, 0, session.opts)  # before the stage is built or announced
-        worker = StageWorker(session.cfg, 0, compressed=True, device=session.opts.device)
+        worker = _worker(session, 0, compressed=True)
         data, shard, service = _join(session, {0: worker})
         head = _Head(session, worker, _head_driver(session, service, worker, stop), stop)
         driver = head.driver
@@ -143,7 +144,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull
         cfg = session.cfg
         check_join(cfg, None, session.opts)  # before the stages are built or announced
         device = session.opts.device if make is None else make.device(session.opts.device)
-        workers = {s: StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)}
+        workers = {s: _worker(session, s, compressed=False, device=device) for s in range(cfg.stages)}
         data, shard, _ = _join(session, workers)
         full = _Full(session, workers, stop) if make is None else make(session, workers, shard, stop)
         batch = cfg.train.batch_size  # per rank: the record says ranks × batch
@@ -169,6 +170,14 @@ class MakeFull(Protocol):
     def __call__(
         self, session: Session, workers: dict[int, StageWorker], shard: int, stop: threading.Event
     ) -> _Full: ...
+
+
+def _worker(session: Session, stage: int, compressed: bool, device: str | None = None) -> StageWorker:
+    """A stage worker with this peer's device (or `device`), precision and activation checkpointing."""
+    opts = session.opts
+    return StageWorker(
+        session.cfg, stage, compressed, device or opts.device, opts.precision, opts.activation_checkpointing
+    )
 
 
 def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int, PeerService]:
@@ -392,9 +401,12 @@ def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> boo
 
 
 def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed."""
+    """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed, under
+    autocast in the replica's precision (the loss itself in float32)."""
     device = chain[0].device
-    return token_loss(chain_forward([w.module for w in chain], x.to(device)), y.to(device))
+    with autocast(device, chain[0].precision):
+        logits = chain_forward([w.module for w in chain], x.to(device))  # (b, L, V)
+    return token_loss(logits, y.to(device))
 
 
 def run_role(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:

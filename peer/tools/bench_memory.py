@@ -32,14 +32,12 @@ import subprocess
 import sys
 import tempfile
 import tracemalloc
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from peer.config import RunConfig, build_config
 from peer.core.chain import chain_forward, global_grad_norm, token_loss
@@ -97,30 +95,8 @@ def estimate(case: Case) -> StageMemory:
 
 
 def _worker(cfg: RunConfig, stage: int, compressed: bool, precision: str, checkpointing: bool) -> StageWorker:
-    """A StageWorker computing in `precision`, its blocks checkpointed when asked."""
-    worker = StageWorker(cfg, stage, compressed=compressed)
-    _use_modes(worker, precision, checkpointing)
-    return worker
-
-
-def _use_modes(worker: StageWorker, precision: str, checkpointing: bool) -> None:
-    """Autocast around the stage's forward, non-reentrant checkpointing around each block."""
-    if checkpointing:
-        for block in worker.module.layers.values():
-            run = block.forward
-            block.forward = types.MethodType(  # type: ignore[method-assign]
-                lambda self, h, cos, sin, run=run: checkpoint(run, h, cos, sin, use_reentrant=False), block
-            )
-    if precision != "fp32":
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        forward = worker.module.forward
-
-        def autocast_forward(x: torch.Tensor) -> torch.Tensor:
-            with torch.autocast("cpu", dtype=dtype):
-                out: torch.Tensor = forward(x)
-                return out
-
-        worker.module.forward = autocast_forward  # type: ignore[method-assign]
+    """A StageWorker computing in `precision`, its blocks checkpointed when asked (as `peer join` builds it)."""
+    return StageWorker(cfg, stage, compressed, "cpu", precision, checkpointing)
 
 
 def _stage_steps(case: Case, cfg: RunConfig) -> list[StageWorker]:

@@ -194,15 +194,19 @@ Precision = Annotated[
     str,
     typer.Option(
         "--precision",
-        help="Compute dtype of the inner steps: auto (bf16 where the device supports it, fp32 on CPU), bf16, fp16 "
-        "(with loss scaling) or fp32. Weights, θ_start, the error buffer and every commit stay fp32.",
+        envvar="PEER_PRECISION",
+        help="Compute dtype of the inner steps: auto (bf16 on a GPU with native bf16, fp32 on CPU and older GPUs), "
+        "bf16, fp16 (with loss scaling) or fp32. Weights, θ_start, the error buffer and every commit stay fp32. "
+        "`PEER_PRECISION=bf16 peer demo` gives every join of the demo bf16.",
     ),
 ]
 ActivationCheckpointing = Annotated[
     bool,
     typer.Option(
         "--activation-checkpointing",
-        help="Recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more compute).",
+        envvar="PEER_ACTIVATION_CHECKPOINTING",
+        help="Recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more "
+        "compute); also env PEER_ACTIVATION_CHECKPOINTING=1 (a demo's joins inherit it).",
     ),
 ]
 MaxMemory = Annotated[

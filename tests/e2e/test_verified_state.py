@@ -2,7 +2,9 @@
 
 - A full replica computing with another kernel set (torch's default kernels, MKL lowered to
   SSE4.2, numba compiling for a generic x86-64: a CPU without AVX2/FMA) beside a pipeline on this
-  machine's best kernels: one state per (outer step, stage), no re-sync, not even at the join.
+  machine's best kernels, whose stage-1 peer computes in bf16 (`--precision bf16`, issue 22) while
+  the head and the full replica compute in fp32: one state per (outer step, stage), no re-sync,
+  not even at the join.
 - The same swarm with a dishonest stage-1 holder (tests/e2e/forger.py: negates its parameters
   after each commit and pads its committed set with made-up replicas): every honest holder of
   stage 1 refuses it, none adopts its state, and the honest swarm commits what it committed without
@@ -29,7 +31,7 @@ HONEST: dict[str, dict] = {}  # the first test's rounds, the second test's basel
 
 def _mixed_swarm(swarm_factory):
     sw = swarm_factory(outer_steps=T)
-    sw.join("s1", "--stage", "1")
+    sw.join("s1", "--stage", "1", "--precision", "bf16")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full", "--full-replica", extra_env=OTHER_KERNELS)
     sw.join("head", "--stage", "0")
@@ -63,6 +65,8 @@ def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(s
         assert not sw.events(name, "sync") and not sw.events(name, "switch"), sw.log(name)
     full = sw.rounds("full")
     assert all(full[t]["stages"]["0"]["participants"] == 2 for t in range(T))  # both replicas, every round
+    joined = {n: (sw.tmp / f"{n}.log").read_text() for n in ("s1", "full")}
+    assert "in bf16" in joined["s1"] and "in fp32" in joined["full"]  # a mixed-precision swarm
     print("\nround  stage 0 state      stage 1 state")
     for t in range(T):
         print(f"{t:5d}  {full[t]['stages']['0']['param_hash']}  {full[t]['stages']['1']['param_hash']}")

@@ -43,3 +43,17 @@ def test_plan_writes_its_plot_where_the_user_says_or_under_runs(tmp_path, monkey
     assert result.exit_code == 0, result.output
     assert (tmp_path / written).read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.glob("*.png")), "nothing is written into the current directory itself"
+
+
+def test_join_takes_its_precision_from_PEER_PRECISION_and_the_run_config_ignores_it(monkeypatch):
+    """`PEER_PRECISION=bf16 peer demo`: the demo's joins inherit the variable as their --precision,
+    and the bootstrap's run config (which reads PEER_* variables) does not take it for a run field."""
+    from peer.config import build_config
+    from peer.errors import ConfigError
+
+    monkeypatch.setenv("PEER_LOG_LEVEL", "WARNING")  # `peer join` sets it when unset
+    argv = ["join", "--stage", "1", "--initial-peers", "/ip4/127.0.0.1/tcp/9"]
+    result = runner.invoke(app, argv, env={"PEER_PRECISION": "fp8"})  # refused before any network
+    assert isinstance(result.exception, ConfigError) and "--precision must be" in str(result.exception)
+    cfg = build_config(environ={"PEER_PRECISION": "bf16", "PEER_ACTIVATION_CHECKPOINTING": "1"})
+    assert cfg == build_config(environ={})

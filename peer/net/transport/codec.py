@@ -184,7 +184,7 @@ def _decode_forward_reply(msg: pb.ForwardReply, limits: WireLimits) -> ForwardRe
         hidden=None if hidden_pb is None else read_boundary(hidden_pb, "ForwardReply.hidden", limits),
         loss=msg.loss if msg.HasField("loss") else None,
         grad=None if grad_pb is None else read_boundary(grad_pb, "ForwardReply.grad", limits),
-        grad_sq_norm=read_norm(msg, "grad_sq_norm", "ForwardReply"),
+        grad_sq_norm=read_norm(msg, "grad_sq_norm", "ForwardReply", overflow=True),
         sq_norms=tuple(read_sq_norms(msg.sq_norms)),
         served_s=read_norm(msg, "served_s", "ForwardReply"),
     )
@@ -207,7 +207,7 @@ def _decode_backward_reply(msg: pb.BackwardReply, limits: WireLimits) -> Backwar
     grad_pb = optional_tensor(msg, "grad")
     return BackwardReply(
         grad=None if grad_pb is None else read_boundary(grad_pb, "BackwardReply.grad", limits),
-        grad_sq_norm=read_norm(msg, "grad_sq_norm", "BackwardReply"),
+        grad_sq_norm=read_norm(msg, "grad_sq_norm", "BackwardReply", overflow=True),
     )
 
 
@@ -218,7 +218,7 @@ def _decode_step_request(msg: pb.StepRequest, limits: WireLimits) -> StepRequest
         inner_step=read_index(msg.inner_step, "StepRequest.inner_step"),
         n_microbatches=read_index(msg.n_microbatches, "StepRequest.n_microbatches"),
         tokens=read_index(msg.tokens, "StepRequest.tokens"),
-        grad_norm=read_norm(msg, "grad_norm", "StepRequest"),
+        grad_norm=read_norm(msg, "grad_norm", "StepRequest", overflow=True),
     )
 
 

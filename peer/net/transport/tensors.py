@@ -164,14 +164,20 @@ def optional_tensor(msg: PbMessage, name: str) -> pb.Tensor | None:
 # ------------------------------------------------------------------------------ validation
 
 
-def read_norm(msg: PbMessage, name: str, what: str) -> float | None:
-    """An optional gradient norm (or duration) field: absent → None; present → a finite number >= 0."""
+def read_norm(msg: PbMessage, name: str, what: str, overflow: bool = False) -> float | None:
+    """An optional gradient norm (or duration) field: absent → None; present → a finite number >= 0,
+    or +inf where `overflow` allows it (a gradient norm: +inf says a stage's gradients overflowed,
+    and every stage skips that inner step's optimizer step)."""
     if not msg.HasField(name):
         return None
     value = float(getattr(msg, name))
-    if not (math.isfinite(value) and value >= 0):
+    if not (_norm_ok(value, overflow)):
         raise TransportError(f"invalid {what}.{name}: {value} is not a finite number >= 0")
     return value
+
+
+def _norm_ok(value: float, overflow: bool) -> bool:
+    return (math.isfinite(value) or (overflow and value == math.inf)) and value >= 0
 
 
 def read_index(value: int, what: str) -> int:
@@ -197,9 +203,10 @@ def read_route(route: Any, limits: WireLimits) -> list[str]:
 
 
 def read_sq_norms(values: Any) -> list[float]:
+    """Σ‖g‖² of up to 64 stages, each finite and >= 0 or +inf (that stage overflowed)."""
     out = [float(v) for v in values]
-    if len(out) > 64 or not all(math.isfinite(v) and v >= 0 for v in out):
-        raise TransportError("invalid ForwardReply.sq_norms: at most 64 finite numbers >= 0")
+    if len(out) > 64 or not all(_norm_ok(v, overflow=True) for v in out):
+        raise TransportError("invalid ForwardReply.sq_norms: at most 64 numbers >= 0, finite or +inf")
     return out
 
 
