@@ -18,15 +18,15 @@ from rich.table import Table
 
 from peer.core.memory import estimate_stage, format_bytes
 from peer.core.subspace import k_from_ratio
+from peer.node.pipeline.schedule import MAX_STASH
 from peer.tools.plan import PLAN_PRESETS
 
 STAGE_COUNTS = (1, 2, 4, 8)
 MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))
-MAX_STASH = 32  # peer.node.pipeline.schedule.MAX_STASH: a stage never stashes more micro-batches
 
 
 def mode_name(precision: str, checkpointing: bool) -> str:
-    return precision + (" + ckpt" if checkpointing else "")
+    return precision + (" ckpt" if checkpointing else "")
 
 
 def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: str) -> list[dict[str, Any]]:
@@ -60,8 +60,11 @@ def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: 
 
 
 def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
-    table = Table(title=f"peer plan --memory — peak per stage (largest stage), micro-batch size {microbatch_size}")
-    for col in ("model", "stages", "seq len", "in flight", *(mode_name(p, c) for p, c in MODES)):
+    table = Table(
+        title=f"peer plan --memory: peak of the largest stage (S stages, K in flight, {microbatch_size} seq each)",
+        caption="ckpt: --activation-checkpointing",
+    )
+    for col in ("model", "S", "seq", "K", *(mode_name(p, c) for p, c in MODES)):
         table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
     for r in rows:
         modes = [format_bytes(r[mode_name(p, c)]) for p, c in MODES]
