@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from peer.core.chain import global_grad_norm
+from peer.core.chain import global_grad_norm, token_loss
 from peer.core.inner import MicroForward, accumulate
 from peer.node.stage_worker import StageWorker
 
@@ -48,6 +48,17 @@ def chain_step(
     for w in chain:
         w.step(t, h, total_norm)
     return loss
+
+
+def chain_loss(chain: Sequence[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed, each
+    under autocast in its precision with its weights cast once per inner step (`StageWorker.run`;
+    the loss itself in float32)."""
+    device = chain[0].device
+    hidden = x.to(device)  # (b, L)
+    for w in chain:
+        hidden = w.run(hidden)  # (b, L, d), the last: (b, L, V)
+    return token_loss(hidden, y.to(device))
 
 
 def loss_scale(chain: Sequence[StageWorker]) -> float:

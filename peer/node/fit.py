@@ -115,6 +115,7 @@ def describe(cfg: RunConfig, need: StageMemory) -> str:
         ("θ_start + last round", need.start + need.prev),
         ("error buffer", need.errors),
         ("T⊥/U", need.buffers),
+        *([("bf16/fp16 weight copy", need.casts)] if need.casts else []),
     ]
     acts = f"activations {format_bytes(need.per_microbatch)} × {need.stashed} in flight"
     shown = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts)

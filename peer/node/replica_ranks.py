@@ -39,13 +39,13 @@ from peer.core.files import atomic_write_bytes
 from peer.core.inner import MicroForward
 from peer.core.state import state_hash
 from peer.errors import ConfigError
-from peer.node.data_parallel import DataParallel, chain_step, rank_batch_index
+from peer.node.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index
 from peer.node.fit import check_join
 from peer.node.metrics import MetricsWriter
 from peer.node.replica_group import Control, RankLost, ReplicaGroup, launched_ranks
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
-from peer.node.trainer import _chain_loss, _Full, run_full_replica, run_role
+from peer.node.trainer import _Full, run_full_replica, run_role
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def parallel_chain(chain: list[StageWorker], group: ReplicaGroup) -> DataParalle
     """The chain under DDP (a collective: every rank builds it at the same point)."""
     device = chain[0].device
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
-    return DataParallel(chain, lambda x, y: _chain_loss(chain, x, y), device_ids=ids)
+    return DataParallel(chain, lambda x, y: chain_loss(chain, x, y), device_ids=ids)
 
 
 class _Lead:

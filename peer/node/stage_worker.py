@@ -40,7 +40,7 @@ import torch
 from peer.config import RunConfig
 from peer.core.chain import token_loss
 from peer.core.optim import grad_sq_norm
-from peer.core.precision import LossScaler, autocast, resolve_precision
+from peer.core.precision import CastWeights, LossScaler, autocast, resolve_precision
 from peer.core.split_backward import input_grad_first
 from peer.core.subspace import (
     compress_activations,
@@ -81,6 +81,7 @@ class StageWorker(StageState):
         self.precision = resolve_precision(precision, self.device)
         self.module.activation_checkpointing = activation_checkpointing
         self.scaler = LossScaler.for_precision(self.precision)
+        self.casts = CastWeights(self.module, self.precision)  # the weights in the compute dtype, once per step
         self._overflow = False  # an input gradient of this inner step was not finite (sent as zeros)
         self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.microbatches_seen = 0
@@ -134,13 +135,13 @@ class StageWorker(StageState):
         self.seen.add(key)
         x_in = None
         if self.is_first:
-            out = self._run(tokens)  # (b, L, d)
+            out = self.run(tokens)  # (b, L, d)
         else:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
             x_in = expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)  # (b, L, d)
             x_in.requires_grad_(True)
-            out = self._run(x_in)
+            out = self.run(x_in)
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets")
@@ -157,11 +158,12 @@ class StageWorker(StageState):
         self.pending[key] = (x_in, out)
         return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's module on its input under autocast in this stage's precision; float32 out
-        (logits (b, L, V) or hidden (b, L, d)): the loss and the boundary are computed in float32."""
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's module on its input under autocast in this stage's precision, its matmul
+        weights cast once per inner step (`CastWeights`); float32 out (logits (b, L, V) or hidden
+        (b, L, d)): the loss and the boundary are computed in float32."""
         with autocast(self.device, self.precision):
-            out = self.module(x)
+            out = self.casts.forward(x)
         return out.float()
 
     def _scaled(self, root_or_grad: torch.Tensor) -> torch.Tensor:
@@ -174,13 +176,11 @@ class StageWorker(StageState):
         tokens = tokens.long().to(self.device)
         with self.lock:
             if self.is_first:
-                out = self._run(tokens)
+                out = self.run(tokens)
             else:
                 if hidden is None:
                     raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
-                out = self._run(
-                    expand_activations(hidden.to(self.device).float(), tokens, perp_of(self.module), self.U)
-                )
+                out = self.run(expand_activations(hidden.to(self.device).float(), tokens, perp_of(self.module), self.U))
             if self.is_last:
                 if targets is None:
                     raise ValueError("the last stage needs targets")
@@ -266,6 +266,7 @@ class StageWorker(StageState):
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
             keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
             self.optim.step(global_step, keep_in, total_norm)
+            self.casts.clear()  # stale now; not kept through a round (the next forward casts again)
             self.scaler.update(finite=True)
             self._reset_step()
 

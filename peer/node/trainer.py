@@ -29,12 +29,10 @@ from typing import Any, Protocol
 
 import torch
 
-from peer.core.chain import chain_forward, token_loss
 from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import MicroForward
-from peer.core.precision import autocast
 from peer.errors import ConfigError, NetworkError, PeerError
-from peer.node.data_parallel import chain_step, rank_batch_index
+from peer.node.data_parallel import chain_loss, chain_step, rank_batch_index
 from peer.node.fit import check_join
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
@@ -324,7 +322,7 @@ class _Full:
 
     def forward(self) -> MicroForward:
         """One inner step's micro-batch forward through the chain (`peer.core.inner.accumulate`)."""
-        return lambda mx, my: (_chain_loss(self.chain, mx, my), 0)
+        return lambda mx, my: (chain_loss(self.chain, mx, my), 0)
 
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         """`peer.node.data_parallel.chain_step`: every stage's micro-batches, then their clipped steps."""
@@ -349,7 +347,7 @@ class _Full:
 
     @torch.no_grad()
     def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        losses = [_chain_loss(self.chain, x, y).item() for x, y in val]
+        losses = [chain_loss(self.chain, x, y).item() for x, y in val]
         return sum(losses) / max(1, len(losses))
 
 
@@ -398,15 +396,6 @@ def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> boo
                 log.warning("stage %d: could not align with the other stages yet: %s", w.stage, exc)
                 return False
     return len({w.outer_step for w in chain}) == 1
-
-
-def _chain_loss(chain: list[StageWorker], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of a (b, L) batch through every stage of a full replica, uncompressed, under
-    autocast in the replica's precision (the loss itself in float32)."""
-    device = chain[0].device
-    with autocast(device, chain[0].precision):
-        logits = chain_forward([w.module for w in chain], x.to(device))  # (b, L, V)
-    return token_loss(logits, y.to(device))
 
 
 def run_role(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:

@@ -40,9 +40,10 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.chain import chain_forward, global_grad_norm, token_loss
+from peer.core.chain import global_grad_norm
 from peer.core.inner import accumulate
 from peer.core.memory import StageMemory, estimate_replica, estimate_stage
+from peer.node.data_parallel import chain_loss
 from peer.node.stage_worker import StageWorker
 
 NUMPY_DOMAIN = 389047  # numpy's tracemalloc domain of array data (NPY_TRACE_DOMAIN)
@@ -123,10 +124,10 @@ def _replica_steps(case: Case, cfg: RunConfig) -> list[StageWorker]:
     """A full replica's two inner steps (micro-batches one after another) with a round between."""
     torch.manual_seed(0)
     chain = [_worker(cfg, s, False, case.precision, case.checkpointing) for s in range(case.stages)]
-    n, modules = case.in_flight, [w.module for w in chain]
+    n = case.in_flight
     for h in range(2):
         x = torch.randint(0, cfg.model.vocab_size, (n * case.microbatch_size, case.seq_len + 1))
-        accumulate(lambda mx, my: (token_loss(chain_forward(modules, mx), my), 0), x[:, :-1], x[:, 1:], n)
+        accumulate(lambda mx, my: (chain_loss(chain, mx, my), 0), x[:, :-1], x[:, 1:], n)
         norm = global_grad_norm(w.grad_sq_norm() for w in chain)
         for w in chain:
             w.step(0, h, norm)

@@ -3,7 +3,7 @@ torchrun, each rank on its own core with one torch thread (issue 22's target: 2 
 
 Both run the code `peer join --full-replica` runs for its inner steps, without a swarm: the stage
 workers of every stage, `peer.node.data_parallel.chain_step` with the one-process micro-batch
-forward (`peer.node.trainer._chain_loss`), or with N ranks the DDP forward the ranks of a replica
+forward (`peer.node.data_parallel.chain_loss`), or with N ranks the DDP forward the ranks of a replica
 use (`peer.node.replica_ranks.parallel_chain`, gloo). Each rank draws its own batch of random
 tokens every step; tokens/s counts every rank's tokens over the measured steps (after warm-up).
 A worker is `python -m peer.tools.bench_replica worker …` (under torchrun for N ranks); `command`
@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 
 from peer.config import RunConfig, build_config
-from peer.node.data_parallel import chain_step
+from peer.node.data_parallel import chain_loss, chain_step
 from peer.node.replica_group import ReplicaGroup, launched_ranks
 from peer.node.replica_ranks import parallel_chain
 from peer.node.stage_worker import StageWorker
-from peer.node.trainer import _chain_loss
 
 
 def bench_config(preset: str, stages: int, batch_size: int, seq_len: int, microbatches: int) -> RunConfig:
@@ -62,7 +61,7 @@ def worker(cfg: RunConfig, warmup: int, steps: int, report: Path) -> None:
         parallel = parallel_chain(chain, group)
         forward: Callable[[], Any] = parallel.forward
     else:
-        forward = lambda: lambda x, y: (_chain_loss(chain, x, y), 0)  # noqa: E731 - `_Full.forward`'s
+        forward = lambda: lambda x, y: (chain_loss(chain, x, y), 0)  # noqa: E731 - `_Full.forward`'s
     gen = torch.Generator().manual_seed(1000 + rank)
     b, L, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
     t0 = 0.0

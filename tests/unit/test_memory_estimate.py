@@ -1,7 +1,8 @@
 """The memory estimate (`peer.core.memory`) and the join's fit check (`peer.node.fit`).
 
 - the per-block and head activation counts equal what autograd saves in the real modules, byte
-  for byte (`saved_tensors_hooks`), in fp32 and under bf16 autocast;
+  for byte (`saved_tensors_hooks`), in fp32 and under bf16 autocast with the weights cast once
+  (`CastWeights`: their copy is `cast_bytes`, once per stage, not per micro-batch);
 - the estimate moves the right way: more in flight needs more, checkpointing and bf16 need less
   activation memory but the same master weights and optimizer state; a full replica holds every
   stage's state;
@@ -20,6 +21,7 @@ from peer.config import build_config
 from peer.core.memory import (
     MicroBatch,
     block_bytes,
+    cast_bytes,
     estimate_replica,
     estimate_stage,
     format_bytes,
@@ -27,8 +29,10 @@ from peer.core.memory import (
     parse_bytes,
 )
 from peer.core.model import Block, ModelConfig, build_stage, get_preset, rope_tables
+from peer.core.precision import CastWeights
 from peer.errors import ConfigError
 from peer.node.fit import check_fit
+from peer.tools.plan import PLAN_PRESETS
 
 CFG = ModelConfig(vocab_size=300, d_model=96, n_layers=2, n_heads=4, head_dim=32, ffn_hidden=200, max_seq_len=64)
 
@@ -60,9 +64,14 @@ def test_block_count_is_what_autograd_saves(precision):
     cos, sin = rope_tables(CFG.head_dim, CFG.max_seq_len, CFG.rope_theta)
     cos, sin = cos[:L], sin[:L]  # views of the shared table, as Decoder passes them
     x = torch.randn(b, L, CFG.d_model, requires_grad=True)
+    cast = CastWeights(block, precision).get()  # the stage's shared copy: `cast_bytes`, not per block call
     with _autocast(precision):
-        got = _saved(lambda: block(x, cos, sin), [*block.parameters(), cos, sin])
+        got = _saved(
+            lambda: torch.func.functional_call(block, cast, (x, cos, sin)),
+            [*block.parameters(), *cast.values(), cos, sin],
+        )
     assert got == block_bytes(MicroBatch(CFG, b, L, precision))
+    assert sum(t.untyped_storage().nbytes() for t in cast.values()) == cast_bytes(CFG, precision, 1, False)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -75,15 +84,18 @@ def test_head_count_is_what_autograd_saves(precision):
     x = torch.randn(b, L, CFG.d_model, requires_grad=True)
     y = torch.randint(0, CFG.vocab_size, (b, L))
     cos, sin = stage._rope_tables(x.device)
+    casts = CastWeights(stage, precision)
 
     def run():
         with _autocast(precision):
-            out = stage(x)
+            out = casts.forward(x)
         token_loss(out, y)
 
-    got = _saved(run, [*stage.parameters(), *blocks_only.parameters(), cos, sin])
+    shared = list(casts.get().values())
+    got = _saved(run, [*stage.parameters(), *blocks_only.parameters(), *shared, cos, sin])
     mb = MicroBatch(CFG, b, L, precision)
     assert got == block_bytes(mb) + head_bytes(mb)
+    assert sum(t.untyped_storage().nbytes() for t in shared) == cast_bytes(CFG, precision, 1, True)
 
 
 def _est(**kw):
@@ -153,3 +165,12 @@ def test_fit_refuses_with_the_remedies_that_fit():
     assert "--activation-checkpointing (~" in line and "the head's --in-flight" in line
     with pytest.raises(ConfigError, match="nothing here makes it fit"):
         check_fit(cfg, 1, "cpu", "fp32", False, 2**20)
+
+
+def test_the_bf16_weight_copy_is_counted_once_per_stage_so_bf16_never_needs_more_than_fp32():
+    one, eight = _est(precision="bf16", in_flight=1), _est(precision="bf16", in_flight=8)
+    assert one.casts == eight.casts > 0 and _est(in_flight=8).casts == 0
+    for name, S in (("1B", 4), ("7B", 4), ("70B", 8)):  # bf16 used to need more than fp32 here
+        big = dict(microbatch_size=1, seq_len=2048, in_flight=8, checkpointing=False)
+        fp32, bf16 = (estimate_stage(PLAN_PRESETS[name], 1, S, precision=p, **big).peak for p in ("fp32", "bf16"))
+        assert bf16 < fp32, name

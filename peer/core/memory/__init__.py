@@ -6,7 +6,14 @@ keep for backward (`activations`, counted op by op from the model) and its trans
 `peer plan --memory` prints it for every preset.
 """
 
-from peer.core.memory.activations import PRECISIONS, MicroBatch, block_bytes, head_bytes, stash_bytes
+from peer.core.memory.activations import (
+    PRECISIONS,
+    MicroBatch,
+    block_bytes,
+    cast_bytes,
+    head_bytes,
+    stash_bytes,
+)
 from peer.core.memory.estimate import StageMemory, estimate_replica, estimate_stage
 from peer.core.memory.sizes import format_bytes, parse_bytes
 
@@ -15,6 +22,7 @@ __all__ = [
     "MicroBatch",
     "StageMemory",
     "block_bytes",
+    "cast_bytes",
     "estimate_replica",
     "estimate_stage",
     "format_bytes",

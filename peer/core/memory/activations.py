@@ -15,14 +15,17 @@ f = ffn_hidden; c = 2 bytes under bf16/fp16 autocast, 4 in fp32). Per block, in 
 output: counted once, here. Under autocast (`torch.autocast`, bf16 or fp16) the residual stream
 and RMSNorm stay float32 (x, x1 and both x·rsqrt), every linear saves its input cast to c bytes
 (the attention norm's output three times, the ffn norm's twice: each cast is its own tensor) and
-its weight cast to c bytes (autocast caches one cast per weight per forward, and each micro-batch
-in flight keeps its own), the matmul outputs are c bytes, and the rotary tables are cast per
-micro-batch. `tests/unit/test_memory_estimate.py` checks these counts against what autograd
-actually saves in the real modules (`torch.autograd.graph.saved_tensors_hooks`), byte for byte.
+its weight in c bytes, the matmul outputs are c bytes, and the rotary tables are cast per
+micro-batch. The weights' c-byte copy is not per micro-batch: `peer.core.precision.CastWeights`
+casts a stage's matmul weights once per inner step and every micro-batch in flight saves that one
+copy (`cast_bytes`, counted once per stage by `peer.core.memory.estimate`).
+`tests/unit/test_memory_estimate.py` checks these counts against what autograd actually saves
+in the real modules (`torch.autograd.graph.saved_tensors_hooks`), byte for byte.
 
 With activation checkpointing (non-reentrant `torch.utils.checkpoint`, per block) a block keeps
 only its input (float32, N·d); its backward first recomputes the block's forward, so one block's
-full stash exists at a time on top (`recompute_bytes`).
+full stash exists at a time on top (`recompute_bytes`); the recompute runs on the master weights
+(outside `functional_call`), so autocast casts that block's weights again for it.
 
 The backward's transient peak (`workspace_bytes`) is what exists beside the stash while one
 micro-batch runs backward: the gradients flowing through a block, the temporary of a weight
@@ -78,9 +81,23 @@ def block_bytes(mb: MicroBatch) -> int:
     residual = F32 * 4 * N * d  # x, x·rsqrt, x1, x1·rsqrt stay float32
     casts = c * 5 * N * d  # the norms' outputs cast for wq, wk, wv and for w1, w3
     matmuls = c * (4 * N * a + 4 * N * f)  # q, k, v, attention output; w1 x, silu, w3 x, product
-    weights = c * (4 * d * a + 3 * d * f)  # this forward's casts of the block's seven matrices
     rope = c * 2 * mb.L * m.head_dim  # cos, sin cast to the compute dtype
-    return residual + casts + matmuls + weights + rope + norms + lse
+    return residual + casts + matmuls + rope + norms + lse  # the weights' copy: `cast_bytes`
+
+
+def block_weights(cfg: ModelConfig) -> int:
+    """Elements of one block's seven matrices (wq, wk, wv, wo; w1, w2, w3)."""
+    d, a, f = cfg.d_model, cfg.attn_dim, cfg.ffn_hidden
+    return 4 * d * a + 3 * d * f
+
+
+def cast_bytes(cfg: ModelConfig, precision: str, n_layers: int, has_head: bool) -> int:
+    """The compute-dtype copy of a stage's matmul weights (`CastWeights`): once per stage, shared
+    by every micro-batch in flight; nothing in fp32."""
+    c = compute_bytes(precision)
+    if c == F32:
+        return 0
+    return c * (n_layers * block_weights(cfg) + (cfg.vocab_size * cfg.d_model if has_head else 0))
 
 
 def head_bytes(mb: MicroBatch) -> int:
@@ -88,7 +105,7 @@ def head_bytes(mb: MicroBatch) -> int:
     m, N, c = mb.cfg, mb.N, mb.c
     d, V = m.d_model, m.vocab_size
     norm = F32 * (2 * N * d + N)  # the last block's output, x·rsqrt, rsqrt
-    head_in = F32 * N * d if c == F32 else c * (N * d + V * d)  # the head's input (and weight) cast
+    head_in = (F32 if c == F32 else c) * N * d  # the head's input (its weight's copy: `cast_bytes`)
     loss = F32 * N * V + 8 * N + F32  # log_softmax's float32 output; nll_loss's int64 targets, total weight
     return norm + head_in + loss
 
@@ -105,8 +122,12 @@ def stash_bytes(mb: MicroBatch, n_layers: int, has_head: bool, checkpointing: bo
 
 
 def recompute_bytes(mb: MicroBatch, checkpointing: bool) -> int:
-    """Checkpointing: one block's full stash, rebuilt in backward (one block at a time)."""
-    return block_bytes(mb) - checkpointed_block_bytes(mb) if checkpointing else 0
+    """Checkpointing: one block's full stash, rebuilt in backward (one block at a time), and the
+    block's weights cast again for the recompute (in bf16/fp16)."""
+    if not checkpointing:
+        return 0
+    recast = cast_bytes(mb.cfg, mb.precision, 1, False)
+    return block_bytes(mb) + recast - checkpointed_block_bytes(mb)
 
 
 def workspace_bytes(

@@ -12,6 +12,8 @@ One holder of stage s keeps (P = the stage's parameters, from the real stage bui
     and its output (b, L, d) waits for its gradient too; the last
     stage runs backward in the same call: one; a full replica runs
     its micro-batches one after another: one, through every stage)
+    bf16/fp16: the matmul weights' copy in the compute dtype          on the device
+    (`cast_bytes`: cast once per inner step, shared by every micro-batch)
     the backward's transient peak (`workspace_bytes`; with              on the device
     checkpointing, one block's recompute is part of it)
     a round: pseudo-gradient, the decoded payloads, the new state      on the host
@@ -33,6 +35,7 @@ from dataclasses import dataclass, fields
 from peer.core.memory.activations import (
     F32,
     MicroBatch,
+    cast_bytes,
     stash_bytes,
     workspace_bytes,
 )
@@ -58,6 +61,7 @@ class StageMemory:
     start: int  # θ_start (host)
     prev: int  # the state the last round was committed from (host)
     errors: int  # the SparseLoCo error buffer (host)
+    casts: int  # bf16/fp16: the matmul weights in the compute dtype, once per stage (`CastWeights`)
     activations: int  # per_microbatch × stashed
     per_microbatch: int
     stashed: int  # micro-batches whose activations wait for backward at once
@@ -72,7 +76,7 @@ class StageMemory:
 
     @property
     def inner_step(self) -> int:
-        return self.state + self.gradients + self.activations + self.workspace
+        return self.state + self.gradients + self.casts + self.activations + self.workspace
 
     @property
     def device(self) -> int:
@@ -133,6 +137,7 @@ def estimate_stage(
         cfg,
         P,
         k,
+        casts=cast_bytes(cfg, precision, len(layers), has_head),
         activations=(per_mb, stashed),
         workspace=workspace_bytes(mb, has_embed, has_head, largest, checkpointing),
         round_bytes=_round_bytes(cfg, P, replicas),
@@ -162,6 +167,7 @@ def estimate_replica(
         cfg,
         P,
         k,
+        casts=cast_bytes(cfg, precision, cfg.n_layers, True),
         activations=(stash_bytes(mb, cfg.n_layers, True, checkpointing), 1),
         workspace=workspace_bytes(mb, True, True, max(lg for _, lg in counts), checkpointing),
         round_bytes=_round_bytes(cfg, max(p for p, _ in counts), replicas),
@@ -176,6 +182,7 @@ def _holder(
     P: int,
     k: int | None,
     *,
+    casts: int,
     activations: tuple[int, int],
     workspace: int,
     round_bytes: int,
@@ -197,6 +204,7 @@ def _holder(
         start=F32 * P,
         prev=F32 * P + copies * perp,
         errors=F32 * P,
+        casts=casts,
         activations=per_mb * stashed,
         per_microbatch=per_mb,
         stashed=stashed,
