@@ -1,4 +1,5 @@
-"""`peer plan --memory`: the estimated peak memory of one stage's holder for every preset.
+"""`peer plan --memory`: the estimated peak memory of one stage's holder for every preset, on a GPU
+(device memory, and the host RAM beside it) and on a CPU device.
 
 For every shape in `peer.tools.plan.PLAN_PRESETS` (tiny … 1B, and the plan-only 7B, 13B, 70B) and
 1, 2, 4 and 8 stages (where the layers allow), the largest `peer.core.memory.estimate_stage` peak
@@ -30,7 +31,10 @@ def mode_name(precision: str, checkpointing: bool) -> str:
 
 
 def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: str) -> list[dict[str, Any]]:
-    """One row per (preset, stage count): the largest stage's peak bytes in each mode."""
+    """One row per (preset, stage count): the largest stage's peak bytes in each mode on a GPU
+    (`device`: weights, gradients, AdamW, activations, workspace), its host RAM beside it (θ_start,
+    the previous state, the error buffer and a round's transients), and the peak when the device
+    is the CPU (`cpu <mode>`: one memory holds both)."""
     rows = []
     for name, cfg in PLAN_PRESETS.items():
         L = min(seq_len, cfg.max_seq_len)
@@ -40,7 +44,7 @@ def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: 
             row: dict[str, Any] = {"model": name, "n_params": cfg.n_params, "stages": S, "seq_len": L}
             row["in_flight"] = window
             for precision, ckpt in MODES:
-                peaks = [
+                stages = [
                     estimate_stage(
                         cfg,
                         s,
@@ -51,24 +55,30 @@ def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: 
                         precision=precision,
                         checkpointing=ckpt,
                         k=k,
-                    ).peak
+                        device_kind="cuda",
+                    )
                     for s in range(S)
                 ]
-                row[mode_name(precision, ckpt)] = max(peaks)
+                row[mode_name(precision, ckpt)] = max(m.device for m in stages)
+                row["host"] = max(m.host for m in stages)  # the same in every mode
+                row["cpu " + mode_name(precision, ckpt)] = max(m.peak for m in stages)  # a CPU device: one memory
             rows.append(row)
     return rows
 
 
 def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
     table = Table(
-        title=f"peer plan --memory: peak of the largest stage (S stages, K in flight, {microbatch_size} seq each)",
-        caption="ckpt: --activation-checkpointing",
+        title=f"peer plan --memory: GPU memory of the largest stage (K in flight, {microbatch_size} seq each)",
+        caption="ckpt: --activation-checkpointing; host: RAM beside the GPU (θ_start, error buffer, rounds); "
+        "on a CPU device both are one memory (--json: `cpu <mode>`)",
     )
-    for col in ("model", "S", "seq", "K", *(mode_name(p, c) for p, c in MODES)):
+    for col in ("model", "S", "seq", "K", *(mode_name(p, c) for p, c in MODES), "host"):
         table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
     for r in rows:
         modes = [format_bytes(r[mode_name(p, c)]) for p, c in MODES]
-        table.add_row(r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes)
+        table.add_row(
+            r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes, format_bytes(r["host"])
+        )
     return table
 
 
