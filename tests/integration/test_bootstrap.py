@@ -272,7 +272,11 @@ def test_collect_status_reads_stage_and_replica_records(boot):
             ],
             "1": [],
         },
-        "full_replicas": [{"peer_id": full.peer_id, "outer_step": 4, "loss": 4.25, "tokens_per_s": 900.0, **no_link}],
+        "full_replicas": [
+            # a record that does not say how many processes train it (before torchrun replicas): None
+            {"peer_id": full.peer_id, "outer_step": 4, "loss": 4.25, "tokens_per_s": 900.0, **no_link}
+            | {"ranks": None, "global_batch": None}
+        ],
     }
 
 
