@@ -26,6 +26,7 @@ of `StageWorker` switch on.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -142,6 +143,7 @@ def measure(case: Case) -> int:
     numpy holds at its end (see the module docstring)."""
     cfg = run_config(case)
     run: Callable[[Case, RunConfig], list[StageWorker]] = _replica_steps if case.stage is None else _stage_steps
+    gc.collect()  # what an earlier case left in reference cycles, freed during this one, would hide bytes
     tracemalloc.start()
     try:
         numpy_before = _numpy_bytes()
