@@ -271,6 +271,12 @@ class SwarmDHT:
         logger.debug("DHT node shut down")
 
     @property
+    def alive(self) -> bool:
+        """Whether the hivemind DHT process still runs: once it has exited nothing brings it back,
+        and every request would only wait for its deadline."""
+        return not self._closed and self._dht.is_alive()
+
+    @property
     def child_pids(self) -> list[int]:
         """Process ids of the hivemind child and its p2pd (for tests and status)."""
         return self._tree.pids

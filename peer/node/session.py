@@ -298,6 +298,16 @@ class Session:
         self.dht.shutdown()
         self.metrics.close()
 
+    def check_alive(self) -> None:
+        """Between steps: a PeerError once this peer's DHT process has exited (killed, crashed).
+        Every DHT wait would then time out forever and the peer would look alive while doing
+        nothing; the error ends the role (the CLI prints it, exit 2) so a supervisor restarts it."""
+        if not self.dht.alive:
+            raise PeerError(
+                "the hivemind DHT process of this peer exited, so it can no longer reach the swarm; "
+                f"start `peer join` again (add --resume to continue from {self.opts.data_dir / 'checkpoints'})"
+            )
+
     # ------------------------------------------------------------------ the swarm around us
     def wait_for_quorum(self, t: int, stop: threading.Event) -> None:
         """Before the run's first step, wait (bounded) until `swarm.min_replicas` replicas are online.

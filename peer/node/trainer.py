@@ -66,6 +66,7 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
         )
         last_check = time.monotonic()
         while worker.outer_step < cfg.train.outer_steps and not stop.is_set():
+            session.check_alive()  # a dead DHT process ends the role instead of idling forever
             t = worker.outer_step
             contributor: str | None
             try:
@@ -229,6 +230,7 @@ def _outer_loop(session: Session, replica: _Replica, data: TokenData, shard: int
     val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
     session.wait_for_quorum(first.outer_step, stop)
     while first.outer_step < train.outer_steps and not stop.is_set():
+        session.check_alive()  # a dead DHT process ends the role instead of re-syncing forever
         if not _repair(session, replica.workers, stop, replica.chain):
             continue
         t = first.outer_step
