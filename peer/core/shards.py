@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ __all__ = [
     "split_fingerprint",
     "token_dtype",
     "write_index",
+    "write_prepared",
 ]
 
 FORMAT_VERSION = 1
@@ -356,3 +357,45 @@ class PreparedDataset:
             )
             self._maps[shard.name] = m
         return m
+
+
+def write_prepared(
+    root: Path,
+    splits: Mapping[str, Iterable[np.ndarray]],
+    vocab_size: int,
+    eos_id: int,
+    *,
+    tokenizer: Path | None = None,
+    shard_tokens: int = 1 << 24,
+    source: str = "",
+    seed: int = 0,
+    val_fraction: float = 0.0,
+) -> PreparedDataset:
+    """A prepared folder made in one go from token arrays already split ({"train": chunks, "val":
+    chunks}, each an iterable of 1-D id arrays), `tokenizer` copied in when given; opened.
+
+    For token streams made elsewhere (tests, `peer bench data`'s synthetic corpora, a one-process
+    preparation): not resumable; the index is written last, so an interrupted call leaves no
+    prepared folder.
+    """
+    root = Path(root)
+    dtype = token_dtype(vocab_size)
+    tok_sha = ""
+    if tokenizer is not None:
+        raw = Path(tokenizer).read_bytes()
+        tok_sha = hashlib.sha256(raw).hexdigest()
+        try:
+            atomic_write_bytes(root / TOKENIZER_FILE, raw)
+        except OSError as exc:
+            raise DataError(f"cannot write {root / TOKENIZER_FILE}: {exc.strerror or one_line(exc)}") from exc
+    shards: list[ShardInfo] = []
+    for split in SPLITS:
+        writer = ShardWriter(root, split, dtype, shard_tokens)
+        for chunk in splits.get(split, ()):
+            writer.add(chunk)
+        shards += writer.close()
+    index = DatasetIndex(
+        dtype, vocab_size, eos_id, tok_sha, tuple(shards), seed=seed, val_fraction=val_fraction, source=source
+    )
+    write_index(root, index)
+    return PreparedDataset(root, index)
