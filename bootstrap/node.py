@@ -1,8 +1,8 @@
 """The bootstrap node: one DHT node that publishes the run's manifest and serves its artefacts.
 
 Start-up order (each step needs the one before it):
-1. build the token data once (`peer.core.data.build_token_data`): trains or loads the sentencepiece
-   tokenizer, whose sha256 goes into the manifest;
+1. open the run's corpus once (`peer.core.loader.load_corpus`: prepares it first when it is not a
+   prepared folder yet); its tokenizer's sha256 goes into the manifest;
 2. start the `peer.net.dht.SwarmDHT` node BEFORE any gRPC server or thread (hivemind forks its DHT
    process; forking a process that runs grpc threads is unsafe);
 3. start a `peer.net.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest);
@@ -37,9 +37,9 @@ from typing import Any
 from bootstrap.artifacts import ArtifactHandler, manifest_bytes
 from bootstrap.monitor import SwarmMonitor
 from peer.config import RunConfig
-from peer.core.data import build_token_data
 from peer.core.files import atomic_write_bytes
-from peer.errors import ConfigError, NetworkError
+from peer.core.loader import load_corpus
+from peer.errors import ConfigError, DataError, NetworkError
 from peer.net.addresses import advertised_host, order_maddrs
 from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
@@ -120,10 +120,12 @@ class BootstrapNode:
                 raise _Stopped()
 
         t0 = time.monotonic()
-        data = build_token_data(cfg.data)
-        tokenizer_bytes = Path(data.tokenizer.path).read_bytes()
-        tok_sha = data.tokenizer.sha256
-        logger.info("token data ready in %.1f s (tokenizer %s)", time.monotonic() - t0, tok_sha[:12])
+        corpus = load_corpus(cfg.data)
+        if corpus.tokenizer is None:
+            raise DataError(f"prepared dataset {corpus.dataset.root} has no tokenizer.model; prepare it again")
+        tokenizer_bytes = Path(corpus.tokenizer.path).read_bytes()
+        tok_sha = corpus.tokenizer.sha256
+        logger.info("corpus ready in %.1f s (tokenizer %s)", time.monotonic() - t0, tok_sha[:12])
         check_stop()
         try:
             self.dht = SwarmDHT(host=host, port=dht_port, announce_host=announce_host, identity_path=identity_path)

@@ -36,7 +36,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import torch
 
 from peer.core.codec.format import SparseLoCoConfig
-from peer.core.data import DataConfig
+from peer.core.corpus import DataConfig
 from peer.core.model import ModelConfig, get_preset, stage_layers
 from peer.core.optim import TrainConfig
 from peer.core.subspace import k_from_ratio

@@ -4,8 +4,9 @@ Rank 0 is the replica in the swarm: it opens the session (DHT first, then the pr
 resumes, re-syncs, claims the shard, publishes the records (N ranks, the N × b global batch,
 tokens/s of all ranks) and runs every round, exactly as a one-process full replica
 (`peer.node.trainer.run_full_replica` with `_Lead`). The other ranks open no DHT and no server:
-they take the verified config, the tokenizer and the shard from rank 0 (`peer.node.replica_group`,
-key "setup"), build the same stage workers and follow rank 0's control messages (`follow`):
+they take the verified config, the tokenizer, the prepared dataset's folder and the shard from
+rank 0 (`peer.node.replica_group`, key "setup"), build the same stage workers and follow rank 0's
+control messages (`follow`):
 - "step t h": draw this rank's batch of the shard (`rank_batch_index`) and run the inner step
   under DDP (`peer.node.data_parallel`); every rank takes the same averaged step;
 - `state` set on a message: first adopt each stage's `state_dict()` from rank 0, sent whenever
@@ -34,9 +35,10 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.data import build_token_data, train_batch
 from peer.core.files import atomic_write_bytes
 from peer.core.inner import MicroForward
+from peer.core.loader import Corpus, open_corpus, train_batch
+from peer.core.shards import PreparedDataset
 from peer.core.state import state_hash
 from peer.errors import ConfigError
 from peer.node.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index
@@ -84,9 +86,11 @@ class _Lead:
     def device(self, device: str) -> str:
         return self.group.device(device)
 
-    def __call__(self, session: Session, workers: dict[int, StageWorker], shard: int, stop: threading.Event) -> _Full:
+    def __call__(
+        self, session: Session, workers: dict[int, StageWorker], data: Corpus, shard: int, stop: threading.Event
+    ) -> _Full:
         cfg, tokenizer = session.cfg, session.cfg.data.tokenizer
-        setup = {"cfg": cfg, "shard": shard, "device": session.opts.device}
+        setup = {"cfg": cfg, "shard": shard, "device": session.opts.device, "dataset": str(data.dataset.root)}
         setup["tokenizer"] = Path(tokenizer).read_bytes() if tokenizer else None
         self.group.post(setup, key="setup")
         self.group.open(session.opts.device)  # after the DHT (Session.open): hivemind has forked
@@ -147,7 +151,7 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
     device = group.device(setup["device"])
     check_join(cfg, None, dataclasses.replace(opts, device=str(device)))  # this rank's own device fits too
     chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
-    data = build_token_data(cfg.data)
+    data = open_corpus(PreparedDataset.open(setup["dataset"]), cfg.data.seed)  # rank 0's folder, its seed
     parallel = parallel_chain(chain, group)
     metrics = MetricsWriter(opts.data_dir, "full", name=f"metrics-rank{group.rank}.jsonl")
     metrics.log("start", rank=group.rank, ranks=group.world, device=device)

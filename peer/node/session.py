@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import LinkConfig, RunConfig
-from peer.core.data import TokenData, build_token_data
 from peer.core.files import atomic_write_bytes, file_sha256
+from peer.core.loader import Corpus, load_corpus
 from peer.core.precision import resolve_precision
 from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
 from peer.net.addresses import advertised_host
@@ -367,8 +367,9 @@ class Session:
                 return shard
         raise PeerError(f"all {self.cfg.swarm.n_shards} data shards are taken; raise swarm.n_shards at the bootstrap")
 
-    def load_data(self) -> TokenData:
-        return build_token_data(self.cfg.data)
+    def load_data(self) -> Corpus:
+        """The run's corpus, read by the one loader (`peer.core.loader`)."""
+        return load_corpus(self.cfg.data)
 
 
 def usable_data_dir(path: Path) -> Path:

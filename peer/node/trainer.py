@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.inner import MicroForward
+from peer.core.loader import Corpus, train_batch, val_batches
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.data_parallel import chain_loss, chain_step, rank_batch_index
 from peer.node.fit import check_join
@@ -145,7 +145,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull
         device = session.opts.device if make is None else make.device(session.opts.device)
         workers = {s: _worker(session, s, compressed=False, device=device) for s in range(cfg.stages)}
         data, shard, _ = _join(session, workers)
-        full = _Full(session, workers, stop) if make is None else make(session, workers, shard, stop)
+        full = _Full(session, workers, stop) if make is None else make(session, workers, data, shard, stop)
         batch = cfg.train.batch_size  # per rank: the record says ranks × batch
         session.records.announce(
             lambda: session.records.replica(
@@ -167,7 +167,7 @@ class MakeFull(Protocol):
         """The device this rank's stages live on."""
 
     def __call__(
-        self, session: Session, workers: dict[int, StageWorker], shard: int, stop: threading.Event
+        self, session: Session, workers: dict[int, StageWorker], data: Corpus, shard: int, stop: threading.Event
     ) -> _Full: ...
 
 
@@ -179,7 +179,7 @@ def _worker(session: Session, stage: int, compressed: bool, device: str | None =
     )
 
 
-def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[TokenData, int, PeerService]:
+def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[Corpus, int, PeerService]:
     """A head or full replica joins: resume its checkpoint, serve its stages, catch up with the
     swarm, then its data and shard (a resumed peer's own shard when still free); the service."""
     resumed = session.checkpoints.resume(workers) or {}
@@ -222,7 +222,7 @@ class _Replica(Protocol):
         """Stage-boundary bytes so far, as the `round` metric counts them."""
 
 
-def _outer_loop(session: Session, replica: _Replica, data: TokenData, shard: int, stop: threading.Event) -> None:
+def _outer_loop(session: Session, replica: _Replica, data: Corpus, shard: int, stop: threading.Event) -> None:
     """The outer steps of a head or a full replica until the run's last round (or `stop`): repair,
     H inner steps on our shard, the round of every stage held, validation, the record, the checkpoint."""
     cfg = session.cfg

@@ -28,7 +28,7 @@ from typing import Any
 from rich.table import Table
 
 from peer.config import RunConfig, build_config
-from peer.core.data import TokenData
+from peer.core.loader import Corpus
 from peer.core.robust import DEFAULT as SCREEN
 from peer.core.robust import OFF as NO_SCREEN
 from peer.core.subspace import distinct_ks
@@ -131,7 +131,7 @@ def plan_sweep(
 
 def run_sweep(
     cfg: RunConfig,
-    data: TokenData,
+    data: Corpus,
     configs: Sequence[str],
     seeds: Sequence[int],
     ratios: Sequence[str],

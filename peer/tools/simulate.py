@@ -45,8 +45,8 @@ import torch
 from peer.config import WIRE_DTYPES, RunConfig
 from peer.core.codec.format import Payload
 from peer.core.commit import commit_round, perp_decay
-from peer.core.data import TokenData, train_batch, val_batches
 from peer.core.feedback import add_to_errors, returned
+from peer.core.loader import Corpus, train_batch, val_batches
 from peer.core.robust import OFF, RobustConfig
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
@@ -180,7 +180,7 @@ class _Scorer:
     replicas: int
 
     @classmethod
-    def build(cls, data: TokenData, cfg: RunConfig, opts: SimOptions, n_unc: int) -> _Scorer:
+    def build(cls, data: Corpus, cfg: RunConfig, opts: SimOptions, n_unc: int) -> _Scorer:
         seq = cfg.train.seq_len
         max_batches = max(1, -(-opts.val_tokens // (VAL_BATCH * seq)))
         batches = val_batches(data, VAL_BATCH, seq, max_batches)
@@ -240,7 +240,7 @@ def _result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigRe
 
 
 def run_adamw(
-    cfg: RunConfig, data: TokenData, kind: str, opts: SimOptions, progress: Progress | None
+    cfg: RunConfig, data: Corpus, kind: str, opts: SimOptions, progress: Progress | None
 ) -> tuple[ConfigResult, LocalReplica]:
     """Data-parallel AdamW: gradients of M shards averaged every step (dense fp32 on the wire).
 
@@ -317,7 +317,7 @@ def _commit_stage(
 
 
 def run_diloco(
-    cfg: RunConfig, data: TokenData, kind: str, opts: SimOptions, progress: Progress | None
+    cfg: RunConfig, data: Corpus, kind: str, opts: SimOptions, progress: Progress | None
 ) -> tuple[ConfigResult, LocalReplica]:
     """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries."""
     train, replicas = cfg.train, opts.replicas
@@ -385,7 +385,7 @@ def check_configs(configs: Sequence[str]) -> None:
 
 def run_config(
     cfg: RunConfig,
-    data: TokenData,
+    data: Corpus,
     name: str,
     opts: SimOptions,
     progress: Progress | None = None,
@@ -422,7 +422,7 @@ def assign_deltas(results: Sequence[ConfigResult]) -> None:
 
 def simulate(
     cfg: RunConfig,
-    data: TokenData,
+    data: Corpus,
     replicas: int,
     configs: Sequence[str] = CONFIGS[:4],
     het_fraction: float = 0.5,

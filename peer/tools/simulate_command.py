@@ -1,6 +1,6 @@
 """`peer simulate`: the body of the command (the CLI keeps only its flags, `peer/cli.py`).
 
-Plans the sweep from the flags (`experiments.plan_sweep`), builds the token data once, runs every
+Plans the sweep from the flags (`experiments.plan_sweep`), opens (or prepares) the corpus once, runs every
 configuration × seed × k/d with one progress bar per run, then prints the loss table, the summary
 (and poisoning) tables, writes the loss-curve PNG and, if asked, the JSON of every run.
 """
@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from peer.core.data import build_token_data
+from peer.core.loader import load_corpus
 from peer.tools import experiments as ex
 from peer.tools.render import loss_progress_columns, simulate_table
 from peer.tools.simulate import SimOptions, plot_curves
@@ -60,7 +60,7 @@ def command(
     )
     m = opts.replicas
     with console.status("preparing data and tokenizer…"):
-        data = build_token_data(cfg.data)
+        data = load_corpus(cfg.data)
     total = cfg.train.inner_steps * cfg.train.outer_steps
     with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
         tasks: dict[str, Any] = {}

@@ -22,7 +22,7 @@ import torch
 
 from peer.config import build_config
 from peer.core.commit import embedding_update
-from peer.core.data import TokenData, build_token_data, train_batch, val_batches
+from peer.core.loader import Corpus, load_corpus, train_batch, val_batches
 from peer.core.sparseloco import decompress
 from peer.node.stage_worker import StageWorker
 from peer.node.trainer import _Full
@@ -45,7 +45,7 @@ def _cfg(seed: int, cache_dir):
     return build_config(overrides={**DEMO, "seed": seed, "data.cache_dir": str(cache_dir)}, environ={})
 
 
-def _train(seed: int, precision: str, data: TokenData, cache_dir) -> tuple[float, float]:
+def _train(seed: int, precision: str, data: Corpus, cache_dir) -> tuple[float, float]:
     """(validation loss before, after T outer steps) of one full replica of the demo's model."""
     cfg = _cfg(seed, cache_dir)
     workers = {s: StageWorker(cfg, s, compressed=False, precision=precision) for s in range(cfg.stages)}
@@ -77,7 +77,7 @@ def one_thread():
 
 
 def test_bf16_trains_the_demo_within_the_seed_spread_of_fp32(tmp_path, one_thread):
-    data = build_token_data(_cfg(0, tmp_path).data)
+    data = load_corpus(_cfg(0, tmp_path).data)
     started = time.monotonic()
     runs = {seed: _train(seed, "fp32", data, tmp_path) for seed in FP32_SEEDS}
     first, bf16 = _train(FP32_SEEDS[0], "bf16", data, tmp_path)

@@ -1,5 +1,5 @@
-"""peer.core.corpus, peer.core.tokenizer and peer.core.data: corpus loading (txt/jsonl/parquet/stdlib/hub),
-the sentencepiece tokenizer, the token cache, the held-out split and deterministic disjoint shards."""
+"""peer.core.corpus and peer.core.tokenizer: corpus loading (txt/jsonl/parquet/stdlib/hub) and the
+sentencepiece tokenizer. Preparing and reading token shards: test_prepare.py, test_loader.py."""
 
 from __future__ import annotations
 
@@ -13,14 +13,6 @@ import pytest
 import torch
 
 from peer.core.corpus import BUILTIN_STDLIB, DataConfig, default_corpus_files, load_documents
-from peer.core.data import (
-    TokenData,
-    build_token_data,
-    shard_bounds,
-    split_documents,
-    train_batch,
-    val_batches,
-)
 from peer.core.tokenizer import Tokenizer, get_tokenizer
 from peer.errors import ConfigError, DataError
 
@@ -33,9 +25,9 @@ def _docs(n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stdlib_data(tmp_path_factory) -> TokenData:
+def stdlib_tokenizer(tmp_path_factory) -> Tokenizer:
     cfg = DataConfig(vocab_size=VOCAB, max_chars=SMALL, cache_dir=tmp_path_factory.mktemp("cache"))
-    return build_token_data(cfg)
+    return get_tokenizer(cfg, load_documents(cfg))
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -134,8 +126,8 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
 # -------------------------------------------------------------------------------------- tokenizer
 
 
-def test_tokenizer_round_trip_and_identity(stdlib_data, tmp_path):
-    tok = stdlib_data.tokenizer
+def test_tokenizer_round_trip_and_identity(stdlib_tokenizer, tmp_path):
+    tok = stdlib_tokenizer
     assert tok.vocab_size == VOCAB and 0 <= tok.eos_id < VOCAB
     text = "def f(x):\n\tif x:  # naïve café 😀 ©\r\n        return [1, 2]\n\n  trailing "
     ids = tok.encode(text)
@@ -165,120 +157,6 @@ def test_unreadable_tokenizer_is_a_data_error(tmp_path):
 def test_too_large_vocab_for_tiny_corpus_suggests_smaller(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("\n\n".join(_docs(4)))
+    cfg = DataConfig(dataset=str(path), vocab_size=2000, cache_dir=tmp_path)
     with pytest.raises(DataError, match="smaller --vocab-size"):
-        build_token_data(DataConfig(dataset=str(path), vocab_size=2000, cache_dir=tmp_path))
-
-
-# ------------------------------------------------------------------------------------ token data
-
-
-def test_build_is_cached_and_deterministic(tmp_path):
-    cfg = DataConfig(vocab_size=VOCAB, max_chars=SMALL, cache_dir=tmp_path / "a")
-    first = build_token_data(cfg)
-    files = sorted(p for p in cfg.cache_dir.rglob("*") if p.is_file())
-    assert [p.parent.name for p in files] == ["tokenizers", "tokens"]
-    stamps = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in files]
-    second = build_token_data(cfg)
-    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in files] == stamps  # read, not rewritten
-    assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
-    assert first.train.dtype == torch.int64 and first.train.dim() == 1
-    # a fresh cache reproduces the same tokenizer bytes and tensors
-    other = build_token_data(DataConfig(vocab_size=VOCAB, max_chars=SMALL, cache_dir=tmp_path / "b"))
-    assert other.tokenizer.sha256 == first.tokenizer.sha256
-    assert torch.equal(other.train, first.train) and torch.equal(other.val, first.val)
-    # a corrupt token cache is rebuilt, not trusted
-    files[1].write_bytes(b"garbage")
-    again = build_token_data(cfg)
-    assert torch.equal(again.train, first.train)
-
-
-def test_val_documents_are_held_out_of_train(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    docs = _docs(40)
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    data = build_token_data(DataConfig(dataset=str(path), vocab_size=280, val_fraction=0.1, cache_dir=tmp_path))
-    train_text, val_text = data.tokenizer.decode(data.train), data.tokenizer.decode(data.val)
-    in_val = [f"<doc {i}> " in val_text for i in range(40)]
-    in_train = [f"<doc {i}> " in train_text for i in range(40)]
-    assert all(a != b for a, b in zip(in_val, in_train, strict=True))  # every document on exactly one side
-    assert 1 <= sum(in_val) < 40
-    eos = data.tokenizer.eos_id
-    assert int((data.train == eos).sum()) + int((data.val == eos).sum()) == 40  # EOS after every document
-    assert data.val[-1] == eos and data.train[-1] == eos
-
-
-def test_split_documents_properties():
-    lengths = [100] * 50
-    train, val = split_documents(lengths, 0.1, seed=0)
-    assert len(val) == 5 and sorted(train + val) == list(range(50)) and not set(train) & set(val)
-    assert split_documents(lengths, 0.1, seed=0) == (train, val)
-    assert split_documents(lengths, 0.1, seed=1) != (train, val)
-    # a huge document is not allowed to swallow the held-out share
-    train, val = split_documents([10_000] + [10] * 20, 0.05, seed=0)
-    assert 0 not in val and len(val) >= 1 and 0 in train
-    assert split_documents([5, 7], 0.01, seed=0)[1] in ([0], [1])
-    with pytest.raises(DataError, match="at least 2"):
-        split_documents([10], 0.1, seed=0)
-
-
-# ---------------------------------------------------------------------------------------- batches
-
-
-def _positional(tok: Tokenizer, n_train: int, n_val: int = 200) -> TokenData:
-    """Token i has value i, so a batch shows exactly which positions it read."""
-    return TokenData(torch.arange(n_train), torch.arange(n_val), tok)
-
-
-def test_shards_are_disjoint_and_cover_train(stdlib_data):
-    n, n_shards, L, b = 1003, 4, 8, 3
-    bounds = [shard_bounds(n, s, n_shards) for s in range(n_shards)]
-    assert bounds[0][0] == 0 and bounds[-1][1] == n
-    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(n_shards - 1))
-    data = _positional(stdlib_data.tokenizer, n)
-    seen: list[set[int]] = []
-    for s, (lo, hi) in enumerate(bounds):
-        n_windows = (hi - lo - 1) // L
-        positions: set[int] = set()
-        for step in range(-(-n_windows // b)):  # one pass over the shard
-            x, y = train_batch(data, s, n_shards, step, b, L)
-            assert x.shape == (b, L) and y.shape == (b, L) and x.dtype == torch.int64
-            assert torch.equal(y, x + 1)  # targets are the next tokens
-            assert int(x.min()) >= lo and int(y.max()) < hi
-            positions |= set(x.flatten().tolist())
-        assert positions == set(range(lo, lo + n_windows * L))  # every window of the shard visited
-        seen.append(positions)
-    for i in range(n_shards):
-        for j in range(i + 1, n_shards):
-            assert not seen[i] & seen[j]
-
-
-def test_train_batch_is_deterministic_and_wraps(stdlib_data):
-    data = stdlib_data
-    x1, y1 = train_batch(data, 1, 3, 7, 4, 32)
-    x2, y2 = train_batch(data, 1, 3, 7, 4, 32)
-    assert torch.equal(x1, x2) and torch.equal(y1, y2)
-    assert not torch.equal(train_batch(data, 1, 3, 8, 4, 32)[0], x1)
-    pos = _positional(data.tokenizer, 101)  # one shard: (101 - 1) // 10 = 10 windows
-    first = train_batch(pos, 0, 1, 0, 5, 10)[0]
-    assert torch.equal(train_batch(pos, 0, 1, 2, 5, 10)[0], first)  # step 2 wraps to step 0
-    assert first[:, 0].tolist() == [0, 10, 20, 30, 40]
-
-
-def test_short_shard_is_a_data_error(stdlib_data):
-    data = _positional(stdlib_data.tokenizer, 40)
-    with pytest.raises(DataError, match="fewer than seq_len"):
-        train_batch(data, 3, 4, 0, 2, 16)
-    with pytest.raises(ConfigError):
-        train_batch(data, 4, 4, 0, 2, 4)
-
-
-def test_val_batches_are_deterministic(stdlib_data):
-    a = val_batches(stdlib_data, 4, 32, max_batches=3)
-    b = val_batches(stdlib_data, 4, 32, max_batches=3)
-    assert len(a) == 3 and all(x.shape == (4, 32) for x, _ in a)
-    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
-    pos = _positional(stdlib_data.tokenizer, 10, n_val=23)  # 2 windows of 10 (+1)
-    batches = val_batches(pos, 4, 10, max_batches=5)
-    assert len(batches) == 1 and batches[0][0][:, 0].tolist() == [0, 10]
-    with pytest.raises(DataError, match="validation split"):
-        val_batches(pos, 4, 30, max_batches=1)
+        get_tokenizer(cfg, load_documents(cfg))

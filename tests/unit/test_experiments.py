@@ -14,7 +14,6 @@ from peer.config import build_config
 from peer.core.codec.clip import clip_to_median, clipped_mass
 from peer.core.codec.format import SparseLoCoConfig
 from peer.core.commit import commit_round, perp_decay
-from peer.core.data import TokenData
 from peer.core.optim import lr_at
 from peer.core.sparseloco import compress, decompress
 from peer.core.state import stage_state
@@ -28,6 +27,7 @@ from peer.tools import experiments as ex
 from peer.tools import flags
 from peer.tools.sim_replica import LocalReplica
 from peer.tools.simulate import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
+from tests.corpora import pattern_corpus
 
 
 def _cfg(**overrides):
@@ -42,20 +42,16 @@ def _cfg(**overrides):
     return build_config(overrides=base | overrides, environ={})
 
 
-def _data(cfg) -> TokenData:
-    g = torch.Generator().manual_seed(0)
-    base = torch.arange(30_000) % 89
-    noise = torch.randint(0, cfg.model.vocab_size, (30_000,), generator=g)
-    train = torch.where(torch.rand(30_000, generator=g) < 0.1, noise, base)
-    return TokenData(train=train, val=train[:5_000].clone(), tokenizer=None)
+def _data(cfg, root):
+    return pattern_corpus(root, cfg.model.vocab_size, tokens=30_000, period=89, val=5_000)
 
 
 # ----------------------------------------------------------------------------- 1. the metric
 
 
-def test_replica_mean_weights_each_path_by_its_replicas():
+def test_replica_mean_weights_each_path_by_its_replicas(tmp_path):
     cfg = _cfg()
-    res = simulate(cfg, _data(cfg), 4, ["sparseloco", "pp-compress", "het-pp-compress"], 0.25)
+    res = simulate(cfg, _data(cfg, tmp_path), 4, ["sparseloco", "pp-compress", "het-pp-compress"], 0.25)
     by = {r.name: r for r in res}
     het = by["het-pp-compress"]
     assert het.val_loss_compressed_path is not None and het.val_loss_uncompressed_path is not None
@@ -81,19 +77,19 @@ def test_replica_mean_weights_each_path_by_its_replicas():
     assert by["het-pp-compress"].k == cfg.k == 8
 
 
-def test_val_tokens_sets_the_held_out_set():
+def test_val_tokens_sets_the_held_out_set(tmp_path):
     cfg = _cfg()
-    (res,) = simulate(cfg, _data(cfg), 2, ["sparseloco"], options=SimOptions(val_tokens=320))
+    (res,) = simulate(cfg, _data(cfg, tmp_path), 2, ["sparseloco"], options=SimOptions(val_tokens=320))
     assert res.val_tokens == 320
 
 
 # ----------------------------------------------------------------------------- 2. sweeps
 
 
-def test_sweep_runs_baselines_once_per_seed_and_summarizes_pairs():
+def test_sweep_runs_baselines_once_per_seed_and_summarizes_pairs(tmp_path):
     cfg = _cfg(**{"train.outer_steps": 1})
     configs = ["sparseloco", "pp-compress", "het-pp-compress"]
-    results = ex.run_sweep(cfg, _data(cfg), configs, [0, 1], ["1/8", "1/32"], SimOptions(replicas=2))
+    results = ex.run_sweep(cfg, _data(cfg, tmp_path), configs, [0, 1], ["1/8", "1/32"], SimOptions(replicas=2))
     assert [(r.name, r.k_ratio, r.seed) for r in results if r.name == "sparseloco"] == [
         ("sparseloco", None, 0),
         ("sparseloco", None, 1),
@@ -117,20 +113,20 @@ def test_sweep_runs_baselines_once_per_seed_and_summarizes_pairs():
     assert ex.t95(2) == pytest.approx(4.303) and ex.t95(100) == 1.96
 
 
-def test_sweep_rejects_ratios_with_the_same_k_and_repeated_seeds():
+def test_sweep_rejects_ratios_with_the_same_k_and_repeated_seeds(tmp_path):
     cfg = _cfg()
     with pytest.raises(ConfigError, match="both give k = 1.*1/64"):
-        ex.run_sweep(cfg, _data(cfg), ["pp-compress"], [0], ["1/64", "1/100"], SimOptions())
+        ex.run_sweep(cfg, _data(cfg, tmp_path), ["pp-compress"], [0], ["1/64", "1/100"], SimOptions())
     with pytest.raises(ConfigError, match="seed twice"):
-        ex.run_sweep(cfg, _data(cfg), ["pp-compress"], [0, 0], ["1/8"], SimOptions())
+        ex.run_sweep(cfg, _data(cfg, tmp_path), ["pp-compress"], [0, 0], ["1/8"], SimOptions())
 
 
 # ----------------------------------------------------------------------------- 3. Tables 4 and 5
 
 
-def test_adamw_subspace_configs_run_on_their_paths():
+def test_adamw_subspace_configs_run_on_their_paths(tmp_path):
     cfg = _cfg()
-    res = simulate(cfg, _data(cfg), 2, ["adamw", "adamw-pp-compress", "adamw-het-pp-compress"], 0.5)
+    res = simulate(cfg, _data(cfg, tmp_path), 2, ["adamw", "adamw-pp-compress", "adamw-het-pp-compress"], 0.5)
     by = {r.name: r for r in res}
     assert by["adamw-pp-compress"].val_loss_uncompressed_path is None
     het = by["adamw-het-pp-compress"]
@@ -140,21 +136,21 @@ def test_adamw_subspace_configs_run_on_their_paths():
     assert by["adamw-pp-compress"].act_bytes < by["adamw"].act_bytes
     # Δ % of the adamw family is against adamw
     assert by["adamw"].delta_pct == 0.0
-    lr = simulate(cfg, _data(cfg), 2, ["adamw"], options=SimOptions(adamw_lr=1e-5))[0]
+    lr = simulate(cfg, _data(cfg, tmp_path), 2, ["adamw"], options=SimOptions(adamw_lr=1e-5))[0]
     assert lr.train_curve != by["adamw"].train_curve
 
 
-def test_no_te_adaptation_keeps_perp_and_weight_projection_keeps_outputs_in_col_u():
+def test_no_te_adaptation_keeps_perp_and_weight_projection_keeps_outputs_in_col_u(tmp_path):
     cfg = _cfg()
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
     fixed = LocalReplica.build(cfg, compressed=True, U=U)
     perp0 = perp_of(fixed.stages[1]).clone()
     opts = SimOptions(replicas=2, te_adaptation=False, weight_projection=True)
-    res = run_config(cfg, _data(cfg), "pp-compress", opts)
+    res = run_config(cfg, _data(cfg, tmp_path), "pp-compress", opts)
     assert math.isfinite(res.val_loss_replica_mean)
     from peer.tools.simulate import run_diloco
 
-    _, rep = run_diloco(cfg, _data(cfg), "pp-compress", opts, None)
+    _, rep = run_diloco(cfg, _data(cfg, tmp_path), "pp-compress", opts, None)
     assert torch.equal(perp_of(rep.stages[1]), perp0)
     P = U @ U.T
     for stage in rep.stages:

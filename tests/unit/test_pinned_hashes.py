@@ -5,7 +5,9 @@ integer initialisation, Gram–Schmidt basis, float64 fixed-order T_S/T⊥ split
 on top of issue 10's (sign-true quantizer and payload v3, global-norm gradient clipping across
 stages, T⊥ weight decay at each commit, clipped mass returned to the sender). If one changes, the
 math changed: that must be a deliberate change of behaviour (say so in CHANGELOG.md and update the
-pin), never a side effect of moving code.
+pin), never a side effect of moving code. The simulator's pin changed with issue 23 for its data
+alone: batches now come from the one loader (`peer.core.loader`), a keyed permutation of each
+replica's sequences instead of consecutive windows; the math is unchanged.
 
 Training is device-native, so its bits depend on the CPU's kernels (torch picks AVX2 or AVX-512
 code paths, MKL its own). The pins are therefore computed in a subprocess on the REFERENCE
@@ -31,16 +33,16 @@ import torch
 
 from peer.config import build_config
 from peer.core.commit import embedding_update
-from peer.core.data import TokenData
 from peer.core.sparseloco import decompress
 from peer.core.state import state_hash
 from peer.node.checkpoints.model import load_model_checkpoint
 from peer.node.stage_worker import StageWorker
 from peer.tools.simulate import simulate
+from tests.corpora import pattern_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1"}
-SIMULATOR_PIN = {"sparseloco": "daf6bdd7ee25cd14", "het-pp-compress": "f8df3e1e6288eb50"}
+SIMULATOR_PIN = {"sparseloco": "9edcaa4ec32edfcd", "het-pp-compress": "8bd71daf24446fe8"}  # issue 23's data order
 SWARM_ROUND_PIN = {"0": "bd88c80df68f88a3", "1": "a08768f897760d49"}
 PINNED_CPU_KINDS = ("x86_64", "amd64")  # platform.machine(), lower-cased, where the pins were recorded
 
@@ -65,19 +67,16 @@ def _cfg():
     return build_config(overrides=overrides, environ={})
 
 
-def _data(cfg) -> TokenData:
-    g = torch.Generator().manual_seed(0)
-    base = torch.arange(20_000) % 89
-    noise = torch.randint(0, cfg.model.vocab_size, (20_000,), generator=g)
-    train = torch.where(torch.rand(20_000, generator=g) < 0.1, noise, base)
-    return TokenData(train=train, val=train[:2_000].clone(), tokenizer=None)
+def _data(cfg, root):
+    return pattern_corpus(root, cfg.model.vocab_size, tokens=20_000, period=89, val=2_000)
 
 
 def simulator_hashes() -> dict[str, str]:
     cfg = _cfg()
     names = list(SIMULATOR_PIN)
     with tempfile.TemporaryDirectory() as tmp:
-        results = simulate(cfg, _data(cfg), replicas=2, configs=names, het_fraction=0.5, save_dir=Path(tmp))
+        data = _data(cfg, Path(tmp) / "corpus")
+        results = simulate(cfg, data, replicas=2, configs=names, het_fraction=0.5, save_dir=Path(tmp))
         assert [r.name for r in results] == names
         return {name: state_hash(load_model_checkpoint(Path(tmp) / name)[0]) for name in names}
 

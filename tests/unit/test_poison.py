@@ -21,13 +21,14 @@ from peer.config import build_config
 from peer.core.codec.clip import clip_to_median, global_norm
 from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.commit import embedding_update, outer_delta, perp_decay
-from peer.core.data import TokenData, train_batch, val_batches
+from peer.core.loader import Corpus, train_batch, val_batches
 from peer.core.sparseloco import aggregate, compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
 from peer.core.subspace_state import EMBED, perp_of
 from peer.errors import ConfigError
 from peer.node.stage_worker import StageWorker
 from peer.tools.sim_replica import LocalReplica
+from tests.corpora import pattern_corpus
 
 # ------------------------------------------------------------------------- plain reference
 
@@ -269,13 +270,8 @@ def _loss_cfg(factor: float):
     )
 
 
-def _synthetic_data(cfg) -> TokenData:
-    """A learnable stream: a repeating pattern with a little noise (as in test_replica)."""
-    g = torch.Generator().manual_seed(0)
-    base = torch.arange(50_000) % 97
-    noise = torch.randint(0, cfg.model.vocab_size, (50_000,), generator=g)
-    train = torch.where(torch.rand(50_000, generator=g) < 0.1, noise, base)
-    return TokenData(train=train, val=train[:4_000].clone(), tokenizer=None)
+def _synthetic_data(cfg, root):
+    return pattern_corpus(root, cfg.model.vocab_size, tokens=50_000, period=97, val=4_000)
 
 
 def _attack(kind: str | None, honest: dict, t: int, s: int, cfg) -> dict:
@@ -291,7 +287,7 @@ def _attack(kind: str | None, honest: dict, t: int, s: int, cfg) -> dict:
     return honest
 
 
-def _train(cfg, data: TokenData, attack: str | None) -> tuple[list[float], int, float]:
+def _train(cfg, data: Corpus, attack: str | None) -> tuple[list[float], int, float]:
     """M replicas × S stages, the real compress → bytes → decompress → clip → aggregate → apply path.
 
     Returns (val loss after every round, contributions clipped, largest norm ratio seen); the
@@ -336,8 +332,8 @@ def _apply(stage, start, agg, lr):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    data = _synthetic_data(_loss_cfg(2.0))
+def runs(tmp_path_factory):
+    data = _synthetic_data(_loss_cfg(2.0), tmp_path_factory.mktemp("corpus"))
     out = {}
     for factor in (2.0, 0.0):
         cfg = _loss_cfg(factor)

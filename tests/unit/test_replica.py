@@ -16,7 +16,6 @@ import torch
 
 from peer.config import WIRE_DTYPES, build_config
 from peer.core.commit import commit_round, embedding_update, perp_decay
-from peer.core.data import TokenData
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state, state_hash
 from peer.core.subspace import make_basis, project
@@ -24,6 +23,7 @@ from peer.core.subspace_state import perp_of
 from peer.node.stage_worker import StageWorker
 from peer.tools.sim_replica import LocalReplica
 from peer.tools.simulate import simulate
+from tests.corpora import pattern_corpus
 
 
 def _cfg(**overrides):
@@ -159,18 +159,13 @@ def test_local_replicas_agree_after_commit_round():
         assert state_hash(a) == state_hash(b)
 
 
-def _synthetic_data(cfg) -> TokenData:
-    g = torch.Generator().manual_seed(0)
-    # a learnable stream: a repeating pattern with a little noise
-    base = torch.arange(50_000) % 97
-    noise = torch.randint(0, cfg.model.vocab_size, (50_000,), generator=g)
-    train = torch.where(torch.rand(50_000, generator=g) < 0.1, noise, base)
-    return TokenData(train=train, val=train[:4_000].clone(), tokenizer=None)
+def _synthetic_data(cfg, root):
+    return pattern_corpus(root, cfg.model.vocab_size, tokens=50_000, period=97, val=4_000)
 
 
-def test_simulator_is_deterministic_and_reports_every_config():
+def test_simulator_is_deterministic_and_reports_every_config(tmp_path):
     cfg = _cfg()
-    data = _synthetic_data(cfg)
+    data = _synthetic_data(cfg, tmp_path)
     a = simulate(cfg, data, replicas=2, het_fraction=0.5)
     b = simulate(cfg, data, replicas=2, configs=["pp-compress"], het_fraction=0.5)
     assert [r.name for r in a] == ["adamw", "sparseloco", "pp-compress", "het-pp-compress"]
@@ -182,18 +177,18 @@ def test_simulator_is_deterministic_and_reports_every_config():
     assert by["pp-compress"].k_ratio == "1/8" and by["het-pp-compress"].het_fraction == 0.5
 
 
-def test_simulator_learns_a_pattern():
+def test_simulator_learns_a_pattern(tmp_path):
     cfg = _cfg(**{"train.outer_steps": 6, "train.inner_steps": 5, "train.lr": 1e-2})
-    (res,) = simulate(cfg, _synthetic_data(cfg), replicas=2, configs=["sparseloco"])
+    (res,) = simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["sparseloco"])
     assert res.val_curve[-1][1] < res.val_curve[0][1] - 0.5
 
 
-def test_het_fraction_must_leave_both_kinds():
+def test_het_fraction_must_leave_both_kinds(tmp_path):
     from peer.errors import ConfigError
 
     cfg = _cfg()
     with pytest.raises(ConfigError, match="het-fraction"):
-        simulate(cfg, _synthetic_data(cfg), replicas=2, configs=["het-pp-compress"], het_fraction=1.0)
+        simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["het-pp-compress"], het_fraction=1.0)
     with pytest.raises(ConfigError, match="unknown simulator config"):
-        simulate(cfg, _synthetic_data(cfg), replicas=2, configs=["nope"])
+        simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["nope"])
     assert dataclasses.is_dataclass(cfg)
