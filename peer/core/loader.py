@@ -132,15 +132,23 @@ class _Maps:
         return arr
 
     def gather(self, win: _Windows, ids: np.ndarray) -> Batch:
-        """(inputs, targets), each (len(ids), seq_len) int64: the windows `ids`, targets one token on."""
+        """(inputs, targets), each (len(ids), seq_len) int64: the windows `ids`, targets one token on.
+
+        One fancy-indexed read per shard file touched (usually one), then one widening copy each
+        for inputs and targets: a constant number of numpy calls, whatever the batch size."""
         files, offsets = win.locate(ids)
         L = win.seq_len
-        x = np.empty((len(ids), L), dtype=np.int64)  # (b, L)
-        y = np.empty((len(ids), L), dtype=np.int64)  # (b, L)
-        for i, (f, o) in enumerate(zip(files.tolist(), offsets.tolist(), strict=True)):
-            w = self.array(win.shards[f])[o : o + L + 1]  # (L + 1,)
-            x[i] = w[:-1]
-            y[i] = w[1:]
+        idx = offsets[:, None] + np.arange(L + 1)  # (b, L + 1)
+        first, last = int(files[0]), int(files[-1])
+        if first == last and (files == first).all():
+            tokens = self.array(win.shards[first])[idx]  # (b, L + 1), the shard's dtype
+        else:
+            tokens = np.empty(idx.shape, dtype=np.dtype(self.dataset.index.dtype))
+            for f in np.unique(files).tolist():
+                rows = files == f
+                tokens[rows] = self.array(win.shards[f])[idx[rows]]
+        x = tokens[:, :-1].astype(np.int64, order="C")  # (b, L)
+        y = tokens[:, 1:].astype(np.int64, order="C")  # (b, L)
         self._touched += len(ids) * ((L + 1) * self._itemsize + _FAULT_AROUND)
         if self._touched >= RESIDENT_BUDGET_BYTES:
             self.release()
@@ -198,22 +206,29 @@ class Corpus:
     def order(self, key: tuple[int, int], n: int, epochs: np.ndarray, r: np.ndarray) -> np.ndarray:
         """π_{seed, key, e}(r) for each (epoch, position) pair, computed PERM_CHUNK positions at a
         time and cached (the next batches of the same epoch read the same chunk)."""
-        out = np.empty_like(r)
         chunks = r // PERM_CHUNK
+        if epochs[0] == epochs[-1] and chunks[0] == chunks[-1]:  # the usual case: one chunk of one epoch
+            one: np.ndarray = self._chunk(key, n, int(epochs[0]), int(chunks[0]))[r - int(chunks[0]) * PERM_CHUNK]
+            return one
+        out = np.empty_like(r)
         for e, c in sorted(set(zip(epochs.tolist(), chunks.tolist(), strict=True))):
-            lo = c * PERM_CHUNK
-            name = (*key, n, e, c)
-            perm = self._orders.get(name)
-            if perm is None:
-                perm = permute(np.arange(lo, min(lo + PERM_CHUNK, n)), n, keys(self.seed, *key, e))
-                self._orders[name] = perm
-                if len(self._orders) > _PERM_CACHE:
-                    self._orders.popitem(last=False)
-            else:
-                self._orders.move_to_end(name)
             rows = (epochs == e) & (chunks == c)
-            out[rows] = perm[r[rows] - lo]
+            out[rows] = self._chunk(key, n, e, c)[r[rows] - c * PERM_CHUNK]
         return out
+
+    def _chunk(self, key: tuple[int, int], n: int, epoch: int, chunk: int) -> np.ndarray:
+        """π(r) for r in [chunk·PERM_CHUNK, (chunk + 1)·PERM_CHUNK) ∩ [0, n), from the cache."""
+        name = (*key, n, epoch, chunk)
+        perm = self._orders.get(name)
+        if perm is None:
+            lo = chunk * PERM_CHUNK
+            perm = permute(np.arange(lo, min(lo + PERM_CHUNK, n)), n, keys(self.seed, *key, epoch))
+            self._orders[name] = perm
+            if len(self._orders) > _PERM_CACHE:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(name)
+        return perm
 
     def note_epoch(self, shard: int, n_shards: int, seq_len: int, epoch: int, n_m: int) -> None:
         """Log the claim's first epoch, then once each time a later one begins."""

@@ -1,7 +1,7 @@
 """`peer bench …`: the benchmarks that measure the design's budgets, as a typer sub-app of `peer`.
 
 Each command parses its flags (`peer.tools.flags`) and hands them to the module that measures
-(`peer.tools.bench`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`); results go to the
+(`peer.tools.bench`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`, `bench_data`); results go to the
 terminal and, with `--json`, to a file.
 """
 
@@ -174,3 +174,21 @@ def bench_memory_cmd(
         console.print(f"{r['case']:<32} estimate {est:>9}  measured {measured:>9}  {r['error']:+.1%}{extra}")
     if json_out:
         _write_json(json_out, {"rows": rows})
+
+
+@bench_app.command("data")
+def bench_data_cmd(
+    sizes: flags.DataSizes = "10M,1B",
+    batches: flags.DataBatches = 2000,
+    batch_size: flags.PipeBatch = 8,
+    seq_len: flags.PipeSeqLen = 128,
+    n_shards: flags.DataShards = 4,
+    steps: flags.DataSteps = 3,
+    workdir: flags.DataWorkdir = None,
+    keep: flags.DataKeep = False,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """The loader: batch tokens/s on one core, a head's RSS on a small and a huge corpus, data's share of a step."""
+    from peer.tools.bench_data import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), _write_json)

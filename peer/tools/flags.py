@@ -376,3 +376,16 @@ ReplicaStages = Annotated[int, typer.Option(help="Stages of the replica's chain 
 ReplicaWarmup = Annotated[int, typer.Option(help="Inner steps before the measured ones.")]
 ReplicaSteps = Annotated[int, typer.Option(help="Measured inner steps per run.")]
 ReplicaRepeats = Annotated[int, typer.Option(help="Runs of each (1 rank, N ranks), alternating; medians reported.")]
+
+# --- peer bench data -----------------------------------------------------------------------------
+
+DataSizes = Annotated[
+    str, typer.Option("--sizes", help="Comma-separated synthetic corpus sizes in tokens (2 bytes each), e.g. 10M,1B.")
+]
+DataBatches = Annotated[int, typer.Option("--batches", help="Batches a head reads in each memory run.")]
+DataShards = Annotated[int, typer.Option("--n-shards", help="Data shards (claims) the corpus is split into.")]
+DataSteps = Annotated[int, typer.Option("--steps", help="Inner steps of the tiny model after the batches (0: none).")]
+DataWorkdir = Annotated[
+    Path | None, typer.Option("--workdir", help="Where the corpora are written (default: a fresh temporary folder).")
+]
+DataKeep = Annotated[bool, typer.Option("--keep", help="Keep the synthetic corpora afterwards.")]
