@@ -12,7 +12,8 @@ vocabulary, a valid index, written with `peer.core.shards.write_prepared` in chu
    corpus, assembles `batches` batches of a head's claim (data shard 0 of `n_shards`) and the
    validation batches, then runs `steps` inner steps of the tiny model on them as a full replica
    does (`peer.node.data_parallel.chain_step`); it reports its peak and final resident set
-   (VmHWM, VmRSS) and the largest file-backed part seen (RssFile: the mapped shard pages).
+   (VmHWM, VmRSS), its anonymous part and the largest file-backed part seen (RssFile: shared
+   libraries, and shard pages if the loader mapped them).
    Target: the peaks within 5 % of each other (resident memory does not grow with the corpus).
 3. step share: the median time of one `train_batch` against one inner step of the default run
    (the tiny preset's full replica on one core) and of the small preset: data's fraction of a step.
@@ -295,7 +296,7 @@ def tables(result: dict[str, Any]) -> list[Any]:
         title=f"a head's resident memory: {result['batches']} batches of {result['batch_size']} × {result['seq_len']} "
         f"(peaks {result['rss_spread']:+.2%} apart; target ≤ {TARGET_RSS_SPREAD:.0%})"
     )
-    for col in ("corpus tokens", "peak RSS MiB", "final RSS MiB", "anon MiB", "max mapped-file MiB", "read s"):
+    for col in ("corpus tokens", "peak RSS MiB", "final RSS MiB", "anon MiB", "max file-backed MiB", "read s"):
         memory.add_column(col, justify="right")
     for r in result["memory"]:
         memory.add_row(
