@@ -1,8 +1,9 @@
 """A prepared dataset on disk: memory-mapped token shards and the index that names them.
 
-`peer data prepare` writes a folder once; every head and full replica reads it through
-`PreparedDataset` (memory-mapped, so memory does not grow with the corpus), and peers that lack
-it fetch its shards from peers that hold them, by sha256.
+`peer data prepare` writes a folder once; every head and full replica opens it as a
+`PreparedDataset` and reads its batches through `peer.core.loader` (positional reads, so memory
+does not grow with the corpus), and peers that lack it fetch its shards from peers that hold
+them, by sha256. `write_prepared` makes a folder in one go from token arrays already split.
 
 Layout of a prepared folder:
     index.json          `DatasetIndex`: token dtype, vocabulary, EOS id, tokenizer sha256, the
