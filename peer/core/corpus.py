@@ -215,8 +215,8 @@ def _plan(source: Source) -> _Plan:
         return _Plan("files", str(path), builder, tuple(files))
     if _looks_like_path(source.dataset):
         raise DataError(
-            f"dataset path {source.dataset} does not exist; pass an existing file or folder, a hub dataset "
-            f"name or {BUILTIN_STDLIB}"
+            f"dataset path {source.dataset} does not exist; pass an existing file or folder with --dataset "
+            f"(`peer data prepare`: as SOURCE), a hub dataset name or {BUILTIN_STDLIB}"
         )
     return _Plan("repo", source.dataset)
 
