@@ -54,7 +54,7 @@ BUILTIN_STDLIB = "builtin:stdlib"
 CACHE_VERSION = "v1"  # part of peer.core.data's token cache key (that cache goes with peer.core.data)
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-_ROWS_PER_BATCH = 1024  # rows read from `datasets` at a time
+_ROWS_PER_BATCH = 1024  # rows read from `datasets` at a time (one pyarrow table)
 _HUB_HINT = f"pass a local path or a prepared folder with --dataset, or use {BUILTIN_STDLIB}"
 
 
@@ -292,23 +292,25 @@ def _capped(texts: Iterable[str], max_chars: int | None) -> Iterator[str]:
             return
 
 
-def _column_texts(batches: Iterable[dict[str, list[Any]]], text_field: str, name: str) -> Iterator[str]:
-    """The `text_field` values of `datasets` row batches (None skipped); DataError for a missing or
-    non-text column."""
-    row = 0
-    for batch in batches:
-        if text_field not in batch:
-            columns = ", ".join(sorted(batch)) or "none"
+def _column_texts(tables: Iterable[Any], text_field: str, name: str) -> Iterator[str]:
+    """The `text_field` values of a stream of pyarrow tables (nulls skipped); DataError for a missing
+    or non-text column. (Arrow batches: 2-3x faster than `datasets`' per-row dicts.)"""
+    for table in tables:
+        if text_field not in table.column_names:
+            columns = ", ".join(sorted(table.column_names)) or "none"
             raise DataError(
                 f"dataset '{name}' has no field '{text_field}' (columns: {columns}); pass --text-field with one of them"
             )
-        for value in batch[text_field]:
-            if value is not None and not isinstance(value, str):
-                raise DataError(
-                    f"field '{text_field}' of dataset '{name}' holds {type(value).__name__} in row {row}, not text; "
-                    "pass --text-field naming a text column"
-                )
-            row += 1
+        column = table.column(text_field)
+        kind = str(column.type)  # pyarrow's type name (pyarrow comes with `datasets`; no import here)
+        if kind not in ("string", "large_string", "string_view"):
+            if kind == "null":  # every row null
+                continue
+            raise DataError(
+                f"field '{text_field}' of dataset '{name}' holds {column.type} values, not text; "
+                "pass --text-field naming a text column"
+            )
+        for value in column.to_pylist():
             if value is not None:
                 yield value
 
@@ -346,7 +348,8 @@ def _dataset_documents(plan: _Plan, source: Source) -> Iterator[str]:
     text_field = "text" if plan.builder == "text" else source.text_field
     what = "check the file format" if plan.kind == "files" else "run the same command again to resume"
     try:
-        yield from _column_texts(ds.iter(batch_size=_ROWS_PER_BATCH), text_field, source.dataset)
+        tables = ds.with_format("arrow").iter(batch_size=_ROWS_PER_BATCH)
+        yield from _column_texts(tables, text_field, source.dataset)
     except DataError:
         raise
     except Exception as exc:

@@ -28,7 +28,6 @@ import signal
 from collections import deque
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -81,9 +80,11 @@ class Encoded:
 
 def pack(ids: Iterable[list[int]], eos_id: int, dtype: str) -> np.ndarray:
     """Documents' ids back to back, each followed by EOS, as one array of `dtype`."""
-    docs = [[*doc, eos_id] for doc in ids]
-    total = sum(map(len, docs))
-    return np.fromiter(chain.from_iterable(docs), dtype=np.dtype(dtype), count=total)
+    flat: list[int] = []
+    for doc in ids:
+        flat += doc
+        flat.append(eos_id)
+    return np.fromiter(flat, dtype=np.dtype(dtype), count=len(flat))
 
 
 class Encoder:
