@@ -139,6 +139,25 @@ def test_builtin_stdlib_capped_and_a_given_tokenizer(reference, tmp_path):
     assert given.tokenizer_path.read_bytes() == reference.tokenizer_path.read_bytes()
 
 
+def test_a_vocabulary_beyond_uint16_gives_uint32_shards(reference, tmp_path):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    model = pb.ModelProto()
+    model.ParseFromString(reference.tokenizer_path.read_bytes())
+    for i in range(70_000):  # whole-word pieces: ids up to VOCAB + 69,999, past uint16
+        model.pieces.add(piece=f"w{i:05d}x", score=0.0, type=pb.ModelProto.SentencePiece.USER_DEFINED)
+    big = tmp_path / "big.model"
+    big.write_bytes(model.SerializeToString())
+    texts = [f"document {i}: w{69_999 - i:05d}x and w{i:05d}x, then plain words" for i in range(12)]
+    src = _jsonl(tmp_path / "src", texts, files=1)
+    tok = Tokenizer.load(big)
+    ds = prepare(Source(str(src)), tmp_path / "out", vocab_size=tok.vocab_size, tokenizer=big, workers=1)
+    assert ds.index.dtype == "uint32" and ds.index.vocab_size == VOCAB + 70_000
+    ids = _doc_ids(ds, "train") + _doc_ids(ds, "val")
+    assert max(max(d) for d in ids) == tok.encode("w69999x")[0] > 65_535
+    assert sorted(tok.decode(d) for d in ids) == sorted(texts)
+
+
 # ------------------------------------------------------------------------------------------ resume
 
 
