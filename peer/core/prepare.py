@@ -283,6 +283,9 @@ def prepare(
     state = _begin(out, arguments, restart)
     if state is not None and is_prepared(out):
         log.info("%s is already prepared with these arguments; left as is", out)
+        if not state.finished:  # stopped between the index and the last state: only the record is behind
+            state.finished = True
+            save_state(out, state, {})
         return PreparedDataset.open(out)
     t0 = time.perf_counter()
     docs = iter_documents(source)
