@@ -177,6 +177,33 @@ def _tokenizer(out: Path, given: Tokenizer | None, sample: list[str], vocab_size
 # --------------------------------------------------------------------------------------- preparing
 
 
+def _start(
+    out: Path,
+    state: PrepareState | None,
+    arguments: dict[str, Any],
+    given: Tokenizer | None,
+    docs: Iterator[str],
+    vocab_size: int,
+) -> tuple[PrepareState, Tokenizer, Iterator[str]]:
+    """Begin (the tokenizer in place, trained on the stream's first documents unless given) or
+    resume (its tokenizer checked, the consumed documents skipped): the state, the tokenizer and
+    the documents still to tokenize."""
+    if state is None or not state.tokenizer_sha256:
+        out.mkdir(parents=True, exist_ok=True)
+        state = PrepareState(arguments)
+        save_state(out, state, {})
+        sample = _take(docs, TOKENIZER_SAMPLE_CHARS) if given is None else []
+        tok = _tokenizer(out, given, sample, vocab_size)
+        state.tokenizer_sha256 = tok.sha256
+        save_state(out, state, {})
+        return state, tok, itertools.chain(sample, docs)
+    tok = Tokenizer.load(out / TOKENIZER_FILE)
+    if tok.sha256 != state.tokenizer_sha256:
+        raise DataError(f"{out / TOKENIZER_FILE} is not the tokenizer this prepare began with; pass --restart")
+    log.info("resuming the prepare in %s after %d documents", out, state.documents)
+    return state, tok, itertools.islice(docs, state.documents, None)
+
+
 def _batches(docs: Iterator[str], first: int) -> Iterator[Batch]:
     buf: list[str] = []
     chars = 0
@@ -294,22 +321,7 @@ def prepare(
         what = "contains no text" if not head else "has one document; a validation split needs at least 2"
         raise DataError(f"dataset '{source.dataset}' {what}; pass a larger corpus (or a larger --max-chars)")
     docs = itertools.chain(head, docs)
-    if state is None or not state.tokenizer_sha256:
-        out.mkdir(parents=True, exist_ok=True)
-        state = PrepareState(arguments)
-        save_state(out, state, {})
-        sample = _take(docs, TOKENIZER_SAMPLE_CHARS) if given is None else []
-        tok = _tokenizer(out, given, sample, vocab_size)
-        docs = itertools.chain(sample, docs)
-        del sample
-        state.tokenizer_sha256 = tok.sha256
-        save_state(out, state, {})
-    else:
-        tok = Tokenizer.load(out / TOKENIZER_FILE)
-        if tok.sha256 != state.tokenizer_sha256:
-            raise DataError(f"{out / TOKENIZER_FILE} is not the tokenizer this prepare began with; pass --restart")
-        log.info("resuming the prepare in %s after %d documents", out, state.documents)
-        docs = itertools.islice(docs, state.documents, None)
+    state, tok, docs = _start(out, state, arguments, given, docs, vocab_size)
     if progress is not None:
         progress(state.documents, state.tokens)
     index = _write_shards(out, state, docs, tok, workers or default_workers(), progress, source.describe())
