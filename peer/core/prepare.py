@@ -231,9 +231,9 @@ def _write_shards(
     finished shard; returns the index of the whole folder."""
     args = state.arguments
     dtype = token_dtype(tok.vocab_size)
+    shard_tokens = int(args["shard_tokens"])
     writers = {}
     for split in SPLITS:
-        shard_tokens = int(args["shard_tokens"])
         writers[split] = ShardWriter(out, split, dtype, shard_tokens, first=len(state.splits[split].shards))
         writers[split].add(load_pending(out, state, split, dtype))
     restored = {split: list(state.splits[split].shards) for split in SPLITS}
