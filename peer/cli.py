@@ -31,6 +31,8 @@ from peer.tools.processes import stop_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer pre-training of LLMs.")
 app.add_typer(bench_app, name="bench")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare a dataset: tokenized, memory-mapped shards for a run.")
+app.add_typer(data_app, name="data")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -102,6 +104,31 @@ def simulate(
 
     args = dict(locals())
     command(console, args, _png_path(plot, json_out, RUNS / "simulate.png"), _write_json)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    source: flags.PrepSource,
+    out: flags.PrepOut,
+    config: flags.PrepConfig = None,
+    split: flags.PrepSplit = "train",
+    text_field: flags.TextField = "text",
+    vocab_size: flags.PrepVocabSize = None,
+    tokenizer: flags.PrepTokenizer = None,
+    val_fraction: flags.ValFraction = 0.05,
+    seed: flags.PrepSeed = 0,
+    shard_tokens: flags.ShardTokens = 1 << 24,
+    workers: flags.PrepWorkers = None,
+    max_chars: flags.PrepMaxChars = None,
+    restart: flags.Restart = False,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Tokenize a corpus into memory-mapped shards with an index and fingerprints (streams; every core; resumes)."""
+    os.environ.setdefault("PEER_LOG_LEVEL", "INFO")  # say what it does before the bar starts (the tokenizer)
+    _setup_logging(verbose)
+    from peer.tools.data_prepare import command
+
+    command(console, err_console, dict(locals()))
 
 
 @app.command()

@@ -39,6 +39,7 @@ import torch
 
 from peer.core.corpus import DataConfig
 from peer.core.permutation import keys, permute
+from peer.core.prepare import prepared_for
 from peer.core.shards import DatasetIndex, PreparedDataset, ShardInfo
 from peer.core.tokenizer import Tokenizer
 from peer.errors import ConfigError, DataError, one_line
@@ -257,8 +258,6 @@ def open_corpus(dataset: PreparedDataset, seed: int, tokenizer: Tokenizer | None
 def load_corpus(cfg: DataConfig) -> Corpus:
     """The run's corpus: `cfg.dataset` prepared (once, cached) or opened (`prepared_for`), read
     with `cfg.seed`."""
-    from peer.core.prepare import prepared_for  # the preparing side imports corpus/tokenizer code
-
     return open_corpus(prepared_for(cfg), cfg.seed)
 
 

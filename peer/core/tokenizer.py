@@ -1,13 +1,14 @@
-"""The sentencepiece tokenizer: trained on the corpus (or loaded from a file) and cached.
+"""The sentencepiece tokenizer: trained on a sample of the corpus, or loaded from a file.
 
-`get_tokenizer` loads `DataConfig.tokenizer` when given; otherwise it trains a byte-fallback BPE
-sentencepiece model on the corpus, cached under `cache_dir/tokenizers` by corpus fingerprint and
-vocabulary size, and loads that cache on later calls. `Tokenizer` carries the model file's path
-and sha256 so that peers can check they tokenize alike.
+`train_tokenizer` trains a byte-fallback BPE sentencepiece model on the documents it is given (the
+caller bounds them: `peer data prepare` passes the first `TOKENIZER_SAMPLE_CHARS` characters of its
+stream). `Tokenizer` carries the model file's path and sha256 so that peers can check they
+tokenize alike. `get_tokenizer` serves peer.core.data's in-memory corpus until the prepared
+shards replace it (issue 23).
 
 Invariants:
-- Same corpus + same vocabulary size => bit-identical tokenizer bytes (one training thread, no
-  sentence sampling, lines subsampled by a fixed stride).
+- Same documents + same vocabulary size => bit-identical tokenizer bytes (one training thread, no
+  sentence sampling).
 - The vocabulary size equals `vocab_size`; decode(encode(s)) == s for any text (identity
   normalisation, no dummy prefix, byte fallback).
 """
@@ -21,21 +22,25 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sentencepiece as spm
-import torch
 
-from peer.core.corpus import CACHE_VERSION, DataConfig, corpus_fingerprint, write_cache_file
+from peer.core.corpus import CACHE_VERSION, DataConfig, corpus_fingerprint
+from peer.core.files import atomic_write_bytes
 from peer.errors import DataError, one_line
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "get_tokenizer", "train_tokenizer"]
+__all__ = ["TOKENIZER_SAMPLE_CHARS", "Tokenizer", "get_tokenizer", "train_tokenizer"]
 
+TOKENIZER_SAMPLE_CHARS = 10_000_000  # characters a tokenizer is trained on (the start of the stream)
 _N_RESERVED = 3 + 256  # <unk>, <s>, </s> and the 256 byte-fallback pieces
 _MAX_LINE_CHARS = 4096  # longer lines are left out of tokenizer training (sentencepiece skips them)
-_TOKENIZER_TRAIN_CHARS = 20_000_000  # lines beyond this are subsampled by a fixed stride
 
 
 class Tokenizer:
@@ -77,10 +82,15 @@ class Tokenizer:
         ids: list[list[int]] = self._sp.encode(list(texts))
         return ids
 
-    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        text: str = self._sp.decode([int(i) for i in ids])
+    @property
+    def model_bytes(self) -> bytes:
+        """The serialized sentencepiece model (what the file holds)."""
+        raw: bytes = self._sp.serialized_model_proto()
+        return raw
+
+    def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
+        seq: Any = ids.tolist() if hasattr(ids, "tolist") else ids  # a tensor or an array: plain ints
+        text: str = self._sp.decode([int(i) for i in seq])
         return text
 
     def __repr__(self) -> str:
@@ -88,12 +98,7 @@ class Tokenizer:
 
 
 def _training_lines(documents: Sequence[str]) -> list[str]:
-    lines = [ln for doc in documents for ln in doc.split("\n") if ln.strip() and len(ln) <= _MAX_LINE_CHARS]
-    total = sum(map(len, lines))
-    if total > _TOKENIZER_TRAIN_CHARS:  # deterministic subsample: every stride-th line
-        stride = -(-total // _TOKENIZER_TRAIN_CHARS)
-        lines = lines[::stride]
-    return lines
+    return [ln for doc in documents for ln in doc.split("\n") if ln.strip() and len(ln) <= _MAX_LINE_CHARS]
 
 
 def _pieceable_lines(lines: Sequence[str], vocab_size: int, coverage: float = 0.9995) -> list[str]:
@@ -175,13 +180,17 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, out_path: Path) -
             f"sentencepiece produced {tok.vocab_size} pieces instead of {vocab_size}; "
             f"pass --vocab-size {tok.vocab_size} or a larger corpus"
         )
-    write_cache_file(out_path, raw)
+    try:
+        atomic_write_bytes(out_path, raw)
+    except OSError as exc:
+        raise DataError(f"cannot write {out_path}: {exc.strerror or one_line(exc)}; make its folder writable") from exc
     log.info("tokenizer trained in %.2fs -> %s", time.perf_counter() - t0, out_path)
     return tok
 
 
 def get_tokenizer(cfg: DataConfig, documents: Sequence[str], fingerprint: str | None = None) -> Tokenizer:
-    """cfg.tokenizer if given, else the cached (or freshly trained) tokenizer of this corpus and vocab size."""
+    """cfg.tokenizer if given, else the cached (or freshly trained) tokenizer of this corpus and vocab size
+    (peer.core.data's in-memory corpus; goes with it)."""
     if cfg.tokenizer is not None:
         tok = Tokenizer.load(cfg.tokenizer)
     else:

@@ -299,6 +299,52 @@ PaperSettings = Annotated[
     bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
 ]
 
+# --- peer data prepare ---------------------------------------------------------------------------
+
+PrepSource = Annotated[
+    str,
+    typer.Argument(
+        help="builtin:stdlib, a local .txt/.jsonl/.json/.parquet file or folder, a dataset folder with a README.md "
+        "card, or a hub dataset name (e.g. allenai/c4)."
+    ),
+]
+PrepOut = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        help="Folder for the shards, index.json and tokenizer.model (new or empty; a prepare stopped there resumes).",
+    ),
+]
+PrepConfig = Annotated[
+    str | None, typer.Option("--config", help="Hub configuration / subset, e.g. en (C4) or sample-10BT (FineWeb).")
+]
+PrepSplit = Annotated[str, typer.Option("--split", help="Split of a hub dataset.")]
+TextField = Annotated[str, typer.Option("--text-field", help="Column holding the text (json, parquet, hub).")]
+PrepVocabSize = Annotated[
+    int | None,
+    typer.Option(
+        "--vocab-size",
+        help="Vocabulary of the tokenizer; match the model preset's (tiny 1024, small 4096, 178M and up 32000). "
+        "Default: --tokenizer's, else 1024.",
+    ),
+]
+PrepTokenizer = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer", help="Use this sentencepiece .model instead of training one on the first 10M characters."
+    ),
+]
+ValFraction = Annotated[float, typer.Option("--val-fraction", help="Share of the documents held out for validation.")]
+PrepSeed = Annotated[int, typer.Option("--seed", help="Seed of the train/validation document split.")]
+ShardTokens = Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")]
+PrepWorkers = Annotated[int | None, typer.Option("--workers", help="Tokenizing processes (default: every core).")]
+PrepMaxChars = Annotated[
+    int | None, typer.Option("--max-chars", help="Cap on the characters read from the source (default: all of them).")
+]
+Restart = Annotated[
+    bool, typer.Option("--restart", help="Remove what an earlier prepare wrote in --out and start over.")
+]
+
 # --- peer bench chaos ----------------------------------------------------------------------------
 
 ChaosFaults = Annotated[int, typer.Option("--faults", help="Faults to inject (one is a bootstrap kill).")]
