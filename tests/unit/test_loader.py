@@ -246,5 +246,5 @@ def test_load_corpus_prepares_once_then_opens(tmp_path):
     assert torch.equal(train_batch(first, 0, 2, 3, 2, 8)[0], train_batch(again, 0, 2, 3, 2, 8)[0])
     by_folder = load_corpus(DataConfig(dataset=str(first.dataset.root), vocab_size=280, cache_dir=tmp_path / "c"))
     assert by_folder.fingerprint == first.fingerprint
-    with pytest.raises(DataError, match="--vocab-size 280"):
+    with pytest.raises(DataError, match="vocabulary of 280 ids"):
         load_corpus(DataConfig(dataset=str(first.dataset.root), vocab_size=270, cache_dir=tmp_path / "c"))
