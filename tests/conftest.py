@@ -115,7 +115,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """One tokenizer/token cache per test session, never the user's ~/.cache/peer."""
+    """One cache of prepared datasets per test session, never the user's ~/.cache/peer."""
     cache = tmp_path_factory.getbasetemp() / "peer-cache"
     monkeypatch.setenv("PEER_CACHE_DIR", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -12,7 +12,7 @@ documents:
   (README.md with YAML front matter, as `huggingface-cli download` leaves it), opened with
   `datasets.load_dataset(name, config, split=split, streaming=True)`.
 `source_stamp` names the files a local source reads (paths, sizes, modification times), so a
-prepared corpus is remade when they change.
+prepared corpus is remade when they change. `peer.core.prepare` turns the stream into token shards.
 
 Invariants:
 - Same source (files unchanged) => the same documents in the same order (no RNG anywhere).
@@ -28,30 +28,24 @@ import os
 import platform
 import sysconfig
 import tokenize
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError, DataError, one_line
 
 __all__ = [
     "BUILTIN_STDLIB",
-    "CACHE_VERSION",
     "DataConfig",
     "Source",
-    "corpus_fingerprint",
     "default_cache_dir",
     "default_corpus_files",
     "iter_documents",
-    "load_documents",
     "source_stamp",
-    "write_cache_file",
 ]
 
 BUILTIN_STDLIB = "builtin:stdlib"
-CACHE_VERSION = "v1"  # part of peer.core.data's token cache key (that cache goes with peer.core.data)
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 _ROWS_PER_BATCH = 1024  # rows read from `datasets` at a time (one pyarrow table)
@@ -374,34 +368,3 @@ def iter_documents(source: Source) -> Iterator[str]:
 def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
     yield first
     yield from rest
-
-
-# ------------------------------------------------------ the in-memory corpus of peer.core.data (issue 23: goes with it)
-
-
-def load_documents(cfg: DataConfig) -> list[str]:
-    """The whole corpus as a list (peer.core.data's in-memory token cache; prepared shards replace it)."""
-    docs = list(iter_documents(Source.of(cfg)))
-    if not docs:
-        raise DataError(f"dataset '{cfg.dataset}' contains no text; pass a non-empty corpus with --dataset")
-    return docs
-
-
-def corpus_fingerprint(documents: Sequence[str]) -> str:
-    """sha256 (hex) of the documents, length-prefixed so document boundaries count."""
-    h = hashlib.sha256()
-    for doc in documents:
-        raw = doc.encode("utf-8", errors="surrogatepass")
-        h.update(len(raw).to_bytes(8, "little"))
-        h.update(raw)
-    return h.hexdigest()
-
-
-def write_cache_file(path: Path, raw: bytes) -> None:
-    """Atomically write one cache file (tokenizer, token tensors); DataError naming PEER_CACHE_DIR on failure."""
-    try:
-        atomic_write_bytes(path, raw)
-    except OSError as exc:
-        raise DataError(
-            f"cannot write {path}: {exc.strerror or one_line(exc)}; set PEER_CACHE_DIR to a writable folder"
-        ) from exc

@@ -1,8 +1,8 @@
 """Crash-safe files: atomic writes of one file or a whole directory, and file digests.
 
 A reader never sees a half-written file: data goes to a temporary sibling first, is fsynced and
-then renamed into place with `os.replace` (atomic on POSIX). Used by the tokenizer cache, the
-token cache, checkpoints, exports and every peer's downloaded artefacts. No networking here.
+then renamed into place with `os.replace` (atomic on POSIX). Used by trained tokenizers, prepared
+shards, checkpoints, exports and every peer's downloaded artefacts. No networking here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The sentencepiece tokenizer: trained on a sample of the corpus, or loaded from a file.
+"""The sentencepiece tokenizer: train one on a sample of the corpus, or load a model file.
 
-`train_tokenizer` trains a byte-fallback BPE sentencepiece model on the documents it is given (the
-caller bounds them: `peer data prepare` passes the first `TOKENIZER_SAMPLE_CHARS` characters of its
-stream). `Tokenizer` carries the model file's path and sha256 so that peers can check they
-tokenize alike. `get_tokenizer` serves peer.core.data's in-memory corpus until the prepared
-shards replace it (issue 23).
+`train_tokenizer` trains a byte-fallback BPE sentencepiece model on the documents it is given and
+writes it to a file (the caller bounds them: `peer data prepare` passes the first
+`TOKENIZER_SAMPLE_CHARS` characters of its stream). `Tokenizer.load` reads a .model file (a
+prepared folder's, or one given with --tokenizer). `Tokenizer` carries the model file's path and
+sha256 so that peers can check they tokenize alike.
 
 Invariants:
 - Same documents + same vocabulary size => bit-identical tokenizer bytes (one training thread, no
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import sentencepiece as spm
 
-from peer.core.corpus import CACHE_VERSION, DataConfig, corpus_fingerprint
 from peer.core.files import atomic_write_bytes
 from peer.errors import DataError, one_line
 
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TOKENIZER_SAMPLE_CHARS", "Tokenizer", "get_tokenizer", "train_tokenizer"]
+__all__ = ["TOKENIZER_SAMPLE_CHARS", "Tokenizer", "train_tokenizer"]
 
 TOKENIZER_SAMPLE_CHARS = 10_000_000  # characters a tokenizer is trained on (the start of the stream)
 _N_RESERVED = 3 + 256  # <unk>, <s>, </s> and the 256 byte-fallback pieces
@@ -185,30 +184,4 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, out_path: Path) -
     except OSError as exc:
         raise DataError(f"cannot write {out_path}: {exc.strerror or one_line(exc)}; make its folder writable") from exc
     log.info("tokenizer trained in %.2fs -> %s", time.perf_counter() - t0, out_path)
-    return tok
-
-
-def get_tokenizer(cfg: DataConfig, documents: Sequence[str], fingerprint: str | None = None) -> Tokenizer:
-    """cfg.tokenizer if given, else the cached (or freshly trained) tokenizer of this corpus and vocab size
-    (peer.core.data's in-memory corpus; goes with it)."""
-    if cfg.tokenizer is not None:
-        tok = Tokenizer.load(cfg.tokenizer)
-    else:
-        fingerprint = fingerprint or corpus_fingerprint(documents)
-        key = hashlib.sha256(f"spm-{CACHE_VERSION}|{fingerprint}|{cfg.vocab_size}".encode()).hexdigest()[:20]
-        path = Path(cfg.cache_dir).expanduser() / "tokenizers" / f"spm-{key}.model"
-        if path.is_file():
-            try:
-                tok = Tokenizer.load(path)
-                log.info("using cached tokenizer %s", path)
-            except DataError as exc:
-                log.warning("cached tokenizer unusable (%s); training it again", exc)
-                tok = train_tokenizer(documents, cfg.vocab_size, path)
-        else:
-            tok = train_tokenizer(documents, cfg.vocab_size, path)
-    if tok.vocab_size != cfg.vocab_size:
-        raise DataError(
-            f"tokenizer {tok.path} has {tok.vocab_size} pieces but --vocab-size is {cfg.vocab_size}; "
-            f"pass --vocab-size {tok.vocab_size}"
-        )
     return tok

@@ -1,5 +1,7 @@
-"""peer.core.corpus and peer.core.tokenizer: corpus loading (txt/jsonl/parquet/stdlib/hub) and the
-sentencepiece tokenizer. Preparing and reading token shards: test_prepare.py, test_loader.py."""
+"""peer.core.corpus and peer.core.tokenizer: the documents a source yields (txt/jsonl/parquet/stdlib)
+and the sentencepiece tokenizer. Refusals met through `prepare` (mixed folders, a missing text field,
+an unreachable hub, too large a vocabulary), preparing and reading token shards: test_prepare.py,
+test_loader.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from peer.core.corpus import BUILTIN_STDLIB, DataConfig, default_corpus_files, load_documents
-from peer.core.tokenizer import Tokenizer, get_tokenizer
+from peer.core.corpus import BUILTIN_STDLIB, DataConfig, Source, default_corpus_files, iter_documents
+from peer.core.tokenizer import Tokenizer, train_tokenizer
 from peer.errors import ConfigError, DataError
 
 SMALL = 300_000  # characters of builtin:stdlib used by the tests
@@ -24,28 +26,30 @@ def _docs(n: int) -> list[str]:
     return [f"<doc {i}> " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(40 + i)) for i in range(n)]
 
 
+def _read(dataset: str | Path, **kw) -> list[str]:
+    return list(iter_documents(Source(str(dataset), **kw)))
+
+
 @pytest.fixture(scope="module")
 def stdlib_tokenizer(tmp_path_factory) -> Tokenizer:
-    cfg = DataConfig(vocab_size=VOCAB, max_chars=SMALL, cache_dir=tmp_path_factory.mktemp("cache"))
-    return get_tokenizer(cfg, load_documents(cfg))
+    docs = _read(BUILTIN_STDLIB, max_chars=SMALL)
+    return train_tokenizer(docs, VOCAB, tmp_path_factory.mktemp("tok") / "spm.model")
 
 
-# ---------------------------------------------------------------------------------------- loading
+# ---------------------------------------------------------------------------------------- sources
 
 
 def test_txt_file_yields_one_document_per_paragraph(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("first para\nline two\n\nsecond para\n\n\nthird para\n")
-    docs = load_documents(DataConfig(dataset=str(path), cache_dir=tmp_path))
-    assert [d.strip() for d in docs] == ["first para\nline two", "second para", "third para"]
+    assert [d.strip() for d in _read(path)] == ["first para\nline two", "second para", "third para"]
 
 
 def test_jsonl_uses_text_field_and_max_chars_caps(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"id": i, "content": d}) + "\n" for i, d in enumerate(_docs(5))))
-    docs = load_documents(DataConfig(dataset=str(path), text_field="content", cache_dir=tmp_path))
-    assert docs == _docs(5)
-    capped = load_documents(DataConfig(dataset=str(path), text_field="content", max_chars=300, cache_dir=tmp_path))
+    assert _read(path, text_field="content") == _docs(5)
+    capped = list(iter_documents(Source.of(DataConfig(dataset=str(path), text_field="content", max_chars=300))))
     assert sum(map(len, capped)) == 300
     assert "".join(capped) == "".join(_docs(5))[:300]
 
@@ -56,47 +60,8 @@ def test_parquet_file_and_folder(tmp_path):
     docs = _docs(6)
     pq.write_table(pa.table({"text": docs[:3], "n": [1, 2, 3]}), folder / "a.parquet")
     pq.write_table(pa.table({"text": docs[3:], "n": [4, 5, 6]}), folder / "b.parquet")
-    assert load_documents(DataConfig(dataset=str(folder / "a.parquet"), cache_dir=tmp_path)) == docs[:3]
-    assert load_documents(DataConfig(dataset=str(folder), cache_dir=tmp_path)) == docs  # sorted files
-
-
-def test_folder_mixing_types_is_rejected(tmp_path):
-    (tmp_path / "a.txt").write_text("hello\n")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(DataError, match="mixes file types"):
-        load_documents(DataConfig(dataset=str(tmp_path), cache_dir=tmp_path))
-
-
-def test_missing_path_is_a_one_line_data_error(tmp_path):
-    missing = tmp_path / "nope" / "corpus.jsonl"
-    with pytest.raises(DataError) as info:
-        load_documents(DataConfig(dataset=str(missing), cache_dir=tmp_path))
-    msg = str(info.value)
-    assert str(missing) in msg and "--dataset" in msg and "\n" not in msg
-
-
-def test_missing_text_field_names_the_columns(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"body": "a", "title": "b"}) + "\n")
-    with pytest.raises(DataError) as info:
-        load_documents(DataConfig(dataset=str(path), cache_dir=tmp_path))
-    msg = str(info.value)
-    assert "'text'" in msg and "body, title" in msg and "--text-field" in msg and "\n" not in msg
-
-
-@pytest.mark.timeout(60)
-def test_hub_name_offline_fails_fast_with_data_error(tmp_path, monkeypatch):
-    import datasets.config
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at import time, so set the live flags too
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(DataError) as info:
-        load_documents(DataConfig(dataset="someone/no-such-dataset", cache_dir=tmp_path))
-    msg = str(info.value)
-    assert msg.startswith("could not load dataset 'someone/no-such-dataset' from the hub: ")
-    assert BUILTIN_STDLIB in msg and "\n" not in msg
+    assert _read(folder / "a.parquet") == docs[:3]
+    assert _read(folder) == docs  # sorted files
 
 
 def test_builtin_stdlib_finds_sorted_sources():
@@ -107,7 +72,7 @@ def test_builtin_stdlib_finds_sorted_sources():
     assert {"os.py", "argparse.py"} <= {p.name for p in files}
     rel = [p.as_posix() for p in files]
     assert rel == sorted(rel)
-    docs = load_documents(DataConfig(max_chars=50_000))
+    docs = list(iter_documents(Source.of(DataConfig(max_chars=50_000))))
     assert sum(map(len, docs)) == 50_000 and len(docs) >= 2
 
 
@@ -126,7 +91,7 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
 # -------------------------------------------------------------------------------------- tokenizer
 
 
-def test_tokenizer_round_trip_and_identity(stdlib_tokenizer, tmp_path):
+def test_tokenizer_round_trip_and_identity(stdlib_tokenizer):
     tok = stdlib_tokenizer
     assert tok.vocab_size == VOCAB and 0 <= tok.eos_id < VOCAB
     text = "def f(x):\n\tif x:  # naïve café 😀 ©\r\n        return [1, 2]\n\n  trailing "
@@ -137,11 +102,6 @@ def test_tokenizer_round_trip_and_identity(stdlib_tokenizer, tmp_path):
     loaded = Tokenizer.load(tok.path)
     assert loaded.sha256 == tok.sha256 and loaded.encode(text) == ids
     assert hashlib.sha256(Path(tok.path).read_bytes()).hexdigest() == tok.sha256
-    # a given tokenizer file is used as is; its vocabulary must match the config
-    cfg = DataConfig(tokenizer=tok.path, vocab_size=VOCAB, cache_dir=tmp_path)
-    assert get_tokenizer(cfg, []).sha256 == tok.sha256
-    with pytest.raises(DataError, match="--vocab-size 300"):
-        get_tokenizer(DataConfig(tokenizer=tok.path, vocab_size=512, cache_dir=tmp_path), [])
 
 
 def test_unreadable_tokenizer_is_a_data_error(tmp_path):
@@ -149,14 +109,6 @@ def test_unreadable_tokenizer_is_a_data_error(tmp_path):
     bad.write_bytes(b"this is not a sentencepiece model")
     for path in (bad, tmp_path / "missing.model"):
         with pytest.raises(DataError) as info:
-            get_tokenizer(DataConfig(tokenizer=path, cache_dir=tmp_path), ["some text"])
+            Tokenizer.load(path)
         msg = str(info.value)
         assert str(path) in msg and "--tokenizer" in msg and "\n" not in msg
-
-
-def test_too_large_vocab_for_tiny_corpus_suggests_smaller(tmp_path):
-    path = tmp_path / "tiny.txt"
-    path.write_text("\n\n".join(_docs(4)))
-    cfg = DataConfig(dataset=str(path), vocab_size=2000, cache_dir=tmp_path)
-    with pytest.raises(DataError, match="smaller --vocab-size"):
-        get_tokenizer(cfg, load_documents(cfg))

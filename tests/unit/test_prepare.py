@@ -220,7 +220,8 @@ def test_bad_inputs_are_one_line_errors(reference, docs, tmp_path):
         args = {"vocab_size": VOCAB, "workers": 1, **kw}
         return lambda: prepare(Source(src, text_field=text_field), tmp_path / out, **args)
 
-    _one_line_error(run(str(tmp_path / "missing.jsonl")), "does not exist")
+    missing = str(tmp_path / "missing.jsonl")
+    _one_line_error(run(missing), "does not exist", missing, "--dataset")
     (tmp_path / "data.csv").write_text("a,b\n")
     _one_line_error(run(str(tmp_path / "data.csv")), "unsupported type", ".parquet")
     mixed = _jsonl(tmp_path / "mixed", docs[:10])
