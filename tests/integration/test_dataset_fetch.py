@@ -6,7 +6,8 @@ real `PeerClient`s whose `Outbound` link carries the download cap. Prepared fold
 the real tokenizer and shard writer (tests/prepared.py). Covered: a fetch into an empty folder (and
 serving it onwards), resuming a half-written .part, resuming after a call ran out of time, a
 corrupted shard refused by its hash, NOT_FOUND from one peer falling back to another, an index that
-is not the manifest's, and the upload and download caps holding.
+is not the manifest's, and the upload and download caps holding. Last, the whole path in-process:
+a bootstrap's manifest on a real DHT, a head's `Session.fetch_data`, a foreign `--dataset` refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from bootstrap.artifacts import ArtifactHandler
+from bootstrap.node import BootstrapNode
+from peer.config import build_config
 from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset
 from peer.errors import ManifestMismatch, NetworkError
 from peer.net.pool import ClientPool
@@ -31,6 +34,7 @@ from peer.net.transport.gate import Gate
 from peer.node.dataset_fetch import DatasetFetch, RunDataset, local_index
 from peer.node.dataset_serve import INDEX_ARTIFACT, DatasetServer
 from peer.node.manifest import dataset_index_sha256
+from peer.node.session import Session, SessionOptions
 from tests.prepared import corpus, make_prepared, synthetic_prepared, tokenizer_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -224,3 +228,30 @@ def test_the_link_caps_hold(made, servers, tmp_path, side):
     burst = 0.25 * rate  # a bucket starts full (peer.net.ratelimit)
     assert elapsed >= (sent - burst) / rate, (elapsed, sent)
     assert sent > sum(big.nbytes(s) for s in big.index.shards)
+
+
+@pytest.mark.timeout(120)
+def test_a_head_fetches_the_bootstraps_dataset_and_a_foreign_one_is_refused(made, tmp_path, reap_children):
+    """The whole path in-process: a bootstrap publishing a prepared folder, a head's session that
+    reads the manifest from the DHT, refuses `--dataset` of another corpus in one line, and else
+    fetches into <data-dir>/dataset (`Session.fetch_data`), then serves it onwards."""
+    text, other = made["text"], made["other"]
+    cfg = build_config(overrides={"data.dataset": str(text.root), "swarm.record_ttl_s": 5}, environ={})
+    with BootstrapNode(cfg) as boot:
+        peers = tuple(boot.info.initial_peers)
+        foreign = SessionOptions(initial_peers=peers, data_dir=tmp_path / "foreign", dataset=other.root)
+        with pytest.raises(ManifestMismatch) as info:
+            Session.connect(foreign, role="head", stage=0)
+        message = str(info.value)
+        assert "\n" not in message and other.index.fingerprint[:12] in message and "--dataset" in message
+        assert text.index.fingerprint[:12] in message
+        opts = SessionOptions(initial_peers=peers, data_dir=tmp_path / "head", manifest_timeout_s=30)
+        session = Session.connect(opts, role="head", stage=0)
+        try:
+            folder = session.fetch_data(shard=0)
+            assert folder == tmp_path / "head" / "dataset" and session.cfg.data.dataset == str(folder)
+            assert session.cfg.data.tokenizer == folder / TOKENIZER_FILE
+            _same_files(folder, text.root)
+            assert session.datasets.info()["shards_held"] == len(text.index.shards)
+        finally:
+            session.close()
