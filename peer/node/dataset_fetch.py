@@ -79,7 +79,8 @@ class RunDataset:
 
 def dataset_folder(given: Path | None, data_dir: Path) -> Path:
     """Where a head or full replica keeps the run's dataset: `--dataset DIR`, else <data-dir>/dataset."""
-    return Path(given).expanduser() if given is not None else Path(data_dir) / DATASET_DIR
+    folder = Path(given).expanduser() if given is not None else Path(data_dir) / DATASET_DIR
+    return folder.absolute()  # torchrun's other ranks read the same folder (they get rank 0's config)
 
 
 def mismatch_fix(given: Path | None, data_dir: Path) -> str:
@@ -183,7 +184,19 @@ class DatasetFetch:
         self, tokenizer: Path, needed: Callable[[DatasetIndex], Sequence[ShardInfo]], fix: str = ""
     ) -> PreparedDataset:
         """The folder as a prepared dataset holding every shard `needed(index)` names; `tokenizer`
-        is the run's verified tokenizer file; `fix` ends a mismatch's one line (what to do)."""
+        is the run's verified tokenizer file; `fix` ends a mismatch's one line (what to do).
+        DataError in one line when the folder cannot be written (read-only, full disk)."""
+        try:
+            return self._ensure(tokenizer, needed, fix)
+        except OSError as exc:
+            raise DataError(
+                f"cannot write the run's dataset into {self.folder} ({exc.strerror or one_line(exc)}); "
+                "free some space, or pass a writable --dataset DIR or --data-dir"
+            ) from None
+
+    def _ensure(
+        self, tokenizer: Path, needed: Callable[[DatasetIndex], Sequence[ShardInfo]], fix: str
+    ) -> PreparedDataset:
         self.folder.mkdir(parents=True, exist_ok=True)
         index = local_index(self.folder, self.run, fix)
         raw = None

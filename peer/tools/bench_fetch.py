@@ -112,6 +112,14 @@ def fetch(dataset: PreparedDataset, into: Path, address: str, down_mbps: float |
     return out
 
 
+def _peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory (Linux: VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) * 1024 / MB, 1)
+    return float("nan")
+
+
 def _kill_at_half(proc: subprocess.Popen[bytes], folder: Path, total: int) -> None:
     while proc.poll() is None:
         held = sum(p.stat().st_size for p in folder.glob("*.bin*")) if folder.exists() else 0
@@ -141,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(dataset.nbytes(s) for s in dataset.index.shards)
         result: dict[str, Any] = {"dataset_MB": round(total / MB, 1), "shards": len(dataset.index.shards)}
         result["write_s"] = round(time.monotonic() - t0, 1)
-        with server_process(dataset.root, work) as (address, _):
+        with server_process(dataset.root, work) as (address, proc):
+            ready = _peak_rss_mb(proc.pid)
             result["uncapped"] = fetch(dataset, work / "uncapped", address, None)
+            # streamed from disk: serving the whole dataset adds a few chunks, not the dataset
+            result["server_peak_rss_MB"] = {"ready": ready, "after_serving": _peak_rss_mb(proc.pid)}
             result["capped"] = fetch(dataset, work / "capped", address, args.max_download_mbps)
             result["capped"]["cap_MB_per_s"] = round(args.max_download_mbps / 8, 1)
         with server_process(dataset.root, work) as (address, proc):

@@ -25,7 +25,7 @@ from bootstrap.artifacts import ArtifactHandler
 from bootstrap.node import BootstrapNode
 from peer.config import build_config
 from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset
-from peer.errors import ManifestMismatch, NetworkError
+from peer.errors import DataError, ManifestMismatch, NetworkError
 from peer.net.pool import ClientPool
 from peer.net.ratelimit import MBIT, Link, LinkCaps
 from peer.net.transport import ArtifactRequest, NotFoundError, PeerServer
@@ -255,3 +255,11 @@ def test_a_head_fetches_the_bootstraps_dataset_and_a_foreign_one_is_refused(made
             assert session.datasets.info()["shards_held"] == len(text.index.shards)
         finally:
             session.close()
+
+
+def test_a_folder_that_cannot_be_written_is_one_line(made, pool):
+    text = made["text"]
+    fetch = fetcher(Path("/proc/peer-no-such-dataset"), text, [], pool)  # not writable even for root
+    with pytest.raises(DataError) as info:
+        fetch.ensure(text.tokenizer_path, everything)
+    assert "\n" not in str(info.value) and "writable --dataset" in str(info.value)
