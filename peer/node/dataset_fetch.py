@@ -100,6 +100,18 @@ def needed_shards(index: DatasetIndex, seq_len: int, shard: int, n_shards: int) 
     return [*index.train, *index.val]
 
 
+def held_dataset(given: Path | None, data_dir: Path, manifest: Mapping[str, Any], role: str) -> PreparedDataset | None:
+    """A head's or full replica's local copy of the run's dataset, when its folder has an index;
+    ManifestMismatch in one line when that index is another corpus's. Stage peers read no data."""
+    if role == "stage":
+        if given is not None:
+            log.info("--dataset %s is not used: a stage peer reads no data", given)
+        return None
+    folder = dataset_folder(given, data_dir)
+    index = local_index(folder, RunDataset.of(manifest), mismatch_fix(given, data_dir))
+    return None if index is None else PreparedDataset(folder, index)
+
+
 def local_index(folder: Path, run: RunDataset, fix: str) -> DatasetIndex | None:
     """The index of `folder` when it has one (None otherwise); ManifestMismatch (one line, `fix`)
     when its fingerprints are not the run's, DataError when it is not a readable index."""

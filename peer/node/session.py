@@ -2,7 +2,9 @@
 
 `Session.connect` joins the DHT first (hivemind forks; nothing else may run yet), waits for the
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
-(`verify_manifest`), downloads and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`.
+(`verify_manifest`), refuses a head's or full replica's local dataset of another corpus, downloads
+and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`. Once a head or full replica has
+claimed its data shard, `fetch_data` fetches the dataset shards it reads (peer.node.dataset_fetch).
 The session is the composition root: it builds the duties below and hands each what it uses (the
 config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
 receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
@@ -53,7 +55,7 @@ from peer.node.dataset_fetch import (
     RunDataset,
     dataset_folder,
     fetch_tokenizer,
-    local_index,
+    held_dataset,
     mismatch_fix,
     needed_shards,
 )
@@ -157,7 +159,7 @@ class Session:
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
             outbound = _outbound(opts, dht)  # the manifest's admission is known now
-            held = _held_dataset(opts, manifest, role)  # a --dataset of another corpus: one line, before anything
+            held = held_dataset(opts.dataset, opts.data_dir, manifest, role)  # another corpus: one line, first
             addresses = _peer_addresses(dht, cfg)
             local = held.tokenizer_path if held is not None else None
             cfg = fetch_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound, local)
@@ -195,9 +197,16 @@ class Session:
         """Serve the stage workers over gRPC; returns the service (claims, round state)."""
         tokenizer = {"tokenizer": Path(self.cfg.data.tokenizer).read_bytes()} if self.cfg.data.tokenizer else {}
         self.service = PeerService(  # serves the tokenizer and dataset too: joins work once the bootstrap is gone
-            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, tokenizer, self.outbound
+            self.cfg,
+            workers,
+            self.store,
+            self.peer_id,
+            self.role,
+            on_last_step,
+            tokenizer,
+            self.outbound,
+            self.datasets,
         )
-        self.service.dataset = self.datasets
         self.server = PeerServer(
             self.service,
             host=self.opts.host,
@@ -479,15 +488,3 @@ def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
         except PeerError:
             continue
     return list(dict.fromkeys(found))
-
-
-def _held_dataset(opts: SessionOptions, manifest: dict[str, Any], role: str) -> PreparedDataset | None:
-    """A head's or full replica's local copy of the run's dataset, when its folder has an index;
-    ManifestMismatch in one line when that index is another corpus's. Stage peers read no data."""
-    if role == "stage":
-        if opts.dataset is not None:
-            log.info("--dataset %s is not used: a stage peer reads no data", opts.dataset)
-        return None
-    folder = dataset_folder(opts.dataset, opts.data_dir)
-    index = local_index(folder, RunDataset.of(manifest), mismatch_fix(opts.dataset, opts.data_dir))
-    return None if index is None else PreparedDataset(folder, index)

@@ -28,7 +28,7 @@ from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset
 from peer.errors import DataError, ManifestMismatch, NetworkError
 from peer.net.pool import ClientPool
 from peer.net.ratelimit import MBIT, Link, LinkCaps
-from peer.net.transport import ArtifactRequest, NotFoundError, PeerServer
+from peer.net.transport import CHUNK_BYTES, ArtifactRequest, NotFoundError, PeerServer
 from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from peer.node.dataset_fetch import DatasetFetch, RunDataset, local_index
@@ -225,8 +225,10 @@ def test_the_link_caps_hold(made, servers, tmp_path, side):
         elapsed = time.monotonic() - t0
     sent = servers[0].link.up.total
     rate = mbps * MBIT
-    burst = 0.25 * rate  # a bucket starts full (peer.net.ratelimit)
-    assert elapsed >= (sent - burst) / rate, (elapsed, sent)
+    # a bucket starts full (its burst) and hands a message out whenever it is out of debt, so the
+    # last message (at most a chunk) is never waited for (peer.net.ratelimit); uncapped: ~0.05 s
+    burst = 0.25 * rate
+    assert elapsed >= (sent - burst - CHUNK_BYTES) / rate, (elapsed, sent)
     assert sent > sum(big.nbytes(s) for s in big.index.shards)
 
 
@@ -236,7 +238,7 @@ def test_a_head_fetches_the_bootstraps_dataset_and_a_foreign_one_is_refused(made
     reads the manifest from the DHT, refuses `--dataset` of another corpus in one line, and else
     fetches into <data-dir>/dataset (`Session.fetch_data`), then serves it onwards."""
     text, other = made["text"], made["other"]
-    cfg = build_config(overrides={"data.dataset": str(text.root), "swarm.record_ttl_s": 5}, environ={})
+    cfg = build_config(overrides={"data.dataset": str(text.root)}, environ={})  # the manifest outlives the test
     with BootstrapNode(cfg) as boot:
         peers = tuple(boot.info.initial_peers)
         foreign = SessionOptions(initial_peers=peers, data_dir=tmp_path / "foreign", dataset=other.root)
