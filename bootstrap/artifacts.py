@@ -2,7 +2,9 @@
 
 A joining peer reads the manifest from the DHT, then downloads the artefacts it names from the
 bootstrap's gRPC address: the sentencepiece tokenizer (checked against the manifest's
-`tokenizer_sha256`) and the manifest itself as canonical JSON bytes (the same text the DHT holds).
+`tokenizer_sha256`), the manifest itself as canonical JSON bytes (the same text the DHT holds), and
+the run's prepared dataset: its index ("dataset-index") and each shard by sha256, streamed from
+disk (`peer.node.dataset_serve`). Every artefact is answered from `ArtifactRequest.offset` on.
 
 Invariants: an artefact is added once and never changed (the manifest names the gRPC address, so
 it is added right after the server is listening; until then asking for it answers NOT_FOUND);
@@ -24,6 +26,7 @@ from peer.net.transport import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,
+    FileSlice,
     ForwardReply,
     ForwardRequest,
     NotFoundError,
@@ -32,7 +35,9 @@ from peer.net.transport import (
     StateRequest,
     StepReply,
     StepRequest,
+    TransportError,
 )
+from peer.node.dataset_serve import INDEX_ARTIFACT, DatasetServer, is_dataset_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +62,10 @@ class ArtifactHandler:
     `info()` (run id, peer id, addresses). `stats` counts served artefacts and manifest refreshes.
     """
 
-    def __init__(self, artifacts: Mapping[str, bytes], identity: Mapping[str, Any]):
+    def __init__(
+        self, artifacts: Mapping[str, bytes], identity: Mapping[str, Any], dataset: DatasetServer | None = None
+    ):
+        self.dataset = dataset or DatasetServer()
         self._artifacts: dict[str, bytes] = {}
         self._identity = dict(identity)
         self._started = time.monotonic()
@@ -87,7 +95,9 @@ class ArtifactHandler:
 
     # --- the handler protocol --------------------------------------------------------------------
 
-    def get_artifact(self, request: ArtifactRequest) -> bytes:
+    def get_artifact(self, request: ArtifactRequest) -> bytes | FileSlice:
+        if is_dataset_artifact(request.name):
+            return self.dataset.answer(request)
         name = ARTIFACT_ALIASES.get(request.name)
         with self._lock:
             data = self._artifacts.get(name) if name is not None else None
@@ -96,15 +106,18 @@ class ArtifactHandler:
         if data is None:
             if name is not None:
                 raise NotFoundError(f"the bootstrap is still starting and has no {name} yet; retry in a second")
-            known = ", ".join(sorted(set(ARTIFACT_ALIASES)))
+            known = ", ".join([*sorted(set(ARTIFACT_ALIASES)), INDEX_ARTIFACT, "a dataset shard's sha256"])
             raise NotFoundError(f"the bootstrap has no artefact {request.name!r}; ask for one of: {known}")
-        logger.debug("serving artefact %s (%d bytes)", name, len(data))
-        return data
+        if request.offset > len(data):
+            raise TransportError(f"offset {request.offset} is past the end of {name} ({len(data)} bytes)")
+        logger.debug("serving artefact %s (%d bytes from %d)", name, len(data), request.offset)
+        return data[request.offset :]
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "bootstrap", **self._identity}
         with self._lock:
             out["artifacts"] = {name: len(data) for name, data in sorted(self._artifacts.items())}
+        out["dataset"] = self.dataset.info()
         out["uptime_s"] = round(time.monotonic() - self._started, 3)
         out.update(self.stats())
         return out

@@ -1,11 +1,13 @@
 """The bootstrap node: one DHT node that publishes the run's manifest and serves its artefacts.
 
 Start-up order (each step needs the one before it):
-1. open the run's corpus once (`peer.core.loader.load_corpus`: prepares it first when it is not a
-   prepared folder yet); its tokenizer's sha256 goes into the manifest;
+1. open the run's prepared dataset (`bootstrap.dataset.run_dataset`: a prepared folder, or a source
+   prepared into the cache once); its tokenizer.model is the run's tokenizer, whose sha256 goes
+   into the manifest with the dataset's fingerprints and the sha256 of its index;
 2. start the `peer.net.dht.SwarmDHT` node BEFORE any gRPC server or thread (hivemind forks its DHT
    process; forking a process that runs grpc threads is unsafe);
-3. start a `peer.net.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest);
+3. start a `peer.net.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest, the
+   dataset's index and shards, streamed from disk within `--max-upload-mbps`);
 4. build the manifest (`peer.node.manifest.build_manifest`) naming the gRPC address and publish it
    under "peer.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
 
@@ -35,18 +37,20 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.artifacts import ArtifactHandler, manifest_bytes
+from bootstrap.dataset import run_dataset
 from bootstrap.monitor import SwarmMonitor
 from peer.config import RunConfig
 from peer.core.files import atomic_write_bytes
-from peer.core.loader import load_corpus
-from peer.errors import ConfigError, DataError, NetworkError
+from peer.errors import ConfigError, NetworkError
 from peer.net.addresses import advertised_host, order_maddrs
 from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
 from peer.net.prometheus import Exporter, serve_swarm_metrics
+from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport import PeerServer, auth
 from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
+from peer.node.dataset_serve import DatasetServer
 from peer.node.manifest import build_manifest, run_id_for
 
 logger = logging.getLogger(__name__)
@@ -107,6 +111,7 @@ class BootstrapNode:
         identity_path: str | os.PathLike | None = None,
         stop_event: threading.Event | None = None,
         relay: bool = False,  # forward calls for peers that cannot be dialled (docs/connectivity.md)
+        max_upload_mbps: float | None = None,  # cap on what it serves (the dataset's shards above all)
     ):
         self.cfg = cfg
         self.run_id = run_id_for(cfg)
@@ -120,12 +125,10 @@ class BootstrapNode:
                 raise _Stopped()
 
         t0 = time.monotonic()
-        corpus = load_corpus(cfg.data)
-        if corpus.tokenizer is None:
-            raise DataError(f"prepared dataset {corpus.dataset.root} has no tokenizer.model; prepare it again")
-        tokenizer_bytes = Path(corpus.tokenizer.path).read_bytes()
-        tok_sha = corpus.tokenizer.sha256
-        logger.info("corpus ready in %.1f s (tokenizer %s)", time.monotonic() - t0, tok_sha[:12])
+        dataset = run_dataset(cfg)
+        tokenizer_bytes = dataset.tokenizer_path.read_bytes()
+        tok_sha = dataset.index.tokenizer_sha256  # run_dataset checked the file against it
+        logger.info("dataset ready in %.1f s (tokenizer %s)", time.monotonic() - t0, tok_sha[:12])
         check_stop()
         try:
             self.dht = SwarmDHT(host=host, port=dht_port, announce_host=announce_host, identity_path=identity_path)
@@ -144,16 +147,18 @@ class BootstrapNode:
                     "stages": cfg.stages,
                     "preset": cfg.preset,
                 },
+                DatasetServer(dataset),
             )
             swarm = cfg.swarm  # admission on the data plane, relaying: peer.net.transport.gate
             verifier, credentials = auth.for_swarm(
                 swarm.admission, frozenset(swarm.allowlist), self.dht.peer_id, *self.dht.auth_material
             )
-            self.gate = Gate(self.dht.peer_id, verifier, relay=relay, outbound=Outbound(credentials))
+            outbound = Outbound(credentials, Link(LinkCaps(upload_mbps=max_upload_mbps)))  # caps what it serves
+            self.gate = Gate(self.dht.peer_id, verifier, relay=relay, outbound=outbound)
             self.server = PeerServer(self.handler, host=host, port=grpc_port, interceptors=[self.gate])
             self.gate.bind(f"{host}:{self.server.port}")
             grpc_address = f"{grpc_host}:{self.server.port}"
-            manifest = build_manifest(cfg, tok_sha, grpc_address)
+            manifest = build_manifest(cfg, tok_sha, grpc_address, dataset.index)
             self.handler.add_artifact("manifest", manifest_bytes(manifest))
             self.info = BootstrapInfo(self.run_id, self.dht.peer_id, maddrs, grpc_address, tok_sha, manifest)
             self.dht.publish_manifest(manifest, ttl_s=self.ttl_s)
@@ -248,6 +253,7 @@ def run_bootstrap(
     stop_event: threading.Event | None = None,
     relay: bool = False,
     metrics_port: int | None = None,
+    max_upload_mbps: float | None = None,
 ) -> BootstrapInfo | None:
     """Run a bootstrap until `stop_event` is set; return its BootstrapInfo (None if stopped during start-up).
 
@@ -255,10 +261,13 @@ def run_bootstrap(
     it); `address_file`, if given, receives `info.address_record()` as JSON at that moment and is
     removed again on a clean stop. `metrics_port` (0: any free port) serves Prometheus metrics of
     the swarm as this node sees it on host:port (`bootstrap.monitor`), started after the DHT fork.
+    `max_upload_mbps` caps what the bootstrap serves (Mbit/s; None: no cap).
     """
     stop_event = stop_event or threading.Event()
     try:
-        node = BootstrapNode(cfg, host, dht_port, grpc_port, announce_host, identity_path, stop_event, relay)
+        node = BootstrapNode(
+            cfg, host, dht_port, grpc_port, announce_host, identity_path, stop_event, relay, max_upload_mbps
+        )
     except _Stopped:
         logger.info("stopped during start-up")
         return None

@@ -213,15 +213,16 @@ def bootstrap(
     swarm_secret_file: flags.BootSwarmSecret = None,
     relay: flags.Relay = None,
     metrics_port: flags.MetricsPort = None,
+    max_upload_mbps: flags.MaxUploadMbps = None,
     verbose: flags.Verbose = False,
 ) -> None:
-    """Start a swarm: publish the run's manifest and tokenizer on a DHT node and print the join lines."""
+    """Start a swarm: publish the run's manifest, tokenizer and dataset on a DHT node and print the join lines."""
     _setup_logging(verbose)
     if print_peer_id:
         _print_peer_id(identity)
         return
     from bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
-    from peer.config import build_config
+    from peer.config import build_config, build_link_config
     from peer.tools.render import bootstrap_banner
 
     allowed = tuple(allow_peer or ())
@@ -251,7 +252,7 @@ def bootstrap(
 
     stop = threading.Event()
     with stop_on_signals(stop):
-        console.print("building the tokenizer and starting the DHT node…", soft_wrap=True)
+        console.print("opening the dataset and starting the DHT node…", soft_wrap=True)
         run_bootstrap(
             cfg,
             host=host,
@@ -264,6 +265,7 @@ def bootstrap(
             stop_event=stop,
             relay=bool(relay),
             metrics_port=metrics_port,
+            max_upload_mbps=build_link_config(None, max_upload_mbps).max_upload_mbps,
         )
     console.print("bootstrap stopped", soft_wrap=True)
 
@@ -307,6 +309,7 @@ def join(
     dht_port: flags.DhtPort = 0,
     announce_host: flags.JoinAnnounceHost = None,
     data_dir: flags.DataDir = None,
+    dataset: flags.JoinDataset = None,
     identity: flags.JoinIdentity = None,
     manifest_timeout_s: flags.ManifestTimeout = 60.0,
     swarm_secret_file: flags.SwarmSecret = None,
@@ -343,6 +346,7 @@ def join(
         dht_port=dht_port,
         announce_host=announce_host,
         data_dir=data_dir,
+        dataset=dataset.expanduser() if dataset else None,
         identity=str(identity) if identity else None,
         precision=precision,
         activation_checkpointing=activation_checkpointing,

@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import os
@@ -239,7 +240,15 @@ class SwarmDHT:
         """Start the hivemind child under a watchdog, remember its process tree; the peer id it runs as."""
         try:
             with _SPAWN_LOCK:
-                self._dht.start()  # forks the child; it starts p2pd, then reports ready
+                # Garbage the forked child could collect may hold this process's gRPC objects (servers and
+                # channels left in reference cycles); freed there, gRPC's core waits forever on locks of
+                # threads the fork left behind ("DHT node did not start" after in-process gRPC in tests).
+                # Frozen, the child never collects what it inherited (O(1); a gc.collect() here costs 0.2 s).
+                gc.freeze()
+                try:
+                    self._dht.start()  # forks the child; it starts p2pd, then reports ready
+                finally:
+                    gc.unfreeze()
                 self._watchdog.start(self._dht.pid)  # from now on a crash of this process does not orphan them
             self._dht.wait_until_ready(timeout_s)
             self._tree.add(self._dht.pid)

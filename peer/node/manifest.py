@@ -7,11 +7,16 @@ alike: `peer.core.portable.arithmetic_fingerprint`), the tokenizer file and the 
 `verify_manifest` rebuilds everything from the manifest on this machine and raises
 `ManifestMismatch` naming the first disagreement, so a peer with a different build refuses to join
 instead of training on different math.
+One corpus per run: the manifest names the bootstrap's prepared dataset (`peer.core.shards`) by
+its train and validation fingerprints and the sha256 of its index's canonical bytes;
+`check_dataset` refuses, in one line, a local dataset whose fingerprints differ, and a fetched index
+is accepted only with that sha256 (`peer.node.dataset_fetch`).
 `wait_for_manifest` is the one bounded wait for the bootstrap's manifest (`peer join`, `peer status`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -20,16 +25,19 @@ from typing import Any
 from peer import __version__
 from peer.config import RunConfig, config_from_dict
 from peer.core.portable import arithmetic_fingerprint
+from peer.core.shards import DatasetIndex
 from peer.core.subspace import basis_hash, make_basis
 from peer.errors import ManifestMismatch, NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 5  # 5: portable initial state and commit, state claims (state_id, link), checked adoption
+PROTOCOL_VERSION = 6  # 6: the manifest names the prepared dataset (fingerprints, index sha256); ArtifactRequest.offset
+# 5: portable initial state and commit, state claims (state_id, link), checked adoption
 # 4: streamed pipeline (route/window/attempt), data-plane proofs, Tunnel service, screening
 # 3: payload format v3 (entropy-coded indices, sign-magnitude values), global-norm clipping fields
 POLL_S = 0.5  # pause between two manifest lookups while waiting for it
+DATASET_KEYS = ("dataset_fingerprint", "dataset_val_fingerprint", "dataset_index_sha256")
 
 
 def wait_for_manifest(
@@ -74,8 +82,16 @@ def basis_hash_for(cfg: RunConfig) -> str:
     return basis_hash(make_basis(cfg.model.d_model, cfg.k, cfg.seed))
 
 
-def build_manifest(cfg: RunConfig, tokenizer_sha256: str, bootstrap_address: str) -> dict[str, Any]:
-    """The manifest for `cfg`; `bootstrap_address` is the gRPC host:port serving the artefacts."""
+def dataset_index_sha256(index: DatasetIndex) -> str:
+    """sha256 (hex) of the index's canonical bytes: what a fetched index must hash to."""
+    return hashlib.sha256(index.to_json()).hexdigest()
+
+
+def build_manifest(
+    cfg: RunConfig, tokenizer_sha256: str, bootstrap_address: str, dataset: DatasetIndex
+) -> dict[str, Any]:
+    """The manifest for `cfg` training on `dataset`; `bootstrap_address` is the gRPC host:port
+    serving the artefacts (tokenizer, manifest, the dataset's index and shards)."""
     config = cfg.to_dict()
     config["data"].pop("cache_dir", None)  # a local path, not part of the run
     config["data"]["tokenizer"] = None  # joiners download the bootstrap's tokenizer
@@ -89,6 +105,10 @@ def build_manifest(cfg: RunConfig, tokenizer_sha256: str, bootstrap_address: str
         "arithmetic": arithmetic_fingerprint(),
         "k": cfg.k,
         "tokenizer_sha256": tokenizer_sha256,
+        "dataset_fingerprint": dataset.fingerprint,
+        "dataset_val_fingerprint": dataset.val_fingerprint,
+        "dataset_index_sha256": dataset_index_sha256(dataset),
+        "dataset_tokens": {"train": dataset.tokens("train"), "val": dataset.tokens("val")},  # for people
         "bootstrap_address": bootstrap_address,
         "created": time.time(),
     }
@@ -103,7 +123,7 @@ def verify_manifest(manifest: dict[str, Any]) -> RunConfig:
             f"install the peer version the swarm runs ({manifest.get('peer_version', 'unknown')})"
         )
     swarm_version = manifest.get("peer_version") or "unknown"
-    for key in ("config", "fingerprint", "u_hash", "tokenizer_sha256", "bootstrap_address", "run_id"):
+    for key in ("config", "fingerprint", "u_hash", "tokenizer_sha256", "bootstrap_address", "run_id", *DATASET_KEYS):
         if key not in manifest:
             raise ManifestMismatch(
                 f"the manifest has no '{key}' (the bootstrap runs peer {swarm_version}, broken or too old); "
@@ -139,3 +159,15 @@ def verify_manifest(manifest: dict[str, Any]) -> RunConfig:
             f"U from the seed; install the peer version the swarm runs ({swarm_version})"
         )
     return cfg
+
+
+def check_dataset(manifest: dict[str, Any], index: DatasetIndex, where: str, fix: str) -> None:
+    """ManifestMismatch (one line, naming both sides' fingerprints and `fix`) unless `index`, read
+    from `where`, holds the run's dataset: its train and validation fingerprints are the manifest's."""
+    want, want_val = str(manifest["dataset_fingerprint"]), str(manifest["dataset_val_fingerprint"])
+    if index.fingerprint == want and index.val_fingerprint == want_val:
+        return
+    raise ManifestMismatch(
+        f"{where} holds dataset {index.fingerprint[:12]} (validation {index.val_fingerprint[:12]}) but this run "
+        f"trains on {want[:12]} (validation {want_val[:12]}); {fix}"
+    )

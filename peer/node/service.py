@@ -3,8 +3,9 @@
 A stage peer serves `forward`/`backward`/`step` for the pipeline that claimed it this outer step
 (the first head whose forward arrives; others are told the peer is busy), `get_payload` for its
 round payloads, and `get_state` for late joiners. Heads and full replicas serve only payloads and
-state. The service never trains on its own: requests drive it, and `on_last_step` tells the
-owner (the trainer) that the H-th inner step is done so it can run the outer round.
+state, and the run's prepared dataset once they hold it (`get_artifact`, peer.node.dataset_serve).
+The service never trains on its own: requests drive it, and `on_last_step` tells the owner (the
+trainer) that the H-th inner step is done so it can run the outer round.
 
 Hostile input: every pipeline request is checked against this stage before it touches a worker
 (token range, (b, L) within train.batch_size x model.max_seq_len, boundary (b, L, k) with finite
@@ -50,6 +51,7 @@ from peer.net.transport.messages import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,
+    FileSlice,
     ForwardReply,
     ForwardRequest,
     PayloadRequest,
@@ -58,6 +60,7 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
+from peer.node.dataset_serve import DatasetServer, is_dataset_artifact
 from peer.node.epoch_gate import StaleMicrobatch
 from peer.node.round.payloads import PayloadStore
 from peer.node.stage_worker import StageWorker
@@ -82,12 +85,15 @@ class PeerService:
         on_last_step: Callable[[str, int], None] | None = None,
         artifacts: dict[str, bytes] | None = None,
         outbound: Outbound | None = None,
+        dataset: DatasetServer | None = None,
     ) -> None:
-        """`outbound`: the proof and link of the calls this peer makes to the next stages."""
+        """`outbound`: the proof and link of the calls this peer makes to the next stages;
+        `dataset`: the prepared dataset this peer serves once it holds it (heads, full replicas)."""
         self.cfg, self.workers, self.store = cfg, workers, store
         self.peer_id, self.role = peer_id, role
         self.on_last_step = on_last_step
         self.artifacts = artifacts or {}
+        self.dataset = dataset or DatasetServer()
         self.outbound = outbound
         self.claimed_by: str | None = None  # pipeline id (head's peer id) for the current outer step
         self.in_round = False  # between the last inner step and the committed round
@@ -381,10 +387,16 @@ class PeerService:
             meta["bans"] = worker.ledger.bans.to_record()  # part of the committed state (peer.node.bans)
             return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
 
-    def get_artifact(self, request: ArtifactRequest) -> bytes:
+    def get_artifact(self, request: ArtifactRequest) -> bytes | FileSlice:
+        """The tokenizer, or the dataset's index and shards (peer.node.dataset_serve), from the offset on."""
+        if is_dataset_artifact(request.name):
+            return self.dataset.answer(request)
         if request.name not in self.artifacts:
             raise NotFoundError(f"no artefact named {request.name!r} here")
-        return self.artifacts[request.name]
+        data = self.artifacts[request.name]
+        if request.offset > len(data):
+            raise TransportError(f"offset {request.offset} is past the end of {request.name} ({len(data)} bytes)")
+        return data[request.offset :]
 
     def info(self) -> dict[str, Any]:
         return {
@@ -398,6 +410,7 @@ class PeerService:
             "precision": {str(s): w.precision for s, w in self.workers.items()},
             "skipped_steps": {str(s): w.skipped_steps for s, w in self.workers.items()},
             "stream_bytes": self._stream_bytes(),
+            "dataset": self.dataset.info(),
             **self.schedule,
         }
 

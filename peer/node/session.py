@@ -2,7 +2,9 @@
 
 `Session.connect` joins the DHT first (hivemind forks; nothing else may run yet), waits for the
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
-(`verify_manifest`), downloads and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`.
+(`verify_manifest`), refuses a head's or full replica's local dataset of another corpus, downloads
+and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`. Once a head or full replica has
+claimed its data shard, `fetch_data` fetches the dataset shards it reads (peer.node.dataset_fetch).
 The session is the composition root: it builds the duties below and hands each what it uses (the
 config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
 receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
@@ -21,21 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peer.config import LinkConfig, RunConfig
-from peer.core.files import atomic_write_bytes, file_sha256
-from peer.core.loader import Corpus, load_corpus
+from peer.core.loader import Corpus, load_corpus, needed_shards
 from peer.core.precision import resolve_precision
-from peer.errors import ConfigError, DataError, ManifestMismatch, NetworkError, PeerError
+from peer.core.shards import PreparedDataset
+from peer.errors import ConfigError, NetworkError, PeerError
 from peer.net.addresses import advertised_host
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
@@ -43,14 +44,21 @@ from peer.net.prometheus import watch_pool
 from peer.net.ratelimit import Link, LinkCaps
 from peer.net.records import NetFields, ReplicaRecord, StageRecord
 from peer.net.transport import auth
-from peer.net.transport.client import PeerClient
 from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
-from peer.net.transport.messages import ArtifactRequest
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import swarm_clock
 from peer.node.connectivity import Connectivity
+from peer.node.dataset_fetch import (
+    DatasetFetch,
+    RunDataset,
+    dataset_folder,
+    fetch_tokenizer,
+    held_dataset,
+    mismatch_fix,
+)
+from peer.node.dataset_serve import DatasetServer
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
@@ -84,6 +92,7 @@ class SessionOptions:
     manifest_timeout_s: float = 60.0
     swarm_secret: bytes | None = field(default=None, repr=False)  # secret-mode swarms (None: $PEER_SWARM_SECRET)
     resume: bool = False  # restore <data_dir>/checkpoints before training (`peer join --resume`)
+    dataset: Path | None = None  # the run's prepared dataset (`peer join --dataset`; default <data_dir>/dataset)
     link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
 
 
@@ -99,9 +108,11 @@ class Session:
         role: str,
         stage: int | None,
         outbound: Outbound | None = None,
+        dataset: PreparedDataset | None = None,
     ) -> None:
         """`outbound` (default: from the DHT's admission and `opts.link`): what every call this
-        peer makes carries, its admission proof and its one link with the caps."""
+        peer makes carries, its admission proof and its one link with the caps; `dataset`: the
+        run's prepared dataset this peer already holds (served from `serve` on)."""
         self.opts, self.dht, self.manifest, self.cfg = opts, dht, manifest, cfg
         self.outbound = outbound or _outbound(opts, dht)
         self.role, self.stage = role, stage
@@ -113,6 +124,7 @@ class Session:
         self.server: PeerServer | None = None
         self.service: PeerService | None = None
         self.gate: Gate | None = None  # admission, reverse streams, caps (peer.net.transport.gate)
+        self.datasets = DatasetServer(dataset)  # the run's dataset as far as this peer holds it
         self.connectivity: Connectivity | None = None
         opts.data_dir.mkdir(parents=True, exist_ok=True)
         # the composition root: each part gets what it uses, none gets the session
@@ -146,9 +158,11 @@ class Session:
             cfg = verify_manifest(manifest)
             dht.set_run(manifest["run_id"], cfg.stages)
             outbound = _outbound(opts, dht)  # the manifest's admission is known now
+            held = held_dataset(opts.dataset, opts.data_dir, manifest, role)  # another corpus: one line, first
             addresses = _peer_addresses(dht, cfg)
-            cfg = _with_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound)
-            session = cls(opts, dht, manifest, cfg, role, stage, outbound)
+            local = held.tokenizer_path if held is not None else None
+            cfg = fetch_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound, local)
+            session = cls(opts, dht, manifest, cfg, role, stage, outbound, held)
         except BaseException:
             dht.shutdown()
             raise
@@ -181,8 +195,16 @@ class Session:
     ) -> PeerService:
         """Serve the stage workers over gRPC; returns the service (claims, round state)."""
         tokenizer = {"tokenizer": Path(self.cfg.data.tokenizer).read_bytes()} if self.cfg.data.tokenizer else {}
-        self.service = PeerService(  # serves the tokenizer too: joins work once the bootstrap is gone
-            self.cfg, workers, self.store, self.peer_id, self.role, on_last_step, tokenizer, self.outbound
+        self.service = PeerService(  # serves the tokenizer and dataset too: joins work once the bootstrap is gone
+            self.cfg,
+            workers,
+            self.store,
+            self.peer_id,
+            self.role,
+            on_last_step,
+            tokenizer,
+            self.outbound,
+            self.datasets,
         )
         self.server = PeerServer(
             self.service,
@@ -367,6 +389,32 @@ class Session:
                 return shard
         raise PeerError(f"all {self.cfg.swarm.n_shards} data shards are taken; raise swarm.n_shards at the bootstrap")
 
+    def fetch_data(self, shard: int) -> Path:
+        """A head or full replica that claimed data shard `shard`: the local prepared folder (`--dataset`,
+        else <data-dir>/dataset) holding every shard it reads, the missing ones fetched from the
+        bootstrap and live peers (peer.node.dataset_fetch: verified, resumable, within the download
+        cap) and served to others from now on; `cfg.data` then names that folder and its tokenizer."""
+        cfg, folder = self.cfg, dataset_folder(self.opts.dataset, self.opts.data_dir)
+        fetch = DatasetFetch(
+            folder, RunDataset.of(self.manifest), self._data_sources, self.clients.get, cfg.swarm.rpc_timeout_s
+        )
+        assert cfg.data.tokenizer is not None  # connect fetched and checked it
+        dataset = fetch.ensure(
+            cfg.data.tokenizer,
+            lambda index: needed_shards(index, cfg.train.seq_len, shard, cfg.swarm.n_shards),
+            mismatch_fix(self.opts.dataset, self.opts.data_dir),
+        )
+        self.datasets.hold(dataset)
+        self.cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, dataset=str(folder), tokenizer=dataset.tokenizer_path)
+        )
+        return folder
+
+    def _data_sources(self) -> list[str]:
+        """Who may hold the dataset: the bootstrap first, then the run's live peers (not this one)."""
+        others = [a for a in _peer_addresses(self.dht, self.cfg) if a != self.me.address]
+        return list(dict.fromkeys([str(self.manifest["bootstrap_address"]), *others]))
+
     def load_data(self) -> Corpus:
         """The run's corpus, read by the one loader (`peer.core.loader`)."""
         return load_corpus(self.cfg.data)
@@ -440,42 +488,3 @@ def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
         except PeerError:
             continue
     return list(dict.fromkeys(found))
-
-
-def _with_tokenizer(
-    cfg: RunConfig,
-    manifest: dict,
-    data_dir: Path,
-    timeout_s: float,
-    fallback: Sequence[str] = (),
-    outbound: Outbound | None = None,
-) -> RunConfig:
-    """Download the run's tokenizer from the bootstrap (else from a live peer), check its sha256
-    against the manifest, point the data config at it."""
-    path = data_dir / "tokenizer.model"
-    want = manifest["tokenizer_sha256"]
-    if not (path.exists() and file_sha256(path) == want):
-        raw = b""
-        for i, address in enumerate([manifest["bootstrap_address"], *fallback]):
-            try:
-                wait_s = timeout_s if i == 0 else min(timeout_s, 10.0)
-                with PeerClient(address, timeout_s=wait_s, outbound=outbound) as client:
-                    raw = client.get_artifact(ArtifactRequest("tokenizer"))
-            except PeerError as exc:
-                log.warning("tokenizer not available from %s: %s", address, exc)
-                continue
-            if hashlib.sha256(raw).hexdigest() == want:
-                break
-        if hashlib.sha256(raw).hexdigest() != want:
-            raise ManifestMismatch(
-                "no tokenizer matching the manifest's sha256 from the bootstrap or any live peer; retry later"
-            )
-        try:
-            atomic_write_bytes(path, raw)
-        except OSError as exc:
-            raise DataError(
-                f"could not write the tokenizer to {path}: {exc}; check that {data_dir} is writable"
-            ) from None
-    if not path.exists():
-        raise DataError(f"tokenizer {path} missing after download")
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=path))

@@ -106,7 +106,19 @@ BootOuterSteps = Annotated[
     int | None, typer.Option("--outer-steps", help="T: outer steps (rounds) of the run (default 10).")
 ]
 BootDataset = Annotated[
-    str | None, typer.Option(help="Local file/folder or hub dataset name (default: the embedded corpus).")
+    str | None,
+    typer.Option(
+        help="The run's one corpus: a prepared folder (`peer data prepare`), or a local file/folder or hub "
+        "dataset prepared into the cache (default: the embedded corpus). Heads and full replicas fetch it from here."
+    ),
+]
+JoinDataset = Annotated[
+    Path | None,
+    typer.Option(
+        "--dataset",
+        help="A prepared folder holding the run's dataset (head, full replica); its fingerprints must be the "
+        "manifest's. Default: <data-dir>/dataset, fetched from the swarm where shards are missing.",
+    ),
 ]
 MaxChars = Annotated[
     int | None, typer.Option("--max-chars", help="Cap on the corpus size in characters (default 4000000).")

@@ -139,6 +139,7 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
             f"tokenizer sha256 {info.tokenizer_sha256[:16]}… served at {info.grpc_address}; manifest refreshed "
             f"every {cfg.swarm.record_ttl_s / 3:.0f} s (ttl {cfg.swarm.record_ttl_s:.0f} s)"
         ),
+        *_dataset_line(info.manifest),
         *who_can_join(info),
     ]
     admission = cfg.swarm.admission
@@ -159,6 +160,20 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
         out.append(Text(f"prometheus metrics of the swarm at {info.metrics_url}"))
     out.append(Text("running; Ctrl-C or SIGTERM stops it"))
     return out
+
+
+def _dataset_line(manifest: dict[str, Any]) -> list[Text]:
+    """The run's one corpus, as the manifest names it (heads and full replicas fetch what they lack)."""
+    if "dataset_fingerprint" not in manifest:
+        return []
+    tokens = manifest.get("dataset_tokens", {})
+    return [
+        Text(
+            f"dataset {manifest['dataset_fingerprint'][:12]} (validation {manifest['dataset_val_fingerprint'][:12]}): "
+            f"{fmt_params(tokens.get('train', 0))} train / {fmt_params(tokens.get('val', 0))} val tokens, "
+            "served to heads and full replicas that lack it"
+        )
+    ]
 
 
 def who_can_join(info: BootstrapInfo) -> list[Text]:

@@ -3,13 +3,14 @@
 Three terminals' worth: a bootstrap, a 2-stage compressed pipeline (a stage-1 peer and a head)
 and a full replica, on 127.0.0.1. Every join exits 0 after the run's rounds, the parameters of
 each stage agree across the pipeline and the full replica, and a join with a bad address or
-flags fails with a one-line error instead of a traceback.
+flags, or with a `--dataset` of another corpus, fails with a one-line error instead of a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.prepared import corpus, make_prepared
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -101,7 +104,27 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
                     ),
                 )
             )
-        for name, proc in procs:
+        # meanwhile a head whose --dataset is another corpus is refused in one line (exit 2) before it
+        # builds or announces anything; it runs beside the swarm, so it costs no extra wall time
+        other = make_prepared(tmp_path / "other-corpus", corpus(1)).index
+        foreign = subprocess.Popen(
+            [sys.executable, "-m", "peer", "join", "--stage", "0", "--dataset", str(tmp_path / "other-corpus")]
+            + ["--host", "127.0.0.1", "--initial-peers", maddr, "--data-dir", str(tmp_path / "foreign")],
+            env={**env, "PEER_LOG_LEVEL": "WARNING"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(("foreign", foreign))
+        _, err = foreign.communicate(timeout=120)
+        errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert foreign.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err
+        banner = re.search(r"dataset ([0-9a-f]{12}) \(validation", (tmp_path / "bootstrap.log").read_text())
+        assert banner is not None  # the bootstrap names the run's corpus
+        assert other.fingerprint[:12] in errors[0] and banner.group(1) in errors[0] and "--dataset" in errors[0]
+
+        for name, proc in procs[:-1]:
             rc = proc.wait(timeout=240)
             assert rc == 0, f"{name} exited {rc}:\n" + (tmp_path / f"{name}.log").read_text()[-3000:]
 

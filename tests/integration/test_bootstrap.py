@@ -26,6 +26,7 @@ import pytest
 
 from bootstrap.node import BootstrapInfo, run_bootstrap
 from peer.config import build_config
+from peer.core.shards import DatasetIndex
 from peer.errors import NetworkError
 from peer.net.addresses import maddr_host, order_maddrs
 from peer.net.dht import SwarmDHT, make_identity
@@ -185,6 +186,21 @@ def test_artifacts_over_grpc(boot):
         assert json.loads(served_manifest) == manifest
         with pytest.raises(NotFoundError, match="no artefact"):
             client.get_artifact(ArtifactRequest("weights"))
+        # the run's one corpus: its index as the manifest names it, a shard by sha256, from an offset
+        raw = client.get_artifact(ArtifactRequest("dataset-index"))
+        assert hashlib.sha256(raw).hexdigest() == manifest["dataset_index_sha256"]
+        index = DatasetIndex.from_json(raw)
+        assert (index.fingerprint, index.val_fingerprint) == (
+            manifest["dataset_fingerprint"],
+            manifest["dataset_val_fingerprint"],
+        )
+        assert index.tokenizer_sha256 == manifest["tokenizer_sha256"]
+        shard = index.val[0]
+        tail = client.get_artifact(ArtifactRequest(shard.sha256, offset=10))
+        head = client.get_artifact(ArtifactRequest(shard.sha256))
+        assert hashlib.sha256(head).hexdigest() == shard.sha256 and head[10:] == tail
+        with pytest.raises(NotFoundError, match="no shard"):
+            client.get_artifact(ArtifactRequest("0" * 64))
         with pytest.raises(NotFoundError, match="holds no stage"):
             client.get_state(StateRequest(stage=0))
         about = client.info()
@@ -192,6 +208,8 @@ def test_artifacts_over_grpc(boot):
     assert about["peer_id"] == boot.record["peer_id"] and about["initial_peers"] == boot.maddrs
     assert about["artifacts"] == {"manifest": len(served_manifest), "tokenizer": len(tokenizer)}
     assert about["artifacts_served"] >= 3 and about["manifest_refresh_failures"] == 0
+    assert about["dataset"]["fingerprint"] == manifest["dataset_fingerprint"]
+    assert about["dataset"]["shards_held"] == about["dataset"]["shards"] == len(index.shards)
 
 
 def test_peer_status_json_with_no_peers(boot):

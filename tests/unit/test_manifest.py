@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 
 import pytest
 
 from peer.config import build_config
+from peer.core.shards import DatasetIndex, ShardInfo
 from peer.errors import ManifestMismatch
-from peer.node.manifest import PROTOCOL_VERSION, build_manifest, verify_manifest
+from peer.node.manifest import (
+    DATASET_KEYS,
+    PROTOCOL_VERSION,
+    build_manifest,
+    check_dataset,
+    dataset_index_sha256,
+    verify_manifest,
+)
 
 TOKENIZER_SHA = "ab" * 32
+
+
+def _index(train_sha: str = "cd" * 32, val_sha: str = "ef" * 32) -> DatasetIndex:
+    """An index (no files needed): one train and one val shard named by their sha256."""
+    shards = (ShardInfo("train-00000.bin", "train", 1000, train_sha), ShardInfo("val-00000.bin", "val", 100, val_sha))
+    return DatasetIndex("uint16", 1024, 2, TOKENIZER_SHA, shards)
+
+
 # A message "says what to do" when a clause starts with an instruction ("...; install peer X").
 ACTION = re.compile(r"[;:]\s*(install|upgrade|use|restart|check|ask|rebuild|start)\b", re.IGNORECASE)
 
@@ -24,7 +41,7 @@ def cfg():
 
 @pytest.fixture
 def manifest(cfg):
-    return build_manifest(cfg, TOKENIZER_SHA, "127.0.0.1:5000")
+    return build_manifest(cfg, TOKENIZER_SHA, "127.0.0.1:5000", _index())
 
 
 def _mismatch(manifest: dict) -> str:
@@ -54,7 +71,9 @@ def test_missing_protocol(manifest):
     assert "protocol None" in _mismatch(manifest)
 
 
-@pytest.mark.parametrize("key", ["config", "fingerprint", "u_hash", "tokenizer_sha256", "bootstrap_address", "run_id"])
+@pytest.mark.parametrize(
+    "key", ["config", "fingerprint", "u_hash", "tokenizer_sha256", "bootstrap_address", "run_id", *DATASET_KEYS]
+)
 def test_missing_key(manifest, key):
     del manifest[key]
     message = _mismatch(manifest)
@@ -119,3 +138,25 @@ def test_fingerprint_mismatch_with_another_peer_version_names_the_version_to_ins
     manifest["fingerprint"] = "0" * 16
     message = _mismatch(manifest)
     assert ACTION.search(message) and "install peer 9.9.9 like the swarm" in message
+
+
+def test_the_manifest_names_the_dataset_by_its_fingerprints_and_index_hash(manifest):
+    index = _index()
+    assert manifest["dataset_fingerprint"] == index.fingerprint
+    assert manifest["dataset_val_fingerprint"] == index.val_fingerprint
+    assert manifest["dataset_index_sha256"] == dataset_index_sha256(index)
+    assert dataset_index_sha256(index) == hashlib.sha256(index.to_json()).hexdigest()
+    assert manifest["dataset_tokens"] == {"train": 1000, "val": 100}
+    check_dataset(manifest, index, "DIR", "do something")  # the run's own dataset passes
+
+
+@pytest.mark.parametrize("other", ["train", "val"])
+def test_another_corpus_is_refused_in_one_line_naming_both_fingerprints(manifest, other):
+    theirs = _index(train_sha="00" * 32) if other == "train" else _index(val_sha="00" * 32)
+    with pytest.raises(ManifestMismatch) as info:
+        check_dataset(manifest, theirs, "/data/other", "pass the run's prepared dataset with --dataset")
+    message = str(info.value)
+    assert "\n" not in message and "/data/other" in message
+    for fp in (theirs.fingerprint, theirs.val_fingerprint, manifest["dataset_fingerprint"]):
+        assert fp[:12] in message
+    assert message.endswith("pass the run's prepared dataset with --dataset")

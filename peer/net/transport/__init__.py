@@ -2,7 +2,8 @@
 
 Public API (everything else in here is wire detail):
 - messages: ForwardRequest/Reply, BackwardRequest/Reply, StepRequest/Reply, PayloadRequest,
-  StateRequest/Reply, ArtifactRequest (plain dataclasses with tensors).
+  StateRequest/Reply, ArtifactRequest (plain dataclasses with tensors); FileSlice, an artefact a
+  handler answers from disk (streamed, never held whole: peer.net.transport.blobs).
 - PeerHandler: the synchronous interface a peer implements; PeerServer serves it.
 - PeerClient: synchronous calls with deadlines, bounded retries and byte counters.
 - encoded_size / framed_size: exact wire bytes of a message, for planners and metrics.
@@ -30,6 +31,7 @@ from peer.net.transport.messages import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,
+    FileSlice,
     ForwardReply,
     ForwardRequest,
     PayloadRequest,
@@ -47,6 +49,7 @@ __all__ = [
     "ArtifactRequest",
     "BackwardReply",
     "BackwardRequest",
+    "FileSlice",
     "ForwardReply",
     "ForwardRequest",
     "NetworkError",

@@ -22,13 +22,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import grpc
 
 from peer.errors import NetworkError
 from peer.net import prometheus
-from peer.net.transport import codec, dialer, framing, tensors
+from peer.net.transport import blobs, codec, dialer, framing, tensors
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
 from peer.net.transport.errors import NotFoundError, RemoteError, TransportError
@@ -131,6 +131,28 @@ class PeerClient:
     def get_artifact(self, request: ArtifactRequest, timeout_s: float | None = None) -> bytes:
         artifact: bytes = self._unary_streamed("get_artifact", self._stub.GetArtifact, request, pb.Blob, timeout_s)
         return artifact
+
+    def get_artifact_into(
+        self, request: ArtifactRequest, sink: BinaryIO, size: int, timeout_s: float | None = None
+    ) -> int:
+        """Stream the `size` bytes of an artefact from `request.offset` on into `sink` as they arrive
+        (never held whole; peer.net.transport.blobs); returns the bytes written. Not retried: what
+        reached `sink` stays there, and the caller resumes from it. TransportError when the peer
+        sends another size than `size`."""
+        method = "get_artifact"
+        msg = self._check(lambda: codec.encode(request, self.wire_dtype), method)
+
+        def attempt(timeout: float) -> int:
+            self._count(self._sent, method, msg.ByteSize())
+            call = self._stub.GetArtifact(msg, timeout=timeout)
+            try:
+                return blobs.write_blob(self._counted_in(method, call), sink, size)
+            except TransportError:
+                call.cancel()
+                raise
+
+        written: int = self._call(method, attempt, timeout_s, idempotent=False)
+        return written
 
     def info(self, timeout_s: float | None = None) -> dict[str, Any]:
         info: dict[str, Any] = self._unary("info", self._stub.Info, pb.InfoRequest(), timeout_s, idempotent=True)

@@ -137,7 +137,7 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
         meta_json = _dump_json(msg.meta, "StateReply.meta")
         return pb.StateReply(outer_step=msg.outer_step, meta_json=meta_json, tensors=tensors)
     if isinstance(msg, ArtifactRequest):
-        return pb.ArtifactRequest(name=msg.name)
+        return pb.ArtifactRequest(name=msg.name, offset=msg.offset)
     if isinstance(msg, dict):
         return pb.InfoReply(json=_dump_json(msg, "info"))
     raise TypeError(f"no wire encoding for {type(msg).__name__}")
@@ -244,7 +244,9 @@ def _decode_artifact_request(msg: pb.ArtifactRequest, limits: WireLimits) -> Art
             f"invalid ArtifactRequest.name {msg.name[:64]!r}: use 1-128 characters from [A-Za-z0-9._-], "
             "not starting with '.'"
         )
-    return ArtifactRequest(name=msg.name)
+    if msg.offset < 0:
+        raise TransportError(f"invalid ArtifactRequest.offset {msg.offset}: must be >= 0")
+    return ArtifactRequest(name=msg.name, offset=msg.offset)
 
 
 def _decode_info_reply(msg: pb.InfoReply, limits: WireLimits) -> dict[str, Any]:

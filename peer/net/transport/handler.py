@@ -20,6 +20,7 @@ from peer.net.transport.messages import (
     ArtifactRequest,
     BackwardReply,
     BackwardRequest,
+    FileSlice,
     ForwardReply,
     ForwardRequest,
     PayloadRequest,
@@ -54,8 +55,9 @@ class PeerHandler(Protocol):
         """Current weights and buffers of a stage, tagged with the outer step."""
         ...
 
-    def get_artifact(self, request: ArtifactRequest) -> bytes:
-        """A named artefact (e.g. "tokenizer.model")."""
+    def get_artifact(self, request: ArtifactRequest) -> bytes | FileSlice:
+        """A named artefact (e.g. "tokenizer.model") from `request.offset` on: bytes, or a
+        `FileSlice` the server streams from disk (large artefacts: dataset shards)."""
         ...
 
     def info(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -22,6 +23,7 @@ __all__ = [
     "ArtifactRequest",
     "BackwardReply",
     "BackwardRequest",
+    "FileSlice",
     "ForwardReply",
     "ForwardRequest",
     "PayloadRequest",
@@ -147,6 +149,18 @@ class StateReply:
 
 @dataclass(frozen=True, eq=False)
 class ArtifactRequest:
-    """Ask for a named artefact (e.g. the tokenizer model) by name (answer: bytes)."""
+    """Ask for a named artefact (e.g. the tokenizer model, a dataset shard by sha256) from byte
+    `offset` on (answer: bytes, or a `FileSlice` the server streams from disk)."""
 
     name: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """A handler's answer to `get_artifact` that the server streams from disk, chunk by chunk:
+    `size` bytes of the file at `path` from byte `offset` (the file is never read whole)."""
+
+    path: Path
+    offset: int
+    size: int

@@ -154,10 +154,12 @@ class StateReply(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., meta_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
 
 class ArtifactRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Blob(_message.Message):
     __slots__ = ("data",)

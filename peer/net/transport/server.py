@@ -12,6 +12,8 @@ Invariants: every handler call is wrapped, so a bad request or a failing handler
 RPC, never the server: validation failures -> INVALID_ARGUMENT, `NotFoundError` -> NOT_FOUND,
 `HopError` -> ABORTED, other `PeerError` -> FAILED_PRECONDITION, anything else -> INTERNAL with
 the traceback logged; an error that carries a typed `Refusal` sends it in the trailing metadata.
+A `FileSlice` answer to get_artifact (a dataset shard) is streamed from its file one chunk at a
+time (`blobs.file_chunks`); a file that cannot be read to its promised end ends the call with DATA_LOSS.
 No request larger than `max_message_bytes` is ever buffered. `stop()` waits for in-flight handler
 calls (bounded by the grace period) and shuts every thread the server started down.
 """
@@ -29,12 +31,12 @@ import grpc
 from google.protobuf.message import Message as PbMessage
 
 from peer.errors import NetworkError, PeerError
-from peer.net.transport import codec, framing, tensors
+from peer.net.transport import blobs, codec, framing, tensors
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
 from peer.net.transport.errors import HopError, NotFoundError, Refusal, Refused, TransportError
 from peer.net.transport.handler import HANDLER_METHODS, PeerHandler
-from peer.net.transport.messages import BackwardReply, ForwardReply, StateReply, StepReply
+from peer.net.transport.messages import BackwardReply, FileSlice, ForwardReply, StateReply, StepReply
 from peer.net.transport.tensors import WireLimits
 from peer.net.transport.trailers import trailing_metadata
 
@@ -98,7 +100,23 @@ class _Servicer(pb_grpc.PeerServicer):
         yield from self._unary_streamed(context, "get_state", request, pb.StateRequest, StateReply)
 
     def GetArtifact(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-        yield from self._unary_streamed(context, "get_artifact", request, pb.ArtifactRequest, bytes)
+        reply = self._run(context, "get_artifact", lambda: self._artifact(request))
+        if not isinstance(reply, FileSlice):
+            yield from framing.split(reply)
+            return
+        try:  # streamed from disk, one chunk at a time (peer.net.transport.blobs)
+            yield from blobs.file_chunks(reply.path, reply.offset, reply.size)
+        except OSError as exc:  # the file went away or shrank under us: no last chunk was sent
+            log.warning("get_artifact from %s: cannot read %s: %s", context.peer(), reply.path, exc)
+            _abort(context, grpc.StatusCode.DATA_LOSS, f"get_artifact: this peer cannot read the artefact ({exc})")
+
+    def _artifact(self, request: bytes) -> bytes | FileSlice:
+        """The handler's artefact: protobuf bytes of a Blob held in memory, or a file to stream."""
+        reply = self._handler.get_artifact(codec.from_bytes(pb.ArtifactRequest, request, self._limits))
+        if isinstance(reply, FileSlice):
+            return reply
+        data: bytes = self._encode(reply, bytes, "get_artifact").SerializeToString()
+        return data
 
     def Info(self, request: bytes, context: grpc.ServicerContext) -> PbMessage:
         def call() -> PbMessage:
