@@ -62,4 +62,3 @@ def run_dataset(cfg: RunConfig) -> PreparedDataset:
         index.val_fingerprint[:12],
     )
     return dataset
-
