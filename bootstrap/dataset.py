@@ -5,28 +5,26 @@ file or folder, a hub dataset, builtin:stdlib) that `prepared_for` prepares into
 `run_dataset` opens it and checks what the manifest will claim:
 - the folder's tokenizer.model hashes to the index's `tokenizer_sha256` (it becomes the run's
   tokenizer; the manifest's `tokenizer_sha256` is that hash);
-- a `--tokenizer` given with a prepared folder is that same file;
-- the index's vocabulary fits the model (`model.vocab_size`), else a one-line ConfigError.
-
+- a `--tokenizer` given with a prepared folder is that same file, and the index's vocabulary fits
+  the model (`model.vocab_size`): both checked by `peer.core.prepare.prepared_for` (DataError).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from peer.config import RunConfig
 from peer.core.files import file_sha256
 from peer.core.prepare import prepared_for
-from peer.core.shards import TOKENIZER_FILE, PreparedDataset, is_prepared
-from peer.errors import ConfigError, DataError, one_line
+from peer.core.shards import TOKENIZER_FILE, PreparedDataset
+from peer.errors import DataError, one_line
 
 log = logging.getLogger(__name__)
 
 
 def run_dataset(cfg: RunConfig) -> PreparedDataset:
     """The run's prepared dataset (`cfg.data.dataset`), its tokenizer and vocabulary checked."""
-    dataset = prepared_for(cfg.data)
+    dataset = prepared_for(cfg.data)  # checks a given --tokenizer and that the vocabulary fits the model
     index, tokenizer = dataset.index, dataset.tokenizer_path
     try:
         tok_sha = file_sha256(tokenizer)
@@ -39,18 +37,6 @@ def run_dataset(cfg: RunConfig) -> PreparedDataset:
         raise DataError(
             f"{tokenizer} (sha256 {tok_sha[:12]}) is not the tokenizer the dataset was made with "
             f"({index.tokenizer_sha256[:12]}); prepare the dataset again"
-        )
-    given = cfg.data.tokenizer
-    if given is not None and is_prepared(cfg.data.dataset) and file_sha256(Path(given)) != tok_sha:
-        raise ConfigError(
-            f"--tokenizer {given} is not the tokenizer of the prepared dataset {dataset.root}; "
-            "leave --tokenizer out (the dataset's own is used)"
-        )
-    if index.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the prepared dataset {dataset.root} has a vocabulary of {index.vocab_size} ids but the model "
-            f"holds {cfg.model.vocab_size} (model.vocab_size); prepare it with --vocab-size {cfg.model.vocab_size} "
-            "or choose a model with a larger vocabulary"
         )
     log.info(
         "dataset %s: %d train / %d val tokens in %d shards (fingerprint %s, validation %s)",

@@ -9,7 +9,7 @@ import pytest
 from bootstrap.dataset import run_dataset
 from peer.config import build_config
 from peer.core.shards import TOKENIZER_FILE
-from peer.errors import ConfigError, DataError
+from peer.errors import DataError
 from tests.prepared import VOCAB, corpus, make_prepared
 
 
@@ -28,7 +28,7 @@ def test_a_prepared_folder_is_the_runs_corpus(prepared):
 
 
 def test_a_vocabulary_larger_than_the_models_is_one_line(prepared):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(DataError) as info:
         run_dataset(_cfg(prepared.root, **{"model.vocab_size": VOCAB - 20}))
     message = str(info.value)
     assert "\n" not in message and f"{VOCAB} ids" in message and f"--vocab-size {VOCAB - 20}" in message
@@ -36,7 +36,7 @@ def test_a_vocabulary_larger_than_the_models_is_one_line(prepared):
 
 def test_a_tokenizer_that_is_not_the_indexs_is_refused(prepared, tmp_path):
     other = make_prepared(tmp_path / "other", corpus(1))
-    with pytest.raises(ConfigError, match="leave --tokenizer out"):
+    with pytest.raises(DataError, match="leave --tokenizer out"):
         run_dataset(_cfg(prepared.root, **{"data.tokenizer": str(other.tokenizer_path)}))
     swapped = make_prepared(tmp_path / "swapped", corpus(0))
     (swapped.root / TOKENIZER_FILE).write_bytes(other.tokenizer_path.read_bytes())
