@@ -41,7 +41,7 @@ from peer.node.checkpoints.stage import (
     read_stage_meta,
 )
 from peer.tools.export import EXPORT_INFO_FILE, export_hf, resolve_checkpoint
-from peer.tools.export_model import CommittedStage, ExportResult, adopt, write_stages
+from peer.tools.export_model import CommittedStage, ExportResult, from_checkpoint, write_stages
 
 log = logging.getLogger(__name__)
 
@@ -113,44 +113,59 @@ def _run_config(path: Path, meta: Mapping[str, Any]) -> RunConfig:
     return cfg
 
 
-def _read_stages(
-    folders: Sequence[PeerFolder], t: int, progress: Progress
-) -> tuple[RunConfig, dict[int, CommittedStage], list[Path]]:
-    """Every stage's committed state at outer step t, checked; the run's config; the step dirs read."""
+def _plan(folders: Sequence[PeerFolder], t: int) -> tuple[RunConfig, list[tuple[Path, dict[str, Any]]]]:
+    """The run's config and each folder's checkpoint at outer step t with its meta, checked before any
+    tensor is read: one run, every stage held by some folder."""
     cfg: RunConfig | None = None
     fingerprint, first = None, None
-    stages: dict[int, CommittedStage] = {}
-    given: dict[int, Path] = {}
-    paths = []
+    read = []
     for folder in folders:
         path = folder.steps[t]
         meta = read_stage_meta(path)
-        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+        if cfg is None:
+            cfg, fingerprint, first = _run_config(path, meta), meta.get("fingerprint"), folder.arg
+        elif meta.get("fingerprint") != fingerprint:
             raise CheckpointError(
                 f"{first} and {folder.arg} are checkpoints of different runs "
                 f"(config fingerprints {fingerprint} and {meta.get('fingerprint')})"
             )
-        if cfg is None:
-            cfg, fingerprint, first = _run_config(path, meta), meta.get("fingerprint"), folder.arg
         held = sorted(int(s) for s in meta["stages"])
         if any(not 0 <= s < cfg.stages for s in held):
             raise CheckpointError(f"{path} holds stages {held}, the run has {cfg.stages}")
+        read.append((path, meta))
+    assert cfg is not None
+    missing = sorted(set(range(cfg.stages)) - {int(s) for _, meta in read for s in meta["stages"]})
+    if missing:
+        raise CheckpointError(
+            f"stage {missing[0]} of {cfg.stages} is missing: add the folder of a peer that holds it "
+            f"(a stage peer of stage {missing[0]} or a full replica)"
+        )
+    return cfg, read
+
+
+def _read_stages(
+    cfg: RunConfig, read: Sequence[tuple[Path, Mapping[str, Any]]], progress: Progress
+) -> dict[int, CommittedStage]:
+    """Every stage's committed state from the checkpoints `read` (`_plan`), each checked against the
+    hashes its checkpoint recorded and a stage given twice against itself."""
+    stages: dict[int, CommittedStage] = {}
+    given: dict[int, Path] = {}
+    for path, meta in read:
+        held = sorted(int(s) for s in meta["stages"])
         for s, state in read_committed_states(path, meta, held).items():
-            got = adopt(cfg, s, state)
+            got = from_checkpoint(s, state)
             info = meta["stages"][str(s)]
             if (got.param_hash, got.perp_hash) != (info.get("param_hash"), info.get("perp_hash")):
                 raise CheckpointError(f"{path}: stage {s}'s state does not match the hashes its checkpoint recorded")
             if s in stages and (stages[s].param_hash, stages[s].perp_hash) != (got.param_hash, got.perp_hash):
                 raise CheckpointError(
-                    f"stage {s} differs between {given[s]} and {path} at outer step {t} "
+                    f"stage {s} differs between {given[s]} and {path} at outer step {got.outer_step} "
                     f"(states {stages[s].state_id} and {got.state_id}); give one of them"
                 )
             stages.setdefault(s, got)
             given.setdefault(s, path)
-            progress(f"stage {s}: state {got.state_id} at outer step {t} from {path}")
-        paths.append(path)
-    assert cfg is not None
-    return cfg, stages, paths
+            progress(f"stage {s}: state {got.state_id} at outer step {got.outer_step} from {path}")
+    return stages
 
 
 def _tokenizer(folders: Sequence[PeerFolder], want: str | None) -> Path | None:
@@ -194,9 +209,9 @@ def export_folders(
                 "step-NNNNNN folder in it (a `peer simulate --save` checkpoint is exported alone)"
             )
         folders.append(folder)
-    t = pick_outer_step(folders, outer_step)
-    cfg, stages, read = _read_stages(folders, t, say)
-    want = read_stage_meta(read[0]).get("tokenizer_sha256")
+    cfg, read = _plan(folders, pick_outer_step(folders, outer_step))
+    stages = _read_stages(cfg, read, say)
+    want = read[0][1].get("tokenizer_sha256")
     tokenizer = _tokenizer(folders, want if isinstance(want, str) else None)
     source = "replica" if len(folders) == 1 else "stages"
-    return write_stages(out, cfg, stages, tokenizer, source, [str(p) for p in read])
+    return write_stages(out, cfg, stages, tokenizer, source, [str(path) for path, _ in read])

@@ -121,11 +121,12 @@ class _Swarm:
         claims = {s: parse_claims(h) for s, h in holders.items()}
         return holders, claims, swarm_clock(self.dht.get_replicas())
 
+    def __post_init__(self) -> None:  # built before the claims are read: a download follows its reading closely
+        self.workers = {s: StageWorker(self.cfg, s, device="cpu", precision="fp32") for s in range(self.cfg.stages)}
+
     def fetch(self, s: int, win: Majority, holders: Mapping[str, StageRecord], claims: Mapping[str, Claim]) -> str:
         """Download stage s's majority state from one of its holders into the stage's worker; the holder's
         peer id, or "" when none served it intact."""
-        if s not in self.workers:
-            self.workers[s] = StageWorker(self.cfg, s, device="cpu", precision="fp32")
         for pid in win.holders:
             address = holders[pid].address if pid in holders else ""
             if address and download_claimed(self.clients, self.workers[s], pid, address, claims[pid]) is not None:

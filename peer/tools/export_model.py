@@ -5,10 +5,12 @@ folder per stage, or the live swarm over `GetState` — ends here, so the three 
 model.safetensors for one outer step:
 
     1. each stage's committed state (θ_start, T⊥, bans at outer step t, exactly what a state sync
-       carries) is loaded into a fresh `StageWorker` (`adopt`): names and shapes are checked by
-       the worker, its state id is what holders claim (peer.node.claims), and what comes out is
-       the worker's `snapshot()`, the very tensors `GetState` serves (`read_back`; the live export
-       downloads into a fresh worker the way a state sync does, peer.node.resync.download_claimed);
+       carries) with its hashes and state id, as holders claim it (peer.node.claims): live, it is
+       downloaded into a fresh `StageWorker` and checked against the holders' majority claim the
+       way a state sync is (peer.node.resync.download_claimed), and read back as the worker serves
+       it (`read_back`: its `snapshot()`, the very tensors `GetState` serves); from a checkpoint it
+       is the θ_start and T⊥ the saving worker held, whose hashes must be the ones it recorded
+       (`from_checkpoint`: equal `state_hash`, equal bits, so no worker needs to be built);
     2. `whole_model` joins the stages under their global names and folds the embedding exactly
        as the model computes it: peer.core.model.Embedding returns weight[x] + perp[x], which is
        (weight + perp)[x] bit for bit, so `embed.weight` = T_S + T⊥ of stage 0, in fp32
@@ -32,15 +34,18 @@ import torch
 
 from peer.config import RunConfig
 from peer.core.model import stage_shapes
+from peer.core.state import state_hash
 from peer.core.subspace_state import EMBED
 from peer.errors import CheckpointError
+from peer.node.bans import Bans
+from peer.node.claims import state_id
 from peer.node.manifest import run_id_for
 from peer.node.stage_worker import StageWorker
 from peer.tools.export import write_hf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CommittedStage", "ExportResult", "adopt", "read_back", "whole_model", "write_stages"]
+__all__ = ["CommittedStage", "ExportResult", "from_checkpoint", "read_back", "whole_model", "write_stages"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,15 +72,16 @@ class ExportResult:
     tokenizer: bool
 
 
-def adopt(cfg: RunConfig, stage: int, state: Mapping[str, Any]) -> CommittedStage:
-    """Load a committed state ({"outer_step", "start", "perp", "bans"}) into a fresh stage worker and
-    read it back as the worker serves it (`read_back`); CheckpointError when it does not fit the stage."""
-    worker = StageWorker(cfg, stage, device="cpu", precision="fp32")
-    try:
-        worker.load_state_dict(state)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"stage {stage}'s state does not fit this run's model: {exc}") from None
-    return read_back(worker)
+def from_checkpoint(stage: int, state: Mapping[str, Any]) -> CommittedStage:
+    """A committed state read from a checkpoint ({"outer_step", "start", "perp", "bans"}: peer.node.
+    checkpoints.stage.read_committed_states), with the hashes and state id a worker holding it has
+    (`peer.core.state.state_hash` over names, dtypes, shapes and bytes): equal hashes, equal bits."""
+    start = {n: v.detach().to("cpu").contiguous() for n, v in state["start"].items()}
+    perp = state["perp"].detach().to("cpu").contiguous()
+    param_hash, perp_hash = state_hash(start), state_hash({"perp": perp})
+    bans = Bans.from_record(state.get("bans")).to_record()
+    sid = state_id(param_hash, perp_hash, bans)
+    return CommittedStage(stage, int(state["outer_step"]), start, perp, sid, param_hash, perp_hash)
 
 
 def read_back(worker: StageWorker) -> CommittedStage:
@@ -92,7 +98,7 @@ def whole_model(cfg: RunConfig, stages: Mapping[int, CommittedStage]) -> dict[st
     folded to the full TE = T_S + T⊥ (stage 0's T⊥); CheckpointError naming a missing stage."""
     missing = [s for s in range(cfg.stages) if s not in stages]
     if missing:
-        raise CheckpointError(f"stage {missing[0]} of {cfg.stages} is missing: give a folder or peer that holds it")
+        raise CheckpointError(f"stage {missing[0]} of {cfg.stages} is missing: export it from a peer that holds it")
     steps = {st.outer_step for st in stages.values()}
     if len(steps) != 1:
         raise CheckpointError(f"the stages are at different outer steps {sorted(steps)}; export one outer step")
@@ -103,8 +109,10 @@ def whole_model(cfg: RunConfig, stages: Mapping[int, CommittedStage]) -> dict[st
         if got != shapes:
             raise CheckpointError(f"stage {s}'s parameters do not match this run's model (names or shapes)")
         out.update(stages[s].params)
-    weight = out[EMBED].to(torch.float32)
-    out[EMBED] = weight + stages[0].perp.to(torch.float32)  # TE = T_S + T⊥, as Embedding.forward adds them
+    weight, perp = out[EMBED].to(torch.float32), stages[0].perp.to(torch.float32)
+    if perp.shape != weight.shape:
+        raise CheckpointError(f"stage 0's T⊥ is {tuple(perp.shape)}, the embedding {tuple(weight.shape)}")
+    out[EMBED] = weight + perp  # TE = T_S + T⊥, as Embedding.forward adds weight[x] + perp[x]
     return out
 
 
