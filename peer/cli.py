@@ -142,6 +142,7 @@ def export(
     outer_step: flags.ExportOuterStep = None,
     timeout_s: flags.ExportTimeout = 120.0,
     swarm_secret_file: flags.SwarmSecret = None,
+    identity: flags.ExportIdentity = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Write the model as a Hugging Face `LlamaForCausalLM` folder (config.json, model.safetensors, tokenizer):
@@ -158,7 +159,7 @@ def export(
         from peer.tools.export_live import export_live
 
         secret = load_swarm_secret(swarm_secret_file)
-        result = export_live(initial_peers, out, outer_step, timeout_s, secret, say)
+        result = export_live(initial_peers, out, outer_step, timeout_s, secret, say, identity)
     else:
         from peer.tools.export_checkpoints import export_folders
 

@@ -180,12 +180,19 @@ def export_live(
     timeout_s: float = 120.0,
     swarm_secret: bytes | None = None,
     progress: Progress | None = None,
+    identity: Path | None = None,
 ) -> ExportResult:
-    """Export the live swarm's model at one outer step (module docstring) to `out`."""
+    """Export the live swarm's model at one outer step (module docstring) to `out`.
+
+    `swarm_secret`: a secret-mode swarm's secret; `identity`: this node's key file (an allow-list
+    swarm serves its state only to admitted peers); `progress`: where progress lines go.
+    """
     say = progress or log.info
     deadline = time.monotonic() + timeout_s
     where = ", ".join(initial_peers)
-    with SwarmDHT(initial_peers, client_mode=True, start_timeout_s=timeout_s, swarm_secret=swarm_secret) as dht:
+    with SwarmDHT(
+        initial_peers, client_mode=True, start_timeout_s=timeout_s, identity_path=identity, swarm_secret=swarm_secret
+    ) as dht:
         manifest = wait_for_manifest(dht, max(1.0, deadline - time.monotonic()), where)
         cfg = verify_manifest(manifest)
         dht.set_run(manifest["run_id"], cfg.stages)

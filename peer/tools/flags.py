@@ -115,6 +115,12 @@ ExportOuterStep = Annotated[
         "peers hold only their current state.",
     ),
 ]
+ExportIdentity = Annotated[
+    Path | None,
+    typer.Option(
+        "--identity", help="Live: this node's key file (created if missing); an allow-list swarm must admit it."
+    ),
+]
 ExportTimeout = Annotated[
     float,
     typer.Option(
