@@ -196,6 +196,12 @@ def export_folders(
 ) -> ExportResult:
     """Export a swarm's model from peers' stage checkpoint folders (module docstring) to `out`."""
     say = progress or log.info
+    for path in paths:
+        if not Path(path).exists():
+            raise CheckpointError(
+                f"{path} does not exist; pass a peer's data dir (its checkpoints/ or a step-NNNNNN folder in it), "
+                "one per stage, or a folder written by `peer simulate --save`"
+            )
     found = [(Path(path), peer_folder(Path(path))) for path in paths]
     if len(found) == 1 and found[0][1] is None:  # not a peer's folder: a `peer simulate --save` checkpoint
         if outer_step is not None:

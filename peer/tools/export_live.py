@@ -108,21 +108,22 @@ def _by_stage(steps: Mapping[int, int]) -> str:
 
 @dataclass
 class _Swarm:
-    """What the export reads the swarm through: the run's config, its DHT and a pool of gRPC clients."""
+    """What the export reads the swarm through: the run's config, its DHT, a pool of gRPC clients, and
+    one fresh worker per stage to download into (built first: a download follows its reading closely)."""
 
     cfg: RunConfig
     dht: SwarmDHT
     clients: ClientPool
-    workers: dict[int, StageWorker] = field(default_factory=dict)  # one fresh worker per stage, reused
+    workers: dict[int, StageWorker] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workers = {s: StageWorker(self.cfg, s, device="cpu", precision="fp32") for s in range(self.cfg.stages)}
 
     def claims(self) -> tuple[dict[int, dict[str, StageRecord]], dict[int, dict[str, Claim]], int]:
         """Every stage's holders, their claims, and the swarm's clock, read now."""
         holders = {s: self.dht.get_stage_peers(s) for s in range(self.cfg.stages)}
         claims = {s: parse_claims(h) for s, h in holders.items()}
         return holders, claims, swarm_clock(self.dht.get_replicas())
-
-    def __post_init__(self) -> None:  # built before the claims are read: a download follows its reading closely
-        self.workers = {s: StageWorker(self.cfg, s, device="cpu", precision="fp32") for s in range(self.cfg.stages)}
 
     def fetch(self, s: int, win: Majority, holders: Mapping[str, StageRecord], claims: Mapping[str, Claim]) -> str:
         """Download stage s's majority state from one of its holders into the stage's worker; the holder's
@@ -138,7 +139,6 @@ def _fetch_all(
     swarm: _Swarm, wanted: int | None, deadline: float, timeout_s: float, say: Progress
 ) -> tuple[dict[int, CommittedStage], dict[int, tuple[str, str]]]:
     """Every stage's checked state at one outer step (`pick_step`); the (peer id, address) it came from."""
-    why = ""
     while True:
         holders, claims, clock = swarm.claims()
         pick = pick_step({s: list(c.values()) for s, c in claims.items()}, clock, wanted)

@@ -94,6 +94,7 @@ Checkpoint = Annotated[
         "folder); one such folder per stage (`peer export s0/ s1/`); or a folder written by "
         "`peer simulate --save` (one configuration, or a folder holding exactly one). "
         "Leave out with --initial-peers.",
+        metavar="FOLDER",
         show_default=False,
     ),
 ]
