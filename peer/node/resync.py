@@ -12,7 +12,8 @@
   step agrees on another state that cannot be checked do we download it.
 - `sync_state`: download the state a strict majority of the stage's other live holders claims
   (counted by peer id, at a step the swarm's clock admits: `peer.node.claims.majority`), from
-  one of them, hash-checked against that state id. No majority: NetworkError, retry later.
+  one of them, hash-checked against that state id (`download_claimed`, which `peer export
+  --initial-peers` checks its downloads with too). No majority: NetworkError, retry later.
 - `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
   checkpoint at or past the clock is kept);
 - `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;

@@ -242,6 +242,7 @@ def write_hf(
             f"{missing[0]} and {len(missing) - 1} more); export a checkpoint "
             f"saved from all stages"
         )
+    _check_out(out_dir)
     with atomic_directory(out_dir) as tmp:
         save_file(dict(sorted(tensors.items())), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
@@ -261,6 +262,16 @@ def write_hf(
         "exported %s to %s (%d tensors, tokenizer: %s)", source, out_dir, len(tensors), "yes" if tokenizer else "no"
     )
     return sha
+
+
+def _check_out(out_dir: Path) -> None:
+    """The output folder is replaced as a whole: refuse one that holds anything but an earlier export."""
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"--out {out_dir} is a folder with other files in it and would be replaced; pass a new or empty folder"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--out {out_dir} is a file; pass a new or empty folder")
 
 
 def _expected_names(cfg: ModelConfig) -> list[str]:

@@ -253,6 +253,12 @@ def test_mismatched_steps_other_runs_missing_or_differing_stages_are_refused_in_
     assert "different runs" in _refused([root / "s0", _other_state(swarm, tmp_path, "other", seed=7)], out)
     msg = _refused([root / "full", _other_state(swarm, tmp_path, "forked")], out)
     assert "stage 1 differs between" in msg
+    busy = tmp_path / "home"  # --out replaces its folder: never one that holds anything but an export
+    (busy / "notes.txt").parent.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="would be replaced"):
+        export_folders([root / "full"], busy)
+    assert (busy / "notes.txt").read_text() == "mine"
     meta_path = old / "checkpoints" / "step-000001" / "meta.json"
     meta = json.loads(meta_path.read_text())
     del meta["config"]  # as a peer before this version wrote it
