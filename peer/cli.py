@@ -163,17 +163,43 @@ def plan(
 
 @app.command()
 def export(
-    checkpoint: flags.Checkpoint,
     out: flags.ExportOut,
+    checkpoint: flags.Checkpoint = None,
+    initial_peers: flags.ExportPeers = None,
+    outer_step: flags.ExportOuterStep = None,
+    timeout_s: flags.ExportTimeout = 120.0,
+    swarm_secret_file: flags.SwarmSecret = None,
+    identity: flags.ExportIdentity = None,
+    verbose: flags.Verbose = False,
 ) -> None:
-    """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (config.json + safetensors + tokenizer)."""
-    from peer.tools.export import export_hf, resolve_checkpoint
+    """Write the model as a Hugging Face `LlamaForCausalLM` folder (config.json, model.safetensors, tokenizer):
+    from a full replica's checkpoints, one checkpoint folder per stage, the live swarm, or `peer simulate --save`."""
+    _setup_logging(verbose)
+    if bool(checkpoint) == bool(initial_peers):
+        raise ConfigError("give checkpoint folders or --initial-peers ADDR (a live swarm), not both and not neither")
 
-    source = resolve_checkpoint(checkpoint)
-    if source != checkpoint:
-        console.print(f"{checkpoint} holds one configuration: exporting {source}", soft_wrap=True, highlight=False)
-    path = export_hf(source, out)
-    console.print(f"exported to {path} — load it with transformers.LlamaForCausalLM.from_pretrained('{path}')")
+    def say(line: str) -> None:  # progress on stdout: stderr holds warnings and the one `error:` line
+        console.print(line, soft_wrap=True, highlight=False)
+
+    if initial_peers:
+        from peer.net.dht import load_swarm_secret
+        from peer.tools.export_live import export_live
+
+        secret = load_swarm_secret(swarm_secret_file)
+        result = export_live(initial_peers, out, outer_step, timeout_s, secret, say, identity)
+    else:
+        from peer.tools.export_checkpoints import export_folders
+
+        assert checkpoint is not None
+        result = export_folders(checkpoint, out, outer_step, say)
+    step = "" if result.outer_step is None else f" at outer step {result.outer_step}"
+    console.print(
+        f"exported {result.source}{step} to {result.out} (model.safetensors sha256 {result.model_sha256[:16]}, "
+        f"tokenizer: {'yes' if result.tokenizer else 'no'}) — load it with "
+        f"transformers.LlamaForCausalLM.from_pretrained('{result.out}')",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def _print_peer_id(identity: Path | None) -> None:

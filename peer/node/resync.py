@@ -12,7 +12,8 @@
   step agrees on another state that cannot be checked do we download it.
 - `sync_state`: download the state a strict majority of the stage's other live holders claims
   (counted by peer id, at a step the swarm's clock admits: `peer.node.claims.majority`), from
-  one of them, hash-checked against that state id. No majority: NetworkError, retry later.
+  one of them, hash-checked against that state id (`download_claimed`, which `peer export
+  --initial-peers` checks its downloads with too). No majority: NetworkError, retry later.
 - `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
   checkpoint at or past the clock is kept);
 - `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;
@@ -37,7 +38,7 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.net.transport.messages import StateRequest
+from peer.net.transport.messages import StateReply, StateRequest
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
@@ -163,28 +164,11 @@ class Resync:
         self, worker: StageWorker, pid: str, rec: StageRecord, claim: Claim, reason: str, keep_errors: bool
     ) -> bool:
         """Adopt `claim`'s state served by `pid`: True when it loaded and has the claimed state id."""
-        address = rec.address
-        if not address:
+        if not rec.address:
             return False
-        try:
-            reply = self.clients.get(address).get_state(StateRequest(worker.stage))
-            state: dict[str, Any] = {
-                "outer_step": reply.outer_step,
-                "start": {k: v for k, v in reply.tensors.items() if k != "perp"},
-                "perp": reply.tensors["perp"],
-                "bans": reply.meta.get("bans"),
-                "link": None if claim.link is None else {**claim.link.to_record(), "state": claim.state},
-            }
-            if keep_errors:  # what this peer has not sent yet is not lost
-                state["errors"] = worker.state_dict()["errors"]
-            worker.load_state_dict(state)
-        except (PeerError, ValueError, KeyError) as exc:
-            log.warning("state download of stage %d from %s failed: %s", worker.stage, pid[:12], exc)
-            return False
-        if (worker.outer_step, worker.state_id()) != (claim.outer_step, claim.state):
-            log.warning(
-                "stage %d state from %s is not the state it claims; trying another holder", worker.stage, pid[:12]
-            )
+        errors = worker.state_dict()["errors"] if keep_errors else None  # what we have not sent yet is not lost
+        reply = download_claimed(self.clients, worker, pid, rec.address, claim, errors)
+        if reply is None:
             return False
         # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
         self.me.joined_at = max(self.me.joined_at, reply.outer_step + 1)
@@ -351,6 +335,40 @@ class Resync:
         )
         self.publish()
         return True
+
+
+def download_claimed(
+    clients: ClientPool,
+    worker: StageWorker,
+    pid: str,
+    address: str,
+    claim: Claim,
+    errors: Mapping[str, Any] | None = None,
+) -> StateReply | None:
+    """Load the state that `pid` at `address` serves for `worker`'s stage (`GetState`) into `worker`
+    and check it against `claim`: the reply when it loaded and has the claimed (outer step, state id),
+    None (logged) otherwise; the worker then holds whatever was served. `errors`: the error buffer to
+    keep (default: an empty one, as for any late joiner). The one check of every state download
+    (`Resync.sync_state`, `peer export --initial-peers`)."""
+    try:
+        reply = clients.get(address).get_state(StateRequest(worker.stage))
+        state: dict[str, Any] = {
+            "outer_step": reply.outer_step,
+            "start": {k: v for k, v in reply.tensors.items() if k != "perp"},
+            "perp": reply.tensors["perp"],
+            "bans": reply.meta.get("bans"),
+            "link": None if claim.link is None else {**claim.link.to_record(), "state": claim.state},
+        }
+        if errors is not None:
+            state["errors"] = errors
+        worker.load_state_dict(state)
+    except (PeerError, ValueError, KeyError) as exc:
+        log.warning("state download of stage %d from %s failed: %s", worker.stage, pid[:12], exc)
+        return None
+    if (worker.outer_step, worker.state_id()) != (claim.outer_step, claim.state):
+        log.warning("stage %d state from %s is not the state it claims; trying another holder", worker.stage, pid[:12])
+        return None
+    return reply
 
 
 def _worse(mine: Claim, theirs: list[Claim]) -> bool:

@@ -16,6 +16,9 @@ peer.core.model.Decoder up to float rounding.
 
 A folder of configurations (`peer simulate --save DIR` writes DIR/<config>/) is accepted too:
 with exactly one configuration that one is exported, with several the error lists them.
+A swarm's model (its peers' stage checkpoints, or the live swarm) is assembled from stage states
+by peer.tools.export_model and written by the same `write_hf`: model.safetensors' bytes depend
+only on the model, never on where it was read from (where goes to peer_export.json).
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
+from peer import package_version
+from peer.core.files import file_sha256
 from peer.core.model import ModelConfig
 from peer.errors import CheckpointError
 from peer.node.checkpoints.model import (
@@ -41,7 +48,9 @@ from peer.node.checkpoints.model import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_hf", "hf_config", "hf_name", "list_configurations", "resolve_checkpoint"]
+__all__ = ["export_hf", "hf_config", "hf_name", "list_configurations", "resolve_checkpoint", "write_hf"]
+
+EXPORT_INFO_FILE = "peer_export.json"  # where an export came from: source, outer step, run id, hashes
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
@@ -182,8 +191,9 @@ def resolve_checkpoint(path: Path | str) -> Path:
             f"export one of them, e.g. `peer export {path / configs[0]} --out …`"
         )
     raise CheckpointError(
-        f"{path} is not a checkpoint: it holds no {META_FILE} + {MODEL_FILE} and no folder that does; "
-        f"pass a folder written by `peer simulate --save` or one of its configurations"
+        f"{path} is not a checkpoint: it holds no {META_FILE} + {MODEL_FILE}, no folder that does and no "
+        f"peer checkpoints; pass a peer's data dir (or one per stage), or a folder written by "
+        f"`peer simulate --save` or one of its configurations"
     )
 
 
@@ -195,33 +205,73 @@ def export_hf(checkpoint_dir: Path | str, out_dir: Path | str) -> Path:
     """
     checkpoint_dir, out_dir = resolve_checkpoint(checkpoint_dir), Path(out_dir)
     state_dict, cfg, meta = load_model_checkpoint(checkpoint_dir)
+    tok = meta.get("tokenizer_file")
+    info = {"source": "simulate", "checkpoint": str(checkpoint_dir), "outer_step": meta.get("outer_step")}
+    write_hf(out_dir, state_dict, cfg, checkpoint_dir / tok if tok is not None else None, info, str(checkpoint_dir))
+    return out_dir
+
+
+def write_hf(
+    out_dir: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    tokenizer: Path | None,
+    info: Mapping[str, Any],
+    source: str,
+) -> str:
+    """Write the whole model `state_dict` (global names, the full TE as `embed.weight`) as a
+    LlamaForCausalLM folder at `out_dir`, atomically; returns model.safetensors' sha256.
+
+    Every export writes through here: model.safetensors holds only the tensors and {"format": "pt"},
+    so one model gives the same bytes whatever it was read from; `info` (where it came from, the
+    outer step, ...) goes to EXPORT_INFO_FILE beside it, with the hashes of what was written.
+    CheckpointError naming `source` when a tensor is not part of the decoder or one is missing.
+    """
     try:
-        tensors = {hf_name(k): v for k, v in state_dict.items()}
+        tensors = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     except KeyError as e:
         raise CheckpointError(
-            f"checkpoint {checkpoint_dir} has tensor {e.args[0]!r} that is "
+            f"checkpoint {source} has tensor {e.args[0]!r} that is "
             f"not part of the decoder; export only peer model checkpoints"
         ) from e
     expected = {hf_name(k) for k in _expected_names(cfg)}
     missing = sorted(expected - set(tensors))
     if missing:
         raise CheckpointError(
-            f"checkpoint {checkpoint_dir} is not a whole model (missing "
+            f"checkpoint {source} is not a whole model (missing "
             f"{missing[0]} and {len(missing) - 1} more); export a checkpoint "
             f"saved from all stages"
         )
-    tok = meta.get("tokenizer_file")
+    _check_out(out_dir)
     with atomic_directory(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(dict(sorted(tensors.items())), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
-        if tok is not None:
-            shutil.copyfile(checkpoint_dir / tok, tmp / TOKENIZER_FILE)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
             tok_cfg = _tokenizer_config(tmp / TOKENIZER_FILE, cfg)
             (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        sha = file_sha256(tmp / "model.safetensors")
+        record = {
+            **info,
+            "model_sha256": sha,
+            "tokenizer_sha256": file_sha256(tmp / TOKENIZER_FILE) if tokenizer is not None else None,
+            "peer_version": package_version(),
+        }
+        (tmp / EXPORT_INFO_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     logger.info(
-        "exported %s to %s (%d tensors, tokenizer: %s)", checkpoint_dir, out_dir, len(tensors), "yes" if tok else "no"
+        "exported %s to %s (%d tensors, tokenizer: %s)", source, out_dir, len(tensors), "yes" if tokenizer else "no"
     )
-    return out_dir
+    return sha
+
+
+def _check_out(out_dir: Path) -> None:
+    """The output folder is replaced as a whole: refuse one that holds anything but an earlier export."""
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"--out {out_dir} is a folder with other files in it and would be replaced; pass a new or empty folder"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--out {out_dir} is a file; pass a new or empty folder")
 
 
 def _expected_names(cfg: ModelConfig) -> list[str]:

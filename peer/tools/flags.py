@@ -88,13 +88,46 @@ BenchSeed = Annotated[int, typer.Option()]
 BenchRepeats = Annotated[int, typer.Option(help="Timed repetitions (rounds) of each codec; medians are reported.")]
 BenchJson = Annotated[Path | None, typer.Option("--json", help="Write the measurement as JSON.")]
 Checkpoint = Annotated[
-    Path,
+    list[Path] | None,
     typer.Argument(
-        help="Checkpoint folder written by `peer simulate --save` or a peer: one configuration, "
-        "or a folder holding exactly one."
+        help="What to export: a full replica's data dir (or its checkpoints/ or one checkpoints/step-NNNNNN "
+        "folder); one such folder per stage (`peer export s0/ s1/`); or a folder written by "
+        "`peer simulate --save` (one configuration, or a folder holding exactly one). "
+        "Leave out with --initial-peers.",
+        metavar="FOLDER",
+        show_default=False,
     ),
 ]
 ExportOut = Annotated[Path, typer.Option("--out", help="Output folder for the Hugging Face LlamaForCausalLM files.")]
+ExportPeers = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--initial-peers",
+        help="Export the live swarm instead: multiaddr of a swarm peer, e.g. the bootstrap's (repeatable). "
+        "Each stage's state is downloaded from its holders and checked like a state sync.",
+    ),
+]
+ExportOuterStep = Annotated[
+    int | None,
+    typer.Option(
+        "--outer-step",
+        help="Outer step (rounds committed) to export; default: the newest one every folder has a "
+        "checkpoint of, or live the newest one a majority of every stage's holders claims. Live "
+        "peers hold only their current state.",
+    ),
+]
+ExportIdentity = Annotated[
+    Path | None,
+    typer.Option(
+        "--identity", help="Live: this node's key file (created if missing); an allow-list swarm must admit it."
+    ),
+]
+ExportTimeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout-s", help="Live: seconds to wait for the DHT, the manifest and the holders to agree on one state."
+    ),
+]
 
 # --- peer bootstrap ------------------------------------------------------------------------------
 

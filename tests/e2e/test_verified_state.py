@@ -12,25 +12,42 @@
 - A full replica frozen (SIGSTOP) in the middle of a round for longer than two round deadlines:
   on waking it follows the set the others committed meanwhile, or re-syncs; it never commits a
   set of its own for a round others closed.
+
+The first swarm is also exported (issue 23, "the model out"): `peer export --initial-peers` takes
+outer step EXPORT_AT from the live holders while it trains, and `peer export full/` and
+`peer export head/ s1/` take the same step from the peers' checkpoints: one model.safetensors,
+byte for byte, that transformers loads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import pytest
+import torch
+
+from tests.e2e.cli_swarm import DEADLINES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "NUMBA_CPU_NAME": "generic"}
 T = 16
 HONEST: dict[str, dict] = {}  # the first test's rounds, the second test's baseline
+# The outer step exported live, early: the exports from the peers' folders and the transformers check
+# then run while the swarm trains on. Peers checkpoint every EXPORT_AT rounds and keep them all.
+EXPORT_AT = 4
+CHECKPOINTS = {
+    **DEADLINES,
+    "PEER_SWARM__CHECKPOINT_EVERY_ROUNDS": str(EXPORT_AT),
+    "PEER_SWARM__KEEP_CHECKPOINTS": str(T // EXPORT_AT),
+}
 
 
-def _mixed_swarm(swarm_factory):
-    sw = swarm_factory(outer_steps=T)
+def _mixed_swarm(swarm_factory, deadlines: dict[str, str] | None = None):
+    sw = swarm_factory(outer_steps=T, deadlines=deadlines)
     sw.join("s1", "--stage", "1", "--precision", "bf16")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full", "--full-replica", extra_env=OTHER_KERNELS)
@@ -54,9 +71,41 @@ def _finish(sw, names) -> None:
         assert rc == 0, f"{name} exited {rc}\n{sw.log(name)}"
 
 
+def _export(sw, name: str, *args: str) -> None:
+    sw.start(name, ["export", *args, "--outer-step", str(EXPORT_AT), "--out", str(sw.tmp / name)])
+
+
+def _loads_in_transformers(folder) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(hf(input_ids=ids).logits).all()
+
+
+def _same_model(sw, names: tuple[str, ...]) -> None:
+    """The exports ran and wrote one model at EXPORT_AT, byte for byte, with the run's tokenizer."""
+    for name in names:
+        assert sw.wait_exit(name, timeout_s=120) == 0, sw.log(name)
+    infos = {n: json.loads((sw.tmp / n / "peer_export.json").read_text()) for n in names}
+    assert {i["outer_step"] for i in infos.values()} == {EXPORT_AT}, infos
+    models = {n: (sw.tmp / n / "model.safetensors").read_bytes() for n in names}
+    assert len(set(models.values())) == 1, {n: i["model_sha256"] for n, i in infos.items()}
+    tokenizer = (sw.tmp / "full" / "tokenizer.model").read_bytes()  # the run's, as `peer join` fetched it
+    assert all((sw.tmp / n / "tokenizer.model").read_bytes() == tokenizer for n in names)
+
+
 def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(swarm_factory):
-    sw = _mixed_swarm(swarm_factory)
+    sw = _mixed_swarm(swarm_factory, CHECKPOINTS)
+    _export(sw, "export-live", "--initial-peers", sw.maddr, "--timeout-s", "240")
+    assert sw.wait_exit("export-live", timeout_s=300) == 0, sw.log("export-live")
+    _export(sw, "export-replica", str(sw.tmp / "full"))
+    _export(sw, "export-stages", str(sw.tmp / "head"), str(sw.tmp / "s1"))
+    _loads_in_transformers(sw.tmp / "export-live")  # while the swarm trains on
+    _same_model(sw, ("export-live", "export-replica", "export-stages"))
+    checked = time.monotonic()
     _finish(sw, ("head", "s1", "full"))
+    print(f"\nexports of outer step {EXPORT_AT} checked {time.monotonic() - checked:.1f} s before the run ended")
     states = _states(sw)
     assert {t for t, _ in states} == set(range(T))
     split = {k: v for k, v in states.items() if len(v) != 1}

@@ -15,8 +15,13 @@ Layout under a root (one per peer, `<data-dir>/checkpoints`):
                                     s{stage}/opt/<global name>/<exp_avg|exp_avg_sq|step>
     step-000004/meta.json           outer step, fingerprint, sha256 + size of the tensor file,
                                     per stage: AdamW param groups (hyperparameters, parameter
-                                    names), step count, param/perp hashes; `extra` (shard, ...)
+                                    names), step count, param/perp hashes; `extra` (shard, ...);
+                                    the run's config without local paths (`config`: what `peer
+                                    export` builds the model from) and the tokenizer's sha256
 The directory is named by the outer step the peer resumes at (rounds committed so far).
+`read_stage_meta`, `complete_stage_checkpoints` and `read_committed_states` read a checkpoint for
+`peer export` (peer.tools.export_checkpoints): the committed state of each stage, as a state sync
+carries it.
 
 Invariants:
 - A save is atomic (temporary sibling directory, fsync, rename: peer.core.files.atomic_directory).
@@ -39,12 +44,12 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
@@ -59,7 +64,11 @@ __all__ = [
     "save_stage_checkpoint",
     "load_latest_stage_checkpoint",
     "list_stage_checkpoints",
+    "complete_stage_checkpoints",
+    "read_stage_meta",
+    "read_committed_states",
     "checkpoint_fingerprint",
+    "config_record",
     "STATE_FILE",
     "META_FILE",
 ]
@@ -83,6 +92,21 @@ def checkpoint_fingerprint(cfg: RunConfig) -> str:
     d["data"].pop("cache_dir", None)
     d["data"].pop("tokenizer", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """The run's config as a checkpoint records it: the manifest's form, without local paths
+    (`config_from_dict` of it gives back the run's fingerprint and `checkpoint_fingerprint`)."""
+    d = cfg.to_dict()
+    d["data"].pop("cache_dir", None)
+    d["data"]["tokenizer"] = None
+    return d
+
+
+def _tokenizer_sha256(cfg: RunConfig) -> str | None:
+    """sha256 of the run's tokenizer file, when this peer has one (`peer export` checks a copy by it)."""
+    path = cfg.data.tokenizer
+    return file_sha256(Path(path)) if path is not None and Path(path).is_file() else None
 
 
 def list_stage_checkpoints(root: Path) -> list[Path]:
@@ -154,6 +178,8 @@ def save_stage_checkpoint(
         "outer_step": t,
         "fingerprint": checkpoint_fingerprint(cfg),
         "run_name": cfg.run_name,
+        "config": config_record(cfg),
+        "tokenizer_sha256": _tokenizer_sha256(cfg),
         "tensor_file": STATE_FILE,
         "stages": stages,
         "extra": {"outer_step": t, **dict(extra or {})},
@@ -190,6 +216,11 @@ def _write_error(final: Path, previous: Path | None, exc: BaseException) -> Chec
     return CheckpointError(
         f"could not write checkpoint {final}: {why}; check that {final.parent} is writable and has free space — {kept}"
     )
+
+
+def complete_stage_checkpoints(root: Path) -> dict[int, Path]:
+    """{outer step: directory} of the complete checkpoints under root (`_complete`: no hashing)."""
+    return {_step_of(p): p for p in list_stage_checkpoints(root) if _complete(p)}
 
 
 def _complete(path: Path) -> bool:
@@ -238,17 +269,8 @@ def _read_verified(
     path: Path, workers: Mapping[int, StageWorker], fingerprint: str
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """meta and tensors of one checkpoint, checked against the workers; CheckpointError if unusable."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError("not a peer stage checkpoint")
-        t, stages = int(meta["outer_step"]), meta["stages"]
-        if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
-            raise ValueError("'stages' is not a mapping of stage records")
-        if path.name != f"step-{t:06d}":
-            raise ValueError(f"records outer step {t}, the folder name says otherwise")
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable {META_FILE} ({exc})") from None
+    meta = read_stage_meta(path)
+    stages = meta["stages"]
     if meta.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"{path}: saved by another run configuration (fingerprint {meta.get('fingerprint')}, "
@@ -299,8 +321,58 @@ def _read_verified(
     unknown = [k for k in tensors if k.split("/", 1)[0] not in {f"s{s}" for s in workers}]
     if unknown:
         raise CheckpointError(f"{path}: unexpected tensor {unknown[0]}")
-    meta["outer_step"] = t
     return meta, tensors
+
+
+def read_stage_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of checkpoint `path`, its format, stages and outer step (an int) checked against
+    the folder's name; CheckpointError when it is not a readable peer stage checkpoint."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError("not a peer stage checkpoint")
+        t, stages = int(meta["outer_step"]), meta["stages"]
+        if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
+            raise ValueError("'stages' is not a mapping of stage records")
+        if path.name != f"step-{t:06d}":
+            raise ValueError(f"records outer step {t}, the folder name says otherwise")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable {META_FILE} ({exc})") from None
+    meta["outer_step"] = t
+    return meta
+
+
+def read_committed_states(path: Path, meta: Mapping[str, Any], stages: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The committed state of each of `stages` in checkpoint `path` (meta from `read_stage_meta`),
+    in the form `StageState.load_state_dict` takes and a state sync carries: outer step, θ_start,
+    T⊥ and bans, without the error buffer and the optimizer.
+
+    θ_start is θ where the checkpoint stores no `start/` tensor (right after a commit, `_collect`).
+    The tensor file is checked against its recorded sha256 first; only these tensors are read.
+    """
+    state_path = path / STATE_FILE
+    try:
+        if file_sha256(state_path) != meta.get("tensor_sha256"):
+            raise CheckpointError(f"{path}: {STATE_FILE} does not match its recorded sha256")
+        out: dict[int, dict[str, Any]] = {}
+        with safe_open(str(state_path), "pt") as f:
+            names = list(f.keys())
+
+            def part(prefix: str) -> dict[str, torch.Tensor]:
+                return {k[len(prefix) :]: f.get_tensor(k) for k in names if k.startswith(prefix)}
+
+            for s in stages:
+                if f"s{s}/perp" not in names:
+                    raise CheckpointError(f"{path}: holds no T⊥ of stage {s} (s{s}/perp)")
+                out[s] = {
+                    "outer_step": meta["outer_step"],
+                    "start": {**part(f"s{s}/param/"), **part(f"s{s}/start/")},  # start/: only where θ_start ≠ θ
+                    "perp": f.get_tensor(f"s{s}/perp"),
+                    "bans": meta["stages"][str(s)].get("bans"),
+                }
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"{path}: unreadable {STATE_FILE} ({exc})") from None
+    return out
 
 
 def _restore(worker: StageWorker, s: int, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], t: int) -> None:
