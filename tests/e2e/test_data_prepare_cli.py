@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 PEER = [sys.executable, "-m", "peer", "data", "prepare"]
 ROOT = Path(__file__).resolve().parents[2]
-STDLIB = ["builtin:stdlib", "--max-chars", "2000000", "--vocab-size", "512", "--shard-tokens", "20000"]
+STDLIB = ["builtin:stdlib", "--max-chars", "800000", "--vocab-size", "512", "--shard-tokens", "8000"]
 
 
 def _env() -> dict[str, str]:
