@@ -245,13 +245,11 @@ def bootstrap(
     """Start a swarm: publish the run's manifest, tokenizer and dataset on a DHT node and print the join lines."""
     _setup_logging(verbose)
     if print_peer_id:
-        _print_peer_id(identity)
-        return
+        return _print_peer_id(identity)
     from bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.config import build_config, build_link_config
     from peer.tools.render import bootstrap_banner
 
-    allowed = tuple(allow_peer or ())
     overrides = {
         "preset": preset,
         "stages": stages,
@@ -266,8 +264,8 @@ def bootstrap(
         "data.tokenizer": tokenizer,
         "subspace.wire_dtype": wire_dtype,
         "run_name": run_name,
-        "swarm.admission": admission or ("secret" if swarm_secret_file else "allowlist" if allowed else None),
-        "swarm.allowlist": allowed or None,
+        "swarm.admission": admission or ("secret" if swarm_secret_file else "allowlist" if allow_peer else None),
+        "swarm.allowlist": tuple(allow_peer) if allow_peer else None,
     }
     cfg = build_config(config, overrides)
     export_swarm_secret(cfg, swarm_secret_file)
