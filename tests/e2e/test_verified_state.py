@@ -95,6 +95,30 @@ def _same_model(sw, names: tuple[str, ...]) -> None:
     assert all((sw.tmp / n / "tokenizer.model").read_bytes() == tokenizer for n in names)
 
 
+def _matches_the_swarms_validation_loss(sw, folder) -> None:
+    """The exported model's loss on the run's validation batches (read by the one loader from the
+    full replica's fetched dataset) is the loss the full replica logged for that state, to 1e-4:
+    its round EXPORT_AT - 1 event is evaluated right after the commit that made outer step EXPORT_AT."""
+    transformers = pytest.importorskip("transformers")
+    from peer.core.loader import open_corpus, val_batches
+    from peer.core.shards import PreparedDataset
+    from peer.node.trainer import VAL_BATCHES
+
+    meta = json.loads((sw.tmp / "full" / "checkpoints" / f"step-{EXPORT_AT:06d}" / "meta.json").read_text())
+    train, seed = meta["config"]["train"], meta["config"]["data"]["seed"]
+    corpus = open_corpus(PreparedDataset.open(sw.tmp / "full" / "dataset"), seed)
+    batches = val_batches(corpus, train["batch_size"], train["seq_len"], max_batches=VAL_BATCHES)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+            for x, y in batches
+        ]
+    sw.wait_for(lambda: EXPORT_AT - 1 in sw.rounds("full"))
+    logged = sw.rounds("full")[EXPORT_AT - 1]["val_loss"]
+    assert abs(sum(losses) / len(losses) - logged) < 1e-4, (losses, logged)
+
+
 def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(swarm_factory):
     sw = _mixed_swarm(swarm_factory, CHECKPOINTS)
     _export(sw, "export-live", "--initial-peers", sw.maddr, "--timeout-s", "240")
@@ -103,6 +127,7 @@ def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(s
     _export(sw, "export-stages", str(sw.tmp / "head"), str(sw.tmp / "s1"))
     _loads_in_transformers(sw.tmp / "export-live")  # while the swarm trains on
     _same_model(sw, ("export-live", "export-replica", "export-stages"))
+    _matches_the_swarms_validation_loss(sw, sw.tmp / "export-live")
     checked = time.monotonic()
     _finish(sw, ("head", "s1", "full"))
     print(f"\nexports of outer step {EXPORT_AT} checked {time.monotonic() - checked:.1f} s before the run ended")

@@ -24,6 +24,7 @@ import pytest
 from bootstrap.artifacts import ArtifactHandler
 from bootstrap.node import BootstrapNode
 from peer.config import build_config
+from peer.core.loader import needed_shards
 from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset
 from peer.errors import DataError, ManifestMismatch, NetworkError
 from peer.net.pool import ClientPool
@@ -253,8 +254,14 @@ def test_a_head_fetches_the_bootstraps_dataset_and_a_foreign_one_is_refused(made
             folder = session.fetch_data(shard=0)
             assert folder == tmp_path / "head" / "dataset" and session.cfg.data.dataset == str(folder)
             assert session.cfg.data.tokenizer == folder / TOKENIZER_FILE
-            _same_files(folder, text.root)
-            assert session.datasets.info()["shards_held"] == len(text.index.shards)
+            cfg = session.cfg
+            needed = needed_shards(text.index, cfg.train.seq_len, 0, cfg.swarm.n_shards)
+            assert len(needed) < len(text.index.shards)  # shard 0 of n reads a part of the train files
+            held = sorted(p.name for p in folder.iterdir())
+            assert held == sorted(["index.json", TOKENIZER_FILE, *(s.name for s in needed)])
+            for name in held:
+                assert (folder / name).read_bytes() == (text.root / name).read_bytes(), name
+            assert session.datasets.info()["shards_held"] == len(needed)
         finally:
             session.close()
 
