@@ -31,7 +31,7 @@ from peer.tools.processes import stop_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer pre-training of LLMs.")
 app.add_typer(bench_app, name="bench")
-data_app = typer.Typer(no_args_is_help=True, help="Prepare a dataset: tokenized, memory-mapped shards for a run.")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare a dataset: tokenized shards for a run.")
 app.add_typer(data_app, name="data")
 console = Console()
 err_console = Console(stderr=True)
@@ -123,7 +123,7 @@ def data_prepare(
     restart: flags.Restart = False,
     verbose: flags.Verbose = False,
 ) -> None:
-    """Tokenize a corpus into memory-mapped shards with an index and fingerprints (streams; every core; resumes)."""
+    """Tokenize a corpus into token shards with an index and fingerprints (streams; every core; resumes)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")  # say what it does before the bar starts (the tokenizer)
     _setup_logging(verbose)
     from peer.tools.data_prepare import command

@@ -1,4 +1,4 @@
-"""Preparing a corpus: stream documents, tokenize them on every core, write memory-mapped shards.
+"""Preparing a corpus: stream documents, tokenize them on every core, write token shards.
 
 `prepare(source, out, ...)` turns a `Source` (a hub dataset, local files, builtin:stdlib) into a
 prepared folder (`peer.core.shards`): it streams the documents (`peer.core.corpus`), trains a

@@ -1,4 +1,4 @@
-"""A prepared dataset on disk: memory-mapped token shards and the index that names them.
+"""A prepared dataset on disk: raw token shards and the index that names them.
 
 `peer data prepare` writes a folder once; every head and full replica opens it as a
 `PreparedDataset` and reads its batches through `peer.core.loader` (positional reads, so memory

@@ -1,4 +1,4 @@
-"""`peer data prepare SOURCE --out DIR`: a corpus into tokenized, memory-mapped shards, with a progress bar.
+"""`peer data prepare SOURCE --out DIR`: a corpus into tokenized shards, with a progress bar.
 
 Builds the `Source` from the flags, runs `peer.core.prepare.prepare` with a rich progress bar on
 stderr (documents, tokens, tokens/s, elapsed), and prints what was made on stdout: documents and
