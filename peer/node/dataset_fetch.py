@@ -18,8 +18,9 @@ shards its data shard reads, fetching what is missing over the data plane (`peer
 4. index.json, written last (the folder is a prepared dataset only once its needed shards are in).
 
 Every call has a deadline: `call_s` plus the bytes asked for at `min_rate_bytes_s`; a call that
-runs out resumes from the .part on the next try. A shard takes passes over the sources while they
-make progress, at most `max_passes`; then a one-line NetworkError says what was tried. Bytes come
+runs out resumes from the .part on the next try, so a link slower than that takes several passes.
+A shard takes passes over the sources while each pass makes progress (at most `max_passes`); a pass
+that moves no byte ends it with a one-line NetworkError saying what was tried. Bytes come
 through this peer's download bucket (the client's `Outbound` link), at artefact priority, so
 `--max-download-mbps` caps the fetch as it caps rounds. A progress line per shard (bytes, MB/s).
 
@@ -52,7 +53,8 @@ from peer.node.manifest import check_dataset
 log = logging.getLogger(__name__)
 
 MIN_RATE_BYTES_S = 1e6  # a shard call's deadline allows transfers this slow (slower ones resume)
-MAX_PASSES = 8  # passes over every source one shard may take, while each pass makes progress
+MAX_PASSES = 1000  # passes over the sources one shard may take while every pass makes progress
+# (a link slower than MIN_RATE_BYTES_S needs several; a pass that moves no byte ends the fetch)
 MB = 1e6
 DATASET_DIR = "dataset"  # <data-dir>/dataset: where a joiner keeps the fetched dataset by default
 

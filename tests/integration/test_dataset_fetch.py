@@ -156,7 +156,7 @@ def test_a_call_that_runs_out_of_time_is_resumed_on_the_next_pass(made, servers,
     from the .part, until the shard is whole and verified."""
     big = made["big"]
     address = serve(servers, big, upload_mbps=8)
-    fetch = DatasetFetch(tmp_path / "slow", run_of(big), lambda: [address], pool.get, 0.6, 1e12, 20)
+    fetch = DatasetFetch(tmp_path / "slow", run_of(big), lambda: [address], pool.get, 0.6, 1e12)
     fetch.ensure(big.tokenizer_path, lambda index: [index.train[0]])
     PreparedDataset.open(tmp_path / "slow").verify([big.index.train[0]])
     calls = pool.get(address).stats()["calls"]["get_artifact"]
