@@ -16,6 +16,8 @@ shards its data shard reads, fetching what is missing over the data plane (`peer
    .part's size on (an interrupted fetch resumes), sha256-checked, fsynced and renamed; a bad hash
    deletes the .part and the next source is asked;
 4. index.json, written last (the folder is a prepared dataset only once its needed shards are in).
+Shards the folder already holds are hashed against the checked index first: a same-size shard of
+other text (a corrupted or foreign `--dataset`) is refused in one line, never trained on.
 
 Every call has a deadline: `call_s` plus the bytes asked for at `min_rate_bytes_s`; a call that
 runs out resumes from the .part on the next try, so a link slower than that takes several passes.
@@ -211,7 +213,9 @@ class DatasetFetch:
             index, raw = self.fetch_index()
         self._tokenizer(index, tokenizer)
         dataset = PreparedDataset(self.folder, index)
-        todo = dataset.missing(needed(index))
+        wanted = list(needed(index))
+        todo = dataset.missing(wanted)
+        self._check_held(dataset, [s for s in wanted if s not in todo], fix)
         if todo:
             total = sum(dataset.nbytes(s) for s in todo)
             fp, n = index.fingerprint[:12], len(todo)
@@ -224,6 +228,20 @@ class DatasetFetch:
         if raw is not None:  # last: the folder is a prepared dataset once its needed shards are in
             atomic_write_bytes(self.folder / INDEX_FILE, raw)
         return dataset
+
+    def _check_held(self, dataset: PreparedDataset, held: Sequence[ShardInfo], fix: str) -> None:
+        """Shards already in the folder are this run's byte for byte (sha256 against the checked
+        index), else ManifestMismatch in one line: same-size shards of other text never train."""
+        t0 = time.monotonic()
+        for shard in held:
+            got = file_sha256(dataset.path(shard))
+            if got != shard.sha256:
+                raise ManifestMismatch(
+                    f"shard {shard.name} in {self.folder} is not the run's (sha256 {got[:12]}, the run's index "
+                    f"says {shard.sha256[:12]}); " + (fix or "delete it to fetch it again")
+                )
+        if held:
+            log.info("%d shard(s) already in %s verified in %.1f s", len(held), self.folder, time.monotonic() - t0)
 
     # ------------------------------------------------------------------ the index
     def fetch_index(self) -> tuple[DatasetIndex, bytes]:

@@ -133,6 +133,26 @@ def test_only_the_needed_shards_are_fetched_and_the_index_comes_last(made, serve
     assert PreparedDataset.open(folder).missing(wanted) == []
 
 
+def test_a_held_shard_of_other_bytes_is_refused_in_one_line(made, tmp_path, pool):
+    """A folder whose index is the run's but one of whose shards is other text of the same size (a
+    corrupted or foreign --dataset) is refused before anything trains on it; no source is asked."""
+    text = made["text"]
+    folder = tmp_path / "held"
+    shutil.copytree(text.root, folder)
+    victim = text.index.train[0]
+    raw = bytearray((folder / victim.name).read_bytes())
+    raw[3] ^= 0x01  # same size, other bytes
+    (folder / victim.name).write_bytes(bytes(raw))
+    fetch = fetcher(folder, text, [], pool)
+    with pytest.raises(ManifestMismatch) as info:
+        fetch.ensure(text.tokenizer_path, everything, "pass the run's dataset with --dataset")
+    message = str(info.value)
+    assert "\n" not in message and victim.name in message and victim.sha256[:12] in message
+    assert message.endswith("pass the run's dataset with --dataset")
+    (folder / victim.name).write_bytes(text.path(victim).read_bytes())  # the run's bytes again: accepted
+    assert fetch.ensure(text.tokenizer_path, everything).missing() == []
+
+
 def test_a_half_written_part_is_resumed_not_fetched_again(made, servers, pool, tmp_path, caplog):
     big = made["big"]
     shard = big.index.train[0]
