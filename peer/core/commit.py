@@ -62,6 +62,8 @@ from peer.core.subspace_state import EMBED, perp_of, set_perp
 __all__ = [
     "NO_CLIP",
     "Committed",
+    "apply_update",
+    "commit_summed",
     "RoundCommit",
     "commit_round",
     "commit_state",
@@ -157,16 +159,55 @@ def commit_state(
     rule and `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified.
     """
     check_denormals()
-    if perp is not None and U is not None and perp_factor != 1.0:
-        perp = torch.from_numpy(_f32(perp) * np.float32(perp_factor))
-    elif perp is not None:
-        perp = torch.from_numpy(_f32(perp).copy())
+    perp = _decayed(perp, U, perp_factor)
     if not decoded:
         params = {name: torch.from_numpy(_f32(v).copy()) for name, v in start.items()}
         if perp is not None and U is not None and embed_update is not None and EMBED not in start:
             perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
         return Committed(params, perp, RoundCommit(NO_CLIP))
     summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys)
+    params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update)
+    return Committed(params, perp, RoundCommit(clip, own_update, screened))
+
+
+def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float) -> Tensor | None:
+    """A fresh CPU float32 T⊥ after the round's weight decay (`perp_decay`)."""
+    if perp is not None and U is not None and perp_factor != 1.0:
+        return torch.from_numpy(_f32(perp) * np.float32(perp_factor))
+    return None if perp is None else torch.from_numpy(_f32(perp).copy())
+
+
+def commit_summed(
+    start: Mapping[str, Tensor],
+    perp: Tensor | None,
+    summed: Mapping[str, Tensor],
+    cfg: SparseLoCoConfig,
+    U: Tensor | None,
+    embed_update: Tensor | None = None,
+    perp_factor: float = 1.0,
+) -> Committed:
+    """`commit_state` for a round whose Δ̄ is already agreed (e.g. assembled from range shards,
+    `peer.core.ranges`): decay T⊥, then `apply_update`. No clip or screening happens here (the
+    round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
+    check_denormals()
+    params, perp, own_update = apply_update(start, _decayed(perp, U, perp_factor), summed, cfg, U, embed_update)
+    return Committed(params, perp, RoundCommit(NO_CLIP, own_update))
+
+
+def apply_update(
+    start: Mapping[str, Tensor],
+    perp: Tensor | None,
+    summed: Mapping[str, Tensor],
+    cfg: SparseLoCoConfig,
+    U: Tensor | None,
+    embed_update: Tensor | None = None,
+) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
+    """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
+    embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
+    change. `perp` is T⊥ after this round's decay (a fresh tensor this function may write). Returns
+    (θ, T⊥, the embedding's committed change u when this stage holds it). Every step is elementwise
+    float32 or `peer.core.portable` (module docstring): any holder gets the same bits from the same
+    Δ̄, however Δ̄ was aggregated (all-to-all here, or assembled from range shards)."""
     params = {}
     own_update: Tensor | None = None
     for name, value in start.items():
@@ -182,7 +223,7 @@ def commit_state(
         params[name] = torch.from_numpy(_f32(value) + change.numpy())
     if EMBED not in start and perp is not None and U is not None and embed_update is not None:
         perp = perp_outer_update(perp, embed_update, U)
-    return Committed(params, perp, RoundCommit(clip, own_update, screened))
+    return params, perp, own_update
 
 
 def commit_round(
