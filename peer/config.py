@@ -74,6 +74,13 @@ class SwarmConfig:
     # from for the next `ban_rounds` rounds of that stage (peer.node.bans; 0 = never ban)
     ban_after: int = 3
     ban_rounds: int = 10
+    # How a stage's round aggregates (peer.node.round.ownership, docs/protocol.md): "all" (every holder
+    # fetches every payload), "ranges" (range owners aggregate, every holder fetches the shards) or
+    # "auto" ("ranges" once the previous round committed >= ranges_from contributions)
+    round_rule: str = "auto"
+    ranges_from: int = 8
+    range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
+    shard_topk: int = 0  # entries per tile a range shard keeps (0: sparseloco.topk)
     # Who may take part, set at the bootstrap: "open", "secret" (peers prove they know a shared
     # secret; the secret itself is never in the config) or "allowlist" (only these peer ids).
     admission: str = "open"
@@ -395,6 +402,14 @@ def validate(cfg: RunConfig) -> None:
     for name in ("ban_after", "ban_rounds"):
         if getattr(w, name) < 0:
             raise ConfigError(f"swarm.{name} must be >= 0 (0 = never ban), got {getattr(w, name)}")
+    if w.round_rule not in ("all", "ranges", "auto"):
+        raise ConfigError(f"swarm.round_rule must be 'all', 'ranges' or 'auto', got {w.round_rule!r}")
+    if w.ranges_from < 2:
+        raise ConfigError(f"swarm.ranges_from must be >= 2, got {w.ranges_from}")
+    if w.range_backups < 0 or w.shard_topk < 0:
+        raise ConfigError(
+            f"swarm.range_backups and swarm.shard_topk must be >= 0, got {w.range_backups} and {w.shard_topk}"
+        )
 
 
 @dataclass(frozen=True)
