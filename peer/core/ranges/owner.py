@@ -336,6 +336,8 @@ def returned_to(own_part: Payload, i: int, shard: Shard) -> dict[str, Tensor]:
     scale = shard.scale_of(i)
     sp = shard.payload
     kept_at = {e.name: entry_values(e, sp.chunk, sp.topk)[0] for e in sp.entries}
+    if list(decoded) != list(kept_at):
+        raise ValueError(f"returned_to: the part holds {list(decoded)[:3]}, shard {shard.r} {list(kept_at)[:3]}")
     out = {}
     for name, d in decoded.items():
         flat = d.reshape(-1).numpy()
