@@ -63,12 +63,23 @@ def _is_shm_manager(pid: int) -> bool:
     return "torch_shm_manager" in cmdline(pid)
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    """Python's multiprocessing resource tracker: started by the first spawn pool of this process (the
+    dataset preparation a test session's first swarm runs), it lives as long as this process does."""
+    return "multiprocessing.resource_tracker" in cmdline(pid)
+
+
 def _leftovers(before: set[int]) -> list[psutil.Process]:
-    return [p for p in _descendants(os.getpid()) if p.pid not in before and _running(p) and not _is_shm_manager(p.pid)]
+    return [
+        p
+        for p in _descendants(os.getpid())
+        if p.pid not in before and _running(p) and not _is_shm_manager(p.pid) and not _is_resource_tracker(p.pid)
+    ]
 
 
 def leftover_children(before: set[int]) -> set[int]:
-    """Running descendants of this process that were not there `before` (torch's shm manager aside)."""
+    """Running descendants of this process that were not there `before` (torch's shm manager and
+    Python's resource tracker aside: helpers of this process, not of the code under test)."""
     return {p.pid for p in _leftovers(before)}
 
 
