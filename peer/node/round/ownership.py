@@ -5,10 +5,11 @@ holder of a stage computes the same answers without talking (docs/protocol.md, R
 - `round_rule`: "all" (every holder fetches every payload: cheapest for a few replicas) or "ranges"
   (each range of the stage is aggregated by its owners; every holder fetches the shards), decided
   from the size of round t − 1's committed set, which every holder committed alike;
-- `owners`: rendezvous (highest-random-weight) hashing of a range over the round's candidates, seeded
-  by the round, so ownership moves every round and a candidate that vanishes moves only its ranges;
-- `coordinator_order`: the order in which holders publish the round's roster (the first one that
-  does is taken).
+- `coordinator_order`: the round's rendezvous (highest-random-weight) order of its candidates, seeded
+  by the round so it moves every round: the order in which holders publish the round's roster;
+- `owners`: the ranges dealt round-robin over that order, so each candidate owns as many as any
+  other (the candidates are the roster's senders, fixed once the roster is; a vanished owner is
+  covered by its backups, not by a new deal).
 The simulator (`peer bench swarm`) calls these same functions.
 """
 
@@ -19,8 +20,6 @@ from collections.abc import Collection
 
 from peer.config import SwarmConfig
 
-ROSTER_RANGE = -1  # the rendezvous key of the roster's publisher (no range has it)
-
 
 def round_rule(swarm: SwarmConfig, n_prev: int) -> str:
     """ "all" or "ranges" for a round whose predecessor committed `n_prev` contributions (0 at t = 0)."""
@@ -29,17 +28,25 @@ def round_rule(swarm: SwarmConfig, n_prev: int) -> str:
     return "ranges" if n_prev >= swarm.ranges_from else "all"
 
 
-def _weight(t: int, stage: int, r: int, peer: str) -> bytes:
-    return hashlib.sha256(f"{t}|{stage}|{r}|{peer}".encode()).digest()
-
-
-def owners(t: int, stage: int, r: int, candidates: Collection[str], k: int) -> list[str]:
-    """The `k` candidates with the highest rendezvous weight for range `r` of round (t, stage), primary
-    first (ties, which sha256 makes vanishingly rare, by peer id)."""
-    ranked = sorted(candidates, key=lambda p: (_weight(t, stage, r, p), p), reverse=True)
-    return ranked[: max(0, k)]
+def _weight(t: int, stage: int, peer: str) -> bytes:
+    return hashlib.sha256(f"{t}|{stage}|{peer}".encode()).digest()
 
 
 def coordinator_order(t: int, stage: int, candidates: Collection[str]) -> list[str]:
-    """Every candidate, in the order in which they publish round (t, stage)'s roster."""
-    return owners(t, stage, ROSTER_RANGE, candidates, len(candidates))
+    """Every candidate in round (t, stage)'s rendezvous order: highest sha256(f"{t}|{stage}|{peer}")
+    first (ties, which sha256 makes vanishingly rare, by peer id). Any two peers keep their relative
+    order whatever the rest of the set, so holders that saw different candidates rank alike. It is
+    the order in which holders publish the round's roster (the first one that does is taken)."""
+    return sorted(candidates, key=lambda p: (_weight(t, stage, p), p), reverse=True)
+
+
+def owners(t: int, stage: int, r: int, candidates: Collection[str], k: int) -> list[str]:
+    """The `k` owners of range `r` of round (t, stage), primary first: ranges are dealt round-robin
+    over the round's rendezvous order (`coordinator_order`), range r to positions r, r + 1, ...,
+    r + k − 1 (mod the number of candidates). Dealt, not hashed per range: every candidate owns
+    k·R/M ranges (± 1), so no holder fetches more parts than another (a per-range rendezvous hash
+    gives some holder twice the mean at M = 8)."""
+    order = coordinator_order(t, stage, candidates)
+    if not order:
+        return []
+    return [order[(r + j) % len(order)] for j in range(min(max(0, k), len(order)))]
