@@ -474,7 +474,13 @@ class SwarmDHT:
         return self.get_round("round", outer_step, stage, Announcement.parse, timeout_s)
 
     def announce_round(
-        self, kind: RoundKind, t: int, stage: int, record: Mapping[str, Any], ttl_s: float, timeout_s: float | None = None
+        self,
+        kind: RoundKind,
+        t: int,
+        stage: int,
+        record: Mapping[str, Any],
+        ttl_s: float,
+        timeout_s: float | None = None,
     ) -> None:
         """Publish this peer's `kind` record of round (t, stage) (a payload announcement,
         or a ranges round's roster or shard hashes, `peer.net.range_records`)."""

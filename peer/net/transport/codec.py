@@ -240,7 +240,7 @@ MAX_PROOF = 32  # merkle path length (2^32 ranges)
 
 
 def _decode_payload_request(msg: pb.PayloadRequest, limits: WireLimits) -> PayloadRequest:
-    if msg.kind not in tuple(PayloadKind) or len(msg.ranges) > MAX_RANGES:
+    if int(msg.kind) not in {int(k) for k in PayloadKind} or len(msg.ranges) > MAX_RANGES:
         raise TransportError(f"invalid PayloadRequest: kind {msg.kind} or {len(msg.ranges)} ranges")
     return PayloadRequest(
         outer_step=read_index(msg.outer_step, "PayloadRequest.outer_step"),

@@ -131,7 +131,7 @@ class PayloadKind(enum.IntEnum):
 
     PAYLOAD = 0  # a whole payload (answer: its bytes)
     PART = 1  # a ranges round: `sender`'s parts of `ranges`, with merkle proofs (answer: a RangesReply)
-    SHARD = 2  # a ranges round: the shards of `ranges` the peer holds (answer: a RangesReply)
+    SHARD = 2  # a ranges round: shards of `ranges` the peer holds, `sender` = the sha256 wanted (answer: a RangesReply)
 
 
 @dataclass(frozen=True, eq=False)

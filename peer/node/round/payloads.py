@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from peer.config import RunConfig
 from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.model import stage_shapes
-from peer.core.ranges.parts import merkle_proof
+from peer.core.ranges import merkle_proof
 from peer.core.subspace_state import EMBED
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
@@ -64,7 +64,7 @@ class PayloadStore:
         self._parts: dict[tuple[int, int], list[bytes]] = {}
         self._proofs: dict[tuple[int, int, int], tuple[bytes, ...]] = {}
         self._fetched_parts: dict[tuple[int, int, str, int], tuple[bytes, tuple[bytes, ...]]] = {}
-        self._shards: dict[tuple[int, int, int], bytes] = {}
+        self._shards: dict[tuple[int, int, int, str], bytes] = {}
         self._lock = threading.Lock()
         self.keep = keep
 
@@ -79,9 +79,17 @@ class PayloadStore:
             self._expire(t)
 
     def _expire(self, t: int) -> None:
-        for held in (self._data, self._fetched, self._parts, self._proofs, self._fetched_parts, self._shards):
-            for key in [k for k in held if k[0] <= t - self.keep]:
-                del held[key]
+        held: tuple[dict[Any, Any], ...] = (
+            self._data,
+            self._fetched,
+            self._parts,
+            self._proofs,
+            self._fetched_parts,
+            self._shards,
+        )
+        for keyed in held:
+            for key in [k for k in keyed if k[0] <= t - self.keep]:
+                del keyed[key]
 
     def get(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
         """Our own payload of (t, stage) or, with `sender`, the one we fetched from that sender."""
@@ -103,7 +111,9 @@ class PayloadStore:
             self._fetched_parts[(t, stage, sender, r)] = (part, tuple(proof))
             self._expire(t)
 
-    def parts(self, t: int, stage: int, sender: str | None, ranges: Iterable[int]) -> list[tuple[int, bytes, tuple[bytes, ...]]]:
+    def parts(
+        self, t: int, stage: int, sender: str | None, ranges: Iterable[int]
+    ) -> list[tuple[int, bytes, tuple[bytes, ...]]]:
         """(range, part, proof) of our parts (`sender` None) or of the ones we fetched from `sender`,
         for each of `ranges` held here."""
         out = []
@@ -121,14 +131,21 @@ class PayloadStore:
         return out
 
     def put_shard(self, t: int, stage: int, r: int, shard: bytes) -> None:
-        """The shard of range r of (t, stage) we computed or took (served to any holder that asks)."""
+        """A shard of range r of (t, stage) we computed or took (served to any holder that asks)."""
         with self._lock:
-            self._shards[(t, stage, r)] = shard
+            self._shards[(t, stage, r, sha256(shard))] = shard
             self._expire(t)
 
-    def shards(self, t: int, stage: int, ranges: Iterable[int]) -> list[tuple[int, bytes]]:
+    def shards(self, t: int, stage: int, ranges: Iterable[int], want: str = "") -> list[tuple[int, bytes]]:
+        """(range, shard) of each of `ranges` held here: the one whose sha256 is `want` (any, if "")."""
+        wanted = set(ranges)
         with self._lock:
-            return [(r, self._shards[(t, stage, r)]) for r in ranges if (t, stage, r) in self._shards]
+            held = {
+                k[2]: v
+                for k, v in self._shards.items()
+                if k[:2] == (t, stage) and k[2] in wanted and want in ("", k[3])
+            }
+        return sorted(held.items())
 
 
 def payload_validator(

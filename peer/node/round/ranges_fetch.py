@@ -23,9 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from peer.core.codec.format import Payload, SparseLoCoConfig
+from peer.core.ranges import RangePlan, merkle_check
 from peer.core.ranges.owner import Shard
-from peer.core.ranges.parts import merkle_check
-from peer.core.ranges.plan import RangePlan
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.range_records import RosterEntry, RosterRecord
@@ -78,7 +77,9 @@ class RangeFetcher:
         self.plan, self.cfg, self.rpc_s, self.counts, self.backups = plan, cfg, rpc_s, counts, backups
         self.cache: dict[tuple[str, int], tuple[str, Payload]] = {}  # (sender, r) -> (root, part) checked
 
-    def parts(self, roster: RosterRecord, ranges: Sequence[int], kind: str = "parts") -> dict[int, list[Payload | None]]:
+    def parts(
+        self, roster: RosterRecord, ranges: Sequence[int], kind: str = "parts"
+    ) -> dict[int, list[Payload | None]]:
         """{r: [part of roster member i, or None when nobody served a proven one]} for each of `ranges`
         (parts already held are not fetched again); `kind` is the counter the bytes go to."""
         ranges = sorted(set(ranges))
@@ -115,7 +116,14 @@ class RangeFetcher:
             try:
                 reply = self.clients.get(address).get_ranges(request, timeout_s=self.rpc_s)
             except PeerError as exc:  # unreachable, or it does not hold them: the next source
-                log.info("round %d stage %d: parts of %s not served by %s: %s", self.t, self.stage, entry.sender[:12], address, exc)
+                log.info(
+                    "round %d stage %d: parts of %s not served by %s: %s",
+                    self.t,
+                    self.stage,
+                    entry.sender[:12],
+                    address,
+                    exc,
+                )
                 continue
             for item in reply.items:
                 if item.range in want and item.range not in got:
@@ -140,13 +148,19 @@ class RangeFetcher:
         parses as range r's bands; else log (a wrong part from anyone only costs that try)."""
         if not merkle_check(entry.root, r, self.plan.n, data, [h.hex() for h in proof]):
             log.warning(
-                "round %d stage %d: part %d of %s fails its merkle proof; ignored", self.t, self.stage, r, entry.sender[:12]
+                "round %d stage %d: part %d of %s fails its merkle proof; ignored",
+                self.t,
+                self.stage,
+                r,
+                entry.sender[:12],
             )
             return
         try:
             part = self.plan.validator(r, self.cfg)(data)
         except PeerError as exc:
-            log.warning("round %d stage %d: part %d of %s is invalid: %s", self.t, self.stage, r, entry.sender[:12], exc)
+            log.warning(
+                "round %d stage %d: part %d of %s is invalid: %s", self.t, self.stage, r, entry.sender[:12], exc
+            )
             return
         got[r] = part
         self.cache[(entry.sender, r)] = (entry.root, part)
@@ -156,10 +170,10 @@ class RangeFetcher:
     def shard(self, roster: RosterRecord, r: int, want: str, addresses: Sequence[str]) -> tuple[bytes, Shard] | None:
         """The shard of range r whose sha256 is `want`: held here, else from `addresses` in turn;
         checked (hash, format, header: round, range, roster). None when nobody served it."""
-        held = self.store.shards(self.t, self.stage, [r])
-        if held and sha256(held[0][1]) == want:
+        held = self.store.shards(self.t, self.stage, [r], want)
+        if held:
             return held[0][1], self._parse_shard(roster, r, held[0][1])
-        request = PayloadRequest(self.t, self.stage, "", PayloadKind.SHARD, (r,))
+        request = PayloadRequest(self.t, self.stage, want, PayloadKind.SHARD, (r,))
         for address in dict.fromkeys(a for a in addresses if a):
             try:
                 reply = self.clients.get(address).get_ranges(request, timeout_s=self.rpc_s)
@@ -171,12 +185,16 @@ class RangeFetcher:
                     continue
                 self.counts.add("shards", len(item.data))
                 if sha256(item.data) != want:
-                    log.warning("round %d stage %d: shard %d from %s is not the one published", self.t, self.stage, r, address)
+                    log.warning(
+                        "round %d stage %d: shard %d from %s is not the one published", self.t, self.stage, r, address
+                    )
                     continue
                 try:
                     shard = self._parse_shard(roster, r, item.data)
                 except PeerError as exc:
-                    log.warning("round %d stage %d: shard %d from %s is invalid: %s", self.t, self.stage, r, address, exc)
+                    log.warning(
+                        "round %d stage %d: shard %d from %s is invalid: %s", self.t, self.stage, r, address, exc
+                    )
                     continue
                 self.store.put_shard(self.t, self.stage, r, item.data)
                 return item.data, shard
