@@ -10,6 +10,7 @@ The swarm protocol that uses them is `peer.node.round` (docs/protocol.md).
 """
 
 from peer.core.ranges.merkle import merkle_check, merkle_proof, merkle_root
+from peer.core.ranges.owner import RangeStats, Shard, aggregate_range, returned_to, roster_digest, shard_delta
 from peer.core.ranges.parts import encode_parts
 from peer.core.ranges.plan import (
     Band,
@@ -25,6 +26,9 @@ from peer.core.ranges.plan import (
 __all__ = [
     "Band",
     "RangePlan",
+    "RangeStats",
+    "Shard",
+    "aggregate_range",
     "assemble",
     "band_name",
     "band_views",
@@ -35,4 +39,7 @@ __all__ = [
     "n_ranges_for",
     "n_units",
     "plan_ranges",
+    "returned_to",
+    "roster_digest",
+    "shard_delta",
 ]

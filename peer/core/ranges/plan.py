@@ -27,6 +27,7 @@ from torch import Tensor
 
 from peer.core.codec.format import (
     DENSE_F32,
+    SPARSE,
     Payload,
     PayloadError,
     SparseLoCoConfig,
@@ -103,12 +104,13 @@ def _parse(b: bytes, nbytes: int, elements: int, cfg: SparseLoCoConfig) -> Paylo
 
 def check_entries(plan: RangePlan, r: int, payload: Payload, cfg: SparseLoCoConfig, dense_f32: bool = False) -> Payload:
     """`payload` if its entries are range r's bands in order (names, shapes, kinds), else PayloadError.
-    `dense_f32`: entries of < 2 dims must be DENSE_F32 (a shard), else the kind `compress` gives."""
+    `dense_f32`: an entry `compress` sends dense must be DENSE_F32 (a shard's exact mean)."""
     bands = plan.ranges[r]
     if len(payload.entries) != len(bands):
         raise PayloadError(f"range {r} has {len(bands)} bands, the payload {len(payload.entries)} entries")
     for band, e in zip(bands, payload.entries, strict=True):
-        kind = DENSE_F32 if dense_f32 and len(band.shape) < 2 else entry_kind(band.shape, cfg)
+        kind = entry_kind(band.shape, cfg)
+        kind = DENSE_F32 if dense_f32 and kind != SPARSE else kind
         if (e.name, tuple(e.shape), e.kind) != (band.entry, band.shape, kind):
             raise PayloadError(
                 f"range {r}: entry {e.name!r} {tuple(e.shape)} kind {e.kind} is not band {band.entry!r} "
