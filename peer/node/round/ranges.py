@@ -164,7 +164,7 @@ class _RangesRound:
     def run(self, stop: threading.Event | None, quorum: int) -> RangesResult:
         """Close the roster, agree on one, own our ranges, resolve every range (module docstring)."""
         result = self.result
-        self.fetcher.backups = self.backups
+        self.fetcher.backups, self.fetcher.shard_topk = self.backups, self.shard_topk
         candidate = self._close(stop, quorum)
         roster = self._agree(candidate, stop)
         result.timings["roster_s"] = time.monotonic() - self.started

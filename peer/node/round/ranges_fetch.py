@@ -76,6 +76,7 @@ class RangeFetcher:
         self.clients, self.store, self.me, self.t, self.stage = clients, store, me, t, stage
         self.plan, self.cfg, self.rpc_s, self.counts, self.backups = plan, cfg, rpc_s, counts, backups
         self.cache: dict[tuple[str, int], tuple[str, Payload]] = {}  # (sender, r) -> (root, part) checked
+        self.shard_topk: int | None = None  # as the owners' aggregate_range
 
     def parts(
         self, roster: RosterRecord, ranges: Sequence[int], kind: str = "parts"
@@ -201,7 +202,7 @@ class RangeFetcher:
         return None
 
     def _parse_shard(self, roster: RosterRecord, r: int, data: bytes) -> Shard:
-        shard = Shard.from_bytes(data, self.plan, self.cfg, len(roster.entries))
+        shard = Shard.from_bytes(data, self.plan, self.cfg, len(roster.entries), self.shard_topk)
         if (shard.t, shard.stage, shard.r, shard.roster) != (self.t, self.stage, r, roster.digest):
             raise PeerError(f"its header names round {shard.t} stage {shard.stage} range {shard.r} of another roster")
         return shard

@@ -33,13 +33,8 @@ from peer.node.round.ranges_fetch import RangeFetcher, wait_until
 log = logging.getLogger(__name__)
 
 
-def included(bitmap: bytes, i: int) -> bool:
-    """Bit i of a shard's contributor bitmap (LSB first within each byte)."""
-    return i // 8 < len(bitmap) and bool(bitmap[i // 8] >> (i % 8) & 1)
-
-
-def count(bitmap: bytes) -> int:
-    return sum(bin(b).count("1") for b in bitmap)
+def _count(shard: Shard) -> int:
+    return sum(shard.is_included(i) for i in range(shard.n_roster))
 
 
 class Resolver:
@@ -148,8 +143,8 @@ class Resolver:
             if got is None:
                 continue  # not served: cannot be checked, nor taken
             data, shard = got
-            masked = [p if included(shard.included, i) else None for i, p in enumerate(parts)]
-            if any(included(shard.included, i) and p is None for i, p in enumerate(parts)):
+            masked = [p if shard.is_included(i) else None for i, p in enumerate(parts)]
+            if any(shard.is_included(i) and p is None for i, p in enumerate(parts)):
                 continue  # it includes a part we could not fetch: not checkable here
             again, _ = aggregate_range(
                 self.t, self.stage, r, self.plan, masked, roster.digest, self.cfg, self.shard_topk
@@ -159,7 +154,7 @@ class Resolver:
             else:
                 self._refuse(o, r)
         if valid:
-            pick = min(valid, key=lambda h: (-count(valid[h][1].included), h))
+            pick = min(valid, key=lambda h: (-_count(valid[h][1]), h))
             self._take(r, *valid[pick])
         else:
             self._compute(roster, r, parts)
