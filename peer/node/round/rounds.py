@@ -42,6 +42,7 @@ from peer.node.resync import Resync
 from peer.node.round.agreement import expected_replicas, round_bans, round_view
 from peer.node.round.gather import RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, round_validator, sha256
+from peer.node.round.ranges_rounds import full_ranges_round, ranges_rule
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,10 @@ class Rounds:
         return result
 
     def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
-        """A full replica: contribute to and gather every stage's round at once, then apply them."""
+        """A full replica: contribute to and gather every stage's round at once, then apply them (by
+        ranges when the round rule says so: `peer.node.round.ranges_rounds`)."""
+        if ranges_rule(self, workers):
+            return full_ranges_round(self, workers, t, stop)
         with ThreadPoolExecutor(max_workers=len(workers)) as pool:
             futures = {s: pool.submit(self.gather, w, t, self.me.peer_id, stop) for s, w in workers.items()}
             results = {s: f.result() for s, f in futures.items()}
