@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges import RangesResult, Tamper, gather_ranges
 from peer.node.service import PeerService
+from peer.node.session import Session, SessionOptions
+from peer.node.stage_worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -228,3 +231,62 @@ def test_an_owner_that_dies_after_the_roster_is_covered_by_its_backup(swarm):
     done = [r for r in live if r is not None]
     _check_agreed(cfg, done)
     assert not any(r.computed for r in done)  # every range had a live backup
+
+
+# ------------------------------------------------------------------ the trainer's path: Rounds.full_round
+@dataclass
+class Holder:
+    session: Session
+    worker: StageWorker
+
+
+@pytest.fixture
+def full_replicas(tmp_path, reap_children):
+    """Four full replicas of stage 1 (tiny preset) with the round rule set to "ranges", each a Session."""
+    cfg = build_config(environ={})
+    swarm = dataclasses.replace(cfg.swarm, rpc_timeout_s=3.0, round_timeout_s=10.0, round_rule="ranges")
+    cfg = dataclasses.replace(cfg, swarm=swarm)
+    dhts: list[SwarmDHT] = [SwarmDHT()]
+    dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(3)]
+    holders: list[Holder] = []
+    try:
+        for i, dht in enumerate(dhts):
+            dht.set_run("ranges-trainer-test", cfg.stages)
+            session = Session(
+                SessionOptions(initial_peers=(), data_dir=tmp_path / str(i)), dht, {}, cfg, role="full", stage=None
+            )
+            worker = StageWorker(cfg, STAGE)
+            session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
+            session.server = PeerServer(session.service, host="127.0.0.1", port=0)
+            session.me.address = session.server.address
+            session.records.announce(
+                lambda s=session, w=worker: s.records.stage(w, role="trainer"),
+                lambda s=session, w=worker, i=i: s.records.replica("full", w.outer_step, i, None, 0.0),
+            )
+            holders.append(Holder(session, worker))
+        yield cfg, holders
+    finally:
+        for h in holders:
+            h.session.close()
+        for dht in dhts[len(holders) :]:
+            dht.shutdown()
+
+
+def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_replicas):
+    """Rounds 0 and 1 by ranges (R = 1, then R = 4 for the 4 contributions of round 0) through
+    `Rounds.full_round`: every holder ends each round with the same state id, its claim pinning the
+    roster and the shards, and trains on from it."""
+    cfg, holders = full_replicas
+    stop = threading.Event()
+    for t in range(2):
+        for i, h in enumerate(holders):  # each replica "trains": its parameters move apart from θ_start
+            gen = torch.Generator().manual_seed(10 * t + i)
+            with torch.no_grad():
+                for p in h.worker.module.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+        with ThreadPoolExecutor(max_workers=len(holders)) as pool:
+            rounds = list(pool.map(lambda h, t=t: h.session.rounds.full_round({STAGE: h.worker}, t, stop), holders))
+        assert all(not r[STAGE].behind and r[STAGE].participants == len(holders) for r in rounds)
+        assert len({h.worker.state_id() for h in holders}) == 1
+        assert all(h.worker.outer_step == t + 1 and h.worker.ledger.link.ranges is not None for h in holders)
+    assert holders[0].worker.n_prev() == len(holders)
