@@ -467,24 +467,16 @@ class SwarmDHT:
         self, outer_step: int, stage: int, record: Mapping[str, Any], ttl_s: float, timeout_s: float | None = None
     ) -> None:
         """Announce this peer's payload (hash, size, address) for round (outer_step, stage)."""
-        self.announce_round("round", outer_step, stage, record, ttl_s, timeout_s)
+        self._announce(self._run_key(f"round.{int(outer_step)}.{int(stage)}"), record, ttl_s, timeout_s)
 
     def get_payloads(self, outer_step: int, stage: int, timeout_s: float | None = None) -> dict[str, Announcement]:
         """{peer id: announcement} of payloads announced for round (outer_step, stage)."""
         return self.get_round("round", outer_step, stage, Announcement.parse, timeout_s)
 
-    def announce_round(
-        self,
-        kind: RoundKind,
-        t: int,
-        stage: int,
-        record: Mapping[str, Any],
-        ttl_s: float,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Publish this peer's `kind` record of round (t, stage) (a payload announcement,
-        or a ranges round's roster or shard hashes, `peer.net.range_records`)."""
-        self._announce(self._run_key(f"{kind}.{int(t)}.{int(stage)}"), record, ttl_s, timeout_s)
+    def announce_round(self, kind: RoundKind, t: int, stage: int, record: Mapping[str, Any], ttl_s: float) -> None:
+        """Publish this peer's `kind` record of round (t, stage) (a payload announcement, or a ranges
+        round's roster or shard hashes: `peer.net.range_records`)."""
+        self._announce(self._run_key(f"{kind}.{int(t)}.{int(stage)}"), record, ttl_s, None)
 
     def get_round(
         self, kind: RoundKind, t: int, stage: int, parse: Callable[[Any], R | None], timeout_s: float | None = None
