@@ -45,7 +45,7 @@ from peer.net.range_records import RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
 from peer.node.refusals import Refusals
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
-from peer.node.round.gather import RoundTimings
+from peer.node.round.gather import FRESH_S, RoundTimings
 from peer.node.round.ownership import coordinator_order, owners
 from peer.node.round.payloads import PayloadStore, read_round, sha256
 from peer.node.round.ranges_fetch import RangeBytes, RangeFetcher, wait_until
@@ -180,7 +180,7 @@ class _RangesRound:
             result.timings["owned_s"] = time.monotonic() - self.started
             resolver = Resolver(self.dht, self.fetcher, self.t, self.stage, self.plan, self.cfg, self.refusals)
             resolver.shard_topk, resolver.backups, resolver.poll_s = self.shard_topk, self.backups, self.timings.poll_s
-            better = resolver.run(roster, self._best_roster, stop, self._deadlines())
+            better = resolver.run(roster, lambda: self._best_roster(reread=False), stop, self._deadlines())
             result.computed, result.refused = resolver.computed, resolver.refused
             result.shards, result.parsed = resolver.shards, resolver.parsed
             result.timed_out = not result.complete
@@ -236,13 +236,13 @@ class _RangesRound:
             good, bad = self._planned(view)
             held = {rid for rid, _ in good.values()}
             poll = Poll(
-                fresh=time.monotonic() - at <= 1.0,
+                fresh=time.monotonic() - at <= FRESH_S,
                 past_deadline=time.monotonic() >= self.deadline,
                 complete=view.expected <= held | bad | view.dropped,
                 short=self.t == 0 and quorum > 1 and len(held) < quorum,
             )
             decision = close_decision(poll)
-            if rosters or decision in (Close.COMPLETE, Close.DEADLINE):
+            if self._pick(view, rosters) is not None or decision in (Close.COMPLETE, Close.DEADLINE):
                 break
             wait_until(self.deadline, stop, self.timings.poll_s)
         entries = [RosterEntry(rid, a.sha256, a.root or "", s, a.address) for s, (rid, a) in good.items()]
@@ -276,12 +276,25 @@ class _RangesRound:
             wait_until(limit, stop, self.timings.poll_s)
         return None
 
-    def _best_roster(self) -> RosterRecord | None:
-        """The valid roster of the best-ranked publisher now in the DHT (None: none yet)."""
-        read = self._read()
-        if read is None:
-            return None
-        view, rosters = read
+    def _best_roster(self, reread: bool = True) -> RosterRecord | None:
+        """The valid roster of the best-ranked publisher now in the DHT (None: none yet). `reread`:
+        read the round's announcements again; else check the rosters against the last read."""
+        if reread:
+            read = self._read()
+            if read is None:
+                return None
+            view, rosters = read
+        else:
+            try:
+                rosters = self.dht.get_round("roster", self.t, self.stage, RosterRecord.parse)
+            except NetworkError as exc:
+                log.info("round %d stage %d: rosters not read: %s", self.t, self.stage, exc)
+                return None
+            view = self.view
+        return self._pick(view, rosters)
+
+    def _pick(self, view: RoundView, rosters: Mapping[str, RosterRecord]) -> RosterRecord | None:
+        """The best-ranked of the valid rosters published by a contributor of the round."""
         contributors = set(view.bound)
         valid = {p: rec for p, rec in rosters.items() if p in contributors and self._valid(p, rec, view)}
         if not valid:

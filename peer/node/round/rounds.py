@@ -287,6 +287,9 @@ class Rounds:
         t = min(w.outer_step for w in workers.values())
         if self.me.joined_at <= t or not expected_replicas(self.dht, t):
             return
+        if ranges_rule(self, workers):  # no observer of a ranges round yet (docs/protocol.md, RANGES)
+            log.info("round %d is a ranges round: not caught up as an observer; re-syncing after it", t)
+            return
         results = {s: self.gather(w, t, None, stop) for s, w in workers.items()}
         embed = None if 0 in results else self.gather(next(iter(workers.values())), t, None, stop, stage=0)
         self.commit(workers, results, embed)
