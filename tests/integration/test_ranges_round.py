@@ -5,16 +5,22 @@ parts and run `gather_ranges` in threads of this process. They must
 - all take the same roster and the same shard of every range, so a commit from the same start gives
   the same sha256 on every holder, and each downloads at most 3 payloads' worth of bytes (measured
   by the round's own counters: parts, proofs, shards, roster);
-- survive an owner that dies after the roster (its server and DHT node stop before it publishes its
-  shards): its backups' shards are taken past the shard deadline;
+- survive an owner that dies after the roster (a ninth holder in its own process, SIGKILLed before it
+  publishes its shards): its co-owners' shards are taken past the shard deadline;
 - refuse an owner that publishes and serves a shard other than the aggregate of the parts it names,
-  and commit the honest shard.
+  and commit the honest shard;
+and four full replicas (tiny preset, round rule "ranges") run two rounds through their own
+`Rounds.full_round` and end each with one state id.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -213,24 +219,58 @@ def test_a_lying_owner_is_refused_and_the_honest_shard_committed(swarm):
         assert hashlib.sha256(honest[0].shards[r]).hexdigest() != published[r]
 
 
-def test_an_owner_that_dies_after_the_roster_is_covered_by_its_backup(swarm):
-    cfg, nodes = swarm
-    victim = nodes[5]
+def victim_main() -> None:
+    """A ninth holder in its own process (argv: the first node's multiaddr): it sets up like the
+    others, prints its peer id, reads the round from stdin, runs it and SIGKILLs itself once it has
+    aggregated its ranges, before it publishes their hashes (after the roster: it is an owner)."""
+    cfg = build_config(overrides={"preset": "small"})
+    dht = SwarmDHT(initial_peers=[sys.argv[1]])
+    dht.set_run("ranges-round-test", cfg.stages)
+    node = Node(dht, PayloadStore(), ClientPool(timeout_s=5.0))
+    node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
+    record = {"address": node.address, "kind": "full", "outer_step": 5, "shard": M, "joined_at": 0}
+    dht.announce_replica(record, ttl_s=120)
+    print(node.id, flush=True)
+    t = int(sys.stdin.readline())
 
     def die(r: int, shard: Shard) -> Shard:
         time.sleep(0.5)  # the others fetch its parts meanwhile (a part it never served is left out)
-        assert victim.server is not None
-        victim.server.stop(grace_s=0)
-        victim.server = None
-        victim.dht.shutdown()
-        raise PeerError("killed after the roster")
+        os.kill(os.getpid(), signal.SIGKILL)
+        return shard
 
-    results = _round(cfg, nodes, t=3, tamper={victim.id: die})
-    live = [r for node, r in zip(nodes, results, strict=True) if node is not victim]
-    assert results[nodes.index(victim)] is None and all(r is not None for r in live)
-    done = [r for r in live if r is not None]
+    plan = _plan(cfg)
+    own = (node.id, _parts(cfg, plan, 100 * t + M))
+    gather_ranges(dht, node.clients, t, STAGE, TIMINGS, plan, cfg.sparseloco, own, node.store, node.address, tamper=die)
+
+
+def test_an_owner_killed_after_the_roster_is_covered_by_its_backup(swarm, reap_children):
+    """A ninth holder, in its own process, owns ranges of round 3 and is SIGKILLed (its DHT node and
+    p2pd go with it) before it publishes their hashes: its co-owners' shards are taken past the shard
+    deadline, and the eight others still commit the same state."""
+    cfg, nodes = swarm
+    maddr = nodes[0].dht.visible_maddrs()[0]
+    code = "import sys; from tests.integration.test_ranges_round import victim_main; victim_main()"
+    victim = subprocess.Popen(
+        [sys.executable, "-c", code, maddr], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert victim.stdout is not None and victim.stdin is not None
+        victim_id = victim.stdout.readline().strip()
+        assert victim_id, "the victim process did not start"
+        victim.stdin.write("3\n")
+        victim.stdin.flush()
+        results = _round(cfg, nodes, t=3)
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    assert all(r is not None for r in results)
+    done = [r for r in results if r is not None]
     _check_agreed(cfg, done)
-    assert not any(r.computed for r in done)  # every range had a live backup
+    roster = done[0].roster
+    assert roster is not None and victim_id in {e.sender for e in roster.entries}  # it died after the roster
+    assert not any(r.computed for r in done)  # every range it owned had a live co-owner
 
 
 # ------------------------------------------------------------------ the trainer's path: Rounds.full_round
