@@ -221,8 +221,9 @@ def test_a_lying_owner_is_refused_and_the_honest_shard_committed(swarm):
 
 def victim_main() -> None:
     """A ninth holder in its own process (argv: the first node's multiaddr): it sets up like the
-    others, prints its peer id, reads the round from stdin, runs it and SIGKILLs itself once it has
-    aggregated its ranges, before it publishes their hashes (after the roster: it is an owner)."""
+    others, encodes its parts of round 3, prints its peer id, waits for the go (stdin), runs the
+    round and SIGKILLs itself once it has aggregated its ranges, before it publishes their hashes
+    (after the roster: it is an owner)."""
     cfg = build_config(overrides={"preset": "small"})
     dht = SwarmDHT(initial_peers=[sys.argv[1]])
     dht.set_run("ranges-round-test", cfg.stages)
@@ -230,17 +231,20 @@ def victim_main() -> None:
     node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
     record = {"address": node.address, "kind": "full", "outer_step": 5, "shard": M, "joined_at": 0}
     dht.announce_replica(record, ttl_s=120)
+    plan, t = _plan(cfg), 3
+    own = (node.id, _parts(cfg, plan, 100 * t + M))  # encoded (and the codec compiled) before the round starts
     print(node.id, flush=True)
-    t = int(sys.stdin.readline())
+    assert int(sys.stdin.readline()) == t
 
     def die(r: int, shard: Shard) -> Shard:
         time.sleep(0.5)  # the others fetch its parts meanwhile (a part it never served is left out)
         os.kill(os.getpid(), signal.SIGKILL)
         return shard
 
-    plan = _plan(cfg)
-    own = (node.id, _parts(cfg, plan, 100 * t + M))
-    gather_ranges(dht, node.clients, t, STAGE, TIMINGS, plan, cfg.sparseloco, own, node.store, node.address, tamper=die)
+    result = gather_ranges(
+        dht, node.clients, t, STAGE, TIMINGS, plan, cfg.sparseloco, own, node.store, node.address, tamper=die
+    )
+    print(f"survived: owned {result.owned}, position {result.position}, timed out {result.timed_out}", flush=True)
 
 
 def test_an_owner_killed_after_the_roster_is_covered_by_its_backup(swarm, reap_children):
@@ -257,10 +261,14 @@ def test_an_owner_killed_after_the_roster_is_covered_by_its_backup(swarm, reap_c
         assert victim.stdout is not None and victim.stdin is not None
         victim_id = victim.stdout.readline().strip()
         assert victim_id, "the victim process did not start"
+        deadline = time.monotonic() + 20.0  # every holder expects it (its replica record read) before round 3
+        while not all(victim_id in node.dht.get_replicas() for node in nodes):
+            assert time.monotonic() < deadline, "the victim's replica record did not reach every holder"
+            time.sleep(0.2)
         victim.stdin.write("3\n")
         victim.stdin.flush()
         results = _round(cfg, nodes, t=3)
-        assert victim.wait(timeout=30) == -signal.SIGKILL
+        assert victim.wait(timeout=30) == -signal.SIGKILL, victim.stdout.read()
     finally:
         if victim.poll() is None:
             victim.kill()

@@ -9,14 +9,17 @@ holder of a stage computes the same answers without talking (docs/protocol.md, R
   by the round so it moves every round: the order in which holders publish the round's roster;
 - `owners`: the ranges dealt round-robin over that order, so each candidate owns as many as any
   other (the candidates are the roster's senders, fixed once the roster is; a vanished owner is
-  covered by its backups, not by a new deal).
+  covered by its backups, not by a new deal);
+- `range_step`: what a holder does next about one range, from the shard hashes its owners published
+  (take the agreed shard, check a disagreement, compute an orphaned range, or wait).
 The simulator (`peer bench swarm`) calls these same functions.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from peer.config import SwarmConfig
 
@@ -41,12 +44,35 @@ def coordinator_order(t: int, stage: int, candidates: Collection[str]) -> list[s
 
 
 def owners(t: int, stage: int, r: int, candidates: Collection[str], k: int) -> list[str]:
-    """The `k` owners of range `r` of round (t, stage), primary first: ranges are dealt round-robin
-    over the round's rendezvous order (`coordinator_order`), range r to positions r, r + 1, ...,
-    r + k − 1 (mod the number of candidates). Dealt, not hashed per range: every candidate owns
-    k·R/M ranges (± 1), so no holder fetches more parts than another (a per-range rendezvous hash
-    gives some holder twice the mean at M = 8)."""
+    """The `k` owners of range `r` of round (t, stage), primary first: k owner slots per range dealt
+    round-robin over the round's rendezvous order (`coordinator_order`), range r taking positions
+    r·k, r·k + 1, ..., r·k + k − 1 (mod the number of candidates, so they are distinct while k ≤ M).
+    Dealt, not hashed per range: every candidate owns k·R/M ranges, rounded up or down, so no holder
+    fetches more parts than another (a per-range rendezvous hash gives some holder twice the mean
+    at M = 8)."""
     order = coordinator_order(t, stage, candidates)
     if not order:
         return []
-    return [order[(r + j) % len(order)] for j in range(min(max(0, k), len(order)))]
+    k = min(max(0, k), len(order))
+    return [order[(r * k + j) % len(order)] for j in range(k)]
+
+
+class RangeStep(enum.Enum):
+    """What a holder does next about one range of a ranges round (`range_step`)."""
+
+    WAIT = "wait"  # an owner has not published yet, and the shard deadline has not passed
+    TAKE = "take"  # fetch the shard whose hash the owners that published agree on
+    CHECK = "check"  # owners disagree: fetch the parts, recompute each claimed shard, refuse a liar
+    COMPUTE = "compute"  # no owner published by the shard deadline: compute the range here
+
+
+def range_step(claims: Mapping[str, str], n_owners: int, past_deadline: bool) -> RangeStep:
+    """The next step for a range whose `n_owners` owners published `claims` ({owner: shard sha256}, a
+    refused owner left out), `past_deadline` = the shard deadline has passed: agreement of every owner
+    (or, past the deadline, of those that published) is taken at once; any disagreement is checked."""
+    distinct = set(claims.values())
+    if len(distinct) > 1:
+        return RangeStep.CHECK
+    if distinct and (len(claims) >= n_owners or past_deadline):
+        return RangeStep.TAKE
+    return RangeStep.COMPUTE if past_deadline and not distinct else RangeStep.WAIT

@@ -1,6 +1,7 @@
 """Step 4 of a ranges round: one checked shard per range, whatever its owners did (docs/protocol.md, RANGES).
 
-Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our roster):
+Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our roster), as
+`peer.node.round.ownership.range_step` decides:
 - every owner published and all agree, or past the shard deadline those that published agree (the
   others vanished): take that hash, fetch the shard from them (or hold it, as an owner);
 - two owners disagree: fetch the range's parts and every claimed shard, recompute each from exactly
@@ -26,7 +27,7 @@ from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.range_records import RosterRecord, ShardsRecord
 from peer.node.refusals import Refusals
-from peer.node.round.ownership import owners
+from peer.node.round.ownership import RangeStep, owners, range_step
 from peer.node.round.payloads import sha256
 from peer.node.round.ranges_fetch import RangeFetcher, wait_until
 
@@ -89,15 +90,15 @@ class Resolver:
             for r in [r for r in range(self.plan.n) if r not in self.parsed]:
                 range_owners = owners(self.t, self.stage, r, senders, k)
                 claims = self._claims(records, roster, range_owners, r)
-                distinct = set(claims.values())
-                if len(distinct) == 1 and (len(claims) == len(range_owners) or past):
-                    (want,) = distinct
+                step = range_step(claims, len(range_owners), past)
+                if step is RangeStep.TAKE:
+                    (want,) = set(claims.values())
                     got = self.fetcher.shard(roster, r, want, [address[o] for o in sorted(claims)])
                     if got is not None:
                         self._take(r, *got)
-                elif len(distinct) > 1:
+                elif step is RangeStep.CHECK:
                     self._arbitrate(roster, r, claims, address)
-                elif past and not claims:
+                elif step is RangeStep.COMPUTE:
                     log.warning(
                         "round %d stage %d: range %d has no live owner; computing it here", self.t, self.stage, r
                     )
