@@ -88,9 +88,9 @@ class Resolver:
                 return better
             past = time.monotonic() >= shard_deadline
             for r in [r for r in range(self.plan.n) if r not in self.parsed]:
-                range_owners = owners(self.t, self.stage, r, senders, k)
+                range_owners = [o for o in owners(self.t, self.stage, r, senders, k) if not self._refused(o)]
                 claims = self._claims(records, roster, range_owners, r)
-                step = range_step(claims, len(range_owners), past)
+                step = range_step(claims, len(range_owners), past)  # a refused owner is not waited for
                 if step is RangeStep.TAKE:
                     (want,) = set(claims.values())
                     got = self.fetcher.shard(roster, r, want, [address[o] for o in sorted(claims)])
@@ -111,18 +111,19 @@ class Resolver:
     def _claims(
         self, records: Mapping[str, ShardsRecord], roster: RosterRecord, range_owners: Sequence[str], r: int
     ) -> dict[str, str]:
-        """{owner: the shard hash it published for range r of `roster`} (refused owners left out)."""
+        """{owner: the shard hash it published for range r of `roster`}."""
         out = {}
         for o in range_owners:
             rec = records.get(o)
-            if rec is None or rec.roster != roster.digest or o in self.refused:
-                continue
-            if self.refusals is not None and o in self.refusals:
+            if rec is None or rec.roster != roster.digest:
                 continue
             h = (rec.shards or {}).get(r)
             if h:
                 out[o] = h
         return out
+
+    def _refused(self, owner: str) -> bool:
+        return owner in self.refused or (self.refusals is not None and owner in self.refusals)
 
     def _take(self, r: int, data: bytes, shard: Shard) -> None:
         self.shards[r], self.parsed[r] = data, shard
