@@ -108,11 +108,20 @@ def gather_ranges(
     roster and shards (module docstring). `backups`: owners per range beyond the primary;
     `shard_topk`: entries per tile a shard keeps (None: cfg.topk); `quorum`, `banned`, `peers`,
     `inc` as in `gather_round`; `tamper`: fault injection only (a lying owner in tests)."""
-    run = _RangesRound(dht, clients, t, stage, timings, plan, cfg, store or PayloadStore(), inc, refusals, banned)
-    run.backups, run.shard_topk, run.tamper = backups, shard_topk, tamper
+    settings = _Settings(backups, shard_topk, tamper)
+    run = _RangesRound(
+        dht, clients, t, stage, timings, plan, cfg, store or PayloadStore(), inc, refusals, banned, settings
+    )
     if own is not None:
         run.contribute(own, address, peers)
     return run.run(stop, quorum)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    backups: int = 1  # owners per range beyond the primary
+    shard_topk: int | None = None  # a shard's entries per tile (None: cfg.topk)
+    tamper: Tamper | None = None  # fault injection only
 
 
 class _RangesRound:
@@ -131,18 +140,21 @@ class _RangesRound:
         inc: str,
         refusals: Refusals | None,
         banned: Collection[str],
+        settings: _Settings,
     ) -> None:
         self.dht, self.t, self.stage, self.timings, self.plan, self.cfg = dht, t, stage, timings, plan, cfg
         self.store, self.inc, self.refusals, self.banned = store, inc, refusals, banned
         self.me = dht.peer_id
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
-        self.backups, self.shard_topk, self.tamper = 1, None, None  # type: int, int | None, Tamper | None
+        self.backups, self.shard_topk, self.tamper = settings.backups, settings.shard_topk, settings.tamper
         self.replica: str | None = None
         self.result = RangesResult(t, stage)
+        fetched = self.result.fetched
         self.fetcher = RangeFetcher(
-            clients, self.store, self.me, t, stage, plan, cfg, timings.rpc_s, self.result.fetched, 1
+            clients, self.store, self.me, t, stage, plan, cfg, timings.rpc_s, fetched, self.backups
         )
+        self.fetcher.shard_topk = self.shard_topk
         self.view = RoundView()
         self.warned: set[str] = set()
 
@@ -164,7 +176,6 @@ class _RangesRound:
     def run(self, stop: threading.Event | None, quorum: int) -> RangesResult:
         """Close the roster, agree on one, own our ranges, resolve every range (module docstring)."""
         result = self.result
-        self.fetcher.backups, self.fetcher.shard_topk = self.backups, self.shard_topk
         candidate = self._close(stop, quorum)
         roster = self._agree(candidate, stop)
         result.timings["roster_s"] = time.monotonic() - self.started

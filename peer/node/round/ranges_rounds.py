@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.core.ranges import RangePlan
-from peer.errors import PeerError
+from peer.errors import NetworkError, PeerError
 from peer.node.claims import Entry, entry
 from peer.node.round.gather import RoundResult, RoundTimings
 from peer.node.round.ownership import round_rule
@@ -55,6 +55,13 @@ def full_ranges_round(
     timings = RoundTimings.from_config(cfg.swarm)
 
     def gather(s: int) -> RangesResult:
+        try:
+            return _gather(s)
+        except NetworkError as exc:  # the DHT unreachable past the deadline: our parts go back (below)
+            log.warning("stage %d: ranges round %d failed: %s", s, t, exc)
+            return RangesResult(t, s, timed_out=True)
+
+    def _gather(s: int) -> RangesResult:
         return gather_ranges(
             rounds.dht,
             rounds.clients,
