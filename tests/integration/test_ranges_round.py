@@ -45,6 +45,7 @@ from peer.node.refusals import Refusals
 from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges import RangesResult, Tamper, gather_ranges
+from peer.node.round.ranges_rounds import full_ranges_round
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
@@ -290,12 +291,13 @@ class Holder:
 
 @pytest.fixture
 def full_replicas(tmp_path, reap_children):
-    """Four full replicas of stage 1 (tiny preset) with the round rule set to "ranges", each a Session."""
+    """Four full replicas of stage 1 (tiny preset) with the round rule set to "ranges", each a Session,
+    and a fifth Session that publishes no replica record (an observer: nobody expects its payload)."""
     cfg = build_config(environ={})
     swarm = dataclasses.replace(cfg.swarm, rpc_timeout_s=3.0, round_timeout_s=10.0, round_rule="ranges")
     cfg = dataclasses.replace(cfg, swarm=swarm)
     dhts: list[SwarmDHT] = [SwarmDHT()]
-    dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(3)]
+    dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(4)]
     holders: list[Holder] = []
     try:
         for i, dht in enumerate(dhts):
@@ -307,10 +309,11 @@ def full_replicas(tmp_path, reap_children):
             session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
             session.server = PeerServer(session.service, host="127.0.0.1", port=0)
             session.me.address = session.server.address
-            session.records.announce(
-                lambda s=session, w=worker: s.records.stage(w, role="trainer"),
-                lambda s=session, w=worker, i=i: s.records.replica("full", w.outer_step, i, None, 0.0),
-            )
+            if i < 4:
+                session.records.announce(
+                    lambda s=session, w=worker: s.records.stage(w, role="trainer"),
+                    lambda s=session, w=worker, i=i: s.records.replica("full", w.outer_step, i, None, 0.0),
+                )
             holders.append(Holder(session, worker))
         yield cfg, holders
     finally:
@@ -323,8 +326,10 @@ def full_replicas(tmp_path, reap_children):
 def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_replicas):
     """Rounds 0 and 1 by ranges (R = 1, then R = 4 for the 4 contributions of round 0) through
     `Rounds.full_round`: every holder ends each round with the same state id, its claim pinning the
-    roster and the shards, and trains on from it."""
-    cfg, holders = full_replicas
+    roster and the shards, and trains on from it. An observer that took the state after round 0
+    applies round 1 from the roster and the shards alone (`full_ranges_round(contribute=False)`, as
+    `Rounds.catch_up` does) and ends with the same state."""
+    cfg, (*holders, observer) = full_replicas
     stop = threading.Event()
     for t in range(2):
         for i, h in enumerate(holders):  # each replica "trains": its parameters move apart from θ_start
@@ -332,9 +337,20 @@ def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_repli
             with torch.no_grad():
                 for p in h.worker.module.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
-        with ThreadPoolExecutor(max_workers=len(holders)) as pool:
-            rounds = list(pool.map(lambda h, t=t: h.session.rounds.full_round({STAGE: h.worker}, t, stop), holders))
-        assert all(not r[STAGE].behind and r[STAGE].participants == len(holders) for r in rounds)
+        with ThreadPoolExecutor(max_workers=len(holders) + 1) as pool:
+            rounds = [pool.submit(h.session.rounds.full_round, {STAGE: h.worker}, t, stop) for h in holders]
+            if t == 1:
+                watched = pool.submit(
+                    full_ranges_round, observer.session.rounds, {STAGE: observer.worker}, t, stop, False
+                )
+            results = [r.result()[STAGE] for r in rounds]
+        assert all(not r.behind and r.participants == len(holders) for r in results)
         assert len({h.worker.state_id() for h in holders}) == 1
         assert all(h.worker.outer_step == t + 1 and h.worker.ledger.link.ranges is not None for h in holders)
+        if t == 0:
+            observer.worker.load_state_dict(holders[0].worker.state_dict())  # a state download after round 0
     assert holders[0].worker.n_prev() == len(holders)
+    seen = watched.result()[STAGE]
+    assert not seen.behind and seen.participants == len(holders)
+    assert observer.worker.state_id() == holders[0].worker.state_id()
+    assert seen.bytes_fetched < 2 * max(r.bytes_fetched for r in results)  # shards only, no parts

@@ -9,9 +9,11 @@ stage's ledger) says "ranges" for every stage: each stage's pseudo-gradient is e
 A stage whose round did not complete (no roster, a range left without a shard by the deadline)
 returns our parts to the error buffer and re-syncs, like an all-to-all round committed elsewhere.
 
-Not yet here (docs/protocol.md, RANGES, "Not yet"): pipeline heads and stage peers (a stage peer's
-observer gather of stage 0 for T⊥ reads whole payloads), FOLLOW of another holder's ranges commit
-(a holder that missed the roster re-syncs instead), hot spares and catch-up observers.
+A full replica that downloaded state at a ranges round applies it as an observer (`Rounds.catch_up`:
+no parts of its own, the roster and every shard fetched). Not yet here (docs/protocol.md, RANGES,
+"Not yet"): pipeline heads and stage peers (a stage peer's observer gather of stage 0 for T⊥ reads
+whole payloads), FOLLOW of another holder's ranges commit (a holder that missed the roster re-syncs
+instead), hot spares.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ def ranges_rule(rounds: Rounds, workers: Mapping[int, StageWorker]) -> bool:
 
 
 def full_ranges_round(
-    rounds: Rounds, workers: Mapping[int, StageWorker], t: int, stop: threading.Event
+    rounds: Rounds, workers: Mapping[int, StageWorker], t: int, stop: threading.Event, contribute: bool = True
 ) -> dict[int, RoundResult]:
-    """Contribute every stage's parts, gather every stage's ranges round at once, commit (module docstring)."""
+    """Contribute every stage's parts (unless not `contribute`: an observer, e.g. `Rounds.catch_up`,
+    which fetches the shards alone), gather every stage's ranges round at once, commit (module docstring)."""
     cfg, me = rounds.cfg, rounds.me
     plans = {s: range_plan(cfg.sparseloco, w.start, w.n_prev()) for s, w in workers.items()}
-    parts = {s: w.contribute_parts(me.peer_id, plans[s]) for s, w in workers.items()}
+    parts = {s: w.contribute_parts(me.peer_id, plans[s]) for s, w in workers.items()} if contribute else {}
     timings = RoundTimings.from_config(cfg.swarm)
 
     def gather(s: int) -> RangesResult:
@@ -70,7 +73,7 @@ def full_ranges_round(
             timings,
             plans[s],
             cfg.sparseloco,
-            own=(me.peer_id, parts[s]),
+            own=(me.peer_id, parts[s]) if contribute else None,
             store=rounds.store,
             address=me.address,
             inc=me.incarnation,

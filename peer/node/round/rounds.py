@@ -281,14 +281,16 @@ class Rounds:
         if self.commit({worker.stage: worker}, {worker.stage: result}, embed):
             self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
 
-    def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event) -> None:
+    def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event, full: bool = False) -> None:
         """After a state download at outer step t, apply round t as an observer instead of
-        contributing to it: the others did not expect this replica in round t."""
+        contributing to it: the others did not expect this replica in round t. A `full` replica's
+        round t may be a ranges round (`full_round`): observed by ranges then."""
         t = min(w.outer_step for w in workers.values())
         if self.me.joined_at <= t or not expected_replicas(self.dht, t):
             return
-        if ranges_rule(self, workers):  # no observer of a ranges round yet (docs/protocol.md, RANGES)
-            log.info("round %d is a ranges round: not caught up as an observer; re-syncing after it", t)
+        if full and ranges_rule(self, workers):  # an observer of a ranges round fetches the roster and the shards
+            full_ranges_round(self, workers, t, stop, contribute=False)
+            self.metrics.log("catch_up", t=t)
             return
         results = {s: self.gather(w, t, None, stop) for s, w in workers.items()}
         embed = None if 0 in results else self.gather(next(iter(workers.values())), t, None, stop, stage=0)
