@@ -121,12 +121,16 @@ class StageState:
             self.ledger.last_contribution = (replica_id, payload)
             return payload
 
-    def n_prev(self) -> int:
-        """How many contributions the round before the current one committed (0: not known here, e.g.
-        the first round): what the round rule reads (`peer.node.round.ownership.round_rule`)."""
+    def n_prev(self) -> int | None:
+        """How many contributions the round before the current one committed (0 at the first round;
+        None: not known here, a state adopted without its link): what the round rule reads
+        (`peer.node.round.ownership.round_rule`; `peer.node.round.ranges_rounds.n_prev_of` asks the
+        stage's other holders when None)."""
         with self.lock:
             link = self.ledger.link
-            return len(link.entries) if link is not None and link.t == self.outer_step - 1 else 0
+            if self.outer_step == 0:
+                return 0
+            return len(link.entries) if link is not None and link.t == self.outer_step - 1 else None
 
     def contribute_parts(self, replica_id: str, plan: RangePlan) -> list[Payload]:
         """A ranges round's contribution: the pseudo-gradient as one part per range of `plan`
@@ -179,9 +183,10 @@ class StageState:
             return out.committed.commit
 
     def observe(self) -> None:
-        """This round's own stage is gathered without a payload of ours (spare, catch-up)."""
+        """This round's own stage is gathered without a payload or parts of ours (spare, catch-up)."""
         with self.lock:
             self.ledger.last_contribution = None
+            self.ledger.last_parts = None
 
     def return_unsent(self, payload: Payload) -> None:
         """A payload that missed the commit goes back into the error buffer: nothing is lost."""

@@ -45,7 +45,7 @@ from peer.node.refusals import Refusals
 from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges import RangesResult, Tamper, gather_ranges
-from peer.node.round.ranges_rounds import full_ranges_round
+from peer.node.round.ranges_rounds import own_job, run_jobs, summary
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage_worker import StageWorker
@@ -323,12 +323,21 @@ def full_replicas(tmp_path, reap_children):
             dht.shutdown()
 
 
+def _observe(holder: Holder, t: int, stop: threading.Event):
+    """Round t applied by a holder that does not contribute to it (`Rounds.catch_up`'s jobs)."""
+    rounds = holder.session.rounds
+    jobs = [own_job(rounds, holder.worker, None)]
+    results = run_jobs(rounds, jobs, t, stop)
+    assert jobs[0].plan is not None  # the rule says "ranges" for it too
+    return summary(results[0], behind=not rounds.commit_jobs(jobs, results))
+
+
 def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_replicas):
     """Rounds 0 and 1 by ranges (R = 1, then R = 4 for the 4 contributions of round 0) through
     `Rounds.full_round`: every holder ends each round with the same state id, its claim pinning the
     roster and the shards, and trains on from it. An observer that took the state after round 0
-    applies round 1 from the roster and the shards alone (`full_ranges_round(contribute=False)`, as
-    `Rounds.catch_up` does) and ends with the same state."""
+    applies round 1 from the roster and the shards alone (an observer's job, as `Rounds.catch_up`
+    runs it) and ends with the same state."""
     cfg, (*holders, observer) = full_replicas
     stop = threading.Event()
     for t in range(2):
@@ -340,9 +349,7 @@ def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_repli
         with ThreadPoolExecutor(max_workers=len(holders) + 1) as pool:
             rounds = [pool.submit(h.session.rounds.full_round, {STAGE: h.worker}, t, stop) for h in holders]
             if t == 1:
-                watched = pool.submit(
-                    full_ranges_round, observer.session.rounds, {STAGE: observer.worker}, t, stop, False
-                )
+                watched = pool.submit(_observe, observer, t, stop)
             results = [r.result()[STAGE] for r in rounds]
         assert all(not r.behind and r.participants == len(holders) for r in results)
         assert len({h.worker.state_id() for h in holders}) == 1
@@ -350,7 +357,7 @@ def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_repli
         if t == 0:
             observer.worker.load_state_dict(holders[0].worker.state_dict())  # a state download after round 0
     assert holders[0].worker.n_prev() == len(holders)
-    seen = watched.result()[STAGE]
+    seen = watched.result()
     assert not seen.behind and seen.participants == len(holders)
     assert observer.worker.state_id() == holders[0].worker.state_id()
     assert seen.bytes_fetched < 2 * max(r.bytes_fetched for r in results)  # shards only, no parts

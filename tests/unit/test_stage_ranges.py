@@ -31,7 +31,7 @@ def _trained(cfg, seed: int) -> StageState:
 def test_holders_that_commit_the_same_shards_hold_the_same_state_and_get_their_share_back():
     cfg = build_config()
     holders = [_trained(cfg, i) for i in range(3)]
-    plan = range_plan(cfg.sparseloco, holders[0].start, n_prev=8)
+    plan = range_plan(cfg.sparseloco, {n: v.shape for n, v in holders[0].start.items()}, n_prev=8)
     assert plan.n == 8
     parts = [h.contribute_parts(f"replica-{i}", plan) for i, h in enumerate(holders)]
     # the roster holds the first two contributions: the third missed it (its whole parts come back)

@@ -73,10 +73,14 @@ class RangesResult:
     refused: list[str] = field(default_factory=list)  # owners whose shard was not what they published
     timed_out: bool = False
     timings: dict[str, float] = field(default_factory=dict)  # roster_s, owned_s, wall_s
+    wanted: frozenset[int] | None = None  # the ranges resolved (None: every range)
+    behind: bool = False  # the swarm closed the round a round ago (a freeze): not committed here
 
     @property
     def complete(self) -> bool:
-        return self.roster is not None and len(self.parsed) == self.roster.ranges
+        if self.roster is None:
+            return False
+        return set(self.parsed) >= (self.wanted if self.wanted is not None else set(range(self.roster.ranges)))
 
     @property
     def replicas(self) -> list[str]:
@@ -103,12 +107,14 @@ def gather_ranges(
     quorum: int = 1,
     peers: Mapping[str, str] | None = None,
     tamper: Tamper | None = None,
+    wanted: Collection[int] | None = None,
 ) -> RangesResult:
     """Contribute `own` = (replica id, its parts in range order) if given, then take round (t, stage)'s
     roster and shards (module docstring). `backups`: owners per range beyond the primary;
     `shard_topk`: entries per tile a shard keeps (None: cfg.topk); `quorum`, `banned`, `peers`,
-    `inc` as in `gather_round`; `tamper`: fault injection only (a lying owner in tests)."""
-    settings = _Settings(backups, shard_topk, tamper)
+    `inc` as in `gather_round`; `tamper`: fault injection only (a lying owner in tests); `wanted`:
+    the only ranges an observer resolves (a stage peer reads stage 0's embedding ranges alone)."""
+    settings = _Settings(backups, shard_topk, tamper, None if wanted is None else frozenset(wanted))
     run = _RangesRound(
         dht, clients, t, stage, timings, plan, cfg, store or PayloadStore(), inc, refusals, banned, settings
     )
@@ -122,6 +128,7 @@ class _Settings:
     backups: int = 1  # owners per range beyond the primary
     shard_topk: int | None = None  # a shard's entries per tile (None: cfg.topk)
     tamper: Tamper | None = None  # fault injection only
+    wanted: frozenset[int] | None = None  # the only ranges resolved (None: all); an observer's choice
 
 
 class _RangesRound:
@@ -149,7 +156,7 @@ class _RangesRound:
         self.deadline = self.started + timings.deadline_s
         self.backups, self.shard_topk, self.tamper = settings.backups, settings.shard_topk, settings.tamper
         self.replica: str | None = None
-        self.result = RangesResult(t, stage)
+        self.result = RangesResult(t, stage, wanted=settings.wanted)
         fetched = self.result.fetched
         self.fetcher = RangeFetcher(
             clients, self.store, self.me, t, stage, plan, cfg, timings.rpc_s, fetched, self.backups
@@ -191,6 +198,8 @@ class _RangesRound:
             result.timings["owned_s"] = time.monotonic() - self.started
             resolver = Resolver(self.dht, self.fetcher, self.t, self.stage, self.plan, self.cfg, self.refusals)
             resolver.shard_topk, resolver.backups, resolver.poll_s = self.shard_topk, self.backups, self.timings.poll_s
+            if result.wanted is not None:
+                resolver.wanted = sorted(result.wanted)
             better = resolver.run(roster, lambda: self._best_roster(reread=False), stop, self._deadlines())
             result.computed, result.refused = resolver.computed, resolver.refused
             result.shards, result.parsed = resolver.shards, resolver.parsed

@@ -56,6 +56,7 @@ class Resolver:
         self.shard_topk: int | None = None
         self.backups = 1
         self.poll_s = 0.2
+        self.wanted = list(range(plan.n))  # the ranges to resolve (an observer may want a few)
         self.shards: dict[int, bytes] = {}
         self.parsed: dict[int, Shard] = {}
         self.computed: list[int] = []
@@ -73,7 +74,7 @@ class Resolver:
         senders = [e.sender for e in roster.entries]
         address = {e.sender: e.address for e in roster.entries}
         k = 1 + self.backups
-        while len(self.parsed) < self.plan.n:
+        while not self._done():
             try:
                 records = self.dht.get_round("shards", self.t, self.stage, ShardsRecord.parse)
             except NetworkError as exc:  # decide nothing on a failed read (no owner would look published)
@@ -87,7 +88,7 @@ class Resolver:
                 log.warning("round %d stage %d: a better-ranked roster appeared; taking it", self.t, self.stage)
                 return better
             past = time.monotonic() >= shard_deadline
-            for r in [r for r in range(self.plan.n) if r not in self.parsed]:
+            for r in [r for r in self.wanted if r not in self.parsed]:
                 range_owners = [o for o in owners(self.t, self.stage, r, senders, k) if not self._refused(o)]
                 claims = self._claims(records, roster, range_owners, r)
                 step = range_step(claims, len(range_owners), past)  # a refused owner is not waited for
@@ -103,10 +104,13 @@ class Resolver:
                         "round %d stage %d: range %d has no live owner; computing it here", self.t, self.stage, r
                     )
                     self._compute(roster, r)
-            if len(self.parsed) == self.plan.n or time.monotonic() >= hard:
+            if self._done() or time.monotonic() >= hard:
                 break
             wait_until(hard, stop, self.poll_s)
         return None
+
+    def _done(self) -> bool:
+        return all(r in self.parsed for r in self.wanted)
 
     def _claims(
         self, records: Mapping[str, ShardsRecord], roster: RosterRecord, range_owners: Sequence[str], r: int
