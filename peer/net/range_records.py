@@ -1,9 +1,10 @@
 """The DHT records of a ranges round (docs/protocol.md, RANGES), parsed once where they leave the DHT.
 
 - ``roster.{t}.{s}`` (`RosterRecord`): the round's contributions in roster order, as one holder closed
-  them: (replica, payload sha256, merkle root of its parts, sender, address) each, and the roster's
-  digest (`peer.core.ranges.owner.roster_digest` of the (replica, sha256) pairs). Every holder takes
-  the one of the best-ranked publisher (`peer.node.round.ownership.coordinator_order`).
+  them, named by their senders alone, and the roster's digest (`peer.core.ranges.owner.roster_digest`
+  of the (replica, sha256) pairs): a holder resolves each sender into its signed announcement's
+  (replica, payload sha256, merkle root, address) (`Roster`, `RosterEntry`) and checks the digest.
+  Every holder takes the one of the best-ranked publisher (`peer.node.round.ownership.coordinator_order`).
 - ``shards.{t}.{s}`` (`ShardsRecord`): an owner's shard hashes {range: sha256 of the shard's bytes}
   for the roster it aggregated against; the shards themselves are fetched over gRPC (kind SHARD).
 
@@ -27,7 +28,8 @@ MAX_SHARDS = 4096  # shard hashes one owner's record may hold
 
 @dataclass(frozen=True)
 class RosterEntry:
-    """One contribution of a ranges round, in roster order."""
+    """One contribution of a ranges round, in roster order, as a holder resolves it from the sender's
+    signed announcement (the roster record names the sender alone)."""
 
     replica: str
     sha256: str  # of the parts concatenated (the announcement's sha256)
@@ -36,12 +38,20 @@ class RosterEntry:
     address: str
 
 
-def _entries(v: Any) -> bool:
-    return (
-        isinstance(v, (list, tuple))
-        and len(v) <= MAX_ROSTER
-        and all(isinstance(e, (list, tuple)) and len(e) == 5 and all(_is_str(x) for x in e) for e in v)
-    )
+@dataclass(frozen=True)
+class Roster:
+    """A roster a holder took: the record's digest and R, its senders resolved into entries."""
+
+    digest: str
+    ranges: int
+    entries: tuple[RosterEntry, ...]
+
+    def record(self) -> RosterRecord:
+        return RosterRecord(self.digest, self.ranges, tuple(e.sender for e in self.entries))
+
+
+def _senders(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) <= MAX_ROSTER and all(_is_str(x) for x in v)
 
 
 def _hashes(v: Any) -> bool:
@@ -54,18 +64,21 @@ def _hashes(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class RosterRecord:
-    """A holder's `roster.{t}.{s}` record: the contributions of the round it closed, in roster order."""
+    """A holder's `roster.{t}.{s}` record: the senders of the contributions of the round it closed, in
+    roster order, with the roster's digest and R. Only the senders: each holder has read their signed
+    announcements (replica, sha256, root, address) and takes a roster only once it has, so repeating
+    them would cost every holder ~4x the bytes for nothing it could trust more (`Roster`)."""
 
     digest: str = ""
     ranges: int = 0  # R, the plan's number of ranges
-    entries: tuple[RosterEntry, ...] = ()
+    senders: tuple[str, ...] = ()
     peer_id: str = ""
     time: float = 0.0
 
     SPEC: ClassVar[dict[str, Callable[[Any], bool]]] = {
         "digest": _is_str,
         "ranges": _is_int,
-        "entries": _entries,
+        "senders": _senders,
         **_SIGNED,
     }
 
@@ -74,12 +87,11 @@ class RosterRecord:
         fields = _fields(raw, cls.SPEC)
         if fields is None:
             return None
-        fields["entries"] = tuple(RosterEntry(*e) for e in fields.get("entries", ()))
+        fields["senders"] = tuple(fields.get("senders", ()))
         return cls(**fields)
 
     def to_record(self) -> dict[str, Any]:
-        entries = [[e.replica, e.sha256, e.root, e.sender, e.address] for e in self.entries]
-        return {"digest": self.digest, "ranges": self.ranges, "entries": entries}
+        return {"digest": self.digest, "ranges": self.ranges, "senders": list(self.senders)}
 
 
 @dataclass(frozen=True)

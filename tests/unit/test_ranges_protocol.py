@@ -10,7 +10,7 @@ import pytest
 
 from peer.config import build_config
 from peer.core.ranges import merkle_check, merkle_root
-from peer.net.range_records import RosterEntry, RosterRecord, ShardsRecord
+from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
 from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
@@ -70,9 +70,10 @@ def test_range_step(claims, past, want):
 
 def test_roster_and_shards_records_round_trip_and_reject_malformed_values():
     entries = (RosterEntry("r1", "a" * 64, "b" * 32, "s1", "127.0.0.1:1"),)
-    roster = RosterRecord("c" * 32, 8, entries)
+    roster = Roster("c" * 32, 8, entries).record()
+    assert roster.senders == ("s1",)
     assert RosterRecord.parse(roster.to_record()) == roster
-    assert RosterRecord.parse({**roster.to_record(), "entries": [["r1", "x"]]}) is None
+    assert RosterRecord.parse({**roster.to_record(), "senders": [["s1"]]}) is None
     assert RosterRecord.parse({**roster.to_record(), "ranges": "8"}) is None
     shards = ShardsRecord("c" * 32, {0: "d" * 64, 7: "e" * 64})
     assert ShardsRecord.parse(shards.to_record()) == shards

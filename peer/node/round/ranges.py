@@ -41,7 +41,7 @@ from peer.core.ranges.owner import Shard, aggregate_range, roster_digest
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
-from peer.net.range_records import RosterEntry, RosterRecord, ShardsRecord
+from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
 from peer.node.refusals import Refusals
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
@@ -62,7 +62,7 @@ class RangesResult:
 
     t: int
     stage: int
-    roster: RosterRecord | None = None
+    roster: Roster | None = None
     shards: dict[int, bytes] = field(default_factory=dict)
     parsed: dict[int, Shard] = field(default_factory=dict)
     position: int | None = None  # our contribution's place in the roster (None: not in it)
@@ -192,7 +192,7 @@ class _RangesRound:
                 log.warning("round %d stage %d: no roster by the deadline", self.t, self.stage)
                 break
             result.roster, result.parsed, result.shards = roster, {}, {}
-            result.fetched.add("roster", len(json.dumps(roster.to_record())))
+            result.fetched.add("roster", len(json.dumps(roster.record().to_record())))
             result.position = next((i for i, e in enumerate(roster.entries) if e.replica == self.replica), None)
             self._own(roster)
             result.timings["owned_s"] = time.monotonic() - self.started
@@ -268,7 +268,7 @@ class _RangesRound:
         entries = [RosterEntry(rid, a.sha256, a.root or "", s, a.address) for s, (rid, a) in good.items()]
         return sorted(entries, key=lambda e: e.replica)
 
-    def _agree(self, candidate: list[RosterEntry], stop: threading.Event | None) -> RosterRecord | None:
+    def _agree(self, candidate: list[RosterEntry], stop: threading.Event | None) -> Roster | None:
         """The roster of the best-ranked publisher; ours published when it is our turn (module docstring)."""
         closed = time.monotonic()
         order = coordinator_order(self.t, self.stage, {e.sender for e in candidate} | {self.me})
@@ -286,7 +286,7 @@ class _RangesRound:
                 and time.monotonic() - closed >= rank * self.timings.rpc_s
             ):
                 digest = roster_digest([(e.replica, e.sha256) for e in candidate])
-                record = RosterRecord(digest, self.plan.n, tuple(candidate))
+                record = RosterRecord(digest, self.plan.n, tuple(e.sender for e in candidate))
                 self.dht.announce_round("roster", self.t, self.stage, record.to_record(), ttl_s=self.timings.ttl_s)
                 published = True
                 log.info(
@@ -296,7 +296,7 @@ class _RangesRound:
             wait_until(limit, stop, self.timings.poll_s)
         return None
 
-    def _best_roster(self, reread: bool = True) -> RosterRecord | None:
+    def _best_roster(self, reread: bool = True) -> Roster | None:
         """The valid roster of the best-ranked publisher now in the DHT (None: none yet). `reread`:
         read the round's announcements again; else check the rosters against the last read."""
         if reread:
@@ -313,38 +313,49 @@ class _RangesRound:
             view = self.view
         return self._pick(view, rosters)
 
-    def _pick(self, view: RoundView, rosters: Mapping[str, RosterRecord]) -> RosterRecord | None:
+    def _pick(self, view: RoundView, rosters: Mapping[str, RosterRecord]) -> Roster | None:
         """The best-ranked of the valid rosters published by a contributor of the round."""
         contributors = set(view.bound)
-        valid = {p: rec for p, rec in rosters.items() if p in contributors and self._valid(p, rec, view)}
+        valid = {}
+        for p, rec in rosters.items():
+            roster = self._resolve(p, rec, view) if p in contributors else None
+            if roster is not None:
+                valid[p] = roster
         if not valid:
             return None
         return valid[coordinator_order(self.t, self.stage, valid)[0]]
 
-    def _valid(self, publisher: str, rec: RosterRecord, view: RoundView) -> bool:
-        """A roster is taken only if it is well formed (digest, R, replica order) and every entry is a
-        bound, planned announcement of the round as we read it (else it waits for a later read)."""
-        entries = rec.entries
-        why = ""
+    def _resolve(self, publisher: str, rec: RosterRecord, view: RoundView) -> Roster | None:
+        """A roster is taken only once every sender it names has a bound announcement planned for our R
+        in our read of the round (else it waits for a later read), and only if it is well formed: our
+        R, one entry per replica in replica order, its digest that of the (replica, sha256) pairs of
+        those announcements."""
         if rec.ranges != self.plan.n:
-            why = f"it plans {rec.ranges} ranges, not {self.plan.n}"
-        elif rec.digest != roster_digest([(e.replica, e.sha256) for e in entries]):
-            why = "its digest is not the digest of its entries"
-        elif [e.replica for e in entries] != sorted({e.replica for e in entries}) or not entries:
-            why = "its entries are not one per replica in replica order"
-        else:
-            for e in entries:
-                bound = view.bound.get(e.sender)
-                if bound is None or bound[0] != e.replica or (bound[1].sha256, bound[1].root) != (e.sha256, e.root):
-                    return False  # not (yet) what we read: a later read may show it
-            return True
+            return self._ignore(publisher, f"it plans {rec.ranges} ranges, not {self.plan.n}")
+        entries = []
+        for sender in rec.senders:
+            bound = view.bound.get(sender)
+            if bound is None:
+                return None  # not (yet) read: a later read may show it
+            rid, ann = bound
+            if not ann.root or ann.ranges != self.plan.n:
+                return self._ignore(publisher, f"{sender[:12]} did not announce parts for {self.plan.n} ranges")
+            entries.append(RosterEntry(rid, ann.sha256, ann.root, sender, ann.address))
+        if not entries or [e.replica for e in entries] != sorted({e.replica for e in entries}):
+            return self._ignore(publisher, "its entries are not one per replica in replica order")
+        if rec.digest != roster_digest([(e.replica, e.sha256) for e in entries]):
+            return self._ignore(publisher, "its digest is not that of the announcements it names, as we read them")
+        return Roster(rec.digest, rec.ranges, tuple(entries))
+
+    def _ignore(self, publisher: str, why: str) -> Roster | None:
+        """Log (once per publisher) why its roster is not taken; None."""
         if publisher not in self.warned:
             self.warned.add(publisher)
             log.warning("round %d stage %d: ignoring the roster of %s: %s", self.t, self.stage, publisher[:12], why)
-        return False
+        return None
 
     # ------------------------------------------------------------------ 3. our ranges
-    def _own(self, roster: RosterRecord) -> None:
+    def _own(self, roster: Roster) -> None:
         """Aggregate the ranges we own over the roster, serve the shards and publish their hashes."""
         senders = [e.sender for e in roster.entries]
         mine = [r for r in range(self.plan.n) if self.me in owners(self.t, self.stage, r, senders, 1 + self.backups)]

@@ -27,7 +27,7 @@ from peer.core.ranges import RangePlan, merkle_check
 from peer.core.ranges.owner import Shard
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
-from peer.net.range_records import RosterEntry, RosterRecord
+from peer.net.range_records import Roster, RosterEntry
 from peer.net.transport.messages import PayloadKind, PayloadRequest
 from peer.node.round.ownership import owners
 from peer.node.round.payloads import PayloadStore, sha256
@@ -78,9 +78,7 @@ class RangeFetcher:
         self.cache: dict[tuple[str, int], tuple[str, Payload]] = {}  # (sender, r) -> (root, part) checked
         self.shard_topk: int | None = None  # as the owners' aggregate_range
 
-    def parts(
-        self, roster: RosterRecord, ranges: Sequence[int], kind: str = "parts"
-    ) -> dict[int, list[Payload | None]]:
+    def parts(self, roster: Roster, ranges: Sequence[int], kind: str = "parts") -> dict[int, list[Payload | None]]:
         """{r: [part of roster member i, or None when nobody served a proven one]} for each of `ranges`
         (parts already held are not fetched again); `kind` is the counter the bytes go to."""
         ranges = sorted(set(ranges))
@@ -96,7 +94,7 @@ class RangeFetcher:
             list(pool.map(member, range(len(roster.entries))))
         return out
 
-    def _member(self, roster: RosterRecord, entry: RosterEntry, ranges: Sequence[int], kind: str) -> dict[int, Payload]:
+    def _member(self, roster: Roster, entry: RosterEntry, ranges: Sequence[int], kind: str) -> dict[int, Payload]:
         """One member's parts of `ranges`: held, ours, from its sender, else from another owner."""
         got: dict[int, Payload] = {}
         for r in ranges:
@@ -133,7 +131,7 @@ class RangeFetcher:
                     self._accept(entry, item.range, item.data, item.proof, got)
         return got
 
-    def _second_sources(self, roster: RosterRecord, entry: RosterEntry, ranges: Sequence[int]) -> list[str]:
+    def _second_sources(self, roster: Roster, entry: RosterEntry, ranges: Sequence[int]) -> list[str]:
         """Addresses of the other owners of `ranges` (they fetched the parts; a proof makes any source good)."""
         senders = [e.sender for e in roster.entries]
         by_sender = {e.sender: e.address for e in roster.entries}
@@ -168,7 +166,7 @@ class RangeFetcher:
         if entry.sender != self.me:
             self.store.put_part(self.t, self.stage, entry.sender, r, data, proof)
 
-    def shard(self, roster: RosterRecord, r: int, want: str, addresses: Sequence[str]) -> tuple[bytes, Shard] | None:
+    def shard(self, roster: Roster, r: int, want: str, addresses: Sequence[str]) -> tuple[bytes, Shard] | None:
         """The shard of range r whose sha256 is `want`: held here, else from `addresses` in turn;
         checked (hash, format, header: round, range, roster). None when nobody served it."""
         held = self.store.shards(self.t, self.stage, [r], want)
@@ -201,7 +199,7 @@ class RangeFetcher:
                 return item.data, shard
         return None
 
-    def _parse_shard(self, roster: RosterRecord, r: int, data: bytes) -> Shard:
+    def _parse_shard(self, roster: Roster, r: int, data: bytes) -> Shard:
         shard = Shard.from_bytes(data, self.plan, self.cfg, len(roster.entries), self.shard_topk)
         if (shard.t, shard.stage, shard.r, shard.roster) != (self.t, self.stage, r, roster.digest):
             raise PeerError(f"its header names round {shard.t} stage {shard.stage} range {shard.r} of another roster")

@@ -25,7 +25,7 @@ from peer.core.ranges import RangePlan
 from peer.core.ranges.owner import Shard, aggregate_range
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
-from peer.net.range_records import RosterRecord, ShardsRecord
+from peer.net.range_records import Roster, ShardsRecord
 from peer.node.refusals import Refusals
 from peer.node.round.ownership import RangeStep, owners, range_step
 from peer.node.round.payloads import sha256
@@ -64,11 +64,11 @@ class Resolver:
 
     def run(
         self,
-        roster: RosterRecord,
-        best_roster: Callable[[], RosterRecord | None],
+        roster: Roster,
+        best_roster: Callable[[], Roster | None],
         stop: threading.Event | None,
         deadlines: tuple[float, float],
-    ) -> RosterRecord | None:
+    ) -> Roster | None:
         """Resolve every range of `roster` by the hard deadline; a better-ranked roster if one appears."""
         shard_deadline, hard = deadlines
         senders = [e.sender for e in roster.entries]
@@ -113,7 +113,7 @@ class Resolver:
         return all(r in self.parsed for r in self.wanted)
 
     def _claims(
-        self, records: Mapping[str, ShardsRecord], roster: RosterRecord, range_owners: Sequence[str], r: int
+        self, records: Mapping[str, ShardsRecord], roster: Roster, range_owners: Sequence[str], r: int
     ) -> dict[str, str]:
         """{owner: the shard hash it published for range r of `roster`}."""
         out = {}
@@ -133,7 +133,7 @@ class Resolver:
         self.shards[r], self.parsed[r] = data, shard
         self.fetcher.store.put_shard(self.t, self.stage, r, data)
 
-    def _arbitrate(self, roster: RosterRecord, r: int, claims: Mapping[str, str], address: Mapping[str, str]) -> None:
+    def _arbitrate(self, roster: Roster, r: int, claims: Mapping[str, str], address: Mapping[str, str]) -> None:
         """Owners disagree on range r: check each claimed shard by recomputation (module docstring)."""
         log.warning(
             "round %d stage %d: owners of range %d disagree (%s); checking their shards",
@@ -173,7 +173,7 @@ class Resolver:
         else:
             log.warning("round %d stage %d: %s: %s", self.t, self.stage, owner[:12], reason)
 
-    def _compute(self, roster: RosterRecord, r: int, parts: Sequence[Payload | None] | None = None) -> None:
+    def _compute(self, roster: Roster, r: int, parts: Sequence[Payload | None] | None = None) -> None:
         """Compute range r here, from every part of it we can fetch (its owners are gone or failed)."""
         if parts is None:
             parts = self.fetcher.parts(roster, [r], kind="verify")[r]
