@@ -14,9 +14,9 @@ Records (all values are msgpack-friendly; every record has an expiration):
   re-published by every peer under its own subkey: the manifest outlives the bootstrap.
 - ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients
   (``DHT(...).get("peer.manifest", latest=True)``); anyone can overwrite it, `peer` never trusts it.
-- ``peer.{run}.stage.{s}``, ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}``: one signed
-  subkey per peer (see `peer.net.records`); readers return ``{peer id: typed record}``
-  (`StageRecord`, `ReplicaRecord`, `Announcement`, with the signer's ``time`` and ``peer_id``).
+- ``peer.{run}.stage.{s}``, ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}`` (and a ranges round's
+  ``roster.{t}.{s}``, ``shards.{t}.{s}``): one signed subkey per peer (see `peer.net.records`); readers
+  return ``{peer id: typed record}`` (`StageRecord`, `ReplicaRecord`, `Announcement`, ...).
 
 Invariants:
 - hivemind keeps, per (key, subkey), the value with the LATEST expiration and refuses an older
@@ -40,12 +40,12 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -99,6 +99,8 @@ MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
+RoundKind = Literal["round", "roster", "shards"]  # per-round keys: payload announcements, a ranges round's records
+R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
 # inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never
 # execs: Popen then waits for that pipe's EOF for as long as the other DHT lives (seen with several
@@ -112,20 +114,6 @@ _GONE = "the hivemind DHT process exited; restart this peer"
 def dht_time() -> float:
     """The DHT's clock (seconds since the epoch), the one every record's "time" uses."""
     return float(get_dht_time())
-
-
-def _start_error(e: Exception, initial: Sequence[str], identity_path: object) -> str:
-    """One line saying why a node failed to start and what to do."""
-    text = " ".join(str(e).split())
-    if "already taken" in text:
-        return (
-            f"identity {identity_path} is already used by a running peer; stop that peer or use another identity file"
-        )
-    if initial and ("bootstrap" in text or "initial_peers" in text):
-        return unreachable.explain(initial)  # dials each address once to name the likely cause
-    if isinstance(e, P2PDaemonError):
-        return f"the libp2p daemon failed to start ({text[:200]}); check --host/--port are free and valid"
-    return f"DHT node failed to start: {type(e).__name__}: {text[:200]}"
 
 
 # Functions run inside the hivemind child through the public DHT.run_coroutine API.
@@ -261,7 +249,7 @@ class SwarmDHT:
             raise
         except Exception as e:
             self.shutdown()
-            raise NetworkError(_start_error(e, initial, identity_path)) from e
+            raise NetworkError(unreachable.start_error(e, initial, identity_path)) from e
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -483,8 +471,19 @@ class SwarmDHT:
 
     def get_payloads(self, outer_step: int, stage: int, timeout_s: float | None = None) -> dict[str, Announcement]:
         """{peer id: announcement} of payloads announced for round (outer_step, stage)."""
-        (value,) = self._get_many([self._run_key(f"round.{int(outer_step)}.{int(stage)}")], timeout_s)
-        return self._reader.records(value, dht_time(), None, Announcement.parse)
+        return self.get_round("round", outer_step, stage, Announcement.parse, timeout_s)
+
+    def announce_round(self, kind: RoundKind, t: int, stage: int, record: Mapping[str, Any], ttl_s: float) -> None:
+        """Publish this peer's `kind` record of round (t, stage) (a payload announcement, or a ranges
+        round's roster or shard hashes: `peer.net.range_records`)."""
+        self._announce(self._run_key(f"{kind}.{int(t)}.{int(stage)}"), record, ttl_s, None)
+
+    def get_round(
+        self, kind: RoundKind, t: int, stage: int, parse: Callable[[Any], R | None], timeout_s: float | None = None
+    ) -> dict[str, R]:
+        """{peer id: record} of round (t, stage)'s `kind` records, each parsed by `parse` (None: malformed)."""
+        (value,) = self._get_many([self._run_key(f"{kind}.{int(t)}.{int(stage)}")], timeout_s)
+        return self._reader.records(value, dht_time(), None, parse)
 
     def current_outer_step(self, timeout_s: float | None = None) -> int:
         """Largest "outer_step" in live replica and stage records (stages 0..n_stages-1), 0 if none."""

@@ -445,6 +445,8 @@ class Announcement:
     inc: str | None = None
     closes: float | None = None  # DHT time by which its sender closes the round (the deadline fence)
     peers: dict[str, str] | None = None  # a head's stage-0 announcement: {"<stage>": peer id} it binds
+    root: str | None = None  # a ranges round: the merkle root of its parts (sha256 = of the parts concatenated)
+    ranges: int | None = None  # a ranges round: how many parts (ranges) it was cut into
     peer_id: str = ""
     time: float = 0.0
 
@@ -456,6 +458,8 @@ class Announcement:
         "inc": _opt(_is_str),
         "closes": _opt(_is_num),
         "peers": _str_map,
+        "root": _opt(_is_str),
+        "ranges": _opt(_is_int),
         **_SIGNED,
     }
 
@@ -473,4 +477,6 @@ class Announcement:
         out.update(replica=self.replica, inc=self.inc, closes=self.closes)
         if self.peers is not None:
             out["peers"] = self.peers
+        if self.root is not None:  # absent, not null, in an all-to-all round: the records of before
+            out["root"], out["ranges"] = self.root, self.ranges
         return out

@@ -19,6 +19,8 @@ import errno
 import socket
 from collections.abc import Sequence
 
+from hivemind.p2p import P2PDaemonError
+
 from peer.net.addresses import Reach, host_reach, maddr_host, maddr_port
 
 DIAL_TIMEOUT_S = 3.0  # one TCP connect per address
@@ -111,3 +113,17 @@ def explain(initial: Sequence[str]) -> str:
         return f"--initial-peers {initial[0]} did not answer: {reasons[0]}"
     listed = "; ".join(f"{m}: {r}" for m, r in zip(initial, reasons, strict=True))
     return f"none of the {len(initial)} --initial-peers answered: {listed}"
+
+
+def start_error(e: Exception, initial: Sequence[str], identity_path: object) -> str:
+    """One line saying why a node failed to start and what to do."""
+    text = " ".join(str(e).split())
+    if "already taken" in text:
+        return (
+            f"identity {identity_path} is already used by a running peer; stop that peer or use another identity file"
+        )
+    if initial and ("bootstrap" in text or "initial_peers" in text):
+        return explain(initial)  # dials each address once to name the likely cause
+    if isinstance(e, P2PDaemonError):
+        return f"the libp2p daemon failed to start ({text[:200]}); check --host/--port are free and valid"
+    return f"DHT node failed to start: {type(e).__name__}: {text[:200]}"

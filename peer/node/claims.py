@@ -6,7 +6,8 @@ A holder's stage record is a claim, never an authority (docs/protocol.md, "Claim
     state       the state id: sha256 of (parameter hash, T⊥ hash, bans), 16 hex chars
     link        how the state was reached: {"t": t, "prev": state id before the round,
                 "set": [[replica, payload sha256], ...] in commit order,
-                "embed": stage 0's committed set its T⊥ moved by (stages > 0 of a compressed run)}
+                "embed": stage 0's committed set its T⊥ moved by (stages > 0 of a compressed run),
+                "ranges": [roster digest, shards digest] (a ranges round: docs/protocol.md, RANGES)}
 
 Every payload of a set is named by content (the first `SHA_CHARS` hex chars of its sha256, 128
 bits) and must match a signed announcement of round (t, s) by a sender bound to that replica
@@ -71,6 +72,7 @@ class Link:
     state: str
     entries: tuple[Entry, ...]
     embed: tuple[Entry, ...] | None = None  # stage 0's set this stage's T⊥ moved by (stages > 0)
+    ranges: tuple[str, str] | None = None  # a ranges round: (roster digest, digest of its shards' digests)
 
     @property
     def replicas(self) -> list[str]:
@@ -80,6 +82,8 @@ class Link:
         out: dict[str, Any] = {"t": self.t, "prev": self.prev, "set": [list(e) for e in self.entries]}
         if self.embed is not None:
             out["embed"] = [list(e) for e in self.embed]
+        if self.ranges is not None:
+            out["ranges"] = list(self.ranges)
         return out
 
     @classmethod
@@ -94,7 +98,12 @@ class Link:
         embed = _entries(value["embed"]) if "embed" in value else None
         if entries is None or ("embed" in value and embed is None):
             return None
-        return cls(t, prev, state, entries, embed)
+        ranges = value.get("ranges")
+        if ranges is not None and not (
+            isinstance(ranges, list | tuple) and len(ranges) == 2 and all(isinstance(x, str) and x for x in ranges)
+        ):
+            return None
+        return cls(t, prev, state, entries, embed, None if ranges is None else (ranges[0], ranges[1]))
 
 
 @dataclass(frozen=True)

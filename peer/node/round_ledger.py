@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from peer.core.codec.clip import ClipStats
 from peer.core.codec.format import Payload
 from peer.core.commit import NO_CLIP
+from peer.core.ranges import RangePlan
 from peer.node.bans import NONE as NO_BANS
 from peer.node.bans import Bans
 from peer.node.claims import Entry, Link, entry
@@ -38,6 +39,8 @@ class RoundLedger:
         self.history: dict[int, Link] = {}  # our links of the last HISTORY rounds (claims are audited against them)
         self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
         self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) until its round commits
+        # a ranges round's contribution: (replica id, plan, parts in range order) until its round commits
+        self.last_parts: tuple[str, RangePlan, list[Payload]] | None = None
         self.last_committed: list[str] = []  # replica ids committed in the last round
         self.last_clip: ClipStats = NO_CLIP  # what median clipping did in the last round
         self.last_dropped: list[str] = []  # replicas outlier screening dropped in the last round
@@ -49,6 +52,7 @@ class RoundLedger:
         self.last_dropped = list(out.dropped)
         self.last_committed = list(out.replicas)
         self.last_contribution = None
+        self.last_parts = None
         self.link = link
         self.history[link.t] = link
         for old in [t for t in self.history if t <= link.t - HISTORY]:

@@ -54,7 +54,10 @@ from peer.net.transport.messages import (
     FileSlice,
     ForwardReply,
     ForwardRequest,
+    PayloadKind,
     PayloadRequest,
+    RangeBlob,
+    RangesReply,
     StateReply,
     StateRequest,
     StepReply,
@@ -368,9 +371,20 @@ class PeerService:
             self.claimed_by = None
 
     # ------------------------------------------------------------------ rounds and state
-    def get_payload(self, request: PayloadRequest) -> bytes:
-        """Our payload of the round, or (another sender named) one we fetched in it (a second source)."""
-        sender = None if request.sender in ("", self.peer_id) else request.sender
+    def get_payload(self, request: PayloadRequest) -> bytes | RangesReply:
+        """Our payload of the round, or (another sender named) one we fetched in it (a second source);
+        in a ranges round the parts (ours or a sender's we fetched, with their merkle proofs) or the
+        shards of the ranges asked for that we hold (`peer.node.round.ranges`)."""
+        sender = None if request.sender in ("", self.peer_id) else request.sender  # SHARD: the sha256 wanted
+        t, stage = request.outer_step, request.stage
+        if request.kind is not PayloadKind.PAYLOAD:
+            if request.kind is PayloadKind.PART:
+                items = [RangeBlob(*held) for held in self.store.parts(t, stage, sender, request.ranges)]
+            else:
+                items = [RangeBlob(r, data) for r, data in self.store.shards(t, stage, request.ranges, request.sender)]
+            if not items:
+                raise NotFoundError(f"none of the {request.kind.name.lower()}s asked of round {t} stage {stage} here")
+            return RangesReply(tuple(items))
         data = self.store.get(request.outer_step, request.stage, sender)
         if data is None:
             raise NotFoundError(f"no payload for round {request.outer_step} stage {request.stage} here")

@@ -7,7 +7,8 @@ float32, the portable commit's input), the inner AdamW and the SparseLoCo error 
 claim that reached the state (`link`) and the state committed from (`prev`, kept until the next
 commit) (`peer.node.round_ledger.RoundLedger`).
 
-`encode_round()` produces this peer's payload; `apply_round()` commits a set through
+`encode_round()` produces this peer's payload (`contribute_parts()` its parts in a ranges round,
+committed by `apply_ranges()`: `peer.node.stage_ranges`); `apply_round()` commits a set through
 `peer.node.stage_commit.compute` → `peer.core.commit`; `recompute()` / `switch()` check another
 holder's claim of the same round and take it when it holds (docs/protocol.md). `state_dict()` /
 `load_state_dict()` are the only way in or out of the stage's state (checkpoints, state sync).
@@ -28,6 +29,8 @@ from peer.config import RunConfig
 from peer.core.codec.format import Payload
 from peer.core.commit import RoundCommit
 from peer.core.model import Decoder, build_stage
+from peer.core.ranges import RangePlan, encode_parts
+from peer.core.ranges.owner import Shard
 from peer.core.sparseloco import decompress, pseudo_gradient
 from peer.core.state import check_stage_state, stage_state, state_hash
 from peer.core.subspace import make_basis
@@ -37,6 +40,7 @@ from peer.node.claims import Entry, Link, state_id
 from peer.node.round_ledger import RoundLedger, make_link
 from peer.node.stage_commit import Outcome, Prev, compute, own_adjustment
 from peer.node.stage_optimizer import StageOptimizer
+from peer.node.stage_ranges import commit_ranges, parts_delta, ranges_link, returned
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +121,72 @@ class StageState:
             self.ledger.last_contribution = (replica_id, payload)
             return payload
 
+    def n_prev(self) -> int | None:
+        """How many contributions the round before the current one committed (0 at the first round;
+        None: not known here, a state adopted without its link): what the round rule reads
+        (`peer.node.round.ownership.round_rule`; `peer.node.round.ranges_rounds.n_prev_of` asks the
+        stage's other holders when None)."""
+        with self.lock:
+            link = self.ledger.link
+            if self.outer_step == 0:
+                return 0
+            return len(link.entries) if link is not None and link.t == self.outer_step - 1 else None
+
+    def contribute_parts(self, replica_id: str, plan: RangePlan) -> list[Payload]:
+        """A ranges round's contribution: the pseudo-gradient as one part per range of `plan`
+        (`peer.core.ranges.encode_parts`: the error feedback of `encode_round`, band by band),
+        remembered until the round commits (`apply_ranges`) or returns it (`return_unsent_parts`)."""
+        with self.lock:
+            delta = pseudo_gradient(self.start, stage_state(self.module))
+            parts, self.optim.errors = encode_parts(delta, self.optim.errors, self.cfg.sparseloco, plan)
+            self.ledger.last_contribution = None
+            self.ledger.last_parts = (replica_id, plan, parts)
+            return parts
+
+    def return_unsent_parts(self) -> None:
+        """Our parts of a ranges round that did not commit go back into the error buffer whole."""
+        with self.lock:
+            own = self.ledger.last_parts
+            if own is not None:
+                self.optim.feed_back(parts_delta(own[1], own[2], self.start))
+            self.ledger.last_parts = None
+
+    def apply_ranges(
+        self,
+        plan: RangePlan,
+        roster: Sequence[tuple[str, str]],
+        digest: str,
+        shards: Mapping[int, tuple[bytes, Shard]],
+        position: int | None,
+        embed_update: torch.Tensor | None,
+        embed_set: Sequence[Entry] | None = None,
+    ) -> RoundCommit:
+        """Commit a ranges round: θ ← θ_start − η·Δ̄ with Δ̄ assembled from the agreed shards of every
+        range (`roster`: its (replica id, payload sha256) entries, `digest` its digest; `position`: our
+        contribution's place in it, None when absent), T⊥ and bans as `apply_round`; what each shard
+        dropped or clipped from our part returns to our error buffer (`peer.node.stage_ranges`)."""
+        with self.lock:
+            t, perp, ledger = self.outer_step, self._perp_cpu(), self.ledger
+            parsed = {r: s for r, (_, s) in shards.items()}
+            replicas = [rid for rid, _ in roster]
+            out = commit_ranges(
+                self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, plan, replicas, parsed, embed_update
+            )
+            own = ledger.last_parts
+            adjustment = returned(own[1], self.start, own[2], position, parsed) if own is not None else None
+            prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, None)
+            self.optim.feed_back(adjustment)
+            data = {r: b for r, (b, _) in shards.items()}
+            self._install(out, ranges_link(t, prev.state, out, roster, digest, data, embed_set))
+            ledger.prev = prev
+            self._log_commit(out, len(roster))
+            return out.committed.commit
+
     def observe(self) -> None:
-        """This round's own stage is gathered without a payload of ours (spare, catch-up)."""
+        """This round's own stage is gathered without a payload or parts of ours (spare, catch-up)."""
         with self.lock:
             self.ledger.last_contribution = None
+            self.ledger.last_parts = None
 
     def return_unsent(self, payload: Payload) -> None:
         """A payload that missed the commit goes back into the error buffer: nothing is lost."""

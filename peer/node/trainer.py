@@ -377,7 +377,7 @@ def _repair(
         if chain is not None and not _align(session, chain):
             stop.wait(session.cfg.swarm.announce_interval_s)
             return False
-        session.rounds.catch_up(workers, stop)
+        session.rounds.catch_up(workers, stop, full=chain is not None)
     except NetworkError as exc:
         log.warning("could not re-sync yet: %s", exc)
         stop.wait(session.cfg.swarm.announce_interval_s)

@@ -39,6 +39,7 @@ from peer.net.transport.messages import (
     ForwardReply,
     ForwardRequest,
     PayloadRequest,
+    RangesReply,
     StateReply,
     StateRequest,
     StepReply,
@@ -123,6 +124,15 @@ class PeerClient:
     def get_payload(self, request: PayloadRequest, timeout_s: float | None = None) -> bytes:
         payload: bytes = self._unary_streamed("get_payload", self._stub.GetPayload, request, pb.Blob, timeout_s)
         return payload
+
+    def get_ranges(self, request: PayloadRequest, timeout_s: float | None = None) -> RangesReply:
+        """Parts or shards of a ranges round (a PART or SHARD `request`): the Blob's bytes, decoded."""
+        data = self.get_payload(request, timeout_s)
+        try:
+            reply: RangesReply = codec.from_bytes(pb.RangesReply, data, self._limits)
+        except TransportError as exc:
+            self._fail("get_payload", str(exc))
+        return reply
 
     def get_state(self, request: StateRequest, timeout_s: float | None = None) -> StateReply:
         reply: StateReply = self._unary_streamed("get_state", self._stub.GetState, request, pb.StateReply, timeout_s)

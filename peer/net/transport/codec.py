@@ -34,7 +34,10 @@ from peer.net.transport.messages import (
     BackwardRequest,
     ForwardReply,
     ForwardRequest,
+    PayloadKind,
     PayloadRequest,
+    RangeBlob,
+    RangesReply,
     StateReply,
     StateRequest,
     StepReply,
@@ -129,7 +132,13 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
     if isinstance(msg, StepReply):
         return pb.StepReply(ok=msg.ok, message=msg.message)
     if isinstance(msg, PayloadRequest):
-        return pb.PayloadRequest(outer_step=msg.outer_step, stage=msg.stage, sender=msg.sender)
+        kind = pb.PayloadRequest.Kind.ValueType(int(msg.kind))
+        return pb.PayloadRequest(
+            outer_step=msg.outer_step, stage=msg.stage, sender=msg.sender, kind=kind, ranges=list(msg.ranges)
+        )
+    if isinstance(msg, RangesReply):
+        items = [pb.RangeBlob(range=i.range, data=i.data, proof=list(i.proof)) for i in msg.items]
+        return pb.RangesReply(items=items)
     if isinstance(msg, StateRequest):
         return pb.StateRequest(stage=msg.stage)
     if isinstance(msg, StateReply):
@@ -226,12 +235,31 @@ def _decode_step_reply(msg: pb.StepReply, limits: WireLimits) -> StepReply:
     return StepReply(ok=bool(msg.ok), message=read_text(msg.message, "StepReply.message", limits))
 
 
+MAX_RANGES = 4096  # ranges one PART or SHARD request or reply may name (a plan has at most this many)
+MAX_PROOF = 32  # merkle path length (2^32 ranges)
+
+
 def _decode_payload_request(msg: pb.PayloadRequest, limits: WireLimits) -> PayloadRequest:
+    if int(msg.kind) not in {int(k) for k in PayloadKind} or len(msg.ranges) > MAX_RANGES:
+        raise TransportError(f"invalid PayloadRequest: kind {msg.kind} or {len(msg.ranges)} ranges")
     return PayloadRequest(
         outer_step=read_index(msg.outer_step, "PayloadRequest.outer_step"),
         stage=read_index(msg.stage, "PayloadRequest.stage"),
         sender=read_text(msg.sender, "PayloadRequest.sender", limits),
+        kind=PayloadKind(msg.kind),
+        ranges=tuple(read_index(r, "PayloadRequest.ranges") for r in msg.ranges),
     )
+
+
+def _decode_ranges_reply(msg: pb.RangesReply, limits: WireLimits) -> RangesReply:
+    if len(msg.items) > MAX_RANGES:
+        raise TransportError(f"invalid RangesReply: {len(msg.items)} items, more than {MAX_RANGES}")
+    items = []
+    for item in msg.items:
+        if len(item.proof) > MAX_PROOF or any(len(h) != 16 for h in item.proof):
+            raise TransportError("invalid RangesReply: a merkle proof is not a list of 16-byte hashes")
+        items.append(RangeBlob(read_index(item.range, "RangeBlob.range"), bytes(item.data), tuple(item.proof)))
+    return RangesReply(tuple(items))
 
 
 def _decode_state_request(msg: pb.StateRequest, limits: WireLimits) -> StateRequest:
@@ -284,6 +312,7 @@ _DECODERS: dict[type, Callable[[Any, WireLimits], Any]] = {
     pb.StepRequest: _decode_step_request,
     pb.StepReply: _decode_step_reply,
     pb.PayloadRequest: _decode_payload_request,
+    pb.RangesReply: _decode_ranges_reply,
     pb.StateRequest: _decode_state_request,
     pb.StateReply: _decode_state,
     pb.ArtifactRequest: _decode_artifact_request,

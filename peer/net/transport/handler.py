@@ -24,6 +24,7 @@ from peer.net.transport.messages import (
     ForwardReply,
     ForwardRequest,
     PayloadRequest,
+    RangesReply,
     StateReply,
     StateRequest,
     StepReply,
@@ -47,8 +48,9 @@ class PeerHandler(Protocol):
         """Take the optimizer step for the inner step once all micro-batches are done."""
         ...
 
-    def get_payload(self, request: PayloadRequest) -> bytes:
-        """The serialized SparseLoCo payload of (outer_step, stage, sender)."""
+    def get_payload(self, request: PayloadRequest) -> bytes | RangesReply:
+        """The serialized SparseLoCo payload of (outer_step, stage, sender), or (a PART or SHARD
+        request of a ranges round) the parts or shards it asks for."""
         ...
 
     def get_state(self, request: StateRequest) -> StateReply:

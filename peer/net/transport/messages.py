@@ -12,6 +12,7 @@ Messages are immutable containers (frozen); `eq=False` because tensors have no b
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,10 @@ __all__ = [
     "FileSlice",
     "ForwardReply",
     "ForwardRequest",
+    "PayloadKind",
     "PayloadRequest",
+    "RangeBlob",
+    "RangesReply",
     "StateReply",
     "StateRequest",
     "StepReply",
@@ -122,13 +126,40 @@ class StepReply:
     message: str = ""
 
 
+class PayloadKind(enum.IntEnum):
+    """What a `PayloadRequest` asks for (the proto's PayloadRequest.Kind)."""
+
+    PAYLOAD = 0  # a whole payload (answer: its bytes)
+    PART = 1  # a ranges round: `sender`'s parts of `ranges`, with merkle proofs (answer: a RangesReply)
+    SHARD = 2  # a ranges round: shards of `ranges` the peer holds, `sender` = the sha256 wanted (answer: a RangesReply)
+
+
 @dataclass(frozen=True, eq=False)
 class PayloadRequest:
-    """Ask for `sender`'s SparseLoCo payload of `stage` in round `outer_step` (answer: bytes)."""
+    """Ask for `sender`'s SparseLoCo payload of `stage` in round `outer_step` (answer: bytes), or parts
+    or shards of `ranges` in a ranges round (`kind`; docs/protocol.md, RANGES)."""
 
     outer_step: int
     stage: int
     sender: str
+    kind: PayloadKind = PayloadKind.PAYLOAD
+    ranges: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class RangeBlob:
+    """One range's bytes: a part with its merkle path (sibling hashes, 16 bytes each, leaf first) or a shard."""
+
+    range: int
+    data: bytes
+    proof: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class RangesReply:
+    """The answer to a PART or SHARD `PayloadRequest` (carried as the bytes of a Blob)."""
+
+    items: tuple[RangeBlob, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

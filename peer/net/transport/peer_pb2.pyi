@@ -128,14 +128,42 @@ class StepReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PayloadRequest(_message.Message):
-    __slots__ = ("outer_step", "stage", "sender")
+    __slots__ = ("outer_step", "stage", "sender", "kind", "ranges")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PAYLOAD: _ClassVar[PayloadRequest.Kind]
+        PART: _ClassVar[PayloadRequest.Kind]
+        SHARD: _ClassVar[PayloadRequest.Kind]
+    PAYLOAD: PayloadRequest.Kind
+    PART: PayloadRequest.Kind
+    SHARD: PayloadRequest.Kind
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     stage: int
     sender: str
-    def __init__(self, outer_step: _Optional[int] = ..., stage: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+    kind: PayloadRequest.Kind
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outer_step: _Optional[int] = ..., stage: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[PayloadRequest.Kind, str]] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RangeBlob(_message.Message):
+    __slots__ = ("range", "data", "proof")
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    range: int
+    data: bytes
+    proof: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, range: _Optional[int] = ..., data: _Optional[bytes] = ..., proof: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RangesReply(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RangeBlob]
+    def __init__(self, items: _Optional[_Iterable[_Union[RangeBlob, _Mapping]]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("stage",)

@@ -36,7 +36,7 @@ from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
 from peer.net.transport.errors import HopError, NotFoundError, Refusal, Refused, TransportError
 from peer.net.transport.handler import HANDLER_METHODS, PeerHandler
-from peer.net.transport.messages import BackwardReply, FileSlice, ForwardReply, StateReply, StepReply
+from peer.net.transport.messages import BackwardReply, FileSlice, ForwardReply, RangesReply, StateReply, StepReply
 from peer.net.transport.tensors import WireLimits
 from peer.net.transport.trailers import trailing_metadata
 
@@ -94,7 +94,14 @@ class _Servicer(pb_grpc.PeerServicer):
         return self._run(context, "step", call)
 
     def GetPayload(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-        yield from self._unary_streamed(context, "get_payload", request, pb.PayloadRequest, bytes)
+        def call() -> bytes:
+            reply = self._handler.get_payload(codec.from_bytes(pb.PayloadRequest, request, self._limits))
+            if isinstance(reply, RangesReply):  # a ranges round's parts or shards travel as a Blob's bytes
+                reply = codec.to_bytes(reply)
+            data: bytes = self._encode(reply, bytes, "get_payload").SerializeToString()
+            return data
+
+        yield from framing.split(self._run(context, "get_payload", call))
 
     def GetState(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         yield from self._unary_streamed(context, "get_state", request, pb.StateRequest, StateReply)

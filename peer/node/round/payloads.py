@@ -19,12 +19,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from peer.config import RunConfig
 from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.model import stage_shapes
+from peer.core.ranges import merkle_proof
 from peer.core.subspace_state import EMBED
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
@@ -53,11 +54,17 @@ class PayloadStore:
     Besides our own payload of each round it keeps the payloads we fetched from others (by sender),
     so a holder can serve a committed set whose sender died after sending (`gather_round` asks the
     round's other contributors for it; the announced sha256 makes any source as good as the sender).
+    A ranges round keeps parts (ours, with merkle proofs made once per range, and the ones we
+    fetched) and shards instead (`peer.node.round.ranges`).
     """
 
     def __init__(self, keep: int = 3) -> None:
         self._data: dict[tuple[int, int], bytes] = {}
         self._fetched: dict[tuple[int, int, str], bytes] = {}
+        self._parts: dict[tuple[int, int], list[bytes]] = {}
+        self._proofs: dict[tuple[int, int, int], tuple[bytes, ...]] = {}
+        self._fetched_parts: dict[tuple[int, int, str, int], tuple[bytes, tuple[bytes, ...]]] = {}
+        self._shards: dict[tuple[int, int, int, str], bytes] = {}
         self._lock = threading.Lock()
         self.keep = keep
 
@@ -72,10 +79,17 @@ class PayloadStore:
             self._expire(t)
 
     def _expire(self, t: int) -> None:
-        for key in [k for k in self._data if k[0] <= t - self.keep]:
-            del self._data[key]
-        for fkey in [k for k in self._fetched if k[0] <= t - self.keep]:
-            del self._fetched[fkey]
+        held: tuple[dict[Any, Any], ...] = (
+            self._data,
+            self._fetched,
+            self._parts,
+            self._proofs,
+            self._fetched_parts,
+            self._shards,
+        )
+        for keyed in held:
+            for key in [k for k in keyed if k[0] <= t - self.keep]:
+                del keyed[key]
 
     def get(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
         """Our own payload of (t, stage) or, with `sender`, the one we fetched from that sender."""
@@ -83,6 +97,55 @@ class PayloadStore:
             if sender is not None:
                 return self._fetched.get((t, stage, sender))
             return self._data.get((t, stage))
+
+    # a ranges round (docs/protocol.md, RANGES): parts with their merkle proofs, and shards
+    def put_parts(self, t: int, stage: int, parts: Sequence[bytes]) -> None:
+        """Our parts of (t, stage), one per range, in range order (their proofs are made when asked)."""
+        with self._lock:
+            self._parts[(t, stage)] = list(parts)
+            self._expire(t)
+
+    def put_part(self, t: int, stage: int, sender: str, r: int, part: bytes, proof: Sequence[bytes]) -> None:
+        """`sender`'s part of range r that we fetched and checked (served again as a second source)."""
+        with self._lock:
+            self._fetched_parts[(t, stage, sender, r)] = (part, tuple(proof))
+            self._expire(t)
+
+    def parts(
+        self, t: int, stage: int, sender: str | None, ranges: Iterable[int]
+    ) -> list[tuple[int, bytes, tuple[bytes, ...]]]:
+        """(range, part, proof) of our parts (`sender` None) or of the ones we fetched from `sender`,
+        for each of `ranges` held here."""
+        out = []
+        with self._lock:
+            for r in ranges:
+                if sender is None:
+                    own = self._parts.get((t, stage))
+                    if own is None or not 0 <= r < len(own):
+                        continue
+                    if (t, stage, r) not in self._proofs:
+                        self._proofs[(t, stage, r)] = tuple(bytes.fromhex(h) for h in merkle_proof(own, r))
+                    out.append((r, own[r], self._proofs[(t, stage, r)]))
+                elif (t, stage, sender, r) in self._fetched_parts:
+                    out.append((r, *self._fetched_parts[(t, stage, sender, r)]))
+        return out
+
+    def put_shard(self, t: int, stage: int, r: int, shard: bytes) -> None:
+        """A shard of range r of (t, stage) we computed or took (served to any holder that asks)."""
+        with self._lock:
+            self._shards[(t, stage, r, sha256(shard))] = shard
+            self._expire(t)
+
+    def shards(self, t: int, stage: int, ranges: Iterable[int], want: str = "") -> list[tuple[int, bytes]]:
+        """(range, shard) of each of `ranges` held here: the one whose sha256 is `want` (any, if "")."""
+        wanted = set(ranges)
+        with self._lock:
+            held = {
+                k[2]: v
+                for k, v in self._shards.items()
+                if k[:2] == (t, stage) and k[2] in wanted and want in ("", k[3])
+            }
+        return sorted(held.items())
 
 
 def payload_validator(

@@ -3,7 +3,9 @@
 Round (t, s) — DESIGN §3, docs/protocol.md. `Rounds` holds a peer's round entry points (a head's,
 a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.round.gather`)
 and commits every gathered set through `StageWorker.apply_round` → `peer.core.commit.commit_state`
-(portable: the same bits on every holder), parsing each payload once. A set taken from another
+(portable: the same bits on every holder), parsing each payload once; each stage's round runs
+all-to-all or by ranges, as the round rule every holder of the stage computes alike says
+(`peer.node.round.ranges_rounds`: the jobs of a round, `commit_jobs` commits them). A set taken from another
 holder's claim (FOLLOW) is committed by us, and the claimer's state is then compared with ours: a
 holder whose state does not follow from the set it named is refused (`peer.node.refusals`).
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
@@ -22,26 +24,33 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from collections.abc import Callable, Mapping, Sequence
 
 from peer.config import RunConfig
 from peer.core.codec.format import Payload
-from peer.core.commit import embedding_update
-from peer.core.sparseloco import decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
-from peer.node.claims import Entry, closed_elsewhere, entry, majority, parse_claims
+from peer.node.claims import closed_elsewhere, majority, parse_claims
 from peer.node.metrics import MetricsWriter, log_round
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
 from peer.node.round.agreement import expected_replicas, round_bans, round_view
 from peer.node.round.gather import RoundResult, RoundTimings, gather_round
-from peer.node.round.payloads import PayloadStore, round_validator, sha256
+from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.ranges_rounds import (
+    Gathered,
+    Job,
+    apply_job,
+    committed_set,
+    embed_job,
+    failed,
+    observed_embed,
+    own_job,
+    run_jobs,
+    summary,
+)
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -122,17 +131,32 @@ class Rounds:
         results: Mapping[int, RoundResult],
         embed: RoundResult | None = None,
     ) -> bool:
-        """Apply each worker's committed round. Stage 0's embedding change moves every other stage's
-        T⊥: from stage 0's own commit when this peer holds it, else from `embed` (an observer gather
-        of stage 0; no payload there: T⊥ stays). A round committed elsewhere that this peer could
-        not reproduce (`behind`) is not applied: the worker re-syncs instead. What a round took from
-        our own payload returns to our error buffer (`StageWorker.apply_round`). A followed claim
-        whose state differs from the one we computed from its set is refused. Then the
-        canonical-state check runs (`Resync.reconcile`). False if anything re-synced."""
-        if self._closed_elsewhere(results):
-            for r in results.values():  # the trainers skip a round that was not committed here
+        """Apply each worker's all-to-all round (`commit_jobs`); `embed`: an observer gather of stage 0
+        by a holder of other stages. False if anything re-synced."""
+        jobs = [Job(w, s) for s, w in workers.items()]
+        gathered: list[Gathered] = [results[s] for s in workers]
+        if embed is not None:
+            jobs.append(Job(next(iter(workers.values())), 0))
+            gathered.append(embed)
+        return self.commit_jobs(jobs, gathered)
+
+    def commit_jobs(self, jobs: Sequence[Job], results: Sequence[Gathered]) -> bool:
+        """Apply each own stage's committed round, all-to-all or by ranges (`peer.node.round.ranges_rounds`).
+        Stage 0's embedding change moves every other stage's T⊥: from stage 0's own commit when this
+        peer holds it, else from an observer job of stage 0 (no contribution there: T⊥ stays). A round
+        committed elsewhere that this peer could not reproduce (`behind`), or a ranges round that did
+        not complete here, is not applied: the worker re-syncs instead. What a round took from our own
+        payload or parts returns to our error buffer. A followed claim whose state differs from the
+        one we computed from its set is refused. Then the canonical-state check runs
+        (`Resync.reconcile`). False if anything re-synced."""
+        pairs = list(zip(jobs, results, strict=True))
+        own = {j.stage: (j, r) for j, r in pairs if j.own}
+        embed = next(((j, r) for j, r in pairs if not j.own), None)
+        workers = {s: j.worker for s, (j, _) in own.items()}
+        if self._closed_elsewhere([r for _, r in own.values()]):
+            for _, r in own.values():  # the trainers skip a round that was not committed here
                 r.behind = True
-        embed_lost = embed is not None and embed.behind and 0 not in workers
+        embed_lost = embed is not None and failed(embed[1]) and 0 not in workers
         if embed_lost and not self._stage_ahead(workers):
             # stage 0's committed set cannot be fetched (its sender died) and no holder of our stage
             # is ahead to sync from: commit our own stage with T⊥ unchanged rather than wait for a
@@ -140,30 +164,25 @@ class Rounds:
             # fetch it (docs/protocol.md, RECONCILE)
             log.warning(
                 "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
-                embed.t if embed is not None else -1,
+                embed[1].t if embed is not None else -1,
                 sorted(workers),
             )
             embed, embed_lost = None, False
-        behind = [s for s, r in results.items() if r.behind or (s != 0 and embed_lost)]
-        if behind:
-            for s, w in workers.items():
-                self._resync_behind(w, results[s])
+        if embed_lost or any(failed(r) for _, r in own.values()):
+            for j, r in own.values():
+                self._resync_behind(j.worker, r)
             return False
-        update: torch.Tensor | None = None
-        embed_set: list[Entry] | None = None
-        if 0 in workers:
-            r0 = results[0]
-            update = workers[0].apply_round(r0.parsed, None, r0.replicas).embed_update
-            embed_set = _set_of(r0)
-        elif embed is not None:
-            embed_set = _set_of(embed)
-            if embed.parsed:
-                update = stage0_update(embed, self.cfg)
-        for s, w in workers.items():
-            if s != 0:
-                w.apply_round(results[s].parsed, update, results[s].replicas, embed_set if w.U is not None else None)
-        for s, w in workers.items():
-            self._check_followed(w, results[s])
+        update, embed_set = None, None
+        if embed is not None:
+            update, embed_set = observed_embed(self, *embed), committed_set(embed[1])
+        for s in sorted(own):
+            job, result = own[s]
+            commit = apply_job(job, result, update, embed_set)
+            if s == 0:
+                update, embed_set = commit.embed_update, committed_set(result)
+        for job, result in own.values():
+            if isinstance(result, RoundResult):
+                self._check_followed(job.worker, result)
         # publish the committed set at once (before validation): a holder closing round t late
         # follows it instead of committing a set of its own (docs/protocol.md, FOLLOW)
         self.publish()
@@ -189,16 +208,16 @@ class Rounds:
             f"it claims state {claim.state} for its committed set, which gives {worker.state_id()}",
         )
 
-    def _closed_elsewhere(self, results: Mapping[int, RoundResult]) -> bool:
+    def _closed_elsewhere(self, results: Sequence[Gathered]) -> bool:
         """Whether the swarm's clock, read now, is two rounds past the round about to be committed.
 
         A gather decides on a fresh view, but the process may freeze between that decision and its
         commit (a SIGSTOP, a stalled machine); others then close the round without the payloads
         only it held. Read again right before applying: never commit a round the swarm closed a
         round ago (`peer.node.claims.closed_elsewhere`), re-sync instead."""
-        if not results or all(r.behind for r in results.values()):
+        if not results or all(failed(r) for r in results):
             return False
-        t = next(iter(results.values())).t
+        t = results[0].t
         try:
             clock = self.resync.clock()
         except NetworkError as exc:  # not known: the gather's fresh decision stands
@@ -220,11 +239,15 @@ class Rounds:
                 return True
         return False
 
-    def _resync_behind(self, worker: StageWorker, result: RoundResult) -> None:
-        """Round t was committed without us being able to reproduce it: take the majority's state."""
+    def _resync_behind(self, worker: StageWorker, result: Gathered) -> None:
+        """Round t was committed without us being able to reproduce it: take the majority's state.
+        Our parts of a ranges round go back whole; our payload too unless the set we followed holds it."""
         last = worker.ledger.last_contribution
-        followed = result.followed.link.replicas if result.followed and result.followed.link else None
+        followed = None
+        if isinstance(result, RoundResult) and result.followed is not None and result.followed.link is not None:
+            followed = result.followed.link.replicas
         unsent = last is not None and (followed is None or last[0][:16] not in followed)
+        worker.return_unsent_parts()
         try:
             self.resync.sync_state(worker, f"round {result.t} committed elsewhere", keep_errors=True)
         except PeerError as exc:
@@ -238,54 +261,60 @@ class Rounds:
         self, worker: StageWorker, t: int, stop: threading.Event, peers: Mapping[str, str] | None = None
     ) -> RoundResult:
         """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
-        that did this outer step's last inner step: the round's binding), gather and apply."""
-        result = self.gather(worker, t, self.me.peer_id, stop, peers=dict(peers or {}))
-        self.commit({worker.stage: worker}, {worker.stage: result})
-        return result
+        that did this outer step's last inner step: the round's binding), gather and apply; all-to-all
+        or by ranges, as the round rule says (`peer.node.round.ranges_rounds`)."""
+        job = own_job(self, worker, self.me.peer_id, dict(peers or {}))
+        result = run_jobs(self, [job], t, stop)[0]
+        committed = self.commit_jobs([job], [result])
+        return summary(result, behind=not committed)
 
     def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
-        """A full replica: contribute to and gather every stage's round at once, then apply them."""
-        with ThreadPoolExecutor(max_workers=len(workers)) as pool:
-            futures = {s: pool.submit(self.gather, w, t, self.me.peer_id, stop) for s, w in workers.items()}
-            results = {s: f.result() for s, f in futures.items()}
-        self.commit(workers, results)
-        return results
+        """A full replica: contribute to and gather every stage's round at once (each stage all-to-all
+        or by ranges, as its rule says: `peer.node.round.ranges_rounds`), then apply them."""
+        jobs = [own_job(self, w, self.me.peer_id) for w in workers.values()]
+        results = run_jobs(self, jobs, t, stop)
+        committed = self.commit_jobs(jobs, results)
+        return {j.stage: summary(r, behind=not committed) for j, r in zip(jobs, results, strict=True)}
 
     def stage_round(self, worker: StageWorker, contributor: str | None, stop: threading.Event) -> None:
-        """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥.
+        """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥ (by ranges:
+        the shards of the embedding's ranges alone).
 
         A claimed stage peer is never idle between rounds, so the canonical-state check
         (`Resync.reconcile`) runs here, after our payload is encoded and before the round: a
         disagreement seen in round t is repaired before round t commits."""
         t = worker.outer_step
-        payload = worker.contribute(contributor) if contributor is not None else None
+        job = own_job(self, worker, contributor)
         try:
             self.resync.reconcile(worker, before_round=True)
         except PeerError as exc:
             log.warning("stage %d: canonical state not reachable before round %d: %s", worker.stage, t, exc)
         if worker.outer_step != t:  # the canonical holder had moved on: our payload waits for the next round
-            if payload is not None:
-                worker.return_unsent(payload)
+            if job.payload is not None:
+                worker.return_unsent(job.payload)
+            worker.return_unsent_parts()
             worker.observe()
             return
         # both gathers at once, under one deadline: a replica that froze mid-round costs the round
         # one deadline, not one for our stage and then another for stage 0's set
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            ours = pool.submit(self.gather, worker, t, contributor, stop, payload=payload)
-            stage0 = pool.submit(self.gather, worker, t, None, stop, stage=0)
-            result, embed = ours.result(), stage0.result()
-        if self.commit({worker.stage: worker}, {worker.stage: result}, embed):
-            self.record(t, {worker.stage: (worker, result.participants)}, None, None, result.wall_s)
+        jobs = [job] + [j for j in [embed_job(self, worker)] if j is not None]
+        results = run_jobs(self, jobs, t, stop)
+        if self.commit_jobs(jobs, results):
+            ours = summary(results[0])
+            self.record(t, {worker.stage: (worker, ours.participants)}, None, None, ours.wall_s)
 
-    def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event) -> None:
+    def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event, full: bool = False) -> None:
         """After a state download at outer step t, apply round t as an observer instead of
-        contributing to it: the others did not expect this replica in round t."""
+        contributing to it: the others did not expect this replica in round t (each stage's round
+        all-to-all or by ranges, as its rule says; by ranges: the roster and the shards alone)."""
         t = min(w.outer_step for w in workers.values())
         if self.me.joined_at <= t or not expected_replicas(self.dht, t):
             return
-        results = {s: self.gather(w, t, None, stop) for s, w in workers.items()}
-        embed = None if 0 in results else self.gather(next(iter(workers.values())), t, None, stop, stage=0)
-        self.commit(workers, results, embed)
+        jobs = [own_job(self, w, None) for w in workers.values()]
+        if 0 not in workers:
+            embed = embed_job(self, next(iter(workers.values())))
+            jobs += [embed] if embed is not None else []
+        self.commit_jobs(jobs, run_jobs(self, jobs, t, stop))
         self.metrics.log("catch_up", t=t)
         self.publish()
 
@@ -322,14 +351,3 @@ class Rounds:
         log.info(
             "round %d committed: %s train %s val %s", t, {s: n for s, (_, n) in stages.items()}, train_loss, val_loss
         )
-
-
-def _set_of(result: RoundResult) -> list[Entry]:
-    """A gathered round's committed set, as a link names it: (replica prefix, sha256 prefix)."""
-    return [entry(r, sha256(b)) for r, b in zip(result.replicas, result.payloads, strict=True)]
-
-
-def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
-    """Stage 0's committed embedding change from an observer gather of stage 0: screened with the
-    replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.apply_round`)."""
-    return embedding_update([decompress(p) for p in embed.parsed], cfg.sparseloco, keys=embed.replicas)

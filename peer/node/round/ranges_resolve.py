@@ -1,0 +1,184 @@
+"""Step 4 of a ranges round: one checked shard per range, whatever its owners did (docs/protocol.md, RANGES).
+
+Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our roster), as
+`peer.node.round.ownership.range_step` decides:
+- every owner published and all agree, or past the shard deadline those that published agree (the
+  others vanished): take that hash, fetch the shard from them (or hold it, as an owner);
+- two owners disagree: fetch the range's parts and every claimed shard, recompute each from exactly
+  the contributions its bitmap includes (`aggregate_range` is portable: an honest owner's shard is
+  reproduced to the bit), refuse an owner whose shard is not that recomputation, and take the valid
+  shard that includes the most contributions (then the smallest hash): the same pick on every
+  holder that sees the same records; none valid: compute the range ourselves;
+- no owner published by the shard deadline (all gone): compute the range ourselves from its parts.
+A better-ranked roster seen meanwhile ends the resolution: the caller restarts with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from peer.core.codec.format import Payload, SparseLoCoConfig
+from peer.core.ranges import RangePlan
+from peer.core.ranges.owner import Shard, aggregate_range
+from peer.errors import NetworkError
+from peer.net.dht import SwarmDHT
+from peer.net.range_records import Roster, ShardsRecord
+from peer.node.refusals import Refusals
+from peer.node.round.ownership import RangeStep, owners, range_step
+from peer.node.round.payloads import sha256
+from peer.node.round.ranges_fetch import RangeFetcher, wait_until
+
+log = logging.getLogger(__name__)
+
+
+def _count(shard: Shard) -> int:
+    return sum(shard.is_included(i) for i in range(shard.n_roster))
+
+
+class Resolver:
+    """Resolves every range of one roster to a checked shard (module docstring)."""
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        fetcher: RangeFetcher,
+        t: int,
+        stage: int,
+        plan: RangePlan,
+        cfg: SparseLoCoConfig,
+        refusals: Refusals | None,
+    ) -> None:
+        self.dht, self.fetcher, self.t, self.stage, self.plan, self.cfg = dht, fetcher, t, stage, plan, cfg
+        self.refusals = refusals
+        self.shard_topk: int | None = None
+        self.backups = 1
+        self.poll_s = 0.2
+        self.wanted = list(range(plan.n))  # the ranges to resolve (an observer may want a few)
+        self.shards: dict[int, bytes] = {}
+        self.parsed: dict[int, Shard] = {}
+        self.computed: list[int] = []
+        self.refused: list[str] = []
+
+    def run(
+        self,
+        roster: Roster,
+        best_roster: Callable[[], Roster | None],
+        stop: threading.Event | None,
+        deadlines: tuple[float, float],
+    ) -> Roster | None:
+        """Resolve every range of `roster` by the hard deadline; a better-ranked roster if one appears."""
+        shard_deadline, hard = deadlines
+        senders = [e.sender for e in roster.entries]
+        address = {e.sender: e.address for e in roster.entries}
+        k = 1 + self.backups
+        while not self._done():
+            try:
+                records = self.dht.get_round("shards", self.t, self.stage, ShardsRecord.parse)
+            except NetworkError as exc:  # decide nothing on a failed read (no owner would look published)
+                log.info("round %d stage %d: DHT read failed, polling again: %s", self.t, self.stage, exc)
+                if time.monotonic() >= hard:
+                    break
+                wait_until(hard, stop, self.poll_s)
+                continue
+            better = best_roster()
+            if better is not None and better.digest != roster.digest:
+                log.warning("round %d stage %d: a better-ranked roster appeared; taking it", self.t, self.stage)
+                return better
+            past = time.monotonic() >= shard_deadline
+            for r in [r for r in self.wanted if r not in self.parsed]:
+                range_owners = [o for o in owners(self.t, self.stage, r, senders, k) if not self._refused(o)]
+                claims = self._claims(records, roster, range_owners, r)
+                step = range_step(claims, len(range_owners), past)  # a refused owner is not waited for
+                if step is RangeStep.TAKE:
+                    (want,) = set(claims.values())
+                    got = self.fetcher.shard(roster, r, want, [address[o] for o in sorted(claims)])
+                    if got is not None:
+                        self._take(r, *got)
+                elif step is RangeStep.CHECK:
+                    self._arbitrate(roster, r, claims, address)
+                elif step is RangeStep.COMPUTE:
+                    log.warning(
+                        "round %d stage %d: range %d has no live owner; computing it here", self.t, self.stage, r
+                    )
+                    self._compute(roster, r)
+            if self._done() or time.monotonic() >= hard:
+                break
+            wait_until(hard, stop, self.poll_s)
+        return None
+
+    def _done(self) -> bool:
+        return all(r in self.parsed for r in self.wanted)
+
+    def _claims(
+        self, records: Mapping[str, ShardsRecord], roster: Roster, range_owners: Sequence[str], r: int
+    ) -> dict[str, str]:
+        """{owner: the shard hash it published for range r of `roster`}."""
+        out = {}
+        for o in range_owners:
+            rec = records.get(o)
+            if rec is None or rec.roster != roster.digest:
+                continue
+            h = (rec.shards or {}).get(r)
+            if h:
+                out[o] = h
+        return out
+
+    def _refused(self, owner: str) -> bool:
+        return owner in self.refused or (self.refusals is not None and owner in self.refusals)
+
+    def _take(self, r: int, data: bytes, shard: Shard) -> None:
+        self.shards[r], self.parsed[r] = data, shard
+        self.fetcher.store.put_shard(self.t, self.stage, r, data)
+
+    def _arbitrate(self, roster: Roster, r: int, claims: Mapping[str, str], address: Mapping[str, str]) -> None:
+        """Owners disagree on range r: check each claimed shard by recomputation (module docstring)."""
+        log.warning(
+            "round %d stage %d: owners of range %d disagree (%s); checking their shards",
+            self.t,
+            self.stage,
+            r,
+            ", ".join(f"{o[:12]}={h[:8]}" for o, h in sorted(claims.items())),
+        )
+        parts = self.fetcher.parts(roster, [r], kind="verify")[r]
+        valid: dict[str, tuple[bytes, Shard]] = {}
+        for o, h in sorted(claims.items()):
+            got = self.fetcher.shard(roster, r, h, [address[o]])
+            if got is None:
+                continue  # not served: cannot be checked, nor taken
+            data, shard = got
+            masked = [p if shard.is_included(i) else None for i, p in enumerate(parts)]
+            if any(shard.is_included(i) and p is None for i, p in enumerate(parts)):
+                continue  # it includes a part we could not fetch: not checkable here
+            again, _ = aggregate_range(
+                self.t, self.stage, r, self.plan, masked, roster.digest, self.cfg, self.shard_topk
+            )
+            if again.to_bytes() == data:
+                valid[h] = (data, shard)
+            else:
+                self._refuse(o, r)
+        if valid:
+            pick = min(valid, key=lambda h: (-_count(valid[h][1]), h))
+            self._take(r, *valid[pick])
+        else:
+            self._compute(roster, r, parts)
+
+    def _refuse(self, owner: str, r: int) -> None:
+        self.refused.append(owner)
+        reason = f"its shard of range {r} is not the aggregate of the parts it names"
+        if self.refusals is not None:
+            self.refusals.refuse(owner, self.stage, self.t, reason)
+        else:
+            log.warning("round %d stage %d: %s: %s", self.t, self.stage, owner[:12], reason)
+
+    def _compute(self, roster: Roster, r: int, parts: Sequence[Payload | None] | None = None) -> None:
+        """Compute range r here, from every part of it we can fetch (its owners are gone or failed)."""
+        if parts is None:
+            parts = self.fetcher.parts(roster, [r], kind="verify")[r]
+        shard, _ = aggregate_range(self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk)
+        self._take(r, shard.to_bytes(), shard)
+        self.computed.append(r)
+        hashes = {r: sha256(self.shards[r])}
+        log.info("round %d stage %d: computed range %d here (%s)", self.t, self.stage, r, hashes[r][:8])

@@ -1,0 +1,239 @@
+"""Which rule each of a peer's round runs, and the gathers of a round in which any stage runs by ranges.
+
+docs/protocol.md, RANGES. Every holder of a stage must run the same rule in the same round, whatever
+kind of peer it is (a full replica, a pipeline's head, a stage peer): the rule of round (t, s) is
+`peer.node.round.ownership.round_rule` of the size of round t − 1's committed set of stage s, read
+from the holder's committed state (`n_prev_of`: its link; the stage's other holders' claims when it
+adopted a state without one). A stage peer that moves its T⊥ by stage 0's embedding change reads
+stage 0's rule from the stage-0 set its link names (`stage0_n_prev`).
+
+A round is a list of `Job`s, one per stage round this peer takes part in: its own stages
+(contributing a payload or parts, or observing) and, for a stage peer, stage 0 observed for the
+embedding's change (by ranges: only the shards of the ranges that hold embed.weight's bands,
+`peer.node.stage_ranges.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
+our contribution; `run_jobs` gathers every job at once under one deadline (an all-to-all job through
+`Rounds.gather`, a ranges job through `peer.node.round.ranges.gather_ranges`); `Rounds.commit_jobs`
+commits them, stage 0 first. A ranges round that did not complete here (no roster, a range left
+without a shard by the deadline) returns our parts to the error buffer and re-syncs, like an
+all-to-all round committed elsewhere.
+
+Not yet here (docs/protocol.md, RANGES, "Not yet"): FOLLOW of another holder's ranges commit (a
+holder that missed the roster re-syncs instead), hot spares.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from peer.config import RunConfig
+from peer.core.codec.format import Payload
+from peer.core.commit import RoundCommit, embedding_update
+from peer.core.model import stage_shapes
+from peer.core.ranges import RangePlan
+from peer.core.sparseloco import decompress
+from peer.core.subspace_state import EMBED
+from peer.errors import NetworkError
+from peer.node.claims import Entry, entry, parse_claims
+from peer.node.round.agreement import round_bans
+from peer.node.round.gather import RoundResult, RoundTimings
+from peer.node.round.ownership import round_rule
+from peer.node.round.payloads import sha256
+from peer.node.round.ranges import RangesResult, gather_ranges
+from peer.node.stage_ranges import embed_change, embed_ranges, range_plan
+from peer.node.stage_worker import StageWorker
+
+if TYPE_CHECKING:
+    from peer.node.round.rounds import Rounds
+
+log = logging.getLogger(__name__)
+
+Gathered = RoundResult | RangesResult
+
+
+@dataclass
+class Job:
+    """One stage round as this peer runs it: `stage` is the worker's own (contributing in `replica`'s
+    name, or observing when None) or stage 0 observed by a holder of another stage (T⊥)."""
+
+    worker: StageWorker
+    stage: int
+    plan: RangePlan | None = None  # the round's ranges; None: an all-to-all round
+    replica: str | None = None  # the replica we contribute for (None: an observer)
+    payload: Payload | None = None  # our all-to-all payload
+    parts: list[Payload] | None = None  # our parts of a ranges round
+    peers: Mapping[str, str] | None = None  # a head's binding of its stage peers (stage 0)
+    wanted: list[int] | None = None  # the only ranges resolved (an observer of stage 0: the embedding's)
+
+    @property
+    def own(self) -> bool:
+        return self.stage == self.worker.stage
+
+
+def failed(result: Gathered) -> bool:
+    """The round cannot be committed here: closed elsewhere (all-to-all) or not complete (ranges)."""
+    return result.behind if isinstance(result, RoundResult) else result.behind or not result.complete
+
+
+def _claimed_n_prev(rounds: Rounds, stage: int, t: int) -> int:
+    """The size of round t − 1's committed set of `stage` as most of its other holders at outer step
+    t claim it (0 when none does, or the DHT cannot be read: the rule then is "all")."""
+    try:
+        claims = parse_claims(rounds.dht.get_stage_peers(stage), rounds.me.peer_id, rounds.refusals.peers())
+    except NetworkError as exc:
+        log.warning("stage %d: round %d's rule not read from the claims (%s); taking all-to-all", stage, t, exc)
+        return 0
+    sizes = Counter(
+        len(c.link.entries) for c in claims.values() if c.link is not None and c.outer_step == t and c.link.t == t - 1
+    )
+    return max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0] if sizes else 0
+
+
+def n_prev_of(rounds: Rounds, worker: StageWorker) -> int:
+    """round t − 1's committed-set size for the worker's stage (t = its outer step): from its link,
+    else from the stage's claims (a state adopted without its link, e.g. an old checkpoint)."""
+    known = worker.n_prev()
+    return known if known is not None else _claimed_n_prev(rounds, worker.stage, worker.outer_step)
+
+
+def stage0_n_prev(rounds: Rounds, worker: StageWorker) -> int:
+    """Stage 0's committed-set size of round t − 1 for a holder of another stage: the stage-0 set its
+    link names (its T⊥ moved by it), else stage 0's claims."""
+    link, t = worker.ledger.link, worker.outer_step
+    if t == 0:
+        return 0
+    if link is not None and link.t == t - 1 and link.embed is not None:
+        return len(link.embed)
+    return _claimed_n_prev(rounds, 0, t)
+
+
+def own_job(rounds: Rounds, worker: StageWorker, replica: str | None, peers: Mapping[str, str] | None = None) -> Job:
+    """The worker's own stage round by its rule; our contribution encoded now when `replica` is given
+    (a payload, or parts of the round's plan)."""
+    n = n_prev_of(rounds, worker)
+    if round_rule(rounds.cfg.swarm, n) == "all":
+        payload = worker.contribute(replica) if replica is not None else None
+        return Job(worker, worker.stage, None, replica, payload, peers=peers)
+    shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
+    plan = range_plan(rounds.cfg.sparseloco, shapes, n)
+    if replica is None:
+        worker.observe()
+        return Job(worker, worker.stage, plan)
+    return Job(worker, worker.stage, plan, replica, parts=worker.contribute_parts(replica, plan), peers=peers)
+
+
+def embed_job(rounds: Rounds, worker: StageWorker) -> Job | None:
+    """Stage 0 observed by a holder of another stage for its embedding change (None: not needed, a
+    ranges round of a run without a subspace)."""
+    cfg = rounds.cfg
+    n = stage0_n_prev(rounds, worker)
+    if round_rule(cfg.swarm, n) == "all":
+        return Job(worker, 0)
+    if worker.U is None:
+        return None
+    plan = range_plan(cfg.sparseloco, stage_shapes(cfg.model, 0, cfg.stages), n)
+    return Job(worker, 0, plan, wanted=embed_ranges(plan))
+
+
+def any_ranges(jobs: Sequence[Job]) -> bool:
+    return any(j.plan is not None for j in jobs)
+
+
+def run_jobs(rounds: Rounds, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
+    """Gather every job's round (t, stage) at once, under one deadline."""
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+        return list(pool.map(lambda j: _run(rounds, j, t, stop), jobs))
+
+
+def _run(rounds: Rounds, job: Job, t: int, stop: threading.Event) -> Gathered:
+    if job.plan is None:
+        return rounds.gather(job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload)
+    cfg, me, swarm = rounds.cfg, rounds.me, rounds.cfg.swarm
+    banned = job.worker.ledger.bans.banned(t) if job.own else round_bans(rounds.dht.get_stage_peers(0), t, me.peer_id)
+    try:
+        result = gather_ranges(
+            rounds.dht,
+            rounds.clients,
+            t,
+            job.stage,
+            RoundTimings.from_config(swarm),
+            job.plan,
+            cfg.sparseloco,
+            own=(job.replica, job.parts) if job.replica is not None and job.parts is not None else None,
+            store=rounds.store,
+            address=me.address,
+            inc=me.incarnation,
+            refusals=rounds.refusals,
+            backups=swarm.range_backups,
+            shard_topk=swarm.shard_topk or None,
+            stop=stop,
+            banned=banned,
+            quorum=swarm.min_replicas if t == 0 else 1,
+            peers=job.peers,
+            wanted=job.wanted,
+        )
+    except NetworkError as exc:  # the DHT unreachable past the deadline: our parts go back (commit_jobs)
+        log.warning("stage %d: ranges round %d failed: %s", job.stage, t, exc)
+        return RangesResult(t, job.stage, timed_out=True)
+    rounds.pg_bytes += result.fetched.total
+    return result
+
+
+def committed_set(result: Gathered) -> list[Entry]:
+    """A gathered round's committed set as a link names it: (replica prefix, sha256 prefix)."""
+    if isinstance(result, RangesResult):
+        assert result.roster is not None
+        return [entry(e.replica, e.sha256) for e in result.roster.entries]
+    return [entry(r, sha256(b)) for r, b in zip(result.replicas, result.payloads, strict=True)]
+
+
+def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set: list[Entry] | None) -> RoundCommit:
+    """Commit an own-stage job's round (stage 0's `update` and `embed_set` move a later stage's T⊥)."""
+    w = job.worker
+    link_embed = embed_set if w.stage != 0 and w.U is not None else None
+    update = update if w.stage != 0 else None
+    if isinstance(result, RangesResult):
+        assert result.roster is not None and job.plan is not None
+        roster = [(e.replica, e.sha256) for e in result.roster.entries]
+        shards = {r: (result.shards[r], result.parsed[r]) for r in result.parsed}
+        return w.apply_ranges(job.plan, roster, result.roster.digest, shards, result.position, update, link_embed)
+    return w.apply_round(result.parsed, update, result.replicas, link_embed)
+
+
+def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
+    """Stage 0's committed embedding change from an observer gather of stage 0: screened with the
+    replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.apply_round`)."""
+    return embedding_update([decompress(p) for p in embed.parsed], cfg.sparseloco, keys=embed.replicas)
+
+
+def observed_embed(rounds: Rounds, job: Job, result: Gathered) -> torch.Tensor | None:
+    """Stage 0's committed embedding change from an observer job of stage 0 (None: no contribution):
+    from its payloads (all-to-all), or from the shards of the embedding's ranges alone."""
+    if isinstance(result, RoundResult):
+        return stage0_update(result, rounds.cfg) if result.parsed else None
+    assert job.plan is not None
+    shape = stage_shapes(rounds.cfg.model, 0, rounds.cfg.stages)[EMBED]
+    return embed_change(rounds.cfg.sparseloco, job.plan, result.parsed, shape)
+
+
+def summary(result: Gathered, behind: bool = False) -> RoundResult:
+    """A round as the trainer's round record reads it (participants, wall time, bytes)."""
+    if isinstance(result, RoundResult):
+        return result
+    return RoundResult(
+        t=result.t,
+        stage=result.stage,
+        replicas=result.replicas,
+        expected=len(result.replicas),
+        timed_out=result.timed_out,
+        behind=behind or failed(result),
+        wall_s=result.timings.get("wall_s", 0.0),
+        bytes_fetched=result.fetched.total,
+    )
