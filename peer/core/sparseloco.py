@@ -18,7 +18,11 @@ fewer than k real entries sends all of them, so padding is never selected. With 
 paper's setting, §3) sends float32 values.
 `clip_and_aggregate` is the fused form of clip_to_median + aggregate over decoded payloads: norms
 come from the payloads' values, and each payload is scattered straight into one accumulator per
-tensor, in the same order, so the result is the same bits. What median clipping removes from a
+tensor, in the same order, so the result is the same bits; `screen_rows` hands the outlier
+screening (`peer.core.robust`) the clipped values at their positions, tensor by tensor, so the
+commit (`peer.core.commit`) never decodes a payload densely. `decompress` and `aggregate_payloads`
+write into the caller's buffers when given them (`out`: no fresh pages, see
+`peer.core.codec.scratch` for who owns a reused buffer). What median clipping removes from a
 contribution (`clipped_mass`) goes back into its sender's error buffer (`peer.core.feedback`).
 
 Invariants:
