@@ -38,8 +38,9 @@ Invariants:
   reads them straight off the payloads in the fused commit); the partial sums are grouped per
   tensor and slice as the dense form groups them, so the scores are the same bits (a test keeps
   the dense form as its reference).
-- Memory stays bounded: the sent entries of one tensor of every voter, and the ranks of one slice
-  of it, at a time; never M dense copies of the model.
+- Memory stays bounded: the sent entries of one tensor of every voter, and the ranks of at most
+  PASS entries (voters × coordinates), at a time, however many voters there are; never M dense
+  copies of the model.
 - Fewer than `min_voters` voters, or nobody past either bar: nothing is dropped and the round's
   math is exactly today's.
 Pure torch/numpy: no networking imports.
@@ -57,7 +58,8 @@ from torch import Tensor
 
 from peer.errors import ConfigError
 
-SLICE = 1 << 20  # coordinates of one tensor scored at a time: M × 4 MiB of float32
+SLICE = 1 << 20  # coordinates of one tensor whose products are summed together (it fixes the bits)
+PASS = 1 << 22  # entries (voters × coordinates) ranked at once: 16 MiB of float32, whatever M is
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,10 @@ class Screen:
 NOTHING = Screen()
 
 
-def _exact_sum(terms: np.ndarray) -> float:
-    """Σ terms (float64, each exact), exactly rounded; zero terms are skipped (they change no sum)."""
-    nz = terms[terms != 0]
-    return math.fsum(nz.tolist()) if len(nz) else 0.0
+def _exact_sum(terms: Sequence[np.ndarray]) -> float:
+    """Σ of float64 terms (each exact), exactly rounded: one `math.fsum`, whatever the grouping."""
+    flat = np.concatenate(terms) if terms else np.zeros(0)
+    return math.fsum(flat.tolist()) if len(flat) else 0.0
 
 
 def _medians_without_each(cols: np.ndarray) -> np.ndarray:
@@ -199,18 +201,31 @@ def _tensor_partials(numel: int, rows: SparseRows) -> Iterator[tuple[tuple[float
         cuts = [np.searchsorted(pos, [start, stop]) for pos, _ in ordered]
         parts = [(pos[a:b], vals[a:b]) for (pos, vals), (a, b) in zip(ordered, cuts, strict=True)]
         union = np.unique(np.concatenate([pos for pos, _ in parts]))  # (u,) ascending
-        if not len(union):  # every row is zero here: so is every median
-            for j in range(n):
-                yield (0.0, 0.0, 0.0), j
-            continue
-        cols = np.zeros((len(union), n), dtype=np.float32)  # (u, n): the slice's sent coordinates
-        for j, (pos, vals) in enumerate(parts):
-            cols[np.searchsorted(union, pos), j] = vals
-        meds = _medians_without_each(cols).T.astype(np.float64)  # (n, u); float32 products are exact
-        sent = cols.T.astype(np.float64)
+        terms: list[list[list[np.ndarray]]] = [[[], [], []] for _ in range(n)]  # the slice's non-zero products
+        step = max(1, PASS // n)  # coordinates ranked at once: n × step float32 at most
+        for c0 in range(0, len(union), step):
+            _products(union[c0 : c0 + step], parts, terms)
         for j in range(n):
-            row, med = sent[j], meds[j]
-            yield (_exact_sum(row * med), _exact_sum(row * row), _exact_sum(med * med)), j
+            yield (_exact_sum(terms[j][0]), _exact_sum(terms[j][1]), _exact_sum(terms[j][2])), j
+
+
+def _products(
+    coords: np.ndarray, parts: Sequence[tuple[np.ndarray, np.ndarray]], terms: list[list[list[np.ndarray]]]
+) -> None:
+    """Append each voter's row·med, row² and med² (float64, exact) at `coords` (ascending, each
+    sent by some voter) to terms[voter]: the voters' values there, their medians without each."""
+    n = len(parts)
+    cols = np.zeros((len(coords), n), dtype=np.float32)  # (u, n)
+    lo, hi = coords[0], coords[-1] + 1
+    for j, (pos, vals) in enumerate(parts):
+        a, b = np.searchsorted(pos, [lo, hi])
+        cols[np.searchsorted(coords, pos[a:b]), j] = vals[a:b]
+    meds = _medians_without_each(cols).T.astype(np.float64)  # (n, u); float32 products are exact
+    sent = cols.T.astype(np.float64)
+    for j in range(n):
+        row, med = sent[j], meds[j]
+        for k, prod in enumerate((row * med, row * row, med * med)):
+            terms[j][k].append(prod[prod != 0])  # zero terms change no sum
 
 
 def drop_rule(

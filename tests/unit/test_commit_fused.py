@@ -119,9 +119,10 @@ CFGS = [
 ]
 
 
-@pytest.mark.parametrize("slice_", [robust.SLICE, 1000, 257])
-def test_sparse_scores_equal_the_dense_form_exactly(monkeypatch, slice_):
+@pytest.mark.parametrize(("slice_", "pass_"), [(robust.SLICE, robust.PASS), (1000, robust.PASS), (257, 50), (1000, 7)])
+def test_sparse_scores_equal_the_dense_form_exactly(monkeypatch, slice_, pass_):
     monkeypatch.setattr(robust, "SLICE", slice_)
+    monkeypatch.setattr(robust, "PASS", pass_)  # a slice ranked in several passes sums the same
     cfg = SparseLoCoConfig()
     payloads = _round(7, cfg, seed=slice_)
     decoded = [decompress(p) for p in payloads]
@@ -144,6 +145,7 @@ def test_sparse_scores_equal_the_dense_form_exactly(monkeypatch, slice_):
 @pytest.mark.parametrize("numba", [True, False])
 def test_fused_robust_aggregate_is_the_dense_one_bit_for_bit(cfg, numba, monkeypatch):
     monkeypatch.setattr(robust, "SLICE", 997)
+    monkeypatch.setattr(robust, "PASS", 1500)
     pk.set_numba(numba)
     if numba:
         pk.compiled(pk.NUMBA_MIN_WORK)  # load the kernels: small tensors then use them too
