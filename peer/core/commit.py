@@ -17,6 +17,14 @@ of bytes — the agreed θ_start, T⊥ and decay factor, and the committed paylo
 order — and returns the new state; `commit_round` writes it into a process's views of the stage
 (one for a peer, M for the simulator).
 
+Given parsed payloads, the first four lines run fused (`_fused_aggregate`), with no dense Δ̂_i:
+‖Δ̂_i‖ is read off the payload's values, the screening ranks only the coordinates some voter
+sends (a coordinate nobody sends has a zero median and adds nothing to any score), and each kept
+payload's clipped values are scattered straight into one accumulator per tensor, in commit order.
+Every sum is the one the dense form computes, so the bits are the same (tests compare both). The
+accumulators are lent for the one call by `peer.core.codec.scratch.ACCUMULATORS` (no fresh pages
+per round) and never escape it.
+
 Why it gives the same bits on every device, kernel set and thread count (docs/protocol.md):
 - It always runs on the CPU: a CUDA holder copies θ_start in and the result out, exactly.
 - Decoding is integer arithmetic and table lookups; norms and screening scores are exactly
@@ -41,27 +49,29 @@ leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.codec.clip import ClipStats, clip_to_median
-from peer.core.codec.format import SparseLoCoConfig
+from peer.core.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norm
+from peer.core.codec.format import Payload, SparseLoCoConfig
+from peer.core.codec.scratch import ACCUMULATORS
 from peer.core.model import Decoder
 from peer.core.optim import TrainConfig, decoupled_decay
 from peer.core.portable import check_denormals
 from peer.core.robust import DEFAULT as ROBUST
-from peer.core.robust import RobustConfig, Screen, screen
-from peer.core.sparseloco import aggregate
+from peer.core.robust import RobustConfig, Screen, screen, screen_scored, sparse_consensus_scores
+from peer.core.sparseloco import aggregate, aggregate_payloads, decompress, screen_rows
 from peer.core.subspace import embedding_outer_update, perp_outer_update
 from peer.core.subspace_state import EMBED, perp_of, set_perp
 
 __all__ = [
     "NO_CLIP",
     "Committed",
+    "Contribution",
     "apply_update",
     "commit_summed",
     "RoundCommit",
@@ -91,6 +101,8 @@ class RoundCommit:
 
 NO_CLIP = ClipStats(0, (), 0.0, 0.0)
 
+Contribution = Payload | Mapping[str, Tensor]  # a parsed payload (the fused commit) or its decoded Δ̂
+
 
 @dataclass(frozen=True)
 class Committed:
@@ -113,21 +125,61 @@ def perp_decay(train: TrainConfig, outer_step: int) -> float:
 
 
 def robust_aggregate(
-    decoded: Sequence[Mapping[str, Tensor]],
+    decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
     robust: RobustConfig = ROBUST,
     keys: Sequence[str] | None = None,
+    names: Collection[str] | None = None,
+    out: Mapping[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
 
     With nothing dropped this is aggregate(clip_to_median(decoded), len(decoded)), bit for bit.
+    Contributions that are all payloads take the fused path (`_fused_aggregate`: the same bits, no
+    dense Δ̂); `names` restricts Δ̄ (never the norms or the screening) to those tensors, and `out`
+    lends the fused path its accumulators (`peer.core.codec.scratch`: Δ̄ may then be those buffers).
     """
-    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
+    if decoded and all(isinstance(d, Payload) for d in decoded):
+        return _fused_aggregate([d for d in decoded if isinstance(d, Payload)], cfg, robust, keys, names, out)
+    dense = [decompress(d) if isinstance(d, Payload) else d for d in decoded]
+    clipped, clip = clip_to_median(dense, cfg.clip_median_factor)
     screened = screen(clipped, clip.norms, robust, keys)
     if screened.dropped:
         gone = set(screened.dropped)
         clipped = [d for i, d in enumerate(clipped) if i not in gone]
+    if names is not None:
+        clipped = [{n: t for n, t in d.items() if n in names} for d in clipped]
     return aggregate(clipped, len(clipped), cfg.aggregation), clip, screened
+
+
+def _fused_aggregate(
+    payloads: Sequence[Payload],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig,
+    keys: Sequence[str] | None,
+    names: Collection[str] | None,
+    out: Mapping[str, Tensor] | None,
+) -> tuple[dict[str, Tensor], ClipStats, Screen]:
+    """`robust_aggregate` of payloads, fused, the same bits: norms read off the values
+    (`payload_norm`), the screening's consensus over the clipped values at their positions only
+    (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
+    kept payloads scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
+    plan, clip = clip_plan([payload_norm(p) for p in payloads], cfg.clip_median_factor)
+
+    def scores_of(voters: list[int]) -> list[float]:
+        return sparse_consensus_scores(screen_rows(payloads, voters, plan), len(voters))
+
+    screened = screen_scored(scores_of, clip.norms, robust, keys)
+    kept = [i for i in range(len(payloads)) if i not in set(screened.dropped)]
+    summed = aggregate_payloads(
+        [payloads[i] for i in kept], len(kept), cfg.aggregation, [plan[i] for i in kept], names, out
+    )
+    return summed, clip, screened
+
+
+def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the committed payloads (the accumulators a fused commit borrows)."""
+    return {e.name: tuple(e.shape) for p in contributions if isinstance(p, Payload) for e in p.entries}
 
 
 def _f32(t: Tensor) -> np.ndarray:
@@ -143,7 +195,7 @@ def outer_delta(agg: Tensor, lr: float) -> Tensor:
 def commit_state(
     start: Mapping[str, Tensor],
     perp: Tensor | None,
-    decoded: Sequence[Mapping[str, Tensor]],
+    decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
     U: Tensor | None,
     embed_update: Tensor | None = None,
@@ -154,9 +206,12 @@ def commit_state(
     """The portable commit (module docstring): the state after one round, computed on the CPU.
 
     `start` = θ_start, `perp` = T⊥ before the round (None without a subspace), `decoded` = the
-    committed contributions Δ̂ in commit order, `embed_update` = stage 0's committed change (for a
-    stage without the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier
-    rule and `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified.
+    committed contributions in commit order, as parsed payloads (the fused path: nothing is
+    decoded densely, Δ̄ is summed in accumulators lent by `ACCUMULATORS` for this call only) or as
+    decoded Δ̂ (the same bits), `embed_update` = stage 0's committed change (for a stage without
+    the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier rule and
+    `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified, and
+    nothing returned aliases a lent buffer (`apply_update` writes every result afresh).
     """
     check_denormals()
     perp = _decayed(perp, U, perp_factor)
@@ -165,8 +220,9 @@ def commit_state(
         if perp is not None and U is not None and embed_update is not None and EMBED not in start:
             perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
         return Committed(params, perp, RoundCommit(NO_CLIP))
-    summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys)
-    params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update)
+    with ACCUMULATORS.lend(_shapes(decoded)) as sums:
+        summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
+        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update)
     return Committed(params, perp, RoundCommit(clip, own_update, screened))
 
 
@@ -257,15 +313,14 @@ def load_committed(view: Decoder, done: Committed) -> None:
 
 
 def embedding_update(
-    decoded: Sequence[Mapping[str, Tensor]],
+    decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
     robust: RobustConfig = ROBUST,
     keys: Sequence[str] | None = None,
 ) -> Tensor:
     """Stage 0's committed change of embed.weight (fl32(−η·Δ̄)) for a holder that only observes
-    stage 0. Clipped and screened exactly as `commit_state` treats stage 0 (norms and scores over
-    the whole contribution), so T⊥ moves by the same bits on every stage."""
-    clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
-    dropped = set(screen(clipped, clip.norms, robust, keys).dropped)
-    embed_only = [{EMBED: d[EMBED]} for i, d in enumerate(clipped) if i not in dropped]
-    return outer_delta(aggregate(embed_only, len(embed_only), cfg.aggregation)[EMBED], cfg.outer_lr)
+    stage 0 (its payloads, fused, or decoded Δ̂). Clipped and screened exactly as `commit_state`
+    treats stage 0 (norms and scores over the whole contribution), so T⊥ moves by the same bits on
+    every stage."""
+    summed = robust_aggregate(decoded, cfg, robust, keys, names=(EMBED,))[0]
+    return outer_delta(summed[EMBED], cfg.outer_lr)

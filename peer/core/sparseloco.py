@@ -18,7 +18,11 @@ fewer than k real entries sends all of them, so padding is never selected. With 
 paper's setting, §3) sends float32 values.
 `clip_and_aggregate` is the fused form of clip_to_median + aggregate over decoded payloads: norms
 come from the payloads' values, and each payload is scattered straight into one accumulator per
-tensor, in the same order, so the result is the same bits. What median clipping removes from a
+tensor, in the same order, so the result is the same bits; `screen_rows` hands the outlier
+screening (`peer.core.robust`) the clipped values at their positions, tensor by tensor, so the
+commit (`peer.core.commit`) never decodes a payload densely. `decompress` and `aggregate_payloads`
+write into the caller's buffers when given them (`out`: no fresh pages, see
+`peer.core.codec.scratch` for who owns a reused buffer). What median clipping removes from a
 contribution (`clipped_mass`) goes back into its sender's error buffer (`peer.core.feedback`).
 
 Invariants:
@@ -33,7 +37,7 @@ Pure torch/numpy: no networking imports.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +52,7 @@ from peer.core.codec.format import (
     PayloadError,
     SparseLoCoConfig,
     TensorEntry,
+    entry_values,
     index_bits,
     rank_nbytes,
     write_entry,
@@ -64,6 +69,7 @@ __all__ = [
     "ideal_bytes_per_param",
     "payload_density",
     "pseudo_gradient",
+    "screen_rows",
 ]
 
 
@@ -84,13 +90,21 @@ def ideal_bytes_per_param(cfg: SparseLoCoConfig) -> float:
     return (idx + k * value_bits / 8) / cc
 
 
-def _decode_tensor(e: TensorEntry, chunk: int, topk: int) -> Tensor:
-    """Dense float32 Δ̂ of one entry. A sparse one starts as np.zeros (calloc: fresh pages come zeroed
-    from the OS, never written twice) and only its sent entries are written; a dense one is written whole."""
-    if e.kind != SPARSE:
-        out = torch.empty(e.shape, dtype=torch.float32)
-        write_entry(e, chunk, topk, out.view(-1).numpy(), add=False)
+def _decode_tensor(e: TensorEntry, chunk: int, topk: int, out: Tensor | None = None) -> Tensor:
+    """Dense float32 Δ̂ of one entry, into `out` when given (every entry of it is written). Without
+    `out` a sparse one starts as np.zeros (calloc: fresh pages come zeroed from the OS, never written
+    twice) and only its sent entries are written; a dense one is written whole."""
+    if out is not None:
+        if out.dtype != torch.float32 or out.device.type != "cpu" or tuple(out.shape) != tuple(e.shape):
+            raise ValueError(f"decompress: out[{e.name!r}] must be CPU float32 of shape {tuple(e.shape)}")
+        if not out.is_contiguous():
+            raise ValueError(f"decompress: out[{e.name!r}] must be contiguous")
+        write_entry(e, chunk, topk, out.view(-1).numpy(), add=False)  # a sparse one zeroes band by band
         return out
+    if e.kind != SPARSE:
+        fresh = torch.empty(e.shape, dtype=torch.float32)
+        write_entry(e, chunk, topk, fresh.view(-1).numpy(), add=False)
+        return fresh
     flat = np.zeros(math.prod(e.shape), dtype=np.float32)
     write_entry(e, chunk, topk, flat, add=False, zeroed=True)
     return torch.from_numpy(flat).view(e.shape)
@@ -139,12 +153,51 @@ def compress(
     }
 
 
-def decompress(payload: Payload) -> dict[str, Tensor]:
-    """Dense float32 Δ̂ per name; shapes come from the payload."""
+def decompress(payload: Payload, out: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Dense float32 Δ̂ per name; shapes come from the payload.
+
+    With `out` (the caller's buffers, e.g. the last round's: CPU float32, contiguous, one per
+    entry's name and shape) every tensor is written into its buffer and the result holds those
+    very tensors: no fresh pages. The caller owns them, so what it kept from the last decode into
+    them is overwritten; without `out` the tensors are new and the caller's alone.
+    """
     entries = payload.entries
+    if out is not None:
+        missing = [e.name for e in entries if e.name not in out]
+        if missing:
+            raise ValueError(f"decompress: out lacks buffers for {missing[:3]}")
     work = [math.prod(e.shape) for e in entries]
-    decoded = run_each(lambda e: _decode_tensor(e, payload.chunk, payload.topk), entries, work)
+    decoded = run_each(
+        lambda e: _decode_tensor(e, payload.chunk, payload.topk, None if out is None else out[e.name]), entries, work
+    )
     return {e.name: t for e, t in zip(entries, decoded, strict=True)}
+
+
+def screen_rows(
+    payloads: Sequence[Payload], voters: Sequence[int], scales: Sequence[float | None]
+) -> Iterator[tuple[int, list[tuple[np.ndarray, np.ndarray] | None]]]:
+    """The voters' clipped Δ̂ tensor by tensor, as `peer.core.robust.sparse_consensus_scores` reads
+    them: (numel, per voter (flat positions, values × scale) or None where it lacks the tensor),
+    in name order. Exactly the non-zero-bit entries of clip_to_median(decompress(p)) and no more:
+    one tensor's positions of every voter at a time, never a dense copy."""
+    by_name = [{e.name: e for e in payloads[i].entries} for i in voters]
+    for name in sorted({n for entries in by_name for n in entries}):
+        shapes = {tuple(entries[name].shape) for entries in by_name if name in entries}
+        if len(shapes) > 1:
+            raise _shape_mismatch(name, *sorted(shapes)[:2])
+        rows: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for i, entries in zip(voters, by_name, strict=True):
+            e = entries.get(name)
+            if e is None:
+                rows.append(None)
+                continue
+            pos, vals = entry_values(e, payloads[i].chunk, payloads[i].topk)
+            if pos is None:
+                pos = np.arange(vals.size, dtype=np.int64)
+            if scales[i] is not None:
+                vals = vals * np.float32(scales[i])  # a float32 product: what clip_to_median computes
+            rows.append((pos, vals))
+        yield math.prod(shapes.pop()), rows
 
 
 def _check_rule(rule: str, n_participants: int, n_payloads: int) -> None:
@@ -200,13 +253,17 @@ def aggregate_payloads(
     rule: str = "mean-over-all",
     scales: Sequence[float | None] | None = None,
     names: Collection[str] | None = None,
+    out: Mapping[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """aggregate([decompress(p) (× scales[i]) for p in payloads]), the same bits, without M dense copies.
 
     Each payload's values are scattered straight into one float32 accumulator per tensor, in the
     given order; an absent coordinate adds +0.0 in `aggregate`, which never changes a sum that
     starts at +0.0. `scales` (from `clip_plan`): None keeps a payload, a float multiplies its
-    values (0.0 zeroes it). `names` restricts the result to those tensors.
+    values (0.0 zeroes it). `names` restricts the result to those tensors. With `out` (buffers by
+    name, e.g. lent by `peer.core.codec.scratch.ACCUMULATORS`: CPU float32, contiguous) the sums are
+    zeroed and accumulated there, so no fresh pages are touched; with "mean-over-all" the result
+    then holds those very buffers (the caller's ownership rule applies to it).
     """
     _check_rule(rule, n_participants, len(payloads))
     scales = [None] * len(payloads) if scales is None else list(scales)
@@ -223,7 +280,7 @@ def aggregate_payloads(
     contributors = rule == "mean-over-contributors"
 
     def accumulate(name: str) -> tuple[Tensor, Tensor | None]:  # tensors are independent: shared out
-        total = torch.zeros(shapes[name], dtype=torch.float32)
+        total = _accumulator(name, shapes[name], out)
         count = torch.zeros(shapes[name], dtype=torch.float32) if contributors else None
         for e, p, scale in adds[name]:
             cnt = None if count is None else count.view(-1).numpy()
@@ -236,13 +293,27 @@ def aggregate_payloads(
     return _finish(sums, counts, n_participants, rule)
 
 
+def _accumulator(name: str, shape: tuple[int, ...], out: Mapping[str, Tensor] | None) -> Tensor:
+    """A zeroed float32 sum of one tensor: out[name] zeroed with a memset, or fresh zeroed pages."""
+    if out is None or name not in out:
+        return torch.zeros(shape, dtype=torch.float32)
+    buf = out[name]
+    if buf.dtype != torch.float32 or buf.device.type != "cpu" or tuple(buf.shape) != shape or not buf.is_contiguous():
+        raise ValueError(f"aggregate_payloads: out[{name!r}] must be contiguous CPU float32 of shape {shape}")
+    return buf.zero_()
+
+
 def clip_and_aggregate(
-    payloads: Sequence[Payload], factor: float, rule: str = "mean-over-all", names: Collection[str] | None = None
+    payloads: Sequence[Payload],
+    factor: float,
+    rule: str = "mean-over-all",
+    names: Collection[str] | None = None,
+    out: Mapping[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats]:
     """aggregate(clip_to_median([decompress(p) for p in payloads], factor), len(payloads), rule), fused.
 
     The same bits, with norms read off the payloads and one accumulator per tensor (see
-    `aggregate_payloads`); `names` restricts the aggregate (not the norms) to those tensors.
+    `aggregate_payloads`, and its `out`); `names` restricts the aggregate (not the norms) to those tensors.
     """
     plan, stats = clip_plan([payload_norm(p) for p in payloads], factor)
-    return aggregate_payloads(payloads, len(payloads), rule, plan, names), stats
+    return aggregate_payloads(payloads, len(payloads), rule, plan, names, out), stats

@@ -33,7 +33,6 @@ from typing import Any
 
 from peer.config import RunConfig
 from peer.core.commit import embedding_update
-from peer.core.sparseloco import decompress
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
@@ -283,8 +282,8 @@ class Resync:
             got.missing += got0.missing
             if got0.complete and got0.payloads:
                 keys = [got0.replicas[e] for e in link.embed]
-                decoded = [decompress(got0.payloads[e][1]) for e in link.embed]
-                embed_update = embedding_update(decoded, self.cfg.sparseloco, keys=keys)
+                parsed = [got0.payloads[e][1] for e in link.embed]  # fused: no dense Δ̂
+                embed_update = embedding_update(parsed, self.cfg.sparseloco, keys=keys)
         if got.forged:
             names = ", ".join(r[:12] for r, _ in got.forged)
             self.refusals.refuse(

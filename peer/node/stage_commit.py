@@ -76,10 +76,11 @@ def compute(
     embed_update: Tensor | None,
 ) -> Outcome:
     """Commit round t of `stage` from (start, perp, bans): the portable commit of `payloads` (in the
-    given order, from `replicas`), then the ban state advanced by the set and its outliers."""
-    decoded = [decompress(p) for p in payloads]
-    keys = list(replicas) if len(replicas) == len(decoded) else None  # the screening's tie-break
-    done = commit_state(start, perp, decoded, cfg.sparseloco, U, embed_update, perp_decay(cfg.train, t), keys=keys)
+    given order, from `replicas`; fused, nothing decoded densely), then the ban state advanced by
+    the set and its outliers."""
+    keys = list(replicas) if len(replicas) == len(payloads) else None  # the screening's tie-break
+    factor = perp_decay(cfg.train, t)
+    done = commit_state(start, perp, payloads, cfg.sparseloco, U, embed_update, factor, keys=keys)  # fused: no dense Δ̂
     dropped = tuple(keys[i] for i in done.commit.dropped) if keys is not None else ()
     swarm = cfg.swarm
     new_bans = after_commit(bans, t, keys or [], dropped, swarm.ban_after, swarm.ban_rounds, stage)

@@ -16,8 +16,17 @@ the reported times are the medians.
 `encode_s` is the steady state of a run: round 2 and later, each encoding Δ into the error buffers
 of the round before, which `compress(..., in_place=True)` overwrites with the new ones (as a peer
 that drops its old buffers does), so no buffer of the model's size is allocated. The first round
-(fresh buffers, no error feedback yet) is reported apart as `encode_first_round_s`. `decode_s`
-parses the wire bytes and decodes them into new dense tensors, as a receiver does.
+(fresh buffers, no error feedback yet) is reported apart as `encode_first_round_s`. `decode_s` is
+the steady state of a receiver too: it parses the wire bytes and decodes them into the dense
+tensors of the round before (`decompress(..., out=...)`), which a receiver that dropped the old
+round's Δ̂ reuses, so no fresh page is touched; the first decode, into new tensors, is reported
+apart as `decode_first_round_s`. (The swarm's commit decodes no payload densely any more: it
+parses and scatters each one straight into the commit's reused accumulators, see
+`peer.core.commit`; `aggregate_s` times that fused path for M payloads.)
+
+`python -m peer.tools.bench [PARAMS [RUNS]]` runs `codec_figures` RUNS times (default 5) in one
+process on one real Δ (178M by default) and prints each run's speed-up over the baseline and their
+median: the round trip's figure of issue 24.
 
 Invariant: bytes are counted from `Payload.to_bytes()`, i.e. exactly what goes on the wire.
 """
@@ -25,12 +34,14 @@ Invariant: bytes are counted from `Payload.to_bytes()`, i.e. exactly what goes o
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing
 import statistics
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -135,10 +146,17 @@ def codec_figures(
     def parse(b: bytes) -> Payload:
         return Payload.from_bytes(b, max_bytes=max(len(b), 1), max_elements=total, cfg=cfg)
 
-    def decode(b: bytes) -> float:
-        return _median_time(lambda: decompress(parse(b)), 1)[0]
+    received: dict[str, torch.Tensor] = {}  # the receiver's dense Δ̂ of the round before, reused
 
-    first_s = _median_time(encode, 1)[0]  # round 1: fresh error buffers
+    def decode(b: bytes) -> float:
+        def once() -> None:
+            nonlocal received
+            received = decompress(parse(b), out=received or None)
+
+        return _median_time(once, 1)[0]
+
+    first_s, (_, first_wire) = _median_time(encode, 1)  # round 1: fresh error buffers
+    first_decode_s = decode(first_wire)  # round 1 of a receiver: new tensors
     enc_times, dec_times, templar = [], [], []
     for _ in range(repeats):  # rounds 2, 3, …, interleaved: a busy machine slows each codec alike
         t, (payload, wire) = _median_time(encode, 1)
@@ -169,6 +187,7 @@ def codec_figures(
         "header_bytes": header_bytes,
         "encode_first_round_s": first_s,
         "encode_s": encode_s,
+        "decode_first_round_s": first_decode_s,
         "decode_s": decode_s,
         "roundtrip_s": encode_s + decode_s,
         "aggregate_m": n_aggregate,
@@ -181,6 +200,28 @@ def codec_figures(
         "templar_roundtrip_s": t_enc + t_dec,
         "speedup_vs_templar": (t_enc + t_dec) / (encode_s + decode_s),
     }
+
+
+def real_delta(
+    model_cfg: ModelConfig, seed: int = 0, steps: int = 3, seq_len: int = 16
+) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """(Δ = θ_start − θ_now after `steps` real AdamW steps on random tokens, the model)."""
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, seed=seed)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train = TrainConfig()
+    opt = build_adamw(model.named_parameters(), train)
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = min(seq_len, model_cfg.max_seq_len)
+    for _ in range(steps):
+        tokens = torch.randint(0, model_cfg.vocab_size, (1, seq_len + 1), generator=gen)  # (1, L+1)
+        logits = model(tokens[:, :-1])  # (1, L, V)
+        loss = F.cross_entropy(logits.reshape(-1, model_cfg.vocab_size), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_grads(model.parameters(), train.grad_clip)
+        opt.step()
+    return pseudo_gradient(start, dict(model.named_parameters())), model
 
 
 def bench_payload(
@@ -199,25 +240,9 @@ def bench_payload(
     """
     cfg = cfg or SparseLoCoConfig()
     preset, model_cfg = closest_model(n_params)
-    torch.manual_seed(seed)
-    model = build_model(model_cfg, seed=seed)
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train = TrainConfig()
-    opt = build_adamw(model.named_parameters(), train)
-    gen = torch.Generator().manual_seed(seed)
-    seq_len = min(seq_len, model_cfg.max_seq_len)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        tokens = torch.randint(0, model_cfg.vocab_size, (1, seq_len + 1), generator=gen)  # (1, L+1)
-        logits = model(tokens[:, :-1])  # (1, L, V)
-        loss = F.cross_entropy(logits.reshape(-1, model_cfg.vocab_size), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        clip_grads(model.parameters(), train.grad_clip)
-        opt.step()
+    delta, model = real_delta(model_cfg, seed, steps, seq_len)
     train_s = time.perf_counter() - t0
-    delta = pseudo_gradient(start, dict(model.named_parameters()))
-    del opt, start
     total = sum(t.numel() for t in delta.values())
 
     t0 = time.perf_counter()
@@ -262,3 +287,28 @@ def bench_payload(
         result["ratio_vs_fp32"],
     )
     return result
+
+
+def main(argv: Sequence[str]) -> int:
+    """`python -m peer.tools.bench [PARAMS [RUNS]]`: `codec_figures` RUNS times (default 5) in this one
+    process on one real Δ of about PARAMS parameters (default 178e6), after one untimed round trip
+    of the baseline, each run's median of 3 repetitions; prints one JSON line per run (its times
+    and speed-up over the templar baseline), then the speed-ups and their median."""
+    n_params = int(float(argv[0])) if argv else 178_000_000
+    runs = int(argv[1]) if len(argv) > 1 else 5
+    preset, model_cfg = closest_model(n_params)
+    delta, model = real_delta(model_cfg)
+    del model
+    templar_baseline.roundtrip(delta)  # warm-up, untimed: torch's first top-k and scatter at these shapes
+    speedups = []
+    for run in range(runs):
+        r = codec_figures(delta, SparseLoCoConfig(), repeats=3, n_aggregate=2)
+        speedups.append(r["speedup_vs_templar"])
+        times = {k: round(v, 4) for k, v in r.items() if k.endswith("_s") or k == "speedup_vs_templar"}
+        print(json.dumps({"run": run + 1, "preset": preset, **times}), flush=True)
+    print(json.dumps({"speedups": [round(x, 3) for x in speedups], "median": round(statistics.median(speedups), 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

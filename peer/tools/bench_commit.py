@@ -5,11 +5,13 @@ and M synthetic contributions — canonical-normal pseudo-gradients at a realist
 compressed with the run's SparseLoCo settings — saved as files, so every process commits the same
 bytes. Two commits of it are timed, each from the wire bytes to the state's hash:
 - `portable`: `peer.node.stage_commit.compute` → `peer.core.commit.commit_state`, what every
-  holder runs (decode, clip, screen, aggregate, θ_start − η·Δ̄, the float64 fixed-order T_S/T⊥
-  re-projection, T⊥ decay, hashes and the ban state);
-- `legacy`: the commit as it was before issue 20 (the same decode, clip, screen and aggregation,
-  then torch's vectorised outer step and the T_S/T⊥ re-projection by two BLAS matmuls per Π, as
-  `embedding_outer_update` computed it then), for the before/after figure.
+  holder runs (the fused clip, screen and aggregate of the payloads — no dense Δ̂, issue 24 —,
+  θ_start − η·Δ̄, the float64 fixed-order T_S/T⊥ re-projection, T⊥ decay, hashes and the ban
+  state);
+- `legacy`: the commit as it was before issue 20 (every payload decoded densely, then the dense
+  clip, screen and aggregation, then torch's vectorised outer step and the T_S/T⊥ re-projection by
+  two BLAS matmuls per Π, as `embedding_outer_update` computed it then), for the before/after
+  figure.
 
 `python -m peer.tools.bench_commit DIR...` commits the rounds saved in each DIR in a fresh process
 and prints one JSON line (state ids, seconds, torch's CPU capability, threads): the multi-kernel test

@@ -9,6 +9,7 @@ Modules, each importing only the ones before it (no circle):
            (`SparseLoCoConfig`) it is encoded with
   encode   one error-feedback buffer → top-k, sign-true quantization, e − Δ̂
   clip     exactly rounded norms and clipping to the round's median norm
+  scratch  reused float32 buffers (decode targets, the commit's accumulators) and who owns them
 
 The algorithm that uses it (error feedback over a model, aggregation) is `peer.core.sparseloco`.
 This package imports nothing from it, nor from `peer.config`.
