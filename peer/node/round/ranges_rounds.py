@@ -38,7 +38,6 @@ from peer.core.codec.format import Payload
 from peer.core.commit import RoundCommit, embedding_update
 from peer.core.model import stage_shapes
 from peer.core.ranges import RangePlan
-from peer.core.sparseloco import decompress
 from peer.core.subspace_state import EMBED
 from peer.errors import NetworkError
 from peer.node.claims import Entry, entry, parse_claims
@@ -210,7 +209,7 @@ def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set
 def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
     """Stage 0's committed embedding change from an observer gather of stage 0: screened with the
     replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.apply_round`)."""
-    return embedding_update([decompress(p) for p in embed.parsed], cfg.sparseloco, keys=embed.replicas)
+    return embedding_update(list(embed.parsed), cfg.sparseloco, keys=embed.replicas)
 
 
 def observed_embed(rounds: Rounds, job: Job, result: Gathered) -> torch.Tensor | None:
