@@ -308,7 +308,7 @@ def dropped_mass_lines(results: Sequence[ConfigResult]) -> list[str]:
             lines.append(
                 f"{r.name} s{r.seed}: the range shards dropped {s['dropped_mass_mean']:.1%} of ‖Δ̄‖² per stage round "
                 f"(mean of {len(r.dropped_mass)}; max {s['dropped_mass_max']:.1%}); error feedback returns it "
-                "to the senders"
+                f"to the senders; their quantization changed {s['quant_error_mean']:.1%} (returned to nobody)"
             )
     return lines
 

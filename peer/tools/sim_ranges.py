@@ -17,7 +17,8 @@ as it would after fetching them, `RangePlan.validator`). A replica's `pg_bytes` 
 The re-sparsification drops Σ_r ‖Δ̄_r‖² − ‖Δ̄_r ⊙ mask_r‖² of the aggregate's squared mass; `RangeMass`
 records it per round and `dropped_fraction` divides by Σ_r ‖Δ̄_r‖². `returned_to` gives each
 contributor its own coordinates the shard dropped, so the mean over contributors of what goes back
-is exactly the dropped part of Δ̄ (the next round sends it again). Outlier screening and attacks are
+is exactly the dropped part of Δ̄ (the next round sends it again). The shard's quantization error
+on the kept values (quant_bits > 0) goes back to nobody: `quant_fraction` measures it. Outlier screening and attacks are
 not part of this round (`check_ranges` refuses them); median clipping is, per range.
 
 Invariants: every replica holds the same bits after the round (one `Committed`, loaded into each
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -45,7 +47,7 @@ from peer.core.subspace_state import perp_of
 from peer.errors import ConfigError
 from peer.tools.sim_replica import LocalReplica
 
-__all__ = ["ROUND_RULES", "RangeMass", "RangesRound", "check_ranges", "commit_ranges", "plan_for"]
+__all__ = ["ROUND_RULES", "RangeMass", "RangeShares", "RangesRound", "check_ranges", "commit_ranges", "plan_for"]
 
 ROUND_RULES = ("all", "ranges")
 
@@ -66,11 +68,26 @@ class RangeMass:
 
     dense_sq: float  # Σ_r ‖Δ̄_r‖²
     kept_sq: float  # Σ_r ‖Δ̄_r ⊙ mask_r‖²
+    quant_sq: float = 0.0  # Σ_r ‖Δ̄_r ⊙ mask_r − shard_r‖²: the shards' quantization error
 
     @property
     def dropped_fraction(self) -> float:
         """(dense − kept) / dense: the share of ‖Δ̄‖² the shards do not carry (0 for an empty round)."""
         return (self.dense_sq - self.kept_sq) / self.dense_sq if self.dense_sq > 0 else 0.0
+
+    @property
+    def quant_fraction(self) -> float:
+        """quant / dense: the share of ‖Δ̄‖² the shards' quantization changed (returned to nobody)."""
+        return self.quant_sq / self.dense_sq if self.dense_sq > 0 else 0.0
+
+
+class RangeShares(NamedTuple):
+    """One stage round's shares of ‖Δ̄‖² (`RangeMass`), as a run records them."""
+
+    t: int
+    stage: int
+    dropped: float  # re-sparsification: returned to the senders by error feedback
+    quant: float  # the shards' quantization: returned to nobody
 
 
 @dataclass(frozen=True)
@@ -141,12 +158,12 @@ def commit_ranges(
             received[r].append(plan.validator(r, slc)(wire))
     digest = roster_digest(roster)
     shards: list[Shard] = []
-    dense = kept = 0.0
+    dense = kept = quant = 0.0
     clipped: set[int] = set()
     for r in range(plan.n):
         shard, stats = aggregate_range(t, s, r, plan, received[r], digest, slc, cfg.swarm.shard_topk or None)
         shards.append(shard)
-        dense, kept = dense + stats.dense_sq, kept + stats.kept_sq
+        dense, kept, quant = dense + stats.dense_sq, kept + stats.kept_sq, quant + stats.quant_sq
         clipped |= {m for m in range(len(reps)) if shard.scale_of(m) is not None}
     summed = assemble(plan, {r: shard_delta(sh) for r, sh in enumerate(shards)}, {n: v.shape for n, v in start.items()})
     U = reps[0].U
@@ -158,4 +175,4 @@ def commit_ranges(
     for m, buf in enumerate(bufs):
         for r, shard in enumerate(shards):
             _take_back(buf, plan, r, returned_to(own[m][r], m, shard))
-    return RangesRound(len(clipped), done.commit.embed_update, RangeMass(dense, kept), plan.n)
+    return RangesRound(len(clipped), done.commit.embed_update, RangeMass(dense, kept, quant), plan.n)

@@ -58,7 +58,7 @@ from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
 from peer.tools.attacks import check_attack, poison
 from peer.tools.plots import figure
-from peer.tools.sim_ranges import check_ranges, commit_ranges
+from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.tools.sim_replica import LocalReplica
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class ConfigResult:
     attack: str | None = None  # the last replica's attack (peer.tools.attacks); None: an honest run
     screening: bool = False  # outlier screening (peer.core.robust) was on
     round_rule: str = "all"  # SimOptions.round_rule
-    dropped_mass: list[tuple[int, int, float]] = field(default_factory=list)  # (t, stage, share) of "ranges"
+    dropped_mass: list[RangeShares] = field(default_factory=list)  # "ranges": per stage round
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
@@ -154,9 +154,10 @@ class ConfigResult:
             "round_rule",
         )
         extra = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
-        shares = [f for *_, f in self.dropped_mass]
-        if shares:  # "ranges": the re-sparsification's dropped share of ‖Δ̄‖² per stage round
+        if shares := [m.dropped for m in self.dropped_mass]:  # "ranges": the shards' shares of ‖Δ̄‖²
+            quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
+            extra |= {"quant_error_mean": quant}
         return {k: getattr(self, k) for k in keys} | extra
 
 
@@ -296,7 +297,7 @@ class StageRound(NamedTuple):
     clipped: int  # contributions norm-clipped
     dropped: tuple[int, ...]  # replicas screened out
     embed_update: torch.Tensor | None  # stage 0's committed embedding change
-    dropped_mass: float | None = None  # "ranges": the shards' dropped share of ‖Δ̄‖²
+    mass: RangeMass | None = None  # "ranges": what the shards dropped of Δ̄
 
 
 def _commit_stage(
@@ -319,7 +320,7 @@ def _commit_stage(
     slc, opts = cfg.sparseloco, opts or SimOptions()
     if opts.round_rule == "ranges":
         ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t)
-        return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass.dropped_fraction)
+        return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
     decoded = []
     for m, rep in enumerate(reps):
         delta = pseudo_gradient(start, stage_state(rep.stages[s]))
@@ -379,8 +380,8 @@ def run_diloco(
             result.clipped += done.clipped
             result.dropped += [(t, s, m) for m in done.dropped]
             result.rounds += 1
-            if done.dropped_mass is not None:
-                result.dropped_mass.append((t, s, done.dropped_mass))
+            if done.mass is not None:
+                result.dropped_mass.append(RangeShares(t, s, done.mass.dropped_fraction, done.mass.quant_fraction))
             if s == 0:
                 embed_update = done.embed_update
         if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
