@@ -99,6 +99,24 @@ def test_the_all_round_is_todays_commit_bit_for_bit():
             assert _same(errors[m][1], e)
 
 
+def test_shards_that_keep_every_entry_commit_exactly_the_all_round():
+    """With swarm.shard_topk = chunk² (nothing re-sparsified) and exact values, the ranges round is
+    the all-to-all round bit for bit: same θ, same error buffers (the machinery loses nothing)."""
+    cfg = _cfg(**{"swarm.shard_topk": 64 * 64})
+    reps, starts = _replicas(cfg, 3)
+    twins = copy.deepcopy(reps)
+    errs_all, errs_ranges = [[None, None] for _ in reps], [[None, None] for _ in reps]
+    for s in (0, 1):
+        a = _commit_stage(twins, s, starts[s], errs_all, [0] * 3, cfg, 1.0, None, SimOptions())
+        r = _commit_stage(reps, s, starts[s], errs_ranges, [0] * 3, cfg, 1.0, None, RANGES)
+        assert r.mass is not None and r.mass.dropped_fraction == 0.0
+        assert (a.embed_update is None) == (r.embed_update is None)
+        for rep, twin in zip(reps, twins, strict=True):
+            assert _same(stage_state(rep.stages[s]), stage_state(twin.stages[s]))
+        for m in range(3):
+            assert _same(errs_ranges[m][s], errs_all[m][s])
+
+
 def test_error_feedback_keeps_what_the_shards_dropped():
     """Each replica's buffer = encode_parts's e − Δ̂ plus its own Δ̂ where the shard kept nothing; the
     mean of what returns is exactly the dropped part of Δ̄, whose share of ‖Δ̄‖² is reported."""
