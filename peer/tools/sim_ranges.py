@@ -18,8 +18,11 @@ The re-sparsification drops Σ_r ‖Δ̄_r‖² − ‖Δ̄_r ⊙ mask_r‖² of
 records it per round and `dropped_fraction` divides by Σ_r ‖Δ̄_r‖². `returned_to` gives each
 contributor its own coordinates the shard dropped, so the mean over contributors of what goes back
 is exactly the dropped part of Δ̄ (the next round sends it again). The shard's quantization error
-on the kept values (quant_bits > 0) goes back to nobody: `quant_fraction` measures it. Outlier screening and attacks are
-not part of this round (`check_ranges` refuses them); median clipping is, per range.
+on the kept values (quant_bits > 0) goes back to nobody: `quant_fraction` measures it. Error
+feedback delays the dropped mass but a round still commits at most `swarm.shard_topk` entries per
+tile where all-to-all commits the union of M senders' top-k: docs/results.md measures what that
+costs ("Range-sharded rounds"). Outlier screening and attacks are not part of this round
+(`check_ranges` refuses them); median clipping is, per range.
 
 Invariants: every replica holds the same bits after the round (one `Committed`, loaded into each
 view); the "all" round (`peer.tools.simulate._commit_stage`) is untouched by this module.
