@@ -198,3 +198,36 @@ def test_roster_digest_is_order_and_content_sensitive():
     assert len(roster_digest(a)) == 32
     assert roster_digest(a) != roster_digest(a[::-1])
     assert roster_digest([("r1a", "a")]) != roster_digest([("r1", "aa")])
+
+
+def test_mean_over_contributors_is_the_fused_aggregate_bit_for_bit():
+    cfg = SparseLoCoConfig(
+        topk=6, chunk=CHUNK, quant_bits=0, clip_median_factor=0.0, aggregation="mean-over-contributors"
+    )
+    plan, _, parts = _contributions(4, cfg, R=2)
+    for r in range(plan.n):
+        shard, _ = aggregate_range(0, 0, r, plan, [p[r] for p in parts], ROSTER, cfg, shard_topk=CHUNK * CHUNK)
+        want = aggregate_payloads([p[r] for p in parts], 4, "mean-over-contributors")
+        got = shard_delta(shard)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_odd_tensors_and_missing_parts_go_through_the_whole_round():
+    """Scalars, empty and 3-D tensors, ranges without any part: parts, shards and their bytes stay valid."""
+    shapes = {"s": (), "e": (0, 8), "c": (20, 3, 5), "w": (30, 10), "n": (7,)}
+    cfg = SparseLoCoConfig(topk=3, chunk=4, quant_bits=2)
+    plan = plan_ranges(shapes, 4, 4)
+    deltas = [
+        {n: torch.randn(s, generator=torch.Generator().manual_seed(i)) for n, s in shapes.items()} for i in range(3)
+    ]
+    parts = [encode_parts(d, None, cfg, plan)[0] for d in deltas]
+    shards = {}
+    for r in range(plan.n):
+        got = [plan.validator(r, cfg)(p[r].to_bytes()) for p in parts]
+        shard, _ = aggregate_range(1, 0, r, plan, got, ROSTER, cfg)
+        assert Shard.from_bytes(shard.to_bytes(), plan, cfg, 3).to_bytes() == shard.to_bytes()
+        shards[r] = shard_delta(shard)
+        empty, _ = aggregate_range(1, 0, r, plan, [None, None, None], ROSTER, cfg)
+        assert not any(t.any() for t in shard_delta(empty).values())
+    whole = assemble(plan, shards, shapes)
+    assert {n: tuple(t.shape) for n, t in whole.items()} == shapes

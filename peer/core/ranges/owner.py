@@ -209,7 +209,9 @@ def top_k_tiles(x: np.ndarray, shape: tuple[int, ...], chunk: int, k: int) -> np
     padded = np.full((n_r * th, n_c * tw), -np.inf, dtype=np.float32)
     np.abs(x.reshape(rows, cols), out=padded[:rows, :cols])
     tiles = padded.reshape(n_r, th, n_c, tw).transpose(0, 2, 1, 3).reshape(n_r * n_c, width)  # (n_tiles, th·tw)
-    thr = np.partition(tiles, width - k, axis=1)[:, width - k : width - k + 1]  # (n_tiles, 1): the k-th largest
+    # (n_tiles, 1): each tile's k-th largest value, a value whatever algorithm finds it (np.partition is slow
+    # on the many equal zeros of an aggregate)
+    thr = torch.topk(torch.from_numpy(tiles), k, dim=1, sorted=False).values.amin(dim=1, keepdim=True).numpy()
     sel = tiles > thr
     need = k - sel.sum(axis=1)  # (n_tiles,) entries still to take at the threshold
     eq = tiles == thr
@@ -252,11 +254,16 @@ def _sum_band(
 _Sq = tuple[float, float, float, float]
 
 
+def _sq(a: np.ndarray) -> float:
+    """Σ a² of a float64 array (numpy's pairwise sum: a BLAS dot would wake its threads for a statistic)."""
+    return float(np.square(a).sum())
+
+
 def _resparsify(band: Band, x: np.ndarray, scfg: SparseLoCoConfig) -> tuple[TensorEntry, _Sq]:
     """The shard entry of one band's Δ̄ `x`, and its (dense, kept, dropped, quant)
     squared norms (`RangeStats`)."""
     x64 = x.astype(np.float64)
-    dense = float(x64 @ x64)
+    dense = _sq(x64)
     if shard_kind(band.shape, scfg) == DENSE_F32:
         return TensorEntry(band.entry, DENSE_F32, band.shape, values=x), (dense, dense, 0.0, 0.0)
     local = top_k_tiles(x, band.shape, scfg.chunk, scfg.topk)
@@ -264,13 +271,13 @@ def _resparsify(band: Band, x: np.ndarray, scfg: SparseLoCoConfig) -> tuple[Tens
     kept = x[pos]  # (n_sel,)
     k64 = x64[pos]
     x64[pos] = 0
-    sq = (dense, float(k64 @ k64), float(x64 @ x64))
+    sq = (dense, _sq(k64), _sq(x64))
     if scfg.quant_bits == 0:
         return TensorEntry(band.entry, SPARSE, band.shape, indices=local, values=kept), (*sq, 0.0)
     codes, codebook = quantize(kept, scfg.quant_bits)
     err = k64 - dequantize(codes, codebook, scfg.quant_bits).astype(np.float64)
     entry = TensorEntry(band.entry, SPARSE, band.shape, indices=local, codes=codes, codebook=codebook)
-    return entry, (*sq, float(err @ err))
+    return entry, (*sq, _sq(err))
 
 
 def aggregate_range(
@@ -329,6 +336,8 @@ def returned_to(own_part: Payload, i: int, shard: Shard) -> dict[str, Tensor]:
     scale = shard.scale_of(i)
     sp = shard.payload
     kept_at = {e.name: entry_values(e, sp.chunk, sp.topk)[0] for e in sp.entries}
+    if list(decoded) != list(kept_at):
+        raise ValueError(f"returned_to: the part holds {list(decoded)[:3]}, shard {shard.r} {list(kept_at)[:3]}")
     out = {}
     for name, d in decoded.items():
         flat = d.reshape(-1).numpy()
