@@ -95,6 +95,7 @@ def simulate(
     plot: flags.SimPlot = None,
     save: flags.Save = None,
     attacks: flags.Attacks = None,
+    round_rule: flags.SimRound = "all",
     config: flags.Config = None,
     verbose: flags.Verbose = False,
 ) -> None:

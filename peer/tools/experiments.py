@@ -34,6 +34,7 @@ from peer.core.robust import OFF as NO_SCREEN
 from peer.core.subspace import distinct_ks
 from peer.errors import ConfigError
 from peer.tools.attacks import check_attack
+from peer.tools.sim_ranges import check_ranges
 from peer.tools.simulate import (
     BASELINES,
     CONFIGS,
@@ -126,6 +127,7 @@ def plan_sweep(
         raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
     ratio_list = ratios or [cfg.subspace.k_ratio]
     distinct_ks(cfg.model.d_model, ratio_list)
+    check_ranges(opts.round_rule, opts.robust, opts.attacks[0] if opts.attacks else None)
     return cfg, names, seed_list, ratio_list, dataclasses.replace(opts, replicas=m, adamw_lr=adamw_lr)
 
 
@@ -210,6 +212,7 @@ def sweep_args(
         "te_adaptation": opts.te_adaptation,
         "weight_projection": opts.weight_projection,
         "paper_settings": paper_settings,
+        "round_rule": opts.round_rule,
     }
 
 
@@ -286,13 +289,28 @@ def _pm(stat: dict[str, Any], fmt: str) -> str:
     return f"{stat['mean']:{fmt}}" + ("" if math.isnan(std) else f" ± {std:{fmt[1:] if fmt[0] == '+' else fmt}}")
 
 
-def summary_title(cfg: RunConfig, replicas: int, seeds: Sequence[int]) -> str:
+def summary_title(cfg: RunConfig, replicas: int, seeds: Sequence[int], round_rule: str = "all") -> str:
     """The title of the Table-2-shaped summary: the setting every row shares."""
     t = cfg.train
+    rounds = "" if round_rule == "all" else f", {round_rule} rounds"
     return (
-        f"Table 2 shape — {cfg.preset}, M={replicas}, S={cfg.stages}, H={t.inner_steps}, T={t.outer_steps}, "
+        f"Table 2 shape — {cfg.preset}, M={replicas}, S={cfg.stages}, H={t.inner_steps}, T={t.outer_steps}{rounds}, "
         f"seeds {','.join(map(str, seeds))}: mean ± std over seeds"
     )
+
+
+def dropped_mass_lines(results: Sequence[ConfigResult]) -> list[str]:
+    """One line per range-sharded run: the share of ‖Δ̄‖² its shards dropped per stage round."""
+    lines = []
+    for r in results:
+        s = r.summary()
+        if "dropped_mass_mean" in s:
+            lines.append(
+                f"{r.name} s{r.seed}: the range shards dropped {s['dropped_mass_mean']:.1%} of ‖Δ̄‖² per stage round "
+                f"(mean of {len(r.dropped_mass)}; max {s['dropped_mass_max']:.1%}); error feedback returns it "
+                f"to the senders; their quantization changed {s['quant_error_mean']:.1%} (returned to nobody)"
+            )
+    return lines
 
 
 def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:

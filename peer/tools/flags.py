@@ -338,6 +338,12 @@ ClipMedian = Annotated[
     float | None, typer.Option(help="Clip each Δ̂ to this × the round's median norm (default 0: off).")
 ]
 AdamwLr = Annotated[float | None, typer.Option(help="Inner learning rate of the adamw* configs (default --lr).")]
+SimRound = Annotated[
+    str,
+    typer.Option(
+        "--round", help="Each stage's round: all (all-to-all, today's) or ranges (range-sharded owners' shards)."
+    ),
+]
 TeAdaptation = Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")]
 WeightProjection = Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")]
 PaperSettings = Annotated[

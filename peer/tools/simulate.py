@@ -18,7 +18,9 @@ Outlier screening (`peer.core.robust`) is off unless asked (`SimOptions.robust`)
 it drops goes back whole to its sender's error buffer.
 `SimOptions.attack` makes the last replica an attacker (`peer.tools.attacks`): every round it
 sends the poisoned contribution instead of its own. T⊥ decays at every commit as AdamW decays the
-rest of the embedding.
+rest of the embedding. `SimOptions.round_rule` "ranges" commits every stage's round range by range
+instead (`peer.tools.sim_ranges`, issue 24): owners' re-sparsified shards, assembled; the share of
+‖Δ̄‖² the shards drop is recorded per round (`ConfigResult.dropped_mass`).
 
 The metric is the paper's: after every outer step, the validation loss averaged over the M
 replicas, each on its OWN forward path (compressed or not), on `val_tokens` held-out tokens.
@@ -38,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +58,7 @@ from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
 from peer.tools.attacks import check_attack, poison
 from peer.tools.plots import figure
+from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.tools.sim_replica import LocalReplica
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,7 @@ class SimOptions:
     attacks: tuple[str, ...] = ()  # sweeps: also run each config under each attack (peer.tools.experiments)
     robust: RobustConfig = OFF  # outlier screening of each round's contributions (the swarm's: DEFAULT)
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
+    round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
 
 
 @dataclass
@@ -120,6 +124,8 @@ class ConfigResult:
     replicas: int = 0  # M
     attack: str | None = None  # the last replica's attack (peer.tools.attacks); None: an honest run
     screening: bool = False  # outlier screening (peer.core.robust) was on
+    round_rule: str = "all"  # SimOptions.round_rule
+    dropped_mass: list[RangeShares] = field(default_factory=list)  # "ranges": per stage round
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
@@ -145,8 +151,13 @@ class ConfigResult:
             "attack",
             "screening",
             "rounds",
+            "round_rule",
         )
         extra = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        if shares := [m.dropped for m in self.dropped_mass]:  # "ranges": the shards' shares of ‖Δ̄‖²
+            quant = sum(m.quant for m in self.dropped_mass) / len(shares)
+            extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
+            extra |= {"quant_error_mean": quant}
         return {k: getattr(self, k) for k in keys} | extra
 
 
@@ -236,6 +247,7 @@ def _result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigRe
         replicas=opts.replicas,
         attack=opts.attack,
         screening=screened,
+        round_rule="all" if kind.startswith("adamw") else opts.round_rule,  # AdamW: dense all-reduce
     )
 
 
@@ -279,6 +291,15 @@ def run_adamw(
     return result, model
 
 
+class StageRound(NamedTuple):
+    """What one stage's round did (`_commit_stage`)."""
+
+    clipped: int  # contributions norm-clipped
+    dropped: tuple[int, ...]  # replicas screened out
+    embed_update: torch.Tensor | None  # stage 0's committed embedding change
+    mass: RangeMass | None = None  # "ranges": what the shards dropped of Δ̄
+
+
 def _commit_stage(
     reps: list[LocalReplica],
     s: int,
@@ -290,12 +311,16 @@ def _commit_stage(
     embed_update: torch.Tensor | None,
     opts: SimOptions | None = None,
     t: int = 0,
-) -> tuple[int, tuple[int, ...], torch.Tensor | None]:
-    """One stage's round over all replicas: (clipped, dropped replicas, stage 0's embedding change).
+) -> StageRound:
+    """One stage's round over all replicas, all-to-all or range by range (`SimOptions.round_rule`).
 
-    Clipped mass returns to its honest sender's error buffer; a dropped contribution returns whole.
+    Clipped mass returns to its honest sender's error buffer; a dropped contribution returns whole;
+    what a range's shard drops returns to each sender (`peer.tools.sim_ranges`).
     """
     slc, opts = cfg.sparseloco, opts or SimOptions()
+    if opts.round_rule == "ranges":
+        ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t)
+        return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
     decoded = []
     for m, rep in enumerate(reps):
         delta = pseudo_gradient(start, stage_state(rep.stages[s]))
@@ -313,7 +338,7 @@ def _commit_stage(
         back = returned(decoded[m], m, done.clip, done.dropped)
         if back is not None:
             errors[m][s] = add_to_errors(errors[m][s], back)
-    return done.clip.n_clipped, done.dropped, done.embed_update
+    return StageRound(done.clip.n_clipped, done.dropped, done.embed_update)
 
 
 def run_diloco(
@@ -322,6 +347,7 @@ def run_diloco(
     """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries."""
     train, replicas = cfg.train, opts.replicas
     check_attack(opts.attack)
+    check_ranges(opts.round_rule, opts.robust, opts.attack)
     n_unc = _n_uncompressed(kind, replicas, opts.het_fraction)
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
     wp = opts.weight_projection and U is not None
@@ -350,14 +376,14 @@ def run_diloco(
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
-            n_clipped, dropped, update = _commit_stage(
-                reps, s, starts[s], errors, pg_bytes, cfg, factor, embed_update, opts, t
-            )
-            result.clipped += n_clipped
-            result.dropped += [(t, s, m) for m in dropped]
+            done = _commit_stage(reps, s, starts[s], errors, pg_bytes, cfg, factor, embed_update, opts, t)
+            result.clipped += done.clipped
+            result.dropped += [(t, s, m) for m in done.dropped]
             result.rounds += 1
+            if done.mass is not None:
+                result.dropped_mass.append(RangeShares(t, s, done.mass.dropped_fraction, done.mass.quant_fraction))
             if s == 0:
-                embed_update = update
+                embed_update = done.embed_update
         if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
             for rep in reps:
                 for st, perp in zip(rep.stages, initial_perp, strict=True):

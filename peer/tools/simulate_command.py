@@ -56,6 +56,7 @@ def command(
             a["weight_projection"],
             a["adamw_lr"],
             ex.attack_list(a["attacks"]),
+            round_rule=a["round_rule"],
         ),
     )
     m = opts.replicas
@@ -74,7 +75,11 @@ def command(
 
     console.print(simulate_table(results, cfg, m))
     rows = ex.summarize(results)
-    console.print(ex.summary_table(rows, ex.summary_title(cfg, m, seed_list)), *ex.poison_tables(results))
+    console.print(
+        ex.summary_table(rows, ex.summary_title(cfg, m, seed_list, opts.round_rule)), *ex.poison_tables(results)
+    )
+    for line in ex.dropped_mass_lines(results):
+        console.print(line)
     plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
     console.print(f"loss curves: {plot_path}")
     json_out = a["json_out"]

@@ -48,6 +48,7 @@ SUMMARY_KEYS = {
     "screening",  # the rounds committed and the contributions screening dropped
     "rounds",
     "dropped",
+    "round_rule",  # "all" or "ranges" (issue 24; a ranges run adds dropped_mass_mean and _max)
 }
 ARGS_KEYS = {
     "preset",
@@ -70,6 +71,7 @@ ARGS_KEYS = {
     "te_adaptation",
     "weight_projection",
     "paper_settings",
+    "round_rule",
 }
 SIM_ARGS = [
     "--preset",
@@ -166,6 +168,7 @@ def test_simulate_json_has_documented_keys(simulated):
         "te_adaptation": True,
         "weight_projection": False,
         "paper_settings": False,
+        "round_rule": "all",
     }
     (row,) = result["summary"]
     assert row["k_ratio"] == "1/8" and row["k"] == 8 and row["pairs"][0]["a"] == "het-pp-compress"

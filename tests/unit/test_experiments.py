@@ -179,7 +179,7 @@ def test_clipped_mass_is_returned_to_the_senders_error_buffer():
     errors = [[None, None] for _ in reps]
     delta = [{n: start[n] - p.detach() for n, p in rep.stages[1].named_parameters()} for rep in reps]
     sent = [compress(d, None, cfg.sparseloco) for d in delta]
-    n_clipped, _, _ = _commit_stage(reps, 1, start, errors, [0, 0, 0], cfg, 1.0, None)
+    n_clipped = _commit_stage(reps, 1, start, errors, [0, 0, 0], cfg, 1.0, None).clipped
     assert n_clipped >= 1
     decoded = [decompress(p) for p, _ in sent]
     _, stats = clip_to_median(decoded, 0.5)
