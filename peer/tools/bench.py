@@ -7,7 +7,7 @@ index and per value, header bytes, the ratio to dense fp32, the time to compress
 parse + decompress, to parse and clip-and-aggregate M payloads, and the peak memory of that
 aggregation against one dense float32 copy of the parameters.
 
-The baseline is `peer.tools.templar_baseline`, a pure-torch re-implementation of templar's
+The default baseline is `peer.tools.templar_baseline`, a pure-torch re-implementation of templar's
 `TopKCompressor` (v2.1.3: chunked top-k, 12-bit packed indices, 8-bit values with a lookup
 table). Each repetition times `peer`'s encode, its decode and the baseline's round trip one after
 the other on the same tensors in the same process, so a busy machine slows all three alike;
@@ -24,9 +24,11 @@ apart as `decode_first_round_s`. (The swarm's commit decodes no payload densely 
 parses and scatters each one straight into the commit's reused accumulators, see
 `peer.core.commit`; `aggregate_s` times that fused path for M payloads.)
 
-`python -m peer.tools.bench [PARAMS [RUNS]]` runs `codec_figures` RUNS times (default 5) in one
-process on one real Δ (178M by default) and prints each run's speed-up over the baseline and their
-median: the round trip's figure of issue 24.
+`python -m peer.tools.bench [PARAMS [RUNS]] [--templar-src DIR]` runs `codec_figures` RUNS times
+(default 5) in one process on one real Δ (178M by default) and prints each run's speed-up over the
+baseline and their median: the round trip's figure of issue 24. With `--templar-src DIR` (a templar
+checkout), templar's real `ChunkingTransformer` + `TopKCompressor` round trip is timed as well, in the
+same repetitions (`peer.tools.templar_real`; no templar code ships with `peer`).
 
 Invariant: bytes are counted from `Payload.to_bytes()`, i.e. exactly what goes on the wire.
 """
@@ -127,14 +129,35 @@ def _aggregate_peak(wire: bytes, total: int, cfg: SparseLoCoConfig, m: int) -> i
         return int(pool.apply(_aggregate_child, (wire, total, cfg, m)))
 
 
+Baseline = Callable[[Mapping[str, torch.Tensor], int, int], dict[str, float]]
+"""A codec to compare with: (Δ, topk, chunk) -> {"encode_s", "decode_s", "bytes_per_param"}."""
+
+
+def baselines_for(templar_src: str | None) -> dict[str, Baseline]:
+    """The re-implementation as `templar`, and, given a templar checkout, its real codec as `templar_real`."""
+    out: dict[str, Baseline] = {"templar": templar_baseline.roundtrip}
+    if templar_src is not None:
+        from peer.tools.templar_real import RealTemplar
+
+        out["templar_real"] = RealTemplar(templar_src).roundtrip
+    return out
+
+
 def codec_figures(
-    delta: Mapping[str, torch.Tensor], cfg: SparseLoCoConfig, repeats: int = 3, n_aggregate: int = 16
+    delta: Mapping[str, torch.Tensor],
+    cfg: SparseLoCoConfig,
+    repeats: int = 3,
+    n_aggregate: int = 16,
+    baselines: Mapping[str, Baseline] | None = None,
 ) -> dict[str, Any]:
-    """Sizes, median times (encode, decode, templar's round trip, aggregate-M) and aggregation memory.
+    """Sizes, median times (encode, decode, each baseline's round trip, aggregate-M) and aggregation memory.
 
     Encode times are of the steady state (round >= 2, error buffers reused in place; see the module
-    docstring); the first round's is `encode_first_round_s`.
+    docstring); the first round's is `encode_first_round_s`. `baselines` (default: the templar
+    re-implementation as `templar`) each report NAME_encode_s, NAME_decode_s, NAME_roundtrip_s,
+    NAME_bytes_per_param and speedup_vs_NAME.
     """
+    baselines = baselines or {"templar": templar_baseline.roundtrip}
     total = sum(t.numel() for t in delta.values())
     errors: dict[str, torch.Tensor] | None = None
 
@@ -157,12 +180,14 @@ def codec_figures(
 
     first_s, (_, first_wire) = _median_time(encode, 1)  # round 1: fresh error buffers
     first_decode_s = decode(first_wire)  # round 1 of a receiver: new tensors
-    enc_times, dec_times, templar = [], [], []
+    enc_times, dec_times = [], []
+    base_runs: dict[str, list[dict[str, float]]] = {name: [] for name in baselines}
     for _ in range(repeats):  # rounds 2, 3, …, interleaved: a busy machine slows each codec alike
         t, (payload, wire) = _median_time(encode, 1)
         enc_times.append(t)
         dec_times.append(decode(wire))
-        templar.append(templar_baseline.roundtrip(delta, cfg.topk, cfg.chunk))
+        for name, roundtrip in baselines.items():
+            base_runs[name].append(roundtrip(delta, cfg.topk, cfg.chunk))
     encode_s, decode_s = statistics.median(enc_times), statistics.median(dec_times)
     sparse = [e for e in payload.entries if e.kind == SPARSE]
     n_idx = sum(n_selected(e.shape, cfg.chunk, cfg.topk) for e in sparse)
@@ -177,9 +202,7 @@ def codec_figures(
 
     aggregate_s = _median_time(aggregate_m, 1)[0]
     peak = _aggregate_peak(wire, total, cfg, n_aggregate)
-    t_enc = statistics.median(t["encode_s"] for t in templar)
-    t_dec = statistics.median(t["decode_s"] for t in templar)
-    return {
+    out: dict[str, Any] = {
         "payload_bytes": len(wire),
         "bytes_per_param": len(wire) / total,
         "bits_per_index": 8 * idx_bytes / max(n_idx, 1),
@@ -194,12 +217,16 @@ def codec_figures(
         "aggregate_s": aggregate_s,
         "aggregate_peak_bytes": peak,
         "aggregate_peak_vs_dense": peak / dense_copy,
-        "templar_bytes_per_param": templar[0]["bytes_per_param"],
-        "templar_encode_s": t_enc,
-        "templar_decode_s": t_dec,
-        "templar_roundtrip_s": t_enc + t_dec,
-        "speedup_vs_templar": (t_enc + t_dec) / (encode_s + decode_s),
     }
+    for name, runs in base_runs.items():
+        t_enc = statistics.median(t["encode_s"] for t in runs)
+        t_dec = statistics.median(t["decode_s"] for t in runs)
+        out[f"{name}_bytes_per_param"] = runs[0]["bytes_per_param"]
+        out[f"{name}_encode_s"] = t_enc
+        out[f"{name}_decode_s"] = t_dec
+        out[f"{name}_roundtrip_s"] = t_enc + t_dec
+        out[f"speedup_vs_{name}"] = (t_enc + t_dec) / (encode_s + decode_s)
+    return out
 
 
 def real_delta(
@@ -232,13 +259,16 @@ def bench_payload(
     seq_len: int = 16,
     repeats: int = 3,
     n_aggregate: int = 16,
+    templar_src: str | None = None,
 ) -> dict[str, Any]:
     """Measure the payload of one round for a model of about `n_params` parameters.
 
     Times are medians of `repeats` runs; aggregation parses and clip-and-aggregates `n_aggregate`
-    copies of the payload (the work and memory of as many distinct ones).
+    copies of the payload (the work and memory of as many distinct ones). `templar_src`, a templar
+    checkout, adds its real codec as the `templar_real` baseline (`peer.tools.templar_real`).
     """
     cfg = cfg or SparseLoCoConfig()
+    baselines = baselines_for(templar_src)  # a bad checkout fails before the model is built
     preset, model_cfg = closest_model(n_params)
     t0 = time.perf_counter()
     delta, model = real_delta(model_cfg, seed, steps, seq_len)
@@ -277,7 +307,7 @@ def bench_payload(
         "roundtrip_exact": Payload.from_bytes(wire, max_bytes=len(wire), max_elements=total).to_bytes() == wire,
     }
     del decoded, errors, payload, model
-    result.update(codec_figures(delta, cfg, repeats, n_aggregate))
+    result.update(codec_figures(delta, cfg, repeats, n_aggregate, baselines))
     log.info(
         "payload benchmark: %s params (%s), %d bytes, %.5f B/param, %.0fx vs fp32",
         total,
@@ -290,23 +320,41 @@ def bench_payload(
 
 
 def main(argv: Sequence[str]) -> int:
-    """`python -m peer.tools.bench [PARAMS [RUNS]]`: `codec_figures` RUNS times (default 5) in this one
-    process on one real Δ of about PARAMS parameters (default 178e6), after one untimed round trip
-    of the baseline, each run's median of 3 repetitions; prints one JSON line per run (its times
-    and speed-up over the templar baseline), then the speed-ups and their median."""
-    n_params = int(float(argv[0])) if argv else 178_000_000
-    runs = int(argv[1]) if len(argv) > 1 else 5
+    """`python -m peer.tools.bench [PARAMS [RUNS]] [--templar-src DIR]`: `codec_figures` RUNS times
+    (default 5) in this one process on one real Δ of about PARAMS parameters (default 178e6), after
+    one untimed round trip of each baseline, each run's median of 3 repetitions; prints one JSON line
+    per run (its times and speed-ups over each baseline), then each baseline's speed-ups and their
+    median. With --templar-src, templar's real codec from that checkout is timed too
+    (`templar_real`), beside the re-implementation (`templar`)."""
+    args, templar_src = list(argv), None
+    if "--templar-src" in args:
+        at = args.index("--templar-src")
+        if at + 1 >= len(args):
+            raise ConfigError("--templar-src needs a directory")
+        templar_src = args[at + 1]
+        del args[at : at + 2]
+    n_params = int(float(args[0])) if args else 178_000_000
+    runs = int(args[1]) if len(args) > 1 else 5
+    baselines = baselines_for(templar_src)
     preset, model_cfg = closest_model(n_params)
     delta, model = real_delta(model_cfg)
     del model
-    templar_baseline.roundtrip(delta)  # warm-up, untimed: torch's first top-k and scatter at these shapes
-    speedups = []
+    cfg = SparseLoCoConfig()
+    for roundtrip in baselines.values():  # warm-up, untimed: torch's first top-k and scatter at these shapes
+        roundtrip(delta, cfg.topk, cfg.chunk)
+    speedups: dict[str, list[float]] = {name: [] for name in baselines}
     for run in range(runs):
-        r = codec_figures(delta, SparseLoCoConfig(), repeats=3, n_aggregate=2)
-        speedups.append(r["speedup_vs_templar"])
-        times = {k: round(v, 4) for k, v in r.items() if k.endswith("_s") or k == "speedup_vs_templar"}
+        r = codec_figures(delta, cfg, repeats=3, n_aggregate=2, baselines=baselines)
+        for name in baselines:
+            speedups[name].append(r[f"speedup_vs_{name}"])
+        times = {k: round(v, 4) for k, v in r.items() if k.endswith("_s") or k.startswith("speedup_vs_")}
         print(json.dumps({"run": run + 1, "preset": preset, **times}), flush=True)
-    print(json.dumps({"speedups": [round(x, 3) for x in speedups], "median": round(statistics.median(speedups), 3)}))
+    for name, got in speedups.items():
+        print(
+            json.dumps(
+                {"baseline": name, "speedups": [round(x, 3) for x in got], "median": round(statistics.median(got), 3)}
+            )
+        )
     return 0
 
 

@@ -42,6 +42,7 @@ def bench_payload_cmd(
     seed: flags.BenchSeed = 0,
     repeats: flags.BenchRepeats = 3,
     json_out: flags.BenchJson = None,
+    templar_src: flags.BenchTemplarSrc = None,
 ) -> None:
     """Serialized SparseLoCo payload bytes per parameter on a real model's pseudo-gradient."""
     from peer.tools.bench import bench_payload
@@ -50,7 +51,8 @@ def bench_payload_cmd(
     with console.status(f"building a ~{params:.3g}-parameter model and measuring its payload…"):
         if repeats < 1:
             raise ConfigError("--repeats must be 1 or more")
-        result = bench_payload(int(params), seed=seed, repeats=repeats)
+        src = str(templar_src) if templar_src is not None else None
+        result = bench_payload(int(params), seed=seed, repeats=repeats, templar_src=src)
     console.print(metric_table("SparseLoCo payload", result))
     if json_out:
         _write_json(json_out, result)

@@ -87,6 +87,13 @@ BenchParams = Annotated[
 BenchSeed = Annotated[int, typer.Option()]
 BenchRepeats = Annotated[int, typer.Option(help="Timed repetitions (rounds) of each codec; medians are reported.")]
 BenchJson = Annotated[Path | None, typer.Option("--json", help="Write the measurement as JSON.")]
+BenchTemplarSrc = Annotated[
+    Path | None,
+    typer.Option(
+        "--templar-src",
+        help="A templar checkout (holding tplr/compress.py or src/tplr/compress.py): time its real codec too.",
+    ),
+]
 Checkpoint = Annotated[
     list[Path] | None,
     typer.Argument(

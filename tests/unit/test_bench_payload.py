@@ -1,12 +1,18 @@
-"""`peer bench payload`'s codec figures and its templar-style baseline (sizes and decoded values)."""
+"""`peer bench payload`'s codec figures, its templar-style baseline (sizes and decoded values) and the
+`--templar-src` adapter's checks."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from peer.core.codec.format import SparseLoCoConfig
+from peer.errors import ConfigError
 from peer.tools import templar_baseline as tb
-from peer.tools.bench import codec_figures
+from peer.tools import templar_real
+from peer.tools.bench import baselines_for, codec_figures
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -49,3 +55,39 @@ def test_codec_figures_report_sizes_times_memory_and_the_baseline():
     assert r["speedup_vs_templar"] == r["templar_roundtrip_s"] / r["roundtrip_s"]
     assert r["templar_bytes_per_param"] > r["bytes_per_param"]
     assert r["aggregate_m"] == 2 and r["aggregate_s"] > 0 and r["aggregate_peak_bytes"] >= 0
+
+
+def test_the_default_baseline_is_still_the_re_implementation(tmp_path):
+    assert baselines_for(None) == {"templar": tb.roundtrip}
+    x = _rand(128, 192, seed=7)
+    wire, idx_shape = tb.encode(x)
+    assert len(wire) == 192 * 3 // 2 + 192 + 4 * 256 + 8 and idx_shape == (2, 3, 32)
+    r = codec_figures({"a.weight": x}, SparseLoCoConfig(), repeats=1, n_aggregate=2)
+    assert "templar_real_roundtrip_s" not in r and r["speedup_vs_templar"] > 0
+
+
+def test_templar_src_without_tplr_compress_is_a_clear_config_error(tmp_path):
+    (tmp_path / "tplr").mkdir()  # a tplr/ package without compress.py
+    for bad in (tmp_path, tmp_path / "missing"):
+        with pytest.raises(ConfigError, match=r"no tplr/compress\.py"):
+            templar_real.load(bad)
+        with pytest.raises(ConfigError, match=r"no tplr/compress\.py"):
+            baselines_for(str(bad))
+
+
+def test_templar_src_finds_the_codec_in_a_checkout_or_its_src(tmp_path):
+    (tmp_path / "src" / "tplr").mkdir(parents=True)
+    (tmp_path / "src" / "tplr" / "compress.py").write_text("")
+    assert templar_real.find_root(tmp_path) == tmp_path / "src"
+    assert templar_real.find_root(tmp_path / "src") == tmp_path / "src"
+
+
+@pytest.mark.skipif(not os.environ.get("PEER_TEMPLAR_SRC"), reason="PEER_TEMPLAR_SRC names no templar checkout")
+def test_real_templar_round_trip_keeps_the_top_k_of_each_tile():
+    real = templar_real.RealTemplar(os.environ["PEER_TEMPLAR_SRC"])
+    delta = {"a.weight": _rand(128, 192, seed=8), "n.weight": _rand(100, seed=9)}
+    r = real.roundtrip(delta)
+    assert r["encode_s"] > 0 and r["decode_s"] > 0
+    assert r["bytes_per_param"] == pytest.approx(tb.roundtrip(delta)["bytes_per_param"])  # the same sizes
+    figs = codec_figures(delta, SparseLoCoConfig(), repeats=1, n_aggregate=2, baselines=baselines_for(real.src_dir))
+    assert figs["speedup_vs_templar_real"] == figs["templar_real_roundtrip_s"] / figs["roundtrip_s"]
