@@ -159,7 +159,7 @@ def test_the_shard_bytes_are_canonical_and_anything_else_is_refused():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("included", b"\x7f"), ("clipped", b"\x04"), ("included", b"\xfb\x01"), ("scales", (1.5,)), ("scales", (-0.0,))],
+    [("clipped", b"\x04"), ("scales", (1.5,)), ("scales", (-0.0,))],
 )
 def test_a_shard_with_impossible_bitmaps_or_scales_is_refused(field, value):
     from dataclasses import replace
@@ -171,6 +171,31 @@ def test_a_shard_with_impossible_bitmaps_or_scales_is_refused(field, value):
     shard, _ = aggregate_range(0, 0, 0, plan, parts_r, ROSTER, cfg)
     with pytest.raises(PayloadError):
         Shard.from_bytes(replace(shard, **{field: value}).to_bytes(), plan, cfg, 6)
+
+
+@pytest.mark.parametrize(
+    ("missing", "clipped"),
+    [([6], []), ([3, 1], []), ([2, 2], []), ([2], [(6, 0.5)]), ([2], [(4, 0.5), (3, 0.5)]), ([2], [(2, 0.5)])],
+)
+def test_a_shard_whose_exception_lists_are_not_canonical_is_refused(missing, clipped):
+    """Missing and clipped roster positions travel as strictly ascending lists of positions < n_roster
+    (clipped ones included): anything else is refused, so one shard has one encoding."""
+    import struct
+
+    cfg = SparseLoCoConfig(topk=6, chunk=CHUNK, quant_bits=2)
+    plan, _, parts = _contributions(6, cfg, R=2, big=4)
+    parts_r = [p[0] for p in parts]
+    parts_r[2] = None
+    shard, _ = aggregate_range(0, 0, 0, plan, parts_r, ROSTER, cfg)
+    good = shard.to_bytes()
+    head = good[: struct.calcsize("<4sBQII16sI")]
+    n_clip = sum(shard.scale_of(i) is not None for i in range(6))
+    tail = good[len(head) + 4 + 4 * 1 + 4 + 8 * n_clip :]  # past the good lists: the payload
+    lists = struct.pack(f"<I{len(missing)}I", len(missing), *missing) + struct.pack("<I", len(clipped))
+    lists += b"".join(struct.pack("<If", i, v) for i, v in clipped)
+    assert Shard.from_bytes(good, plan, cfg, 6).to_bytes() == good
+    with pytest.raises(PayloadError):
+        Shard.from_bytes(head + lists + tail, plan, cfg, 6)
 
 
 def test_top_k_per_tile_breaks_ties_by_position():

@@ -24,9 +24,11 @@ processes under other ATEN/MKL/numba instruction sets and thread counts.
 
 Shard wire format (version 1, little-endian), canonical (`from_bytes` accepts nothing else):
   b"SHRD" | u8 version | u64 t | u32 stage | u32 r | 16 bytes roster digest | u32 n_roster |
-  included bitmap | clipped bitmap   (ceil(n_roster/8) bytes each, bit i = byte i//8, 1 << i%8;
-                                       bits past n_roster zero; clipped ⊆ included) |
-  f32 × |clipped| scales in [0, 1] (roster order) | the Payload of range r's band entries
+  u32 n_missing | u32 × n_missing   roster positions NOT in the aggregate, strictly ascending, < n_roster |
+  u32 n_clipped | (u32 position, f32 scale in [0, 1]) × n_clipped   strictly ascending, included ones |
+  the Payload of range r's band entries
+(Exception lists, not bitmaps over the roster: a round in which every contribution arrives and none is
+clipped costs 8 bytes of them at any M, where two bitmaps cost M/4 bytes per shard, R ≈ M shards.)
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from peer.core.sparseloco import decompress
 __all__ = ["RangeStats", "Shard", "aggregate_range", "returned_to", "roster_digest", "shard_delta"]
 
 MAGIC = b"SHRD"
-VERSION = 1
+VERSION = 2
 _HEAD = struct.Struct("<4sBQII16sI")
 
 
@@ -80,6 +82,17 @@ def _bitmap(bits: Sequence[bool]) -> bytes:
 
 def _bit(bitmap: bytes, i: int) -> bool:
     return bool(bitmap[i // 8] >> (i % 8) & 1)
+
+
+def _positions(b: bytes, pos: int, n: int, what: str) -> tuple[list[int], int]:
+    """A u32 count and that many strictly ascending roster positions < n, from byte `pos` on."""
+    (count,) = struct.unpack_from("<I", b, pos)
+    if count > n:
+        raise PayloadError(f"{count} {what} contributions in a roster of {n}")
+    at = list(struct.unpack_from(f"<{count}I", b, pos + 4))
+    if any(j <= i for i, j in zip(at, at[1:], strict=False)) or any(i >= n for i in at):
+        raise PayloadError(f"{what} positions are not strictly ascending roster positions")
+    return at, pos + 4 + 4 * count
 
 
 def shard_config(cfg: SparseLoCoConfig, shard_topk: int | None) -> SparseLoCoConfig:
@@ -125,8 +138,11 @@ class Shard:
 
     def to_bytes(self) -> bytes:
         head = _HEAD.pack(MAGIC, VERSION, self.t, self.stage, self.r, bytes.fromhex(self.roster), self.n_roster)
-        scales = np.asarray(self.scales, dtype="<f4").tobytes()
-        return b"".join([head, self.included, self.clipped, scales, self.payload.to_bytes()])
+        missing = [i for i in range(self.n_roster) if not _bit(self.included, i)]
+        clipped = [i for i in range(self.n_roster) if _bit(self.clipped, i)]
+        lists = struct.pack(f"<I{len(missing)}I", len(missing), *missing) + struct.pack("<I", len(clipped))
+        pairs = b"".join(struct.pack("<If", i, s) for i, s in zip(clipped, self.scales, strict=True))
+        return b"".join([head, lists, pairs, self.payload.to_bytes()])
 
     @classmethod
     def from_bytes(
@@ -153,18 +169,22 @@ def _parse_shard(b: bytes, plan: RangePlan, scfg: SparseLoCoConfig, n_roster: in
         raise PayloadError(f"bad magic {magic!r} or version {version}")
     if n != n_roster or not 0 <= r < plan.n:
         raise PayloadError(f"roster of {n} (expected {n_roster}) or range {r} of {plan.n}")
-    nbm, pos = (n + 7) // 8, _HEAD.size
-    included, clipped = b[pos : pos + nbm], b[pos + nbm : pos + 2 * nbm]
-    pos += 2 * nbm
-    if len(clipped) != nbm or any(_bit(included, i) or _bit(clipped, i) for i in range(n, 8 * nbm)):
-        raise PayloadError("a bitmap is truncated or has bits set past the roster")
-    if any(_bit(clipped, i) and not _bit(included, i) for i in range(n)):
+    pos = _HEAD.size
+    missing, pos = _positions(b, pos, n, "missing")
+    (n_clip,) = struct.unpack_from("<I", b, pos)
+    if n_clip > n:
+        raise PayloadError(f"{n_clip} clipped contributions in a roster of {n}")
+    pairs = struct.unpack_from("<" + "If" * n_clip, b, pos + 4)
+    pos += 4 + 8 * n_clip
+    clip_at, raw = list(pairs[0::2]), np.asarray(pairs[1::2], dtype=np.float32)
+    if any(b_ <= a for a, b_ in zip(clip_at, clip_at[1:], strict=False)) or any(i >= n for i in clip_at):
+        raise PayloadError("clipped positions are not strictly ascending roster positions")
+    if set(clip_at) & set(missing):
         raise PayloadError("a contribution is clipped but not included")
-    n_clip = sum(_bit(clipped, i) for i in range(n))
-    raw = np.frombuffer(b[pos : pos + 4 * n_clip], dtype="<f4")
-    pos += 4 * n_clip
-    if len(raw) != n_clip or not np.all((raw >= 0) & (raw <= 1)) or np.any(np.signbit(raw)):
-        raise PayloadError("clip scales are truncated or outside [0, 1]")
+    if not np.all((raw >= 0) & (raw <= 1)) or np.any(np.signbit(raw)):
+        raise PayloadError("clip scales are outside [0, 1]")
+    gone, clips = set(missing), set(clip_at)
+    included, clipped = _bitmap([i not in gone for i in range(n)]), _bitmap([i in clips for i in range(n)])
     nbytes = shard_payload_nbytes(plan, r, scfg)
     if len(b) - pos != nbytes:
         raise PayloadError(f"its payload is {len(b) - pos} bytes, range {r} takes {nbytes}")

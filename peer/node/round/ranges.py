@@ -17,7 +17,7 @@ one shard per other range:
    {r: sha256(shard)} (`shards.{t}.{s}`) and serve the shard;
 4. every holder takes, per range, the shard its owners agree on; the one published when another
    owner vanished (past the shard deadline); on a disagreement it fetches the parts, recomputes each
-   claimed shard from the contributions its bitmap includes, refuses an owner whose shard is not
+   claimed shard from the contributions it lists as included, refuses an owner whose shard is not
    what it claims (`peer.node.refusals`) and takes the valid shard that includes the most (then the
    smallest hash); a range whose owners are all gone it computes itself.
 The result (`RangesResult`) holds the roster and one checked shard per range; the caller commits

@@ -5,7 +5,7 @@ Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our
 - every owner published and all agree, or past the shard deadline those that published agree (the
   others vanished): take that hash, fetch the shard from them (or hold it, as an owner);
 - two owners disagree: fetch the range's parts and every claimed shard, recompute each from exactly
-  the contributions its bitmap includes (`aggregate_range` is portable: an honest owner's shard is
+  the contributions it lists as included (`aggregate_range` is portable: an honest owner's shard is
   reproduced to the bit), refuse an owner whose shard is not that recomputation, and take the valid
   shard that includes the most contributions (then the smallest hash): the same pick on every
   holder that sees the same records; none valid: compute the range ourselves;
