@@ -76,9 +76,10 @@ class SwarmConfig:
     ban_rounds: int = 10
     # How a stage's round aggregates (peer.node.round.ownership, docs/protocol.md): "all" (every holder
     # fetches every payload), "ranges" (range owners aggregate, every holder fetches the shards) or
-    # "auto" ("ranges" once the previous round committed >= ranges_from contributions)
+    # "auto" ("ranges" once the previous round committed >= ranges_from contributions: 32, where
+    # all-to-all stops fitting a round on home links; below it all-to-all learns better, docs/scaling.md)
     round_rule: str = "auto"
-    ranges_from: int = 8
+    ranges_from: int = 32
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
     shard_topk: int = 0  # entries per tile a range shard keeps (0: sparseloco.topk)
     # Who may take part, set at the bootstrap: "open", "secret" (peers prove they know a shared

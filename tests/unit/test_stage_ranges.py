@@ -53,7 +53,7 @@ def test_holders_that_commit_the_same_shards_hold_the_same_state_and_get_their_s
     link = holders[0].ledger.link
     assert link is not None and link.ranges == (digest, shards_digest({r: b for r, (b, _) in shards.items()}))
     assert holders[0].n_prev() == 2 and holders[0].outer_step == 1
-    assert round_rule(cfg.swarm, holders[0].n_prev()) == "all"  # auto: ranges from 8 contributions on
+    assert round_rule(cfg.swarm, holders[0].n_prev()) == "all"  # auto: ranges from 32 contributions on
     parsed = {r: s for r, (_, s) in shards.items()}
     for i, h in enumerate(holders):
         back = returned(plan, h.start, parts[i], i if i < 2 else None, parsed)
