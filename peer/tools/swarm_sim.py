@@ -26,10 +26,11 @@ from typing import Any
 import simpy
 
 from peer.config import SwarmConfig
+from peer.core.ranges.plan import n_ranges_for
 from peer.node.round import agreement, ownership
 from peer.node.round.gather import RoundTimings
 from peer.tools.swarm_net import LinkMix, Network, draw_link
-from peer.tools.swarm_sizes import Sizes, compute_s, n_ranges_for, stage_sizes
+from peer.tools.swarm_sizes import Sizes, compute_s, stage_sizes
 
 SWARM = SwarmConfig()
 

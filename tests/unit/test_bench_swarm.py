@@ -5,7 +5,6 @@ Small swarms on the tiny preset (milliseconds to a few seconds); one 128-peer ru
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -98,11 +97,12 @@ def test_the_same_seed_gives_the_same_rounds_and_another_seed_other_links():
 
 
 def test_ranges_keep_a_peer_near_three_payloads_where_all_to_all_needs_m_minus_one():
-    """128 peers on the 1B model's stage 0 (R = 128): parts for ~2 ranges of 128, shards for the rest."""
+    """128 peers on the 1B model's stage 0 (R = 128): a peer owns ~2 of 128 ranges (primary + backup:
+    parts of 2/128 of every member's payload, ~2 payloads) and fetches the other ranges' shards (~1):
+    3 payloads and the parts' proofs, the shards' bitmaps and per-entry headers (a few % over 3)."""
     M = 128
     cfg = SimConfig(peers=M, rule="ranges", rounds=1, churn_per_h=0.0, preset="1B", stages=4)
     row = summarize(simulate(cfg))[0]
     down = row["down_mean"] / row["payload_bytes"]
     assert row["R"] == M and not row["lost"] and row["counted"] == M
-    assert down <= 3.0, down
-    assert not math.isclose(down, M - 1)
+    assert 2.9 <= down <= 3.1, down
