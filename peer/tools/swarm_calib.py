@@ -6,10 +6,11 @@ on 127.0.0.1 in this process (as tests/integration/test_round_hash.py builds the
 at once in threads, each contributing a real SparseLoCo payload of the stage's real shapes; per round we
 read every peer's `RoundResult.bytes_fetched` and `wall_s`.
 
-The simulator is then given loopback's link parameters, measured on the same nodes before the rounds
-(never fitted to the rounds): one DHT read of a round (`read_round`, median), the delay from an
-announcement to another node seeing it (median), and one payload request's time (median of
-`get_payload`); links of 10 Gbit/s with no RTT; no compute time (every gather starts at once). It
+The simulator is then given loopback's parameters as the rounds themselves met them (`Timed`: the
+nodes' own calls timed in place; never fitted to the round times): one DHT read of a round (the medians
+of the three gets `read_round` makes), a DHT store (median `announce_payload`) and the propagation past
+its return (from a probe before the rounds), one payload request (median `get_payload`); links of
+10 Gbit/s with no RTT; each peer's "compute time" is when its gather thread began (mean over rounds). It
 reports the same two figures for the same M. On a loaded machine the real rounds are slower than the
 probes say (threads of M peers share the cores); the figures say the load average they ran under.
 """
@@ -117,11 +118,51 @@ def probe(nodes: list[Node], data: bytes) -> dict[str, float]:
     return {**out, "rpc_s": rpc_s}
 
 
-def real_rounds(cfg: Any, nodes: list[Node], rounds: int) -> list[dict[str, Any]]:
+class Timed:
+    """How long each named call of the rounds' own DHT nodes and clients took (the calls themselves,
+    timed where they are: the simulator's latencies come from the rounds it is compared with)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = {}
+
+    def wrap(self, obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls.setdefault(name, []).append(time.monotonic() - t0)
+
+        setattr(obj, name, timed)
+
+    def wrap_pool(self, pool: ClientPool) -> None:
+        """Every client the pool hands out has its `get_payload` timed."""
+        get, wrapped = pool.get, set()
+
+        def timed_get(address: str, *args: Any, **kwargs: Any) -> Any:
+            client = get(address, *args, **kwargs)
+            if id(client) not in wrapped:
+                wrapped.add(id(client))
+                self.wrap(client, "get_payload")
+            return client
+
+        setattr(pool, "get", timed_get)  # noqa: B010 (an instance attribute over the method)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.calls[name]) if self.calls.get(name) else 0.0
+
+
+def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[dict[str, Any]]:
     """`rounds` rounds of today's gather on every node at once: per round, mean bytes fetched, wall time
     and when each peer's gather began (thread start on a busy machine: what the simulator takes as
     that peer's compute time)."""
     validate = payload_validator(stage_shapes(cfg.model, STAGE, cfg.stages), cfg.sparseloco)
+    for node in nodes:
+        for name in ("get_replicas", "get_stage_peers", "get_payloads", "announce_payload"):
+            timed.wrap(node.dht, name)
+        timed.wrap_pool(node.clients)
     out = []
     for t in range(1, rounds + 1):
         _records(nodes, t)
@@ -163,8 +204,15 @@ def calibrate(sizes: tuple[int, ...] = (4, 8), rounds: int = 5) -> list[dict[str
             nodes = _start(cfg, M, stack)
             _records(nodes, 0)
             params = probe(nodes, _payload(cfg, 1))
-            real = real_rounds(cfg, nodes, rounds)
+            timed = Timed()
+            real = real_rounds(cfg, nodes, rounds, timed)
         load = os.getloadavg()[0]
+        # the latencies of the rounds themselves (under their own load); the DHT's propagation past a
+        # store's return from the probe
+        params["dht_read_s"] = sum(timed.median(n) for n in ("get_replicas", "get_stage_peers", "get_payloads"))
+        params["dht_s"] = timed.median("announce_payload") + max(0.0, params["dht_s"] - params["dht_store_s"])
+        params["dht_store_s"] = timed.median("announce_payload")
+        params["rpc_s"] = timed.median("get_payload")
         payload = int(real[0]["payload"])
         sim_cfg = SimConfig(
             peers=M, rule="all", rounds=rounds, deadline_s=TIMINGS.deadline_s, poll_s=TIMINGS.poll_s,

@@ -93,8 +93,8 @@ def gather_all(sim: Sim, peer: Peer, t: int, start: float, pool: Pool) -> Proc:
     held, rejected, retry_at = {me}, set(), dict[str, float]()
     while True:
         read_at = env.now
-        view = sim.view(t, me)  # the records as the read finds them when it starts
         yield env.timeout(cfg.dht_read_s)
+        view = sim.view(t, me)  # announcements as of the read's end: `read_round` gets them last
         for sender in sorted(view.bound):
             if sender in held or sender in rejected or retry_at.get(sender, 0.0) > env.now or env.now >= deadline:
                 continue
