@@ -111,7 +111,11 @@ def _mb(x: float) -> str:
 
 
 def swarm_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title, caption="bytes per peer per round: MB (payloads); round: announce → commit")
+    table = Table(
+        title=title,
+        caption="bytes per peer per round: MB (payloads); round: announce → commit; "
+        "late: holders without the whole set at the deadline",
+    )
     cols = ("M", "rule", "R", "down mean", "down max", "up mean", "up max", "round s", "max s", "util")
     for col in (*cols, "counted", "lost"):
         table.add_column(col, justify="left" if col == "rule" else "right", no_wrap=True)
@@ -121,7 +125,8 @@ def swarm_table(rows: list[dict[str, Any]], title: str) -> Table:
             f"{_mb(r['down_mean'])} ({r['down_payloads']:.2f})", f"{_mb(r['down_max'])} ({r['down_max_payloads']:.1f})",
             f"{_mb(r['up_mean'])} ({r['up_payloads']:.2f})", f"{_mb(r['up_max'])} ({r['up_max_payloads']:.1f})",
             f"{r['round_s']:.1f}", f"{r['round_max_s']:.1f}", f"{100 * r['util']:.1f}%",
-            f"{r['counted']:.0f}/{r['holders']:.0f}", f"{r['lost']}/{r['rounds']}",
+            f"{r['counted']:.0f}/{r['holders']:.0f}",
+            f"{r['lost']}/{r['rounds']}" + (f" ({r['timeouts']} late)" if r["timeouts"] else ""),
         )  # fmt: skip
     return table
 

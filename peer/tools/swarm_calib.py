@@ -9,7 +9,8 @@ read every peer's `RoundResult.bytes_fetched` and `wall_s`.
 The simulator is then given loopback's parameters as the rounds themselves met them (`Timed`: the
 nodes' own calls timed in place; never fitted to the round times): one DHT read of a round (the medians
 of the three gets `read_round` makes), a DHT store (median `announce_payload`) and the propagation past
-its return (from a probe before the rounds), one payload request (median `get_payload`); links of
+its return (from a probe before the rounds), one payload request (median `get_payload`, plus the median
+parse and checks of a fetched payload); links of
 10 Gbit/s with no RTT; each peer's "compute time" is when its gather thread began (mean over rounds). It
 reports the same two figures for the same M. On a loaded machine the real rounds are slower than the
 probes say (threads of M peers share the cores); the figures say the load average they ran under.
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -158,7 +160,9 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
     """`rounds` rounds of today's gather on every node at once: per round, mean bytes fetched, wall time
     and when each peer's gather began (thread start on a busy machine: what the simulator takes as
     that peer's compute time)."""
-    validate = payload_validator(stage_shapes(cfg.model, STAGE, cfg.stages), cfg.sparseloco)
+    checks = SimpleNamespace(validate=payload_validator(stage_shapes(cfg.model, STAGE, cfg.stages), cfg.sparseloco))
+    timed.wrap(checks, "validate")  # a fetched payload's parse and checks: part of each fetch's cost
+    validate = checks.validate
     for node in nodes:
         for name in ("get_replicas", "get_stage_peers", "get_payloads", "announce_payload"):
             timed.wrap(node.dht, name)
@@ -212,7 +216,7 @@ def calibrate(sizes: tuple[int, ...] = (4, 8), rounds: int = 5) -> list[dict[str
         params["dht_read_s"] = sum(timed.median(n) for n in ("get_replicas", "get_stage_peers", "get_payloads"))
         params["dht_s"] = timed.median("announce_payload") + max(0.0, params["dht_s"] - params["dht_store_s"])
         params["dht_store_s"] = timed.median("announce_payload")
-        params["rpc_s"] = timed.median("get_payload")
+        params["rpc_s"] = timed.median("get_payload") + timed.median("validate")
         payload = int(real[0]["payload"])
         sim_cfg = SimConfig(
             peers=M, rule="all", rounds=rounds, deadline_s=TIMINGS.deadline_s, poll_s=TIMINGS.poll_s,
