@@ -59,6 +59,11 @@ def sim_config(args: Mapping[str, Any], peers: int, rule: str) -> SimConfig:
     dc = LinkClass(args["dc_up_mbps"], args["dc_down_mbps"], *parse_range(args["dc_rtt_ms"], "--dc-rtt-ms"))
     if not 0 <= args["dc_fraction"] <= 1:
         raise ConfigError(f"--dc-fraction must be in [0, 1], got {args['dc_fraction']}")
+    for name, low in (("rounds", 1), ("fetch_parallel", 1), ("range_backups", 0), ("shard_topk", 0)):
+        if args[name] < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {args[name]}")
+    if args["churn_per_h"] < 0 or not args["deadline_s"] > 0 or not 0 <= args["stage"] < args["stages"]:
+        raise ConfigError("--churn-per-h must be >= 0, --deadline-s > 0 and --stage in 0 … --stages − 1")
     mix = LinkMix(home, dc, args["dc_fraction"], args["rate_spread"], args["rpc_ms"] / 1e3)
     names: tuple[str, ...] = ("rounds", "seed", "preset", "stages", "stage", "inner_steps", "flops", "churn_per_h")
     names = (*names, "deadline_s", "fetch_parallel", "range_backups", "shard_topk")
