@@ -194,3 +194,47 @@ def bench_data_cmd(
     from peer.tools.bench_data import command
 
     command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), _write_json)
+
+
+def _opt(help_text: str, *names: str) -> Any:
+    return typer.Option(*names, help=help_text)
+
+
+@bench_app.command("swarm")
+def bench_swarm_cmd(
+    peers: Annotated[
+        str, _opt("Swarm sizes M to simulate, comma-separated.", "--peers")
+    ] = "8,16,32,64,128,256,512,1000",
+    rules: Annotated[str, _opt("Round rules to compare: all (today) and/or ranges.", "--rules")] = "all,ranges",
+    rounds: Annotated[int, _opt("Outer rounds simulated per M and rule.", "--rounds")] = 2,
+    seed: Annotated[int, _opt("Seed of every draw (links, compute jitter, churn).", "--seed")] = 0,
+    preset: Annotated[str, _opt("Model preset (shapes for payload and compute).", "--preset")] = "1B",
+    stages: Annotated[int, _opt("Pipeline stages of the model.", "--stages")] = 4,
+    stage: Annotated[int, _opt("The stage whose round is simulated.", "--stage")] = 0,
+    inner_steps: Annotated[int, _opt("H: inner steps per outer round.", "--inner-steps")] = 50,
+    flops: Annotated[float, _opt("One device's sustained FLOP/s (the planner's).", "--flops")] = 400e12,
+    home_up_mbps: Annotated[float, _opt("Home link upload, Mbit/s.", "--home-up-mbps")] = 20.0,
+    home_down_mbps: Annotated[float, _opt("Home link download, Mbit/s.", "--home-down-mbps")] = 100.0,
+    home_rtt_ms: Annotated[str, _opt("Home RTT range MIN,MAX in ms (uniform).", "--home-rtt-ms")] = "20,200",
+    dc_fraction: Annotated[float, _opt("Share of datacenter peers, 0..1.", "--dc-fraction")] = 0.0,
+    dc_up_mbps: Annotated[float, _opt("Datacenter upload, Mbit/s.", "--dc-up-mbps")] = 1000.0,
+    dc_down_mbps: Annotated[float, _opt("Datacenter download, Mbit/s.", "--dc-down-mbps")] = 1000.0,
+    dc_rtt_ms: Annotated[str, _opt("Datacenter RTT range MIN,MAX in ms.", "--dc-rtt-ms")] = "5,50",
+    rate_spread: Annotated[
+        float, _opt("σ of a log-normal factor on each peer's rates (0: none).", "--rate-spread")
+    ] = 0.0,
+    rpc_ms: Annotated[float, _opt("Server CPU per request, ms.", "--rpc-ms")] = 1.0,
+    churn_per_h: Annotated[float, _opt("Leaves (and joins) per peer per hour.", "--churn-per-h")] = 0.5,
+    deadline_s: Annotated[float, _opt("A round's deadline, s (swarm.round_timeout_s).", "--deadline-s")] = 120.0,
+    fetch_parallel: Annotated[int, _opt("Requests in flight per peer (ranges).", "--fetch-parallel")] = 16,
+    range_backups: Annotated[int, _opt("Owners per range beyond the primary.", "--range-backups")] = 1,
+    shard_topk: Annotated[int, _opt("Entries per tile a shard keeps (0: sparseloco.topk).", "--shard-topk")] = 0,
+    calibrate: Annotated[bool, _opt("Instead: a real loopback all-to-all vs the simulator.", "--calibrate")] = False,
+    calibrate_peers: Annotated[str, _opt("Replicas of the loopback swarms.", "--calibrate-peers")] = "4,8",
+    calibrate_rounds: Annotated[int, _opt("Rounds of each loopback swarm.", "--calibrate-rounds")] = 5,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Simulated rounds of M peers on home/datacenter links: today's all-to-all vs range-sharded rounds."""
+    from peer.tools.bench_swarm import command
+
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), _write_json)
