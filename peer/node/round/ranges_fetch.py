@@ -34,7 +34,7 @@ from peer.node.round.payloads import PayloadStore, sha256
 
 log = logging.getLogger(__name__)
 
-MAX_FETCHERS = 8  # parallel part fetches of one holder (one per roster member at a time)
+MAX_FETCHERS = 16  # requests of one holder in flight (one per roster member; `peer bench swarm --fetch-parallel`)
 
 
 @dataclass

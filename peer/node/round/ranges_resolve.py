@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from peer.core.codec.format import Payload, SparseLoCoConfig
 from peer.core.ranges import RangePlan
@@ -29,7 +30,7 @@ from peer.net.range_records import Roster, ShardsRecord
 from peer.node.refusals import Refusals
 from peer.node.round.ownership import RangeStep, owners, range_step
 from peer.node.round.payloads import sha256
-from peer.node.round.ranges_fetch import RangeFetcher, wait_until
+from peer.node.round.ranges_fetch import MAX_FETCHERS, RangeFetcher, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,14 @@ class Resolver:
                 log.warning("round %d stage %d: a better-ranked roster appeared; taking it", self.t, self.stage)
                 return better
             past = time.monotonic() >= shard_deadline
+            takes: list[tuple[int, str, list[str]]] = []  # (range, sha256, owners' addresses): fetched at once
             for r in [r for r in self.wanted if r not in self.parsed]:
                 range_owners = [o for o in owners(self.t, self.stage, r, senders, k) if not self._refused(o)]
                 claims = self._claims(records, roster, range_owners, r)
                 step = range_step(claims, len(range_owners), past)  # a refused owner is not waited for
                 if step is RangeStep.TAKE:
                     (want,) = set(claims.values())
-                    got = self.fetcher.shard(roster, r, want, [address[o] for o in sorted(claims)])
-                    if got is not None:
-                        self._take(r, *got)
+                    takes.append((r, want, [address[o] for o in sorted(claims)]))
                 elif step is RangeStep.CHECK:
                     self._arbitrate(roster, r, claims, address)
                 elif step is RangeStep.COMPUTE:
@@ -104,10 +104,22 @@ class Resolver:
                         "round %d stage %d: range %d has no live owner; computing it here", self.t, self.stage, r
                     )
                     self._compute(roster, r)
+            self._take_all(roster, takes)
             if self._done() or time.monotonic() >= hard:
                 break
             wait_until(hard, stop, self.poll_s)
         return None
+
+    def _take_all(self, roster: Roster, takes: Sequence[tuple[int, str, list[str]]]) -> None:
+        """Fetch the agreed shards of `takes`, MAX_FETCHERS requests in flight (one range after another
+        would cost a round trip each: R ≈ M of them), and take each one that arrives checked."""
+        if not takes:
+            return
+        with ThreadPoolExecutor(max_workers=min(MAX_FETCHERS, len(takes))) as pool:
+            fetched = list(pool.map(lambda x: self.fetcher.shard(roster, *x), takes))
+        for (r, _, _), got in zip(takes, fetched, strict=True):
+            if got is not None:
+                self._take(r, *got)
 
     def _done(self) -> bool:
         return all(r in self.parsed for r in self.wanted)
