@@ -31,12 +31,6 @@ CONFIGS = {
         "RANGES_THREADS": "1",
         "OMP_NUM_THREADS": "1",
     },
-    "torch default, MKL SSE4.2, 2 threads": {
-        "ATEN_CPU_CAPABILITY": "default",
-        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-        "RANGES_THREADS": "2",
-        "OMP_NUM_THREADS": "2",
-    },
 }
 R, M, BIG, MISSING = 16, 8, 3, 5
 
