@@ -8,7 +8,7 @@ here, never from a formula of its own:
   plan's own sizes (`peer.core.ranges.plan.plan_ranges` for R = `n_ranges_for(n, n_units)`,
   `RangePlan.part_nbytes`, `peer.core.ranges.owner.shard_payload_nbytes`), plus a part's merkle proof
   (log2 R nodes of `NODE_BYTES`) and a shard's header (`Shard.to_bytes`: magic, version, round, stage,
-  range, roster digest and size, then the contributor and clip bitmaps over the roster);
+  range, roster digest and size, then the lists of missing and clipped roster positions);
 - compute time of H inner steps: `peer.tools.plan.plan_rows` (the planner's model: m micro-batches of
   max(compute, boundary message) each, at the flags' FLOP/s and the peer's link).
 """
@@ -43,9 +43,12 @@ class Sizes:
     def n(self) -> int:
         return len(self.parts)
 
-    def shard(self, r: int, n_roster: int, n_clipped: int = 0) -> int:
-        """Shard r's wire bytes: payload, header, two bitmaps over the roster, one scale per clipped part."""
-        return self.shards[r] + SHARD_HEAD + 2 * math.ceil(n_roster / 8) + 4 * n_clipped
+    def shard(self, r: int, n_roster: int, n_clipped: int = 0, n_missing: int = 0) -> int:
+        """Shard r's wire bytes (`Shard.to_bytes`): payload, header, the lists of missing roster positions
+        (u32 count + u32 each) and of clipped ones (u32 count + u32 position and f32 scale each). The
+        roster's size does not count: a shard names exceptions, not every contribution."""
+        assert 0 <= n_missing <= n_roster and 0 <= n_clipped <= n_roster
+        return self.shards[r] + SHARD_HEAD + 4 + 4 * n_missing + 4 + 8 * n_clipped
 
 
 @lru_cache(maxsize=64)
