@@ -32,7 +32,7 @@ from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 7  # 7: ranges rounds (PayloadRequest kind/ranges, announcements root/ranges, roster and shards records)
+PROTOCOL_VERSION = 7  # 7: ranges rounds (PayloadRequest kind/ranges, announcement root/ranges, roster, shards)
 # 5: portable initial state and commit, state claims (state_id, link), checked adoption
 # 4: streamed pipeline (route/window/attempt), data-plane proofs, Tunnel service, screening
 # 3: payload format v3 (entropy-coded indices, sign-magnitude values), global-norm clipping fields
