@@ -143,6 +143,19 @@ def baselines_for(templar_src: str | None) -> dict[str, Baseline]:
     return out
 
 
+def _size_figures(payload: Payload, cfg: SparseLoCoConfig) -> dict[str, float]:
+    """Bits per sent index and per value of a payload's sparse entries, and its header bytes."""
+    sparse = [e for e in payload.entries if e.kind == SPARSE]
+    n_idx = sum(n_selected(e.shape, cfg.chunk, cfg.topk) for e in sparse)
+    idx_bytes = sum(index_nbytes(e.shape, cfg.chunk, cfg.topk) for e in sparse)
+    value_bytes = sum(((cfg.quant_bits or 32) * n_selected(e.shape, cfg.chunk, cfg.topk) + 7) // 8 for e in sparse)
+    return {
+        "bits_per_index": 8 * idx_bytes / max(n_idx, 1),
+        "bits_per_value": 8 * value_bytes / max(n_idx, 1),
+        "header_bytes": 13 + sum(6 + len(e.name.encode()) + 4 * len(e.shape) for e in payload.entries),
+    }
+
+
 def codec_figures(
     delta: Mapping[str, torch.Tensor],
     cfg: SparseLoCoConfig,
@@ -189,11 +202,6 @@ def codec_figures(
         for name, roundtrip in baselines.items():
             base_runs[name].append(roundtrip(delta, cfg.topk, cfg.chunk))
     encode_s, decode_s = statistics.median(enc_times), statistics.median(dec_times)
-    sparse = [e for e in payload.entries if e.kind == SPARSE]
-    n_idx = sum(n_selected(e.shape, cfg.chunk, cfg.topk) for e in sparse)
-    idx_bytes = sum(index_nbytes(e.shape, cfg.chunk, cfg.topk) for e in sparse)
-    value_bytes = sum(((cfg.quant_bits or 32) * n_selected(e.shape, cfg.chunk, cfg.topk) + 7) // 8 for e in sparse)
-    header_bytes = 13 + sum(6 + len(e.name.encode()) + 4 * len(e.shape) for e in payload.entries)
     dense_copy = 4 * total
 
     def aggregate_m() -> dict[str, torch.Tensor]:
@@ -205,9 +213,7 @@ def codec_figures(
     out: dict[str, Any] = {
         "payload_bytes": len(wire),
         "bytes_per_param": len(wire) / total,
-        "bits_per_index": 8 * idx_bytes / max(n_idx, 1),
-        "bits_per_value": 8 * value_bytes / max(n_idx, 1),
-        "header_bytes": header_bytes,
+        **_size_figures(payload, cfg),
         "encode_first_round_s": first_s,
         "encode_s": encode_s,
         "decode_first_round_s": first_decode_s,

@@ -131,14 +131,8 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
         return step
     if isinstance(msg, StepReply):
         return pb.StepReply(ok=msg.ok, message=msg.message)
-    if isinstance(msg, PayloadRequest):
-        kind = pb.PayloadRequest.Kind.ValueType(int(msg.kind))
-        return pb.PayloadRequest(
-            outer_step=msg.outer_step, stage=msg.stage, sender=msg.sender, kind=kind, ranges=list(msg.ranges)
-        )
-    if isinstance(msg, RangesReply):
-        items = [pb.RangeBlob(range=i.range, data=i.data, proof=list(i.proof)) for i in msg.items]
-        return pb.RangesReply(items=items)
+    if isinstance(msg, (PayloadRequest, RangesReply)):
+        return _encode_round(msg)
     if isinstance(msg, StateRequest):
         return pb.StateRequest(stage=msg.stage)
     if isinstance(msg, StateReply):
@@ -150,6 +144,17 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
     if isinstance(msg, dict):
         return pb.InfoReply(json=_dump_json(msg, "info"))
     raise TypeError(f"no wire encoding for {type(msg).__name__}")
+
+
+def _encode_round(msg: PayloadRequest | RangesReply) -> PbMessage:
+    """An outer round's request for a payload, parts or a shard, or the parts/shards it is answered with."""
+    if isinstance(msg, PayloadRequest):
+        kind = pb.PayloadRequest.Kind.ValueType(int(msg.kind))
+        return pb.PayloadRequest(
+            outer_step=msg.outer_step, stage=msg.stage, sender=msg.sender, kind=kind, ranges=list(msg.ranges)
+        )
+    items = [pb.RangeBlob(range=i.range, data=i.data, proof=list(i.proof)) for i in msg.items]
+    return pb.RangesReply(items=items)
 
 
 def _decode_blob(msg: pb.Blob, limits: WireLimits) -> bytes:
