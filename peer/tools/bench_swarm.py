@@ -25,7 +25,8 @@ from rich.table import Table
 
 from peer.errors import ConfigError
 from peer.tools.swarm_net import LinkClass, LinkMix
-from peer.tools.swarm_sim import SimConfig, simulate, summarize
+from peer.tools.swarm_run import simulate
+from peer.tools.swarm_sim import SimConfig, summarize
 
 DEFAULT_PEERS = "8,16,32,64,128,256,512,1000"
 TARGET_PAYLOADS = 3.0

@@ -42,7 +42,8 @@ from peer.node.round.gather import RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, read_round, sha256
 from peer.node.service import PeerService
 from peer.tools.swarm_net import LinkClass, LinkMix
-from peer.tools.swarm_sim import SimConfig, simulate, summarize
+from peer.tools.swarm_run import simulate
+from peer.tools.swarm_sim import SimConfig, summarize
 from peer.tools.swarm_sizes import Sizes
 
 TIMINGS = RoundTimings(60.0, poll_s=0.2, ttl_s=120.0)

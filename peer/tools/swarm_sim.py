@@ -46,6 +46,16 @@ class Protocol:
     close_decision: Callable[[agreement.Poll], agreement.Close] = agreement.close_decision
 
 
+@dataclass
+class RuleHooks:
+    """How a peer runs its rounds (`run_peer(sim, peer)`, a simpy process) and how a range is checked
+    when an owner's records expire (`check_range(sim, ranges, r)`): `peer.tools.swarm_gather`'s, passed
+    in by `peer.tools.swarm_run.simulate`, so the engine never imports the gathers that read it."""
+
+    run_peer: Callable[..., Any] = field(default=lambda sim, peer: iter(()))
+    check_range: Callable[..., None] = field(default=lambda sim, ranges, r: None)
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """One simulation: the swarm, its links, the model and the protocol's clocks (units in names)."""
@@ -119,8 +129,10 @@ class RoundBoard:
 class Sim:
     """The simulated swarm: peers, network, DHT boards, and the records `round_view` reads."""
 
-    def __init__(self, cfg: SimConfig, protocol: Protocol | None = None) -> None:
+    def __init__(self, cfg: SimConfig, protocol: Protocol | None = None, rules: RuleHooks | None = None) -> None:
+        """`rules`: the two rules' gathers (`peer.tools.swarm_run` passes `peer.tools.swarm_gather`'s)."""
         self.cfg, self.proto = cfg, protocol or Protocol()
+        self.rules = rules or RuleHooks()
         self.env = simpy.Environment()
         self.rng = random.Random(cfg.seed)
         self.net = Network(self.env, cfg.mix.rpc_s)
@@ -145,9 +157,7 @@ class Sim:
         peer = Peer(pid, step=first_round, joined_at=first_round, poll_phase=self.rng.uniform(0, self.cfg.poll_s))
         self.peers[pid] = peer
         self.version += 1
-        from peer.tools.swarm_gather import run_peer  # the gathers read Sim; Sim starts them
-
-        self.env.process(run_peer(self, peer))
+        self.env.process(self.rules.run_peer(self, peer))
 
     def leave(self, peer: Peer) -> None:
         peer.alive = False
@@ -157,13 +167,11 @@ class Sim:
 
     def _expired(self, pid: str) -> None:
         """`pid`'s records expired: ranges it owned may be ready now (its backups', or the fallback)."""
-        from peer.tools.swarm_gather import check_range
-
         self.version += 1
         for board in self.boards.values():
             if board.ranges is not None:
                 for r in board.ranges.mine.get(pid, ()):
-                    check_range(self, board.ranges, r)
+                    self.rules.check_range(self, board.ranges, r)
 
     def recorded(self, pid: str) -> bool:
         """Its DHT records are still there (alive, or left less than the TTL ago)."""
@@ -248,17 +256,6 @@ class Sim:
             clock = max(p.step for p in live)
             if clock + 1 < cfg.rounds:
                 self.add_peer(clock + 1)
-
-
-def simulate(cfg: SimConfig, protocol: Protocol | None = None) -> Sim:
-    """Run `cfg.rounds` rounds (and let every peer finish its last); the finished `Sim`."""
-    sim = Sim(cfg, protocol)
-    for _ in range(cfg.peers):
-        sim.add_peer(0)
-    if cfg.churn_per_h > 0:
-        sim.env.process(sim.churn())
-    sim.env.run()
-    return sim
 
 
 def summarize(sim: Sim) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -40,17 +40,43 @@ from peer.core.model import stage_shapes
 from peer.core.ranges import RangePlan
 from peer.core.subspace_state import EMBED
 from peer.errors import NetworkError
+from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
 from peer.node.claims import Entry, entry, parse_claims
+from peer.node.presence import Presence
+from peer.node.refusals import Refusals
 from peer.node.round.agreement import round_bans
 from peer.node.round.gather import RoundResult, RoundTimings
 from peer.node.round.ownership import round_rule
-from peer.node.round.payloads import sha256
+from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.round.ranges import RangesResult, gather_ranges
 from peer.node.stage_ranges import embed_change, embed_ranges, range_plan
 from peer.node.stage_worker import StageWorker
 
-if TYPE_CHECKING:
-    from peer.node.round.rounds import Rounds
+
+class Rounds(Protocol):
+    """What a peer's jobs read of `peer.node.round.rounds.Rounds` (a structural type: that module
+    imports this one, so this one names only what it uses)."""
+
+    cfg: RunConfig
+    dht: SwarmDHT
+    clients: ClientPool
+    me: Presence
+    store: PayloadStore
+    refusals: Refusals
+    pg_bytes: int
+
+    def gather(
+        self,
+        worker: StageWorker,
+        t: int,
+        replica_id: str | None,
+        stop: threading.Event,
+        stage: int | None = None,
+        peers: Mapping[str, str] | None = None,
+        payload: Payload | None = None,
+    ) -> RoundResult: ...
+
 
 log = logging.getLogger(__name__)
 
