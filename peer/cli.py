@@ -26,6 +26,8 @@ from peer.core.files import atomic_write_bytes
 from peer.core.memory import parse_bytes
 from peer.errors import ConfigError, PeerError
 from peer.tools import flags
+from peer.tools import flags_plan as plan_flags
+from peer.tools import flags_simulate as sim_flags
 from peer.tools.bench_cli import bench_app
 from peer.tools.processes import stop_on_signals
 
@@ -71,31 +73,31 @@ def _png_path(flag: Path | None, json_out: Path | None, default: Path) -> Path:
 @app.command()
 def simulate(
     preset: flags.Preset = None,
-    replicas: flags.SimReplicas = None,
-    stages: flags.SimStages = None,
-    k_ratio: flags.SimKRatios = None,
-    het_fraction: flags.HetFraction = 0.5,
-    inner_steps: flags.SimInnerSteps = None,
-    outer_steps: flags.SimOuterSteps = None,
+    replicas: sim_flags.SimReplicas = None,
+    stages: sim_flags.SimStages = None,
+    k_ratio: sim_flags.SimKRatios = None,
+    het_fraction: sim_flags.HetFraction = 0.5,
+    inner_steps: sim_flags.SimInnerSteps = None,
+    outer_steps: sim_flags.SimOuterSteps = None,
     batch_size: flags.BatchSize = None,
     seq_len: flags.SeqLen = None,
-    lr: flags.Lr = None,
+    lr: sim_flags.Lr = None,
     seed: flags.Seed = None,
-    seeds: flags.SimSeeds = None,
-    configs: flags.Configs = "adamw,sparseloco,pp-compress,het-pp-compress",
-    val_tokens: flags.ValTokens = 16384,
-    quant_bits: flags.SimQuantBits = None,
-    clip_median: flags.ClipMedian = None,
-    adamw_lr: flags.AdamwLr = None,
-    te_adaptation: flags.TeAdaptation = True,
-    weight_projection: flags.WeightProjection = False,
-    paper_settings: flags.PaperSettings = False,
-    dataset: flags.SimDataset = None,
+    seeds: sim_flags.SimSeeds = None,
+    configs: sim_flags.Configs = "adamw,sparseloco,pp-compress,het-pp-compress",
+    val_tokens: sim_flags.ValTokens = 16384,
+    quant_bits: sim_flags.SimQuantBits = None,
+    clip_median: sim_flags.ClipMedian = None,
+    adamw_lr: sim_flags.AdamwLr = None,
+    te_adaptation: sim_flags.TeAdaptation = True,
+    weight_projection: sim_flags.WeightProjection = False,
+    paper_settings: sim_flags.PaperSettings = False,
+    dataset: sim_flags.SimDataset = None,
     json_out: flags.JsonOut = None,
-    plot: flags.SimPlot = None,
-    save: flags.Save = None,
-    attacks: flags.Attacks = None,
-    round_rule: flags.SimRound = "all",
+    plot: sim_flags.SimPlot = None,
+    save: sim_flags.Save = None,
+    attacks: sim_flags.Attacks = None,
+    round_rule: sim_flags.SimRound = "all",
     config: flags.Config = None,
     verbose: flags.Verbose = False,
 ) -> None:
@@ -134,21 +136,21 @@ def data_prepare(
 
 @app.command()
 def plan(
-    preset: flags.PlanPreset = "70B",
-    params: flags.PlanParams = None,
-    stages: flags.PlanStages = 4,
-    k_ratio: flags.PlanKRatio = "1/8",
-    inner_steps: flags.PlanInnerSteps = 50,
-    microbatch_size: flags.MicrobatchSize = 1,
-    microbatches: flags.Microbatches = 8,
-    seq_len: flags.PlanSeqLen = 2048,
-    flops: flags.Flops = 400e12,
-    bandwidth_mbps: flags.BandwidthMbps = "10,30,100,300,1000",
-    replicas: flags.PlanReplicas = 8,
-    wire_dtype: flags.PlanWireDtype = "bf16",
-    png: flags.Png = None,
-    json_out: flags.PlanJson = None,
-    memory: flags.PlanMemory = False,
+    preset: plan_flags.PlanPreset = "70B",
+    params: plan_flags.PlanParams = None,
+    stages: plan_flags.PlanStages = 4,
+    k_ratio: plan_flags.PlanKRatio = "1/8",
+    inner_steps: plan_flags.PlanInnerSteps = 50,
+    microbatch_size: plan_flags.MicrobatchSize = 1,
+    microbatches: plan_flags.Microbatches = 8,
+    seq_len: plan_flags.PlanSeqLen = 2048,
+    flops: plan_flags.Flops = 400e12,
+    bandwidth_mbps: plan_flags.BandwidthMbps = "10,30,100,300,1000",
+    replicas: plan_flags.PlanReplicas = 8,
+    wire_dtype: plan_flags.PlanWireDtype = "bf16",
+    png: plan_flags.Png = None,
+    json_out: plan_flags.PlanJson = None,
+    memory: plan_flags.PlanMemory = False,
 ) -> None:
     """Will my link keep up? Compute utilisation of compressed vs uncompressed pipelines (paper Fig. 2/3)."""
     from peer.tools.plan import plan_command

@@ -20,6 +20,7 @@ from rich.console import Console
 from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError
 from peer.tools import flags
+from peer.tools import flags_plan as plan_flags
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that measure the design's budgets.")
 console = Console()
@@ -65,12 +66,12 @@ def bench_pipeline_cmd(
     split: flags.PipeSplit = "cost",
     seq_len: flags.PipeSeqLen = 128,
     batch_size: flags.PipeBatch = 16,
-    microbatches: flags.Microbatches = 8,
+    microbatches: plan_flags.Microbatches = 8,
     k_ratios: flags.PipeKRatios = "1/8,1",
     rate: flags.PipeRate = "",
     rtt_ms: flags.PipeRtt = "",
     in_flight: flags.PipeInFlight = "1,0",
-    wire_dtype: flags.PlanWireDtype = "bf16",
+    wire_dtype: plan_flags.PlanWireDtype = "bf16",
     steps: flags.PipeSteps = 3,
     repeats: flags.PipeRepeats = 1,
     no_netns: flags.PipeNoNetns = False,
@@ -138,7 +139,7 @@ def bench_replica_cmd(
     stages: flags.ReplicaStages = 2,
     batch_size: flags.PipeBatch = 8,
     seq_len: flags.PipeSeqLen = 128,
-    microbatches: flags.Microbatches = 2,
+    microbatches: plan_flags.Microbatches = 2,
     warmup: flags.ReplicaWarmup = 2,
     steps: flags.ReplicaSteps = 6,
     repeats: flags.ReplicaRepeats = 3,

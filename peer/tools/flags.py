@@ -34,51 +34,6 @@ SwarmSecret = Annotated[
     typer.Option("--swarm-secret-file", help="The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."),
 ]
 
-# --- peer simulate -------------------------------------------------------------------------------
-
-Replicas = Annotated[int, typer.Option(help="M: replicas trained side by side.")]
-SimStages = Annotated[int | None, typer.Option(help="S: pipeline stages per replica (default 2).")]
-HetFraction = Annotated[
-    float, typer.Option("--het-fraction", help="α: fraction of uncompressed replicas in het-pp-compress.")
-]
-SimInnerSteps = Annotated[int | None, typer.Option("--inner-steps", help="H: inner steps per outer step (default 10).")]
-SimOuterSteps = Annotated[int | None, typer.Option("--outer-steps", help="T: outer steps (default 20).")]
-Lr = Annotated[float | None, typer.Option(help="Peak inner learning rate.")]
-Configs = Annotated[str, typer.Option(help="Comma-separated configs to run.")]
-SimDataset = Annotated[str | None, typer.Option(help="Local path or hub name; default: the embedded corpus.")]
-SimPlot = Annotated[Path | None, typer.Option(help="Loss-curve PNG (default: next to --json, else runs/simulate.png).")]
-Save = Annotated[Path | None, typer.Option(help="Write each config's final model checkpoint under DIR/<config>/.")]
-Attacks = Annotated[
-    str | None,
-    typer.Option(
-        "--attacks",
-        help="Also run each SparseLoCo config with its last replica poisoning every round (random, flip, negate; "
-        "comma-separated), with median clipping alone and with outlier screening, e.g. --replicas 8 --clip-median 2.",
-    ),
-]
-
-# --- peer plan -----------------------------------------------------------------------------------
-
-PlanPreset = Annotated[str, typer.Option(help="Model preset (tiny … 1B, or 70B for the paper's Fig. 2).")]
-PlanParams = Annotated[float | None, typer.Option(help="Parameter count instead of a preset (e.g. 7e9).")]
-PlanStages = Annotated[int, typer.Option(help="Pipeline stages.")]
-PlanKRatio = Annotated[str, typer.Option("--k-ratio", help="k/d of compressed boundaries.")]
-PlanInnerSteps = Annotated[int, typer.Option("--inner-steps", help="H: inner steps per outer step.")]
-MicrobatchSize = Annotated[int, typer.Option("--microbatch-size", help="Sequences per micro-batch.")]
-Microbatches = Annotated[int, typer.Option(help="Micro-batches per inner step.")]
-PlanSeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")]
-Flops = Annotated[float, typer.Option(help="Sustained accelerator FLOP/s per stage (e.g. 4e14).")]
-BandwidthMbps = Annotated[str, typer.Option("--bandwidth-mbps", help="Inter-stage bandwidths in Mbit/s.")]
-PlanReplicas = Annotated[int, typer.Option(help="Holders of each stage in the pseudo-gradient round.")]
-PlanWireDtype = Annotated[str, typer.Option("--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16.")]
-Png = Annotated[
-    Path | None, typer.Option("--png", help="Utilisation plot (default: next to --json, else runs/plan.png).")
-]
-PlanJson = Annotated[Path | None, typer.Option("--json", help="Write the table as JSON.")]
-PlanMemory = Annotated[
-    bool, typer.Option("--memory", help="Peak memory per stage for every preset and stage count instead.")
-]
-
 # --- peer bench / export -------------------------------------------------------------------------
 
 BenchParams = Annotated[
@@ -331,31 +286,6 @@ RelayMaxMbps = Annotated[
 CapsMbps = Annotated[float, typer.Option("--mbps", help="The upload and download cap to measure, Mbit/s.")]
 CapsWindow = Annotated[float, typer.Option("--window-s", help="Seconds each rate is measured over.")]
 CapsRepeats = Annotated[int, typer.Option("--repeats", help="Runs; the median of each figure is reported.")]
-
-# --- peer simulate (sweeps and the paper's switches) ----------------------------------------------
-
-SimReplicas = Annotated[int | None, typer.Option(help="M: replicas trained side by side (default 4).")]
-SimKRatios = Annotated[
-    str | None, typer.Option("--k-ratio", help="Subspace widths k/d, comma-separated: a sweep (default 1/8).")
-]
-SimSeeds = Annotated[str | None, typer.Option(help="Seeds, comma-separated, e.g. 0,1,2 (default: --seed).")]
-ValTokens = Annotated[int, typer.Option(help="Held-out tokens of every evaluation.")]
-SimQuantBits = Annotated[int | None, typer.Option(help="Bits per sent value: 0 (float32), 2, 4, 8 (default 2).")]
-ClipMedian = Annotated[
-    float | None, typer.Option(help="Clip each Δ̂ to this × the round's median norm (default 0: off).")
-]
-AdamwLr = Annotated[float | None, typer.Option(help="Inner learning rate of the adamw* configs (default --lr).")]
-SimRound = Annotated[
-    str,
-    typer.Option(
-        "--round", help="Each stage's round: all (all-to-all, today's) or ranges (range-sharded owners' shards)."
-    ),
-]
-TeAdaptation = Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")]
-WeightProjection = Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")]
-PaperSettings = Annotated[
-    bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
-]
 
 # --- peer data prepare ---------------------------------------------------------------------------
 
