@@ -24,7 +24,7 @@ from peer.net.transport.codec import decode, encode
 from peer.net.transport.messages import BackwardReply, ForwardReply, StepRequest
 from peer.node.stage_worker import StageWorker
 from peer.tools import experiments as ex
-from peer.tools import flags
+from peer.tools import flags_simulate as flags
 from peer.tools.sim_replica import LocalReplica
 from peer.tools.simulate import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
 from tests.corpora import pattern_corpus
