@@ -45,6 +45,14 @@ from peer.errors import ConfigError
 # The one wire-dtype table: boundary activations and gradients travel in one of these.
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# The paper's round rule as dotted overrides (arXiv 2601.02360 §3): what `--paper-settings` sets on
+# both sides, the bootstrap's manifest and `peer simulate`. The swarm's defaults depart from it
+# where a public swarm needs a defence (README, "Where the defaults depart from the paper").
+PAPER_ALGORITHM: dict[str, object] = {
+    "sparseloco.quant_bits": 0,
+    "sparseloco.clip_median_factor": 0.0,
+}
+
 
 @dataclass(frozen=True)
 class SubspaceConfig:

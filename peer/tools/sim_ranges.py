@@ -25,7 +25,7 @@ costs ("Range-sharded rounds"). Outlier screening and attacks are not part of th
 (`check_ranges` refuses them); median clipping is, per range.
 
 Invariants: every replica holds the same bits after the round (one `Committed`, loaded into each
-view); the "all" round (`peer.tools.simulate._commit_stage`) is untouched by this module.
+view); the "all" round (`peer.tools.sim_loops.commit_stage`) is untouched by this module.
 """
 
 from __future__ import annotations
