@@ -285,7 +285,7 @@ def apply_update(
 def commit_round(
     views: Sequence[Decoder],
     start: Mapping[str, Tensor],
-    decoded: Sequence[Mapping[str, Tensor]],
+    decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
     U: Tensor | None,
     embed_update: Tensor | None = None,

@@ -9,22 +9,25 @@ Both score the paper's metric after every outer step (`peer.tools.sim_results.Sc
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from peer.config import RunConfig
 from peer.core.codec.format import Payload
-from peer.core.commit import commit_round, perp_decay
+from peer.core.commit import Contribution, commit_round, perp_decay
 from peer.core.feedback import add_to_errors, returned
-from peer.core.loader import Corpus, train_batch
+from peer.core.loader import Corpus
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
 from peer.tools.attacks import check_attack, poison
+from peer.tools.sim_checkpoint import run_key
+from peer.tools.sim_pool import ReplicaPool, add_grads, batch, corpus_key
 from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
-from peer.tools.sim_replica import LocalReplica
+from peer.tools.sim_replica import LocalReplica, StepStats
 from peer.tools.sim_results import (
     ConfigResult,
     Progress,
@@ -34,6 +37,18 @@ from peer.tools.sim_results import (
     n_uncompressed,
     new_result,
 )
+from peer.tools.sim_runtime import current
+
+
+@dataclass
+class AdamwRun:
+    """Data-parallel AdamW's loop state after a finished outer step (what a checkpoint holds)."""
+
+    model: LocalReplica
+    result: ConfigResult
+    step: int = 0  # the next global step
+    act_bytes: int = 0
+    rng: torch.Tensor = field(default_factory=torch.get_rng_state)
 
 
 def run_adamw(
@@ -42,38 +57,78 @@ def run_adamw(
     """Data-parallel AdamW: gradients of M shards averaged every step (dense fp32 on the wire).
 
     With a subspace (`adamw-*`), replica m computes its gradient on the compressed path unless it
-    is one of the uncompressed ones; the one shared model keeps T_S in Col(U).
+    is one of the uncompressed ones; the one shared model keeps T_S in Col(U). The shards'
+    gradients are computed by the session's workers when it has them (`peer.tools.sim_pool`).
     """
+    rt, key = current(), run_key(cfg, kind, opts)
     if opts.adamw_lr is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=opts.adamw_lr))
     train, replicas = cfg.train, opts.replicas
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
-    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "adamw" else None
-    model = LocalReplica.build(cfg, compressed=False, U=U, weight_projection=opts.weight_projection and U is not None)
+    run: AdamwRun | None = rt.restore(key)
+    if run is None:
+        U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "adamw" else None
+        wp = opts.weight_projection and U is not None
+        model = rt.place(LocalReplica.build(cfg, compressed=False, U=U, weight_projection=wp))
+        run = AdamwRun(model, new_result(cfg, kind, opts, n_unc))
+    torch.set_rng_state(run.rng)
+    model, result, U = run.model, run.result, run.model.U
     total = train.inner_steps * train.outer_steps
-    n_params = sum(p.numel() for s in model.stages for p in s.parameters())
-    result = new_result(cfg, kind, opts, n_unc)
     scorer = Scorer.build(data, cfg, opts, n_unc)
-    act_bytes = 0
-    for step in range(total):
+    scorer.batches = rt.batches(scorer.batches)
+    if progress and run.step:
+        progress(kind, run.step, total, result.train_curve[-1][1])
+    pool = rt.pool(replicas)
+    for step in range(run.step, total):
         model.zero_grad()
+        paths = [U is not None and m >= n_unc for m in range(replicas)]
+        shards = _shards(model, data, paths, step, pool)
         loss = 0.0
-        for m in range(replicas):
-            model.compressed = U is not None and m >= n_unc
-            x, y = train_batch(data, m, replicas, step, train.batch_size, train.seq_len)
-            stats = model.accumulate(x, y, scale=1.0 / replicas)
+        for stats, compressed in zip(shards, paths, strict=True):
             loss += stats.loss / replicas
-            act_bytes += boundary_bytes(stats.boundary_values, cfg, stats.tokens, model.compressed)
+            run.act_bytes += boundary_bytes(stats.boundary_values, cfg, stats.tokens, compressed)
         model.compressed = False
         model.apply_step(step, keep_in_subspace=U is not None, decay_perp=U is not None and opts.te_adaptation)
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
-            scorer.score(result, model, model, step + 1)
+            _score(scorer, result, model, model, step + 1)
+            run.step, run.rng = step + 1, torch.get_rng_state()
+            rt.save(key, run)
         if progress:
             progress(kind, step + 1, total, loss)
+    n_params = sum(p.numel() for s in model.stages for p in s.parameters())
     result.pg_bytes = 4 * n_params * total
-    result.act_bytes = act_bytes // replicas
+    result.act_bytes = run.act_bytes // replicas
     return result, model
+
+
+def _shards(
+    model: LocalReplica, data: Corpus, paths: list[bool], step: int, pool: ReplicaPool | None
+) -> list[StepStats]:
+    """Every shard's gradient added into the model's, shard by shard (in process, or computed by the
+    workers and added here in the same order); each shard's stats."""
+    replicas = len(paths)
+    if pool is None:
+        out = []
+        for m, compressed in enumerate(paths):
+            model.compressed = compressed
+            out.append(model.accumulate(*batch(data, m, replicas, step, model), scale=1.0 / replicas))
+        return out
+    model.compressed = False
+    jobs = [(model, m, replicas, step, compressed) for m, compressed in enumerate(paths)]
+    done = pool.map("grads", corpus_key(data), jobs)
+    for grads, _ in done:
+        add_grads(model, grads)
+    return [stats for _, stats in done]
+
+
+def _score(
+    scorer: Scorer, result: ConfigResult, unc: LocalReplica | None, comp: LocalReplica | None, step: int
+) -> None:
+    """The paper's metric after an outer step; the held-out losses kept on the CPU."""
+    scorer.score(result, unc, comp, step)
+    if result.val_sequences is not None:
+        result.val_sequences = result.val_sequences.cpu()
 
 
 class StageRound(NamedTuple):
@@ -106,16 +161,17 @@ def commit_stage(
     if opts.round_rule == "ranges":
         ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t)
         return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
-    decoded = []
+    parsed = []  # the fused commit of parsed payloads: no dense Δ̂, the same bits
     for m, rep in enumerate(reps):
         delta = pseudo_gradient(start, stage_state(rep.stages[s]))
         payload, errors[m][s] = compress(delta, errors[m][s], slc)
         wire = payload.to_bytes()
         pg_bytes[m] += len(wire)
-        decoded.append(decompress(Payload.from_bytes(wire)))
+        parsed.append(Payload.from_bytes(wire))
+    decoded: list[Contribution] = list(parsed)
     if opts.attack is not None:
-        decoded[-1] = poison(opts.attack, decoded[-1], t, s, slc)
-    U = reps[0].U
+        decoded[-1] = poison(opts.attack, decompress(parsed[-1]), t, s, slc)
+    U = None if reps[0].U is None else reps[0].U.cpu()  # the commit runs on the CPU
     views = [rep.stages[s] for rep in reps]
     done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, opts.robust)
     honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
@@ -126,42 +182,59 @@ def commit_stage(
     return StageRound(done.clip.n_clipped, done.dropped, done.embed_update)
 
 
+@dataclass
+class DilocoRun:
+    """SparseLoCo's loop state after a finished outer step (what a checkpoint holds)."""
+
+    reps: list[LocalReplica]
+    errors: list[list[dict[str, torch.Tensor] | None]]
+    result: ConfigResult
+    initial_perp: list[torch.Tensor]
+    pg_bytes: list[int]
+    act_bytes: list[int]
+    t: int = 0  # the next outer step
+    rng: torch.Tensor = field(default_factory=torch.get_rng_state)
+
+
+def _new_diloco(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> DilocoRun:
+    replicas, rt = opts.replicas, current()
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
+    wp = opts.weight_projection and U is not None
+    reps = [
+        rt.place(LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp)) for m in range(replicas)
+    ]
+    errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
+    initial_perp = [perp_of(st).clone() for st in reps[0].stages] if U is not None else []
+    result = new_result(cfg, kind, opts, n_unc)
+    return DilocoRun(reps, errors, result, initial_perp, [0] * replicas, [0] * replicas)
+
+
 def run_diloco(
     cfg: RunConfig, data: Corpus, kind: str, opts: SimOptions, progress: Progress | None
 ) -> tuple[ConfigResult, LocalReplica]:
-    """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries."""
-    train, replicas = cfg.train, opts.replicas
+    """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries.
+
+    The inner steps run on the session's workers when it has them (`peer.tools.sim_pool`); the
+    state after every outer step goes to the session's checkpoint, and a stored one is resumed."""
+    train, replicas, rt, key = cfg.train, opts.replicas, current(), run_key(cfg, kind, opts)
     check_attack(opts.attack)
     check_ranges(opts.round_rule, opts.robust, opts.attack)
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
-    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
-    wp = opts.weight_projection and U is not None
-    reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp) for m in range(replicas)]
-    errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
-    result = new_result(cfg, kind, opts, n_unc)
+    run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, n_unc)
+    torch.set_rng_state(run.rng)
+    result, reps, U = run.result, run.reps, run.reps[0].U
     scorer = Scorer.build(data, cfg, opts, n_unc)
+    scorer.batches = rt.batches(scorer.batches)
     total = train.inner_steps * train.outer_steps
-    pg_bytes = [0] * replicas
-    act_bytes = [0] * replicas
-    initial_perp = [perp_of(st).clone() for st in reps[0].stages] if U is not None else []
-    for t in range(train.outer_steps):
-        starts = [stage_state(st) for st in reps[0].stages]
-        for h in range(train.inner_steps):
-            step = t * train.inner_steps + h
-            losses = []
-            for m, rep in enumerate(reps):
-                x, y = train_batch(data, m, replicas, step, train.batch_size, train.seq_len)
-                stats = rep.inner_step(x, y, step)
-                losses.append(stats.loss)
-                act_bytes[m] += boundary_bytes(stats.boundary_values, cfg, stats.tokens, rep.compressed)
-            loss = sum(losses) / replicas
-            result.train_curve.append((step, loss))
-            if progress:
-                progress(kind, step + 1, total, loss)
+    if progress and run.t:
+        progress(kind, run.t * train.inner_steps, total, result.train_curve[-1][1])
+    for t in range(run.t, train.outer_steps):
+        starts = [{n: v.cpu() for n, v in stage_state(st).items()} for st in reps[0].stages]
+        _inner_steps(run, data, cfg, t, kind, progress)
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
-            done = commit_stage(reps, s, starts[s], errors, pg_bytes, cfg, factor, embed_update, opts, t)
+            done = commit_stage(reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t)
             result.clipped += done.clipped
             result.dropped += [(t, s, m) for m in done.dropped]
             result.rounds += 1
@@ -171,13 +244,40 @@ def run_diloco(
                 embed_update = done.embed_update
         if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
             for rep in reps:
-                for st, perp in zip(rep.stages, initial_perp, strict=True):
+                for st, perp in zip(rep.stages, run.initial_perp, strict=True):
                     set_perp(st, perp)
         for rep in reps:
             rep.project_outputs()
         unc = reps[0] if n_unc > 0 else None
         comp = reps[n_unc] if n_unc < replicas else None
-        scorer.score(result, unc, comp, (t + 1) * train.inner_steps)
-    result.pg_bytes = sum(pg_bytes) // replicas
-    result.act_bytes = sum(act_bytes) // replicas
+        _score(scorer, result, unc, comp, (t + 1) * train.inner_steps)
+        run.t, run.rng = t + 1, torch.get_rng_state()
+        rt.save(key, run)
+    result.pg_bytes = sum(run.pg_bytes) // replicas
+    result.act_bytes = sum(run.act_bytes) // replicas
     return result, reps[0]
+
+
+def _inner_steps(run: DilocoRun, data: Corpus, cfg: RunConfig, t: int, kind: str, progress: Progress | None) -> None:
+    """Outer step t's H inner steps of every replica (in process, or on the session's workers);
+    each step's replica-mean loss into the train curve (summed in replica order) and the progress."""
+    H, replicas = cfg.train.inner_steps, len(run.reps)
+    total = H * cfg.train.outer_steps
+    pool = current().pool(replicas)
+    if pool is not None:
+        jobs = [(rep, m, replicas, t * H, H) for m, rep in enumerate(run.reps)]
+        done = pool.map("inner", corpus_key(data), jobs)
+        run.reps[:] = [rep for rep, _ in done]
+        per_step = [[stats[h] for _, stats in done] for h in range(H)]
+    for h in range(H):
+        step = t * H + h
+        if pool is None:
+            stats_h = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for m, rep in enumerate(run.reps)]
+        else:
+            stats_h = per_step[h]
+        for m, (rep, stats) in enumerate(zip(run.reps, stats_h, strict=True)):
+            run.act_bytes[m] += boundary_bytes(stats.boundary_values, cfg, stats.tokens, rep.compressed)
+        loss = sum(s.loss for s in stats_h) / replicas
+        run.result.train_curve.append((step, loss))
+        if progress:
+            progress(kind, step + 1, total, loss)

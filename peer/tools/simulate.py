@@ -48,6 +48,7 @@ from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
 from peer.tools.plots import figure
+from peer.tools.sim_checkpoint import run_key
 from peer.tools.sim_loops import StageRound, commit_stage, run_adamw, run_diloco
 from peer.tools.sim_results import (
     BASELINES,
@@ -58,6 +59,7 @@ from peer.tools.sim_results import (
     Progress,
     SimOptions,
 )
+from peer.tools.sim_runtime import current
 
 __all__ = [
     "BASELINES",
@@ -102,6 +104,11 @@ def run_config(
     save_dir: Path | None = None,
 ) -> ConfigResult:
     """One configuration at cfg's seed and k/d (checkpointed under save_dir/name if given)."""
+    rt, key = current(), run_key(cfg, name, opts)
+    if (stored := rt.finished(key)) is not None:  # a resumed sweep: this run finished before
+        if progress:
+            progress(name, len(stored.train_curve), len(stored.train_curve), stored.final_loss)
+        return stored  # type: ignore[no-any-return]
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
     if name.startswith("adamw"):
@@ -111,6 +118,7 @@ def run_config(
     res.wall_s = time.perf_counter() - started
     res.final_loss = _final(res.train_curve, cfg.train.inner_steps)
     log.info("%s: train %.4f val %.4f in %.1fs", name, res.final_loss, res.final_val_loss, res.wall_s)
+    rt.save(key, res, done=True)
     if save_dir is not None:
         meta = {"simulate": res.summary(), "run": cfg.to_dict()}
         tok = data.tokenizer.path if data.tokenizer is not None else None

@@ -1,0 +1,214 @@
+"""Parallel replicas of `peer simulate`: spawned worker processes that run the inner steps.
+
+Each worker (spawned, never forked: the parent's torch threads may already run) sets torch to one
+thread, opens the run's corpus itself (the prepared folder and its seed: `Corpus` reads memory
+maps, so nothing large crosses) and serves two requests:
+- `inner`: whole `LocalReplica`s (pickled as they are, so every field — optimizer state, buffers,
+  whatever the class gains — rides along) run their H inner steps of one outer step, in order, and
+  come back with each step's `StepStats`;
+- `grads`: data-parallel AdamW's shard m — the model's gradient of each micro-batch, separately, so
+  the coordinator adds them up in the in-process order (shard by shard, micro-batch by
+  micro-batch): the same sums as one process accumulating them.
+
+Replica m goes to worker m mod N. A replica's inner steps read only itself and its batches, so the
+results are bit-identical to the in-process path (tests compare every curve value and byte count).
+The pool is closed on any exit: a worker that does not stop when asked is terminated, so no
+process outlives the sweep (KeyboardInterrupt included: workers ignore SIGINT, the parent ends them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.core.inner import accumulate
+from peer.core.loader import Corpus, train_batch
+from peer.core.shards import PreparedDataset
+from peer.errors import ConfigError
+from peer.tools.sim_replica import LocalReplica, StepStats
+
+CorpusKey = tuple[str, int]  # (prepared folder, seed): how a worker opens the run's corpus
+Grads = list[list[torch.Tensor | None]]  # per micro-batch: each parameter's gradient (None: unused)
+
+
+def default_workers(replicas: int) -> int:
+    """All cores, at most one per replica."""
+    return max(1, min(os.cpu_count() or 1, replicas))
+
+
+def check_workers(workers: int | None) -> None:
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be >= 1 (1: the replicas run in this process), got {workers}")
+
+
+def corpus_key(data: Corpus) -> CorpusKey:
+    return str(data.dataset.root), data.seed
+
+
+def batch(data: Corpus, m: int, replicas: int, step: int, rep: LocalReplica) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica m's batch of global `step`, on the device of the replica's weights."""
+    train = rep.cfg.train
+    x, y = train_batch(data, m, replicas, step, train.batch_size, train.seq_len)
+    device = next(rep.stages[0].parameters()).device
+    return (x, y) if device.type == "cpu" else (x.to(device), y.to(device))
+
+
+def inner_steps(
+    data: Corpus, rep: LocalReplica, m: int, replicas: int, first: int, count: int
+) -> tuple[LocalReplica, list[StepStats]]:
+    """Replica m's inner steps first … first + count − 1 (global step numbers)."""
+    stats = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for step in range(first, first + count)]
+    return rep, stats
+
+
+def shard_grads(
+    data: Corpus, model: LocalReplica, m: int, replicas: int, step: int, compressed: bool
+) -> tuple[Grads, StepStats]:
+    """Shard m's gradients of ∇(loss / (n_micro · M)) (on the compressed path or not), one list per
+    micro-batch (`peer.core.inner.accumulate` runs as it does in process; each micro-batch's gradient
+    is taken off before the next one)."""
+    params = [p for st in model.stages for p in st.parameters()]
+    grads: Grads = []
+
+    def take() -> None:
+        grads.append([None if p.grad is None else p.grad.detach().clone() for p in params])
+        model.zero_grad()
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if grads or any(p.grad is not None for p in params):
+            take()
+        return model.forward_loss(x, y)
+
+    model.compressed = compressed
+    model.zero_grad()
+    x, y = batch(data, m, replicas, step, model)
+    loss, crossed = accumulate(forward, x, y, model.cfg.train.microbatches, 1.0 / replicas)
+    take()
+    return grads, StepStats(loss=loss, tokens=x.numel(), boundary_values=crossed)
+
+
+@torch.no_grad()
+def add_grads(model: LocalReplica, grads: Grads) -> None:
+    """Add micro-batch gradients into the model's, in order (as autograd accumulates them)."""
+    params = [p for st in model.stages for p in st.parameters()]
+    for micro in grads:
+        for p, g in zip(params, micro, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.to(p.device)
+            else:
+                p.grad += g.to(p.device)
+
+
+_OPS: dict[str, Callable[..., Any]] = {"inner": inner_steps, "grads": shard_grads}
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's loop: (op, corpus key, jobs) in, ("ok", results) or ("err", exception) out."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends the pool
+    torch.set_num_threads(1)
+    corpora: dict[CorpusKey, Corpus] = {}
+    while True:
+        try:
+            op, key, args = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the parent is gone
+            return
+        if op == "stop":
+            return
+        try:
+            if key not in corpora:
+                corpora[key] = Corpus(PreparedDataset.open(Path(key[0])), None, key[1])
+            reply: tuple[str, Any] = ("ok", [_OPS[op](corpora[key], *job) for job in args])
+        except Exception as exc:  # noqa: BLE001  # sent to the parent, which raises it
+            reply = ("err", _picklable(exc))
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _picklable(exc: Exception) -> Exception:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"simulator worker failed:\n{''.join(traceback.format_exception(exc))}")
+
+
+class ReplicaPool:
+    """N spawned workers; `map` sends one request per worker slot and gathers the replies in order."""
+
+    def __init__(self, workers: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        try:
+            for i in range(workers):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(child,), name=f"peer-sim-{i}", daemon=True)
+                proc.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(proc)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    @property
+    def size(self) -> int:
+        return len(self.procs)
+
+    def map(self, op: str, key: CorpusKey, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run jobs[j] on worker j mod N (each worker's share in one message, run in order); the
+        results in job order. A worker's failure is raised here once every worker has replied."""
+        shares = [list(range(w, len(jobs), self.size)) for w in range(self.size)]
+        busy = [w for w in range(self.size) if shares[w]]
+        for w in busy:
+            message = (op, key, [jobs[j] for j in shares[w]])
+            self.conns[w].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        results: list[Any] = [None] * len(jobs)
+        failure: BaseException | None = None
+        for w in busy:
+            status, value = self._receive(w)
+            if status != "ok":
+                failure = failure or value
+                continue
+            for j, out in zip(shares[w], value, strict=True):
+                results[j] = out
+        if failure is not None:
+            raise failure
+        return results
+
+    def _receive(self, w: int) -> tuple[str, Any]:
+        try:
+            reply: tuple[str, Any] = pickle.loads(self.conns[w].recv_bytes())
+        except (EOFError, OSError):
+            self.procs[w].join(timeout=5)
+            return "err", RuntimeError(f"simulator worker {w} exited (exit code {self.procs[w].exitcode})")
+        return reply
+
+    def close(self, force: bool = False) -> None:
+        """Stop every worker (asked, then terminated after a grace period or at once with `force`)."""
+        for conn in self.conns:
+            if not force:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(pickle.dumps(("stop", None, ())))
+        for proc in self.procs:
+            proc.join(timeout=0 if force else 5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
