@@ -98,14 +98,18 @@ def simulate(
     save: sim_flags.Save = None,
     attacks: sim_flags.Attacks = None,
     round_rule: sim_flags.SimRound = "all",
+    workers: sim_flags.SimWorkers = None,
+    device: sim_flags.SimDevice = "cpu",
+    resume: sim_flags.SimResume = False,
+    checkpoint_dir: sim_flags.SimCheckpointDir = None,
     config: flags.Config = None,
     verbose: flags.Verbose = False,
 ) -> None:
-    """Run the paper's configurations (Tables 2, 4, 5) in one process on the same data and steps."""
+    """Run the paper's configurations (Tables 2, 4, 5) on the same data and steps (replicas in parallel)."""
     _setup_logging(verbose)
     from peer.tools.simulate_command import command
 
-    args = dict(locals())
+    args = dict(locals()) | {"checkpoint_dir": checkpoint_dir or RUNS / "simulate-ckpt"}
     command(console, args, _png_path(plot, json_out, RUNS / "simulate.png"), _write_json)
 
 

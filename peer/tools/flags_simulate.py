@@ -54,3 +54,29 @@ WeightProjection = Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs i
 PaperSettings = Annotated[
     bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
 ]
+
+# --- peer simulate (how it runs: workers, device, checkpoint) -------------------------------------
+
+SimWorkers = Annotated[
+    int | None,
+    typer.Option(
+        help="Worker processes that run the replicas' inner steps (default: all cores, at most M; "
+        "1: in this process). The results are the same bits for any count."
+    ),
+]
+SimDevice = Annotated[
+    str, typer.Option(help="Where the replicas train: cpu or cuda (the commit math stays on the CPU).")
+]
+SimResume = Annotated[
+    bool,
+    typer.Option(
+        help="Continue the interrupted sweep in --checkpoint-dir: finished runs are not rerun, the interrupted "
+        "one continues from its last outer step (the same settings are required)."
+    ),
+]
+SimCheckpointDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--checkpoint-dir", help="Where every run's state after each outer step goes (default runs/simulate-ckpt)."
+    ),
+]

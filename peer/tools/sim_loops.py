@@ -168,7 +168,8 @@ def commit_stage(
         wire = payload.to_bytes()
         pg_bytes[m] += len(wire)
         parsed.append(Payload.from_bytes(wire))
-    decoded: list[Contribution] = list(parsed)
+    fused = current().fused_commit
+    decoded: list[Contribution] = list(parsed) if fused else [decompress(p) for p in parsed]
     if opts.attack is not None:
         decoded[-1] = poison(opts.attack, decompress(parsed[-1]), t, s, slc)
     U = None if reps[0].U is None else reps[0].U.cpu()  # the commit runs on the CPU

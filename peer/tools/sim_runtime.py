@@ -29,6 +29,7 @@ class Runtime:
     workers: int = 1  # 1: in this process
     device: str = "cpu"
     checkpoint: SweepCheckpoint | None = None
+    fused_commit: bool = True  # False: decode every payload densely first (the old path; `bench_simulate`)
     _pool: ReplicaPool | None = field(default=None, repr=False)
 
     def pool(self, replicas: int) -> ReplicaPool | None:
@@ -88,11 +89,13 @@ def check_device(device: str, workers: int | None) -> None:
 
 
 @contextmanager
-def session(workers: int = 1, device: str = "cpu", checkpoint: SweepCheckpoint | None = None) -> Iterator[Runtime]:
+def session(
+    workers: int = 1, device: str = "cpu", checkpoint: SweepCheckpoint | None = None, fused_commit: bool = True
+) -> Iterator[Runtime]:
     """Run the loops inside with these settings; the worker pool is closed on any exit."""
     check_workers(workers)
     check_device(device, workers)
-    rt = Runtime(workers, device, checkpoint)
+    rt = Runtime(workers, device, checkpoint, fused_commit)
     _stack.append(rt)
     failed = True
     try:

@@ -1,13 +1,16 @@
 """`peer simulate`: the body of the command (the CLI keeps only its flags, `peer/cli.py`).
 
 Plans the sweep from the flags (`experiments.plan_sweep`), opens (or prepares) the corpus once, runs every
-configuration × seed × k/d with one progress bar per run, then prints the loss table, the summary
-(and poisoning) tables, writes the loss-curve PNG and, if asked, the JSON of every run.
+configuration × seed × k/d with one progress bar per run (replicas on `--workers` processes, on `--device`,
+every run's state checkpointed after each outer step under `--checkpoint-dir`; `--resume` continues there),
+then prints the loss table, the summary (and poisoning) tables, writes the loss-curve PNG and, if asked,
+the JSON of every run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,9 @@ from rich.progress import Progress
 from peer.core.loader import load_corpus
 from peer.tools import experiments as ex
 from peer.tools.render import loss_progress_columns, simulate_table
+from peer.tools.sim_checkpoint import SweepCheckpoint
+from peer.tools.sim_pool import check_workers, default_workers
+from peer.tools.sim_runtime import Runtime, check_device, session
 from peer.tools.simulate import SimOptions, plot_curves
 
 
@@ -60,6 +66,7 @@ def command(
         ),
     )
     m = opts.replicas
+    runtime = _session(a, m)
     with console.status("preparing data and tokenizer…"):
         data = load_corpus(cfg.data)
     total = cfg.train.inner_steps * cfg.train.outer_steps
@@ -71,7 +78,8 @@ def command(
                 tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
             bar.update(tasks[name], completed=done, loss=loss)
 
-        results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, a["save"])
+        with runtime:
+            results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, a["save"])
 
     console.print(simulate_table(results, cfg, m))
     rows = ex.summarize(results)
@@ -87,3 +95,19 @@ def command(
         sweep = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, a["paper_settings"])
         write_json(json_out, {"configs": [r.summary() for r in results], "summary": rows, "args": sweep})
         console.print(f"results: {json_out}")
+
+
+# flags that do not change a result: a resumed sweep may differ in them
+NOT_COMPARED = ("workers", "resume", "checkpoint_dir", "json_out", "plot", "save", "verbose")
+
+
+def _session(a: dict[str, Any], replicas: int) -> AbstractContextManager[Runtime]:
+    """The run's workers, device and checkpoint (checked, and the checkpoint opened, before any data)."""
+    device = a.get("device", "cpu")
+    check_workers(a.get("workers"))
+    check_device(device, a.get("workers"))
+    workers = a.get("workers") or (1 if device != "cpu" else default_workers(replicas))
+    folder = a.get("checkpoint_dir")
+    compared = {k: v for k, v in a.items() if k not in NOT_COMPARED}
+    checkpoint = SweepCheckpoint(Path(folder), compared, bool(a.get("resume"))) if folder else None
+    return session(workers, device, checkpoint)
