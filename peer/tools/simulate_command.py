@@ -108,6 +108,6 @@ def _session(a: dict[str, Any], replicas: int) -> AbstractContextManager[Runtime
     check_device(device, a.get("workers"))
     workers = a.get("workers") or (1 if device != "cpu" else default_workers(replicas))
     folder = a.get("checkpoint_dir")
-    compared = {k: v for k, v in a.items() if k not in NOT_COMPARED}
+    compared = {k: v for k, v in a.items() if k not in NOT_COMPARED and not callable(v)}
     checkpoint = SweepCheckpoint(Path(folder), compared, bool(a.get("resume"))) if folder else None
     return session(workers, device, checkpoint)
