@@ -25,7 +25,7 @@ from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
 from peer.tools.attacks import check_attack, poison
 from peer.tools.sim_checkpoint import run_key
-from peer.tools.sim_pool import ReplicaPool, add_grads, batch, corpus_key
+from peer.tools.sim_pool import Pending, ReplicaPool, add_grads, batch, corpus_key
 from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.tools.sim_replica import LocalReplica, StepStats
 from peer.tools.sim_results import (
@@ -78,17 +78,18 @@ def run_adamw(
     scorer.batches = rt.batches(scorer.batches)
     if progress and run.step:
         progress(kind, run.step, total, result.train_curve[-1][1])
-    pool = rt.pool(replicas)
+    pool, paths = rt.pool(replicas), [U is not None and m >= n_unc for m in range(replicas)]
+    pending = _send_shards(pool, model, data, paths, run.step, total)
     for step in range(run.step, total):
         model.zero_grad()
-        paths = [U is not None and m >= n_unc for m in range(replicas)]
-        shards = _shards(model, data, paths, step, pool)
+        shards = _shards(model, data, paths, step, pool, pending)
         loss = 0.0
         for stats, compressed in zip(shards, paths, strict=True):
             loss += stats.loss / replicas
             run.act_bytes += boundary_bytes(stats.boundary_values, cfg, stats.tokens, compressed)
         model.compressed = False
         model.apply_step(step, keep_in_subspace=U is not None, decay_perp=U is not None and opts.te_adaptation)
+        pending = _send_shards(pool, model, data, paths, step + 1, total)  # the workers start on it now
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
             _score(scorer, result, model, model, step + 1)
@@ -102,21 +103,30 @@ def run_adamw(
     return result, model
 
 
+def _send_shards(
+    pool: ReplicaPool | None, model: LocalReplica, data: Corpus, paths: list[bool], step: int, total: int
+) -> Pending | None:
+    """Send step `step`'s shards to the workers (the model as it is now), if there are workers and steps."""
+    if pool is None or step >= total:
+        return None
+    model.zero_grad()
+    jobs = [(model, m, len(paths), step, compressed) for m, compressed in enumerate(paths)]
+    return pool.submit("grads", corpus_key(data), jobs)
+
+
 def _shards(
-    model: LocalReplica, data: Corpus, paths: list[bool], step: int, pool: ReplicaPool | None
+    model: LocalReplica, data: Corpus, paths: list[bool], step: int, pool: ReplicaPool | None, pending: Pending | None
 ) -> list[StepStats]:
     """Every shard's gradient added into the model's, shard by shard (in process, or computed by the
-    workers and added here in the same order); each shard's stats."""
+    workers — `pending` — and added here in the same order); each shard's stats."""
     replicas = len(paths)
-    if pool is None:
+    if pool is None or pending is None:
         out = []
         for m, compressed in enumerate(paths):
             model.compressed = compressed
             out.append(model.accumulate(*batch(data, m, replicas, step, model), scale=1.0 / replicas))
         return out
-    model.compressed = False
-    jobs = [(model, m, replicas, step, compressed) for m, compressed in enumerate(paths)]
-    done = pool.map("grads", corpus_key(data), jobs)
+    done = pool.collect(pending)
     for grads, _ in done:
         add_grads(model, grads)
     return [stats for _, stats in done]
@@ -229,9 +239,11 @@ def run_diloco(
     total = train.inner_steps * train.outer_steps
     if progress and run.t:
         progress(kind, run.t * train.inner_steps, total, result.train_curve[-1][1])
+    pool = rt.pool(replicas)
+    pending = _send_inner(pool, run, data, cfg, run.t)
     for t in range(run.t, train.outer_steps):
         starts = [{n: v.cpu() for n, v in stage_state(st).items()} for st in reps[0].stages]
-        _inner_steps(run, data, cfg, t, kind, progress)
+        _inner_steps(run, data, cfg, t, kind, progress, pool, pending)
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
@@ -249,6 +261,7 @@ def run_diloco(
                     set_perp(st, perp)
         for rep in reps:
             rep.project_outputs()
+        pending = _send_inner(pool, run, data, cfg, t + 1)  # the workers train on while this scores
         unc = reps[0] if n_unc > 0 else None
         comp = reps[n_unc] if n_unc < replicas else None
         _score(scorer, result, unc, comp, (t + 1) * train.inner_steps)
@@ -259,20 +272,35 @@ def run_diloco(
     return result, reps[0]
 
 
-def _inner_steps(run: DilocoRun, data: Corpus, cfg: RunConfig, t: int, kind: str, progress: Progress | None) -> None:
-    """Outer step t's H inner steps of every replica (in process, or on the session's workers);
+def _send_inner(pool: ReplicaPool | None, run: DilocoRun, data: Corpus, cfg: RunConfig, t: int) -> Pending | None:
+    """Send outer step t's inner steps to the workers (the replicas as they are now), if any."""
+    if pool is None or t >= cfg.train.outer_steps:
+        return None
+    H, replicas = cfg.train.inner_steps, len(run.reps)
+    return pool.submit("inner", corpus_key(data), [(rep, m, replicas, t * H, H) for m, rep in enumerate(run.reps)])
+
+
+def _inner_steps(
+    run: DilocoRun,
+    data: Corpus,
+    cfg: RunConfig,
+    t: int,
+    kind: str,
+    progress: Progress | None,
+    pool: ReplicaPool | None = None,
+    pending: Pending | None = None,
+) -> None:
+    """Outer step t's H inner steps of every replica (in process, or sent to the workers: `pending`);
     each step's replica-mean loss into the train curve (summed in replica order) and the progress."""
     H, replicas = cfg.train.inner_steps, len(run.reps)
     total = H * cfg.train.outer_steps
-    pool = current().pool(replicas)
-    if pool is not None:
-        jobs = [(rep, m, replicas, t * H, H) for m, rep in enumerate(run.reps)]
-        done = pool.map("inner", corpus_key(data), jobs)
+    if pool is not None and pending is not None:
+        done = pool.collect(pending)
         run.reps[:] = [rep for rep, _ in done]
         per_step = [[stats[h] for _, stats in done] for h in range(H)]
     for h in range(H):
         step = t * H + h
-        if pool is None:
+        if pool is None or pending is None:
             stats_h = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for m, rep in enumerate(run.reps)]
         else:
             stats_h = per_step[h]

@@ -25,6 +25,7 @@ import pickle
 import signal
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,14 @@ def _picklable(exc: Exception) -> Exception:
         return RuntimeError(f"simulator worker failed:\n{''.join(traceback.format_exception(exc))}")
 
 
+@dataclass(frozen=True)
+class Pending:
+    """Jobs sent to the workers (`ReplicaPool.submit`), not yet collected."""
+
+    n_jobs: int
+    shares: list[list[int]]  # per worker: its jobs' positions
+
+
 class ReplicaPool:
     """N spawned workers; `map` sends one request per worker slot and gathers the replies in order."""
 
@@ -169,19 +178,29 @@ class ReplicaPool:
     def map(self, op: str, key: CorpusKey, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run jobs[j] on worker j mod N (each worker's share in one message, run in order); the
         results in job order. A worker's failure is raised here once every worker has replied."""
+        return self.collect(self.submit(op, key, jobs))
+
+    def submit(self, op: str, key: CorpusKey, jobs: Sequence[tuple[Any, ...]]) -> Pending:
+        """Send the jobs (pickled now: later changes to their objects do not travel); `collect` waits."""
         shares = [list(range(w, len(jobs), self.size)) for w in range(self.size)]
-        busy = [w for w in range(self.size) if shares[w]]
-        for w in busy:
-            message = (op, key, [jobs[j] for j in shares[w]])
-            self.conns[w].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-        results: list[Any] = [None] * len(jobs)
+        for w, share in enumerate(shares):
+            if share:
+                message = (op, key, [jobs[j] for j in share])
+                self.conns[w].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        return Pending(len(jobs), shares)
+
+    def collect(self, pending: Pending) -> list[Any]:
+        """The results of `submit`'s jobs, in job order (the first failure raised after every reply)."""
+        results: list[Any] = [None] * pending.n_jobs
         failure: BaseException | None = None
-        for w in busy:
+        for w, share in enumerate(pending.shares):
+            if not share:
+                continue
             status, value = self._receive(w)
             if status != "ok":
                 failure = failure or value
                 continue
-            for j, out in zip(shares[w], value, strict=True):
+            for j, out in zip(share, value, strict=True):
                 results[j] = out
         if failure is not None:
             raise failure
