@@ -20,6 +20,7 @@ from typing import Any
 from peer.config import RunConfig
 from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError
+from peer.tools.sim_pool import dumps
 
 ARGS_FILE = "args.json"
 SUFFIX = ".ckpt"
@@ -70,5 +71,5 @@ class SweepCheckpoint:
         return record
 
     def save(self, key: str, state: Any, done: bool = False) -> None:
-        raw = pickle.dumps({"done": done, "state": state}, protocol=pickle.HIGHEST_PROTOCOL)
+        raw = dumps({"done": done, "state": state})
         atomic_write_bytes(self._path(key), raw)

@@ -25,7 +25,7 @@ from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
 from peer.tools.attacks import check_attack, poison
 from peer.tools.sim_checkpoint import run_key
-from peer.tools.sim_pool import Pending, ReplicaPool, add_grads, batch, corpus_key
+from peer.tools.sim_pool import Pending, ReplicaPool, add_grads, batch, corpus_key, dumps
 from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.tools.sim_replica import LocalReplica, StepStats
 from peer.tools.sim_results import (
@@ -110,8 +110,9 @@ def _send_shards(
     if pool is None or step >= total:
         return None
     model.zero_grad()
-    jobs = [(model, m, len(paths), step, compressed) for m, compressed in enumerate(paths)]
-    return pool.submit("grads", corpus_key(data), jobs)
+    blob = dumps(dataclasses.replace(model, optimizers=[]))  # once; the workers need no optimizer state
+    shards = [[(m, c) for m, c in enumerate(paths) if m % pool.size == w] for w in range(pool.size)]
+    return pool.submit("shards", corpus_key(data), [(blob, share, len(paths), step) for share in shards if share])
 
 
 def _shards(
@@ -126,7 +127,8 @@ def _shards(
             model.compressed = compressed
             out.append(model.accumulate(*batch(data, m, replicas, step, model), scale=1.0 / replicas))
         return out
-    done = pool.collect(pending)
+    by_worker = pool.collect(pending)  # worker w did shards w, w + N, …
+    done = [by_worker[m % pool.size][m // pool.size] for m in range(replicas)]
     for grads, _ in done:
         add_grads(model, grads)
     return [stats for _, stats in done]
