@@ -97,11 +97,15 @@ def session(
     check_device(device, workers)
     rt = Runtime(workers, device, checkpoint, fused_commit)
     _stack.append(rt)
+    threads = torch.get_num_threads()
+    if workers > 1:  # the workers take the cores: this process scores beside them on one thread
+        torch.set_num_threads(1)
     failed = True
     try:
         yield rt
         failed = False
     finally:
         _stack.pop()
+        torch.set_num_threads(threads)
         if rt._pool is not None:
             rt._pool.close(force=failed)
