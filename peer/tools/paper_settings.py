@@ -200,7 +200,8 @@ def resolve(
     if m < 1:
         raise ConfigError(f"--replicas must be >= 1, got {m}")
     if token_budget is not None:
-        rows["token_budget"] = Row("token_budget", int(token_budget), "--token-budget")
+        was = f" (the setting: {rows['token_budget'].value:,})" if "token_budget" in rows else ""
+        rows["token_budget"] = Row("token_budget", int(token_budget), f"--token-budget{was}")
     budget = _get(rows, "token_budget")
     derived: dict[str, Row] = {}
     cfg = _build(config, overrides, run, names)

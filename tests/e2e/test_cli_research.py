@@ -72,6 +72,9 @@ ARGS_KEYS = {
     "weight_projection",
     "paper_settings",
     "round_rule",
+    "settings",  # what --paper-settings / --setting set: key, value, source (issue 25)
+    "token_budget",
+    "extend",
 }
 SIM_ARGS = [
     "--preset",
@@ -169,6 +172,9 @@ def test_simulate_json_has_documented_keys(simulated):
         "weight_projection": False,
         "paper_settings": False,
         "round_rule": "all",
+        "settings": [],
+        "token_budget": None,
+        "extend": None,
     }
     (row,) = result["summary"]
     assert row["k_ratio"] == "1/8" and row["k"] == 8 and row["pairs"][0]["a"] == "het-pp-compress"

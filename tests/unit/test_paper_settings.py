@@ -79,7 +79,8 @@ def test_flags_override_and_the_outer_steps_follow_the_budget():
     assert (res.cfg.train.outer_steps, res.cfg.train.warmup_steps) == (3, 15)
     assert _table(res)["train.outer_steps"][1].startswith("a flag")
     res = _resolve(budget=2e6, replicas=4)
-    assert res.cfg.train.outer_steps == 3 and _table(res)["token_budget"] == (2_000_000, "--token-budget")
+    assert res.cfg.train.outer_steps == 3 and _table(res)["token_budget"][:1] == (2_000_000,)
+    assert _table(res)["token_budget"][1] == f"--token-budget (the setting: {20 * n:,})"
     assert _resolve(adamw_lr=1e-4).adamw_lr == 1e-4
     with pytest.raises(ConfigError, match="--token-budget or --outer-steps, not both"):
         _resolve({"train.outer_steps": 3}, budget=1e6)
@@ -126,3 +127,20 @@ def test_paper_settings_at_178m_run_table_9():
     res = _resolve({"preset": "178M"})
     t = res.cfg.train
     assert (t.seq_len, t.batch_size, t.inner_steps, t.outer_steps, t.warmup_steps) == (2048, 32, 50, 116, 500)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--setting", "nope"], "--setting: unknown setting 'nope'"),
+        (["--extend", "1"], "--extend must be a number > 1"),
+        (["--token-budget", "1e6", "--outer-steps", "3"], "not both"),
+    ],
+)
+def test_the_cli_refuses_bad_settings_before_any_data(flags, message):
+    from typer.testing import CliRunner
+
+    from peer.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "--preset", "tiny", "--dataset", "/nonexistent", *flags])
+    assert isinstance(result.exception, ConfigError) and message in str(result.exception)
