@@ -144,3 +144,14 @@ def test_the_cli_refuses_bad_settings_before_any_data(flags, message):
 
     result = CliRunner().invoke(app, ["simulate", "--preset", "tiny", "--dataset", "/nonexistent", *flags])
     assert isinstance(result.exception, ConfigError) and message in str(result.exception)
+
+
+def test_the_printed_table_says_setting_value_and_source():
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(ps.settings_table(_resolve({"train.batch_size": 8}), ["paper"]))
+    text = console.export_text()
+    assert "settings — paper (tiny)" in text and "where from" in text
+    assert "train.batch_size" in text and "a flag (the setting: 32)" in text
+    assert "6,647,040" in text and "Table 9 (AdamW baseline, tuned *)" in text
