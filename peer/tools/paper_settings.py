@@ -178,7 +178,7 @@ class Resolved:
     cfg: RunConfig
     replicas: int
     adamw_lr: float | None
-    budget: float | None  # tokens per run, when the outer steps come from a budget
+    budget: float | None  # tokens per run, when the outer steps come from a budget (else None)
     table: list[Row]  # final value of every key a setting (or the budget) set, and where it came from
 
 
@@ -216,6 +216,8 @@ def resolve(
             "train.warmup_steps", cap, f"{warm.source}: {warm.value}, ≤ 10 % of run (ours)"
         )
         cfg = _build(config, overrides, run | {k: r.value for k, r in derived.items()}, names)
+    if "train.outer_steps" in derived and cfg.train.outer_steps != derived["train.outer_steps"].value:
+        budget = None  # the outer steps came from --outer-steps, a --config TOML or PEER_*, not the budget
     final_lr = adamw_lr if adamw_lr is not None else _get(rows, "adamw_lr")
     sim = {"replicas": m, "adamw_lr": final_lr, "token_budget": budget}
     flags = {"replicas": replicas, "adamw_lr": adamw_lr} | dict(overrides)

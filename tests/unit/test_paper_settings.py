@@ -77,7 +77,7 @@ def test_flags_override_and_the_outer_steps_follow_the_budget():
     assert _table(res)["replicas"] == (4, "a flag (the setting: 8)")
     res = _resolve({"train.outer_steps": 3})  # --outer-steps wins over the budget; the warmup follows it
     assert (res.cfg.train.outer_steps, res.cfg.train.warmup_steps) == (3, 15)
-    assert _table(res)["train.outer_steps"][1].startswith("a flag")
+    assert _table(res)["train.outer_steps"][1].startswith("a flag") and res.budget is None  # not the budget's
     res = _resolve(budget=2e6, replicas=4)
     assert res.cfg.train.outer_steps == 3 and _table(res)["token_budget"][:1] == (2_000_000,)
     assert _table(res)["token_budget"][1] == f"--token-budget (the setting: {20 * n:,})"
