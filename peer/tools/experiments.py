@@ -233,30 +233,38 @@ def summarize(results: Sequence[ConfigResult], own_budget: Sequence[ConfigResult
     config's Δ % against its family's baseline at N (`delta_pct_own_budget`) and that SparseLoCo loss."""
     ratios = list(dict.fromkeys(r.k_ratio for r in results if r.k_ratio is not None))
     base = [r for r in results if r.name == "sparseloco"]
-    short = [b for b in own_budget if b.config == "sparseloco"]
     rows = []
     for ratio in ratios:
         at = [r for r in results if r.k_ratio == ratio]
         row: dict[str, Any] = {"k_ratio": ratio, "k": at[0].k, "seeds": sorted({r.seed for r in at})}
-        for key, runs in (("sparseloco_val_loss", base), ("sparseloco_val_loss_own_budget", short)):
-            if runs:
-                m, s = _mean_std([b.val_loss_replica_mean for b in runs])
-                row[key] = {"mean": m, "std": s, "n": len(runs)}
+        if base:
+            m, s = _mean_std([b.val_loss_replica_mean for b in base])
+            row["sparseloco_val_loss"] = {"mean": m, "std": s, "n": len(base)}
         row["delta_pct"] = {}
         for name in dict.fromkeys(r.name for r in at):
             vals = [r.delta_pct for r in at if r.name == name]
             m, s = _mean_std(vals)
             row["delta_pct"][name] = {"mean": m, "std": s, "n": len(vals)}
-        if own_budget:
-            row["delta_pct_own_budget"] = {}
-            for name in dict.fromkeys(r.name for r in at):
-                vals = [d for r in at if r.name == name and (d := own_budget_delta(r, own_budget)) is not None]
-                if vals:
-                    m, s = _mean_std(vals)
-                    row["delta_pct_own_budget"][name] = {"mean": m, "std": s, "n": len(vals)}
         row["pairs"] = [p for a, b in PAIRS if (p := _paired(at, a, b)) is not None]
+        if own_budget:  # Table 3 (`peer.tools.experiments_budget`)
+            row |= _own_budget_columns(at, own_budget)
         rows.append(row)
     return rows
+
+
+def _own_budget_columns(at: Sequence[ConfigResult], own_budget: Sequence[ConfigResult]) -> dict[str, Any]:
+    """Table 3's part of a summary row: SparseLoCo's loss at the budget N and every config's Δ %
+    against its family's baseline at N, mean ± std over seeds."""
+    out: dict[str, Any] = {"delta_pct_own_budget": {}}
+    if short := [b.val_loss_replica_mean for b in own_budget if b.config == "sparseloco"]:
+        m, s = _mean_std(short)
+        out["sparseloco_val_loss_own_budget"] = {"mean": m, "std": s, "n": len(short)}
+    for name in dict.fromkeys(r.name for r in at):
+        vals = [d for r in at if r.name == name and (d := own_budget_delta(r, own_budget)) is not None]
+        if vals:
+            m, s = _mean_std(vals)
+            out["delta_pct_own_budget"][name] = {"mean": m, "std": s, "n": len(vals)}
+    return out
 
 
 def own_budget_delta(r: ConfigResult, own_budget: Sequence[ConfigResult]) -> float | None:
@@ -332,21 +340,17 @@ def dropped_mass_lines(results: Sequence[ConfigResult]) -> list[str]:
 def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     """The Table-2 shape: rows k/d; SparseLoCo loss, each config's Δ %, the paired het − uniform."""
     names = list(dict.fromkeys(n for r in rows for n in r["delta_pct"]))
-    own = list(dict.fromkeys(n for r in rows for n in r.get("delta_pct_own_budget", {})))
     pairs = list(dict.fromkeys(f"{p['a']} − {p['b']}" for r in rows for p in r["pairs"]))
-    short = any("sparseloco_val_loss_own_budget" in r for r in rows)
     table = Table(title=title)
-    columns = ["k/d", "k", "SparseLoCo val", *(["SparseLoCo val, own budget"] if short else [])]
-    columns += [f"{n} Δ %" for n in names] + [f"{n} Δ % vs own budget" for n in own]
-    for col in (*columns, *(f"{p} (nats, 95 % CI)" for p in pairs)):
+    for col in ("k/d", "k", "SparseLoCo val", *(f"{n} Δ %" for n in names), *(f"{p} (nats, 95 % CI)" for p in pairs)):
         table.add_column(col, justify="left" if col == "k/d" else "right")
+    own = list(dict.fromkeys(n for r in rows for n in r.get("delta_pct_own_budget", {})))  # Table 3
+    for col in [] if not own else ["SparseLoCo val, own budget", *(f"{n} Δ % vs own budget" for n in own)]:
+        table.add_column(col, justify="right")
     for r in rows:
         cells = [r["k_ratio"], str(r["k"])]
-        for key in ("sparseloco_val_loss", *(["sparseloco_val_loss_own_budget"] if short else [])):
-            cells.append(_pm(r[key], ".4f") if key in r else "—")
+        cells.append(_pm(r["sparseloco_val_loss"], ".4f") if "sparseloco_val_loss" in r else "—")
         cells += [_pm(r["delta_pct"][n], "+.2f") if n in r["delta_pct"] else "—" for n in names]
-        by = r.get("delta_pct_own_budget", {})
-        cells += [_pm(by[n], "+.2f") if n in by else "—" for n in own]
         for label in pairs:
             p = next((p for p in r["pairs"] if f"{p['a']} − {p['b']}" == label), None)
             if p is None:
@@ -354,6 +358,9 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             else:
                 lo, hi = p["ci95"]
                 cells.append(f"{p['diff_mean']:+.4f} [{lo:+.4f}, {hi:+.4f}] ahead {p['a_ahead']}/{p['n']}")
+        if own:  # Table 3: the loss at the budget N, each config's Δ % against it
+            short, by = r.get("sparseloco_val_loss_own_budget"), r.get("delta_pct_own_budget", {})
+            cells += [_pm(short, ".4f") if short else "—", *(_pm(by[n], "+.2f") if n in by else "—" for n in own)]
         table.add_row(*cells)
     return table
 
