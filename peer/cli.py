@@ -148,11 +148,13 @@ def plan(
     bandwidth_mbps: plan_flags.BandwidthMbps = "10,30,100,300,1000",
     replicas: plan_flags.PlanReplicas = 8,
     wire_dtype: plan_flags.PlanWireDtype = "bf16",
+    tokens: plan_flags.PlanTokens = None,
     png: plan_flags.Png = None,
     json_out: plan_flags.PlanJson = None,
     memory: plan_flags.PlanMemory = False,
 ) -> None:
-    """Will my link keep up? Compute utilisation of compressed vs uncompressed pipelines (paper Fig. 2/3)."""
+    """Will my link keep up? Utilisation of compressed (per k/d) vs uncompressed pipelines (paper Fig. 2),
+    and the wall-clock of a token budget (--tokens, Fig. 3)."""
     from peer.tools.plan import plan_command
 
     args = dict(locals())
