@@ -101,12 +101,12 @@ def plan_tables(
 
 def _pipeline_table(rows: Sequence[Mapping[str, Any]], inputs: Mapping[str, Any]) -> Table:
     budget = inputs["tokens"] is not None
-    steps = f", {inputs['tokens']:.3g} tokens = {rows[0].get('outer_steps_compressed', 0):,} outer steps"
+    steps = f", {inputs['tokens']:.3g} tokens = {rows[0]['outer_steps_compressed']:,} outer steps" if budget else ""
     table = Table(
         title=(
             f"peer plan — {rows[0]['model']}, {inputs['stages']} stages, M={inputs['replicas']}, "
             f"H={inputs['inner_steps']}, {inputs['microbatches']}×{inputs['microbatch_size']}×{inputs['seq_len']} "
-            "tokens per inner step" + (steps if budget else "")
+            "tokens per inner step" + steps
         ),
         caption="k/d none: the uncompressed pipeline; act/µb: boundary bytes per micro-batch (forward + "
         "backward); round s: the slowest holder's busier link direction (next table)",
