@@ -35,6 +35,7 @@ from peer.core.subspace import distinct_ks
 from peer.errors import ConfigError
 from peer.tools.attacks import check_attack
 from peer.tools.sim_ranges import check_ranges
+from peer.tools.sim_results import robust_rule
 from peer.tools.simulate import (
     BASELINES,
     CONFIGS,
@@ -127,7 +128,7 @@ def plan_sweep(
         raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
     ratio_list = ratios or [cfg.subspace.k_ratio]
     distinct_ks(cfg.model.d_model, ratio_list)
-    check_ranges(opts.round_rule, opts.rule(cfg), opts.attacks[0] if opts.attacks else None)
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attacks[0] if opts.attacks else None)
     return cfg, names, seed_list, ratio_list, dataclasses.replace(opts, replicas=m, adamw_lr=adamw_lr)
 
 

@@ -61,10 +61,6 @@ class SimOptions:
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
     round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
 
-    def rule(self, cfg: RunConfig) -> RobustConfig:
-        """The outlier rule these options run `cfg` with: `robust`, else the config's."""
-        return self.robust if self.robust is not None else screening_rule(cfg.sparseloco)
-
 
 @dataclass
 class ConfigResult:
@@ -126,6 +122,12 @@ class ConfigResult:
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
             extra |= {"quant_error_mean": quant}
         return {k: getattr(self, k) for k in keys} | extra
+
+
+def robust_rule(opts: SimOptions, cfg: RunConfig) -> RobustConfig:
+    """The outlier rule a simulation of `cfg` runs: `opts.robust` when an experiment forces one, else
+    the run's own (`sparseloco.screening`, as every holder of a swarm applies it)."""
+    return opts.robust if opts.robust is not None else screening_rule(cfg.sparseloco)
 
 
 def n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:
@@ -200,7 +202,7 @@ class Scorer:
 
 def new_result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigResult:
     uses_subspace = kind not in BASELINES
-    screened = opts.rule(cfg).enabled
+    screened = robust_rule(opts, cfg).enabled
     label = kind if opts.attack is None else f"{kind}+{opts.attack}" + ("" if screened else " (clip only)")
     return ConfigResult(
         label,

@@ -38,7 +38,7 @@ from peer.core.subspace_state import EMBED
 from peer.node.manifest import build_manifest, verify_manifest
 from peer.node.stage_worker import StageWorker
 from peer.tools.sim_replica import LocalReplica
-from peer.tools.sim_results import SIMULATE_DEFAULTS, SimOptions, new_result
+from peer.tools.sim_results import SIMULATE_DEFAULTS, SimOptions, new_result, robust_rule
 from peer.tools.simulate import _commit_stage
 from tests.unit.test_manifest import TOKENIZER_SHA, _index
 
@@ -122,9 +122,9 @@ def test_the_switch_is_in_the_manifest_and_the_fingerprint():
 def test_the_simulator_screens_as_the_config_says_unless_an_arm_forces_it():
     swarm, sim = _cfg(), build_config(overrides=SMALL, environ={}, defaults=SIMULATE_DEFAULTS)
     assert sim.sparseloco.screening is False and sim.sparseloco.clip_median_factor == 0.0  # `peer simulate`'s numbers
-    assert SimOptions().rule(swarm) is robust.DEFAULT and SimOptions().rule(sim) is robust.OFF
-    assert SimOptions(robust=robust.DEFAULT).rule(sim) is robust.DEFAULT  # the attack sweeps' arms
-    assert SimOptions(robust=robust.OFF).rule(swarm) is robust.OFF
+    assert robust_rule(SimOptions(), swarm) is robust.DEFAULT and robust_rule(SimOptions(), sim) is robust.OFF
+    assert robust_rule(SimOptions(robust=robust.DEFAULT), sim) is robust.DEFAULT  # the attack sweeps' arms
+    assert robust_rule(SimOptions(robust=robust.OFF), swarm) is robust.OFF
     assert new_result(swarm, "sparseloco", SimOptions(), 4).screening is True
     assert new_result(sim, "sparseloco", SimOptions(), 4).screening is False
 
