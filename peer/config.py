@@ -303,7 +303,7 @@ def setting(cfg: RunConfig, key: str) -> Any:
 
 
 def setting_changes(before: RunConfig, after: RunConfig, keys: Iterable[str]) -> list[str]:
-    """ "key: before -> after" (values as TOML/JSON writes them) for each dotted key whose value differs
+    """One line `key: before -> after` (values as JSON writes them) per dotted key whose value differs
     between two configs, in `keys` order: what a set of settings such as `--paper-settings` changed."""
     show = functools.partial(json.dumps, default=str)
     changed = [k for k in keys if setting(before, k) != setting(after, k)]
