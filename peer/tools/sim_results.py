@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.commit import screening_rule
 from peer.core.loader import Corpus, val_batches
-from peer.core.robust import OFF, RobustConfig
+from peer.core.robust import RobustConfig
 from peer.errors import ConfigError
 from peer.tools.sim_ranges import RangeShares
 from peer.tools.sim_replica import LocalReplica
@@ -30,11 +31,13 @@ CONFIGS = (
     "adamw-het-pp-compress",
 )
 BASELINES = ("adamw", "sparseloco")  # no subspace: independent of k/d
-# `peer simulate`'s own defaults (its --help says the same): the paper's metric needs no median clip.
+# `peer simulate`'s own defaults (its --help says the same): the paper's metric needs no median clip
+# and no outlier screening (both are the swarm's defences against poisoning, README).
 SIMULATE_DEFAULTS: dict[str, Any] = {
     "train.inner_steps": 10,
     "train.outer_steps": 20,
     "sparseloco.clip_median_factor": 0.0,
+    "sparseloco.screening": False,
 }
 VAL_BATCH = 64  # sequences per validation forward pass
 
@@ -52,7 +55,9 @@ class SimOptions:
     weight_projection: bool = False  # Table 5: W_o / W_2 outputs kept in Col(U)
     adamw_lr: float | None = None  # inner learning rate of the adamw* configs (None: train.lr)
     attacks: tuple[str, ...] = ()  # sweeps: also run each config under each attack (peer.tools.experiments)
-    robust: RobustConfig = OFF  # outlier screening of each round's contributions (the swarm's: DEFAULT)
+    # outlier screening of each round's contributions; None: the run's `sparseloco.screening`, as
+    # the swarm (attack sweeps set it per arm)
+    robust: RobustConfig | None = None
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
     round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
 
@@ -117,6 +122,12 @@ class ConfigResult:
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
             extra |= {"quant_error_mean": quant}
         return {k: getattr(self, k) for k in keys} | extra
+
+
+def robust_rule(opts: SimOptions, cfg: RunConfig) -> RobustConfig:
+    """The outlier rule a simulation of `cfg` runs: `opts.robust` when an experiment forces one, else
+    the run's own (`sparseloco.screening`, as every holder of a swarm applies it)."""
+    return opts.robust if opts.robust is not None else screening_rule(cfg.sparseloco)
 
 
 def n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:
@@ -191,7 +202,7 @@ class Scorer:
 
 def new_result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigResult:
     uses_subspace = kind not in BASELINES
-    screened = opts.robust.enabled
+    screened = robust_rule(opts, cfg).enabled
     label = kind if opts.attack is None else f"{kind}+{opts.attack}" + ("" if screened else " (clip only)")
     return ConfigResult(
         label,
