@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,7 @@ SIMULATE_DEFAULTS: dict[str, Any] = {
     "train.outer_steps": 20,
     "sparseloco.clip_median_factor": 0.0,
 }
+GRASSMANN_LR = 0.5  # default η_U of --grassmann (docs/configuration.md says how it was chosen)
 VAL_BATCH = 64  # sequences per validation forward pass
 
 Progress = Callable[[str, int, int, float], None]  # (config label, done steps, total steps, last loss)
@@ -55,6 +56,15 @@ class SimOptions:
     robust: RobustConfig = OFF  # outlier screening of each round's contributions (the swarm's: DEFAULT)
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
     round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
+    grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.tools.sim_ablations)
+    grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
+    modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.grassmann_lr) and self.grassmann_lr > 0):
+            raise ConfigError(f"--grassmann-lr must be a positive number, got {self.grassmann_lr}")
+        if self.grassmann and not self.te_adaptation:
+            raise ConfigError("--grassmann re-splits TE = T_S + T⊥ on every new U; it needs --te-adaptation")
 
 
 @dataclass
@@ -87,6 +97,7 @@ class ConfigResult:
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
+    bias: list[BiasRound] = field(default_factory=list)  # eq. 5, per outer round (peer.tools.sim_ablations)
 
     def summary(self) -> dict[str, Any]:
         keys = (
@@ -111,12 +122,28 @@ class ConfigResult:
             "rounds",
             "round_rule",
         )
-        extra = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        extra |= {"val_perplexity": perplexity(self.final_val_loss)}
+        if self.bias:
+            extra |= {"bias": [b._asdict() for b in self.bias]}
         if shares := [m.dropped for m in self.dropped_mass]:  # "ranges": the shards' shares of ‖Δ̄‖²
             quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
             extra |= {"quant_error_mean": quant}
         return {k: getattr(self, k) for k in keys} | extra
+
+
+class BiasRound(NamedTuple):
+    """Eq. 5 for one outer round's embedding change Δ* (before projection) and Δ (as sent)."""
+
+    t: int  # outer step
+    replica: float  # ‖Δ*_m − Π(Δ*_m)‖ / ‖Δ*_m‖, mean over compressed replicas (nan: none)
+    aggregate: float  # ‖mean Δ*_m − mean Δ_m‖ / ‖mean Δ*_m‖ over all replicas
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float range."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:

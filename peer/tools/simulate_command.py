@@ -17,6 +17,7 @@ from rich.progress import Progress
 from peer.core.loader import load_corpus
 from peer.tools import experiments as ex
 from peer.tools.render import loss_progress_columns, simulate_table
+from peer.tools.sim_ablations import bias_rows, bias_table
 from peer.tools.simulate import SimOptions, plot_curves
 
 
@@ -57,6 +58,9 @@ def command(
             a["adamw_lr"],
             ex.attack_list(a["attacks"]),
             round_rule=a["round_rule"],
+            grassmann=a["grassmann"],  # B: Table 5c / 5d switches
+            modified_adamw=a["modified_adamw"],
+            **({} if a["grassmann_lr"] is None else {"grassmann_lr": a["grassmann_lr"]}),
         ),
     )
     m = opts.replicas
@@ -78,6 +82,9 @@ def command(
     console.print(
         ex.summary_table(rows, ex.summary_title(cfg, m, seed_list, opts.round_rule)), *ex.poison_tables(results)
     )
+    bias = bias_rows(results)  # B: eq. 5
+    if bias:
+        console.print(bias_table(bias, seed_list))
     for line in ex.dropped_mass_lines(results):
         console.print(line)
     plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
@@ -85,5 +92,6 @@ def command(
     json_out = a["json_out"]
     if json_out:
         sweep = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, a["paper_settings"])
-        write_json(json_out, {"configs": [r.summary() for r in results], "summary": rows, "args": sweep})
+        report = {"configs": [r.summary() for r in results], "summary": rows, "args": sweep, "bias": bias}
+        write_json(json_out, report)
         console.print(f"results: {json_out}")
