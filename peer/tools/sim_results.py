@@ -123,9 +123,7 @@ class ConfigResult:
             "round_rule",
         )
         extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
-        extra |= {"val_perplexity": perplexity(self.final_val_loss)}
-        if self.bias:
-            extra |= {"bias": [b._asdict() for b in self.bias]}
+        extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
         if shares := [m.dropped for m in self.dropped_mass]:  # "ranges": the shards' shares of ‖Δ̄‖²
             quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
