@@ -36,7 +36,7 @@ from peer.errors import ConfigError
 from peer.tools.attacks import check_attack
 from peer.tools.sim_ablations import check_ablations
 from peer.tools.sim_ranges import check_ranges
-from peer.tools.sim_results import perplexity
+from peer.tools.sim_results import perplexity, robust_rule
 from peer.tools.simulate import (
     BASELINES,
     CONFIGS,
@@ -129,7 +129,7 @@ def plan_sweep(
         raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
     ratio_list = ratios or [cfg.subspace.k_ratio]
     distinct_ks(cfg.model.d_model, ratio_list)
-    check_ranges(opts.round_rule, opts.robust, opts.attacks[0] if opts.attacks else None)
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attacks[0] if opts.attacks else None)
     check_ablations(names, opts)  # B: --grassmann / --modified-adamw only on the SparseLoCo configs
     return cfg, names, seed_list, ratio_list, dataclasses.replace(opts, replicas=m, adamw_lr=adamw_lr)
 

@@ -97,33 +97,6 @@ def simulate_table(results: Sequence[ConfigResult], cfg: RunConfig, replicas: in
     return table
 
 
-def plan_table(rows: Sequence[Mapping[str, Any]], stages: int, inner_steps: int, k_ratio: str) -> Table:
-    """`peer plan`: one row per bandwidth, compressed vs uncompressed."""
-    table = _table(
-        f"peer plan — {rows[0]['model']}, {stages} stages, H={inner_steps}, k/d={k_ratio}",
-        (
-            "Mbit/s",
-            "util compressed",
-            "util uncompressed",
-            "s/outer compressed",
-            "s/outer uncompressed",
-            "PG round s",
-            "boundary bytes/µbatch (c / u)",
-        ),
-    )
-    for r in rows:
-        table.add_row(
-            f"{r['bandwidth_mbps']:g}",
-            f"{100 * r['util_compressed']:.1f} %",
-            f"{100 * r['util_uncompressed']:.1f} %",
-            f"{r['outer_s_compressed']:.1f}",
-            f"{r['outer_s_uncompressed']:.1f}",
-            f"{r['round_s']:.1f}",
-            f"{human_bytes(r['boundary_bytes_compressed'])} / {human_bytes(r['boundary_bytes_uncompressed'])}",
-        )
-    return table
-
-
 def metric_table(title: str, result: Mapping[str, Any]) -> Table:
     """`peer bench …`: one row per measured value."""
     table = _table(title, ("metric", "value"), left=("metric",))

@@ -39,7 +39,12 @@ from peer.tools.sim_results import BASELINES, BiasRound, ConfigResult, SimOption
 
 
 def check_ablations(configs: Sequence[str], opts: SimOptions) -> None:
-    """Refuse the Table 5c / 5d switches where they do not apply (the dense AdamW configs)."""
+    """Refuse a bad --grassmann-lr, --grassmann without TE adaptation, and the Table 5c / 5d switches
+    where they do not apply (the dense AdamW configs)."""
+    if not (math.isfinite(opts.grassmann_lr) and opts.grassmann_lr > 0):
+        raise ConfigError(f"--grassmann-lr must be a positive number, got {opts.grassmann_lr}")
+    if opts.grassmann and not opts.te_adaptation:
+        raise ConfigError("--grassmann re-splits TE = T_S + T⊥ on every new U; it needs --te-adaptation")
     for flag, on in (("--grassmann", opts.grassmann), ("--modified-adamw", opts.modified_adamw)):
         dense = [c for c in configs if on and c.startswith("adamw") and c not in BASELINES]
         if dense:

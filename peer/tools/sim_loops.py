@@ -34,6 +34,7 @@ from peer.tools.sim_results import (
     boundary_bytes,
     n_uncompressed,
     new_result,
+    robust_rule,
 )
 
 
@@ -121,7 +122,7 @@ def commit_stage(
         decoded[-1] = poison(opts.attack, decoded[-1], t, s, slc)
     U = reps[0].U
     views = [rep.stages[s] for rep in reps]
-    done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, opts.robust)
+    done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, robust_rule(opts, cfg))
     honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
     for m in honest:
         back = returned(decoded[m], m, done.clip, done.dropped)
@@ -136,7 +137,7 @@ def run_diloco(
     """SparseLoCo over M replicas of S stages, some or all with subspace-compressed boundaries."""
     train, replicas = cfg.train, opts.replicas
     check_attack(opts.attack)
-    check_ranges(opts.round_rule, opts.robust, opts.attack)
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack)
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
     wp = opts.weight_projection and U is not None

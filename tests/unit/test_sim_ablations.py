@@ -213,9 +213,9 @@ def test_a_sweep_reports_bias_perplexity_and_runs_both_switches(tmp_path):
 
 def test_the_switches_refuse_bad_values_naming_the_flag():
     with pytest.raises(ConfigError, match="--grassmann-lr"):
-        SimOptions(grassmann=True, grassmann_lr=0.0)
+        check_ablations(["pp-compress"], SimOptions(grassmann=True, grassmann_lr=0.0))
     with pytest.raises(ConfigError, match="--te-adaptation"):
-        SimOptions(grassmann=True, te_adaptation=False)
+        check_ablations(["pp-compress"], SimOptions(grassmann=True, te_adaptation=False))
     with pytest.raises(ConfigError, match="--modified-adamw"):
         check_ablations(["adamw", "adamw-pp-compress"], SimOptions(modified_adamw=True))
     check_ablations(["adamw", "pp-compress"], SimOptions(grassmann=True, modified_adamw=True))
