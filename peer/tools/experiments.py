@@ -36,8 +36,9 @@ from peer.core.subspace import distinct_ks
 from peer.errors import ConfigError
 from peer.tools.attacks import check_attack
 from peer.tools.paper_settings import Resolved, resolve
+from peer.tools.sim_ablations import check_ablations
 from peer.tools.sim_ranges import check_ranges
-from peer.tools.sim_results import robust_rule
+from peer.tools.sim_results import perplexity, robust_rule
 from peer.tools.simulate import (
     BASELINES,
     CONFIGS,
@@ -116,6 +117,7 @@ def plan_sweep(
     ratio_list = ratios or [cfg.subspace.k_ratio]
     distinct_ks(cfg.model.d_model, ratio_list)
     check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attacks[0] if opts.attacks else None)
+    check_ablations(names, opts)  # B: --grassmann / --modified-adamw only on the SparseLoCo configs
     opts = dataclasses.replace(opts, replicas=res.replicas, adamw_lr=res.adamw_lr)
     return cfg, names, seed_list, ratio_list, opts, res
 
@@ -204,6 +206,9 @@ def sweep_args(
         "val_tokens": opts.val_tokens,
         "te_adaptation": opts.te_adaptation,
         "weight_projection": opts.weight_projection,
+        "grassmann": opts.grassmann,  # B: Table 5c / 5d
+        "grassmann_lr": opts.grassmann_lr,
+        "modified_adamw": opts.modified_adamw,
         "paper_settings": paper_settings,
         "round_rule": opts.round_rule,
         "settings": [{"key": r.key, "value": r.value, "source": r.source} for r in table],
@@ -241,11 +246,15 @@ def summarize(results: Sequence[ConfigResult], own_budget: Sequence[ConfigResult
         if base:
             m, s = _mean_std([b.val_loss_replica_mean for b in base])
             row["sparseloco_val_loss"] = {"mean": m, "std": s, "n": len(base)}
-        row["delta_pct"] = {}
+            m, s = _mean_std([perplexity(b.val_loss_replica_mean) for b in base])  # B: perplexity beside loss
+            row["sparseloco_val_perplexity"] = {"mean": m, "std": s, "n": len(base)}
+        row["delta_pct"], row["val_perplexity"] = {}, {}
         for name in dict.fromkeys(r.name for r in at):
             vals = [r.delta_pct for r in at if r.name == name]
             m, s = _mean_std(vals)
             row["delta_pct"][name] = {"mean": m, "std": s, "n": len(vals)}
+            m, s = _mean_std([perplexity(r.val_loss_replica_mean) for r in at if r.name == name])
+            row["val_perplexity"][name] = {"mean": m, "std": s, "n": len(vals)}
         row["pairs"] = [p for a, b in PAIRS if (p := _paired(at, a, b)) is not None]
         if own_budget:  # Table 3 (`peer.tools.experiments_budget`)
             row |= _own_budget_columns(at, own_budget)
@@ -343,7 +352,8 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     names = list(dict.fromkeys(n for r in rows for n in r["delta_pct"]))
     pairs = list(dict.fromkeys(f"{p['a']} − {p['b']}" for r in rows for p in r["pairs"]))
     table = Table(title=title)
-    for col in ("k/d", "k", "SparseLoCo val", *(f"{n} Δ %" for n in names), *(f"{p} (nats, 95 % CI)" for p in pairs)):
+    columns = ("k/d", "k", "SparseLoCo val", "SparseLoCo ppl", *(f"{n} Δ %" for n in names))
+    for col in (*columns, *(f"{p} (nats, 95 % CI)" for p in pairs)):
         table.add_column(col, justify="left" if col == "k/d" else "right")
     own = list(dict.fromkeys(n for r in rows for n in r.get("delta_pct_own_budget", {})))  # Table 3
     for col in [] if not own else ["SparseLoCo val, own budget", *(f"{n} Δ % vs own budget" for n in own)]:
@@ -351,6 +361,7 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     for r in rows:
         cells = [r["k_ratio"], str(r["k"])]
         cells.append(_pm(r["sparseloco_val_loss"], ".4f") if "sparseloco_val_loss" in r else "—")
+        cells.append(_pm(r["sparseloco_val_perplexity"], ".2f") if "sparseloco_val_perplexity" in r else "—")
         cells += [_pm(r["delta_pct"][n], "+.2f") if n in r["delta_pct"] else "—" for n in names]
         for label in pairs:
             p = next((p for p in r["pairs"] if f"{p['a']} − {p['b']}" == label), None)

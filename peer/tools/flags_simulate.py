@@ -51,6 +51,23 @@ SimRound = Annotated[
 ]
 TeAdaptation = Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")]
 WeightProjection = Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")]
+Grassmann = Annotated[
+    bool,
+    typer.Option(
+        help="Table 5c: train U on the Grassmann manifold, one Riemannian step of the compressed replicas' mean "
+        "dL/dU per outer step (simulator only: the swarm keeps a fixed U).",
+    ),
+]
+GrassmannLr = Annotated[
+    float | None, typer.Option("--grassmann-lr", help="Table 5c: step size η_U of --grassmann (default 0.5).")
+]
+ModifiedAdamw = Annotated[
+    bool,
+    typer.Option(
+        help="Table 5d: compressed replicas step T_S with AdamW in subspace coordinates Z = T_S·U "
+        "instead of AdamW then projection.",
+    ),
+]
 PaperSettings = Annotated[
     bool,
     typer.Option(

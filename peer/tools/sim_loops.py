@@ -23,6 +23,7 @@ from peer.core.state import stage_state
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
 from peer.tools.attacks import check_attack, poison
+from peer.tools.sim_ablations import configure_replicas, grassmann_round, record_bias
 from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.tools.sim_replica import LocalReplica
 from peer.tools.sim_results import (
@@ -43,7 +44,9 @@ def run_adamw(
     """Data-parallel AdamW: gradients of M shards averaged every step (dense fp32 on the wire).
 
     With a subspace (`adamw-*`), replica m computes its gradient on the compressed path unless it
-    is one of the uncompressed ones; the one shared model keeps T_S in Col(U).
+    is one of the uncompressed ones; the one shared model keeps T_S in Col(U). In the heterogeneous
+    config (§2.4) the uncompressed replicas are fully uncompressed: the step's residual outside
+    Col(U) moves into T⊥ (`LocalReplica.apply_step(residual_to_perp=True)`) instead of being dropped.
     """
     if opts.adamw_lr is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=opts.adamw_lr))
@@ -66,7 +69,8 @@ def run_adamw(
             loss += stats.loss / replicas
             act_bytes += boundary_bytes(stats.boundary_values, cfg, stats.tokens, model.compressed)
         model.compressed = False
-        model.apply_step(step, keep_in_subspace=U is not None, decay_perp=U is not None and opts.te_adaptation)
+        het = U is not None and n_unc > 0  # B: §2.4, uncompressed replicas' residual goes into T⊥, not away
+        model.apply_step(step, U is not None, decay_perp=U is not None and opts.te_adaptation, residual_to_perp=het)
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
             scorer.score(result, model, model, step + 1)
@@ -138,6 +142,7 @@ def run_diloco(
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
     wp = opts.weight_projection and U is not None
     reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp) for m in range(replicas)]
+    configure_replicas(reps, opts)  # B: Table 5c / 5d switches, the eq. 5 record (peer.tools.sim_ablations)
     errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
     result = new_result(cfg, kind, opts, n_unc)
     scorer = Scorer.build(data, cfg, opts, n_unc)
@@ -159,6 +164,7 @@ def run_diloco(
             result.train_curve.append((step, loss))
             if progress:
                 progress(kind, step + 1, total, loss)
+        record_bias(reps, result, t)  # B: eq. 5 bias of this round's embedding change
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
@@ -176,6 +182,7 @@ def run_diloco(
                     set_perp(st, perp)
         for rep in reps:
             rep.project_outputs()
+        grassmann_round(reps, opts, pg_bytes)  # B: Table 5c, U' for every replica
         unc = reps[0] if n_unc > 0 else None
         comp = reps[n_unc] if n_unc < replicas else None
         scorer.score(result, unc, comp, (t + 1) * train.inner_steps)

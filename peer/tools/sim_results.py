@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,6 +39,7 @@ SIMULATE_DEFAULTS: dict[str, Any] = {
     "sparseloco.clip_median_factor": 0.0,
     "sparseloco.screening": False,
 }
+GRASSMANN_LR = 0.5  # default η_U of --grassmann (docs/configuration.md says how it was chosen)
 VAL_BATCH = 64  # sequences per validation forward pass
 
 Progress = Callable[[str, int, int, float], None]  # (config label, done steps, total steps, last loss)
@@ -60,6 +61,9 @@ class SimOptions:
     robust: RobustConfig | None = None
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
     round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
+    grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.tools.sim_ablations)
+    grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
+    modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
 
 
 @dataclass
@@ -92,6 +96,7 @@ class ConfigResult:
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
+    bias: list[BiasRound] = field(default_factory=list)  # eq. 5, per outer round (peer.tools.sim_ablations)
 
     def summary(self) -> dict[str, Any]:
         keys = (
@@ -116,7 +121,8 @@ class ConfigResult:
             "rounds",
             "round_rule",
         )
-        extra = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
         if shares := [m.dropped for m in self.dropped_mass]:  # "ranges": the shards' shares of ‖Δ̄‖²
             quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
@@ -128,6 +134,19 @@ def robust_rule(opts: SimOptions, cfg: RunConfig) -> RobustConfig:
     """The outlier rule a simulation of `cfg` runs: `opts.robust` when an experiment forces one, else
     the run's own (`sparseloco.screening`, as every holder of a swarm applies it)."""
     return opts.robust if opts.robust is not None else screening_rule(cfg.sparseloco)
+
+
+class BiasRound(NamedTuple):
+    """Eq. 5 for one outer round's embedding change Δ* (before projection) and Δ (as sent)."""
+
+    t: int  # outer step
+    replica: float  # ‖Δ*_m − Π(Δ*_m)‖ / ‖Δ*_m‖, mean over compressed replicas (nan: none)
+    aggregate: float  # ‖mean Δ*_m − mean Δ_m‖ / ‖mean Δ*_m‖ over all replicas
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float range."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:

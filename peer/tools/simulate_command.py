@@ -19,6 +19,7 @@ from peer.tools import experiments as ex
 from peer.tools import experiments_budget as eb
 from peer.tools import paper_settings as ps
 from peer.tools.render import loss_progress_columns, simulate_table
+from peer.tools.sim_ablations import bias_rows, bias_table
 from peer.tools.simulate import ConfigResult, SimOptions, plot_curves
 
 
@@ -60,6 +61,9 @@ def command(
             a["adamw_lr"],
             ex.attack_list(a["attacks"]),
             round_rule=a["round_rule"],
+            grassmann=a["grassmann"],  # B: Table 5c / 5d switches
+            modified_adamw=a["modified_adamw"],
+            **({} if a["grassmann_lr"] is None else {"grassmann_lr": a["grassmann_lr"]}),
         ),
         a["token_budget"],
     )
@@ -90,6 +94,9 @@ def command(
         ex.summary_title(cfg, m, seed_list, opts.round_rule) if budgets is None else eb.budget_title(budgets, seed_list)
     )
     console.print(ex.summary_table(rows, title), *ex.poison_tables(results))
+    bias = bias_rows(results)  # B: eq. 5
+    if bias:
+        console.print(bias_table(bias, seed_list))
     for line in ex.dropped_mass_lines(results):
         console.print(line)
     plot_curves([*results, *short], plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
@@ -98,5 +105,5 @@ def command(
     if json_out:
         sweep = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, "paper" in settings, resolved, a["extend"])
         runs = [r.summary() for r in results] if budgets is None else eb.budget_json(budgets, results, short)
-        write_json(json_out, {"configs": runs, "summary": rows, "args": sweep})
+        write_json(json_out, {"configs": runs, "summary": rows, "args": sweep, "bias": bias})
         console.print(f"results: {json_out}")
