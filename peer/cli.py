@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -30,6 +30,9 @@ from peer.tools import flags_plan as plan_flags
 from peer.tools import flags_simulate as sim_flags
 from peer.tools.bench_cli import bench_app
 from peer.tools.processes import stop_on_signals
+
+if TYPE_CHECKING:
+    from peer.config import RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer pre-training of LLMs.")
 app.add_typer(bench_app, name="bench")
@@ -91,7 +94,13 @@ def simulate(
     adamw_lr: sim_flags.AdamwLr = None,
     te_adaptation: sim_flags.TeAdaptation = True,
     weight_projection: sim_flags.WeightProjection = False,
+    grassmann: sim_flags.Grassmann = False,
+    grassmann_lr: sim_flags.GrassmannLr = None,
+    modified_adamw: sim_flags.ModifiedAdamw = False,
     paper_settings: sim_flags.PaperSettings = False,
+    setting: sim_flags.Setting = None,
+    token_budget: sim_flags.TokenBudget = None,
+    extend: sim_flags.Extend = None,
     dataset: sim_flags.SimDataset = None,
     json_out: flags.JsonOut = None,
     plot: sim_flags.SimPlot = None,
@@ -152,11 +161,13 @@ def plan(
     bandwidth_mbps: plan_flags.BandwidthMbps = "10,30,100,300,1000",
     replicas: plan_flags.PlanReplicas = 8,
     wire_dtype: plan_flags.PlanWireDtype = "bf16",
+    tokens: plan_flags.PlanTokens = None,
     png: plan_flags.Png = None,
     json_out: plan_flags.PlanJson = None,
     memory: plan_flags.PlanMemory = False,
 ) -> None:
-    """Will my link keep up? Compute utilisation of compressed vs uncompressed pipelines (paper Fig. 2/3)."""
+    """Will my link keep up? Utilisation of compressed (per k/d) vs uncompressed pipelines (paper Fig. 2),
+    and the wall-clock of a token budget (--tokens, Fig. 3)."""
     from peer.tools.plan import plan_command
 
     args = dict(locals())
@@ -218,6 +229,18 @@ def _print_peer_id(identity: Path | None) -> None:
     typer.echo(make_identity(identity))
 
 
+def _bootstrap_config(config: Path | None, overrides: dict[str, Any], paper_settings: bool) -> RunConfig:
+    """The run's config; with --paper-settings, `PAPER_ALGORITHM` under it and a line per setting it changed."""
+    from peer.config import build_config, paper_algorithm_config
+
+    if not paper_settings:
+        return build_config(config, overrides)
+    cfg, changed = paper_algorithm_config(config, overrides)
+    for line in changed or ["nothing to change: the run already has the paper's round rule"]:
+        console.print(f"--paper-settings: {line}", soft_wrap=True)
+    return cfg
+
+
 @app.command()
 def bootstrap(
     config: flags.Config = None,
@@ -234,6 +257,7 @@ def bootstrap(
     tokenizer: flags.Tokenizer = None,
     wire_dtype: flags.WireDtype = None,
     run_name: flags.RunName = None,
+    paper_settings: flags.BootPaperSettings = False,
     host: flags.BootHost = "0.0.0.0",
     port: flags.BootPort = 0,
     grpc_port: flags.GrpcPort = 0,
@@ -254,7 +278,7 @@ def bootstrap(
     if print_peer_id:
         return _print_peer_id(identity)
     from bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
-    from peer.config import build_config, build_link_config
+    from peer.config import build_link_config
     from peer.tools.render import bootstrap_banner
 
     overrides = {
@@ -274,7 +298,7 @@ def bootstrap(
         "swarm.admission": admission or ("secret" if swarm_secret_file else "allowlist" if allow_peer else None),
         "swarm.allowlist": tuple(allow_peer) if allow_peer else None,
     }
-    cfg = build_config(config, overrides)
+    cfg = _bootstrap_config(config, overrides, paper_settings)
     export_swarm_secret(cfg, swarm_secret_file)
 
     def on_ready(info: BootstrapInfo) -> None:

@@ -22,13 +22,14 @@ and the layer it came from, so the ~40 lines of coercion below would only move i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import re
 import tomllib
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -47,10 +48,14 @@ WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bflo
 
 # The paper's round rule as dotted overrides (arXiv 2601.02360 §3): what `--paper-settings` sets on
 # both sides, the bootstrap's manifest and `peer simulate`. The swarm's defaults depart from it
-# where a public swarm needs a defence (README, "Where the defaults depart from the paper").
+# where a public swarm needs a defence or a home link (docs/configuration.md, "Where the defaults
+# depart from the paper").
 PAPER_ALGORITHM: dict[str, object] = {
-    "sparseloco.quant_bits": 0,
-    "sparseloco.clip_median_factor": 0.0,
+    "sparseloco.quant_bits": 0,  # float32 values (Table 9: no quantization)
+    "sparseloco.clip_median_factor": 0.0,  # every contribution at its own norm
+    "sparseloco.screening": False,  # no outlier dropped
+    "sparseloco.dense_1d": False,  # top-k per chunk on all parameters, 1-D ones too
+    "swarm.round_rule": "all",  # every contribution aggregated exactly, never range shards
 }
 
 
@@ -287,6 +292,33 @@ def build_config(
             raise ConfigError(f"{exc} ({source})") from None
         _merge(merged, layer)
     return config_from_dict(merged)
+
+
+def setting(cfg: RunConfig, key: str) -> Any:
+    """The value of a dotted key of a config ("sparseloco.screening", "seed")."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def setting_changes(before: RunConfig, after: RunConfig, keys: Iterable[str]) -> list[str]:
+    """One line `key: before -> after` (values as JSON writes them) per dotted key whose value differs
+    between two configs, in `keys` order: what a set of settings such as `--paper-settings` changed."""
+    show = functools.partial(json.dumps, default=str)
+    changed = [k for k in keys if setting(before, k) != setting(after, k)]
+    return [f"{k}: {show(setting(before, k))} -> {show(setting(after, k))}" for k in changed]
+
+
+def paper_algorithm_config(
+    toml_path: str | Path | None, overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> tuple[RunConfig, list[str]]:
+    """`build_config` with `PAPER_ALGORITHM` as the command's defaults (TOML, env and flags still
+    override it), and one line per setting that changed (`setting_changes`): `peer bootstrap
+    --paper-settings`."""
+    plain = build_config(toml_path, overrides, environ)
+    paper = build_config(toml_path, overrides, environ, defaults=PAPER_ALGORITHM)
+    return paper, setting_changes(plain, paper, PAPER_ALGORITHM)
 
 
 def _check_types(layer: Mapping[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
     Δ̂_i    = decode(payload_i)                          integer unranking, codebook lookups
     Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (peer.core.codec.clip)
-    keep    = screen(Δ̂)                                  drop outliers (peer.core.robust)
+    keep    = screen(Δ̂)                                  drop outliers (peer.core.robust), when
+                                                          `sparseloco.screening` (`screening_rule`)
     Δ̄      = aggregate(Δ̂_i, i ∈ keep)                   in commit order ("mean-over-all" or
                                                           "mean-over-contributors")
     θ      = θ_start + fl32(fl32(−η)·Δ̄)                 every parameter but the embedding
@@ -63,7 +64,7 @@ from peer.core.model import Decoder
 from peer.core.optim import TrainConfig, decoupled_decay
 from peer.core.portable import check_denormals
 from peer.core.robust import DEFAULT as ROBUST
-from peer.core.robust import RobustConfig, Screen, screen, screen_scored, sparse_consensus_scores
+from peer.core.robust import OFF, RobustConfig, Screen, screen, screen_scored, sparse_consensus_scores
 from peer.core.sparseloco import aggregate, aggregate_payloads, decompress, screen_rows
 from peer.core.subspace import embedding_outer_update, perp_outer_update
 from peer.core.subspace_state import EMBED, perp_of, set_perp
@@ -81,6 +82,7 @@ __all__ = [
     "outer_delta",
     "perp_decay",
     "robust_aggregate",
+    "screening_rule",
 ]
 
 
@@ -124,10 +126,17 @@ def perp_decay(train: TrainConfig, outer_step: int) -> float:
     return decoupled_decay(range(outer_step * H, (outer_step + 1) * H), train)
 
 
+def screening_rule(cfg: SparseLoCoConfig) -> RobustConfig:
+    """The outlier rule a run's config sets (`sparseloco.screening`): the one every holder applies,
+    and the one the commit functions below use when no other `robust` is passed (the simulator's
+    attack sweeps pass their own per arm)."""
+    return ROBUST if cfg.screening else OFF
+
+
 def robust_aggregate(
     decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
-    robust: RobustConfig = ROBUST,
+    robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
     names: Collection[str] | None = None,
     out: Mapping[str, Tensor] | None = None,
@@ -138,7 +147,9 @@ def robust_aggregate(
     Contributions that are all payloads take the fused path (`_fused_aggregate`: the same bits, no
     dense Δ̂); `names` restricts Δ̄ (never the norms or the screening) to those tensors, and `out`
     lends the fused path its accumulators (`peer.core.codec.scratch`: Δ̄ may then be those buffers).
+    `robust` None: the config's rule (`screening_rule`).
     """
+    robust = screening_rule(cfg) if robust is None else robust
     if decoded and all(isinstance(d, Payload) for d in decoded):
         return _fused_aggregate([d for d in decoded if isinstance(d, Payload)], cfg, robust, keys, names, out)
     dense = [decompress(d) if isinstance(d, Payload) else d for d in decoded]
@@ -200,7 +211,7 @@ def commit_state(
     U: Tensor | None,
     embed_update: Tensor | None = None,
     perp_factor: float = 1.0,
-    robust: RobustConfig = ROBUST,
+    robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
 ) -> Committed:
     """The portable commit (module docstring): the state after one round, computed on the CPU.
@@ -209,7 +220,8 @@ def commit_state(
     committed contributions in commit order, as parsed payloads (the fused path: nothing is
     decoded densely, Δ̄ is summed in accumulators lent by `ACCUMULATORS` for this call only) or as
     decoded Δ̂ (the same bits), `embed_update` = stage 0's committed change (for a stage without
-    the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier rule and
+    the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier rule (None:
+    the config's, `screening_rule`) and
     `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified, and
     nothing returned aliases a lent buffer (`apply_update` writes every result afresh).
     """
@@ -290,7 +302,7 @@ def commit_round(
     U: Tensor | None,
     embed_update: Tensor | None = None,
     perp_factor: float = 1.0,
-    robust: RobustConfig = ROBUST,
+    robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
 ) -> RoundCommit:
     """Apply one committed round to every view of a stage: `commit_state`, written into each view
@@ -315,7 +327,7 @@ def load_committed(view: Decoder, done: Committed) -> None:
 def embedding_update(
     decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
-    robust: RobustConfig = ROBUST,
+    robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
 ) -> Tensor:
     """Stage 0's committed change of embed.weight (fl32(−η·Δ̄)) for a holder that only observes

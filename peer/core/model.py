@@ -139,15 +139,16 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(
         vocab_size=4096, d_model=256, n_layers=8, n_heads=4, head_dim=64, ffn_hidden=688, max_seq_len=256
     ),
-    # arXiv 2601.02360, Tables 6 and 9.
+    # arXiv 2601.02360, Tables 6 and 9: the shapes, and the paper's context of 2048 tokens (a run's
+    # train.seq_len may be anything up to it).
     "178M": ModelConfig(
-        vocab_size=32000, d_model=1024, n_layers=9, n_heads=8, head_dim=128, ffn_hidden=2688, max_seq_len=1024
+        vocab_size=32000, d_model=1024, n_layers=9, n_heads=8, head_dim=128, ffn_hidden=2688, max_seq_len=2048
     ),
     "512M": ModelConfig(
-        vocab_size=32000, d_model=1536, n_layers=12, n_heads=12, head_dim=128, ffn_hidden=3904, max_seq_len=1024
+        vocab_size=32000, d_model=1536, n_layers=12, n_heads=12, head_dim=128, ffn_hidden=3904, max_seq_len=2048
     ),
     "1B": ModelConfig(
-        vocab_size=32000, d_model=2048, n_layers=16, n_heads=8, head_dim=128, ffn_hidden=8192, max_seq_len=1024
+        vocab_size=32000, d_model=2048, n_layers=16, n_heads=8, head_dim=128, ffn_hidden=8192, max_seq_len=2048
     ),
 }
 

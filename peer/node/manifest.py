@@ -32,7 +32,8 @@ from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 7  # 7: ranges rounds (PayloadRequest kind/ranges, announcement root/ranges, roster, shards)
+PROTOCOL_VERSION = 8  # 8: the round's rule is the manifest's (sparseloco.screening; dense_1d false commits 1-D top-k)
+# 7: ranges rounds (PayloadRequest kind/ranges, announcement root/ranges, roster, shards)
 # 5: portable initial state and commit, state claims (state_id, link), checked adoption
 # 4: streamed pipeline (route/window/attempt), data-plane proofs, Tunnel service, screening
 # 3: payload format v3 (entropy-coded indices, sign-magnitude values), global-norm clipping fields

@@ -53,7 +53,7 @@ def bench(
     """Wall seconds of the three paths (old and new `repeats` times, interleaved, against the machine's
     changing load; the fastest of each counts) and whether their results are the same bits."""
     overrides = {"preset": "tiny", "train.outer_steps": outer_steps, "train.inner_steps": inner_steps}
-    cfg, names, seeds, ratios, opts = ex.plan_sweep(None, overrides, CONFIGS, None, None, False, replicas, SimOptions())
+    cfg, names, seeds, ratios, opts, _ = ex.plan_sweep(None, overrides, CONFIGS, None, None, (), replicas, SimOptions())
     data = load_corpus(cfg.data)
     n = workers or default_workers(replicas)
     paths = {"old": (1, False), "fused": (1, True), "new": (n, True)}

@@ -12,8 +12,9 @@ also runs once per attack with its last replica poisoning every round (`peer.too
 with median clipping alone and with clipping + outlier screening (`peer.core.robust`); its honest
 run then screens too, so its drops are the false-drop rate. `poison_tables` renders them.
 
-`PAPER_SETTINGS` are the paper's §3 settings (no quantization, M = 8, S = 4, H = 50, Table 9's
-warmup and learning rates, the AdamW baseline at its own learning rate).
+The paper's settings and the other named settings (`--paper-settings`, `--setting`, `--token-budget`)
+are resolved by `peer.tools.paper_settings`; Table 3's token-budget mode (`--extend`) runs through
+`peer.tools.experiments_budget`, and `summarize(results, own_budget=…)` adds its columns.
 """
 
 from __future__ import annotations
@@ -27,18 +28,20 @@ from typing import Any
 
 from rich.table import Table
 
-from peer.config import RunConfig, build_config
+from peer.config import RunConfig
 from peer.core.loader import Corpus
 from peer.core.robust import DEFAULT as SCREEN
 from peer.core.robust import OFF as NO_SCREEN
 from peer.core.subspace import distinct_ks
 from peer.errors import ConfigError
 from peer.tools.attacks import check_attack
+from peer.tools.paper_settings import Resolved, resolve
+from peer.tools.sim_ablations import check_ablations
 from peer.tools.sim_ranges import check_ranges
+from peer.tools.sim_results import perplexity, robust_rule
 from peer.tools.simulate import (
     BASELINES,
     CONFIGS,
-    SIMULATE_DEFAULTS,
     ConfigResult,
     Progress,
     SimOptions,
@@ -47,16 +50,6 @@ from peer.tools.simulate import (
     run_config,
 )
 
-# The paper's §3 / Table 9 settings for `peer simulate --paper-settings` (flags still override).
-PAPER_SETTINGS: dict[str, Any] = {
-    "sparseloco.quant_bits": 0,
-    "stages": 4,
-    "train.inner_steps": 50,
-    "train.lr": 1e-3,
-    "train.warmup_steps": 500,
-}
-PAPER_REPLICAS = 8
-PAPER_ADAMW_LR = 3e-4
 PAIRS = (("het-pp-compress", "pp-compress"), ("adamw-het-pp-compress", "adamw-pp-compress"))
 
 # two-sided 95 % Student-t quantiles by degrees of freedom (df > 30: the normal 1.96)
@@ -97,15 +90,17 @@ def plan_sweep(
     configs: str,
     k_ratios: str | None,
     seeds: str | None,
-    paper_settings: bool,
+    settings: Sequence[str],
     replicas: int | None,
     opts: SimOptions,
-) -> tuple[RunConfig, list[str], list[int], list[str], SimOptions]:
+    token_budget: float | None = None,
+) -> tuple[RunConfig, list[str], list[int], list[str], SimOptions, Resolved]:
     """What `peer simulate` will run, checked before any data is prepared.
 
-    Returns (config, config names, seeds, k/d ratios, options with the replica count filled in);
-    raises ConfigError naming the flag for an unknown config, bad seeds, k/d ratios that round to
-    the same k, or fewer than one replica.
+    Returns (config, config names, seeds, k/d ratios, options with the replica count and AdamW lr
+    filled in, what the settings set: `peer.tools.paper_settings.resolve`); raises ConfigError
+    naming the flag for an unknown config or setting, bad seeds, k/d ratios that round to the same
+    k, or fewer than one replica.
     """
     names = [c.strip() for c in configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
@@ -113,22 +108,18 @@ def plan_sweep(
         raise ConfigError(f"--configs: unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
     ratios = parse_list(k_ratios, "--k-ratio") if k_ratios else None
     overrides = overrides | {"subspace.k_ratio": ratios[0] if ratios else None}
-    defaults = SIMULATE_DEFAULTS | (PAPER_SETTINGS if paper_settings else {})
-    cfg = build_config(config, overrides, defaults=defaults)
-    m = replicas if replicas is not None else (PAPER_REPLICAS if paper_settings else 4)
-    if m < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {m}")
-    adamw_lr = opts.adamw_lr
-    if adamw_lr is None and paper_settings and overrides.get("train.lr") is None:
-        adamw_lr = PAPER_ADAMW_LR
+    res = resolve(config, overrides, settings, replicas, opts.adamw_lr, token_budget)
+    cfg = res.cfg
     try:
         seed_list = [int(x) for x in parse_list(seeds, "--seeds")] if seeds else [cfg.seed]
     except ValueError:
         raise ConfigError(f"--seeds: expected integers like 0,1,2, got {seeds!r}") from None
     ratio_list = ratios or [cfg.subspace.k_ratio]
     distinct_ks(cfg.model.d_model, ratio_list)
-    check_ranges(opts.round_rule, opts.robust, opts.attacks[0] if opts.attacks else None)
-    return cfg, names, seed_list, ratio_list, dataclasses.replace(opts, replicas=m, adamw_lr=adamw_lr)
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attacks[0] if opts.attacks else None)
+    check_ablations(names, opts)  # B: --grassmann / --modified-adamw only on the SparseLoCo configs
+    opts = dataclasses.replace(opts, replicas=res.replicas, adamw_lr=res.adamw_lr)
+    return cfg, names, seed_list, ratio_list, opts, res
 
 
 def run_sweep(
@@ -189,8 +180,12 @@ def sweep_args(
     seeds: Sequence[int],
     ratios: Sequence[str],
     paper_settings: bool,
+    resolved: Resolved | None = None,
+    extend: float | None = None,
 ) -> dict[str, Any]:
-    """The "args" of `peer simulate --json`: every setting the sweep ran with."""
+    """The "args" of `peer simulate --json`: every setting the sweep ran with (`settings`: what the
+    named settings set, with the source of each value; `outer_steps`: of the F·N runs with --extend)."""
+    table = resolved.table if resolved is not None else []
     return {
         "preset": cfg.preset,
         "replicas": opts.replicas,
@@ -211,8 +206,14 @@ def sweep_args(
         "val_tokens": opts.val_tokens,
         "te_adaptation": opts.te_adaptation,
         "weight_projection": opts.weight_projection,
+        "grassmann": opts.grassmann,  # B: Table 5c / 5d
+        "grassmann_lr": opts.grassmann_lr,
+        "modified_adamw": opts.modified_adamw,
         "paper_settings": paper_settings,
         "round_rule": opts.round_rule,
+        "settings": [{"key": r.key, "value": r.value, "source": r.source} for r in table],
+        "token_budget": resolved.budget if resolved is not None else None,
+        "extend": extend,
     }
 
 
@@ -231,8 +232,11 @@ def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
 
 
-def summarize(results: Sequence[ConfigResult]) -> list[dict[str, Any]]:
-    """One row per k/d: Δ % mean ± std over seeds per config, and the paired het − uniform rows."""
+def summarize(results: Sequence[ConfigResult], own_budget: Sequence[ConfigResult] = ()) -> list[dict[str, Any]]:
+    """One row per k/d: Δ % mean ± std over seeds per config, and the paired het − uniform rows.
+
+    With `own_budget` (Table 3: the baselines run at the shorter budget N), each row also has every
+    config's Δ % against its family's baseline at N (`delta_pct_own_budget`) and that SparseLoCo loss."""
     ratios = list(dict.fromkeys(r.k_ratio for r in results if r.k_ratio is not None))
     base = [r for r in results if r.name == "sparseloco"]
     rows = []
@@ -242,14 +246,44 @@ def summarize(results: Sequence[ConfigResult]) -> list[dict[str, Any]]:
         if base:
             m, s = _mean_std([b.val_loss_replica_mean for b in base])
             row["sparseloco_val_loss"] = {"mean": m, "std": s, "n": len(base)}
-        row["delta_pct"] = {}
+            m, s = _mean_std([perplexity(b.val_loss_replica_mean) for b in base])  # B: perplexity beside loss
+            row["sparseloco_val_perplexity"] = {"mean": m, "std": s, "n": len(base)}
+        row["delta_pct"], row["val_perplexity"] = {}, {}
         for name in dict.fromkeys(r.name for r in at):
             vals = [r.delta_pct for r in at if r.name == name]
             m, s = _mean_std(vals)
             row["delta_pct"][name] = {"mean": m, "std": s, "n": len(vals)}
+            m, s = _mean_std([perplexity(r.val_loss_replica_mean) for r in at if r.name == name])
+            row["val_perplexity"][name] = {"mean": m, "std": s, "n": len(vals)}
         row["pairs"] = [p for a, b in PAIRS if (p := _paired(at, a, b)) is not None]
+        if own_budget:  # Table 3 (`peer.tools.experiments_budget`)
+            row |= _own_budget_columns(at, own_budget)
         rows.append(row)
     return rows
+
+
+def _own_budget_columns(at: Sequence[ConfigResult], own_budget: Sequence[ConfigResult]) -> dict[str, Any]:
+    """Table 3's part of a summary row: SparseLoCo's loss at the budget N and every config's Δ %
+    against its family's baseline at N, mean ± std over seeds."""
+    out: dict[str, Any] = {"delta_pct_own_budget": {}}
+    if short := [b.val_loss_replica_mean for b in own_budget if b.config == "sparseloco"]:
+        m, s = _mean_std(short)
+        out["sparseloco_val_loss_own_budget"] = {"mean": m, "std": s, "n": len(short)}
+    for name in dict.fromkeys(r.name for r in at):
+        vals = [d for r in at if r.name == name and (d := own_budget_delta(r, own_budget)) is not None]
+        if vals:
+            m, s = _mean_std(vals)
+            out["delta_pct_own_budget"][name] = {"mean": m, "std": s, "n": len(vals)}
+    return out
+
+
+def own_budget_delta(r: ConfigResult, own_budget: Sequence[ConfigResult]) -> float | None:
+    """Table 3: Δ % of r against its family's baseline of the same seed in `own_budget` (None: none)."""
+    family = "adamw" if r.config.startswith("adamw") else "sparseloco"
+    base = next((b for b in own_budget if b.seed == r.seed and b.config == family), None)
+    if base is None:
+        return None
+    return 100.0 * (r.final_val_loss - base.final_val_loss) / base.final_val_loss
 
 
 def _paired(at: Sequence[ConfigResult], a: str, b: str) -> dict[str, Any] | None:
@@ -318,11 +352,16 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     names = list(dict.fromkeys(n for r in rows for n in r["delta_pct"]))
     pairs = list(dict.fromkeys(f"{p['a']} − {p['b']}" for r in rows for p in r["pairs"]))
     table = Table(title=title)
-    for col in ("k/d", "k", "SparseLoCo val", *(f"{n} Δ %" for n in names), *(f"{p} (nats, 95 % CI)" for p in pairs)):
+    columns = ("k/d", "k", "SparseLoCo val", "SparseLoCo ppl", *(f"{n} Δ %" for n in names))
+    for col in (*columns, *(f"{p} (nats, 95 % CI)" for p in pairs)):
         table.add_column(col, justify="left" if col == "k/d" else "right")
+    own = list(dict.fromkeys(n for r in rows for n in r.get("delta_pct_own_budget", {})))  # Table 3
+    for col in [] if not own else ["SparseLoCo val, own budget", *(f"{n} Δ % vs own budget" for n in own)]:
+        table.add_column(col, justify="right")
     for r in rows:
         cells = [r["k_ratio"], str(r["k"])]
         cells.append(_pm(r["sparseloco_val_loss"], ".4f") if "sparseloco_val_loss" in r else "—")
+        cells.append(_pm(r["sparseloco_val_perplexity"], ".2f") if "sparseloco_val_perplexity" in r else "—")
         cells += [_pm(r["delta_pct"][n], "+.2f") if n in r["delta_pct"] else "—" for n in names]
         for label in pairs:
             p = next((p for p in r["pairs"] if f"{p['a']} − {p['b']}" == label), None)
@@ -331,6 +370,9 @@ def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             else:
                 lo, hi = p["ci95"]
                 cells.append(f"{p['diff_mean']:+.4f} [{lo:+.4f}, {hi:+.4f}] ahead {p['a_ahead']}/{p['n']}")
+        if own:  # Table 3: the loss at the budget N, each config's Δ % against it
+            short, by = r.get("sparseloco_val_loss_own_budget"), r.get("delta_pct_own_budget", {})
+            cells += [_pm(short, ".4f") if short else "—", *(_pm(by[n], "+.2f") if n in by else "—" for n in own)]
         table.add_row(*cells)
     return table
 

@@ -121,6 +121,15 @@ MaxChars = Annotated[
 Tokenizer = Annotated[Path | None, typer.Option(help="Use this sentencepiece .model instead of training one.")]
 WireDtype = Annotated[str | None, typer.Option("--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16.")]
 RunName = Annotated[str | None, typer.Option("--run-name", help="Human name of the run (part of the run id).")]
+BootPaperSettings = Annotated[
+    bool,
+    typer.Option(
+        "--paper-settings",
+        help="Publish the paper's round rule (peer.config.PAPER_ALGORITHM: no quantization, median clip or "
+        "outlier screening, 1-D tensors top-k, all-to-all rounds); prints each setting it changed. "
+        "--config, PEER_* and flags still override it.",
+    ),
+]
 BootHost = Annotated[
     str,
     typer.Option(help="Interface to listen on: 0.0.0.0, all (others can join); 127.0.0.1: this machine only."),

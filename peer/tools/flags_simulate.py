@@ -51,8 +51,54 @@ SimRound = Annotated[
 ]
 TeAdaptation = Annotated[bool, typer.Option(help="Move the embedding's change outside Col(U) into T⊥.")]
 WeightProjection = Annotated[bool, typer.Option(help="Keep W_o and W_2 outputs in Col(U) (Table 5).")]
+Grassmann = Annotated[
+    bool,
+    typer.Option(
+        help="Table 5c: train U on the Grassmann manifold, one Riemannian step of the compressed replicas' mean "
+        "dL/dU per outer step (simulator only: the swarm keeps a fixed U).",
+    ),
+]
+GrassmannLr = Annotated[
+    float | None, typer.Option("--grassmann-lr", help="Table 5c: step size η_U of --grassmann (default 0.5).")
+]
+ModifiedAdamw = Annotated[
+    bool,
+    typer.Option(
+        help="Table 5d: compressed replicas step T_S with AdamW in subspace coordinates Z = T_S·U "
+        "instead of AdamW then projection.",
+    ),
+]
 PaperSettings = Annotated[
-    bool, typer.Option(help="The paper's §3 settings: no quantization, M=8, S=4, H=50, Table 9 lrs.")
+    bool,
+    typer.Option(
+        help="The paper's Table 9 / §3 settings for the preset (= --setting paper): M=8, S=4, H=50, batch 32, "
+        "context 2048 (tiny/small: their max_seq_len), lr 1e-3, AdamW lr 3e-4, warmup 500 (≤ 10 % of the run), "
+        "the paper's round rule, outer steps from the token budget; printed before the run; flags still win."
+    ),
+]
+Setting = Annotated[
+    str | None,
+    typer.Option(
+        "--setting",
+        help="Named settings, comma-separated, later wins: paper (Table 9 / §3, as --paper-settings), "
+        "adamw-tuned (the AdamW baseline's tuned lr 3e-4, Table 9 *), or a TOML file of dotted keys "
+        "(train.lr = 6e-4, replicas = 8, adamw_lr, token_budget); printed before the run; flags still win.",
+    ),
+]
+TokenBudget = Annotated[
+    float | None,
+    typer.Option(
+        "--token-budget",
+        help="Tokens per run, N: outer steps = ceil(N / (M·H·batch·seq_len)) (not with --outer-steps).",
+    ),
+]
+Extend = Annotated[
+    float | None,
+    typer.Option(
+        "--extend",
+        help="Table 3: F > 1; the baselines run at the budget N and F·N, the other configs at F·N; Δ % against "
+        "the baseline at F·N and at its own budget N (N: --token-budget, a setting's, else the T outer steps').",
+    ),
 ]
 
 # --- peer simulate (how it runs: workers, device, checkpoint) -------------------------------------

@@ -9,8 +9,15 @@ bandwidths, estimate per bandwidth:
   (no link, no communication, when S = 1),
 - an inner step of m micro-batches with communication overlapped: m · max(compute, comm)
   (1F1B steady state; the pipeline bubble is the same for both variants and left out),
-- the pseudo-gradient round of one stage: each of M holders downloads M − 1 payloads,
-- utilisation = compute time / wall time of one outer step (H inner steps + the round).
+- the pseudo-gradient round: each holder fetches the M − 1 other payloads of its stage and, in a
+  compressed pipeline, a holder of stage s > 0 also all M stage-0 payloads (for T⊥), which stage 0's
+  holders serve; the slowest holder's busier link direction sets the round's time
+  (`peer.tools.plan_round`, which says what the swarm's code fetches),
+- utilisation = compute time / wall time of one outer step (H inner steps + the round; nothing
+  overlaps the round),
+- with a token budget N (`--tokens`, Fig. 3): ⌈N / (M·H·m·b·L)⌉ outer steps of that wall time.
+Several k/d (`--k-ratio 1/8,1/16,…`) give one row group each; the uncompressed pipeline does not
+depend on k. The tables and the two figures: `peer.tools.plan_figures`.
 
 `predict_pipeline` models the schedule that runs (`peer.node.pipeline.step`): the sequential one (every
 hop through the head) or K micro-batches in flight streamed stage to stage, with the pipeline
@@ -28,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +48,15 @@ from peer.core.subspace import k_from_ratio
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size
 from peer.net.transport.messages import BackwardRequest, ForwardRequest
-from peer.tools.plots import figure
+from peer.tools.plan_round import (
+    HolderRound,
+    outer_steps_for,
+    parse_tokens,
+    round_holders,
+    round_seconds,
+    tokens_per_outer_step,
+    wallclock_hours,
+)
 
 # Shapes of larger models for planning only (never built): LLaMA-style, untied head, no GQA.
 PLAN_PRESETS: dict[str, ModelConfig] = {
@@ -55,6 +71,7 @@ PLAN_PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, head_dim=128, ffn_hidden=28672, max_seq_len=4096
     ),
 }
+KINDS = ("compressed", "uncompressed")
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,7 @@ class PlanInputs:
     flops: float = 400e12
     replicas: int = 8
     wire_dtype: str = "bf16"
+    tokens: float | None = None  # a token budget: the wall-clock to train it (Fig. 3)
 
 
 def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
@@ -111,6 +129,27 @@ def parse_bandwidths(text: str) -> list[float]:
         ) from None
 
 
+def parse_k_ratios(text: str, d_model: int) -> list[tuple[str, int]]:
+    """`--k-ratio 1/8,1/16` as [(ratio, k)], in the order given; ConfigError naming the flag for a
+    bad value, an empty list or the same k/d twice (1/8 and 0.125 are the same)."""
+    items = [x.strip() for x in str(text).split(",")]
+    if not items or any(not x for x in items):
+        raise ConfigError(f"--k-ratio: expected comma-separated ratios like 1/8,1/16, got {text!r}")
+    out: list[tuple[str, int]] = []
+    seen: dict[Fraction, str] = {}
+    for ratio in items:
+        try:
+            k = k_from_ratio(d_model, ratio)
+            value = Fraction(ratio)
+        except (ConfigError, ValueError, ZeroDivisionError) as exc:
+            raise ConfigError(f"--k-ratio: {exc}") from None
+        if value in seen:
+            raise ConfigError(f"--k-ratio: {ratio} is given twice (as {seen[value]} and {ratio})")
+        seen[value] = ratio
+        out.append((ratio, k))
+    return out
+
+
 def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
     if not bandwidths_mbps or any(not b > 0 for b in bandwidths_mbps):
         raise ConfigError("--bandwidth-mbps needs positive numbers, e.g. 10,100,1000")
@@ -121,62 +160,82 @@ def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")
     if not inputs.flops > 0:
         raise ConfigError(f"--flops must be a positive FLOP/s rate, e.g. 4e14, got {inputs.flops:g}")
+    if inputs.tokens is not None and not (math.isfinite(inputs.tokens) and inputs.tokens >= 1):
+        raise ConfigError(f"--tokens must be a positive token budget, e.g. 3e9, got {inputs.tokens:g}")
+
+
+def stage_payloads(cfg: ModelConfig, stages: int) -> list[int]:
+    """Each stage's payload bytes at the codec's defaults (`payload_nbytes` over the real shapes)."""
+    slc = SparseLoCoConfig()
+    return [payload_nbytes(stage_shapes(cfg, s, stages), slc) for s in range(stages)]
 
 
 def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict[str, Any]]:
-    """One row per bandwidth: byte counts, times and utilisation of compressed vs uncompressed pipelines."""
+    """One row per (k/d, bandwidth), k/d in `--k-ratio`'s order: byte counts, times, utilisation and
+    (with `tokens`) the budget's wall-clock of compressed vs uncompressed pipelines. The uncompressed
+    columns repeat in every k/d's rows; the round's bytes per holder: `peer.tools.plan_round`."""
     _check_inputs(inputs, bandwidths_mbps)
     name, cfg = resolve_model(inputs)
-    S, b, L, m = inputs.stages, inputs.microbatch_size, inputs.seq_len, inputs.microbatches
+    S, b, L = inputs.stages, inputs.microbatch_size, inputs.seq_len
     split_layers(cfg.n_layers, S)  # ConfigError when S > n_layers
-    try:
-        k = k_from_ratio(cfg.d_model, inputs.k_ratio)
-    except ConfigError as exc:
-        raise ConfigError(f"--k-ratio: {exc}") from None
-    if S == 1:  # no stage boundary, nothing crosses a link
-        fwd_c = bwd_c = fwd_u = bwd_u = 0
-    else:
-        fwd_c, bwd_c = boundary_bytes(b, L, k, inputs.wire_dtype)
-        fwd_u, bwd_u = boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
-    slc = SparseLoCoConfig()
-    payloads = [payload_nbytes(stage_shapes(cfg, s, S), slc) for s in range(S)]
+    ratios = parse_k_ratios(inputs.k_ratio, cfg.d_model)
+    payloads = stage_payloads(cfg, S)
+    holders = {c: round_holders(payloads, inputs.replicas, c) for c in (True, False)}
     t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops
+    per_step = tokens_per_outer_step(inputs.replicas, inputs.inner_steps, inputs.microbatches, b, L)
+    uncompressed = (0, 0) if S == 1 else boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
     rows: list[dict[str, Any]] = []
-    for bw in bandwidths_mbps:
-        bytes_per_s = bw * 1e6 / 8
-        round_s = (inputs.replicas - 1) * max(payloads) / bytes_per_s
-        row = {
-            "model": name,
-            "n_params": cfg.n_params,
-            "bandwidth_mbps": bw,
-            "k": k,
-            "compute_s_per_microbatch": t_comp,
-            "boundary_bytes_compressed": fwd_c + bwd_c,
-            "boundary_bytes_uncompressed": fwd_u + bwd_u,
-            "payload_bytes_per_stage": max(payloads),
-            "round_s": round_s,
-        }
-        for kind, (f, bk) in (("compressed", (fwd_c, bwd_c)), ("uncompressed", (fwd_u, bwd_u))):
-            t_comm = max(f, bk) / bytes_per_s
-            inner_s = m * max(t_comp, t_comm)
-            outer_s = inputs.inner_steps * inner_s + round_s
-            row[f"outer_s_{kind}"] = outer_s
-            row[f"util_{kind}"] = inputs.inner_steps * m * t_comp / outer_s
-        rows.append(row)
+    for ratio, k in ratios:
+        compressed = (0, 0) if S == 1 else boundary_bytes(b, L, k, inputs.wire_dtype)  # no boundary at S = 1
+        for bw in bandwidths_mbps:
+            row: dict[str, Any] = {
+                "model": name,
+                "n_params": cfg.n_params,
+                "k_ratio": ratio,
+                "k": k,
+                "bandwidth_mbps": bw,
+                "compute_s_per_microbatch": t_comp,
+                "boundary_bytes_compressed": sum(compressed),
+                "boundary_bytes_uncompressed": sum(uncompressed),
+                "payload_bytes_per_stage": max(payloads),
+                "tokens_per_outer_step": per_step,
+            }
+            for kind, msgs in (("compressed", compressed), ("uncompressed", uncompressed)):
+                row.update(_timing(inputs, kind, msgs, holders[kind == "compressed"], t_comp, bw, per_step))
+            rows.append(row)
     return rows
 
 
-def plot_plan(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Utilisation against bandwidth (log scale), compressed vs uncompressed, as a PNG at `path`."""
-    bws = [r["bandwidth_mbps"] for r in rows]
-    title = f"{rows[0]['model']}: utilisation vs bandwidth"
-    with figure(path, title, "inter-stage bandwidth (Mbit/s)", "compute utilisation (%)", figsize=(6.5, 4)) as ax:
-        ax.plot(bws, [100 * r["util_compressed"] for r in rows], "o-", label=f"compressed (k={rows[0]['k']})")
-        ax.plot(bws, [100 * r["util_uncompressed"] for r in rows], "s--", label="uncompressed")
-        ax.set_xscale("log")
-        ax.set_ylim(0, 105)
-        ax.grid(alpha=0.3, which="both")
-    return Path(path)
+def _timing(
+    inputs: PlanInputs,
+    kind: str,
+    msgs: tuple[int, int],
+    holders: Sequence[HolderRound],
+    t_comp: float,
+    bw: float,
+    per_step: int,
+) -> dict[str, Any]:
+    """One pipeline's (`kind`) columns at `bw` Mbit/s: round bytes and time, outer step, utilisation
+    and, with a token budget, the outer steps and hours it takes."""
+    bytes_per_s = bw * 1e6 / 8
+    m, H = inputs.microbatches, inputs.inner_steps
+    busiest = max(holders, key=lambda h: h.link_bytes)
+    inner_s = H * m * max(t_comp, max(msgs) / bytes_per_s)
+    round_s = round_seconds(holders, bw)
+    out: dict[str, Any] = {
+        f"round_bytes_{kind}": busiest.link_bytes,
+        f"round_busiest_stage_{kind}": busiest.stage,
+        f"stage0_payloads_fetched_{kind}": max(h.stage0_fetched for h in holders),
+        f"round_s_{kind}": round_s,
+        f"inner_s_{kind}": inner_s,
+        f"outer_s_{kind}": inner_s + round_s,
+        f"util_{kind}": H * m * t_comp / (inner_s + round_s),
+    }
+    if inputs.tokens is not None:
+        steps = outer_steps_for(inputs.tokens, per_step)
+        out[f"outer_steps_{kind}"] = steps
+        out[f"wallclock_h_{kind}"] = wallclock_hours(steps, inner_s + round_s)
+    return out
 
 
 def plan_command(
@@ -186,16 +245,30 @@ def plan_command(
     json_out: Path | None,
     write_json: Callable[[Path, dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
-    """`peer plan`: the rows for the CLI's flags (`args`), the table and the file paths handed to `out`."""
-    from peer.tools.render import plan_table
+    """`peer plan`: the rows for the CLI's flags (`args`), the tables and the file paths handed to `out`:
+    Fig. 2 (utilisation, one curve per k/d) at `png`, Fig. 3 (wall-clock of `--tokens`) beside it."""
+    from peer.tools.plan_figures import figure_curves, plan_tables, plot_utilisation, plot_wallclock, wallclock_png
 
     bws = parse_bandwidths(args["bandwidth_mbps"])
-    inputs = PlanInputs(**{f.name: args[f.name] for f in dataclasses.fields(PlanInputs) if f.name in args})
+    fields = {f.name: args[f.name] for f in dataclasses.fields(PlanInputs) if f.name in args and f.name != "tokens"}
+    inputs = PlanInputs(**fields, tokens=parse_tokens(args.get("tokens")))
     rows = plan_rows(inputs, bws)
-    out(plan_table(rows, inputs.stages, inputs.inner_steps, inputs.k_ratio))
-    out(f"plot: {plot_plan(rows, png)}")
+    _, cfg = resolve_model(inputs)
+    holders = {c: round_holders(stage_payloads(cfg, inputs.stages), inputs.replicas, c) for c in (True, False)}
+    for table in plan_tables(rows, dataclasses.asdict(inputs), holders):
+        out(table)
+    out(f"plot: {plot_utilisation(rows, png)}")
+    if inputs.tokens is not None:
+        out(f"plot: {plot_wallclock(rows, wallclock_png(png), inputs.tokens)}")
     if json_out:
-        write_json(json_out, {"inputs": dataclasses.asdict(inputs), "rows": rows})
+        data = {
+            "inputs": dataclasses.asdict(inputs),
+            "k_ratios": list(dict.fromkeys(r["k_ratio"] for r in rows)),
+            "rows": rows,
+            "round": {kind: [dataclasses.asdict(h) for h in holders[kind == "compressed"]] for kind in KINDS},
+            **figure_curves(rows),
+        }
+        write_json(json_out, data)
         out(f"results: {json_out}")
     return rows
 

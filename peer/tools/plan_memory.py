@@ -19,6 +19,7 @@ from rich.table import Table
 
 from peer.core.memory import estimate_stage, format_bytes
 from peer.core.subspace import k_from_ratio
+from peer.errors import ConfigError
 from peer.node.pipeline.schedule import MAX_STASH
 from peer.tools.plan import PLAN_PRESETS
 
@@ -90,6 +91,8 @@ def plan_memory_command(
 ) -> list[dict[str, Any]]:
     """`peer plan --memory`: the table for the flags' micro-batch shape, and the JSON file."""
     inputs = {n: args[n] for n in ("microbatch_size", "seq_len", "microbatches", "k_ratio")}
+    if "," in str(inputs["k_ratio"]):
+        raise ConfigError(f"--memory takes one --k-ratio (the boundary width it sizes), got {inputs['k_ratio']!r}")
     rows = memory_rows(**inputs)
     out(memory_table(rows, inputs["microbatch_size"]))
     if json_out:

@@ -10,6 +10,7 @@ bandwidths in Mbit/s that `peer plan` takes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,17 @@ def _table(title: str, columns: Sequence[str], left: Sequence[str] = ()) -> Tabl
 
 def simulate_table(results: Sequence[ConfigResult], cfg: RunConfig, replicas: int) -> Table:
     """`peer simulate`: one row per configuration (the paper's Table 2 columns)."""
-    columns = ("config", "k/d", "α", "train loss", "val loss", "Δ %", "PG bytes/replica", "act bytes/replica")
+    columns = (
+        "config",
+        "k/d",
+        "α",
+        "train loss",
+        "val loss",
+        "val ppl",
+        "Δ %",
+        "PG bytes/replica",
+        "act bytes/replica",
+    )
     table = _table(
         f"peer simulate — {cfg.preset}, M={replicas}, S={cfg.stages}, H={cfg.train.inner_steps}, "
         f"T={cfg.train.outer_steps}, k/d={cfg.subspace.k_ratio}",
@@ -77,37 +88,11 @@ def simulate_table(results: Sequence[ConfigResult], cfg: RunConfig, replicas: in
             "—" if r.het_fraction is None else f"{r.het_fraction:.2f}",
             f"{r.final_loss:.4f}",
             f"{r.final_val_loss:.4f}",
+            f"{math.exp(r.final_val_loss):.2f}" if r.final_val_loss < 700 else "inf",
             f"{r.delta_pct:+.2f}",
             human_bytes(r.pg_bytes),
             human_bytes(r.act_bytes),
             f"{r.wall_s:.1f}",
-        )
-    return table
-
-
-def plan_table(rows: Sequence[Mapping[str, Any]], stages: int, inner_steps: int, k_ratio: str) -> Table:
-    """`peer plan`: one row per bandwidth, compressed vs uncompressed."""
-    table = _table(
-        f"peer plan — {rows[0]['model']}, {stages} stages, H={inner_steps}, k/d={k_ratio}",
-        (
-            "Mbit/s",
-            "util compressed",
-            "util uncompressed",
-            "s/outer compressed",
-            "s/outer uncompressed",
-            "PG round s",
-            "boundary bytes/µbatch (c / u)",
-        ),
-    )
-    for r in rows:
-        table.add_row(
-            f"{r['bandwidth_mbps']:g}",
-            f"{100 * r['util_compressed']:.1f} %",
-            f"{100 * r['util_uncompressed']:.1f} %",
-            f"{r['outer_s_compressed']:.1f}",
-            f"{r['outer_s_uncompressed']:.1f}",
-            f"{r['round_s']:.1f}",
-            f"{human_bytes(r['boundary_bytes_compressed'])} / {human_bytes(r['boundary_bytes_uncompressed'])}",
         )
     return table
 

@@ -24,6 +24,7 @@ from peer.core.state import stage_state
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
 from peer.tools.attacks import check_attack, poison
+from peer.tools.sim_ablations import configure_replicas, grassmann_round, record_bias
 from peer.tools.sim_checkpoint import run_key
 from peer.tools.sim_pool import Pending, ReplicaPool, add_grads, batch, corpus_key, dumps
 from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
@@ -36,6 +37,7 @@ from peer.tools.sim_results import (
     boundary_bytes,
     n_uncompressed,
     new_result,
+    robust_rule,
 )
 from peer.tools.sim_runtime import current
 
@@ -57,8 +59,10 @@ def run_adamw(
     """Data-parallel AdamW: gradients of M shards averaged every step (dense fp32 on the wire).
 
     With a subspace (`adamw-*`), replica m computes its gradient on the compressed path unless it
-    is one of the uncompressed ones; the one shared model keeps T_S in Col(U). The shards'
-    gradients are computed by the session's workers when it has them (`peer.tools.sim_pool`).
+    is one of the uncompressed ones; the one shared model keeps T_S in Col(U). In the heterogeneous
+    config (§2.4) the uncompressed replicas are fully uncompressed: the step's residual outside
+    Col(U) moves into T⊥ (`LocalReplica.apply_step(residual_to_perp=True)`) instead of being dropped.
+    The shards' gradients are computed by the session's workers when it has them (`peer.tools.sim_pool`).
     """
     rt, key = current(), run_key(cfg, kind, opts)
     if opts.adamw_lr is not None:
@@ -88,7 +92,8 @@ def run_adamw(
             loss += stats.loss / replicas
             run.act_bytes += boundary_bytes(stats.boundary_values, cfg, stats.tokens, compressed)
         model.compressed = False
-        model.apply_step(step, keep_in_subspace=U is not None, decay_perp=U is not None and opts.te_adaptation)
+        het = U is not None and n_unc > 0  # B: §2.4, uncompressed replicas' residual goes into T⊥, not away
+        model.apply_step(step, U is not None, decay_perp=U is not None and opts.te_adaptation, residual_to_perp=het)
         pending = _send_shards(pool, model, data, paths, step + 1, total)  # the workers start on it now
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
@@ -186,7 +191,7 @@ def commit_stage(
         decoded[-1] = poison(opts.attack, decompress(parsed[-1]), t, s, slc)
     U = None if reps[0].U is None else reps[0].U.cpu()  # the commit runs on the CPU
     views = [rep.stages[s] for rep in reps]
-    done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, opts.robust)
+    done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, robust_rule(opts, cfg))
     honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
     for m in honest:
         back = returned(decoded[m], m, done.clip, done.dropped)
@@ -213,9 +218,9 @@ def _new_diloco(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> Dilo
     replicas, rt = opts.replicas, current()
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
     wp = opts.weight_projection and U is not None
-    reps = [
-        rt.place(LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp)) for m in range(replicas)
-    ]
+    reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp) for m in range(replicas)]
+    configure_replicas(reps, opts)  # B: Table 5c / 5d switches, the eq. 5 record (peer.tools.sim_ablations)
+    reps = [rt.place(rep) for rep in reps]
     errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
     initial_perp = [perp_of(st).clone() for st in reps[0].stages] if U is not None else []
     result = new_result(cfg, kind, opts, n_unc)
@@ -231,7 +236,7 @@ def run_diloco(
     state after every outer step goes to the session's checkpoint, and a stored one is resumed."""
     train, replicas, rt, key = cfg.train, opts.replicas, current(), run_key(cfg, kind, opts)
     check_attack(opts.attack)
-    check_ranges(opts.round_rule, opts.robust, opts.attack)
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack)
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
     run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, n_unc)
     torch.set_rng_state(run.rng)
@@ -246,6 +251,7 @@ def run_diloco(
     for t in range(run.t, train.outer_steps):
         starts = [{n: v.cpu() for n, v in stage_state(st).items()} for st in reps[0].stages]
         _inner_steps(run, data, cfg, t, kind, progress, pool, pending)
+        record_bias(reps, result, t)  # B: eq. 5 bias of this round's embedding change
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
         for s in range(cfg.stages):
@@ -263,6 +269,7 @@ def run_diloco(
                     set_perp(st, perp)
         for rep in reps:
             rep.project_outputs()
+        grassmann_round(reps, opts, run.pg_bytes)  # B: Table 5c, U' for every replica
         pending = _send_inner(pool, run, data, cfg, t + 1)  # the workers train on while this scores
         unc = reps[0] if n_unc > 0 else None
         comp = reps[n_unc] if n_unc < replicas else None

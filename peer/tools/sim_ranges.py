@@ -61,7 +61,8 @@ def check_ranges(round_rule: str, robust: RobustConfig, attack: str | None) -> N
         raise ConfigError(f"--round must be one of {', '.join(ROUND_RULES)}, got {round_rule!r}")
     if round_rule == "ranges" and (robust.enabled or attack is not None):
         raise ConfigError(
-            "--round ranges runs without outlier screening and attacks; drop --attacks or use --round all"
+            "--round ranges runs without outlier screening and attacks; drop --attacks, set "
+            "sparseloco.screening = false, or use --round all"
         )
 
 

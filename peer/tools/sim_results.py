@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
+from peer.core.commit import screening_rule
 from peer.core.loader import Corpus, val_batches
-from peer.core.robust import OFF, RobustConfig
+from peer.core.robust import RobustConfig
 from peer.errors import ConfigError
 from peer.tools.sim_ranges import RangeShares
 from peer.tools.sim_replica import LocalReplica
@@ -30,12 +31,15 @@ CONFIGS = (
     "adamw-het-pp-compress",
 )
 BASELINES = ("adamw", "sparseloco")  # no subspace: independent of k/d
-# `peer simulate`'s own defaults (its --help says the same): the paper's metric needs no median clip.
+# `peer simulate`'s own defaults (its --help says the same): the paper's metric needs no median clip
+# and no outlier screening (both are the swarm's defences against poisoning, README).
 SIMULATE_DEFAULTS: dict[str, Any] = {
     "train.inner_steps": 10,
     "train.outer_steps": 20,
     "sparseloco.clip_median_factor": 0.0,
+    "sparseloco.screening": False,
 }
+GRASSMANN_LR = 0.5  # default η_U of --grassmann (docs/configuration.md says how it was chosen)
 VAL_BATCH = 64  # sequences per validation forward pass
 
 Progress = Callable[[str, int, int, float], None]  # (config label, done steps, total steps, last loss)
@@ -52,9 +56,14 @@ class SimOptions:
     weight_projection: bool = False  # Table 5: W_o / W_2 outputs kept in Col(U)
     adamw_lr: float | None = None  # inner learning rate of the adamw* configs (None: train.lr)
     attacks: tuple[str, ...] = ()  # sweeps: also run each config under each attack (peer.tools.experiments)
-    robust: RobustConfig = OFF  # outlier screening of each round's contributions (the swarm's: DEFAULT)
+    # outlier screening of each round's contributions; None: the run's `sparseloco.screening`, as
+    # the swarm (attack sweeps set it per arm)
+    robust: RobustConfig | None = None
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
     round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
+    grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.tools.sim_ablations)
+    grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
+    modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
 
 
 @dataclass
@@ -87,6 +96,7 @@ class ConfigResult:
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
+    bias: list[BiasRound] = field(default_factory=list)  # eq. 5, per outer round (peer.tools.sim_ablations)
 
     def summary(self) -> dict[str, Any]:
         keys = (
@@ -111,12 +121,32 @@ class ConfigResult:
             "rounds",
             "round_rule",
         )
-        extra = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
+        extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
         if shares := [m.dropped for m in self.dropped_mass]:  # "ranges": the shards' shares of ‖Δ̄‖²
             quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
             extra |= {"quant_error_mean": quant}
         return {k: getattr(self, k) for k in keys} | extra
+
+
+def robust_rule(opts: SimOptions, cfg: RunConfig) -> RobustConfig:
+    """The outlier rule a simulation of `cfg` runs: `opts.robust` when an experiment forces one, else
+    the run's own (`sparseloco.screening`, as every holder of a swarm applies it)."""
+    return opts.robust if opts.robust is not None else screening_rule(cfg.sparseloco)
+
+
+class BiasRound(NamedTuple):
+    """Eq. 5 for one outer round's embedding change Δ* (before projection) and Δ (as sent)."""
+
+    t: int  # outer step
+    replica: float  # ‖Δ*_m − Π(Δ*_m)‖ / ‖Δ*_m‖, mean over compressed replicas (nan: none)
+    aggregate: float  # ‖mean Δ*_m − mean Δ_m‖ / ‖mean Δ*_m‖ over all replicas
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float range."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def n_uncompressed(kind: str, replicas: int, het_fraction: float) -> int:
@@ -191,7 +221,7 @@ class Scorer:
 
 def new_result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigResult:
     uses_subspace = kind not in BASELINES
-    screened = opts.robust.enabled
+    screened = robust_rule(opts, cfg).enabled
     label = kind if opts.attack is None else f"{kind}+{opts.attack}" + ("" if screened else " (clip only)")
     return ConfigResult(
         label,

@@ -12,10 +12,10 @@ Every replica is S stage views of the decoder (`peer.tools.sim_replica.LocalRepl
 forward (`peer.core.chain`), the stage boundaries, the inner step (`peer.core.inner.accumulate`,
 `adamw_step`) and the per-stage SparseLoCo rounds (`peer.core.commit.commit_round`) are the ones a
 real swarm runs; only the network is missing. Gradients are clipped by the norm over all stages;
-median clipping is off unless asked (`sparseloco.clip_median_factor`), and where it clips, the
-clipped mass goes back to the sender's error buffer (`peer.core.feedback`, as on every holder).
-Outlier screening (`peer.core.robust`) is off unless asked (`SimOptions.robust`); a contribution
-it drops goes back whole to its sender's error buffer.
+the round's rule is the run's `[sparseloco]` section, as in the swarm: median clipping
+(`clip_median_factor`; the clipped mass goes back to the sender's error buffer, `peer.core.feedback`,
+as on every holder) and outlier screening (`screening`, unless `SimOptions.robust` forces a rule; a
+contribution it drops goes back whole). `peer simulate` turns both off (`SIMULATE_DEFAULTS`).
 `SimOptions.attack` makes the last replica an attacker (`peer.tools.attacks`): every round it
 sends the poisoned contribution instead of its own. T⊥ decays at every commit as AdamW decays the
 rest of the embedding. `SimOptions.round_rule` "ranges" commits every stage's round range by range

@@ -19,11 +19,14 @@ from rich.progress import Progress
 
 from peer.core.loader import load_corpus
 from peer.tools import experiments as ex
+from peer.tools import experiments_budget as eb
+from peer.tools import paper_settings as ps
 from peer.tools.render import loss_progress_columns, simulate_table
+from peer.tools.sim_ablations import bias_rows, bias_table
 from peer.tools.sim_checkpoint import SweepCheckpoint
 from peer.tools.sim_pool import check_workers, default_workers
 from peer.tools.sim_runtime import Runtime, check_device, session
-from peer.tools.simulate import SimOptions, plot_curves
+from peer.tools.simulate import ConfigResult, SimOptions, plot_curves
 
 
 def command(
@@ -34,7 +37,8 @@ def command(
 ) -> None:
     """Run `peer simulate` with the CLI's flag values `args` (names as in `peer.cli.simulate`)."""
     a = dict(args)
-    cfg, names, seed_list, ratio_list, opts = ex.plan_sweep(
+    settings = ps.settings_names(a["setting"], a["paper_settings"])
+    cfg, names, seed_list, ratio_list, opts, resolved = ex.plan_sweep(
         a["config"],
         {
             "preset": a["preset"],
@@ -52,7 +56,7 @@ def command(
         a["configs"],
         a["k_ratio"],
         a["seeds"],
-        a["paper_settings"],
+        settings,
         a["replicas"],
         SimOptions(
             0,
@@ -63,37 +67,53 @@ def command(
             a["adamw_lr"],
             ex.attack_list(a["attacks"]),
             round_rule=a["round_rule"],
+            grassmann=a["grassmann"],  # B: Table 5c / 5d switches
+            modified_adamw=a["modified_adamw"],
+            **({} if a["grassmann_lr"] is None else {"grassmann_lr": a["grassmann_lr"]}),
         ),
+        a["token_budget"],
     )
+    if resolved.table:  # what --paper-settings / --setting set, and from where
+        console.print(ps.settings_table(resolved, settings))
+    budgets = None if a["extend"] is None else eb.plan_budgets(cfg, opts, resolved.budget, a["extend"], names)
+    cfg = cfg if budgets is None else budgets.long
     m = opts.replicas
     runtime = _session(a, m)
     with console.status("preparing data and tokenizer…"):
         data = load_corpus(cfg.data)
-    total = cfg.train.inner_steps * cfg.train.outer_steps
     with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
         tasks: dict[str, Any] = {}
 
-        def progress(name: str, done: int, _total: int, loss: float) -> None:
+        def progress(name: str, done: int, total: int, loss: float) -> None:
             if name not in tasks:
                 tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
             bar.update(tasks[name], completed=done, loss=loss)
 
+        short: list[ConfigResult] = []  # Table 3: the baselines at the budget N
         with runtime:
-            results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, a["save"])
+            if budgets is None:
+                results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, a["save"])
+            else:  # Table 3: the baselines at N and F·N, the subspace configs at F·N
+                results, short = eb.run_budgets(budgets, data, names, seed_list, ratio_list, opts, progress, a["save"])
 
-    console.print(simulate_table(results, cfg, m))
-    rows = ex.summarize(results)
-    console.print(
-        ex.summary_table(rows, ex.summary_title(cfg, m, seed_list, opts.round_rule)), *ex.poison_tables(results)
+    console.print(simulate_table([*results, *short], cfg, m))
+    rows = ex.summarize(results, short)
+    title = (
+        ex.summary_title(cfg, m, seed_list, opts.round_rule) if budgets is None else eb.budget_title(budgets, seed_list)
     )
+    console.print(ex.summary_table(rows, title), *ex.poison_tables(results))
+    bias = bias_rows(results)  # B: eq. 5
+    if bias:
+        console.print(bias_table(bias, seed_list))
     for line in ex.dropped_mass_lines(results):
         console.print(line)
-    plot_curves(results, plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
+    plot_curves([*results, *short], plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
     console.print(f"loss curves: {plot_path}")
     json_out = a["json_out"]
     if json_out:
-        sweep = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, a["paper_settings"])
-        write_json(json_out, {"configs": [r.summary() for r in results], "summary": rows, "args": sweep})
+        sweep = ex.sweep_args(cfg, opts, names, seed_list, ratio_list, "paper" in settings, resolved, a["extend"])
+        runs = [r.summary() for r in results] if budgets is None else eb.budget_json(budgets, results, short)
+        write_json(json_out, {"configs": runs, "summary": rows, "args": sweep, "bias": bias})
         console.print(f"results: {json_out}")
 
 

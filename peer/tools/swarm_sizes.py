@@ -72,4 +72,4 @@ def compute_s(preset: str, stages: int, inner_steps: int, flops: float, link_mbp
     (`peer plan`: m micro-batches of max(compute, boundary message), compressed boundaries)."""
     inputs = PlanInputs(preset=preset, stages=stages, inner_steps=inner_steps, flops=flops)
     row = plan_rows(inputs, [link_mbps])[0]
-    return float(row["outer_s_compressed"] - row["round_s"])
+    return float(row["inner_s_compressed"])

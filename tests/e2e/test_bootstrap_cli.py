@@ -16,8 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from peer.config import build_config, paper_algorithm_config
 from peer.net.addresses import Reach, maddr_host, maddr_port, reach_of
 from peer.net.dht import make_identity
+from peer.node.manifest import run_id_for
 from tests.conftest import cmdline, is_live, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -108,9 +110,14 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
 
 def test_bootstrap_stops_on_ctrl_c_to_its_process_group(tmp_path, reap_children):
     # A terminal's Ctrl-C reaches every process of the group at once, p2pd included.
-    proc, address_file, stdout = _start(tmp_path, "--stages", "1", "--host", "127.0.0.1")
+    # --paper-settings (issue 25): the paper's round rule is what the manifest (its run id) holds
+    proc, address_file, stdout = _start(tmp_path, "--stages", "1", "--host", "127.0.0.1", "--paper-settings")
     record = _wait_ready(proc, address_file, stdout)
     assert "peer join --stage 1 " not in stdout.read_text()  # one stage: only --stage 0 is printed
+    flags = {"stages": 1, "data.max_chars": 300000}  # what _start passed
+    paper, changed = paper_algorithm_config(None, flags)
+    assert changed and all(f"--paper-settings: {line}" in stdout.read_text() for line in changed)
+    assert record["run_id"] == run_id_for(paper) != run_id_for(build_config(None, flags))
     port = maddr_port(record["initial_peers"][0])
     assert record["initial_peers"] == [f"/ip4/127.0.0.1/tcp/{port}/p2p/{record['peer_id']}"]
     said = " ".join(stdout.read_text().split())  # on loopback only: it says so, and which flag opens it

@@ -28,6 +28,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONFIGS = ["adamw", "sparseloco", "pp-compress", "het-pp-compress"]
 SUMMARY_KEYS = {
     "name",
+    "val_perplexity",
+    "bias",
     "k_ratio",
     "het_fraction",
     "final_loss",
@@ -52,6 +54,9 @@ SUMMARY_KEYS = {
 }
 ARGS_KEYS = {
     "preset",
+    "grassmann",
+    "grassmann_lr",
+    "modified_adamw",
     "replicas",
     "stages",
     "k_ratio",
@@ -72,6 +77,9 @@ ARGS_KEYS = {
     "weight_projection",
     "paper_settings",
     "round_rule",
+    "settings",  # what --paper-settings / --setting set: key, value, source (issue 25)
+    "token_budget",
+    "extend",
 }
 SIM_ARGS = [
     "--preset",
@@ -137,7 +145,7 @@ def simulated(tmp_path_factory, cache_dir) -> dict:
 
 def test_simulate_json_has_documented_keys(simulated):
     result = simulated["json"]
-    assert set(result) == {"configs", "summary", "args"}
+    assert set(result) == {"configs", "summary", "args", "bias"}
     assert [c["name"] for c in result["configs"]] == CONFIGS
     for c in result["configs"]:
         assert set(c) == SUMMARY_KEYS, c.keys()
@@ -167,11 +175,21 @@ def test_simulate_json_has_documented_keys(simulated):
         "val_tokens": 16384,
         "te_adaptation": True,
         "weight_projection": False,
+        "grassmann": False,
+        "grassmann_lr": 0.5,
+        "modified_adamw": False,
         "paper_settings": False,
         "round_rule": "all",
+        "settings": [],
+        "token_budget": None,
+        "extend": None,
     }
     (row,) = result["summary"]
     assert row["k_ratio"] == "1/8" and row["k"] == 8 and row["pairs"][0]["a"] == "het-pp-compress"
+    by = {c["name"]: c for c in result["configs"]}
+    assert by["sparseloco"]["bias"] == [] and len(by["het-pp-compress"]["bias"]) == 2  # eq. 5, per outer step
+    assert result["bias"][0]["k_ratio"] == "1/8" and "het-pp-compress" in result["bias"][0]["configs"]
+    assert by["pp-compress"]["val_perplexity"] == math.exp(by["pp-compress"]["final_val_loss"])
 
 
 def test_simulate_configs_and_bytes(simulated):

@@ -240,6 +240,14 @@ def test_seq_len_may_reach_max_seq_len():
     assert build_config(None, {"train.seq_len": 128}, environ={}).data.seq_len == 128
 
 
+@pytest.mark.parametrize("preset", ["178M", "512M", "1B"])
+def test_paper_presets_take_the_papers_context(preset):
+    """Table 9 trains with a context of 2048 tokens; `--preset 178M --seq-len 2048` is accepted."""
+    cfg = build_config(None, {"preset": preset, "train.seq_len": 2048}, environ={})
+    assert (cfg.model.max_seq_len, cfg.train.seq_len, cfg.data.seq_len) == (2048, 2048, 2048)
+    assert "model.max_seq_len" in _error(overrides={"preset": preset, "train.seq_len": 2049})
+
+
 def test_data_vocab_size_must_agree_with_model(tmp_path):
     message = _error(toml_path=_toml(tmp_path, "[data]\nvocab_size = 999\n"))
     assert "data.vocab_size" in message and "model.vocab_size" in message

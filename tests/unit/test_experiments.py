@@ -25,6 +25,7 @@ from peer.net.transport.messages import BackwardReply, ForwardReply, StepRequest
 from peer.node.stage_worker import StageWorker
 from peer.tools import experiments as ex
 from peer.tools import flags_simulate as flags
+from peer.tools.paper_settings import PAPER_ADAMW_LR, PAPER_REPLICAS, resolve
 from peer.tools.sim_replica import LocalReplica
 from peer.tools.simulate import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
 from tests.corpora import pattern_corpus
@@ -159,10 +160,11 @@ def test_no_te_adaptation_keeps_perp_and_weight_projection_keeps_outputs_in_col_
                 assert torch.allclose(P @ p.detach(), p.detach(), atol=1e-5)
 
 
-def test_paper_settings():
-    cfg = build_config(overrides={}, environ={}, defaults=SIMULATE_DEFAULTS | ex.PAPER_SETTINGS)
+def test_paper_settings():  # the whole of --paper-settings: tests/unit/test_paper_settings.py
+    res = resolve(None, {"preset": "tiny"}, ["paper"], None, None, None)
+    cfg = res.cfg
     assert (cfg.sparseloco.quant_bits, cfg.stages, cfg.train.inner_steps) == (0, 4, 50)
-    assert ex.PAPER_REPLICAS == 8 and cfg.train.lr != ex.PAPER_ADAMW_LR
+    assert res.replicas == PAPER_REPLICAS == 8 and cfg.train.lr != PAPER_ADAMW_LR == res.adamw_lr
 
 
 # ----------------------------------------------------------------------------- 5. clipping, T⊥

@@ -122,7 +122,7 @@ def test_paper_preset_sizes_are_plausible():
     one_b = PRESETS["1B"]
     assert (one_b.d_model, one_b.n_heads * one_b.head_dim) == (2048, 1024)
     for name in ("178M", "512M", "1B"):
-        assert PRESETS[name].vocab_size == 32000 and PRESETS[name].max_seq_len == 1024
+        assert PRESETS[name].vocab_size == 32000 and PRESETS[name].max_seq_len == 2048  # the paper's context
 
 
 def test_get_preset_applies_overrides_without_touching_the_preset():

@@ -20,6 +20,7 @@ from peer.errors import ConfigError
 from peer.tools import experiments as ex
 from peer.tools.sim_ranges import check_ranges, plan_for
 from peer.tools.sim_replica import LocalReplica
+from peer.tools.sim_results import robust_rule
 from peer.tools.simulate import SimOptions, _commit_stage, simulate
 from tests.corpora import pattern_corpus
 
@@ -36,6 +37,7 @@ def _cfg(**overrides):
         "stages": 2,
         "sparseloco.quant_bits": 0,
         "sparseloco.clip_median_factor": 0.0,  # `peer simulate`'s default: nothing clipped
+        "sparseloco.screening": False,  # ... and nothing screened
     }
     return build_config(overrides=base | overrides, environ={})
 
@@ -160,6 +162,9 @@ def test_simulate_reports_the_dropped_mass_and_refuses_what_ranges_lacks(tmp_pat
     assert "dropped" in ex.dropped_mass_lines([res])[0]
     assert res.val_curve[-1][1] < 7.0
     with pytest.raises(ConfigError, match="--round"):
-        check_ranges("some", SimOptions().robust, None)
+        check_ranges("some", robust_rule(SimOptions(), cfg), None)
     with pytest.raises(ConfigError, match="attacks"):
-        check_ranges("ranges", SimOptions().robust, "flip")
+        check_ranges("ranges", robust_rule(SimOptions(), cfg), "flip")
+    screened = _cfg(**{"sparseloco.screening": True})  # the swarm's default: this round has no screening
+    with pytest.raises(ConfigError, match="sparseloco.screening"):
+        simulate(screened, data, 2, ["sparseloco"], options=SimOptions(val_tokens=160, round_rule="ranges"))

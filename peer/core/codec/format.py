@@ -85,8 +85,10 @@ AGGREGATIONS = ("mean-over-all", "mean-over-contributors")
 @dataclass(frozen=True)
 class SparseLoCoConfig:
     """The `[sparseloco]` section of a run: how a payload is encoded (topk, chunk, quant_bits,
-    dense_1d) and the round's rule (β, η, aggregation, the median clip). It lives beside the format
-    because its checks are the format's limits; `peer.config` assembles it into a `RunConfig`."""
+    dense_1d) and the round's rule (β, η, aggregation, the median clip, outlier screening). It lives
+    beside the format because its checks are the format's limits; `peer.config` assembles it into a
+    `RunConfig`. Every holder of a stage commits by the same rule: the section is in the manifest
+    and the config fingerprint. `peer.config.PAPER_ALGORITHM` lists the values of the paper's rule."""
 
     topk: int = 32  # entries sent per chunk
     chunk: int = 64  # tile side: a chunk holds chunk² = 4096 entries
@@ -94,8 +96,9 @@ class SparseLoCoConfig:
     beta: float = 0.95  # error-feedback decay
     outer_lr: float = 1.0  # η of the outer SGD step
     aggregation: str = "mean-over-all"  # or "mean-over-contributors"
-    dense_1d: bool = True  # send 1-D tensors dense (8-bit)
+    dense_1d: bool = True  # send 1-D tensors dense (8-bit); False: top-k of chunk²-entry tiles like the rest
     clip_median_factor: float = 2.0  # clip each Δ̂ to this × the round's median norm; 0 disables
+    screening: bool = True  # drop outlier contributions before aggregating (peer.core.robust)
 
     def __post_init__(self) -> None:
         if self.quant_bits not in QUANT_BITS:
