@@ -134,10 +134,21 @@ def _storage(dtype: torch.dtype, raw: bytes) -> torch.TypedStorage:
     return torch.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
 
 
+def _with_grad(data: torch.Tensor, grad: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A tensor (or Parameter) with its `.grad` (`dumps`)."""
+    out = torch.nn.Parameter(data, requires_grad) if parameter else data.requires_grad_(requires_grad)
+    out.grad = grad
+    return out
+
+
 class _Pickler(pickle.Pickler):
-    """pickle, with CPU storages as their raw bytes (torch pickles each through `torch.save`: slower)."""
+    """pickle, with CPU storages as their raw bytes (torch pickles each through `torch.save`: slower),
+    and a tensor's `.grad` kept (torch drops it: a replica's accumulated gradients ride along)."""
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.is_leaf and obj.grad is not None:
+            parameter = isinstance(obj, torch.nn.Parameter)
+            return _with_grad, (obj.detach(), obj.grad, obj.requires_grad, parameter)
         if type(obj) is not torch.TypedStorage or obj._untyped_storage.device.type != "cpu":
             return NotImplemented
         data = obj._untyped_storage

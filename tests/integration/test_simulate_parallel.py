@@ -40,6 +40,7 @@ def _cfg(**overrides):
         "train.outer_steps": 2,
         "stages": 2,
         "sparseloco.clip_median_factor": 0.0,
+        "sparseloco.screening": False,  # `peer simulate`'s default
     }
     return build_config(overrides=base | overrides, environ={})
 
@@ -75,6 +76,13 @@ def test_workers_give_the_in_process_bits_with_range_rounds_and_te_off(corpus):
         assert _run(cfg, corpus, configs, opts, workers=2) == _run(
             cfg, corpus, configs, opts, workers=1, fused_commit=False
         )
+
+
+def test_workers_carry_the_ablations_state(corpus):
+    """Table 5c/5d: the replicas' extra fields (U's gradient, subspace moments) ride along to the workers."""
+    cfg, configs = _cfg(), ["pp-compress", "het-pp-compress"]
+    for opts in (SimOptions(val_tokens=160, grassmann=True), SimOptions(val_tokens=160, modified_adamw=True)):
+        assert _run(cfg, corpus, configs, opts, workers=2) == _run(cfg, corpus, configs, opts, workers=1)
 
 
 def test_a_worker_failure_is_raised_here_and_leaves_no_process(tmp_path):
