@@ -282,9 +282,11 @@ def test_plan_70b_writes_rows_and_png(tmp_path, cache_dir):
     assert [r["bandwidth_mbps"] for r in rows] == [10, 30, 100, 300, 1000]
     for r in rows:
         assert r["model"] == "70B" and r["k"] == 1024
-        assert 0 < r["util_uncompressed"] <= r["util_compressed"] <= 1
-    at_100 = next(r for r in rows if r["bandwidth_mbps"] == 100)
-    assert at_100["util_compressed"] > at_100["util_uncompressed"]
+        assert 0 < r["util_uncompressed"] <= 1 and 0 < r["util_compressed"] <= 1
+    # on home links the compressed pipeline wins; on fast links its round (stage 0's payloads fetched by
+    # every later stage) can cost more than the uncompressed pipeline's boundary traffic saves
+    slow = [r for r in rows if r["bandwidth_mbps"] <= 100]
+    assert all(r["util_compressed"] > r["util_uncompressed"] for r in slow)
     assert _is_png(png)
 
 

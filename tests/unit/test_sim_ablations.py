@@ -220,4 +220,4 @@ def test_the_switches_refuse_bad_values_naming_the_flag():
         check_ablations(["adamw", "adamw-pp-compress"], SimOptions(modified_adamw=True))
     check_ablations(["adamw", "pp-compress"], SimOptions(grassmann=True, modified_adamw=True))
     with pytest.raises(ConfigError, match="--grassmann"):
-        ex.plan_sweep(None, {}, "adamw-het-pp-compress", None, None, False, 4, SimOptions(grassmann=True))
+        ex.plan_sweep(None, {}, "adamw-het-pp-compress", None, None, (), 4, SimOptions(grassmann=True))
