@@ -6,9 +6,12 @@ maps, so nothing large crosses) and serves two requests:
 - `inner`: whole `LocalReplica`s (pickled as they are, so every field — optimizer state, buffers,
   whatever the class gains — rides along) run their H inner steps of one outer step, in order, and
   come back with each step's `StepStats`;
-- `grads`: data-parallel AdamW's shard m — the model's gradient of each micro-batch, separately, so
-  the coordinator adds them up in the in-process order (shard by shard, micro-batch by
-  micro-batch): the same sums as one process accumulating them.
+- `shards`: data-parallel AdamW's shards of one step — the model (sent once, without its optimizers)
+  gives each micro-batch's gradient separately, so the coordinator adds them up in the in-process
+  order (shard by shard, micro-batch by micro-batch): the same sums as one process accumulating them.
+
+Messages are pickled by `dumps`: storages as raw bytes (faster than torch's own), and a tensor's
+`.grad` kept (torch's pickling drops it), so a replica's accumulated gradients travel too.
 
 Replica m goes to worker m mod N. A replica's inner steps read only itself and its batches, so the
 results are bit-identical to the in-process path (tests compare every curve value and byte count).
