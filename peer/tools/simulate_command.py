@@ -81,21 +81,8 @@ def command(
     runtime = _session(a, m)
     with console.status("preparing data and tokenizer…"):
         data = load_corpus(cfg.data)
-    with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
-        tasks: dict[str, Any] = {}
-
-        def progress(name: str, done: int, total: int, loss: float) -> None:
-            if name not in tasks:
-                tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
-            bar.update(tasks[name], completed=done, loss=loss)
-
-        short: list[ConfigResult] = []  # Table 3: the baselines at the budget N
-        with runtime:
-            if budgets is None:
-                results = ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, a["save"])
-            else:  # Table 3: the baselines at N and F·N, the subspace configs at F·N
-                results, short = eb.run_budgets(budgets, data, names, seed_list, ratio_list, opts, progress, a["save"])
-
+    with runtime:
+        results, short = _run(console, cfg, data, (names, seed_list, ratio_list), opts, budgets, a["save"])
     console.print(simulate_table([*results, *short], cfg, m))
     rows = ex.summarize(results, short)
     title = (
@@ -115,6 +102,31 @@ def command(
         runs = [r.summary() for r in results] if budgets is None else eb.budget_json(budgets, results, short)
         write_json(json_out, {"configs": runs, "summary": rows, "args": sweep, "bias": bias})
         console.print(f"results: {json_out}")
+
+
+def _run(
+    console: Console,
+    cfg: Any,
+    data: Any,
+    sweep: tuple[list[str], list[int], list[str]],
+    opts: SimOptions,
+    budgets: Any,
+    save: Path | None,
+) -> tuple[list[ConfigResult], list[ConfigResult]]:
+    """The sweep (or Table 3's budgets) with one progress bar per run: (results, the baselines at N)."""
+    names, seed_list, ratio_list = sweep
+    with Progress(*loss_progress_columns(), console=console, transient=False) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(name: str, done: int, total: int, loss: float) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=total, loss=float("nan"))
+            bar.update(tasks[name], completed=done, loss=loss)
+
+        if budgets is None:
+            return ex.run_sweep(cfg, data, names, seed_list, ratio_list, opts, progress, save), []
+        # Table 3: the baselines at N and F·N, the subspace configs at F·N
+        return eb.run_budgets(budgets, data, names, seed_list, ratio_list, opts, progress, save)
 
 
 # flags that do not change a result: a resumed sweep may differ in them
