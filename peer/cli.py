@@ -229,13 +229,32 @@ def _print_peer_id(identity: Path | None) -> None:
     typer.echo(make_identity(identity))
 
 
-def _bootstrap_config(config: Path | None, overrides: dict[str, Any], paper_settings: bool) -> RunConfig:
-    """The run's config; with --paper-settings, `PAPER_ALGORITHM` under it and a line per setting it changed."""
+def _bootstrap_config(a: dict[str, Any]) -> RunConfig:
+    """The run's config from `peer bootstrap`'s flags `a`; with --paper-settings, `PAPER_ALGORITHM` under it
+    and a line per setting it changed."""
     from peer.config import build_config, paper_algorithm_config
 
-    if not paper_settings:
-        return build_config(config, overrides)
-    cfg, changed = paper_algorithm_config(config, overrides)
+    overrides = {
+        "preset": a["preset"],
+        "stages": a["stages"],
+        "subspace.k_ratio": a["k_ratio"],
+        "train.inner_steps": a["inner_steps"],
+        "train.outer_steps": a["outer_steps"],
+        "train.batch_size": a["batch_size"],
+        "train.seq_len": a["seq_len"],
+        "seed": a["seed"],
+        "data.dataset": a["dataset"],
+        "data.max_chars": a["max_chars"],
+        "data.tokenizer": a["tokenizer"],
+        "subspace.wire_dtype": a["wire_dtype"],
+        "run_name": a["run_name"],
+        "swarm.admission": a["admission"]
+        or ("secret" if a["swarm_secret_file"] else "allowlist" if a["allow_peer"] else None),
+        "swarm.allowlist": tuple(a["allow_peer"]) if a["allow_peer"] else None,
+    }
+    if not a["paper_settings"]:
+        return build_config(a["config"], overrides)
+    cfg, changed = paper_algorithm_config(a["config"], overrides)
     for line in changed or ["nothing to change: the run already has the paper's round rule"]:
         console.print(f"--paper-settings: {line}", soft_wrap=True)
     return cfg
@@ -281,24 +300,7 @@ def bootstrap(
     from peer.config import build_link_config
     from peer.tools.render import bootstrap_banner
 
-    overrides = {
-        "preset": preset,
-        "stages": stages,
-        "subspace.k_ratio": k_ratio,
-        "train.inner_steps": inner_steps,
-        "train.outer_steps": outer_steps,
-        "train.batch_size": batch_size,
-        "train.seq_len": seq_len,
-        "seed": seed,
-        "data.dataset": dataset,
-        "data.max_chars": max_chars,
-        "data.tokenizer": tokenizer,
-        "subspace.wire_dtype": wire_dtype,
-        "run_name": run_name,
-        "swarm.admission": admission or ("secret" if swarm_secret_file else "allowlist" if allow_peer else None),
-        "swarm.allowlist": tuple(allow_peer) if allow_peer else None,
-    }
-    cfg = _bootstrap_config(config, overrides, paper_settings)
+    cfg = _bootstrap_config(dict(locals()))
     export_swarm_secret(cfg, swarm_secret_file)
 
     def on_ready(info: BootstrapInfo) -> None:

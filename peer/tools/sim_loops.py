@@ -82,8 +82,37 @@ def run_adamw(
     scorer.batches = rt.batches(scorer.batches)
     if progress and run.step:
         progress(kind, run.step, total, result.train_curve[-1][1])
-    pool, paths = rt.pool(replicas), [U is not None and m >= n_unc for m in range(replicas)]
+    paths = [U is not None and m >= n_unc for m in range(replicas)]
+    # An AdamW step is too short to ship the model to workers and back every step (measured slower than
+    # in process: docs/results.md): the shards run here, on all of this process's threads.
+    pool = None
     pending = _send_shards(pool, model, data, paths, run.step, total)
+    with rt.all_threads():
+        _adamw_steps(run, cfg, kind, opts, data, paths, scorer, pool, pending, progress, key)
+    n_params = sum(p.numel() for s in model.stages for p in s.parameters())
+    result.pg_bytes = 4 * n_params * total
+    result.act_bytes = run.act_bytes // replicas
+    return result, model
+
+
+def _adamw_steps(
+    run: AdamwRun,
+    cfg: RunConfig,
+    kind: str,
+    opts: SimOptions,
+    data: Corpus,
+    paths: list[bool],
+    scorer: Scorer,
+    pool: ReplicaPool | None,
+    pending: Pending | None,
+    progress: Progress | None,
+    key: str,
+) -> None:
+    """AdamW's steps from `run.step` on: the shards' gradients averaged, one step, scored every H steps."""
+    rt, train, replicas = current(), cfg.train, opts.replicas
+    model, result, U = run.model, run.result, run.model.U
+    n_unc = replicas - sum(paths) if U is not None else replicas
+    total = train.inner_steps * train.outer_steps
     for step in range(run.step, total):
         model.zero_grad()
         shards = _shards(model, data, paths, step, pool, pending)
@@ -102,10 +131,6 @@ def run_adamw(
             rt.save(key, run)
         if progress:
             progress(kind, step + 1, total, loss)
-    n_params = sum(p.numel() for s in model.stages for p in s.parameters())
-    result.pg_bytes = 4 * n_params * total
-    result.act_bytes = run.act_bytes // replicas
-    return result, model
 
 
 def _send_shards(

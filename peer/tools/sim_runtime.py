@@ -31,6 +31,18 @@ class Runtime:
     checkpoint: SweepCheckpoint | None = None
     fused_commit: bool = True  # False: decode every payload densely first (the old path; `bench_simulate`)
     _pool: ReplicaPool | None = field(default=None, repr=False)
+    threads: int = 0  # this process's torch threads outside the session (0: unchanged)
+
+    @contextmanager
+    def all_threads(self) -> Iterator[None]:
+        """Inside: this process computes on the threads it had before the session gave the cores to workers."""
+        inside = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(inside)
 
     def pool(self, replicas: int) -> ReplicaPool | None:
         """The worker pool (started on first use, kept for the session), or None for in-process."""
@@ -95,9 +107,9 @@ def session(
     """Run the loops inside with these settings; the worker pool is closed on any exit."""
     check_workers(workers)
     check_device(device, workers)
-    rt = Runtime(workers, device, checkpoint, fused_commit)
-    _stack.append(rt)
     threads = torch.get_num_threads()
+    rt = Runtime(workers, device, checkpoint, fused_commit, threads=threads)
+    _stack.append(rt)
     if workers > 1:  # the workers take the cores: this process scores beside them on one thread
         torch.set_num_threads(1)
     failed = True
