@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from peer.config import RunConfig
@@ -37,7 +38,7 @@ from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
 from peer.node.round.agreement import expected_replicas, round_bans, round_view
-from peer.node.round.gather import RoundResult, RoundTimings, gather_round
+from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.ranges_rounds import (
     Gathered,
@@ -153,6 +154,7 @@ class Rounds:
         own = {j.stage: (j, r) for j, r in pairs if j.own}
         embed = next(((j, r) for j, r in pairs if not j.own), None)
         workers = {s: j.worker for s, (j, _) in own.items()}
+        checked = time.monotonic()  # the swarm's clock, read right before applying
         if self._closed_elsewhere([r for _, r in own.values()]):
             for _, r in own.values():  # the trainers skip a round that was not committed here
                 r.behind = True
@@ -180,6 +182,11 @@ class Rounds:
             commit = apply_job(job, result, update, embed_set)
             if s == 0:
                 update, embed_set = commit.embed_update, committed_set(result)
+        if self._frozen_while_applying(checked, [r for _, r in own.values()]):
+            for j, r in own.values():
+                r.behind = True  # the trainers record no round (as when closed elsewhere before applying)
+                self._resync_behind(j.worker, r)
+            return False
         for job, result in own.values():
             if isinstance(result, RoundResult):
                 self._check_followed(job.worker, result)
@@ -227,6 +234,13 @@ class Rounds:
             log.warning("round %d: the swarm is at outer step %d by now (a freeze?); re-syncing instead", t, clock)
             return True
         return False
+
+    def _frozen_while_applying(self, checked: float, results: Sequence[Gathered]) -> bool:
+        """Whether applying took longer than a fresh read lasts (`FRESH_S`: the process may have been
+        frozen mid-apply, after the clock was read at `checked`) and the swarm, read again, closed
+        this round a round ago meanwhile: then our set is not published; the worker re-syncs and its
+        applied state is overwritten by the majority's."""
+        return time.monotonic() - checked > FRESH_S and self._closed_elsewhere(results)
 
     def _stage_ahead(self, workers: Mapping[int, StageWorker]) -> bool:
         """A strict majority of another stage's holders claims a state past our outer step, at a
