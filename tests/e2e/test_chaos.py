@@ -23,9 +23,9 @@ def test_twenty_random_faults_leave_a_live_agreeing_swarm_and_nothing_behind(tmp
         workdir=tmp_path / "chaos",
         inner_steps=3,
         round_timeout_s=10.0,
-        pause_s=(0.3, 1.5),
-        stop_s=(0.8, 3.0),
-        long_stop_rounds=(2.1, 2.5),
+        pause_s=(0.2, 0.8),
+        stop_s=(0.6, 2.0),
+        long_stop_rounds=(2.05, 2.2),
         recovery_cap_s=60.0,
     )
     result = run_chaos(cfg)

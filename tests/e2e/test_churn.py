@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 def test_stage_peer_kill_stall_and_return(swarm_factory):
-    T = 40  # long enough for a restart and a stall to happen mid-run
+    T = 30  # long enough for a restart and a stall to happen mid-run
     sw = swarm_factory(outer_steps=T)
     sw.join("s1a", "--stage", "1")
     sw.join("s1b", "--stage", "1")
@@ -73,7 +73,7 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
 
 
 def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
-    T = 40  # long enough for a kill, a rejoin and a graceful leave mid-run
+    T = 30  # long enough for a kill, a rejoin and a graceful leave mid-run
     sw = swarm_factory(outer_steps=T, min_replicas=3)
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
