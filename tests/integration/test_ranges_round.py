@@ -43,8 +43,8 @@ from peer.net.range_records import ShardsRecord
 from peer.net.transport.server import PeerServer
 from peer.node.refusals import Refusals
 from peer.node.round.gather import RoundTimings
-from peer.node.round.payloads import PayloadStore
 from peer.node.round.ownership import owners
+from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges import RangesResult, Tamper, gather_ranges
 from peer.node.round.ranges_rounds import own_job, run_jobs, summary
 from peer.node.service import PeerService
