@@ -22,7 +22,7 @@ def test_twenty_random_faults_leave_a_live_agreeing_swarm_and_nothing_behind(tmp
         seed=8,
         workdir=tmp_path / "chaos",
         inner_steps=3,
-        round_timeout_s=10.0,
+        round_timeout_s=8.0,
         pause_s=(0.2, 0.8),
         stop_s=(0.6, 2.0),
         long_stop_rounds=(2.05, 2.2),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.cli import main
 from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
 from peer.core.model import build_model, get_preset, stage_shapes
 from peer.node.checkpoints.model import load_model_checkpoint
@@ -334,16 +335,36 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(("args", "env", "needle"), BAD_INPUTS)
-def test_bad_input_is_a_clean_error(args, env, needle, tmp_path, cache_dir):
-    proc = _peer(args, cache_dir, tmp_path, **env)
-    assert proc.returncode == 2, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    err = proc.stderr.strip()
+def _check_clean_error(code: object, out: str, err: str, needle: str, where: Path) -> None:
+    assert code == 2, f"exit {code}\nstderr:\n{err[-3000:]}"
+    assert "Traceback" not in err and "Traceback" not in out
+    err = err.strip()
     assert err.startswith("error: "), err
     assert len(err.splitlines()) == 1, err  # one line even past 80 columns on a non-terminal stderr
     assert needle in err, err
-    assert not (tmp_path / "X").exists() and not (tmp_path / "p.png").exists()
+    assert not (where / "X").exists() and not (where / "p.png").exists()
+
+
+def test_bad_input_is_a_clean_error_from_a_process(tmp_path, cache_dir):
+    """The contract end to end once, as a user meets it: `python -m peer`, exit status 2, one line."""
+    proc = _peer(["simulate"], cache_dir, tmp_path, PEER_TRAIN__INNER_STEPS="abc")
+    _check_clean_error(proc.returncode, proc.stdout, proc.stderr, "train.inner_steps", tmp_path)
+
+
+@pytest.mark.parametrize(("args", "env", "needle"), BAD_INPUTS)
+def test_bad_input_is_a_clean_error(args, env, needle, tmp_path, cache_dir, monkeypatch, capsys):
+    """Every case through `peer.cli.main` in this process (the code a process runs, without paying
+    a torch import per case: the process path is checked above)."""
+    for key in [k for k in os.environ if k.startswith("PEER_") or k in ("COLUMNS", "LINES")]:
+        monkeypatch.delenv(key)
+    for key, value in _env(cache_dir, **env).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["peer", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    captured = capsys.readouterr()
+    _check_clean_error(exit_.value.code, captured.out, captured.err, needle, tmp_path)
 
 
 def test_python_m_peer_version(tmp_path, cache_dir):
