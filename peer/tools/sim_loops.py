@@ -26,7 +26,7 @@ from peer.core.subspace_state import perp_of, set_perp
 from peer.tools.attacks import check_attack, poison
 from peer.tools.sim_ablations import configure_replicas, grassmann_round, record_bias
 from peer.tools.sim_checkpoint import run_key
-from peer.tools.sim_pool import Pending, ReplicaPool, add_grads, batch, corpus_key, dumps
+from peer.tools.sim_pool import Pending, ReplicaPool, batch, corpus_key
 from peer.tools.sim_ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.tools.sim_replica import LocalReplica, StepStats
 from peer.tools.sim_results import (
@@ -62,7 +62,8 @@ def run_adamw(
     is one of the uncompressed ones; the one shared model keeps T_S in Col(U). In the heterogeneous
     config (§2.4) the uncompressed replicas are fully uncompressed: the step's residual outside
     Col(U) moves into T⊥ (`LocalReplica.apply_step(residual_to_perp=True)`) instead of being dropped.
-    The shards' gradients are computed by the session's workers when it has them (`peer.tools.sim_pool`).
+    The shards run in this process, on all of its threads, even beside workers: an AdamW step is too
+    short to ship the model to workers and back every step (measured slower: docs/results.md).
     """
     rt, key = current(), run_key(cfg, kind, opts)
     if opts.adamw_lr is not None:
@@ -83,12 +84,8 @@ def run_adamw(
     if progress and run.step:
         progress(kind, run.step, total, result.train_curve[-1][1])
     paths = [U is not None and m >= n_unc for m in range(replicas)]
-    # An AdamW step is too short to ship the model to workers and back every step (measured slower than
-    # in process: docs/results.md): the shards run here, on all of this process's threads.
-    pool = None
-    pending = _send_shards(pool, model, data, paths, run.step, total)
     with rt.all_threads():
-        _adamw_steps(run, cfg, kind, opts, data, paths, scorer, pool, pending, progress, key)
+        _adamw_steps(run, cfg, kind, opts, data, paths, scorer, progress, key)
     n_params = sum(p.numel() for s in model.stages for p in s.parameters())
     result.pg_bytes = 4 * n_params * total
     result.act_bytes = run.act_bytes // replicas
@@ -103,8 +100,6 @@ def _adamw_steps(
     data: Corpus,
     paths: list[bool],
     scorer: Scorer,
-    pool: ReplicaPool | None,
-    pending: Pending | None,
     progress: Progress | None,
     key: str,
 ) -> None:
@@ -115,7 +110,7 @@ def _adamw_steps(
     total = train.inner_steps * train.outer_steps
     for step in range(run.step, total):
         model.zero_grad()
-        shards = _shards(model, data, paths, step, pool, pending)
+        shards = _shards(model, data, paths, step)
         loss = 0.0
         for stats, compressed in zip(shards, paths, strict=True):
             loss += stats.loss / replicas
@@ -123,7 +118,6 @@ def _adamw_steps(
         model.compressed = False
         het = U is not None and n_unc > 0  # B: §2.4, uncompressed replicas' residual goes into T⊥, not away
         model.apply_step(step, U is not None, decay_perp=U is not None and opts.te_adaptation, residual_to_perp=het)
-        pending = _send_shards(pool, model, data, paths, step + 1, total)  # the workers start on it now
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
             _score(scorer, result, model, model, step + 1)
@@ -133,35 +127,13 @@ def _adamw_steps(
             progress(kind, step + 1, total, loss)
 
 
-def _send_shards(
-    pool: ReplicaPool | None, model: LocalReplica, data: Corpus, paths: list[bool], step: int, total: int
-) -> Pending | None:
-    """Send step `step`'s shards to the workers (the model as it is now), if there are workers and steps."""
-    if pool is None or step >= total:
-        return None
-    model.zero_grad()
-    blob = dumps(dataclasses.replace(model, optimizers=[]))  # once; the workers need no optimizer state
-    shards = [[(m, c) for m, c in enumerate(paths) if m % pool.size == w] for w in range(pool.size)]
-    return pool.submit("shards", corpus_key(data), [(blob, share, len(paths), step) for share in shards if share])
-
-
-def _shards(
-    model: LocalReplica, data: Corpus, paths: list[bool], step: int, pool: ReplicaPool | None, pending: Pending | None
-) -> list[StepStats]:
-    """Every shard's gradient added into the model's, shard by shard (in process, or computed by the
-    workers — `pending` — and added here in the same order); each shard's stats."""
-    replicas = len(paths)
-    if pool is None or pending is None:
-        out = []
-        for m, compressed in enumerate(paths):
-            model.compressed = compressed
-            out.append(model.accumulate(*batch(data, m, replicas, step, model), scale=1.0 / replicas))
-        return out
-    by_worker = pool.collect(pending)  # worker w did shards w, w + N, …
-    done = [by_worker[m % pool.size][m // pool.size] for m in range(replicas)]
-    for grads, _ in done:
-        add_grads(model, grads)
-    return [stats for _, stats in done]
+def _shards(model: LocalReplica, data: Corpus, paths: list[bool], step: int) -> list[StepStats]:
+    """Every shard's gradient added into the model's, shard by shard; each shard's stats."""
+    replicas, out = len(paths), []
+    for m, compressed in enumerate(paths):
+        model.compressed = compressed
+        out.append(model.accumulate(*batch(data, m, replicas, step, model), scale=1.0 / replicas))
+    return out
 
 
 def _score(

@@ -2,13 +2,10 @@
 
 Each worker (spawned, never forked: the parent's torch threads may already run) sets torch to one
 thread, opens the run's corpus itself (the prepared folder and its seed: `Corpus` reads memory
-maps, so nothing large crosses) and serves two requests:
-- `inner`: whole `LocalReplica`s (pickled as they are, so every field — optimizer state, buffers,
-  whatever the class gains — rides along) run their H inner steps of one outer step, in order, and
-  come back with each step's `StepStats`;
-- `shards`: data-parallel AdamW's shards of one step — the model (sent once, without its optimizers)
-  gives each micro-batch's gradient separately, so the coordinator adds them up in the in-process
-  order (shard by shard, micro-batch by micro-batch): the same sums as one process accumulating them.
+maps, so nothing large crosses) and serves one request, `inner`: whole `LocalReplica`s (pickled as
+they are, so every field — optimizer state, buffers, whatever the class gains — rides along) run
+their H inner steps of one outer step, in order, and come back with each step's `StepStats`.
+Data-parallel AdamW stays in the coordinator (`peer.tools.sim_loops.run_adamw`).
 
 Messages are pickled by `dumps`: storages as raw bytes (faster than torch's own), and a tensor's
 `.grad` kept (torch's pickling drops it), so a replica's accumulated gradients travel too.
@@ -36,14 +33,12 @@ from typing import Any
 
 import torch
 
-from peer.core.inner import accumulate
 from peer.core.loader import Corpus, train_batch
 from peer.core.shards import PreparedDataset
 from peer.errors import ConfigError
 from peer.tools.sim_replica import LocalReplica, StepStats
 
 CorpusKey = tuple[str, int]  # (prepared folder, seed): how a worker opens the run's corpus
-Grads = list[list[torch.Tensor | None]]  # per micro-batch: each parameter's gradient (None: unused)
 
 
 def default_workers(replicas: int) -> int:
@@ -74,61 +69,6 @@ def inner_steps(
     """Replica m's inner steps first … first + count − 1 (global step numbers)."""
     stats = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for step in range(first, first + count)]
     return rep, stats
-
-
-def shard_grads(
-    data: Corpus, model: LocalReplica | bytes, m: int, replicas: int, step: int, compressed: bool
-) -> tuple[Grads, StepStats]:
-    """Shard m's gradients of ∇(loss / (n_micro · M)) (on the compressed path or not), one list per
-    micro-batch (`peer.core.inner.accumulate` runs as it does in process; each micro-batch's gradient
-    is taken off before the next one). `model` may come pickled (`dumps`), as `shards_grads` sends it."""
-    if isinstance(model, bytes):
-        model = pickle.loads(model)
-    assert isinstance(model, LocalReplica)
-    params = [p for st in model.stages for p in st.parameters()]
-    grads: Grads = []
-
-    def clear() -> None:  # on the parameters: `model` may come without its optimizers
-        for p in params:
-            p.grad = None
-
-    def take() -> None:
-        grads.append([None if p.grad is None else p.grad.detach().clone() for p in params])
-        clear()
-
-    def forward(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if grads or any(p.grad is not None for p in params):
-            take()
-        return model.forward_loss(x, y)
-
-    model.compressed = compressed
-    clear()
-    x, y = batch(data, m, replicas, step, model)
-    loss, crossed = accumulate(forward, x, y, model.cfg.train.microbatches, 1.0 / replicas)
-    take()
-    return grads, StepStats(loss=loss, tokens=x.numel(), boundary_values=crossed)
-
-
-def shards_grads(
-    data: Corpus, blob: bytes, shards: list[tuple[int, bool]], replicas: int, step: int
-) -> list[tuple[Grads, StepStats]]:
-    """`shard_grads` of several shards (m, compressed) of one model, sent once as `dumps` bytes."""
-    model = pickle.loads(blob)
-    return [shard_grads(data, model, m, replicas, step, compressed) for m, compressed in shards]
-
-
-@torch.no_grad()
-def add_grads(model: LocalReplica, grads: Grads) -> None:
-    """Add micro-batch gradients into the model's, in order (as autograd accumulates them)."""
-    params = [p for st in model.stages for p in st.parameters()]
-    for micro in grads:
-        for p, g in zip(params, micro, strict=True):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.to(p.device)
-            else:
-                p.grad += g.to(p.device)
 
 
 def _storage(dtype: torch.dtype, raw: bytes) -> torch.TypedStorage:
@@ -166,7 +106,7 @@ def dumps(obj: Any) -> bytes:
     return out.getvalue()
 
 
-_OPS: dict[str, Callable[..., Any]] = {"inner": inner_steps, "grads": shard_grads, "shards": shards_grads}
+_OPS: dict[str, Callable[..., Any]] = {"inner": inner_steps}
 
 
 def _serve(conn: Connection) -> None:
