@@ -28,23 +28,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from peer.config import RunConfig
-from peer.core.commit import embedding_update
+from peer.core.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateReply, StateRequest
 from peer.node.checkpoints.peer import PeerCheckpoints
-from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
+from peer.node.claims import Claim, Entry, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
-from peer.node.round.payloads import PayloadStore, round_validator
-from peer.node.round.verify import SetFetcher, Verdict, resolve
+from peer.node.round.payloads import PayloadStore
+from peer.node.round.recheck import Recomputed, recompute_set, stage0_set
+from peer.node.round.verify import Verdict, resolve
+from peer.node.stage_commit import Outcome
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class Resync:
         self.count = 0  # state downloads adopted over the run
         self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
         self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
+        self.stage0: StageWorker | None = None  # our stage-0 worker, when we hold stage 0 beside others
 
     def clock(self) -> int:
         """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
@@ -203,9 +206,15 @@ class Resync:
         self._audit(worker, claims.values())
         claims = {p: c for p, c in claims.items() if p not in self.refusals}
         mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
+        embed = self._stage0_set(worker)
         for claim in better(claims.values(), mine):
+            if embed is not None and claim.link is not None and claim.link.embed not in (None, embed):
+                continue  # its T⊥ moved by another set than stage 0's: not a state for this stage
             if self._check_and_switch(worker, claim, holders):
                 return True
+        stale_embed = embed is not None and mine.link is not None and mine.link.embed not in (None, embed)
+        if stale_embed and embed is not None and self._rebase_embed(worker, embed, holders):
+            return True
         same = [c for c in claims.values() if c.outer_step == worker.outer_step]
         win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
         if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
@@ -240,7 +249,13 @@ class Resync:
 
         replicas: Mapping[str, ReplicaRecord] | None = None
         for c in claims:
-            if c.link is None or (c.peer, c.state) in self._audited:
+            if (c.peer, c.state) in self._audited:
+                continue
+            if c.link is None:  # an initial, downloaded or resumed state
+                if c.outer_step == 0 and c.state != worker.initial_state_id:
+                    self._audited.add((c.peer, c.state))
+                    reason = f"it claims {c.state} as the initial state, which is {worker.initial_state_id}"
+                    self.refusals.refuse(c.peer, worker.stage, 0, reason)
                 continue
             self._audited.add((c.peer, c.state))
             link, ours = c.link, worker.ledger.history.get(c.link.t)
@@ -258,6 +273,30 @@ class Resync:
                     self.refusals.refuse(c.peer, worker.stage, link.t, reason)
                     break
 
+    def _stage0_set(self, worker: StageWorker) -> tuple[Entry, ...] | None:
+        """Stage 0's committed set of the round our stage > 0 last committed (`recheck.stage0_set`):
+        the set T⊥ must have moved by; None on stage 0, in a ranges round, or while stage 0's holders
+        have no strict majority for one set."""
+        link = worker.ledger.link
+        if worker.stage == 0 or link is None or link.embed is None or link.ranges is not None:
+            return None
+        own = self.stage0.ledger.history.get(link.t) if self.stage0 is not None else None
+        holders = self.dht.get_stage_peers(0)
+        mine = own.entries if own is not None and own.ranges is None else None
+        refused = self.refusals.peers() | {self.me.peer_id}
+        return stage0_set(holders, link.t, refused, mine)
+
+    def _recompute(
+        self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord], embed: Sequence[Entry] | None
+    ) -> Recomputed:
+        link = claim.link
+        assert link is not None
+        holder = holders.get(claim.peer)
+        address = holder.address if holder is not None and holder.address else None
+        return recompute_set(
+            self.cfg, self.dht, self.clients, self.store, self.me.peer_id, worker, link.t, link.entries, embed, address
+        )
+
     def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord]) -> bool:
         """Check `claim` by recomputing its set from the state we committed its round from; switch
         to it when it holds (True), refuse its holder when it is false (False), or leave it for now
@@ -267,40 +306,23 @@ class Resync:
         if (link.entries, link.embed) == (own.entries, own.embed):
             self.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
             return False
-        holder = holders.get(claim.peer)
-        address = holder.address if holder is not None and holder.address else None
-        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
-        fetcher = SetFetcher(self.dht, self.clients, self.store, self.me.peer_id, timeout_s)
-        parse = round_validator(self.cfg, worker, worker.stage)
-        got = fetcher.fetch(
-            link.t, worker.stage, link.entries, parse, claimer_address=address, n_stages=self.cfg.stages
-        )
-        embed_update = None
-        if got.complete and link.embed is not None and worker.stage != 0:
-            got0 = fetcher.fetch(link.t, 0, link.embed, round_validator(self.cfg, worker, 0), claimer_address=address)
-            got.forged += got0.forged
-            got.missing += got0.missing
-            if got0.complete and got0.payloads:
-                keys = [got0.replicas[e] for e in link.embed]
-                parsed = [got0.payloads[e][1] for e in link.embed]  # fused: no dense Δ̂
-                embed_update = embedding_update(parsed, self.cfg.sparseloco, keys=keys)
+        got = self._recompute(worker, claim, holders, link.embed)
         if got.forged:
             names = ", ".join(r[:12] for r, _ in got.forged)
             self.refusals.refuse(
                 claim.peer, worker.stage, link.t, f"its committed set names payloads no replica announced ({names})"
             )
             return False
-        if not got.complete:
+        if got.missing:
             log.info(
                 "stage %d: cannot check the state %s of %s yet (%d payload(s) not available)",
                 worker.stage,
                 claim.state,
                 claim.peer[:12],
-                len(got.missing),
+                got.missing,
             )
             return False
-        payloads = [got.payloads[e][1] for e in link.entries]
-        out = worker.recompute(payloads, [got.replicas[e] for e in link.entries], embed_update)
+        out = got.outcome
         if out is None:
             return False
         if out.state != claim.state:
@@ -311,29 +333,48 @@ class Resync:
                 f"its state {claim.state} does not follow from its set (gives {out.state})",
             )
             return False
-        worker.switch(out, payloads, link.embed)
+        self._switch(worker, out, got.payloads, link.embed, f"the checked state {claim.state} of {claim.peer[:12]}")
+        return True
+
+    def _rebase_embed(self, worker: StageWorker, embed: tuple[Entry, ...], holders: Mapping[str, StageRecord]) -> bool:
+        """Our stage > 0 moved T⊥ by another stage-0 set than the one stage 0 committed: recompute our
+        own set with stage 0's set and take it (no download). True if the state changed."""
+        own = worker.ledger.link
+        assert own is not None
+        mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), own)
+        got = self._recompute(worker, mine, holders, embed)
+        if got.outcome is None:
+            log.info("stage %d: T⊥ not moved to stage 0's set of round %d yet (payloads missing)", worker.stage, own.t)
+            return False
+        self._switch(worker, got.outcome, got.payloads, embed, "stage 0's committed set for T⊥")
+        return True
+
+    def _switch(
+        self, worker: StageWorker, out: Outcome, payloads: Sequence[Payload], embed: Sequence[Entry] | None, why: str
+    ) -> None:
+        own = worker.ledger.link
+        n_before = len(own.entries) if own is not None else 0
+        worker.switch(out, payloads, embed)
         self.switches += 1
         log.info(
-            "stage %d round %d: switched to the checked state %s of %s (%d payloads; ours had %d)",
+            "stage %d round %d: switched to %s (%d payloads; ours had %d)",
             worker.stage,
-            link.t,
-            claim.state,
-            claim.peer[:12],
-            len(link.entries),
-            len(own.entries),
+            out.t,
+            why,
+            len(payloads),
+            n_before,
         )
         self.metrics.log(
             "switch",
             stage=worker.stage,
             t=worker.outer_step,
-            round=link.t,
-            state=claim.state,
-            peer=claim.peer,
+            round=out.t,
+            state=worker.state_id(),
             param_hash=worker.param_hash(),
             perp_hash=worker.perp_hash(),
+            why=why,
         )
         self.publish()
-        return True
 
 
 def download_claimed(

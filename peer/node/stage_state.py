@@ -97,6 +97,9 @@ class StageState:
         self.outer_step = 0
         self.cache = StartCache(stage_state(self.module))
         self.ledger = RoundLedger()
+        # the canonical initial state is defined by bytes (docs/protocol.md): every honest holder at
+        # outer step 0 claims exactly this id, so another id at step 0 is false without a vote
+        self.initial_state_id = self.state_id()
         self.loads = 0  # states adopted so far (`load_state_dict`): a change no hash may show (the optimizer)
 
     @property

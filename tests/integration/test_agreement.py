@@ -155,7 +155,7 @@ class Store:
 PREV = "s0"  # our state id at outer step 0: the state the claims below committed round 0 from
 
 
-def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None):
+def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None, established=()):
     return gather_round(
         dht,
         clients,
@@ -167,6 +167,7 @@ def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None):
         address="me:1",
         prev=PREV,
         refusals=refusals,
+        established=established,
     )
 
 
@@ -219,15 +220,28 @@ def test_no_lone_commit_while_another_holder_gathers_then_follow_its_set():
     assert done and done[0].replicas == ["me"] and done[0].followed is not None and done[0].followed.peer == "o"
 
 
-def test_a_committed_set_we_cannot_fetch_means_resync_not_waiting():
+def test_one_claim_of_a_set_we_cannot_fetch_is_set_aside_not_followed_into_a_resync():
+    # one unchecked claim never sends a holder behind: we close our own set at the deadline
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "gone": _replica()}
     _other(dht, clients, "gone", _payload(1))
     clients.served.clear()  # announced, then gone: nobody serves its payload
     dht.holders = {"o": _claim(("gone", _payload(1)), ("me", _payload(2)))}
     refusals = Refusals()
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30, refusals=refusals)
-    assert result.behind and "o" not in refusals  # genuine but unavailable: no blame
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.5, refusals=refusals)
+    assert not result.behind and result.followed is None and result.replicas == ["me"] and result.timed_out
+    assert "o" not in refusals  # genuine but unavailable: no blame
+
+
+def test_a_set_most_holders_committed_that_we_cannot_fetch_means_resync_not_waiting():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "gone": _replica()}
+    _other(dht, clients, "gone", _payload(1))
+    clients.served.clear()
+    both = _claim(("gone", _payload(1)), ("me", _payload(2)))
+    dht.holders = {"o": both, "p": both}  # two of the three holders: a strict majority, we included
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30, refusals=Refusals())
+    assert result.behind
 
 
 def test_a_set_naming_payloads_no_replica_announced_gets_its_claimer_refused():
@@ -416,19 +430,65 @@ def test_only_an_earlier_closer_near_its_deadline_fences_us():
     assert fenced_by(view, "me", None, now=99.0, margin_s=2.0) == set()  # an observer follows anyway
 
 
-def test_a_set_closing_at_an_earlier_closers_deadline_follows_its_commit():
-    # o closes at its deadline with what it holds (maybe not our payload): we wait for its commit
+def test_a_set_closing_at_an_earlier_closers_deadline_without_our_payload_is_not_followed():
+    # o closes at its deadline with what it holds, not our payload: its commit is worse than ours by
+    # the canonical order, so we close the larger set after the fence; o is not blamed (a deadline)
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "o": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.2)
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), grace_s=1.0)))
+    refusals = Refusals()
+    gather = lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), grace_s=1.0, refusals=refusals))  # noqa: E731
+    th = threading.Thread(target=gather)
     th.start()
     assert dht.polled(5) and th.is_alive()  # both payloads held, but o's deadline is near: its commit decides
     dht.holders = {"o": _claim(("o", _payload(1)))}  # o closed without ours
     th.join(5)
-    assert done and done[0].replicas == ["o"] and done[0].followed is not None
+    assert done and done[0].replicas == ["me", "o"] and done[0].followed is None and not done[0].behind
+    assert "o" not in refusals
+
+
+def test_a_set_closing_at_an_earlier_closers_deadline_with_our_payload_is_followed():
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica(), "late": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}
+    _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.2)
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), grace_s=1.0)))
+    th.start()
+    assert dht.polled(5) and th.is_alive()  # "late" has not announced: the set is not complete
+    dht.holders = {"o": _claim(("o", _payload(1)), ("me", _payload(2)))}  # o closed at its deadline
+    th.join(5)
+    assert done and done[0].replicas == ["me", "o"] and done[0].followed is not None
+
+
+def test_a_claim_leaving_out_our_payload_before_any_deadline_is_refused_and_not_followed():
+    # a censor: the true commit of the round's set minus our payload, claimed as soon as all announced
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1), closes=dht_time() + 30)
+    dht.holders = {"c": _claim(("o", _payload(1)))}
+    refusals = Refusals()
+    result = _gather(dht, clients, ("me", _payload(2)), 30, 0.3, refusals, established=["me", "o"])
+    assert "c" in refusals and "before any holder's deadline" in refusals._reasons["c"]
+    assert result.followed is None and result.replicas == ["me", "o"] and not result.timed_out
+
+
+def test_a_claim_leaving_out_a_payload_not_fetched_yet_waits_for_it():
+    # an announced payload we have not fetched yet is not given up for a claim without it
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica()}
+    _other(dht, clients, "o", _payload(1))
+    served = clients.served.pop("o:1")  # announced; not reachable for a moment
+    dht.holders = {"c": _claim(("me", _payload(2)))}
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
+    th.start()
+    assert dht.polled(5) and th.is_alive()  # not followed while o's payload may still come
+    clients.served["o:1"] = served
+    th.join(10)
+    assert done and done[0].replicas == ["me", "o"] and done[0].followed is None
 
 
 def test_the_fence_ends_at_the_earlier_closers_deadline_plus_the_grace():
@@ -464,9 +524,11 @@ class SlowClients(FakeClients):
         return Client()
 
 
-def test_a_holder_frozen_past_the_deadline_follows_the_set_committed_meanwhile():
+def test_a_holder_frozen_past_the_deadline_rereads_and_never_takes_a_set_without_its_payload():
     # we read the round (o gathering), then froze past our deadline while o committed {o} without
-    # us; on waking, the set we would close is stale: we read again and take o's set instead
+    # us; on waking, the view we would close on is stale: we read again, see o's commit, and do not
+    # take it (it leaves out our payload): we close the larger set, which the canonical order puts
+    # first (o switches to it after the round); o is not blamed (it closed at its deadline)
     dht = FakeDHT("me")
     dht.replicas = {"me": _replica(), "o": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
@@ -476,5 +538,6 @@ def test_a_holder_frozen_past_the_deadline_follows_the_set_committed_meanwhile()
 
     clients = SlowClients({}, "o:1", 1.5, o_commits)
     _other(dht, clients, "o", _payload(1))
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0)
-    assert result.followed is not None and result.replicas == ["o"] and not result.timed_out
+    refusals = Refusals()
+    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0, refusals=refusals)
+    assert result.followed is None and result.replicas == ["me", "o"] and "o" not in refusals

@@ -4,23 +4,63 @@ A gather (`peer.node.round.gather`) that sees a claim of round t committed from 
 exactly that claim's set: what it holds already is kept, every missing entry is fetched by
 content and proven genuine against its signed announcement (`peer.node.round.verify.SetFetcher`), now
 and then (`FOLLOW_FETCH_S`); a set naming payloads no replica announced gets its claimer refused.
-`Follow.expired` tells the gather when to give up and re-sync instead (the grace).
+`Follow.expired` tells the gather when to give up on that claim (the grace).
+
+Speed wins nothing (docs/protocol.md, "FOLLOW"): a claim is followed only when its set leaves out no
+payload this holder could still commit — every bound announcement of the round that the set does
+not name must be one we tried and rejected (`Omission.unchecked` empty, nothing `validated` left
+out). A set that leaves out a payload we validated is a worse claim than the one we will close
+(the canonical order prefers more payloads): we go on gathering, and after the round the larger
+set wins the RECONCILE. A claim that leaves out a validated payload whose sender is alive and
+contributed to the round before (every holder expects it), seen before any honest holder could have
+closed the round at a deadline (`premature`), proves its holder dishonest: an honest holder closes
+early only with the payload of every expected, live sender.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from peer.core.codec.format import Payload
 from peer.net.records import StageRecord
+from peer.node.bans import PREFIX
 from peer.node.claims import Claim
 from peer.node.refusals import Refusals
 from peer.node.round.payloads import sha256
 from peer.node.round.verify import SetFetcher
 
 FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads
+
+
+@dataclass(frozen=True)
+class Omission:
+    """What a claimed set leaves out of the round as this holder sees it (replica ids)."""
+
+    validated: frozenset[str] = frozenset()  # payloads we hold (fetched and checked, or our own)
+    unchecked: frozenset[str] = frozenset()  # bound announcements we have not fetched or rejected yet
+
+    @property
+    def followable(self) -> bool:
+        return not self.validated and not self.unchecked
+
+
+def omission(claim: Claim, bound: Collection[str], held: Collection[str], rejected: Collection[str]) -> Omission:
+    """The payloads of round (t, s) that `claim`'s set leaves out: `bound` are the replicas whose
+    announcement is bound and fresh (not banned), `held` the replicas whose payload we hold,
+    `rejected` those whose payload we tried and rejected (malformed, or gone with its sender)."""
+    assert claim.link is not None
+    named = set(claim.link.replicas)
+    out = {r for r in set(bound) | set(held) if r[:PREFIX] not in named}
+    return Omission(frozenset(out & set(held)), frozenset(out - set(held) - set(rejected)))
+
+
+def premature(seen_at: float, closes: Collection[float], grace_s: float) -> bool:
+    """Whether a claim first seen at `seen_at` (DHT time) could not come from a deadline close: it
+    was seen more than `grace_s` before the earliest deadline any contributor of the round announced
+    (`closes`; an observer's deadline is later: it starts gathering once the round is announced)."""
+    return bool(closes) and seen_at < min(closes) - grace_s
 
 
 @dataclass

@@ -36,8 +36,7 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.net.transport.errors import NotFoundError
-from peer.net.transport.messages import PayloadRequest
+from peer.node.bans import PREFIX
 from peer.node.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
 from peer.node.refusals import Refusals
 from peer.node.round.agreement import (
@@ -50,8 +49,16 @@ from peer.node.round.agreement import (
     round_view,
     sender_alive,
 )
-from peer.node.round.follow import Follow, Held
-from peer.node.round.payloads import SETTLE_S, PayloadStore, from_another_holder, poll_pause, read_round, sha256
+from peer.node.round.follow import Follow, Held, Omission, omission, premature
+from peer.node.round.payloads import (
+    SETTLE_S,
+    PayloadStore,
+    announce,
+    fetch_announced,
+    poll_pause,
+    read_round,
+    sha256,
+)
 from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
@@ -124,6 +131,7 @@ def gather_round(
     banned: Collection[str] = frozenset(),
     prev: str | None = None,
     refusals: Refusals | None = None,
+    established: Collection[str] = (),
 ) -> RoundResult:
     """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
 
@@ -133,16 +141,19 @@ def gather_round(
     module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at
     outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
     claims we may follow start from it. `refusals`: holders whose claims are ignored (and where a
-    forged set's claimer goes). `inc` is this process's incarnation and `peers` is a head's binding
-    in our announcement ({"<stage>": peer id}). `quorum` (the run's first round only: `swarm.min_replicas`)
-    keeps the set open until that many payloads are held. A payload whose sender is gone is asked
-    of the round's other contributors (for stage 0 also of the other `n_stages` − 1 stages'
+    forged set's claimer goes). `established`: the replicas of our last committed set (a claim that
+    leaves one out before any deadline is refused: `peer.node.round.follow`). `inc` is this
+    process's incarnation and `peers` is a head's binding in our announcement ({"<stage>": peer
+    id}). `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until that
+    many payloads are held. A payload whose sender is gone is asked of the round's other
+    contributors (for stage 0 also of the other `n_stages` − 1 stages'
     holders). `banned`: peer.node.bans.
     """
     if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
         log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])
         own = None
     gather = _Gather(dht, clients, t, stage, timings, own, store, validate, inc, n_stages, banned, prev, refusals)
+    gather.established = {r[:PREFIX] for r in established}
     if own is not None:
         gather.contribute(own, store, address, peers)
     return gather.run(stop, quorum)
@@ -201,6 +212,10 @@ class _Gather:
         self.slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
         self.view = RoundView()
         self.why_behind = ""  # why a BEHIND decision was taken, for the log
+        self.first_seen: dict[tuple[str, str], float] = {}  # (holder, state) -> when we first saw it (DHT time)
+        self.unfetchable: set[tuple[str, str]] = set()  # claims whose set we could not fetch within the grace
+        self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
+        self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
         self.result = RoundResult(t=t, stage=stage)
         fetcher = SetFetcher(dht, clients, store or PayloadStore(), self.me, timings.rpc_s)
         self.follow = Follow(fetcher, refusals, t, stage, n_stages)
@@ -210,7 +225,7 @@ class _Gather:
     ) -> None:
         """Serve and announce our payload, and hold it."""
         timings = self.timings
-        self.my_closes = _announce(
+        self.my_closes = announce(
             self.dht, self.t, self.stage, own, store, address, self.inc, peers, timings.deadline_s, timings.ttl_s
         )
         self.held.data[own[0]], self.held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
@@ -269,15 +284,24 @@ class _Gather:
         self.result.expected = len(read.view.expected)
         # decide on a view read moments ago, never an old one
         fresh = time.monotonic() - read.at <= FRESH_S or self.slow_reads >= MAX_SLOW_READS
-        refusals = self.refusals
-        claims = read.claims.values()
-        targets = followable(claims, self.t, self.prev) if self.prev is not None else observed(claims, self.t)
-        targets = [c for c in targets if refusals is None or c.peer not in refusals]
+        targets = self._targets(read)
         if targets:  # round t is committed elsewhere, from our state: take exactly that set
-            self.result.followed = targets[0]
-            taken = self.follow.take(targets[0], self.held, read.holders, self.parse)
+            target = targets[0]
+            self.result.followed = target
+            taken = self.follow.take(target, self.held, read.holders, self.parse)
             expired = self.follow.expired(self.timings.grace_s)
-            self.why_behind = "cannot fetch the committed set"
+            if expired and not taken and not _claimed_by_most(target, read, self.me, self._refused()):
+                # one claim we could not check never sends us behind: it is set aside, and we close
+                # our own set; after the round the canonical order decides (docs/protocol.md, FOLLOW)
+                log.warning(
+                    "round %d stage %d: cannot fetch the set %s claims; closing our own set instead",
+                    self.t,
+                    self.stage,
+                    target.peer[:12],
+                )
+                self.unfetchable.add((target.peer, target.state))
+                return Close.REREAD
+            self.why_behind = "cannot fetch the set a majority of the holders committed"
             past_deadline = time.monotonic() >= self.deadline
             poll = Poll(fresh, past_deadline, following=True, follow_held=taken, follow_expired=expired)
             return close_decision(poll)
@@ -307,6 +331,74 @@ class _Gather:
         )
         return close_decision(poll)
 
+    def _refused(self) -> frozenset[str]:
+        return self.refusals.peers() if self.refusals is not None else frozenset()
+
+    def _targets(self, read: _Read) -> list[Claim]:
+        """The claims of round t we may follow, best first: from our state (an observer: the set most
+        holders committed), not refused, not set aside as unfetchable, leaving out no payload we
+        hold or have not checked yet (`peer.node.round.follow.omission`). A claim that leaves out a
+        validated payload before any deadline gets its holder refused (`premature`)."""
+        claims = read.claims.values()
+        targets = followable(claims, self.t, self.prev) if self.prev is not None else observed(claims, self.t)
+        refused = self._refused()
+        bound = {rid: (sender, ann) for sender, (rid, ann) in read.view.bound.items()}
+        now = dht_time()
+        out = []
+        for claim in targets:
+            key = (claim.peer, claim.state)
+            if claim.peer in refused or key in self.unfetchable:
+                continue
+            seen_at = self.first_seen.setdefault(key, now)
+            left_out = omission(claim, bound, self.held.data, self.rejected)
+            if left_out.followable:
+                out.append(claim)
+                continue
+            if key not in self.logged_claims:
+                self.logged_claims.add(key)
+                log.info(
+                    "round %d stage %d: not following %s: its set leaves out %s",
+                    self.t,
+                    self.stage,
+                    claim.peer[:12],
+                    ", ".join(r[:12] for r in sorted(left_out.validated | left_out.unchecked)),
+                )
+            self._refuse_if_premature(claim, left_out, bound, read, seen_at)
+        return out
+
+    def _refuse_if_premature(
+        self,
+        claim: Claim,
+        left_out: Omission,
+        bound: Mapping[str, tuple[str, Announcement]],
+        read: _Read,
+        seen_at: float,
+    ) -> None:
+        """Refuse the holder of a claim that left out a payload we validated — of a replica committed in
+        our last round (`established`: every holder expects it), whose sender is alive — before any
+        holder's deadline (`peer.node.round.follow.premature`)."""
+        if self.refusals is None:
+            return
+        closes = [ann.closes for _, ann in bound.values() if ann.closes is not None]
+        if self.my_closes is not None:
+            closes.append(self.my_closes)
+        if not premature(seen_at, closes, self.timings.grace_s):
+            return
+        for rid in sorted(left_out.validated):
+            sender = bound[rid][0] if rid in bound else self.me
+            if rid[:PREFIX] not in self.established or not (
+                sender == self.me or sender_alive(sender, read.holders, read.replicas)
+            ):
+                continue  # a newcomer may not be expected yet, a dead sender's payload may be lost
+            self.refusals.refuse(
+                claim.peer,
+                self.stage,
+                self.t,
+                f"it claimed round {self.t} closed without the payload of {rid[:12]}, announced in time and "
+                "held here, before any holder's deadline",
+            )
+            return
+
     def _fetch_bound(self, read: _Read) -> None:
         """Fetch each bound announcement's payload not held yet, once (unreachable: retried later)."""
         t, stage, held = self.t, self.stage, self.held
@@ -314,7 +406,7 @@ class _Gather:
             if rid in held.data or sender in self.bad or self.retry_at.get(sender, 0.0) > time.monotonic():
                 continue
             try:
-                data = _fetch(
+                data = fetch_announced(
                     self.dht,
                     self.clients,
                     t,
@@ -379,60 +471,16 @@ class _Gather:
         return result
 
 
-def _announce(
-    dht: SwarmDHT,
-    t: int,
-    stage: int,
-    own: tuple[str, bytes],
-    store: PayloadStore | None,
-    address: str,
-    inc: str,
-    peers: Mapping[str, str] | None,
-    timeout_s: float,
-    ttl_s: float,
-) -> float:
-    """Serve and announce our payload of (t, stage); returns when we close the round at the latest
-    (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`)."""
-    replica_id, payload = own
-    if store is None:
-        raise ValueError("a contributor needs a PayloadStore to serve its payload")
-    store.put(t, stage, payload)
-    closes = dht_time() + timeout_s
-    peers = dict(peers) if peers is not None else None
-    record = Announcement(sha256(payload), len(payload), address, replica_id, inc, round(closes, 3), peers)
-    dht.announce_payload(t, stage, record.to_record(), ttl_s=ttl_s)
-    return closes
-
-
-def _fetch(
-    dht: SwarmDHT,
-    clients: ClientPool,
-    t: int,
-    stage: int,
-    sender: str,
-    rec: Announcement,
-    payloads: Mapping[str, Announcement],
-    stage0: Mapping[str, Announcement],
-    me: str,
-    n_stages: int,
-    deadline: float,
-    rpc_s: float,
-) -> bytes:
-    """A bound announcement's payload: from its sender, else from another holder of the round that
-    fetched it (the announced sha256 is checked by the caller). NetworkError when nobody serves it."""
-    if not rec.address:
-        raise PeerError(f"the announcement of {sender} has no address")
-    remaining = max(0.5, deadline - time.monotonic())
-    try:
-        return clients.get(rec.address).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
-    except (NetworkError, NotFoundError):  # the sender is gone, or restarted without it:
-        others = {**payloads, **stage0}
-        for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 fetched it too
-            others.update(dht.get_payloads(t, x))
-        second = from_another_holder(clients, t, stage, sender, rec, others, me, rpc_s)
-        if second is None:
-            raise
-        return second
+def _claimed_by_most(claim: Claim, read: _Read, me: str, refused: Collection[str]) -> bool:
+    """Whether a strict majority of the stage's live, unrefused holders — we count, and we do not
+    claim it — claims `claim`'s set from its state: only then does a set we cannot fetch send us
+    behind; one claim alone never does, even with one other holder."""
+    link = claim.link
+    assert link is not None
+    name = (link.prev, link.entries)
+    same = [c for c in read.claims.values() if c.link is not None and (c.link.prev, c.link.entries) == name]
+    voters = [p for p in read.holders if p != me and p not in refused]
+    return 2 * len(same) > len(voters) + 1
 
 
 def _past(rec: StageRecord | None, t: int) -> bool:

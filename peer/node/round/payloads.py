@@ -27,9 +27,11 @@ from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.model import stage_shapes
 from peer.core.ranges import merkle_proof
 from peer.core.subspace_state import EMBED
-from peer.errors import PeerError
+from peer.errors import NetworkError, PeerError
+from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
+from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = [
     "SETTLE_S",
     "PayloadStore",
+    "announce",
+    "fetch_announced",
     "from_another_holder",
     "payload_validator",
     "poll_pause",
@@ -245,3 +249,59 @@ def poll_pause(stop: threading.Event | None, poll_s: float) -> None:
         raise PeerError("stopped while waiting for a round")
     if stop is None:
         time.sleep(poll_s)
+
+
+def announce(
+    dht: SwarmDHT,
+    t: int,
+    stage: int,
+    own: tuple[str, bytes],
+    store: PayloadStore | None,
+    address: str,
+    inc: str,
+    peers: Mapping[str, str] | None,
+    timeout_s: float,
+    ttl_s: float,
+) -> float:
+    """Serve and announce our payload of (t, stage); returns when we close the round at the latest
+    (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`)."""
+    replica_id, payload = own
+    if store is None:
+        raise ValueError("a contributor needs a PayloadStore to serve its payload")
+    store.put(t, stage, payload)
+    closes = dht_time() + timeout_s
+    peers = dict(peers) if peers is not None else None
+    record = Announcement(sha256(payload), len(payload), address, replica_id, inc, round(closes, 3), peers)
+    dht.announce_payload(t, stage, record.to_record(), ttl_s=ttl_s)
+    return closes
+
+
+def fetch_announced(
+    dht: SwarmDHT,
+    clients: ClientPool,
+    t: int,
+    stage: int,
+    sender: str,
+    rec: Announcement,
+    payloads: Mapping[str, Announcement],
+    stage0: Mapping[str, Announcement],
+    me: str,
+    n_stages: int,
+    deadline: float,
+    rpc_s: float,
+) -> bytes:
+    """A bound announcement's payload: from its sender, else from another holder of the round that
+    fetched it (the announced sha256 is checked by the caller). NetworkError when nobody serves it."""
+    if not rec.address:
+        raise PeerError(f"the announcement of {sender} has no address")
+    remaining = max(0.5, deadline - time.monotonic())
+    try:
+        return clients.get(rec.address).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
+    except (NetworkError, NotFoundError):  # the sender is gone, or restarted without it:
+        others = {**payloads, **stage0}
+        for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 fetched it too
+            others.update(dht.get_payloads(t, x))
+        second = from_another_holder(clients, t, stage, sender, rec, others, me, rpc_s)
+        if second is None:
+            raise
+        return second

@@ -122,6 +122,7 @@ class Rounds:
             banned=banned,
             prev=worker.state_id() if own_stage else None,
             refusals=self.refusals,
+            established=_established(worker, own_stage),
         )
         self.pg_bytes += result.bytes_fetched
         return result
@@ -365,3 +366,12 @@ class Rounds:
         log.info(
             "round %d committed: %s train %s val %s", t, {s: n for s, (_, n) in stages.items()}, train_loss, val_loss
         )
+
+
+def _established(worker: StageWorker, own_stage: bool) -> list[str]:
+    """The replicas of the last round we committed, of our own stage or (an observer of stage 0)
+    of stage 0's set that moved our T⊥: every holder expects them in the next round."""
+    link = worker.ledger.link
+    if link is None:
+        return []
+    return link.replicas if own_stage else [rid for rid, _ in link.embed or ()]

@@ -7,10 +7,13 @@ An entry is
   peer that the head's own round-t announcement of stage 0 (or, before it, the head's replica
   record) names for s (the binding rule of docs/protocol.md);
 - FORGED when no announcement of that replica exists for the round while the round's announcements
-  are visible: the claimer made the replica up (a padded set);
-- UNKNOWN otherwise (the round's records expired, the sender re-announced another payload, the
-  binding changed): the claim cannot be checked now, and is neither adopted nor held against
-  its claimer.
+  are visible (the claimer made the replica up: a padded set), or when the replica's announcements
+  are visible and none carries that sha256 (a payload the replica never announced for this round:
+  an old round's set relabelled, a made-up payload in a real replica's name). A sender announces
+  one payload per round, once (a restarted sender observes the round: its `joined_at` is past it),
+  so an honest claim never names a sha256 its replica's announcements lack;
+- UNKNOWN otherwise (the round's records expired, the binding changed): the claim cannot be
+  checked now, and is neither adopted nor held against its claimer.
 A genuine entry's bytes may come from anyone — our own store, the sender, the claimer, another
 holder — because the announced sha256 is checked whoever serves them (`SetFetcher`).
 """
@@ -61,15 +64,16 @@ def resolve(
     """The verdict on one entry of a set of round (t, `stage`) (module docstring); `announcements`
     are the round's, `stage0` those of (t, 0) (the heads' bindings), `replicas` the replica records."""
     rid, sha = item
-    of_replica = False
+    same_sha = False
     for sender, ann in sorted(announcements.items()):
         full = ann.replica_of(sender)
         if full[:PREFIX] != rid:
             continue
-        of_replica = True
-        if ann.sha256.startswith(sha) and bound_to(sender, full, stage, stage0, replicas):
-            return Resolved(Verdict.GENUINE, sender, ann)
-    if not of_replica and announcements:
+        if ann.sha256.startswith(sha):
+            same_sha = True
+            if bound_to(sender, full, stage, stage0, replicas):
+                return Resolved(Verdict.GENUINE, sender, ann)
+    if announcements and not same_sha:  # the replica made up, or a payload it never announced
         return Resolved(Verdict.FORGED)
     return Resolved(Verdict.UNKNOWN)
 
