@@ -1,0 +1,89 @@
+"""The pure checks a holder makes of another's claim before it changes anything (docs/protocol.md, Claims).
+
+Row by row: which set entries are genuine, forged or unknown (`peer.node.round.verify.resolve`), what a
+claimed set leaves out and whether that can be followed (`peer.node.round.follow.omission`), when a
+claim came too early to be an honest deadline close (`premature`), and which stage-0 set a stage > 0
+must move T⊥ by (`peer.node.round.recheck.stage0_set`).
+"""
+
+from __future__ import annotations
+
+from peer.net.records import Announcement, StageRecord
+from peer.node.claims import Claim, Link, entry
+from peer.node.round.follow import omission, premature
+from peer.node.round.recheck import stage0_set
+from peer.node.round.verify import Verdict, resolve
+
+SHA_A, SHA_B, SHA_OLD = "a" * 64, "b" * 64, "c" * 64
+REPLICAS = {"ra": "ra".ljust(40, "0"), "rb": "rb".ljust(40, "0")}
+
+
+def _anns(**shas: str) -> dict[str, Announcement]:
+    """Round announcements: each replica announces its own payload (sender = replica)."""
+    return {REPLICAS[r]: Announcement(sha256=sha, replica=REPLICAS[r]) for r, sha in shas.items()}
+
+
+def test_an_entry_is_genuine_only_with_its_replicas_announced_sha256():
+    anns = _anns(ra=SHA_A, rb=SHA_B)
+    assert resolve(entry(REPLICAS["ra"], SHA_A), 0, anns, anns, {}).verdict is Verdict.GENUINE
+    # a replica that never announced the round: made up (a padded set)
+    assert resolve(entry("madeup".ljust(40, "x"), SHA_A), 0, anns, anns, {}).verdict is Verdict.FORGED
+    # a real replica named with a payload it never announced for this round (an old round's set
+    # relabelled, a made-up payload in its name): forged too, so its claimer is refused
+    assert resolve(entry(REPLICAS["rb"], SHA_OLD), 0, anns, anns, {}).verdict is Verdict.FORGED
+    # the round's records are gone: nothing can be said
+    assert resolve(entry(REPLICAS["rb"], SHA_OLD), 0, {}, {}, {}).verdict is Verdict.UNKNOWN
+
+
+def test_an_entry_whose_announcement_no_longer_binds_it_is_unknown_not_forged():
+    # a stage peer announced for head h, then h's round-t announcement bound another peer
+    h, p = "head".ljust(40, "0"), "peer1".ljust(40, "0")
+    anns = {p: Announcement(sha256=SHA_A, replica=h)}
+    anns0 = {h: Announcement(sha256=SHA_B, replica=h, peers={"1": "other"})}
+    assert resolve(entry(h, SHA_A), 1, anns, anns0, {}).verdict is Verdict.UNKNOWN
+
+
+def _claim(*replicas: str) -> Claim:
+    link = Link(0, "prev", "state", tuple(entry(r, SHA_A) for r in replicas))
+    return Claim("c", 1, "state", link)
+
+
+def test_a_set_is_followable_only_when_it_leaves_out_nothing_we_could_still_commit():
+    a, b, c = "a" * 20, "b" * 20, "c" * 20
+    bound = {a, b, c}
+    assert omission(_claim(a, b, c), bound, held={a, b}, rejected=set()).followable
+    left = omission(_claim(a, b), bound, held={a, b, c}, rejected=set())  # leaves out c, which we hold
+    assert not left.followable and left.validated == {c}
+    left = omission(_claim(a, b), bound, held={a, b}, rejected=set())  # c announced, not fetched yet
+    assert not left.followable and left.unchecked == {c} and not left.validated
+    assert omission(_claim(a, b), bound, held={a, b}, rejected={c}).followable  # we tried c: it is bad or gone
+    own = omission(_claim(a, b), {a, b}, held={a, b, "me" * 10}, rejected=set())
+    assert own.validated == {"me" * 10}  # our own payload above all
+
+
+def test_a_claim_is_premature_only_before_the_earliest_deadline_minus_the_grace():
+    closes = [100.0, 105.0]
+    assert premature(90.0, closes, 2.0)
+    assert not premature(98.5, closes, 2.0)  # within the grace of the first deadline: maybe a deadline close
+    assert not premature(101.0, closes, 2.0)
+    assert not premature(50.0, [], 2.0)  # nobody announced a deadline: no evidence
+
+
+def _holder(step: int, t: int | None = None, *replicas: str) -> StageRecord:
+    link = None
+    if t is not None:
+        link = {"t": t, "prev": "p", "set": [list(entry(r, SHA_A)) for r in replicas]}
+    return StageRecord(outer_step=step, state_id=f"s{step}{len(replicas)}", link=link)
+
+
+def test_stage_0s_set_for_t_perp_is_the_one_a_strict_majority_of_its_holders_claims():
+    a, b = "a" * 20, "b" * 20
+    both, one = (entry(a, SHA_A), entry(b, SHA_A)), (entry(a, SHA_A),)
+    holders = {"h1": _holder(4, 3, a, b), "h2": _holder(4, 3, a, b), "h3": _holder(4, 3, a)}
+    assert stage0_set(holders, 3, refused=()) == both
+    assert stage0_set(holders, 3, refused={"h1"}) is None  # one against one: no set yet
+    assert stage0_set(holders, 3, refused={"h1"}, own=both) == both  # our own stage-0 commit votes too
+    # a holder still gathering round 3 has not voted, but it counts: no majority yet
+    holders = {"h1": _holder(4, 3, a, b), "h2": _holder(3, 2, a), "h3": _holder(4, 3, a)}
+    assert stage0_set(holders, 3, refused=()) is None
+    assert stage0_set({"h1": _holder(4, 3, a)}, 3, refused=()) == one
