@@ -38,6 +38,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateReply, StateRequest
+from peer.node.bans import PREFIX
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.claims import Claim, Entry, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
@@ -207,9 +208,15 @@ class Resync:
         claims = {p: c for p, c in claims.items() if p not in self.refusals}
         mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
         embed = self._stage0_set(worker)
+        prev = worker.ledger.prev
+        own = prev.own[0][:PREFIX] if prev is not None and prev.own is not None else None
+        committed = mine.link.replicas if mine.link is not None else []
         for claim in better(claims.values(), mine):
-            if embed is not None and claim.link is not None and claim.link.embed not in (None, embed):
+            assert claim.link is not None
+            if embed is not None and claim.link.embed not in (None, embed):
                 continue  # its T⊥ moved by another set than stage 0's: not a state for this stage
+            if own in committed and own not in claim.link.replicas:
+                continue  # it leaves out our own payload, which we committed: never adopted
             if self._check_and_switch(worker, claim, holders):
                 return True
         stale_embed = embed is not None and mine.link is not None and mine.link.embed not in (None, embed)
@@ -219,7 +226,6 @@ class Resync:
         win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
         if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
             return False
-        prev = worker.ledger.prev
         self.sync_state(
             worker,
             f"state {mine.state} disagrees with {win.state}, claimed by {len(win.holders)} of "
