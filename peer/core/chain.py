@@ -8,9 +8,12 @@ on its last stage. A boundary `b` maps the activations leaving one stage to the 
 input (the simulator's compressed boundary); none passes them as they are.
 
 The gradient norm of a model split over stages is `global_grad_norm` of each stage's Σ‖g‖²
-(`peer.core.optim.grad_sq_norm`), wherever the stages are: the sum is exactly rounded
-(`math.fsum`), so it does not depend on the order the stages report in, and every stage clips by
-the same float (`peer.core.optim.clip_grads_to`), as the whole model would.
+(`peer.core.optim.grad_sq_norm`), wherever the stages are. Each share is a whole number of units
+of one fixed grid (`SQ_NORM_GRID`), so the shares add up exactly (`math.fsum`): the norm depends
+neither on the order the stages report in nor on where the model is split — it is the whole
+model's float — and every stage clips by it (`peer.core.optim.clip_grads_to`). Without the grid a
+stage's share is rounded to 53 bits before the shares are added, and a split model's norm could
+miss the whole model's by an ulp (issue 34: seen on one host's kernels, not on another's).
 """
 
 from __future__ import annotations
@@ -44,5 +47,6 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
 
 
 def global_grad_norm(sq_norms: Iterable[float]) -> float:
-    """‖g‖ of the whole model from each stage's Σ‖g‖² (exactly rounded: any order, the same float)."""
+    """‖g‖ of the whole model from each stage's Σ‖g‖² (`grad_sq_norm`: exact sums, so any order and
+    any split into stages give the same float)."""
     return math.sqrt(math.fsum(sq_norms))

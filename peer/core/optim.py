@@ -81,9 +81,34 @@ def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
 
 
-def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """Σ‖g‖² over the parameters that have a gradient: one stage's share of a global norm."""
-    return math.fsum(float(p.grad.detach().double().square().sum()) for p in params if p.grad is not None)
+# A stage's Σ‖g‖² travels as one float64 and the global norm sums one per stage. Rounding each
+# stage's sum to 53 bits and then adding them rounds twice, so the norm would depend on where the
+# stages split the model (and on the kernels that make the last bits). Each tensor's Σg² is put on
+# one fixed grid first: sums of grid values below 2⁵³ grid units are exact in float64, so any
+# grouping into stages gives the same float as the whole model. The grid bounds the exact range:
+# totals below SQ_NORM_EXACT_BELOW (a norm below ~1448; clipping is at 1.0) are split-free; a
+# tensor's Σg² is kept to ±SQ_NORM_GRID / 2, far below what clipping at 1.0 can resolve.
+SQ_NORM_GRID = 2.0**-32
+SQ_NORM_EXACT_BELOW = SQ_NORM_GRID * 2.0**53  # 2²¹
+
+
+def _on_grid(sq: float) -> float:
+    """sq rounded to the nearest multiple of SQ_NORM_GRID (inf, NaN and sq from 2²¹ up, whose ulp
+    is already a multiple of the grid, as they are)."""
+    if not math.isfinite(sq) or sq >= SQ_NORM_EXACT_BELOW:
+        return sq
+    return round(sq / SQ_NORM_GRID) * SQ_NORM_GRID  # an int, times a power of two: exact below 2⁵³ units
+
+
+def grad_sq_norm(params: Iterable[torch.nn.Parameter], unscale: float = 1.0) -> float:
+    """Σ‖g‖² over the parameters that have a gradient: one stage's share of a global norm.
+
+    Each tensor's Σg² (float64) is divided by `unscale` (a loss scale squared: a power of two) and
+    put on the fixed grid SQ_NORM_GRID, then summed exactly: the shares of any split of a model into
+    stages add up (`peer.core.chain.global_grad_norm`) to the whole model's float while the total
+    is below SQ_NORM_EXACT_BELOW."""
+    per_tensor = (float(p.grad.detach().double().square().sum()) / unscale for p in params if p.grad is not None)
+    return math.fsum(_on_grid(sq) for sq in per_tensor)
 
 
 def clip_grads_to(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:

@@ -296,9 +296,7 @@ class StageWorker(StageState):
 
     def _sq_norm(self) -> float:
         """The unscaled Σ‖g‖² (÷ S²); inf when anything overflowed (never NaN: the head sums it)."""
-        sq = grad_sq_norm(self.module.parameters())
-        if self.scaler.enabled:
-            sq /= self.scaler.scale**2
+        sq = grad_sq_norm(self.module.parameters(), unscale=self.scaler.scale**2 if self.scaler.enabled else 1.0)
         return sq if math.isfinite(sq) and not self._overflow else math.inf
 
     def zero_grad(self) -> None:

@@ -6,7 +6,10 @@ finished outer step (every replica pickled whole — weights, optimizer state, a
 error buffers, byte counters, the `ConfigResult` so far, the torch RNG state), or its final result.
 Each file is written atomically (`peer.core.files.atomic_write_bytes`): an interrupted write leaves
 the previous one. Resuming skips finished runs (their stored results are used) and continues an
-interrupted one from its last outer step, with the same bits as an uninterrupted sweep.
+interrupted one from its last outer step, with the same bits as an uninterrupted sweep: the state
+is read back by `peer.tools.sim_pool`'s unpickling, into torch's own 64-byte aligned storages with
+the strides, offsets and sharing they had, so a kernel that picks its code path by where its
+operands sit (MKL on Intel CPUs) sees what the uninterrupted sweep's kernels saw (issue 34).
 """
 
 from __future__ import annotations

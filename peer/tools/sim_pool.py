@@ -8,7 +8,9 @@ their H inner steps of one outer step, in order, and come back with each step's 
 Data-parallel AdamW stays in the coordinator (`peer.tools.sim_loops.run_adamw`).
 
 Messages are pickled by `dumps`: storages as raw bytes (faster than torch's own), and a tensor's
-`.grad` kept (torch's pickling drops it), so a replica's accumulated gradients travel too.
+`.grad` kept (torch's pickling drops it), so a replica's accumulated gradients travel too. Read
+back, every storage is torch's own 64-byte aligned allocation, as a fresh one is (`_untyped`): the
+same layout, so the same kernels' code paths and bits (the sweep checkpoint reads through it too).
 
 Replica m goes to worker m mod N. A replica's inner steps read only itself and its batches, so the
 results are bit-identical to the in-process path (tests compare every curve value and byte count).
@@ -31,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from peer.core.loader import Corpus, train_batch
@@ -71,9 +74,23 @@ def inner_steps(
     return rep, stats
 
 
-def _storage(dtype: torch.dtype, raw: bytes) -> torch.TypedStorage:
-    """A CPU storage from its bytes (`dumps`)."""
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() if raw else torch.UntypedStorage(0)
+def _untyped(raw: bytes) -> torch.UntypedStorage:
+    """A CPU storage from its bytes (`dumps`), allocated by torch as a fresh tensor's is.
+
+    The layout of a tensor read back must be the layout it had, or kernels may round differently:
+    torch's allocator aligns every storage to 64 bytes, a Python buffer only to 16 (where in 64
+    depends on the heap's history), and MKL's GEMM on Intel CPUs picks its code path by the operands'
+    alignment. A resumed sweep whose weights came from a `bytearray` could train to other bits than
+    the uninterrupted one (issue 34); copied into torch's own allocation, every tensor read back sits
+    where a freshly computed one would (the same offset within 64 bytes: its storage offset)."""
+    data = torch.empty(len(raw), dtype=torch.uint8)  # torch's allocator: 64-byte aligned
+    if raw:
+        data.numpy()[:] = numpy.frombuffer(raw, dtype=numpy.uint8)
+    return data.untyped_storage()
+
+
+def _typed(data: torch.UntypedStorage, dtype: torch.dtype) -> torch.TypedStorage:
+    """The typed view torch's tensor pickling asks for, over one storage read back once (`dumps`)."""
     return torch.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
 
 
@@ -86,17 +103,21 @@ def _with_grad(data: torch.Tensor, grad: torch.Tensor, requires_grad: bool, para
 
 class _Pickler(pickle.Pickler):
     """pickle, with CPU storages as their raw bytes (torch pickles each through `torch.save`: slower),
-    and a tensor's `.grad` kept (torch drops it: a replica's accumulated gradients ride along)."""
+    read back once per storage however many tensors view it, and a tensor's `.grad` kept (torch
+    drops it: a replica's accumulated gradients ride along)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and obj.is_leaf and obj.grad is not None:
             parameter = isinstance(obj, torch.nn.Parameter)
             return _with_grad, (obj.detach(), obj.grad, obj.requires_grad, parameter)
-        if type(obj) is not torch.TypedStorage or obj._untyped_storage.device.type != "cpu":
-            return NotImplemented
-        data = obj._untyped_storage
-        raw = torch.empty(0, dtype=torch.uint8).set_(data).numpy().tobytes() if data.nbytes() else b""
-        return _storage, (obj.dtype, raw)
+        if type(obj) is torch.TypedStorage and obj._untyped_storage.device.type == "cpu":
+            # torch wraps a tensor's storage anew for every tensor; the untyped storage underneath is
+            # one object per storage, so pickle's memo keeps tensors that share one sharing it
+            return _typed, (obj._untyped_storage, obj.dtype)
+        if type(obj) is torch.UntypedStorage and obj.device.type == "cpu":
+            raw = torch.empty(0, dtype=torch.uint8).set_(obj).numpy().tobytes() if obj.nbytes() else b""
+            return _untyped, (raw,)
+        return NotImplemented
 
 
 def dumps(obj: Any) -> bytes:
