@@ -30,31 +30,17 @@ from collections.abc import Iterable
 
 import pytest
 
-from tests.e2e.cli_swarm import DEADLINES, Swarm
+from tests.e2e.cli_swarm import DEADLINES, Swarm, join_with_attackers
 
 pytestmark = [pytest.mark.e2e]
 
 T = 6  # rounds per swarm
 HONEST = ("head", "s1", "full")
-ATTACKERS = "tests.e2e.attackers"
 BASELINE = os.environ.get("ATTACKS_BASELINE") == "1"  # run every swarm with ATTACK=none: the assertions' baseline
 
 
 def _attack(kind: str, **knobs: str) -> dict[str, str]:
     return {"ATTACK": "none" if BASELINE else kind, **knobs}
-
-
-def start_swarm(sw: Swarm, attack: dict[str, str], attackers: Iterable[str]) -> None:
-    """`attackers` (stage-1 attackers.py holders with `attack`'s env) beside the honest s1, all up
-    before the full replica and the head join: present from outer step 0 (a join takes longer than
-    a T-round run here). They publish an unclaimable record, so the head claims s1."""
-    sw.join("s1", "--stage", "1")
-    for name in attackers:
-        sw.join(name, "--stage", "1", module=ATTACKERS, extra_env=attack)
-    for name in ("s1", *attackers):
-        sw.wait_for(lambda n=name: sw.events(n, "start"))
-    sw.join("full", "--full-replica")
-    sw.join("head", "--stage", "0")
 
 
 def finish(sw: Swarm, honest: Iterable[str] = HONEST) -> None:
@@ -119,7 +105,7 @@ CENSORS = {  # variant: the attacker's env
 @pytest.mark.parametrize("variant", sorted(CENSORS))
 def test_a_censor_never_drops_an_announced_payload_and_is_refused(swarm_factory, variant):
     sw = swarm_factory(outer_steps=T, deadlines=DEADLINES)
-    start_swarm(sw, _attack("censor", **CENSORS[variant]), ["censor"])
+    join_with_attackers(sw, _attack("censor", **CENSORS[variant]), ["censor"])
     finish(sw)
     made = attacks(sw, ["censor"])
     print(f"\ncensor {variant}: claimed {[(e['t'], e['claimed'], e['of']) for e in made]}")
@@ -137,7 +123,7 @@ def test_a_censor_never_drops_an_announced_payload_and_is_refused(swarm_factory,
 @pytest.mark.timeout(240)
 def test_a_replayed_claim_stalls_nobody_and_is_refused(swarm_factory):
     sw = swarm_factory(outer_steps=T, deadlines=DEADLINES)
-    start_swarm(sw, _attack("replay"), ["replayer"])
+    join_with_attackers(sw, _attack("replay"), ["replayer"])
     finish(sw)
     made = attacks(sw, ["replayer"])
     print(f"\nreplayer: replayed rounds {[e['t'] for e in made]}")
@@ -166,7 +152,7 @@ def split_perp(sw: Swarm, names: Iterable[str] = HONEST) -> dict[int, dict[str, 
 @pytest.mark.timeout(240)
 def test_a_perp_splitter_never_moves_stage_1s_perp_apart_from_stage_0s(swarm_factory):
     sw = swarm_factory(outer_steps=T, deadlines=DEADLINES)
-    start_swarm(sw, _attack("embed"), ["splitter"])
+    join_with_attackers(sw, _attack("embed"), ["splitter"])
     finish(sw)
     made = attacks(sw, ["splitter"])
     print(f"\nsplitter: {[(e['t'], e['embed'], e['embed_of'], e['first']) for e in made]}")
@@ -194,7 +180,7 @@ def colluded(tmp_path_factory):
     peer that joins after round JOIN_AFTER."""
     sw = Swarm(tmp_path_factory.mktemp("colluded"), outer_steps=T_COLLUDE, deadlines=DEADLINES)
     try:
-        start_swarm(sw, _attack("negate"), COLLUDERS)
+        join_with_attackers(sw, _attack("negate"), COLLUDERS)
         sw.wait_for(lambda: JOIN_AFTER in sw.rounds("head"))
         sw.join("late", "--stage", "1")
         finish(sw, (*HONEST, "late"))
