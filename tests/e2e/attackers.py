@@ -337,13 +337,13 @@ def _censor(rounds: Rounds, worker: StageWorker, t: int) -> None:
         target = next((p for p in by_time if replicas.get(p[0]) and replicas[p[0]].kind == "full"), by_time[-1])
     else:
         target = by_time[0] if TARGET == "first" else by_time[-1]
-    if DELAY_S:
-        time.sleep(DELAY_S)
     if ready is None:
         if not watch.until(lambda: bool(watch.ours.fetched(skip=target[0]))):
             return
         kept = watch.ours.fetched(skip=target[0])
         ready = (target[0], _commit(watch, kept, watch.stage0.fetched()))
+    if DELAY_S:
+        time.sleep(DELAY_S)
     claimed, forged = ready[1]
     _claim(rounds, forged)
     n = len(forged.link["set"])

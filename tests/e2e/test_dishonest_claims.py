@@ -113,7 +113,7 @@ def refused_by(sw: Swarm, attacker: str, names: Iterable[str] = ("s1", "full")) 
 # ------------------------------------------------------------------------------------ censor
 CENSORS = {  # variant: the attacker's env
     "last-at-once": {"ATTACK_TARGET": "last", "ATTACK_DELAY_S": "0"},
-    "full-late": {"ATTACK_TARGET": "full", "ATTACK_DELAY_S": "3"},
+    "full-late": {"ATTACK_TARGET": "full", "ATTACK_DELAY_S": "1"},  # a round takes ~1.3 s here: after the commits
 }
 
 

@@ -40,7 +40,7 @@ RUNS = {  # run: (pipeline's kernels, full replica's kernels, a stage-1 spare's 
 ATTACKS = {  # run: (the attackers' env, their names, a stage-1 peer joining after round 3)
     "honest-spares": ({"ATTACK": "none"}, ("spare",), False),
     "censor": ({"ATTACK": "censor", "ATTACK_TARGET": "last"}, ("censor",), False),
-    "censor-full-late": ({"ATTACK": "censor", "ATTACK_TARGET": "full", "ATTACK_DELAY_S": "3"}, ("censor",), False),
+    "censor-full-late": ({"ATTACK": "censor", "ATTACK_TARGET": "full", "ATTACK_DELAY_S": "1"}, ("censor",), False),
     "replay": ({"ATTACK": "replay"}, ("replayer",), False),
     "embed": ({"ATTACK": "embed"}, ("splitter",), False),
     "colluders": ({"ATTACK": "negate"}, ("c1", "c2", "c3"), True),
