@@ -185,8 +185,8 @@ def test_a_perp_splitter_never_moves_stage_1s_perp_apart_from_stage_0s(swarm_fac
 
 # ------------------------------------------------------------------------------------ colluders
 COLLUDERS = ("c1", "c2", "c3")
-T_COLLUDE = 8
-JOIN_AFTER = 3  # the late stage-1 peer joins once the head committed this round
+T_COLLUDE = 14  # a join takes 15–25 s on 2 loaded cores (~12 rounds): the late peer must arrive before the end
+JOIN_AFTER = 2  # the late stage-1 peer joins once an honest replica committed this round
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +239,10 @@ def test_a_late_joiner_never_adopts_the_colluders_state(colluded):
     sw, _ = colluded
     bad = negated_hashes(sw)
     assert "late" in sw.procs, f"no honest replica reached round {JOIN_AFTER}: the late peer never joined"
-    late = sw.rounds("late")
-    assert late, f"the late joiner committed no round\n{sw.log('late')}"
     adopted = [(e["t"], e["param_hash"]) for e in sw.events("late", "sync") if e["param_hash"] in bad]
     assert not adopted, f"the late joiner downloaded the colluders' state: {adopted}"
+    late = sw.rounds("late")
+    assert late, f"the late joiner committed no round (it came too late for this run?)\n{sw.log('late')}"
     honest = {t: rec["stages"]["1"]["param_hash"] for t, rec in sw.rounds("s1").items()}
     differ = {
         t: rec["stages"]["1"]["param_hash"]

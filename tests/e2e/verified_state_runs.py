@@ -11,7 +11,7 @@ here is a longer run of what CI asserts.
 
 `ATTACKS` are the swarms of tests/e2e/test_dishonest_claims.py (issue 34: the stage-1 attackers of
 tests/e2e/attackers.py up before round 0 beside the same head, s1 and full replica; `colluders` adds
-a stage-1 peer joining after round 3). Their JSON line adds the attacks made, the refusals of each
+a stage-1 peer joining after round 2). Their JSON line adds the attacks made, the refusals of each
 attacker by each honest holder, the rounds an honest holder committed fewer than both payloads, the
 rounds whose honest holders' T⊥ differ between stages, the rounds any honest holder held a negated
 (colluders') state, and the head's seconds per round; `honest-spares` is the baseline (the same
@@ -37,7 +37,7 @@ RUNS = {  # run: (pipeline's kernels, full replica's kernels, a stage-1 spare's 
     "forge-params": ({}, OTHER, None, "0"),
 }
 
-ATTACKS = {  # run: (the attackers' env, their names, a stage-1 peer joining after round 3)
+ATTACKS = {  # run: (the attackers' env, their names, a stage-1 peer joining after round 2)
     "honest-spares": ({"ATTACK": "none"}, ("spare",), False),
     "censor": ({"ATTACK": "censor", "ATTACK_TARGET": "last"}, ("censor",), False),
     "censor-full-late": ({"ATTACK": "censor", "ATTACK_TARGET": "full", "ATTACK_DELAY_S": "1"}, ("censor",), False),
@@ -45,7 +45,7 @@ ATTACKS = {  # run: (the attackers' env, their names, a stage-1 peer joining aft
     "embed": ({"ATTACK": "embed"}, ("splitter",), False),
     "colluders": ({"ATTACK": "negate"}, ("c1", "c2", "c3"), True),
 }
-LATE_AFTER = 3  # `colluders`: the late stage-1 peer joins once the head committed this round
+LATE_AFTER = 2  # `colluders`: the late stage-1 peer joins once the head committed this round
 
 
 def run_attack(name: str, rounds: int) -> dict:
