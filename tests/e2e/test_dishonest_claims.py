@@ -185,7 +185,7 @@ def test_a_perp_splitter_never_moves_stage_1s_perp_apart_from_stage_0s(swarm_fac
 
 # ------------------------------------------------------------------------------------ colluders
 COLLUDERS = ("c1", "c2", "c3")
-T_COLLUDE = 14  # a join takes 15–25 s on 2 loaded cores (~12 rounds): the late peer must arrive before the end
+T_COLLUDE = 30  # the late peer joins after round 2 and takes 15–25 s (~20 rounds here) to come up
 JOIN_AFTER = 2  # the late stage-1 peer joins once an honest replica committed this round
 
 
