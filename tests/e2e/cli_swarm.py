@@ -4,7 +4,9 @@
 (`join`; any module with a `peer`-like CLI, e.g. tests/e2e/forger.py, via `module`), reads each
 peer's metrics.jsonl (`events`, `rounds`), waits with a deadline that prints every log on failure
 (`wait_for`), and kills every process group at `close`. The fixture `swarm_factory`
-(tests/e2e/conftest.py) closes every swarm a test made.
+(tests/e2e/conftest.py) closes every swarm a test made. `join_with_attackers` starts the 2-stage
+swarm of the dishonest-claim tests (tests/e2e/attackers.py beside a head, its stage-1 peer and a
+full replica).
 """
 
 from __future__ import annotations
@@ -131,3 +133,19 @@ class Swarm:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+ATTACKERS = "tests.e2e.attackers"  # the dishonest stage holders' module (never imported here: it patches `peer`)
+
+
+def join_with_attackers(sw: Swarm, attack: dict[str, str], attackers: list[str] | tuple[str, ...]) -> None:
+    """s1 (`--stage 1`) and `attackers` (stage-1 holders of tests/e2e/attackers.py with `attack`'s
+    env), then the full replica and the head: the attackers are up before round 0 (a join takes
+    longer than a short run on 2 cores) and publish unclaimable records, so the head claims s1."""
+    sw.join("s1", "--stage", "1")
+    for name in attackers:
+        sw.join(name, "--stage", "1", module=ATTACKERS, extra_env=attack)
+    for name in ("s1", *attackers):
+        sw.wait_for(lambda n=name: sw.events(n, "start"))
+    sw.join("full", "--full-replica")
+    sw.join("head", "--stage", "0")
