@@ -471,7 +471,7 @@ def test_a_claim_leaving_out_our_payload_before_any_deadline_is_refused_and_not_
     dht.holders = {"c": _claim(("o", _payload(1)))}
     refusals = Refusals()
     result = _gather(dht, clients, ("me", _payload(2)), 30, 0.3, refusals, established=["me", "o"])
-    assert "c" in refusals and "before any holder's deadline" in refusals._reasons["c"]
+    assert "c" in refusals and "before the round's earliest deadline" in refusals._reasons["c"]
     assert result.followed is None and result.replicas == ["me", "o"] and not result.timed_out
 
 

@@ -2,7 +2,7 @@
 
 Row by row: which set entries are genuine, forged or unknown (`peer.node.round.verify.resolve`), what a
 claimed set leaves out and whether that can be followed (`peer.node.round.follow.omission`), when a
-claim came too early to be an honest deadline close (`premature`), and which stage-0 set a stage > 0
+claim proves its holder a censor (`peer.node.round.censors.censored`), and which stage-0 set a stage > 0
 must move T⊥ by (`peer.node.round.recheck.stage0_set`).
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from peer.net.records import Announcement, StageRecord
 from peer.node.claims import Claim, Link, entry
-from peer.node.round.follow import omission, premature
+from peer.node.round.censors import Evidence, censored, evidence
+from peer.node.round.follow import omission
 from peer.node.round.recheck import stage0_set
 from peer.node.round.verify import Verdict, resolve
 
@@ -61,12 +62,23 @@ def test_a_set_is_followable_only_when_it_leaves_out_nothing_we_could_still_comm
     assert own.validated == {"me" * 10}  # our own payload above all
 
 
-def test_a_claim_is_premature_only_before_the_earliest_deadline_minus_the_grace():
-    closes = [100.0, 105.0]
-    assert premature(90.0, closes, 2.0)
-    assert not premature(98.5, closes, 2.0)  # within the grace of the first deadline: maybe a deadline close
-    assert not premature(101.0, closes, 2.0)
-    assert not premature(50.0, [], 2.0)  # nobody announced a deadline: no evidence
+def test_a_censor_is_a_claim_from_our_state_without_an_expected_live_payload_before_any_deadline():
+    a, b = "a" * 20, "b" * 20
+    ev = Evidence(0, "prev", frozenset({a, b}), closes=100.0)
+    assert censored(_claim(a), ev, seen_at=90.0, grace_s=2.0)  # leaves out b, seen 10 s before any deadline
+    assert censored(_claim(a), ev, seen_at=98.5, grace_s=2.0) is None  # within the grace: maybe a deadline close
+    assert censored(_claim(a, b), ev, seen_at=90.0, grace_s=2.0) is None  # leaves nothing out
+    assert censored(_claim(a), Evidence(0, "other", ev.suspects, 100.0), 90.0, 2.0) is None  # another state
+    assert censored(_claim(a), Evidence(1, "prev", ev.suspects, 100.0), 90.0, 2.0) is None  # another round
+    assert censored(_claim(a), Evidence(0, "prev", ev.suspects, None), 90.0, 2.0) is None  # no deadline known
+
+
+def test_only_expected_live_payloads_we_validated_are_evidence():
+    a, b, new, dead = "a" * 20, "b" * 20, "n" * 20, "d" * 20
+    ev = evidence(3, "prev", validated={a, b, new, dead}, established={a[:16], b[:16], dead[:16]},
+                  alive={a, b, new}, closes=[105.0, None, 101.0])  # fmt: skip
+    assert ev is not None and ev.suspects == {a, b} and ev.closes == 101.0  # a newcomer, a dead sender: no
+    assert evidence(3, None, {a}, {a[:16]}, {a}, [100.0]) is None  # an observer judges nobody
 
 
 def _holder(step: int, t: int | None = None, *replicas: str) -> StageRecord:

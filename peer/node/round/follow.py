@@ -11,10 +11,7 @@ payload this holder could still commit — every bound announcement of the round
 not name must be one we tried and rejected (`Omission.unchecked` empty, nothing `validated` left
 out). A set that leaves out a payload we validated is a worse claim than the one we will close
 (the canonical order prefers more payloads): we go on gathering, and after the round the larger
-set wins the RECONCILE. A claim that leaves out a validated payload whose sender is alive and
-contributed to the round before (every holder expects it), seen before any honest holder could have
-closed the round at a deadline (`premature`), proves its holder dishonest: an honest holder closes
-early only with the payload of every expected, live sender.
+set wins the RECONCILE. When such a claim also proves its holder a censor: `peer.node.round.censors`.
 """
 
 from __future__ import annotations
@@ -54,13 +51,6 @@ def omission(claim: Claim, bound: Collection[str], held: Collection[str], reject
     named = set(claim.link.replicas)
     out = {r for r in set(bound) | set(held) if r[:PREFIX] not in named}
     return Omission(frozenset(out & set(held)), frozenset(out - set(held) - set(rejected)))
-
-
-def premature(seen_at: float, closes: Collection[float], grace_s: float) -> bool:
-    """Whether a claim first seen at `seen_at` (DHT time) could not come from a deadline close: it
-    was seen more than `grace_s` before the earliest deadline any contributor of the round announced
-    (`closes`; an observer's deadline is later: it starts gathering once the round is announced)."""
-    return bool(closes) and seen_at < min(closes) - grace_s
 
 
 @dataclass

@@ -49,7 +49,8 @@ from peer.node.round.agreement import (
     round_view,
     sender_alive,
 )
-from peer.node.round.follow import Follow, Held, Omission, omission, premature
+from peer.node.round.censors import CensorWatch, Evidence, evidence
+from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import (
     SETTLE_S,
     PayloadStore,
@@ -82,6 +83,7 @@ class RoundResult:
     timed_out: bool = False
     behind: bool = False  # the round was committed elsewhere and cannot be reproduced here: re-sync
     followed: Claim | None = None  # the claim whose set we took (its state is checked after our commit)
+    evidence: Evidence | None = None  # what we saw of the round, to judge claims of it in the next one
     wall_s: float = 0.0
     bytes_fetched: int = 0
 
@@ -132,6 +134,7 @@ def gather_round(
     prev: str | None = None,
     refusals: Refusals | None = None,
     established: Collection[str] = (),
+    previous: Evidence | None = None,
 ) -> RoundResult:
     """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
 
@@ -142,7 +145,8 @@ def gather_round(
     outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
     claims we may follow start from it. `refusals`: holders whose claims are ignored (and where a
     forged set's claimer goes). `established`: the replicas of our last committed set (a claim that
-    leaves one out before any deadline is refused: `peer.node.round.follow`). `inc` is this
+    leaves one out before any deadline is refused: `peer.node.round.censors`; `previous`: what we saw
+    of round t − 1, whose claims are judged the same way). `inc` is this
     process's incarnation and `peers` is a head's binding in our announcement ({"<stage>": peer
     id}). `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until that
     many payloads are held. A payload whose sender is gone is asked of the round's other
@@ -154,6 +158,7 @@ def gather_round(
         own = None
     gather = _Gather(dht, clients, t, stage, timings, own, store, validate, inc, n_stages, banned, prev, refusals)
     gather.established = {r[:PREFIX] for r in established}
+    gather.previous = previous
     if own is not None:
         gather.contribute(own, store, address, peers)
     return gather.run(stop, quorum)
@@ -212,7 +217,9 @@ class _Gather:
         self.slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
         self.view = RoundView()
         self.why_behind = ""  # why a BEHIND decision was taken, for the log
-        self.first_seen: dict[tuple[str, str], float] = {}  # (holder, state) -> when we first saw it (DHT time)
+        self.watch = CensorWatch(refusals, stage, timings.grace_s)
+        self.evidence: Evidence | None = None  # what the last poll showed of round t (RoundResult.evidence)
+        self.previous: Evidence | None = None  # what we saw of round t − 1: claims of it are judged too
         self.unfetchable: set[tuple[str, str]] = set()  # claims whose set we could not fetch within the grace
         self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
@@ -284,6 +291,8 @@ class _Gather:
         self.result.expected = len(read.view.expected)
         # decide on a view read moments ago, never an old one
         fresh = time.monotonic() - read.at <= FRESH_S or self.slow_reads >= MAX_SLOW_READS
+        self.evidence = self._evidence(read)
+        self.watch.check(read.claims.values(), (self.evidence, self.previous), dht_time())
         targets = self._targets(read)
         if targets:  # round t is committed elsewhere, from our state: take exactly that set
             target = targets[0]
@@ -337,19 +346,16 @@ class _Gather:
     def _targets(self, read: _Read) -> list[Claim]:
         """The claims of round t we may follow, best first: from our state (an observer: the set most
         holders committed), not refused, not set aside as unfetchable, leaving out no payload we
-        hold or have not checked yet (`peer.node.round.follow.omission`). A claim that leaves out a
-        validated payload before any deadline gets its holder refused (`premature`)."""
+        hold or have not checked yet (`peer.node.round.follow.omission`)."""
         claims = read.claims.values()
         targets = followable(claims, self.t, self.prev) if self.prev is not None else observed(claims, self.t)
         refused = self._refused()
-        bound = {rid: (sender, ann) for sender, (rid, ann) in read.view.bound.items()}
-        now = dht_time()
+        bound = {rid for rid, _ in read.view.bound.values()}
         out = []
         for claim in targets:
             key = (claim.peer, claim.state)
             if claim.peer in refused or key in self.unfetchable:
                 continue
-            seen_at = self.first_seen.setdefault(key, now)
             left_out = omission(claim, bound, self.held.data, self.rejected)
             if left_out.followable:
                 out.append(claim)
@@ -363,41 +369,18 @@ class _Gather:
                     claim.peer[:12],
                     ", ".join(r[:12] for r in sorted(left_out.validated | left_out.unchecked)),
                 )
-            self._refuse_if_premature(claim, left_out, bound, read, seen_at)
         return out
 
-    def _refuse_if_premature(
-        self,
-        claim: Claim,
-        left_out: Omission,
-        bound: Mapping[str, tuple[str, Announcement]],
-        read: _Read,
-        seen_at: float,
-    ) -> None:
-        """Refuse the holder of a claim that left out a payload we validated — of a replica committed in
-        our last round (`established`: every holder expects it), whose sender is alive — before any
-        holder's deadline (`peer.node.round.follow.premature`)."""
-        if self.refusals is None:
-            return
-        closes = [ann.closes for _, ann in bound.values() if ann.closes is not None]
-        if self.my_closes is not None:
-            closes.append(self.my_closes)
-        if not premature(seen_at, closes, self.timings.grace_s):
-            return
-        for rid in sorted(left_out.validated):
-            sender = bound[rid][0] if rid in bound else self.me
-            if rid[:PREFIX] not in self.established or not (
-                sender == self.me or sender_alive(sender, read.holders, read.replicas)
-            ):
-                continue  # a newcomer may not be expected yet, a dead sender's payload may be lost
-            self.refusals.refuse(
-                claim.peer,
-                self.stage,
-                self.t,
-                f"it claimed round {self.t} closed without the payload of {rid[:12]}, announced in time and "
-                "held here, before any holder's deadline",
-            )
-            return
+    def _evidence(self, read: _Read) -> Evidence | None:
+        """What this poll shows of round t, to judge claims of it (`peer.node.round.censors`)."""
+        bound = {rid: sender for sender, (rid, _) in read.view.bound.items()}
+        alive = {
+            rid
+            for rid in self.held.data
+            if bound.get(rid, self.me) == self.me or sender_alive(bound[rid], read.holders, read.replicas)
+        }
+        closes = [ann.closes for _, ann in read.view.bound.values()] + [self.my_closes]
+        return evidence(self.t, self.prev, self.held.data, self.established, alive, closes)
 
     def _fetch_bound(self, read: _Read) -> None:
         """Fetch each bound announcement's payload not held yet, once (unreachable: retried later)."""
@@ -468,6 +451,7 @@ class _Gather:
         result.payloads = [held.data[r] for r in result.replicas]
         result.parsed = [held.parsed[r] for r in result.replicas]
         result.wall_s = time.monotonic() - self.started
+        result.evidence = self.evidence
         return result
 
 

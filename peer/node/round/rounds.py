@@ -38,6 +38,7 @@ from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.resync import Resync
 from peer.node.round.agreement import expected_replicas, round_bans, round_view
+from peer.node.round.censors import Evidence
 from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.ranges_rounds import (
@@ -78,6 +79,7 @@ class Rounds:
         self.me, self.refusals, self.metrics = me, refusals, metrics
         self.publish, self.resync = publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
+        self.evidence: dict[int, Evidence] = {}  # per stage: what we saw of its last round (censors)
 
     def gather(
         self,
@@ -123,7 +125,10 @@ class Rounds:
             prev=worker.state_id() if own_stage else None,
             refusals=self.refusals,
             established=_established(worker, own_stage),
+            previous=self.evidence.get(stage) if own_stage else None,
         )
+        if own_stage and result.evidence is not None:
+            self.evidence[stage] = result.evidence
         self.pg_bytes += result.bytes_fetched
         return result
 
