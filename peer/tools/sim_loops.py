@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
+from peer.core.codec.format import Payload, SparseLoCoConfig
 from peer.core.commit import Contribution, commit_round, perp_decay
 from peer.core.feedback import add_to_errors, returned
 from peer.core.loader import Corpus
@@ -145,6 +145,27 @@ def _score(
         result.val_sequences = result.val_sequences.cpu()
 
 
+def stage_payloads(
+    reps: list[LocalReplica],
+    s: int,
+    start: dict[str, torch.Tensor],
+    errors: list[list[dict[str, torch.Tensor] | None]],
+    pg_bytes: list[int],
+    slc: SparseLoCoConfig,
+) -> list[Payload]:
+    """Every replica's payload of stage s's round, parsed back from its wire bytes (in replica
+    order): Δ = θ_start − θ, compressed with the replica's error buffer (updated in `errors`), its
+    bytes counted in `pg_bytes`."""
+    parsed = []
+    for m, rep in enumerate(reps):
+        delta = pseudo_gradient(start, stage_state(rep.stages[s]))
+        payload, errors[m][s] = compress(delta, errors[m][s], slc)
+        wire = payload.to_bytes()
+        pg_bytes[m] += len(wire)
+        parsed.append(Payload.from_bytes(wire))
+    return parsed
+
+
 class StageRound(NamedTuple):
     """What one stage's round did (`commit_stage`)."""
 
@@ -175,13 +196,7 @@ def commit_stage(
     if opts.round_rule == "ranges":
         ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t)
         return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
-    parsed = []  # the fused commit of parsed payloads: no dense Δ̂, the same bits
-    for m, rep in enumerate(reps):
-        delta = pseudo_gradient(start, stage_state(rep.stages[s]))
-        payload, errors[m][s] = compress(delta, errors[m][s], slc)
-        wire = payload.to_bytes()
-        pg_bytes[m] += len(wire)
-        parsed.append(Payload.from_bytes(wire))
+    parsed = stage_payloads(reps, s, start, errors, pg_bytes, slc)  # the fused commit: no dense Δ̂
     fused = current().fused_commit
     decoded: list[Contribution] = list(parsed) if fused else [decompress(p) for p in parsed]
     if opts.attack is not None:
@@ -316,3 +331,26 @@ def _inner_steps(
         run.result.train_curve.append((step, loss))
         if progress:
             progress(kind, step + 1, total, loss)
+
+
+def round_payloads(
+    cfg: RunConfig, data: Corpus, replicas: int, t: int, stage: int
+) -> tuple[dict[str, torch.Tensor], list[Payload]]:
+    """(θ_start, every replica's payload) of `stage`'s round at outer step t of an honest SparseLoCo run
+    of M = `replicas` (rounds 0 … t−1 trained and committed as `run_diloco` does, in this process)."""
+    opts = SimOptions(replicas=replicas)
+    run = _new_diloco(cfg, "sparseloco", opts, replicas)
+
+    def starts() -> list[dict[str, torch.Tensor]]:
+        return [{n: v.cpu() for n, v in stage_state(st).items()} for st in run.reps[0].stages]
+
+    for u in range(t):
+        begun = starts()
+        _inner_steps(run, data, cfg, u, "sparseloco", None)
+        embed_update = None
+        for s in range(cfg.stages):
+            done = commit_stage(run.reps, s, begun[s], run.errors, run.pg_bytes, cfg, 1.0, embed_update, opts, u)
+            embed_update = done.embed_update
+    start = starts()[stage]
+    _inner_steps(run, data, cfg, t, "sparseloco", None)
+    return start, stage_payloads(run.reps, stage, start, run.errors, run.pg_bytes, cfg.sparseloco)
