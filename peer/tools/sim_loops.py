@@ -4,6 +4,7 @@
 `LocalReplica`s for H inner steps and commits every stage's round (`commit_stage`: all-to-all
 through `peer.core.commit.commit_round`, or range by range through `peer.tools.sim_ranges`).
 Both score the paper's metric after every outer step (`peer.tools.sim_results.Scorer`).
+`round_payloads` stops an honest SparseLoCo run at one round and hands back its payloads (`peer bench sybil`).
 """
 
 from __future__ import annotations

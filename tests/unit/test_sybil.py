@@ -152,3 +152,18 @@ def test_the_banner_warns_only_an_open_swarm_and_status_says_it(tmp_path):
     said = [getattr(x, "plain", "") for x in status_view({**result, "admission": "open"})]
     assert open_swarm_status() in said
     assert open_swarm_status() not in [getattr(x, "plain", "") for x in status_view({**result, "admission": "secret"})]
+
+
+def test_bench_sybil_measures_a_real_round_of_a_small_run(tmp_path):
+    """The bench's whole path on a tiny run (M = 4, one honest round first): real payloads, every row."""
+    from peer.tools.bench_sybil import bench_config, bench_sybil, rows_table
+    from tests.corpora import pattern_corpus
+
+    cfg = bench_config("tiny", 2, 1, 2, 16, 0)
+    result = bench_sybil(cfg, pattern_corpus(tmp_path, cfg.model.vocab_size, tokens=20_000), 4, t=1, stage=1)
+    assert (result.replicas, result.t, result.stage) == (4, 1, 1)
+    assert [(r.colluders, r.strategy, r.screening) for r in result.rows] == [
+        (k, s, on) for k in (1, 1, 2) for s in COLLUSIONS for on in (True, False)
+    ]
+    assert all(r.deviation >= 0 and -1 <= r.cosine <= 1 for r in result.rows)
+    assert rows_table(result).row_count == len(result.rows)
