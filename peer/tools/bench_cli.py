@@ -255,6 +255,10 @@ def bench_sybil_cmd(
     batch_size: flags.PipeBatch = 4,
     seq_len: flags.PipeSeqLen = 32,
     seed: Annotated[int, _opt("Seed of the run and of the colluders' target direction.", "--seed")] = 0,
+    loss_outer_steps: Annotated[
+        int, _opt("Also simulate runs this long with K colluders in every round (0: no).", "--loss-outer-steps")
+    ] = 0,
+    loss_strategy: Annotated[str, _opt("The colluders' strategy in those runs.", "--loss-strategy")] = "threshold",
     json_out: flags.BenchJson = None,
 ) -> None:
     """K colluders (10/33/50 % of M) against the median clip and screening: how far the committed update moves."""

@@ -12,7 +12,10 @@ update u_h of the M − K honest contributions alone under the same rule:
 
     deviation = ‖u − u_h‖ / ‖u_h‖,   cosine = ⟨u, u_h⟩ / (‖u‖·‖u_h‖),   norm = ‖u‖ / ‖u_h‖
 
-(every tensor of the stage, in float64), and which of the colluders screening dropped. The rows are
+(every tensor of the stage, in float64), and which of the colluders screening dropped.
+
+`losses` (`--loss-outer-steps`) runs the simulator with the same colluders in every round of every
+stage (`SimOptions.collusion`) and reports the held-out loss against the honest run. The rows are
 `peer.tools.sybil_figures.SybilRow`s; its `RECORDED` table is this bench's output at `COMMAND`.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +36,22 @@ from peer.core.loader import Corpus, load_corpus
 from peer.core.robust import DEFAULT, OFF
 from peer.errors import ConfigError
 from peer.tools.attacks import COLLUSIONS, Collusion, collude
-from peer.tools.sim_loops import round_payloads
+from peer.tools.sim_loops import round_payloads, run_diloco
+from peer.tools.sim_results import SimOptions
 from peer.tools.sybil_figures import SybilRow
 
 FRACTIONS = (0.10, 0.33, 0.50)  # of a round's M contributors
+
+
+@dataclass(frozen=True)
+class LossRow:
+    """A simulated run with K colluders in every round of every stage (K = 0: the honest run)."""
+
+    colluders: int
+    strategy: str
+    val_loss: float  # held-out loss after the last outer step (replica mean)
+    colluders_dropped: int  # colluder contributions screening dropped, over the run
+    rounds: int  # stage rounds committed
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,7 @@ class SybilResult:
     replicas: int
     t: int  # the outer step of the round measured
     rows: tuple[SybilRow, ...]
+    losses: tuple[LossRow, ...] = ()
 
 
 def colluder_counts(replicas: int, fractions: Sequence[float] = FRACTIONS) -> list[int]:
@@ -131,6 +147,39 @@ def bench_sybil(
     return SybilResult(cfg.preset, cfg.stages, stage, replicas, t, tuple(rows))
 
 
+def losses(
+    cfg: RunConfig, data: Corpus, replicas: int, strategy: str, counts: Sequence[int], val_tokens: int = 4096
+) -> tuple[LossRow, ...]:
+    """Simulated SparseLoCo runs of `cfg` (M replicas, the run's screening) with K of `counts` colluders
+    in every round of every stage (K = 0: the honest run), each from the same seed."""
+    out = []
+    for k in counts:
+        opts = SimOptions(replicas=replicas, val_tokens=val_tokens)
+        if k:
+            opts = replace(opts, collusion=Collusion(k, strategy, seed=cfg.seed))
+        torch.manual_seed(cfg.seed)
+        res, _ = run_diloco(cfg, data, "sparseloco", opts, None)
+        caught = sum(1 for _, _, m in res.dropped if m >= replicas - k)
+        out.append(LossRow(k, strategy if k else "-", res.final_val_loss, caught, res.rounds))
+    return tuple(out)
+
+
+def losses_table(rows: Sequence[LossRow]) -> Any:
+    """The loss runs as a rich table (the CLI prints it); Δ % against the K = 0 row."""
+    from rich import box
+    from rich.table import Table
+
+    honest = next((r.val_loss for r in rows if r.colluders == 0), math.nan)
+    table = Table(title="held-out loss, colluders in every round of every stage", box=box.SIMPLE)
+    for col in ("colluders", "strategy", "val loss", "Δ %", "dropped"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in rows:
+        dropped = f"{r.colluders_dropped}/{r.colluders * r.rounds}"
+        delta = f"{100 * (r.val_loss / honest - 1):+.2f}"
+        table.add_row(str(r.colluders), r.strategy, f"{r.val_loss:.4f}", delta, dropped)
+    return table
+
+
 def rows_table(result: SybilResult) -> Any:
     """The rows as a rich table (the CLI prints it)."""
     from rich import box
@@ -158,7 +207,7 @@ def rows_table(result: SybilResult) -> Any:
 def command(show: Callable[[Any], None], args: dict[str, Any], write_json: Callable[[Path, dict], None]) -> None:
     """`peer bench sybil`: measure the round's rows and show them (and write them, with --json)."""
     strategies = [s.strip() for s in args["strategies"].split(",") if s.strip()]
-    for s in strategies:
+    for s in [*strategies, args["loss_strategy"]]:
         if s not in COLLUSIONS:
             raise ConfigError(f"--strategies: unknown {s!r}; choose from {', '.join(COLLUSIONS)}")
     cfg = bench_config(
@@ -169,5 +218,10 @@ def command(show: Callable[[Any], None], args: dict[str, Any], write_json: Calla
     data = load_corpus(cfg.data)
     result = bench_sybil(cfg, data, args["replicas"], args["round"], args["stage"], strategies)
     show(rows_table(result))
+    if args["loss_outer_steps"]:
+        run = replace(cfg, train=replace(cfg.train, outer_steps=args["loss_outer_steps"]))
+        counts = [0, *dict.fromkeys(colluder_counts(args["replicas"]))]
+        result = replace(result, losses=losses(run, data, args["replicas"], args["loss_strategy"], counts))
+        show(losses_table(result.losses))
     if args["json_out"]:
         write_json(args["json_out"], asdict(result))

@@ -24,7 +24,8 @@ from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
-from peer.tools.attacks import check_attack, poison
+from peer.errors import ConfigError
+from peer.tools.attacks import check_attack, collude, poison
 from peer.tools.sim_ablations import configure_replicas, grassmann_round, record_bias
 from peer.tools.sim_checkpoint import run_key
 from peer.tools.sim_pool import Pending, ReplicaPool, batch, corpus_key
@@ -200,12 +201,17 @@ def commit_stage(
     parsed = stage_payloads(reps, s, start, errors, pg_bytes, slc)  # the fused commit: no dense Δ̂
     fused = current().fused_commit
     decoded: list[Contribution] = list(parsed) if fused else [decompress(p) for p in parsed]
+    attackers = int(opts.attack is not None)
     if opts.attack is not None:
         decoded[-1] = poison(opts.attack, decompress(parsed[-1]), t, s, slc)
+    if opts.collusion is not None:  # the last K send one forged payload, made from the others'
+        attackers = opts.collusion.colluders
+        forged = collude(opts.collusion, parsed[:-attackers], slc, t, s)
+        decoded[-attackers:] = [forged if fused else decompress(forged)] * attackers
     U = None if reps[0].U is None else reps[0].U.cpu()  # the commit runs on the CPU
     views = [rep.stages[s] for rep in reps]
     done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, robust_rule(opts, cfg))
-    honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
+    honest = range(len(reps) - attackers)  # an attacker keeps its own error buffer
     for m in honest:
         back = returned(decoded[m], m, done.clip, done.dropped)
         if back is not None:
@@ -249,7 +255,10 @@ def run_diloco(
     state after every outer step goes to the session's checkpoint, and a stored one is resumed."""
     train, replicas, rt, key = cfg.train, opts.replicas, current(), run_key(cfg, kind, opts)
     check_attack(opts.attack)
-    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack)
+    if opts.attack is not None and opts.collusion is not None:
+        raise ConfigError("a run has one attack: an attacker (--attacks) or colluders, not both")
+    colluding = None if opts.collusion is None else opts.collusion.strategy
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack or colluding)
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
     run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, n_unc)
     torch.set_rng_state(run.rng)

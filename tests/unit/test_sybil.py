@@ -167,3 +167,24 @@ def test_bench_sybil_measures_a_real_round_of_a_small_run(tmp_path):
     ]
     assert all(r.deviation >= 0 and -1 <= r.cosine <= 1 for r in result.rows)
     assert rows_table(result).row_count == len(result.rows)
+
+
+def test_the_simulator_runs_colluders_in_every_round(tmp_path):
+    """`SimOptions.collusion`: the last K replicas send the forged payload in every stage round; a
+    reversing one is screened out, and an attacker and colluders together are refused."""
+    from dataclasses import replace
+
+    from peer.tools.bench_sybil import bench_config, losses
+    from peer.tools.sim_loops import run_diloco
+    from peer.tools.sim_results import SimOptions
+    from tests.corpora import pattern_corpus
+
+    cfg = bench_config("tiny", 2, 1, 2, 16, 0)
+    cfg = replace(cfg, train=replace(cfg.train, outer_steps=2))
+    data = pattern_corpus(tmp_path, cfg.model.vocab_size, tokens=20_000)
+    honest, reversed_one = losses(cfg, data, 4, "reversed", [0, 1], val_tokens=256)
+    assert (honest.colluders, honest.strategy, honest.colluders_dropped) == (0, "-", 0)
+    assert reversed_one.rounds == 4 and 1 <= reversed_one.colluders_dropped <= 4  # of 4 stage rounds
+    both = SimOptions(replicas=4, attack="negate", collusion=Collusion(1, "aligned"))
+    with pytest.raises(ConfigError, match="one attack"):
+        run_diloco(cfg, data, "sparseloco", both, None)
