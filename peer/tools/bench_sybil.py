@@ -38,20 +38,9 @@ from peer.errors import ConfigError
 from peer.tools.attacks import COLLUSIONS, Collusion, collude
 from peer.tools.sim_loops import round_payloads, run_diloco
 from peer.tools.sim_results import SimOptions
-from peer.tools.sybil_figures import SybilRow
+from peer.tools.sybil_figures import LossRow, SybilRow
 
 FRACTIONS = (0.10, 0.33, 0.50)  # of a round's M contributors
-
-
-@dataclass(frozen=True)
-class LossRow:
-    """A simulated run with K colluders in every round of every stage (K = 0: the honest run)."""
-
-    colluders: int
-    strategy: str
-    val_loss: float  # held-out loss after the last outer step (replica mean)
-    colluders_dropped: int  # colluder contributions screening dropped, over the run
-    rounds: int  # stage rounds committed
 
 
 @dataclass(frozen=True)

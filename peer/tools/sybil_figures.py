@@ -1,10 +1,10 @@
-"""What colluding contributors can do, as measured: the one recorded table, and the open swarm's warning.
+"""What colluding contributors can do, as measured: the recorded tables, and the open swarm's warning.
 
-`RECORDED` holds the rows `peer bench sybil` measured (`COMMAND`, docs/poisoning.md "Sybils" shows
-the same table; a test keeps the two equal). `open_swarm_warning` turns them into the lines
-`peer bootstrap` prints when the swarm admits anyone (no `--swarm-secret-file`, no `--allow-peer`),
-and `open_swarm_status` is the one line `peer status` adds. Nothing here
-measures or imports torch: the bootstrap pays nothing to say it.
+`RECORDED` holds the rows `peer bench sybil` measured (`COMMAND`) and `RECORDED_LOSSES` its loss
+runs (`LOSS_COMMAND`); docs/poisoning.md "Sybils" shows the same tables (a test keeps them equal).
+`open_swarm_warning` turns them into the lines `peer bootstrap` prints when the swarm admits anyone
+(no `--swarm-secret-file`, no `--allow-peer`), and `open_swarm_status` is the one line `peer status`
+adds. Nothing here measures or imports torch: the bootstrap pays nothing to say it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COMMAND = "peer bench sybil --replicas 10 --preset tiny --stages 2 --stage 0 --round 3 --seed 0"
+LOSS_COMMAND = "peer bench sybil --loss-outer-steps 20 --loss-strategy threshold"
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,45 @@ RECORDED: tuple[
 )
 
 
+@dataclass(frozen=True)
+class LossRow:
+    """A simulated run with K colluders in every round of every stage (K = 0: the honest run)."""
+
+    colluders: int
+    strategy: str
+    val_loss: float  # held-out loss after the last outer step (replica mean)
+    colluders_dropped: int  # colluder contributions screening dropped, over the run
+    rounds: int  # stage rounds committed
+
+
+# `LOSS_COMMAND` (and --loss-strategy aligned; orthogonal at K = 3 by `bench_sybil.losses`): 20 outer steps
+RECORDED_LOSSES: tuple[LossRow, ...] = (
+    LossRow(0, "-", 6.055907846719492, 0, 40),
+    LossRow(1, "threshold", 6.12986648036167, 3, 40),
+    LossRow(3, "threshold", 6.309900947671849, 0, 40),
+    LossRow(5, "threshold", 7.555955474846996, 0, 40),
+    LossRow(3, "orthogonal", 6.232434130390175, 0, 40),
+    LossRow(1, "aligned", 5.889132638141746, 0, 40),
+    LossRow(3, "aligned", 5.704222765416489, 0, 40),
+    LossRow(5, "aligned", 5.652433818919235, 0, 40),
+)
+
+
+def loss_deltas(losses: tuple[LossRow, ...], strategy: str) -> list[tuple[int, float]]:
+    """(K, Δ % of the held-out loss against the honest run) of one strategy's runs, by K."""
+    honest = next(r.val_loss for r in losses if r.colluders == 0)
+    return sorted((r.colluders, 100 * (r.val_loss / honest - 1)) for r in losses if r.strategy == strategy)
+
+
 def worst_unscreened(rows: tuple[SybilRow, ...], colluders: int) -> SybilRow:
     """The row of K colluders, screening on, none of them dropped, that moves the update most."""
     kept = [r for r in rows if r.colluders == colluders and r.screening and r.colluders_dropped == 0]
     return max(kept, key=lambda r: r.deviation)
 
 
-def open_swarm_warning(rows: tuple[SybilRow, ...] = RECORDED) -> list[str]:
+def open_swarm_warning(
+    rows: tuple[SybilRow, ...] = RECORDED, losses: tuple[LossRow, ...] = RECORDED_LOSSES
+) -> list[str]:
     """The lines `peer bootstrap` prints for a swarm without admission: what it admits, what that
     risks (the worst strategy screening keeps, per fraction of a round's contributors), how to restrict it."""
     counts = sorted({r.colluders for r in rows})
@@ -79,11 +112,13 @@ def open_swarm_warning(rows: tuple[SybilRow, ...] = RECORDED) -> list[str]:
     shares = " / ".join(f"{r.fraction:.0%}" for r in worst)
     moves = " / ".join(f"{r.deviation:.0%}" for r in worst)
     cosines = " / ".join(f"{r.cosine:+.2f}" for r in worst)
+    hurt = " / ".join(f"{d:+.1f}%" for _, d in loss_deltas(losses, "threshold"))
     return [
         "admission: open — this swarm admits any peer id, and one operator can run as many identities as it likes.",
         f"  what that risks (peer bench sybil, M = {m}, docs/poisoning.md): colluders at {shares} of a round's "
         f"contributors, sending one payload within the median clip that screening keeps, move the committed update "
-        f"by {moves} of its honest norm (cosine to the honest update {cosines}).",
+        f"by {moves} of its honest norm (cosine to the honest update {cosines}); in a 20-round run colluding "
+        f"every round that costs {hurt} held-out loss.",
         "  verified state stops forged states, not poisoned-yet-valid contributions: every holder commits them alike.",
         "  restrict it: restart with --swarm-secret-file FILE (peers that know the secret) or --allow-peer PEER_ID "
         "(listed peers only; repeat the flag).",

@@ -22,7 +22,16 @@ from peer.net.addresses import order_maddrs
 from peer.tools.attacks import COLLUSIONS, Collusion, clip_target, collude
 from peer.tools.bench_sybil import colluder_counts, measure_round
 from peer.tools.render import bootstrap_banner, status_view
-from peer.tools.sybil_figures import COMMAND, RECORDED, open_swarm_status, open_swarm_warning, worst_unscreened
+from peer.tools.sybil_figures import (
+    COMMAND,
+    LOSS_COMMAND,
+    RECORDED,
+    RECORDED_LOSSES,
+    loss_deltas,
+    open_swarm_status,
+    open_swarm_warning,
+    worst_unscreened,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"w": (64, 128), "b": (4096,)}
@@ -124,6 +133,18 @@ def test_recorded_table_is_complete_and_the_docs_show_it():
     assert shown == recorded
 
 
+def test_recorded_losses_are_the_docs_table():
+    docs = (ROOT / "docs" / "poisoning.md").read_text()
+    assert LOSS_COMMAND in docs
+    shown = set()
+    for line in docs.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and re.fullmatch(r"\d+(/\d+ \(\d+ %\))?", cells[0]):
+            shown.add((int(cells[0].split("/")[0]), cells[1].replace("—", "-"), float(cells[2])))
+    assert shown == {(r.colluders, r.strategy, round(r.val_loss, 4)) for r in RECORDED_LOSSES}
+    assert [k for k, _ in loss_deltas(RECORDED_LOSSES, "threshold")] == [1, 3, 5]
+
+
 def test_open_swarm_warning_names_the_flags_and_the_recorded_figures():
     text = " ".join(open_swarm_warning())
     assert "--swarm-secret-file" in text and "--allow-peer" in text and "any peer id" in text
@@ -132,6 +153,7 @@ def test_open_swarm_warning_names_the_flags_and_the_recorded_figures():
         worst = worst_unscreened(RECORDED, k)
         assert worst.colluders_dropped == 0 and worst.screening
         assert f"{worst.fraction:.0%}" in text and f"{worst.deviation:.0%}" in text and f"{worst.cosine:+.2f}" in text
+    assert all(f"{d:+.1f}%" in text for _, d in loss_deltas(RECORDED_LOSSES, "threshold"))
     line = open_swarm_status()
     assert "--swarm-secret-file" in line and "--allow-peer" in line
     assert f"{worst_unscreened(RECORDED, 5).deviation:.0%}" in line
@@ -174,7 +196,7 @@ def test_the_simulator_runs_colluders_in_every_round(tmp_path):
     reversing one is screened out, and an attacker and colluders together are refused."""
     from dataclasses import replace
 
-    from peer.tools.bench_sybil import bench_config, losses
+    from peer.tools.bench_sybil import bench_config, losses, losses_table
     from peer.tools.sim_loops import run_diloco
     from peer.tools.sim_results import SimOptions
     from tests.corpora import pattern_corpus
@@ -185,6 +207,7 @@ def test_the_simulator_runs_colluders_in_every_round(tmp_path):
     honest, reversed_one = losses(cfg, data, 4, "reversed", [0, 1], val_tokens=256)
     assert (honest.colluders, honest.strategy, honest.colluders_dropped) == (0, "-", 0)
     assert reversed_one.rounds == 4 and 1 <= reversed_one.colluders_dropped <= 4  # of 4 stage rounds
+    assert losses_table([honest, reversed_one]).row_count == 2
     both = SimOptions(replicas=4, attack="negate", collusion=Collusion(1, "aligned"))
     with pytest.raises(ConfigError, match="one attack"):
         run_diloco(cfg, data, "sparseloco", both, None)
