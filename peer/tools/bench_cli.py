@@ -1,8 +1,8 @@
 """`peer bench …`: the benchmarks that measure the design's budgets, as a typer sub-app of `peer`.
 
 Each command parses its flags (`peer.tools.flags`) and hands them to the module that measures
-(`peer.tools.bench`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`, `bench_data`); results go to the
-terminal and, with `--json`, to a file.
+(`peer.tools.bench`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`, `bench_data`, `bench_sybil`);
+results go to the terminal and, with `--json`, to a file.
 """
 
 from __future__ import annotations
@@ -239,3 +239,31 @@ def bench_swarm_cmd(
     from peer.tools.bench_swarm import command
 
     command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), _write_json)
+
+
+@bench_app.command("sybil")
+def bench_sybil_cmd(
+    replicas: Annotated[int, _opt("M: contributors of the round measured.", "--replicas")] = 10,
+    strategies: Annotated[
+        str, _opt("Colluders' strategies: aligned, reversed, orthogonal, threshold (comma-separated).", "--strategies")
+    ] = "aligned,reversed,orthogonal,threshold",
+    preset: Annotated[str, _opt("Model preset of the honest run.", "--preset")] = "tiny",
+    stages: Annotated[int, _opt("Pipeline stages of the model.", "--stages")] = 2,
+    stage: Annotated[int, _opt("The stage whose round is measured.", "--stage")] = 0,
+    round_t: Annotated[int, _opt("Outer step of the round measured (rounds before it run honestly).", "--round")] = 3,
+    inner_steps: Annotated[int, _opt("H: inner steps per outer round.", "--inner-steps")] = 5,
+    batch_size: flags.PipeBatch = 4,
+    seq_len: flags.PipeSeqLen = 32,
+    seed: Annotated[int, _opt("Seed of the run and of the colluders' target direction.", "--seed")] = 0,
+    loss_outer_steps: Annotated[
+        int, _opt("Also simulate runs this long with K colluders in every round (0: no).", "--loss-outer-steps")
+    ] = 0,
+    loss_strategy: Annotated[str, _opt("The colluders' strategy in those runs.", "--loss-strategy")] = "threshold",
+    json_out: flags.BenchJson = None,
+) -> None:
+    """K colluders (10/33/50 % of M) against the median clip and screening: how far the committed update moves."""
+    from peer.tools.bench_sybil import command
+
+    args = dict(locals())
+    args["round"] = args.pop("round_t")
+    command(lambda x: console.print(x, soft_wrap=True, highlight=False), args, _write_json)

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from peer.net.addresses import Reach, maddr_port, reach_of
 from peer.tools.demo_summary import DemoResult, DemoState
+from peer.tools.sybil_figures import open_swarm_status, open_swarm_warning
 
 if TYPE_CHECKING:  # annotations only: the renderers never need these modules at run time
     from bootstrap.node import BootstrapInfo
@@ -137,6 +138,8 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
     if admission != "open":
         allowed = f" ({len(cfg.swarm.allowlist)} allowed peer ids)" if admission == "allowlist" else ""
         out.append(Text(f"admission: {admission}{allowed}"))
+    else:  # what an open swarm admits and risks (peer bench sybil's recorded figures)
+        out += [Text(line, style="yellow") for line in open_swarm_warning()]
     out += [Text(f"  {line}") for line in lines]
     if len(info.initial_peers) > 1:
         out.append(Text("other addresses of this node:"))
@@ -218,6 +221,8 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
                 link_cell(p),
             )
     out.append(table)
+    if result.get("admission") == "open":
+        out.append(Text(open_swarm_status(), style="yellow"))
     if not result["full_replicas"]:
         out.append(Text("no full replica (start one: peer join --full-replica …)"))
         return out

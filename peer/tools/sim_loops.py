@@ -4,6 +4,7 @@
 `LocalReplica`s for H inner steps and commits every stage's round (`commit_stage`: all-to-all
 through `peer.core.commit.commit_round`, or range by range through `peer.tools.sim_ranges`).
 Both score the paper's metric after every outer step (`peer.tools.sim_results.Scorer`).
+`round_payloads` stops an honest SparseLoCo run at one round and hands back its payloads (`peer bench sybil`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
+from peer.core.codec.format import Payload, SparseLoCoConfig
 from peer.core.commit import Contribution, commit_round, perp_decay
 from peer.core.feedback import add_to_errors, returned
 from peer.core.loader import Corpus
@@ -23,7 +24,8 @@ from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of, set_perp
-from peer.tools.attacks import check_attack, poison
+from peer.errors import ConfigError
+from peer.tools.attacks import check_attack, collude, poison
 from peer.tools.sim_ablations import configure_replicas, grassmann_round, record_bias
 from peer.tools.sim_checkpoint import run_key
 from peer.tools.sim_pool import Pending, ReplicaPool, batch, corpus_key
@@ -145,6 +147,27 @@ def _score(
         result.val_sequences = result.val_sequences.cpu()
 
 
+def stage_payloads(
+    reps: list[LocalReplica],
+    s: int,
+    start: dict[str, torch.Tensor],
+    errors: list[list[dict[str, torch.Tensor] | None]],
+    pg_bytes: list[int],
+    slc: SparseLoCoConfig,
+) -> list[Payload]:
+    """Every replica's payload of stage s's round, parsed back from its wire bytes (in replica
+    order): Δ = θ_start − θ, compressed with the replica's error buffer (updated in `errors`), its
+    bytes counted in `pg_bytes`."""
+    parsed = []
+    for m, rep in enumerate(reps):
+        delta = pseudo_gradient(start, stage_state(rep.stages[s]))
+        payload, errors[m][s] = compress(delta, errors[m][s], slc)
+        wire = payload.to_bytes()
+        pg_bytes[m] += len(wire)
+        parsed.append(Payload.from_bytes(wire))
+    return parsed
+
+
 class StageRound(NamedTuple):
     """What one stage's round did (`commit_stage`)."""
 
@@ -175,21 +198,20 @@ def commit_stage(
     if opts.round_rule == "ranges":
         ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t)
         return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
-    parsed = []  # the fused commit of parsed payloads: no dense Δ̂, the same bits
-    for m, rep in enumerate(reps):
-        delta = pseudo_gradient(start, stage_state(rep.stages[s]))
-        payload, errors[m][s] = compress(delta, errors[m][s], slc)
-        wire = payload.to_bytes()
-        pg_bytes[m] += len(wire)
-        parsed.append(Payload.from_bytes(wire))
+    parsed = stage_payloads(reps, s, start, errors, pg_bytes, slc)  # the fused commit: no dense Δ̂
     fused = current().fused_commit
     decoded: list[Contribution] = list(parsed) if fused else [decompress(p) for p in parsed]
+    attackers = int(opts.attack is not None)
     if opts.attack is not None:
         decoded[-1] = poison(opts.attack, decompress(parsed[-1]), t, s, slc)
+    if opts.collusion is not None:  # the last K send one forged payload, made from the others'
+        attackers = opts.collusion.colluders
+        forged = collude(opts.collusion, parsed[:-attackers], slc, t, s)
+        decoded[-attackers:] = [forged if fused else decompress(forged)] * attackers
     U = None if reps[0].U is None else reps[0].U.cpu()  # the commit runs on the CPU
     views = [rep.stages[s] for rep in reps]
     done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, robust_rule(opts, cfg))
-    honest = range(len(reps) - (opts.attack is not None))  # an attacker keeps its own error buffer
+    honest = range(len(reps) - attackers)  # an attacker keeps its own error buffer
     for m in honest:
         back = returned(decoded[m], m, done.clip, done.dropped)
         if back is not None:
@@ -233,7 +255,10 @@ def run_diloco(
     state after every outer step goes to the session's checkpoint, and a stored one is resumed."""
     train, replicas, rt, key = cfg.train, opts.replicas, current(), run_key(cfg, kind, opts)
     check_attack(opts.attack)
-    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack)
+    if opts.attack is not None and opts.collusion is not None:
+        raise ConfigError("a run has one attack: an attacker (--attacks) or colluders, not both")
+    colluding = None if opts.collusion is None else opts.collusion.strategy
+    check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack or colluding)
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
     run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, n_unc)
     torch.set_rng_state(run.rng)
@@ -316,3 +341,26 @@ def _inner_steps(
         run.result.train_curve.append((step, loss))
         if progress:
             progress(kind, step + 1, total, loss)
+
+
+def round_payloads(
+    cfg: RunConfig, data: Corpus, replicas: int, t: int, stage: int
+) -> tuple[dict[str, torch.Tensor], list[Payload]]:
+    """(θ_start, every replica's payload) of `stage`'s round at outer step t of an honest SparseLoCo run
+    of M = `replicas` (rounds 0 … t−1 trained and committed as `run_diloco` does, in this process)."""
+    opts = SimOptions(replicas=replicas)
+    run = _new_diloco(cfg, "sparseloco", opts, replicas)
+
+    def starts() -> list[dict[str, torch.Tensor]]:
+        return [{n: v.cpu() for n, v in stage_state(st).items()} for st in run.reps[0].stages]
+
+    for u in range(t):
+        begun = starts()
+        _inner_steps(run, data, cfg, u, "sparseloco", None)
+        embed_update = None
+        for s in range(cfg.stages):
+            done = commit_stage(run.reps, s, begun[s], run.errors, run.pg_bytes, cfg, 1.0, embed_update, opts, u)
+            embed_update = done.embed_update
+    start = starts()[stage]
+    _inner_steps(run, data, cfg, t, "sparseloco", None)
+    return start, stage_payloads(run.reps, stage, start, run.errors, run.pg_bytes, cfg.sparseloco)

@@ -19,6 +19,7 @@ from peer.core.commit import screening_rule
 from peer.core.loader import Corpus, val_batches
 from peer.core.robust import RobustConfig
 from peer.errors import ConfigError
+from peer.tools.attacks import Collusion
 from peer.tools.sim_ranges import RangeShares
 from peer.tools.sim_replica import LocalReplica
 
@@ -60,6 +61,7 @@ class SimOptions:
     # the swarm (attack sweeps set it per arm)
     robust: RobustConfig | None = None
     attack: str | None = None  # the last replica sends this attack (peer.tools.attacks) every round
+    collusion: Collusion | None = None  # the last K replicas collude every round (peer.tools.attacks)
     round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.tools.sim_ranges)
     grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.tools.sim_ablations)
     grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U

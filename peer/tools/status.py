@@ -4,7 +4,7 @@ Reads the run's manifest (run id, preset, number of stages), then the per-peer r
 peers publish (DESIGN §3): `stage.{s}` (one subkey per stage peer) and `replica` (one subkey per
 full replica or pipeline head). Returns one plain dict, the documented shape of `peer status --json`:
 
-    {"run_id": str, "preset": str, "outer_step": int,
+    {"run_id": str, "preset": str, "outer_step": int, "admission": "open" | "secret" | "allowlist",
      "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address", "in_flight",
                        *LINK}, ...], ...},
      "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s", "ranks", "global_batch", *LINK}, ...]}
@@ -106,4 +106,6 @@ def collect_status(
     full = [replica_entry(pid, replicas[pid]) for pid in sorted(replicas) if replicas[pid].kind == "full"]
     model = _mapping(config.get("model"))
     preset = config.get("preset", model.get("preset"))
-    return {"run_id": run_id, "preset": preset, "outer_step": best, "stages": stages, "full_replicas": full}
+    admission = _mapping(config.get("swarm")).get("admission", "open")
+    out = {"run_id": run_id, "preset": preset, "outer_step": best, "admission": admission}
+    return out | {"stages": stages, "full_replicas": full}

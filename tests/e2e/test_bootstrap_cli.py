@@ -20,6 +20,7 @@ from peer.config import build_config, paper_algorithm_config
 from peer.net.addresses import Reach, maddr_host, maddr_port, reach_of
 from peer.net.dht import make_identity
 from peer.node.manifest import run_id_for
+from peer.tools.sybil_figures import open_swarm_status, open_swarm_warning
 from tests.conftest import cmdline, is_live, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -92,6 +93,8 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
     ):
         assert expected in lines, stdout.read_text()
     assert any(record["run_id"] in ln for ln in lines)
+    said = " ".join(stdout.read_text().split())  # no admission: what it admits, what that risks, how to restrict
+    assert all(" ".join(line.split()) in said for line in open_swarm_warning()), said
     children = live_descendants(proc.pid)
     assert any("p2pd" in cmdline(p) for p in children if is_live(p))
 
@@ -100,6 +103,7 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
     )
     assert status.returncode == 0, status.stderr
     assert record["run_id"] in status.stdout and "stage peers" in status.stdout and "no peer" in status.stdout
+    assert " ".join(open_swarm_status().split()) in " ".join(status.stdout.split())
 
     took = _stop(proc, lambda: proc.send_signal(signal.SIGTERM))
     print(f"peer bootstrap exited {took:.2f} s after SIGTERM")
@@ -110,11 +114,17 @@ def test_bootstrap_prints_join_lines_serves_status_and_stops_on_sigterm(tmp_path
 
 def test_bootstrap_stops_on_ctrl_c_to_its_process_group(tmp_path, reap_children):
     # A terminal's Ctrl-C reaches every process of the group at once, p2pd included.
-    # --paper-settings (issue 25): the paper's round rule is what the manifest (its run id) holds
-    proc, address_file, stdout = _start(tmp_path, "--stages", "1", "--host", "127.0.0.1", "--paper-settings")
+    # --paper-settings (issue 25): the paper's round rule is what the manifest (its run id) holds;
+    # --swarm-secret-file: admission, so no open swarm's warning
+    secret = tmp_path / "swarm.secret"
+    secret.write_text("a-long-random-test-secret-0123456789\n")
+    flags = ("--stages", "1", "--host", "127.0.0.1", "--paper-settings", "--swarm-secret-file", str(secret))
+    proc, address_file, stdout = _start(tmp_path, *flags)
     record = _wait_ready(proc, address_file, stdout)
     assert "peer join --stage 1 " not in stdout.read_text()  # one stage: only --stage 0 is printed
-    flags = {"stages": 1, "data.max_chars": 300000}  # what _start passed
+    assert "admission: secret" in stdout.read_text() and "admission: open" not in stdout.read_text()
+    assert "--swarm-secret-file SECRET_FILE" in stdout.read_text()
+    flags = {"stages": 1, "data.max_chars": 300000, "swarm.admission": "secret"}  # what _start passed
     paper, changed = paper_algorithm_config(None, flags)
     assert changed and all(f"--paper-settings: {line}" in stdout.read_text() for line in changed)
     assert record["run_id"] == run_id_for(paper) != run_id_for(build_config(None, flags))

@@ -227,6 +227,7 @@ def test_peer_status_json_with_no_peers(boot):
         "run_id": boot.record["run_id"],
         "preset": "tiny",
         "outer_step": 0,
+        "admission": "open",
         "stages": {"0": [], "1": []},
         "full_replicas": [],
     }
@@ -275,6 +276,7 @@ def test_collect_status_reads_stage_and_replica_records(boot):
         "run_id": run_id,
         "preset": "tiny",
         "outer_step": 4,
+        "admission": "open",
         "stages": {
             "0": [
                 {
