@@ -211,10 +211,11 @@ class Resync:
         prev = worker.ledger.prev
         own = prev.own[0][:PREFIX] if prev is not None and prev.own is not None else None
         committed = mine.link.replicas if mine.link is not None else []
+        mine_embed = mine.link.embed if mine.link is not None else None
         for claim in better(claims.values(), mine):
             assert claim.link is not None
-            if embed is not None and claim.link.embed not in (None, embed):
-                continue  # its T⊥ moved by another set than stage 0's: not a state for this stage
+            if claim.link.embed not in (None, embed) and (embed is not None or claim.link.embed != mine_embed):
+                continue  # its T⊥ moved by another set than stage 0's (or ours, while stage 0's is not known)
             if own in committed and own not in claim.link.replicas:
                 continue  # it leaves out our own payload, which we committed: never adopted
             if self._check_and_switch(worker, claim, holders):
@@ -339,7 +340,7 @@ class Resync:
                 f"its state {claim.state} does not follow from its set (gives {out.state})",
             )
             return False
-        self._switch(worker, out, got.payloads, link.embed, f"the checked state {claim.state} of {claim.peer[:12]}")
+        self._switch(worker, out, got.payloads, link.embed, f"the checked state {claim.state} of {claim.peer[:12]}", claim.peer)
         return True
 
     def _rebase_embed(self, worker: StageWorker, embed: tuple[Entry, ...], holders: Mapping[str, StageRecord]) -> bool:
@@ -352,12 +353,20 @@ class Resync:
         if got.outcome is None:
             log.info("stage %d: T⊥ not moved to stage 0's set of round %d yet (payloads missing)", worker.stage, own.t)
             return False
-        self._switch(worker, got.outcome, got.payloads, embed, "stage 0's committed set for T⊥")
+        self._switch(worker, got.outcome, got.payloads, embed, "stage 0's committed set for T⊥", self.me.peer_id)
         return True
 
     def _switch(
-        self, worker: StageWorker, out: Outcome, payloads: Sequence[Payload], embed: Sequence[Entry] | None, why: str
+        self,
+        worker: StageWorker,
+        out: Outcome,
+        payloads: Sequence[Payload],
+        embed: Sequence[Entry] | None,
+        why: str,
+        peer: str,
     ) -> None:
+        """Take a checked recomputation of our last round (`StageWorker.switch`), logged and published;
+        `peer`: the holder whose claim it is (ours: a rebase of T⊥ onto stage 0's set)."""
         own = worker.ledger.link
         n_before = len(own.entries) if own is not None else 0
         worker.switch(out, payloads, embed)
@@ -378,6 +387,7 @@ class Resync:
             state=worker.state_id(),
             param_hash=worker.param_hash(),
             perp_hash=worker.perp_hash(),
+            peer=peer,
             why=why,
         )
         self.publish()
