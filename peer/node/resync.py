@@ -340,7 +340,8 @@ class Resync:
                 f"its state {claim.state} does not follow from its set (gives {out.state})",
             )
             return False
-        self._switch(worker, out, got.payloads, link.embed, f"the checked state {claim.state} of {claim.peer[:12]}", claim.peer)
+        why = f"the checked state {claim.state} of {claim.peer[:12]}"
+        self._switch(worker, out, got.payloads, link.embed, why, claim.peer)
         return True
 
     def _rebase_embed(self, worker: StageWorker, embed: tuple[Entry, ...], holders: Mapping[str, StageRecord]) -> bool:
