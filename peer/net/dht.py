@@ -99,7 +99,9 @@ MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
-RoundKind = Literal["round", "roster", "shards"]  # per-round keys: payload announcements, a ranges round's records
+RoundKind = Literal[
+    "round", "roster", "shards", "chain"
+]  # per-round keys: payload announcements, a ranges round's records, committed links
 R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
 # inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never

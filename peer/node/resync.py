@@ -43,6 +43,7 @@ from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
+from peer.node.replay import Replayed, Replayer
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_worker import StageWorker
@@ -73,6 +74,7 @@ class Resync:
         self.count = 0  # state downloads adopted over the run
         self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
         self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
+        self.replayed: list[Replayed] = []  # every replay of this run (rounds, bytes, seconds)
 
     def clock(self) -> int:
         """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
@@ -87,6 +89,8 @@ class Resync:
         """
         t_swarm = self.clock()
         resumed = self.checkpoints.resumed_at is not None
+        if resumed:
+            worker.verified = True  # our own checkpoint: a state we trust, replayed on from
         if t_swarm > worker.outer_step:
             if resumed:
                 log.warning(
@@ -118,71 +122,84 @@ class Resync:
         keep_errors: bool = False,
         vote: bool = False,
         wait_s: float | None = None,
-    ) -> None:
-        """Download the state a strict majority of the stage's other holders claims (with our own
-        state as one more vote when `vote`), from one of them, checked against its state id.
+    ) -> bool:
+        """Bring `worker` to the swarm's state by replaying the committed rounds from a state it
+        trusts (`peer.node.replay`), never by counting who claims a state: True when its state changed.
 
-        Holders that just committed and holders still committing the same round split the vote for
-        a moment, and a majority's holders may commit the next round while we download: we read
-        again until a majority's state is served intact, for at most `wait_s` (default
-        `swarm.round_timeout_s`). Raises NetworkError when no majority appears, or none is served.
+        The trusted start: our own state when it was reached by a checked path (`worker.verified`),
+        else the canonical initial state, recomputed (`StageState.reset_initial`); with `vote` (a
+        majority of our step disagrees with us) the initial state when the history window reaches
+        back to it, so the replay decides between the two histories by the canonical order. At the
+        swarm's outer step 0 nothing is replayed: the state is the canonical initial one. Holders
+        that are still committing the last round publish its link a moment later: we replay again
+        until we reach the swarm's clock, for at most `wait_s` (default `swarm.round_timeout_s`).
+        Raises NetworkError (with the reason) when the swarm's state cannot be verified by then;
+        the rounds checked so far are kept.
         """
         deadline = time.monotonic() + (self.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
-        served = True  # no download has failed yet (one that did may have loaded a state it did not claim)
+        before = (worker.outer_step, worker.state_id(), worker.loads)
+        replayer = Replayer(self.cfg, self.dht, self._fetcher(), self.refusals)
         while True:
-            holders = self.dht.get_stage_peers(worker.stage)
-            claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
-            clock = max(self.clock(), worker.outer_step)
-            # after a failed download our state may be what a holder served but did not claim: no vote
-            mine = (worker.outer_step, worker.state_id()) if served else None
-            win = majority(claims.values(), clock, mine if vote else None)
-            if win is not None:
-                if (win.outer_step, win.state) == mine:
-                    return
-                if any(
-                    self._download(worker, pid, holders[pid], claims[pid], reason, keep_errors) for pid in win.holders
-                ):
-                    return
-                # nobody served the claimed state intact: most often its holders committed the next
-                # round while we downloaded; read the claims again
-                served = False
-            if time.monotonic() >= deadline:
+            clock = self.clock()
+            if clock == 0 and worker.outer_step == 0:  # no vote where bytes decide (docs/protocol.md)
+                if worker.state_id() != worker.initial_state_id or not worker.verified:
+                    self._reset_initial(worker, keep_errors, reason)
                 break
+            if self._from_initial(worker, replayer, vote, clock):
+                self._reset_initial(worker, keep_errors, reason)
+            vote = False  # the start is chosen once; later tries go on from where the replay stopped
+            done = replayer.run(worker, clock + 1)
+            self.replayed = [*self.replayed[-63:], done]
+            if worker.outer_step >= clock:
+                break
+            if time.monotonic() >= deadline:
+                raise NetworkError(
+                    f"stage {worker.stage}: cannot verify the swarm's state (swarm at outer step {clock}, "
+                    f"replayed to {worker.outer_step}): {done.stopped}. A state is adopted only by replaying "
+                    "it from the initial state or our own checked state (docs/protocol.md, 'Joining by "
+                    "replay'); retry when holders serve the rounds"
+                )
             time.sleep(min(1.0, self.cfg.swarm.announce_interval_s))
-        if win is None:
-            raise NetworkError(
-                f"no state of stage {worker.stage} is claimed by a majority of its {len(claims)} other holder(s) "
-                f"(swarm at outer step {clock}); retry when they agree or more holders are online"
+        changed = (worker.outer_step, worker.state_id(), worker.loads) != before
+        if changed:
+            if not keep_errors:
+                worker.fresh_optimizer()  # a late joiner starts with an empty error buffer and AdamW
+            # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
+            self.me.joined_at = max(self.me.joined_at, worker.outer_step + 1)
+            self.count += 1
+            log.info(
+                "%s: stage %d replayed to outer step %d (state %s)",
+                reason,
+                worker.stage,
+                worker.outer_step,
+                worker.state_id(),
             )
-        raise NetworkError(
-            f"none of the {len(win.holders)} holder(s) of stage {worker.stage}'s majority state {win.state} "
-            "served it intact; retry later"
-        )
+            self.metrics.log(
+                "sync", stage=worker.stage, t=worker.outer_step, param_hash=worker.param_hash(), reason=reason
+            )
+            self.publish()
+        return changed
 
-    def _download(
-        self, worker: StageWorker, pid: str, rec: StageRecord, claim: Claim, reason: str, keep_errors: bool
-    ) -> bool:
-        """Adopt `claim`'s state served by `pid`: True when it loaded and has the claimed state id."""
-        if not rec.address:
+    def _from_initial(self, worker: StageWorker, replayer: Replayer, vote: bool, clock: int) -> bool:
+        """Whether the replay starts over from the canonical initial state (sync_state's docstring)."""
+        if worker.outer_step == 0 and worker.verified and worker.state_id() == worker.initial_state_id:
+            return False  # we hold it already
+        if not worker.verified:
+            return True
+        mine = replayer.has_links_from(worker.outer_step, worker.stage, worker.state_id())
+        if mine and not vote:
             return False
-        errors = worker.state_dict()["errors"] if keep_errors else None  # what we have not sent yet is not lost
-        reply = download_claimed(self.clients, worker, pid, rec.address, claim, errors)
-        if reply is None:
+        if worker.outer_step >= clock and not vote:
             return False
-        # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
-        self.me.joined_at = max(self.me.joined_at, reply.outer_step + 1)
-        self.count += 1
-        log.info(
-            "%s: stage %d state at outer step %d from %s (state %s)",
-            reason,
-            worker.stage,
-            reply.outer_step,
-            pid[:12],
-            claim.state,
-        )
-        self.metrics.log("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason)
-        self.publish()
-        return True
+        return replayer.has_links_from(0, worker.stage, worker.initial_state_id)
+
+    def _reset_initial(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
+        errors = worker.state_dict()["errors"] if keep_errors else None
+        worker.reset_initial(errors)
+        log.info("%s: stage %d at the canonical initial state %s (recomputed)", reason, worker.stage, worker.state_id())
+
+    def _fetcher(self) -> SetFetcher:
+        return SetFetcher(self.dht, self.clients, self.store, self.me.peer_id, min(3.0, self.cfg.swarm.rpc_timeout_s))
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""

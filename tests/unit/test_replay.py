@@ -1,0 +1,190 @@
+"""Joining by replay (peer.node.replay, docs/protocol.md "Joining by replay"), row by row.
+
+The history is real (tests/replay_helpers.py: real payloads, real portable commits on the tiny
+preset); the DHT and the payload servers are in-memory tables of what holders publish, so each
+decision is shown alone (the real DHT and gRPC path: tests/integration/test_join_replay.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.errors import NetworkError
+from peer.net.records import Announcement
+from peer.node.claims import Link, entry
+from peer.node.refusals import Refusals
+from peer.node.replay import Replayer, candidates, chain_record, parse_chain
+from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.verify import SetFetcher
+from peer.node.stage_worker import StageWorker
+from tests.replay_helpers import History, replay_config
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = replay_config()
+
+
+class Board:
+    """What holders published: payload announcements and `chain.{t}.{s}` links, in memory."""
+
+    def __init__(self, history: History) -> None:
+        self.announcements: dict[tuple[int, int], dict[str, dict]] = {}
+        self.chain: dict[tuple[int, int], dict[str, dict]] = {}
+        for (t, s, rid), data in history.payloads.items():
+            ann = {"sha256": sha256(data), "size": len(data), "address": f"{rid}:1", "replica": rid}
+            self.announcements.setdefault((t, s), {})[rid] = ann
+
+    def link(self, holder: str, link: Link, stage: int) -> None:
+        self.chain.setdefault((link.t, stage), {})[holder] = chain_record(link)
+
+    def get_payloads(self, t, stage):
+        return {p: Announcement.parse(r) for p, r in self.announcements.get((t, stage), {}).items()}
+
+    def get_replicas(self):
+        return {}
+
+    def get_round(self, kind, t, stage, parse):
+        assert kind == "chain"
+        out = {p: parse(r) for p, r in self.chain.get((t, stage), {}).items()}
+        return {p: v for p, v in out.items() if v is not None}
+
+
+class Servers:
+    """Each replica serves its own payloads (`get_payload`), at "<replica>:1"; counts requests."""
+
+    def __init__(self, history: History) -> None:
+        self.history, self.calls = history, 0
+
+    def get(self, address):
+        servers = self
+
+        class Client:
+            def get_payload(self, req, timeout_s):
+                servers.calls += 1
+                data = servers.history.payloads.get((req.outer_step, req.stage, address.split(":")[0]))
+                if data is None:
+                    raise NetworkError(f"{address} does not hold it")
+                return data
+
+        return Client()
+
+
+@pytest.fixture(scope="module")
+def history() -> History:
+    h = History(CFG)
+    h.run(3)
+    return h
+
+
+def _replayer(board: Board, history: History, refusals: Refusals) -> Replayer:
+    fetcher = SetFetcher(board, Servers(history), PayloadStore(), "joiner", 1.0)
+    return Replayer(CFG, board, fetcher, refusals)
+
+
+def _honest(board: Board, history: History, holders=("H1", "H2")) -> None:
+    for (_t, s), link in history.links.items():
+        for h in holders:
+            board.link(h, link, s)
+
+
+def _negated(stage: int) -> str:
+    """The state id of the initial state with every parameter negated: the colluders' forgery."""
+    w = StageWorker(CFG, stage)
+    state = w.state_dict()
+    negated = {n: -v for n, v in state["start"].items()}
+    w.load_state_dict({**state, "start": negated, "params": negated})
+    return w.state_id()
+
+
+# ------------------------------------------------------------------ the initial state
+def test_the_initial_state_is_recomputed_never_voted_on():
+    a, b = StageWorker(CFG, 1), StageWorker(CFG, 1)
+    assert a.initial_state_id == b.initial_state_id == a.state_id() and a.verified
+    state = a.state_dict()
+    a.load_state_dict({**state, "start": {n: -v for n, v in state["start"].items()}})
+    assert a.state_id() != a.initial_state_id and not a.verified  # a loaded state is not a checked one
+    a.reset_initial()
+    assert a.state_id() == a.initial_state_id and a.verified and a.outer_step == 0
+
+
+# ------------------------------------------------------------------ candidates: the canonical order
+def _link(state: str, n: int, t: int = 0, prev: str = "p", embed: int | None = None) -> Link:
+    entries = tuple(entry(f"R{i:015d}", f"{i:032x}") for i in range(n))
+    return Link(t, prev, state, entries, None if embed is None else entries[:embed])
+
+
+def test_candidates_most_payloads_first_then_the_smallest_state_and_each_link_once():
+    links = {"a": _link("s9", 3), "b": _link("s1", 2), "c": _link("s9", 3), "d": _link("s0", 2)}
+    got = candidates(links, 0, "p")
+    assert [(c.link.state, c.holders) for c in got] == [("s9", ("a", "c")), ("s0", ("d",)), ("s1", ("b",))]
+
+
+def test_candidates_only_from_our_state_of_that_round_and_never_a_refused_holder():
+    links = {"a": _link("s1", 2, prev="other"), "b": _link("s2", 2, t=1), "c": _link("s3", 2), "d": _link("s0", 5)}
+    assert [c.link.state for c in candidates(links, 0, "p", refused={"d"})] == ["s3"]
+
+
+def test_candidates_of_a_later_stage_moved_their_perp_by_a_set_stage_0_linked():
+    good, other = _link("s1", 3, embed=3), _link("s0", 3, embed=2)
+    assert [c.link.state for c in candidates({"a": good, "b": other}, 0, "p", embed_sets={good.embed})] == ["s1"]
+
+
+def test_a_chain_record_reads_back_as_its_link():
+    link = _link("s1", 2, t=4, embed=1)
+    assert parse_chain(chain_record(link)) == link
+    assert parse_chain({"link": {"t": -1}, "state": "x"}) is None and parse_chain("junk") is None
+
+
+# ------------------------------------------------------------------ replay
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_joiner_replays_the_honest_history_and_refuses_three_forgers(history, stage):
+    board, refusals = Board(history), Refusals()
+    _honest(board, history)
+    honest0 = history.links[(0, stage)]
+    # the honest set with another state, first among links of that set (the smallest state id)
+    forged = Link(0, honest0.prev, "0" * 16, honest0.entries, honest0.embed)
+    # the negated initial state, with more payloads: first in the canonical order, one never announced
+    padded = Link(0, honest0.prev, _negated(stage), (*honest0.entries, entry("Made" * 10, "ab" * 16)), honest0.embed)
+    board.link("F1", forged, stage)
+    board.link("F2", forged, stage)
+    board.link("F3", padded, stage)
+    joiner = StageWorker(CFG, stage)
+    done = _replayer(board, history, refusals).run(joiner, 3)
+    assert done.stopped == "" and done.rounds == 3 and joiner.outer_step == 3
+    assert joiner.state_id() == history.state(stage)
+    assert refusals.peers() == {"F1", "F2", "F3"}
+    assert done.bytes > 0 and joiner.verified
+    assert sorted(joiner.ledger.history) == [0, 1, 2]  # it serves the chain it checked from now on
+
+
+def test_no_link_from_our_state_stops_with_a_reason_and_keeps_what_was_checked(history):
+    board = Board(history)
+    board.link("H1", history.links[(0, 0)], 0)  # round 1 is not published (beyond the window)
+    joiner = StageWorker(CFG, 0)
+    done = _replayer(board, history, Refusals()).run(joiner, 3)
+    assert done.rounds == 1 and joiner.outer_step == 1 and "round 1: no holder published a link" in done.stopped
+
+
+def test_a_link_whose_payloads_nobody_serves_is_left_not_refused(history):
+    board, refusals = Board(history), Refusals()
+    _honest(board, history, holders=("H1",))
+    history_missing = History.__new__(History)
+    history_missing.payloads = {}
+    fetcher = SetFetcher(board, Servers(history_missing), PayloadStore(), "joiner", 1.0)
+    joiner = StageWorker(CFG, 0)
+    done = Replayer(CFG, board, fetcher, refusals).run(joiner, 3)
+    assert done.rounds == 0 and "not available" in done.stopped and not refusals.peers()
+    assert joiner.state_id() == joiner.initial_state_id
+
+
+def test_replaying_keeps_our_error_buffer(history):
+    board = Board(history)
+    _honest(board, history)
+    joiner = StageWorker(CFG, 0)
+    joiner.optim.errors = {n: torch.ones_like(v) for n, v in joiner.start.items()}
+    _replayer(board, history, Refusals()).run(joiner, 3)
+    assert joiner.state_id() == history.state(0)
+    assert all(bool((e == 1).all()) for e in joiner.optim.errors.values())  # `fresh_optimizer` empties it
+    joiner.fresh_optimizer()
+    assert joiner.optim.errors is None
