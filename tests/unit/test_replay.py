@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from peer.errors import NetworkError
-from peer.net.records import Announcement
+from peer.net.records import Announcement, ReplicaRecord
 from peer.node.claims import Link, entry
+from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.replay import Replayer, candidates, chain_record, parse_chain
+from peer.node.resync import Resync
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.round.verify import SetFetcher
 from peer.node.stage_worker import StageWorker
@@ -188,3 +190,38 @@ def test_replaying_keeps_our_error_buffer(history):
     assert all(bool((e == 1).all()) for e in joiner.optim.errors.values())  # `fresh_optimizer` empties it
     joiner.fresh_optimizer()
     assert joiner.optim.errors is None
+
+
+# ------------------------------------------------------------------ Resync.sync_state
+class Quiet:
+    def log(self, *a, **k):
+        pass
+
+
+def _resync(board: Board, history: History, replicas: dict) -> Resync:
+    board.get_replicas = lambda: {p: ReplicaRecord.parse(r) for p, r in replicas.items()}  # type: ignore[method-assign]
+    me = Presence("joiner", "full")
+    return Resync(CFG, board, Servers(history), PayloadStore(), me, Refusals(), Quiet(), lambda: None, None)
+
+
+def test_at_outer_step_0_the_state_is_recomputed_whatever_a_majority_claims(history):
+    board = Board(history)
+    resync = _resync(board, history, {f"F{i}": {"kind": "full", "outer_step": 0} for i in range(3)})
+    worker = StageWorker(CFG, 0)
+    state = worker.state_dict()
+    negated = {n: -v for n, v in state["start"].items()}
+    worker.load_state_dict({"outer_step": 0, "start": negated, "perp": state["perp"]})  # e.g. an old download
+    assert resync.sync_state(worker, "test", vote=True, wait_s=0)
+    assert worker.state_id() == worker.initial_state_id and worker.verified and resync.count == 1
+    assert not resync.sync_state(worker, "test", vote=True, wait_s=0)  # nothing to do: no download, no vote
+
+
+def test_sync_state_replays_to_the_clock_or_says_why_it_cannot(history):
+    board = Board(history)
+    resync = _resync(board, history, {f"R{i}": {"kind": "full", "outer_step": 3} for i in range(3)})
+    worker = StageWorker(CFG, 1)
+    with pytest.raises(NetworkError, match="cannot verify the swarm's state.*no holder published a link"):
+        resync.sync_state(worker, "late join", wait_s=0)
+    _honest(board, history)
+    assert resync.sync_state(worker, "late join", wait_s=0)
+    assert worker.outer_step == 3 and worker.state_id() == history.state(1)
