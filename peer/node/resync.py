@@ -9,19 +9,22 @@
   set is genuine and whose state follows from it replaces our commit (`StageWorker.switch`, no
   download); one that names payloads no replica announced, or whose state does not follow, gets
   its holder refused (`peer.node.refusals`). Only when a strict majority of the holders at our
-  step agrees on another state that cannot be checked do we download it.
-- `sync_state`: download the state a strict majority of the stage's other live holders claims
-  (counted by peer id, at a step the swarm's clock admits: `peer.node.claims.majority`), from
-  one of them, hash-checked against that state id (`download_claimed`, which `peer export
-  --initial-peers` checks its downloads with too). No majority: NetworkError, retry later.
-- `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
-  checkpoint at or past the clock is kept);
+  step agrees on another state that cannot be checked do we re-sync (`sync_state`: a replay that
+  decides by the canonical order, not by the count).
+- `sync_state`: replay the committed rounds from a state we trust — our own checked state
+  (`StageWorker.verified`) or the canonical initial state, recomputed — checking each round's link
+  by recomputation (`peer.node.replay`, docs/protocol.md "Joining by replay"); nothing is
+  downloaded and nothing is counted. At the swarm's outer step 0 the state is the canonical initial
+  one. No round can be checked: NetworkError, retry later.
+- `late_join`: a worker behind the swarm's clock replays to it (a resumed checkpoint of our own is
+  a trusted start; one at or past the clock is kept);
 - `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;
 (`catch_up`, applying the round after a download as an observer, is a round: `peer.node.round.rounds`.)
 
-Invariants: a state is adopted only through `StageWorker.load_state_dict` (a download) or
-`StageWorker.switch` (a checked recomputation); a peer that (re)synced at t contributes from t + 1
-(`Presence.joined_at`); no majority to sync to is a `NetworkError` that says when to retry.
+Invariants: a state is adopted only through `StageWorker.switch` or `StageWorker.advance` (checked
+recomputations) or `StageWorker.reset_initial` (the canonical initial state); a peer that (re)synced
+at t contributes from t + 1 (`Presence.joined_at`); a state that cannot be verified is a
+`NetworkError` that says why and when to retry.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class Resync:
         return swarm_clock(others, self.refusals.peers())
 
     def late_join(self, worker: StageWorker) -> None:
-        """If the swarm's clock is past this worker's outer step, download the stage's majority state.
+        """If the swarm's clock is past this worker's outer step, replay the rounds to it (`sync_state`).
 
         A state resumed from a checkpoint at (or past) the clock is kept; one that is behind loses
         to the swarm's (error buffer and optimizer reset, as for any late joiner).
