@@ -74,7 +74,7 @@ class Resync:
         self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
         self.me, self.refusals, self.metrics = me, refusals, metrics
         self.publish, self.checkpoints = publish, checkpoints
-        self.count = 0  # state downloads adopted over the run
+        self.count = 0  # states adopted over the run (`sync_state`: replayed, or the initial one recomputed)
         self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
         self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
         self.replayed: list[Replayed] = []  # every replay of this run (rounds, bytes, seconds)
@@ -148,8 +148,7 @@ class Resync:
                 if worker.state_id() != worker.initial_state_id or not worker.verified:
                     self._reset_initial(worker, keep_errors, reason)
                 break
-            if self._from_initial(worker, replayer, vote, clock):
-                self._reset_initial(worker, keep_errors, reason)
+            self._start(worker, replayer, vote, clock, keep_errors, reason)
             vote = False  # the start is chosen once; later tries go on from where the replay stopped
             done = replayer.run(worker, clock + 1)
             self.replayed = [*self.replayed[-63:], done]
@@ -183,18 +182,25 @@ class Resync:
             self.publish()
         return changed
 
-    def _from_initial(self, worker: StageWorker, replayer: Replayer, vote: bool, clock: int) -> bool:
-        """Whether the replay starts over from the canonical initial state (sync_state's docstring)."""
-        if worker.outer_step == 0 and worker.verified and worker.state_id() == worker.initial_state_id:
-            return False  # we hold it already
-        if not worker.verified:
-            return True
-        mine = replayer.has_links_from(worker.outer_step, worker.stage, worker.state_id())
-        if mine and not vote:
-            return False
-        if worker.outer_step >= clock and not vote:
-            return False
-        return replayer.has_links_from(0, worker.stage, worker.initial_state_id)
+    def _start(
+        self, worker: StageWorker, replayer: Replayer, vote: bool, clock: int, keep_errors: bool, reason: str
+    ) -> None:
+        """Put `worker` on the state the replay starts from (sync_state's docstring): our own state
+        when a link goes on from it; else, when our last commit was overtaken, the state we committed
+        it from (`StageState.rewind`); else the canonical initial state when the window reaches back
+        to it. None of them: our own state (the replay then says why it cannot go on)."""
+        stage, held = worker.stage, worker.state_id()
+        if worker.outer_step == 0 and worker.verified and held == worker.initial_state_id:
+            return  # we hold it already
+        if worker.verified and not vote:
+            if worker.outer_step >= clock or replayer.has_links_from(worker.outer_step, stage, held):
+                return
+            prev = worker.ledger.prev
+            if prev is not None and replayer.has_links_from(prev.t, stage, prev.state) and worker.rewind():
+                log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
+                return
+        if not worker.verified or replayer.has_links_from(0, stage, worker.initial_state_id):
+            self._reset_initial(worker, keep_errors, reason)
 
     def _reset_initial(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
         errors = worker.state_dict()["errors"] if keep_errors else None

@@ -366,6 +366,28 @@ class StageState:
         with self.lock:
             self.verified = True
 
+    def rewind(self) -> bool:
+        """Go back to the state our last round was committed from (`ledger.prev`, kept until the
+        next commit), when the state we hold now was reached by a checked path: a holder whose commit
+        was overtaken replays from there (`peer.node.replay`). What our commit returned to the error
+        buffer is taken back out; the AdamW moments stay. False when no such state is kept."""
+        with self.lock:
+            prev, verified = self.ledger.prev, self.verified
+            if prev is None or not verified or prev.perp is None or self.outer_step != prev.t + 1:
+                return False
+            state: dict[str, Any] = {
+                "outer_step": prev.t,
+                "start": prev.start,
+                "params": prev.start,
+                "perp": prev.perp,
+                "bans": prev.bans.to_record(),
+                **self.optim.state_dict(),
+            }
+            self.load_state_dict(state)
+            self.optim.feed_back(prev.adjustment, -1.0)
+            self.verified = True
+            return True
+
     def fresh_optimizer(self, keep_errors: bool = False) -> None:
         """A fresh AdamW and (unless `keep_errors`) an empty error buffer, as any late joiner starts."""
         with self.lock:

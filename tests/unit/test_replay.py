@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peer.core.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.records import Announcement, ReplicaRecord
 from peer.node.claims import Link, entry
@@ -75,7 +76,7 @@ class Servers:
 @pytest.fixture(scope="module")
 def history() -> History:
     h = History(CFG)
-    h.run(3)
+    h.run(4)
     return h
 
 
@@ -154,7 +155,7 @@ def test_a_joiner_replays_the_honest_history_and_refuses_three_forgers(history, 
     joiner = StageWorker(CFG, stage)
     done = _replayer(board, history, refusals).run(joiner, 3)
     assert done.stopped == "" and done.rounds == 3 and joiner.outer_step == 3
-    assert joiner.state_id() == history.state(stage)
+    assert joiner.state_id() == history.links[(2, stage)].state
     assert refusals.peers() == {"F1", "F2", "F3"}
     assert done.bytes > 0 and joiner.verified
     assert sorted(joiner.ledger.history) == [0, 1, 2]  # it serves the chain it checked from now on
@@ -186,7 +187,7 @@ def test_replaying_keeps_our_error_buffer(history):
     joiner = StageWorker(CFG, 0)
     joiner.optim.errors = {n: torch.ones_like(v) for n, v in joiner.start.items()}
     _replayer(board, history, Refusals()).run(joiner, 3)
-    assert joiner.state_id() == history.state(0)
+    assert joiner.state_id() == history.links[(2, 0)].state
     assert all(bool((e == 1).all()) for e in joiner.optim.errors.values())  # `fresh_optimizer` empties it
     joiner.fresh_optimizer()
     assert joiner.optim.errors is None
@@ -224,4 +225,17 @@ def test_sync_state_replays_to_the_clock_or_says_why_it_cannot(history):
         resync.sync_state(worker, "late join", wait_s=0)
     _honest(board, history)
     assert resync.sync_state(worker, "late join", wait_s=0)
-    assert worker.outer_step == 3 and worker.state_id() == history.state(1)
+    assert worker.outer_step == 4 and worker.state_id() == history.state(1)  # the clock + 1 is believed
+
+
+def test_a_holder_whose_commit_was_overtaken_goes_back_one_round_and_replays_on(history):
+    board = Board(history)
+    _honest(board, history)
+    resync = _resync(board, history, {f"R{i}": {"kind": "full", "outer_step": 4} for i in range(3)})
+    worker = StageWorker(CFG, 0)
+    _replayer(board, history, Refusals()).run(worker, 2)
+    alone = history.payloads[(2, 0, history.replicas[0])]
+    worker.apply_round([Payload.from_bytes(alone)], None, history.replicas[:1])  # round 2 committed alone
+    assert worker.outer_step == 3 and worker.state_id() != history.links[(2, 0)].state and worker.verified
+    assert resync.sync_state(worker, "round 2 committed elsewhere", keep_errors=True, wait_s=0)
+    assert worker.outer_step == 4 and worker.state_id() == history.state(0)
