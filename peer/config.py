@@ -99,6 +99,10 @@ class SwarmConfig:
     # the last `history_rounds` rounds (and announcements live history_rounds x round_timeout_s), so a
     # joiner recomputes the state from one it trusts instead of counting who claims it
     history_rounds: int = 16
+    # Peer ids whose stage records attest a state (docs/protocol.md, "Joining by replay"): a joiner
+    # whose trusted state is older than the history window downloads a state one of them claims,
+    # checked against its id, and replays on from there. Empty: nobody's (such a joiner waits).
+    attesters: tuple[str, ...] = ()
     # Who may take part, set at the bootstrap: "open", "secret" (peers prove they know a shared
     # secret; the secret itself is never in the config) or "allowlist" (only these peer ids).
     admission: str = "open"
@@ -443,6 +447,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("swarm.admission='allowlist' needs at least one peer id in swarm.allowlist (--allow-peer ID)")
     if w.allowlist and w.admission != "allowlist":
         raise ConfigError(f"swarm.allowlist is set but swarm.admission is {w.admission!r}; use admission 'allowlist'")
+    for peer_id in w.attesters:
+        if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
+            raise ConfigError(f"swarm.attesters entry {peer_id!r} is not a peer id")
     for peer_id in w.allowlist:
         if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
             raise ConfigError(

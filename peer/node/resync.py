@@ -154,6 +154,8 @@ class Resync:
             self.replayed = [*self.replayed[-63:], done]
             if worker.outer_step >= clock:
                 break
+            if not done.rounds and self._attested(worker, clock, keep_errors, reason):
+                continue  # beyond the window: an attester's state, replayed on from
             if time.monotonic() >= deadline:
                 raise NetworkError(
                     f"stage {worker.stage}: cannot verify the swarm's state (swarm at outer step {clock}, "
@@ -201,6 +203,34 @@ class Resync:
                 return
         if not worker.verified or replayer.has_links_from(0, stage, worker.initial_state_id):
             self._reset_initial(worker, keep_errors, reason)
+
+    def _attested(self, worker: StageWorker, clock: int, keep_errors: bool, reason: str) -> bool:
+        """Download a state that an attester (`swarm.attesters`) claims in its own signed stage record,
+        at a step past ours that the clock admits, checked against its state id (`download_claimed`):
+        a trusted start past the history window. True when one loaded."""
+        attesters = set(self.cfg.swarm.attesters)
+        if not attesters:
+            return False
+        holders = self.dht.get_stage_peers(worker.stage)
+        claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
+        ours = worker.outer_step
+        found = [c for p, c in claims.items() if p in attesters and ours < c.outer_step <= clock + 1]
+        for claim in sorted(found, key=lambda c: (-c.outer_step, c.state, c.peer)):
+            address = holders[claim.peer].address
+            errors = worker.state_dict()["errors"] if keep_errors else None
+            if address and download_claimed(self.clients, worker, claim.peer, address, claim, errors) is not None:
+                with worker.lock:
+                    worker.verified = True  # attested: a start the manifest names, replayed on from
+                log.info(
+                    "%s: stage %d at the state %s attested by %s at outer step %d",
+                    reason,
+                    worker.stage,
+                    claim.state,
+                    claim.peer[:12],
+                    claim.outer_step,
+                )
+                return True
+        return False
 
     def _reset_initial(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
         errors = worker.state_dict()["errors"] if keep_errors else None

@@ -7,12 +7,15 @@ decision is shown alone (the real DHT and gRPC path: tests/integration/test_join
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from peer.core.codec.format import Payload
 from peer.errors import NetworkError
-from peer.net.records import Announcement, ReplicaRecord
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
+from peer.net.transport.messages import StateReply
 from peer.node.claims import Link, entry
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
@@ -33,6 +36,7 @@ class Board:
 
     def __init__(self, history: History) -> None:
         self.announcements: dict[tuple[int, int], dict[str, dict]] = {}
+        self.holders: dict[str, dict] = {}  # stage records (one stage)
         self.chain: dict[tuple[int, int], dict[str, dict]] = {}
         for (t, s, rid), data in history.payloads.items():
             ann = {"sha256": sha256(data), "size": len(data), "address": f"{rid}:1", "replica": rid}
@@ -47,6 +51,9 @@ class Board:
     def get_replicas(self):
         return {}
 
+    def get_stage_peers(self, stage):
+        return {p: StageRecord.parse(r) for p, r in self.holders.items()}
+
     def get_round(self, kind, t, stage, parse):
         assert kind == "chain"
         out = {p: parse(r) for p, r in self.chain.get((t, stage), {}).items()}
@@ -58,6 +65,7 @@ class Servers:
 
     def __init__(self, history: History) -> None:
         self.history, self.calls = history, 0
+        self.states: dict[str, StageWorker] = {}  # address → the worker whose state it serves
 
     def get(self, address):
         servers = self
@@ -69,6 +77,10 @@ class Servers:
                 if data is None:
                     raise NetworkError(f"{address} does not hold it")
                 return data
+
+            def get_state(self, req):
+                w = servers.states[address]
+                return StateReply(w.outer_step, {"bans": w.ledger.bans.to_record()}, w.snapshot())
 
         return Client()
 
@@ -199,10 +211,17 @@ class Quiet:
         pass
 
 
-def _resync(board: Board, history: History, replicas: dict) -> Resync:
+def _resync(board: Board, history: History, replicas: dict, cfg=CFG, servers=None) -> Resync:
     board.get_replicas = lambda: {p: ReplicaRecord.parse(r) for p, r in replicas.items()}  # type: ignore[method-assign]
     me = Presence("joiner", "full")
-    return Resync(CFG, board, Servers(history), PayloadStore(), me, Refusals(), Quiet(), lambda: None, None)
+    clients = servers or Servers(history)
+    return Resync(cfg, board, clients, PayloadStore(), me, Refusals(), Quiet(), lambda: None, None)
+
+
+def _board_with_all(history: History) -> Board:
+    board = Board(history)
+    _honest(board, history)
+    return board
 
 
 def test_at_outer_step_0_the_state_is_recomputed_whatever_a_majority_claims(history):
@@ -239,3 +258,32 @@ def test_a_holder_whose_commit_was_overtaken_goes_back_one_round_and_replays_on(
     assert worker.outer_step == 3 and worker.state_id() != history.links[(2, 0)].state and worker.verified
     assert resync.sync_state(worker, "round 2 committed elsewhere", keep_errors=True, wait_s=0)
     assert worker.outer_step == 4 and worker.state_id() == history.state(0)
+
+
+ATTESTER = "Qm" + "A" * 44
+
+
+def test_past_the_window_a_joiner_takes_only_an_attesters_state_and_replays_on(history):
+    cfg = replay_config()
+    attested = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, attesters=(ATTESTER,)))
+    board = Board(history)
+    board.link("H1", history.links[(3, 0)], 0)  # only round 3 is still in the window
+    honest_at_3 = StageWorker(CFG, 0)
+    _replayer(_board_with_all(history), history, Refusals()).run(honest_at_3, 3)
+    forged = {"outer_step": 3, "state_id": "f" * 16, "address": "F1:1"}
+    board.holders = {
+        "F1": forged,
+        "F2": forged,
+        "F3": forged,  # a majority, not an attester
+        ATTESTER: {"outer_step": 3, "state_id": honest_at_3.state_id(), "address": "att:1"},
+    }
+    servers = Servers(history)
+    servers.states = {"att:1": honest_at_3, "F1:1": StageWorker(CFG, 0)}
+    replicas = {f"R{i}": {"kind": "full", "outer_step": 4} for i in range(3)}
+    plain = _resync(board, history, replicas, servers=servers)
+    with pytest.raises(NetworkError, match="round 0: no holder published a link"):
+        plain.sync_state(StageWorker(CFG, 0), "late join", wait_s=0)  # no attester named: it waits
+    resync = _resync(board, history, replicas, cfg=attested, servers=servers)
+    joiner = StageWorker(CFG, 0)
+    assert resync.sync_state(joiner, "late join", wait_s=0)
+    assert joiner.outer_step == 4 and joiner.state_id() == history.state(0) and joiner.verified
