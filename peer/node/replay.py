@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,38 @@ def candidates(
     return sorted(out, key=lambda c: (c.key, c.holders))
 
 
+class RoundReads:
+    """The DHT records a replay reads, each once per round (announcements of (t, s), links) and the
+    replica records once per replay: a replayed round costs a few DHT reads, not one per lookup.
+    Past rounds' records only change when a holder switches; a later `sync_state` reads afresh."""
+
+    def __init__(self, dht: SwarmDHT) -> None:
+        self.dht = dht
+        self._cache: dict[tuple[str, int, int], Any] = {}
+        self._replicas: Any = None
+
+    def get_payloads(self, t: int, stage: int) -> Any:
+        return self._get(("round", t, stage), lambda: self.dht.get_payloads(t, stage))
+
+    def get_replicas(self) -> Any:
+        if self._replicas is None:
+            self._replicas = self.dht.get_replicas()
+        return self._replicas
+
+    def get_round(self, kind: Any, t: int, stage: int, parse: Any) -> Any:
+        return self._get((kind, t, stage), lambda: self.dht.get_round(kind, t, stage, parse))
+
+    def forget(self, t: int) -> None:
+        """Drop what was read of rounds before t (memory stays a round's worth)."""
+        for key in [k for k in self._cache if k[1] < t]:
+            del self._cache[key]
+
+    def _get(self, key: tuple[str, int, int], read: Any) -> Any:
+        if key not in self._cache:
+            self._cache[key] = read()
+        return self._cache[key]
+
+
 @dataclass
 class Replayed:
     """What a replay did: rounds installed, payload bytes read, seconds, and why it stopped before
@@ -123,26 +155,29 @@ class Replayed:
 
 class Replayer:
     """Replays committed rounds onto a worker (module docstring). Receives what it calls: the DHT
-    (link records, announcements), a `SetFetcher` (genuine payloads from anyone) and the refusals."""
+    (link records, announcements), `fetcher` (a `SetFetcher` — genuine payloads from anyone — over
+    the records it is given) and the refusals."""
 
-    def __init__(self, cfg: RunConfig, dht: SwarmDHT, fetcher: SetFetcher, refusals: Refusals) -> None:
+    def __init__(
+        self, cfg: RunConfig, dht: SwarmDHT, fetcher: Callable[[RoundReads], SetFetcher], refusals: Refusals
+    ) -> None:
         self.cfg, self.dht, self.fetcher, self.refusals = cfg, dht, fetcher, refusals
-
-    def links(self, t: int, stage: int) -> dict[str, Link]:
-        """{holder: its link of round (t, stage)} from the DHT."""
-        return self.dht.get_round("chain", t, stage, parse_chain)
 
     def has_links_from(self, t: int, stage: int, prev: str) -> bool:
         """Whether some holder published a link of round (t, stage) from state `prev`."""
-        return bool(candidates(self.links(t, stage), t, prev, self.refusals.peers()))
+        links = self.dht.get_round("chain", t, stage, parse_chain)
+        return bool(candidates(links, t, prev, self.refusals.peers()))
 
     def run(self, worker: StageWorker, until: int) -> Replayed:
         """Replay rounds onto `worker` until its outer step is `until` or no link can be checked."""
         done = Replayed()
         started = time.perf_counter()
+        reads = RoundReads(self.dht)
+        fetcher = self.fetcher(reads)
         while worker.outer_step < until:
             t = worker.outer_step
-            why = self.step(worker, done)
+            reads.forget(t)
+            why = self.step(worker, done, reads, fetcher)
             if why:
                 done.stopped = f"round {t}: {why}"
                 break
@@ -160,39 +195,37 @@ class Replayer:
         done.seconds = time.perf_counter() - started
         return done
 
-    def step(self, worker: StageWorker, done: Replayed) -> str:
+    def step(self, worker: StageWorker, done: Replayed, reads: RoundReads, fetcher: SetFetcher) -> str:
         """Replay the worker's current round: "" when a checked link was installed, else why not."""
         t, stage, prev = worker.outer_step, worker.stage, worker.state_id()
         embed_sets = None
         if stage != 0 and worker.compressed:
-            embed_sets = {link.entries for link in self.links(t, 0).values() if link.t == t}
-        found = candidates(self.links(t, stage), t, prev, self.refusals.peers(), embed_sets)
+            embed_sets = {link.entries for link in reads.get_round("chain", t, 0, parse_chain).values() if link.t == t}
+        found = candidates(reads.get_round("chain", t, stage, parse_chain), t, prev, self.refusals.peers(), embed_sets)
         if not found:
             return f"no holder published a link from state {prev} (beyond the history window, or not committed yet)"
         reasons = []
         for cand in found:
-            why = self._check(worker, cand, done)
+            why = self._check(worker, cand, done, fetcher)
             if not why:
                 return ""
             reasons.append(f"{cand.link.state}: {why}")
         return "; ".join(reasons)
 
-    def _check(self, worker: StageWorker, cand: Candidate, done: Replayed) -> str:
+    def _check(self, worker: StageWorker, cand: Candidate, done: Replayed, fetcher: SetFetcher) -> str:
         """Recompute `cand` from the worker's state; install it when it holds (""), refuse its
         holders when it is false, leave it when its payloads cannot be had (the reason)."""
         link, stage, t = cand.link, worker.stage, cand.link.t
         if link.ranges is not None:
             return "a ranges round (replaying one is not supported yet)"
-        got = self.fetcher.fetch(
-            t, stage, link.entries, round_validator(self.cfg, worker, stage), n_stages=self.cfg.stages
-        )
+        got = fetcher.fetch(t, stage, link.entries, round_validator(self.cfg, worker, stage), n_stages=self.cfg.stages)
         if got.forged:
             return self._refuse(cand, stage, "its link names payloads no replica announced")
         if not got.complete:
             return f"{len(got.missing)} payload(s) not available (announcements expired, or nobody serves them)"
         embed_update: torch.Tensor | None = None
         if link.embed is not None and stage != 0:
-            got0 = self.fetcher.fetch(t, 0, link.embed, round_validator(self.cfg, worker, 0), n_stages=self.cfg.stages)
+            got0 = fetcher.fetch(t, 0, link.embed, round_validator(self.cfg, worker, 0), n_stages=self.cfg.stages)
             if got0.forged:
                 return self._refuse(cand, stage, "its embedding set names payloads no replica announced")
             if not got0.complete:

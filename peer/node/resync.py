@@ -46,7 +46,7 @@ from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
-from peer.node.replay import Replayed, Replayer
+from peer.node.replay import Replayed, Replayer, RoundReads
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_worker import StageWorker
@@ -141,7 +141,7 @@ class Resync:
         """
         deadline = time.monotonic() + (self.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
         before = (worker.outer_step, worker.state_id(), worker.loads)
-        replayer = Replayer(self.cfg, self.dht, self._fetcher(), self.refusals)
+        replayer = Replayer(self.cfg, self.dht, self._fetcher, self.refusals)
         while True:
             clock = self.clock()
             if clock == 0 and worker.outer_step == 0:  # no vote where bytes decide (docs/protocol.md)
@@ -153,6 +153,8 @@ class Resync:
             done = replayer.run(worker, clock + 1)
             self.replayed = [*self.replayed[-63:], done]
             if worker.outer_step >= clock:
+                if done.rounds and self.clock() > clock:  # the swarm went on while we replayed: once more
+                    self.replayed = [*self.replayed[-63:], replayer.run(worker, self.clock() + 1)]
                 break
             if not done.rounds and self._attested(worker, clock, keep_errors, reason):
                 continue  # beyond the window: an attester's state, replayed on from
@@ -237,8 +239,8 @@ class Resync:
         worker.reset_initial(errors)
         log.info("%s: stage %d at the canonical initial state %s (recomputed)", reason, worker.stage, worker.state_id())
 
-    def _fetcher(self) -> SetFetcher:
-        return SetFetcher(self.dht, self.clients, self.store, self.me.peer_id, min(3.0, self.cfg.swarm.rpc_timeout_s))
+    def _fetcher(self, reads: RoundReads) -> SetFetcher:
+        return SetFetcher(reads, self.clients, self.store, self.me.peer_id, min(3.0, self.cfg.swarm.rpc_timeout_s))
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""

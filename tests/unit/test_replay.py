@@ -93,8 +93,8 @@ def history() -> History:
 
 
 def _replayer(board: Board, history: History, refusals: Refusals) -> Replayer:
-    fetcher = SetFetcher(board, Servers(history), PayloadStore(), "joiner", 1.0)
-    return Replayer(CFG, board, fetcher, refusals)
+    servers = Servers(history)
+    return Replayer(CFG, board, lambda reads: SetFetcher(reads, servers, PayloadStore(), "joiner", 1.0), refusals)
 
 
 def _honest(board: Board, history: History, holders=("H1", "H2")) -> None:
@@ -186,7 +186,8 @@ def test_a_link_whose_payloads_nobody_serves_is_left_not_refused(history):
     _honest(board, history, holders=("H1",))
     history_missing = History.__new__(History)
     history_missing.payloads = {}
-    fetcher = SetFetcher(board, Servers(history_missing), PayloadStore(), "joiner", 1.0)
+    servers = Servers(history_missing)
+    fetcher = lambda reads: SetFetcher(reads, servers, PayloadStore(), "joiner", 1.0)  # noqa: E731
     joiner = StageWorker(CFG, 0)
     done = Replayer(CFG, board, fetcher, refusals).run(joiner, 3)
     assert done.rounds == 0 and "not available" in done.stopped and not refusals.peers()
