@@ -487,6 +487,15 @@ class SwarmDHT:
         (value,) = self._get_many([self._run_key(f"{kind}.{int(t)}.{int(stage)}")], timeout_s)
         return self._reader.records(value, dht_time(), None, parse)
 
+    def get_rounds(
+        self, wanted: Sequence[tuple[RoundKind, int, int, Callable[[Any], Any]]], timeout_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """`get_round` of many (kind, t, stage, parse) at once, fetched concurrently under one deadline
+        (a joiner's replay reads a window of rounds: `peer.node.replay`)."""
+        keys = [self._run_key(f"{kind}.{int(t)}.{int(stage)}") for kind, t, stage, _ in wanted]
+        values, now = self._get_many(keys, timeout_s), dht_time()
+        return [self._reader.records(v, now, None, w[3]) for v, w in zip(values, wanted, strict=True)]
+
     def current_outer_step(self, timeout_s: float | None = None) -> int:
         """Largest "outer_step" in live replica and stage records (stages 0..n_stages-1), 0 if none."""
         keys = [self._run_key("replica")] + [self._run_key(f"stage.{s}") for s in range(self.n_stages)]

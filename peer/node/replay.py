@@ -37,6 +37,7 @@ import torch
 from peer.config import RunConfig
 from peer.core.commit import embedding_update
 from peer.net.dht import SwarmDHT
+from peer.net.records import Announcement
 from peer.node.claims import Entry, Link
 from peer.node.refusals import Refusals
 from peer.node.round.payloads import round_validator
@@ -46,6 +47,7 @@ from peer.node.stage_worker import StageWorker
 log = logging.getLogger(__name__)
 
 LOG_EVERY = 8  # replayed rounds between two progress lines
+PREFETCH = 16  # rounds whose records are read in one batch
 
 
 def chain_record(link: Link) -> dict[str, Any]:
@@ -131,10 +133,26 @@ class RoundReads:
     def get_round(self, kind: Any, t: int, stage: int, parse: Any) -> Any:
         return self._get((kind, t, stage), lambda: self.dht.get_round(kind, t, stage, parse))
 
+    def prefetch(self, t0: int, t1: int, stage: int) -> None:
+        """Read rounds [t0, t1) of `stage` (and of stage 0, whose sets move a later stage's T⊥) in one
+        batch: their links and announcements, concurrently."""
+        stages = (stage,) if stage == 0 else (stage, 0)
+        wanted: list[tuple[Any, int, int, Any]] = []
+        for t in range(t0, t1):
+            for s in stages:
+                wanted += [("chain", t, s, parse_chain), ("round", t, s, Announcement.parse)]
+        wanted = [w for w in wanted if w[:3] not in self._cache]
+        if wanted:
+            for w, got in zip(wanted, self.dht.get_rounds(wanted), strict=True):
+                self._cache[w[:3]] = got
+
     def forget(self, t: int) -> None:
         """Drop what was read of rounds before t (memory stays a round's worth)."""
         for key in [k for k in self._cache if k[1] < t]:
             del self._cache[key]
+
+    def __contains__(self, key: tuple[str, int, int]) -> bool:
+        return key in self._cache
 
     def _get(self, key: tuple[str, int, int], read: Any) -> Any:
         if key not in self._cache:
@@ -177,6 +195,8 @@ class Replayer:
         while worker.outer_step < until:
             t = worker.outer_step
             reads.forget(t)
+            if ("chain", t, worker.stage) not in reads:
+                reads.prefetch(t, min(until, t + PREFETCH), worker.stage)
             why = self.step(worker, done, reads, fetcher)
             if why:
                 done.stopped = f"round {t}: {why}"

@@ -54,6 +54,9 @@ class Board:
     def get_stage_peers(self, stage):
         return {p: StageRecord.parse(r) for p, r in self.holders.items()}
 
+    def get_rounds(self, wanted):
+        return [self.get_round(k, t, s, p) if k == "chain" else self.get_payloads(t, s) for k, t, s, p in wanted]
+
     def get_round(self, kind, t, stage, parse):
         assert kind == "chain"
         out = {p: parse(r) for p, r in self.chain.get((t, stage), {}).items()}
