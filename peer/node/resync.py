@@ -269,13 +269,15 @@ class Resync:
         if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
             return False
         prev = worker.ledger.prev
-        self.sync_state(
+        changed = self.sync_state(
             worker,
             f"state {mine.state} disagrees with {win.state}, claimed by {len(win.holders)} of "
             f"{len(same) + 1} holders at outer step {worker.outer_step}",
             keep_errors=True,
             vote=True,
         )
+        if not changed:  # the replay kept our state (docs/protocol.md, "Joining by replay")
+            return False
         if prev is not None and not before_round:  # our commit's share of our payload, redone for theirs
             worker.optim.feed_back(prev.adjustment, -1.0)
             if prev.own is not None and (
