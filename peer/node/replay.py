@@ -36,6 +36,7 @@ import torch
 
 from peer.config import RunConfig
 from peer.core.commit import embedding_update
+from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.records import Announcement
 from peer.node.claims import Entry, Link
@@ -158,6 +159,33 @@ class RoundReads:
         if key not in self._cache:
             self._cache[key] = read()
         return self._cache[key]
+
+
+class SkipDead:
+    """The client pool as a replay uses it: an address that did not answer once (a sender that left
+    rounds ago; its payloads come from the holders that kept them) fails at once for the rest of the
+    replay, instead of costing every payload it announced the client's retries."""
+
+    def __init__(self, clients: Any) -> None:
+        self.clients, self.dead = clients, set[str]()
+
+    def get(self, address: str) -> Any:
+        return _Watched(self, address)
+
+
+class _Watched:
+    def __init__(self, pool: SkipDead, address: str) -> None:
+        self.pool, self.address = pool, address
+
+    def get_payload(self, request: Any, timeout_s: float | None = None) -> bytes:
+        if self.address in self.pool.dead:
+            raise NetworkError(f"peer {self.address} did not answer earlier in this replay")
+        try:
+            data: bytes = self.pool.clients.get(self.address).get_payload(request, timeout_s=timeout_s)
+        except NetworkError:
+            self.pool.dead.add(self.address)
+            raise
+        return data
 
 
 @dataclass

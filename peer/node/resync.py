@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from peer.config import RunConfig
 from peer.core.commit import embedding_update
@@ -46,7 +46,7 @@ from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
-from peer.node.replay import Replayed, Replayer, RoundReads
+from peer.node.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_worker import StageWorker
@@ -240,7 +240,9 @@ class Resync:
         log.info("%s: stage %d at the canonical initial state %s (recomputed)", reason, worker.stage, worker.state_id())
 
     def _fetcher(self, reads: RoundReads) -> SetFetcher:
-        return SetFetcher(reads, self.clients, self.store, self.me.peer_id, min(3.0, self.cfg.swarm.rpc_timeout_s))
+        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
+        clients = cast(ClientPool, SkipDead(self.clients))  # SetFetcher calls get(address).get_payload only
+        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s)
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""

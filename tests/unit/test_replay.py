@@ -19,7 +19,7 @@ from peer.net.transport.messages import StateReply
 from peer.node.claims import Link, entry
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
-from peer.node.replay import Replayer, candidates, chain_record, parse_chain
+from peer.node.replay import Replayer, SkipDead, candidates, chain_record, parse_chain
 from peer.node.resync import Resync
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.round.verify import SetFetcher
@@ -291,3 +291,26 @@ def test_past_the_window_a_joiner_takes_only_an_attesters_state_and_replays_on(h
     joiner = StageWorker(CFG, 0)
     assert resync.sync_state(joiner, "late join", wait_s=0)
     assert joiner.outer_step == 4 and joiner.state_id() == history.state(0) and joiner.verified
+
+
+def test_an_address_that_did_not_answer_is_not_asked_again_in_the_same_replay(history):
+    class Gone:
+        def __init__(self):
+            self.calls = 0
+
+        def get(self, address):
+            pool = self
+
+            class Client:
+                def get_payload(self, req, timeout_s):
+                    pool.calls += 1
+                    raise NetworkError(f"{address} unreachable")
+
+            return Client()
+
+    gone = Gone()
+    skip = SkipDead(gone)
+    for _ in range(3):
+        with pytest.raises(NetworkError):
+            skip.get("a:1").get_payload(None, timeout_s=1.0)
+    assert gone.calls == 1 and skip.dead == {"a:1"}
