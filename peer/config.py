@@ -95,10 +95,25 @@ class SwarmConfig:
     ranges_from: int = 32
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
     shard_topk: int = 0  # entries per tile a range shard keeps (0: sparseloco.topk)
+    # Joining by replay (docs/protocol.md): every holder keeps its committed links and payloads of
+    # the last `history_rounds` rounds (and announcements live history_rounds x round_timeout_s), so a
+    # joiner recomputes the state from one it trusts instead of counting who claims it
+    history_rounds: int = 16
+    # Peer ids whose stage records attest a state (docs/protocol.md, "Joining by replay"): a joiner
+    # whose trusted state is older than the history window downloads a state one of them claims,
+    # checked against its id, and replays on from there. Empty: nobody's (such a joiner waits).
+    attesters: tuple[str, ...] = ()
     # Who may take part, set at the bootstrap: "open", "secret" (peers prove they know a shared
     # secret; the secret itself is never in the config) or "allowlist" (only these peer ids).
     admission: str = "open"
     allowlist: tuple[str, ...] = ()  # peer ids admitted when admission == "allowlist"
+
+
+def history_ttl_s(swarm: SwarmConfig) -> float:
+    """How long a round's signed records (payload announcements, committed links) live: past the round
+    (4 deadlines, at least 2 minutes) and through the history window a joiner replays (`history_rounds`
+    deadlines; a signature cannot be re-checked after its record expired: docs/protocol.md)."""
+    return max(120.0, 4 * swarm.round_timeout_s, swarm.history_rounds * swarm.round_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -422,6 +437,8 @@ def validate(cfg: RunConfig) -> None:
     for name in ("n_shards", "min_replicas"):
         if getattr(w, name) < 1:
             raise ConfigError(f"swarm.{name} must be >= 1, got {getattr(w, name)}")
+    if w.history_rounds < 1:
+        raise ConfigError(f"swarm.history_rounds must be >= 1, got {w.history_rounds}")
     if w.inner_step_replays < 0:
         raise ConfigError(f"swarm.inner_step_replays must be >= 0, got {w.inner_step_replays}")
     if w.admission not in ("open", "secret", "allowlist"):
@@ -430,6 +447,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("swarm.admission='allowlist' needs at least one peer id in swarm.allowlist (--allow-peer ID)")
     if w.allowlist and w.admission != "allowlist":
         raise ConfigError(f"swarm.allowlist is set but swarm.admission is {w.admission!r}; use admission 'allowlist'")
+    for peer_id in w.attesters:
+        if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
+            raise ConfigError(f"swarm.attesters entry {peer_id!r} is not a peer id")
     for peer_id in w.allowlist:
         if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
             raise ConfigError(

@@ -99,7 +99,9 @@ MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
-RoundKind = Literal["round", "roster", "shards"]  # per-round keys: payload announcements, a ranges round's records
+RoundKind = Literal[
+    "round", "roster", "shards", "chain"
+]  # per-round keys: payload announcements, a ranges round's records, committed links
 R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
 # inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never
@@ -484,6 +486,15 @@ class SwarmDHT:
         """{peer id: record} of round (t, stage)'s `kind` records, each parsed by `parse` (None: malformed)."""
         (value,) = self._get_many([self._run_key(f"{kind}.{int(t)}.{int(stage)}")], timeout_s)
         return self._reader.records(value, dht_time(), None, parse)
+
+    def get_rounds(
+        self, wanted: Sequence[tuple[RoundKind, int, int, Callable[[Any], Any]]], timeout_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """`get_round` of many (kind, t, stage, parse) at once, fetched concurrently under one deadline
+        (a joiner's replay reads a window of rounds: `peer.node.replay`)."""
+        keys = [self._run_key(f"{kind}.{int(t)}.{int(stage)}") for kind, t, stage, _ in wanted]
+        values, now = self._get_many(keys, timeout_s), dht_time()
+        return [self._reader.records(v, now, None, w[3]) for v, w in zip(values, wanted, strict=True)]
 
     def current_outer_step(self, timeout_s: float | None = None) -> int:
         """Largest "outer_step" in live replica and stage records (stages 0..n_stages-1), 0 if none."""

@@ -13,10 +13,10 @@ Every payload of a set is named by content (the first `SHA_CHARS` hex chars of i
 bits) and must match a signed announcement of round (t, s) by a sender bound to that replica
 (`peer.node.round.verify`). Because the commit is portable (`peer.core.commit`), a claim whose `prev` is
 a holder's own state can be CHECKED by that holder: recompute the commit of the named payloads and
-compare state ids. Claims are adopted only that way, or — for a peer that holds no comparable
-state (a late joiner, a holder rounds behind) — when a strict majority of the stage's other live
-holders, counted by peer id, claim the same state at a step the swarm's clock admits (`majority`,
-`swarm_clock`): sound against a dishonest minority of identities (docs/protocol.md).
+compare state ids. Claims are adopted only that way: a peer that holds no comparable state (a
+late joiner, a holder rounds behind) replays the rounds from a state it trusts, checking each
+link the same way (`peer.node.replay`). `majority` (counted by peer id, at a step the swarm's clock
+admits: `swarm_clock`) only weighs a same-step state RECONCILE cannot check (docs/protocol.md).
 
 Everything here reads typed records (`peer.net.records`) and returns decisions, so every rule is tested row by row.
 """

@@ -24,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from peer.config import SwarmConfig
+from peer.config import SwarmConfig, history_ttl_s
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.records import NetFields, ReplicaRecord, StageRecord
+from peer.node.claims import Link
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
+from peer.node.replay import publish_links
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class Own:
 
     record: StageRecord | ReplicaRecord
     stage: int | None = None
+    links: tuple[Link, ...] = ()  # a stage's committed links of the history window (`chain.{t}.{s}`)
 
 
 class Serving(Protocol):
@@ -78,6 +81,7 @@ class Records:
         self._publish: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._stages: set[int] = set()
+        self._links: dict[int, dict[int, str]] = {}  # stage → {round: state id} of the links published
 
     def stage(self, worker: StageWorker, role: str) -> Own:
         svc = self.service()
@@ -100,7 +104,9 @@ class Records:
             in_flight=svc.schedule.get("in_flight") if svc else None,  # a head's K (peer.node.pipeline.schedule)
             net=self.net(),  # connectivity, relay, caps, refused calls
         )
-        return Own(record, worker.stage)
+        with worker.lock:
+            links = tuple(worker.ledger.history.values())
+        return Own(record, worker.stage, links)
 
     def replica(
         self,
@@ -143,6 +149,9 @@ class Records:
                 if own.stage is not None:
                     self._stages.add(own.stage)
                     dht.announce_stage(own.stage, own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
+                    # joiners replay these (peer.node.replay): each round's link as finally held
+                    sent = self._links.setdefault(own.stage, {})
+                    publish_links(dht, own.stage, own.links, sent, history_ttl_s(swarm_cfg))
                 else:
                     dht.announce_replica(own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
 

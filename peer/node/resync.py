@@ -9,19 +9,22 @@
   set is genuine and whose state follows from it replaces our commit (`StageWorker.switch`, no
   download); one that names payloads no replica announced, or whose state does not follow, gets
   its holder refused (`peer.node.refusals`). Only when a strict majority of the holders at our
-  step agrees on another state that cannot be checked do we download it.
-- `sync_state`: download the state a strict majority of the stage's other live holders claims
-  (counted by peer id, at a step the swarm's clock admits: `peer.node.claims.majority`), from
-  one of them, hash-checked against that state id (`download_claimed`, which `peer export
-  --initial-peers` checks its downloads with too). No majority: NetworkError, retry later.
-- `late_join`: a worker behind the swarm's clock downloads the majority's state (a resumed
-  checkpoint at or past the clock is kept);
+  step agrees on another state that cannot be checked do we re-sync (`sync_state`: a replay that
+  decides by the canonical order, not by the count).
+- `sync_state`: replay the committed rounds from a state we trust — our own checked state
+  (`StageWorker.verified`) or the canonical initial state, recomputed — checking each round's link
+  by recomputation (`peer.node.replay`, docs/protocol.md "Joining by replay"); nothing is
+  downloaded and nothing is counted. At the swarm's outer step 0 the state is the canonical initial
+  one. No round can be checked: NetworkError, retry later.
+- `late_join`: a worker behind the swarm's clock replays to it (a resumed checkpoint of our own is
+  a trusted start; one at or past the clock is kept);
 - `maintain`: a worker more than `max_lag` rounds behind the clock re-syncs, else `reconcile`;
 (`catch_up`, applying the round after a download as an observer, is a round: `peer.node.round.rounds`.)
 
-Invariants: a state is adopted only through `StageWorker.load_state_dict` (a download) or
-`StageWorker.switch` (a checked recomputation); a peer that (re)synced at t contributes from t + 1
-(`Presence.joined_at`); no majority to sync to is a `NetworkError` that says when to retry.
+Invariants: a state is adopted only through `StageWorker.switch` or `StageWorker.advance` (checked
+recomputations) or `StageWorker.reset_initial` (the canonical initial state); a peer that (re)synced
+at t contributes from t + 1 (`Presence.joined_at`); a state that cannot be verified is a
+`NetworkError` that says why and when to retry.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from peer.config import RunConfig
 from peer.core.codec.format import Payload
@@ -44,9 +47,10 @@ from peer.node.claims import Claim, Entry, better, majority, parse_claims, swarm
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
+from peer.node.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.recheck import Recomputed, recompute_set, stage0_set
-from peer.node.round.verify import Verdict, resolve
+from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_commit import Outcome
 from peer.node.stage_worker import StageWorker
 
@@ -73,10 +77,11 @@ class Resync:
         self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
         self.me, self.refusals, self.metrics = me, refusals, metrics
         self.publish, self.checkpoints = publish, checkpoints
-        self.count = 0  # state downloads adopted over the run
+        self.count = 0  # states adopted over the run (`sync_state`: replayed, or the initial one recomputed)
         self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
         self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
         self.stage0: StageWorker | None = None  # our stage-0 worker, when we hold stage 0 beside others
+        self.replayed: list[Replayed] = []  # every replay of this run (rounds, bytes, seconds)
 
     def clock(self) -> int:
         """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
@@ -84,13 +89,15 @@ class Resync:
         return swarm_clock(others, self.refusals.peers())
 
     def late_join(self, worker: StageWorker) -> None:
-        """If the swarm's clock is past this worker's outer step, download the stage's majority state.
+        """If the swarm's clock is past this worker's outer step, replay the rounds to it (`sync_state`).
 
         A state resumed from a checkpoint at (or past) the clock is kept; one that is behind loses
         to the swarm's (error buffer and optimizer reset, as for any late joiner).
         """
         t_swarm = self.clock()
         resumed = self.checkpoints.resumed_at is not None
+        if resumed:
+            worker.verified = True  # our own checkpoint: a state we trust, replayed on from
         if t_swarm > worker.outer_step:
             if resumed:
                 log.warning(
@@ -122,71 +129,124 @@ class Resync:
         keep_errors: bool = False,
         vote: bool = False,
         wait_s: float | None = None,
-    ) -> None:
-        """Download the state a strict majority of the stage's other holders claims (with our own
-        state as one more vote when `vote`), from one of them, checked against its state id.
+    ) -> bool:
+        """Bring `worker` to the swarm's state by replaying the committed rounds from a state it
+        trusts (`peer.node.replay`), never by counting who claims a state: True when its state changed.
 
-        Holders that just committed and holders still committing the same round split the vote for
-        a moment, and a majority's holders may commit the next round while we download: we read
-        again until a majority's state is served intact, for at most `wait_s` (default
-        `swarm.round_timeout_s`). Raises NetworkError when no majority appears, or none is served.
+        The trusted start: our own state when it was reached by a checked path (`worker.verified`),
+        else the canonical initial state, recomputed (`StageState.reset_initial`); with `vote` (a
+        majority of our step disagrees with us) the initial state when the history window reaches
+        back to it, so the replay decides between the two histories by the canonical order. At the
+        swarm's outer step 0 nothing is replayed: the state is the canonical initial one. Holders
+        that are still committing the last round publish its link a moment later: we replay again
+        until we reach the swarm's clock, for at most `wait_s` (default `swarm.round_timeout_s`).
+        Raises NetworkError (with the reason) when the swarm's state cannot be verified by then;
+        the rounds checked so far are kept.
         """
         deadline = time.monotonic() + (self.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
-        served = True  # no download has failed yet (one that did may have loaded a state it did not claim)
+        before = (worker.outer_step, worker.state_id(), worker.loads)
+        replayer = Replayer(self.cfg, self.dht, self._fetcher, self.refusals)
         while True:
-            holders = self.dht.get_stage_peers(worker.stage)
-            claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
-            clock = max(self.clock(), worker.outer_step)
-            # after a failed download our state may be what a holder served but did not claim: no vote
-            mine = (worker.outer_step, worker.state_id()) if served else None
-            win = majority(claims.values(), clock, mine if vote else None)
-            if win is not None:
-                if (win.outer_step, win.state) == mine:
-                    return
-                if any(
-                    self._download(worker, pid, holders[pid], claims[pid], reason, keep_errors) for pid in win.holders
-                ):
-                    return
-                # nobody served the claimed state intact: most often its holders committed the next
-                # round while we downloaded; read the claims again
-                served = False
-            if time.monotonic() >= deadline:
+            clock = self.clock()
+            if clock == 0 and worker.outer_step == 0:  # no vote where bytes decide (docs/protocol.md)
+                if worker.state_id() != worker.initial_state_id or not worker.verified:
+                    self._reset_initial(worker, keep_errors, reason)
                 break
+            self._start(worker, replayer, vote, clock, keep_errors, reason)
+            vote = False  # the start is chosen once; later tries go on from where the replay stopped
+            done = replayer.run(worker, clock + 1)
+            self.replayed = [*self.replayed[-63:], done]
+            if worker.outer_step >= clock:
+                if done.rounds and self.clock() > clock:  # the swarm went on while we replayed: once more
+                    self.replayed = [*self.replayed[-63:], replayer.run(worker, self.clock() + 1)]
+                break
+            if not done.rounds and self._attested(worker, clock, keep_errors, reason):
+                continue  # beyond the window: an attester's state, replayed on from
+            if time.monotonic() >= deadline:
+                raise NetworkError(
+                    f"stage {worker.stage}: cannot verify the swarm's state (swarm at outer step {clock}, "
+                    f"replayed to {worker.outer_step}): {done.stopped}. A state is adopted only by replaying "
+                    "it from the initial state or our own checked state (docs/protocol.md, 'Joining by "
+                    "replay'); retry when holders serve the rounds"
+                )
             time.sleep(min(1.0, self.cfg.swarm.announce_interval_s))
-        if win is None:
-            raise NetworkError(
-                f"no state of stage {worker.stage} is claimed by a majority of its {len(claims)} other holder(s) "
-                f"(swarm at outer step {clock}); retry when they agree or more holders are online"
+        changed = (worker.outer_step, worker.state_id(), worker.loads) != before
+        if changed:
+            if not keep_errors:
+                worker.fresh_optimizer()  # a late joiner starts with an empty error buffer and AdamW
+            # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
+            self.me.joined_at = max(self.me.joined_at, worker.outer_step + 1)
+            self.count += 1
+            log.info(
+                "%s: stage %d replayed to outer step %d (state %s)",
+                reason,
+                worker.stage,
+                worker.outer_step,
+                worker.state_id(),
             )
-        raise NetworkError(
-            f"none of the {len(win.holders)} holder(s) of stage {worker.stage}'s majority state {win.state} "
-            "served it intact; retry later"
-        )
+            self.metrics.log(
+                "sync", stage=worker.stage, t=worker.outer_step, param_hash=worker.param_hash(), reason=reason
+            )
+            self.publish()
+        return changed
 
-    def _download(
-        self, worker: StageWorker, pid: str, rec: StageRecord, claim: Claim, reason: str, keep_errors: bool
-    ) -> bool:
-        """Adopt `claim`'s state served by `pid`: True when it loaded and has the claimed state id."""
-        if not rec.address:
+    def _start(
+        self, worker: StageWorker, replayer: Replayer, vote: bool, clock: int, keep_errors: bool, reason: str
+    ) -> None:
+        """Put `worker` on the state the replay starts from (sync_state's docstring): our own state
+        when a link goes on from it; else, when our last commit was overtaken, the state we committed
+        it from (`StageState.rewind`); else the canonical initial state when the window reaches back
+        to it. None of them: our own state (the replay then says why it cannot go on)."""
+        stage, held = worker.stage, worker.state_id()
+        if worker.outer_step == 0 and worker.verified and held == worker.initial_state_id:
+            return  # we hold it already
+        if worker.verified and not vote:
+            if worker.outer_step >= clock or replayer.has_links_from(worker.outer_step, stage, held):
+                return
+            prev = worker.ledger.prev
+            if prev is not None and replayer.has_links_from(prev.t, stage, prev.state) and worker.rewind():
+                log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
+                return
+        if not worker.verified or replayer.has_links_from(0, stage, worker.initial_state_id):
+            self._reset_initial(worker, keep_errors, reason)
+
+    def _attested(self, worker: StageWorker, clock: int, keep_errors: bool, reason: str) -> bool:
+        """Download a state that an attester (`swarm.attesters`) claims in its own signed stage record,
+        at a step past ours that the clock admits, checked against its state id (`download_claimed`):
+        a trusted start past the history window. True when one loaded."""
+        attesters = set(self.cfg.swarm.attesters)
+        if not attesters:
             return False
-        errors = worker.state_dict()["errors"] if keep_errors else None  # what we have not sent yet is not lost
-        reply = download_claimed(self.clients, worker, pid, rec.address, claim, errors)
-        if reply is None:
-            return False
-        # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
-        self.me.joined_at = max(self.me.joined_at, reply.outer_step + 1)
-        self.count += 1
-        log.info(
-            "%s: stage %d state at outer step %d from %s (state %s)",
-            reason,
-            worker.stage,
-            reply.outer_step,
-            pid[:12],
-            claim.state,
-        )
-        self.metrics.log("sync", stage=worker.stage, t=reply.outer_step, param_hash=worker.param_hash(), reason=reason)
-        self.publish()
-        return True
+        holders = self.dht.get_stage_peers(worker.stage)
+        claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
+        ours = worker.outer_step
+        found = [c for p, c in claims.items() if p in attesters and ours < c.outer_step <= clock + 1]
+        for claim in sorted(found, key=lambda c: (-c.outer_step, c.state, c.peer)):
+            address = holders[claim.peer].address
+            errors = worker.state_dict()["errors"] if keep_errors else None
+            if address and download_claimed(self.clients, worker, claim.peer, address, claim, errors) is not None:
+                with worker.lock:
+                    worker.verified = True  # attested: a start the manifest names, replayed on from
+                log.info(
+                    "%s: stage %d at the state %s attested by %s at outer step %d",
+                    reason,
+                    worker.stage,
+                    claim.state,
+                    claim.peer[:12],
+                    claim.outer_step,
+                )
+                return True
+        return False
+
+    def _reset_initial(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
+        errors = worker.state_dict()["errors"] if keep_errors else None
+        worker.reset_initial(errors)
+        log.info("%s: stage %d at the canonical initial state %s (recomputed)", reason, worker.stage, worker.state_id())
+
+    def _fetcher(self, reads: RoundReads) -> SetFetcher:
+        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
+        clients = cast(ClientPool, SkipDead(self.clients))  # SetFetcher calls get(address).get_payload only
+        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s)
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""
@@ -227,13 +287,15 @@ class Resync:
         win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
         if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
             return False
-        self.sync_state(
+        changed = self.sync_state(
             worker,
             f"state {mine.state} disagrees with {win.state}, claimed by {len(win.holders)} of "
             f"{len(same) + 1} holders at outer step {worker.outer_step}",
             keep_errors=True,
             vote=True,
         )
+        if not changed:  # the replay kept our state (docs/protocol.md, "Joining by replay")
+            return False
         if prev is not None and not before_round:  # our commit's share of our payload, redone for theirs
             worker.optim.feed_back(prev.adjustment, -1.0)
             if prev.own is not None and (

@@ -33,10 +33,11 @@ HISTORY = 16  # rounds of our own links kept to audit other holders' claims of t
 class RoundLedger:
     """The ban state, claim and round records of one stage's holder."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = HISTORY) -> None:
+        self.keep = keep  # rounds of links kept (`swarm.history_rounds`: served to joiners that replay)
         self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
         self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
-        self.history: dict[int, Link] = {}  # our links of the last HISTORY rounds (claims are audited against them)
+        self.history: dict[int, Link] = {}  # our links of the last `keep` rounds (audits; joiners replay them)
         self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
         self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) until its round commits
         # a ranges round's contribution: (replica id, plan, parts in range order) until its round commits
@@ -55,7 +56,7 @@ class RoundLedger:
         self.last_parts = None
         self.link = link
         self.history[link.t] = link
-        for old in [t for t in self.history if t <= link.t - HISTORY]:
+        for old in [t for t in self.history if t <= link.t - max(HISTORY, self.keep)]:
             del self.history[old]
 
     def adopted(self, bans: Bans, link: Link | None) -> None:

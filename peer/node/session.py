@@ -118,7 +118,7 @@ class Session:
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
         self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
-        self.store = PayloadStore()
+        self.store = PayloadStore(history=cfg.swarm.history_rounds)  # joiners replay the window
         self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, self.outbound)
         watch_pool(self.clients)  # --metrics-port: bytes per gRPC method, read at each scrape
         self.server: PeerServer | None = None

@@ -86,21 +86,20 @@ class StageState:
         self.cfg, self.stage, self.compressed = cfg, stage, compressed
         self.is_first, self.is_last = stage == 0, stage == cfg.stages - 1
         self.device = torch.device(device)
-        self.module: Decoder = build_stage(cfg.model, stage, cfg.stages, cfg.seed)
-        U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
-        w, perp = initial_split(cfg, U)
-        attach_subspace(self.module, w, perp)
+        self.module, U = initial_module(cfg, stage)
         self.module.to(self.device)
         self.U = U.to(self.device)
         self.optim = StageOptimizer(self.module, cfg.train, cfg.sparseloco)
         self.lock = threading.RLock()
         self.outer_step = 0
         self.cache = StartCache(stage_state(self.module))
-        self.ledger = RoundLedger()
-        # the canonical initial state is defined by bytes (docs/protocol.md): every honest holder at
-        # outer step 0 claims exactly this id, so another id at step 0 is false without a vote
-        self.initial_state_id = self.state_id()
+        self.ledger = RoundLedger(cfg.swarm.history_rounds)
         self.loads = 0  # states adopted so far (`load_state_dict`): a change no hash may show (the optimizer)
+        # whether the state was reached by a checked path: the canonical initial state, then only our
+        # own commits, checked switches and replayed rounds; a loaded state is not (docs/protocol.md,
+        # "Joining by replay")
+        self.verified = True
+        self.initial_state_id = self.state_id()  # the canonical initial state's id: recomputed, never voted on
 
     @property
     def start(self) -> Mapping[str, torch.Tensor]:
@@ -353,6 +352,71 @@ class StageState:
                 Link.from_record(link, link.get("state")) if isinstance(link, Mapping) else None,
             )
             self.loads += 1
+            self.verified = False  # whoever loaded it says otherwise (`reset_initial`, a resumed checkpoint)
+            self._reset_step()
+
+    def reset_initial(self, errors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Become the canonical initial state at outer step 0, recomputed from the config (never
+        downloaded); `errors`: the error buffer to keep (default: an empty one)."""
+        start, perp = canonical_state(self.cfg, self.stage)
+        state: dict[str, Any] = {"outer_step": 0, "start": start, "perp": perp}
+        if errors is not None:
+            state["errors"] = errors
+        self.load_state_dict(state)
+        with self.lock:
+            self.verified = True
+
+    def rewind(self) -> bool:
+        """Go back to the state our last round was committed from (`ledger.prev`, kept until the
+        next commit), when the state we hold now was reached by a checked path: a holder whose commit
+        was overtaken replays from there (`peer.node.replay`). What our commit returned to the error
+        buffer is taken back out; the AdamW moments stay. False when no such state is kept."""
+        with self.lock:
+            prev, verified = self.ledger.prev, self.verified
+            if prev is None or not verified or prev.perp is None or self.outer_step != prev.t + 1:
+                return False
+            state: dict[str, Any] = {
+                "outer_step": prev.t,
+                "start": prev.start,
+                "params": prev.start,
+                "perp": prev.perp,
+                "bans": prev.bans.to_record(),
+                **self.optim.state_dict(),
+            }
+            self.load_state_dict(state)
+            self.optim.feed_back(prev.adjustment, -1.0)
+            self.verified = True
+            return True
+
+    def fresh_optimizer(self, keep_errors: bool = False) -> None:
+        """A fresh AdamW and (unless `keep_errors`) an empty error buffer, as any late joiner starts."""
+        with self.lock:
+            errors = self.optim.errors if keep_errors else None
+            self.optim = self.optim.loaded({"errors": errors}, self.stage)
+            self._reset_step()
+
+    def replay(
+        self, committed: Sequence[Payload], replicas: Sequence[str], embed_update: torch.Tensor | None
+    ) -> Outcome:
+        """The commit of the current round with `committed` from our state (nothing changes): a
+        joiner's check of a holder's link (`peer.node.replay`)."""
+        with self.lock:
+            t, start, perp, bans = self.outer_step, self.start, self._perp_cpu(), self.ledger.bans
+        return compute(self.cfg, self.stage, self.U, t, start, perp, bans, committed, replicas, embed_update)
+
+    def advance(self, out: Outcome, committed: Sequence[Payload], embed_set: Sequence[Entry] | None) -> None:
+        """Install `out`, a checked commit of the current round computed by `replay`, as an observer
+        (nothing of ours was in the round); the state stays as verified as it was."""
+        with self.lock:
+            if out.t != self.outer_step:
+                raise ValueError(
+                    f"stage {self.stage}: a commit of round {out.t} does not follow outer step {self.outer_step}"
+                )
+            prev = Prev(out.t, self.start, self._perp_cpu(), self.ledger.bans, self.state_id(), None, None)
+            self.ledger.last_contribution = None
+            self.ledger.last_parts = None
+            self._install(out, make_link(out.t, prev.state, out, committed, embed_set))
+            self.ledger.prev = prev
             self._reset_step()
 
     def param_hash(self) -> str:
@@ -371,3 +435,19 @@ class StageState:
         """(θ_start, T⊥) hashes of the committed state (`StartCache`)."""
         with self.lock:
             return self.cache.hashes(self.outer_step, lambda: perp_of(self.module))
+
+
+def initial_module(cfg: RunConfig, stage: int) -> tuple[Decoder, torch.Tensor]:
+    """The canonical initial stage (CPU) and the basis U: every weight from the seed, T_S/T⊥ split
+    by Π (docs/protocol.md, "The initial state is defined by bytes")."""
+    module = build_stage(cfg.model, stage, cfg.stages, cfg.seed)
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+    w, perp = initial_split(cfg, U)
+    attach_subspace(module, w, perp)
+    return module, U
+
+
+def canonical_state(cfg: RunConfig, stage: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(θ_start, T⊥) of `stage`'s canonical initial state, recomputed (what `reset_initial` loads)."""
+    module, _ = initial_module(cfg, stage)
+    return stage_state(module), perp_of(module).detach().clone()

@@ -73,6 +73,9 @@ class ChaosConfig:
     leave_s: float = 10.0  # at the end every process group gets SIGTERM at once; a slower leave is counted
     startup_timeout_s: float = 240.0
     bootstrap_kill: bool = True
+    # a `kill_fresh` restart joins by replay from the initial state (docs/protocol.md, "Joining by
+    # replay"); a loopback swarm names no attesters, so it keeps its whole history
+    history_rounds: int = 1000
 
     @property
     def stall_s(self) -> float:
@@ -136,6 +139,7 @@ class ChaosRun:
             "PEER_SWARM__ANNOUNCE_INTERVAL_S": str(c.announce_interval_s),
             "PEER_SWARM__CLAIM_TIMEOUT_S": str(3 * c.round_timeout_s),
             "PEER_SWARM__MIN_REPLICAS": "2",
+            "PEER_SWARM__HISTORY_ROUNDS": str(c.history_rounds),
             "PEER_SWARM__CHECKPOINT_EVERY_ROUNDS": "1",
             "PEER_TRAIN__MICROBATCHES": str(c.microbatches),
         }

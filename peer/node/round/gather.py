@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from peer.config import SwarmConfig
+from peer.config import SwarmConfig, history_ttl_s
 from peer.core.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
@@ -106,7 +106,7 @@ class RoundTimings:
         return cls(
             deadline_s=swarm.round_timeout_s,
             grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
-            ttl_s=max(120.0, 4 * swarm.round_timeout_s),  # announcements outlive the round
+            ttl_s=history_ttl_s(swarm),  # announcements outlive the round: a joiner's replay checks them
         )
 
     @property

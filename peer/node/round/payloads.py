@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 
 
 class PayloadStore:
-    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds.
+    """Payloads this process serves, by (outer step, stage); keeps the newest `keep` rounds, and its
+    own and fetched payloads of the newest `history` rounds (a joiner replays them: docs/protocol.md,
+    "Joining by replay").
 
     Besides our own payload of each round it keeps the payloads we fetched from others (by sender),
     so a holder can serve a committed set whose sender died after sending (`gather_round` asks the
@@ -62,7 +64,7 @@ class PayloadStore:
     fetched) and shards instead (`peer.node.round.ranges`).
     """
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 3, history: int = 3) -> None:
         self._data: dict[tuple[int, int], bytes] = {}
         self._fetched: dict[tuple[int, int, str], bytes] = {}
         self._parts: dict[tuple[int, int], list[bytes]] = {}
@@ -70,7 +72,7 @@ class PayloadStore:
         self._fetched_parts: dict[tuple[int, int, str, int], tuple[bytes, tuple[bytes, ...]]] = {}
         self._shards: dict[tuple[int, int, int, str], bytes] = {}
         self._lock = threading.Lock()
-        self.keep = keep
+        self.keep, self.history = keep, max(keep, history)
 
     def put(self, t: int, stage: int, payload: bytes) -> None:
         with self._lock:
@@ -83,16 +85,16 @@ class PayloadStore:
             self._expire(t)
 
     def _expire(self, t: int) -> None:
-        held: tuple[dict[Any, Any], ...] = (
-            self._data,
-            self._fetched,
-            self._parts,
-            self._proofs,
-            self._fetched_parts,
-            self._shards,
+        held: tuple[tuple[dict[Any, Any], int], ...] = (
+            (self._data, self.history),
+            (self._fetched, self.history),
+            (self._parts, self.keep),
+            (self._proofs, self.keep),
+            (self._fetched_parts, self.keep),
+            (self._shards, self.keep),
         )
-        for keyed in held:
-            for key in [k for k in keyed if k[0] <= t - self.keep]:
+        for keyed, rounds in held:
+            for key in [k for k in keyed if k[0] <= t - rounds]:
                 del keyed[key]
 
     def get(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
