@@ -1,14 +1,18 @@
 """Keeping one peer's stages on the swarm's committed state, adopting nothing on a claim alone.
 
 - `reconcile` (after every commit, and before a stage peer's round): the canonical-state check.
-  Every claim is first audited cheaply, whatever its round (`_audit`): a set naming payloads no
-  replica announced, or our own set of a round from our own state with another state, is false.
+  Every claim is first audited cheaply, whatever its round (`peer.node.round.recheck.ClaimChecks`,
+  which makes every check here): a set naming payloads no replica announced, our own set of a round
+  from our own state with another state, or another state than the canonical initial one at outer
+  step 0, is false.
   Claims of the same round from the same state as ours that the canonical order puts first (the
   most committed payloads, then the smallest state id: `peer.node.claims.better`) are CHECKED by
   recomputing their set from the state we committed from (`StageWorker.recompute`): a claim whose
   set is genuine and whose state follows from it replaces our commit (`StageWorker.switch`, no
   download); one that names payloads no replica announced, or whose state does not follow, gets
-  its holder refused (`peer.node.refusals`). Only when a strict majority of the holders at our
+  its holder refused (`peer.node.refusals`); a claim that leaves out our own committed payload, or
+  whose T⊥ moved by another stage-0 set than the one stage 0's majority committed, is never taken,
+  and our own T⊥ is rebased onto that set. Only when a strict majority of the holders at our
   step agrees on another state that cannot be checked do we re-sync (`sync_state`: a replay that
   decides by the canonical order, not by the count).
 - `sync_state`: replay the committed rounds from a state we trust — our own checked state
@@ -31,27 +35,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
-from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateReply, StateRequest
 from peer.node.bans import PREFIX
 from peer.node.checkpoints.peer import PeerCheckpoints
-from peer.node.claims import Claim, Entry, better, majority, parse_claims, swarm_clock
+from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.refusals import Refusals
 from peer.node.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.payloads import PayloadStore
-from peer.node.round.recheck import Recomputed, recompute_set, stage0_set
-from peer.node.round.verify import SetFetcher, Verdict, resolve
-from peer.node.stage_commit import Outcome
+from peer.node.round.recheck import ClaimChecks
+from peer.node.round.verify import SetFetcher
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,7 @@ class Resync:
         self.me, self.refusals, self.metrics = me, refusals, metrics
         self.publish, self.checkpoints = publish, checkpoints
         self.count = 0  # states adopted over the run (`sync_state`: replayed, or the initial one recomputed)
-        self.switches = 0  # commits replaced by a checked better claim (recomputed, no download)
-        self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
-        self.stage0: StageWorker | None = None  # our stage-0 worker, when we hold stage 0 beside others
+        self.checks = ClaimChecks(cfg, dht, clients, store, me.peer_id, refusals, metrics, publish)
         self.replayed: list[Replayed] = []  # every replay of this run (rounds, bytes, seconds)
 
     def clock(self) -> int:
@@ -264,10 +263,10 @@ class Resync:
         """
         holders = self.dht.get_stage_peers(worker.stage)
         claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
-        self._audit(worker, claims.values())
+        self.checks.audit(worker, claims.values())
         claims = {p: c for p, c in claims.items() if p not in self.refusals}
         mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
-        embed = self._stage0_set(worker)
+        embed = self.checks.stage0_set(worker)
         prev = worker.ledger.prev
         own = prev.own[0][:PREFIX] if prev is not None and prev.own is not None else None
         committed = mine.link.replicas if mine.link is not None else []
@@ -278,10 +277,10 @@ class Resync:
                 continue  # its T⊥ moved by another set than stage 0's (or ours, while stage 0's is not known)
             if own in committed and own not in claim.link.replicas:
                 continue  # it leaves out our own payload, which we committed: never adopted
-            if self._check_and_switch(worker, claim, holders):
+            if self.checks.check_and_switch(worker, claim, holders):
                 return True
         stale_embed = embed is not None and mine.link is not None and mine.link.embed not in (None, embed)
-        if stale_embed and embed is not None and self._rebase_embed(worker, embed, holders):
+        if stale_embed and embed is not None and self.checks.rebase_embed(worker, embed, holders):
             return True
         same = [c for c in claims.values() if c.outer_step == worker.outer_step]
         win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
@@ -303,157 +302,6 @@ class Resync:
             ):
                 worker.return_unsent(prev.own[1])
         return True
-
-    def _audit(self, worker: StageWorker, claims: Iterable[Claim]) -> None:
-        """Cheap checks of every claim, whatever its round (once per claim): a set naming payloads
-        no replica announced (`peer.node.round.verify.resolve`), or our own set of that round from our
-        own state with another state, is false: its holder is refused. Claims of other sets are
-        checked by recomputation in `reconcile` (same round and state only)."""
-        reads: dict[tuple[int, int], Mapping[str, Announcement]] = {}
-
-        def announcements(t: int, stage: int) -> Mapping[str, Announcement]:
-            if (t, stage) not in reads:
-                reads[(t, stage)] = self.dht.get_payloads(t, stage)
-            return reads[(t, stage)]
-
-        replicas: Mapping[str, ReplicaRecord] | None = None
-        for c in claims:
-            if (c.peer, c.state) in self._audited:
-                continue
-            if c.link is None:  # an initial, downloaded or resumed state
-                if c.outer_step == 0 and c.state != worker.initial_state_id:
-                    self._audited.add((c.peer, c.state))
-                    reason = f"it claims {c.state} as the initial state, which is {worker.initial_state_id}"
-                    self.refusals.refuse(c.peer, worker.stage, 0, reason)
-                continue
-            self._audited.add((c.peer, c.state))
-            link, ours = c.link, worker.ledger.history.get(c.link.t)
-            if ours is not None and (ours.prev, ours.entries, ours.embed) == (link.prev, link.entries, link.embed):
-                if ours.state != c.state:
-                    self.refusals.refuse(c.peer, worker.stage, link.t, f"it claims state {c.state} for our set")
-                continue
-            replicas = self.dht.get_replicas() if replicas is None else replicas
-            for stage, entries in ((worker.stage, link.entries), (0, link.embed or ())):
-                anns, anns0 = announcements(link.t, stage), announcements(link.t, 0)
-                forged = [e for e in entries if resolve(e, stage, anns, anns0, replicas).verdict is Verdict.FORGED]
-                if forged:
-                    names = ", ".join(r[:12] for r, _ in forged)
-                    reason = f"its committed set names payloads no replica announced ({names})"
-                    self.refusals.refuse(c.peer, worker.stage, link.t, reason)
-                    break
-
-    def _stage0_set(self, worker: StageWorker) -> tuple[Entry, ...] | None:
-        """Stage 0's committed set of the round our stage > 0 last committed (`recheck.stage0_set`):
-        the set T⊥ must have moved by; None on stage 0, in a ranges round, or while stage 0's holders
-        have no strict majority for one set."""
-        link = worker.ledger.link
-        if worker.stage == 0 or link is None or link.embed is None or link.ranges is not None:
-            return None
-        own = self.stage0.ledger.history.get(link.t) if self.stage0 is not None else None
-        holders = self.dht.get_stage_peers(0)
-        mine = own.entries if own is not None and own.ranges is None else None
-        refused = self.refusals.peers() | {self.me.peer_id}
-        return stage0_set(holders, link.t, refused, mine)
-
-    def _recompute(
-        self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord], embed: Sequence[Entry] | None
-    ) -> Recomputed:
-        link = claim.link
-        assert link is not None
-        holder = holders.get(claim.peer)
-        address = holder.address if holder is not None and holder.address else None
-        return recompute_set(
-            self.cfg, self.dht, self.clients, self.store, self.me.peer_id, worker, link.t, link.entries, embed, address
-        )
-
-    def _check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord]) -> bool:
-        """Check `claim` by recomputing its set from the state we committed its round from; switch
-        to it when it holds (True), refuse its holder when it is false (False), or leave it for now
-        when its payloads cannot be fetched (False)."""
-        link, own = claim.link, worker.ledger.link
-        assert link is not None and own is not None
-        if (link.entries, link.embed) == (own.entries, own.embed):
-            self.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
-            return False
-        got = self._recompute(worker, claim, holders, link.embed)
-        if got.forged:
-            names = ", ".join(r[:12] for r, _ in got.forged)
-            self.refusals.refuse(
-                claim.peer, worker.stage, link.t, f"its committed set names payloads no replica announced ({names})"
-            )
-            return False
-        if got.missing:
-            log.info(
-                "stage %d: cannot check the state %s of %s yet (%d payload(s) not available)",
-                worker.stage,
-                claim.state,
-                claim.peer[:12],
-                got.missing,
-            )
-            return False
-        out = got.outcome
-        if out is None:
-            return False
-        if out.state != claim.state:
-            self.refusals.refuse(
-                claim.peer,
-                worker.stage,
-                link.t,
-                f"its state {claim.state} does not follow from its set (gives {out.state})",
-            )
-            return False
-        why = f"the checked state {claim.state} of {claim.peer[:12]}"
-        self._switch(worker, out, got.payloads, link.embed, why, claim.peer)
-        return True
-
-    def _rebase_embed(self, worker: StageWorker, embed: tuple[Entry, ...], holders: Mapping[str, StageRecord]) -> bool:
-        """Our stage > 0 moved T⊥ by another stage-0 set than the one stage 0 committed: recompute our
-        own set with stage 0's set and take it (no download). True if the state changed."""
-        own = worker.ledger.link
-        assert own is not None
-        mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), own)
-        got = self._recompute(worker, mine, holders, embed)
-        if got.outcome is None:
-            log.info("stage %d: T⊥ not moved to stage 0's set of round %d yet (payloads missing)", worker.stage, own.t)
-            return False
-        self._switch(worker, got.outcome, got.payloads, embed, "stage 0's committed set for T⊥", self.me.peer_id)
-        return True
-
-    def _switch(
-        self,
-        worker: StageWorker,
-        out: Outcome,
-        payloads: Sequence[Payload],
-        embed: Sequence[Entry] | None,
-        why: str,
-        peer: str,
-    ) -> None:
-        """Take a checked recomputation of our last round (`StageWorker.switch`), logged and published;
-        `peer`: the holder whose claim it is (ours: a rebase of T⊥ onto stage 0's set)."""
-        own = worker.ledger.link
-        n_before = len(own.entries) if own is not None else 0
-        worker.switch(out, payloads, embed)
-        self.switches += 1
-        log.info(
-            "stage %d round %d: switched to %s (%d payloads; ours had %d)",
-            worker.stage,
-            out.t,
-            why,
-            len(payloads),
-            n_before,
-        )
-        self.metrics.log(
-            "switch",
-            stage=worker.stage,
-            t=worker.outer_step,
-            round=out.t,
-            state=worker.state_id(),
-            param_hash=worker.param_hash(),
-            perp_hash=worker.perp_hash(),
-            peer=peer,
-            why=why,
-        )
-        self.publish()
 
 
 def download_claimed(

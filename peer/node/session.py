@@ -194,7 +194,7 @@ class Session:
         self, workers: dict[int, StageWorker], on_last_step: Callable[[str, int], None] | None = None
     ) -> PeerService:
         """Serve the stage workers over gRPC; returns the service (claims, round state)."""
-        self.resync.stage0 = workers.get(0)  # its set moves the other stages' T⊥ (`Resync.reconcile`)
+        self.resync.checks.stage0 = workers.get(0)  # its set moves the other stages' T⊥ (`Resync.reconcile`)
         tokenizer = {"tokenizer": Path(self.cfg.data.tokenizer).read_bytes()} if self.cfg.data.tokenizer else {}
         self.service = PeerService(  # serves the tokenizer and dataset too: joins work once the bootstrap is gone
             self.cfg,

@@ -6,6 +6,9 @@ A claim names its set and, on a stage > 0, stage 0's set that moved its T⊥ (`p
 started from (`StageWorker.recompute`): the portable commit gives the same bits on every holder, so
 the recomputed state id is the claim's if and only if the claim is true.
 
+`ClaimChecks` makes RECONCILE's checks with them: the audit of every claim, the recomputation of a
+better one before a switch, the rebase of T⊥ onto stage 0's set.
+
 `stage0_set` says which stage-0 set a stage > 0 must move T⊥ by: the set a strict majority of stage
 0's live, unrefused holders (ourselves included when we hold stage 0) claim for the round. T⊥ is one
 tensor across stages after every round only if every stage moves it by that set.
@@ -13,19 +16,25 @@ tensor across stages after every round only if every stage moves it by that set.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from peer.config import RunConfig
 from peer.core.codec.format import Payload
 from peer.core.commit import embedding_update
 from peer.net.pool import ClientPool
-from peer.net.records import StageRecord
-from peer.node.claims import Entry, parse_claims
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
+from peer.node.claims import Claim, Entry, parse_claims
+from peer.node.metrics import MetricsWriter
+from peer.node.refusals import Refusals
 from peer.node.round.payloads import PayloadStore, round_validator
-from peer.node.round.verify import SetFetcher
+from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_commit import Outcome
 from peer.node.stage_worker import StageWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,3 +110,177 @@ def stage0_set(
         if 2 * n > voters:
             return entries
     return None
+
+
+class ClaimChecks:
+    """The checks RECONCILE makes of other holders' claims (docs/protocol.md, RECONCILE and "T⊥ is one
+    tensor"): a cheap audit of every claim, recomputation of a better one before we switch to it, the
+    rebase of our T⊥ onto stage 0's committed set. Refuses the holders of false claims."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dht: Any,
+        clients: ClientPool,
+        store: PayloadStore,
+        me: str,
+        refusals: Refusals,
+        metrics: MetricsWriter,
+        publish: Callable[[], None],
+    ) -> None:
+        self.cfg, self.dht, self.clients, self.store, self.me = cfg, dht, clients, store, me
+        self.refusals, self.metrics, self.publish = refusals, metrics, publish
+        self.switches = 0  # commits replaced by a checked claim (recomputed, no download)
+        self._audited: set[tuple[str, str]] = set()  # (holder, state id) claims already audited
+        self.stage0: StageWorker | None = None  # our stage-0 worker, when we hold stage 0 beside others
+
+    def audit(self, worker: StageWorker, claims: Iterable[Claim]) -> None:
+        """Cheap checks of every claim, whatever its round (once per claim): a set naming payloads
+        no replica announced (`peer.node.round.verify.resolve`), or our own set of that round from our
+        own state with another state, is false: its holder is refused. Claims of other sets are
+        checked by recomputation in `reconcile` (same round and state only)."""
+        reads: dict[tuple[int, int], Mapping[str, Announcement]] = {}
+
+        def announcements(t: int, stage: int) -> Mapping[str, Announcement]:
+            if (t, stage) not in reads:
+                reads[(t, stage)] = self.dht.get_payloads(t, stage)
+            return reads[(t, stage)]
+
+        replicas: Mapping[str, ReplicaRecord] | None = None
+        for c in claims:
+            if (c.peer, c.state) in self._audited:
+                continue
+            if c.link is None:  # an initial, downloaded or resumed state
+                if c.outer_step == 0 and c.state != worker.initial_state_id:
+                    self._audited.add((c.peer, c.state))
+                    reason = f"it claims {c.state} as the initial state, which is {worker.initial_state_id}"
+                    self.refusals.refuse(c.peer, worker.stage, 0, reason)
+                continue
+            self._audited.add((c.peer, c.state))
+            link, ours = c.link, worker.ledger.history.get(c.link.t)
+            if ours is not None and (ours.prev, ours.entries, ours.embed) == (link.prev, link.entries, link.embed):
+                if ours.state != c.state:
+                    self.refusals.refuse(c.peer, worker.stage, link.t, f"it claims state {c.state} for our set")
+                continue
+            replicas = self.dht.get_replicas() if replicas is None else replicas
+            for stage, entries in ((worker.stage, link.entries), (0, link.embed or ())):
+                anns, anns0 = announcements(link.t, stage), announcements(link.t, 0)
+                forged = [e for e in entries if resolve(e, stage, anns, anns0, replicas).verdict is Verdict.FORGED]
+                if forged:
+                    names = ", ".join(r[:12] for r, _ in forged)
+                    reason = f"its committed set names payloads no replica announced ({names})"
+                    self.refusals.refuse(c.peer, worker.stage, link.t, reason)
+                    break
+
+    def stage0_set(self, worker: StageWorker) -> tuple[Entry, ...] | None:
+        """Stage 0's committed set of the round our stage > 0 last committed (`recheck.stage0_set`):
+        the set T⊥ must have moved by; None on stage 0, in a ranges round, or while stage 0's holders
+        have no strict majority for one set."""
+        link = worker.ledger.link
+        if worker.stage == 0 or link is None or link.embed is None or link.ranges is not None:
+            return None
+        own = self.stage0.ledger.history.get(link.t) if self.stage0 is not None else None
+        holders = self.dht.get_stage_peers(0)
+        mine = own.entries if own is not None and own.ranges is None else None
+        refused = self.refusals.peers() | {self.me}
+        return stage0_set(holders, link.t, refused, mine)
+
+    def _recompute(
+        self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord], embed: Sequence[Entry] | None
+    ) -> Recomputed:
+        link = claim.link
+        assert link is not None
+        holder = holders.get(claim.peer)
+        address = holder.address if holder is not None and holder.address else None
+        return recompute_set(
+            self.cfg, self.dht, self.clients, self.store, self.me, worker, link.t, link.entries, embed, address
+        )
+
+    def check_and_switch(self, worker: StageWorker, claim: Claim, holders: Mapping[str, StageRecord]) -> bool:
+        """Check `claim` by recomputing its set from the state we committed its round from; switch
+        to it when it holds (True), refuse its holder when it is false (False), or leave it for now
+        when its payloads cannot be fetched (False)."""
+        link, own = claim.link, worker.ledger.link
+        assert link is not None and own is not None
+        if (link.entries, link.embed) == (own.entries, own.embed):
+            self.refusals.refuse(claim.peer, worker.stage, link.t, f"it claims state {claim.state} for our set")
+            return False
+        got = self._recompute(worker, claim, holders, link.embed)
+        if got.forged:
+            names = ", ".join(r[:12] for r, _ in got.forged)
+            self.refusals.refuse(
+                claim.peer, worker.stage, link.t, f"its committed set names payloads no replica announced ({names})"
+            )
+            return False
+        if got.missing:
+            log.info(
+                "stage %d: cannot check the state %s of %s yet (%d payload(s) not available)",
+                worker.stage,
+                claim.state,
+                claim.peer[:12],
+                got.missing,
+            )
+            return False
+        out = got.outcome
+        if out is None:
+            return False
+        if out.state != claim.state:
+            self.refusals.refuse(
+                claim.peer,
+                worker.stage,
+                link.t,
+                f"its state {claim.state} does not follow from its set (gives {out.state})",
+            )
+            return False
+        why = f"the checked state {claim.state} of {claim.peer[:12]}"
+        self._switch(worker, out, got.payloads, link.embed, why, claim.peer)
+        return True
+
+    def rebase_embed(self, worker: StageWorker, embed: tuple[Entry, ...], holders: Mapping[str, StageRecord]) -> bool:
+        """Our stage > 0 moved T⊥ by another stage-0 set than the one stage 0 committed: recompute our
+        own set with stage 0's set and take it (no download). True if the state changed."""
+        own = worker.ledger.link
+        assert own is not None
+        mine = Claim(self.me, worker.outer_step, worker.state_id(), own)
+        got = self._recompute(worker, mine, holders, embed)
+        if got.outcome is None:
+            log.info("stage %d: T⊥ not moved to stage 0's set of round %d yet (payloads missing)", worker.stage, own.t)
+            return False
+        self._switch(worker, got.outcome, got.payloads, embed, "stage 0's committed set for T⊥", self.me)
+        return True
+
+    def _switch(
+        self,
+        worker: StageWorker,
+        out: Outcome,
+        payloads: Sequence[Payload],
+        embed: Sequence[Entry] | None,
+        why: str,
+        peer: str,
+    ) -> None:
+        """Take a checked recomputation of our last round (`StageWorker.switch`), logged and published;
+        `peer`: the holder whose claim it is (ours: a rebase of T⊥ onto stage 0's set)."""
+        own = worker.ledger.link
+        n_before = len(own.entries) if own is not None else 0
+        worker.switch(out, payloads, embed)
+        self.switches += 1
+        log.info(
+            "stage %d round %d: switched to %s (%d payloads; ours had %d)",
+            worker.stage,
+            out.t,
+            why,
+            len(payloads),
+            n_before,
+        )
+        self.metrics.log(
+            "switch",
+            stage=worker.stage,
+            t=worker.outer_step,
+            round=out.t,
+            state=worker.state_id(),
+            param_hash=worker.param_hash(),
+            perp_hash=worker.perp_hash(),
+            peer=peer,
+            why=why,
+        )
+        self.publish()
