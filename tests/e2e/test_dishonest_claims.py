@@ -185,7 +185,7 @@ def test_a_perp_splitter_never_moves_stage_1s_perp_apart_from_stage_0s(swarm_fac
 
 # ------------------------------------------------------------------------------------ colluders
 COLLUDERS = ("c1", "c2", "c3")
-T_COLLUDE = 30  # the late peer joins after round 2 and takes 15–25 s (~20 rounds here) to come up
+T_COLLUDE = 18  # the late peer joins after round 2 and takes 10–30 s (~3–8 rounds here) to come up
 JOIN_AFTER = 2  # the late stage-1 peer joins once an honest replica committed this round
 
 
