@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.e2e.cli_swarm import DEADLINES
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
@@ -74,7 +76,9 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
 
 def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
     T = 30  # long enough for a kill, a rejoin and a graceful leave mid-run
-    sw = swarm_factory(outer_steps=T, min_replicas=3)
+    # head2 joins by replay from the initial state (docs/protocol.md, "Joining by replay"), about 20
+    # rounds in: the holders keep the whole run's history (this swarm names no attesters)
+    sw = swarm_factory(outer_steps=T, min_replicas=3, deadlines={**DEADLINES, "PEER_SWARM__HISTORY_ROUNDS": str(T)})
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full-a", "--full-replica")
@@ -94,7 +98,7 @@ def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
     sw.wait_for(lambda: max(sw.rounds("full-b")) >= t_kill + 2)
     sw.wait_for(lambda: max(sw.rounds("s1"), default=-1) >= t_kill + 2)  # as a hot spare
 
-    # a new head joins: it downloads stage 0 from the full replica and claims the spare
+    # a new head joins: it replays stage 0 over the rounds the full replica kept and claims the spare
     sw.join("head2", "--stage", "0")
     sw.wait_for(lambda: sw.events("head2", "sync") and sw.events("head2", "round"))
 
