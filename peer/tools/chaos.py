@@ -5,8 +5,9 @@ pipeline head, two stage-1 peers (one a hot spare) and a full replica of the `ti
 as real `python -m peer` processes with short deadlines, waits for the first committed round, then
 injects `faults` faults one at a time, each on a random non-bootstrap role:
 - ``kill_resume`` / ``kill_fresh``: ``kill -9``, restart with --resume (same key and data) or with a
-  fresh data directory (the role's key is kept: every role is one of the run's attesters, whose
-  state a fresh joiner past the replay window may take: docs/protocol.md, "Joining by replay");
+  fresh data directory and a new key (a new peer; every incarnation's key is made before the run and
+  is one of its attesters, whose state a fresh joiner past the replay window may take:
+  docs/protocol.md, "Joining by replay");
 - ``term_resume``: SIGTERM (a clean leave), restart with --resume;
 - ``stop``: SIGSTOP for a few seconds, then SIGCONT;
 - ``long_stop``: SIGSTOP for longer than two round deadlines (a frozen machine, a long swap), then
@@ -77,7 +78,7 @@ class ChaosConfig:
     bootstrap_kill: bool = True
     # a restart replays from its own state or the initial one (docs/protocol.md, "Joining by replay");
     # past the window (payloads kept in memory die with their holders) it takes an attester's state:
-    # every role keeps one key across restarts and every role is an attester (they run our code)
+    # every incarnation of every role is an attester (they run our code; keys made before the run)
     history_rounds: int = 16
 
     @property
@@ -143,7 +144,9 @@ class ChaosRun:
             "PEER_SWARM__CLAIM_TIMEOUT_S": str(3 * c.round_timeout_s),
             "PEER_SWARM__MIN_REPLICAS": "2",
             "PEER_SWARM__HISTORY_ROUNDS": str(c.history_rounds),
-            "PEER_SWARM__ATTESTERS": ",".join(make_identity(self._key(name)) for name in self.roles),
+            "PEER_SWARM__ATTESTERS": ",".join(
+                make_identity(self._key(holder_name(name, g))) for name in self.roles for g in range(c.faults + 1)
+            ),
             "PEER_SWARM__CHECKPOINT_EVERY_ROUNDS": "1",
             "PEER_TRAIN__MICROBATCHES": str(c.microbatches),
         }
@@ -187,14 +190,15 @@ class ChaosRun:
             time.sleep(0.2)
         raise NetworkError(f"the bootstrap did not come up; see {self.workdir}/bootstrap.log")
 
-    def _key(self, name: str) -> Path:
-        """A role's key, kept across its restarts (a `kill_fresh` restart is fresh data, same key)."""
-        return self.workdir / f"{name}.identity.key"
+    def _key(self, holder: str) -> Path:
+        """The key of one incarnation of a role (`holder_name`): kept by a `--resume` restart, new for a
+        `kill_fresh` one (a new peer). Made before the run, so each is one of its attesters."""
+        return self.workdir / f"{holder}.identity.key"
 
     def start(self, role: Role, resume: bool) -> None:
         data_dir = self.workdir / role.data_dir_name
         flags = [*role.flags, "--host", LOOPBACK, "--initial-peers", self.maddr, "--data-dir", data_dir]
-        flags += ["--identity", self._key(role.name), "--device", "cpu", "--manifest-timeout-s", 60]
+        flags += ["--identity", self._key(role.data_dir_name), "--device", "cpu", "--manifest-timeout-s", 60]
         argv = peer_command("join", *flags, *(["--resume"] if resume else []))
         role.child = self.children.spawn(role.data_dir_name, argv)
         metrics = data_dir / "metrics.jsonl"
