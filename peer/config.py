@@ -95,9 +95,8 @@ class SwarmConfig:
     ranges_from: int = 32
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
     shard_topk: int = 0  # entries per tile a range shard keeps (0: sparseloco.topk)
-    # Joining by replay (docs/protocol.md): every holder keeps its committed links and payloads of
-    # the last `history_rounds` rounds (and announcements live history_rounds x round_timeout_s), so a
-    # joiner recomputes the state from one it trusts instead of counting who claims it
+    # Joining by replay (docs/protocol.md): holders keep their committed links and payloads of the last
+    # `history_rounds` rounds (`history_ttl_s`), so a joiner recomputes the state instead of counting
     history_rounds: int = 16
     # Peer ids whose stage records attest a state (docs/protocol.md, "Joining by replay"): a joiner
     # whose trusted state is older than the history window downloads a state one of them claims,
@@ -110,9 +109,9 @@ class SwarmConfig:
 
 
 def history_ttl_s(swarm: SwarmConfig) -> float:
-    """How long a round's signed records (payload announcements, committed links) live: past the round
-    (4 deadlines, at least 2 minutes) and through the history window a joiner replays (`history_rounds`
-    deadlines; a signature cannot be re-checked after its record expired: docs/protocol.md)."""
+    """How long a round's signed records (payload announcements, committed links) live: past the
+    round (4 deadlines, at least 2 minutes) and through the history window a joiner replays
+    (`history_rounds` deadlines; a signature cannot be re-checked after its record expired)."""
     return max(120.0, 4 * swarm.round_timeout_s, swarm.history_rounds * swarm.round_timeout_s)
 
 
@@ -434,11 +433,9 @@ def validate(cfg: RunConfig) -> None:
     for name in ("rpc_timeout_s", "round_timeout_s", "record_ttl_s", "announce_interval_s", "claim_timeout_s"):
         if not getattr(w, name) > 0:
             raise ConfigError(f"swarm.{name} must be > 0 seconds, got {getattr(w, name)}")
-    for name in ("n_shards", "min_replicas"):
+    for name in ("n_shards", "min_replicas", "history_rounds"):
         if getattr(w, name) < 1:
             raise ConfigError(f"swarm.{name} must be >= 1, got {getattr(w, name)}")
-    if w.history_rounds < 1:
-        raise ConfigError(f"swarm.history_rounds must be >= 1, got {w.history_rounds}")
     if w.inner_step_replays < 0:
         raise ConfigError(f"swarm.inner_step_replays must be >= 0, got {w.inner_step_replays}")
     if w.admission not in ("open", "secret", "allowlist"):
@@ -447,13 +444,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("swarm.admission='allowlist' needs at least one peer id in swarm.allowlist (--allow-peer ID)")
     if w.allowlist and w.admission != "allowlist":
         raise ConfigError(f"swarm.allowlist is set but swarm.admission is {w.admission!r}; use admission 'allowlist'")
-    for peer_id in w.attesters:
-        if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
-            raise ConfigError(f"swarm.attesters entry {peer_id!r} is not a peer id")
-    for peer_id in w.allowlist:
+    for name, peer_id in [("attesters", p) for p in w.attesters] + [("allowlist", p) for p in w.allowlist]:
         if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,128}", peer_id):
             raise ConfigError(
-                f"swarm.allowlist entry {peer_id!r} is not a peer id; print one with "
+                f"swarm.{name} entry {peer_id!r} is not a peer id; print one with "
                 "`peer bootstrap --identity FILE --print-peer-id`"
             )
     if w.checkpoint_every_rounds < 0:

@@ -99,9 +99,8 @@ MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
-RoundKind = Literal[
-    "round", "roster", "shards", "chain"
-]  # per-round keys: payload announcements, a ranges round's records, committed links
+# per-round keys: payload announcements, a ranges round's records, committed links
+RoundKind = Literal["round", "roster", "shards", "chain"]
 R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
 # inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never
@@ -484,8 +483,7 @@ class SwarmDHT:
         self, kind: RoundKind, t: int, stage: int, parse: Callable[[Any], R | None], timeout_s: float | None = None
     ) -> dict[str, R]:
         """{peer id: record} of round (t, stage)'s `kind` records, each parsed by `parse` (None: malformed)."""
-        (value,) = self._get_many([self._run_key(f"{kind}.{int(t)}.{int(stage)}")], timeout_s)
-        return self._reader.records(value, dht_time(), None, parse)
+        return self.get_rounds([(kind, t, stage, parse)], timeout_s)[0]
 
     def get_rounds(
         self, wanted: Sequence[tuple[RoundKind, int, int, Callable[[Any], Any]]], timeout_s: float | None = None
