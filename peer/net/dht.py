@@ -99,8 +99,8 @@ MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
-# per-round keys: payload announcements, a ranges round's records, committed links
-RoundKind = Literal["round", "roster", "shards", "chain"]
+RoundKind = Literal["round", "roster", "shards", "chain"]  # announcements, a ranges round's records, links
+RoundRead = tuple[RoundKind, int, int, Callable[[Any], Any]]  # (kind, t, stage, parse): `SwarmDHT.get_rounds`
 R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
 # inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never
@@ -472,22 +472,18 @@ class SwarmDHT:
 
     def get_payloads(self, outer_step: int, stage: int, timeout_s: float | None = None) -> dict[str, Announcement]:
         """{peer id: announcement} of payloads announced for round (outer_step, stage)."""
-        return self.get_round("round", outer_step, stage, Announcement.parse, timeout_s)
+        return self.get_rounds([("round", outer_step, stage, Announcement.parse)], timeout_s)[0]
 
     def announce_round(self, kind: RoundKind, t: int, stage: int, record: Mapping[str, Any], ttl_s: float) -> None:
         """Publish this peer's `kind` record of round (t, stage) (a payload announcement, or a ranges
         round's roster or shard hashes: `peer.net.range_records`)."""
         self._announce(self._run_key(f"{kind}.{int(t)}.{int(stage)}"), record, ttl_s, None)
 
-    def get_round(
-        self, kind: RoundKind, t: int, stage: int, parse: Callable[[Any], R | None], timeout_s: float | None = None
-    ) -> dict[str, R]:
+    def get_round(self, kind: RoundKind, t: int, stage: int, parse: Callable[[Any], R | None]) -> dict[str, R]:
         """{peer id: record} of round (t, stage)'s `kind` records, each parsed by `parse` (None: malformed)."""
-        return self.get_rounds([(kind, t, stage, parse)], timeout_s)[0]
+        return self.get_rounds([(kind, t, stage, parse)])[0]
 
-    def get_rounds(
-        self, wanted: Sequence[tuple[RoundKind, int, int, Callable[[Any], Any]]], timeout_s: float | None = None
-    ) -> list[dict[str, Any]]:
+    def get_rounds(self, wanted: Sequence[RoundRead], timeout_s: float | None = None) -> list[dict[str, Any]]:
         """`get_round` of many (kind, t, stage, parse) at once, fetched concurrently under one deadline
         (a joiner's replay reads a window of rounds: `peer.node.replay`)."""
         keys = [self._run_key(f"{kind}.{int(t)}.{int(stage)}") for kind, t, stage, _ in wanted]
