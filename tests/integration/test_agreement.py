@@ -541,3 +541,25 @@ def test_a_holder_frozen_past_the_deadline_rereads_and_never_takes_a_set_without
     refusals = Refusals()
     result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0, refusals=refusals)
     assert result.followed is None and result.replicas == ["me", "o"] and "o" not in refusals
+
+
+def test_a_claim_leaving_out_a_sender_whose_records_lapsed_is_no_proof_of_censorship():
+    # o's records lapsed for a moment (a frozen process): an honest holder may have given its payload
+    # up, so a claim without it is not followed, but its holder is not refused either
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica(), "late": _replica()}  # "late" keeps the round open
+    _other(dht, clients, "o", _payload(1), closes=dht_time() + 30)
+    refusals = Refusals()
+    done: list = []
+    gather = lambda: done.append(_gather(dht, clients, ("me", _payload(2)), 30, 0.3, refusals, ["me", "o"]))  # noqa: E731
+    th = threading.Thread(target=gather)
+    th.start()
+    assert dht.polled(3)
+    dht.replicas = {"me": _replica(), "late": _replica()}  # o's records lapse...
+    assert dht.polled(3)
+    dht.replicas = {"me": _replica(), "o": _replica(), "late": _replica()}  # ...and come back
+    dht.holders = {"c": _claim(("me", _payload(2)))}  # a claim without o, well before any deadline
+    assert dht.polled(5) and th.is_alive() and "c" not in refusals
+    dht.replicas = {"me": _replica(), "o": _replica()}  # "late" leaves: the round is complete
+    th.join(10)
+    assert done and done[0].followed is None and done[0].replicas == ["me", "o"] and "c" not in refusals

@@ -11,8 +11,9 @@ the earliest deadline any contributor announced (`closes`): a contributor's dead
 announced one, and an observer starts gathering once the round is announced. So a claim from the
 state we committed round t from (the same bans: the same replicas expected), seen more than the
 grace before that earliest deadline, that leaves out a payload we validated, of a replica committed
-in our previous round (every holder expects it) whose sender was alive, cannot come from an honest
-close: its holder is refused (`censored`). The grace absorbs clocks and record propagation. A censor
+in our previous round (every holder expects it) whose sender was alive at every poll of our gather
+(records that lapsed once — a frozen process — may have made an honest holder give it up), cannot
+come from an honest close: its holder is refused (`censored`). The grace absorbs clocks and record propagation. A censor
 that waits for the earliest deadline looks like a slow honest holder and is not refused — nor
 followed.
 

@@ -220,6 +220,7 @@ class _Gather:
         self.watch = CensorWatch(refusals, stage, timings.grace_s)
         self.evidence: Evidence | None = None  # what the last poll showed of round t (RoundResult.evidence)
         self.previous: Evidence | None = None  # what we saw of round t − 1: claims of it are judged too
+        self.lapsed: set[str] = set()  # replicas whose sender was not alive at some poll of this gather
         self.unfetchable: set[tuple[str, str]] = set()  # claims whose set we could not fetch within the grace
         self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
@@ -374,11 +375,12 @@ class _Gather:
     def _evidence(self, read: _Read) -> Evidence | None:
         """What this poll shows of round t, to judge claims of it (`peer.node.round.censors`)."""
         bound = {rid: sender for sender, (rid, _) in read.view.bound.items()}
-        alive = {
-            rid
-            for rid in self.held.data
-            if bound.get(rid, self.me) == self.me or sender_alive(bound[rid], read.holders, read.replicas)
-        }
+        for rid, sender in bound.items():
+            if sender != self.me and not sender_alive(sender, read.holders, read.replicas):
+                self.lapsed.add(rid)
+        # alive at every poll of this gather: a sender whose records lapsed once (a frozen process)
+        # may have been given up by an honest holder, which is then no censor for leaving it out
+        alive = {rid for rid in self.held.data if rid not in self.lapsed}
         closes = [ann.closes for _, ann in read.view.bound.values()] + [self.my_closes]
         return evidence(self.t, self.prev, self.held.data, self.established, alive, closes)
 
