@@ -42,6 +42,9 @@ def _rank(rank: int, store: str, out: str) -> None:
         ddp = DataParallel(chain, lambda x, y: chain_loss(chain, x, y))
         accumulate(ddp.forward(), *_batch(chain, rank), ddp.n_micro)
         torch.save(_grads(chain), f"{out}/{rank}.pt")
+        # both ranks are done before either tears gloo down: a rank that exits while its peer still
+        # talks to it can abort in gloo's threads ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
