@@ -32,16 +32,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from peer.config import RunConfig
-from peer.core.commit import embedding_update
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.records import Announcement
 from peer.node.claims import Entry, Link
 from peer.node.refusals import Refusals
-from peer.node.round.payloads import round_validator
+from peer.node.round.recheck import fetch_set
 from peer.node.round.verify import SetFetcher
 from peer.node.stage_worker import StageWorker
 
@@ -266,27 +263,16 @@ class Replayer:
         link, stage, t = cand.link, worker.stage, cand.link.t
         if link.ranges is not None:
             return "a ranges round (replaying one is not supported yet)"
-        got = fetcher.fetch(t, stage, link.entries, round_validator(self.cfg, worker, stage), n_stages=self.cfg.stages)
+        got = fetch_set(self.cfg, fetcher, worker, t, link.entries, link.embed)
         if got.forged:
             return self._refuse(cand, stage, "its link names payloads no replica announced")
-        if not got.complete:
-            return f"{len(got.missing)} payload(s) not available (announcements expired, or nobody serves them)"
-        embed_update: torch.Tensor | None = None
-        if link.embed is not None and stage != 0:
-            got0 = fetcher.fetch(t, 0, link.embed, round_validator(self.cfg, worker, 0), n_stages=self.cfg.stages)
-            if got0.forged:
-                return self._refuse(cand, stage, "its embedding set names payloads no replica announced")
-            if not got0.complete:
-                return f"{len(got0.missing)} stage-0 payload(s) not available"
-            if got0.payloads:
-                keys = [got0.replicas[e] for e in link.embed]
-                embed_update = embedding_update(
-                    [got0.payloads[e][1] for e in link.embed], self.cfg.sparseloco, keys=keys
-                )
-            done.bytes += sum(len(got0.payloads[e][0]) for e in link.embed)
-        payloads = [got.payloads[e][1] for e in link.entries]
-        done.bytes += sum(len(got.payloads[e][0]) for e in link.entries)
-        out = worker.replay(payloads, [got.replicas[e] for e in link.entries], embed_update)
+        if got.forged_embed:
+            return self._refuse(cand, stage, "its embedding set names payloads no replica announced")
+        if got.missing:
+            return f"{got.missing} payload(s) not available (announcements expired, or nobody serves them)"
+        done.bytes += got.nbytes
+        payloads = got.payloads
+        out = worker.replay(payloads, got.replicas, got.embed_update)
         if out.state != link.state:
             return self._refuse(cand, stage, f"its state {link.state} does not follow from its set (gives {out.state})")
         worker.advance(out, payloads, link.embed)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from peer.config import RunConfig
 from peer.core.codec.format import Payload
 from peer.core.commit import embedding_update
@@ -48,6 +50,57 @@ class Recomputed:
     missing: int = 0
 
 
+@dataclass
+class SetBytes:
+    """A committed set fetched by content (`fetch_set`): its parsed payloads and replica ids in commit
+    order, stage 0's embedding change its `embed` names, what could not be had, and the bytes read."""
+
+    payloads: list[Payload] = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)
+    embed_update: torch.Tensor | None = None
+    forged: list[Entry] = field(default_factory=list)  # entries of the set no replica announced
+    forged_embed: list[Entry] = field(default_factory=list)  # entries of the embed set no replica announced
+    missing: int = 0  # entries nobody served (either set)
+    nbytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.forged and not self.forged_embed and not self.missing
+
+
+def fetch_set(
+    cfg: RunConfig,
+    fetcher: SetFetcher,
+    worker: StageWorker,
+    t: int,
+    entries: Sequence[Entry],
+    embed: Sequence[Entry] | None,
+    claimer_address: str | None = None,
+) -> SetBytes:
+    """Round t's set `entries` of our stage and, on a stage > 0, stage 0's set `embed` that moves T⊥
+    (its embedding change, `embedding_update`, fused: no dense Δ̂), each entry proven genuine: the one
+    fetch of a claimed set that RECONCILE and the replay both recompute from."""
+    parse = round_validator(cfg, worker, worker.stage)
+    got = fetcher.fetch(t, worker.stage, entries, parse, claimer_address=claimer_address, n_stages=cfg.stages)
+    out = SetBytes(forged=list(got.forged), missing=len(got.missing))
+    if not got.complete:
+        return out
+    if embed is not None and worker.stage != 0:
+        parse0 = round_validator(cfg, worker, 0)
+        got0 = fetcher.fetch(t, 0, embed, parse0, claimer_address=claimer_address, n_stages=cfg.stages)
+        out.forged_embed, out.missing = list(got0.forged), len(got0.missing)
+        if not got0.complete:
+            return out
+        if got0.payloads:
+            keys = [got0.replicas[e] for e in embed]
+            out.embed_update = embedding_update([got0.payloads[e][1] for e in embed], cfg.sparseloco, keys=keys)
+        out.nbytes += sum(len(got0.payloads[e][0]) for e in embed)
+    out.payloads = [got.payloads[e][1] for e in entries]
+    out.replicas = [got.replicas[e] for e in entries]
+    out.nbytes += sum(len(got.payloads[e][0]) for e in entries)
+    return out
+
+
 def recompute_set(
     cfg: RunConfig,
     dht: object,
@@ -62,25 +115,13 @@ def recompute_set(
 ) -> Recomputed:
     """The commit of round t with set `entries` (and, on a stage > 0, T⊥ moved by stage 0's set
     `embed`) from the state we committed round t from; nothing changes on the worker."""
-    timeout_s = min(3.0, cfg.swarm.rpc_timeout_s)
-    fetcher = SetFetcher(dht, clients, store, me, timeout_s)
-    parse = round_validator(cfg, worker, worker.stage)
-    got = fetcher.fetch(t, worker.stage, entries, parse, claimer_address=claimer_address, n_stages=cfg.stages)
-    out = Recomputed(forged=list(got.forged), missing=len(got.missing))
-    embed_update = None
-    if got.complete and embed is not None and worker.stage != 0:
-        parse0 = round_validator(cfg, worker, 0)
-        got0 = fetcher.fetch(t, 0, embed, parse0, claimer_address=claimer_address, n_stages=cfg.stages)
-        out.forged += got0.forged
-        out.missing += len(got0.missing)
-        if got0.complete and got0.payloads:
-            keys = [got0.replicas[e] for e in embed]
-            parsed = [got0.payloads[e][1] for e in embed]  # fused: no dense Δ̂
-            embed_update = embedding_update(parsed, cfg.sparseloco, keys=keys)
-    if out.forged or out.missing:
+    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s))
+    got = fetch_set(cfg, fetcher, worker, t, entries, embed, claimer_address)
+    out = Recomputed(forged=got.forged + got.forged_embed, missing=got.missing)
+    if not got.complete:
         return out
-    out.payloads = [got.payloads[e][1] for e in entries]
-    out.outcome = worker.recompute(out.payloads, [got.replicas[e] for e in entries], embed_update)
+    out.payloads = got.payloads
+    out.outcome = worker.recompute(got.payloads, got.replicas, got.embed_update)
     return out
 
 
