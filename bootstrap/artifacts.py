@@ -9,8 +9,9 @@ disk (`peer.node.dataset_serve`). Every artefact is answered from `ArtifactReque
 Invariants: an artefact is added once and never changed (the manifest names the gRPC address, so
 it is added right after the server is listening; until then asking for it answers NOT_FOUND);
 handler calls may run concurrently, so the artefact table and counters sit behind one lock. The
-bootstrap holds no stage, so every training RPC (forward, backward, step, get_payload, get_state)
-is answered NOT_FOUND with a message that says where to go.
+bootstrap holds no stage, so every training RPC (forward, backward, step) is answered NOT_FOUND with
+a message that says where to go; `get_state` and `get_payload` answer the states its attester
+reached and the payloads it fetched in the history window (`bootstrap.attester`), NOT_FOUND else.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.net.transport import (
     ArtifactRequest,
@@ -38,6 +39,9 @@ from peer.net.transport import (
     TransportError,
 )
 from peer.node.dataset_serve import INDEX_ARTIFACT, DatasetServer, is_dataset_artifact
+
+if TYPE_CHECKING:
+    from bootstrap.attester import Attester
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class ArtifactHandler:
         self, artifacts: Mapping[str, bytes], identity: Mapping[str, Any], dataset: DatasetServer | None = None
     ):
         self.dataset = dataset or DatasetServer()
+        self.attester: Attester | None = None  # set once it runs: attested states for `get_state`
         self._artifacts: dict[str, bytes] = {}
         self._identity = dict(identity)
         self._started = time.monotonic()
@@ -120,6 +125,8 @@ class ArtifactHandler:
         out["dataset"] = self.dataset.info()
         out["uptime_s"] = round(time.monotonic() - self._started, 3)
         out.update(self.stats())
+        if self.attester is not None:
+            out["attested"] = self.attester.info()
         return out
 
     def _not_served(self, method: str) -> NotFoundError:
@@ -139,7 +146,18 @@ class ArtifactHandler:
         raise self._not_served("step")
 
     def get_payload(self, request: PayloadRequest) -> bytes:
-        raise self._not_served("get_payload")
+        """A payload its attester fetched in the history window (sender named), for joiners replaying."""
+        sender = request.sender or None
+        data = None if self.attester is None or sender is None else self.attester.payload(request)
+        if data is None:
+            raise self._not_served("get_payload")
+        self.count("payloads_served")
+        return data
 
     def get_state(self, request: StateRequest) -> StateReply:
-        raise self._not_served("get_state")
+        """The state the bootstrap's attester reached for the stage (`bootstrap.attester`)."""
+        reply = None if self.attester is None else self.attester.state_reply(request.stage)
+        if reply is None:
+            raise self._not_served("get_state")
+        self.count("states_served")
+        return reply

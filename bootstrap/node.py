@@ -11,6 +11,10 @@ Start-up order (each step needs the one before it):
 4. build the manifest (`peer.node.manifest.build_manifest`) naming the gRPC address and publish it
    under "peer.manifest" with ttl `swarm.record_ttl_s`, refreshed every ttl/3 until stopped.
 
+Unless told not to (`attest_dir=None`), it runs the run's attester (`bootstrap.attester`): it
+follows every stage by replay, on a thread of its own started after the DHT fork, and attests the
+states it reached, so a joiner past the history window has a trusted start (docs/protocol.md).
+
 With `--metrics-port` it also serves Prometheus metrics of the swarm it sees (`bootstrap.monitor`),
 refreshed by the serve loop; the endpoint's URL goes into the address file ("metrics").
 
@@ -45,6 +49,7 @@ from peer.errors import ConfigError, NetworkError
 from peer.net.addresses import advertised_host, order_maddrs
 from peer.net.admission import SECRET_ENV, load_swarm_secret
 from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
 from peer.net.prometheus import Exporter, serve_swarm_metrics
 from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport import PeerServer, auth
@@ -73,6 +78,7 @@ class BootstrapInfo:
     tokenizer_sha256: str
     manifest: dict[str, Any] = field(repr=False)
     metrics_url: str = ""  # `--metrics-port`: where Prometheus scrapes this bootstrap ("" = not served)
+    attest_dir: str = ""  # where the attester keeps its states ("" = it does not attest)
 
     def address_record(self) -> dict[str, Any]:
         """The JSON written to --address-file."""
@@ -154,6 +160,7 @@ class BootstrapNode:
                 swarm.admission, frozenset(swarm.allowlist), self.dht.peer_id, *self.dht.auth_material
             )
             outbound = Outbound(credentials, Link(LinkCaps(upload_mbps=max_upload_mbps)))  # caps what it serves
+            self.outbound = outbound
             self.gate = Gate(self.dht.peer_id, verifier, relay=relay, outbound=outbound)
             self.server = PeerServer(self.handler, host=host, port=grpc_port, interceptors=[self.gate])
             self.gate.bind(f"{host}:{self.server.port}")
@@ -254,6 +261,7 @@ def run_bootstrap(
     relay: bool = False,
     metrics_port: int | None = None,
     max_upload_mbps: float | None = None,
+    attest_dir: Path | None = None,
 ) -> BootstrapInfo | None:
     """Run a bootstrap until `stop_event` is set; return its BootstrapInfo (None if stopped during start-up).
 
@@ -261,9 +269,11 @@ def run_bootstrap(
     it); `address_file`, if given, receives `info.address_record()` as JSON at that moment and is
     removed again on a clean stop. `metrics_port` (0: any free port) serves Prometheus metrics of
     the swarm as this node sees it on host:port (`bootstrap.monitor`), started after the DHT fork.
-    `max_upload_mbps` caps what the bootstrap serves (Mbit/s; None: no cap).
+    `max_upload_mbps` caps what the bootstrap serves (Mbit/s; None: no cap). `attest_dir`: run the
+    attester, keeping its states there (None: no attester; joiners past the window then wait).
     """
     stop_event = stop_event or threading.Event()
+    follower: threading.Thread | None = None
     try:
         node = BootstrapNode(
             cfg, host, dht_port, grpc_port, announce_host, identity_path, stop_event, relay, max_upload_mbps
@@ -281,6 +291,8 @@ def run_bootstrap(
             exporter = serve_swarm_metrics(monitor.snapshot, metrics_port, host)
             url_host = node.info.grpc_address.rpartition(":")[0]  # the host others reach this node at
             node.info = dataclasses.replace(node.info, metrics_url=f"http://{url_host}:{exporter.port}/metrics")
+        if attest_dir is not None and node.dht is not None:
+            follower = start_attester(node, cfg, attest_dir, stop_event)
         if address_file is not None:
             written = write_address_file(address_file, node.info.address_record())
         if on_ready is not None:
@@ -289,6 +301,9 @@ def run_bootstrap(
         node.serve(stop_event, tick=monitor.poll if monitor is not None else None, tick_s=tick_s)
         return node.info
     finally:
+        stop_event.set()
+        if follower is not None:
+            follower.join(timeout=10.0)
         if exporter is not None:
             exporter.stop()
         node.close()
@@ -308,3 +323,33 @@ def export_swarm_secret(cfg: RunConfig, secret_file: Path | None) -> None:
         raise ConfigError(
             f"--swarm-secret-file needs --admission secret (this run's admission is {cfg.swarm.admission})"
         )
+
+
+def start_attester(node: BootstrapNode, cfg: RunConfig, folder: Path, stop_event: threading.Event) -> threading.Thread:
+    """Start the attester (`bootstrap.attester`) on a daemon thread that polls every announce
+    interval until `stop_event`; its states are served by the node's `get_state` from now on."""
+    from bootstrap.attester import Attester  # torch and the model: only a bootstrap that attests loads them
+
+    assert node.dht is not None
+    node.dht.set_run(node.run_id, cfg.stages)
+    clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, node.outbound)
+    folder = folder / f"{node.run_id}-{node.dht.peer_id[:12]}"  # this bootstrap's run: --identity keeps it
+    attester = Attester(cfg, node.dht, clients, node.info.grpc_address, folder)
+    node.handler.attester = attester
+    poll_s = max(0.5, cfg.swarm.announce_interval_s)
+
+    def follow() -> None:
+        while not stop_event.is_set():
+            started = time.monotonic()
+            try:
+                attester.poll()
+            except Exception:  # a bug must not take the manifest down with it: logged, retried
+                logger.exception("attester poll failed; retrying")
+            stop_event.wait(max(0.0, poll_s - (time.monotonic() - started)))
+        clients.close()
+
+    thread = threading.Thread(target=follow, name="attester", daemon=True)
+    thread.start()
+    node.info = dataclasses.replace(node.info, attest_dir=str(folder))
+    logger.info("attester of %s running: states kept in %s", node.run_id, folder)
+    return thread

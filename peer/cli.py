@@ -290,6 +290,8 @@ def bootstrap(
     relay: flags.Relay = None,
     metrics_port: flags.MetricsPort = None,
     max_upload_mbps: flags.MaxUploadMbps = None,
+    attest: flags.BootAttest = True,
+    attest_dir: flags.BootAttestDir = None,
     verbose: flags.Verbose = False,
 ) -> None:
     """Start a swarm: publish the run's manifest, tokenizer and dataset on a DHT node and print the join lines."""
@@ -323,6 +325,7 @@ def bootstrap(
             relay=bool(relay),
             metrics_port=metrics_port,
             max_upload_mbps=build_link_config(None, max_upload_mbps).max_upload_mbps,
+            attest_dir=(attest_dir or cfg.data.cache_dir / "attest") if attest else None,
         )
     console.print("bootstrap stopped", soft_wrap=True)
 

@@ -14,8 +14,9 @@ Records (all values are msgpack-friendly; every record has an expiration):
   re-published by every peer under its own subkey: the manifest outlives the bootstrap.
 - ``peer.manifest`` (fixed key, no run id): the same text, unsigned, for stock hivemind clients
   (``DHT(...).get("peer.manifest", latest=True)``); anyone can overwrite it, `peer` never trusts it.
-- ``peer.{run}.stage.{s}``, ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}`` (and a ranges round's
-  ``roster.{t}.{s}``, ``shards.{t}.{s}``): one signed subkey per peer (see `peer.net.records`); readers
+- ``peer.{run}.stage.{s}``, ``peer.{run}.attest.{s}`` (an attester's state of the stage),
+  ``peer.{run}.replica``, ``peer.{run}.round.{t}.{s}``, ``chain.{t}.{s}`` (committed links) and a ranges
+  round's ``roster.{t}.{s}``, ``shards.{t}.{s}``: one signed subkey per peer (`peer.net.records`); readers
   return ``{peer id: typed record}`` (`StageRecord`, `ReplicaRecord`, `Announcement`, ...).
 
 Invariants:
@@ -43,7 +44,6 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -65,7 +65,7 @@ from peer.net.answers import await_answer
 from peer.net.hivemind_logs import DHTProcess, quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.identity_check import install_identity_check
-from peer.net.processes import ProcessTree
+from peer.net.processes import ProcessTree, stop_dht_node
 from peer.net.records import (
     Announcement,
     RecordReader,
@@ -100,6 +100,7 @@ SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner k
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
 RoundKind = Literal["round", "roster", "shards", "chain"]  # announcements, a ranges round's records, links
+StageKind = Literal["stage", "attest"]  # holders' records of a stage, or attesters' (`bootstrap.attester`)
 RoundRead = tuple[RoundKind, int, int, Callable[[Any], Any]]  # (kind, t, stage, parse): `SwarmDHT.get_rounds`
 R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
@@ -130,24 +131,6 @@ async def _ping_peers(peer_ids: Sequence[str], _dht: Any, node: Any) -> int:
     """Ping each peer by id (each side adds the other to its routing table); how many answered."""
     pings = [await node.protocol.call_ping(PeerID.from_base58(pid), strict=False) for pid in peer_ids]
     return sum(p is not None for p in pings)
-
-
-def _stop(dht: hivemind.DHT, tree: ProcessTree, watchdog: Watchdog) -> None:
-    """Shut a hivemind DHT down, make sure its child and p2pd are gone, then release its watchdog."""
-    try:
-        if dht.pid is None:
-            return
-        if dht.is_alive():
-            tree.add(dht.pid)
-            try:
-                dht.shutdown()  # graceful: the child shuts p2pd down and waits for it; else SIGTERM
-            except Exception as e:  # a broken pipe if the child already died
-                logger.debug("hivemind DHT shutdown: %r", e)
-        dht.join(timeout=5.0)
-        tree.terminate()
-        dht.join(timeout=1.0)
-    finally:
-        watchdog.stop()
 
 
 class SwarmDHT:
@@ -211,7 +194,7 @@ class SwarmDHT:
             install_identity_check()  # so is this (peer.net.identity_check)
             self._dht = DHTProcess(initial_peers=initial or None, start=False, record_validators=[validator], **kwargs)
             # Runs at interpreter exit if shutdown() was never called, so no p2pd outlives us.
-            self._finalizer = weakref.finalize(self, _stop, self._dht, self._tree, self._watchdog)
+            self._finalizer = weakref.finalize(self, stop_dht_node, self._dht, self._tree, self._watchdog)
             self.peer_id: str = self._start(start_timeout_s, initial, identity_path)
         if self.peer_id != identity.peer_id:
             self.shutdown()
@@ -435,16 +418,27 @@ class SwarmDHT:
     # --- stages, replicas, rounds ----------------------------------------------------------------
 
     def announce_stage(
-        self, stage: int, record: Mapping[str, Any], ttl_s: float, timeout_s: float | None = None
+        self,
+        stage: int,
+        record: Mapping[str, Any],
+        ttl_s: float,
+        timeout_s: float | None = None,
+        kind: StageKind = "stage",
     ) -> None:
-        """Publish this peer's record for `stage` (address, capacity, state, outer_step, ...)."""
-        self._announce(self._run_key(f"stage.{int(stage)}"), record, ttl_s, timeout_s)
+        """Publish this peer's record for `stage` (address, capacity, state, outer_step, ...); kind
+        "attest": an attester's state of the stage (`bootstrap.attester`), kept apart from holders'."""
+        self._announce(self._run_key(f"{kind}.{int(stage)}"), record, ttl_s, timeout_s)
 
     def get_stage_peers(
-        self, stage: int, max_age_s: float | None = None, timeout_s: float | None = None, keep_left: bool = False
+        self,
+        stage: int,
+        max_age_s: float | None = None,
+        timeout_s: float | None = None,
+        keep_left: bool = False,
+        kind: StageKind = "stage",
     ) -> dict[str, StageRecord]:
         """{peer id: record} of the peers holding `stage` (`keep_left`: and {"state": "left"} of graceful leaves)."""
-        (value,) = self._get_many([self._run_key(f"stage.{int(stage)}")], timeout_s)
+        (value,) = self._get_many([self._run_key(f"{kind}.{int(stage)}")], timeout_s)
         return self._reader.records(value, dht_time(), max_age_s, StageRecord.parse, keep_left)
 
     def withdraw_stage(self, stage: int, timeout_s: float | None = None) -> None:

@@ -3,7 +3,8 @@
 hivemind runs its DHT node in a child process, which starts the libp2p daemon (`p2pd`). A crash
 or an interrupted shutdown can leave either behind, so a node remembers the whole tree once it
 has started and terminates what is left of it after shutting down; should the node's own process
-die first, `peer.net.watchdog` does it with the same helpers.
+die first, `peer.net.watchdog` does it with the same helpers. `stop_dht_node` is the whole end
+of a hivemind DHT node: its graceful shutdown, then the tree, then its watchdog.
 
 Invariants: processes are remembered as `psutil.Process` objects, which carry their creation
 time, so a pid reused by an unrelated process is never signalled (psutil checks before every
@@ -16,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import psutil
 
@@ -85,3 +87,25 @@ class ProcessTree:
     def terminate(self, grace_s: float = 2.0) -> None:
         """Terminate (then kill) whatever is still running of the remembered processes."""
         terminate(self._procs.values(), grace_s)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def stop_dht_node(dht: Any, tree: ProcessTree, watchdog: Stoppable) -> None:
+    """Shut a hivemind DHT down, make sure its child and p2pd are gone, then release its watchdog."""
+    try:
+        if dht.pid is None:
+            return
+        if dht.is_alive():
+            tree.add(dht.pid)
+            try:
+                dht.shutdown()  # graceful: the child shuts p2pd down and waits for it; else SIGTERM
+            except Exception as e:  # a broken pipe if the child already died
+                logger.debug("hivemind DHT shutdown: %r", e)
+        dht.join(timeout=5.0)
+        tree.terminate()
+        dht.join(timeout=1.0)
+    finally:
+        watchdog.stop()

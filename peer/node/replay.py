@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.config import RunConfig
+from peer.core.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.records import Announcement
@@ -40,7 +41,8 @@ from peer.node.claims import Entry, Link
 from peer.node.refusals import Refusals
 from peer.node.round.recheck import fetch_set
 from peer.node.round.verify import SetFetcher
-from peer.node.stage_worker import StageWorker
+from peer.node.stage_commit import Outcome
+from peer.node.stage_state import StageState
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,9 @@ class RoundReads:
     def get_payloads(self, t: int, stage: int) -> Any:
         return self._get(("round", t, stage), lambda: self.dht.get_payloads(t, stage))
 
+    def get_stage_peers(self, stage: int, kind: Any = "stage") -> Any:
+        return self._get((kind, -1, stage), lambda: self.dht.get_stage_peers(stage, kind=kind))
+
     def get_replicas(self) -> Any:
         if self._replicas is None:
             self._replicas = self.dht.get_replicas()
@@ -143,6 +148,20 @@ class RoundReads:
         if wanted:
             for w, got in zip(wanted, self.dht.get_rounds(wanted), strict=True):
                 self._cache[w[:3]] = got
+
+    def reach(self, t: int, stage: int, state: str, until: int, refused: Iterable[str] = ()) -> int:
+        """How far the published links of `stage` go on from `state` at outer step t: the first round
+        in [t, until) with no link from any state reached so far (`until` when they reach it). Reads
+        link records only (a few DHT reads, cached); nothing is recomputed."""
+        gone, frontier = set(refused), {state}
+        for r in range(t, until):
+            if ("chain", r, stage) not in self:
+                self.prefetch(r, min(until, r + PREFETCH), stage)
+            links = self.get_round("chain", r, stage, parse_chain)
+            frontier = {x.state for h, x in links.items() if h not in gone and x.t == r and x.prev in frontier}
+            if not frontier:
+                return r
+        return until
 
     def forget(self, t: int) -> None:
         """Drop what was read of rounds before t (memory stays a round's worth)."""
@@ -211,7 +230,7 @@ class Replayer:
         links = self.dht.get_round("chain", t, stage, parse_chain)
         return bool(candidates(links, t, prev, self.refusals.peers()))
 
-    def run(self, worker: StageWorker, until: int) -> Replayed:
+    def run(self, worker: StageState, until: int) -> Replayed:
         """Replay rounds onto `worker` until its outer step is `until` or no link can be checked."""
         done = Replayed()
         started = time.perf_counter()
@@ -222,7 +241,7 @@ class Replayer:
             reads.forget(t)
             if ("chain", t, worker.stage) not in reads:
                 reads.prefetch(t, min(until, t + PREFETCH), worker.stage)
-            why = self.step(worker, done, reads, fetcher)
+            why = self.step(worker, done, reads, fetcher, until)
             if why:
                 done.stopped = f"round {t}: {why}"
                 break
@@ -240,8 +259,14 @@ class Replayer:
         done.seconds = time.perf_counter() - started
         return done
 
-    def step(self, worker: StageWorker, done: Replayed, reads: RoundReads, fetcher: SetFetcher) -> str:
-        """Replay the worker's current round: "" when a checked link was installed, else why not."""
+    def step(self, worker: StageState, done: Replayed, reads: RoundReads, fetcher: SetFetcher, until: int) -> str:
+        """Replay the worker's current round: "" when a checked link was installed, else why not.
+
+        Links are checked in the canonical order (so a false one ahead of the true one gets its
+        holders refused), but a genuine link whose state the published links go on from less far
+        towards `until` than another's (`RoundReads.reach`: a branch its holders left, switching or
+        dying with their link still published) is passed over while a further-reaching one may hold;
+        it is installed only when none does."""
         t, stage, prev = worker.outer_step, worker.stage, worker.state_id()
         embed_sets = None
         if stage != 0 and worker.compressed:
@@ -249,34 +274,47 @@ class Replayer:
         found = candidates(reads.get_round("chain", t, stage, parse_chain), t, prev, self.refusals.peers(), embed_sets)
         if not found:
             return f"no holder published a link from state {prev} (beyond the history window, or not committed yet)"
-        reasons = []
-        for cand in found:
-            why = self._check(worker, cand, done, fetcher)
-            if not why:
-                return ""
+        reach: dict[str, int] = {}
+        if len(found) > 1 and t + 1 < until:
+            reach = {c.link.state: reads.reach(t + 1, stage, c.link.state, until, self.refusals.peers()) for c in found}
+        reasons, passed = [], None
+        for i, cand in enumerate(found):
+            why, checked = self._check(worker, cand, done, fetcher)
+            if checked is not None:
+                further = [c for c in found[i + 1 :] if reach.get(c.link.state, 0) > reach.get(cand.link.state, 0)]
+                if not further:
+                    worker.advance(*checked)
+                    return ""
+                passed = passed or checked
+                why = f"reaches outer step {reach[cand.link.state]}, another link further"
             reasons.append(f"{cand.link.state}: {why}")
+        if passed is not None:  # every further-reaching link failed its check: the genuine dead end it is
+            worker.advance(*passed)
+            return ""
         return "; ".join(reasons)
 
-    def _check(self, worker: StageWorker, cand: Candidate, done: Replayed, fetcher: SetFetcher) -> str:
-        """Recompute `cand` from the worker's state; install it when it holds (""), refuse its
-        holders when it is false, leave it when its payloads cannot be had (the reason)."""
+    def _check(
+        self, worker: StageState, cand: Candidate, done: Replayed, fetcher: SetFetcher
+    ) -> tuple[str, tuple[Outcome, list[Payload], tuple[Entry, ...] | None] | None]:
+        """Recompute `cand` from the worker's state: ("", what `advance` installs) when it holds; its
+        holders refused when it is false, left when its payloads cannot be had (the reason, None)."""
         link, stage, t = cand.link, worker.stage, cand.link.t
         if link.ranges is not None:
-            return "a ranges round (replaying one is not supported yet)"
+            return "a ranges round (replaying one is not supported yet)", None
         got = fetch_set(self.cfg, fetcher, worker, t, link.entries, link.embed)
         if got.forged:
-            return self._refuse(cand, stage, "its link names payloads no replica announced")
+            return self._refuse(cand, stage, "its link names payloads no replica announced"), None
         if got.forged_embed:
-            return self._refuse(cand, stage, "its embedding set names payloads no replica announced")
+            return self._refuse(cand, stage, "its embedding set names payloads no replica announced"), None
         if got.missing:
-            return f"{got.missing} payload(s) not available (announcements expired, or nobody serves them)"
+            return f"{got.missing} payload(s) not available (announcements expired, or nobody serves them)", None
         done.bytes += got.nbytes
         payloads = got.payloads
         out = worker.replay(payloads, got.replicas, got.embed_update)
         if out.state != link.state:
-            return self._refuse(cand, stage, f"its state {link.state} does not follow from its set (gives {out.state})")
-        worker.advance(out, payloads, link.embed)
-        return ""
+            why = f"its state {link.state} does not follow from its set (gives {out.state})"
+            return self._refuse(cand, stage, why), None
+        return "", (out, payloads, link.embed)
 
     def _refuse(self, cand: Candidate, stage: int, reason: str) -> str:
         for holder in cand.holders:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, cast
 
 from peer.config import RunConfig
@@ -72,9 +72,13 @@ class Resync:
         metrics: MetricsWriter,
         publish: Callable[[], None],
         checkpoints: PeerCheckpoints,
+        attesters: Collection[str] = (),
     ) -> None:
         """`publish` refreshes this peer's DHT records (after a download or a switch);
-        `checkpoints.resumed_at` tells `late_join` whether the state came from `--resume`."""
+        `checkpoints.resumed_at` tells `late_join` whether the state came from `--resume`;
+        `attesters`: whose attested states a joiner past the history window may start from, beside
+        `swarm.attesters` (the manifest's signer, the bootstrap: `bootstrap.attester`)."""
+        self.attesters = frozenset(cfg.swarm.attesters) | frozenset(attesters)
         self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
         self.me, self.refusals, self.metrics = me, refusals, metrics
         self.publish, self.checkpoints = publish, checkpoints
@@ -139,6 +143,8 @@ class Resync:
         swarm's outer step 0 nothing is replayed: the state is the canonical initial one. Holders
         that are still committing the last round publish its link a moment later: we replay again
         until we reach the swarm's clock, for at most `wait_s` (default `swarm.round_timeout_s`).
+        A replay that stops where every live holder of the stage stops too (`_at_frontier`: nobody
+        committed the stage's next round yet, the heads being past it) has reached the stage's state.
         Raises NetworkError (with the reason) when the swarm's state cannot be verified by then;
         the rounds checked so far are kept.
         """
@@ -161,6 +167,8 @@ class Resync:
                 break
             if not done.rounds and self._attested(worker, clock, keep_errors, reason):
                 continue  # beyond the window: an attester's state, replayed on from
+            if self._at_frontier(worker):
+                break  # no holder of the stage is past our checked state: its rounds are behind the clock
             if time.monotonic() >= deadline:
                 raise NetworkError(
                     f"stage {worker.stage}: cannot verify the swarm's state (swarm at outer step {clock}, "
@@ -209,14 +217,23 @@ class Resync:
         if not worker.verified or replayer.has_links_from(0, stage, worker.initial_state_id):
             self._reset_initial(worker, keep_errors, reason)
 
+    def _at_frontier(self, worker: StageWorker) -> bool:
+        """Whether our checked state is as far as the stage has gone: no live holder of the stage
+        claims a later outer step (a stage whose round t nobody committed yet while the heads moved
+        on: the replay cannot pass it, and waiting for it here would keep us out of that round)."""
+        if not worker.verified or worker.outer_step == 0:
+            return False
+        claims = parse_claims(self.dht.get_stage_peers(worker.stage), self.me.peer_id, self.refusals.peers())
+        return not any(c.outer_step > worker.outer_step for c in claims.values())
+
     def _attested(self, worker: StageWorker, clock: int, keep_errors: bool, reason: str) -> bool:
-        """Download a state that an attester (`swarm.attesters`) claims in its own signed stage record,
+        """Download a state that an attester (`self.attesters`) claims in its own signed stage record,
         at a step past ours that the clock admits, checked against its state id (`download_claimed`):
         a trusted start past the history window. True when one loaded."""
-        attesters = set(self.cfg.swarm.attesters)
+        attesters = self.attesters
         if not attesters:
             return False
-        holders = self.dht.get_stage_peers(worker.stage)
+        holders = {**self.dht.get_stage_peers(worker.stage), **self.dht.get_stage_peers(worker.stage, kind="attest")}
         claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
         ours = worker.outer_step
         found = [c for p, c in claims.items() if p in attesters and ours < c.outer_step <= clock + 1]
@@ -245,7 +262,7 @@ class Resync:
     def _fetcher(self, reads: RoundReads) -> SetFetcher:
         timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
         clients = cast(ClientPool, SkipDead(self.clients))  # SetFetcher calls get(address).get_payload only
-        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s)
+        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s, holders=True)
 
     def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""

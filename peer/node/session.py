@@ -133,8 +133,18 @@ class Session:
         self.records = Records(dht, cfg.swarm, self.me, self.refusals, self.net, lambda: self.service)
         self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
         publish = self.records.refresh
+        attesters = [dht.manifest_signer] if dht.manifest_signer else []  # the bootstrap attests by default
         self.resync = Resync(
-            cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.checkpoints
+            cfg,
+            dht,
+            self.clients,
+            self.store,
+            self.me,
+            self.refusals,
+            self.metrics,
+            publish,
+            self.checkpoints,
+            attesters,
         )
         self.rounds = Rounds(
             cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.resync

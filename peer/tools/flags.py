@@ -156,6 +156,18 @@ AddressFile = Annotated[
         "--address-file", help="Once ready, write {initial_peers, grpc, run_id, peer_id} JSON here (removed on exit)."
     ),
 ]
+BootAttest = Annotated[
+    bool,
+    typer.Option(
+        "--attest/--no-attest",
+        help="Follow every stage by replay and attest the states reached, so joiners past the history window "
+        "can start (holds one copy of the model; docs/protocol.md, 'Joining by replay').",
+    ),
+]
+BootAttestDir = Annotated[
+    Path | None,
+    typer.Option("--attest-dir", help="Where the attester keeps its states across restarts (default: the cache)."),
+]
 PrintPeerId = Annotated[
     bool,
     typer.Option("--print-peer-id", help="Print the peer id of --identity (creating the key if missing) and exit."),

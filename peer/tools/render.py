@@ -144,6 +144,22 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
     if len(info.initial_peers) > 1:
         out.append(Text("other addresses of this node:"))
         out += [Text(f"  {other}") for other in info.initial_peers[1:]]
+    window = cfg.swarm.history_rounds
+    if info.attest_dir:
+        out.append(
+            Text(
+                f"attester: follows every stage by replay; a joiner more than {window} rounds late starts "
+                f"from its states (kept in {info.attest_dir})"
+            )
+        )
+    else:
+        out.append(
+            Text(
+                f"attester: off (--no-attest); a joiner more than {window} rounds late waits for one the run "
+                "names (swarm.attesters)",
+                style="yellow",
+            )
+        )
     if info.metrics_url:
         out.append(Text(f"prometheus metrics of the swarm at {info.metrics_url}"))
     out.append(Text("running; Ctrl-C or SIGTERM stops it"))

@@ -37,6 +37,7 @@ class Board:
     def __init__(self, history: History) -> None:
         self.announcements: dict[tuple[int, int], dict[str, dict]] = {}
         self.holders: dict[str, dict] = {}  # stage records (one stage)
+        self.attest: dict[str, dict] = {}  # attesters' records of the stage (`bootstrap.attester`)
         self.chain: dict[tuple[int, int], dict[str, dict]] = {}
         for (t, s, rid), data in history.payloads.items():
             ann = {"sha256": sha256(data), "size": len(data), "address": f"{rid}:1", "replica": rid}
@@ -51,8 +52,8 @@ class Board:
     def get_replicas(self):
         return {}
 
-    def get_stage_peers(self, stage):
-        return {p: StageRecord.parse(r) for p, r in self.holders.items()}
+    def get_stage_peers(self, stage, kind="stage"):
+        return {p: StageRecord.parse(r) for p, r in (self.holders if kind == "stage" else self.attest).items()}
 
     def get_rounds(self, wanted):
         return [self.get_round(k, t, s, p) if k == "chain" else self.get_payloads(t, s) for k, t, s, p in wanted]
@@ -176,6 +177,25 @@ def test_a_joiner_replays_the_honest_history_and_refuses_three_forgers(history, 
     assert sorted(joiner.ledger.history) == [0, 1, 2]  # it serves the chain it checked from now on
 
 
+def test_a_branch_nobody_went_on_from_loses_to_the_one_the_swarm_continued(history):
+    """Round 1's full set (first by the canonical order) was linked only by a holder that then left;
+    the swarm went on from round 1's one-payload set: the replay follows the swarm, not the dead end."""
+    board, refusals = Board(history), Refusals()
+    board.link("H1", history.links[(0, 0)], 0)
+    board.link("Gone", history.links[(1, 0)], 0)  # genuine, the most payloads, and no link goes on from it
+    branch = StageWorker(CFG, 0)
+    _replayer(board, history, refusals).run(branch, 1)
+    for t, replicas in ((1, history.replicas[:1]), (2, history.replicas)):
+        sent = [Payload.from_bytes(history.payloads[(t, 0, r)]) for r in replicas]
+        branch.advance(branch.replay(sent, list(replicas), None), sent, None)
+        assert branch.ledger.link is not None
+        board.link("H1", branch.ledger.link, 0)
+    joiner = StageWorker(CFG, 0)
+    done = _replayer(board, history, refusals).run(joiner, 3)
+    assert done.stopped == "" and joiner.outer_step == 3 and joiner.state_id() == branch.state_id()
+    assert not refusals.peers()  # the dead end was genuine: passed over, not refused
+
+
 def test_no_link_from_our_state_stops_with_a_reason_and_keeps_what_was_checked(history):
     board = Board(history)
     board.link("H1", history.links[(0, 0)], 0)  # round 1 is not published (beyond the window)
@@ -197,6 +217,27 @@ def test_a_link_whose_payloads_nobody_serves_is_left_not_refused(history):
     assert joiner.state_id() == joiner.initial_state_id
 
 
+def test_a_payload_whose_contributors_left_is_fetched_from_a_holder_that_kept_it(history):
+    class Keeper:  # every announced address is gone; a stage holder ("keeper:1") kept what it fetched
+        def get(self, address):
+            class Client:
+                def get_payload(self, req, timeout_s):
+                    if address != "keeper:1":
+                        raise NetworkError(f"{address} is gone")
+                    return history.payloads[(req.outer_step, req.stage, req.sender)]
+
+            return Client()
+
+    board = Board(history)
+    _honest(board, history, holders=("H1",))
+    board.holders = {"Keeper": {"outer_step": 3, "state_id": "0" * 16, "address": "keeper:1"}}
+    for holders, rounds in ((False, 0), (True, 3)):
+        fetcher = lambda reads, h=holders: SetFetcher(reads, Keeper(), PayloadStore(), "joiner", 1.0, holders=h)  # noqa: E731
+        joiner = StageWorker(CFG, 0)
+        done = Replayer(CFG, board, fetcher, Refusals()).run(joiner, 3)
+        assert done.rounds == rounds and joiner.outer_step == rounds, done.stopped
+
+
 def test_replaying_keeps_our_error_buffer(history):
     board = Board(history)
     _honest(board, history)
@@ -215,11 +256,11 @@ class Quiet:
         pass
 
 
-def _resync(board: Board, history: History, replicas: dict, cfg=CFG, servers=None) -> Resync:
+def _resync(board: Board, history: History, replicas: dict, cfg=CFG, servers=None, attesters=()) -> Resync:
     board.get_replicas = lambda: {p: ReplicaRecord.parse(r) for p, r in replicas.items()}  # type: ignore[method-assign]
     me = Presence("joiner", "full")
     clients = servers or Servers(history)
-    return Resync(cfg, board, clients, PayloadStore(), me, Refusals(), Quiet(), lambda: None, None)
+    return Resync(cfg, board, clients, PayloadStore(), me, Refusals(), Quiet(), lambda: None, None, attesters)
 
 
 def _board_with_all(history: History) -> Board:
@@ -290,6 +331,28 @@ def test_past_the_window_a_joiner_takes_only_an_attesters_state_and_replays_on(h
     resync = _resync(board, history, replicas, cfg=attested, servers=servers)
     joiner = StageWorker(CFG, 0)
     assert resync.sync_state(joiner, "late join", wait_s=0)
+    assert joiner.outer_step == 4 and joiner.state_id() == history.state(0) and joiner.verified
+
+
+def test_the_manifests_signer_attests_by_default_in_a_record_of_its_own(history):
+    board = Board(history)
+    board.link("H1", history.links[(3, 0)], 0)  # only round 3 is still in the window
+    at_3 = StageWorker(CFG, 0)
+    _replayer(_board_with_all(history), history, Refusals()).run(at_3, 3)
+    record = {"outer_step": 3, "state_id": at_3.state_id(), "address": "att:1", "role": "attester", "state": "ready"}
+    board.attest = {ATTESTER: record}
+    board.holders = {"F1": {"outer_step": 3, "state_id": "f" * 16, "address": "F1:1"}}
+    servers = Servers(history)
+    servers.states = {"att:1": at_3, "F1:1": StageWorker(CFG, 0)}
+    replicas = {f"R{i}": {"kind": "full", "outer_step": 4} for i in range(3)}
+    with pytest.raises(NetworkError, match="round 0: no holder published a link"):  # not the signer's: not trusted
+        _resync(board, history, replicas, servers=servers, attesters=("Qm" + "B" * 44,)).sync_state(
+            StageWorker(CFG, 0), "late join", wait_s=0
+        )
+    joiner = StageWorker(CFG, 0)
+    assert _resync(board, history, replicas, servers=servers, attesters=(ATTESTER,)).sync_state(
+        joiner, "late join", wait_s=0
+    )
     assert joiner.outer_step == 4 and joiner.state_id() == history.state(0) and joiner.verified
 
 

@@ -35,7 +35,7 @@ from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
 
 if TYPE_CHECKING:
-    from peer.node.stage_worker import StageWorker
+    from peer.node.stage_state import StageState
 
 __all__ = [
     "SETTLE_S",
@@ -188,7 +188,7 @@ def payload_validator(
     return validate
 
 
-def round_validator(cfg: RunConfig, worker: StageWorker, stage: int) -> Callable[[bytes], Payload]:
+def round_validator(cfg: RunConfig, worker: StageState, stage: int) -> Callable[[bytes], Payload]:
     """Payloads of round (t, stage) for `worker`: the format, and entries that fit the stage's
     parameters (its own stage: the worker's tensors; an observer gather of stage 0: stage 0's shapes)."""
     if stage == worker.stage:

@@ -34,6 +34,7 @@ from peer.node.refusals import Refusals
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage_commit import Outcome
+from peer.node.stage_state import StageState
 from peer.node.stage_worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class SetBytes:
 def fetch_set(
     cfg: RunConfig,
     fetcher: SetFetcher,
-    worker: StageWorker,
+    worker: StageState,
     t: int,
     entries: Sequence[Entry],
     embed: Sequence[Entry] | None,

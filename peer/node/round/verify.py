@@ -95,9 +95,13 @@ class Fetched:
 class SetFetcher:
     """Fetches the payloads a claimed set names, checking each against its genuine announcement."""
 
-    def __init__(self, dht: Any, clients: ClientPool, store: PayloadStore, me: str, rpc_timeout_s: float) -> None:
+    def __init__(
+        self, dht: Any, clients: ClientPool, store: PayloadStore, me: str, rpc_timeout_s: float, holders: bool = False
+    ) -> None:
+        """`holders`: as a last resort ask the stage's holders and attesters too (a replay of rounds
+        whose contributors may all have left; a live round does not wait on them)."""
         self.dht, self.clients, self.store, self.me = dht, clients, store, me
-        self.rpc_timeout_s = rpc_timeout_s
+        self.rpc_timeout_s, self.holders = rpc_timeout_s, holders
 
     def fetch(
         self,
@@ -166,6 +170,28 @@ class SetFetcher:
         data = from_another_holder(
             self.clients, t, stage, found.sender, found.record, others, self.me, self.rpc_timeout_s
         )
+        if data is None and self.holders:
+            data = self._from_holders(t, stage, found.sender, want)
         if data is not None:
             self.store.put_fetched(t, stage, found.sender, data)
         return data
+
+    def _from_holders(self, t: int, stage: int, sender: str, want: str) -> bytes | None:
+        """Last resort: the stage's holders and attesters now (observers and spares keep what they
+        fetched for the window; the round's own contributors may all have left since)."""
+        try:
+            holders = {**self.dht.get_stage_peers(stage), **self.dht.get_stage_peers(stage, kind="attest")}
+        except PeerError:
+            return None
+        request = PayloadRequest(t, stage, sender)
+        for pid, rec in sorted(holders.items()):
+            if pid in (sender, self.me) or not rec.address or rec.left:
+                continue
+            try:
+                data = self.clients.get(rec.address).get_payload(request, timeout_s=self.rpc_timeout_s)
+            except PeerError:
+                continue
+            if sha256(data) == want:
+                log.info("round %d stage %d: payload of %s served by holder %s", t, stage, sender[:12], pid[:12])
+                return data
+        return None

@@ -1,0 +1,216 @@
+"""The bootstrap's attester: it follows the run's committed rounds of every stage by replay and
+attests the states it reached, so that a joiner past the history window has a start it may trust.
+
+A joiner adopts a state only by recomputing it from a state it trusts (docs/protocol.md, "Joining
+by replay"): the canonical initial state, its own checked state, or a state attested by a key the
+run names — the bootstrap's (the manifest's signer) by default, plus `swarm.attesters`. The
+attester earns that trust the same way any joiner would: it starts from the canonical initial state
+(or its own checkpoint), and replays each round's link only after recomputing it from the payloads
+(`peer.node.replay.Replayer`: genuine payloads, the portable commit, false links refused). It holds
+no pipeline, trains nothing and contributes nothing.
+
+Every `poll` (the bootstrap's serve loop, on a thread of its own):
+1. replay every stage up to the swarm's clock (`swarm_clock`, as a joiner reads it);
+2. publish one `attest.{s}` record per stage (a stage record: address, outer step, state id, link),
+   signed by the bootstrap's key like every record;
+3. save each stage's state to `folder` (`stage-{s}.pt`, atomically) when it moved, so a restarted
+   bootstrap goes on from its own checked state instead of the initial one.
+`state_reply(stage)` serves the attested state (`GetState`); a joiner checks it against the state
+id of the attestation before it replays on from it (`peer.node.resync.download_claimed`).
+`payload` serves what the replays fetched in the history window (`GetPayload`, sender named), so a
+round whose contributors all left can still be replayed by a joiner.
+
+Invariants: the attester's states are reached only by `StageState.advance` (a checked replay),
+`reset_initial` or its own checkpoint; it never downloads a state. A stage it cannot follow (it
+fell out of the history window) keeps its last attestation's state and says why, every
+`WARN_EVERY_S`, until the rounds it needs are served again.
+Cost: one stage state per stage (parameters, θ_start, T⊥) and every committed payload of every
+stage fetched once per round — a machine that could hold a full replica (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.config import RunConfig
+from peer.core.files import atomic_write_bytes
+from peer.errors import PeerError
+from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
+from peer.net.transport.messages import PayloadKind, PayloadRequest, StateReply
+from peer.node.claims import swarm_clock
+from peer.node.refusals import Refusals
+from peer.node.replay import Replayed, Replayer, RoundReads, SkipDead
+from peer.node.round.payloads import PayloadStore
+from peer.node.round.verify import SetFetcher
+from peer.node.stage_state import StageState
+
+log = logging.getLogger(__name__)
+
+WARN_EVERY_S = 60.0  # a stage that cannot be followed says so this often
+
+
+class Attester:
+    """Follows every stage of the run by replay and attests the states reached (module docstring)."""
+
+    def __init__(
+        self, cfg: RunConfig, dht: SwarmDHT, clients: ClientPool, address: str, folder: Path | None = None
+    ) -> None:
+        """`address`: the gRPC host:port joiners download attested states from; `folder`: where the
+        states are kept across restarts (None: memory only)."""
+        self.cfg, self.dht, self.clients, self.address, self.folder = cfg, dht, clients, address, folder
+        self.refusals = Refusals()
+        self.store = PayloadStore(history=cfg.swarm.history_rounds)
+        self.replayer = Replayer(cfg, dht, self._fetcher, self.refusals)
+        self.stages = {s: StageState(cfg, s) for s in range(cfg.stages)}
+        self.saved = {s: -1 for s in self.stages}
+        self.stuck: dict[int, str] = {}  # stage → why it cannot follow now
+        self._warned_at: dict[int, float] = {}
+        self.last: dict[int, Replayed] = {}
+        for s, state in self.stages.items():
+            self._resume(s, state)
+
+    # ------------------------------------------------------------------ following the run
+    def poll(self) -> None:
+        """Replay every stage to the swarm's clock, attest, save (module docstring). Never raises
+        a network failure: the next poll tries again."""
+        try:
+            replicas = self.dht.get_replicas()
+            clock = swarm_clock(replicas, self.refusals.peers())
+            steps = [r.outer_step for r in replicas.values() if r.outer_step is not None]
+        except PeerError as exc:
+            log.info("attester: cannot read the swarm's clock (%s); next poll", exc)
+            return
+        for s, state in self.stages.items():
+            try:
+                self._follow(s, state, clock, max(steps, default=None))
+                self._attest(s, state)
+            except PeerError as exc:
+                log.info("attester: stage %d: %s; next poll", s, exc)
+            self._save(s, state)
+
+    def _follow(self, s: int, state: StageState, clock: int, newest: int | None) -> None:
+        if newest is not None and state.outer_step > newest + 1:  # ahead of every live replica: another history
+            log.warning(
+                "attester: stage %d's kept state is at outer step %d, every replica of the swarm at %d or "
+                "before: starting over from the initial state",
+                s,
+                state.outer_step,
+                newest,
+            )
+            state.reset_initial()
+        if state.outer_step > clock:
+            return
+        done = self.replayer.run(state, clock + 1)
+        self.last[s] = done
+        if done.rounds:
+            log.debug("attester: stage %d at outer step %d (state %s)", s, state.outer_step, state.state_id())
+        if done.rounds or state.outer_step >= clock:
+            self.stuck.pop(s, None)
+            return
+        self.stuck[s] = done.stopped
+        if time.monotonic() - self._warned_at.get(s, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned_at[s] = time.monotonic()
+            log.warning(
+                "attester: stage %d cannot follow the swarm (at outer step %d, swarm at %d): %s",
+                s,
+                state.outer_step,
+                clock,
+                done.stopped,
+            )
+
+    def _attest(self, s: int, state: StageState) -> None:
+        with state.lock:
+            link = state.ledger.link
+            record: dict[str, Any] = {
+                "address": self.address,
+                "role": "attester",
+                "state": "ready",
+                "outer_step": state.outer_step,
+                "param_hash": state.param_hash(),
+                "perp_hash": state.perp_hash(),
+                "state_id": state.state_id(),
+                "bans": state.ledger.bans.to_record(),
+                "link": None if link is None else link.to_record(),
+            }
+        self.dht.announce_stage(s, record, ttl_s=self.cfg.swarm.record_ttl_s, kind="attest")
+
+    # ------------------------------------------------------------------ serving
+    def state_reply(self, stage: int) -> StateReply | None:
+        """The attested state of `stage` (`GetState`), None when the run has no such stage."""
+        state = self.stages.get(stage)
+        if state is None:
+            return None
+        with state.lock:
+            meta = {"param_hash": state.param_hash(), "perp_hash": state.perp_hash(), "stage": stage}
+            meta |= {"state_id": state.state_id(), "bans": state.ledger.bans.to_record()}
+            return StateReply(outer_step=state.outer_step, meta=meta, tensors=state.snapshot())
+
+    def payload(self, request: PayloadRequest) -> bytes | None:
+        """A payload of round (t, s) that a replay fetched, from the sender named (`GetPayload`):
+        the attester serves the history window too, for joiners whose senders left."""
+        if request.kind is not PayloadKind.PAYLOAD or not request.sender:
+            return None
+        return self.store.get(request.outer_step, request.stage, request.sender)
+
+    def info(self) -> dict[str, Any]:
+        """For `info`: each stage's attested outer step and state, and why a stage is stuck."""
+        out: dict[str, Any] = {
+            str(s): {"outer_step": st.outer_step, "state": st.state_id()} for s, st in self.stages.items()
+        }
+        for s, why in self.stuck.items():
+            out[str(s)]["stuck"] = why
+        return out
+
+    # ------------------------------------------------------------------ keeping it across restarts
+    def _path(self, s: int) -> Path | None:
+        return None if self.folder is None else self.folder / f"stage-{s}.pt"
+
+    def _save(self, s: int, state: StageState) -> None:
+        path = self._path(s)
+        if path is None or self.saved[s] == state.outer_step:
+            return
+        with state.lock:
+            kept = {"outer_step": state.outer_step, "start": dict(state.start), "perp": state.snapshot()["perp"]}
+            kept["bans"] = state.ledger.bans.to_record()
+            link = state.ledger.link
+            kept["link"] = None if link is None else {**link.to_record(), "state": link.state}
+            kept["state_id"] = state.state_id()
+        buf = io.BytesIO()
+        torch.save(kept, buf)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, buf.getvalue())
+        self.saved[s] = state.outer_step
+
+    def _resume(self, s: int, state: StageState) -> None:
+        path = self._path(s)
+        if path is None or not path.exists():
+            return
+        try:
+            kept = torch.load(path, map_location="cpu", weights_only=True)
+            state.load_state_dict(kept)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+            log.warning("attester: ignoring %s (%s); stage %d starts from the initial state", path, exc, s)
+            state.reset_initial()
+            return
+        if state.state_id() != kept.get("state_id"):
+            log.warning(
+                "attester: %s does not hold the state it names; stage %d starts from the initial state", path, s
+            )
+            state.reset_initial()
+            return
+        with state.lock:
+            state.verified = True  # our own checked state, saved by us
+        self.saved[s] = state.outer_step
+        log.info("attester: stage %d resumed at outer step %d (state %s)", s, state.outer_step, state.state_id())
+
+    def _fetcher(self, reads: RoundReads) -> SetFetcher:
+        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
+        clients: Any = SkipDead(self.clients)  # SetFetcher calls get(address).get_payload only
+        return SetFetcher(reads, clients, self.store, self.dht.peer_id, timeout_s, holders=True)

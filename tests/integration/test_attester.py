@@ -1,0 +1,122 @@
+"""The bootstrap's attester (issue 34, Deliver 3): real hivemind DHT nodes, real gRPC on 127.0.0.1.
+
+Two honest holders A and B of stage 0 committed `ROUNDS` rounds (tests/replay_helpers.py: real
+payloads, real portable commits), serve their payloads and publish each round's link; the links of
+all but the last round are published with a short ttl, so they expire — the history window moves
+on. Before they do, the attester (`bootstrap.attester`, on a DHT node and a gRPC server of its own,
+as the bootstrap runs it) follows the stage by replay. After they expired:
+- a joiner that trusts only a key whose attestation is false (its state id is not the state served)
+  cannot verify the swarm's state and says so;
+- a joiner that trusts the attester downloads the attested state over gRPC, checks it against the
+  attestation's state id and ends on the honest holders' state, ignoring a forged attestation by a
+  key nobody named;
+- a restarted attester resumes from its own saved state, not from the initial one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from bootstrap.artifacts import ArtifactHandler
+from bootstrap.attester import Attester
+from peer.config import history_ttl_s
+from peer.errors import NetworkError
+from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
+from peer.net.transport.server import PeerServer
+from peer.node.replay import chain_record
+from peer.node.resync import Resync
+from peer.node.round.payloads import sha256
+from peer.node.service import PeerService
+from peer.node.session import Session, SessionOptions
+from peer.node.stage_worker import StageWorker
+from tests.replay_helpers import History, replay_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+ROUNDS = 5
+STAGE = 0
+SHORT_TTL_S = 4.0  # the early links' life: they expire while the test runs
+
+
+def _session(dht: SwarmDHT, cfg, root: Path, name: str) -> Session:
+    return Session(SessionOptions(initial_peers=(), data_dir=root / name), dht, {}, cfg, role="full", stage=None)
+
+
+def _joiner_resync(session: Session, cfg, attesters: tuple[str, ...]) -> Resync:
+    s = session
+    return Resync(cfg, s.dht, s.clients, s.store, s.me, s.refusals, s.metrics, lambda: None, s.checkpoints, attesters)
+
+
+def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_named_attesters(tmp_path, reap_children):
+    cfg = replay_config(history_rounds=ROUNDS + 2)
+    dhts: list[SwarmDHT] = []
+    sessions: list[Session] = []
+    servers: list[PeerServer] = []
+    clients = ClientPool(10.0)
+    try:
+        dhts.append(SwarmDHT())
+        dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(4)]
+        for dht in dhts:
+            dht.set_run("attest-test", cfg.stages)
+        a_dht, b_dht, att_dht, forger, j_dht = dhts
+        history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
+        history.run(ROUNDS)
+        ttl = history_ttl_s(cfg.swarm)
+        for dht in (a_dht, b_dht):  # the honest holders: serve, announce, link every round
+            session = _session(dht, cfg, tmp_path, dht.peer_id[-6:])
+            sessions.append(session)
+            worker = history.workers[(dht.peer_id, STAGE)]
+            session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
+            session.server = PeerServer(session.service, host="127.0.0.1", port=0)
+            for t in range(ROUNDS):
+                data = history.payloads[(t, STAGE, dht.peer_id)]
+                session.store.put(t, STAGE, data)
+                ann = {"sha256": sha256(data), "size": len(data), "address": session.server.address}
+                dht.announce_payload(t, STAGE, {**ann, "replica": dht.peer_id}, ttl_s=ttl)
+                link_ttl = ttl if t == ROUNDS - 1 else SHORT_TTL_S
+                dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), link_ttl)
+            replica = {"kind": "full", "outer_step": ROUNDS, "shard": 0, "joined_at": 0, "address": ""}
+            dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
+        published = time.monotonic()
+
+        handler = ArtifactHandler({}, {"run_id": "attest-test"})
+        servers.append(PeerServer(handler, host="127.0.0.1", port=0))
+        attester = Attester(cfg, att_dht, clients, servers[-1].address, tmp_path / "attest")
+        handler.attester = attester
+        attester.poll()
+        assert time.monotonic() - published < SHORT_TTL_S, "the attester must follow before the links expire"
+        assert attester.stages[STAGE].outer_step == ROUNDS
+        assert attester.stages[STAGE].state_id() == history.state(STAGE)
+        assert attester.stages[1].outer_step == 0 and "1" in {str(s) for s in attester.stuck}  # nobody links stage 1
+        assert (tmp_path / "attest" / f"stage-{STAGE}.pt").exists()
+
+        forged = {"outer_step": ROUNDS, "state_id": "f" * 16, "address": servers[-1].address, "state": "ready"}
+        forger.announce_stage(STAGE, forged, ttl_s=ttl, kind="attest")  # a key nobody named
+
+        time.sleep(max(0.0, SHORT_TTL_S + 1.0 - (time.monotonic() - published)))  # the window moved on
+        joiner = _session(j_dht, cfg, tmp_path, "joiner")
+        sessions.append(joiner)
+        with pytest.raises(NetworkError, match="round 0: no holder published a link"):  # named, but lying
+            _joiner_resync(joiner, cfg, (forger.peer_id,)).sync_state(StageWorker(cfg, STAGE), "late join", wait_s=0)
+        resync = _joiner_resync(joiner, cfg, (att_dht.peer_id,))
+        worker = StageWorker(cfg, STAGE)
+        assert resync.sync_state(worker, "late join", wait_s=0)
+        assert worker.outer_step == ROUNDS and worker.state_id() == history.state(STAGE) and worker.verified
+        assert handler.stats()["states_served"] == 2  # the lie (it points here, with another state id), then ours
+
+        again = Attester(cfg, att_dht, clients, servers[-1].address, tmp_path / "attest")  # a restart
+        assert again.stages[STAGE].outer_step == ROUNDS and again.stages[STAGE].verified
+        assert again.stages[STAGE].state_id() == history.state(STAGE)
+    finally:
+        clients.close()
+        for server in servers:
+            server.stop(grace_s=0.5)
+        for session in sessions:
+            session.close()
+        for dht in dhts:
+            if all(dht is not s.dht for s in sessions):
+                dht.shutdown()
