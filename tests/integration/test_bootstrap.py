@@ -32,6 +32,7 @@ from peer.net.addresses import maddr_host, order_maddrs
 from peer.net.dht import SwarmDHT, make_identity
 from peer.net.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
 from peer.node.manifest import run_id_for, verify_manifest
+from peer.node.stage_state import StageState
 from peer.tools.status import LINK_FIELDS, collect_status
 from tests.conftest import assert_no_leftover_children, live_descendants, wait_gone
 
@@ -178,6 +179,7 @@ def test_swarm_dht_manifest_verifies_to_the_same_config(boot):
 
 def test_artifacts_over_grpc(boot):
     manifest = _manifest(boot.maddrs)
+    cfg = verify_manifest(manifest)
     with PeerClient(boot.record["grpc"], timeout_s=10) as client:
         tokenizer = client.get_artifact(ArtifactRequest("tokenizer"))
         assert hashlib.sha256(tokenizer).hexdigest() == manifest["tokenizer_sha256"]
@@ -201,8 +203,11 @@ def test_artifacts_over_grpc(boot):
         assert hashlib.sha256(head).hexdigest() == shard.sha256 and head[10:] == tail
         with pytest.raises(NotFoundError, match="no shard"):
             client.get_artifact(ArtifactRequest("0" * 64))
+        # its attester serves the state it reached: here, with no peer yet, the canonical initial state
+        state = client.get_state(StateRequest(stage=0))
+        assert state.outer_step == 0 and state.meta["state_id"] == StageState(cfg, 0).initial_state_id
         with pytest.raises(NotFoundError, match="holds no stage"):
-            client.get_state(StateRequest(stage=0))
+            client.get_state(StateRequest(stage=cfg.stages))
         about = client.info()
     assert about["role"] == "bootstrap" and about["run_id"] == manifest["run_id"]
     assert about["peer_id"] == boot.record["peer_id"] and about["initial_peers"] == boot.maddrs
@@ -210,6 +215,7 @@ def test_artifacts_over_grpc(boot):
     assert about["artifacts_served"] >= 3 and about["manifest_refresh_failures"] == 0
     assert about["dataset"]["fingerprint"] == manifest["dataset_fingerprint"]
     assert about["dataset"]["shards_held"] == about["dataset"]["shards"] == len(index.shards)
+    assert about["states_served"] == 1 and {s["outer_step"] for s in about["attested"].values()} == {0}
 
 
 def test_peer_status_json_with_no_peers(boot):
