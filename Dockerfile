@@ -14,7 +14,6 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 COPY pyproject.toml README.md ./
 COPY protos ./protos
-COPY bootstrap ./bootstrap
 COPY peer ./peer
 RUN pip install . && peer --version && peer --help > /dev/null
 

@@ -1,6 +1,6 @@
 """`python -m peer` runs the same CLI as the `peer` console script."""
 
-from peer.cli import main
+from peer.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,7 @@ says the same):
   ∇Z = ∇T_S·U, AdamW on Z, then T_S ← Z·Uᵀ (`to_coordinates` / `from_coordinates`), so the step
   stays in Col(U) by construction and Adam's per-coordinate scaling acts on the k coordinates.
 
-Pure math: no networking, no `peer.tools`. The swarm keeps a fixed U (its hash is in the manifest):
+Pure math: no networking, no research code. The swarm keeps a fixed U (its hash is in the manifest):
 both are simulator-only.
 """
 

@@ -18,7 +18,7 @@ relative to the median score ("below 0.25 × median") then drops honest peers in
 (15 of 400 in that run), and with a consensus that weak an honest score can even dip just below
 zero (below −0.25 × the median once in 400), hence the absolute `floor` on the cosine. Pointing clearly
 against the consensus, or a norm 10× the median, never happened in honest runs and catches a
-wrong-sign contribution at any scale (`peer.tools.attacks`).
+wrong-sign contribution at any scale (`peer.research.simulate.attacks`).
 
 Voters are the contributions with a finite, non-zero norm; the others (empty, or non-finite and
 already zeroed by clipping) are never scored nor dropped. Leaving the scored contribution out of

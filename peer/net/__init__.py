@@ -1,4 +1,4 @@
-"""The network: imports nothing from peer.core, peer.node or peer.tools.
+"""The network: imports nothing from peer.core, peer.node or any room above them.
 
 - `dht`: `SwarmDHT`, one hivemind DHT node and the swarm's records (manifest, stages, replicas, rounds);
 - `identity`: persistent RSA identity keys and peer ids; `admission`: swarm secret, HMAC proofs,

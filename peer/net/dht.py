@@ -100,7 +100,7 @@ SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner k
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
 RoundKind = Literal["round", "roster", "shards", "chain"]  # announcements, a ranges round's records, links
-StageKind = Literal["stage", "attest"]  # holders' records of a stage, or attesters' (`bootstrap.attester`)
+StageKind = Literal["stage", "attest"]  # holders' records of a stage, or attesters' (`peer.bootstrap.attester`)
 RoundRead = tuple[RoundKind, int, int, Callable[[Any], Any]]  # (kind, t, stage, parse): `SwarmDHT.get_rounds`
 R = TypeVar("R")
 # One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
@@ -426,7 +426,7 @@ class SwarmDHT:
         kind: StageKind = "stage",
     ) -> None:
         """Publish this peer's record for `stage` (address, capacity, state, outer_step, ...); kind
-        "attest": an attester's state of the stage (`bootstrap.attester`), kept apart from holders'."""
+        "attest": an attester's state of the stage (`peer.bootstrap.attester`), kept apart from holders'."""
         self._announce(self._run_key(f"{kind}.{int(stage)}"), record, ttl_s, timeout_s)
 
     def get_stage_peers(

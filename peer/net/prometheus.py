@@ -239,7 +239,7 @@ class SwarmCollector(Collector):
 
     `read()` returns {"uptime_s", "outer_step", "stage_peers": {stage: live}, "stage_seen": {stage:
     distinct peer ids since start}, "replicas": {kind: live}, "manifest_publications",
-    "manifest_refresh_failures", "artifacts_served", "poll_failures"} (`bootstrap.monitor`).
+    "manifest_refresh_failures", "artifacts_served", "poll_failures"} (`peer.bootstrap.monitor`).
     """
 
     def __init__(self, read: Callable[[], Mapping[str, Any]]) -> None:

@@ -77,7 +77,7 @@ class Resync:
         """`publish` refreshes this peer's DHT records (after a download or a switch);
         `checkpoints.resumed_at` tells `late_join` whether the state came from `--resume`;
         `attesters`: whose attested states a joiner past the history window may start from, beside
-        `swarm.attesters` (the manifest's signer, the bootstrap: `bootstrap.attester`)."""
+        `swarm.attesters` (the manifest's signer, the bootstrap: `peer.bootstrap.attester`)."""
         self.attesters = frozenset(cfg.swarm.attesters) | frozenset(attesters)
         self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
         self.me, self.refusals, self.metrics = me, refusals, metrics

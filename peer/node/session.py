@@ -134,21 +134,9 @@ class Session:
         self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
         publish = self.records.refresh
         attesters = [dht.manifest_signer] if dht.manifest_signer else []  # the bootstrap attests by default
-        self.resync = Resync(
-            cfg,
-            dht,
-            self.clients,
-            self.store,
-            self.me,
-            self.refusals,
-            self.metrics,
-            publish,
-            self.checkpoints,
-            attesters,
-        )
-        self.rounds = Rounds(
-            cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish, self.resync
-        )
+        parts = (cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish)  # what both share
+        self.resync = Resync(*parts, self.checkpoints, attesters)
+        self.rounds = Rounds(*parts, self.resync)
 
     # ------------------------------------------------------------------ joining and leaving
     @classmethod

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from peer.cli import main
+from peer.cli.main import main
 from peer.core.commit import embedding_update
 from peer.core.state import state_hash
 from peer.errors import PeerError

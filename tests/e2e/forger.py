@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from peer.cli import main
+from peer.cli.main import main
 from peer.node.claims import entry
 from peer.node.stage_worker import StageWorker
 

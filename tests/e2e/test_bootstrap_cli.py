@@ -20,7 +20,7 @@ from peer.config import build_config, paper_algorithm_config
 from peer.net.addresses import Reach, maddr_host, maddr_port, reach_of
 from peer.net.dht import make_identity
 from peer.node.manifest import run_id_for
-from peer.tools.sybil_figures import open_swarm_status, open_swarm_warning
+from peer.research.bench.sybil_figures import open_swarm_status, open_swarm_warning
 from tests.conftest import cmdline, is_live, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.tools.chaos import ChaosConfig, run_chaos
+from peer.research.bench.chaos import ChaosConfig, run_chaos
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

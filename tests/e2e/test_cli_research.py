@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.cli import main
+from peer.cli.main import main
 from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
 from peer.core.model import build_model, get_preset, stage_shapes
 from peer.node.checkpoints.model import load_model_checkpoint

@@ -1,6 +1,6 @@
 """The README's "Join a swarm" lines, run as written on three hosts, train a round (issue 26).
 
-Three network namespaces joined by veth links stand for three machines (`peer.tools.netns`):
+Three network namespaces joined by veth links stand for three machines (`peer.research.bench.netns`):
 host 0 at 10.77.0.1 runs the bootstrap line; host 1 (10.77.0.2) the head and the full replica;
 host 2 (10.77.1.2, routed through host 1) the stage-1 peer. The lines are read out of README.md,
 so the README cannot drift from what is tested; only HOST and ID are replaced, by what the
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from peer.node.metrics import read_events
-from peer.tools.netns import ShapedChain
+from peer.research.bench.netns import ShapedChain
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

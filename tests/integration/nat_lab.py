@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 
-from peer.tools.netns import run_cmd as _run
+from peer.research.bench.netns import run_cmd as _run
 
 PUBLIC_IP = "10.200.0.1"
 

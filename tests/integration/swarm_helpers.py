@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bootstrap.node import BootstrapNode
+from peer.bootstrap.node import BootstrapNode
 from peer.config import RunConfig, build_config
 from peer.node.metrics import read_events
 from peer.node.session import SessionOptions

@@ -3,7 +3,7 @@
 Two honest holders A and B of stage 0 committed `ROUNDS` rounds (tests/replay_helpers.py: real
 payloads, real portable commits), serve their payloads and publish each round's link; the links of
 all but the last round are published with a short ttl, so they expire — the history window moves
-on. Before they do, the attester (`bootstrap.attester`, on a DHT node and a gRPC server of its own,
+on. Before they do, the attester (`peer.bootstrap.attester`, on a DHT node and a gRPC server of its own,
 as the bootstrap runs it) follows the stage by replay. After they expired:
 - a joiner that trusts only a key whose attestation is false (its state id is not the state served)
   cannot verify the swarm's state and says so;
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.artifacts import ArtifactHandler
-from bootstrap.attester import Attester
+from peer.bootstrap.artifacts import ArtifactHandler
+from peer.bootstrap.attester import Attester
 from peer.config import history_ttl_s
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT

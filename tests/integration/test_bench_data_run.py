@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.tools.bench_data import bench_data, tables
+from peer.research.bench.data import bench_data, tables
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from peer.tools.bench_pipeline import PipelineBench, rate_mbps, run_bench, table_rows
-from peer.tools.netns import netns_unavailable
+from peer.research.bench.netns import netns_unavailable
+from peer.research.bench.pipeline import PipelineBench, rate_mbps, run_bench, table_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -69,7 +69,15 @@ def test_delay_relay_adds_the_round_trip():
                 conn.sendall(data)
 
     threading.Thread(target=echo, daemon=True).start()
-    cmd = [sys.executable, "-m", "peer.tools.delay_relay", "--listen", "127.0.0.1:0", "--to", f"127.0.0.1:{port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "peer.research.bench.delay_relay",
+        "--listen",
+        "127.0.0.1:0",
+        "--to",
+        f"127.0.0.1:{port}",
+    ]
     relay = subprocess.Popen([*cmd, "--rtt-ms", "100"], stdout=subprocess.PIPE, text=True)
     try:
         relayed = int(relay.stdout.readline().split()[1])
@@ -94,7 +102,7 @@ def test_rates_read_like_tc():
 def test_cli_wiring_checks_its_flags_before_starting_anything():
     from typer.testing import CliRunner
 
-    from peer.cli import app
+    from peer.cli.main import app
     from peer.errors import ConfigError
 
     result = CliRunner().invoke(app, ["bench", "pipeline", "--stages", "1", "--no-netns"])

@@ -24,7 +24,8 @@ from pathlib import Path
 import hivemind
 import pytest
 
-from bootstrap.node import BootstrapInfo, run_bootstrap
+from peer.bootstrap.node import BootstrapInfo, run_bootstrap
+from peer.cli.status import LINK_FIELDS, collect_status
 from peer.config import build_config
 from peer.core.shards import DatasetIndex
 from peer.errors import NetworkError
@@ -33,7 +34,6 @@ from peer.net.dht import SwarmDHT, make_identity
 from peer.net.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
 from peer.node.manifest import run_id_for, verify_manifest
 from peer.node.stage_state import StageState
-from peer.tools.status import LINK_FIELDS, collect_status
 from tests.conftest import assert_no_leftover_children, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

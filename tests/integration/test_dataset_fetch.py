@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.artifacts import ArtifactHandler
-from bootstrap.node import BootstrapNode
+from peer.bootstrap.artifacts import ArtifactHandler
+from peer.bootstrap.node import BootstrapNode
 from peer.config import build_config
 from peer.core.loader import needed_shards
 from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from peer.demo.processes import Children
+from peer.demo.run import DemoConfig, run_demo
 from peer.errors import PeerError
-from peer.tools.demo import DemoConfig, run_demo
-from peer.tools.processes import Children
 
 # A stand-in for `peer bootstrap` / `peer join`: same flags, same address and metrics files.
 FAKE_PEER = textwrap.dedent(r"""
@@ -265,7 +265,7 @@ DRIVER = textwrap.dedent("""
     import signal
     import sys
     from pathlib import Path
-    from peer.tools.demo import DemoConfig, run_demo
+    from peer.demo.run import DemoConfig, run_demo
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a shell's `&` ignores SIGINT)
     fake, workdir = sys.argv[1], Path(sys.argv[2])
     run_demo(DemoConfig(workdir=workdir, timeout_s=120, grace_s=1.0, poll_interval_s=0.05),

@@ -11,8 +11,8 @@ import torch
 
 from peer.core.model import build_model, build_stage, get_preset
 from peer.errors import CheckpointError
+from peer.export.command import export_hf, list_configurations, resolve_checkpoint
 from peer.node.checkpoints.model import save_model_checkpoint
-from peer.tools.export import export_hf, list_configurations, resolve_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,9 +93,9 @@ def test_export_copies_tokenizer(tmp_path, caplog):
     cfg = get_preset("tiny", vocab_size=sp.get_piece_size(), n_layers=1)
     model = build_model(cfg, seed=0).eval()
 
-    with caplog.at_level("WARNING", logger="peer.tools.export"):
+    with caplog.at_level("WARNING", logger="peer.export.command"):
         out, hf = _export_and_load(tmp_path, cfg, model, tokenizer_file=sp_path)
-    assert not [r for r in caplog.records if r.name == "peer.tools.export"]
+    assert not [r for r in caplog.records if r.name == "peer.export.command"]
     assert (out / "tokenizer.model").read_bytes() == sp_path.read_bytes()
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_cfg["tokenizer_class"] == "LlamaTokenizer"
@@ -117,7 +117,7 @@ def test_export_warns_about_a_normalising_tokenizer(tmp_path, caplog):
     sp_path = _train_sentencepiece(tmp_path)  # sentencepiece defaults: nmt_nfkc, collapse spaces
     cfg = get_preset("tiny", vocab_size=600, n_layers=1)
     ckpt = save_model_checkpoint(tmp_path / "ckpt", build_model(cfg, 0).state_dict(), cfg, sp_path, {})
-    with caplog.at_level("WARNING", logger="peer.tools.export"):
+    with caplog.at_level("WARNING", logger="peer.export.command"):
         export_hf(ckpt, tmp_path / "hf")
     assert any("remove_extra_whitespaces=False" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "hf" / "tokenizer.model").exists()

@@ -22,6 +22,8 @@ from peer.core.chain import chain_forward, token_loss
 from peer.core.commit import embedding_update
 from peer.core.sparseloco import decompress
 from peer.errors import CheckpointError
+from peer.export.checkpoints import export_folders
+from peer.export.model import read_back, write_stages
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.stage import read_committed_states, read_stage_meta, save_stage_checkpoint
@@ -30,8 +32,6 @@ from peer.node.resync import download_claimed
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
-from peer.tools.export_checkpoints import export_folders
-from peer.tools.export_model import read_back, write_stages
 
 transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")

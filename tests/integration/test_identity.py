@@ -15,7 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from typer.testing import CliRunner
 
-from peer.cli import app
+from peer.cli.main import app
 from peer.errors import ConfigError, ManifestMismatch
 from peer.net.admission import load_swarm_secret, secret_commitment
 from peer.net.dht import SwarmDHT

@@ -1,6 +1,6 @@
 """The head's auto in-flight window follows a capped link: a real stage-1 server on 127.0.0.1.
 
-The head (`PipelineDriver` over the bench's fixed stage map, `peer.tools.pipeline_peers.head_driver`)
+The head (`PipelineDriver` over the bench's fixed stage map, `peer.research.bench.pipeline_peers.head_driver`)
 picks K before every inner step from the measured round trip, the caps its stage peer reports in
 `info` ("net", `peer join --max-upload-mbps/--max-download-mbps`), stage 0's measured compute per
 micro-batch and the network part of its streamed calls (call time less the time stage 1 held the
@@ -26,7 +26,7 @@ from peer.node.pipeline.schedule import SLACK, hop_bytes, serialization_s
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage_worker import StageWorker
-from peer.tools.pipeline_peers import batches, head_driver
+from peer.research.bench.pipeline_peers import batches, head_driver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -1,6 +1,6 @@
 """The memory estimate against the measured peak of the real code on the CPU (issue 22: within 15 %).
 
-Each case runs `peer.tools.bench_memory`: real `StageWorker`s, K micro-batches in flight, the
+Each case runs `peer.research.bench.memory`: real `StageWorker`s, K micro-batches in flight, the
 optimizer step, a round (encode + commit) and a second inner step; the measured peak is torch's
 own allocator accounting of live CPU tensors (the profiler's memory events) plus the numpy-owned
 state at the end (tracemalloc). Not RSS: for tiny and small stages ~220 MiB of lazily loaded
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.tools.bench_memory import Case, estimate, measure, warm_up
+from peer.research.bench.memory import Case, estimate, measure, warm_up
 
 CASES = [
     Case("tiny", 2, 0, "fp32", False, in_flight=4),

@@ -1,6 +1,6 @@
 """The pipelined schedule (micro-batches in flight, stage-to-stage streaming) against the sequential one.
 
-Real stage processes on 127.0.0.1 (`peer.tools.pipeline_peers`), the head in this process: after
+Real stage processes on 127.0.0.1 (`peer.research.bench.pipeline_peers`), the head in this process: after
 two inner steps the losses and every stage's parameters are bit-identical whatever the schedule,
 and with streaming the head's link carries the same boundary bytes per micro-batch at S = 3 as at
 S = 2 (only the route's addresses are added).
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from peer.config import RunConfig, build_config
-from peer.tools.pipeline_peers import StageProcesses, run_head
+from peer.research.bench.pipeline_peers import StageProcesses, run_head
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -1,6 +1,6 @@
 """The commit is portable: one round's bytes give one state on every kernel set and thread count.
 
-Two rounds are written once (`peer.tools.bench_commit.make_round`): both stages of `small` (4
+Two rounds are written once (`peer.research.bench.commit.make_round`): both stages of `small` (4
 contributions: clipping and outlier screening run; stage 0's change moves stage 1's T⊥) and stage 0
 of `178M` split in 4 (its 32000 × 1024 embedding: the T_S/T⊥ re-projection at full width; 2
 contributions). Each configuration below is a fresh process that builds the initial state itself
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.tools.bench_commit import commit_portable, make_round
+from peer.research.bench.commit import commit_portable, make_round
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -53,7 +53,7 @@ def rounds(tmp_path_factory):
 
 def _child(paths: list[Path], env: dict[str, str]) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "peer.tools.bench_commit", *map(str, paths)],
+        [sys.executable, "-m", "peer.research.bench.commit", *map(str, paths)],
         cwd=ROOT,
         env={**os.environ, **env},
         capture_output=True,

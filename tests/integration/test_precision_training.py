@@ -30,7 +30,7 @@ from peer.node.trainer import _Full
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 T = 10  # outer steps (the demo runs 18; 10 keep the test near 15 s)
-DEMO = {  # peer.tools.demo.DemoConfig's swarm settings
+DEMO = {  # peer.demo.run.DemoConfig's swarm settings
     "train.inner_steps": 8,
     "train.outer_steps": T,
     "train.lr": 1e-2,

@@ -20,11 +20,11 @@ import torch
 from peer.config import build_config
 from peer.core.loader import Corpus
 from peer.errors import ConfigError, DataError
-from peer.tools.bench_simulate import fingerprint
-from peer.tools.sim_checkpoint import ARGS_FILE, SUFFIX, SweepCheckpoint
-from peer.tools.sim_pool import ReplicaPool, check_workers
-from peer.tools.sim_runtime import check_device, session
-from peer.tools.simulate import CONFIGS, SimOptions, simulate
+from peer.research.bench.simulate import fingerprint
+from peer.research.simulate.checkpoint import ARGS_FILE, SUFFIX, SweepCheckpoint
+from peer.research.simulate.engine import CONFIGS, SimOptions, simulate
+from peer.research.simulate.pool import ReplicaPool, check_workers
+from peer.research.simulate.runtime import check_device, session
 from tests.conftest import assert_no_leftover_children, live_descendants
 from tests.corpora import pattern_corpus
 

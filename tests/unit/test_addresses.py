@@ -1,11 +1,12 @@
 """Which addresses a peer prints and announces (peer.net.addresses) and the heading of the
-bootstrap's join lines (peer.tools.render)."""
+bootstrap's join lines (peer.cli.render)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bootstrap.node import BootstrapInfo
+from peer.bootstrap.node import BootstrapInfo
+from peer.cli.render import who_can_join
 from peer.net.addresses import (
     Reach,
     advertised_host,
@@ -16,7 +17,6 @@ from peer.net.addresses import (
     reach_of,
     route_source,
 )
-from peer.tools.render import who_can_join
 
 ID = "QmWnqw17L6pqN1HmXe3jBrz6qmZuGK7RGSimByTJ2iekxB"
 LOOP = f"/ip4/127.0.0.1/tcp/31337/p2p/{ID}"

@@ -1,4 +1,4 @@
-"""`peer bench data` (peer.tools.bench_data): its sizes and synthetic corpora (valid prepared
+"""`peer bench data` (peer.research.bench.data): its sizes and synthetic corpora (valid prepared
 datasets). The whole benchmark on tiny corpora: tests/integration/test_bench_data.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from peer.core.loader import open_corpus, train_batch
 from peer.core.shards import PreparedDataset
 from peer.errors import ConfigError
-from peer.tools.bench_data import VOCAB, parse_size, write_synthetic
+from peer.research.bench.data import VOCAB, parse_size, write_synthetic
 
 
 def test_sizes_parse():

@@ -10,9 +10,9 @@ import torch
 
 from peer.core.codec.format import SparseLoCoConfig
 from peer.errors import ConfigError
-from peer.tools import templar_baseline as tb
-from peer.tools import templar_real
-from peer.tools.bench import baselines_for, codec_figures
+from peer.research.bench.common import baselines_for, codec_figures
+from peer.research.simulate import templar_baseline as tb
+from peer.research.simulate import templar_real
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -13,9 +13,9 @@ import simpy
 
 from peer.node.round import agreement, ownership
 from peer.node.round.agreement import Close
-from peer.tools.swarm_net import MBIT, Link, Network
-from peer.tools.swarm_run import simulate
-from peer.tools.swarm_sim import Protocol, SimConfig, summarize
+from peer.research.swarm.net import MBIT, Link, Network
+from peer.research.swarm.run import simulate
+from peer.research.swarm.sim import Protocol, SimConfig, summarize
 
 FAST: dict[str, Any] = {"preset": "tiny", "stages": 2, "inner_steps": 2, "churn_per_h": 0.0}
 

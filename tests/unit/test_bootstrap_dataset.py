@@ -1,4 +1,4 @@
-"""The bootstrap's dataset (bootstrap/dataset.py): a prepared folder becomes the run's corpus and
+"""The bootstrap's dataset (peer/bootstrap/dataset.py): a prepared folder becomes the run's corpus and
 tokenizer only when its tokenizer is the index's and its vocabulary fits the model; otherwise one
 line that says what to do."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bootstrap.dataset import run_dataset
+from peer.bootstrap.dataset import run_dataset
 from peer.config import build_config
 from peer.core.shards import TOKENIZER_FILE
 from peer.errors import DataError

@@ -1,4 +1,4 @@
-"""`peer bootstrap --metrics-port`: the swarm summary (`bootstrap.monitor`) and its Prometheus series.
+"""`peer bootstrap --metrics-port`: the swarm summary (`peer.bootstrap.monitor`) and its Prometheus series.
 
 - `summarize` counts live peers per stage, replicas by kind and the largest outer step (junk ignored);
 - `SwarmMonitor.snapshot` adds the bootstrap's counters (publications = the first + refreshes);
@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bootstrap.monitor import SwarmMonitor, summarize
+from peer.bootstrap.monitor import SwarmMonitor, summarize
 from peer.errors import NetworkError
 from peer.net.prometheus import SwarmCollector
 from peer.net.records import ReplicaRecord, StageRecord

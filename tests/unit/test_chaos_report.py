@@ -1,11 +1,18 @@
-"""The chaos report's counters (`peer.tools.chaos_report`) on metrics files written here."""
+"""The chaos report's counters (`peer.research.bench.chaos_report`) on metrics files written here."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from peer.tools.chaos_report import disagreements, holder_events, lone_commits, longest_disagreement, stalls, states
+from peer.research.bench.chaos_report import (
+    disagreements,
+    holder_events,
+    lone_commits,
+    longest_disagreement,
+    stalls,
+    states,
+)
 
 
 def _round(t: int, stage: int, param: str, perp: str, committed: list[str], when: float) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import peer
-from peer.cli import app
+from peer.cli.main import app
 
 runner = CliRunner()
 

@@ -20,7 +20,7 @@ import pytest
 import typer
 import yaml
 
-from peer.cli import app
+from peer.cli.main import app
 
 try:  # typer >= 0.2x ships its own copy of click; its commands raise that copy's exceptions
     from typer._click import exceptions as click
@@ -206,3 +206,19 @@ def test_dockerfile_installs_cpu_torch_then_the_package():
                 assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
     build = {s.get("build") for s in load_compose({})["services"].values()} - {None}
     assert build == {"."}
+
+
+def test_the_operators_bootstrap_folder_agrees_with_the_cli_and_the_config():
+    """bootstrap/: the systemd unit's command parses with the real CLI and keeps a fixed key and the
+    attester's folder; the sample run.toml builds a valid config."""
+    from peer.config import build_config
+
+    unit = (ROOT / "bootstrap" / "peer-bootstrap.service").read_text()
+    (exec_start,) = [ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ExecStart=")]
+    argv = exec_start.split()
+    assert argv[0].endswith("/peer")
+    command, params = parse_cli(["peer", *argv[1:]])
+    assert command == "bootstrap" and params["identity"] is not None and params["attest"] is True
+    assert str(params["attest_dir"]).startswith("/var/lib/peer") and str(params["config"]) == "/etc/peer/run.toml"
+    cfg = build_config(ROOT / "bootstrap" / "run.toml", environ={})
+    assert cfg.run_name == "my-run" and cfg.stages == 2 and cfg.swarm.history_rounds == 16

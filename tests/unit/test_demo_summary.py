@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from peer.demo.summary import DemoState, ProcessView, summarize_runs
 from peer.node.metrics import MetricsTail
-from peer.tools.demo_summary import DemoState, ProcessView, summarize_runs
 
 
 def _round(role, t, stages, train_loss=None, val_loss=None, acts=0, equiv=0, pg=0):
@@ -169,8 +169,8 @@ def test_tail_and_live_state(tmp_path):
     "kwargs", [{"stages": 0}, {"outer_steps": 0}, {"pipelines": -1}, {"pipelines": 0, "full_replicas": 0}]
 )
 def test_demo_config_rejects_impossible_swarms(kwargs):
+    from peer.demo.run import DemoConfig
     from peer.errors import ConfigError
-    from peer.tools.demo import DemoConfig
 
     with pytest.raises(ConfigError):
         DemoConfig(**kwargs)

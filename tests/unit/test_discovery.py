@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from peer.cli.join_setup import prepare_join
 from peer.errors import PeerError
 from peer.node.discovery import read_address_file, wait_for_address_file
-from peer.tools.join_setup import prepare_join
 
 MADDR = "/dns4/bootstrap/tcp/31337/p2p/12D3KooWNDs8CvEXsBKSkNMWHPHLoVZy49d1Azq771t92xKG6sBD"
 

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from peer.cli import flags_simulate as flags
 from peer.config import build_config
 from peer.core.codec.clip import clip_to_median, clipped_mass
 from peer.core.codec.format import SparseLoCoConfig
@@ -23,11 +24,10 @@ from peer.errors import ConfigError
 from peer.net.transport.codec import decode, encode
 from peer.net.transport.messages import BackwardReply, ForwardReply, StepRequest
 from peer.node.stage_worker import StageWorker
-from peer.tools import experiments as ex
-from peer.tools import flags_simulate as flags
-from peer.tools.paper_settings import PAPER_ADAMW_LR, PAPER_REPLICAS, resolve
-from peer.tools.sim_replica import LocalReplica
-from peer.tools.simulate import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
+from peer.research.simulate import experiments as ex
+from peer.research.simulate.engine import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
+from peer.research.simulate.paper_settings import PAPER_ADAMW_LR, PAPER_REPLICAS, resolve
+from peer.research.simulate.replica import LocalReplica
 from tests.corpora import pattern_corpus
 
 
@@ -149,7 +149,7 @@ def test_no_te_adaptation_keeps_perp_and_weight_projection_keeps_outputs_in_col_
     opts = SimOptions(replicas=2, te_adaptation=False, weight_projection=True)
     res = run_config(cfg, _data(cfg, tmp_path), "pp-compress", opts)
     assert math.isfinite(res.val_loss_replica_mean)
-    from peer.tools.simulate import run_diloco
+    from peer.research.simulate.engine import run_diloco
 
     _, rep = run_diloco(cfg, _data(cfg, tmp_path), "pp-compress", opts, None)
     assert torch.equal(perp_of(rep.stages[1]), perp0)
@@ -284,8 +284,8 @@ def test_simulate_defaults_are_the_ones_its_help_prints():
 def test_demo_defaults_are_the_clis_and_reach_the_bootstrap(monkeypatch):
     import inspect
 
-    from peer import cli
-    from peer.tools.demo import DemoConfig, _train_env
+    from peer.cli.main import main as cli
+    from peer.demo.run import DemoConfig, _train_env
 
     params = inspect.signature(cli.demo).parameters
     cfg = DemoConfig()

@@ -10,9 +10,9 @@ import pytest
 from peer.config import build_config
 from peer.core.optim import lr_at
 from peer.errors import ConfigError
-from peer.tools import experiments as ex
-from peer.tools import experiments_budget as eb
-from peer.tools.simulate import SimOptions
+from peer.research.simulate import experiments as ex
+from peer.research.simulate import experiments_budget as eb
+from peer.research.simulate.engine import SimOptions
 from tests.corpora import pattern_corpus
 
 M = 2

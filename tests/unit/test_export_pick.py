@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from peer.errors import CheckpointError
+from peer.export.checkpoints import PeerFolder, pick_outer_step
+from peer.export.live import pick_step
 from peer.node.claims import Claim
-from peer.tools.export_checkpoints import PeerFolder, pick_outer_step
-from peer.tools.export_live import pick_step
 
 
 def _claims(*held: tuple[int, str]) -> list[Claim]:

@@ -32,7 +32,7 @@ from peer.core.model import Block, ModelConfig, build_stage, get_preset, rope_ta
 from peer.core.precision import CastWeights
 from peer.errors import ConfigError
 from peer.node.fit import check_fit
-from peer.tools.plan import PLAN_PRESETS
+from peer.research.plan.command import PLAN_PRESETS
 
 CFG = ModelConfig(vocab_size=300, d_model=96, n_layers=2, n_heads=4, head_dim=32, ffn_hidden=200, max_seq_len=64)
 

@@ -8,14 +8,14 @@ import os
 
 import pytest
 
+from peer.cli import flags_simulate as flags
 from peer.config import PAPER_ALGORITHM, build_config
 from peer.core.model import PRESETS
 from peer.core.optim import TrainConfig
 from peer.errors import ConfigError
-from peer.tools import experiments as ex
-from peer.tools import flags_simulate as flags
-from peer.tools import paper_settings as ps
-from peer.tools.simulate import SimOptions
+from peer.research.simulate import experiments as ex
+from peer.research.simulate import paper_settings as ps
+from peer.research.simulate.engine import SimOptions
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +140,7 @@ def test_paper_settings_at_178m_run_table_9():
 def test_the_cli_refuses_bad_settings_before_any_data(flags, message):
     from typer.testing import CliRunner
 
-    from peer.cli import app
+    from peer.cli.main import app
 
     result = CliRunner().invoke(app, ["simulate", "--preset", "tiny", "--dataset", "/nonexistent", *flags])
     assert isinstance(result.exception, ConfigError) and message in str(result.exception)

@@ -37,9 +37,9 @@ from peer.core.state import stage_state
 from peer.core.subspace_state import EMBED
 from peer.node.manifest import build_manifest, verify_manifest
 from peer.node.stage_worker import StageWorker
-from peer.tools.sim_replica import LocalReplica
-from peer.tools.sim_results import SIMULATE_DEFAULTS, SimOptions, new_result, robust_rule
-from peer.tools.simulate import _commit_stage
+from peer.research.simulate.engine import _commit_stage
+from peer.research.simulate.replica import LocalReplica
+from peer.research.simulate.results import SIMULATE_DEFAULTS, SimOptions, new_result, robust_rule
 from tests.unit.test_manifest import TOKENIZER_SHA, _index
 
 SMALL = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "stages": 2}

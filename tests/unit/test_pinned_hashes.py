@@ -41,7 +41,7 @@ from peer.core.sparseloco import decompress
 from peer.core.state import state_hash
 from peer.node.checkpoints.model import load_model_checkpoint
 from peer.node.stage_worker import StageWorker
-from peer.tools.simulate import simulate
+from peer.research.simulate.engine import simulate
 from tests.corpora import pattern_corpus
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Unit tests for peer.tools.plan: byte counts come from the wire code, stage shapes from the real model,
+"""Unit tests for peer.research.plan.command: byte counts come from the wire code, stage shapes from the real model,
 and utilisation behaves as the paper's Fig. 2/3 say it must."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from peer.core.sparseloco import compress
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size, to_bytes
 from peer.net.transport.messages import BackwardRequest, ForwardRequest
-from peer.tools.plan import PLAN_PRESETS, PlanInputs, boundary_bytes, plan_rows, resolve_model, with_inputs
-from peer.tools.plan_round import parse_tokens, round_holders, round_seconds
+from peer.research.plan.command import PLAN_PRESETS, PlanInputs, boundary_bytes, plan_rows, resolve_model, with_inputs
+from peer.research.plan.round import parse_tokens, round_holders, round_seconds
 
 SMALL = PlanInputs(
     preset="small",
@@ -211,7 +211,7 @@ def test_bad_inputs_raise_config_error(changes, bws, needle):
 
 
 def test_scheduled_step_has_the_1f1b_bubble_and_the_sequential_hops():
-    from peer.tools.plan import scheduled_step_s
+    from peer.research.plan.command import scheduled_step_s
 
     t, m, S = 0.1, 8, 2
     assert scheduled_step_s([t] * S, 0.0, 0.0, m, S) == pytest.approx((m + S - 1) * t)  # bubble m/(m+S-1)
@@ -225,7 +225,7 @@ def test_scheduled_step_has_the_1f1b_bubble_and_the_sequential_hops():
 
 
 def test_predicted_efficiency_of_a_balanced_fast_pipeline_is_its_bubble():
-    from peer.tools.plan import PLAN_PRESETS, predict_pipeline
+    from peer.research.plan.command import PLAN_PRESETS, predict_pipeline
 
     out = predict_pipeline(PLAN_PRESETS["small"], 2, 8, 16, 128, "1/8", 1e10, in_flight=2)
     assert 0.5 < out["efficiency"] <= 8 / 9 + 1e-9
@@ -233,7 +233,7 @@ def test_predicted_efficiency_of_a_balanced_fast_pipeline_is_its_bubble():
 
 
 def test_per_call_overhead_and_the_optimizer_step_lengthen_the_step():
-    from peer.tools.plan import scheduled_step_s
+    from peer.research.plan.command import scheduled_step_s
 
     t, m = 0.1, 8
     base = scheduled_step_s([t, t], 0.0, 0.0, m, 2)
@@ -253,7 +253,7 @@ def test_per_call_overhead_and_the_optimizer_step_lengthen_the_step():
 
 
 def test_a_calibrated_optimizer_step_counts_for_the_one_device_baseline_too():
-    from peer.tools.plan import PLAN_PRESETS, predict_pipeline
+    from peer.research.plan.command import PLAN_PRESETS, predict_pipeline
 
     small = PLAN_PRESETS["small"]
     bare = predict_pipeline(small, 2, 8, 16, 128, "1/8", 1e10, in_flight=2)
@@ -283,7 +283,7 @@ def test_several_k_ratios_give_one_row_group_each():
 def test_the_cli_draws_fig2_and_fig3_with_one_curve_per_k(tmp_path):
     from typer.testing import CliRunner
 
-    from peer.cli import app
+    from peer.cli.main import app
 
     out = tmp_path / "plan.json"
     argv = ["plan", "--preset", "small", "--stages", "2", "--k-ratio", "1/8,1/16,1/32,1/64"]
@@ -373,7 +373,7 @@ def test_later_stages_fetch_stage_0s_payloads():
 
 
 def test_memory_takes_one_k_ratio():
-    from peer.tools.plan_memory import plan_memory_command
+    from peer.research.plan.memory import plan_memory_command
 
     args = {"microbatch_size": 1, "seq_len": 128, "microbatches": 2, "k_ratio": "1/8,1/16"}
     with pytest.raises(ConfigError, match="--k-ratio"):

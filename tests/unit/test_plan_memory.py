@@ -6,10 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
-from peer.cli import app
+from peer.cli.main import app
 from peer.core.memory import estimate_stage
-from peer.tools.plan import PLAN_PRESETS
-from peer.tools.plan_memory import memory_rows
+from peer.research.plan.command import PLAN_PRESETS
+from peer.research.plan.memory import memory_rows
 
 
 def test_every_preset_and_stage_count_has_a_row_whose_modes_order_as_the_estimate_says():

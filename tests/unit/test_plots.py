@@ -1,4 +1,4 @@
-"""The shared plot helper (peer.tools.plots) and the two loss plots built on it write real PNGs."""
+"""The shared plot helper (peer.cli.plots) and the two loss plots built on it write real PNGs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from peer.tools.demo_summary import DemoResult, ProcessView, plot_demo
-from peer.tools.plots import figure
-from peer.tools.simulate import ConfigResult, plot_curves
+from peer.cli.plots import figure
+from peer.demo.summary import DemoResult, ProcessView, plot_demo
+from peer.research.simulate.engine import ConfigResult, plot_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -27,7 +27,7 @@ from peer.core.state import stage_state
 from peer.core.subspace_state import EMBED, perp_of
 from peer.errors import ConfigError
 from peer.node.stage_worker import StageWorker
-from peer.tools.sim_replica import LocalReplica
+from peer.research.simulate.replica import LocalReplica
 from tests.corpora import pattern_corpus
 
 # ------------------------------------------------------------------------- plain reference

@@ -13,7 +13,7 @@ from peer.core.codec.encode import quantize
 from peer.core.codec.format import Payload, SparseLoCoConfig, dequantize
 from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state
-from peer.tools.sim_replica import LocalReplica
+from peer.research.simulate.replica import LocalReplica
 
 
 def _old_quantize(v: np.ndarray, bits: int) -> np.ndarray:

@@ -37,7 +37,7 @@ class Board:
     def __init__(self, history: History) -> None:
         self.announcements: dict[tuple[int, int], dict[str, dict]] = {}
         self.holders: dict[str, dict] = {}  # stage records (one stage)
-        self.attest: dict[str, dict] = {}  # attesters' records of the stage (`bootstrap.attester`)
+        self.attest: dict[str, dict] = {}  # attesters' records of the stage (`peer.bootstrap.attester`)
         self.chain: dict[tuple[int, int], dict[str, dict]] = {}
         for (t, s, rid), data in history.payloads.items():
             ann = {"sha256": sha256(data), "size": len(data), "address": f"{rid}:1", "replica": rid}

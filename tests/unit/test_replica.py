@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -21,8 +19,8 @@ from peer.core.state import stage_state, state_hash
 from peer.core.subspace import make_basis, project
 from peer.core.subspace_state import perp_of
 from peer.node.stage_worker import StageWorker
-from peer.tools.sim_replica import LocalReplica
-from peer.tools.simulate import simulate
+from peer.research.simulate.engine import simulate
+from peer.research.simulate.replica import LocalReplica
 from tests.corpora import pattern_corpus
 
 
@@ -191,4 +189,3 @@ def test_het_fraction_must_leave_both_kinds(tmp_path):
         simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["het-pp-compress"], het_fraction=1.0)
     with pytest.raises(ConfigError, match="unknown simulator config"):
         simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["nope"])
-    assert dataclasses.is_dataclass(cfg)

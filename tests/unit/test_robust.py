@@ -2,7 +2,7 @@
 
 - the scores equal a plain reference (statistics.median of the others, Python floats, fsum), exactly;
 - honest rounds drop nothing, and commit_round then gives the same bits with screening on or off;
-- each attack of `peer.tools.attacks` (huge random, Δ̂ × −1e4, −Δ̂) is dropped, and only it;
+- each attack of `peer.research.simulate.attacks` (huge random, Δ̂ × −1e4, −Δ̂) is dropped, and only it;
 - the rule is order independent, never drops a majority, needs three voters, skips empty ones;
 - every holder of stage 0 (and `embedding_update` observers) drops the same contribution, so
   parameters and T⊥ stay bit-identical and the attacker leaves no trace.
@@ -99,7 +99,7 @@ def test_honest_rounds_drop_nothing_and_commit_the_same_bits():
 def test_each_attack_is_dropped_and_only_it(attack):
     from peer.core.codec.clip import clip_to_median
     from peer.core.robust import screen
-    from peer.tools.attacks import poison
+    from peer.research.simulate.attacks import poison
 
     cfg = SparseLoCoConfig()
     decoded = _honest_set(8, seed=3)

@@ -9,18 +9,18 @@ import math
 import pytest
 import torch
 
+from peer.cli.render import simulate_table
 from peer.config import build_config
 from peer.core.grassmann import boundary_with_basis_grad, grassmann_step, resplit
 from peer.core.optim import lr_at
 from peer.core.subspace import compressed_boundary, make_basis, project
 from peer.core.subspace_state import perp_of
 from peer.errors import ConfigError
-from peer.tools import experiments as ex
-from peer.tools.render import simulate_table
-from peer.tools.sim_ablations import bias_rows, bias_table, check_ablations, grassmann_round, record_bias
-from peer.tools.sim_replica import LocalReplica
-from peer.tools.sim_results import ConfigResult
-from peer.tools.simulate import SimOptions, simulate
+from peer.research.simulate import experiments as ex
+from peer.research.simulate.ablations import bias_rows, bias_table, check_ablations, grassmann_round, record_bias
+from peer.research.simulate.engine import SimOptions, simulate
+from peer.research.simulate.replica import LocalReplica
+from peer.research.simulate.results import ConfigResult
 from tests.corpora import pattern_corpus
 
 

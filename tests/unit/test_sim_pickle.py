@@ -1,4 +1,4 @@
-"""`peer.tools.sim_pool.dumps`, read back: a replica's tensors keep the layout they had (issue 34).
+"""`peer.research.simulate.pool.dumps`, read back: a replica's tensors keep the layout they had (issue 34).
 
 What workers send and a sweep checkpoint stores is read back with `pickle.loads`. A kernel may
 round by where its operands sit (MKL's GEMM on Intel CPUs picks its code path by alignment), so a
@@ -18,8 +18,8 @@ import torch
 
 from peer.config import build_config
 from peer.core.subspace import make_basis
-from peer.tools.sim_pool import dumps
-from peer.tools.sim_replica import LocalReplica
+from peer.research.simulate.pool import dumps
+from peer.research.simulate.replica import LocalReplica
 
 ALIGNMENT = 64  # bytes: torch's CPU allocator (c10's gAlignment)
 

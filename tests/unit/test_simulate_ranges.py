@@ -17,11 +17,11 @@ from peer.core.state import stage_state
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import perp_of
 from peer.errors import ConfigError
-from peer.tools import experiments as ex
-from peer.tools.sim_ranges import check_ranges, plan_for
-from peer.tools.sim_replica import LocalReplica
-from peer.tools.sim_results import robust_rule
-from peer.tools.simulate import SimOptions, _commit_stage, simulate
+from peer.research.simulate import experiments as ex
+from peer.research.simulate.engine import SimOptions, _commit_stage, simulate
+from peer.research.simulate.ranges import check_ranges, plan_for
+from peer.research.simulate.replica import LocalReplica
+from peer.research.simulate.results import robust_rule
 from tests.corpora import pattern_corpus
 
 RANGES = SimOptions(round_rule="ranges")

@@ -1,5 +1,6 @@
-"""Colluding contributors (issue 34): `peer.tools.attacks.collude`, `peer.tools.bench_sybil.measure_round`
-and the recorded figures the open swarm's warning quotes (`peer.tools.sybil_figures`).
+"""Colluding contributors (issue 34): `peer.research.simulate.attacks.collude`,
+`peer.research.bench.sybil.measure_round` and the recorded figures the open swarm's warning quotes
+(`peer.research.bench.sybil_figures`).
 
 The round here is synthetic (M = 10 contributions sharing a direction, each with its own noise,
 through the real encoder) so it runs in a second; `peer bench sybil` measures a real run's round.
@@ -13,16 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.cli.render import bootstrap_banner, status_view
 from peer.config import build_config
 from peer.core.codec.clip import payload_norm
 from peer.core.codec.format import Payload
 from peer.core.sparseloco import compress
 from peer.errors import ConfigError
 from peer.net.addresses import order_maddrs
-from peer.tools.attacks import COLLUSIONS, Collusion, clip_target, collude
-from peer.tools.bench_sybil import colluder_counts, measure_round
-from peer.tools.render import bootstrap_banner, status_view
-from peer.tools.sybil_figures import (
+from peer.research.bench.sybil import colluder_counts, measure_round
+from peer.research.bench.sybil_figures import (
     COMMAND,
     LOSS_COMMAND,
     RECORDED,
@@ -32,6 +32,7 @@ from peer.tools.sybil_figures import (
     open_swarm_warning,
     worst_unscreened,
 )
+from peer.research.simulate.attacks import COLLUSIONS, Collusion, clip_target, collude
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"w": (64, 128), "b": (4096,)}
@@ -160,7 +161,7 @@ def test_open_swarm_warning_names_the_flags_and_the_recorded_figures():
 
 
 def test_the_banner_warns_only_an_open_swarm_and_status_says_it(tmp_path):
-    from bootstrap.node import BootstrapInfo
+    from peer.bootstrap.node import BootstrapInfo
 
     peer_id = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
     info = BootstrapInfo(
@@ -178,7 +179,7 @@ def test_the_banner_warns_only_an_open_swarm_and_status_says_it(tmp_path):
 
 def test_bench_sybil_measures_a_real_round_of_a_small_run(tmp_path):
     """The bench's whole path on a tiny run (M = 4, one honest round first): real payloads, every row."""
-    from peer.tools.bench_sybil import bench_config, bench_sybil, rows_table
+    from peer.research.bench.sybil import bench_config, bench_sybil, rows_table
     from tests.corpora import pattern_corpus
 
     cfg = bench_config("tiny", 2, 1, 2, 16, 0)
@@ -196,9 +197,9 @@ def test_the_simulator_runs_colluders_in_every_round(tmp_path):
     reversing one is screened out, and an attacker and colluders together are refused."""
     from dataclasses import replace
 
-    from peer.tools.bench_sybil import bench_config, losses, losses_table
-    from peer.tools.sim_loops import run_diloco
-    from peer.tools.sim_results import SimOptions
+    from peer.research.bench.sybil import bench_config, losses, losses_table
+    from peer.research.simulate.loops import run_diloco
+    from peer.research.simulate.results import SimOptions
     from tests.corpora import pattern_corpus
 
     cfg = bench_config("tiny", 2, 1, 2, 16, 0)

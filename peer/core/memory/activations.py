@@ -31,7 +31,7 @@ The backward's transient peak (`workspace_bytes`) is what exists beside the stas
 micro-batch runs backward: the gradients flowing through a block, the temporary of a weight
 gradient before it is added into `.grad`, the logits and their gradients at the head. These are
 not saved tensors but temporaries, counted from the same ops and checked against measured peaks
-(`peer.tools.bench_memory`).
+(`peer.research.bench.memory`).
 """
 
 from __future__ import annotations

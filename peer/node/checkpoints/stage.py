@@ -20,7 +20,7 @@ Layout under a root (one per peer, `<data-dir>/checkpoints`):
                                     export` builds the model from) and the tokenizer's sha256
 The directory is named by the outer step the peer resumes at (rounds committed so far).
 `read_stage_meta`, `complete_stage_checkpoints` and `read_committed_states` read a checkpoint for
-`peer export` (peer.tools.export_checkpoints): the committed state of each stage, as a state sync
+`peer export` (peer.export.checkpoints): the committed state of each stage, as a state sync
 carries it.
 
 Invariants:

@@ -1,0 +1,462 @@
+"""`peer` command line: parse flags, build the config, call one function, show the result.
+
+The only module that prints (the tables and lines it prints are built in peer.cli.render; each
+flag's name and help are in peer.cli.flags).
+Every `PeerError` becomes a one-line `error: …` and exit code 2. Every file a command writes goes
+where its flags say (--json, --out, --plot, --png, --workdir, --data-dir, --save) or under runs/,
+never into the current directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+from peer import package_version
+from peer.cli import flags
+from peer.cli import flags_plan as plan_flags
+from peer.cli import flags_simulate as sim_flags
+from peer.cli.bench import bench_app
+from peer.cli.bootstrap import bootstrap_config, show_peer_id
+from peer.core.files import atomic_write_bytes
+from peer.core.memory import parse_bytes
+from peer.demo.processes import stop_on_signals
+from peer.errors import ConfigError, PeerError
+
+if TYPE_CHECKING:
+    pass
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer pre-training of LLMs.")
+app.add_typer(bench_app, name="bench")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare a dataset: tokenized shards for a run.")
+app.add_typer(data_app, name="data")
+console = Console()
+err_console = Console(stderr=True)
+
+RUNS = Path("runs")  # where a command writes when no flag names a path
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"peer {package_version()}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Peer-to-peer pre-training of LLMs."""
+
+
+def _setup_logging(verbose: bool) -> None:
+    level = os.environ.get("PEER_LOG_LEVEL", "DEBUG" if verbose else "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+
+
+def _png_path(flag: Path | None, json_out: Path | None, default: Path) -> Path:
+    """A plot goes where --plot/--png says, else next to --json, else to `default` (under runs/)."""
+    return flag or (json_out.with_suffix(".png") if json_out else default)
+
+
+@app.command()
+def simulate(
+    preset: flags.Preset = None,
+    replicas: sim_flags.SimReplicas = None,
+    stages: sim_flags.SimStages = None,
+    k_ratio: sim_flags.SimKRatios = None,
+    het_fraction: sim_flags.HetFraction = 0.5,
+    inner_steps: sim_flags.SimInnerSteps = None,
+    outer_steps: sim_flags.SimOuterSteps = None,
+    batch_size: flags.BatchSize = None,
+    seq_len: flags.SeqLen = None,
+    lr: sim_flags.Lr = None,
+    seed: flags.Seed = None,
+    seeds: sim_flags.SimSeeds = None,
+    configs: sim_flags.Configs = "adamw,sparseloco,pp-compress,het-pp-compress",
+    val_tokens: sim_flags.ValTokens = 16384,
+    quant_bits: sim_flags.SimQuantBits = None,
+    clip_median: sim_flags.ClipMedian = None,
+    adamw_lr: sim_flags.AdamwLr = None,
+    te_adaptation: sim_flags.TeAdaptation = True,
+    weight_projection: sim_flags.WeightProjection = False,
+    grassmann: sim_flags.Grassmann = False,
+    grassmann_lr: sim_flags.GrassmannLr = None,
+    modified_adamw: sim_flags.ModifiedAdamw = False,
+    paper_settings: sim_flags.PaperSettings = False,
+    setting: sim_flags.Setting = None,
+    token_budget: sim_flags.TokenBudget = None,
+    extend: sim_flags.Extend = None,
+    dataset: sim_flags.SimDataset = None,
+    json_out: flags.JsonOut = None,
+    plot: sim_flags.SimPlot = None,
+    save: sim_flags.Save = None,
+    attacks: sim_flags.Attacks = None,
+    round_rule: sim_flags.SimRound = "all",
+    workers: sim_flags.SimWorkers = None,
+    device: sim_flags.SimDevice = "cpu",
+    resume: sim_flags.SimResume = False,
+    checkpoint_dir: sim_flags.SimCheckpointDir = None,
+    config: flags.Config = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Run the paper's configurations (Tables 2, 4, 5) on the same data and steps (replicas in parallel)."""
+    _setup_logging(verbose)
+    from peer.cli.simulate import command
+
+    args = dict(locals()) | {"checkpoint_dir": checkpoint_dir or RUNS / "simulate-ckpt"}
+    command(console, args, _png_path(plot, json_out, RUNS / "simulate.png"), _write_json)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    source: flags.PrepSource,
+    out: flags.PrepOut,
+    config: flags.PrepConfig = None,
+    split: flags.PrepSplit = "train",
+    text_field: flags.TextField = "text",
+    vocab_size: flags.PrepVocabSize = None,
+    tokenizer: flags.PrepTokenizer = None,
+    val_fraction: flags.ValFraction = 0.05,
+    seed: flags.PrepSeed = 0,
+    shard_tokens: flags.ShardTokens = 1 << 24,
+    workers: flags.PrepWorkers = None,
+    max_chars: flags.PrepMaxChars = None,
+    restart: flags.Restart = False,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Tokenize a corpus into token shards with an index and fingerprints (streams; every core; resumes)."""
+    os.environ.setdefault("PEER_LOG_LEVEL", "INFO")  # say what it does before the bar starts (the tokenizer)
+    _setup_logging(verbose)
+    from peer.cli.data_prepare import command
+
+    command(console, err_console, dict(locals()))
+
+
+@app.command()
+def plan(
+    preset: plan_flags.PlanPreset = "70B",
+    params: plan_flags.PlanParams = None,
+    stages: plan_flags.PlanStages = 4,
+    k_ratio: plan_flags.PlanKRatio = "1/8",
+    inner_steps: plan_flags.PlanInnerSteps = 50,
+    microbatch_size: plan_flags.MicrobatchSize = 1,
+    microbatches: plan_flags.Microbatches = 8,
+    seq_len: plan_flags.PlanSeqLen = 2048,
+    flops: plan_flags.Flops = 400e12,
+    bandwidth_mbps: plan_flags.BandwidthMbps = "10,30,100,300,1000",
+    replicas: plan_flags.PlanReplicas = 8,
+    wire_dtype: plan_flags.PlanWireDtype = "bf16",
+    tokens: plan_flags.PlanTokens = None,
+    png: plan_flags.Png = None,
+    json_out: plan_flags.PlanJson = None,
+    memory: plan_flags.PlanMemory = False,
+) -> None:
+    """Will my link keep up? Utilisation of compressed (per k/d) vs uncompressed pipelines (paper Fig. 2),
+    and the wall-clock of a token budget (--tokens, Fig. 3)."""
+    from peer.research.plan.command import plan_command
+
+    args = dict(locals())
+    if memory:  # the memory table (peer.research.plan.memory) for the same micro-batch flags
+        from peer.research.plan.memory import plan_memory_command
+
+        plan_memory_command(console.print, args, json_out, _write_json)
+        return
+    plan_command(console.print, args, _png_path(png, json_out, RUNS / "plan.png"), json_out, _write_json)
+
+
+@app.command()
+def export(
+    out: flags.ExportOut,
+    checkpoint: flags.Checkpoint = None,
+    initial_peers: flags.ExportPeers = None,
+    outer_step: flags.ExportOuterStep = None,
+    timeout_s: flags.ExportTimeout = 120.0,
+    swarm_secret_file: flags.SwarmSecret = None,
+    identity: flags.ExportIdentity = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Write the model as a Hugging Face `LlamaForCausalLM` folder (config.json, model.safetensors, tokenizer):
+    from a full replica's checkpoints, one checkpoint folder per stage, the live swarm, or `peer simulate --save`."""
+    _setup_logging(verbose)
+    if bool(checkpoint) == bool(initial_peers):
+        raise ConfigError("give checkpoint folders or --initial-peers ADDR (a live swarm), not both and not neither")
+
+    def say(line: str) -> None:  # progress on stdout: stderr holds warnings and the one `error:` line
+        console.print(line, soft_wrap=True, highlight=False)
+
+    if initial_peers:
+        from peer.export.live import export_live
+        from peer.net.dht import load_swarm_secret
+
+        secret = load_swarm_secret(swarm_secret_file)
+        result = export_live(initial_peers, out, outer_step, timeout_s, secret, say, identity)
+    else:
+        from peer.export.checkpoints import export_folders
+
+        assert checkpoint is not None
+        result = export_folders(checkpoint, out, outer_step, say)
+    step = "" if result.outer_step is None else f" at outer step {result.outer_step}"
+    console.print(
+        f"exported {result.source}{step} to {result.out} (model.safetensors sha256 {result.model_sha256[:16]}, "
+        f"tokenizer: {'yes' if result.tokenizer else 'no'}) — load it with "
+        f"transformers.LlamaForCausalLM.from_pretrained('{result.out}')",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
+@app.command()
+def bootstrap(
+    config: flags.Config = None,
+    preset: flags.Preset = None,
+    stages: flags.BootStages = None,
+    k_ratio: flags.KRatio = None,
+    inner_steps: flags.BootInnerSteps = None,
+    outer_steps: flags.BootOuterSteps = None,
+    batch_size: flags.BatchSize = None,
+    seq_len: flags.SeqLen = None,
+    seed: flags.Seed = None,
+    dataset: flags.BootDataset = None,
+    max_chars: flags.MaxChars = None,
+    tokenizer: flags.Tokenizer = None,
+    wire_dtype: flags.WireDtype = None,
+    run_name: flags.RunName = None,
+    paper_settings: flags.BootPaperSettings = False,
+    host: flags.BootHost = "0.0.0.0",
+    port: flags.BootPort = 0,
+    grpc_port: flags.GrpcPort = 0,
+    announce_host: flags.BootAnnounceHost = None,
+    identity: flags.BootIdentity = None,
+    address_file: flags.AddressFile = None,
+    print_peer_id: flags.PrintPeerId = False,
+    admission: flags.Admission = None,
+    allow_peer: flags.AllowPeer = None,
+    swarm_secret_file: flags.BootSwarmSecret = None,
+    relay: flags.Relay = None,
+    metrics_port: flags.MetricsPort = None,
+    max_upload_mbps: flags.MaxUploadMbps = None,
+    attest: flags.BootAttest = True,
+    attest_dir: flags.BootAttestDir = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Start a swarm: publish the run's manifest, tokenizer and dataset on a DHT node and print the join lines."""
+    _setup_logging(verbose)
+    if print_peer_id:
+        return show_peer_id(identity)
+    from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
+    from peer.cli.render import bootstrap_banner
+    from peer.config import build_link_config
+
+    cfg = bootstrap_config(dict(locals()), console)
+    export_swarm_secret(cfg, swarm_secret_file)
+
+    def on_ready(info: BootstrapInfo) -> None:
+        for line in bootstrap_banner(info, cfg):
+            console.print(line, soft_wrap=True)
+
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        console.print("opening the dataset and starting the DHT node…", soft_wrap=True)
+        run_bootstrap(
+            cfg,
+            host=host,
+            dht_port=port,
+            grpc_port=grpc_port,
+            announce_host=announce_host,
+            identity_path=identity,
+            address_file=address_file,
+            on_ready=on_ready,
+            stop_event=stop,
+            relay=bool(relay),
+            metrics_port=metrics_port,
+            max_upload_mbps=build_link_config(None, max_upload_mbps).max_upload_mbps,
+            attest_dir=(attest_dir or cfg.data.cache_dir / "attest") if attest else None,
+        )
+    console.print("bootstrap stopped", soft_wrap=True)
+
+
+@app.command()
+def status(
+    initial_peers: flags.StatusPeers,
+    json_out: flags.StatusJson = False,
+    timeout_s: flags.StatusTimeout = 20.0,
+    swarm_secret_file: flags.SwarmSecret = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Show the swarm: stages and the peers holding them, full replicas, outer step, loss, tokens/s."""
+    _setup_logging(verbose)
+    from peer.cli.render import status_view
+    from peer.cli.status import collect_status
+    from peer.net.dht import SwarmDHT, load_swarm_secret
+
+    secret = load_swarm_secret(swarm_secret_file)
+    with SwarmDHT(initial_peers=initial_peers, client_mode=True, start_timeout_s=timeout_s, swarm_secret=secret) as dht:
+        result = collect_status(dht, timeout_s=timeout_s, where=", ".join(initial_peers))
+    if json_out:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        sys.stdout.flush()
+        return
+    for part in status_view(result):
+        console.print(part, soft_wrap=True)
+
+
+@app.command()
+def join(
+    initial_peers: flags.JoinPeers = None,
+    stage: flags.JoinStage = None,
+    full_replica: flags.FullReplica = False,
+    device: flags.Device = "auto",
+    precision: flags.Precision = "auto",
+    activation_checkpointing: flags.ActivationCheckpointing = False,
+    max_memory: flags.MaxMemory = None,
+    host: flags.JoinHost = "0.0.0.0",
+    port: flags.JoinPort = 0,
+    dht_port: flags.DhtPort = 0,
+    announce_host: flags.JoinAnnounceHost = None,
+    data_dir: flags.DataDir = None,
+    dataset: flags.JoinDataset = None,
+    identity: flags.JoinIdentity = None,
+    manifest_timeout_s: flags.ManifestTimeout = 60.0,
+    swarm_secret_file: flags.SwarmSecret = None,
+    resume: flags.Resume = False,
+    initial_peers_file: flags.InitialPeersFile = None,
+    metrics_port: flags.MetricsPort = None,
+    in_flight: flags.JoinInFlight = None,
+    max_upload_mbps: flags.MaxUploadMbps = None,
+    max_download_mbps: flags.MaxDownloadMbps = None,
+    relay: flags.Relay = None,
+    relay_max_mbps: flags.RelayMaxMbps = None,
+    verbose: flags.Verbose = False,
+) -> None:
+    """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
+    os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
+    if (
+        in_flight is not None
+    ):  # a head's local schedule (peer.node.pipeline.schedule reads it; not part of the run's config)
+        os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
+    _setup_logging(verbose)
+    from peer.cli.join_setup import join_role, prepare_join
+    from peer.config import build_link_config
+    from peer.net.dht import load_swarm_secret
+    from peer.node.replica_ranks import run_join  # torchrun: one full replica over its processes
+    from peer.node.session import SessionOptions, usable_data_dir
+    from peer.node.trainer import data_dir_default
+
+    role = join_role(stage, full_replica, device, precision)
+    data_dir = usable_data_dir(data_dir or data_dir_default(role, stage))
+    opts = SessionOptions(
+        initial_peers=prepare_join(initial_peers, initial_peers_file, manifest_timeout_s, metrics_port, host),
+        host=host,
+        port=port,
+        dht_port=dht_port,
+        announce_host=announce_host,
+        data_dir=data_dir,
+        dataset=dataset.expanduser() if dataset else None,
+        identity=str(identity) if identity else None,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        max_memory=None if max_memory is None else parse_bytes(max_memory, "--max-memory"),
+        device=device,  # "auto" is decided after the DHT has started (hivemind forks before CUDA is touched)
+        manifest_timeout_s=manifest_timeout_s,
+        resume=resume,
+        link=build_link_config(None, max_upload_mbps, max_download_mbps, relay, relay_max_mbps),
+        swarm_secret=load_swarm_secret(swarm_secret_file),
+    )
+    stop = threading.Event()
+    err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
+    with stop_on_signals(stop):
+        try:
+            code = run_join(opts, stage, stop)
+        except PeerError:
+            if not stop.is_set():
+                raise
+            code = 0  # asked to leave (SIGINT/SIGTERM) while waiting: records withdrawn, a clean exit
+    raise typer.Exit(code)
+
+
+@app.command()
+def demo(
+    pipelines: flags.Pipelines = 1,
+    stages: flags.DemoStages = 2,
+    full_replicas: flags.FullReplicas = 1,
+    outer_steps: flags.DemoOuterSteps = 18,
+    inner_steps: flags.DemoInnerSteps = 8,
+    preset: flags.DemoPreset = "tiny",
+    json_out: flags.DemoJson = None,
+    plot: flags.DemoPlot = None,
+    workdir: flags.Workdir = None,
+    timeout_s: flags.DemoTimeout = 900.0,
+    verbose: flags.Verbose = False,
+) -> None:
+    """A whole swarm on this machine: a bootstrap, P compressed pipelines and F full replicas as processes
+    on loopback."""
+    _setup_logging(verbose)
+    from rich.live import Live
+
+    from peer.cli.render import demo_live, demo_summary
+    from peer.demo.run import DemoConfig, default_workdir, run_demo
+    from peer.demo.summary import plot_demo
+
+    args: dict[str, Any] = {
+        "pipelines": pipelines,
+        "stages": stages,
+        "full_replicas": full_replicas,
+        "outer_steps": outer_steps,
+        "inner_steps": inner_steps,
+        "preset": preset,
+    }
+    cfg = DemoConfig(**args, timeout_s=timeout_s)  # checked before a work directory is made
+    cfg = dataclasses.replace(cfg, workdir=workdir or default_workdir(RUNS))
+    workdir = cfg.workdir
+    console.print(
+        f"peer demo: {pipelines} pipeline(s) × {stages} stages + {full_replicas} full replica(s), "
+        f"T={outer_steps}, H={inner_steps}; logs in {workdir}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            result = run_demo(cfg, lambda s: live.update(demo_live(s), refresh=True))
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted — every process the demo started was stopped; logs in {workdir}")
+        raise typer.Exit(130) from None
+    shape = f"{pipelines}×{stages} compressed + {full_replicas} full"
+    for part in demo_summary(result, f"peer demo — {preset}, {shape}, H={inner_steps}"):
+        console.print(part, soft_wrap=True)
+    plot_path = _png_path(plot, json_out, result.workdir / "demo.png")
+    plot_demo(
+        result, plot_path, inner_steps, title=f"peer demo ({preset}, {pipelines}×{stages} + {full_replicas} full)"
+    )
+    console.print(f"loss curves: {plot_path}", soft_wrap=True)
+    if json_out:
+        _write_json(json_out, {**result.summary, "workdir": str(result.workdir), "args": args})
+        console.print(f"results: {json_out}", soft_wrap=True)
+
+
+def main() -> None:
+    try:
+        app()
+    except PeerError as exc:
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)

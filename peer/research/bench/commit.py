@@ -1,0 +1,211 @@
+"""`peer bench commit`: what committing one round costs at a preset's stage shapes, and its bits.
+
+A round (`make_round`): a stage's initial state (θ_start and T⊥, the run's canonical initialisation)
+and M synthetic contributions — canonical-normal pseudo-gradients at a realistic scale (1e-3),
+compressed with the run's SparseLoCo settings — saved as files, so every process commits the same
+bytes. Two commits of it are timed, each from the wire bytes to the state's hash:
+- `portable`: `peer.node.stage_commit.compute` → `peer.core.commit.commit_state`, what every
+  holder runs (the fused clip, screen and aggregate of the payloads — no dense Δ̂, issue 24 —,
+  θ_start − η·Δ̄, the float64 fixed-order T_S/T⊥ re-projection, T⊥ decay, hashes and the ban
+  state);
+- `legacy`: the commit as it was before issue 20 (every payload decoded densely, then the dense
+  clip, screen and aggregation, then torch's vectorised outer step and the T_S/T⊥ re-projection by
+  two BLAS matmuls per Π, as `embedding_outer_update` computed it then), for the before/after
+  figure.
+
+`python -m peer.research.bench.commit DIR...` commits the rounds saved in each DIR in a fresh process
+and prints one JSON line (state ids, seconds, torch's CPU capability, threads): the multi-kernel test
+(tests/integration/test_portable_commit.py) runs it under other kernel sets and thread counts,
+building the initial state itself each time, and expects one state id.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.config import RunConfig, build_config
+from peer.core.codec.format import Payload
+from peer.core.commit import perp_decay, robust_aggregate
+from peer.core.model import build_stage, stage_shapes
+from peer.core.portable import canonical_normal
+from peer.core.sparseloco import compress, decompress
+from peer.core.state import stage_state, state_hash
+from peer.core.subspace import make_basis
+from peer.core.subspace_state import EMBED, initial_split
+from peer.node.bans import NONE as NO_BANS
+from peer.node.stage_commit import compute
+
+META = "round.json"
+
+
+@dataclass(frozen=True)
+class Round:
+    """A saved round: where, the run's overrides, the stages committed in order, M contributions."""
+
+    path: Path
+    overrides: dict[str, Any]
+    stages: tuple[int, ...]
+    replicas: int
+
+    @property
+    def cfg(self) -> RunConfig:
+        return build_config(overrides=self.overrides, environ={})
+
+    def payloads(self, stage: int) -> list[Payload]:
+        return [Payload.from_bytes((self.path / f"s{stage}-{m}.bin").read_bytes()) for m in range(self.replicas)]
+
+    @classmethod
+    def load(cls, path: Path) -> Round:
+        meta = json.loads((path / META).read_text())
+        return cls(path, meta["overrides"], tuple(meta["stages"]), int(meta["replicas"]))
+
+
+def initial_state(cfg: RunConfig, stage: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(θ_start, T⊥, U) of a stage at outer step 0, as every holder builds it."""
+    module = build_stage(cfg.model, stage, cfg.stages, cfg.seed)
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+    w, perp = initial_split(cfg, U)
+    start = stage_state(module)
+    if EMBED in start:
+        start[EMBED] = w
+    return start, perp, U
+
+
+def make_round(path: Path, overrides: Mapping[str, Any], stages: Sequence[int], replicas: int) -> Round:
+    """Write a round of `replicas` contributions to each of `stages` under `path` (see the module)."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(overrides=dict(overrides), environ={})
+    for s in stages:
+        module = build_stage(cfg.model, s, cfg.stages, cfg.seed)
+        for m in range(replicas):
+            delta = {
+                name: canonical_normal(1_000_003 * (m + 1) + 7919 * s + i, tuple(p.shape), 1e-3)
+                for i, (name, p) in enumerate(module.named_parameters())
+            }
+            payload, _ = compress(delta, None, cfg.sparseloco)
+            (path / f"s{s}-{m}.bin").write_bytes(payload.to_bytes())
+    meta = {"overrides": dict(overrides), "stages": list(stages), "replicas": replicas}
+    (path / META).write_text(json.dumps(meta))
+    return Round.load(path)
+
+
+def commit_portable(rnd: Round) -> dict[str, Any]:
+    """Commit the round's stages in order (stage 0's change moves the others' T⊥): state ids, seconds."""
+    cfg, out, seconds, update = rnd.cfg, {}, 0.0, None
+    for s in rnd.stages:
+        start, perp, U = initial_state(cfg, s)
+        payloads = rnd.payloads(s)
+        ids = [f"replica-{m:02d}-{'x' * 16}" for m in range(rnd.replicas)]
+        began = time.perf_counter()
+        done = compute(cfg, s, U, 0, start, perp, NO_BANS, payloads, ids, update if s else None)
+        seconds += time.perf_counter() - began
+        out[str(s)] = done.state
+        if s == 0:
+            update = done.committed.commit.embed_update
+    return {"states": out, "seconds": seconds}
+
+
+def commit_legacy(rnd: Round) -> dict[str, Any]:
+    """The pre-issue-20 commit of the same round (see the module docstring): hashes, seconds."""
+    cfg, out, seconds = rnd.cfg, {}, 0.0
+    slc = cfg.sparseloco
+    for s in rnd.stages:
+        start, perp, U = initial_state(cfg, s)
+        payloads = rnd.payloads(s)
+        began = time.perf_counter()
+        decoded = [decompress(p) for p in payloads]
+        keys = [f"replica-{m:02d}-{'x' * 16}" for m in range(rnd.replicas)]
+        summed, _, _ = robust_aggregate(decoded, slc, keys=keys)
+        perp = perp * perp_decay(cfg.train, 0)
+        params = {n: v - slc.outer_lr * summed[n] if n in summed else v.clone() for n, v in start.items()}
+        if EMBED in start:
+            update = -slc.outer_lr * summed[EMBED]
+            residual = update - (update @ U) @ U.T  # perp_outer_update's Π
+            perp = perp + residual
+            params[EMBED] = start[EMBED] + (update - (update - (update @ U) @ U.T))  # and again for T_S
+        out[str(s)] = state_hash(params) + state_hash({"perp": perp})
+        seconds += time.perf_counter() - began
+    return {"states": out, "seconds": seconds}
+
+
+def bench_commit(
+    path: Path, preset: str = "178M", stages: int = 2, stage: int = 0, replicas: int = 4, repeats: int = 3
+) -> dict[str, Any]:
+    """Time the portable and the legacy commit of one round of `stage` (median of `repeats`)."""
+    overrides = {"model.preset": preset, "stages": stages}
+    rnd = make_round(path, overrides, [stage], replicas)
+    n_params = sum(math.prod(shape) for shape in stage_shapes(rnd.cfg.model, stage, stages).values())
+    portable, legacy = [], []
+    state = ""
+    for _ in range(repeats):
+        p = commit_portable(rnd)
+        portable.append(p["seconds"])
+        state = p["states"][str(stage)]
+        legacy.append(commit_legacy(rnd)["seconds"])
+    return {
+        "preset": preset,
+        "stages": stages,
+        "stage": stage,
+        "params": n_params,
+        "replicas": replicas,
+        "portable_s": statistics.median(portable),
+        "legacy_s": statistics.median(legacy),
+        "ratio": statistics.median(portable) / statistics.median(legacy),
+        "portable_runs_s": portable,
+        "legacy_runs_s": legacy,
+        "state": state,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def command(
+    show: Callable[[Any], None], args: dict[str, Any], runs: Path, write_json: Callable[[Path, dict], None]
+) -> None:
+    """`peer bench commit`: time both commits of one round of stage 0 and show the table."""
+    from peer.cli.render import metric_table
+    from peer.errors import ConfigError
+
+    if args["replicas"] < 1 or args["repeats"] < 1 or args["stages"] < 1:
+        raise ConfigError("--replicas, --repeats and --stages must be 1 or more")
+    where = runs / f"commit-{args['preset']}"
+    show(f"peer bench commit: stage 0 of {args['preset']} split in {args['stages']}, {args['replicas']} contributions")
+    result = bench_commit(where, args["preset"], args["stages"], 0, args["replicas"], args["repeats"])
+    show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s")}))
+    if args["json_out"]:
+        write_json(args["json_out"], result)
+
+
+def main(argv: Sequence[str]) -> int:
+    """A child: commit each round saved in the directories `argv`; print one JSON line
+    {"rounds": {directory name: {stage: state id}}, "seconds": ..., "cpu_capability": ..., "threads": ...}.
+    $PEER_COMMIT_THREADS limits torch's threads and the cores this process may use."""
+    threads = int(os.environ.get("PEER_COMMIT_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+        if hasattr(os, "sched_setaffinity"):  # our codec pool sizes itself by the cores we may use
+            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    rounds, seconds = {}, 0.0
+    for arg in argv:
+        done = commit_portable(Round.load(Path(arg)))
+        rounds[Path(arg).name] = done["states"]
+        seconds += done["seconds"]
+    result = {"rounds": rounds, "seconds": seconds}
+    result.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

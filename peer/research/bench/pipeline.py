@@ -1,0 +1,380 @@
+"""`peer bench pipeline`: the measured counterpart of the paper's Fig. 2 on this machine.
+
+For every combination of boundary compression (k/d), link (unshaped, each `--rate`, with or
+without `--rtt-ms`) and schedule (`--in-flight 1`, the sequential one, vs the pipelined one), it
+starts the S stage peers as real processes (`peer.research.bench.pipeline_peers`), stage s pinned to core
+s mod ncpu (`taskset`, one torch thread), optionally each in its own network namespace joined by
+`tc tbf`-shaped links (`peer.research.bench.netns`, as root) with a userspace delay relay in front of every
+stage (`peer.research.bench.delay_relay`) for the round trip. The head runs `warmup` + `steps` inner steps;
+the whole model on one core with the same batches is the one-device baseline.
+
+Reported per configuration (median over `repeats` of tokens/s): tokens/s, scaling efficiency =
+pipeline tokens/s ÷ (S × one-device tokens/s), busy fraction per stage (compute seconds ÷ wall),
+bubble fraction = 1 − mean busy fraction, data-plane bytes per token on each link, and tokens/s
+relative to the same schedule and k/d unshaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peer.config import RunConfig, build_config
+from peer.research.bench.netns import ShapedChain, netns_unavailable
+from peer.research.bench.pipeline_peers import StageProcesses, _one_thread_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PipelineBench:
+    stages: int = 2
+    preset: str = "small"
+    split: str = "cost"  # model.stage_split: the head's matmul counted (peer.core.model.stage_layers)
+    seq_len: int = 128
+    batch_size: int = 16
+    microbatches: int = 8
+    k_ratios: tuple[str, ...] = ("1/8", "1")
+    rates: tuple[str, ...] = ("", "100mbit", "10mbit")  # "" = unshaped
+    rtt_ms: tuple[float, ...] = (0.0,)
+    rtt_rate: str = "100mbit"  # the link the round trip is added to ("" = unshaped)
+    in_flight: tuple[int, ...] = (1, 0)  # 0 = the default (auto)
+    wire_dtype: str = "bf16"  # subspace.wire_dtype (its default): the boundary dtype on the wire
+    warmup: int = 1
+    steps: int = 3
+    repeats: int = 1
+    netns: bool = True  # namespaces (and shaping) when root; else loopback, shaping skipped
+    workdir: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _config(b: PipelineBench, k_ratio: str, in_flight: int) -> RunConfig:
+    return build_config(
+        overrides={
+            "preset": b.preset,
+            "model.stage_split": b.split,
+            "stages": b.stages,
+            "subspace.k_ratio": k_ratio,
+            "train.seq_len": b.seq_len,
+            "train.batch_size": b.batch_size,
+            "train.microbatches": b.microbatches,
+            "train.inner_steps": b.warmup + b.steps + 1,
+            "train.in_flight": in_flight,
+            "swarm.rpc_timeout_s": 120,
+            "subspace.wire_dtype": b.wire_dtype,
+            **b.overrides,
+        },
+        environ={},
+    )
+
+
+def _taskset(core: int) -> list[str]:
+    return ["taskset", "-c", str(core)] if sys.platform.startswith("linux") else []
+
+
+def _core(s: int) -> int:
+    return s % (os.cpu_count() or 1)
+
+
+def _run_child(cmd: list[str], report: Path) -> dict[str, Any]:
+    done = subprocess.run(cmd, env=_one_thread_env(), capture_output=True, text=True, check=False)
+    if done.returncode != 0 or not report.exists():
+        raise RuntimeError(f"{' '.join(cmd[-6:])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    result: dict[str, Any] = json.loads(report.read_text())
+    return result
+
+
+@contextlib.contextmanager
+def _relays(addresses: dict[int, str], rtt_ms: float, prefix: Callable[[int], list[str]]) -> Iterator[dict[int, str]]:
+    """A delay relay in front of every stage (in its namespace); yields the relayed addresses."""
+    if rtt_ms <= 0:
+        yield addresses
+        return
+    procs, relayed = [], {}
+    try:
+        for s, address in addresses.items():
+            host, port = address.rsplit(":", 1)
+            cmd = [*prefix(s), sys.executable, "-m", "peer.research.bench.delay_relay", "--listen", f"{host}:0"]
+            cmd += ["--to", f"127.0.0.1:{port}", "--rtt-ms", str(rtt_ms)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            line = proc.stdout.readline() if proc.stdout is not None else ""
+            if not line.startswith("READY "):
+                raise RuntimeError(f"delay relay for stage {s} did not start: {line!r}")
+            relayed[s] = f"{host}:{line.split()[1]}"
+        yield relayed
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def measure(b: PipelineBench, k_ratio: str, rate: str, rtt_ms: float, in_flight: int, work: Path) -> dict[str, Any]:
+    """One pipeline run; returns the head's result plus this configuration."""
+    cfg = _config(b, k_ratio, in_flight)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg_path = work / "config.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict()))
+    with contextlib.ExitStack() as stack:
+        tag = uuid.uuid4().hex[:4]  # namespace names of this run only (another bench may run beside it)
+        chain = stack.enter_context(ShapedChain(b.stages, rate or None, tag=tag)) if b.netns else None
+
+        def prefix(s: int) -> list[str]:
+            return [*(chain.exec_prefix(s) if chain else []), *_taskset(_core(s))]
+
+        def hosts(s: int) -> tuple[str, str]:
+            if chain is None:
+                return "127.0.0.1", "127.0.0.1"
+            return ("0.0.0.0" if rtt_ms > 0 else chain.address(s)), chain.address(s)
+
+        procs = stack.enter_context(StageProcesses(cfg_path, b.stages, work, prefix, hosts))
+        addresses = stack.enter_context(_relays(procs.start(), rtt_ms, prefix))
+        report = work / "head.json"
+        cmd = [*prefix(0), sys.executable, "-m", "peer.research.bench.pipeline_peers", "head", str(cfg_path)]
+        cmd += ["--addresses", ",".join(addresses[s] for s in sorted(addresses)), "--report", str(report)]
+        cmd += ["--warmup", str(b.warmup), "--steps", str(b.steps)]
+        result = _run_child(cmd, report)
+    result.pop("losses", None)
+    schedule = "sequential" if in_flight == 1 else "pipelined"
+    return {"k_ratio": k_ratio, "rate": rate or "unshaped", "rtt_ms": rtt_ms, "schedule": schedule, **result}
+
+
+def whole(b: PipelineBench, work: Path) -> dict[str, Any]:
+    """The whole model in one process on one core (the one-device baseline)."""
+    cfg = _config(b, "1/8", 1)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(cfg.to_dict()))
+    report = work / "whole.json"
+    cmd = [*_taskset(0), sys.executable, "-m", "peer.research.bench.pipeline_peers", "whole", str(work / "config.json")]
+    cmd += ["--report", str(report), "--warmup", str(b.warmup), "--steps", str(b.steps)]
+    return _run_child(cmd, report)
+
+
+def links(b: PipelineBench) -> list[tuple[str, float]]:
+    """(rate, rtt ms) of every link setting measured."""
+    out = [(r, 0.0) for r in b.rates]
+    out += [(b.rtt_rate, ms) for ms in b.rtt_ms if ms > 0]
+    return out
+
+
+def run_bench(b: PipelineBench, progress: Callable[[str], None] = log.info) -> dict[str, Any]:
+    """Every configuration of `b`, `repeats` times each; medians by tokens/s."""
+    why = netns_unavailable() if b.netns else None
+    shaped = any(r for r, _ in links(b))
+    if why is not None:
+        progress(f"no network namespaces ({why}); stages talk over loopback, shaped links skipped")
+        b = PipelineBench(**{**b.__dict__, "netns": False})
+    root = Path(b.workdir or tempfile.mkdtemp(prefix="peer-bench-pipeline-"))
+    wholes = sorted((whole(b, root / f"whole{i}") for i in range(b.repeats)), key=lambda r: r["tokens_per_s"])
+    median = wholes[len(wholes) // 2]
+    one = median["tokens_per_s"]
+    progress(f"one device (whole model, one core): {one:.0f} tokens/s")
+    rows = []
+    for k_ratio in b.k_ratios:
+        for rate, rtt in links(b):
+            if rate and not b.netns:
+                continue
+            for k in b.in_flight:
+                runs = [
+                    measure(
+                        b, k_ratio, rate, rtt, k, root / f"{k_ratio.replace('/', '-')}-{rate or 'none'}-{rtt:g}-{k}-{i}"
+                    )
+                    for i in range(b.repeats)
+                ]
+                row = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+                row["efficiency"] = row["tokens_per_s"] / (b.stages * one)
+                row["bubble"] = 1.0 - sum(row["busy"]) / len(row["busy"])
+                row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+                row["plan_tokens_per_s"] = planned(b, row, median)
+                rows.append(row)
+                progress(_line(row))
+    for row in rows:
+        base = next(
+            (r for r in rows if r["k_ratio"] == row["k_ratio"] and r["schedule"] == row["schedule"] and
+             r["rate"] == "unshaped" and r["rtt_ms"] == 0),
+            None,
+        )  # fmt: skip
+        row["vs_unshaped"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return {
+        "bench": {k: (str(v) if isinstance(v, Path) else v) for k, v in b.__dict__.items()},
+        "one_device_tokens_per_s": one,
+        "one_device_step_s": median.get("step_s"),
+        "rows": rows,
+        "shaping": "skipped: " + why if why and shaped else "tc tbf" if shaped else "none",
+    }
+
+
+def rate_mbps(rate: str) -> float | None:
+    """A tc rate ("100mbit", "1gbit", "500kbit") in Mbit/s; "" or "unshaped": None."""
+    rate = rate.strip().lower()
+    if rate in ("", "unshaped"):
+        return None
+    for unit, scale in (("gbit", 1e3), ("mbit", 1.0), ("kbit", 1e-3)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"cannot read the rate {rate!r} (use e.g. 100mbit)")
+
+
+def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -> float:
+    """`peer plan`'s tokens/s for this row, calibrated by the measured one-device run: its FLOP/s
+    without the optimizer step, and the step's seconds per parameter; `RPC_OVERHEAD_S` per call end."""
+    from peer.core.model import get_preset
+    from peer.research.plan.command import RPC_OVERHEAD_S, flops_from_tokens_per_s, predict_pipeline
+
+    cfg = get_preset(b.preset, stage_split=b.split)
+    tokens, wall = one_device["tokens"], one_device["wall_s"]
+    step_s = one_device.get("step_s", 0.0) * b.steps
+    flops = flops_from_tokens_per_s(cfg, b.seq_len, tokens / max(1e-9, wall - step_s))
+    return predict_pipeline(
+        cfg, b.stages, b.microbatches, b.batch_size, b.seq_len, row["k_ratio"], flops, row["in_flight"],
+        rate_mbps(row["rate"]), row["rtt_ms"], wire_dtype=b.wire_dtype, rpc_overhead_s=RPC_OVERHEAD_S,
+        opt_s_per_param=one_device.get("opt_s_per_param", 0.0),
+    )["tokens_per_s"]  # fmt: skip
+
+
+def _line(row: dict[str, Any]) -> str:
+    link = row["rate"] + (f" +{row['rtt_ms']:g}ms" if row["rtt_ms"] else "")
+    return (
+        f"k/d={row['k_ratio']:<4} {link:<16} in_flight={row['in_flight']}: {row['tokens_per_s']:7.0f} tok/s, "
+        f"efficiency {row['efficiency']:.2f}, busy {'/'.join(f'{x:.2f}' for x in row['busy'])}"
+    )
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    """Rows of the printed table (header first)."""
+    out = [["k/d", "link", "in flight", "tok/s", "plan tok/s", "eff.", "vs unshaped", "busy", "bubble", "B/token/link"]]
+    for r in result["rows"]:
+        link = r["rate"] + (f" +{r['rtt_ms']:g}ms" if r["rtt_ms"] else "")
+        vs = "" if r.get("vs_unshaped") is None else f"{r['vs_unshaped']:.2f}x"
+        out.append(
+            [r["k_ratio"], link, str(r["in_flight"]), f"{r['tokens_per_s']:.0f}", f"{r['plan_tokens_per_s']:.0f}",
+             f"{r['efficiency']:.2f}", vs,
+             "/".join(f"{x:.2f}" for x in r["busy"]), f"{r['bubble']:.2f}",
+             "/".join(f"{x:.0f}" for x in r["bytes_per_token"])]
+        )  # fmt: skip
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """Tokens/s per link setting, one line per (k/d, schedule), the one-device line for scale."""
+    from peer.cli.plots import figure
+
+    rows: list[dict[str, Any]] = result["rows"]
+    labels = list(dict.fromkeys(r["rate"] + (f"+{r['rtt_ms']:g}ms" if r["rtt_ms"] else "") for r in rows))
+    with figure(path, "peer bench pipeline (measured)", xlabel="link", ylabel="tokens/s") as ax:
+        for key in dict.fromkeys((r["k_ratio"], r["schedule"]) for r in rows):
+            ys = {
+                r["rate"] + (f"+{r['rtt_ms']:g}ms" if r["rtt_ms"] else ""): r["tokens_per_s"]
+                for r in rows
+                if (r["k_ratio"], r["schedule"]) == key
+            }
+            xs = [i for i, lab in enumerate(labels) if lab in ys]
+            ax.plot(xs, [ys[labels[i]] for i in xs], marker="o", label=f"k/d={key[0]}, {key[1]}")
+        ax.axhline(result["one_device_tokens_per_s"], color="grey", linestyle="--", label="one device")
+        ax.set_xticks(range(len(labels)), labels)
+    return path
+
+
+def parse_list(text: str, cast: Callable[[str], Any], what: str) -> tuple[Any, ...]:
+    """Comma-separated values of a flag ("" items allowed for rates: unshaped)."""
+    try:
+        return tuple(cast(x.strip()) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{what}: cannot read {text!r}") from None
+
+
+def summarize(result: dict[str, Any]) -> Sequence[str]:
+    """One line per target of issue 9 that this result can speak to."""
+    rows = result["rows"]
+    split, wire = result["bench"].get("split", "even"), result["bench"].get("wire_dtype", "fp32")
+    lines = [
+        f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}; split: {split}; "
+        f"wire: {wire}"
+    ]
+    for r in rows:
+        if r["rate"] == "unshaped" and not r["rtt_ms"]:
+            lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
+    return lines
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def command(
+    out: Callable[[Any], None],
+    *,
+    stages: int,
+    preset: str,
+    split: str,
+    seq_len: int,
+    batch_size: int,
+    microbatches: int,
+    k_ratios: str,
+    rate: str,
+    rtt_ms: str,
+    in_flight: str,
+    wire_dtype: str,
+    steps: int,
+    repeats: int,
+    no_netns: bool,
+    json_out: Path | None,
+) -> dict[str, Any]:
+    """`peer bench pipeline`: run, then hand the table, summary and file paths to `out` (the CLI prints)."""
+    from rich.table import Table
+
+    from peer.errors import ConfigError
+
+    try:
+        bench = PipelineBench(
+            stages=stages,
+            preset=preset,
+            split=split,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            microbatches=microbatches,
+            k_ratios=parse_list(k_ratios, str, "--k-ratios"),
+            rates=("", *(r for r in parse_list(rate, str, "--rate") if r)),
+            rtt_ms=tuple(x for x in parse_list(rtt_ms, float, "--rtt-ms") if x > 0) if rtt_ms.strip() else (),
+            in_flight=parse_list(in_flight, int, "--in-flight"),
+            wire_dtype=wire_dtype,
+            steps=steps,
+            repeats=repeats,
+            netns=not no_netns,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for k_ratio in bench.k_ratios:  # the run config's own checks (wire dtype, k/d, preset, stages), before any run
+        _config(bench, k_ratio, 0)
+    if stages < 2 or microbatches < 1 or batch_size % microbatches:
+        raise ConfigError("--stages must be >= 2 and --batch-size a multiple of --microbatches")
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # cleanups (namespaces, children) still run
+    try:
+        result = run_bench(bench, lambda line: out(line))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    header, *body = table_rows(result)
+    table = Table(*header, title="peer bench pipeline")
+    for row in body:
+        table.add_row(*row)
+    out(table)
+    for line in summarize(result):
+        out(line)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        out(f"results: {json_out}; plot: {plot(result, json_out.with_suffix('.png'))}")
+    return result

@@ -1,0 +1,216 @@
+"""`peer bench sybil`: what K colluding contributors of a round's M do to the committed update.
+
+One operator can run many identities in an open swarm (docs/poisoning.md, "Sybils"). Here K of
+M contributors of one stage's round send the same forged payload (`peer.research.simulate.attacks.Collusion`:
+`aligned`, `reversed`, `orthogonal`, `threshold`), built from the round's honest payloads and sent
+at the median clip's bound. The honest payloads are real: M replicas of an honest SparseLoCo run
+(`peer.research.simulate.loops.round_payloads`), trained and committed for `t` rounds first so the round
+measured is not the first one. Both lists go through the portable commit every holder runs
+(`peer.core.commit.commit_state`: clip, screening, aggregation, the outer step), with screening on
+(`peer.core.robust.DEFAULT`) and off, and the committed update u = θ − θ_start is compared with the
+update u_h of the M − K honest contributions alone under the same rule:
+
+    deviation = ‖u − u_h‖ / ‖u_h‖,   cosine = ⟨u, u_h⟩ / (‖u‖·‖u_h‖),   norm = ‖u‖ / ‖u_h‖
+
+(every tensor of the stage, in float64), and which of the colluders screening dropped.
+
+`losses` (`--loss-outer-steps`) runs the simulator with the same colluders in every round of every
+stage (`SimOptions.collusion`) and reports the held-out loss against the honest run. The rows are
+`peer.research.bench.sybil_figures.SybilRow`s; its `RECORDED` table is this bench's output at `COMMAND`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.config import RunConfig, build_config
+from peer.core.codec.format import Payload
+from peer.core.commit import commit_state
+from peer.core.loader import Corpus, load_corpus
+from peer.core.robust import DEFAULT, OFF
+from peer.errors import ConfigError
+from peer.research.bench.sybil_figures import LossRow, SybilRow
+from peer.research.simulate.attacks import COLLUSIONS, Collusion, collude
+from peer.research.simulate.loops import round_payloads, run_diloco
+from peer.research.simulate.results import SimOptions
+
+FRACTIONS = (0.10, 0.33, 0.50)  # of a round's M contributors
+
+
+@dataclass(frozen=True)
+class SybilResult:
+    preset: str
+    stages: int
+    stage: int
+    replicas: int
+    t: int  # the outer step of the round measured
+    rows: tuple[SybilRow, ...]
+    losses: tuple[LossRow, ...] = ()
+
+
+def colluder_counts(replicas: int, fractions: Sequence[float] = FRACTIONS) -> list[int]:
+    """K = round(f·M), at least 1, for each fraction (a median needs K ≤ M/2 to hold: refused above)."""
+    counts = [max(1, round(f * replicas)) for f in fractions]
+    if any(k > replicas // 2 for k in counts):
+        raise ConfigError(f"colluders {counts} of M = {replicas}: at most M/2 (above, they own the median)")
+    return counts
+
+
+def _update(start: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """θ − θ_start over every tensor, flattened, float64."""
+    return torch.cat([(params[n].double() - start[n].double()).reshape(-1) for n in sorted(start)])
+
+
+def measure_round(
+    start: Mapping[str, torch.Tensor],
+    payloads: Sequence[Payload],
+    cfg: RunConfig,
+    colluders: int,
+    strategy: str,
+    t: int = 0,
+    stage: int = 0,
+) -> list[SybilRow]:
+    """The rows of one (K, strategy) with screening on and off: the last K of `payloads` are
+    replaced by the colluders' one payload (`collude`, from the first M − K)."""
+    m = len(payloads)
+    honest = list(payloads[: m - colluders])
+    forged = collude(Collusion(colluders, strategy, seed=cfg.seed), honest, cfg.sparseloco, t, stage)
+    keys = [f"replica-{i:03d}" for i in range(m)]
+    rows = []
+    for robust in (DEFAULT, OFF):
+        ref = commit_state(start, None, honest, cfg.sparseloco, None, robust=robust, keys=keys[: len(honest)])
+        done = commit_state(
+            start, None, [*honest, *[forged] * colluders], cfg.sparseloco, None, robust=robust, keys=keys
+        )
+        u_h, u = _update(start, ref.params), _update(start, done.params)
+        dropped = done.commit.dropped
+        rows.append(
+            SybilRow(
+                colluders,
+                m,
+                strategy,
+                robust.enabled,
+                float((u - u_h).norm() / u_h.norm()),
+                float(u @ u_h / (u.norm() * u_h.norm())) if u.norm() > 0 else math.nan,
+                float(u.norm() / u_h.norm()),
+                sum(i >= len(honest) for i in dropped),
+                sum(i < len(honest) for i in dropped),
+                done.commit.clip.n_clipped,
+            )
+        )
+    return rows
+
+
+def bench_config(preset: str, stages: int, inner_steps: int, batch_size: int, seq_len: int, seed: int) -> RunConfig:
+    """The run measured (SparseLoCo's defaults otherwise: clip factor 2, screening as configured per row)."""
+    overrides = {
+        "preset": preset,
+        "stages": stages,
+        "train.inner_steps": inner_steps,
+        "train.batch_size": batch_size,
+        "train.seq_len": seq_len,
+        "seed": seed,
+    }
+    return build_config(overrides=overrides, environ={})
+
+
+def bench_sybil(
+    cfg: RunConfig,
+    data: Corpus,
+    replicas: int = 10,
+    t: int = 3,
+    stage: int = 0,
+    strategies: Sequence[str] = COLLUSIONS,
+    fractions: Sequence[float] = FRACTIONS,
+) -> SybilResult:
+    """Every (K, strategy, screening) row of stage `stage`'s round at outer step t (module docstring)."""
+    counts = colluder_counts(replicas, fractions)
+    start, payloads = round_payloads(cfg, data, replicas, t, stage)
+    rows = [row for k in counts for s in strategies for row in measure_round(start, payloads, cfg, k, s, t, stage)]
+    return SybilResult(cfg.preset, cfg.stages, stage, replicas, t, tuple(rows))
+
+
+def losses(
+    cfg: RunConfig, data: Corpus, replicas: int, strategy: str, counts: Sequence[int], val_tokens: int = 4096
+) -> tuple[LossRow, ...]:
+    """Simulated SparseLoCo runs of `cfg` (M replicas, the run's screening) with K of `counts` colluders
+    in every round of every stage (K = 0: the honest run), each from the same seed."""
+    out = []
+    for k in counts:
+        opts = SimOptions(replicas=replicas, val_tokens=val_tokens)
+        if k:
+            opts = replace(opts, collusion=Collusion(k, strategy, seed=cfg.seed))
+        torch.manual_seed(cfg.seed)
+        res, _ = run_diloco(cfg, data, "sparseloco", opts, None)
+        caught = sum(1 for _, _, m in res.dropped if m >= replicas - k)
+        out.append(LossRow(k, strategy if k else "-", res.final_val_loss, caught, res.rounds))
+    return tuple(out)
+
+
+def losses_table(rows: Sequence[LossRow]) -> Any:
+    """The loss runs as a rich table (the CLI prints it); Δ % against the K = 0 row."""
+    from rich import box
+    from rich.table import Table
+
+    honest = next((r.val_loss for r in rows if r.colluders == 0), math.nan)
+    table = Table(title="held-out loss, colluders in every round of every stage", box=box.SIMPLE)
+    for col in ("colluders", "strategy", "val loss", "Δ %", "dropped"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in rows:
+        dropped = f"{r.colluders_dropped}/{r.colluders * r.rounds}"
+        delta = f"{100 * (r.val_loss / honest - 1):+.2f}"
+        table.add_row(str(r.colluders), r.strategy, f"{r.val_loss:.4f}", delta, dropped)
+    return table
+
+
+def rows_table(result: SybilResult) -> Any:
+    """The rows as a rich table (the CLI prints it)."""
+    from rich import box
+    from rich.table import Table
+
+    title = f"{result.preset}, stage {result.stage} of {result.stages}, round t={result.t}, M={result.replicas}"
+    caption = "deviation ‖u − u_h‖/‖u_h‖, cosine and norm ‖u‖/‖u_h‖ of u against u_h"
+    table = Table(title=title, caption=caption, box=box.SIMPLE)
+    for col in ("colluders", "strategy", "screening", "deviation", "cosine", "norm", "dropped", "honest"):
+        table.add_column(col, justify="left" if col in ("strategy", "screening") else "right")
+    for r in result.rows:
+        table.add_row(
+            f"{r.colluders}/{r.replicas} ({r.fraction:.0%})",
+            r.strategy,
+            "on" if r.screening else "off",
+            f"{r.deviation:.2f}",
+            f"{r.cosine:+.2f}",
+            f"{r.norm:.2f}",
+            f"{r.colluders_dropped}/{r.colluders}",
+            str(r.honest_dropped),
+        )
+    return table
+
+
+def command(show: Callable[[Any], None], args: dict[str, Any], write_json: Callable[[Path, dict], None]) -> None:
+    """`peer bench sybil`: measure the round's rows and show them (and write them, with --json)."""
+    strategies = [s.strip() for s in args["strategies"].split(",") if s.strip()]
+    for s in [*strategies, args["loss_strategy"]]:
+        if s not in COLLUSIONS:
+            raise ConfigError(f"--strategies: unknown {s!r}; choose from {', '.join(COLLUSIONS)}")
+    cfg = bench_config(
+        args["preset"], args["stages"], args["inner_steps"], args["batch_size"], args["seq_len"], args["seed"]
+    )
+    if not 0 <= args["stage"] < cfg.stages:
+        raise ConfigError(f"--stage must be in 0..{cfg.stages - 1}")
+    data = load_corpus(cfg.data)
+    result = bench_sybil(cfg, data, args["replicas"], args["round"], args["stage"], strategies)
+    show(rows_table(result))
+    if args["loss_outer_steps"]:
+        run = replace(cfg, train=replace(cfg.train, outer_steps=args["loss_outer_steps"]))
+        counts = [0, *dict.fromkeys(colluder_counts(args["replicas"]))]
+        result = replace(result, losses=losses(run, data, args["replicas"], args["loss_strategy"], counts))
+        show(losses_table(result.losses))
+    if args["json_out"]:
+        write_json(args["json_out"], asdict(result))
