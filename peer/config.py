@@ -84,10 +84,10 @@ class SwarmConfig:
     checkpoint_every_rounds: int = 1  # save <data-dir>/checkpoints every N committed rounds (0 = never)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     # A replica dropped as an outlier in `ban_after` consecutive rounds of a stage is not fetched
-    # from for the next `ban_rounds` rounds of that stage (peer.node.bans; 0 = never ban)
+    # from for the next `ban_rounds` rounds of that stage (peer.node.round.bans; 0 = never ban)
     ban_after: int = 3
     ban_rounds: int = 10
-    # How a stage's round aggregates (peer.node.round.ownership, docs/protocol.md): "all" (every holder
+    # How a stage's round aggregates (peer.node.round.ranges.ownership, docs/protocol.md): "all" (every holder
     # fetches every payload), "ranges" (range owners aggregate, every holder fetches the shards) or
     # "auto" ("ranges" once the previous round committed >= ranges_from contributions: 32, where
     # all-to-all stops fitting a round on home links; below it all-to-all learns better, docs/scaling.md)

@@ -15,9 +15,9 @@ import torch
 
 from peer.config import RunConfig, build_config
 from peer.core.commit import embedding_update
-from peer.node.claims import Link, entry
+from peer.node.round.claims import Link, entry
 from peer.node.round.payloads import sha256
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 REPLICAS = ("ReplicaAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "ReplicaBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb")
 

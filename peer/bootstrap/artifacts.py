@@ -4,7 +4,7 @@ A joining peer reads the manifest from the DHT, then downloads the artefacts it 
 bootstrap's gRPC address: the sentencepiece tokenizer (checked against the manifest's
 `tokenizer_sha256`), the manifest itself as canonical JSON bytes (the same text the DHT holds), and
 the run's prepared dataset: its index ("dataset-index") and each shard by sha256, streamed from
-disk (`peer.node.dataset_serve`). Every artefact is answered from `ArtifactRequest.offset` on.
+disk (`peer.node.data.serve`). Every artefact is answered from `ArtifactRequest.offset` on.
 
 Invariants: an artefact is added once and never changed (the manifest names the gRPC address, so
 it is added right after the server is listening; until then asking for it answers NOT_FOUND);
@@ -38,7 +38,7 @@ from peer.net.transport import (
     StepRequest,
     TransportError,
 )
-from peer.node.dataset_serve import INDEX_ARTIFACT, DatasetServer, is_dataset_artifact
+from peer.node.data.serve import INDEX_ARTIFACT, DatasetServer, is_dataset_artifact
 
 if TYPE_CHECKING:
     from peer.bootstrap.attester import Attester

@@ -6,7 +6,7 @@ by replay"): the canonical initial state, its own checked state, or a state atte
 run names — the bootstrap's (the manifest's signer) by default, plus `swarm.attesters`. The
 attester earns that trust the same way any joiner would: it starts from the canonical initial state
 (or its own checkpoint), and replays each round's link only after recomputing it from the payloads
-(`peer.node.replay.Replayer`: genuine payloads, the portable commit, false links refused). It holds
+(`peer.node.round.replay.Replayer`: genuine payloads, the portable commit, false links refused). It holds
 no pipeline, trains nothing and contributes nothing.
 
 Every `poll` (the bootstrap's serve loop, on a thread of its own):
@@ -16,7 +16,7 @@ Every `poll` (the bootstrap's serve loop, on a thread of its own):
 3. save each stage's state to `folder` (`stage-{s}.pt`, atomically) when it moved, so a restarted
    bootstrap goes on from its own checked state instead of the initial one.
 `state_reply(stage)` serves the attested state (`GetState`); a joiner checks it against the state
-id of the attestation before it replays on from it (`peer.node.resync.download_claimed`).
+id of the attestation before it replays on from it (`peer.node.round.resync.download_claimed`).
 `payload` serves what the replays fetched in the history window (`GetPayload`, sender named), so a
 round whose contributors all left can still be replayed by a joiner.
 
@@ -44,12 +44,12 @@ from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadKind, PayloadRequest, StateReply
-from peer.node.claims import swarm_clock
-from peer.node.refusals import Refusals
-from peer.node.replay import Replayed, Replayer, RoundReads, SkipDead
+from peer.node.round.claims import swarm_clock
 from peer.node.round.payloads import PayloadStore
+from peer.node.round.refusals import Refusals
+from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.verify import SetFetcher
-from peer.node.stage_state import StageState
+from peer.node.stage.state import StageState
 
 log = logging.getLogger(__name__)
 

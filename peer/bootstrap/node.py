@@ -55,7 +55,7 @@ from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport import PeerServer, auth
 from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
-from peer.node.dataset_serve import DatasetServer
+from peer.node.data.serve import DatasetServer
 from peer.node.manifest import build_manifest, run_id_for
 
 logger = logging.getLogger(__name__)

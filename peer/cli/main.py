@@ -354,7 +354,7 @@ def join(
     from peer.cli.join_setup import join_role, prepare_join
     from peer.config import build_link_config
     from peer.net.dht import load_swarm_secret
-    from peer.node.replica_ranks import run_join  # torchrun: one full replica over its processes
+    from peer.node.replica.ranks import run_join  # torchrun: one full replica over its processes
     from peer.node.session import SessionOptions, usable_data_dir
     from peer.node.trainer import data_dir_default
 

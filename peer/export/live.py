@@ -3,7 +3,7 @@
 A client-only DHT node (as `peer status` starts one) reads the run's manifest and checks it
 against this build (peer.node.manifest), then reads every stage's holders — stage peers and full
 replicas, which publish a `stage.{s}` record for each stage they hold — and their state claims
-(peer.node.claims). The outer step t (`pick_step`, a pure rule):
+(peer.node.round.claims). The outer step t (`pick_step`, a pure rule):
 
     default          the newest step that a strict majority of each stage's live holders claims,
                      the same step for every stage (a stage in the middle of a commit splits the
@@ -12,7 +12,7 @@ replicas, which publish a `stage.{s}` record for each stage they hold — and th
                      since holders keep only their current state (export T from checkpoints).
 
 Each stage's state at t is downloaded with `GetState` from one holder of the majority claim into a
-fresh `StageWorker` and checked exactly as a state sync checks it (peer.node.resync.download_claimed:
+fresh `StageWorker` and checked exactly as a state sync checks it (peer.node.round.resync.download_claimed:
 its outer step and state id must be the claimed ones); on a mismatch the next holder is tried, and
 when none serves it intact (they committed the next round meanwhile) the claims are read again.
 The tokenizer comes from the bootstrap (or a live peer), sha256-checked against the manifest, as
@@ -40,11 +40,11 @@ from peer.net.pool import ClientPool
 from peer.net.records import StageRecord
 from peer.net.transport import auth
 from peer.net.transport.dialer import Outbound
-from peer.node.claims import Claim, Majority, majority, parse_claims, swarm_clock
-from peer.node.dataset_fetch import fetch_tokenizer  # the joiners' tokenizer download, bootstrap first
+from peer.node.data.fetch import fetch_tokenizer  # the joiners' tokenizer download, bootstrap first
 from peer.node.manifest import verify_manifest, wait_for_manifest
-from peer.node.resync import download_claimed
-from peer.node.stage_worker import StageWorker
+from peer.node.round.claims import Claim, Majority, majority, parse_claims, swarm_clock
+from peer.node.round.resync import download_claimed
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

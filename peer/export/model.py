@@ -5,9 +5,9 @@ folder per stage, or the live swarm over `GetState` — ends here, so the three 
 model.safetensors for one outer step:
 
     1. each stage's committed state (θ_start, T⊥, bans at outer step t, exactly what a state sync
-       carries) with its hashes and state id, as holders claim it (peer.node.claims): live, it is
+       carries) with its hashes and state id, as holders claim it (peer.node.round.claims): live, it is
        downloaded into a fresh `StageWorker` and checked against the holders' majority claim the
-       way a state sync is (peer.node.resync.download_claimed), and read back as the worker serves
+       way a state sync is (peer.node.round.resync.download_claimed), and read back as the worker serves
        it (`read_back`: its `snapshot()`, the very tensors `GetState` serves); from a checkpoint it
        is the θ_start and T⊥ the saving worker held, whose hashes must be the ones it recorded
        (`from_checkpoint`: equal `state_hash`, equal bits, so no worker needs to be built);
@@ -38,10 +38,10 @@ from peer.core.state import state_hash
 from peer.core.subspace_state import EMBED
 from peer.errors import CheckpointError
 from peer.export.command import write_hf
-from peer.node.bans import Bans
-from peer.node.claims import state_id
 from peer.node.manifest import run_id_for
-from peer.node.stage_worker import StageWorker
+from peer.node.round.bans import Bans
+from peer.node.round.claims import state_id
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class CommittedStage:
     outer_step: int
     params: dict[str, torch.Tensor]  # θ_start by global name, fp32 CPU
     perp: torch.Tensor  # T⊥ (V, d), fp32 CPU
-    state_id: str  # what holders of this state claim (peer.node.claims.state_id)
+    state_id: str  # what holders of this state claim (peer.node.round.claims.state_id)
     param_hash: str
     perp_hash: str
 

@@ -479,7 +479,7 @@ class SwarmDHT:
 
     def get_rounds(self, wanted: Sequence[RoundRead], timeout_s: float | None = None) -> list[dict[str, Any]]:
         """`get_round` of many (kind, t, stage, parse) at once, fetched concurrently under one deadline
-        (a joiner's replay reads a window of rounds: `peer.node.replay`)."""
+        (a joiner's replay reads a window of rounds: `peer.node.round.replay`)."""
         keys = [self._run_key(f"{kind}.{int(t)}.{int(stage)}") for kind, t, stage, _ in wanted]
         values, now = self._get_many(keys, timeout_s), dht_time()
         return [self._reader.records(v, now, None, w[3]) for v, w in zip(values, wanted, strict=True)]

@@ -4,7 +4,7 @@
   them, named by their senders alone, and the roster's digest (`peer.core.ranges.owner.roster_digest`
   of the (replica, sha256) pairs): a holder resolves each sender into its signed announcement's
   (replica, payload sha256, merkle root, address) (`Roster`, `RosterEntry`) and checks the digest.
-  Every holder takes the one of the best-ranked publisher (`peer.node.round.ownership.coordinator_order`).
+  Every holder takes the one of the best-ranked publisher (`peer.node.round.ranges.ownership.coordinator_order`).
 - ``shards.{t}.{s}`` (`ShardsRecord`): an owner's shard hashes {range: sha256 of the shard's bytes}
   for the roster it aggregated against; the shards themselves are fetched over gRPC (kind SHARD).
 

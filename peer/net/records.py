@@ -293,7 +293,7 @@ class NetFields:
 
 @dataclass(frozen=True)
 class StageRecord:
-    """A holder's `stage.{s}` record: where it serves, its state and its claim (`peer.node.claims`).
+    """A holder's `stage.{s}` record: where it serves, its state and its claim (`peer.node.round.claims`).
 
     A graceful leave publishes only {"state": "left"}: `left` is then true and the rest is default."""
 
@@ -306,9 +306,9 @@ class StageRecord:
     inc: str | None = None  # the publishing process's incarnation
     pipeline: str | None = None  # the head that claimed it this outer step
     committed: tuple[str, ...] = ()  # replica id prefixes of its last committed set
-    bans: dict[str, Any] | None = None  # raw: `peer.node.bans.Bans.from_record`
+    bans: dict[str, Any] | None = None  # raw: `peer.node.round.bans.Bans.from_record`
     state_id: str | None = None
-    link: dict[str, Any] | None = None  # raw: `peer.node.claims.Link.from_record`
+    link: dict[str, Any] | None = None  # raw: `peer.node.round.claims.Link.from_record`
     refused: tuple[str, ...] = ()  # holders whose state failed its check (prefixes)
     tokens_per_s: float | None = None
     in_flight: int | None = None  # a head's micro-batches in flight

@@ -10,7 +10,7 @@ instead of training on different math.
 One corpus per run: the manifest names the bootstrap's prepared dataset (`peer.core.shards`) by
 its train and validation fingerprints and the sha256 of its index's canonical bytes;
 `check_dataset` refuses, in one line, a local dataset whose fingerprints differ, and a fetched index
-is accepted only with that sha256 (`peer.node.dataset_fetch`).
+is accepted only with that sha256 (`peer.node.data.fetch`).
 `wait_for_manifest` is the one bounded wait for the bootstrap's manifest (`peer join`, `peer status`).
 """
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from peer.node.stage_worker import StageWorker
+    from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The session builds one `Presence` and hands it to the parts that read or move these facts: the
 records publish them (`peer.node.records`), connectivity moves `address` to a routed one when
 this peer cannot be dialled (`peer.node.connectivity`), a state download moves `joined_at`
-(`peer.node.resync`), and the end of a role sets `finishing`.
+(`peer.node.round.resync`), and the end of a role sets `finishing`.
 
 Invariants: `peer_id` and `incarnation` never change; `joined_at` only grows after the join.
 """

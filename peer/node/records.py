@@ -2,7 +2,7 @@
 
 Records: `stage.{s}` (one per stage this process holds: address, role, state, outer step,
 parameter and T⊥ hashes, claiming pipeline, last committed replica ids and ban state
-(`peer.node.bans`), the state claim — state id and link (`peer.node.claims`) — and the holders
+(`peer.node.round.bans`), the state claim — state id and link (`peer.node.round.claims`) — and the holders
 this peer refused, tokens/s, a head's in-flight window) and `replica` (a head or full replica:
 address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads, "pipeline_peers",
 which binds its stage peers' payload announcements: `peer.node.round.agreement.binding`).
@@ -28,11 +28,11 @@ from peer.config import SwarmConfig, history_ttl_s
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.records import NetFields, ReplicaRecord, StageRecord
-from peer.node.claims import Link
 from peer.node.presence import Presence
-from peer.node.refusals import Refusals
-from peer.node.replay import publish_links
-from peer.node.stage_worker import StageWorker
+from peer.node.round.claims import Link
+from peer.node.round.refusals import Refusals
+from peer.node.round.replay import publish_links
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ class Records:
             inc=self.me.incarnation,
             pipeline=svc.claimed_by if svc else None,
             committed=tuple(r[:16] for r in worker.ledger.last_committed),
-            bans=worker.ledger.bans.to_record(),  # part of the committed state (peer.node.bans)
-            state_id=worker.state_id(),  # the claim (peer.node.claims): checked, never taken on trust
+            bans=worker.ledger.bans.to_record(),  # part of the committed state (peer.node.round.bans)
+            state_id=worker.state_id(),  # the claim (peer.node.round.claims): checked, never taken on trust
             link=worker.ledger.link.to_record() if worker.ledger.link is not None else None,
             refused=tuple(self.refusals.record()),  # holders whose state failed its check
             tokens_per_s=svc.tokens / max(1e-9, time.monotonic() - svc.started) if svc else 0.0,
@@ -149,7 +149,7 @@ class Records:
                 if own.stage is not None:
                     self._stages.add(own.stage)
                     dht.announce_stage(own.stage, own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
-                    # joiners replay these (peer.node.replay): each round's link as finally held
+                    # joiners replay these (peer.node.round.replay): each round's link as finally held
                     sent = self._links.setdefault(own.stage, {})
                     publish_links(dht, own.stage, own.links, sent, history_ttl_s(swarm_cfg))
                 else:

@@ -3,7 +3,7 @@
 A stage peer serves `forward`/`backward`/`step` for the pipeline that claimed it this outer step
 (the first head whose forward arrives; others are told the peer is busy), `get_payload` for its
 round payloads, and `get_state` for late joiners. Heads and full replicas serve only payloads and
-state, and the run's prepared dataset once they hold it (`get_artifact`, peer.node.dataset_serve).
+state, and the run's prepared dataset once they hold it (`get_artifact`, peer.node.data.serve).
 The service never trains on its own: requests drive it, and `on_last_step` tells the owner (the
 trainer) that the H-th inner step is done so it can run the outer round.
 
@@ -63,10 +63,10 @@ from peer.net.transport.messages import (
     StepReply,
     StepRequest,
 )
-from peer.node.dataset_serve import DatasetServer, is_dataset_artifact
-from peer.node.epoch_gate import StaleMicrobatch
+from peer.node.data.serve import DatasetServer, is_dataset_artifact
 from peer.node.round.payloads import PayloadStore
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.epoch_gate import StaleMicrobatch
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class PeerService:
     def get_payload(self, request: PayloadRequest) -> bytes | RangesReply:
         """Our payload of the round, or (another sender named) one we fetched in it (a second source);
         in a ranges round the parts (ours or a sender's we fetched, with their merkle proofs) or the
-        shards of the ranges asked for that we hold (`peer.node.round.ranges`)."""
+        shards of the ranges asked for that we hold (`peer.node.round.ranges.exchange`)."""
         sender = None if request.sender in ("", self.peer_id) else request.sender  # SHARD: the sha256 wanted
         t, stage = request.outer_step, request.stage
         if request.kind is not PayloadKind.PAYLOAD:
@@ -398,11 +398,11 @@ class PeerService:
             tensors = worker.snapshot()
             meta = {"param_hash": worker.param_hash(), "perp_hash": worker.perp_hash(), "stage": request.stage}
             meta["state_id"] = worker.state_id()
-            meta["bans"] = worker.ledger.bans.to_record()  # part of the committed state (peer.node.bans)
+            meta["bans"] = worker.ledger.bans.to_record()  # part of the committed state (peer.node.round.bans)
             return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
 
     def get_artifact(self, request: ArtifactRequest) -> bytes | FileSlice:
-        """The tokenizer, or the dataset's index and shards (peer.node.dataset_serve), from the offset on."""
+        """The tokenizer, or the dataset's index and shards (peer.node.data.serve), from the offset on."""
         if is_dataset_artifact(request.name):
             return self.dataset.answer(request)
         if request.name not in self.artifacts:

@@ -4,13 +4,13 @@
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
 (`verify_manifest`), refuses a head's or full replica's local dataset of another corpus, downloads
 and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`. Once a head or full replica has
-claimed its data shard, `fetch_data` fetches the dataset shards it reads (peer.node.dataset_fetch).
+claimed its data shard, `fetch_data` fetches the dataset shards it reads (peer.node.data.fetch).
 The session is the composition root: it builds the duties below and hands each what it uses (the
 config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
 receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
 - `rounds`      outer rounds: gather, commit, record, catch up after a download (peer.node.round.rounds);
-- `resync`      late join, the canonical-state check, downloads, catch-up (peer.node.resync);
-- `refusals`    holders whose published state failed its check (peer.node.refusals);
+- `resync`      late join, the canonical-state check, downloads, catch-up (peer.node.round.resync);
+- `refusals`    holders whose published state failed its check (peer.node.round.refusals);
 - `records`     this peer's DHT records and their refresh thread (peer.node.records);
 - `checkpoints` `--resume` and periodic saves (peer.node.checkpoints.peer);
 - `metrics`     `<data-dir>/metrics.jsonl` (peer.node.metrics).
@@ -48,9 +48,8 @@ from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.peer import PeerCheckpoints
-from peer.node.claims import swarm_clock
 from peer.node.connectivity import Connectivity
-from peer.node.dataset_fetch import (
+from peer.node.data.fetch import (
     DatasetFetch,
     RunDataset,
     dataset_folder,
@@ -58,18 +57,19 @@ from peer.node.dataset_fetch import (
     held_dataset,
     mismatch_fix,
 )
-from peer.node.dataset_serve import DatasetServer
+from peer.node.data.serve import DatasetServer
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.records import Records
-from peer.node.refusals import Refusals
-from peer.node.resync import Resync
 from peer.node.round.agreement import expected_replicas
+from peer.node.round.claims import swarm_clock
 from peer.node.round.payloads import PayloadStore
+from peer.node.round.refusals import Refusals
+from peer.node.round.resync import Resync
 from peer.node.round.rounds import Rounds
 from peer.node.service import PeerService
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +391,7 @@ class Session:
     def fetch_data(self, shard: int) -> Path:
         """A head or full replica that claimed data shard `shard`: the local prepared folder (`--dataset`,
         else <data-dir>/dataset) holding every shard it reads, the missing ones fetched from the
-        bootstrap and live peers (peer.node.dataset_fetch: verified, resumable, within the download
+        bootstrap and live peers (peer.node.data.fetch: verified, resumable, within the download
         cap) and served to others from now on; `cfg.data` then names that folder and its tokenizer."""
         cfg, folder = self.cfg, dataset_folder(self.opts.dataset, self.opts.data_dir)
         fetch = DatasetFetch(

@@ -2,7 +2,7 @@
 
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
 workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.round.rounds; re-syncs:
-peer.node.resync; every committed round goes through peer.core.commit):
+peer.node.round.resync; every committed round goes through peer.core.commit):
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline.driver) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
@@ -32,14 +32,14 @@ import torch
 from peer.core.inner import MicroForward
 from peer.core.loader import Corpus, train_batch, val_batches
 from peer.errors import ConfigError, NetworkError, PeerError
-from peer.node.data_parallel import chain_loss, chain_step, rank_batch_index
 from peer.node.fit import check_join
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
+from peer.node.replica.data_parallel import chain_loss, chain_step, rank_batch_index
 from peer.node.round.gather import RoundResult
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
 def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull | None = None) -> int:
     """All stages locally, no boundary compression; contributes to every stage's round.
 
-    `make` (torchrun's rank 0, peer.node.replica_ranks): builds the `_Full` that trains across the
+    `make` (torchrun's rank 0, peer.node.replica.ranks): builds the `_Full` that trains across the
     replica's ranks, once the session and its data are up; it is closed when the loop ends."""
     with Session.open(opts, role="full", stage=None, stop=stop) as session:
         cfg = session.cfg
@@ -161,7 +161,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull
 
 
 class MakeFull(Protocol):
-    """Builds a full replica that trains across several ranks (peer.node.replica_ranks)."""
+    """Builds a full replica that trains across several ranks (peer.node.replica.ranks)."""
 
     def device(self, device: str) -> str:
         """The device this rank's stages live on."""
@@ -315,7 +315,7 @@ class _Full:
     """A full replica's outer steps: every stage here, uncompressed, chained in this process."""
 
     activations = (0, 0)
-    ranks = 1  # a subclass trains across torchrun's ranks (peer.node.replica_ranks)
+    ranks = 1  # a subclass trains across torchrun's ranks (peer.node.replica.ranks)
 
     def __init__(self, session: Session, workers: dict[int, StageWorker], stop: threading.Event) -> None:
         self.session, self.workers, self.stop = session, workers, stop
@@ -329,7 +329,7 @@ class _Full:
         return lambda mx, my: (chain_loss(self.chain, mx, my), 0)
 
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
-        """`peer.node.data_parallel.chain_step`: every stage's micro-batches, then their clipped steps."""
+        """`peer.node.replica.data_parallel.chain_step`: every stage's micro-batches, then their clipped steps."""
         if h == 0:
             self._started = time.monotonic()
         loss = chain_step(self.chain, self.forward(), t, h, x, y)

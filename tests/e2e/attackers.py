@@ -8,7 +8,7 @@ chosen by `ATTACK`:
 - `censor`: as soon as every expected replica of round (t, 1) has announced (and stage 0's set is
   complete), claim round t committed with the set minus one payload (`ATTACK_TARGET`: `last` to
   announce, `first`, or `full`: the full replica's), its state the TRUE commit of that subset from
-  the round's start state (`peer.node.stage_commit.compute`, the worker's own commit path), so an
+  the round's start state (`peer.node.stage.commit.compute`, the worker's own commit path), so an
   honest holder that follows it commits without that payload. `ATTACK_DELAY_S`: claim that long
   after the set is complete instead of at once.
 - `replay`: once every replica named in our link of round t − 1 has announced round t, claim that
@@ -49,16 +49,16 @@ from peer.core.commit import embedding_update
 from peer.core.state import state_hash
 from peer.errors import PeerError
 from peer.net.transport.messages import PayloadRequest, StateReply, StateRequest
-from peer.node.bans import PREFIX
-from peer.node.claims import entry, state_id
 from peer.node.records import Own, Records
 from peer.node.round.agreement import round_view
+from peer.node.round.bans import PREFIX
+from peer.node.round.claims import entry, state_id
 from peer.node.round.payloads import round_validator, sha256
 from peer.node.round.rounds import Rounds
-from peer.node.round_ledger import make_link
 from peer.node.service import PeerService
-from peer.node.stage_commit import compute
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.commit import compute
+from peer.node.stage.ledger import make_link
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger("attackers")
 log.setLevel(logging.DEBUG if os.environ.get("ATTACK_DEBUG") else logging.INFO)

@@ -19,8 +19,8 @@ import os
 import torch
 
 from peer.cli.main import main
-from peer.node.claims import entry
-from peer.node.stage_worker import StageWorker
+from peer.node.round.claims import entry
+from peer.node.stage.worker import StageWorker
 
 FAKE_REPLICAS = int(os.environ.get("FORGER_FAKE_REPLICAS", "8"))  # 0: altered parameters, the genuine set
 _honest_apply = StageWorker.apply_round

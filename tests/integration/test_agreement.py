@@ -18,11 +18,11 @@ from peer.core.sparseloco import compress
 from peer.errors import NetworkError
 from peer.net.dht import dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.claims import entry
-from peer.node.refusals import Refusals
 from peer.node.round.agreement import fenced_by, fresh, round_view
+from peer.node.round.claims import entry
 from peer.node.round.gather import RoundTimings, gather_round
 from peer.node.round.payloads import sha256
+from peer.node.round.refusals import Refusals
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,12 +27,12 @@ from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.replay import chain_record
-from peer.node.resync import Resync
 from peer.node.round.payloads import sha256
+from peer.node.round.replay import chain_record
+from peer.node.round.resync import Resync
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from tests.replay_helpers import History, replay_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 
 from peer.config import build_config
 from peer.core.inner import accumulate
-from peer.node.data_parallel import DataParallel, chain_loss
-from peer.node.stage_worker import StageWorker
+from peer.node.replica.data_parallel import DataParallel, chain_loss
+from peer.node.stage.worker import StageWorker
 from tests.unit.test_stage_checkpoint import BASE, SMALL
 
 

@@ -1,7 +1,7 @@
-"""Fetching the run's prepared dataset between real peers on loopback (peer.node.dataset_fetch).
+"""Fetching the run's prepared dataset between real peers on loopback (peer.node.data.fetch).
 
 Servers are real `PeerServer`s with the bootstrap's `ArtifactHandler` serving a prepared folder
-(`peer.node.dataset_serve`) behind a `Gate` with the peer's link (its upload cap); the fetcher uses
+(`peer.node.data.serve`) behind a `Gate` with the peer's link (its upload cap); the fetcher uses
 real `PeerClient`s whose `Outbound` link carries the download cap. Prepared folders are made with
 the real tokenizer and shard writer (tests/prepared.py). Covered: a fetch into an empty folder (and
 serving it onwards), resuming a half-written .part, resuming after a call ran out of time, a
@@ -32,8 +32,8 @@ from peer.net.ratelimit import MBIT, Link, LinkCaps
 from peer.net.transport import CHUNK_BYTES, ArtifactRequest, NotFoundError, PeerServer
 from peer.net.transport.dialer import Outbound
 from peer.net.transport.gate import Gate
-from peer.node.dataset_fetch import DatasetFetch, RunDataset, local_index
-from peer.node.dataset_serve import INDEX_ARTIFACT, DatasetServer
+from peer.node.data.fetch import DatasetFetch, RunDataset, local_index
+from peer.node.data.serve import INDEX_ARTIFACT, DatasetServer
 from peer.node.manifest import dataset_index_sha256
 from peer.node.session import Session, SessionOptions
 from tests.prepared import corpus, make_prepared, synthetic_prepared, tokenizer_for
@@ -111,7 +111,7 @@ def _same_files(a: Path, b: Path) -> None:
 def test_fetch_into_an_empty_folder_then_serve_it_onwards(made, servers, pool, tmp_path, caplog):
     text = made["text"]
     first = tmp_path / "first"
-    with caplog.at_level(logging.INFO, logger="peer.node.dataset_fetch"):
+    with caplog.at_level(logging.INFO, logger="peer.node.data.fetch"):
         got = fetcher(first, text, [serve(servers, text)], pool).ensure(text.tokenizer_path, everything)
     _same_files(first, text.root)  # index.json, tokenizer.model and every shard, byte for byte
     PreparedDataset.open(first).verify()
@@ -161,7 +161,7 @@ def test_a_half_written_part_is_resumed_not_fetched_again(made, servers, pool, t
     folder.mkdir()
     (folder / f"{shard.name}.part").write_bytes(big.path(shard).read_bytes()[: size // 2])
     address = serve(servers, big)
-    with caplog.at_level(logging.INFO, logger="peer.node.dataset_fetch"):
+    with caplog.at_level(logging.INFO, logger="peer.node.data.fetch"):
         fetcher(folder, big, [address], pool).ensure(big.tokenizer_path, everything)
     _same_files(folder, big.root)
     total = sum(big.nbytes(s) for s in big.index.shards)

@@ -27,11 +27,11 @@ from peer.export.model import read_back, write_stages
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.stage import read_committed_states, read_stage_meta, save_stage_checkpoint
-from peer.node.claims import Claim
-from peer.node.resync import download_claimed
+from peer.node.round.claims import Claim
 from peer.node.round.payloads import PayloadStore
+from peer.node.round.resync import download_claimed
 from peer.node.service import PeerService
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")

@@ -22,7 +22,7 @@ from peer.node.round import rounds as rounds_module
 from peer.node.round.gather import FRESH_S
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

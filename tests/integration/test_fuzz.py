@@ -46,7 +46,7 @@ from peer.net.transport import peer_pb2 as pb
 from peer.net.transport import peer_pb2_grpc as pb_grpc
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -25,7 +25,7 @@ from peer.net.transport.server import PeerServer
 from peer.node.pipeline.schedule import SLACK, hop_bytes, serialization_s
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.bench.pipeline_peers import batches, head_driver
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

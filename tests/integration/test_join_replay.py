@@ -5,7 +5,7 @@ Stage 0 of the tiny run is held by five identities. Two honest holders A and B c
 `ROUNDS` rounds (real payloads, real portable commits: tests/replay_helpers.py), announce their
 payloads, serve them and publish their links through their records thread. Three colluders F1–F3
 claim the initial state negated at the same outer step — a strict majority of the stage's holders,
-which the old rule (`peer.node.claims.majority`) would have downloaded — and publish false links:
+which the old rule (`peer.node.round.claims.majority`) would have downloaded — and publish false links:
 F1 and F2 the honest set of every round with another state, F3 a set padded with a payload nobody
 announced. A late joiner J replays the rounds from the canonical initial state: it ends on the
 honest holders' state id, refuses the three colluders, and never downloads a state.
@@ -21,12 +21,12 @@ import pytest
 from peer.config import history_ttl_s
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
-from peer.node.claims import Link, entry, majority, parse_claims
-from peer.node.replay import chain_record
+from peer.node.round.claims import Link, entry, majority, parse_claims
 from peer.node.round.payloads import sha256
+from peer.node.round.replay import chain_record
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from tests.replay_helpers import History, replay_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -1,5 +1,5 @@
 """A repeated outlier is banned: real hivemind DHT nodes, real gRPC on 127.0.0.1, the peers' own
-`Rounds` / `Resync` / `Records` code (peer.node.bans, issue 12 item 5).
+`Rounds` / `Resync` / `Records` code (peer.node.round.bans, issue 12 item 5).
 
 Stage 1 is held by two honest full replicas A and B; X announces a poisoned payload (its own Δ̂ ×
 −1e4) in every round and never gathers (an attacker does not run our code). Rounds 0–2: screening
@@ -32,7 +32,7 @@ from peer.node.round.gather import RoundResult
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

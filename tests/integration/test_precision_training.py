@@ -24,7 +24,7 @@ from peer.config import build_config
 from peer.core.commit import embedding_update
 from peer.core.loader import Corpus, load_corpus, train_batch, val_batches
 from peer.core.sparseloco import decompress
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.node.trainer import _Full
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -25,11 +25,11 @@ from peer.config import build_config
 from peer.core.model import stage_shapes
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
-from peer.node.round.ranges_rounds import n_prev_of, stage0_n_prev
+from peer.node.round.ranges.rounds import n_prev_of, stage0_n_prev
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_ranges import embed_ranges, range_plan
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.ranges import embed_ranges, range_plan
+from peer.node.stage.worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -41,15 +41,15 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.range_records import ShardsRecord
 from peer.net.transport.server import PeerServer
-from peer.node.refusals import Refusals
 from peer.node.round.gather import RoundTimings
-from peer.node.round.ownership import owners
 from peer.node.round.payloads import PayloadStore
-from peer.node.round.ranges import RangesResult, Tamper, gather_ranges
-from peer.node.round.ranges_rounds import own_job, run_jobs, summary
+from peer.node.round.ranges.exchange import RangesResult, Tamper, gather_ranges
+from peer.node.round.ranges.ownership import owners
+from peer.node.round.ranges.rounds import own_job, run_jobs, summary
+from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

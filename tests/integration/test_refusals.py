@@ -32,7 +32,7 @@ from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import Action, classify
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.bench.pipeline_peers import batches
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -1,4 +1,4 @@
-"""Bans of repeated outliers (`peer.node.bans`, issue 12 item 5): the state machine and its agreement.
+"""Bans of repeated outliers (`peer.node.round.bans`, issue 12 item 5): the state machine and its agreement.
 
 - a streak of `after` drops bans for exactly `rounds` rounds, then the ban ends by itself;
 - a kept contribution breaks a streak, an absence does not, and a stale streak is forgotten;
@@ -23,10 +23,10 @@ from peer.config import build_config
 from peer.core.sparseloco import compress, decompress
 from peer.errors import ConfigError
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.bans import MAX_ENTRIES, NONE, Bans, Entry
-from peer.node.claims import state_id
 from peer.node.round.agreement import round_bans, round_view
-from peer.node.stage_worker import StageWorker
+from peer.node.round.bans import MAX_ENTRIES, NONE, Bans, Entry
+from peer.node.round.claims import state_id
+from peer.node.stage.worker import StageWorker
 
 A, B, C, X = ("A" * 20, "B" * 20, "C" * 20, "X" * 20)  # replica ids; bans key them by 16-char prefix
 x = X[:16]

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import simpy
 
-from peer.node.round import agreement, ownership
+from peer.node.round import agreement
 from peer.node.round.agreement import Close
+from peer.node.round.ranges import ownership
 from peer.research.swarm.net import MBIT, Link, Network
 from peer.research.swarm.run import simulate
 from peer.research.swarm.sim import Protocol, SimConfig, summarize

@@ -9,8 +9,8 @@ must move T⊥ by (`peer.node.round.recheck.stage0_set`).
 from __future__ import annotations
 
 from peer.net.records import Announcement, StageRecord
-from peer.node.claims import Claim, Link, entry
 from peer.node.round.censors import Evidence, censored, evidence
+from peer.node.round.claims import Claim, Link, entry
 from peer.node.round.follow import omission
 from peer.node.round.recheck import stage0_set
 from peer.node.round.verify import Verdict, resolve

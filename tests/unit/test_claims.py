@@ -1,9 +1,9 @@
-"""The pure rules that read state claims (`peer.node.claims`, docs/protocol.md "Claims"), row by row."""
+"""The pure rules that read state claims (`peer.node.round.claims`, docs/protocol.md "Claims"), row by row."""
 
 from __future__ import annotations
 
 from peer.net.records import ReplicaRecord, StageRecord
-from peer.node.claims import (
+from peer.node.round.claims import (
     SHA_CHARS,
     Claim,
     Link,

@@ -21,8 +21,8 @@ from peer.net.identity import owner_peer_id
 from peer.net.records import Announcement, NetFields, RecordReader, ReplicaRecord, StageRecord
 from peer.node.presence import Presence
 from peer.node.records import Records
-from peer.node.refusals import Refusals
-from peer.node.stage_worker import StageWorker
+from peer.node.round.refusals import Refusals
+from peer.node.stage.worker import StageWorker
 
 NET = {
     "connectivity": "reverse",

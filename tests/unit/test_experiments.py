@@ -23,7 +23,7 @@ from peer.core.subspace_state import perp_of
 from peer.errors import ConfigError
 from peer.net.transport.codec import decode, encode
 from peer.net.transport.messages import BackwardReply, ForwardReply, StepRequest
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.simulate import experiments as ex
 from peer.research.simulate.engine import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
 from peer.research.simulate.paper_settings import PAPER_ADAMW_LR, PAPER_REPLICAS, resolve

@@ -9,7 +9,7 @@ import pytest
 from peer.errors import CheckpointError
 from peer.export.checkpoints import PeerFolder, pick_outer_step
 from peer.export.live import pick_step
-from peer.node.claims import Claim
+from peer.node.round.claims import Claim
 
 
 def _claims(*held: tuple[int, str]) -> list[Claim]:

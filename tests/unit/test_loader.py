@@ -29,7 +29,7 @@ from peer.core.permutation import keys, permute
 from peer.core.shards import DatasetIndex, PreparedDataset, ShardWriter, write_index, write_prepared
 from peer.core.tokenizer import train_tokenizer
 from peer.errors import ConfigError, DataError
-from peer.node.data_parallel import rank_batch_index
+from peer.node.replica.data_parallel import rank_batch_index
 
 VOCAB = 1 << 20  # uint32 shards: room for positional ids
 TRAIN_FILES = (53, 40, 7, 81, 1, 66)  # tokens per train shard file: not multiples of L, one too short

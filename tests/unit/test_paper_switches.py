@@ -36,7 +36,7 @@ from peer.core.sparseloco import compress, decompress
 from peer.core.state import stage_state
 from peer.core.subspace_state import EMBED
 from peer.node.manifest import build_manifest, verify_manifest
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.simulate.engine import _commit_stage
 from peer.research.simulate.replica import LocalReplica
 from peer.research.simulate.results import SIMULATE_DEFAULTS, SimOptions, new_result, robust_rule

@@ -40,7 +40,7 @@ from peer.core.commit import embedding_update
 from peer.core.sparseloco import decompress
 from peer.core.state import state_hash
 from peer.node.checkpoints.model import load_model_checkpoint
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.simulate.engine import simulate
 from tests.corpora import pattern_corpus
 

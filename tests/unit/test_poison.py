@@ -26,7 +26,7 @@ from peer.core.sparseloco import aggregate, compress, decompress, pseudo_gradien
 from peer.core.state import stage_state
 from peer.core.subspace_state import EMBED, perp_of
 from peer.errors import ConfigError
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.simulate.replica import LocalReplica
 from tests.corpora import pattern_corpus
 

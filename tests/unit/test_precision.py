@@ -24,7 +24,7 @@ from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.errors import TransportError
 from peer.net.transport.messages import StepRequest
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.node.trainer import _Full
 from tests.unit.test_stage_checkpoint import BASE, SMALL
 
@@ -184,7 +184,7 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage_and_halves_the_s
     workers = _pipeline(cfg, "fp16")
     workers[-1].scaler = LossScaler(True, init_scale=2.0**100)  # the last stage's backward overflows fp16
     before = _hashes(workers)
-    with caplog.at_level(logging.INFO, logger="peer.node.stage_worker"):
+    with caplog.at_level(logging.INFO, logger="peer.node.stage.worker"):
         sent = _accumulate(workers, *_batch(cfg, 0))
         assert all(torch.isfinite(g).all() for grads in sent for g in grads if g is not None)  # wire-safe
         assert workers[-1].grad_sq_norm() == math.inf and math.isfinite(workers[0].grad_sq_norm())

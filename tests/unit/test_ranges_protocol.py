@@ -16,9 +16,9 @@ from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.errors import TransportError
 from peer.net.transport.messages import PayloadKind, PayloadRequest, RangeBlob, RangesReply
-from peer.node.claims import Link
-from peer.node.round.ownership import RangeStep, coordinator_order, owners, range_step, round_rule
+from peer.node.round.claims import Link
 from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.ranges.ownership import RangeStep, coordinator_order, owners, range_step, round_rule
 
 PEERS = [f"peer-{i:02d}" for i in range(8)]
 

@@ -1,4 +1,4 @@
-"""Joining by replay (peer.node.replay, docs/protocol.md "Joining by replay"), row by row.
+"""Joining by replay (peer.node.round.replay, docs/protocol.md "Joining by replay"), row by row.
 
 The history is real (tests/replay_helpers.py: real payloads, real portable commits on the tiny
 preset); the DHT and the payload servers are in-memory tables of what holders publish, so each
@@ -16,14 +16,14 @@ from peer.core.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateReply
-from peer.node.claims import Link, entry
 from peer.node.presence import Presence
-from peer.node.refusals import Refusals
-from peer.node.replay import Replayer, SkipDead, candidates, chain_record, parse_chain
-from peer.node.resync import Resync
+from peer.node.round.claims import Link, entry
 from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.refusals import Refusals
+from peer.node.round.replay import Replayer, SkipDead, candidates, chain_record, parse_chain
+from peer.node.round.resync import Resync
 from peer.node.round.verify import SetFetcher
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from tests.replay_helpers import History, replay_config
 
 pytestmark = pytest.mark.timeout(120)

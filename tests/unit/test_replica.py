@@ -18,7 +18,7 @@ from peer.core.sparseloco import compress, decompress, pseudo_gradient
 from peer.core.state import stage_state, state_hash
 from peer.core.subspace import make_basis, project
 from peer.core.subspace_state import perp_of
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.research.simulate.engine import simulate
 from peer.research.simulate.replica import LocalReplica
 from tests.corpora import pattern_corpus

@@ -9,9 +9,9 @@ import pytest
 
 from peer.errors import ConfigError
 from peer.net.records import ReplicaRecord
-from peer.node.data_parallel import rank_batch_index
-from peer.node.replica_group import launched_ranks
-from peer.node.replica_ranks import run_join
+from peer.node.replica.data_parallel import rank_batch_index
+from peer.node.replica.group import launched_ranks
+from peer.node.replica.ranks import run_join
 from peer.node.session import SessionOptions
 
 

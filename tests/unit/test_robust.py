@@ -22,7 +22,7 @@ from peer.core.commit import embedding_update, perp_decay
 from peer.core.sparseloco import decompress
 from peer.core.state import stage_state
 from peer.errors import ConfigError
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from tests.unit.test_poison import _assert_same_bits, _cfg
 
 

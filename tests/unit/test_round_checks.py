@@ -25,7 +25,7 @@ from peer.node.round.agreement import bound_to
 from peer.node.round.payloads import PayloadStore, payload_validator
 from peer.node.service import PeerService
 from peer.node.session import max_request_bytes
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 B, L = 2, 16
 

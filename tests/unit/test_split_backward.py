@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from peer.core.model import Decoder, ModelConfig
 from peer.core.split_backward import input_grad_first
 from peer.core.state import stage_state, state_hash
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from tests.unit.test_step_overtaken import MB, _cfg, _inputs
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, head_dim=16, ffn_hidden=48, max_seq_len=16)

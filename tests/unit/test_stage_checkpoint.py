@@ -27,7 +27,7 @@ from peer.node.checkpoints.stage import (
     load_latest_stage_checkpoint,
     save_stage_checkpoint,
 )
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 BASE = {
     "train.batch_size": 4,

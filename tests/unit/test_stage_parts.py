@@ -1,6 +1,6 @@
-"""The parts of one stage's holder, each on its own: the epoch gate (peer.node.epoch_gate), the
-optimizers (peer.node.stage_optimizer), the round ledger (peer.node.round_ledger) and θ_start's
-hash cache (peer.node.stage_state.StartCache)."""
+"""The parts of one stage's holder, each on its own: the epoch gate (peer.node.stage.epoch_gate), the
+optimizers (peer.node.stage.optimizer), the round ledger (peer.node.stage.ledger) and θ_start's
+hash cache (peer.node.stage.state.StartCache)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from peer.core.commit import NO_CLIP, Committed, RoundCommit
 from peer.core.model import build_stage
 from peer.core.sparseloco import compress
 from peer.core.state import state_hash
-from peer.node.bans import NONE, Bans
-from peer.node.claims import Link
-from peer.node.epoch_gate import EpochGate, StaleMicrobatch
-from peer.node.round_ledger import HISTORY, RoundLedger
-from peer.node.stage_commit import Outcome
-from peer.node.stage_optimizer import StageOptimizer
-from peer.node.stage_state import StartCache
+from peer.node.round.bans import NONE, Bans
+from peer.node.round.claims import Link
+from peer.node.stage.commit import Outcome
+from peer.node.stage.epoch_gate import EpochGate, StaleMicrobatch
+from peer.node.stage.ledger import HISTORY, RoundLedger
+from peer.node.stage.optimizer import StageOptimizer
+from peer.node.stage.state import StartCache
 from tests.unit.test_step_overtaken import _cfg
 
 

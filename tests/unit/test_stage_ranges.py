@@ -17,9 +17,9 @@ from peer.config import build_config
 from peer.core.model import stage_shapes
 from peer.core.ranges.owner import aggregate_range, roster_digest
 from peer.core.subspace_state import EMBED
-from peer.node.round.ownership import round_rule
-from peer.node.stage_ranges import embed_change, embed_ranges, parts_delta, range_plan, returned, shards_digest
-from peer.node.stage_state import StageState
+from peer.node.round.ranges.ownership import round_rule
+from peer.node.stage.ranges import embed_change, embed_ranges, parts_delta, range_plan, returned, shards_digest
+from peer.node.stage.state import StageState
 
 
 def _trained(cfg, seed: int, stage: int = 1) -> StageState:

@@ -1,4 +1,4 @@
-"""A stage's optimizer step overtaken by the next inner step's micro-batches (peer.node.stage_worker).
+"""A stage's optimizer step overtaken by the next inner step's micro-batches (peer.node.stage.worker).
 
 With micro-batches in flight the head sends each inner step's `step` without waiting for its answer
 (`StepExecutor._step`), so on a stage peer the next inner step's first forwards can arrive before
@@ -16,9 +16,9 @@ import torch
 from peer.config import build_config
 from peer.core.state import stage_state, state_hash
 from peer.net.transport.errors import Refusal, RefusalKind
-from peer.node.epoch_gate import StaleMicrobatch
 from peer.node.pipeline.failures import Action, from_refusal
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.epoch_gate import StaleMicrobatch
+from peer.node.stage.worker import StageWorker
 from tests.unit.test_stage_checkpoint import SMALL  # the tiny model of the stage-worker tests
 
 MB = 2  # micro-batches per inner step

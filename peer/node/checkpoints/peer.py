@@ -2,7 +2,7 @@
 
 `resume` restores the newest good checkpoint of `<data-dir>/checkpoints` into the peer's stage
 workers before training (`peer.node.checkpoints.stage`), and remembers its outer step
-(`resumed_at`: `peer.node.resync.Resync.late_join` keeps a resumed state that is not behind).
+(`resumed_at`: `peer.node.round.resync.Resync.late_join` keeps a resumed state that is not behind).
 `after_round` saves every `swarm.checkpoint_every_rounds` committed rounds and after the last.
 
 Invariants: a failed save is logged and recorded (`checkpoint_failed`) but never stops training,
@@ -26,7 +26,7 @@ from peer.node.checkpoints.stage import (
     save_stage_checkpoint,
 )
 from peer.node.metrics import MetricsWriter
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 from peer.config import RunConfig
 from peer.core.files import atomic_directory, file_sha256
 from peer.errors import CheckpointError
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

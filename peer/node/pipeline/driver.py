@@ -30,7 +30,7 @@ from peer.node.pipeline.failures import Action, StageFailed
 from peer.node.pipeline.routing import Routing, StageRecords
 from peer.node.pipeline.schedule import LinkEstimator
 from peer.node.pipeline.step import StepExecutor
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from peer.node.pipeline.accounting import EquivalentBytes
 from peer.node.pipeline.failures import Action, Failure, StageFailed, classify
 from peer.node.pipeline.routing import BUSY_RETRY_S, Routing
 from peer.node.pipeline.schedule import LinkEstimator
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ that sees the same records decides the same way, and each rule is testable witho
   step, a replacement included). Before h has announced, h's replica record ("pipeline_peers")
   binds provisionally. If h's announcement binds nobody for s, or a peer that died or moved on
   without announcing, h is dropped from round (t, s) by every holder.
-- Following, the canonical state and re-syncs read holders' state claims: `peer.node.claims`.
+- Following, the canonical state and re-syncs read holders' state claims: `peer.node.round.claims`.
 - Deadline fence: every contributor announces when it closes the round at the latest ("closes",
   DHT time). A holder about to close within `margin` of an earlier closer's deadline (or after it)
   may hold a set that closer did not: it waits for that closer's commit (→ following) until the
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.bans import PREFIX, Bans
+from peer.node.round.bans import PREFIX, Bans
 
 if TYPE_CHECKING:
     from peer.net.dht import SwarmDHT
@@ -87,7 +87,7 @@ class RoundView:
     ignored: list[tuple[str, str, str]] = field(default_factory=list)  # (sender, claimed replica, why)
     others_gathering: bool = False  # another live holder of stage s is still at outer step t
     gathering: set[str] = field(default_factory=set)  # those holders' peer ids
-    banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.bans): out of (t, s), not fetched
+    banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.round.bans): out of (t, s), not fetched
 
 
 def _head_binding(anns0: Announcements, rid: str) -> Mapping[str, str] | None:

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from peer.node.bans import PREFIX
-from peer.node.claims import Claim
-from peer.node.refusals import Refusals
+from peer.node.round.bans import PREFIX
+from peer.node.round.claims import Claim
+from peer.node.round.refusals import Refusals
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 from peer.core.codec.format import Payload
 from peer.net.records import StageRecord
-from peer.node.bans import PREFIX
-from peer.node.claims import Claim
-from peer.node.refusals import Refusals
+from peer.node.round.bans import PREFIX
+from peer.node.round.claims import Claim
 from peer.node.round.payloads import sha256
+from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
 
 FOLLOW_FETCH_S = 1.0  # between two tries at fetching a followed set's missing payloads

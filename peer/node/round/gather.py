@@ -9,11 +9,11 @@ checking its sha256 and format, until the set is closed:
   observer rule, the start-up quorum, the settle after a lost payload nor the deadline fence holds
   it open (`peer.node.round.agreement`);
 - or another holder has committed round t FROM OUR STATE (its claim's `prev` is our state id:
-  `peer.node.claims.followable`; an observer of a stage it does not hold takes the set most of
+  `peer.node.round.claims.followable`; an observer of a stage it does not hold takes the set most of
   that stage's holders committed: `observed`): we take exactly its set, every entry fetched by
   content and proven genuine (`peer.node.round.verify`) — a set naming payloads no replica announced
   gets its claimer refused — or, when it cannot be fetched within the grace, re-sync (`behind`);
-- or the swarm's clock is two rounds past us (`peer.node.claims.closed_elsewhere`): the others
+- or the swarm's clock is two rounds past us (`peer.node.round.claims.closed_elsewhere`): the others
   closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
 - or the deadline passes.
 A close is decided only on a view whose read began moments before (`FRESH_S`): a process frozen
@@ -36,9 +36,6 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.bans import PREFIX
-from peer.node.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
-from peer.node.refusals import Refusals
 from peer.node.round.agreement import (
     IGNORED,
     Close,
@@ -49,7 +46,9 @@ from peer.node.round.agreement import (
     round_view,
     sender_alive,
 )
+from peer.node.round.bans import PREFIX
 from peer.node.round.censors import CensorWatch, Evidence, evidence
+from peer.node.round.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
 from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import (
     SETTLE_S,
@@ -60,6 +59,7 @@ from peer.node.round.payloads import (
     read_round,
     sha256,
 )
+from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def gather_round(
     id}). `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until that
     many payloads are held. A payload whose sender is gone is asked of the round's other
     contributors (for stage 0 also of the other `n_stages` − 1 stages'
-    holders). `banned`: peer.node.bans.
+    holders). `banned`: peer.node.round.bans.
     """
     if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
         log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])

@@ -35,7 +35,7 @@ from peer.net.transport.errors import NotFoundError
 from peer.net.transport.messages import PayloadRequest
 
 if TYPE_CHECKING:
-    from peer.node.stage_state import StageState
+    from peer.node.stage.state import StageState
 
 __all__ = [
     "SETTLE_S",
@@ -61,7 +61,7 @@ class PayloadStore:
     so a holder can serve a committed set whose sender died after sending (`gather_round` asks the
     round's other contributors for it; the announced sha256 makes any source as good as the sender).
     A ranges round keeps parts (ours, with merkle proofs made once per range, and the ones we
-    fetched) and shards instead (`peer.node.round.ranges`).
+    fetched) and shards instead (`peer.node.round.ranges.exchange`).
     """
 
     def __init__(self, keep: int = 3, history: int = 3) -> None:

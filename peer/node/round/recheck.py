@@ -1,6 +1,6 @@
 """Recomputing a claimed commit of round (t, s) from the state we committed it from (RECONCILE).
 
-A claim names its set and, on a stage > 0, stage 0's set that moved its T⊥ (`peer.node.claims.Link`).
+A claim names its set and, on a stage > 0, stage 0's set that moved its T⊥ (`peer.node.round.claims.Link`).
 `recompute_set` fetches both by content, proves every entry genuine against its signed announcement
 (`peer.node.round.verify`) and recomputes the commit from the state our own commit of that round
 started from (`StageWorker.recompute`): the portable commit gives the same bits on every holder, so
@@ -28,14 +28,14 @@ from peer.core.codec.format import Payload
 from peer.core.commit import embedding_update
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.claims import Claim, Entry, parse_claims
 from peer.node.metrics import MetricsWriter
-from peer.node.refusals import Refusals
+from peer.node.round.claims import Claim, Entry, parse_claims
 from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher, Verdict, resolve
-from peer.node.stage_commit import Outcome
-from peer.node.stage_state import StageState
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.commit import Outcome
+from peer.node.stage.state import StageState
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ a full replica's and a stage peer's round): each gathers its stages' rounds (`pe
 and commits every gathered set through `StageWorker.apply_round` → `peer.core.commit.commit_state`
 (portable: the same bits on every holder), parsing each payload once; each stage's round runs
 all-to-all or by ranges, as the round rule every holder of the stage computes alike says
-(`peer.node.round.ranges_rounds`: the jobs of a round, `commit_jobs` commits them). A set taken from another
+(`peer.node.round.ranges.rounds`: the jobs of a round, `commit_jobs` commits them). A set taken from another
 holder's claim (FOLLOW) is committed by us, and the claimer's state is then compared with ours: a
-holder whose state does not follow from the set it named is refused (`peer.node.refusals`).
+holder whose state does not follow from the set it named is refused (`peer.node.round.refusals`).
 Hot spares and compressed stages that only need stage 0's embedding change run the same gather
 without a payload of their own (observers). After a commit the canonical-state check runs at once
 (`Resync.reconcile`: claims of the same round from the same state, checked by recomputation).
@@ -32,16 +32,14 @@ from peer.core.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
-from peer.node.claims import closed_elsewhere, majority, parse_claims
 from peer.node.metrics import MetricsWriter, log_round
 from peer.node.presence import Presence
-from peer.node.refusals import Refusals
-from peer.node.resync import Resync
 from peer.node.round.agreement import expected_replicas, round_bans, round_view
 from peer.node.round.censors import Evidence
+from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, round_validator
-from peer.node.round.ranges_rounds import (
+from peer.node.round.ranges.rounds import (
     Gathered,
     Job,
     apply_job,
@@ -53,7 +51,9 @@ from peer.node.round.ranges_rounds import (
     run_jobs,
     summary,
 )
-from peer.node.stage_worker import StageWorker
+from peer.node.round.refusals import Refusals
+from peer.node.round.resync import Resync
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Rounds:
         return self.commit_jobs(jobs, gathered)
 
     def commit_jobs(self, jobs: Sequence[Job], results: Sequence[Gathered]) -> bool:
-        """Apply each own stage's committed round, all-to-all or by ranges (`peer.node.round.ranges_rounds`).
+        """Apply each own stage's committed round, all-to-all or by ranges (`peer.node.round.ranges.rounds`).
         Stage 0's embedding change moves every other stage's T⊥: from stage 0's own commit when this
         peer holds it, else from an observer job of stage 0 (no contribution there: T⊥ stays). A round
         committed elsewhere that this peer could not reproduce (`behind`), or a ranges round that did
@@ -227,7 +227,7 @@ class Rounds:
         A gather decides on a fresh view, but the process may freeze between that decision and its
         commit (a SIGSTOP, a stalled machine); others then close the round without the payloads
         only it held. Read again right before applying: never commit a round the swarm closed a
-        round ago (`peer.node.claims.closed_elsewhere`), re-sync instead."""
+        round ago (`peer.node.round.claims.closed_elsewhere`), re-sync instead."""
         if not results or all(failed(r) for r in results):
             return False
         t = results[0].t
@@ -282,7 +282,7 @@ class Rounds:
     ) -> RoundResult:
         """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
         that did this outer step's last inner step: the round's binding), gather and apply; all-to-all
-        or by ranges, as the round rule says (`peer.node.round.ranges_rounds`)."""
+        or by ranges, as the round rule says (`peer.node.round.ranges.rounds`)."""
         job = own_job(self, worker, self.me.peer_id, dict(peers or {}))
         result = run_jobs(self, [job], t, stop)[0]
         committed = self.commit_jobs([job], [result])
@@ -290,7 +290,7 @@ class Rounds:
 
     def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
         """A full replica: contribute to and gather every stage's round at once (each stage all-to-all
-        or by ranges, as its rule says: `peer.node.round.ranges_rounds`), then apply them."""
+        or by ranges, as its rule says: `peer.node.round.ranges.rounds`), then apply them."""
         jobs = [own_job(self, w, self.me.peer_id) for w in workers.values()]
         results = run_jobs(self, jobs, t, stop)
         committed = self.commit_jobs(jobs, results)

@@ -1,6 +1,6 @@
 """Checking a claimed committed set: its payloads, found by content and proven genuine.
 
-A claim names each payload of its set as (replica id prefix, sha256 prefix) (`peer.node.claims`).
+A claim names each payload of its set as (replica id prefix, sha256 prefix) (`peer.node.round.claims`).
 An entry is
 - GENUINE when a signed announcement of round (t, s) in the DHT carries that replica and a
   sha256 with that prefix, from a sender bound to the replica: the replica itself, or the stage
@@ -31,9 +31,9 @@ from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement
 from peer.net.transport.messages import PayloadRequest
-from peer.node.bans import PREFIX
-from peer.node.claims import Entry
 from peer.node.round.agreement import Announcements, Replicas, bound_to
+from peer.node.round.bans import PREFIX
+from peer.node.round.claims import Entry
 from peer.node.round.payloads import PayloadStore, from_another_holder, sha256
 
 log = logging.getLogger(__name__)

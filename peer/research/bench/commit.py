@@ -4,7 +4,7 @@ A round (`make_round`): a stage's initial state (θ_start and T⊥, the run's ca
 and M synthetic contributions — canonical-normal pseudo-gradients at a realistic scale (1e-3),
 compressed with the run's SparseLoCo settings — saved as files, so every process commits the same
 bytes. Two commits of it are timed, each from the wire bytes to the state's hash:
-- `portable`: `peer.node.stage_commit.compute` → `peer.core.commit.commit_state`, what every
+- `portable`: `peer.node.stage.commit.compute` → `peer.core.commit.commit_state`, what every
   holder runs (the fused clip, screen and aggregate of the payloads — no dense Δ̂, issue 24 —,
   θ_start − η·Δ̄, the float64 fixed-order T_S/T⊥ re-projection, T⊥ decay, hashes and the ban
   state);
@@ -43,8 +43,8 @@ from peer.core.sparseloco import compress, decompress
 from peer.core.state import stage_state, state_hash
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import EMBED, initial_split
-from peer.node.bans import NONE as NO_BANS
-from peer.node.stage_commit import compute
+from peer.node.round.bans import NONE as NO_BANS
+from peer.node.stage.commit import compute
 
 META = "round.json"
 

@@ -11,7 +11,7 @@ vocabulary, a valid index, written with `peer.core.shards.write_prepared` in chu
 2. memory: for each corpus size (10 M and 1 B tokens by default), a fresh process opens the
    corpus, assembles `batches` batches of a head's claim (data shard 0 of `n_shards`) and the
    validation batches, then runs `steps` inner steps of the tiny model on them as a full replica
-   does (`peer.node.data_parallel.chain_step`); it reports its peak and final resident set
+   does (`peer.node.replica.data_parallel.chain_step`); it reports its peak and final resident set
    (VmHWM, VmRSS), its anonymous part and the largest file-backed part seen (RssFile: shared
    libraries, and shard pages if the loader mapped them).
    Target: the peaks within 5 % of each other (resident memory does not grow with the corpus).
@@ -134,8 +134,8 @@ def _status() -> dict[str, int]:
 def _inner_step(overrides: dict[str, Any]) -> Callable[[int, torch.Tensor, torch.Tensor], float]:
     """One inner step of a full replica of the run `overrides` names (every stage local, as
     `peer.node.trainer._Full` steps): h, x, y → the batch's loss."""
-    from peer.node.data_parallel import chain_loss, chain_step
-    from peer.node.stage_worker import StageWorker
+    from peer.node.replica.data_parallel import chain_loss, chain_step
+    from peer.node.stage.worker import StageWorker
 
     cfg = build_config(overrides=overrides, environ={})
     chain = [StageWorker(cfg, s, compressed=False) for s in range(cfg.stages)]

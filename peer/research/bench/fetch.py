@@ -3,7 +3,7 @@
 Writes a synthetic prepared dataset (`--tokens` random uint16 ids in `--shard-tokens` shards, 1 %
 more for validation), serves it from a separate process as the bootstrap does (a real PeerServer
 with the bootstrap's ArtifactHandler and the data plane's Gate), and fetches it with
-`peer.node.dataset_fetch.DatasetFetch` into an empty folder:
+`peer.node.data.fetch.DatasetFetch` into an empty folder:
 - `uncapped`: no cap on either side;
 - `capped`:   the fetcher's download bucket at `--max-download-mbps`;
 - `resume`:   the server process is killed once about half the bytes arrived, the fetch ends with
@@ -39,7 +39,7 @@ from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.ratelimit import Link, LinkCaps
 from peer.net.transport.dialer import Outbound
-from peer.node.dataset_fetch import DatasetFetch, RunDataset
+from peer.node.data.fetch import DatasetFetch, RunDataset
 from peer.node.manifest import dataset_index_sha256
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def serve(folder: Path, port_file: Path) -> None:
     from peer.bootstrap.artifacts import ArtifactHandler
     from peer.net.transport import PeerServer
     from peer.net.transport.gate import Gate
-    from peer.node.dataset_serve import DatasetServer
+    from peer.node.data.serve import DatasetServer
 
     dataset = PreparedDataset.open(folder)
     handler = ArtifactHandler({}, {"run_id": "bench"}, DatasetServer(dataset))

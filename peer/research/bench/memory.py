@@ -44,8 +44,8 @@ from peer.config import RunConfig, build_config
 from peer.core.chain import global_grad_norm
 from peer.core.inner import accumulate
 from peer.core.memory import StageMemory, estimate_replica, estimate_stage
-from peer.node.data_parallel import chain_loss
-from peer.node.stage_worker import StageWorker
+from peer.node.replica.data_parallel import chain_loss
+from peer.node.stage.worker import StageWorker
 
 NUMPY_DOMAIN = 389047  # numpy's tracemalloc domain of array data (NPY_TRACE_DOMAIN)
 

@@ -37,7 +37,7 @@ from peer.net.transport.server import PeerServer
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 torchrun, each rank on its own core with one torch thread (issue 22's target: 2 ranks ≥ 1.7×).
 
 Both run the code `peer join --full-replica` runs for its inner steps, without a swarm: the stage
-workers of every stage, `peer.node.data_parallel.chain_step` with the one-process micro-batch
-forward (`peer.node.data_parallel.chain_loss`), or with N ranks the DDP forward the ranks of a replica
-use (`peer.node.replica_ranks.parallel_chain`, gloo). Each rank draws its own batch of random
+workers of every stage, `peer.node.replica.data_parallel.chain_step` with the one-process micro-batch
+forward (`peer.node.replica.data_parallel.chain_loss`), or with N ranks the DDP forward the ranks of a replica
+use (`peer.node.replica.ranks.parallel_chain`, gloo). Each rank draws its own batch of random
 tokens every step; tokens/s counts every rank's tokens over the measured steps (after warm-up).
 A worker is `python -m peer.research.bench.replica worker …` (under torchrun for N ranks); `command`
 runs both `repeats` times, alternating, and reports the medians and their ratio.
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from peer.config import RunConfig, build_config
-from peer.node.data_parallel import chain_loss, chain_step
-from peer.node.replica_group import ReplicaGroup, launched_ranks
-from peer.node.replica_ranks import parallel_chain
-from peer.node.stage_worker import StageWorker
+from peer.node.replica.data_parallel import chain_loss, chain_step
+from peer.node.replica.group import ReplicaGroup, launched_ranks
+from peer.node.replica.ranks import parallel_chain
+from peer.node.stage.worker import StageWorker
 
 
 def bench_config(preset: str, stages: int, batch_size: int, seq_len: int, microbatches: int) -> RunConfig:

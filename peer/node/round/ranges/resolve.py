@@ -1,7 +1,7 @@
 """Step 4 of a ranges round: one checked shard per range, whatever its owners did (docs/protocol.md, RANGES).
 
 Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our roster), as
-`peer.node.round.ownership.range_step` decides:
+`peer.node.round.ranges.ownership.range_step` decides:
 - every owner published and all agree, or past the shard deadline those that published agree (the
   others vanished): take that hash, fetch the shard from them (or hold it, as an owner);
 - two owners disagree: fetch the range's parts and every claimed shard, recompute each from exactly
@@ -27,10 +27,10 @@ from peer.core.ranges.owner import Shard, aggregate_range
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.range_records import Roster, ShardsRecord
-from peer.node.refusals import Refusals
-from peer.node.round.ownership import RangeStep, owners, range_step
 from peer.node.round.payloads import sha256
-from peer.node.round.ranges_fetch import MAX_FETCHERS, RangeFetcher, wait_until
+from peer.node.round.ranges.fetch import MAX_FETCHERS, RangeFetcher, wait_until
+from peer.node.round.ranges.ownership import RangeStep, owners, range_step
+from peer.node.round.refusals import Refusals
 
 log = logging.getLogger(__name__)
 

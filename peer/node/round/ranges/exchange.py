@@ -11,14 +11,14 @@ one shard per other range:
    `coordinator_order` that closed publishes the roster (`roster.{t}.{s}`: the contributions in
    replica order); every holder takes the valid roster of the best-ranked publisher, and one ranked
    i-th publishes its own after i · `rpc_s` without a better one (a vanished coordinator costs that);
-3. owners (`peer.node.round.ownership.owners`, 1 + backups per range) fetch part r of every roster
-   member, proven against its root (`peer.node.round.ranges_fetch`), aggregate it
+3. owners (`peer.node.round.ranges.ownership.owners`, 1 + backups per range) fetch part r of every roster
+   member, proven against its root (`peer.node.round.ranges.fetch`), aggregate it
    (`peer.core.ranges.owner.aggregate_range`: portable, the same bits on every machine), publish
    {r: sha256(shard)} (`shards.{t}.{s}`) and serve the shard;
 4. every holder takes, per range, the shard its owners agree on; the one published when another
    owner vanished (past the shard deadline); on a disagreement it fetches the parts, recomputes each
    claimed shard from the contributions it lists as included, refuses an owner whose shard is not
-   what it claims (`peer.node.refusals`) and takes the valid shard that includes the most (then the
+   what it claims (`peer.node.round.refusals`) and takes the valid shard that includes the most (then the
    smallest hash); a range whose owners are all gone it computes itself.
 The result (`RangesResult`) holds the roster and one checked shard per range; the caller commits
 `peer.core.ranges.assemble` of them with `peer.core.commit.commit_summed`. Every wait has a
@@ -43,13 +43,13 @@ from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool
 from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
-from peer.node.refusals import Refusals
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
 from peer.node.round.gather import FRESH_S, RoundTimings
-from peer.node.round.ownership import coordinator_order, owners
 from peer.node.round.payloads import PayloadStore, read_round, sha256
-from peer.node.round.ranges_fetch import RangeBytes, RangeFetcher, wait_until
-from peer.node.round.ranges_resolve import Resolver
+from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
+from peer.node.round.ranges.ownership import coordinator_order, owners
+from peer.node.round.ranges.resolve import Resolver
+from peer.node.round.refusals import Refusals
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ The bootstrap and every head or full replica that holds the run's prepared datas
 - `INDEX_ARTIFACT` ("dataset-index"): the index's canonical bytes (`DatasetIndex.to_json`, whose
   sha256 the manifest names);
 - a shard's sha256 (64 hex characters): that shard's bytes, content-addressed, so a joiner may take
-  any shard from any peer and check it by its hash (`peer.node.dataset_fetch`).
+  any shard from any peer and check it by its hash (`peer.node.data.fetch`).
 Both from `ArtifactRequest.offset` on, so an interrupted download resumes where it stopped. A shard
 is answered as a `FileSlice`: the transport streams it from disk chunk by chunk, through this
 peer's upload bucket at artefact priority like every reply (`peer.net.transport.gate`).

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from peer.core.chain import global_grad_norm, token_loss
 from peer.core.inner import MicroForward, accumulate
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs (b, L), targets (b, L)) -> mean loss
 

@@ -1,6 +1,6 @@
 """Holders whose published state failed its check: refused for the rest of the run.
 
-A holder's claim (`peer.node.claims`) that names payloads no replica announced, or whose state does
+A holder's claim (`peer.node.round.claims`) that names payloads no replica announced, or whose state does
 not follow from the set it names, is proof of a dishonest (or broken) holder: every honest holder
 that checks it finds the same. Its claims are then ignored — never followed, never counted in a
 majority, never a state to download — and it is listed in our stage records ("refused"), in the

@@ -2,7 +2,7 @@
 
 docs/protocol.md, RANGES. Every holder of a stage must run the same rule in the same round, whatever
 kind of peer it is (a full replica, a pipeline's head, a stage peer): the rule of round (t, s) is
-`peer.node.round.ownership.round_rule` of the size of round t − 1's committed set of stage s, read
+`peer.node.round.ranges.ownership.round_rule` of the size of round t − 1's committed set of stage s, read
 from the holder's committed state (`n_prev_of`: its link; the stage's other holders' claims when it
 adopted a state without one). A stage peer that moves its T⊥ by stage 0's embedding change reads
 stage 0's rule from the stage-0 set its link names (`stage0_n_prev`).
@@ -10,9 +10,9 @@ stage 0's rule from the stage-0 set its link names (`stage0_n_prev`).
 A round is a list of `Job`s, one per stage round this peer takes part in: its own stages
 (contributing a payload or parts, or observing) and, for a stage peer, stage 0 observed for the
 embedding's change (by ranges: only the shards of the ranges that hold embed.weight's bands,
-`peer.node.stage_ranges.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
+`peer.node.stage.ranges.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
 our contribution; `run_jobs` gathers every job at once under one deadline (an all-to-all job through
-`Rounds.gather`, a ranges job through `peer.node.round.ranges.gather_ranges`); `Rounds.commit_jobs`
+`Rounds.gather`, a ranges job through `peer.node.round.ranges.exchange.gather_ranges`); `Rounds.commit_jobs`
 commits them, stage 0 first. A ranges round that did not complete here (no roster, a range left
 without a shard by the deadline) returns our parts to the error buffer and re-syncs, like an
 all-to-all round committed elsewhere.
@@ -42,16 +42,16 @@ from peer.core.subspace_state import EMBED
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
-from peer.node.claims import Entry, entry, parse_claims
 from peer.node.presence import Presence
-from peer.node.refusals import Refusals
 from peer.node.round.agreement import round_bans
+from peer.node.round.claims import Entry, entry, parse_claims
 from peer.node.round.gather import RoundResult, RoundTimings
-from peer.node.round.ownership import round_rule
 from peer.node.round.payloads import PayloadStore, sha256
-from peer.node.round.ranges import RangesResult, gather_ranges
-from peer.node.stage_ranges import embed_change, embed_ranges, range_plan
-from peer.node.stage_worker import StageWorker
+from peer.node.round.ranges.exchange import RangesResult, gather_ranges
+from peer.node.round.ranges.ownership import round_rule
+from peer.node.round.refusals import Refusals
+from peer.node.stage.ranges import embed_change, embed_ranges, range_plan
+from peer.node.stage.worker import StageWorker
 
 
 class Rounds(Protocol):

@@ -3,16 +3,16 @@
 The parts, each its own job: the stage's view of the model and T⊥ (`module`), θ_start of the
 current outer step and the hashes of the committed state (`StartCache`: θ_start kept on the CPU,
 float32, the portable commit's input), the inner AdamW and the SparseLoCo error buffer
-(`peer.node.stage_optimizer.StageOptimizer`), and what the rounds left behind: the ban state, the
+(`peer.node.stage.optimizer.StageOptimizer`), and what the rounds left behind: the ban state, the
 claim that reached the state (`link`) and the state committed from (`prev`, kept until the next
-commit) (`peer.node.round_ledger.RoundLedger`).
+commit) (`peer.node.stage.ledger.RoundLedger`).
 
 `encode_round()` produces this peer's payload (`contribute_parts()` its parts in a ranges round,
-committed by `apply_ranges()`: `peer.node.stage_ranges`); `apply_round()` commits a set through
-`peer.node.stage_commit.compute` → `peer.core.commit`; `recompute()` / `switch()` check another
+committed by `apply_ranges()`: `peer.node.stage.ranges`); `apply_round()` commits a set through
+`peer.node.stage.commit.compute` → `peer.core.commit`; `recompute()` / `switch()` check another
 holder's claim of the same round and take it when it holds (docs/protocol.md). `state_dict()` /
 `load_state_dict()` are the only way in or out of the stage's state (checkpoints, state sync).
-Every method is synchronous and thread-safe (one lock). `peer.node.stage_worker.StageWorker` adds
+Every method is synchronous and thread-safe (one lock). `peer.node.stage.worker.StageWorker` adds
 the pipeline compute on top.
 """
 
@@ -35,12 +35,12 @@ from peer.core.sparseloco import decompress, pseudo_gradient
 from peer.core.state import check_stage_state, stage_state, state_hash
 from peer.core.subspace import make_basis
 from peer.core.subspace_state import attach_subspace, initial_split, perp_of, set_perp
-from peer.node.bans import Bans
-from peer.node.claims import Entry, Link, state_id
-from peer.node.round_ledger import RoundLedger, make_link
-from peer.node.stage_commit import Outcome, Prev, compute, own_adjustment
-from peer.node.stage_optimizer import StageOptimizer
-from peer.node.stage_ranges import commit_ranges, parts_delta, ranges_link, returned
+from peer.node.round.bans import Bans
+from peer.node.round.claims import Entry, Link, state_id
+from peer.node.stage.commit import Outcome, Prev, compute, own_adjustment
+from peer.node.stage.ledger import RoundLedger, make_link
+from peer.node.stage.optimizer import StageOptimizer
+from peer.node.stage.ranges import commit_ranges, parts_delta, ranges_link, returned
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class StageState:
     def n_prev(self) -> int | None:
         """How many contributions the round before the current one committed (0 at the first round;
         None: not known here, a state adopted without its link): what the round rule reads
-        (`peer.node.round.ownership.round_rule`; `peer.node.round.ranges_rounds.n_prev_of` asks the
+        (`peer.node.round.ranges.ownership.round_rule`; `peer.node.round.ranges.rounds.n_prev_of` asks the
         stage's other holders when None)."""
         with self.lock:
             link = self.ledger.link
@@ -166,7 +166,7 @@ class StageState:
         """Commit a ranges round: θ ← θ_start − η·Δ̄ with Δ̄ assembled from the agreed shards of every
         range (`roster`: its (replica id, payload sha256) entries, `digest` its digest; `position`: our
         contribution's place in it, None when absent), T⊥ and bans as `apply_round`; what each shard
-        dropped or clipped from our part returns to our error buffer (`peer.node.stage_ranges`)."""
+        dropped or clipped from our part returns to our error buffer (`peer.node.stage.ranges`)."""
         with self.lock:
             t, perp, ledger = self.outer_step, self._perp_cpu(), self.ledger
             parsed = {r: s for r, (_, s) in shards.items()}
@@ -369,7 +369,7 @@ class StageState:
     def rewind(self) -> bool:
         """Go back to the state our last round was committed from (`ledger.prev`, kept until the
         next commit), when the state we hold now was reached by a checked path: a holder whose commit
-        was overtaken replays from there (`peer.node.replay`). What our commit returned to the error
+        was overtaken replays from there (`peer.node.round.replay`). What our commit returned to the error
         buffer is taken back out; the AdamW moments stay. False when no such state is kept."""
         with self.lock:
             prev, verified = self.ledger.prev, self.verified
@@ -399,7 +399,7 @@ class StageState:
         self, committed: Sequence[Payload], replicas: Sequence[str], embed_update: torch.Tensor | None
     ) -> Outcome:
         """The commit of the current round with `committed` from our state (nothing changes): a
-        joiner's check of a holder's link (`peer.node.replay`)."""
+        joiner's check of a holder's link (`peer.node.round.replay`)."""
         with self.lock:
             t, start, perp, bans = self.outer_step, self.start, self._perp_cpu(), self.ledger.bans
         return compute(self.cfg, self.stage, self.U, t, start, perp, bans, committed, replicas, embed_update)
@@ -427,7 +427,7 @@ class StageState:
         return self._hashes()[1]
 
     def state_id(self) -> str:
-        """The id of the committed state (parameters, T⊥, bans): what this holder claims (peer.node.claims)."""
+        """The id of the committed state (parameters, T⊥, bans): what this holder claims (peer.node.round.claims)."""
         with self.lock:
             return state_id(self.param_hash(), self.perp_hash(), self.ledger.bans.to_record())
 

@@ -6,18 +6,18 @@
   from our own state with another state, or another state than the canonical initial one at outer
   step 0, is false.
   Claims of the same round from the same state as ours that the canonical order puts first (the
-  most committed payloads, then the smallest state id: `peer.node.claims.better`) are CHECKED by
+  most committed payloads, then the smallest state id: `peer.node.round.claims.better`) are CHECKED by
   recomputing their set from the state we committed from (`StageWorker.recompute`): a claim whose
   set is genuine and whose state follows from it replaces our commit (`StageWorker.switch`, no
   download); one that names payloads no replica announced, or whose state does not follow, gets
-  its holder refused (`peer.node.refusals`); a claim that leaves out our own committed payload, or
+  its holder refused (`peer.node.round.refusals`); a claim that leaves out our own committed payload, or
   whose T⊥ moved by another stage-0 set than the one stage 0's majority committed, is never taken,
   and our own T⊥ is rebased onto that set. Only when a strict majority of the holders at our
   step agrees on another state that cannot be checked do we re-sync (`sync_state`: a replay that
   decides by the canonical order, not by the count).
 - `sync_state`: replay the committed rounds from a state we trust — our own checked state
   (`StageWorker.verified`) or the canonical initial state, recomputed — checking each round's link
-  by recomputation (`peer.node.replay`, docs/protocol.md "Joining by replay"); nothing is
+  by recomputation (`peer.node.round.replay`, docs/protocol.md "Joining by replay"); nothing is
   downloaded and nothing is counted. At the swarm's outer step 0 the state is the canonical initial
   one. No round can be checked: NetworkError, retry later.
 - `late_join`: a worker behind the swarm's clock replays to it (a resumed checkpoint of our own is
@@ -43,17 +43,17 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import StateReply, StateRequest
-from peer.node.bans import PREFIX
 from peer.node.checkpoints.peer import PeerCheckpoints
-from peer.node.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
-from peer.node.refusals import Refusals
-from peer.node.replay import Replayed, Replayer, RoundReads, SkipDead
+from peer.node.round.bans import PREFIX
+from peer.node.round.claims import Claim, better, majority, parse_claims, swarm_clock
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.recheck import ClaimChecks
+from peer.node.round.refusals import Refusals
+from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.verify import SetFetcher
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Resync:
         wait_s: float | None = None,
     ) -> bool:
         """Bring `worker` to the swarm's state by replaying the committed rounds from a state it
-        trusts (`peer.node.replay`), never by counting who claims a state: True when its state changed.
+        trusts (`peer.node.round.replay`), never by counting who claims a state: True when its state changed.
 
         The trusted start: our own state when it was reached by a checked path (`worker.verified`),
         else the canonical initial state, recomputed (`StageState.reset_initial`); with `vote` (a

@@ -5,10 +5,10 @@ resumes, re-syncs, claims the shard, publishes the records (N ranks, the N × b 
 tokens/s of all ranks) and runs every round, exactly as a one-process full replica
 (`peer.node.trainer.run_full_replica` with `_Lead`). The other ranks open no DHT and no server:
 they take the verified config, the tokenizer, the prepared dataset's folder and the shard from
-rank 0 (`peer.node.replica_group`, key "setup"), build the same stage workers and follow rank 0's
+rank 0 (`peer.node.replica.group`, key "setup"), build the same stage workers and follow rank 0's
 control messages (`follow`):
 - "step t h": draw this rank's batch of the shard (`rank_batch_index`) and run the inner step
-  under DDP (`peer.node.data_parallel`); every rank takes the same averaged step;
+  under DDP (`peer.node.replica.data_parallel`); every rank takes the same averaged step;
 - `state` set on a message: first adopt each stage's `state_dict()` from rank 0, sent whenever
   rank 0's committed state changed (a commit, a re-sync, `--resume`), so every rank holds the same bits;
 - "stop": exit with rank 0's code (its last committed state adopted first).
@@ -41,12 +41,12 @@ from peer.core.loader import Corpus, open_corpus, train_batch
 from peer.core.shards import PreparedDataset
 from peer.core.state import state_hash
 from peer.errors import ConfigError
-from peer.node.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index
 from peer.node.fit import check_join
 from peer.node.metrics import MetricsWriter
-from peer.node.replica_group import Control, RankLost, ReplicaGroup, launched_ranks
+from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index
+from peer.node.replica.group import Control, RankLost, ReplicaGroup, launched_ranks
 from peer.node.session import Session, SessionOptions
-from peer.node.stage_worker import StageWorker
+from peer.node.stage.worker import StageWorker
 from peer.node.trainer import _Full, run_full_replica, run_role
 
 log = logging.getLogger(__name__)

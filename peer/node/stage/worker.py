@@ -5,12 +5,12 @@ A stage peer receives compressed activations X̃ (b, L, k) and token ids, expand
 ∇X̃' with Uᵀ, backpropagates, and returns ∇X̂·U. The last stage computes the loss and its backward
 in the same call. Gradients accumulate over micro-batches until the head says `step`.
 
-The committed state and the outer rounds are `peer.node.stage_state.StageState`, which this class
+The committed state and the outer rounds are `peer.node.stage.state.StageState`, which this class
 extends; the inner step is its `StageOptimizer` (`peer.core.inner.adamw_step`). Every method is
 synchronous and thread-safe (one lock), so the gRPC handler can call it from any worker thread.
 
 Micro-batches in flight (`epoch` given): several forwards and backwards of one inner step may be
-in progress at once; `peer.node.epoch_gate.EpochGate` admits each in the order that keeps the
+in progress at once; `peer.node.stage.epoch_gate.EpochGate` admits each in the order that keeps the
 gradient sum the sequential schedule's, bit for bit (1F1B window, replays, the step of the last
 inner step), waiting at most `swarm.rpc_timeout_s`. Without an epoch nothing waits.
 
@@ -49,8 +49,8 @@ from peer.core.subspace import (
     expand_grad,
 )
 from peer.core.subspace_state import perp_of
-from peer.node.epoch_gate import EpochGate
-from peer.node.stage_state import StageState
+from peer.node.stage.epoch_gate import EpochGate
+from peer.node.stage.state import StageState
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ since, one at a time:
 
     round t, our state X:  the links of round t from X that holders published (`chain.{t}.{s}`),
                            best first by the canonical order (`candidates`: the most committed
-                           payloads, then the smallest state id — `peer.node.claims.Claim.key`);
+                           payloads, then the smallest state id — `peer.node.round.claims.Claim.key`);
                            for each: its payloads, each genuine (a signed announcement of (t, s) by
                            a sender bound to its replica: `peer.node.round.verify`) and matching its
                            sha256, committed from X (`StageState.replay`: the portable commit);
@@ -37,12 +37,12 @@ from peer.core.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.records import Announcement
-from peer.node.claims import Entry, Link
-from peer.node.refusals import Refusals
+from peer.node.round.claims import Entry, Link
 from peer.node.round.recheck import fetch_set
+from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
-from peer.node.stage_commit import Outcome
-from peer.node.stage_state import StageState
+from peer.node.stage.commit import Outcome
+from peer.node.stage.state import StageState
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """A stage holder's side of a ranges round (docs/protocol.md, RANGES): its plan, its commit, its feedback.
 
 Pure functions of the holder's committed state and the round's agreed outcome, used by
-`peer.node.stage_state.StageState` (`contribute_parts`, `apply_ranges`):
+`peer.node.stage.state.StageState` (`contribute_parts`, `apply_ranges`):
 - `range_plan`: the ranges of this stage for a round whose predecessor committed `n_prev`
   contributions (R = `n_ranges_for(n_prev, n_units)`: every holder plans alike from agreed inputs);
 - `commit_ranges`: the portable commit of the assembled shards (`peer.core.commit.commit_summed`, T⊥
   decayed as in an all-to-all round), the ban state advanced by the roster (a ranges round clips but
-  screens no outlier), as an `Outcome` like `peer.node.stage_commit.compute`'s;
+  screens no outlier), as an `Outcome` like `peer.node.stage.commit.compute`'s;
 - `returned`: what the round gives back to our error buffer, range by range
   (`peer.core.ranges.owner.returned_to`: the mass the shard dropped or clipped from our part; our
   whole part where the roster lacks us or the range was not committed);
@@ -33,9 +33,9 @@ from peer.core.ranges.owner import Shard, returned_to, shard_delta
 from peer.core.sparseloco import decompress
 from peer.core.state import state_hash
 from peer.core.subspace_state import EMBED
-from peer.node.bans import Bans, after_commit
-from peer.node.claims import SHA_CHARS, Entry, Link, entry
-from peer.node.stage_commit import Outcome
+from peer.node.round.bans import Bans, after_commit
+from peer.node.round.claims import SHA_CHARS, Entry, Link, entry
+from peer.node.stage.commit import Outcome
 
 __all__ = ["commit_ranges", "embed_change", "embed_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
 

@@ -27,8 +27,8 @@ from peer.core.commit import Committed, commit_state, perp_decay
 from peer.core.feedback import returned
 from peer.core.sparseloco import decompress
 from peer.core.state import state_hash
-from peer.node.bans import Bans, after_commit
-from peer.node.claims import state_id
+from peer.node.round.bans import Bans, after_commit
+from peer.node.round.claims import state_id
 
 __all__ = ["Outcome", "Prev", "compute", "own_adjustment"]
 

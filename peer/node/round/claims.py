@@ -15,7 +15,7 @@ bits) and must match a signed announcement of round (t, s) by a sender bound to 
 a holder's own state can be CHECKED by that holder: recompute the commit of the named payloads and
 compare state ids. Claims are adopted only that way: a peer that holds no comparable state (a
 late joiner, a holder rounds behind) replays the rounds from a state it trusts, checking each
-link the same way (`peer.node.replay`). `majority` (counted by peer id, at a step the swarm's clock
+link the same way (`peer.node.round.replay`). `majority` (counted by peer id, at a step the swarm's clock
 admits: `swarm_clock`) only weighs a same-step state RECONCILE cannot check (docs/protocol.md).
 
 Everything here reads typed records (`peer.net.records`) and returns decisions, so every rule is tested row by row.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.net.records import ReplicaRecord, StageRecord
-from peer.node.bans import PREFIX
+from peer.node.round.bans import PREFIX
 
 SHA_CHARS = 32  # hex chars of a payload's sha256 named in a committed set (128 bits)
 MAX_SET = 4096  # entries of a committed set read from a record (larger sets are malformed)

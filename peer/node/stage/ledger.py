@@ -1,9 +1,9 @@
 """What one stage's rounds left behind on a holder: the ban state, the claim, our recent links.
 
-The ban state (`peer.node.bans`, advanced by every commit in `peer.node.stage_commit.compute`) is
+The ban state (`peer.node.round.bans`, advanced by every commit in `peer.node.stage.commit.compute`) is
 part of the committed state. The link says how the committed state was reached (round t, the state
 committed from, the committed set; None for an initial, downloaded or resumed state): it is what
-this holder claims (`peer.node.claims`). Our links of the last HISTORY rounds audit other holders'
+this holder claims (`peer.node.round.claims`). Our links of the last HISTORY rounds audit other holders'
 claims of those rounds; `prev`, the state the last round was committed from, lets a claim of the
 same round be checked by recomputation. The last round's committed set, clip stats and screened
 replicas feed the records and metrics; our payload waits in `last_contribution` until its round
@@ -22,10 +22,10 @@ from peer.core.codec.clip import ClipStats
 from peer.core.codec.format import Payload
 from peer.core.commit import NO_CLIP
 from peer.core.ranges import RangePlan
-from peer.node.bans import NONE as NO_BANS
-from peer.node.bans import Bans
-from peer.node.claims import Entry, Link, entry
-from peer.node.stage_commit import Outcome, Prev
+from peer.node.round.bans import NONE as NO_BANS
+from peer.node.round.bans import Bans
+from peer.node.round.claims import Entry, Link, entry
+from peer.node.stage.commit import Outcome, Prev
 
 HISTORY = 16  # rounds of our own links kept to audit other holders' claims of those rounds
 
@@ -35,7 +35,7 @@ class RoundLedger:
 
     def __init__(self, keep: int = HISTORY) -> None:
         self.keep = keep  # rounds of links kept (`swarm.history_rounds`: served to joiners that replay)
-        self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.bans), with the committed state
+        self.bans: Bans = NO_BANS  # repeated outliers not fetched from (peer.node.round.bans), with the committed state
         self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
         self.history: dict[int, Link] = {}  # our links of the last `keep` rounds (audits; joiners replay them)
         self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)

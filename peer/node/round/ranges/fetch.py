@@ -29,8 +29,8 @@ from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.range_records import Roster, RosterEntry
 from peer.net.transport.messages import PayloadKind, PayloadRequest
-from peer.node.round.ownership import owners
 from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.ranges.ownership import owners
 
 log = logging.getLogger(__name__)
 
