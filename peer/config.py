@@ -8,8 +8,8 @@ Precedence: defaults < TOML file < `PEER_*` environment variables < CLI flags. E
 variables name a section and a field with a double underscore, e.g. `PEER_TRAIN__INNER_STEPS=20`,
 `PEER_SEED=3`. Unknown sections and keys, wrong types and bad cross-field combinations raise
 `ConfigError` naming the field. The math's sections live beside the code that uses them, and this
-module assembles them (core never imports it): `ModelConfig` (peer.core.model), `TrainConfig`
-(peer.core.optim), `SparseLoCoConfig` (peer.core.codec.format), `DataConfig` (peer.core.corpus);
+module assembles them (core never imports it): `ModelConfig` (peer.core.model.decoder), `TrainConfig`
+(peer.core.model.optim), `SparseLoCoConfig` (peer.core.sparseloco.codec.format), `DataConfig` (peer.core.data.corpus);
 `SubspaceConfig` and `SwarmConfig` are defined here. Each section checks its own fields
 (ModelConfig, SparseLoCoConfig and DataConfig in their `__post_init__`); `validate` checks the rest
 and the combinations.
@@ -36,11 +36,11 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from peer.core.codec.format import SparseLoCoConfig
-from peer.core.corpus import DataConfig
-from peer.core.model import ModelConfig, get_preset, stage_layers
-from peer.core.optim import TrainConfig
-from peer.core.subspace import k_from_ratio
+from peer.core.data.corpus import DataConfig
+from peer.core.model.decoder import ModelConfig, get_preset, stage_layers
+from peer.core.model.optim import TrainConfig
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.subspace.compression import k_from_ratio
 from peer.errors import ConfigError
 
 # The one wire-dtype table: boundary activations and gradients travel in one of these.

@@ -1,5 +1,5 @@
 """Small prepared corpora for tests, written to disk as real prepared folders (`write_prepared`)
-and read through the one loader (`peer.core.loader`), exactly as a peer reads its data."""
+and read through the one loader (`peer.core.data.loader`), exactly as a peer reads its data."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from peer.core.loader import Corpus, open_corpus
-from peer.core.shards import write_prepared
+from peer.core.data.loader import Corpus, open_corpus
+from peer.core.data.shards import write_prepared
 
 
 def pattern_corpus(root: Path, vocab_size: int, tokens: int = 50_000, period: int = 97, val: int = 4_000) -> Corpus:

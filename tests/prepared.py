@@ -1,5 +1,5 @@
 """Small prepared datasets for tests, made with the real parts: a sentencepiece tokenizer trained
-on a few documents (`peer.core.tokenizer.train_tokenizer`), `ShardWriter` and `write_index`.
+on a few documents (`peer.core.data.tokenizer.train_tokenizer`), `ShardWriter` and `write_index`.
 
 `make_prepared(root, docs)` tokenizes `docs` (EOS after each), holds out the last one for
 validation and writes `shard_tokens`-token shards; `synthetic_prepared(root, n_tokens)` writes
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from peer.core.shards import (
+from peer.core.data.shards import (
     TOKENIZER_FILE,
     DatasetIndex,
     PreparedDataset,
@@ -22,7 +22,7 @@ from peer.core.shards import (
     token_dtype,
     write_index,
 )
-from peer.core.tokenizer import Tokenizer, train_tokenizer
+from peer.core.data.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 300  # the smallest comfortable sentencepiece vocabulary (259 ids are reserved)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.commit import embedding_update
+from peer.core.sparseloco.commit import embedding_update
 from peer.node.round.claims import Link, entry
 from peer.node.round.payloads import sha256
 from peer.node.stage.worker import StageWorker

@@ -6,7 +6,7 @@ file or folder, a hub dataset, builtin:stdlib) that `prepared_for` prepares into
 - the folder's tokenizer.model hashes to the index's `tokenizer_sha256` (it becomes the run's
   tokenizer; the manifest's `tokenizer_sha256` is that hash);
 - a `--tokenizer` given with a prepared folder is that same file, and the index's vocabulary fits
-  the model (`model.vocab_size`): both checked by `peer.core.prepare.prepared_for` (DataError).
+  the model (`model.vocab_size`): both checked by `peer.core.data.prepare.prepared_for` (DataError).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 
 from peer.config import RunConfig
+from peer.core.data.prepare import prepared_for
+from peer.core.data.shards import TOKENIZER_FILE, PreparedDataset
 from peer.core.files import file_sha256
-from peer.core.prepare import prepared_for
-from peer.core.shards import TOKENIZER_FILE, PreparedDataset
 from peer.errors import DataError, one_line
 
 log = logging.getLogger(__name__)

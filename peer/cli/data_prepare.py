@@ -1,6 +1,6 @@
 """`peer data prepare SOURCE --out DIR`: a corpus into tokenized shards, with a progress bar.
 
-Builds the `Source` from the flags, runs `peer.core.prepare.prepare` with a rich progress bar on
+Builds the `Source` from the flags, runs `peer.core.data.prepare.prepare` with a rich progress bar on
 stderr (documents, tokens, tokens/s, elapsed), and prints what was made on stdout: documents and
 tokens per split, shards, the two fingerprints the run's manifest will name, the time and the
 rate. Ctrl-C stops it with a line saying how to continue (the same command resumes).
@@ -16,13 +16,13 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from peer.core.prepare import SHARD_TOKENS, Source, prepare
-from peer.core.shards import PreparedDataset, is_prepared
-from peer.core.tokenizer import Tokenizer
+from peer.core.data.prepare import SHARD_TOKENS, Source, prepare
+from peer.core.data.shards import PreparedDataset, is_prepared
+from peer.core.data.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "command", "summary_lines"]
 
-DEFAULT_VOCAB_SIZE = 1024  # the tiny preset's vocabulary (peer.core.model)
+DEFAULT_VOCAB_SIZE = 1024  # the tiny preset's vocabulary (peer.core.model.decoder)
 
 
 def _columns() -> list[Any]:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from peer.cli.render import loss_progress_columns, simulate_table
-from peer.core.loader import load_corpus
+from peer.core.data.loader import load_corpus
 from peer.research.simulate import experiments as ex
 from peer.research.simulate import experiments_budget as eb
 from peer.research.simulate import paper_settings as ps

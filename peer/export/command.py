@@ -1,6 +1,6 @@
 """Export a whole-model checkpoint as a Hugging Face `LlamaForCausalLM` folder.
 
-The decoder in peer.core.model is architecturally a Llama model (RMSNorm, rotate_half RoPE,
+The decoder in peer.core.model.decoder is architecturally a Llama model (RMSNorm, rotate_half RoPE,
 SwiGLU, untied head, no biases), so export is a rename of tensors plus a config.json:
 
     embed.weight (full TE)             -> model.embed_tokens.weight
@@ -12,7 +12,7 @@ SwiGLU, untied head, no biases), so export is a rename of tensors plus a config.
 
 Invariants: transformers is never imported here (it is only needed to *load* the result);
 the output folder is written atomically; the exported model computes the same logits as
-peer.core.model.Decoder up to float rounding.
+peer.core.model.decoder.Decoder up to float rounding.
 
 A folder of configurations (`peer simulate --save DIR` writes DIR/<config>/) is accepted too:
 with exactly one configuration that one is exported, with several the error lists them.
@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from peer import package_version
 from peer.core.files import file_sha256
-from peer.core.model import ModelConfig
+from peer.core.model.decoder import ModelConfig
 from peer.errors import CheckpointError
 from peer.node.checkpoints.model import (
     META_FILE,
@@ -72,7 +72,7 @@ _TOP_MAP = {
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face Llama name of a peer.core.model parameter name; KeyError if unknown."""
+    """The Hugging Face Llama name of a peer.core.model.decoder parameter name; KeyError if unknown."""
     if name in _TOP_MAP:
         return _TOP_MAP[name]
     m = _LAYER.match(name)

@@ -12,7 +12,7 @@ model.safetensors for one outer step:
        is the θ_start and T⊥ the saving worker held, whose hashes must be the ones it recorded
        (`from_checkpoint`: equal `state_hash`, equal bits, so no worker needs to be built);
     2. `whole_model` joins the stages under their global names and folds the embedding exactly
-       as the model computes it: peer.core.model.Embedding returns weight[x] + perp[x], which is
+       as the model computes it: peer.core.model.decoder.Embedding returns weight[x] + perp[x], which is
        (weight + perp)[x] bit for bit, so `embed.weight` = T_S + T⊥ of stage 0, in fp32
        (arXiv 2601.02360 §3.2);
     3. `write_stages` writes it with peer.export.command.write_hf (config.json, the tokenizer,
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.model import stage_shapes
-from peer.core.state import state_hash
-from peer.core.subspace_state import EMBED
+from peer.core.model.decoder import stage_shapes
+from peer.core.model.state import state_hash
+from peer.core.subspace.state import EMBED
 from peer.errors import CheckpointError
 from peer.export.command import write_hf
 from peer.node.manifest import run_id_for
@@ -75,7 +75,7 @@ class ExportResult:
 def from_checkpoint(stage: int, state: Mapping[str, Any]) -> CommittedStage:
     """A committed state read from a checkpoint ({"outer_step", "start", "perp", "bans"}: peer.node.
     checkpoints.stage.read_committed_states), with the hashes and state id a worker holding it has
-    (`peer.core.state.state_hash` over names, dtypes, shapes and bytes): equal hashes, equal bits."""
+    (`peer.core.model.state.state_hash` over names, dtypes, shapes and bytes): equal hashes, equal bits."""
     start = {n: v.detach().to("cpu").contiguous() for n, v in state["start"].items()}
     perp = state["perp"].detach().to("cpu").contiguous()
     param_hash, perp_hash = state_hash(start), state_hash({"perp": perp})

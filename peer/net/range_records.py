@@ -1,7 +1,7 @@
 """The DHT records of a ranges round (docs/protocol.md, RANGES), parsed once where they leave the DHT.
 
 - ``roster.{t}.{s}`` (`RosterRecord`): the round's contributions in roster order, as one holder closed
-  them, named by their senders alone, and the roster's digest (`peer.core.ranges.owner.roster_digest`
+  them, named by their senders alone, and the roster's digest (`peer.core.sparseloco.ranges.owner.roster_digest`
   of the (replica, sha256) pairs): a holder resolves each sender into its signed announcement's
   (replica, payload sha256, merkle root, address) (`Roster`, `RosterEntry`) and checks the digest.
   Every holder takes the one of the best-ranked publisher (`peer.node.round.ranges.ownership.coordinator_order`).

@@ -7,7 +7,7 @@ MemAvailable through psutil). A stage that does not fit is a one-line `ConfigErr
 what would make it fit, each with its estimate: fewer micro-batches in flight, activation
 checkpointing, bf16, or another stage.
 
-The precision is the one `peer join` computes in (`peer.core.precision.resolve_precision`: `auto`
+The precision is the one `peer join` computes in (`peer.core.model.precision.resolve_precision`: `auto`
 is bf16 on a GPU that supports it, fp32 elsewhere).
 """
 
@@ -22,7 +22,7 @@ import psutil
 
 from peer.config import RunConfig
 from peer.core.memory import StageMemory, estimate_replica, estimate_stage, format_bytes
-from peer.core.precision import resolve_precision
+from peer.core.model.precision import resolve_precision
 from peer.errors import ConfigError
 from peer.node.pipeline.schedule import MAX_STASH, configured_in_flight
 

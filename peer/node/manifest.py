@@ -3,11 +3,11 @@
 A manifest is a JSON object with the full `RunConfig` and the hashes of the artefacts every peer
 must agree on: the config fingerprint, the subspace basis U (rebuilt locally from the seed and
 compared), the fingerprint of the portable arithmetic (the initial state and commits are computed
-alike: `peer.core.portable.arithmetic_fingerprint`), the tokenizer file and the protocol version.
+alike: `peer.core.sparseloco.portable.arithmetic_fingerprint`), the tokenizer file and the protocol version.
 `verify_manifest` rebuilds everything from the manifest on this machine and raises
 `ManifestMismatch` naming the first disagreement, so a peer with a different build refuses to join
 instead of training on different math.
-One corpus per run: the manifest names the bootstrap's prepared dataset (`peer.core.shards`) by
+One corpus per run: the manifest names the bootstrap's prepared dataset (`peer.core.data.shards`) by
 its train and validation fingerprints and the sha256 of its index's canonical bytes;
 `check_dataset` refuses, in one line, a local dataset whose fingerprints differ, and a fetched index
 is accepted only with that sha256 (`peer.node.data.fetch`).
@@ -24,9 +24,9 @@ from typing import Any
 
 from peer import __version__
 from peer.config import RunConfig, config_from_dict
-from peer.core.portable import arithmetic_fingerprint
-from peer.core.shards import DatasetIndex
-from peer.core.subspace import basis_hash, make_basis
+from peer.core.data.shards import DatasetIndex
+from peer.core.sparseloco.portable import arithmetic_fingerprint
+from peer.core.subspace.compression import basis_hash, make_basis
 from peer.errors import ManifestMismatch, NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 

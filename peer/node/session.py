@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import LinkConfig, RunConfig
-from peer.core.loader import Corpus, load_corpus, needed_shards
-from peer.core.precision import resolve_precision
-from peer.core.shards import PreparedDataset
+from peer.core.data.loader import Corpus, load_corpus, needed_shards
+from peer.core.data.shards import PreparedDataset
+from peer.core.model.precision import resolve_precision
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.net.addresses import advertised_host
 from peer.net.dht import SwarmDHT
@@ -415,7 +415,7 @@ class Session:
         return list(dict.fromkeys([str(self.manifest["bootstrap_address"]), *others]))
 
     def load_data(self) -> Corpus:
-        """The run's corpus, read by the one loader (`peer.core.loader`)."""
+        """The run's corpus, read by the one loader (`peer.core.data.loader`)."""
         return load_corpus(self.cfg.data)
 
 

@@ -2,7 +2,7 @@
 
 Reads top to bottom: connect to the swarm and verify the manifest (peer.node.session), build the stage
 workers, serve them over gRPC, then loop over outer steps t (rounds: peer.node.round.rounds; re-syncs:
-peer.node.round.resync; every committed round goes through peer.core.commit):
+peer.node.round.resync; every committed round goes through peer.core.sparseloco.commit):
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline.driver) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from peer.core.inner import MicroForward
-from peer.core.loader import Corpus, train_batch, val_batches
+from peer.core.data.loader import Corpus, train_batch, val_batches
+from peer.core.model.inner import MicroForward
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.fit import check_join
 from peer.node.pipeline.driver import PipelineDriver
@@ -325,7 +325,7 @@ class _Full:
         self._started = 0.0  # when the outer step's first inner step started
 
     def forward(self) -> MicroForward:
-        """One inner step's micro-batch forward through the chain (`peer.core.inner.accumulate`)."""
+        """One inner step's micro-batch forward through the chain (`peer.core.model.inner.accumulate`)."""
         return lambda mx, my: (chain_loss(self.chain, mx, my), 0)
 
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from peer.cli.main import main
-from peer.core.commit import embedding_update
-from peer.core.state import state_hash
+from peer.core.model.state import state_hash
+from peer.core.sparseloco.commit import embedding_update
 from peer.errors import PeerError
 from peer.net.transport.messages import PayloadRequest, StateReply, StateRequest
 from peer.node.records import Own, Records

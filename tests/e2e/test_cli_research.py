@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from peer.cli.main import main
-from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
-from peer.core.model import build_model, get_preset, stage_shapes
+from peer.core.model.decoder import build_model, get_preset, stage_shapes
+from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
 from peer.node.checkpoints.model import load_model_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from peer.core.prepare_state import STATE_FILE, load_state
-from peer.core.shards import PreparedDataset
+from peer.core.data.prepare_state import STATE_FILE, load_state
+from peer.core.data.shards import PreparedDataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

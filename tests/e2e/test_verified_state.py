@@ -100,8 +100,8 @@ def _matches_the_swarms_validation_loss(sw, folder) -> None:
     full replica's fetched dataset) is the loss the full replica logged for that state, to 1e-4:
     its round EXPORT_AT - 1 event is evaluated right after the commit that made outer step EXPORT_AT."""
     transformers = pytest.importorskip("transformers")
-    from peer.core.loader import open_corpus, val_batches
-    from peer.core.shards import PreparedDataset
+    from peer.core.data.loader import open_corpus, val_batches
+    from peer.core.data.shards import PreparedDataset
     from peer.node.trainer import VAL_BATCHES
 
     meta = json.loads((sw.tmp / "full" / "checkpoints" / f"step-{EXPORT_AT:06d}" / "meta.json").read_text())

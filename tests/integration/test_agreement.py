@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.sparseloco import compress
+from peer.core.sparseloco.algorithm import compress
 from peer.errors import NetworkError
 from peer.net.dht import dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord

@@ -27,7 +27,7 @@ import pytest
 from peer.bootstrap.node import BootstrapInfo, run_bootstrap
 from peer.cli.status import LINK_FIELDS, collect_status
 from peer.config import build_config
-from peer.core.shards import DatasetIndex
+from peer.core.data.shards import DatasetIndex
 from peer.errors import NetworkError
 from peer.net.addresses import maddr_host, order_maddrs
 from peer.net.dht import SwarmDHT, make_identity

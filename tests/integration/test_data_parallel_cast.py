@@ -1,6 +1,6 @@
 """Two gloo ranks of a bf16 full replica under DDP with the weights cast once per inner step.
 
-Each micro-batch's backward flows through the shared cast (`peer.core.precision.CastWeights`) into
+Each micro-batch's backward flows through the shared cast (`peer.core.model.precision.CastWeights`) into
 the float32 master parameters, so DDP's hooks on them still fire: after K micro-batches (all but
 the last under `no_sync`) both ranks hold the average of what each rank's batch gives alone.
 """
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from peer.config import build_config
-from peer.core.inner import accumulate
+from peer.core.model.inner import accumulate
 from peer.node.replica.data_parallel import DataParallel, chain_loss
 from peer.node.stage.worker import StageWorker
 from tests.unit.test_stage_checkpoint import BASE, SMALL

@@ -24,8 +24,8 @@ import pytest
 from peer.bootstrap.artifacts import ArtifactHandler
 from peer.bootstrap.node import BootstrapNode
 from peer.config import build_config
-from peer.core.loader import needed_shards
-from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset
+from peer.core.data.loader import needed_shards
+from peer.core.data.shards import INDEX_FILE, TOKENIZER_FILE, PreparedDataset
 from peer.errors import DataError, ManifestMismatch, NetworkError
 from peer.net.pool import ClientPool
 from peer.net.ratelimit import MBIT, Link, LinkCaps

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.core.model import build_model, build_stage, get_preset
+from peer.core.model.decoder import build_model, build_stage, get_preset
 from peer.errors import CheckpointError
 from peer.export.command import export_hf, list_configurations, resolve_checkpoint
 from peer.node.checkpoints.model import save_model_checkpoint

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from peer.config import build_config
-from peer.core.chain import chain_forward, token_loss
-from peer.core.commit import embedding_update
-from peer.core.sparseloco import decompress
+from peer.core.model.chain import chain_forward, token_loss
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.commit import embedding_update
 from peer.errors import CheckpointError
 from peer.export.checkpoints import export_folders
 from peer.export.model import read_back, write_stages

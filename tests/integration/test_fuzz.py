@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from peer.config import WIRE_DTYPES, build_config
-from peer.core.codec.format import Payload, PayloadError
-from peer.core.sparseloco import compress, decompress
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.format import Payload, PayloadError
 from peer.errors import NetworkError
 from peer.net.transport import (
     ArtifactRequest,

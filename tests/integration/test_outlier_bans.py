@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.codec.format import Payload
-from peer.core.sparseloco import compress, decompress
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.format import Payload
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.round.gather import RoundResult

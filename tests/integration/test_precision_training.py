@@ -4,7 +4,7 @@ The demo's configuration (`peer demo`: `tiny`, 2 stages, H = 8, batch 8 in 2 mic
 64 tokens, peak lr 1e-2 after 5 warmup steps, top-64 per chunk, the built-in corpus) trained by a
 full replica's own code (`peer.node.trainer._Full`: its StageWorkers chained under autocast, one
 inner step clipped by the norm over every stage) with a real round after every outer step (the
-replica's payload encoded and committed through `peer.core.commit`, the error buffer kept). The
+replica's payload encoded and committed through `peer.core.sparseloco.commit`, the error buffer kept). The
 schedule is shortened to T = 10 outer steps (its cosine ends there), three fp32 seeds give the
 spread, and bf16 with the first seed must land inside it. No network: the math of a joined peer.
 
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.commit import embedding_update
-from peer.core.loader import Corpus, load_corpus, train_batch, val_batches
-from peer.core.sparseloco import decompress
+from peer.core.data.loader import Corpus, load_corpus, train_batch, val_batches
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.commit import embedding_update
 from peer.node.stage.worker import StageWorker
 from peer.node.trainer import _Full
 

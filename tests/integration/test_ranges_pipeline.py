@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.model import stage_shapes
+from peer.core.model.decoder import stage_shapes
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.round.ranges.rounds import n_prev_of, stage0_n_prev

@@ -37,7 +37,7 @@ R, M, BIG, MISSING = 16, 8, 3, 5
 
 def _setup():
     from peer.config import build_config
-    from peer.core.model import build_stage
+    from peer.core.model.decoder import build_stage
 
     cfg = build_config(overrides={"model.preset": "small", "stages": 2}, environ={})
     shapes = {n: tuple(p.shape) for n, p in build_stage(cfg.model, 0, cfg.stages, cfg.seed).named_parameters()}
@@ -46,8 +46,8 @@ def _setup():
 
 def make_parts(path: Path) -> None:
     """Write part r of contribution m to path/m-r.bin (contribution MISSING is left out)."""
-    from peer.core.portable import canonical_normal
-    from peer.core.ranges import encode_parts, plan_ranges
+    from peer.core.sparseloco.portable import canonical_normal
+    from peer.core.sparseloco.ranges import encode_parts, plan_ranges
 
     cfg, shapes = _setup()
     plan = plan_ranges(shapes, cfg.chunk, R)
@@ -65,7 +65,7 @@ def aggregate_all(path: Path) -> dict:
     """Aggregate every range of the parts under `path`: {"shards": [sha256 per range], "seconds", ...}."""
     import torch
 
-    from peer.core.ranges import aggregate_range, plan_ranges, roster_digest
+    from peer.core.sparseloco.ranges import aggregate_range, plan_ranges, roster_digest
 
     cfg, shapes = _setup()
     plan = plan_ranges(shapes, cfg.chunk, R)

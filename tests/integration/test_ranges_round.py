@@ -31,11 +31,11 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.codec.format import Payload
-from peer.core.commit import commit_summed
-from peer.core.model import stage_shapes
-from peer.core.ranges import assemble, encode_parts, n_ranges_for, n_units, plan_ranges
-from peer.core.ranges.owner import Shard, shard_delta
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import commit_summed
+from peer.core.sparseloco.ranges import assemble, encode_parts, n_ranges_for, n_units, plan_ranges
+from peer.core.sparseloco.ranges.owner import Shard, shard_delta
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.codec.format import Payload, PayloadError
-from peer.core.sparseloco import compress
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.format import Payload, PayloadError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.loader import Corpus
+from peer.core.data.loader import Corpus
 from peer.errors import ConfigError, DataError
 from peer.research.bench.simulate import fingerprint
 from peer.research.simulate.checkpoint import ARGS_FILE, SUFFIX, SweepCheckpoint

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.sparseloco import compress, decompress
+from peer.core.sparseloco.algorithm import compress, decompress
 from peer.errors import ConfigError
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import round_bans, round_view

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from peer.core.loader import open_corpus, train_batch
-from peer.core.shards import PreparedDataset
+from peer.core.data.loader import open_corpus, train_batch
+from peer.core.data.shards import PreparedDataset
 from peer.errors import ConfigError
 from peer.research.bench.data import VOCAB, parse_size, write_synthetic
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from peer.core.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
 from peer.errors import ConfigError
 from peer.research.bench.common import baselines_for, codec_figures
 from peer.research.simulate import templar_baseline as tb

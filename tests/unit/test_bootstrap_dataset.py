@@ -8,7 +8,7 @@ import pytest
 
 from peer.bootstrap.dataset import run_dataset
 from peer.config import build_config
-from peer.core.shards import TOKENIZER_FILE
+from peer.core.data.shards import TOKENIZER_FILE
 from peer.errors import DataError
 from tests.prepared import VOCAB, corpus, make_prepared
 

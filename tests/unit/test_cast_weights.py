@@ -1,4 +1,4 @@
-"""Weights cast once per inner step (`peer.core.precision.CastWeights`), shared by micro-batches.
+"""Weights cast once per inner step (`peer.core.model.precision.CastWeights`), shared by micro-batches.
 
 - K micro-batches through the shared cast give plain autocast's outputs and `.grad` bit for bit:
   one backward each, the deferred weight gradients (`split_backward`), checkpointed blocks, bf16
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.core.model import Decoder, ModelConfig, build_stage
-from peer.core.precision import CastWeights, autocast, compute_dtype, matmul_weights
-from peer.core.split_backward import input_grad_first
+from peer.core.model.decoder import Decoder, ModelConfig, build_stage
+from peer.core.model.precision import CastWeights, autocast, compute_dtype, matmul_weights
+from peer.core.model.split_backward import input_grad_first
 
 CFG = ModelConfig(vocab_size=300, d_model=64, n_layers=3, n_heads=4, head_dim=16, ffn_hidden=160, max_seq_len=32)
 K, B, L = 4, 2, 16

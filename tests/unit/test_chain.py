@@ -1,4 +1,4 @@
-"""The chain of stage views (peer.core.chain): the whole model's forward, loss and gradient norm."""
+"""The chain of stage views (peer.core.model.chain): the whole model's forward, loss and gradient norm."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peer.core.chain import chain_forward, global_grad_norm, token_loss
-from peer.core.model import PRESETS, build_model, build_stage
-from peer.core.optim import SQ_NORM_EXACT_BELOW, SQ_NORM_GRID, grad_sq_norm
+from peer.core.model.chain import chain_forward, global_grad_norm, token_loss
+from peer.core.model.decoder import PRESETS, build_model, build_stage
+from peer.core.model.optim import SQ_NORM_EXACT_BELOW, SQ_NORM_GRID, grad_sq_norm
 
 TINY = PRESETS["tiny"]
 SEED = 7

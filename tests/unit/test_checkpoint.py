@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from peer.core.model import build_model, get_preset
+from peer.core.model.decoder import build_model, get_preset
 from peer.errors import CheckpointError, PeerError
 from peer.node.checkpoints.model import load_model_checkpoint, save_model_checkpoint
 

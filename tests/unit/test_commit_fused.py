@@ -16,14 +16,13 @@ import threading
 import pytest
 import torch
 
-from peer.core import robust
-from peer.core.codec import kernels as pk
-from peer.core.codec.clip import clip_to_median
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.codec.scratch import ACCUMULATORS, BufferPool
-from peer.core.commit import commit_state, embedding_update, robust_aggregate
-from peer.core.sparseloco import aggregate, compress, decompress, screen_rows
-from peer.core.subspace_state import EMBED
+from peer.core.sparseloco.algorithm import aggregate, compress, decompress, robust, screen_rows
+from peer.core.sparseloco.codec import kernels as pk
+from peer.core.sparseloco.codec.clip import clip_to_median
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.codec.scratch import ACCUMULATORS, BufferPool
+from peer.core.sparseloco.commit import commit_state, embedding_update, robust_aggregate
+from peer.core.subspace.state import EMBED
 
 # ------------------------------------------------------------------ the dense form, as it was
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peer.config import RunConfig, build_config, config_from_dict, env_overrides
-from peer.core.model import PRESETS
+from peer.core.model.decoder import PRESETS
 from peer.errors import ConfigError, PeerError
 
 

@@ -1,4 +1,4 @@
-"""peer.core.corpus and peer.core.tokenizer: the documents a source yields (txt/jsonl/parquet/stdlib)
+"""peer.core.data.corpus and peer.core.data.tokenizer: the documents a source yields (txt/jsonl/parquet/stdlib)
 and the sentencepiece tokenizer. Refusals met through `prepare` (mixed folders, a missing text field,
 an unreachable hub, too large a vocabulary), preparing and reading token shards: test_prepare.py,
 test_loader.py."""
@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from peer.core.corpus import BUILTIN_STDLIB, DataConfig, Source, default_corpus_files, iter_documents
-from peer.core.tokenizer import Tokenizer, train_tokenizer
+from peer.core.data.corpus import BUILTIN_STDLIB, DataConfig, Source, default_corpus_files, iter_documents
+from peer.core.data.tokenizer import Tokenizer, train_tokenizer
 from peer.errors import ConfigError, DataError
 
 SMALL = 300_000  # characters of builtin:stdlib used by the tests

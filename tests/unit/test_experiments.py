@@ -12,14 +12,14 @@ import torch
 
 from peer.cli import flags_simulate as flags
 from peer.config import build_config
-from peer.core.codec.clip import clip_to_median, clipped_mass
-from peer.core.codec.format import SparseLoCoConfig
-from peer.core.commit import commit_round, perp_decay
-from peer.core.optim import lr_at
-from peer.core.sparseloco import compress, decompress
-from peer.core.state import stage_state
-from peer.core.subspace import distinct_ks, k_from_ratio, make_basis
-from peer.core.subspace_state import perp_of
+from peer.core.model.optim import lr_at
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.clip import clip_to_median, clipped_mass
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.commit import commit_round, perp_decay
+from peer.core.subspace.compression import distinct_ks, k_from_ratio, make_basis
+from peer.core.subspace.state import perp_of
 from peer.errors import ConfigError
 from peer.net.transport.codec import decode, encode
 from peer.net.transport.messages import BackwardReply, ForwardReply, StepRequest

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from peer.config import build_config
-from peer.core.optim import lr_at
+from peer.core.model.optim import lr_at
 from peer.errors import ConfigError
 from peer.research.simulate import experiments as ex
 from peer.research.simulate import experiments_budget as eb

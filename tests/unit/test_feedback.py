@@ -1,13 +1,13 @@
-"""Error feedback (peer.core.feedback): what a round returns to a sender, against dense references."""
+"""Error feedback (peer.core.sparseloco.feedback): what a round returns to a sender, against dense references."""
 
 from __future__ import annotations
 
 import torch
 
-from peer.core.codec.clip import ClipStats, clipped_mass
-from peer.core.codec.format import SparseLoCoConfig
-from peer.core.feedback import add_to_errors, returned
-from peer.core.sparseloco import compress, decompress
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.clip import ClipStats, clipped_mass
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.feedback import add_to_errors, returned
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
 
     def nearest(name: str) -> str:
         while name and name not in files:
-            name = name.rpartition(".")[0]  # `peer.core.model.ModelConfig` -> `peer.core.model`
+            name = name.rpartition(".")[0]  # `peer.core.model.decoder.ModelConfig` -> `peer.core.model.decoder`
         return name
 
     graph: dict[str, set[str]] = {}
@@ -138,7 +138,7 @@ def test_core_imports_only_core_errors_and_no_networking():
     banned = ("peer.net", "peer.node", *ABOVE_NODE, "peer.config", *NETWORK)
     assert _offenders("core", banned) == {}
     assert _files("core"), "peer/core is empty"
-    assert _files("core/codec"), "peer/core/codec is empty"
+    assert _files("core/sparseloco/codec"), "peer/core/sparseloco/codec is empty"
 
 
 def test_net_imports_neither_core_nor_node():
@@ -207,8 +207,8 @@ def test_the_rule_checker_sees_a_violation(tmp_path):
     ["from peer.config import TrainConfig", "from peer import config", "import peer.config", "from ... import config"],
 )
 def test_the_rule_checker_sees_core_importing_the_config(tmp_path, line):
-    """However a core module (here two folders down, as in peer/core/codec/) names peer.config, it is caught."""
-    bad = tmp_path / "peer" / "core" / "codec" / "bad.py"
+    """However a core module (here two folders down, as in peer/core/model/) names peer.config, it is caught."""
+    bad = tmp_path / "peer" / "core" / "model" / "bad.py"
     bad.parent.mkdir(parents=True)
     bad.write_text(line + "\n")
     assert _hits(imports_of(bad, tmp_path), ("peer.config",)) == ["peer.config"]

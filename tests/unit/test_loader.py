@@ -1,4 +1,4 @@
-"""peer.core.loader and peer.core.permutation: the one deterministic, disjoint loader.
+"""peer.core.data.loader and peer.core.data.permutation: the one deterministic, disjoint loader.
 
 Positional corpora make every batch show what it read: token = 100_000·(file + 1) + offset, so a
 window's first token names its shard file and offset, and a window that crossed a file would
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.corpus import DataConfig
-from peer.core.loader import (
+from peer.core.data.corpus import DataConfig
+from peer.core.data.loader import (
     Corpus,
     claim_bounds,
     load_corpus,
@@ -25,9 +25,9 @@ from peer.core.loader import (
     train_batch,
     val_batches,
 )
-from peer.core.permutation import keys, permute
-from peer.core.shards import DatasetIndex, PreparedDataset, ShardWriter, write_index, write_prepared
-from peer.core.tokenizer import train_tokenizer
+from peer.core.data.permutation import keys, permute
+from peer.core.data.shards import DatasetIndex, PreparedDataset, ShardWriter, write_index, write_prepared
+from peer.core.data.tokenizer import train_tokenizer
 from peer.errors import ConfigError, DataError
 from peer.node.replica.data_parallel import rank_batch_index
 
@@ -144,7 +144,7 @@ def test_batches_are_a_pure_function_and_a_resumed_loader_continues(tmp_path):
 def test_a_new_epoch_reshuffles_the_same_sequences_and_says_so_once(corpus, caplog):
     L, m, n_shards = 4, 0, 2
     n_m = -np.subtract(*claim_bounds(corpus.sequences(L), m, n_shards))
-    with caplog.at_level(logging.INFO, logger="peer.core.loader"):
+    with caplog.at_level(logging.INFO, logger="peer.core.data.loader"):
         epochs = [
             _where(train_batch(corpus, m, n_shards, e * n_m + r, 1, L)[0])[0] for e in range(3) for r in range(n_m)
         ]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from peer.config import build_config
-from peer.core.shards import DatasetIndex, ShardInfo
+from peer.core.data.shards import DatasetIndex, ShardInfo
 from peer.errors import ManifestMismatch
 from peer.node.manifest import (
     DATASET_KEYS,

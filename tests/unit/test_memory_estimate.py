@@ -28,8 +28,8 @@ from peer.core.memory import (
     head_bytes,
     parse_bytes,
 )
-from peer.core.model import Block, ModelConfig, build_stage, get_preset, rope_tables
-from peer.core.precision import CastWeights
+from peer.core.model.decoder import Block, ModelConfig, build_stage, get_preset, rope_tables
+from peer.core.model.precision import CastWeights
 from peer.errors import ConfigError
 from peer.node.fit import check_fit
 from peer.research.plan.command import PLAN_PRESETS
@@ -76,7 +76,7 @@ def test_block_count_is_what_autograd_saves(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_head_count_is_what_autograd_saves(precision):
-    from peer.core.chain import token_loss
+    from peer.core.model.chain import token_loss
 
     b, L = 2, 48
     stage = build_stage(CFG, 1, 2, seed=0)  # one block, the final norm, the head

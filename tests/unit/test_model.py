@@ -1,4 +1,4 @@
-"""Unit tests for peer.core.model: shapes, presets, stage views == whole model bit for bit, init."""
+"""Unit tests for peer.core.model.decoder: shapes, presets, stage views == whole model bit for bit, init."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peer.core.model import (
+from peer.core.model.decoder import (
     PRESETS,
     Decoder,
     Embedding,

@@ -10,8 +10,8 @@ import pytest
 
 from peer.cli import flags_simulate as flags
 from peer.config import PAPER_ALGORITHM, build_config
-from peer.core.model import PRESETS
-from peer.core.optim import TrainConfig
+from peer.core.model.decoder import PRESETS
+from peer.core.model.optim import TrainConfig
 from peer.errors import ConfigError
 from peer.research.simulate import experiments as ex
 from peer.research.simulate import paper_settings as ps

@@ -29,12 +29,11 @@ from peer.config import (
     setting,
     setting_changes,
 )
-from peer.core import robust
-from peer.core.codec.format import SPARSE, Payload, SparseLoCoConfig, n_selected
-from peer.core.commit import commit_state, embedding_update, robust_aggregate, screening_rule
-from peer.core.sparseloco import compress, decompress
-from peer.core.state import stage_state
-from peer.core.subspace_state import EMBED
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import compress, decompress, robust
+from peer.core.sparseloco.codec.format import SPARSE, Payload, SparseLoCoConfig, n_selected
+from peer.core.sparseloco.commit import commit_state, embedding_update, robust_aggregate, screening_rule
+from peer.core.subspace.state import EMBED
 from peer.node.manifest import build_manifest, verify_manifest
 from peer.node.stage.worker import StageWorker
 from peer.research.simulate.engine import _commit_stage

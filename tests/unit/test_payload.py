@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.codec import kernels as pk
-from peer.core.codec.clip import clip_to_median, global_norm, payload_norm
-from peer.core.codec.format import (
+from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, clip_and_aggregate, compress, decompress
+from peer.core.sparseloco.codec import kernels as pk
+from peer.core.sparseloco.codec.clip import clip_to_median, global_norm, payload_norm
+from peer.core.sparseloco.codec.format import (
     READ_VERSIONS,
     VERSION,
     Payload,
@@ -23,7 +24,6 @@ from peer.core.codec.format import (
     index_nbytes,
     rank_nbytes,
 )
-from peer.core.sparseloco import aggregate, aggregate_payloads, clip_and_aggregate, compress, decompress
 
 # compress() at SparseLoCoConfig() of torch.randn with seeds 5, 6, 7, 8 (generator) for
 # layers.0.attn.wq.weight (70, 130), layers.0.attn_norm.weight (20,), layers.0.ffn.w1.weight

@@ -1,4 +1,4 @@
-"""The fused whole-tensor kernels (peer.core.codec.fused) give the numpy/torch path's bits: encode
+"""The fused whole-tensor kernels (peer.core.sparseloco.codec.fused) give the numpy/torch path's bits: encode
 (error feedback, top-k with ties, ranks), decode, positions and fused aggregation, split over threads."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.codec import fused as pf
-from peer.core.codec import kernels as pk
-from peer.core.codec.encode import LLOYD_ROUNDS, quantize
-from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig, entry_values, index_nbytes
-from peer.core.codec.index import layout
-from peer.core.sparseloco import aggregate_payloads, clip_and_aggregate, compress, decompress
+from peer.core.sparseloco.algorithm import aggregate_payloads, clip_and_aggregate, compress, decompress
+from peer.core.sparseloco.codec import fused as pf
+from peer.core.sparseloco.codec import kernels as pk
+from peer.core.sparseloco.codec.encode import LLOYD_ROUNDS, quantize
+from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig, entry_values, index_nbytes
+from peer.core.sparseloco.codec.index import layout
 
 pytest.importorskip("numba")
 

@@ -36,9 +36,9 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.commit import embedding_update
-from peer.core.sparseloco import decompress
-from peer.core.state import state_hash
+from peer.core.model.state import state_hash
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.commit import embedding_update
 from peer.node.checkpoints.model import load_model_checkpoint
 from peer.node.stage.worker import StageWorker
 from peer.research.simulate.engine import simulate

@@ -10,9 +10,9 @@ from itertools import pairwise
 import pytest
 import torch
 
-from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
-from peer.core.model import build_stage, get_preset, stage_shapes
-from peer.core.sparseloco import compress
+from peer.core.model.decoder import build_stage, get_preset, stage_shapes
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size, to_bytes
 from peer.net.transport.messages import BackwardRequest, ForwardRequest

@@ -3,7 +3,7 @@
 - `clip_to_median` against a plain reference written with Python floats and loops: honest
   contributions pass bit for bit, a huge one lands on factor × the lower median, factor 0 is a
   no-op, non-finite contributions become zeros, and the norm is exactly rounded (deterministic).
-- `StageWorker.apply_round` / `peer.core.commit.embedding_update` clip a committed set with a
+- `StageWorker.apply_round` / `peer.core.sparseloco.commit.embedding_update` clip a committed set with a
   poisoned payload the same way on every holder: parameters and T⊥ stay bit-identical and the
   step stays bounded.
 - M = 4 in-process replicas where replica 3 sends an absurd payload every round: with clipping the
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.codec.clip import clip_to_median, global_norm
-from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
-from peer.core.commit import embedding_update, outer_delta, perp_decay
-from peer.core.loader import Corpus, train_batch, val_batches
-from peer.core.sparseloco import aggregate, compress, decompress, pseudo_gradient
-from peer.core.state import stage_state
-from peer.core.subspace_state import EMBED, perp_of
+from peer.core.data.loader import Corpus, train_batch, val_batches
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import aggregate, compress, decompress, pseudo_gradient
+from peer.core.sparseloco.codec.clip import clip_to_median, global_norm
+from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig
+from peer.core.sparseloco.commit import embedding_update, outer_delta, perp_decay
+from peer.core.subspace.state import EMBED, perp_of
 from peer.errors import ConfigError
 from peer.node.stage.worker import StageWorker
 from peer.research.simulate.replica import LocalReplica

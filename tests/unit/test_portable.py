@@ -1,4 +1,4 @@
-"""Portable arithmetic (`peer.core.portable`): the same bits whoever computes them, and sound math.
+"""Portable arithmetic (`peer.core.sparseloco.portable`): the same bits whoever computes them, and sound math.
 
 Each compiled kernel equals its numpy twin bit for bit; the machine code of every kernel the
 commit or the initial state runs holds no fused multiply-add (a CPU without FMA would round
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core import portable
-from peer.core.codec import kernels as codec_kernels
-from peer.core.codec.format import SparseLoCoConfig
-from peer.core.portable import (
+from peer.core.sparseloco.algorithm import clip_and_aggregate, compress, portable
+from peer.core.sparseloco.codec import kernels as codec_kernels
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.portable import (
     SIGMA,
     canonical_gaussian64,
     canonical_normal,
@@ -26,7 +26,6 @@ from peer.core.portable import (
     portable_cos,
     project64,
 )
-from peer.core.sparseloco import clip_and_aggregate, compress
 
 
 @pytest.fixture
@@ -112,7 +111,7 @@ def _fma_count(fn, signature, **flags) -> int:
 
 
 def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
-    from peer.core.codec import fused
+    from peer.core.sparseloco.codec import fused
 
     U = torch.from_numpy(orthonormal_basis(64, 8, key=3)).float()
     project64(torch.randn(portable.NUMBA_MIN_ROWS, 64), U)  # compiles the kernels the commit uses

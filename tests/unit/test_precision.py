@@ -1,4 +1,4 @@
-"""Mixed precision (peer.core.precision) and activation checkpointing, through the real StageWorker.
+"""Mixed precision (peer.core.model.precision) and activation checkpointing, through the real StageWorker.
 
 A pipeline here is StageWorkers of every stage driven in one process the way the head drives them
 (forward down the stages, the loss and gradient back, every stage's Σ‖g‖² summed into the global
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.chain import global_grad_norm
-from peer.core.model import Decoder, ModelConfig
-from peer.core.precision import LossScaler, autocast, compute_dtype, resolve_precision
-from peer.core.state import stage_state, state_hash
+from peer.core.model.chain import global_grad_norm
+from peer.core.model.decoder import Decoder, ModelConfig
+from peer.core.model.precision import LossScaler, autocast, compute_dtype, resolve_precision
+from peer.core.model.state import stage_state, state_hash
 from peer.errors import ConfigError
 from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
@@ -77,7 +77,7 @@ def _hashes(workers: list[StageWorker]) -> list[str]:
     return [state_hash(stage_state(w.module)) for w in workers]
 
 
-# ------------------------------------------------------------------------------ peer.core.precision
+# ------------------------------------------------------------------------------ peer.core.model.precision
 
 
 def test_auto_is_fp32_on_cpu_and_explicit_choices_stand():

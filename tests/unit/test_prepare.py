@@ -1,4 +1,4 @@
-"""peer.core.prepare: a source streamed into prepared shards -- local jsonl/txt/parquet, builtin:stdlib,
+"""peer.core.data.prepare: a source streamed into prepared shards -- local jsonl/txt/parquet, builtin:stdlib,
 EOS after every document, the split by document, any number of workers giving the same bytes,
 resuming after an interruption, and prepared_for's cache."""
 
@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from peer.core import prepare as prepare_mod
-from peer.core.corpus import DataConfig, default_corpus_files
-from peer.core.prepare import Source, cache_folder, prepare, prepared_for
-from peer.core.prepare_pool import is_val
-from peer.core.prepare_state import STATE_FILE, load_state
-from peer.core.shards import PreparedDataset, is_prepared
-from peer.core.tokenizer import Tokenizer
+from peer.core.data import prepare as prepare_mod
+from peer.core.data.corpus import DataConfig, default_corpus_files
+from peer.core.data.prepare import Source, cache_folder, prepare, prepared_for
+from peer.core.data.prepare_pool import is_val
+from peer.core.data.prepare_state import STATE_FILE, load_state
+from peer.core.data.shards import PreparedDataset, is_prepared
+from peer.core.data.tokenizer import Tokenizer
 from peer.errors import ConfigError, DataError
 
 VOCAB = 300  # 259 reserved (specials + byte fallback) + 41 pieces
@@ -265,7 +265,7 @@ def test_a_dataset_repository_is_read_by_configuration_and_split(tmp_path):
         for c in ("en", "de")
     )
     (repo / "README.md").write_text(f"---\nconfigs:\n{configs}---\n# a dataset card\n")
-    from peer.core.corpus import iter_documents
+    from peer.core.data.corpus import iter_documents
 
     assert list(iter_documents(Source(str(repo), "de", "validation"))) == texts[("de", "validation")]
     assert list(iter_documents(Source(str(repo), "en"))) == texts[("en", "train")]

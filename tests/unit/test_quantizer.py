@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.codec.encode import quantize
-from peer.core.codec.format import Payload, SparseLoCoConfig, dequantize
-from peer.core.sparseloco import compress, decompress, pseudo_gradient
-from peer.core.state import stage_state
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import compress, decompress, pseudo_gradient
+from peer.core.sparseloco.codec.encode import quantize
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig, dequantize
 from peer.research.simulate.replica import LocalReplica
 
 

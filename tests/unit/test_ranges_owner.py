@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.codec.clip import clip_plan, payload_norm
-from peer.core.codec.format import PayloadError, SparseLoCoConfig, entry_values
-from peer.core.ranges import (
+from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, compress, decompress
+from peer.core.sparseloco.codec.clip import clip_plan, payload_norm
+from peer.core.sparseloco.codec.format import PayloadError, SparseLoCoConfig, entry_values
+from peer.core.sparseloco.ranges import (
     Shard,
     aggregate_range,
     assemble,
@@ -18,8 +19,7 @@ from peer.core.ranges import (
     roster_digest,
     shard_delta,
 )
-from peer.core.ranges.owner import top_k_tiles
-from peer.core.sparseloco import aggregate, aggregate_payloads, compress, decompress
+from peer.core.sparseloco.ranges.owner import top_k_tiles
 
 CHUNK = 8
 SHAPES = {"embed": (60, 20), "norm": (20,), "w": (20, 44), "v": (44, 20)}

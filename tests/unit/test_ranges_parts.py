@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.codec.format import SPARSE, SparseLoCoConfig, entry_values
-from peer.core.ranges import encode_parts, merkle_check, merkle_proof, merkle_root, plan_ranges
-from peer.core.sparseloco import compress, decompress
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.format import SPARSE, SparseLoCoConfig, entry_values
+from peer.core.sparseloco.ranges import encode_parts, merkle_check, merkle_proof, merkle_root, plan_ranges
 
 CHUNK = 16
 SHAPES = {

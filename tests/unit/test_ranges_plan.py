@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from peer.core.codec.format import PayloadError, SparseLoCoConfig
-from peer.core.ranges import assemble, band_views, encode_parts, n_ranges_for, n_units, plan_ranges
+from peer.core.sparseloco.codec.format import PayloadError, SparseLoCoConfig
+from peer.core.sparseloco.ranges import assemble, band_views, encode_parts, n_ranges_for, n_units, plan_ranges
 
 SHAPES = {
     "embed.weight": (200, 24),  # ragged last tile row (chunk 16)

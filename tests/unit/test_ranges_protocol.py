@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from peer.config import build_config
-from peer.core.ranges import merkle_check, merkle_root
+from peer.core.sparseloco.ranges import merkle_check, merkle_root
 from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
 from peer.net.transport import codec

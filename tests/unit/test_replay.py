@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from peer.core.codec.format import Payload
+from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateReply

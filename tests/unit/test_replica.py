@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from peer.config import WIRE_DTYPES, build_config
-from peer.core.commit import commit_round, embedding_update, perp_decay
-from peer.core.sparseloco import compress, decompress, pseudo_gradient
-from peer.core.state import stage_state, state_hash
-from peer.core.subspace import make_basis, project
-from peer.core.subspace_state import perp_of
+from peer.core.model.state import stage_state, state_hash
+from peer.core.sparseloco.algorithm import compress, decompress, pseudo_gradient
+from peer.core.sparseloco.commit import commit_round, embedding_update, perp_decay
+from peer.core.subspace.compression import make_basis, project
+from peer.core.subspace.state import perp_of
 from peer.node.stage.worker import StageWorker
 from peer.research.simulate.engine import simulate
 from peer.research.simulate.replica import LocalReplica

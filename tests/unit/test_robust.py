@@ -1,4 +1,4 @@
-"""Outlier screening of a round's contributions (`peer.core.robust`, issue 12 item 5).
+"""Outlier screening of a round's contributions (`peer.core.sparseloco.robust`, issue 12 item 5).
 
 - the scores equal a plain reference (statistics.median of the others, Python floats, fsum), exactly;
 - honest rounds drop nothing, and commit_round then gives the same bits with screening on or off;
@@ -16,11 +16,11 @@ import math
 import pytest
 import torch
 
-from peer.core.codec.clip import global_norm
-from peer.core.codec.format import SparseLoCoConfig
-from peer.core.commit import embedding_update, perp_decay
-from peer.core.sparseloco import decompress
-from peer.core.state import stage_state
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.codec.clip import global_norm
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.commit import embedding_update, perp_decay
 from peer.errors import ConfigError
 from peer.node.stage.worker import StageWorker
 from tests.unit.test_poison import _assert_same_bits, _cfg
@@ -59,7 +59,7 @@ def ref_scores(decoded) -> list[float]:
 
 
 def test_consensus_scores_match_a_plain_reference_exactly():
-    from peer.core.robust import consensus_scores
+    from peer.core.sparseloco.robust import consensus_scores
 
     for n in (3, 4, 7, 8):
         decoded = _honest_set(n, seed=n)
@@ -68,7 +68,7 @@ def test_consensus_scores_match_a_plain_reference_exactly():
 
 
 def test_honest_rounds_drop_nothing_and_commit_the_same_bits():
-    from peer.core.robust import DEFAULT, OFF, screen
+    from peer.core.sparseloco.robust import DEFAULT, OFF, screen
 
     for seed in range(20):
         decoded = _honest_set(8, seed)
@@ -83,7 +83,7 @@ def test_honest_rounds_drop_nothing_and_commit_the_same_bits():
                 p.add_(0.01 * torch.randn(p.shape, generator=g))
         payloads.append(ws[0].encode_round())
         ws[0].load_state_dict(ws[1].state_dict())
-    from peer.core.commit import commit_round
+    from peer.core.sparseloco.commit import commit_round
 
     decoded = [decompress(p) for p in payloads]
     start = {k: v.clone() for k, v in ws[1].start.items()}
@@ -97,8 +97,8 @@ def test_honest_rounds_drop_nothing_and_commit_the_same_bits():
 
 @pytest.mark.parametrize("attack", ["random", "flip", "negate"])
 def test_each_attack_is_dropped_and_only_it(attack):
-    from peer.core.codec.clip import clip_to_median
-    from peer.core.robust import screen
+    from peer.core.sparseloco.codec.clip import clip_to_median
+    from peer.core.sparseloco.robust import screen
     from peer.research.simulate.attacks import poison
 
     cfg = SparseLoCoConfig()
@@ -117,7 +117,7 @@ def test_each_attack_is_dropped_and_only_it(attack):
 
 
 def test_screening_is_order_independent_and_ties_break_by_key():
-    from peer.core.robust import RobustConfig, drop_rule, screen
+    from peer.core.sparseloco.robust import RobustConfig, drop_rule, screen
 
     decoded = _honest_set(7, seed=4)
     decoded[2] = {k: -v for k, v in decoded[2].items()}
@@ -156,7 +156,7 @@ def test_screening_is_order_independent_and_ties_break_by_key():
 
 
 def test_too_few_voters_or_screening_off_drops_nothing():
-    from peer.core.robust import OFF, RobustConfig, screen
+    from peer.core.sparseloco.robust import OFF, RobustConfig, screen
 
     two = _honest_set(2)
     two[1] = {k: -v for k, v in two[1].items()}
@@ -181,7 +181,7 @@ def test_too_few_voters_or_screening_off_drops_nothing():
 def test_every_holder_drops_the_same_contribution_and_moves_t_perp_alike():
     """A stage-0 round with a wrong-sign contribution: heads, full replicas and observers of
     stage 0 (`embedding_update`) drop it alike, so parameters and T⊥ stay bit-identical."""
-    from peer.core.commit import commit_round
+    from peer.core.sparseloco.commit import commit_round
 
     cfg = _cfg()
     holders = [StageWorker(cfg, 0, compressed=True) for _ in range(2)]

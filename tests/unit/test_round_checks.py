@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.codec.format import Payload, PayloadError
-from peer.core.model import stage_shapes
-from peer.core.sparseloco import compress
-from peer.core.subspace_state import EMBED
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.format import Payload, PayloadError
+from peer.core.subspace.state import EMBED
 from peer.net.records import Announcement, ReplicaRecord
 from peer.net.transport import ForwardRequest, TransportError
 from peer.node.round.agreement import bound_to

@@ -11,10 +11,10 @@ import torch
 
 from peer.cli.render import simulate_table
 from peer.config import build_config
-from peer.core.grassmann import boundary_with_basis_grad, grassmann_step, resplit
-from peer.core.optim import lr_at
-from peer.core.subspace import compressed_boundary, make_basis, project
-from peer.core.subspace_state import perp_of
+from peer.core.model.optim import lr_at
+from peer.core.subspace.compression import compressed_boundary, make_basis, project
+from peer.core.subspace.grassmann import boundary_with_basis_grad, grassmann_step, resplit
+from peer.core.subspace.state import perp_of
 from peer.errors import ConfigError
 from peer.research.simulate import experiments as ex
 from peer.research.simulate.ablations import bias_rows, bias_table, check_ablations, grassmann_round, record_bias
@@ -50,7 +50,7 @@ def _te(rep):
     return rep.embed_weight().detach() + perp_of(rep.stages[0])
 
 
-# --- the pure math (peer.core.grassmann) ---------------------------------------------------------
+# --- the pure math (peer.core.subspace.grassmann) ---------------------------------------------------------
 
 
 def test_grassmann_step_stays_orthonormal_moves_only_along_the_tangent_and_fixes_signs():

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from peer.config import build_config
-from peer.core.subspace import make_basis
+from peer.core.subspace.compression import make_basis
 from peer.research.simulate.pool import dumps
 from peer.research.simulate.replica import LocalReplica
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.commit import commit_round
-from peer.core.ranges import assemble, encode_parts
-from peer.core.sparseloco import aggregate, compress, decompress, pseudo_gradient
-from peer.core.state import stage_state
-from peer.core.subspace import make_basis
-from peer.core.subspace_state import perp_of
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import aggregate, compress, decompress, pseudo_gradient
+from peer.core.sparseloco.commit import commit_round
+from peer.core.sparseloco.ranges import assemble, encode_parts
+from peer.core.subspace.compression import make_basis
+from peer.core.subspace.state import perp_of
 from peer.errors import ConfigError
 from peer.research.simulate import experiments as ex
 from peer.research.simulate.engine import SimOptions, _commit_stage, simulate

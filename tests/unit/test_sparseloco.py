@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.codec.format import (
+from peer.core.sparseloco.algorithm import (
+    aggregate,
+    compress,
+    decompress,
+    ideal_bytes_per_param,
+    payload_density,
+    pseudo_gradient,
+)
+from peer.core.sparseloco.codec.format import (
     DENSE_F32,
     DENSE_U8,
     SPARSE,
@@ -20,15 +28,7 @@ from peer.core.codec.format import (
     TensorEntry,
     pack_bits,
 )
-from peer.core.commit import outer_delta
-from peer.core.sparseloco import (
-    aggregate,
-    compress,
-    decompress,
-    ideal_bytes_per_param,
-    payload_density,
-    pseudo_gradient,
-)
+from peer.core.sparseloco.commit import outer_delta
 from peer.errors import ConfigError, PeerError
 
 
@@ -365,7 +365,7 @@ def test_non_finite_pseudo_gradient_is_refused(bad, shape):
 @pytest.mark.parametrize("dense_1d", [True, False])
 def test_payload_nbytes_equals_serialized_size(bits, dense_1d):
     """`peer plan` counts payload bytes with payload_nbytes; it must equal the real wire size."""
-    from peer.core.codec.format import payload_nbytes
+    from peer.core.sparseloco.codec.format import payload_nbytes
 
     cfg = SparseLoCoConfig(quant_bits=bits, dense_1d=dense_1d)
     g = torch.Generator().manual_seed(bits)

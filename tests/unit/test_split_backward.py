@@ -1,4 +1,4 @@
-"""Input gradient first, weight gradients after (peer.core.split_backward, StageWorker `defer`).
+"""Input gradient first, weight gradients after (peer.core.model.split_backward, StageWorker `defer`).
 
 The two passes must give the one-pass results bit for bit, so a pipelined stage that answers the
 flush's input gradient early ends exactly where the sequential schedule ends."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peer.core.model import Decoder, ModelConfig
-from peer.core.split_backward import input_grad_first
-from peer.core.state import stage_state, state_hash
+from peer.core.model.decoder import Decoder, ModelConfig
+from peer.core.model.split_backward import input_grad_first
+from peer.core.model.state import stage_state, state_hash
 from peer.node.stage.worker import StageWorker
 from tests.unit.test_step_overtaken import MB, _cfg, _inputs
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from peer.config import build_config
-from peer.core.commit import embedding_update
-from peer.core.sparseloco import decompress
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.commit import embedding_update
 from peer.errors import CheckpointError, PeerError
 from peer.node.checkpoints.stage import (
     checkpoint_fingerprint,

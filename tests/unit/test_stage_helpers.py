@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.model import Decoder, ModelConfig
-from peer.core.state import check_stage_state, stage_state, state_hash
-from peer.core.subspace import make_basis, project
-from peer.core.subspace_state import EMBED, attach_subspace, initial_split, perp_of, set_perp
+from peer.core.model.decoder import Decoder, ModelConfig
+from peer.core.model.state import check_stage_state, stage_state, state_hash
+from peer.core.subspace.compression import make_basis, project
+from peer.core.subspace.state import EMBED, attach_subspace, initial_split, perp_of, set_perp
 
 
 @dataclass(frozen=True)

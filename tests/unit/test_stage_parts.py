@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
-from peer.core.codec.clip import ClipStats
-from peer.core.codec.format import SparseLoCoConfig
-from peer.core.commit import NO_CLIP, Committed, RoundCommit
-from peer.core.model import build_stage
-from peer.core.sparseloco import compress
-from peer.core.state import state_hash
+from peer.core.model.decoder import build_stage
+from peer.core.model.state import state_hash
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.clip import ClipStats
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.commit import NO_CLIP, Committed, RoundCommit
 from peer.node.round.bans import NONE, Bans
 from peer.node.round.claims import Link
 from peer.node.stage.commit import Outcome

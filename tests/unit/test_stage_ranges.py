@@ -14,9 +14,9 @@ import hashlib
 import torch
 
 from peer.config import build_config
-from peer.core.model import stage_shapes
-from peer.core.ranges.owner import aggregate_range, roster_digest
-from peer.core.subspace_state import EMBED
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.ranges.owner import aggregate_range, roster_digest
+from peer.core.subspace.state import EMBED
 from peer.node.round.ranges.ownership import round_rule
 from peer.node.stage.ranges import embed_change, embed_ranges, parts_delta, range_plan, returned, shards_digest
 from peer.node.stage.state import StageState

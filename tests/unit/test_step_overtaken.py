@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from peer.config import build_config
-from peer.core.state import stage_state, state_hash
+from peer.core.model.state import stage_state, state_hash
 from peer.net.transport.errors import Refusal, RefusalKind
 from peer.node.pipeline.failures import Action, from_refusal
 from peer.node.stage.epoch_gate import StaleMicrobatch

@@ -1,4 +1,4 @@
-"""Unit tests of peer.core.subspace against plain dense references (tiny shapes, CPU)."""
+"""Unit tests of peer.core.subspace.compression against plain dense references (tiny shapes, CPU)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from peer.config import WIRE_DTYPES
-from peer.core.portable import canonical_gaussian64
-from peer.core.subspace import (
+from peer.core.sparseloco.portable import canonical_gaussian64
+from peer.core.subspace.compression import (
     basis_hash,
     basis_key,
     compress_activations,

@@ -16,9 +16,9 @@ import torch
 
 from peer.cli.render import bootstrap_banner, status_view
 from peer.config import build_config
-from peer.core.codec.clip import payload_norm
-from peer.core.codec.format import Payload
-from peer.core.sparseloco import compress
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.clip import payload_norm
+from peer.core.sparseloco.codec.format import Payload
 from peer.errors import ConfigError
 from peer.net.addresses import order_maddrs
 from peer.research.bench.sybil import colluder_counts, measure_round

@@ -1,6 +1,6 @@
 """What autograd keeps of one micro-batch on a stage, op by op, and what its backward adds.
 
-Counted from the ops of `peer.core.model.Block` (tokens N = b·L; widths d, a = heads·head_dim,
+Counted from the ops of `peer.core.model.decoder.Block` (tokens N = b·L; widths d, a = heads·head_dim,
 f = ffn_hidden; c = 2 bytes under bf16/fp16 autocast, 4 in fp32). Per block, in fp32 (4 bytes):
 
     RMSNorm ×2     x (pow), rsqrt (N), x·rsqrt (mul with the gain)     → 2·(2·N·d + N)
@@ -16,7 +16,7 @@ output: counted once, here. Under autocast (`torch.autocast`, bf16 or fp16) the 
 and RMSNorm stay float32 (x, x1 and both x·rsqrt), every linear saves its input cast to c bytes
 (the attention norm's output three times, the ffn norm's twice: each cast is its own tensor) and
 its weight in c bytes, the matmul outputs are c bytes, and the rotary tables are cast per
-micro-batch. The weights' c-byte copy is not per micro-batch: `peer.core.precision.CastWeights`
+micro-batch. The weights' c-byte copy is not per micro-batch: `peer.core.model.precision.CastWeights`
 casts a stage's matmul weights once per inner step and every micro-batch in flight saves that one
 copy (`cast_bytes`, counted once per stage by `peer.core.memory.estimate`).
 `tests/unit/test_memory_estimate.py` checks these counts against what autograd actually saves
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peer.core.model import ModelConfig
+from peer.core.model.decoder import ModelConfig
 
 F32 = 4  # bytes of float32: parameters, optimizer state, the residual stream, RMSNorm, the loss
 HALF_PRECISIONS = ("bf16", "fp16")

@@ -39,7 +39,7 @@ from peer.core.memory.activations import (
     stash_bytes,
     workspace_bytes,
 )
-from peer.core.model import ModelConfig, stage_layers, stage_shapes
+from peer.core.model.decoder import ModelConfig, stage_layers, stage_shapes
 
 
 def _round_bytes(cfg: ModelConfig, P: int, replicas: int) -> int:

@@ -1,6 +1,6 @@
 """Whole-model checkpoints: `model.safetensors` + `meta.json` (+ `tokenizer.model`).
 
-A checkpoint holds the WHOLE model under its global parameter names (see peer.core.model). The
+A checkpoint holds the WHOLE model under its global parameter names (see peer.core.model.decoder). The
 embedding is stored as the full TE: when the state dict carries the T⊥ buffer `embed.perp`,
 it is folded into `embed.weight` (TE = T_S + T⊥, arXiv 2601.02360 §3.2) and not stored.
 
@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peer.core.files import atomic_directory, file_sha256
-from peer.core.model import ModelConfig
+from peer.core.model.decoder import ModelConfig
 from peer.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ the peer's own copy of the dataset holds it.
 
 The manifest names the run's dataset (`RunDataset`: train and validation fingerprints, sha256 of
 the index's canonical bytes). A head or full replica trains from a local prepared folder
-(`peer.core.shards`) whose fingerprints are those; `DatasetFetch.ensure` makes the folder hold the
+(`peer.core.data.shards`) whose fingerprints are those; `DatasetFetch.ensure` makes the folder hold the
 shards its data shard reads, fetching what is missing over the data plane (`peer.node.data.serve`):
 1. the index: the folder's own when it has one (refused in one line when its fingerprints differ),
    else "dataset-index" from the bootstrap or any live peer, accepted only when its bytes hash to
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import RunConfig
+from peer.core.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, PreparedDataset, ShardInfo
 from peer.core.files import atomic_write_bytes, file_sha256
-from peer.core.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, PreparedDataset, ShardInfo
 from peer.errors import DataError, ManifestMismatch, NetworkError, PeerError, one_line
 from peer.net.transport import ArtifactRequest, NotFoundError, PeerClient
 from peer.net.transport.dialer import Outbound

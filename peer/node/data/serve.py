@@ -23,7 +23,7 @@ import re
 import threading
 from typing import Any
 
-from peer.core.shards import PreparedDataset
+from peer.core.data.shards import PreparedDataset
 from peer.net.transport import ArtifactRequest, FileSlice, NotFoundError, TransportError
 
 INDEX_ARTIFACT = "dataset-index"

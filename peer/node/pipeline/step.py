@@ -39,7 +39,7 @@ from typing import TypeVar
 import torch
 
 from peer.config import RunConfig
-from peer.core.chain import global_grad_norm
+from peer.core.model.chain import global_grad_norm
 from peer.errors import NetworkError, PeerError
 from peer.net.transport.client import PeerClient
 from peer.net.transport.messages import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, StepRequest

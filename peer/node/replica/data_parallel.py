@@ -1,8 +1,8 @@
 """The inner step of a full replica's chain of stages, on one rank or data-parallel over N ranks.
 
 One inner step (paper Alg. 1, every stage at once): the (b, L) batch in `train.microbatches`
-micro-batches through the chain (`peer.core.inner.accumulate`), the gradient norm over all stages
-(`peer.core.chain.global_grad_norm`), each stage's clipped AdamW step (`StageWorker.step`).
+micro-batches through the chain (`peer.core.model.inner.accumulate`), the gradient norm over all stages
+(`peer.core.model.chain.global_grad_norm`), each stage's clipped AdamW step (`StageWorker.step`).
 
 Over N ranks (`DataParallel`, torch's DistributedDataParallel around a module that holds every
 stage): each rank draws its own batch of the replica's shard (`rank_batch_index`), its micro-
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from peer.core.chain import global_grad_norm, token_loss
-from peer.core.inner import MicroForward, accumulate
+from peer.core.model.chain import global_grad_norm, token_loss
+from peer.core.model.inner import MicroForward, accumulate
 from peer.node.stage.worker import StageWorker
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs (b, L), targets (b, L)) -> mean loss

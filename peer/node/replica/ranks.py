@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
+from peer.core.data.loader import Corpus, open_corpus, train_batch
+from peer.core.data.shards import PreparedDataset
 from peer.core.files import atomic_write_bytes
-from peer.core.inner import MicroForward
-from peer.core.loader import Corpus, open_corpus, train_batch
-from peer.core.shards import PreparedDataset
-from peer.core.state import state_hash
+from peer.core.model.inner import MicroForward
+from peer.core.model.state import state_hash
 from peer.errors import ConfigError
 from peer.node.fit import check_join
 from peer.node.metrics import MetricsWriter

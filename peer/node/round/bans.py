@@ -1,6 +1,6 @@
 """Bans of repeated outliers: stop fetching from a replica that outlier screening keeps dropping.
 
-Outlier screening (`peer.core.robust`) drops a poisoned contribution from the committed set, but
+Outlier screening (`peer.core.sparseloco.robust`) drops a poisoned contribution from the committed set, but
 every holder still fetches it every round. A replica whose contribution to stage s is dropped in
 `swarm.ban_after` consecutive rounds of s is banned from stage s for the next `swarm.ban_rounds`
 rounds: its announcements are neither fetched nor waited for, as if it were dropped from the round

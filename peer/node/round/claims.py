@@ -11,7 +11,7 @@ A holder's stage record is a claim, never an authority (docs/protocol.md, "Claim
 
 Every payload of a set is named by content (the first `SHA_CHARS` hex chars of its sha256, 128
 bits) and must match a signed announcement of round (t, s) by a sender bound to that replica
-(`peer.node.round.verify`). Because the commit is portable (`peer.core.commit`), a claim whose `prev` is
+(`peer.node.round.verify`). Because the commit is portable (`peer.core.sparseloco.commit`), a claim whose `prev` is
 a holder's own state can be CHECKED by that holder: recompute the commit of the named payloads and
 compare state ids. Claims are adopted only that way: a peer that holds no comparable state (a
 late joiner, a holder rounds behind) replays the rounds from a state it trusts, checking each

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from peer.core.codec.format import Payload
+from peer.core.sparseloco.codec.format import Payload
 from peer.net.records import StageRecord
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Claim

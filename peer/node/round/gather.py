@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from peer.config import SwarmConfig, history_ttl_s
-from peer.core.codec.format import Payload
+from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool

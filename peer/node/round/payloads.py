@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload, PayloadError, SparseLoCoConfig
-from peer.core.model import stage_shapes
-from peer.core.ranges import merkle_proof
-from peer.core.subspace_state import EMBED
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig
+from peer.core.sparseloco.ranges import merkle_proof
+from peer.core.subspace.state import EMBED
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool

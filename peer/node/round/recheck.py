@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
-from peer.core.commit import embedding_update
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import embedding_update
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.metrics import MetricsWriter

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
+from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.records import Announcement

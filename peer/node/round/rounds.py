@@ -2,7 +2,7 @@
 
 Round (t, s) — DESIGN §3, docs/protocol.md. `Rounds` holds a peer's round entry points (a head's,
 a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.round.gather`)
-and commits every gathered set through `StageWorker.apply_round` → `peer.core.commit.commit_state`
+and commits every gathered set through `StageWorker.apply_round` → `peer.core.sparseloco.commit.commit_state`
 (portable: the same bits on every holder), parsing each payload once; each stage's round runs
 all-to-all or by ranges, as the round rule every holder of the stage computes alike says
 (`peer.node.round.ranges.rounds`: the jobs of a round, `commit_jobs` commits them). A set taken from another
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
+from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool

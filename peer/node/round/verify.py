@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.core.codec.format import Payload
+from peer.core.sparseloco.codec.format import Payload
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement

@@ -1,6 +1,6 @@
 """One holder's commit of a stage's round, as data: computed from a state, installed apart.
 
-`compute` runs the portable commit (`peer.core.commit.commit_state`) from a given state — θ_start,
+`compute` runs the portable commit (`peer.core.sparseloco.commit.commit_state`) from a given state — θ_start,
 T⊥ and the ban state of round t — and returns an `Outcome`: the new state, its hashes and state id,
 the new bans and what the commit took from our own payload. Nothing is changed by computing, so
 the same function serves a holder's own commit (`StageWorker.apply_round`) and the check of
@@ -10,7 +10,7 @@ round t from, kept as `Prev` until the next commit).
 Error feedback across a switch: a commit may return part of our payload to our error buffer
 (clipped or screened mass, or all of it when the set lacks it: `own_adjustment`). When a holder
 replaces its commit of round t by a checked better one (`StageWorker.switch`), it subtracts what
-its own commit added and adds what the new one adds (`peer.core.feedback.add_to_errors`), so
+its own commit added and adds what the new one adds (`peer.core.sparseloco.feedback.add_to_errors`), so
 nothing we sent is lost or counted twice (to float32 rounding).
 """
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
-from peer.core.commit import Committed, commit_state, perp_decay
-from peer.core.feedback import returned
-from peer.core.sparseloco import decompress
-from peer.core.state import state_hash
+from peer.core.model.state import state_hash
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import Committed, commit_state, perp_decay
+from peer.core.sparseloco.feedback import returned
 from peer.node.round.bans import Bans, after_commit
 from peer.node.round.claims import state_id
 
@@ -92,7 +92,7 @@ def own_adjustment(
     own: tuple[str, Payload] | None, outcome: Outcome, payloads: Sequence[Payload]
 ) -> dict[str, Tensor] | None:
     """What `outcome` takes from our own payload of its round, for our error buffer: all of it when
-    the set lacks it, else what `peer.core.feedback.returned` says (dropped: all, clipped: the mass
+    the set lacks it, else what `peer.core.sparseloco.feedback.returned` says (dropped: all, clipped: the mass
     clipping removed, else None)."""
     if own is None:
         return None

@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from peer.core.codec.clip import ClipStats
-from peer.core.codec.format import Payload
-from peer.core.commit import NO_CLIP
-from peer.core.ranges import RangePlan
+from peer.core.sparseloco.codec.clip import ClipStats
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import NO_CLIP
+from peer.core.sparseloco.ranges import RangePlan
 from peer.node.round.bans import NONE as NO_BANS
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, entry

@@ -1,9 +1,9 @@
 """One stage's two optimizers: the inner AdamW and the outer SparseLoCo error buffer (no networking).
 
-AdamW steps every inner step (`peer.core.inner.adamw_step`: clipped by the model's global norm,
+AdamW steps every inner step (`peer.core.model.inner.adamw_step`: clipped by the model's global norm,
 the learning rate of the global step t·H + h); the error buffer carries what this stage's payloads
-have not sent yet (`peer.core.sparseloco.compress`: e = β·e + Δ, then e − Δ̂) and takes back what
-a round returns to us (`peer.core.feedback`). Both are state: AdamW's by parameter name, so a
+have not sent yet (`peer.core.sparseloco.algorithm.compress`: e = β·e + Δ, then e − Δ̂) and takes back what
+a round returns to us (`peer.core.sparseloco.feedback`). Both are state: AdamW's by parameter name, so a
 checkpoint or a state transfer survives a different parameter order (torch keys optimizer state by
 position), the error buffer as float32 CPU tensors by name (None: empty).
 """
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.feedback import add_to_errors
-from peer.core.inner import adamw_step
-from peer.core.model import Decoder
-from peer.core.optim import TrainConfig, build_adamw
-from peer.core.sparseloco import compress
+from peer.core.model.decoder import Decoder
+from peer.core.model.inner import adamw_step
+from peer.core.model.optim import TrainConfig, build_adamw
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.feedback import add_to_errors
 
 __all__ = ["StageOptimizer", "load_named_optimizer_state", "named_optimizer_state"]
 
@@ -35,7 +35,7 @@ class StageOptimizer:
         self.errors: dict[str, Tensor] | None = None  # the SparseLoCo error buffer e, by parameter name
 
     def step(self, global_step: int, keep_in_subspace: Tensor | None, total_norm: float | None) -> None:
-        """AdamW on the accumulated gradients (`peer.core.inner.adamw_step`)."""
+        """AdamW on the accumulated gradients (`peer.core.model.inner.adamw_step`)."""
         adamw_step(self.module, self.adamw, global_step, self.train, keep_in_subspace, total_norm)
 
     def zero_grad(self) -> None:

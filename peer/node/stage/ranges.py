@@ -4,15 +4,15 @@ Pure functions of the holder's committed state and the round's agreed outcome, u
 `peer.node.stage.state.StageState` (`contribute_parts`, `apply_ranges`):
 - `range_plan`: the ranges of this stage for a round whose predecessor committed `n_prev`
   contributions (R = `n_ranges_for(n_prev, n_units)`: every holder plans alike from agreed inputs);
-- `commit_ranges`: the portable commit of the assembled shards (`peer.core.commit.commit_summed`, T⊥
+- `commit_ranges`: the portable commit of the assembled shards (`peer.core.sparseloco.commit.commit_summed`, T⊥
   decayed as in an all-to-all round), the ban state advanced by the roster (a ranges round clips but
   screens no outlier), as an `Outcome` like `peer.node.stage.commit.compute`'s;
 - `returned`: what the round gives back to our error buffer, range by range
-  (`peer.core.ranges.owner.returned_to`: the mass the shard dropped or clipped from our part; our
+  (`peer.core.sparseloco.ranges.owner.returned_to`: the mass the shard dropped or clipped from our part; our
   whole part where the roster lacks us or the range was not committed);
 - `embed_ranges`, `embed_change`: stage 0's committed embedding change u = fl32(−η·Δ̄[embed.weight])
   from the shards of the ranges that hold embed.weight's bands alone (a stage peer's T⊥ update: the
-  same bits as `peer.core.commit.apply_update` gives stage 0's holders from the assembled Δ̄);
+  same bits as `peer.core.sparseloco.commit.apply_update` gives stage 0's holders from the assembled Δ̄);
 - `ranges_link`: the claim of the committed state: the roster's (replica, sha256) entries, and
   (roster digest, sha256 of the shards' digests in range order), which pins the exact shards.
 """
@@ -26,13 +26,13 @@ import torch
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.commit import commit_summed, outer_delta, perp_decay
-from peer.core.ranges import RangePlan, assemble, n_ranges_for, n_units, plan_ranges
-from peer.core.ranges.owner import Shard, returned_to, shard_delta
-from peer.core.sparseloco import decompress
-from peer.core.state import state_hash
-from peer.core.subspace_state import EMBED
+from peer.core.model.state import state_hash
+from peer.core.sparseloco.algorithm import decompress
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.commit import commit_summed, outer_delta, perp_decay
+from peer.core.sparseloco.ranges import RangePlan, assemble, n_ranges_for, n_units, plan_ranges
+from peer.core.sparseloco.ranges.owner import Shard, returned_to, shard_delta
+from peer.core.subspace.state import EMBED
 from peer.node.round.bans import Bans, after_commit
 from peer.node.round.claims import SHA_CHARS, Entry, Link, entry
 from peer.node.stage.commit import Outcome

@@ -9,7 +9,7 @@ commit) (`peer.node.stage.ledger.RoundLedger`).
 
 `encode_round()` produces this peer's payload (`contribute_parts()` its parts in a ranges round,
 committed by `apply_ranges()`: `peer.node.stage.ranges`); `apply_round()` commits a set through
-`peer.node.stage.commit.compute` → `peer.core.commit`; `recompute()` / `switch()` check another
+`peer.node.stage.commit.compute` → `peer.core.sparseloco.commit`; `recompute()` / `switch()` check another
 holder's claim of the same round and take it when it holds (docs/protocol.md). `state_dict()` /
 `load_state_dict()` are the only way in or out of the stage's state (checkpoints, state sync).
 Every method is synchronous and thread-safe (one lock). `peer.node.stage.worker.StageWorker` adds
@@ -26,15 +26,15 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
-from peer.core.commit import RoundCommit
-from peer.core.model import Decoder, build_stage
-from peer.core.ranges import RangePlan, encode_parts
-from peer.core.ranges.owner import Shard
-from peer.core.sparseloco import decompress, pseudo_gradient
-from peer.core.state import check_stage_state, stage_state, state_hash
-from peer.core.subspace import make_basis
-from peer.core.subspace_state import attach_subspace, initial_split, perp_of, set_perp
+from peer.core.model.decoder import Decoder, build_stage
+from peer.core.model.state import check_stage_state, stage_state, state_hash
+from peer.core.sparseloco.algorithm import decompress, pseudo_gradient
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import RoundCommit
+from peer.core.sparseloco.ranges import RangePlan, encode_parts
+from peer.core.sparseloco.ranges.owner import Shard
+from peer.core.subspace.compression import make_basis
+from peer.core.subspace.state import attach_subspace, initial_split, perp_of, set_perp
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, state_id
 from peer.node.stage.commit import Outcome, Prev, compute, own_adjustment
@@ -136,7 +136,7 @@ class StageState:
 
     def contribute_parts(self, replica_id: str, plan: RangePlan) -> list[Payload]:
         """A ranges round's contribution: the pseudo-gradient as one part per range of `plan`
-        (`peer.core.ranges.encode_parts`: the error feedback of `encode_round`, band by band),
+        (`peer.core.sparseloco.ranges.encode_parts`: the error feedback of `encode_round`, band by band),
         remembered until the round commits (`apply_ranges`) or returns it (`return_unsent_parts`)."""
         with self.lock:
             delta = pseudo_gradient(self.start, stage_state(self.module))

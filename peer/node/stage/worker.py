@@ -6,7 +6,7 @@ A stage peer receives compressed activations X̃ (b, L, k) and token ids, expand
 in the same call. Gradients accumulate over micro-batches until the head says `step`.
 
 The committed state and the outer rounds are `peer.node.stage.state.StageState`, which this class
-extends; the inner step is its `StageOptimizer` (`peer.core.inner.adamw_step`). Every method is
+extends; the inner step is its `StageOptimizer` (`peer.core.model.inner.adamw_step`). Every method is
 synchronous and thread-safe (one lock), so the gRPC handler can call it from any worker thread.
 
 Micro-batches in flight (`epoch` given): several forwards and backwards of one inner step may be
@@ -14,7 +14,7 @@ in progress at once; `peer.node.stage.epoch_gate.EpochGate` admits each in the o
 gradient sum the sequential schedule's, bit for bit (1F1B window, replays, the step of the last
 inner step), waiting at most `swarm.rpc_timeout_s`. Without an epoch nothing waits.
 
-Precision (`peer.core.precision`): the stage's forward runs under autocast in its own precision,
+Precision (`peer.core.model.precision`): the stage's forward runs under autocast in its own precision,
 whatever the other stages of the pipeline use; parameters and `.grad` stay float32 and the
 boundary tensors it sends are float32 (the wire's dtype is chosen by the transport). With fp16 the
 stage multiplies the gradient it backpropagates (the loss on the last stage, the root gradient
@@ -38,17 +38,17 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.chain import token_loss
-from peer.core.optim import grad_sq_norm
-from peer.core.precision import CastWeights, LossScaler, autocast, resolve_precision
-from peer.core.split_backward import input_grad_first
-from peer.core.subspace import (
+from peer.core.model.chain import token_loss
+from peer.core.model.optim import grad_sq_norm
+from peer.core.model.precision import CastWeights, LossScaler, autocast, resolve_precision
+from peer.core.model.split_backward import input_grad_first
+from peer.core.subspace.compression import (
     compress_activations,
     compress_grad,
     expand_activations,
     expand_grad,
 )
-from peer.core.subspace_state import perp_of
+from peer.core.subspace.state import perp_of
 from peer.node.stage.epoch_gate import EpochGate
 from peer.node.stage.state import StageState
 

@@ -4,7 +4,7 @@ A round (`make_round`): a stage's initial state (θ_start and T⊥, the run's ca
 and M synthetic contributions — canonical-normal pseudo-gradients at a realistic scale (1e-3),
 compressed with the run's SparseLoCo settings — saved as files, so every process commits the same
 bytes. Two commits of it are timed, each from the wire bytes to the state's hash:
-- `portable`: `peer.node.stage.commit.compute` → `peer.core.commit.commit_state`, what every
+- `portable`: `peer.node.stage.commit.compute` → `peer.core.sparseloco.commit.commit_state`, what every
   holder runs (the fused clip, screen and aggregate of the payloads — no dense Δ̂, issue 24 —,
   θ_start − η·Δ̄, the float64 fixed-order T_S/T⊥ re-projection, T⊥ decay, hashes and the ban
   state);
@@ -35,14 +35,14 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.codec.format import Payload
-from peer.core.commit import perp_decay, robust_aggregate
-from peer.core.model import build_stage, stage_shapes
-from peer.core.portable import canonical_normal
-from peer.core.sparseloco import compress, decompress
-from peer.core.state import stage_state, state_hash
-from peer.core.subspace import make_basis
-from peer.core.subspace_state import EMBED, initial_split
+from peer.core.model.decoder import build_stage, stage_shapes
+from peer.core.model.state import stage_state, state_hash
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import perp_decay, robust_aggregate
+from peer.core.sparseloco.portable import canonical_normal
+from peer.core.subspace.compression import make_basis
+from peer.core.subspace.state import EMBED, initial_split
 from peer.node.round.bans import NONE as NO_BANS
 from peer.node.stage.commit import compute
 

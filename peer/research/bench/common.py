@@ -22,7 +22,7 @@ tensors of the round before (`decompress(..., out=...)`), which a receiver that 
 round's Δ̂ reuses, so no fresh page is touched; the first decode, into new tensors, is reported
 apart as `decode_first_round_s`. (The swarm's commit decodes no payload densely any more: it
 parses and scatters each one straight into the commit's reused accumulators, see
-`peer.core.commit`; `aggregate_s` times that fused path for M payloads.)
+`peer.core.sparseloco.commit`; `aggregate_s` times that fused path for M payloads.)
 
 `python -m peer.research.bench.common [PARAMS [RUNS]] [--templar-src DIR]` runs `codec_figures` RUNS times
 (default 5) in one process on one real Δ (178M by default) and prints each run's speed-up over the
@@ -50,11 +50,9 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from peer.core.codec import kernels as codec_kernels
-from peer.core.codec.format import SPARSE, Payload, SparseLoCoConfig, index_nbytes, n_selected
-from peer.core.model import PRESETS, ModelConfig, build_model, get_preset
-from peer.core.optim import TrainConfig, build_adamw, clip_grads
-from peer.core.sparseloco import (
+from peer.core.model.decoder import PRESETS, ModelConfig, build_model, get_preset
+from peer.core.model.optim import TrainConfig, build_adamw, clip_grads
+from peer.core.sparseloco.algorithm import (
     clip_and_aggregate,
     compress,
     decompress,
@@ -62,6 +60,8 @@ from peer.core.sparseloco import (
     payload_density,
     pseudo_gradient,
 )
+from peer.core.sparseloco.codec import kernels as codec_kernels
+from peer.core.sparseloco.codec.format import SPARSE, Payload, SparseLoCoConfig, index_nbytes, n_selected
 from peer.errors import ConfigError
 from peer.research.simulate import templar_baseline
 

@@ -1,9 +1,9 @@
 """`peer bench data`: the loader's budgets (issue 23) — speed, memory, and data's share of a step.
 
 Three measurements on synthetic prepared corpora (random uint16 ids below the tiny model's
-vocabulary, a valid index, written with `peer.core.shards.write_prepared` in chunks):
+vocabulary, a valid index, written with `peer.core.data.shards.write_prepared` in chunks):
 
-1. speed: tokens/s of `peer.core.loader.train_batch` on one core (torch.set_num_threads(1)) at a
+1. speed: tokens/s of `peer.core.data.loader.train_batch` on one core (torch.set_num_threads(1)) at a
    few (batch_size, seq_len) shapes, over enough steps that the permutation's chunks (computed
    `PERM_CHUNK` positions at a time) are part of the cost; the page cache is warm (the corpus was
    just written), so this is assembly, not the disk. Per second of the process's CPU time (the
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from peer.config import build_config
-from peer.core.loader import open_corpus, train_batch, val_batches
-from peer.core.shards import PreparedDataset, write_prepared
+from peer.core.data.loader import open_corpus, train_batch, val_batches
+from peer.core.data.shards import PreparedDataset, write_prepared
 from peer.errors import ConfigError
 
 SHAPES = ((8, 128), (32, 128), (8, 1024), (32, 1024))  # (batch_size, seq_len) timed for speed

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from peer.core.data.shards import TOKENIZER_FILE, DatasetIndex, PreparedDataset, ShardWriter, write_index
 from peer.core.files import atomic_write_bytes
-from peer.core.shards import TOKENIZER_FILE, DatasetIndex, PreparedDataset, ShardWriter, write_index
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.ratelimit import Link, LinkCaps

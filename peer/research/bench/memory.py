@@ -5,7 +5,7 @@ micro-batches forward (their activations wait in `pending`, as the in-flight win
 then their backward, the optimizer step, a round (`contribute` → `apply_round` with its own
 payload), and a second inner step with the round's state in place (θ_start and the state committed
 from, the error buffer); a full replica chains every stage's `StageWorker` uncompressed through
-`peer.core.inner.accumulate`, steps each with the global norm, and runs every stage's round, as
+`peer.core.model.inner.accumulate`, steps each with the global norm, and runs every stage's round, as
 `peer.node.trainer` does.
 
 What is measured: the peak of live CPU tensor bytes, from torch's own allocator accounting
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.chain import global_grad_norm
-from peer.core.inner import accumulate
 from peer.core.memory import StageMemory, estimate_replica, estimate_stage
+from peer.core.model.chain import global_grad_norm
+from peer.core.model.inner import accumulate
 from peer.node.replica.data_parallel import chain_loss
 from peer.node.stage.worker import StageWorker
 

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class PipelineBench:
     stages: int = 2
     preset: str = "small"
-    split: str = "cost"  # model.stage_split: the head's matmul counted (peer.core.model.stage_layers)
+    split: str = "cost"  # model.stage_split: the head's matmul counted (peer.core.model.decoder.stage_layers)
     seq_len: int = 128
     batch_size: int = 16
     microbatches: int = 8
@@ -231,7 +231,7 @@ def rate_mbps(rate: str) -> float | None:
 def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -> float:
     """`peer plan`'s tokens/s for this row, calibrated by the measured one-device run: its FLOP/s
     without the optimizer step, and the step's seconds per parameter; `RPC_OVERHEAD_S` per call end."""
-    from peer.core.model import get_preset
+    from peer.core.model.decoder import get_preset
     from peer.research.plan.command import RPC_OVERHEAD_S, flops_from_tokens_per_s, predict_pipeline
 
     cfg = get_preset(b.preset, stage_split=b.split)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, config_from_dict
-from peer.core.state import stage_state, state_hash
+from peer.core.model.state import stage_state, state_hash
 from peer.net.pool import ClientPool
 from peer.net.records import StageRecord
 from peer.net.transport.server import PeerServer

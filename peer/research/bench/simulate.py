@@ -18,7 +18,7 @@ import argparse
 import time
 from typing import Any
 
-from peer.core.loader import load_corpus
+from peer.core.data.loader import load_corpus
 from peer.research.simulate import experiments as ex
 from peer.research.simulate.pool import default_workers
 from peer.research.simulate.results import ConfigResult, SimOptions

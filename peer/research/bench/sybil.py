@@ -6,8 +6,8 @@ M contributors of one stage's round send the same forged payload (`peer.research
 at the median clip's bound. The honest payloads are real: M replicas of an honest SparseLoCo run
 (`peer.research.simulate.loops.round_payloads`), trained and committed for `t` rounds first so the round
 measured is not the first one. Both lists go through the portable commit every holder runs
-(`peer.core.commit.commit_state`: clip, screening, aggregation, the outer step), with screening on
-(`peer.core.robust.DEFAULT`) and off, and the committed update u = θ − θ_start is compared with the
+(`peer.core.sparseloco.commit.commit_state`: clip, screening, aggregation, the outer step), with screening on
+(`peer.core.sparseloco.robust.DEFAULT`) and off, and the committed update u = θ − θ_start is compared with the
 update u_h of the M − K honest contributions alone under the same rule:
 
     deviation = ‖u − u_h‖ / ‖u_h‖,   cosine = ⟨u, u_h⟩ / (‖u‖·‖u_h‖),   norm = ‖u‖ / ‖u_h‖
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.codec.format import Payload
-from peer.core.commit import commit_state
-from peer.core.loader import Corpus, load_corpus
-from peer.core.robust import DEFAULT, OFF
+from peer.core.data.loader import Corpus, load_corpus
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import commit_state
+from peer.core.sparseloco.robust import DEFAULT, OFF
 from peer.errors import ConfigError
 from peer.research.bench.sybil_figures import LossRow, SybilRow
 from peer.research.simulate.attacks import COLLUSIONS, Collusion, collude

@@ -26,7 +26,7 @@ bubble m/(m + S − 1), compute overlapped with full-duplex links and a round tr
 
 The byte counts are not a formula: boundary messages are built with the real transport messages
 and measured with `peer.net.transport.codec.encoded_size`, and payload sizes come from
-`peer.core.codec.format.payload_nbytes`, which walks the same layout `Payload.to_bytes` writes.
+`peer.core.sparseloco.codec.format.payload_nbytes`, which walks the same layout `Payload.to_bytes` writes.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from peer.config import WIRE_DTYPES
-from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
-from peer.core.model import PRESETS, ModelConfig, split_layers, stage_shapes
-from peer.core.subspace import k_from_ratio
+from peer.core.model.decoder import PRESETS, ModelConfig, split_layers, stage_shapes
+from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
+from peer.core.subspace.compression import k_from_ratio
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size
 from peer.net.transport.messages import BackwardRequest, ForwardRequest

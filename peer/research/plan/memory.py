@@ -18,7 +18,7 @@ from typing import Any
 from rich.table import Table
 
 from peer.core.memory import estimate_stage, format_bytes
-from peer.core.subspace import k_from_ratio
+from peer.core.subspace.compression import k_from_ratio
 from peer.errors import ConfigError
 from peer.node.pipeline.schedule import MAX_STASH
 from peer.research.plan.command import PLAN_PRESETS

@@ -6,7 +6,7 @@ payload `payload_nbytes(stage_shapes(model, s, S))` bytes:
 - every holder fetches the M − 1 other payloads of its own stage (`gather_round`) and serves its
   own to those M − 1 holders;
 - in a compressed pipeline a holder of stage s > 0 also moves its T⊥ by stage 0's committed
-  embedding change (`peer.core.commit.embedding_update`), which it computes from stage 0's
+  embedding change (`peer.core.sparseloco.commit.embedding_update`), which it computes from stage 0's
   payloads: it gathers round (t, 0) as an observer (`Rounds.stage_round` → `embed_job`), fetching
   all M stage-0 payloads, whole (the clip and the screening use the whole contribution's norm), at
   the same time as its own stage's round, over the same link. Each is fetched from its sender, so

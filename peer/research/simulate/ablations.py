@@ -14,7 +14,7 @@ its fields), so the loops of `peer.research.simulate.loops` call them in one lin
   gives √(1 − k/d). Only the token embedding is measured (the only tensor the subspace constrains),
   and only the subspace's bias (not SparseLoCo's top-k and quantization);
 - `grassmann_round` (Table 5c, once per outer round, after the commit): average the compressed
-  replicas' dL/dU, take one Riemannian step (`peer.core.grassmann.grassmann_step`), move every
+  replicas' dL/dU, take one Riemannian step (`peer.core.subspace.grassmann.grassmann_step`), move every
   replica onto U' (`LocalReplica.rebase`), and count each compressed replica's d × k float32
   U-gradient in its pseudo-gradient bytes.
 
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from peer.core.grassmann import grassmann_step
-from peer.core.subspace import project
+from peer.core.subspace.compression import project
+from peer.core.subspace.grassmann import grassmann_step
 from peer.errors import ConfigError
 from peer.research.simulate.replica import LocalReplica
 from peer.research.simulate.results import BASELINES, BiasRound, ConfigResult, SimOptions

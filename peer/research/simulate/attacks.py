@@ -2,8 +2,8 @@
 
 Each attack maps the attacker's honest decoded Δ̂ of round (t, stage s) to what every receiver
 decodes instead. All of them are well-formed: they pass every wire check a peer makes, so only
-the round's robust aggregation (median clipping, `peer.core.codec.clip`; outlier screening,
-`peer.core.robust`) stands between them and the model.
+the round's robust aggregation (median clipping, `peer.core.sparseloco.codec.clip`; outlier screening,
+`peer.core.sparseloco.robust`) stands between them and the model.
 
 One attacker (`SimOptions.attack`, the last replica):
 - `random`: a valid payload of a huge random tensor (1e3 · N(0, 1), compressed as any payload);
@@ -20,7 +20,7 @@ colluders of a norm above every honest one move it up, never past the largest ho
 - `orthogonal`: d = a seeded random direction with its ĥ component removed (a step the honest
                 replicas do not take, e.g. a backdoor's);
 - `threshold`:  d = cos φ·ô − sin φ·ĥ with the largest φ ∈ [0, π/2] that the default screening
-                (`peer.core.robust.DEFAULT`) keeps, by bisection on the real screening of the
+                (`peer.core.sparseloco.robust.DEFAULT`) keeps, by bisection on the real screening of the
                 round: as much reversal as passes unseen.
 Each d goes through the real encoder (`compress`, top-k and quantization, then the wire bytes).
 
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.core.codec.clip import payload_norm
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.commit import robust_aggregate
-from peer.core.robust import DEFAULT, OFF
-from peer.core.sparseloco import compress, decompress
+from peer.core.sparseloco.algorithm import compress, decompress
+from peer.core.sparseloco.codec.clip import payload_norm
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.commit import robust_aggregate
+from peer.core.sparseloco.robust import DEFAULT, OFF
 from peer.errors import ConfigError
 
 ATTACKS = ("random", "flip", "negate")

@@ -9,11 +9,11 @@ Runs, on the same data, seed and number of steps:
 - `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4).
 
 Every replica is S stage views of the decoder (`peer.research.simulate.replica.LocalReplica`), so the chain
-forward (`peer.core.chain`), the stage boundaries, the inner step (`peer.core.inner.accumulate`,
-`adamw_step`) and the per-stage SparseLoCo rounds (`peer.core.commit.commit_round`) are the ones a
+forward (`peer.core.model.chain`), the stage boundaries, the inner step (`peer.core.model.inner.accumulate`,
+`adamw_step`) and the per-stage SparseLoCo rounds (`peer.core.sparseloco.commit.commit_round`) are the ones a
 real swarm runs; only the network is missing. Gradients are clipped by the norm over all stages;
 the round's rule is the run's `[sparseloco]` section, as in the swarm: median clipping
-(`clip_median_factor`; the clipped mass goes back to the sender's error buffer, `peer.core.feedback`,
+(`clip_median_factor`; the clipped mass goes back to the sender's error buffer, `peer.core.sparseloco.feedback`,
 as on every holder) and outlier screening (`screening`, unless `SimOptions.robust` forces a rule; a
 contribution it drops goes back whole). `peer simulate` turns both off (`SIMULATE_DEFAULTS`).
 `SimOptions.attack` makes the last replica an attacker (`peer.research.simulate.attacks`): every round it
@@ -44,8 +44,8 @@ import torch
 
 from peer.cli.plots import figure
 from peer.config import RunConfig
-from peer.core.loader import Corpus
-from peer.core.subspace import k_from_ratio
+from peer.core.data.loader import Corpus
+from peer.core.subspace.compression import k_from_ratio
 from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
 from peer.research.simulate.checkpoint import run_key

@@ -9,7 +9,7 @@ standard error of the difference over the shared held-out sequences. Pure: no pr
 
 With `SimOptions.attacks` (`peer simulate --attacks random,flip,negate`) every SparseLoCo config
 also runs once per attack with its last replica poisoning every round (`peer.research.simulate.attacks`):
-with median clipping alone and with clipping + outlier screening (`peer.core.robust`); its honest
+with median clipping alone and with clipping + outlier screening (`peer.core.sparseloco.robust`); its honest
 run then screens too, so its drops are the false-drop rate. `poison_tables` renders them.
 
 The paper's settings and the other named settings (`--paper-settings`, `--setting`, `--token-budget`)
@@ -29,10 +29,10 @@ from typing import Any
 from rich.table import Table
 
 from peer.config import RunConfig
-from peer.core.loader import Corpus
-from peer.core.robust import DEFAULT as SCREEN
-from peer.core.robust import OFF as NO_SCREEN
-from peer.core.subspace import distinct_ks
+from peer.core.data.loader import Corpus
+from peer.core.sparseloco.robust import DEFAULT as SCREEN
+from peer.core.sparseloco.robust import OFF as NO_SCREEN
+from peer.core.subspace.compression import distinct_ks
 from peer.errors import ConfigError
 from peer.research.simulate.ablations import check_ablations
 from peer.research.simulate.attacks import check_attack

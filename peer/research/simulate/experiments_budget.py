@@ -8,7 +8,7 @@ its own budget (`experiments.own_budget_delta`, the `… Δ % vs own budget` col
 A run's tokens are M·H·B·L·T with T = ceil(budget / (M·H·B·L)), so the F·N runs have
 ceil(F·N / (M·H·B·L)) outer steps. N is `--token-budget`, else a setting's budget (`--paper-settings`),
 else the tokens of the configured T outer steps. Every run has its own learning-rate schedule over
-its own length (`peer.core.optim.lr_at`: warmup, then cosine to the run's last step); the warmup
+its own length (`peer.core.model.optim.lr_at`: warmup, then cosine to the run's last step); the warmup
 steps are the same in both (the N run's, as `peer.research.simulate.paper_settings.resolve` capped them).
 This module plans the two budgets and runs `experiments.run_sweep` once per budget.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import RunConfig
-from peer.core.loader import Corpus
+from peer.core.data.loader import Corpus
 from peer.errors import ConfigError
 from peer.research.simulate.experiments import own_budget_delta, run_sweep
 from peer.research.simulate.paper_settings import outer_steps_for, tokens_per_outer

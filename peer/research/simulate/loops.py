@@ -2,7 +2,7 @@
 
 `run_adamw` averages M shards' gradients every step into one model; `run_diloco` trains M
 `LocalReplica`s for H inner steps and commits every stage's round (`commit_stage`: all-to-all
-through `peer.core.commit.commit_round`, or range by range through `peer.research.simulate.ranges`).
+through `peer.core.sparseloco.commit.commit_round`, or range by range through `peer.research.simulate.ranges`).
 Both score the paper's metric after every outer step (`peer.research.simulate.results.Scorer`).
 `round_payloads` stops an honest SparseLoCo run at one round and hands back its payloads (`peer bench sybil`).
 """
@@ -16,14 +16,14 @@ from typing import NamedTuple
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.commit import Contribution, commit_round, perp_decay
-from peer.core.feedback import add_to_errors, returned
-from peer.core.loader import Corpus
-from peer.core.sparseloco import compress, decompress, pseudo_gradient
-from peer.core.state import stage_state
-from peer.core.subspace import make_basis
-from peer.core.subspace_state import perp_of, set_perp
+from peer.core.data.loader import Corpus
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import compress, decompress, pseudo_gradient
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.commit import Contribution, commit_round, perp_decay
+from peer.core.sparseloco.feedback import add_to_errors, returned
+from peer.core.subspace.compression import make_basis
+from peer.core.subspace.state import perp_of, set_perp
 from peer.errors import ConfigError
 from peer.research.simulate.ablations import configure_replicas, grassmann_round, record_bias
 from peer.research.simulate.attacks import check_attack, collude, poison

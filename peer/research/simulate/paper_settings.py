@@ -39,7 +39,7 @@ from typing import Any
 from rich.table import Table
 
 from peer.config import PAPER_ALGORITHM, RunConfig, build_config
-from peer.core.optim import TrainConfig
+from peer.core.model.optim import TrainConfig
 from peer.errors import ConfigError
 from peer.research.simulate.results import SIMULATE_DEFAULTS
 

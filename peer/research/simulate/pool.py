@@ -36,8 +36,8 @@ from typing import Any
 import numpy
 import torch
 
-from peer.core.loader import Corpus, train_batch
-from peer.core.shards import PreparedDataset
+from peer.core.data.loader import Corpus, train_batch
+from peer.core.data.shards import PreparedDataset
 from peer.errors import ConfigError
 from peer.research.simulate.replica import LocalReplica, StepStats
 

@@ -38,15 +38,15 @@ from typing import NamedTuple
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
-from peer.core.commit import commit_summed, load_committed
-from peer.core.ranges import assemble, band_views, encode_parts, n_ranges_for, n_units, plan_ranges
-from peer.core.ranges.owner import Shard, aggregate_range, returned_to, roster_digest, shard_delta
-from peer.core.ranges.plan import RangePlan
-from peer.core.robust import RobustConfig
-from peer.core.sparseloco import pseudo_gradient
-from peer.core.state import stage_state
-from peer.core.subspace_state import perp_of
+from peer.core.model.state import stage_state
+from peer.core.sparseloco.algorithm import pseudo_gradient
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import commit_summed, load_committed
+from peer.core.sparseloco.ranges import assemble, band_views, encode_parts, n_ranges_for, n_units, plan_ranges
+from peer.core.sparseloco.ranges.owner import Shard, aggregate_range, returned_to, roster_digest, shard_delta
+from peer.core.sparseloco.ranges.plan import RangePlan
+from peer.core.sparseloco.robust import RobustConfig
+from peer.core.subspace.state import perp_of
 from peer.errors import ConfigError
 from peer.research.simulate.replica import LocalReplica
 

@@ -3,10 +3,10 @@
 A *compressed* replica passes activations between its stages through the subspace boundary
 (X̃ = (X − T⊥[x])·U, expanded with Uᵀ) and keeps T_S in Col(U) after every inner step; an
 *uncompressed* one (a full replica) passes them as they are and trains its embedding freely.
-The stages are chained as a full replica chains them (`peer.core.chain.chain_forward`, with the
-compressed boundary between stages), and the inner step is the peers' own (`peer.core.inner`:
+The stages are chained as a full replica chains them (`peer.core.model.chain.chain_forward`, with the
+compressed boundary between stages), and the inner step is the peers' own (`peer.core.model.inner`:
 micro-batch accumulation, clipped AdamW); gradients are clipped by the norm over ALL stages
-(`peer.core.chain.global_grad_norm`), so a pipeline clips as a whole model does.
+(`peer.core.model.chain.global_grad_norm`), so a pipeline clips as a whole model does.
 
 Switches of the paper's ablations (Table 5): `weight_projection` keeps the outputs of every
 W_o and W_2 in Col(U) (W ← U·Uᵀ·W after each step), so the residual stream stays in
@@ -14,7 +14,7 @@ T⊥[x] + Col(U) and boundaries lose nothing. `enable_ablations` turns on Table 
 dL/dU accumulates in `u_leaf` through the boundaries; `rebase` moves the replica onto a new U),
 Table 5d (`modified_adamw`: T_S steps in subspace coordinates through the proxy `z`) and the eq. 5
 bias record (`delta_star`: the round's embedding change before any projection, `delta_sent`: after);
-`peer.core.grassmann` holds their math, `peer.research.simulate.ablations` the coordinator's side.
+`peer.core.subspace.grassmann` holds their math, `peer.research.simulate.ablations` the coordinator's side.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
-from peer.core import grassmann as gm
-from peer.core.chain import Boundary, chain_forward, global_grad_norm, token_loss
-from peer.core.inner import accumulate, adamw_step
-from peer.core.model import Decoder, build_stage
-from peer.core.optim import build_adamw, grad_sq_norm, lr_at, set_lr
-from peer.core.subspace import compressed_boundary, project, project_
-from peer.core.subspace_state import EMBED, init_subspace, perp_of, set_perp
+from peer.core.model.chain import Boundary, chain_forward, global_grad_norm, token_loss
+from peer.core.model.decoder import Decoder, build_stage
+from peer.core.model.inner import accumulate, adamw_step
+from peer.core.model.optim import build_adamw, grad_sq_norm, lr_at, set_lr
+from peer.core.subspace import grassmann as gm
+from peer.core.subspace.compression import compressed_boundary, project, project_
+from peer.core.subspace.state import EMBED, init_subspace, perp_of, set_perp
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import torch
 
 from peer.config import WIRE_DTYPES, RunConfig
-from peer.core.commit import screening_rule
-from peer.core.loader import Corpus, val_batches
-from peer.core.robust import RobustConfig
+from peer.core.data.loader import Corpus, val_batches
+from peer.core.sparseloco.commit import screening_rule
+from peer.core.sparseloco.robust import RobustConfig
 from peer.errors import ConfigError
 from peer.research.simulate.attacks import Collusion
 from peer.research.simulate.ranges import RangeShares
@@ -92,7 +92,7 @@ class ConfigResult:
     config: str = ""  # the configuration run (`name` adds the attack, if any)
     replicas: int = 0  # M
     attack: str | None = None  # the last replica's attack (peer.research.simulate.attacks); None: an honest run
-    screening: bool = False  # outlier screening (peer.core.robust) was on
+    screening: bool = False  # outlier screening (peer.core.sparseloco.robust) was on
     round_rule: str = "all"  # SimOptions.round_rule
     dropped_mass: list[RangeShares] = field(default_factory=list)  # "ranges": per stage round
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)

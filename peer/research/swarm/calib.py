@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from peer.config import build_config
-from peer.core.model import stage_shapes
-from peer.core.sparseloco import compress
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.algorithm import compress
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest

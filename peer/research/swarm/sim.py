@@ -26,7 +26,7 @@ from typing import Any
 import simpy
 
 from peer.config import SwarmConfig
-from peer.core.ranges.plan import n_ranges_for
+from peer.core.sparseloco.ranges.plan import n_ranges_for
 from peer.node.round import agreement
 from peer.node.round.gather import RoundTimings
 from peer.node.round.ranges import ownership

@@ -2,11 +2,12 @@
 
 Where this sits: `peer bench swarm` (`peer.research.swarm.sim`) takes every byte count and compute time from
 here, never from a formula of its own:
-- payload bytes: `peer.core.codec.format.payload_nbytes` over `peer.core.model.stage_shapes` of the preset
+- payload bytes: `peer.core.sparseloco.codec.format.payload_nbytes` over
+  `peer.core.model.decoder.stage_shapes` of the preset
   (the exact layout `Payload.to_bytes` writes);
 - part bytes (range r of one contribution) and shard bytes (an owner's aggregate of range r): the range
-  plan's own sizes (`peer.core.ranges.plan.plan_ranges` for R = `n_ranges_for(n, n_units)`,
-  `RangePlan.part_nbytes`, `peer.core.ranges.owner.shard_payload_nbytes`), plus a part's merkle proof
+  plan's own sizes (`peer.core.sparseloco.ranges.plan.plan_ranges` for R = `n_ranges_for(n, n_units)`,
+  `RangePlan.part_nbytes`, `peer.core.sparseloco.ranges.owner.shard_payload_nbytes`), plus a part's merkle proof
   (log2 R nodes of `NODE_BYTES`) and a shard's header (`Shard.to_bytes`: magic, version, round, stage,
   range, roster digest and size, then the lists of missing and clipped roster positions);
 - compute time of H inner steps: `peer.research.plan.command.plan_rows` (the planner's model: m micro-batches of
@@ -20,11 +21,11 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
-from peer.core.codec.format import SparseLoCoConfig, payload_nbytes
-from peer.core.model import stage_shapes
-from peer.core.ranges.merkle import NODE_BYTES
-from peer.core.ranges.owner import shard_config, shard_payload_nbytes
-from peer.core.ranges.plan import n_ranges_for, n_units, plan_ranges
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
+from peer.core.sparseloco.ranges.merkle import NODE_BYTES
+from peer.core.sparseloco.ranges.owner import shard_config, shard_payload_nbytes
+from peer.core.sparseloco.ranges.plan import n_ranges_for, n_units, plan_ranges
 from peer.research.plan.command import PlanInputs, plan_rows, resolve_model
 
 SHARD_HEAD = struct.calcsize("<4sBQII16sI")  # magic, version, t, stage, r, roster digest, roster size (`Shard`)

@@ -2,7 +2,7 @@
 
 docs/protocol.md, RANGES. The all-to-all gather (`peer.node.round.gather`) has every holder fetch
 every payload: M − 1 payloads per holder per round. Here each contribution is cut into R parts
-(`peer.core.ranges.plan`, R ≈ M) and a holder fetches only the parts of the few ranges it owns and
+(`peer.core.sparseloco.ranges.plan`, R ≈ M) and a holder fetches only the parts of the few ranges it owns and
 one shard per other range:
 1. announce: our parts are served from the `PayloadStore`; the announcement carries their merkle
    `root`, the number of `ranges` and, as `sha256`, the hash of the parts concatenated;
@@ -13,7 +13,7 @@ one shard per other range:
    i-th publishes its own after i · `rpc_s` without a better one (a vanished coordinator costs that);
 3. owners (`peer.node.round.ranges.ownership.owners`, 1 + backups per range) fetch part r of every roster
    member, proven against its root (`peer.node.round.ranges.fetch`), aggregate it
-   (`peer.core.ranges.owner.aggregate_range`: portable, the same bits on every machine), publish
+   (`peer.core.sparseloco.ranges.owner.aggregate_range`: portable, the same bits on every machine), publish
    {r: sha256(shard)} (`shards.{t}.{s}`) and serve the shard;
 4. every holder takes, per range, the shard its owners agree on; the one published when another
    owner vanished (past the shard deadline); on a disagreement it fetches the parts, recomputes each
@@ -21,7 +21,7 @@ one shard per other range:
    what it claims (`peer.node.round.refusals`) and takes the valid shard that includes the most (then the
    smallest hash); a range whose owners are all gone it computes itself.
 The result (`RangesResult`) holds the roster and one checked shard per range; the caller commits
-`peer.core.ranges.assemble` of them with `peer.core.commit.commit_summed`. Every wait has a
+`peer.core.sparseloco.ranges.assemble` of them with `peer.core.sparseloco.commit.commit_summed`. Every wait has a
 deadline: the roster by the round's deadline, the shards by `shard_wait_s` (then the survivors'
 hashes count) and the round by deadline + grace after the roster (else `timed_out`).
 """
@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.ranges import RangePlan, merkle_root
-from peer.core.ranges.owner import Shard, aggregate_range, roster_digest
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.ranges import RangePlan, merkle_root
+from peer.core.sparseloco.ranges.owner import Shard, aggregate_range, roster_digest
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.pool import ClientPool

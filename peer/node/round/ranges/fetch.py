@@ -2,7 +2,7 @@
 
 A *part* (range r of one contribution) comes from its sender (or, when the sender is gone, from
 another owner of r that fetched it) with its merkle path; it counts only if the path proves it
-against the root the sender signed in its announcement (`peer.core.ranges.parts.merkle_check`)
+against the root the sender signed in its announcement (`peer.core.sparseloco.ranges.parts.merkle_check`)
 and it parses as range r's band entries (`RangePlan.validator`). A *shard* comes from whoever
 holds it and counts only if its sha256 is the one its owners published and its header names the
 round, the range and the roster. So a part or a shard may be served by anyone: the check, not the
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.ranges import RangePlan, merkle_check
-from peer.core.ranges.owner import Shard
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.ranges import RangePlan, merkle_check
+from peer.core.sparseloco.ranges.owner import Shard
 from peer.errors import PeerError
 from peer.net.pool import ClientPool
 from peer.net.range_records import Roster, RosterEntry

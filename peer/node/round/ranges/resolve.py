@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from peer.core.codec.format import Payload, SparseLoCoConfig
-from peer.core.ranges import RangePlan
-from peer.core.ranges.owner import Shard, aggregate_range
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.ranges import RangePlan
+from peer.core.sparseloco.ranges.owner import Shard, aggregate_range
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.range_records import Roster, ShardsRecord

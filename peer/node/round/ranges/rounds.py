@@ -34,11 +34,11 @@ from typing import Protocol
 import torch
 
 from peer.config import RunConfig
-from peer.core.codec.format import Payload
-from peer.core.commit import RoundCommit, embedding_update
-from peer.core.model import stage_shapes
-from peer.core.ranges import RangePlan
-from peer.core.subspace_state import EMBED
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.commit import RoundCommit, embedding_update
+from peer.core.sparseloco.ranges import RangePlan
+from peer.core.subspace.state import EMBED
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool

@@ -1,0 +1,338 @@
+"""Committing one stage's outer round: the portable commit every holder of the stage applies.
+
+    Δ̂_i    = decode(payload_i)                          integer unranking, codebook lookups
+    Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (codec.clip)
+    keep    = screen(Δ̂)                                  drop outliers (peer.core.sparseloco.robust), when
+                                                          `sparseloco.screening` (`screening_rule`)
+    Δ̄      = aggregate(Δ̂_i, i ∈ keep)                   in commit order ("mean-over-all" or
+                                                          "mean-over-contributors")
+    θ      = θ_start + fl32(fl32(−η)·Δ̄)                 every parameter but the embedding
+    u      = fl32(fl32(−η)·Δ̄[embed])                     the embedding's change
+    T⊥     ← fl32(T⊥ · fl32(decay_t))                    T⊥'s share of AdamW's weight decay
+    p      = Π(u) in float64                             (peer.core.sparseloco.portable.project64)
+    T_S    = fl32(T_S + p);  T⊥ = fl32(T⊥ + (u − p))     TE = T_S + T⊥ moves by u
+    stages without the embedding: T⊥ = fl32(T⊥ + (u − Π(u))) with stage 0's committed u
+
+(paper Alg. 1, eqs. 3–4, and §3.2 for the T_S/T⊥ re-projection). `commit_state` is that function
+of bytes — the agreed θ_start, T⊥ and decay factor, and the committed payloads in their committed
+order — and returns the new state; `commit_round` writes it into a process's views of the stage
+(one for a peer, M for the simulator).
+
+Given parsed payloads, the first four lines run fused (`_fused_aggregate`), with no dense Δ̂_i:
+‖Δ̂_i‖ is read off the payload's values, the screening ranks only the coordinates some voter
+sends (a coordinate nobody sends has a zero median and adds nothing to any score), and each kept
+payload's clipped values are scattered straight into one accumulator per tensor, in commit order.
+Every sum is the one the dense form computes, so the bits are the same (tests compare both). The
+accumulators are lent for the one call by `peer.core.sparseloco.codec.scratch.ACCUMULATORS` (no fresh pages
+per round) and never escape it.
+
+Why it gives the same bits on every device, kernel set and thread count (docs/protocol.md):
+- It always runs on the CPU: a CUDA holder copies θ_start in and the result out, exactly.
+- Decoding is integer arithmetic and table lookups; norms and screening scores are exactly
+  rounded sums (`math.fsum` of products that are exact in float64), so the order of work is
+  irrelevant; the lower median is a selection.
+- Every other step is elementwise: one IEEE-754 operation per value (+, −, ×, ÷, each correctly
+  rounded) in a fixed order — contributions are added in commit order, one coordinate at a time —
+  so SIMD width and threads cannot change a bit. No step uses `a + α·b` with α ≠ ±1 (torch runs it
+  as one fused multiply-add with AVX2 and as two roundings without); a clip factor is a float32
+  value, so its product is the same whether a kernel widens to float64 first or not (double
+  rounding of a float32 product, quotient or sum through float64 is innocuous).
+- The only sums over many terms with rounding, Π's, run in a fixed order in float64 in our own
+  kernel, compiled without fastmath (no FMA contraction); a test inspects its machine code.
+- The decay factor is a product of Python floats from `portable_cos` (no libm).
+- `check_denormals` refuses a process that flushes subnormals to zero.
+Training (forward, backward, AdamW) stays device-native; only what every holder agrees on is here.
+
+Invariants: the same committed list in the same order gives the same bits on every holder; a
+round that drops nothing gives exactly the bits it gave before screening existed; an empty round
+leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from peer.core.model.decoder import Decoder
+from peer.core.model.optim import TrainConfig, decoupled_decay
+from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, decompress, screen_rows
+from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norm
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.codec.scratch import ACCUMULATORS
+from peer.core.sparseloco.portable import check_denormals
+from peer.core.sparseloco.robust import DEFAULT as ROBUST
+from peer.core.sparseloco.robust import OFF, RobustConfig, Screen, screen, screen_scored, sparse_consensus_scores
+from peer.core.subspace.compression import embedding_outer_update, perp_outer_update
+from peer.core.subspace.state import EMBED, perp_of, set_perp
+
+__all__ = [
+    "NO_CLIP",
+    "Committed",
+    "Contribution",
+    "apply_update",
+    "commit_summed",
+    "RoundCommit",
+    "commit_round",
+    "commit_state",
+    "embedding_update",
+    "outer_delta",
+    "perp_decay",
+    "robust_aggregate",
+    "screening_rule",
+]
+
+
+@dataclass(frozen=True)
+class RoundCommit:
+    """What committing one stage's round did: the clip stats, the outliers dropped (positions in
+    the committed list, `screen.dropped`) and, when the stage holds the embedding, its committed
+    change u = −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
+
+    clip: ClipStats
+    embed_update: Tensor | None = None
+    screen: Screen = Screen()
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        return self.screen.dropped
+
+
+NO_CLIP = ClipStats(0, (), 0.0, 0.0)
+
+Contribution = Payload | Mapping[str, Tensor]  # a parsed payload (the fused commit) or its decoded Δ̂
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The state after a commit (CPU float32 tensors) and what the commit did."""
+
+    params: dict[str, Tensor]  # θ for every name of θ_start
+    perp: Tensor | None  # T⊥ (None when the run uses no subspace)
+    commit: RoundCommit
+
+
+def perp_decay(train: TrainConfig, outer_step: int) -> float:
+    """The weight-decay factor of T⊥ for outer step t: Π_h (1 − lr(t·H + h)·wd), applied at commit.
+
+    T⊥ is part of the embedding but no optimizer's parameter, so it decays here, once per round,
+    by what AdamW's decoupled decay did to T_S (and to a full model's embedding) in that round.
+    Every holder computes the same float from (train, t) alone (Python floats, `portable_cos`).
+    """
+    H = train.inner_steps
+    return decoupled_decay(range(outer_step * H, (outer_step + 1) * H), train)
+
+
+def screening_rule(cfg: SparseLoCoConfig) -> RobustConfig:
+    """The outlier rule a run's config sets (`sparseloco.screening`): the one every holder applies,
+    and the one the commit functions below use when no other `robust` is passed (the simulator's
+    attack sweeps pass their own per arm)."""
+    return ROBUST if cfg.screening else OFF
+
+
+def robust_aggregate(
+    decoded: Sequence[Contribution],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig | None = None,
+    keys: Sequence[str] | None = None,
+    names: Collection[str] | None = None,
+    out: Mapping[str, Tensor] | None = None,
+) -> tuple[dict[str, Tensor], ClipStats, Screen]:
+    """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
+
+    With nothing dropped this is aggregate(clip_to_median(decoded), len(decoded)), bit for bit.
+    Contributions that are all payloads take the fused path (`_fused_aggregate`: the same bits, no
+    dense Δ̂); `names` restricts Δ̄ (never the norms or the screening) to those tensors, and `out`
+    lends the fused path its accumulators (`peer.core.sparseloco.codec.scratch`: Δ̄ may then be those buffers).
+    `robust` None: the config's rule (`screening_rule`).
+    """
+    robust = screening_rule(cfg) if robust is None else robust
+    if decoded and all(isinstance(d, Payload) for d in decoded):
+        return _fused_aggregate([d for d in decoded if isinstance(d, Payload)], cfg, robust, keys, names, out)
+    dense = [decompress(d) if isinstance(d, Payload) else d for d in decoded]
+    clipped, clip = clip_to_median(dense, cfg.clip_median_factor)
+    screened = screen(clipped, clip.norms, robust, keys)
+    if screened.dropped:
+        gone = set(screened.dropped)
+        clipped = [d for i, d in enumerate(clipped) if i not in gone]
+    if names is not None:
+        clipped = [{n: t for n, t in d.items() if n in names} for d in clipped]
+    return aggregate(clipped, len(clipped), cfg.aggregation), clip, screened
+
+
+def _fused_aggregate(
+    payloads: Sequence[Payload],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig,
+    keys: Sequence[str] | None,
+    names: Collection[str] | None,
+    out: Mapping[str, Tensor] | None,
+) -> tuple[dict[str, Tensor], ClipStats, Screen]:
+    """`robust_aggregate` of payloads, fused, the same bits: norms read off the values
+    (`payload_norm`), the screening's consensus over the clipped values at their positions only
+    (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
+    kept payloads scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
+    plan, clip = clip_plan([payload_norm(p) for p in payloads], cfg.clip_median_factor)
+
+    def scores_of(voters: list[int]) -> list[float]:
+        return sparse_consensus_scores(screen_rows(payloads, voters, plan), len(voters))
+
+    screened = screen_scored(scores_of, clip.norms, robust, keys)
+    kept = [i for i in range(len(payloads)) if i not in set(screened.dropped)]
+    summed = aggregate_payloads(
+        [payloads[i] for i in kept], len(kept), cfg.aggregation, [plan[i] for i in kept], names, out
+    )
+    return summed, clip, screened
+
+
+def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the committed payloads (the accumulators a fused commit borrows)."""
+    return {e.name: tuple(e.shape) for p in contributions if isinstance(p, Payload) for e in p.entries}
+
+
+def _f32(t: Tensor) -> np.ndarray:
+    """A CPU float32 numpy view (a copy only when `t` lives elsewhere or has another dtype)."""
+    return t.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def outer_delta(agg: Tensor, lr: float) -> Tensor:
+    """fl32(fl32(−η)·Δ̄): the committed change of one tensor (CPU float32)."""
+    return torch.from_numpy(np.float32(-lr) * _f32(agg))
+
+
+def commit_state(
+    start: Mapping[str, Tensor],
+    perp: Tensor | None,
+    decoded: Sequence[Contribution],
+    cfg: SparseLoCoConfig,
+    U: Tensor | None,
+    embed_update: Tensor | None = None,
+    perp_factor: float = 1.0,
+    robust: RobustConfig | None = None,
+    keys: Sequence[str] | None = None,
+) -> Committed:
+    """The portable commit (module docstring): the state after one round, computed on the CPU.
+
+    `start` = θ_start, `perp` = T⊥ before the round (None without a subspace), `decoded` = the
+    committed contributions in commit order, as parsed payloads (the fused path: nothing is
+    decoded densely, Δ̄ is summed in accumulators lent by `ACCUMULATORS` for this call only) or as
+    decoded Δ̂ (the same bits), `embed_update` = stage 0's committed change (for a stage without
+    the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier rule (None:
+    the config's, `screening_rule`) and
+    `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified, and
+    nothing returned aliases a lent buffer (`apply_update` writes every result afresh).
+    """
+    check_denormals()
+    perp = _decayed(perp, U, perp_factor)
+    if not decoded:
+        params = {name: torch.from_numpy(_f32(v).copy()) for name, v in start.items()}
+        if perp is not None and U is not None and embed_update is not None and EMBED not in start:
+            perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
+        return Committed(params, perp, RoundCommit(NO_CLIP))
+    with ACCUMULATORS.lend(_shapes(decoded)) as sums:
+        summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
+        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update)
+    return Committed(params, perp, RoundCommit(clip, own_update, screened))
+
+
+def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float) -> Tensor | None:
+    """A fresh CPU float32 T⊥ after the round's weight decay (`perp_decay`)."""
+    if perp is not None and U is not None and perp_factor != 1.0:
+        return torch.from_numpy(_f32(perp) * np.float32(perp_factor))
+    return None if perp is None else torch.from_numpy(_f32(perp).copy())
+
+
+def commit_summed(
+    start: Mapping[str, Tensor],
+    perp: Tensor | None,
+    summed: Mapping[str, Tensor],
+    cfg: SparseLoCoConfig,
+    U: Tensor | None,
+    embed_update: Tensor | None = None,
+    perp_factor: float = 1.0,
+) -> Committed:
+    """`commit_state` for a round whose Δ̄ is already agreed (e.g. assembled from range shards,
+    `peer.core.sparseloco.ranges`): decay T⊥, then `apply_update`. No clip or screening happens here (the
+    round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
+    check_denormals()
+    params, perp, own_update = apply_update(start, _decayed(perp, U, perp_factor), summed, cfg, U, embed_update)
+    return Committed(params, perp, RoundCommit(NO_CLIP, own_update))
+
+
+def apply_update(
+    start: Mapping[str, Tensor],
+    perp: Tensor | None,
+    summed: Mapping[str, Tensor],
+    cfg: SparseLoCoConfig,
+    U: Tensor | None,
+    embed_update: Tensor | None = None,
+) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
+    """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
+    embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
+    change. `perp` is T⊥ after this round's decay (a fresh tensor this function may write). Returns
+    (θ, T⊥, the embedding's committed change u when this stage holds it). Every step is elementwise
+    float32 or `peer.core.sparseloco.portable` (module docstring): any holder gets the same bits from the same
+    Δ̄, however Δ̄ was aggregated (all-to-all here, or assembled from range shards)."""
+    params = {}
+    own_update: Tensor | None = None
+    for name, value in start.items():
+        if name not in summed:
+            params[name] = torch.from_numpy(_f32(value).copy())
+            continue
+        change = outer_delta(summed[name], cfg.outer_lr)
+        if name == EMBED:
+            own_update = change
+            if U is not None and perp is not None:
+                params[name], perp = embedding_outer_update(value, perp, change, U)
+                continue
+        params[name] = torch.from_numpy(_f32(value) + change.numpy())
+    if EMBED not in start and perp is not None and U is not None and embed_update is not None:
+        perp = perp_outer_update(perp, embed_update, U)
+    return params, perp, own_update
+
+
+def commit_round(
+    views: Sequence[Decoder],
+    start: Mapping[str, Tensor],
+    decoded: Sequence[Contribution],
+    cfg: SparseLoCoConfig,
+    U: Tensor | None,
+    embed_update: Tensor | None = None,
+    perp_factor: float = 1.0,
+    robust: RobustConfig | None = None,
+    keys: Sequence[str] | None = None,
+) -> RoundCommit:
+    """Apply one committed round to every view of a stage: `commit_state`, written into each view
+    (its parameters, and its T⊥ when the run uses a subspace; every view holds the same T⊥)."""
+    perp = perp_of(views[0]) if U is not None and views else None
+    done = commit_state(start, perp, decoded, cfg, U, embed_update, perp_factor, robust, keys)
+    for view in views:
+        load_committed(view, done)
+    return done.commit
+
+
+@torch.no_grad()
+def load_committed(view: Decoder, done: Committed) -> None:
+    """Copy a committed state into one view (its parameters and T⊥, on the view's own device)."""
+    params = dict(view.named_parameters())
+    for name, value in done.params.items():
+        params[name].copy_(value)
+    if done.perp is not None:
+        set_perp(view, done.perp)
+
+
+def embedding_update(
+    decoded: Sequence[Contribution],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig | None = None,
+    keys: Sequence[str] | None = None,
+) -> Tensor:
+    """Stage 0's committed change of embed.weight (fl32(−η·Δ̄)) for a holder that only observes
+    stage 0 (its payloads, fused, or decoded Δ̂). Clipped and screened exactly as `commit_state`
+    treats stage 0 (norms and scores over the whole contribution), so T⊥ moves by the same bits on
+    every stage."""
+    summed = robust_aggregate(decoded, cfg, robust, keys, names=(EMBED,))[0]
+    return outer_delta(summed[EMBED], cfg.outer_lr)
