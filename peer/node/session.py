@@ -4,7 +4,7 @@
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
 (`verify_manifest`), refuses a head's or full replica's local dataset of another corpus, downloads
 and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`. Once a head or full replica has
-claimed its data shard, `fetch_data` fetches the dataset shards it reads (peer.node.data.fetch).
+claimed its data shard, `data` (peer.node.data.shard) fetches the dataset files it reads.
 The session is the composition root: it builds the duties below and hands each what it uses (the
 config, the DHT, the client pool, the refusals, a `publish` callable, this peer's `Presence`); none
 receives the session. The trainer (`peer.node.trainer`) then serves its stage workers and uses them:
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import LinkConfig, RunConfig
-from peer.core.data.loader import Corpus, load_corpus, needed_shards
 from peer.core.data.shards import PreparedDataset
 from peer.core.model.precision import resolve_precision
 from peer.errors import ConfigError, NetworkError, PeerError
@@ -49,15 +48,9 @@ from peer.net.transport.gate import Gate
 from peer.net.transport.server import PeerServer
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.connectivity import Connectivity
-from peer.node.data.fetch import (
-    DatasetFetch,
-    RunDataset,
-    dataset_folder,
-    fetch_tokenizer,
-    held_dataset,
-    mismatch_fix,
-)
+from peer.node.data.fetch import fetch_tokenizer, held_dataset
 from peer.node.data.serve import DatasetServer
+from peer.node.data.shard import ShardData, peer_addresses
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
@@ -125,6 +118,16 @@ class Session:
         self.service: PeerService | None = None
         self.gate: Gate | None = None  # admission, reverse streams, caps (peer.net.transport.gate)
         self.datasets = DatasetServer(dataset)  # the run's dataset as far as this peer holds it
+        self.data = ShardData(
+            dht,
+            dht.peer_id,
+            lambda: self.me.address,
+            opts.dataset,
+            opts.data_dir,
+            manifest,
+            self.clients.get,
+            self.datasets,
+        )  # a head's or full replica's shard, its files and its corpus
         self.connectivity: Connectivity | None = None
         opts.data_dir.mkdir(parents=True, exist_ok=True)
         # the composition root: each part gets what it uses, none gets the session
@@ -157,7 +160,7 @@ class Session:
             dht.set_run(manifest["run_id"], cfg.stages)
             outbound = _outbound(opts, dht)  # the manifest's admission is known now
             held = held_dataset(opts.dataset, opts.data_dir, manifest, role)  # another corpus: one line, first
-            addresses = _peer_addresses(dht, cfg)
+            addresses = peer_addresses(dht, cfg)
             local = held.tokenizer_path if held is not None else None
             cfg = fetch_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound, local)
             session = cls(opts, dht, manifest, cfg, role, stage, outbound, held)
@@ -375,49 +378,6 @@ class Session:
         out.discard(self.peer_id)
         return sorted(out)
 
-    def claim_shard(self, prefer: int | None = None) -> int:
-        """The lowest data shard no live replica uses (DESIGN: disjoint data per replica).
-
-        `prefer` (a resumed peer's shard) is taken when it is still free.
-        """
-        used = {rec.shard for pid, rec in self.dht.get_replicas().items() if pid != self.peer_id}
-        if isinstance(prefer, int) and 0 <= prefer < self.cfg.swarm.n_shards and prefer not in used:
-            return prefer
-        for shard in range(self.cfg.swarm.n_shards):
-            if shard not in used:
-                return shard
-        raise PeerError(f"all {self.cfg.swarm.n_shards} data shards are taken; raise swarm.n_shards at the bootstrap")
-
-    def fetch_data(self, shard: int) -> Path:
-        """A head or full replica that claimed data shard `shard`: the local prepared folder (`--dataset`,
-        else <data-dir>/dataset) holding every shard it reads, the missing ones fetched from the
-        bootstrap and live peers (peer.node.data.fetch: verified, resumable, within the download
-        cap) and served to others from now on; `cfg.data` then names that folder and its tokenizer."""
-        cfg, folder = self.cfg, dataset_folder(self.opts.dataset, self.opts.data_dir)
-        fetch = DatasetFetch(
-            folder, RunDataset.of(self.manifest), self._data_sources, self.clients.get, cfg.swarm.rpc_timeout_s
-        )
-        assert cfg.data.tokenizer is not None  # connect fetched and checked it
-        dataset = fetch.ensure(
-            cfg.data.tokenizer,
-            lambda index: needed_shards(index, cfg.train.seq_len, shard, cfg.swarm.n_shards),
-            mismatch_fix(self.opts.dataset, self.opts.data_dir),
-        )
-        self.datasets.hold(dataset)
-        self.cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, dataset=str(folder), tokenizer=dataset.tokenizer_path)
-        )
-        return folder
-
-    def _data_sources(self) -> list[str]:
-        """Who may hold the dataset: the bootstrap first, then the run's live peers (not this one)."""
-        others = [a for a in _peer_addresses(self.dht, self.cfg) if a != self.me.address]
-        return list(dict.fromkeys([str(self.manifest["bootstrap_address"]), *others]))
-
-    def load_data(self) -> Corpus:
-        """The run's corpus, read by the one loader (`peer.core.data.loader`)."""
-        return load_corpus(self.cfg.data)
-
 
 def usable_data_dir(path: Path) -> Path:
     """`path`, created if missing, once a small file could be written there and removed; else a
@@ -476,14 +436,3 @@ def _outbound(opts: SessionOptions, dht: SwarmDHT) -> Outbound:
     _, credentials = auth.for_swarm(admission.mode, admission.allowlist, dht.peer_id, *dht.auth_material)
     caps = LinkCaps(opts.link.max_upload_mbps, opts.link.max_download_mbps, opts.link.relay_max_mbps)
     return Outbound(credentials, Link(caps))
-
-
-def _peer_addresses(dht: SwarmDHT, cfg: RunConfig) -> list[str]:
-    """Data-plane addresses of the run's live peers (any stage), for artefacts the bootstrap cannot serve."""
-    found: list[str] = []
-    for s in range(cfg.stages):
-        try:
-            found += [r.address for r in dht.get_stage_peers(s).values() if r.address]
-        except PeerError:
-            continue
-    return list(dict.fromkeys(found))

@@ -182,14 +182,14 @@ def _worker(session: Session, stage: int, compressed: bool, device: str | None =
 def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[Corpus, int, PeerService]:
     """A head or full replica joins: resume its checkpoint, serve its stages, catch up with the
     swarm, claim its data shard (a resumed peer's own when still free), fetch the dataset files
-    that shard reads (`Session.fetch_data`) and open the corpus; the service."""
+    that shard reads (`peer.node.data.shard.ShardData`) and open the corpus; the service."""
     resumed = session.checkpoints.resume(workers) or {}
     service = session.serve(workers)
     for w in workers.values():
         session.resync.late_join(w)
-    shard = session.claim_shard(prefer=resumed.get("extra", {}).get("shard"))
-    session.fetch_data(shard)
-    return session.load_data(), shard, service
+    shard = session.data.claim(session.cfg, prefer=resumed.get("extra", {}).get("shard"))
+    session.cfg = session.data.fetch(session.cfg, shard)
+    return session.data.load(session.cfg), shard, service
 
 
 class _Replica(Protocol):

@@ -7,7 +7,7 @@ the real tokenizer and shard writer (tests/prepared.py). Covered: a fetch into a
 serving it onwards), resuming a half-written .part, resuming after a call ran out of time, a
 corrupted shard refused by its hash, NOT_FOUND from one peer falling back to another, an index that
 is not the manifest's, and the upload and download caps holding. Last, the whole path in-process:
-a bootstrap's manifest on a real DHT, a head's `Session.fetch_data`, a foreign `--dataset` refused.
+a bootstrap's manifest on a real DHT, a head's `ShardData.fetch` (`session.data`), a foreign `--dataset` refused.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_fetch_into_an_empty_folder_then_serve_it_onwards(made, servers, pool, t
     PreparedDataset.open(first).verify()
     assert got.index == text.index and not list(first.glob("*.part"))
     assert sum("dataset shard train-00000.bin" in r.getMessage() and "MB/s" in r.getMessage() for r in caplog.records)
-    # a peer that fetched it serves it onwards (a head's PeerService holds it after `fetch_data`)
+    # a peer that fetched it serves it onwards (a head's PeerService holds it after `session.data.fetch`)
     second = tmp_path / "second"
     onwards = serve(servers, PreparedDataset.open(first))
     fetcher(second, text, [onwards], pool).ensure(first / TOKENIZER_FILE, everything)
@@ -257,7 +257,7 @@ def test_the_link_caps_hold(made, servers, tmp_path, side):
 def test_a_head_fetches_the_bootstraps_dataset_and_a_foreign_one_is_refused(made, tmp_path, reap_children):
     """The whole path in-process: a bootstrap publishing a prepared folder, a head's session that
     reads the manifest from the DHT, refuses `--dataset` of another corpus in one line, and else
-    fetches into <data-dir>/dataset (`Session.fetch_data`), then serves it onwards."""
+    fetches into <data-dir>/dataset (`ShardData.fetch`), then serves it onwards."""
     text, other = made["text"], made["other"]
     cfg = build_config(overrides={"data.dataset": str(text.root)}, environ={})  # the manifest outlives the test
     with BootstrapNode(cfg) as boot:
@@ -271,10 +271,9 @@ def test_a_head_fetches_the_bootstraps_dataset_and_a_foreign_one_is_refused(made
         opts = SessionOptions(initial_peers=peers, data_dir=tmp_path / "head", manifest_timeout_s=30)
         session = Session.connect(opts, role="head", stage=0)
         try:
-            folder = session.fetch_data(shard=0)
-            assert folder == tmp_path / "head" / "dataset" and session.cfg.data.dataset == str(folder)
-            assert session.cfg.data.tokenizer == folder / TOKENIZER_FILE
-            cfg = session.cfg
+            cfg = session.data.fetch(session.cfg, shard=0)
+            folder = tmp_path / "head" / "dataset"
+            assert cfg.data.dataset == str(folder) and cfg.data.tokenizer == folder / TOKENIZER_FILE
             needed = needed_shards(text.index, cfg.train.seq_len, 0, cfg.swarm.n_shards)
             assert len(needed) < len(text.index.shards)  # shard 0 of n reads a part of the train files
             held = sorted(p.name for p in folder.iterdir())
