@@ -33,7 +33,7 @@ from peer.net.addresses import maddr_host, order_maddrs
 from peer.net.dht import SwarmDHT, make_identity
 from peer.net.transport import ArtifactRequest, NotFoundError, PeerClient, StateRequest
 from peer.node.manifest import run_id_for, verify_manifest
-from peer.node.stage_state import StageState
+from peer.node.stage.state import StageState
 from tests.conftest import assert_no_leftover_children, live_descendants, wait_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
