@@ -16,7 +16,8 @@ import threading
 import pytest
 import torch
 
-from peer.core.sparseloco.algorithm import aggregate, compress, decompress, robust, screen_rows
+from peer.core.sparseloco import robust
+from peer.core.sparseloco.algorithm import aggregate, compress, decompress, screen_rows
 from peer.core.sparseloco.codec import kernels as pk
 from peer.core.sparseloco.codec.clip import clip_to_median
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig

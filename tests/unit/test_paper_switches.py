@@ -30,7 +30,8 @@ from peer.config import (
     setting_changes,
 )
 from peer.core.model.state import stage_state
-from peer.core.sparseloco.algorithm import compress, decompress, robust
+from peer.core.sparseloco import robust
+from peer.core.sparseloco.algorithm import compress, decompress
 from peer.core.sparseloco.codec.format import SPARSE, Payload, SparseLoCoConfig, n_selected
 from peer.core.sparseloco.commit import commit_state, embedding_update, robust_aggregate, screening_rule
 from peer.core.subspace.state import EMBED

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.sparseloco.algorithm import clip_and_aggregate, compress, portable
+from peer.core.sparseloco import portable
+from peer.core.sparseloco.algorithm import clip_and_aggregate, compress
 from peer.core.sparseloco.codec import kernels as codec_kernels
 from peer.core.sparseloco.codec.format import SparseLoCoConfig
 from peer.core.sparseloco.portable import (
