@@ -96,7 +96,9 @@ class Attester:
             self._save(s, state)
 
     def _follow(self, s: int, state: StageState, clock: int, newest: int | None) -> None:
-        if newest is not None and state.outer_step > newest + 1:  # ahead of every live replica: another history
+        # ahead of every live replica by more than the window: a kept state of another run (same config
+        # and key); a replica that left ahead of the others leaves us a round or two ahead, no more
+        if newest is not None and state.outer_step > newest + 1 + self.cfg.swarm.history_rounds:
             log.warning(
                 "attester: stage %d's kept state is at outer step %d, every replica of the swarm at %d or "
                 "before: starting over from the initial state",

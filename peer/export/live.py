@@ -11,10 +11,13 @@ replicas, which publish a `stage.{s}` record for each stage they hold — and th
     --outer-step T   wait until every stage's majority claims T; refused when a stage is past T,
                      since holders keep only their current state (export T from checkpoints).
 
-Each stage's state at t is downloaded with `GetState` from one holder of the majority claim into a
-fresh `StageWorker` and checked exactly as a state sync checks it (peer.node.round.resync.download_claimed:
-its outer step and state id must be the claimed ones); on a mismatch the next holder is tried, and
-when none serves it intact (they committed the next round meanwhile) the claims are read again.
+The majority only names the target: each stage's state at t is then reached as a joiner reaches it,
+by replaying the committed rounds from a state it trusts — the canonical initial state, or past the
+history window the state the bootstrap (or a run's named attester) attests — recomputing every
+round from its genuine payloads (`Resync.sync_state(..., until=t)`, docs/protocol.md "Joining by
+replay"); it is exported only when the replayed state id is the one the majority claims. A majority
+of colluding identities therefore never decides what is exported; when the replay ends elsewhere
+(the swarm moved on, or the claim is false) the claims are read again, until the deadline.
 The tokenizer comes from the bootstrap (or a live peer), sha256-checked against the manifest, as
 a joining peer gets it. The states end in peer.export.model, like the checkpoint exports.
 
@@ -42,8 +45,12 @@ from peer.net.transport import auth
 from peer.net.transport.dialer import Outbound
 from peer.node.data.fetch import fetch_tokenizer  # the joiners' tokenizer download, bootstrap first
 from peer.node.manifest import verify_manifest, wait_for_manifest
+from peer.node.metrics import MetricsWriter
+from peer.node.presence import Presence
 from peer.node.round.claims import Claim, Majority, majority, parse_claims, swarm_clock
-from peer.node.round.resync import download_claimed
+from peer.node.round.payloads import PayloadStore
+from peer.node.round.refusals import Refusals
+from peer.node.round.resync import Resync
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -108,16 +115,24 @@ def _by_stage(steps: Mapping[int, int]) -> str:
 
 @dataclass
 class _Swarm:
-    """What the export reads the swarm through: the run's config, its DHT, a pool of gRPC clients, and
-    one fresh worker per stage to download into (built first: a download follows its reading closely)."""
+    """What the export reads the swarm through: the run's config, its DHT, a pool of gRPC clients, one
+    worker per stage to replay into, and the joiners' replay (`Resync`) with the manifest's signer as
+    its attester; `folder` holds the replay's metrics file."""
 
     cfg: RunConfig
     dht: SwarmDHT
     clients: ClientPool
+    folder: Path
     workers: dict[int, StageWorker] = field(init=False)
+    resync: Resync = field(init=False)
 
     def __post_init__(self) -> None:
         self.workers = {s: StageWorker(self.cfg, s, device="cpu", precision="fp32") for s in range(self.cfg.stages)}
+        me, metrics = Presence(self.dht.peer_id, "export"), MetricsWriter(self.folder, "export")
+        signer = [self.dht.manifest_signer] if self.dht.manifest_signer else []
+        store = PayloadStore(history=self.cfg.swarm.history_rounds)
+        args = (self.cfg, self.dht, self.clients, store, me, Refusals(), metrics, lambda: None, None, signer)
+        self.resync = Resync(*args)  # type: ignore[arg-type]  # no checkpoints: an export never resumes
 
     def claims(self) -> tuple[dict[int, dict[str, StageRecord]], dict[int, dict[str, Claim]], int]:
         """Every stage's holders, their claims, and the swarm's clock, read now."""
@@ -125,13 +140,18 @@ class _Swarm:
         claims = {s: parse_claims(h) for s, h in holders.items()}
         return holders, claims, swarm_clock(self.dht.get_replicas())
 
-    def fetch(self, s: int, win: Majority, holders: Mapping[str, StageRecord], claims: Mapping[str, Claim]) -> str:
-        """Download stage s's majority state from one of its holders into the stage's worker; the holder's
-        peer id, or "" when none served it intact."""
-        for pid in win.holders:
-            address = holders[pid].address if pid in holders else ""
-            if address and download_claimed(self.clients, self.workers[s], pid, address, claims[pid]) is not None:
-                return pid
+    def fetch(self, s: int, win: Majority) -> str:
+        """Replay stage s to the majority's outer step (module docstring): "" when the replayed state is
+        the claimed one, else why not."""
+        worker = self.workers[s]
+        if worker.outer_step > win.outer_step or not worker.verified:
+            worker.reset_initial()  # replayed past the target on an earlier reading: from the start again
+        try:
+            self.resync.sync_state(worker, "export", wait_s=0.0, until=win.outer_step)
+        except NetworkError as exc:
+            return str(exc)
+        if (worker.outer_step, worker.state_id()) != (win.outer_step, win.state):
+            return f"stage {s}'s replay reached {worker.state_id()} at outer step {worker.outer_step}, not {win.state}"
         return ""
 
 
@@ -149,13 +169,14 @@ def _fetch_all(
             got: dict[int, CommittedStage] = {}
             sources: dict[int, tuple[str, str]] = {}
             for s, win in sorted(pick.winners.items()):
-                pid = swarm.fetch(s, win, holders[s], claims[s])
-                if not pid:
-                    why = f"no holder of stage {s} served its state {win.state} at outer step {win.outer_step} intact"
+                failed = swarm.fetch(s, win)
+                if failed:
+                    why = failed
                     break
                 got[s] = read_back(swarm.workers[s])
-                sources[s] = (pid, holders[s][pid].address)
-                say(f"stage {s}: state {win.state} at outer step {win.outer_step} from {pid[:12]} (checked)")
+                pid = win.holders[0]
+                sources[s] = (pid, holders[s][pid].address if pid in holders[s] else "")
+                say(f"stage {s}: state {win.state} at outer step {win.outer_step}, replayed and checked")
             else:
                 return got, sources
         if time.monotonic() >= deadline:
@@ -200,7 +221,9 @@ def export_live(
         outbound = _outbound(dht)
         clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, outbound)
         try:
-            stages, sources = _fetch_all(_Swarm(cfg, dht, clients), outer_step, deadline, timeout_s, say)
+            with tempfile.TemporaryDirectory(prefix="peer-export-replay-") as replay:
+                swarm = _Swarm(cfg, dht, clients, Path(replay))
+                stages, sources = _fetch_all(swarm, outer_step, deadline, timeout_s, say)
         finally:
             clients.close()
         addresses = [address for _, address in sources.values()]

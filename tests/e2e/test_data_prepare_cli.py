@@ -37,7 +37,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_prepare_prints_what_it_made(tmp_path, reap_children):
     src = tmp_path / "rows.jsonl"
-    paragraphs = (ROOT / "peer" / "core" / "prepare.py").read_text().split("\n\n") * 3
+    paragraphs = (ROOT / "peer" / "core" / "data" / "prepare.py").read_text().split("\n\n") * 3
     src.write_text("".join(json.dumps({"content": p}) + "\n" for p in paragraphs if p.strip()))
     out = tmp_path / "out"
     done = _prepare(str(src), "--out", str(out), "--text-field", "content", "--vocab-size", "300", "--workers", "2")

@@ -284,7 +284,7 @@ def test_simulate_defaults_are_the_ones_its_help_prints():
 def test_demo_defaults_are_the_clis_and_reach_the_bootstrap(monkeypatch):
     import inspect
 
-    from peer.cli.main import main as cli
+    from peer.cli import main as cli
     from peer.demo.run import DemoConfig, _train_env
 
     params = inspect.signature(cli.demo).parameters

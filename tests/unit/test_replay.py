@@ -292,6 +292,16 @@ def test_sync_state_replays_to_the_clock_or_says_why_it_cannot(history):
     assert worker.outer_step == 4 and worker.state_id() == history.state(1)  # the clock + 1 is believed
 
 
+def test_sync_state_until_replays_to_exactly_that_outer_step(history):
+    """`peer export --initial-peers` replays each stage to the majority's step, not the clock's."""
+    board = _board_with_all(history)
+    resync = _resync(board, history, {f"R{i}": {"kind": "full", "outer_step": 4} for i in range(3)})
+    worker = StageWorker(CFG, 0)
+    assert resync.sync_state(worker, "export", wait_s=0, until=2)
+    assert worker.outer_step == 2 and worker.state_id() == history.links[(1, 0)].state and worker.verified
+    assert not resync.sync_state(worker, "export", wait_s=0, until=2)  # there already: nothing replayed
+
+
 def test_a_holder_whose_commit_was_overtaken_goes_back_one_round_and_replays_on(history):
     board = Board(history)
     _honest(board, history)
@@ -354,6 +364,38 @@ def test_the_manifests_signer_attests_by_default_in_a_record_of_its_own(history)
         joiner, "late join", wait_s=0
     )
     assert joiner.outer_step == 4 and joiner.state_id() == history.state(0) and joiner.verified
+
+
+def test_after_an_attested_start_a_joiner_never_flips_back_to_the_initial_state(history):
+    """Round 0's links outlive its payloads: the replay from the initial state fails, the attester's
+    state at 3 is loaded; round 3 is not linked yet. The joiner keeps the attested state (and says why
+    it cannot go on) instead of going back to the initial state, whose rounds it already failed."""
+    board = Board(history)
+    for t in (0, 1, 2):
+        board.link("H1", history.links[(t, 0)], 0)
+    at_3 = StageWorker(CFG, 0)
+    _replayer(_board_with_all(history), history, Refusals()).run(at_3, 3)
+    board.attest = {ATTESTER: {"outer_step": 3, "state_id": at_3.state_id(), "address": "att:1", "state": "ready"}}
+    board.holders = {"H1": {"outer_step": 5, "state_id": "a" * 16, "address": "H1:1"}}  # the stage is past 3
+
+    class OnlyState(Servers):  # no payload of any round is served any more; the attested state is
+        def get(self, address):
+            client = super().get(address)
+
+            def gone(req, timeout_s):
+                raise NetworkError(f"{address} no longer holds round {req.outer_step}")
+
+            client.get_payload = gone
+            return client
+
+    servers = OnlyState(history)
+    servers.states = {"att:1": at_3}
+    replicas = {f"R{i}": {"kind": "full", "outer_step": 5} for i in range(3)}
+    resync = _resync(board, history, replicas, servers=servers, attesters=(ATTESTER,))
+    joiner = StageWorker(CFG, 0)
+    with pytest.raises(NetworkError, match="round 3: no holder published a link"):
+        resync.sync_state(joiner, "late join", wait_s=0.5)
+    assert joiner.outer_step == 3 and joiner.state_id() == at_3.state_id() and joiner.verified
 
 
 def test_an_address_that_did_not_answer_is_not_asked_again_in_the_same_replay(history):

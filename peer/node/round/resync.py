@@ -132,6 +132,7 @@ class Resync:
         keep_errors: bool = False,
         vote: bool = False,
         wait_s: float | None = None,
+        until: int | None = None,
     ) -> bool:
         """Bring `worker` to the swarm's state by replaying the committed rounds from a state it
         trusts (`peer.node.round.replay`), never by counting who claims a state: True when its state changed.
@@ -142,7 +143,8 @@ class Resync:
         back to it, so the replay decides between the two histories by the canonical order. At the
         swarm's outer step 0 nothing is replayed: the state is the canonical initial one. Holders
         that are still committing the last round publish its link a moment later: we replay again
-        until we reach the swarm's clock, for at most `wait_s` (default `swarm.round_timeout_s`).
+        until we reach the swarm's clock, for at most `wait_s` (default `swarm.round_timeout_s`);
+        `until`: replay to exactly that outer step instead (`peer export --initial-peers`).
         A replay that stops where every live holder of the stage stops too (`_at_frontier`: nobody
         committed the stage's next round yet, the heads being past it) has reached the stage's state.
         Raises NetworkError (with the reason) when the swarm's state cannot be verified by then;
@@ -151,23 +153,26 @@ class Resync:
         deadline = time.monotonic() + (self.cfg.swarm.round_timeout_s if wait_s is None else wait_s)
         before = (worker.outer_step, worker.state_id(), worker.loads)
         replayer = Replayer(self.cfg, self.dht, self._fetcher, self.refusals)
+        attested = False
         while True:
-            clock = self.clock()
+            clock = self.clock() if until is None else until
             if clock == 0 and worker.outer_step == 0:  # no vote where bytes decide (docs/protocol.md)
                 if worker.state_id() != worker.initial_state_id or not worker.verified:
                     self._reset_initial(worker, keep_errors, reason)
                 break
-            self._start(worker, replayer, vote, clock, keep_errors, reason)
+            self._start(worker, replayer, vote, clock, keep_errors, reason, initial=not attested)
             vote = False  # the start is chosen once; later tries go on from where the replay stopped
-            done = replayer.run(worker, clock + 1)
+            done = replayer.run(worker, clock + 1 if until is None else until)
             self.replayed = [*self.replayed[-63:], done]
             if worker.outer_step >= clock:
-                if done.rounds and self.clock() > clock:  # the swarm went on while we replayed: once more
+                if until is None and done.rounds and self.clock() > clock:  # the swarm went on meanwhile: once more
                     self.replayed = [*self.replayed[-63:], replayer.run(worker, self.clock() + 1)]
                 break
-            if not done.rounds and self._attested(worker, clock, keep_errors, reason):
+            limit = clock + 1 if until is None else until  # the clock + 1 is believed; `until` is exact
+            if not done.rounds and self._attested(worker, limit, keep_errors, reason):
+                attested = True  # from now on never back to the initial state: its rounds failed already
                 continue  # beyond the window: an attester's state, replayed on from
-            if self._at_frontier(worker):
+            if until is None and self._at_frontier(worker):
                 break  # no holder of the stage is past our checked state: its rounds are behind the clock
             if time.monotonic() >= deadline:
                 raise NetworkError(
@@ -198,12 +203,21 @@ class Resync:
         return changed
 
     def _start(
-        self, worker: StageWorker, replayer: Replayer, vote: bool, clock: int, keep_errors: bool, reason: str
+        self,
+        worker: StageWorker,
+        replayer: Replayer,
+        vote: bool,
+        clock: int,
+        keep_errors: bool,
+        reason: str,
+        initial: bool = True,
     ) -> None:
         """Put `worker` on the state the replay starts from (sync_state's docstring): our own state
         when a link goes on from it; else, when our last commit was overtaken, the state we committed
         it from (`StageState.rewind`); else the canonical initial state when the window reaches back
-        to it. None of them: our own state (the replay then says why it cannot go on)."""
+        to it — unless `initial` is off (an attester's state was loaded in this sync because the
+        rounds from the initial state could not be had: their links can outlive their payloads).
+        None of them: our own state (the replay then says why it cannot go on)."""
         stage, held = worker.stage, worker.state_id()
         if worker.outer_step == 0 and worker.verified and held == worker.initial_state_id:
             return  # we hold it already
@@ -214,7 +228,7 @@ class Resync:
             if prev is not None and replayer.has_links_from(prev.t, stage, prev.state) and worker.rewind():
                 log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
                 return
-        if not worker.verified or replayer.has_links_from(0, stage, worker.initial_state_id):
+        if not worker.verified or (initial and replayer.has_links_from(0, stage, worker.initial_state_id)):
             self._reset_initial(worker, keep_errors, reason)
 
     def _at_frontier(self, worker: StageWorker) -> bool:
@@ -226,9 +240,9 @@ class Resync:
         claims = parse_claims(self.dht.get_stage_peers(worker.stage), self.me.peer_id, self.refusals.peers())
         return not any(c.outer_step > worker.outer_step for c in claims.values())
 
-    def _attested(self, worker: StageWorker, clock: int, keep_errors: bool, reason: str) -> bool:
+    def _attested(self, worker: StageWorker, limit: int, keep_errors: bool, reason: str) -> bool:
         """Download a state that an attester (`self.attesters`) claims in its own signed stage record,
-        at a step past ours that the clock admits, checked against its state id (`download_claimed`):
+        at a step past ours up to `limit`, checked against its state id (`download_claimed`):
         a trusted start past the history window. True when one loaded."""
         attesters = self.attesters
         if not attesters:
@@ -236,7 +250,7 @@ class Resync:
         holders = {**self.dht.get_stage_peers(worker.stage), **self.dht.get_stage_peers(worker.stage, kind="attest")}
         claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
         ours = worker.outer_step
-        found = [c for p, c in claims.items() if p in attesters and ours < c.outer_step <= clock + 1]
+        found = [c for p, c in claims.items() if p in attesters and ours < c.outer_step <= limit]
         for claim in sorted(found, key=lambda c: (-c.outer_step, c.state, c.peer)):
             address = holders[claim.peer].address
             errors = worker.state_dict()["errors"] if keep_errors else None

@@ -284,6 +284,8 @@ class Rounds:
         that did this outer step's last inner step: the round's binding), gather and apply; all-to-all
         or by ranges, as the round rule says (`peer.node.round.ranges.rounds`)."""
         job = own_job(self, worker, self.me.peer_id, dict(peers or {}))
+        if not self._checked_before([job], t):
+            return RoundResult(t=t, stage=worker.stage, behind=True)
         result = run_jobs(self, [job], t, stop)[0]
         committed = self.commit_jobs([job], [result])
         return summary(result, behind=not committed)
@@ -292,9 +294,32 @@ class Rounds:
         """A full replica: contribute to and gather every stage's round at once (each stage all-to-all
         or by ranges, as its rule says: `peer.node.round.ranges.rounds`), then apply them."""
         jobs = [own_job(self, w, self.me.peer_id) for w in workers.values()]
+        if not self._checked_before(jobs, t):
+            return {w.stage: RoundResult(t=t, stage=w.stage, behind=True) for w in workers.values()}
         results = run_jobs(self, jobs, t, stop)
         committed = self.commit_jobs(jobs, results)
         return {j.stage: summary(r, behind=not committed) for j, r in zip(jobs, results, strict=True)}
+
+    def _checked_before(self, jobs: Sequence[Job], t: int) -> bool:
+        """A head's or full replica's canonical-state check before round t, after its payloads are
+        encoded (as `stage_round` does for a stage peer): a better set of round t − 1 that another
+        holder committed while we trained (it held a payload our deadline did not wait for: FOLLOW
+        never drops it, so the larger set must win here) replaces our commit before round t starts
+        from it; our payloads stay ours to send. False when a worker moved to another outer step
+        (a re-sync): the payloads go back and the round is left to the others."""
+        for job in jobs:
+            try:
+                self.resync.reconcile(job.worker, before_round=True)
+            except PeerError as exc:
+                log.warning("stage %d: canonical state not reachable before round %d: %s", job.worker.stage, t, exc)
+        if all(job.worker.outer_step == t for job in jobs):
+            return True
+        for job in jobs:
+            if job.payload is not None:
+                job.worker.return_unsent(job.payload)
+            job.worker.return_unsent_parts()
+            job.worker.observe()
+        return False
 
     def stage_round(self, worker: StageWorker, contributor: str | None, stop: threading.Event) -> None:
         """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥ (by ranges:
