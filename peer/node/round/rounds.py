@@ -160,6 +160,10 @@ class Rounds:
         own = {j.stage: (j, r) for j, r in pairs if j.own}
         embed = next(((j, r) for j, r in pairs if not j.own), None)
         workers = {s: j.worker for s, (j, _) in own.items()}
+        if own and not self._checked_before([j for j, _ in own.values()], next(iter(own.values()))[1].t, keep=True):
+            for _, r in own.values():  # a re-sync moved us: the round is applied by the others
+                r.behind = True
+            return False
         checked = time.monotonic()  # the swarm's clock, read right before applying
         if self._closed_elsewhere([r for _, r in own.values()]):
             for _, r in own.values():  # the trainers skip a round that was not committed here
@@ -300,13 +304,14 @@ class Rounds:
         committed = self.commit_jobs(jobs, results)
         return {j.stage: summary(r, behind=not committed) for j, r in zip(jobs, results, strict=True)}
 
-    def _checked_before(self, jobs: Sequence[Job], t: int) -> bool:
-        """A head's or full replica's canonical-state check before round t, after its payloads are
-        encoded (as `stage_round` does for a stage peer): a better set of round t − 1 that another
-        holder committed while we trained (it held a payload our deadline did not wait for: FOLLOW
-        never drops it, so the larger set must win here) replaces our commit before round t starts
-        from it; our payloads stay ours to send. False when a worker moved to another outer step
-        (a re-sync): the payloads go back and the round is left to the others."""
+    def _checked_before(self, jobs: Sequence[Job], t: int, keep: bool = False) -> bool:
+        """The canonical-state check before round t, after our payloads are encoded (as `stage_round`
+        does for a stage peer), and again right before round t is applied (`keep`: its payloads are
+        in the round already): a better set of round t − 1 that another holder committed meanwhile
+        (it held a payload our deadline did not wait for: FOLLOW never drops it, so the larger set
+        must win here) replaces our commit, and round t is applied on top of it; our payloads stay
+        ours. False when a worker moved to another outer step (a re-sync): unless `keep`, the
+        payloads go back, and the round is left to the others."""
         for job in jobs:
             try:
                 self.resync.reconcile(job.worker, before_round=True)
@@ -314,7 +319,7 @@ class Rounds:
                 log.warning("stage %d: canonical state not reachable before round %d: %s", job.worker.stage, t, exc)
         if all(job.worker.outer_step == t for job in jobs):
             return True
-        for job in jobs:
+        for job in jobs if not keep else ():
             if job.payload is not None:
                 job.worker.return_unsent(job.payload)
             job.worker.return_unsent_parts()
