@@ -40,6 +40,7 @@ import torch
 
 from peer.config import RunConfig
 from peer.core.files import atomic_write_bytes
+from peer.core.subspace.state import perp_of
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
@@ -149,10 +150,7 @@ class Attester:
         state = self.stages.get(stage)
         if state is None:
             return None
-        with state.lock:
-            meta = {"param_hash": state.param_hash(), "perp_hash": state.perp_hash(), "stage": stage}
-            meta |= {"state_id": state.state_id(), "bans": state.ledger.bans.to_record()}
-            return StateReply(outer_step=state.outer_step, meta=meta, tensors=state.snapshot())
+        return state.reply()
 
     def payload(self, request: PayloadRequest) -> bytes | None:
         """A payload of round (t, s) that a replay fetched, from the sender named (`GetPayload`):
@@ -179,7 +177,11 @@ class Attester:
         if path is None or self.saved[s] == state.outer_step:
             return
         with state.lock:
-            kept = {"outer_step": state.outer_step, "start": dict(state.start), "perp": state.snapshot()["perp"]}
+            kept = {
+                "outer_step": state.outer_step,
+                "start": dict(state.start),
+                "perp": perp_of(state.module).detach().cpu().clone(),
+            }
             kept["bans"] = state.ledger.bans.to_record()
             link = state.ledger.link
             kept["link"] = None if link is None else {**link.to_record(), "state": link.state}

@@ -394,12 +394,7 @@ class PeerService:
         worker = self.workers.get(request.stage)
         if worker is None:
             raise NotFoundError(f"peer {self.peer_id[:12]} does not hold stage {request.stage}")
-        with worker.lock:
-            tensors = worker.snapshot()
-            meta = {"param_hash": worker.param_hash(), "perp_hash": worker.perp_hash(), "stage": request.stage}
-            meta["state_id"] = worker.state_id()
-            meta["bans"] = worker.ledger.bans.to_record()  # part of the committed state (peer.node.round.bans)
-            return StateReply(outer_step=worker.outer_step, meta=meta, tensors=tensors)
+        return worker.reply()
 
     def get_artifact(self, request: ArtifactRequest) -> bytes | FileSlice:
         """The tokenizer, or the dataset's index and shards (peer.node.data.serve), from the offset on."""

@@ -35,6 +35,7 @@ from peer.core.sparseloco.ranges import RangePlan, encode_parts
 from peer.core.sparseloco.ranges.owner import Shard
 from peer.core.subspace.compression import make_basis
 from peer.core.subspace.state import attach_subspace, initial_split, perp_of, set_perp
+from peer.net.transport.messages import StateReply
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, state_id
 from peer.node.stage.commit import Outcome, Prev, compute, own_adjustment
@@ -304,6 +305,14 @@ class StageState:
             out = {k: v.detach().cpu().clone() for k, v in self.start.items()}
             out["perp"] = perp_of(self.module).detach().cpu().clone()
             return out
+
+    def reply(self) -> StateReply:
+        """The committed state as `GetState` answers it: θ_start and T⊥, with the outer step, hashes,
+        state id and bans (a holder's service and the bootstrap's attester serve this one reply)."""
+        with self.lock:
+            meta = {"param_hash": self.param_hash(), "perp_hash": self.perp_hash(), "stage": self.stage}
+            meta |= {"state_id": self.state_id(), "bans": self.ledger.bans.to_record()}
+            return StateReply(outer_step=self.outer_step, meta=meta, tensors=self.snapshot())
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next round depends on (the tensors are this worker's own, not copies):
