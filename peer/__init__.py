@@ -10,9 +10,10 @@ import os
 __version__ = "0.1.0"
 
 # gRPC's fork handlers (on by default in grpcio >= 1.78) run in every fork; when another thread is
-# inside gRPC at that moment, the forked DHT child (hivemind forks it without exec) inherits half-held
-# gRPC locks and aborts or segfaults on its own next fork (starting p2pd). We fork only to run
-# code that never calls gRPC, so the handlers are switched off before grpc is first imported.
+# inside gRPC at that moment, a forked child inherits half-held gRPC locks and aborts or segfaults
+# on its own next fork. The DHT process is no longer forked from a peer's process (a clean
+# forkserver forks it: peer.net.dht_child), and what we still fork never calls gRPC, so the
+# handlers are switched off before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 

@@ -69,17 +69,24 @@ def _is_resource_tracker(pid: int) -> bool:
     return "multiprocessing.resource_tracker" in cmdline(pid)
 
 
+def _is_forkserver(pid: int) -> bool:
+    """The forkserver that forks every DHT process (`peer.net.dht_child`): started by the first DHT
+    node of this process, it lives as long as this process does (its children are counted)."""
+    return "multiprocessing.forkserver" in cmdline(pid)
+
+
+def _is_helper(pid: int) -> bool:
+    return _is_shm_manager(pid) or _is_resource_tracker(pid) or _is_forkserver(pid)
+
+
 def _leftovers(before: set[int]) -> list[psutil.Process]:
-    return [
-        p
-        for p in _descendants(os.getpid())
-        if p.pid not in before and _running(p) and not _is_shm_manager(p.pid) and not _is_resource_tracker(p.pid)
-    ]
+    return [p for p in _descendants(os.getpid()) if p.pid not in before and _running(p) and not _is_helper(p.pid)]
 
 
 def leftover_children(before: set[int]) -> set[int]:
-    """Running descendants of this process that were not there `before` (torch's shm manager and
-    Python's resource tracker aside: helpers of this process, not of the code under test)."""
+    """Running descendants of this process that were not there `before` (torch's shm manager,
+    Python's resource tracker and the DHT forkserver aside: helpers of this process, not of the
+    code under test)."""
     return {p.pid for p in _leftovers(before)}
 
 

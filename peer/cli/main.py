@@ -65,6 +65,13 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _start_dht_forkserver() -> None:
+    """Start the process that will fork the DHT process now: it imports while this one does."""
+    from peer.net.dht_child import start_forkserver
+
+    start_forkserver()
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
@@ -259,6 +266,7 @@ def bootstrap(
     _setup_logging(verbose)
     if print_peer_id:
         return show_peer_id(identity)
+    _start_dht_forkserver()
     from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.cli.render import bootstrap_banner
     from peer.config import build_link_config
@@ -351,6 +359,7 @@ def join(
     ):  # a head's local schedule (peer.node.pipeline.schedule reads it; not part of the run's config)
         os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
     _setup_logging(verbose)
+    _start_dht_forkserver()
     from peer.cli.join_setup import join_role, prepare_join
     from peer.config import build_link_config
     from peer.net.dht import load_swarm_secret
@@ -372,7 +381,7 @@ def join(
         precision=precision,
         activation_checkpointing=activation_checkpointing,
         max_memory=None if max_memory is None else parse_bytes(max_memory, "--max-memory"),
-        device=device,  # "auto" is decided after the DHT has started (hivemind forks before CUDA is touched)
+        device=device,  # "auto" is decided after the DHT has started
         manifest_timeout_s=manifest_timeout_s,
         resume=resume,
         link=build_link_config(None, max_upload_mbps, max_download_mbps, relay, relay_max_mbps),

@@ -33,7 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import logging
 import os
@@ -62,9 +61,9 @@ from peer.net.admission import (
     secret_commitment,
 )
 from peer.net.answers import await_answer
-from peer.net.hivemind_logs import DHTProcess, quiet_cancelled_futures
+from peer.net.dht_child import DHTProcess, start_forkserver
+from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
-from peer.net.identity_check import install_identity_check
 from peer.net.processes import ProcessTree, stop_dht_node
 from peer.net.records import (
     Announcement,
@@ -103,10 +102,8 @@ RoundKind = Literal["round", "roster", "shards", "chain"]  # announcements, a ra
 StageKind = Literal["stage", "attest"]  # holders' records of a stage, or attesters' (`peer.bootstrap.attester`)
 RoundRead = tuple[RoundKind, int, int, Callable[[Any], Any]]  # (kind, t, stage, parse): `SwarmDHT.get_rounds`
 R = TypeVar("R")
-# One DHT fork or watchdog spawn at a time in this process. A fork by one thread while another is
-# inside subprocess.Popen copies Popen's exec-status pipe into the forked DHT child, which never
-# execs: Popen then waits for that pipe's EOF for as long as the other DHT lives (seen with several
-# peers started from threads of one process, as the in-process tests do).
+# One DHT start (and its watchdog's spawn) at a time in this process, so a watchdog always guards
+# the DHT process started just before it.
 _SPAWN_LOCK = threading.Lock()
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this host can reach them"
@@ -136,8 +133,8 @@ async def _ping_peers(peer_ids: Sequence[str], _dht: Any, node: Any) -> int:
 class SwarmDHT:
     """One hivemind DHT node with `peer`'s records on top. Synchronous; use as a context manager.
 
-    hivemind forks its DHT process: create the SwarmDHT before starting a gRPC server or other
-    threads in this process (forking a process that runs grpc threads is unsafe).
+    The hivemind DHT process is forked from a clean forkserver (`peer.net.dht_child`), never from
+    this process, so it inherits none of this process's gRPC servers, channels or threads.
     """
 
     def __init__(
@@ -174,6 +171,7 @@ class SwarmDHT:
         self._watchdog = Watchdog()
         self._closed = False
         t0 = time.monotonic()
+        start_forkserver()  # its imports run while this process reads the identity
         with node_identity(identity_path) as identity:  # a throw-away key is deleted once p2pd has read it
             validator = RSASignatureValidator(identity.key)
             self._key = identity.key  # seals the manifest this node publishes (`identity.seal`)
@@ -190,8 +188,7 @@ class SwarmDHT:
                 kwargs["announce_maddrs"] = [listen_maddr(announce_host, port)]
             if identity.fresh:
                 kwargs["check_if_identity_free"] = False  # a key made just now is not in use elsewhere
-            quiet_cancelled_futures()  # inherited by the DHT process (peer.net.hivemind_logs)
-            install_identity_check()  # so is this (peer.net.identity_check)
+            quiet_cancelled_futures()  # this side's fd hand-offs (the DHT process installs its own)
             self._dht = DHTProcess(initial_peers=initial or None, start=False, record_validators=[validator], **kwargs)
             # Runs at interpreter exit if shutdown() was never called, so no p2pd outlives us.
             self._finalizer = weakref.finalize(self, stop_dht_node, self._dht, self._tree, self._watchdog)
@@ -212,15 +209,7 @@ class SwarmDHT:
         """Start the hivemind child under a watchdog, remember its process tree; the peer id it runs as."""
         try:
             with _SPAWN_LOCK:
-                # Garbage the forked child could collect may hold this process's gRPC objects (servers and
-                # channels left in reference cycles); freed there, gRPC's core waits forever on locks of
-                # threads the fork left behind ("DHT node did not start" after in-process gRPC in tests).
-                # Frozen, the child never collects what it inherited (O(1); a gc.collect() here costs 0.2 s).
-                gc.freeze()
-                try:
-                    self._dht.start()  # forks the child; it starts p2pd, then reports ready
-                finally:
-                    gc.unfreeze()
+                self._dht.start()  # forked by the clean forkserver (peer.net.dht_child); it starts p2pd
                 self._watchdog.start(self._dht.pid)  # from now on a crash of this process does not orphan them
             self._dht.wait_until_ready(timeout_s)
             self._tree.add(self._dht.pid)
@@ -258,8 +247,13 @@ class SwarmDHT:
         return not self._closed and self._dht.is_alive()
 
     @property
+    def process_pid(self) -> int:
+        """Process id of the hivemind DHT process (forked by this process's forkserver, `peer.net.dht_child`)."""
+        return int(self._dht.pid)
+
+    @property
     def child_pids(self) -> list[int]:
-        """Process ids of the hivemind child and its p2pd (for tests and status)."""
+        """Process ids of the hivemind DHT process and its p2pd (for tests and status)."""
         return self._tree.pids
 
     @property

@@ -5,8 +5,8 @@ call afterwards, hivemind's `DHT._run_coroutine` tries to set the result of that
 and asyncio logs "Task exception was never retrieved" with an `InvalidStateError` traceback. The
 call's caller already got its timeout; nothing is lost. `quiet_cancelled_futures` installs a filter
 on the `asyncio` logger that drops exactly those records (every other asyncio error still logs).
-It runs before the DHT process forks, so the filter is inherited by that process, where the
-record is emitted.
+The DHT process installs it when it starts (`peer.net.dht_child`), since that is where the
+record is emitted; the peer's process installs it too.
 
 A second, related case: when the peer process dies (`kill -9`) while it is handing the DHT process
 a call, the DHT process's pipe read fails (`ConnectionResetError`, `EOFError`, ...) and hivemind
@@ -14,14 +14,14 @@ logs the full traceback, then keeps polling until the watchdog (`peer.net.watchd
 filter on `hivemind.dht.dht` turns that record into one warning line without the traceback; a
 failed pipe read while the parent is alive still logs, as a warning with the exception's text.
 When the read ends in `EOFError`, which hivemind does not catch, the DHT process's main loop
-raised it and multiprocessing printed the traceback; `DHTProcess` (the DHT node `peer` starts)
-ends that process with one warning line instead.
+raised it and multiprocessing printed the traceback; `peer.net.dht_child.DHTProcess` (the DHT
+node `peer` starts) ends that process with one warning line instead.
 
 A third: a connection handed between the two processes travels through multiprocessing's
 `resource_sharer`, whose server thread reports any failed hand-off through `sys.excepthook`. When a
 signal to the process group stops both ends at once, that hand-off fails (`ConnectionResetError`,
 `EOFError`) and the thread printed a full traceback. `quiet_fd_handoffs` (installed with the other
-filters, before the fork) turns exactly those reports into one warning line; every other uncaught
+filters, in both processes) turns exactly those reports into one warning line; every other uncaught
 exception still reaches the previous hook.
 """
 
@@ -32,9 +32,7 @@ import sys
 from concurrent.futures import InvalidStateError
 from types import TracebackType
 
-import hivemind
-
-__all__ = ["DHTProcess", "quiet_cancelled_futures", "quiet_fd_handoffs"]
+__all__ = ["quiet_cancelled_futures", "quiet_fd_handoffs"]
 
 PIPE_ERRORS = (ConnectionError, EOFError, OSError)
 
@@ -109,16 +107,3 @@ def quiet_cancelled_futures() -> None:
     if _PIPE_FILTER not in dht_logger.filters:
         dht_logger.addFilter(_PIPE_FILTER)
     quiet_fd_handoffs()
-
-
-class DHTProcess(hivemind.DHT):  # type: ignore[misc]  # hivemind has no type information
-    """hivemind's DHT process; when its peer process is gone (the pipe reads EOF), it exits with
-    one warning line instead of a traceback (the watchdog stops whatever it leaves)."""
-
-    def run(self) -> None:
-        try:
-            super().run()
-        except EOFError:
-            logging.getLogger("hivemind.dht.dht").warning(
-                "DHT process: the pipe from its peer process is closed; the peer has exited, so this process exits"
-            )

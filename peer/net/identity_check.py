@@ -9,7 +9,7 @@ the duplicate then took over the first peer's connections (same peer id).
 
 `install_identity_check` replaces hivemind's check with one that retries that "not yet" answer
 until the table fills (at most `LOOKUP_WINDOW_S`); any other failed connect still means "free".
-It runs before the DHT process forks, so the forked process, which makes the check, inherits it.
+The DHT process, which makes the check, installs it when it starts (`peer.net.dht_child`).
 """
 
 from __future__ import annotations

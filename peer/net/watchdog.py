@@ -1,6 +1,6 @@
 """A watchdog process that stops a peer's DHT process tree when the peer dies without stopping it.
 
-hivemind forks a DHT process, which starts the libp2p daemon (`p2pd`). A peer that shuts down
+hivemind starts a DHT process, which starts the libp2p daemon (`p2pd`). A peer that shuts down
 stops both (`SwarmDHT.shutdown`); a peer killed by a signal it cannot handle (`kill -9`, the OOM
 killer) cannot, and both used to run on for hours, re-parented to init. So next to each DHT
 process, the peer starts ``python -m peer.net.watchdog PARENT_PID ROOT_PID ROOT_CREATE_TIME`` in a
@@ -19,7 +19,8 @@ watchdog keeps the DHT process alive until it has looked under it, is plain psut
 wherever `os.getppid` changes when a parent dies (Linux, macOS).
 
 Invariants:
-- only the root (checked to be a child of the parent, by pid and creation time) and processes
+- only the root (checked to be a child or grandchild of the parent (the DHT process is forked by
+  the peer's forkserver, `peer.net.dht_child`), by pid and creation time) and processes
   found under a recorded process are ever signalled; psutil re-checks each process's creation
   time before a signal, so a reused pid is never hit;
 - nothing is signalled while the parent runs, and a ``stop`` line ends the watchdog at once;
@@ -127,14 +128,24 @@ def _record(recorded: dict[int, psutil.Process]) -> None:
                 logger.debug("recorded process %d (a descendant of %d)", child.pid, proc.pid)
 
 
+def _started_by(parent_pid: int, proc: psutil.Process) -> bool:
+    """Whether `proc` is the parent's child, or a child of the parent's multiprocessing forkserver."""
+    if proc.ppid() == parent_pid:
+        return True
+    middle = proc.parent()
+    if middle is None or middle.ppid() != parent_pid:
+        return False
+    return "multiprocessing.forkserver" in " ".join(middle.cmdline())
+
+
 def _root(parent_pid: int, root_pid: int, create_time: float) -> psutil.Process | None:
     """The root process if it is the one the parent named (and its child, while the parent runs)."""
     try:
         root = psutil.Process(root_pid)
         if abs(root.create_time() - create_time) > CREATE_TIME_SLACK_S:
             return None
-        if os.getppid() == parent_pid and root.ppid() != parent_pid:
-            return None  # our parent lives, so its child would still be its child: not the same process
+        if os.getppid() == parent_pid and not _started_by(parent_pid, root):
+            return None  # our parent lives, so its child (or its forkserver's) would still be under it
     except psutil.Error:
         return None
     return root

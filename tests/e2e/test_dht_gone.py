@@ -27,8 +27,8 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def _dht_process(pid: int) -> psutil.Process:
-    """The peer's hivemind DHT process: its child that runs p2pd."""
-    for child in psutil.Process(pid).children():
+    """The peer's hivemind DHT process: the process under it (forked by its forkserver) that runs p2pd."""
+    for child in psutil.Process(pid).children(recursive=True):
         if any("p2pd" in " ".join(g.cmdline()) for g in child.children()):
             return child
     raise AssertionError(f"no DHT process under {pid}: {[c.cmdline() for c in psutil.Process(pid).children()]}")

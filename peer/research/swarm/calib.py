@@ -67,7 +67,7 @@ def _payload(cfg: Any, seed: int) -> bytes:
 
 def _start(cfg: Any, M: int, stack: ExitStack) -> list[Node]:
     nodes: list[Node] = []
-    first = SwarmDHT()  # every DHT node first: hivemind forks, and no gRPC thread may exist then
+    first = SwarmDHT()  # every DHT node first (their processes come from a clean forkserver anyway)
     stack.callback(first.shutdown)
     nodes.append(Node(first, PayloadStore(), ClientPool(timeout_s=10.0)))
     for _ in range(M - 1):
