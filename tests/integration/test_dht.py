@@ -45,11 +45,7 @@ def nodes():
 
 
 def test_manifest_read_by_peer_and_by_stock_hivemind_client(nodes):
-    t0 = time.monotonic()
     boot = nodes()
-    start_s = time.monotonic() - t0
-    print(f"\nDHT node start: {start_s:.2f} s (bootstrap), {boot.start_time_s:.2f} s measured inside")
-    assert start_s < 15
     maddrs = boot.visible_maddrs()
     assert maddrs and all(m.endswith(f"/p2p/{boot.peer_id}") and m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs)
     assert boot.get_manifest() is None
@@ -100,11 +96,10 @@ def test_stage_records_replicas_and_withdraw(nodes):
     a.announce_stage(0, {"address": "127.0.0.1:5000", "state": "busy", "outer_step": 3}, ttl_s=20)
     assert b.get_stage_peers(0)[a.peer_id].state == "busy"
 
-    # stale records are dropped on request (margins of 0.6 s either side for slow CI machines)
-    time_a = b.get_stage_peers(0)[a.peer_id].time
-    time.sleep(1.2)
+    # a reader's max_age_s reaches the filter (its boundary is tested with set clocks in test_dht_records)
     b.announce_stage(0, {"address": "127.0.0.1:5001", "state": "ready", "outer_step": 4}, ttl_s=60)
-    assert set(a.get_stage_peers(0, max_age_s=dht_time() - time_a - 0.6)) == {b.peer_id}
+    assert set(a.get_stage_peers(0, max_age_s=60)) == {a.peer_id, b.peer_id}
+    assert a.get_stage_peers(0, max_age_s=1e-9) == {}  # every record is older than that when it is read
 
     a.announce_replica({"outer_step": 7, "inner_step": 12, "tokens_per_s": 1000.0, "loss": 3.5}, ttl_s=60)
     assert b.get_replicas()[a.peer_id].loss == 3.5

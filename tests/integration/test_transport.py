@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import grpc
 import pytest
@@ -46,6 +45,7 @@ class ToyStage:
     def __init__(self):
         self.release = threading.Event()  # lets a "slow" forward finish
         self.slow_entered = threading.Event()
+        self.slow_answered = threading.Event()  # a "slow" forward returned (only after `release`)
         self.steps: list[StepRequest] = []
         self.state = {"w": torch.randn(512, 600, generator=torch.Generator().manual_seed(0))}  # 1.2 MB
 
@@ -53,6 +53,7 @@ class ToyStage:
         if req.pipeline_id == "slow":
             self.slow_entered.set()
             self.release.wait(30)
+            self.slow_answered.set()
         if req.pipeline_id == "boom":
             raise RuntimeError("simulated bug")
         if req.stage not in (1, 2):
@@ -181,12 +182,10 @@ def test_handler_errors_become_statuses_and_the_server_keeps_serving(toy):
 def test_deadline_is_honoured(toy):
     server, handler = toy
     with PeerClient(server.address, timeout_s=0.5) as client:
-        t0 = time.monotonic()
         with pytest.raises(NetworkError, match="no answer within 0.5s"):
             client.forward(_request(pipeline_id="slow"))
-        elapsed = time.monotonic() - t0
-        assert handler.slow_entered.is_set()
-        assert 0.45 <= elapsed < 0.5 + 1.0
+        assert handler.slow_entered.is_set()  # the call reached the handler ...
+        assert not handler.slow_answered.is_set()  # ... and the client stopped waiting before any answer
         handler.release.set()
         assert client.info(timeout_s=5)["state"] == "ready"
 
@@ -266,9 +265,8 @@ def test_stop_with_a_call_in_flight_is_bounded_and_the_client_gets_a_network_err
     caller = threading.Thread(target=call)
     caller.start()
     assert handler.slow_entered.wait(10)
-    t0 = time.monotonic()
     server.stop(grace_s=0.2)
-    assert time.monotonic() - t0 < 3.0
+    assert not handler.slow_answered.is_set()  # stop did not wait for the call in flight (it waits 30 s)
     assert done.wait(10)
     assert isinstance(outcome.get("error"), NetworkError)
     handler.release.set()

@@ -180,6 +180,19 @@ def test_the_reader_drops_a_malformed_record_and_counts_it() -> None:
     assert reader.dropped["malformed"] == 1
 
 
+def test_the_reader_drops_records_older_than_max_age_and_keeps_the_rest() -> None:
+    (old_key, old), (new_key, new) = _subkey_and_id(), _subkey_and_id()
+    reader = RecordReader("me", None)
+    value = {
+        old_key: SimpleNamespace(value={**STAGE, "peer_id": old, "time": 10.0}),
+        new_key: SimpleNamespace(value={**STAGE, "peer_id": new, "time": 12.0}),
+    }
+    assert set(reader.records(value, now=13.0, max_age_s=2.0, parse=StageRecord.parse)) == {new}
+    assert set(reader.records(value, now=13.0, max_age_s=3.0, parse=StageRecord.parse)) == {old, new}  # age == max
+    assert set(reader.records(value, now=13.0, max_age_s=None, parse=StageRecord.parse)) == {old, new}
+    assert reader.records(value, now=13.0, max_age_s=0.5, parse=StageRecord.parse) == {}
+
+
 def test_the_writer_publishes_every_field_of_the_protocol() -> None:
     cfg = build_config(environ={})
     me = Presence("me", "full", address="127.0.0.1:4000")

@@ -19,9 +19,7 @@ from peer.core.sparseloco.commit import commit_round, embedding_update, perp_dec
 from peer.core.subspace.compression import make_basis, project
 from peer.core.subspace.state import perp_of
 from peer.node.stage.worker import StageWorker
-from peer.research.simulate.engine import simulate
 from peer.research.simulate.replica import LocalReplica
-from tests.corpora import pattern_corpus
 
 
 def _cfg(**overrides):
@@ -155,37 +153,3 @@ def test_local_replicas_agree_after_commit_round():
     for s in range(cfg.stages):
         a, b = (dict(r.stages[s].state_dict()) for r in reps)
         assert state_hash(a) == state_hash(b)
-
-
-def _synthetic_data(cfg, root):
-    return pattern_corpus(root, cfg.model.vocab_size, tokens=50_000, period=97, val=4_000)
-
-
-def test_simulator_is_deterministic_and_reports_every_config(tmp_path):
-    cfg = _cfg()
-    data = _synthetic_data(cfg, tmp_path)
-    a = simulate(cfg, data, replicas=2, het_fraction=0.5)
-    b = simulate(cfg, data, replicas=2, configs=["pp-compress"], het_fraction=0.5)
-    assert [r.name for r in a] == ["adamw", "sparseloco", "pp-compress", "het-pp-compress"]
-    assert a[2].train_curve == b[0].train_curve  # bit-identical losses for the same seed
-    by = {r.name: r for r in a}
-    assert by["sparseloco"].delta_pct == 0.0
-    assert by["adamw"].pg_bytes > 50 * by["sparseloco"].pg_bytes  # dense fp32 every step vs 2-bit top-k
-    assert by["pp-compress"].act_bytes < by["het-pp-compress"].act_bytes < by["sparseloco"].act_bytes
-    assert by["pp-compress"].k_ratio == "1/8" and by["het-pp-compress"].het_fraction == 0.5
-
-
-def test_simulator_learns_a_pattern(tmp_path):
-    cfg = _cfg(**{"train.outer_steps": 6, "train.inner_steps": 5, "train.lr": 1e-2})
-    (res,) = simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["sparseloco"])
-    assert res.val_curve[-1][1] < res.val_curve[0][1] - 0.5
-
-
-def test_het_fraction_must_leave_both_kinds(tmp_path):
-    from peer.errors import ConfigError
-
-    cfg = _cfg()
-    with pytest.raises(ConfigError, match="het-fraction"):
-        simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["het-pp-compress"], het_fraction=1.0)
-    with pytest.raises(ConfigError, match="unknown simulator config"):
-        simulate(cfg, _synthetic_data(cfg, tmp_path), replicas=2, configs=["nope"])

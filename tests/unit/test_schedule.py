@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -44,39 +43,43 @@ def test_streamed_fields_round_trip():
 
 def test_stage_zero_forwards_run_in_micro_batch_order_whatever_thread_starts_first():
     turns, entered, lock = _ForwardTurns(threading.Event()), [], threading.Lock()
+    arrived = {mb: threading.Event() for mb in range(8)}
 
     def forward(mb: int) -> None:
+        arrived[mb].set()
         turns.wait(mb)
         with lock:
             entered.append(mb)
-        time.sleep(0.002)
         turns.done(mb)
 
-    threads = [threading.Thread(target=forward, args=(mb,)) for mb in (5, 3, 7, 0, 6, 1, 4, 2)]
-    for th in threads:  # the later micro-batches start first
+    later = [threading.Thread(target=forward, args=(mb,)) for mb in (5, 3, 7, 6, 1, 4, 2)]
+    for th in later:  # every later micro-batch is on its way before micro-batch 0 starts
         th.start()
-        time.sleep(0.005)
-    for th in threads:
+    assert all(arrived[mb].wait(5) for mb in (5, 3, 7, 6, 1, 4, 2))
+    assert entered == []  # none may run its forward before micro-batch 0 has
+    first = threading.Thread(target=forward, args=(0,))
+    first.start()
+    for th in [first, *later]:
         th.join(5)
     assert entered == list(range(8))
 
 
 def test_a_failed_attempt_releases_the_forwards_still_waiting():
     abort = threading.Event()
-    turns, failed = _ForwardTurns(abort), []
+    turns, failed, arrived = _ForwardTurns(abort), [], threading.Event()
 
     def forward(mb: int) -> None:
+        arrived.set()
         try:
-            turns.wait(mb)
+            turns.wait(mb)  # micro-batches 0-2 never run: only the abort can end this wait
         except _Aborted:
             failed.append(mb)
 
     waiting = threading.Thread(target=forward, args=(3,))
     waiting.start()
-    time.sleep(0.1)
-    assert waiting.is_alive()  # micro-batches 0-2 have not run
+    assert arrived.wait(5)
     abort.set()
-    waiting.join(2)
-    assert failed == [3]
+    waiting.join(5)
+    assert not waiting.is_alive() and failed == [3]  # ended by the abort, not by returning
     with pytest.raises(_Aborted):
         turns.wait(0)  # nothing new starts once the attempt failed

@@ -17,7 +17,7 @@ Intel Xeon gave other bits (issue 34), so no pin relies on that. What the simula
 tested instead: (a) two runs in fresh processes on the same kernels give the same bits, and (b) a
 refactor that keeps the math keeps them — pinned per machine kind, keyed by everything that picks
 the kernels (CPU vendor, family, model and name, torch's version and CPU capability; one thread),
-and skipped on a kind nobody has pinned. `python -m tests.unit.test_pinned_hashes` prints this
+and skipped on a kind nobody has pinned. `python -m tests.integration.test_pinned_hashes` prints this
 machine's key and hashes, to add a kind or to re-record one after a deliberate change.
 """
 
@@ -157,7 +157,7 @@ def _in_fresh_process(fn: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     code = (
         "import json, torch; torch.set_num_threads(1); "
-        f"from tests.unit import test_pinned_hashes as m; print(json.dumps(m.{fn}()))"
+        f"from tests.integration import test_pinned_hashes as m; print(json.dumps(m.{fn}()))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -203,7 +203,7 @@ def test_a_short_simulator_run_is_deterministic_and_keeps_its_hash_on_this_machi
     assert second == first  # (a) the same kernels: the same bits
     kind = machine_kind()
     if kind not in SIMULATOR_PINS:
-        record = "python -m tests.unit.test_pinned_hashes"
+        record = "python -m tests.integration.test_pinned_hashes"
         pytest.skip(f"no simulator pin for {kind!r} (training is device-native); record it: {record}")
     assert first == SIMULATOR_PINS[kind]  # (b) a refactor that keeps the math keeps the bits
 
