@@ -354,10 +354,6 @@ def join(
 ) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
-    if (
-        in_flight is not None
-    ):  # a head's local schedule (peer.node.pipeline.schedule reads it; not part of the run's config)
-        os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
     _setup_logging(verbose)
     _start_dht_forkserver()
     from peer.cli.join_setup import join_role, prepare_join
@@ -386,6 +382,7 @@ def join(
         resume=resume,
         link=build_link_config(None, max_upload_mbps, max_download_mbps, relay, relay_max_mbps),
         swarm_secret=load_swarm_secret(swarm_secret_file),
+        in_flight=in_flight,  # a head's own window K (peer.node.pipeline.schedule.with_in_flight)
     )
     stop = threading.Event()
     err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
