@@ -63,8 +63,10 @@ PAPER_ALGORITHM: dict[str, object] = {
 class SubspaceConfig:
     """Boundary compression of compressed pipelines: k = k_ratio · d columns of U."""
 
-    k_ratio: str = "1/8"
-    wire_dtype: str = "bf16"  # dtype of boundary activations and gradients on the wire (fp32, bf16, fp16)
+    k_ratio: str = field(default="1/8", metadata={"help": "Subspace width k/d of compressed boundaries."})
+    wire_dtype: str = field(  # dtype of boundary activations and gradients on the wire
+        default="bf16", metadata={"help": "Boundary dtype on the wire: fp32, bf16, fp16."}
+    )
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,10 @@ def history_ttl_s(swarm: SwarmConfig) -> float:
 class RunConfig:
     """Everything that must agree across all peers of one run."""
 
-    run_name: str = "peer-run"
-    seed: int = 0
-    preset: str = "tiny"
-    stages: int = 2
+    run_name: str = field(default="peer-run", metadata={"help": "Human name of the run (part of the run id)."})
+    seed: int = field(default=0, metadata={"help": "Run seed: init, U, data order."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset: tiny, small, 178M, 512M, 1B."})
+    stages: int = field(default=2, metadata={"help": "S: pipeline stages of a compressed pipeline or replica."})
     model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
     subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
@@ -471,10 +473,21 @@ def validate(cfg: RunConfig) -> None:
 class LinkConfig:
     """One peer's own link, not part of the run's manifest (`peer join` flags, `PEER_LINK__*` env)."""
 
-    max_upload_mbps: float = 0.0  # cap on everything this peer sends, Mbit/s (0 = no cap)
-    max_download_mbps: float = 0.0  # cap on everything this peer receives, Mbit/s (0 = no cap)
-    relay: bool = False  # forward calls for peers that cannot be dialled (behind NAT)
-    relay_max_mbps: float = 0.0  # cap on the bytes relayed for others, Mbit/s (0 = no cap)
+    max_upload_mbps: float = field(  # cap on everything this peer sends, Mbit/s (0 = no cap)
+        default=0.0,
+        metadata={"help": "Cap on what this peer sends, Mbit/s (default: no cap; PEER_LINK__MAX_UPLOAD_MBPS)."},
+    )
+    max_download_mbps: float = field(  # cap on everything this peer receives, Mbit/s (0 = no cap)
+        default=0.0,
+        metadata={"help": "Cap on what this peer receives, Mbit/s (default: no cap; PEER_LINK__MAX_DOWNLOAD_MBPS)."},
+    )
+    relay: bool = field(  # forward calls for peers that cannot be dialled (behind NAT)
+        default=False,
+        metadata={"help": "Relay calls for peers that cannot be dialled (behind NAT); see docs/connectivity.md."},
+    )
+    relay_max_mbps: float = field(  # cap on the bytes relayed for others, Mbit/s (0 = no cap)
+        default=0.0, metadata={"help": "Cap on the bytes relayed for others, Mbit/s (default: no cap)."}
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_upload_mbps", "max_download_mbps", "relay_max_mbps"):
@@ -482,9 +495,9 @@ class LinkConfig:
                 raise ConfigError(f"link.{name} must be >= 0 Mbit/s (0 = no cap), got {getattr(self, name)}")
 
 
-def build_link_config(environ: Mapping[str, str] | None = None, *flags: Any) -> LinkConfig:
-    """defaults < `PEER_LINK__FIELD` environment variables < `flags` (LinkConfig's fields in order;
-    None: not given)."""
+def build_link_config(environ: Mapping[str, str] | None = None, *flags: Any, **named: Any) -> LinkConfig:
+    """defaults < `PEER_LINK__FIELD` environment variables < `flags` (LinkConfig's fields in order, or
+    `named` by field; None: not given)."""
     environ = os.environ if environ is None else environ
     known = get_type_hints(LinkConfig)
     values: dict[str, Any] = {}
@@ -494,7 +507,9 @@ def build_link_config(environ: Mapping[str, str] | None = None, *flags: Any) -> 
             if name not in known:
                 raise ConfigError(f"unknown key 'link.{name}' ({key}); valid keys: {', '.join(sorted(known))}")
             values[name] = _coerce(value, known[name], f"link.{name} (from {key})")
-    for name, value in zip(known, flags, strict=False):
+    for name, value in [*zip(known, flags, strict=False), *named.items()]:
+        if name not in known:
+            raise ConfigError(f"unknown key 'link.{name}'; valid keys: {', '.join(sorted(known))}")
         if value is not None:
             values[name] = _coerce(value, known[name], f"link.{name}")
     return LinkConfig(**values)

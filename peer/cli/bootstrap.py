@@ -4,14 +4,16 @@ with its flags, is in `peer.cli.main`; the node it runs is `peer.bootstrap`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
+from peer.cli import options as o
 from peer.errors import ConfigError
 
 if TYPE_CHECKING:
+    from peer.cli.args import BootstrapArgs
     from peer.config import RunConfig
 
 
@@ -24,32 +26,19 @@ def show_peer_id(identity: Path | None) -> None:
     typer.echo(make_identity(identity))
 
 
-def bootstrap_config(a: dict[str, Any], console: Console) -> RunConfig:
+def bootstrap_config(a: BootstrapArgs, console: Console) -> RunConfig:
     """The run's config from `peer bootstrap`'s flags `a`; with --paper-settings, `PAPER_ALGORITHM` under it
     and a line per setting it changed."""
     from peer.config import build_config, paper_algorithm_config
 
-    overrides = {
-        "preset": a["preset"],
-        "stages": a["stages"],
-        "subspace.k_ratio": a["k_ratio"],
-        "train.inner_steps": a["inner_steps"],
-        "train.outer_steps": a["outer_steps"],
-        "train.batch_size": a["batch_size"],
-        "train.seq_len": a["seq_len"],
-        "seed": a["seed"],
-        "data.dataset": a["dataset"],
-        "data.max_chars": a["max_chars"],
-        "data.tokenizer": a["tokenizer"],
-        "subspace.wire_dtype": a["wire_dtype"],
-        "run_name": a["run_name"],
-        "swarm.admission": a["admission"]
-        or ("secret" if a["swarm_secret_file"] else "allowlist" if a["allow_peer"] else None),
-        "swarm.allowlist": tuple(a["allow_peer"]) if a["allow_peer"] else None,
+    admission = a.admission or ("secret" if a.swarm_secret_file else "allowlist" if a.allow_peer else None)
+    overrides = o.overrides(a) | {
+        "swarm.admission": admission,
+        "swarm.allowlist": tuple(a.allow_peer) if a.allow_peer else None,
     }
-    if not a["paper_settings"]:
-        return build_config(a["config"], overrides)
-    cfg, changed = paper_algorithm_config(a["config"], overrides)
+    if not a.paper_settings:
+        return build_config(a.config, overrides)
+    cfg, changed = paper_algorithm_config(a.config, overrides)
     for line in changed or ["nothing to change: the run already has the paper's round rule"]:
         console.print(f"--paper-settings: {line}", soft_wrap=True)
     return cfg

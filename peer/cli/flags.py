@@ -1,9 +1,10 @@
-"""Every flag of the `peer` command line: its name, its help (units in names), its type.
+"""The flags of the smaller `peer` commands (status, export, demo, data, bench): name, help, type.
 
 Each flag is a typed `Annotated` alias that `peer/cli/main.py` puts in a command's signature together
-with its default (`stages: SimStages = None`), so a flag shared by several commands is written
-once. Invariants: a flag's name and help are the ones `peer … --help` shows; nothing here parses,
-validates or runs anything (the CLI and peer.config do).
+with its default (`out: ExportOut`), so a flag shared by several commands is written once; the flags
+of bootstrap, join and simulate are dataclass fields instead (peer.cli.args). Invariants: a flag's
+name and help are the ones `peer … --help` shows; nothing here parses, validates or runs anything
+(the CLI and peer.config do).
 """
 
 from __future__ import annotations
@@ -15,20 +16,7 @@ import typer
 
 # --- shared --------------------------------------------------------------------------------------
 
-Config = Annotated[
-    Path | None, typer.Option("--config", help="TOML run config (defaults < TOML < PEER_* env < flags).")
-]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v")]
-JsonOut = Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")]
-Preset = Annotated[str | None, typer.Option(help="Model preset: tiny, small, 178M, 512M, 1B (default tiny).")]
-KRatio = Annotated[
-    str | None, typer.Option("--k-ratio", help="Subspace width k/d of compressed boundaries (default 1/8).")
-]
-BatchSize = Annotated[
-    int | None, typer.Option("--batch-size", help="Sequences per inner step per replica (default 8).")
-]
-SeqLen = Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence (default 64).")]
-Seed = Annotated[int | None, typer.Option(help="Run seed: init, U, data order (default 0).")]
 SwarmSecret = Annotated[
     Path | None,
     typer.Option("--swarm-secret-file", help="The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."),
@@ -91,113 +79,7 @@ ExportTimeout = Annotated[
     ),
 ]
 
-# --- peer bootstrap ------------------------------------------------------------------------------
-
-BootStages = Annotated[int | None, typer.Option(help="S: pipeline stages of compressed pipelines (default 2).")]
-BootInnerSteps = Annotated[
-    int | None, typer.Option("--inner-steps", help="H: inner steps per outer step (default 20).")
-]
-BootOuterSteps = Annotated[
-    int | None, typer.Option("--outer-steps", help="T: outer steps (rounds) of the run (default 10).")
-]
-BootDataset = Annotated[
-    str | None,
-    typer.Option(
-        help="The run's one corpus: a prepared folder (`peer data prepare`), or a local file/folder or hub "
-        "dataset prepared into the cache (default: the embedded corpus). Heads and full replicas fetch it from here."
-    ),
-]
-JoinDataset = Annotated[
-    Path | None,
-    typer.Option(
-        "--dataset",
-        help="A prepared folder holding the run's dataset (head, full replica); its fingerprints must be the "
-        "manifest's. Default: <data-dir>/dataset, fetched from the swarm where shards are missing.",
-    ),
-]
-MaxChars = Annotated[
-    int | None, typer.Option("--max-chars", help="Cap on the corpus size in characters (default 4000000).")
-]
-Tokenizer = Annotated[Path | None, typer.Option(help="Use this sentencepiece .model instead of training one.")]
-WireDtype = Annotated[str | None, typer.Option("--wire-dtype", help="Boundary dtype on the wire: fp32, bf16, fp16.")]
-RunName = Annotated[str | None, typer.Option("--run-name", help="Human name of the run (part of the run id).")]
-BootPaperSettings = Annotated[
-    bool,
-    typer.Option(
-        "--paper-settings",
-        help="Publish the paper's round rule (peer.config.PAPER_ALGORITHM: no quantization, median clip or "
-        "outlier screening, 1-D tensors top-k, all-to-all rounds); prints each setting it changed. "
-        "--config, PEER_* and flags still override it.",
-    ),
-]
-BootHost = Annotated[
-    str,
-    typer.Option(help="Interface to listen on: 0.0.0.0, all (others can join); 127.0.0.1: this machine only."),
-]
-BootPort = Annotated[int, typer.Option(help="DHT (libp2p) TCP port; 0 picks a free one.")]
-GrpcPort = Annotated[
-    int, typer.Option("--grpc-port", help="gRPC TCP port serving the tokenizer and manifest; 0 picks a free one.")
-]
-BootAnnounceHost = Annotated[
-    str | None,
-    typer.Option(
-        "--announce-host", help="Host name or IP other machines reach this one at (needs an explicit --port)."
-    ),
-]
-BootIdentity = Annotated[
-    Path | None,
-    typer.Option(
-        help="libp2p private key file, created if missing; keeps the peer id and multiaddr stable across restarts."
-    ),
-]
-AddressFile = Annotated[
-    Path | None,
-    typer.Option(
-        "--address-file", help="Once ready, write {initial_peers, grpc, run_id, peer_id} JSON here (removed on exit)."
-    ),
-]
-BootAttest = Annotated[
-    bool,
-    typer.Option(
-        "--attest/--no-attest",
-        help="Follow every stage by replay and attest the states reached, so joiners past the history window "
-        "can start (holds one copy of the model; docs/protocol.md, 'Joining by replay').",
-    ),
-]
-BootAttestDir = Annotated[
-    Path | None,
-    typer.Option("--attest-dir", help="Where the attester keeps its states across restarts (default: the cache)."),
-]
-PrintPeerId = Annotated[
-    bool,
-    typer.Option("--print-peer-id", help="Print the peer id of --identity (creating the key if missing) and exit."),
-]
-Admission = Annotated[
-    str | None,
-    typer.Option(
-        "--admission",
-        help="Who may take part: open, secret (peers need --swarm-secret-file) or allowlist "
-        "(only --allow-peer ids). Default: secret with --swarm-secret-file, allowlist with --allow-peer, else open.",
-    ),
-]
-AllowPeer = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--allow-peer",
-        help="Peer id admitted in allowlist mode (repeatable; a peer prints its id with "
-        "`peer bootstrap --identity KEY_FILE --print-peer-id`).",
-    ),
-]
-BootSwarmSecret = Annotated[
-    Path | None,
-    typer.Option(
-        "--swarm-secret-file",
-        help="File holding the swarm secret (secret mode; default $PEER_SWARM_SECRET). "
-        "Only a commitment to it is published.",
-    ),
-]
-
-# --- peer status / join --------------------------------------------------------------------------
+# --- peer status / bench caps --------------------------------------------------------------------
 
 StatusPeers = Annotated[
     list[str],
@@ -209,100 +91,6 @@ StatusPeers = Annotated[
 StatusJson = Annotated[bool, typer.Option("--json", help="Print the status as JSON on stdout instead of tables.")]
 StatusTimeout = Annotated[
     float, typer.Option("--timeout-s", help="Seconds to wait for the DHT and for the run's manifest.")
-]
-JoinPeers = Annotated[
-    list[str] | None, typer.Option("--initial-peers", help="Multiaddr printed by `peer bootstrap` (repeatable).")
-]
-JoinStage = Annotated[
-    int | None, typer.Option("--stage", help="Hold this pipeline stage (0 = a head that drives a pipeline).")
-]
-FullReplica = Annotated[bool, typer.Option("--full-replica", help="Hold every stage and train without compression.")]
-Device = Annotated[str, typer.Option(help="auto, cpu or cuda.")]
-Precision = Annotated[
-    str,
-    typer.Option(
-        "--precision",
-        envvar="PEER_PRECISION",
-        help="Compute dtype of the inner steps: auto (bf16 on a GPU with native bf16, fp32 on CPU and older GPUs), "
-        "bf16, fp16 (with loss scaling) or fp32. Weights, θ_start, the error buffer and every commit stay fp32. "
-        "`PEER_PRECISION=bf16 peer demo` gives every join of the demo bf16.",
-    ),
-]
-ActivationCheckpointing = Annotated[
-    bool,
-    typer.Option(
-        "--activation-checkpointing",
-        envvar="PEER_ACTIVATION_CHECKPOINTING",
-        help="Recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more "
-        "compute); also env PEER_ACTIVATION_CHECKPOINTING=1 (a demo's joins inherit it).",
-    ),
-]
-MaxMemory = Annotated[
-    str | None,
-    typer.Option(
-        "--max-memory",
-        help="Memory this peer may use for its stages, e.g. 6GiB or 800MB (default: the device's free memory).",
-    ),
-]
-JoinHost = Annotated[
-    str,
-    typer.Option(
-        help="Interface for the gRPC data plane and the DHT: 0.0.0.0, all (others can dial it); "
-        "127.0.0.1: this machine only."
-    ),
-]
-JoinPort = Annotated[int, typer.Option(help="gRPC data-plane port (0 = any free port).")]
-DhtPort = Annotated[int, typer.Option("--dht-port", help="DHT port (0 = any free port).")]
-JoinAnnounceHost = Annotated[
-    str | None, typer.Option("--announce-host", help="Host others reach this peer at (behind NAT / port forwarding).")
-]
-DataDir = Annotated[
-    Path | None, typer.Option("--data-dir", help="Tokenizer, metrics.jsonl and state (default runs/<role>).")
-]
-JoinIdentity = Annotated[
-    Path | None, typer.Option("--identity", help="Persistent peer key file (created on first run).")
-]
-ManifestTimeout = Annotated[
-    float, typer.Option("--manifest-timeout-s", help="How long to wait for the bootstrap's manifest.")
-]
-Resume = Annotated[
-    bool, typer.Option("--resume", help="Continue from the newest good checkpoint in <data-dir>/checkpoints.")
-]
-InitialPeersFile = Annotated[
-    Path | None,
-    typer.Option(
-        "--initial-peers-file",
-        help="JSON written by `peer bootstrap --address-file`: join through its multiaddrs, waiting for the "
-        "file up to --manifest-timeout-s (e.g. on a volume shared with the bootstrap).",
-    ),
-]
-MetricsPort = Annotated[
-    int | None,
-    typer.Option("--metrics-port", help="Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port)."),
-]
-
-MaxUploadMbps = Annotated[
-    float | None,
-    typer.Option(
-        "--max-upload-mbps", help="Cap on what this peer sends, Mbit/s (default: no cap; PEER_LINK__MAX_UPLOAD_MBPS)."
-    ),
-]
-MaxDownloadMbps = Annotated[
-    float | None,
-    typer.Option(
-        "--max-download-mbps",
-        help="Cap on what this peer receives, Mbit/s (default: no cap; PEER_LINK__MAX_DOWNLOAD_MBPS).",
-    ),
-]
-Relay = Annotated[
-    bool | None,
-    typer.Option(
-        "--relay", help="Relay calls for peers that cannot be dialled (behind NAT); see docs/connectivity.md."
-    ),
-]
-RelayMaxMbps = Annotated[
-    float | None,
-    typer.Option("--relay-max-mbps", help="Cap on the bytes relayed for others, Mbit/s (default: no cap)."),
 ]
 CapsMbps = Annotated[float, typer.Option("--mbps", help="The upload and download cap to measure, Mbit/s.")]
 CapsWindow = Annotated[float, typer.Option("--window-s", help="Seconds each rate is measured over.")]
@@ -397,14 +185,8 @@ DemoTimeout = Annotated[
     float, typer.Option("--timeout-s", help="Seconds the whole demo may take before every process is stopped.")
 ]
 
-# --- peer join --in-flight / peer bench pipeline ---------------------------------------------------
+# --- peer bench pipeline / replica ---------------------------------------------------------------
 
-JoinInFlight = Annotated[
-    int | None,
-    typer.Option(
-        "--in-flight", help="Head: micro-batches in the pipeline at once (1 = sequential; default auto from S and RTT)."
-    ),
-]
 PipeStages = Annotated[int, typer.Option(help="S: stages, each a process pinned to its own core.")]
 PipePreset = Annotated[str, typer.Option(help="Model preset.")]
 PipeSplit = Annotated[

@@ -1,7 +1,7 @@
 """`peer` command line: parse flags, build the config, call one function, show the result.
 
 The only module that prints (the tables and lines it prints are built in peer.cli.render; each
-flag's name and help are in peer.cli.flags).
+flag's name, default and help are one field of peer.cli.args, or an alias in peer.cli.flags).
 Every `PeerError` becomes a one-line `error: …` and exit code 2. Every file a command writes goes
 where its flags say (--json, --out, --plot, --png, --workdir, --data-dir, --save) or under runs/,
 never into the current directory.
@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -24,16 +24,14 @@ from rich.console import Console
 from peer import package_version
 from peer.cli import flags
 from peer.cli import flags_plan as plan_flags
-from peer.cli import flags_simulate as sim_flags
+from peer.cli import options as o
+from peer.cli.args import BootstrapArgs, JoinArgs, SimulateArgs
 from peer.cli.bench import bench_app
 from peer.cli.bootstrap import bootstrap_config, show_peer_id
 from peer.core.files import atomic_write_bytes
 from peer.core.memory import parse_bytes
 from peer.demo.processes import stop_on_signals
 from peer.errors import ConfigError, PeerError
-
-if TYPE_CHECKING:
-    pass
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer pre-training of LLMs.")
 app.add_typer(bench_app, name="bench")
@@ -81,53 +79,14 @@ def _png_path(flag: Path | None, json_out: Path | None, default: Path) -> Path:
     return flag or (json_out.with_suffix(".png") if json_out else default)
 
 
-@app.command()
-def simulate(
-    preset: flags.Preset = None,
-    replicas: sim_flags.SimReplicas = None,
-    stages: sim_flags.SimStages = None,
-    k_ratio: sim_flags.SimKRatios = None,
-    het_fraction: sim_flags.HetFraction = 0.5,
-    inner_steps: sim_flags.SimInnerSteps = None,
-    outer_steps: sim_flags.SimOuterSteps = None,
-    batch_size: flags.BatchSize = None,
-    seq_len: flags.SeqLen = None,
-    lr: sim_flags.Lr = None,
-    seed: flags.Seed = None,
-    seeds: sim_flags.SimSeeds = None,
-    configs: sim_flags.Configs = "adamw,sparseloco,pp-compress,het-pp-compress",
-    val_tokens: sim_flags.ValTokens = 16384,
-    quant_bits: sim_flags.SimQuantBits = None,
-    clip_median: sim_flags.ClipMedian = None,
-    adamw_lr: sim_flags.AdamwLr = None,
-    te_adaptation: sim_flags.TeAdaptation = True,
-    weight_projection: sim_flags.WeightProjection = False,
-    grassmann: sim_flags.Grassmann = False,
-    grassmann_lr: sim_flags.GrassmannLr = None,
-    modified_adamw: sim_flags.ModifiedAdamw = False,
-    paper_settings: sim_flags.PaperSettings = False,
-    setting: sim_flags.Setting = None,
-    token_budget: sim_flags.TokenBudget = None,
-    extend: sim_flags.Extend = None,
-    dataset: sim_flags.SimDataset = None,
-    json_out: flags.JsonOut = None,
-    plot: sim_flags.SimPlot = None,
-    save: sim_flags.Save = None,
-    attacks: sim_flags.Attacks = None,
-    round_rule: sim_flags.SimRound = "all",
-    workers: sim_flags.SimWorkers = None,
-    device: sim_flags.SimDevice = "cpu",
-    resume: sim_flags.SimResume = False,
-    checkpoint_dir: sim_flags.SimCheckpointDir = None,
-    config: flags.Config = None,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(app)
+def simulate(a: SimulateArgs) -> None:
     """Run the paper's configurations (Tables 2, 4, 5) on the same data and steps (replicas in parallel)."""
-    _setup_logging(verbose)
+    _setup_logging(a.verbose)
     from peer.cli.simulate import command
 
-    args = dict(locals()) | {"checkpoint_dir": checkpoint_dir or RUNS / "simulate-ckpt"}
-    command(console, args, _png_path(plot, json_out, RUNS / "simulate.png"), _write_json)
+    args = dataclasses.asdict(a) | {"checkpoint_dir": a.checkpoint_dir or RUNS / "simulate-ckpt"}
+    command(console, args, _png_path(a.plot, a.json_out, RUNS / "simulate.png"), _write_json)
 
 
 @data_app.command("prepare")
@@ -228,51 +187,19 @@ def export(
     )
 
 
-@app.command()
-def bootstrap(
-    config: flags.Config = None,
-    preset: flags.Preset = None,
-    stages: flags.BootStages = None,
-    k_ratio: flags.KRatio = None,
-    inner_steps: flags.BootInnerSteps = None,
-    outer_steps: flags.BootOuterSteps = None,
-    batch_size: flags.BatchSize = None,
-    seq_len: flags.SeqLen = None,
-    seed: flags.Seed = None,
-    dataset: flags.BootDataset = None,
-    max_chars: flags.MaxChars = None,
-    tokenizer: flags.Tokenizer = None,
-    wire_dtype: flags.WireDtype = None,
-    run_name: flags.RunName = None,
-    paper_settings: flags.BootPaperSettings = False,
-    host: flags.BootHost = "0.0.0.0",
-    port: flags.BootPort = 0,
-    grpc_port: flags.GrpcPort = 0,
-    announce_host: flags.BootAnnounceHost = None,
-    identity: flags.BootIdentity = None,
-    address_file: flags.AddressFile = None,
-    print_peer_id: flags.PrintPeerId = False,
-    admission: flags.Admission = None,
-    allow_peer: flags.AllowPeer = None,
-    swarm_secret_file: flags.BootSwarmSecret = None,
-    relay: flags.Relay = None,
-    metrics_port: flags.MetricsPort = None,
-    max_upload_mbps: flags.MaxUploadMbps = None,
-    attest: flags.BootAttest = True,
-    attest_dir: flags.BootAttestDir = None,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(app)
+def bootstrap(a: BootstrapArgs) -> None:
     """Start a swarm: publish the run's manifest, tokenizer and dataset on a DHT node and print the join lines."""
-    _setup_logging(verbose)
-    if print_peer_id:
-        return show_peer_id(identity)
+    _setup_logging(a.verbose)
+    if a.print_peer_id:
+        return show_peer_id(a.identity)
     _start_dht_forkserver()
     from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.cli.render import bootstrap_banner
     from peer.config import build_link_config
 
-    cfg = bootstrap_config(dict(locals()), console)
-    export_swarm_secret(cfg, swarm_secret_file)
+    cfg = bootstrap_config(a, console)
+    export_swarm_secret(cfg, a.swarm_secret_file)
 
     def on_ready(info: BootstrapInfo) -> None:
         for line in bootstrap_banner(info, cfg):
@@ -283,18 +210,18 @@ def bootstrap(
         console.print("opening the dataset and starting the DHT node…", soft_wrap=True)
         run_bootstrap(
             cfg,
-            host=host,
-            dht_port=port,
-            grpc_port=grpc_port,
-            announce_host=announce_host,
-            identity_path=identity,
-            address_file=address_file,
+            host=a.host,
+            dht_port=a.port,
+            grpc_port=a.grpc_port,
+            announce_host=a.announce_host,
+            identity_path=a.identity,
+            address_file=a.address_file,
             on_ready=on_ready,
             stop_event=stop,
-            relay=bool(relay),
-            metrics_port=metrics_port,
-            max_upload_mbps=build_link_config(None, max_upload_mbps).max_upload_mbps,
-            attest_dir=(attest_dir or cfg.data.cache_dir / "attest") if attest else None,
+            relay=bool(a.relay),
+            metrics_port=a.metrics_port,
+            max_upload_mbps=build_link_config(None, max_upload_mbps=a.max_upload_mbps).max_upload_mbps,
+            attest_dir=(a.attest_dir or cfg.data.cache_dir / "attest") if a.attest else None,
         )
     console.print("bootstrap stopped", soft_wrap=True)
 
@@ -324,41 +251,11 @@ def status(
         console.print(part, soft_wrap=True)
 
 
-@app.command()
-def join(
-    initial_peers: flags.JoinPeers = None,
-    stage: flags.JoinStage = None,
-    full_replica: flags.FullReplica = False,
-    device: flags.Device = "auto",
-    precision: flags.Precision = "auto",
-    activation_checkpointing: flags.ActivationCheckpointing = False,
-    max_memory: flags.MaxMemory = None,
-    host: flags.JoinHost = "0.0.0.0",
-    port: flags.JoinPort = 0,
-    dht_port: flags.DhtPort = 0,
-    announce_host: flags.JoinAnnounceHost = None,
-    data_dir: flags.DataDir = None,
-    dataset: flags.JoinDataset = None,
-    identity: flags.JoinIdentity = None,
-    manifest_timeout_s: flags.ManifestTimeout = 60.0,
-    swarm_secret_file: flags.SwarmSecret = None,
-    resume: flags.Resume = False,
-    initial_peers_file: flags.InitialPeersFile = None,
-    metrics_port: flags.MetricsPort = None,
-    in_flight: flags.JoinInFlight = None,
-    max_upload_mbps: flags.MaxUploadMbps = None,
-    max_download_mbps: flags.MaxDownloadMbps = None,
-    relay: flags.Relay = None,
-    relay_max_mbps: flags.RelayMaxMbps = None,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(app)
+def join(a: JoinArgs) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
-    if (
-        in_flight is not None
-    ):  # a head's local schedule (peer.node.pipeline.schedule reads it; not part of the run's config)
-        os.environ["PEER_TRAIN__IN_FLIGHT"] = str(max(0, in_flight))
-    _setup_logging(verbose)
+    _setup_logging(a.verbose)
     _start_dht_forkserver()
     from peer.cli.join_setup import join_role, prepare_join
     from peer.config import build_link_config
@@ -367,31 +264,32 @@ def join(
     from peer.node.session import SessionOptions, usable_data_dir
     from peer.node.trainer import data_dir_default
 
-    role = join_role(stage, full_replica, device, precision)
-    data_dir = usable_data_dir(data_dir or data_dir_default(role, stage))
+    role = join_role(a.stage, a.full_replica, a.device, a.precision)
     opts = SessionOptions(
-        initial_peers=prepare_join(initial_peers, initial_peers_file, manifest_timeout_s, metrics_port, host),
-        host=host,
-        port=port,
-        dht_port=dht_port,
-        announce_host=announce_host,
-        data_dir=data_dir,
-        dataset=dataset.expanduser() if dataset else None,
-        identity=str(identity) if identity else None,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        max_memory=None if max_memory is None else parse_bytes(max_memory, "--max-memory"),
-        device=device,  # "auto" is decided after the DHT has started
-        manifest_timeout_s=manifest_timeout_s,
-        resume=resume,
-        link=build_link_config(None, max_upload_mbps, max_download_mbps, relay, relay_max_mbps),
-        swarm_secret=load_swarm_secret(swarm_secret_file),
+        initial_peers=prepare_join(a.initial_peers, a.initial_peers_file, a.manifest_timeout_s, a.metrics_port, a.host),
+        host=a.host,
+        port=a.port,
+        dht_port=a.dht_port,
+        announce_host=a.announce_host,
+        data_dir=usable_data_dir(a.data_dir or data_dir_default(role, a.stage)),
+        dataset=a.dataset.expanduser() if a.dataset else None,
+        identity=str(a.identity) if a.identity else None,
+        precision=a.precision,
+        activation_checkpointing=a.activation_checkpointing,
+        max_memory=None if a.max_memory is None else parse_bytes(a.max_memory, "--max-memory"),
+        device=a.device,  # "auto" is decided after the DHT has started
+        manifest_timeout_s=a.manifest_timeout_s,
+        resume=a.resume,
+        link=build_link_config(None, **o.overrides(a, "link")),
+        swarm_secret=load_swarm_secret(a.swarm_secret_file),
+        in_flight=a.in_flight,  # a head's own window K (peer.node.pipeline.schedule.with_in_flight)
     )
     stop = threading.Event()
-    err_console.print(f"peer join: {role}{'' if stage is None else f' (stage {stage})'}; data in {opts.data_dir}")
+    where = "" if a.stage is None else f" (stage {a.stage})"
+    err_console.print(f"peer join: {role}{where}; data in {opts.data_dir}")
     with stop_on_signals(stop):
         try:
-            code = run_join(opts, stage, stop)
+            code = run_join(opts, a.stage, stop)
         except PeerError:
             if not stop.is_set():
                 raise

@@ -24,7 +24,7 @@ from peer.config import RunConfig
 from peer.core.memory import StageMemory, estimate_replica, estimate_stage, format_bytes
 from peer.core.model.precision import resolve_precision
 from peer.errors import ConfigError
-from peer.node.pipeline.schedule import MAX_STASH, configured_in_flight
+from peer.node.pipeline.schedule import MAX_STASH, with_in_flight
 
 if TYPE_CHECKING:
     from peer.node.session import SessionOptions
@@ -43,10 +43,11 @@ class Ask:
 
 
 def largest_window(cfg: RunConfig) -> int:
-    """The most micro-batches a stage may stash at once: the configured window (this process's
-    `--in-flight`, else `train.in_flight`), or for auto the schedule's cap (`choose_in_flight`)."""
+    """The most micro-batches a stage may stash at once: the configured window (`train.in_flight`, with
+    this peer's `--in-flight` already applied by `with_in_flight`), or for auto the schedule's cap
+    (`choose_in_flight`)."""
     m = cfg.train.microbatches
-    configured = configured_in_flight(cfg.train.in_flight)
+    configured = cfg.train.in_flight
     if configured > 0:
         return max(1, min(configured, m))
     return 1 if cfg.stages == 1 else max(1, min(m, MAX_STASH))
@@ -81,6 +82,7 @@ def free_memory(device: str) -> tuple[int, int]:
 
 def check_join(cfg: RunConfig, stage: int | None, opts: SessionOptions) -> StageMemory:
     """`check_fit` with `peer join`'s options (the device already resolved from "auto")."""
+    cfg = with_in_flight(cfg, opts.in_flight)
     return check_fit(cfg, stage, opts.device, opts.precision, opts.activation_checkpointing, opts.max_memory)
 
 

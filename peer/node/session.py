@@ -87,6 +87,7 @@ class SessionOptions:
     resume: bool = False  # restore <data_dir>/checkpoints before training (`peer join --resume`)
     dataset: Path | None = None  # the run's prepared dataset (`peer join --dataset`; default <data_dir>/dataset)
     link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
+    in_flight: int | None = None  # a head's own window K (`peer join --in-flight`; None: the run's train.in_flight)
 
 
 class Session:

@@ -35,6 +35,7 @@ from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.fit import check_join
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
+from peer.node.pipeline.schedule import with_in_flight
 from peer.node.replica.data_parallel import chain_loss, chain_step, rank_batch_index
 from peer.node.round.gather import RoundResult
 from peer.node.service import PeerService
@@ -123,7 +124,7 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
         service.schedule = schedule
 
     return PipelineDriver(
-        session.cfg,
+        with_in_flight(session.cfg, session.opts.in_flight),  # this head's own window K (`--in-flight`)
         session.peer_id,
         worker,
         session.dht,

@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from peer.cli import flags_simulate as flags
+from peer.cli.args import SimulateArgs
+from peer.cli.options import parameters
 from peer.config import build_config
 from peer.core.model.optim import lr_at
 from peer.core.model.state import stage_state
@@ -266,13 +267,16 @@ def test_k_ratio_below_one_channel_names_the_smallest_valid_ratio():
 
 
 def test_simulate_defaults_are_the_ones_its_help_prints():
-    def default_in_help(annotated) -> str:
-        return re.search(r"default (\S+?)\)", annotated.__metadata__[0].help).group(1)
+    helps = {p.name: p.annotation.__metadata__[0].help for p in parameters(SimulateArgs)}
 
-    assert default_in_help(flags.SimInnerSteps) == str(SIMULATE_DEFAULTS["train.inner_steps"])
-    assert default_in_help(flags.SimOuterSteps) == str(SIMULATE_DEFAULTS["train.outer_steps"])
+    def default_in_help(name: str) -> str:
+        return re.search(r"default (\S+?)\)", helps[name]).group(1)
+
+    assert default_in_help("inner_steps") == str(SIMULATE_DEFAULTS["train.inner_steps"])
+    assert default_in_help("outer_steps") == str(SIMULATE_DEFAULTS["train.outer_steps"])
     cfg = build_config(overrides={}, environ={}, defaults=SIMULATE_DEFAULTS)
-    assert default_in_help(flags.SimStages) == str(cfg.stages)
+    assert default_in_help("stages") == str(cfg.stages)
+    assert default_in_help("clip_median") == str(cfg.sparseloco.clip_median_factor)
     assert cfg.sparseloco.clip_median_factor == 0.0  # median clipping off in the simulator
     assert SparseLoCoConfig().clip_median_factor == 2.0  # the swarm keeps it as a defence
     assert dataclasses.replace(cfg).train.inner_steps == 10

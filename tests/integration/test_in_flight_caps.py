@@ -31,11 +31,6 @@ from peer.research.bench.pipeline_peers import batches, head_driver
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(autouse=True)
-def _no_local_override(monkeypatch):
-    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
-
-
 def _cfg():
     overrides = {
         "train.batch_size": 16,

@@ -46,11 +46,6 @@ def _run(cfg: RunConfig, tmp_path, name: str) -> tuple[dict, dict]:
     return result, reports
 
 
-@pytest.fixture(autouse=True)
-def _no_local_override(monkeypatch):
-    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
-
-
 def test_in_flight_is_bit_identical_to_sequential_and_the_head_link_carries_one_boundary(tmp_path):
     seq, seq_reports = _run(_cfg(3, 1), tmp_path, "sequential")
     pipe, pipe_reports = _run(_cfg(3, 4), tmp_path, "pipelined")

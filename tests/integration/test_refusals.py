@@ -154,10 +154,9 @@ def _two_stages(**overrides):
 
 
 @pytest.mark.parametrize("in_flight", [1, 2])
-def test_the_head_replaces_a_peer_another_pipeline_claimed_and_replays(in_flight, monkeypatch):
+def test_the_head_replaces_a_peer_another_pipeline_claimed_and_replays(in_flight):
     """Stage 1 has two peers; another pipeline holds the first the head picks. Its CLAIMED refusal
     drops it and the inner step runs on the other, in either schedule."""
-    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
     cfg = _two_stages(**{"train.in_flight": in_flight})
     servers = {
         pid: _serve(cfg, PeerService(cfg, {1: StageWorker(cfg, 1)}, PayloadStore(), pid, "stage"))
@@ -189,8 +188,7 @@ class _AlwaysRefuses(PeerService):
         raise TransportError("stage 1 cannot run this micro-batch: refused by the test")
 
 
-def test_an_inner_step_is_replayed_at_most_swarm_inner_step_replays_times(monkeypatch):
-    monkeypatch.delenv("PEER_TRAIN__IN_FLIGHT", raising=False)
+def test_an_inner_step_is_replayed_at_most_swarm_inner_step_replays_times():
     cfg = _two_stages(**{"train.in_flight": 1, "swarm.inner_step_replays": 2})
     service = _AlwaysRefuses(cfg, {1: StageWorker(cfg, 1)}, PayloadStore(), "stage-1", "stage")
     server = _serve(cfg, service)

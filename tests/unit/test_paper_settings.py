@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from peer.cli import flags_simulate as flags
+from peer.cli.args import SimulateArgs
+from peer.cli.options import parameters
 from peer.config import PAPER_ALGORITHM, build_config
 from peer.core.model.decoder import PRESETS
 from peer.core.model.optim import TrainConfig
@@ -110,7 +111,7 @@ def test_named_settings_unknown_names_and_toml_files(tmp_path):
 
 
 def test_every_named_setting_is_in_the_flags_help():
-    text = flags.Setting.__metadata__[0].help
+    text = next(p.annotation.__metadata__[0].help for p in parameters(SimulateArgs) if p.name == "setting")
     for name in ps.SETTINGS:
         assert name in text
 

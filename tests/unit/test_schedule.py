@@ -7,10 +7,11 @@ import threading
 import pytest
 import torch
 
+from peer.config import build_config
 from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.messages import ForwardReply, ForwardRequest
-from peer.node.pipeline.schedule import SLACK, choose_in_flight, configured_in_flight
+from peer.node.pipeline.schedule import SLACK, choose_in_flight, with_in_flight
 from peer.node.pipeline.step import _Aborted, _ForwardTurns
 
 
@@ -24,11 +25,14 @@ def test_in_flight_defaults_to_the_stages_plus_slack_and_grows_with_the_round_tr
     assert choose_in_flight(0, stages=1, microbatches=8, rtt_s=0.0) == 1  # one stage: nothing to overlap
 
 
-def test_the_local_override_wins_over_the_config(monkeypatch):
-    monkeypatch.setenv("PEER_TRAIN__IN_FLIGHT", "5")
-    assert configured_in_flight(0) == 5
-    monkeypatch.setenv("PEER_TRAIN__IN_FLIGHT", "many")
-    assert configured_in_flight(2) == 2
+def test_the_local_window_wins_over_the_config_and_leaves_the_fingerprint(monkeypatch):
+    monkeypatch.setenv("PEER_TRAIN__IN_FLIGHT", "7")  # no side channel: only SessionOptions.in_flight counts
+    cfg = build_config(overrides={"train.in_flight": 2}, environ={})
+    assert with_in_flight(cfg, None) is cfg
+    mine = with_in_flight(cfg, 5)
+    assert (mine.train.in_flight, cfg.train.in_flight) == (5, 2)
+    assert mine.fingerprint() == cfg.fingerprint()  # a head's own choice, not the run's
+    assert with_in_flight(cfg, -3).train.in_flight == 0  # `--in-flight -3` reads as auto, as before
 
 
 def test_streamed_fields_round_trip():

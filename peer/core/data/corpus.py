@@ -61,15 +61,25 @@ def default_cache_dir() -> Path:
 class DataConfig:
     """Where the text comes from, how it is tokenized and how much of it is used."""
 
-    dataset: str = BUILTIN_STDLIB  # prepared folder, local file/folder, hub dataset name, or builtin:stdlib
+    dataset: str = field(  # prepared folder, local file/folder, hub dataset name, or builtin:stdlib
+        default=BUILTIN_STDLIB,
+        metadata={
+            "help": "The run's one corpus: a prepared folder (`peer data prepare`), or a local file/folder or hub "
+            "dataset prepared into the cache (builtin:stdlib: the embedded corpus)."
+        },
+    )
     config: str | None = None  # hub configuration / subset (C4 "en", FineWeb "sample-10BT")
     split: str = "train"  # hub split
     text_field: str = "text"  # column holding the text in json/parquet/hub datasets
-    tokenizer: Path | None = None  # a sentencepiece .model; None = train one on the corpus
+    tokenizer: Path | None = field(  # a sentencepiece .model; None = train one on the corpus
+        default=None, metadata={"help": "Use this sentencepiece .model instead of training one."}
+    )
     vocab_size: int = 1024
     seq_len: int = 128  # tokens per training sequence
     val_fraction: float = 0.05  # share of the documents held out for validation
-    max_chars: int = 4_000_000  # characters of the corpus prepared (a cap; the corpus may be smaller)
+    max_chars: int = field(  # characters of the corpus prepared (a cap; the corpus may be smaller)
+        default=4_000_000, metadata={"help": "Cap on the corpus size in characters."}
+    )
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = 0  # seed of the train/validation document split
 

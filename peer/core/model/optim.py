@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,13 +23,17 @@ class TrainConfig:
     """Inner optimizer (AdamW, warmup + cosine) and the outer-step clock: the `[train]` section of a
     run, assembled and cross-checked by `peer.config`."""
 
-    inner_steps: int = 20  # H: inner steps between two outer rounds
-    outer_steps: int = 10  # T: outer rounds in the run (sets the cosine horizon)
-    batch_size: int = 8  # sequences per inner step per replica
+    inner_steps: int = field(default=20, metadata={"help": "H: inner steps per outer step."})  # between two rounds
+    # T: outer rounds in the run (sets the cosine horizon)
+    outer_steps: int = field(default=10, metadata={"help": "T: outer steps (rounds) of the run."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step per replica."})
     microbatches: int = 2  # pipeline micro-batches per inner step (divides batch_size)
-    in_flight: int = 0  # micro-batches in the pipeline at once (1F1B); 0 = auto from stages and RTT, 1 = sequential
-    seq_len: int = 64
-    lr: float = 3e-3  # peak inner learning rate
+    in_flight: int = field(  # micro-batches in the pipeline at once (1F1B); a head's own choice, not fingerprinted
+        default=0,
+        metadata={"help": "Head: micro-batches in the pipeline at once (1 = sequential; 0 = auto from S and RTT)."},
+    )
+    seq_len: int = field(default=64, metadata={"help": "Tokens per sequence."})
+    lr: float = field(default=3e-3, metadata={"help": "Peak inner learning rate."})
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1

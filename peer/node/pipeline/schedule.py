@@ -9,8 +9,8 @@ the sequential schedule. docs/pipeline.md has the rule and the measurements behi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import statistics
 import threading
 import time
@@ -25,7 +25,6 @@ from peer.net.pool import ClientPool
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT_ENV = "PEER_TRAIN__IN_FLIGHT"  # a head's local choice (also set by `peer join --in-flight`)
 RTT_PER_EXTRA_S = 0.025  # auto, before any compute is measured: one more micro-batch per 25 ms of hop time
 SLACK = 2  # auto: micro-batches beyond the latency bound, for the messaging each stage's core does (docs/pipeline.md)
 MIN_COMPUTE_S = 0.005  # a measured compute time per micro-batch below this counts as this (bounds K)
@@ -76,16 +75,13 @@ def network_per_hop(network_s: Sequence[float]) -> float:
     return float(statistics.median(network_s))
 
 
-def configured_in_flight(default: int) -> int:
-    """The local override (`PEER_TRAIN__IN_FLIGHT`, set by `peer join --in-flight`) or the config's."""
-    raw = os.environ.get(IN_FLIGHT_ENV, "").strip()
-    if not raw:
-        return default
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        log.warning("%s=%r is not an integer; using train.in_flight=%d", IN_FLIGHT_ENV, raw, default)
-        return default
+def with_in_flight(cfg: RunConfig, in_flight: int | None) -> RunConfig:
+    """The run's config with this peer's own window K (`peer join --in-flight`, `SessionOptions.in_flight`;
+    None: the run's `train.in_flight`). `train.in_flight` is left out of the run's fingerprint, so a head
+    chooses its own; only the pipeline and the memory check see this copy, never a checkpoint."""
+    if in_flight is None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, in_flight=max(0, in_flight)))
 
 
 class LinkEstimator:
@@ -116,7 +112,7 @@ class LinkEstimator:
         """K for the next inner step, re-evaluated each time from the latest measurements; `route`
         gives the addresses of stages 1 … S−1 (asked only when K is chosen automatically)."""
         cfg = self.cfg
-        configured = configured_in_flight(cfg.train.in_flight)
+        configured = cfg.train.in_flight
         rtt = ser = 0.0
         compute = self._measured_compute()
         if configured == 0 and cfg.stages > 1:

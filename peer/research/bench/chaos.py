@@ -123,7 +123,6 @@ class ChaosRun:
         self.workdir = Path(cfg.workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PEER_LOG_LEVEL": "INFO"}
-        env["PEER_TRAIN__IN_FLIGHT"] = str(cfg.in_flight)  # a head's local schedule, not the run's config
         self.children = Children(self.workdir, env=env)
         self.rng = random.Random(cfg.seed)
         self.roles = {name: Role(name, flags) for name, flags in ROLES.items()}
@@ -147,6 +146,7 @@ class ChaosRun:
             "PEER_SWARM__HISTORY_ROUNDS": str(c.history_rounds),
             "PEER_SWARM__CHECKPOINT_EVERY_ROUNDS": "1",
             "PEER_TRAIN__MICROBATCHES": str(c.microbatches),
+            "PEER_TRAIN__IN_FLIGHT": str(c.in_flight),  # the run's window; every join also passes --in-flight
         }
 
     def start_bootstrap(self) -> None:
@@ -197,6 +197,7 @@ class ChaosRun:
         data_dir = self.workdir / role.data_dir_name
         flags = [*role.flags, "--host", LOOPBACK, "--initial-peers", self.maddr, "--data-dir", data_dir]
         flags += ["--identity", self._key(role.data_dir_name), "--device", "cpu", "--manifest-timeout-s", 60]
+        flags += ["--in-flight", self.cfg.in_flight]  # a head's own schedule (stage peers size their memory by it)
         argv = peer_command("join", *flags, *(["--resume"] if resume else []))
         role.child = self.children.spawn(role.data_dir_name, argv)
         metrics = data_dir / "metrics.jsonl"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,12 +92,15 @@ class SparseLoCoConfig:
 
     topk: int = 32  # entries sent per chunk
     chunk: int = 64  # tile side: a chunk holds chunk² = 4096 entries
-    quant_bits: int = 2  # 0 (float32 values), 2, 4 or 8
+    quant_bits: int = field(default=2, metadata={"help": "Bits per sent value: 0 (float32), 2, 4, 8."})
     beta: float = 0.95  # error-feedback decay
     outer_lr: float = 1.0  # η of the outer SGD step
     aggregation: str = "mean-over-all"  # or "mean-over-contributors"
     dense_1d: bool = True  # send 1-D tensors dense (8-bit); False: top-k of chunk²-entry tiles like the rest
-    clip_median_factor: float = 2.0  # clip each Δ̂ to this × the round's median norm; 0 disables
+    clip_median_factor: float = field(  # clip each Δ̂ to this × the round's median norm; 0 disables
+        default=2.0,
+        metadata={"help": "Clip each Δ̂ to this × the round's median norm (0: off)."},
+    )
     screening: bool = True  # drop outlier contributions before aggregating (peer.core.sparseloco.robust)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,232 @@
+"""The flags of `peer bootstrap`, `peer join` and `peer simulate`, one dataclass field each.
+
+A field is a flag's one source (`peer.cli.options`): its name, its default and its help, or, for a flag
+that sets a field of the run's config (`o.setting("train.inner_steps")`), that field's help metadata and
+the value it falls back to. `peer.cli.main` registers each command from its dataclass; the command
+gets one instance. Invariants: nothing here parses, validates or runs anything; a field's name is the
+flag's (hyphenated) unless it names others.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from peer.cli import options as o
+from peer.research.simulate.results import SIMULATE_DEFAULTS
+
+CONFIG_HELP = "TOML run config (defaults < TOML < PEER_* env < flags)."
+SECRET_HELP = "The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."
+_sim = functools.partial(o.setting, defaults=SIMULATE_DEFAULTS)  # simulate's shorter runs in the help
+
+
+@dataclass(frozen=True)
+class BootstrapArgs:
+    """`peer bootstrap`."""
+
+    config: Path | None = o.flag(None, CONFIG_HELP, "--config")
+    preset: str | None = o.setting("preset")
+    stages: int | None = o.setting("stages")
+    k_ratio: str | None = o.setting("subspace.k_ratio")
+    inner_steps: int | None = o.setting("train.inner_steps")
+    outer_steps: int | None = o.setting("train.outer_steps")
+    batch_size: int | None = o.setting("train.batch_size")
+    seq_len: int | None = o.setting("train.seq_len")
+    seed: int | None = o.setting("seed")
+    dataset: str | None = o.setting("data.dataset")
+    max_chars: int | None = o.setting("data.max_chars")
+    tokenizer: Path | None = o.setting("data.tokenizer")
+    wire_dtype: str | None = o.setting("subspace.wire_dtype")
+    run_name: str | None = o.setting("run_name")
+    paper_settings: bool = o.flag(
+        False,
+        "Publish the paper's round rule (peer.config.PAPER_ALGORITHM: no quantization, median clip or "
+        "outlier screening, 1-D tensors top-k, all-to-all rounds); prints each setting it changed. "
+        "--config, PEER_* and flags still override it.",
+        "--paper-settings",
+    )
+    host: str = o.flag(
+        "0.0.0.0", "Interface to listen on: 0.0.0.0, all (others can join); 127.0.0.1: this machine only."
+    )
+    port: int = o.flag(0, "DHT (libp2p) TCP port; 0 picks a free one.")
+    grpc_port: int = o.flag(0, "gRPC TCP port serving the tokenizer and manifest; 0 picks a free one.")
+    announce_host: str | None = o.flag(
+        None, "Host name or IP other machines reach this one at (needs an explicit --port)."
+    )
+    identity: Path | None = o.flag(
+        None, "libp2p private key file, created if missing; keeps the peer id and multiaddr stable across restarts."
+    )
+    address_file: Path | None = o.flag(
+        None, "Once ready, write {initial_peers, grpc, run_id, peer_id} JSON here (removed on exit)."
+    )
+    print_peer_id: bool = o.flag(
+        False, "Print the peer id of --identity (creating the key if missing) and exit.", "--print-peer-id"
+    )
+    admission: str | None = o.flag(
+        None,
+        "Who may take part: open, secret (peers need --swarm-secret-file) or allowlist "
+        "(only --allow-peer ids). Default: secret with --swarm-secret-file, allowlist with --allow-peer, else open.",
+    )
+    allow_peer: list[str] | None = o.flag(
+        None,
+        "Peer id admitted in allowlist mode (repeatable; a peer prints its id with "
+        "`peer bootstrap --identity KEY_FILE --print-peer-id`).",
+    )
+    swarm_secret_file: Path | None = o.flag(
+        None,
+        "File holding the swarm secret (secret mode; default $PEER_SWARM_SECRET). "
+        "Only a commitment to it is published.",
+    )
+    relay: bool | None = o.setting("link.relay", "--relay")
+    metrics_port: int | None = o.flag(None, "Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port).")
+    max_upload_mbps: float | None = o.setting("link.max_upload_mbps")
+    attest: bool = o.flag(
+        True,
+        "Follow every stage by replay and attest the states reached, so joiners past the history window "
+        "can start (holds one copy of the model; docs/protocol.md, 'Joining by replay').",
+        "--attest/--no-attest",
+    )
+    attest_dir: Path | None = o.flag(None, "Where the attester keeps its states across restarts (default: the cache).")
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
+
+
+@dataclass(frozen=True)
+class JoinArgs:
+    """`peer join`."""
+
+    initial_peers: list[str] | None = o.flag(None, "Multiaddr printed by `peer bootstrap` (repeatable).")
+    stage: int | None = o.flag(None, "Hold this pipeline stage (0 = a head that drives a pipeline).")
+    full_replica: bool = o.flag(False, "Hold every stage and train without compression.", "--full-replica")
+    device: str = o.flag("auto", "auto, cpu or cuda.")
+    precision: str = o.flag(
+        "auto",
+        "Compute dtype of the inner steps: auto (bf16 on a GPU with native bf16, fp32 on CPU and older GPUs), "
+        "bf16, fp16 (with loss scaling) or fp32. Weights, θ_start, the error buffer and every commit stay fp32. "
+        "`PEER_PRECISION=bf16 peer demo` gives every join of the demo bf16.",
+        envvar="PEER_PRECISION",
+    )
+    activation_checkpointing: bool = o.flag(
+        False,
+        "Recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more "
+        "compute); also env PEER_ACTIVATION_CHECKPOINTING=1 (a demo's joins inherit it).",
+        "--activation-checkpointing",
+        envvar="PEER_ACTIVATION_CHECKPOINTING",
+    )
+    max_memory: str | None = o.flag(
+        None, "Memory this peer may use for its stages, e.g. 6GiB or 800MB (default: the device's free memory)."
+    )
+    host: str = o.flag(
+        "0.0.0.0",
+        "Interface for the gRPC data plane and the DHT: 0.0.0.0, all (others can dial it); "
+        "127.0.0.1: this machine only.",
+    )
+    port: int = o.flag(0, "gRPC data-plane port (0 = any free port).")
+    dht_port: int = o.flag(0, "DHT port (0 = any free port).")
+    announce_host: str | None = o.flag(None, "Host others reach this peer at (behind NAT / port forwarding).")
+    data_dir: Path | None = o.flag(None, "Tokenizer, metrics.jsonl and state (default runs/<role>).")
+    dataset: Path | None = o.flag(
+        None,
+        "A prepared folder holding the run's dataset (head, full replica); its fingerprints must be the "
+        "manifest's. Default: <data-dir>/dataset, fetched from the swarm where shards are missing.",
+    )
+    identity: Path | None = o.flag(None, "Persistent peer key file (created on first run).")
+    manifest_timeout_s: float = o.flag(60.0, "How long to wait for the bootstrap's manifest.")
+    swarm_secret_file: Path | None = o.flag(None, SECRET_HELP)
+    resume: bool = o.flag(False, "Continue from the newest good checkpoint in <data-dir>/checkpoints.", "--resume")
+    initial_peers_file: Path | None = o.flag(
+        None,
+        "JSON written by `peer bootstrap --address-file`: join through its multiaddrs, waiting for the "
+        "file up to --manifest-timeout-s (e.g. on a volume shared with the bootstrap).",
+    )
+    metrics_port: int | None = o.flag(None, "Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port).")
+    in_flight: int | None = o.setting("train.in_flight")  # this head's own K (SessionOptions.in_flight)
+    max_upload_mbps: float | None = o.setting("link.max_upload_mbps")
+    max_download_mbps: float | None = o.setting("link.max_download_mbps")
+    relay: bool | None = o.setting("link.relay", "--relay")
+    relay_max_mbps: float | None = o.setting("link.relay_max_mbps")
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
+
+
+@dataclass(frozen=True)
+class SimulateArgs:
+    """`peer simulate` (the field names are also the keys a resumed sweep compares, peer.cli.simulate)."""
+
+    preset: str | None = _sim("preset")
+    replicas: int | None = o.flag(None, "M: replicas trained side by side (default 4).")
+    stages: int | None = _sim("stages")
+    k_ratio: str | None = o.flag(None, "Subspace widths k/d, comma-separated: a sweep (default 1/8).")
+    het_fraction: float = o.flag(0.5, "α: fraction of uncompressed replicas in het-pp-compress.")
+    inner_steps: int | None = _sim("train.inner_steps")
+    outer_steps: int | None = _sim("train.outer_steps")
+    batch_size: int | None = _sim("train.batch_size")
+    seq_len: int | None = _sim("train.seq_len")
+    lr: float | None = _sim("train.lr")
+    seed: int | None = _sim("seed")
+    seeds: str | None = o.flag(None, "Seeds, comma-separated, e.g. 0,1,2 (default: --seed).")
+    configs: str = o.flag("adamw,sparseloco,pp-compress,het-pp-compress", "Comma-separated configs to run.")
+    val_tokens: int = o.flag(16384, "Held-out tokens of every evaluation.")
+    quant_bits: int | None = _sim("sparseloco.quant_bits")
+    clip_median: float | None = _sim("sparseloco.clip_median_factor")
+    adamw_lr: float | None = o.flag(None, "Inner learning rate of the adamw* configs (default --lr).")
+    te_adaptation: bool = o.flag(True, "Move the embedding's change outside Col(U) into T⊥.")
+    weight_projection: bool = o.flag(False, "Keep W_o and W_2 outputs in Col(U) (Table 5).")
+    grassmann: bool = o.flag(
+        False,
+        "Table 5c: train U on the Grassmann manifold, one Riemannian step of the compressed replicas' mean "
+        "dL/dU per outer step (simulator only: the swarm keeps a fixed U).",
+    )
+    grassmann_lr: float | None = o.flag(None, "Table 5c: step size η_U of --grassmann (default 0.5).")
+    modified_adamw: bool = o.flag(
+        False,
+        "Table 5d: compressed replicas step T_S with AdamW in subspace coordinates Z = T_S·U "
+        "instead of AdamW then projection.",
+    )
+    paper_settings: bool = o.flag(
+        False,
+        "The paper's Table 9 / §3 settings for the preset (= --setting paper): M=8, S=4, H=50, batch 32, "
+        "context 2048 (tiny/small: their max_seq_len), lr 1e-3, AdamW lr 3e-4, warmup 500 (≤ 10 % of the run), "
+        "the paper's round rule, outer steps from the token budget; printed before the run; flags still win.",
+    )
+    setting: str | None = o.flag(
+        None,
+        "Named settings, comma-separated, later wins: paper (Table 9 / §3, as --paper-settings), "
+        "adamw-tuned (the AdamW baseline's tuned lr 3e-4, Table 9 *), or a TOML file of dotted keys "
+        "(train.lr = 6e-4, replicas = 8, adamw_lr, token_budget); printed before the run; flags still win.",
+    )
+    token_budget: float | None = o.flag(
+        None, "Tokens per run, N: outer steps = ceil(N / (M·H·batch·seq_len)) (not with --outer-steps)."
+    )
+    extend: float | None = o.flag(
+        None,
+        "Table 3: F > 1; the baselines run at the budget N and F·N, the other configs at F·N; Δ % against "
+        "the baseline at F·N and at its own budget N (N: --token-budget, a setting's, else the T outer steps').",
+    )
+    dataset: str | None = _sim("data.dataset")
+    json_out: Path | None = o.flag(None, "Write results as JSON here.", "--json")
+    plot: Path | None = o.flag(None, "Loss-curve PNG (default: next to --json, else runs/simulate.png).")
+    save: Path | None = o.flag(None, "Write each config's final model checkpoint under DIR/<config>/.")
+    attacks: str | None = o.flag(
+        None,
+        "Also run each SparseLoCo config with its last replica poisoning every round (random, flip, negate; "
+        "comma-separated), with median clipping alone and with outlier screening, e.g. --replicas 8 --clip-median 2.",
+    )
+    round_rule: str = o.flag(
+        "all", "Each stage's round: all (all-to-all, today's) or ranges (range-sharded owners' shards).", "--round"
+    )
+    workers: int | None = o.flag(
+        None,
+        "Worker processes that run the replicas' inner steps (default: all cores, at most M; "
+        "1: in this process). The results are the same bits for any count.",
+    )
+    device: str = o.flag("cpu", "Where the replicas train: cpu or cuda (the commit math stays on the CPU).")
+    resume: bool = o.flag(
+        False,
+        "Continue the interrupted sweep in --checkpoint-dir: finished runs are not rerun, the interrupted "
+        "one continues from its last outer step (the same settings are required).",
+    )
+    checkpoint_dir: Path | None = o.flag(
+        None, "Where every run's state after each outer step goes (default runs/simulate-ckpt)."
+    )
+    config: Path | None = o.flag(None, CONFIG_HELP, "--config")
+    verbose: bool = o.flag(False, None, "--verbose", "-v")

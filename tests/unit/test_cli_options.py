@@ -1,0 +1,55 @@
+"""Flags built from dataclass fields (peer.cli.options): a setting's help is its config field's, and the
+values a command gets reach the config with flags above `PEER_*` env and TOML."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from peer.cli import options as o
+from peer.cli.args import BootstrapArgs, JoinArgs, SimulateArgs
+from peer.config import LinkConfig, build_config, build_link_config
+from peer.core.model.optim import TrainConfig
+
+
+def _helps(cls: type) -> dict[str, str]:
+    return {p.name: p.annotation.__metadata__[0].help for p in o.parameters(cls)}
+
+
+def test_a_settings_help_is_its_config_fields_with_the_value_it_falls_back_to():
+    train = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert _helps(BootstrapArgs)["inner_steps"] == "H: inner steps per outer step (default 20)."
+    assert _helps(SimulateArgs)["inner_steps"] == "H: inner steps per outer step (default 10)."  # simulate's own
+    assert _helps(JoinArgs)["in_flight"].startswith(train["in_flight"].metadata["help"].rstrip("."))
+    link = {f.name: f for f in dataclasses.fields(LinkConfig)}
+    assert _helps(JoinArgs)["relay_max_mbps"] == link["relay_max_mbps"].metadata["help"]  # 0: no cap, no suffix
+
+
+def test_given_settings_override_env_and_the_rest_stay_unset():
+    a = BootstrapArgs(inner_steps=5, k_ratio="1/4")
+    assert {k: v for k, v in o.overrides(a).items() if v is not None} == {
+        "train.inner_steps": 5,
+        "subspace.k_ratio": "1/4",
+    }
+    cfg = build_config(overrides=o.overrides(a), environ={"PEER_TRAIN__INNER_STEPS": "9", "PEER_SEED": "3"})
+    assert (cfg.train.inner_steps, cfg.seed, cfg.subspace.k_ratio) == (5, 3, "1/4")
+    j = JoinArgs(max_upload_mbps=2.5, relay=True)
+    assert o.overrides(j, "link") == {
+        "max_upload_mbps": 2.5,
+        "max_download_mbps": None,
+        "relay": True,
+        "relay_max_mbps": None,
+    }
+    assert build_link_config({}, **o.overrides(j, "link")) == LinkConfig(max_upload_mbps=2.5, relay=True)
+    assert "in_flight" not in str(o.overrides(j, "link")) and o.overrides(j)["train.in_flight"] is None
+
+
+def test_the_command_signature_is_the_dataclass():
+    import typer
+
+    from peer.cli.main import app
+
+    join = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
+    opts = {p.name: (p.opts, p.secondary_opts, p.default) for p in join.params}
+    assert list(opts) == [f.name for f in dataclasses.fields(JoinArgs)]
+    assert opts["relay"] == (["--relay"], [], None) and opts["host"][2] == "0.0.0.0"
+    assert opts["in_flight"][0] == ["--in-flight"] and opts["verbose"][0] == ["--verbose", "-v"]
