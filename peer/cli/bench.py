@@ -33,6 +33,11 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _show(x: Any) -> None:
+    """One line or rich renderable of a benchmark's output, as the benchmarks have always printed it."""
+    console.print(x, soft_wrap=True, highlight=False)
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
@@ -78,10 +83,19 @@ def bench_pipeline_cmd(
     json_out: flags.PipeJson = None,
 ) -> None:
     """Measured pipeline throughput: stage processes on their own cores, shaped links, old vs new schedule."""
-    args = dict(locals())
-    from peer.research.bench.pipeline import command
+    args = {k: v for k, v in locals().items() if k != "json_out"}
+    from peer.cli.bench_render import pipeline_summary, pipeline_table
+    from peer.cli.plots import plot_pipeline
+    from peer.research.bench.pipeline import run_from_flags
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), **args)
+    result = run_from_flags(_show, **args)
+    _show(pipeline_table(result))
+    for line in pipeline_summary(result):
+        _show(line)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        _show(f"results: {json_out}; plot: {plot_pipeline(result, json_out.with_suffix('.png'))}")
 
 
 @bench_app.command("chaos")
@@ -98,11 +112,21 @@ def bench_chaos_cmd(
     verbose: flags.Verbose = False,
 ) -> None:
     """Random kill -9 / SIGTERM / SIGSTOP churn on a loopback swarm: recovery, stalls, disagreements, orphans."""
-    _setup_logging(verbose)
-    from peer.research.bench.chaos import command
-
     args = dict(locals())
-    command(lambda line: console.print(line, soft_wrap=True, highlight=False), args, RUNS, _write_json)
+    _setup_logging(verbose)
+    from peer.cli.render import metric_table
+    from peer.research.bench.chaos import config_from_flags, run_chaos
+
+    cfg = config_from_flags(args, RUNS)
+    schedule = "sequential" if cfg.in_flight == 1 else f"in flight {cfg.in_flight or 'auto'}"
+    _show(
+        f"peer bench chaos: {cfg.faults} faults ({cfg.long_stops} long freezes); {cfg.microbatches} micro-batches, "
+        f"{schedule}; logs in {cfg.workdir}"
+    )
+    result = run_chaos(cfg, _show)
+    _show(metric_table("chaos", result.summary))
+    if json_out:
+        _write_json(json_out, {"summary": result.summary, "faults": result.faults})
 
 
 @bench_app.command("commit")
@@ -114,9 +138,15 @@ def bench_commit_cmd(
     json_out: flags.BenchJson = None,
 ) -> None:
     """Cost of committing one round at a preset's stage 0: the portable commit against the one before it."""
-    from peer.research.bench.commit import command
+    from peer.cli.render import metric_table
+    from peer.research.bench.commit import bench_commit, check_flags
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), RUNS, _write_json)
+    check_flags(replicas, repeats, stages)
+    _show(f"peer bench commit: stage 0 of {preset} split in {stages}, {replicas} contributions")
+    result = bench_commit(RUNS / f"commit-{preset}", preset, stages, 0, replicas, repeats)
+    _show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s")}))
+    if json_out:
+        _write_json(json_out, result)
 
 
 @bench_app.command("caps")
