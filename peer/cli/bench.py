@@ -1,8 +1,9 @@
 """`peer bench …`: the benchmarks that measure the design's budgets, as a typer sub-app of `peer`.
 
 Each command parses its flags (`peer.cli.flags`) and hands them to the module that measures
-(`peer.research.bench.common`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`, `bench_data`, `bench_sybil`);
-results go to the terminal and, with `--json`, to a file.
+(`peer.research.bench.common`, `pipeline`, `chaos`, `commit`, `caps`, `data`, `sybil`, `fetch`, `simulate`, …),
+which returns its result and prints nothing; the command shows it (`peer.cli.render`, `peer.cli.bench_render`,
+`peer.cli.plots`) on the terminal and, with `--json`, writes it to a file.
 """
 
 from __future__ import annotations
@@ -297,3 +298,62 @@ def bench_sybil_cmd(
     args = dict(locals())
     args["round"] = args.pop("round_t")
     command(lambda x: console.print(x, soft_wrap=True, highlight=False), args, _write_json)
+
+
+@bench_app.command("codec")
+def bench_codec_cmd(
+    params: flags.BenchParams = 178e6,
+    runs: Annotated[int, _opt("Runs of the codec figures, each the median of 3 repetitions.", "--runs")] = 5,
+    templar_src: flags.BenchTemplarSrc = None,
+) -> None:
+    """The codec's round trip against templar's, RUNS times on one real Δ: one JSON line per run, then per baseline."""
+    from peer.research.bench.common import codec_runs
+
+    src = str(templar_src) if templar_src is not None else None
+    for line in codec_runs(int(params), runs, src):
+        typer.echo(json.dumps(line))
+
+
+@bench_app.command("fetch")
+def bench_fetch_cmd(
+    tokens: Annotated[int, _opt("Token ids in the synthetic dataset served.", "--tokens")] = 100_000_000,
+    shard_tokens: Annotated[int, _opt("Token ids per shard.", "--shard-tokens")] = 1 << 24,
+    max_download_mbps: Annotated[
+        float, _opt("The capped fetch's download cap, Mbit/s.", "--max-download-mbps")
+    ] = 400.0,
+    workdir: Annotated[
+        Path | None, _opt("Where the dataset and the fetches go (default: a temporary folder).", "--workdir")
+    ] = None,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Dataset fetch throughput between two processes on loopback: uncapped, capped, resumed after a kill."""
+    _setup_logging(False)
+    from peer.research.bench.fetch import bench_fetch
+
+    result = bench_fetch(tokens, shard_tokens, max_download_mbps, workdir)
+    typer.echo(json.dumps(result, indent=1))
+    if json_out:
+        _write_json(json_out, result)
+
+
+@bench_app.command("simulate")
+def bench_simulate_cmd(
+    outer_steps: Annotated[int, _opt("T: outer steps of every run.", "--outer-steps")] = 4,
+    inner_steps: Annotated[int, _opt("H: inner steps per outer step.", "--inner-steps")] = 10,
+    replicas: Annotated[int, _opt("M: replicas of every run.", "--replicas")] = 4,
+    workers: Annotated[
+        int | None, _opt("Worker processes of the new path (default: all cores, at most M).", "--workers")
+    ] = None,
+    repeats: Annotated[int, _opt("Runs of the old and the new path, interleaved.", "--repeats")] = 2,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """`peer simulate`'s speed: the same sweep on the old path and the new one, bit for bit (exit 1 if not)."""
+    from peer.cli.bench_render import simulate_speed_lines
+    from peer.research.bench.simulate import bench
+
+    out = bench(outer_steps, inner_steps, replicas, workers, repeats)
+    typer.echo("\n".join(simulate_speed_lines(out)))
+    if json_out:
+        _write_json(json_out, out)
+    if not out["bit_identical"]:
+        raise typer.Exit(1)

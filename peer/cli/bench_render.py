@@ -48,3 +48,16 @@ def pipeline_summary(result: Mapping[str, Any]) -> list[str]:
         if r["rate"] == "unshaped" and not r["rtt_ms"]:
             lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
     return lines
+
+
+def simulate_speed_lines(out: Mapping[str, Any]) -> list[str]:
+    """`peer bench simulate`: the wall times of the three paths and the speed-ups."""
+    w = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in out["wall_s"].items()}
+    return [
+        f"peer simulate, tiny, M={out['replicas']}, H={out['inner_steps']}, T={out['outer_steps']}, {out['configs']}",
+        f"  old   (in process, dense decode, then the commit): {w['old']} s",
+        f"  fused (in process, fused commit): {w['fused']} s   {out['speedup_fused']:.2f}x",
+        f"  new   ({out['workers']} workers, fused commit): {w['new']} s   {out['speedup_new']:.2f}x",
+        "  (speed-ups: the fastest run of each path)",
+        f"  results bit-identical on all runs: {out['bit_identical']}",
+    ]

@@ -1,4 +1,4 @@
-"""What a `peer demo` run did, from its processes' metrics files: live state, per-round summary, plot.
+"""What a `peer demo` run did, from its processes' metrics files: live state, per-round summary, loss curves.
 
 `ProcessView` follows one join process's metrics.jsonl (start, step and round events); `DemoState`
 is the snapshot the live view renders; `summarize_runs` aggregates the `round` events of every
