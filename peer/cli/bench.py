@@ -1,8 +1,9 @@
 """`peer bench …`: the benchmarks that measure the design's budgets, as a typer sub-app of `peer`.
 
 Each command parses its flags (`peer.cli.flags`) and hands them to the module that measures
-(`peer.research.bench.common`, `bench_pipeline`, `chaos`, `bench_commit`, `bench_caps`, `bench_data`, `bench_sybil`);
-results go to the terminal and, with `--json`, to a file.
+(`peer.research.bench.common`, `pipeline`, `chaos`, `commit`, `caps`, `data`, `sybil`, `fetch`, `simulate`, …),
+which returns its result and prints nothing; the command shows it (`peer.cli.render`, `peer.cli.bench_render`,
+`peer.cli.plots`) on the terminal and, with `--json`, writes it to a file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ RUNS = Path("runs")  # where a benchmark writes when no flag names a path
 def _setup_logging(verbose: bool) -> None:
     level = os.environ.get("PEER_LOG_LEVEL", "DEBUG" if verbose else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _show(x: Any) -> None:
+    """One line or rich renderable of a benchmark's output, as the benchmarks have always printed it."""
+    console.print(x, soft_wrap=True, highlight=False)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -78,10 +84,19 @@ def bench_pipeline_cmd(
     json_out: flags.PipeJson = None,
 ) -> None:
     """Measured pipeline throughput: stage processes on their own cores, shaped links, old vs new schedule."""
-    args = dict(locals())
-    from peer.research.bench.pipeline import command
+    args = {k: v for k, v in locals().items() if k != "json_out"}
+    from peer.cli.bench_render import pipeline_summary, pipeline_table
+    from peer.cli.plots import plot_pipeline
+    from peer.research.bench.pipeline import run_from_flags
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), **args)
+    result = run_from_flags(_show, **args)
+    _show(pipeline_table(result))
+    for line in pipeline_summary(result):
+        _show(line)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        _show(f"results: {json_out}; plot: {plot_pipeline(result, json_out.with_suffix('.png'))}")
 
 
 @bench_app.command("chaos")
@@ -98,11 +113,21 @@ def bench_chaos_cmd(
     verbose: flags.Verbose = False,
 ) -> None:
     """Random kill -9 / SIGTERM / SIGSTOP churn on a loopback swarm: recovery, stalls, disagreements, orphans."""
-    _setup_logging(verbose)
-    from peer.research.bench.chaos import command
-
     args = dict(locals())
-    command(lambda line: console.print(line, soft_wrap=True, highlight=False), args, RUNS, _write_json)
+    _setup_logging(verbose)
+    from peer.cli.render import metric_table
+    from peer.research.bench.chaos import config_from_flags, run_chaos
+
+    cfg = config_from_flags(args, RUNS)
+    schedule = "sequential" if cfg.in_flight == 1 else f"in flight {cfg.in_flight or 'auto'}"
+    _show(
+        f"peer bench chaos: {cfg.faults} faults ({cfg.long_stops} long freezes); {cfg.microbatches} micro-batches, "
+        f"{schedule}; logs in {cfg.workdir}"
+    )
+    result = run_chaos(cfg, _show)
+    _show(metric_table("chaos", result.summary))
+    if json_out:
+        _write_json(json_out, {"summary": result.summary, "faults": result.faults})
 
 
 @bench_app.command("commit")
@@ -114,9 +139,15 @@ def bench_commit_cmd(
     json_out: flags.BenchJson = None,
 ) -> None:
     """Cost of committing one round at a preset's stage 0: the portable commit against the one before it."""
-    from peer.research.bench.commit import command
+    from peer.cli.render import metric_table
+    from peer.research.bench.commit import bench_commit, check_flags
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dict(locals()), RUNS, _write_json)
+    check_flags(replicas, repeats, stages)
+    _show(f"peer bench commit: stage 0 of {preset} split in {stages}, {replicas} contributions")
+    result = bench_commit(RUNS / f"commit-{preset}", preset, stages, 0, replicas, repeats)
+    _show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s")}))
+    if json_out:
+        _write_json(json_out, result)
 
 
 @bench_app.command("caps")
@@ -267,3 +298,62 @@ def bench_sybil_cmd(
     args = dict(locals())
     args["round"] = args.pop("round_t")
     command(lambda x: console.print(x, soft_wrap=True, highlight=False), args, _write_json)
+
+
+@bench_app.command("codec")
+def bench_codec_cmd(
+    params: flags.BenchParams = 178e6,
+    runs: Annotated[int, _opt("Runs of the codec figures, each the median of 3 repetitions.", "--runs")] = 5,
+    templar_src: flags.BenchTemplarSrc = None,
+) -> None:
+    """The codec's round trip against templar's, RUNS times on one real Δ: one JSON line per run, then per baseline."""
+    from peer.research.bench.common import codec_runs
+
+    src = str(templar_src) if templar_src is not None else None
+    for line in codec_runs(int(params), runs, src):
+        typer.echo(json.dumps(line))
+
+
+@bench_app.command("fetch")
+def bench_fetch_cmd(
+    tokens: Annotated[int, _opt("Token ids in the synthetic dataset served.", "--tokens")] = 100_000_000,
+    shard_tokens: Annotated[int, _opt("Token ids per shard.", "--shard-tokens")] = 1 << 24,
+    max_download_mbps: Annotated[
+        float, _opt("The capped fetch's download cap, Mbit/s.", "--max-download-mbps")
+    ] = 400.0,
+    workdir: Annotated[
+        Path | None, _opt("Where the dataset and the fetches go (default: a temporary folder).", "--workdir")
+    ] = None,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """Dataset fetch throughput between two processes on loopback: uncapped, capped, resumed after a kill."""
+    _setup_logging(False)
+    from peer.research.bench.fetch import bench_fetch
+
+    result = bench_fetch(tokens, shard_tokens, max_download_mbps, workdir)
+    typer.echo(json.dumps(result, indent=1))
+    if json_out:
+        _write_json(json_out, result)
+
+
+@bench_app.command("simulate")
+def bench_simulate_cmd(
+    outer_steps: Annotated[int, _opt("T: outer steps of every run.", "--outer-steps")] = 4,
+    inner_steps: Annotated[int, _opt("H: inner steps per outer step.", "--inner-steps")] = 10,
+    replicas: Annotated[int, _opt("M: replicas of every run.", "--replicas")] = 4,
+    workers: Annotated[
+        int | None, _opt("Worker processes of the new path (default: all cores, at most M).", "--workers")
+    ] = None,
+    repeats: Annotated[int, _opt("Runs of the old and the new path, interleaved.", "--repeats")] = 2,
+    json_out: flags.BenchJson = None,
+) -> None:
+    """`peer simulate`'s speed: the same sweep on the old path and the new one, bit for bit (exit 1 if not)."""
+    from peer.cli.bench_render import simulate_speed_lines
+    from peer.research.bench.simulate import bench
+
+    out = bench(outer_steps, inner_steps, replicas, workers, repeats)
+    typer.echo("\n".join(simulate_speed_lines(out)))
+    if json_out:
+        _write_json(json_out, out)
+    if not out["bit_identical"]:
+        raise typer.Exit(1)

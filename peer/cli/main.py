@@ -135,7 +135,7 @@ def plan(
 ) -> None:
     """Will my link keep up? Utilisation of compressed (per k/d) vs uncompressed pipelines (paper Fig. 2),
     and the wall-clock of a token budget (--tokens, Fig. 3)."""
-    from peer.research.plan.command import plan_command
+    from peer.cli.plan import plan_command
 
     args = dict(locals())
     if memory:  # the memory table (peer.research.plan.memory) for the same micro-batch flags
@@ -316,9 +316,9 @@ def demo(
     _setup_logging(verbose)
     from rich.live import Live
 
+    from peer.cli.plots import plot_demo
     from peer.cli.render import demo_live, demo_summary
     from peer.demo.run import DemoConfig, default_workdir, run_demo
-    from peer.demo.summary import plot_demo
 
     args: dict[str, Any] = {
         "pipelines": pipelines,

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
+from peer.cli.plots import plot_curves
 from peer.cli.render import loss_progress_columns, simulate_table
 from peer.core.data.loader import load_corpus
 from peer.research.simulate import experiments as ex
@@ -24,7 +25,7 @@ from peer.research.simulate import experiments_budget as eb
 from peer.research.simulate import paper_settings as ps
 from peer.research.simulate.ablations import bias_rows, bias_table
 from peer.research.simulate.checkpoint import SweepCheckpoint
-from peer.research.simulate.engine import ConfigResult, SimOptions, plot_curves
+from peer.research.simulate.engine import ConfigResult, SimOptions
 from peer.research.simulate.pool import check_workers, default_workers
 from peer.research.simulate.runtime import Runtime, check_device, session
 

@@ -1,4 +1,4 @@
-"""What a `peer demo` run did, from its processes' metrics files: live state, per-round summary, plot.
+"""What a `peer demo` run did, from its processes' metrics files: live state, per-round summary, loss curves.
 
 `ProcessView` follows one join process's metrics.jsonl (start, step and round events); `DemoState`
 is the snapshot the live view renders; `summarize_runs` aggregates the `round` events of every
@@ -8,7 +8,7 @@ link carried (subspace-compressed activations vs SparseLoCo pseudo-gradients).
 
 Invariants: a round missed by one process is still reported (rounds are the union over
 processes); `params_consistent` is False as soon as two holders of a stage disagree on a hash;
-nothing here prints or writes but `plot_demo`, which writes exactly the PNG it is given.
+nothing here prints or writes: `demo_curves` gives the points `peer.cli.plots.plot_demo` draws.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.cli.plots import figure
 from peer.node.metrics import read_events
 
 LOSS_ROLES = ("head", "full")  # roles that report a training loss
@@ -161,34 +160,47 @@ class DemoResult:
     processes: list[ProcessView]
 
 
-def plot_demo(result: DemoResult, path: Path, inner_steps: int, title: str = "peer demo") -> Path:
-    """Per-process train loss against the global inner step, round means and validation loss."""
-    with figure(path, title) as ax:
-        roles = {v.name: v.role for v in result.processes}
-        for i, (name, mpath) in enumerate(sorted(result.metrics.items())):
-            if roles.get(name) not in LOSS_ROLES:
-                continue
-            pts = [
-                (ev["t"] * inner_steps + ev["h"], ev["loss"])
-                for ev in read_events(mpath)
-                if ev.get("event") == "step"
-                and ev.get("loss") is not None
-                and isinstance(ev.get("t"), int)
-                and isinstance(ev.get("h"), int)
-            ]
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, color=f"C{i}", alpha=0.6, linewidth=1, label=f"{name} train")
-        rounds = result.summary["rounds"]
-        # a round's train loss is the mean over its inner steps: drawn mid-round; validation is after the commit
-        tr = [
-            (r["t"] * inner_steps + (inner_steps - 1) / 2, r["train_loss"])
-            for r in rounds
-            if r["train_loss"] is not None
+@dataclass(frozen=True)
+class ProcessCurve:
+    """One head's or full replica's train loss: (global inner step, loss) points; `index` is its place
+    among all the run's processes by name (its colour in the plot)."""
+
+    name: str
+    index: int
+    points: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class DemoCurves:
+    """The loss curves of a demo run (`peer.cli.plots.plot_demo` draws them): per process, then the
+    rounds' mean train loss (drawn mid-round) and validation loss (after the commit)."""
+
+    processes: list[ProcessCurve]
+    round_train: list[tuple[float, float]]
+    round_val: list[tuple[int, float]]
+
+
+def demo_curves(result: DemoResult, inner_steps: int) -> DemoCurves:
+    """Per-process train loss against the global inner step (t·H + h), round means and validation loss."""
+    roles = {v.name: v.role for v in result.processes}
+    processes = []
+    for i, (name, mpath) in enumerate(sorted(result.metrics.items())):
+        if roles.get(name) not in LOSS_ROLES:
+            continue
+        pts = [
+            (ev["t"] * inner_steps + ev["h"], ev["loss"])
+            for ev in read_events(mpath)
+            if ev.get("event") == "step"
+            and ev.get("loss") is not None
+            and isinstance(ev.get("t"), int)
+            and isinstance(ev.get("h"), int)
         ]
-        va = [((r["t"] + 1) * inner_steps, r["val_loss"]) for r in rounds if r["val_loss"] is not None]
-        if tr:
-            ax.plot(*zip(*tr, strict=True), "s--", color="black", markersize=4, label="round mean train")
-        if va:
-            ax.plot(*zip(*va, strict=True), "o-", color="crimson", markersize=4, label="round mean val")
-    return Path(path)
+        if pts:
+            processes.append(ProcessCurve(name, i, pts))
+    rounds = result.summary["rounds"]
+    # a round's train loss is the mean over its inner steps: drawn mid-round; validation is after the commit
+    train = [
+        (r["t"] * inner_steps + (inner_steps - 1) / 2, r["train_loss"]) for r in rounds if r["train_loss"] is not None
+    ]
+    val = [((r["t"] + 1) * inner_steps, r["val_loss"]) for r in rounds if r["val_loss"] is not None]
+    return DemoCurves(processes, train, val)

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
+from peer.cli.bench_render import pipeline_rows
 from peer.research.bench.netns import netns_unavailable
-from peer.research.bench.pipeline import PipelineBench, rate_mbps, run_bench, table_rows
+from peer.research.bench.pipeline import PipelineBench, rate_mbps, run_bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -34,7 +35,7 @@ def _check(result: dict, schedules: set[str]) -> None:
         # by per-message overhead the planner leaves out, and CI machines are shared (the one-device
         # calibration and the run may see different loads); the `small` comparison is the benchmark's
         assert 0.1 < r["tokens_per_s"] / r["plan_tokens_per_s"] < 10.0, r
-    assert len(table_rows(result)) == len(rows) + 1
+    assert len(pipeline_rows(result)) == len(rows) + 1
 
 
 def test_loopback_old_and_new_schedule(tmp_path):

@@ -153,29 +153,17 @@ def test_node_imports_no_room_above_it():
 def test_the_operator_and_research_rooms_import_no_cli_and_not_each_other_upward(folder):
     """The bootstrap node, research, export and demo import core, net, node (and research its own
     rooms): never the CLI, and the bootstrap node never research or demo code."""
-    banned = ("peer.cli.main", "peer.cli.bench", "peer.cli.flags", "peer.cli.status", "peer.cli.simulate")
+    banned = ("peer.cli",)
     if folder == "bootstrap":
         banned = ("peer.cli", "peer.research", "peer.demo", "peer.export")
     assert _offenders(folder, banned) == {}
 
 
-# Research and demo modules that still draw or print through the CLI's helpers (issue 35: research
-# returns data and `peer/cli/` renders it; until then each is listed, and the list only shrinks).
-STILL_RENDERING = {
-    "peer/research/bench/chaos.py": ["peer.cli.render"],
-    "peer/research/bench/commit.py": ["peer.cli.render"],
-    "peer/research/bench/pipeline.py": ["peer.cli.plots"],
-    "peer/research/plan/figures.py": ["peer.cli.plots", "peer.cli.render"],
-    "peer/research/simulate/engine.py": ["peer.cli.plots"],
-    "peer/demo/summary.py": ["peer.cli.plots"],
-}
-
-
 @pytest.mark.parametrize("folder", [r for r in ROOMS if r != "cli"])
 def test_nothing_imports_the_cli(folder):
-    """Nothing imports `peer.cli` but the listed modules, and those only its plots and render."""
-    expected = {k: v for k, v in STILL_RENDERING.items() if k.startswith(f"peer/{folder}/")}
-    assert _offenders(folder, ("peer.cli",)) == expected
+    """Nothing imports `peer.cli`, not even its plots or renderers: research and demo code returns data
+    and the CLI draws and prints it (issue 35)."""
+    assert _offenders(folder, ("peer.cli",)) == {}
 
 
 def test_top_level_modules_import_no_room_but_core():

@@ -7,9 +7,9 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from peer.cli.plots import figure
-from peer.demo.summary import DemoResult, ProcessView, plot_demo
-from peer.research.simulate.engine import ConfigResult, plot_curves
+from peer.cli.plots import figure, plot_curves, plot_demo
+from peer.demo.summary import DemoResult, ProcessView
+from peer.research.simulate.engine import ConfigResult
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

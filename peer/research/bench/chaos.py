@@ -367,11 +367,8 @@ def run_chaos(cfg: ChaosConfig, progress: Callable[[str], None] | None = None) -
     return ChaosRun(cfg, progress).run()
 
 
-def command(
-    show: Callable[[Any], None], args: dict[str, Any], runs: Path, write_json: Callable[[Path, dict], None]
-) -> None:
-    """`peer bench chaos`: check the flags, run, show the table (and write --json)."""
-    from peer.cli.render import metric_table
+def config_from_flags(args: dict[str, Any], runs: Path) -> ChaosConfig:
+    """`peer bench chaos`'s flags checked and made a `ChaosConfig` (logs under `runs` unless --workdir)."""
     from peer.errors import ConfigError
 
     if args["faults"] < 1:
@@ -380,13 +377,4 @@ def command(
         raise ConfigError("--long-stops must be between 0 and --faults − 1 (one fault is a bootstrap kill)")
     where = args["workdir"] or runs / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     keys = ("faults", "seed", "round_timeout_s", "inner_steps", "microbatches", "in_flight", "long_stops")
-    cfg = ChaosConfig(workdir=where, **{k: args[k] for k in keys})
-    schedule = "sequential" if cfg.in_flight == 1 else f"in flight {cfg.in_flight or 'auto'}"
-    show(
-        f"peer bench chaos: {cfg.faults} faults ({cfg.long_stops} long freezes); {cfg.microbatches} micro-batches, "
-        f"{schedule}; logs in {where}"
-    )
-    result = run_chaos(cfg, show)
-    show(metric_table("chaos", result.summary))
-    if args["json_out"]:
-        write_json(args["json_out"], {"summary": result.summary, "faults": result.faults})
+    return ChaosConfig(workdir=where, **{k: args[k] for k in keys})

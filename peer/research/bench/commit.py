@@ -14,7 +14,8 @@ bytes. Two commits of it are timed, each from the wire bytes to the state's hash
   figure.
 
 `python -m peer.research.bench.commit DIR...` commits the rounds saved in each DIR in a fresh process
-and prints one JSON line (state ids, seconds, torch's CPU capability, threads): the multi-kernel test
+and writes one JSON line to stdout, its wire protocol with the parent (state ids, seconds, torch's CPU
+capability, threads): the multi-kernel test
 (tests/integration/test_portable_commit.py) runs it under other kernel sets and thread counts,
 building the initial state itself each time, and expects one state id.
 """
@@ -27,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,40 +171,37 @@ def bench_commit(
     }
 
 
-def command(
-    show: Callable[[Any], None], args: dict[str, Any], runs: Path, write_json: Callable[[Path, dict], None]
-) -> None:
-    """`peer bench commit`: time both commits of one round of stage 0 and show the table."""
-    from peer.cli.render import metric_table
+def check_flags(replicas: int, repeats: int, stages: int) -> None:
+    """`peer bench commit`'s flags: each 1 or more."""
     from peer.errors import ConfigError
 
-    if args["replicas"] < 1 or args["repeats"] < 1 or args["stages"] < 1:
+    if replicas < 1 or repeats < 1 or stages < 1:
         raise ConfigError("--replicas, --repeats and --stages must be 1 or more")
-    where = runs / f"commit-{args['preset']}"
-    show(f"peer bench commit: stage 0 of {args['preset']} split in {args['stages']}, {args['replicas']} contributions")
-    result = bench_commit(where, args["preset"], args["stages"], 0, args["replicas"], args["repeats"])
-    show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s")}))
-    if args["json_out"]:
-        write_json(args["json_out"], result)
+
+
+def commit_rounds(paths: Sequence[Path]) -> dict[str, Any]:
+    """Commit each round saved in `paths`: {"rounds": {directory name: {stage: state id}}, "seconds": ...,
+    "cpu_capability": ..., "threads": ...}."""
+    rounds, seconds = {}, 0.0
+    for path in paths:
+        done = commit_portable(Round.load(Path(path)))
+        rounds[Path(path).name] = done["states"]
+        seconds += done["seconds"]
+    result: dict[str, Any] = {"rounds": rounds, "seconds": seconds}
+    result.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
+    return result
 
 
 def main(argv: Sequence[str]) -> int:
-    """A child: commit each round saved in the directories `argv`; print one JSON line
-    {"rounds": {directory name: {stage: state id}}, "seconds": ..., "cpu_capability": ..., "threads": ...}.
+    """A child: `commit_rounds(argv)` as one JSON line on stdout — the wire protocol with the parent
+    that started it (tests/integration/test_portable_commit.py), not output for a person.
     $PEER_COMMIT_THREADS limits torch's threads and the cores this process may use."""
     threads = int(os.environ.get("PEER_COMMIT_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
         if hasattr(os, "sched_setaffinity"):  # our codec pool sizes itself by the cores we may use
             os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
-    rounds, seconds = {}, 0.0
-    for arg in argv:
-        done = commit_portable(Round.load(Path(arg)))
-        rounds[Path(arg).name] = done["states"]
-        seconds += done["seconds"]
-    result = {"rounds": rounds, "seconds": seconds}
-    result.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads())
-    print(json.dumps(result))
+    print(json.dumps(commit_rounds([Path(a) for a in argv])))
     return 0
 
 

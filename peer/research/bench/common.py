@@ -24,8 +24,8 @@ apart as `decode_first_round_s`. (The swarm's commit decodes no payload densely 
 parses and scatters each one straight into the commit's reused accumulators, see
 `peer.core.sparseloco.commit`; `aggregate_s` times that fused path for M payloads.)
 
-`python -m peer.research.bench.common [PARAMS [RUNS]] [--templar-src DIR]` runs `codec_figures` RUNS times
-(default 5) in one process on one real Δ (178M by default) and prints each run's speed-up over the
+`codec_runs` (`peer bench codec [--params N] [--runs RUNS] [--templar-src DIR]`) runs `codec_figures` RUNS
+times (default 5) in one process on one real Δ (178M by default) and gives each run's speed-up over the
 baseline and their median: the round trip's figure of issue 24. With `--templar-src DIR` (a templar
 checkout), templar's real `ChunkingTransformer` + `TopKCompressor` round trip is timed as well, in the
 same repetitions (`peer.research.simulate.templar_real`; no templar code ships with `peer`).
@@ -36,14 +36,12 @@ Invariant: bytes are counted from `Payload.to_bytes()`, i.e. exactly what goes o
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import multiprocessing
 import statistics
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import psutil
@@ -325,22 +323,14 @@ def bench_payload(
     return result
 
 
-def main(argv: Sequence[str]) -> int:
-    """`python -m peer.research.bench.common [PARAMS [RUNS]] [--templar-src DIR]`: `codec_figures` RUNS times
-    (default 5) in this one process on one real Δ of about PARAMS parameters (default 178e6), after
-    one untimed round trip of each baseline, each run's median of 3 repetitions; prints one JSON line
-    per run (its times and speed-ups over each baseline), then each baseline's speed-ups and their
-    median. With --templar-src, templar's real codec from that checkout is timed too
-    (`templar_real`), beside the re-implementation (`templar`)."""
-    args, templar_src = list(argv), None
-    if "--templar-src" in args:
-        at = args.index("--templar-src")
-        if at + 1 >= len(args):
-            raise ConfigError("--templar-src needs a directory")
-        templar_src = args[at + 1]
-        del args[at : at + 2]
-    n_params = int(float(args[0])) if args else 178_000_000
-    runs = int(args[1]) if len(args) > 1 else 5
+def codec_runs(n_params: int = 178_000_000, runs: int = 5, templar_src: str | None = None) -> Iterator[dict[str, Any]]:
+    """`codec_figures` `runs` times in this one process on one real Δ of about `n_params` parameters, after
+    one untimed round trip of each baseline, each run's median of 3 repetitions. Yields, as each is known,
+    one dict per run ({"run", "preset", its times and speed-ups over each baseline}), then one per baseline
+    ({"baseline", "speedups", "median"}). With `templar_src`, templar's real codec from that checkout is
+    timed too (`templar_real`), beside the re-implementation (`templar`)."""
+    if runs < 1:
+        raise ConfigError("--runs must be 1 or more")
     baselines = baselines_for(templar_src)
     preset, model_cfg = closest_model(n_params)
     delta, model = real_delta(model_cfg)
@@ -350,19 +340,11 @@ def main(argv: Sequence[str]) -> int:
         roundtrip(delta, cfg.topk, cfg.chunk)
     speedups: dict[str, list[float]] = {name: [] for name in baselines}
     for run in range(runs):
+        log.info("codec run %d of %d (%s)", run + 1, runs, preset)
         r = codec_figures(delta, cfg, repeats=3, n_aggregate=2, baselines=baselines)
         for name in baselines:
             speedups[name].append(r[f"speedup_vs_{name}"])
         times = {k: round(v, 4) for k, v in r.items() if k.endswith("_s") or k.startswith("speedup_vs_")}
-        print(json.dumps({"run": run + 1, "preset": preset, **times}), flush=True)
+        yield {"run": run + 1, "preset": preset, **times}
     for name, got in speedups.items():
-        print(
-            json.dumps(
-                {"baseline": name, "speedups": [round(x, 3) for x in got], "median": round(statistics.median(got), 3)}
-            )
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+        yield {"baseline": name, "speedups": [round(x, 3) for x in got], "median": round(statistics.median(got), 3)}

@@ -4,8 +4,9 @@
 connections on `--listen`, opens one to `--to` for each, and copies bytes both ways, holding every
 chunk for half the round trip in each direction. The delay is pipelined (a chunk read at time τ
 is written at τ + rtt/2, whatever is still queued before it), so the relay adds latency, not a
-bandwidth limit: shape bandwidth separately (`tc tbf`, `peer.research.bench.netns`). Prints `READY <port>`
-once listening; stops on SIGTERM.
+bandwidth limit: shape bandwidth separately (`tc tbf`, `peer.research.bench.netns`). Once listening,
+`main` writes `READY <port>` to stdout — the one line of its wire protocol with the parent that
+started it (`peer.research.bench.pipeline` reads it), not output for a person; stops on SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 CHUNK = 64 * 1024
 
@@ -68,11 +69,13 @@ class _Pipe:
             pass
 
 
-def relay(listen: str, target: str, rtt_s: float, stop: threading.Event) -> None:
-    """Serve until `stop` is set; prints READY <port> once listening."""
+def relay(
+    listen: str, target: str, rtt_s: float, stop: threading.Event, on_ready: Callable[[int], None] = lambda port: None
+) -> None:
+    """Serve until `stop` is set; `on_ready(port)` once listening."""
     server = socket.create_server(_split(listen), reuse_port=False)
     server.settimeout(0.2)
-    print(f"READY {server.getsockname()[1]}", flush=True)
+    on_ready(server.getsockname()[1])
     while not stop.is_set():
         try:
             client, _ = server.accept()
@@ -91,7 +94,13 @@ def relay(listen: str, target: str, rtt_s: float, stop: threading.Event) -> None
     server.close()
 
 
+def announce_ready(port: int) -> None:
+    """The child's side of the protocol with its parent: one `READY <port>` line on stdout (a pipe)."""
+    print(f"READY {port}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    """The relay as a child process: its stdout carries only the `READY <port>` line (`announce_ready`)."""
     parser = argparse.ArgumentParser(prog="python -m peer.research.bench.delay_relay")
     parser.add_argument("--listen", required=True, help="HOST:PORT to accept on (port 0: any)")
     parser.add_argument("--to", required=True, help="HOST:PORT to relay to")
@@ -100,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    relay(args.listen, args.to, args.rtt_ms / 1e3, stop)
+    relay(args.listen, args.to, args.rtt_ms / 1e3, stop, announce_ready)
 
 
 if __name__ == "__main__":

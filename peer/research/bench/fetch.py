@@ -1,4 +1,4 @@
-"""Dataset fetch throughput between two processes on loopback (`python -m peer.research.bench.fetch`).
+"""Dataset fetch throughput between two processes on loopback (`peer bench fetch`).
 
 Writes a synthetic prepared dataset (`--tokens` random uint16 ids in `--shard-tokens` shards, 1 %
 more for validation), serves it from a separate process as the bootstrap does (a real PeerServer
@@ -9,9 +9,10 @@ with the bootstrap's ArtifactHandler and the data plane's Gate), and fetches it 
 - `resume`:   the server process is killed once about half the bytes arrived, the fetch ends with
   its one-line error, a new server starts, and the fetch is run again: it continues from the
   .part files (bytes moved the second time ~ what was missing).
-Prints one JSON object: MB/s per phase and the bytes of the resumed fetch.
+`bench_fetch` returns one dict (the CLI prints it as JSON): MB/s per phase and the bytes of the resumed
+fetch. `python -m peer.research.bench.fetch --serve DIR --port-file FILE` is the serving process.
 
-    python -m peer.research.bench.fetch --tokens 100000000 --max-download-mbps 400
+    peer bench fetch --tokens 100000000 --max-download-mbps 400
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import logging
 import shutil
 import subprocess
@@ -129,45 +129,47 @@ def _kill_at_half(proc: subprocess.Popen[bytes], folder: Path, total: int) -> No
         time.sleep(0.01)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=100_000_000)
-    parser.add_argument("--shard-tokens", type=int, default=1 << 24)
-    parser.add_argument("--max-download-mbps", type=float, default=400.0)
-    parser.add_argument("--work", type=Path, default=None)
-    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.serve is not None:
-        serve(args.serve, args.port_file)
-        return 0
-    logging.basicConfig(level=logging.WARNING)
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-fetch-"))
+def bench_fetch(tokens: int, shard_tokens: int, max_download_mbps: float, work: Path | None = None) -> dict[str, Any]:
+    """The three fetches of the module's docstring on a synthetic dataset of `tokens` ids (in `work`, else a
+    temporary folder removed afterwards): MB/s per phase, the server's peak RSS, the resumed fetch's bytes."""
+    root = work or Path(tempfile.mkdtemp(prefix="bench-fetch-"))
     try:
         t0 = time.monotonic()
-        dataset = synthetic(work / "served", args.tokens, args.shard_tokens)
+        dataset = synthetic(root / "served", tokens, shard_tokens)
         total = sum(dataset.nbytes(s) for s in dataset.index.shards)
         result: dict[str, Any] = {"dataset_MB": round(total / MB, 1), "shards": len(dataset.index.shards)}
         result["write_s"] = round(time.monotonic() - t0, 1)
-        with server_process(dataset.root, work) as (address, proc):
+        with server_process(dataset.root, root) as (address, proc):
             ready = _peak_rss_mb(proc.pid)
-            result["uncapped"] = fetch(dataset, work / "uncapped", address, None)
+            log.info("fetching %.1f MB uncapped, then capped at %g Mbit/s", total / MB, max_download_mbps)
+            result["uncapped"] = fetch(dataset, root / "uncapped", address, None)
             # streamed from disk: serving the whole dataset adds a few chunks, not the dataset
             result["server_peak_rss_MB"] = {"ready": ready, "after_serving": _peak_rss_mb(proc.pid)}
-            result["capped"] = fetch(dataset, work / "capped", address, args.max_download_mbps)
-            result["capped"]["cap_MB_per_s"] = round(args.max_download_mbps / 8, 1)
-        with server_process(dataset.root, work) as (address, proc):
-            killer = threading.Thread(target=_kill_at_half, args=(proc, work / "resume", total), daemon=True)
+            result["capped"] = fetch(dataset, root / "capped", address, max_download_mbps)
+            result["capped"]["cap_MB_per_s"] = round(max_download_mbps / 8, 1)
+        with server_process(dataset.root, root) as (address, proc):
+            log.info("fetching again, the server killed halfway")
+            killer = threading.Thread(target=_kill_at_half, args=(proc, root / "resume", total), daemon=True)
             killer.start()
-            first = fetch(dataset, work / "resume", address, None)
-        with server_process(dataset.root, work) as (address, _):
-            second = fetch(dataset, work / "resume", address, None)
-        PreparedDataset.open(work / "resume").verify()
+            first = fetch(dataset, root / "resume", address, None)
+        with server_process(dataset.root, root) as (address, _):
+            second = fetch(dataset, root / "resume", address, None)
+        PreparedDataset.open(root / "resume").verify()
         result["resume"] = {"interrupted": first, "resumed": second, "verified": True}
-        print(json.dumps(result, indent=1))
+        return result
     finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
+        if work is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The serving child of `server_process` (`--serve DIR --port-file FILE`): it writes its port to the
+    file and serves until killed. The benchmark itself is `peer bench fetch` (`bench_fetch`)."""
+    parser = argparse.ArgumentParser(description="the serving process of `peer bench fetch`")
+    parser.add_argument("--serve", type=Path, required=True)
+    parser.add_argument("--port-file", type=Path, required=True)
+    args = parser.parse_args(argv)
+    serve(args.serve, args.port_file)
     return 0
 
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,41 +253,6 @@ def _line(row: dict[str, Any]) -> str:
     )
 
 
-def table_rows(result: dict[str, Any]) -> list[list[str]]:
-    """Rows of the printed table (header first)."""
-    out = [["k/d", "link", "in flight", "tok/s", "plan tok/s", "eff.", "vs unshaped", "busy", "bubble", "B/token/link"]]
-    for r in result["rows"]:
-        link = r["rate"] + (f" +{r['rtt_ms']:g}ms" if r["rtt_ms"] else "")
-        vs = "" if r.get("vs_unshaped") is None else f"{r['vs_unshaped']:.2f}x"
-        out.append(
-            [r["k_ratio"], link, str(r["in_flight"]), f"{r['tokens_per_s']:.0f}", f"{r['plan_tokens_per_s']:.0f}",
-             f"{r['efficiency']:.2f}", vs,
-             "/".join(f"{x:.2f}" for x in r["busy"]), f"{r['bubble']:.2f}",
-             "/".join(f"{x:.0f}" for x in r["bytes_per_token"])]
-        )  # fmt: skip
-    return out
-
-
-def plot(result: dict[str, Any], path: Path) -> Path:
-    """Tokens/s per link setting, one line per (k/d, schedule), the one-device line for scale."""
-    from peer.cli.plots import figure
-
-    rows: list[dict[str, Any]] = result["rows"]
-    labels = list(dict.fromkeys(r["rate"] + (f"+{r['rtt_ms']:g}ms" if r["rtt_ms"] else "") for r in rows))
-    with figure(path, "peer bench pipeline (measured)", xlabel="link", ylabel="tokens/s") as ax:
-        for key in dict.fromkeys((r["k_ratio"], r["schedule"]) for r in rows):
-            ys = {
-                r["rate"] + (f"+{r['rtt_ms']:g}ms" if r["rtt_ms"] else ""): r["tokens_per_s"]
-                for r in rows
-                if (r["k_ratio"], r["schedule"]) == key
-            }
-            xs = [i for i, lab in enumerate(labels) if lab in ys]
-            ax.plot(xs, [ys[labels[i]] for i in xs], marker="o", label=f"k/d={key[0]}, {key[1]}")
-        ax.axhline(result["one_device_tokens_per_s"], color="grey", linestyle="--", label="one device")
-        ax.set_xticks(range(len(labels)), labels)
-    return path
-
-
 def parse_list(text: str, cast: Callable[[str], Any], what: str) -> tuple[Any, ...]:
     """Comma-separated values of a flag ("" items allowed for rates: unshaped)."""
     try:
@@ -296,26 +261,12 @@ def parse_list(text: str, cast: Callable[[str], Any], what: str) -> tuple[Any, .
         raise ValueError(f"{what}: cannot read {text!r}") from None
 
 
-def summarize(result: dict[str, Any]) -> Sequence[str]:
-    """One line per target of issue 9 that this result can speak to."""
-    rows = result["rows"]
-    split, wire = result["bench"].get("split", "even"), result["bench"].get("wire_dtype", "fp32")
-    lines = [
-        f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}; split: {split}; "
-        f"wire: {wire}"
-    ]
-    for r in rows:
-        if r["rate"] == "unshaped" and not r["rtt_ms"]:
-            lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
-    return lines
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def command(
-    out: Callable[[Any], None],
+def run_from_flags(
+    progress: Callable[[str], None],
     *,
     stages: int,
     preset: str,
@@ -331,11 +282,9 @@ def command(
     steps: int,
     repeats: int,
     no_netns: bool,
-    json_out: Path | None,
 ) -> dict[str, Any]:
-    """`peer bench pipeline`: run, then hand the table, summary and file paths to `out` (the CLI prints)."""
-    from rich.table import Table
-
+    """`peer bench pipeline`: check the CLI's flags, run every configuration (progress lines to `progress`)
+    and return the result; the CLI renders it (`peer.cli.bench_render`)."""
     from peer.errors import ConfigError
 
     try:
@@ -363,18 +312,6 @@ def command(
         raise ConfigError("--stages must be >= 2 and --batch-size a multiple of --microbatches")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # cleanups (namespaces, children) still run
     try:
-        result = run_bench(bench, lambda line: out(line))
+        return run_bench(bench, progress)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    header, *body = table_rows(result)
-    table = Table(*header, title="peer bench pipeline")
-    for row in body:
-        table.add_row(*row)
-    out(table)
-    for line in summarize(result):
-        out(line)
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-        out(f"results: {json_out}; plot: {plot(result, json_out.with_suffix('.png'))}")
-    return result

@@ -1,7 +1,8 @@
 """A pipeline of real processes without a swarm: the stage peers and the head of `peer bench pipeline`.
 
 Each stage s >= 1 runs as its own process (`python -m peer.research.bench.pipeline_peers stage ...`): a
-`StageWorker`, the real `PeerService` and `PeerServer` on a TCP port; it prints `READY <port>` and,
+`StageWorker`, the real `PeerService` and `PeerServer` on a TCP port; it writes `READY <port>` to stdout
+(the one line of its wire protocol with the parent, `peer.research.bench.delay_relay.announce_ready`) and,
 when stopped (SIGTERM), writes a JSON report (hash of its live parameters, busy seconds). The head
 (`... head ...`) runs `PipelineDriver` over a fixed map of those addresses (`FixedStages`, in
 place of the DHT's stage records: discovery is not what is measured) for a number of inner steps
@@ -38,6 +39,7 @@ from peer.node.pipeline.driver import PipelineDriver
 from peer.node.round.payloads import PayloadStore
 from peer.node.service import PeerService
 from peer.node.stage.worker import StageWorker
+from peer.research.bench.delay_relay import announce_ready
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,11 @@ def _cfg(path: str) -> RunConfig:
     return config_from_dict(json.loads(Path(path).read_text()))
 
 
-def serve_stage(cfg: RunConfig, stage: int, host: str, port: int, report: Path) -> None:
-    """Serve one stage until SIGTERM; then write {"param_hash", "busy_s"} to `report`."""
+def serve_stage(
+    cfg: RunConfig, stage: int, host: str, port: int, report: Path, on_ready: Callable[[int], None] = lambda p: None
+) -> None:
+    """Serve one stage until SIGTERM (`on_ready(port)` once it listens); then write {"param_hash",
+    "busy_s"} to `report`."""
     worker = StageWorker(cfg, stage)
     service = PeerService(cfg, {stage: worker}, PayloadStore(), f"stage-{stage}", "stage")
     server = PeerServer(
@@ -96,7 +101,7 @@ def serve_stage(cfg: RunConfig, stage: int, host: str, port: int, report: Path) 
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"READY {server.port}", flush=True)
+    on_ready(server.port)
     stop.wait()
     server.stop(grace_s=1.0)
     with worker.lock:
@@ -260,6 +265,8 @@ def _one_thread_env() -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """A stage, head or whole-model child process; results go to its --report file. A stage's stdout
+    carries only the `READY <port>` line its parent waits for (`StageProcesses.start`)."""
     parser = argparse.ArgumentParser(prog="python -m peer.research.bench.pipeline_peers")
     parser.add_argument("role", choices=("stage", "head", "whole"))
     parser.add_argument("config", help="RunConfig as JSON (RunConfig.to_dict())")
@@ -274,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("PEER_LOG_LEVEL", "WARNING"))
     cfg = _cfg(args.config)
     if args.role == "stage":
-        serve_stage(cfg, args.stage, args.host, 0, args.report)
+        serve_stage(cfg, args.stage, args.host, 0, args.report, announce_ready)  # stdout: the READY line only
         return
     if args.role == "head":
         addresses = {s: a for s, a in enumerate(args.addresses.split(","), start=1) if a}

@@ -1,6 +1,6 @@
 """Benchmark of `peer simulate`'s speed: the same sweep on the old path and the new one, bit for bit.
 
-    PYTHONPATH=. python -m peer.research.bench.simulate            (or: peer bench simulate)
+    peer bench simulate            (`bench` returns the figures; the CLI prints them)
 
 Runs M = 4 replicas of the tiny preset through adamw, sparseloco, pp-compress and het-pp-compress
 (H = 10, T outer steps) three ways: `old` — in this process with every payload
@@ -8,13 +8,12 @@ decoded densely before the commit (the simulator before issue 25); `fused` — i
 fused commit of parsed payloads; `new` — the replicas on worker processes (all cores, at most M) with
 the fused commit; old and new again (`--repeats`), interleaved, since the machine's load changes. It
 checks that every train and validation curve value, every held-out sequence loss and every byte count is
-the same bits on every run, then prints the wall times and the speed-ups (fastest against fastest).
+the same bits on every run, and returns the wall times and the speed-ups (fastest against fastest).
 A timing, not a test: the machine's load moves it (say which when quoting it).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -80,28 +79,3 @@ def bench(
         "speedup_new": best["old"] / best["new"],
         "bit_identical": prints["old"] == prints["fused"] == prints["new"] != [],
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--outer-steps", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=10)
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=2)
-    a = parser.parse_args(argv)
-    out = bench(a.outer_steps, a.inner_steps, a.replicas, a.workers, a.repeats)
-    w = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in out["wall_s"].items()}
-    print(
-        f"peer simulate, tiny, M={out['replicas']}, H={out['inner_steps']}, T={out['outer_steps']}, {out['configs']}\n"
-        f"  old   (in process, dense decode, then the commit): {w['old']} s\n"
-        f"  fused (in process, fused commit): {w['fused']} s   {out['speedup_fused']:.2f}x\n"
-        f"  new   ({out['workers']} workers, fused commit): {w['new']} s   {out['speedup_new']:.2f}x\n"
-        "  (speed-ups: the fastest run of each path)\n"
-        f"  results bit-identical on all runs: {out['bit_identical']}"
-    )
-    return 0 if out["bit_identical"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,7 +17,8 @@ bandwidths, estimate per bandwidth:
   overlaps the round),
 - with a token budget N (`--tokens`, Fig. 3): ⌈N / (M·H·m·b·L)⌉ outer steps of that wall time.
 Several k/d (`--k-ratio 1/8,1/16,…`) give one row group each; the uncompressed pipeline does not
-depend on k. The tables and the two figures: `peer.research.plan.figures`.
+depend on k. The figures' curves: `peer.research.plan.figures`; the CLI (`peer.cli.plan`) draws the
+tables and the plots.
 
 `predict_pipeline` models the schedule that runs (`peer.node.pipeline.step`): the sequential one (every
 hop through the head) or K micro-batches in flight streamed stage to stage, with the pipeline
@@ -33,10 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -238,39 +238,37 @@ def _timing(
     return out
 
 
-def plan_command(
-    out: Callable[[Any], None],
-    args: Mapping[str, Any],
-    png: Path,
-    json_out: Path | None,
-    write_json: Callable[[Path, dict[str, Any]], None],
-) -> list[dict[str, Any]]:
-    """`peer plan`: the rows for the CLI's flags (`args`), the tables and the file paths handed to `out`:
-    Fig. 2 (utilisation, one curve per k/d) at `png`, Fig. 3 (wall-clock of `--tokens`) beside it."""
-    from peer.research.plan.figures import figure_curves, plan_tables, plot_utilisation, plot_wallclock, wallclock_png
+@dataclass(frozen=True)
+class PlanResult:
+    """What `peer plan` computed: the inputs, one row per k/d and bandwidth (`plan_rows`) and the round's
+    bytes per stage holder (`holders[compressed]`); `peer.cli.plan` renders it."""
 
+    inputs: PlanInputs
+    rows: list[dict[str, Any]]
+    holders: dict[bool, list[HolderRound]]
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` file: inputs, k/d values, rows, the round per holder and the plotted curves."""
+        from peer.research.plan.figures import figure_curves
+
+        return {
+            "inputs": dataclasses.asdict(self.inputs),
+            "k_ratios": list(dict.fromkeys(r["k_ratio"] for r in self.rows)),
+            "rows": self.rows,
+            "round": {kind: [dataclasses.asdict(h) for h in self.holders[kind == "compressed"]] for kind in KINDS},
+            **figure_curves(self.rows),
+        }
+
+
+def plan(args: Mapping[str, Any]) -> PlanResult:
+    """`peer plan` for the CLI's flags (`args`): the rows per k/d and bandwidth and the round per holder."""
     bws = parse_bandwidths(args["bandwidth_mbps"])
     fields = {f.name: args[f.name] for f in dataclasses.fields(PlanInputs) if f.name in args and f.name != "tokens"}
     inputs = PlanInputs(**fields, tokens=parse_tokens(args.get("tokens")))
     rows = plan_rows(inputs, bws)
     _, cfg = resolve_model(inputs)
     holders = {c: round_holders(stage_payloads(cfg, inputs.stages), inputs.replicas, c) for c in (True, False)}
-    for table in plan_tables(rows, dataclasses.asdict(inputs), holders):
-        out(table)
-    out(f"plot: {plot_utilisation(rows, png)}")
-    if inputs.tokens is not None:
-        out(f"plot: {plot_wallclock(rows, wallclock_png(png), inputs.tokens)}")
-    if json_out:
-        data = {
-            "inputs": dataclasses.asdict(inputs),
-            "k_ratios": list(dict.fromkeys(r["k_ratio"] for r in rows)),
-            "rows": rows,
-            "round": {kind: [dataclasses.asdict(h) for h in holders[kind == "compressed"]] for kind in KINDS},
-            **figure_curves(rows),
-        }
-        write_json(json_out, data)
-        out(f"results: {json_out}")
-    return rows
+    return PlanResult(inputs, rows, holders)
 
 
 # ---------------------------------------------------------------------------- the schedule that runs

@@ -27,8 +27,8 @@ replicas, each on its OWN forward path (compressed or not), on `val_tokens` held
 After a commit all replicas hold the same weights, so each distinct path is evaluated once and
 weighted by its number of replicas. `delta_pct` compares that replica mean with the baseline of
 the config's family (`sparseloco`, or `adamw` for the adamw-* configs) of the same seed.
-This module does no I/O but the optional checkpoint and plot, and prints nothing: progress goes
-through a callback.
+This module does no I/O but the optional checkpoint, and prints and draws nothing: progress goes
+through a callback; `peer.cli.plots.plot_curves` draws the curves.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from peer.cli.plots import figure
 from peer.config import RunConfig
 from peer.core.data.loader import Corpus
 from peer.core.subspace.compression import k_from_ratio
@@ -73,7 +72,6 @@ __all__ = [
     "_commit_stage",
     "assign_deltas",
     "check_configs",
-    "plot_curves",
     "run_adamw",
     "run_config",
     "run_diloco",
@@ -162,23 +160,3 @@ def simulate(
 def with_overrides(cfg: RunConfig, **train_overrides: Any) -> RunConfig:
     """Convenience for tests and the CLI: a copy of cfg with some TrainConfig fields replaced."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_overrides))
-
-
-def plot_curves(results: Sequence[ConfigResult], path: Path, title: str = "peer simulate") -> Path:
-    """Train (thin) and validation (markers) loss against the global inner step, one colour per config."""
-    with figure(path, title) as ax:
-        for i, r in enumerate(results):
-            color = f"C{i % 10}"
-            label = r.name if r.k_ratio is None else f"{r.name} {r.k_ratio}"
-            label += f" s{r.seed}"
-            steps, losses = zip(*r.train_curve, strict=True)
-            window = max(1, len(losses) // 50)
-            smooth = [
-                sum(losses[max(0, j - window + 1) : j + 1]) / len(losses[max(0, j - window + 1) : j + 1])
-                for j in range(len(losses))
-            ]
-            ax.plot(steps, smooth, color=color, alpha=0.6, linewidth=1, label=f"{label} train")
-            if r.val_curve:
-                vs, vl = zip(*r.val_curve, strict=True)
-                ax.plot(vs, vl, "o-", color=color, markersize=3, label=f"{label} val")
-    return Path(path)

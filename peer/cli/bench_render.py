@@ -1,0 +1,63 @@
+"""What `peer bench …` prints: the tables and lines of the benchmarks' results.
+
+The benchmarks (`peer.research.bench.*`) return dicts and dataclasses and print nothing; the commands in
+`peer.cli.bench` show what is built here (rich tables and plain lines, nothing printed here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.table import Table
+
+
+def pipeline_table(result: Mapping[str, Any]) -> Table:
+    """`peer bench pipeline`'s table: one row per configuration measured."""
+    header, *body = pipeline_rows(result)
+    table = Table(*header, title="peer bench pipeline")
+    for row in body:
+        table.add_row(*row)
+    return table
+
+
+def pipeline_rows(result: Mapping[str, Any]) -> list[list[str]]:
+    """Rows of `peer bench pipeline`'s table (header first)."""
+    out = [["k/d", "link", "in flight", "tok/s", "plan tok/s", "eff.", "vs unshaped", "busy", "bubble", "B/token/link"]]
+    for r in result["rows"]:
+        link = r["rate"] + (f" +{r['rtt_ms']:g}ms" if r["rtt_ms"] else "")
+        vs = "" if r.get("vs_unshaped") is None else f"{r['vs_unshaped']:.2f}x"
+        out.append(
+            [r["k_ratio"], link, str(r["in_flight"]), f"{r['tokens_per_s']:.0f}", f"{r['plan_tokens_per_s']:.0f}",
+             f"{r['efficiency']:.2f}", vs,
+             "/".join(f"{x:.2f}" for x in r["busy"]), f"{r['bubble']:.2f}",
+             "/".join(f"{x:.0f}" for x in r["bytes_per_token"])]
+        )  # fmt: skip
+    return out
+
+
+def pipeline_summary(result: Mapping[str, Any]) -> list[str]:
+    """`peer bench pipeline`: one line per target of issue 9 that this result can speak to."""
+    rows = result["rows"]
+    split, wire = result["bench"].get("split", "even"), result["bench"].get("wire_dtype", "fp32")
+    lines = [
+        f"one device: {result['one_device_tokens_per_s']:.0f} tok/s; shaping: {result['shaping']}; split: {split}; "
+        f"wire: {wire}"
+    ]
+    for r in rows:
+        if r["rate"] == "unshaped" and not r["rtt_ms"]:
+            lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
+    return lines
+
+
+def simulate_speed_lines(out: Mapping[str, Any]) -> list[str]:
+    """`peer bench simulate`: the wall times of the three paths and the speed-ups."""
+    w = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in out["wall_s"].items()}
+    return [
+        f"peer simulate, tiny, M={out['replicas']}, H={out['inner_steps']}, T={out['outer_steps']}, {out['configs']}",
+        f"  old   (in process, dense decode, then the commit): {w['old']} s",
+        f"  fused (in process, fused commit): {w['fused']} s   {out['speedup_fused']:.2f}x",
+        f"  new   ({out['workers']} workers, fused commit): {w['new']} s   {out['speedup_new']:.2f}x",
+        "  (speed-ups: the fastest run of each path)",
+        f"  results bit-identical on all runs: {out['bit_identical']}",
+    ]

@@ -1,0 +1,107 @@
+"""`peer plan`: the planner's tables and figures, drawn from what `peer.research.plan.command.plan` computes.
+
+Two tables (per pipeline and bandwidth; the round's bytes per stage holder), Fig. 2 (utilisation, one
+curve per k/d) at the `--png` path, Fig. 3 (wall-clock of `--tokens`) beside it, and the `--json` file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from peer.cli.plots import plot_utilisation, plot_wallclock, wallclock_png
+from peer.cli.render import human_bytes
+from peer.research.plan.command import plan
+from peer.research.plan.figures import by_k_ratio
+from peer.research.plan.round import HolderRound
+
+
+def plan_command(
+    out: Callable[[Any], None],
+    args: Mapping[str, Any],
+    png: Path,
+    json_out: Path | None,
+    write_json: Callable[[Path, dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """`peer plan`: the rows for the CLI's flags (`args`), the tables and the file paths handed to `out`:
+    Fig. 2 (utilisation, one curve per k/d) at `png`, Fig. 3 (wall-clock of `--tokens`) beside it."""
+    result = plan(args)
+    rows, inputs = result.rows, result.inputs
+    for table in plan_tables(rows, dataclasses.asdict(inputs), result.holders):
+        out(table)
+    out(f"plot: {plot_utilisation(rows, png)}")
+    if inputs.tokens is not None:
+        out(f"plot: {plot_wallclock(rows, wallclock_png(png), inputs.tokens)}")
+    if json_out:
+        write_json(json_out, result.to_json())
+        out(f"results: {json_out}")
+    return rows
+
+
+def plan_tables(
+    rows: Sequence[Mapping[str, Any]], inputs: Mapping[str, Any], holders: Mapping[bool, Sequence[HolderRound]]
+) -> list[Table]:
+    """`peer plan`'s two tables: per pipeline (each k/d, then uncompressed) and bandwidth, and the
+    round's bytes per stage holder (`holders[compressed]`). `inputs`: `PlanInputs` as a dict."""
+    return [_pipeline_table(rows, inputs), _round_table(holders, inputs["replicas"])]
+
+
+def _pipeline_table(rows: Sequence[Mapping[str, Any]], inputs: Mapping[str, Any]) -> Table:
+    budget = inputs["tokens"] is not None
+    steps = f", {inputs['tokens']:.3g} tokens = {rows[0]['outer_steps_compressed']:,} outer steps" if budget else ""
+    table = Table(
+        title=(
+            f"peer plan — {rows[0]['model']}, {inputs['stages']} stages, M={inputs['replicas']}, "
+            f"H={inputs['inner_steps']}, {inputs['microbatches']}×{inputs['microbatch_size']}×{inputs['seq_len']} "
+            "tokens per inner step" + steps
+        ),
+        caption="k/d none: the uncompressed pipeline; act/µb: boundary bytes per micro-batch (forward + "
+        "backward); round s: the slowest holder's busier link direction (next table)",
+    )
+    columns = ["k/d", "k", "Mbit/s", "util", "s/outer", "round s", "act/µb"] + (["hours"] if budget else [])
+    for col in columns:
+        table.add_column(col, justify="left" if col == "k/d" else "right", no_wrap=True)
+    groups = [(g[0]["k_ratio"], str(g[0]["k"]), "compressed", g) for g in by_k_ratio(rows).values()]
+    groups.append(("none", "d", "uncompressed", groups[0][3]))
+    for n, (label, k, kind, group) in enumerate(groups):
+        if n:
+            table.add_section()
+        for r in group:
+            cells = [
+                label,
+                k,
+                f"{r['bandwidth_mbps']:g}",
+                f"{100 * r[f'util_{kind}']:.1f} %",
+                f"{r[f'outer_s_{kind}']:,.0f}",
+                f"{r[f'round_s_{kind}']:,.0f}",
+                human_bytes(r[f"boundary_bytes_{kind}"]),
+            ]
+            if budget:
+                cells.append(f"{r[f'wallclock_h_{kind}']:,.0f}")
+            table.add_row(*cells)
+    return table
+
+
+def _round_table(holders: Mapping[bool, Sequence[HolderRound]], replicas: int) -> Table:
+    table = Table(
+        title=f"the round per stage holder, M={replicas}, all-to-all (payloads fetched: own stage, stage 0)",
+        caption="compressed: the later stages also fetch all of stage 0's payloads (for T⊥), which stage 0's "
+        "holders serve; uncompressed: each way",
+    )
+    for col in ("stage", "payload", "own", "stage 0", "fetched", "served", "uncompressed"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for c, u in zip(holders[True], holders[False], strict=True):
+        table.add_row(
+            str(c.stage),
+            human_bytes(c.payload_bytes),
+            str(c.own_fetched),
+            str(c.stage0_fetched),
+            human_bytes(c.fetched_bytes),
+            human_bytes(c.served_bytes),
+            human_bytes(u.link_bytes),
+        )
+    return table
