@@ -25,20 +25,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from peer.config import RunConfig
 from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
-from peer.net.dht import SwarmDHT
-from peer.net.pool import ClientPool
-from peer.node.metrics import MetricsWriter, log_round
-from peer.node.presence import Presence
+from peer.node.metrics import log_round
 from peer.node.round.agreement import expected_replicas, round_bans, round_view
 from peer.node.round.censors import Evidence
 from peer.node.round.claims import closed_elsewhere, majority, parse_claims
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
-from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.payloads import round_validator
 from peer.node.round.ranges.rounds import (
     Gathered,
     Job,
@@ -51,7 +48,6 @@ from peer.node.round.ranges.rounds import (
     run_jobs,
     summary,
 )
-from peer.node.round.refusals import Refusals
 from peer.node.round.resync import Resync
 from peer.node.stage.worker import StageWorker
 
@@ -61,23 +57,12 @@ log = logging.getLogger(__name__)
 class Rounds:
     """One peer's outer rounds: gather (contributing or observing), commit, record."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        dht: SwarmDHT,
-        clients: ClientPool,
-        store: PayloadStore,
-        me: Presence,
-        refusals: Refusals,
-        metrics: MetricsWriter,
-        publish: Callable[[], None],
-        resync: Resync,
-    ) -> None:
-        """`publish` refreshes this peer's DHT records (after every commit); `resync` checks and
+    def __init__(self, ctx: RoundContext, resync: Resync) -> None:
+        """`ctx.publish` refreshes this peer's DHT records (after every commit); `resync` checks and
         repairs the committed state (the swarm's clock, `reconcile`, `sync_state`)."""
-        self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
-        self.me, self.refusals, self.metrics = me, refusals, metrics
-        self.publish, self.resync = publish, resync
+        self.ctx, self.cfg, self.dht, self.clients, self.store = ctx, ctx.cfg, ctx.dht, ctx.clients, ctx.store
+        self.me, self.refusals, self.metrics = ctx.me, ctx.refusals, ctx.metrics
+        self.publish, self.resync = ctx.publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
         self.evidence: dict[int, Evidence] = {}  # per stage: what we saw of its last round (censors)
 
@@ -107,23 +92,17 @@ class Rounds:
             else round_bans(self.dht.get_stage_peers(stage), t, self.me.peer_id)
         )
         result = gather_round(
-            self.dht,
-            self.clients,
+            self.ctx,
             t,
             stage,
             RoundTimings.from_config(swarm),
             own=own,
-            store=self.store,
-            address=self.me.address,
             validate=round_validator(self.cfg, worker, stage),
             stop=stop,
-            inc=self.me.incarnation,
             peers=peers,
             quorum=swarm.min_replicas if t == 0 else 1,
-            n_stages=self.cfg.stages,
             banned=banned,
             prev=worker.state_id() if own_stage else None,
-            refusals=self.refusals,
             established=_established(worker, own_stage),
             previous=self.evidence.get(stage) if own_stage else None,
         )

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,8 +40,12 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
 from peer.net.transport.server import PeerServer
+from peer.node.metrics import MetricsWriter
+from peer.node.presence import Presence
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, read_round, sha256
+from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.research.swarm.net import LinkClass, LinkMix
 from peer.research.swarm.run import simulate
@@ -56,6 +62,12 @@ class Node:
     store: PayloadStore
     clients: ClientPool
     server: PeerServer | None = None
+
+    def context(self, cfg: Any, metrics: MetricsWriter) -> RoundContext:
+        """What a gather of this node takes: its DHT, clients and store, as a full replica."""
+        assert self.server is not None
+        me = Presence(self.dht.peer_id, "full", incarnation="", address=self.server.address)
+        return RoundContext(cfg, self.dht, self.clients, self.store, me, Refusals(), metrics, lambda: None)
 
 
 def _payload(cfg: Any, seed: int) -> bytes:
@@ -165,6 +177,8 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
     checks = SimpleNamespace(validate=payload_validator(stage_shapes(cfg.model, STAGE, cfg.stages), cfg.sparseloco))
     timed.wrap(checks, "validate")  # a fetched payload's parse and checks: part of each fetch's cost
     validate = checks.validate
+    metrics = MetricsWriter(Path(tempfile.mkdtemp(prefix="calib-")), "full")  # a gather logs nothing
+    contexts = [node.context(cfg, metrics) for node in nodes]
     for node in nodes:
         for name in ("get_replicas", "get_stage_peers", "get_payloads", "announce_payload"):
             timed.wrap(node.dht, name)
@@ -182,10 +196,7 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
             assert node.server is not None
             starts[i] = time.monotonic() - t0  # when this peer's gather begins: its "compute time"
             mine = (node.dht.peer_id, own[i])
-            return gather_round(
-                node.dht, node.clients, t, STAGE, TIMINGS, own=mine, store=node.store,
-                address=node.server.address, validate=validate,
-            )  # fmt: skip
+            return gather_round(contexts[i], t, STAGE, TIMINGS, own=mine, validate=validate)
 
         with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
             results = list(pool.map(run, range(len(nodes))))

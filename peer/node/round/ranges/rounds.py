@@ -45,6 +45,7 @@ from peer.net.pool import ClientPool
 from peer.node.presence import Presence
 from peer.node.round.agreement import round_bans
 from peer.node.round.claims import Entry, entry, parse_claims
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import RoundResult, RoundTimings
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
@@ -58,6 +59,7 @@ class Rounds(Protocol):
     """What a peer's jobs read of `peer.node.round.rounds.Rounds` (a structural type: that module
     imports this one, so this one names only what it uses)."""
 
+    ctx: RoundContext
     cfg: RunConfig
     dht: SwarmDHT
     clients: ClientPool
@@ -180,24 +182,16 @@ def run_jobs(rounds: Rounds, jobs: Sequence[Job], t: int, stop: threading.Event)
 def _run(rounds: Rounds, job: Job, t: int, stop: threading.Event) -> Gathered:
     if job.plan is None:
         return rounds.gather(job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload)
-    cfg, me, swarm = rounds.cfg, rounds.me, rounds.cfg.swarm
+    me, swarm = rounds.me, rounds.cfg.swarm
     banned = job.worker.ledger.bans.banned(t) if job.own else round_bans(rounds.dht.get_stage_peers(0), t, me.peer_id)
     try:
         result = gather_ranges(
-            rounds.dht,
-            rounds.clients,
+            rounds.ctx,
             t,
             job.stage,
             RoundTimings.from_config(swarm),
             job.plan,
-            cfg.sparseloco,
             own=(job.replica, job.parts) if job.replica is not None and job.parts is not None else None,
-            store=rounds.store,
-            address=me.address,
-            inc=me.incarnation,
-            refusals=rounds.refusals,
-            backups=swarm.range_backups,
-            shard_topk=swarm.shard_topk or None,
             stop=stop,
             banned=banned,
             quorum=swarm.min_replicas if t == 0 else 1,
