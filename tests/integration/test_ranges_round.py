@@ -48,7 +48,7 @@ from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import owners
-from peer.node.round.ranges.rounds import own_job, run_jobs, summary
+from peer.node.round.ranges.rounds import own_job, summary
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
@@ -373,8 +373,8 @@ def full_replicas(tmp_path, reap_children):
 def _observe(holder: Holder, t: int, stop: threading.Event):
     """Round t applied by a holder that does not contribute to it (`Rounds.catch_up`'s jobs)."""
     rounds = holder.session.rounds
-    jobs = [own_job(rounds, holder.worker, None)]
-    results = run_jobs(rounds, jobs, t, stop)
+    jobs = [own_job(rounds.ctx, holder.worker, None)]
+    results = rounds.gather_jobs(jobs, t, stop)
     assert jobs[0].plan is not None  # the rule says "ranges" for it too
     return summary(results[0], behind=not rounds.commit_jobs(jobs, results))
 

@@ -36,6 +36,7 @@ from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import round_validator
+from peer.node.round.ranges.exchange import RangesResult
 from peer.node.round.ranges.rounds import (
     Gathered,
     Job,
@@ -111,6 +112,16 @@ class Rounds:
         self.pg_bytes += result.bytes_fetched
         return result
 
+    def gather_jobs(self, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
+        """Every job's round (t, stage) at once, under one deadline (`run_jobs`): all-to-all jobs
+        through `gather`; the bytes a ranges job fetched counted here as `gather` counts its own."""
+        results = run_jobs(self.ctx, self._gather_job, jobs, t, stop)
+        self.pg_bytes += sum(r.fetched.total for r in results if isinstance(r, RangesResult))
+        return results
+
+    def _gather_job(self, job: Job, t: int, stop: threading.Event) -> RoundResult:
+        return self.gather(job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload)
+
     def commit(
         self,
         workers: Mapping[int, StageWorker],
@@ -165,7 +176,7 @@ class Rounds:
             return False
         update, embed_set = None, None
         if embed is not None:
-            update, embed_set = observed_embed(self, *embed), committed_set(embed[1])
+            update, embed_set = observed_embed(self.cfg, *embed), committed_set(embed[1])
         for s in sorted(own):
             job, result = own[s]
             commit = apply_job(job, result, update, embed_set)
@@ -266,20 +277,20 @@ class Rounds:
         """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
         that did this outer step's last inner step: the round's binding), gather and apply; all-to-all
         or by ranges, as the round rule says (`peer.node.round.ranges.rounds`)."""
-        job = own_job(self, worker, self.me.peer_id, dict(peers or {}))
+        job = own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}))
         if not self._checked_before([job], t):
             return RoundResult(t=t, stage=worker.stage, behind=True)
-        result = run_jobs(self, [job], t, stop)[0]
+        result = self.gather_jobs([job], t, stop)[0]
         committed = self.commit_jobs([job], [result])
         return summary(result, behind=not committed)
 
     def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
         """A full replica: contribute to and gather every stage's round at once (each stage all-to-all
         or by ranges, as its rule says: `peer.node.round.ranges.rounds`), then apply them."""
-        jobs = [own_job(self, w, self.me.peer_id) for w in workers.values()]
+        jobs = [own_job(self.ctx, w, self.me.peer_id) for w in workers.values()]
         if not self._checked_before(jobs, t):
             return {w.stage: RoundResult(t=t, stage=w.stage, behind=True) for w in workers.values()}
-        results = run_jobs(self, jobs, t, stop)
+        results = self.gather_jobs(jobs, t, stop)
         committed = self.commit_jobs(jobs, results)
         return {j.stage: summary(r, behind=not committed) for j, r in zip(jobs, results, strict=True)}
 
@@ -313,7 +324,7 @@ class Rounds:
         (`Resync.reconcile`) runs here, after our payload is encoded and before the round: a
         disagreement seen in round t is repaired before round t commits."""
         t = worker.outer_step
-        job = own_job(self, worker, contributor)
+        job = own_job(self.ctx, worker, contributor)
         try:
             self.resync.reconcile(worker, before_round=True)
         except PeerError as exc:
@@ -326,8 +337,8 @@ class Rounds:
             return
         # both gathers at once, under one deadline: a replica that froze mid-round costs the round
         # one deadline, not one for our stage and then another for stage 0's set
-        jobs = [job] + [j for j in [embed_job(self, worker)] if j is not None]
-        results = run_jobs(self, jobs, t, stop)
+        jobs = [job] + [j for j in [embed_job(self.ctx, worker)] if j is not None]
+        results = self.gather_jobs(jobs, t, stop)
         if self.commit_jobs(jobs, results):
             ours = summary(results[0])
             self.record(t, {worker.stage: (worker, ours.participants)}, None, None, ours.wall_s)
@@ -339,11 +350,11 @@ class Rounds:
         t = min(w.outer_step for w in workers.values())
         if self.me.joined_at <= t or not expected_replicas(self.dht, t):
             return
-        jobs = [own_job(self, w, None) for w in workers.values()]
+        jobs = [own_job(self.ctx, w, None) for w in workers.values()]
         if 0 not in workers:
-            embed = embed_job(self, next(iter(workers.values())))
+            embed = embed_job(self.ctx, next(iter(workers.values())))
             jobs += [embed] if embed is not None else []
-        self.commit_jobs(jobs, run_jobs(self, jobs, t, stop))
+        self.commit_jobs(jobs, self.gather_jobs(jobs, t, stop))
         self.metrics.log("catch_up", t=t)
         self.publish()
 
