@@ -22,6 +22,7 @@ wait is a bounded poll under one deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.node.metrics import log_round
-from peer.node.round.agreement import expected_replicas, round_bans, round_view
+from peer.node.round.agreement import Commit, Late, commit_decision, expected_replicas, round_bans, round_view
 from peer.node.round.censors import Evidence
 from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
@@ -140,49 +141,37 @@ class Rounds:
     def commit_jobs(self, jobs: Sequence[Job], results: Sequence[Gathered]) -> bool:
         """Apply each own stage's committed round, all-to-all or by ranges (`peer.node.round.ranges.rounds`).
         Stage 0's embedding change moves every other stage's T⊥: from stage 0's own commit when this
-        peer holds it, else from an observer job of stage 0 (no contribution there: T⊥ stays). A round
-        committed elsewhere that this peer could not reproduce (`behind`), or a ranges round that did
-        not complete here, is not applied: the worker re-syncs instead. What a round took from our own
-        payload or parts returns to our error buffer. A followed claim whose state differs from the
-        one we computed from its set is refused. Then the canonical-state check runs
-        (`Resync.reconcile`). False if anything re-synced."""
+        peer holds it, else from an observer job of stage 0 (no contribution there: T⊥ stays). What
+        the late checks find (`_late_checks`) decides (`peer.node.round.agreement.commit_decision`):
+        a round committed elsewhere that this peer could not reproduce (`behind`), or a ranges round
+        that did not complete here, is not applied: the worker re-syncs instead. What a round took
+        from our own payload or parts returns to our error buffer. A followed claim whose state
+        differs from the one we computed from its set is refused. Then the canonical-state check
+        runs (`Resync.reconcile`). False if anything re-synced."""
         pairs = list(zip(jobs, results, strict=True))
         own = {j.stage: (j, r) for j, r in pairs if j.own}
         embed = next(((j, r) for j, r in pairs if not j.own), None)
-        workers = {s: j.worker for s, (j, _) in own.items()}
-        if own and not self._checked_before([j for j, _ in own.values()], next(iter(own.values()))[1].t, keep=True):
+        late, checked = self._late_checks(own, embed)
+        decision = commit_decision(late)
+        if decision is Commit.LEAVE:
             for _, r in own.values():  # a re-sync moved us: the round is applied by the others
                 r.behind = True
             return False
-        checked = time.monotonic()  # the swarm's clock, read right before applying
-        if self._closed_elsewhere([r for _, r in own.values()]):
-            for _, r in own.values():  # the trainers skip a round that was not committed here
-                r.behind = True
-        embed_lost = embed is not None and failed(embed[1]) and 0 not in workers
-        if embed_lost and not self._stage_ahead(workers):
-            # stage 0's committed set cannot be fetched (its sender died) and no holder of our stage
-            # is ahead to sync from: commit our own stage with T⊥ unchanged rather than wait for a
-            # state nobody will ever have; the canonical-state check reconciles holders that could
-            # fetch it (docs/protocol.md, RECONCILE)
-            log.warning(
-                "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
-                embed[1].t if embed is not None else -1,
-                sorted(workers),
-            )
-            embed, embed_lost = None, False
-        if embed_lost or any(failed(r) for _, r in own.values()):
+        if decision is Commit.RESYNC:
             for j, r in own.values():
                 self._resync_behind(j.worker, r)
             return False
-        update, embed_set = None, None
-        if embed is not None:
-            update, embed_set = observed_embed(self.cfg, *embed), committed_set(embed[1])
-        for s in sorted(own):
-            job, result = own[s]
-            commit = apply_job(job, result, update, embed_set)
-            if s == 0:
-                update, embed_set = commit.embed_update, committed_set(result)
-        if self._frozen_while_applying(checked, [r for _, r in own.values()]):
+        if decision is Commit.APPLY_WITHOUT_EMBED:
+            assert embed is not None
+            log.warning(
+                "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
+                embed[1].t,
+                sorted(own),
+            )
+            embed = None
+        self._apply(own, embed)
+        frozen = self._frozen_while_applying(checked, [r for _, r in own.values()])
+        if commit_decision(dataclasses.replace(late, frozen=frozen)) is Commit.WITHDRAW:
             for j, r in own.values():
                 r.behind = True  # the trainers record no round (as when closed elsewhere before applying)
                 self._resync_behind(j.worker, r)
@@ -193,12 +182,45 @@ class Rounds:
         # publish the committed set at once (before validation): a holder closing round t late
         # follows it instead of committing a set of its own (docs/protocol.md, FOLLOW)
         self.publish()
-        for w in workers.values():
+        for job, _ in own.values():
             try:
-                self.resync.reconcile(w)
+                self.resync.reconcile(job.worker)
             except PeerError as exc:
+                w = job.worker
                 log.warning("stage %d: canonical state not checked after round %d: %s", w.stage, w.outer_step - 1, exc)
         return True
+
+    def _late_checks(
+        self, own: Mapping[int, tuple[Job, Gathered]], embed: tuple[Job, Gathered] | None
+    ) -> tuple[Late, float]:
+        """What `commit_decision` reads, checked in order right before applying, each read only when
+        the decision needs it; and when the swarm's clock was read (for `_frozen_while_applying`).
+        A round the swarm closed elsewhere is marked `behind` here: the trainers skip it."""
+        owned = [r for _, r in own.values()]
+        if own and not self._checked_before([j for j, _ in own.values()], owned[0].t, keep=True):
+            return Late(moved=True), time.monotonic()
+        checked = time.monotonic()  # the swarm's clock, read right before applying
+        closed = self._closed_elsewhere(owned)
+        if closed:
+            for r in owned:
+                r.behind = True
+        workers = {s: j.worker for s, (j, _) in own.items()}
+        embed_lost = embed is not None and failed(embed[1]) and 0 not in workers
+        ahead = embed_lost and self._stage_ahead(workers)
+        lost = any(failed(r) for r in owned)
+        return Late(closed_elsewhere=closed, failed=lost, embed_lost=embed_lost, stage_ahead=ahead), checked
+
+    def _apply(self, own: Mapping[int, tuple[Job, Gathered]], embed: tuple[Job, Gathered] | None) -> None:
+        """Commit each own stage's round, stage 0 first: its embedding change (else the observed one
+        of `embed`) moves the later stages' T⊥."""
+        update, embed_set = None, None
+        if embed is not None:
+            update, embed_set = observed_embed(self.cfg, *embed), committed_set(embed[1])
+        for s in sorted(own):
+            job, result = own[s]
+            commit = apply_job(job, result, update, embed_set)
+            if s == 0:
+                update, embed_set = commit.embed_update, committed_set(result)
 
     def _check_followed(self, worker: StageWorker, result: RoundResult) -> None:
         """The holder whose committed set we took claims the state that set gives from our state: ours.
