@@ -62,12 +62,7 @@ class Node:
     store: PayloadStore
     clients: ClientPool
     server: PeerServer | None = None
-
-    def context(self, cfg: Any, metrics: MetricsWriter) -> RoundContext:
-        """What a gather of this node takes: its DHT, clients and store, as a full replica."""
-        assert self.server is not None
-        me = Presence(self.dht.peer_id, "full", incarnation="", address=self.server.address)
-        return RoundContext(cfg, self.dht, self.clients, self.store, me, Refusals(), metrics, lambda: None)
+    ctx: RoundContext | None = None  # what a gather of this node takes (its DHT, clients, store), as a full replica
 
 
 def _payload(cfg: Any, seed: int) -> bytes:
@@ -86,11 +81,15 @@ def _start(cfg: Any, M: int, stack: ExitStack) -> list[Node]:
         dht = SwarmDHT(initial_peers=first.visible_maddrs())
         stack.callback(dht.shutdown)
         nodes.append(Node(dht, PayloadStore(), ClientPool(timeout_s=10.0)))
+    metrics = MetricsWriter(Path(stack.enter_context(tempfile.TemporaryDirectory())), "full")  # a gather logs none
+    stack.callback(metrics.close)
     for node in nodes:
         node.dht.set_run("swarm-calibration", cfg.stages)
         node.server = PeerServer(PeerService(cfg, {}, node.store, node.dht.peer_id, "full"), host="127.0.0.1", port=0)
         stack.callback(node.server.stop, 0.5)
         stack.callback(node.clients.close)
+        me = Presence(node.dht.peer_id, "full", incarnation="", address=node.server.address)
+        node.ctx = RoundContext(cfg, node.dht, node.clients, node.store, me, Refusals(), metrics, lambda: None)
     return nodes
 
 
@@ -177,8 +176,6 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
     checks = SimpleNamespace(validate=payload_validator(stage_shapes(cfg.model, STAGE, cfg.stages), cfg.sparseloco))
     timed.wrap(checks, "validate")  # a fetched payload's parse and checks: part of each fetch's cost
     validate = checks.validate
-    metrics = MetricsWriter(Path(tempfile.mkdtemp(prefix="calib-")), "full")  # a gather logs nothing
-    contexts = [node.context(cfg, metrics) for node in nodes]
     for node in nodes:
         for name in ("get_replicas", "get_stage_peers", "get_payloads", "announce_payload"):
             timed.wrap(node.dht, name)
@@ -196,7 +193,8 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
             assert node.server is not None
             starts[i] = time.monotonic() - t0  # when this peer's gather begins: its "compute time"
             mine = (node.dht.peer_id, own[i])
-            return gather_round(contexts[i], t, STAGE, TIMINGS, own=mine, validate=validate)
+            assert node.ctx is not None
+            return gather_round(node.ctx, t, STAGE, TIMINGS, own=mine, validate=validate)
 
         with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
             results = list(pool.map(run, range(len(nodes))))
