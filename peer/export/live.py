@@ -48,6 +48,7 @@ from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.round.claims import Claim, Majority, majority, parse_claims, swarm_clock
+from peer.node.round.context import RoundContext
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
 from peer.node.round.resync import Resync
@@ -131,8 +132,8 @@ class _Swarm:
         me, metrics = Presence(self.dht.peer_id, "export"), MetricsWriter(self.folder, "export")
         signer = [self.dht.manifest_signer] if self.dht.manifest_signer else []
         store = PayloadStore(history=self.cfg.swarm.history_rounds)
-        args = (self.cfg, self.dht, self.clients, store, me, Refusals(), metrics, lambda: None, None, signer)
-        self.resync = Resync(*args)  # type: ignore[arg-type]  # no checkpoints: an export never resumes
+        ctx = RoundContext(self.cfg, self.dht, self.clients, store, me, Refusals(), metrics, lambda: None)
+        self.resync = Resync(ctx, None, signer)  # type: ignore[arg-type]  # no checkpoints: an export never resumes
 
     def claims(self) -> tuple[dict[int, dict[str, StageRecord]], dict[int, dict[str, Claim]], int]:
         """Every stage's holders, their claims, and the swarm's clock, read now."""

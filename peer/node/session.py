@@ -57,6 +57,7 @@ from peer.node.presence import Presence
 from peer.node.records import Records
 from peer.node.round.agreement import expected_replicas
 from peer.node.round.claims import swarm_clock
+from peer.node.round.context import RoundContext
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
 from peer.node.round.resync import Resync
@@ -138,9 +139,9 @@ class Session:
         self.checkpoints = PeerCheckpoints(opts.data_dir, cfg, self.metrics, resume=opts.resume)
         publish = self.records.refresh
         attesters = [dht.manifest_signer] if dht.manifest_signer else []  # the bootstrap attests by default
-        parts = (cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish)  # what both share
-        self.resync = Resync(*parts, self.checkpoints, attesters)
-        self.rounds = Rounds(*parts, self.resync)
+        ctx = RoundContext(cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish)
+        self.resync = Resync(ctx, self.checkpoints, attesters)
+        self.rounds = Rounds(ctx, self.resync)
 
     # ------------------------------------------------------------------ joining and leaving
     @classmethod

@@ -15,6 +15,7 @@ as the bootstrap runs it) follows the stage by replay. After they expired:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def _session(dht: SwarmDHT, cfg, root: Path, name: str) -> Session:
 
 def _joiner_resync(session: Session, cfg, attesters: tuple[str, ...]) -> Resync:
     s = session
-    return Resync(cfg, s.dht, s.clients, s.store, s.me, s.refusals, s.metrics, lambda: None, s.checkpoints, attesters)
+    return Resync(dataclasses.replace(s.rounds.ctx, cfg=cfg, publish=lambda: None), s.checkpoints, attesters)
 
 
 def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_named_attesters(tmp_path, reap_children):

@@ -146,7 +146,7 @@ def test_a_pipeline_and_full_replicas_follow_each_stages_rule_with_one_state_per
             adopted.load_state_dict({**stage_peer.workers[1].state_dict(), "link": None})
             rounds = stage_peer.session.rounds
             assert adopted.n_prev() is None
-            assert n_prev_of(rounds, adopted) == 2 and stage0_n_prev(rounds, adopted) == 3
+            assert n_prev_of(rounds.ctx, adopted) == 2 and stage0_n_prev(rounds.ctx, adopted) == 3
     # rounds 1 and 2 planned R = 4 ranges of stage 0 from 3 contributions; the stage peer took only
     # the shards of the ranges that hold embed.weight's bands
     plan = range_plan(cfg.sparseloco, stage_shapes(cfg.model, 0, cfg.stages), 3)

@@ -15,6 +15,7 @@ and four full replicas (tiny preset, round rule "ranges") run two rounds through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,22 +36,24 @@ from peer.config import build_config
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import commit_summed
-from peer.core.sparseloco.ranges import assemble, encode_parts, n_ranges_for, n_units, plan_ranges
+from peer.core.sparseloco.ranges import assemble, encode_parts, n_ranges_for, n_units, owner, plan_ranges
 from peer.core.sparseloco.ranges.owner import Shard, shard_delta
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.range_records import ShardsRecord
 from peer.net.transport.server import PeerServer
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
-from peer.node.round.ranges.exchange import RangesResult, Tamper, gather_ranges
+from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import owners
-from peer.node.round.ranges.rounds import own_job, run_jobs, summary
+from peer.node.round.ranges.rounds import own_job, summary
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker
+from tests.round_helpers import round_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -74,6 +78,9 @@ class Node:
     def address(self) -> str:
         assert self.server is not None
         return self.server.address
+
+    def context(self, cfg) -> RoundContext:
+        return round_context(self.dht, self.clients, self.store, self.address, refusals=self.refusals, cfg=cfg)
 
 
 @pytest.fixture(scope="module")
@@ -118,32 +125,63 @@ def _parts(cfg, plan, seed: int):
     return encode_parts(delta, None, cfg.sparseloco, plan)[0]
 
 
-def _round(cfg, nodes: list[Node], t: int, tamper: dict[str, Tamper] | None = None) -> list[RangesResult | None]:
+def _round(cfg, nodes: list[Node], t: int) -> list[RangesResult | None]:
     """Every node contributes and gathers round (t, STAGE) in its own thread; None for a node that died."""
     plan = _plan(cfg)
 
     def run(i: int) -> RangesResult | None:
         node = nodes[i]
         try:
-            return gather_ranges(
-                node.dht,
-                node.clients,
-                t,
-                STAGE,
-                TIMINGS,
-                plan,
-                cfg.sparseloco,
-                own=(node.id, _parts(cfg, plan, 100 * t + i)),
-                store=node.store,
-                address=node.address,
-                refusals=node.refusals,
-                tamper=(tamper or {}).get(node.id),
-            )
+            own = (node.id, _parts(cfg, plan, 100 * t + i))
+            return gather_ranges(node.context(cfg), t, STAGE, TIMINGS, plan, own=own)
         except PeerError:
             return None
 
     with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
         return list(pool.map(run, range(len(nodes))))
+
+
+@contextlib.contextmanager
+def _on_put_shard(node: Node, wrap: Callable[[int, bytes], bytes]):
+    """Every shard `node` computes or takes goes through `wrap(r, bytes)` before its store serves it
+    (fault injection by wrapping a collaborator: the round's code is the production code)."""
+    put = node.store.put_shard
+
+    def put_shard(t: int, stage: int, r: int, data: bytes) -> None:
+        put(t, stage, r, wrap(r, data))
+
+    node.store.put_shard = put_shard  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del node.store.put_shard
+
+
+@contextlib.contextmanager
+def _lying(cfg, node: Node):
+    """`node` as a lying owner: each shard it serves is `_liar`'s, and the hashes it publishes are
+    those of the lies (a consistent lie: only a recomputation from the parts shows it)."""
+    plan, lies = _plan(cfg), {}
+
+    def lie(r: int, data: bytes) -> bytes:
+        n_roster = owner._HEAD.unpack_from(data)[-1]  # the shard's header names its roster's size
+        bad = _liar(r, Shard.from_bytes(data, plan, cfg.sparseloco, n_roster)).to_bytes()
+        lies[hashlib.sha256(data).hexdigest()] = hashlib.sha256(bad).hexdigest()
+        return bad
+
+    announce = node.dht.announce_round
+
+    def announce_round(kind, t, stage, record, ttl_s):
+        if kind == "shards":
+            record = {**record, "shards": {r: lies.get(h, h) for r, h in record["shards"].items()}}
+        announce(kind, t, stage, record, ttl_s)
+
+    node.dht.announce_round = announce_round  # type: ignore[method-assign]
+    try:
+        with _on_put_shard(node, lie):
+            yield
+    finally:
+        del node.dht.announce_round
 
 
 def _committed(cfg, result: RangesResult) -> str:
@@ -207,7 +245,8 @@ def _liar(r: int, shard: Shard) -> Shard:
 def test_a_lying_owner_is_refused_and_the_honest_shard_committed(swarm):
     cfg, nodes = swarm
     liar = nodes[3]
-    results = _round(cfg, nodes, t=2, tamper={liar.id: _liar})
+    with _lying(cfg, liar):
+        results = _round(cfg, nodes, t=2)
     honest = [r for node, r in zip(nodes, results, strict=True) if node is not liar and r is not None]
     assert len(honest) == M - 1
     _check_agreed(cfg, honest)
@@ -238,14 +277,13 @@ def victim_main() -> None:
     print(node.id, flush=True)
     assert int(sys.stdin.readline()) == t
 
-    def die(r: int, shard: Shard) -> Shard:
+    def die(r: int, shard: bytes) -> bytes:
         time.sleep(0.5)  # the others fetch its parts meanwhile (a part it never served is left out)
         os.kill(os.getpid(), signal.SIGKILL)
         return shard
 
-    result = gather_ranges(
-        dht, node.clients, t, STAGE, TIMINGS, plan, cfg.sparseloco, own, node.store, node.address, tamper=die
-    )
+    with _on_put_shard(node, die):
+        result = gather_ranges(node.context(cfg), t, STAGE, TIMINGS, plan, own=own)
     print(f"survived: owned {result.owned}, position {result.position}, timed out {result.timed_out}", flush=True)
 
 
@@ -335,8 +373,8 @@ def full_replicas(tmp_path, reap_children):
 def _observe(holder: Holder, t: int, stop: threading.Event):
     """Round t applied by a holder that does not contribute to it (`Rounds.catch_up`'s jobs)."""
     rounds = holder.session.rounds
-    jobs = [own_job(rounds, holder.worker, None)]
-    results = run_jobs(rounds, jobs, t, stop)
+    jobs = [own_job(rounds.ctx, holder.worker, None)]
+    results = rounds.gather_jobs(jobs, t, stop)
     assert jobs[0].plan is not None  # the rule says "ranges" for it too
     return summary(results[0], behind=not rounds.commit_jobs(jobs, results))
 

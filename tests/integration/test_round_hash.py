@@ -28,6 +28,7 @@ from peer.net.transport.server import PeerServer
 from peer.node.round.gather import RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, sha256
 from peer.node.service import PeerService
+from tests.round_helpers import round_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -110,15 +111,7 @@ def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, 
     time.sleep(delay_s)  # a slower replica: the others poll before it announces
     validate = payload_validator(SHAPES, cfg.sparseloco)  # as Rounds._validator builds it
     return gather_round(
-        node.dht,
-        node.clients,
-        t,
-        stage,
-        TIMINGS,
-        own=own,
-        store=node.store,
-        address=node.address,
-        validate=validate,
+        round_context(node.dht, node.clients, node.store, node.address), t, stage, TIMINGS, own, validate
     )
 
 
@@ -256,16 +249,9 @@ def test_a_payload_whose_sender_died_is_served_by_a_holder_that_fetched_it(three
     a.server.stop(grace_s=0.2)  # A is gone (its records have not expired yet)
     a.server = None
     b.clients.close()
+    ctx = round_context(c.dht, c.clients, c.store, c.address)
     second = gather_round(
-        c.dht,
-        c.clients,
-        t,
-        stage,
-        TIMINGS,
-        own=(c.id, c_data),
-        store=c.store,
-        address=c.address,
-        validate=payload_validator(SHAPES, cfg.sparseloco),
+        ctx, t, stage, TIMINGS, own=(c.id, c_data), validate=payload_validator(SHAPES, cfg.sparseloco)
     )
     assert second.replicas == first.replicas and second.payloads == first.payloads  # the same set, same bytes
     assert not second.timed_out

@@ -18,6 +18,7 @@ from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.net.transport.messages import StateReply
 from peer.node.presence import Presence
 from peer.node.round.claims import Link, entry
+from peer.node.round.context import RoundContext
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.round.refusals import Refusals
 from peer.node.round.replay import Replayer, SkipDead, candidates, chain_record, parse_chain
@@ -260,7 +261,8 @@ def _resync(board: Board, history: History, replicas: dict, cfg=CFG, servers=Non
     board.get_replicas = lambda: {p: ReplicaRecord.parse(r) for p, r in replicas.items()}  # type: ignore[method-assign]
     me = Presence("joiner", "full")
     clients = servers or Servers(history)
-    return Resync(cfg, board, clients, PayloadStore(), me, Refusals(), Quiet(), lambda: None, None, attesters)
+    ctx = RoundContext(cfg, board, clients, PayloadStore(), me, Refusals(), Quiet(), lambda: None)  # type: ignore[arg-type]
+    return Resync(ctx, None, attesters)  # type: ignore[arg-type]
 
 
 def _board_with_all(history: History) -> Board:

@@ -22,6 +22,9 @@ that sees the same records decides the same way, and each rule is testable witho
 - Closing a gather: after every poll, `close_decision` turns what the poll knows (`Poll`) into
   one named outcome (`Close`): keep polling, read again, or stop with a complete set, at the
   deadline, with a followed set, or behind (re-sync).
+- Committing a gathered round: the late checks between the close and the commit (`Late`) turn into
+  one named outcome (`Commit`, `commit_decision`): apply, apply with T⊥ unchanged, leave the round
+  to the others, re-sync, or withdraw a commit the swarm overtook while it was applied.
 """
 
 from __future__ import annotations
@@ -288,3 +291,50 @@ def close_decision(poll: Poll) -> Close:
     if poll.past_deadline and not poll.fenced:
         return Close.DEADLINE if poll.fresh else Close.REREAD
     return Close.WAIT if poll.fresh else Close.REREAD
+
+
+class Commit(enum.Enum):
+    """What `Rounds.commit_jobs` does with the rounds it gathered (docs/protocol.md, RESYNC, RECONCILE)."""
+
+    APPLY = "apply"  # commit every own stage's round (a later stage's T⊥ moved by stage 0's set); then publish
+    APPLY_WITHOUT_EMBED = "apply_without_embed"  # stage 0's set is gone and no holder is ahead: T⊥ unchanged
+    LEAVE = "leave"  # the check before applying moved a worker (a re-sync): the others apply the round
+    RESYNC = "resync"  # the round cannot be reproduced here: take the majority's state, our payload back
+    WITHDRAW = "withdraw"  # applied, but the swarm closed the round a round ago meanwhile: never published
+
+
+@dataclass(frozen=True)
+class Late:
+    """What the late checks of a commit found (docs/protocol.md, RESYNC, RECONCILE).
+
+    `moved`: the canonical-state check right before applying moved a worker to another outer step;
+    `closed_elsewhere`: the swarm's clock, read right before applying, is two rounds past t (a
+    freeze); `failed`: an own stage's round cannot be committed here (closed elsewhere, a ranges
+    round not complete); `embed_lost`: stage 0's committed set, observed for T⊥ by a holder of other
+    stages, could not be fetched; `stage_ahead`: a strict majority of a stage's holders claims a
+    state past ours (read only when `embed_lost`); `frozen`: applying outlasted a fresh read and the
+    swarm, read again, closed the round meanwhile (known only after applying)."""
+
+    moved: bool = False
+    closed_elsewhere: bool = False
+    failed: bool = False
+    embed_lost: bool = False
+    stage_ahead: bool = False
+    frozen: bool = False
+
+
+def commit_decision(late: Late) -> Commit:
+    """The one rule of the late checks (tested row by row in tests/unit/test_commit_decision.py).
+    Asked before applying (`frozen` False) and again after (an APPLY may become WITHDRAW)."""
+    if late.moved:
+        return Commit.LEAVE
+    if late.closed_elsewhere or late.failed:
+        return Commit.RESYNC
+    if late.frozen:
+        return Commit.WITHDRAW
+    if late.embed_lost:
+        # stage 0's committed set cannot be fetched (its sender died): with no holder ahead to sync
+        # from, commit our own stage with T⊥ unchanged rather than wait for a state nobody will ever
+        # have; the canonical-state check reconciles holders that could fetch it (RECONCILE)
+        return Commit.RESYNC if late.stage_ahead else Commit.APPLY_WITHOUT_EMBED
+    return Commit.APPLY

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from peer.config import SwarmConfig, history_ttl_s
 from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
-from peer.net.dht import SwarmDHT, dht_time
-from peer.net.pool import ClientPool
+from peer.net.dht import dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import (
     IGNORED,
@@ -49,17 +48,16 @@ from peer.node.round.agreement import (
 from peer.node.round.bans import PREFIX
 from peer.node.round.censors import CensorWatch, Evidence, evidence
 from peer.node.round.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
+from peer.node.round.context import RoundContext
 from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import (
     SETTLE_S,
-    PayloadStore,
     announce,
     fetch_announced,
     poll_pause,
     read_round,
     sha256,
 )
-from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
@@ -116,23 +114,17 @@ class RoundTimings:
 
 
 def gather_round(
-    dht: SwarmDHT,
-    clients: ClientPool,
+    ctx: RoundContext,
     t: int,
     stage: int,
     timings: RoundTimings,
     own: tuple[str, bytes] | None = None,
-    store: PayloadStore | None = None,
-    address: str = "",
     validate: Callable[[bytes], Payload] | None = None,
     stop: threading.Event | None = None,
-    inc: str = "",
     peers: Mapping[str, str] | None = None,
     quorum: int = 1,
-    n_stages: int = 1,
     banned: Collection[str] = frozenset(),
     prev: str | None = None,
-    refusals: Refusals | None = None,
     established: Collection[str] = (),
     previous: Evidence | None = None,
 ) -> RoundResult:
@@ -143,24 +135,23 @@ def gather_round(
     Every payload is parsed exactly once (`RoundResult.parsed`). When the set is closed: see the
     module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at
     outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
-    claims we may follow start from it. `refusals`: holders whose claims are ignored (and where a
+    claims we may follow start from it. `ctx.refusals`: holders whose claims are ignored (and where a
     forged set's claimer goes). `established`: the replicas of our last committed set (a claim that
     leaves one out before any deadline is refused: `peer.node.round.censors`; `previous`: what we saw
-    of round t − 1, whose claims are judged the same way). `inc` is this
-    process's incarnation and `peers` is a head's binding in our announcement ({"<stage>": peer
-    id}). `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until that
-    many payloads are held. A payload whose sender is gone is asked of the round's other
-    contributors (for stage 0 also of the other `n_stages` − 1 stages'
-    holders). `banned`: peer.node.round.bans.
+    of round t − 1, whose claims are judged the same way). Our announcement carries `ctx.me`'s
+    address and incarnation, and `peers`, a head's binding ({"<stage>": peer id}). `quorum` (the
+    run's first round only: `swarm.min_replicas`) keeps the set open until that many payloads are
+    held. A payload whose sender is gone is asked of the round's other contributors (for stage 0
+    also of the other `ctx.cfg.stages` − 1 stages' holders). `banned`: peer.node.round.bans.
     """
     if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
         log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])
         own = None
-    gather = _Gather(dht, clients, t, stage, timings, own, store, validate, inc, n_stages, banned, prev, refusals)
+    gather = _Gather(ctx, t, stage, timings, own, validate, banned, prev)
     gather.established = {r[:PREFIX] for r in established}
     gather.previous = previous
     if own is not None:
-        gather.contribute(own, store, address, peers)
+        gather.contribute(own, peers)
     return gather.run(stop, quorum)
 
 
@@ -184,25 +175,21 @@ class _Gather:
 
     def __init__(
         self,
-        dht: SwarmDHT,
-        clients: ClientPool,
+        ctx: RoundContext,
         t: int,
         stage: int,
         timings: RoundTimings,
         own: tuple[str, bytes] | None,
-        store: PayloadStore | None,
         validate: Callable[[bytes], Payload] | None,
-        inc: str,
-        n_stages: int,
         banned: Collection[str],
         prev: str | None,
-        refusals: Refusals | None,
     ) -> None:
-        self.dht, self.clients, self.t, self.stage, self.timings = dht, clients, t, stage, timings
-        self.store, self.inc, self.n_stages, self.banned = store, inc, n_stages, banned
-        self.prev, self.refusals = prev, refusals
+        self.ctx, self.dht, self.clients = ctx, ctx.dht, ctx.clients
+        self.t, self.stage, self.timings = t, stage, timings
+        self.store, self.inc, self.n_stages, self.banned = ctx.store, ctx.me.incarnation, ctx.cfg.stages, banned
+        self.prev, self.refusals = prev, ctx.refusals
         self.parse = validate if validate is not None else Payload.from_bytes
-        self.me = dht.peer_id
+        self.me = ctx.dht.peer_id
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
         self.own = own
@@ -217,7 +204,7 @@ class _Gather:
         self.slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
         self.view = RoundView()
         self.why_behind = ""  # why a BEHIND decision was taken, for the log
-        self.watch = CensorWatch(refusals, stage, timings.grace_s)
+        self.watch = CensorWatch(self.refusals, stage, timings.grace_s)
         self.evidence: Evidence | None = None  # what the last poll showed of round t (RoundResult.evidence)
         self.previous: Evidence | None = None  # what we saw of round t − 1: claims of it are judged too
         self.lapsed: set[str] = set()  # replicas whose sender was not alive at some poll of this gather
@@ -225,16 +212,14 @@ class _Gather:
         self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
         self.result = RoundResult(t=t, stage=stage)
-        fetcher = SetFetcher(dht, clients, store or PayloadStore(), self.me, timings.rpc_s)
-        self.follow = Follow(fetcher, refusals, t, stage, n_stages)
+        fetcher = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s)
+        self.follow = Follow(fetcher, self.refusals, t, stage, self.n_stages)
 
-    def contribute(
-        self, own: tuple[str, bytes], store: PayloadStore | None, address: str, peers: Mapping[str, str] | None
-    ) -> None:
+    def contribute(self, own: tuple[str, bytes], peers: Mapping[str, str] | None) -> None:
         """Serve and announce our payload, and hold it."""
-        timings = self.timings
+        timings, address = self.timings, self.ctx.me.address
         self.my_closes = announce(
-            self.dht, self.t, self.stage, own, store, address, self.inc, peers, timings.deadline_s, timings.ttl_s
+            self.dht, self.t, self.stage, own, self.store, address, self.inc, peers, timings.deadline_s, timings.ttl_s
         )
         self.held.data[own[0]], self.held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
 
@@ -277,7 +262,7 @@ class _Gather:
         if self.own is None and (stage == 0 or (mine is not None and mine.kind == "full")):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
         _log_ignored(view, self.logged, t, stage)
-        refused = self.refusals.peers() if self.refusals is not None else frozenset()
+        refused = self.refusals.peers()
         claims = parse_claims(holders, me, refused)
         clock = swarm_clock({p: r for p, r in replicas.items() if p != me}, refused)
         self.view = view
@@ -342,7 +327,7 @@ class _Gather:
         return close_decision(poll)
 
     def _refused(self) -> frozenset[str]:
-        return self.refusals.peers() if self.refusals is not None else frozenset()
+        return self.refusals.peers()
 
     def _targets(self, read: _Read) -> list[Claim]:
         """The claims of round t we may follow, best first: from our state (an observer: the set most
@@ -408,8 +393,7 @@ class _Gather:
                 if sha256(data) != rec.sha256:
                     raise PeerError(f"payload from {sender} does not match its announced sha256")
                 held.parsed[rid] = self.parse(data)
-                if self.store is not None:
-                    self.store.put_fetched(t, stage, sender, data)
+                self.store.put_fetched(t, stage, sender, data)
             except NetworkError as exc:
                 if not sender_alive(sender, read.holders, read.replicas):  # it died after announcing: out for us
                     if rid not in self.rejected:  # unless a holder that fetched it serves it later (retried)

@@ -35,22 +35,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, cast
 
-from peer.config import RunConfig
 from peer.errors import NetworkError, PeerError
-from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import StateReply, StateRequest
 from peer.node.checkpoints.peer import PeerCheckpoints
-from peer.node.metrics import MetricsWriter
-from peer.node.presence import Presence
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Claim, better, majority, parse_claims, swarm_clock
-from peer.node.round.payloads import PayloadStore
+from peer.node.round.context import RoundContext
 from peer.node.round.recheck import ClaimChecks
-from peer.node.round.refusals import Refusals
 from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.verify import SetFetcher
 from peer.node.stage.worker import StageWorker
@@ -61,29 +56,20 @@ log = logging.getLogger(__name__)
 class Resync:
     """State checks, switches and downloads of one peer's stage workers."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        dht: SwarmDHT,
-        clients: ClientPool,
-        store: PayloadStore,
-        me: Presence,
-        refusals: Refusals,
-        metrics: MetricsWriter,
-        publish: Callable[[], None],
-        checkpoints: PeerCheckpoints,
-        attesters: Collection[str] = (),
-    ) -> None:
-        """`publish` refreshes this peer's DHT records (after a download or a switch);
+    def __init__(self, ctx: RoundContext, checkpoints: PeerCheckpoints, attesters: Collection[str] = ()) -> None:
+        """`ctx.publish` refreshes this peer's DHT records (after a download or a switch);
         `checkpoints.resumed_at` tells `late_join` whether the state came from `--resume`;
         `attesters`: whose attested states a joiner past the history window may start from, beside
         `swarm.attesters` (the manifest's signer, the bootstrap: `peer.bootstrap.attester`)."""
+        cfg = ctx.cfg
         self.attesters = frozenset(cfg.swarm.attesters) | frozenset(attesters)
-        self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
-        self.me, self.refusals, self.metrics = me, refusals, metrics
-        self.publish, self.checkpoints = publish, checkpoints
+        self.ctx, self.cfg, self.dht, self.clients, self.store = ctx, cfg, ctx.dht, ctx.clients, ctx.store
+        self.me, self.refusals, self.metrics = ctx.me, ctx.refusals, ctx.metrics
+        self.publish, self.checkpoints = ctx.publish, checkpoints
         self.count = 0  # states adopted over the run (`sync_state`: replayed, or the initial one recomputed)
-        self.checks = ClaimChecks(cfg, dht, clients, store, me.peer_id, refusals, metrics, publish)
+        self.checks = ClaimChecks(
+            cfg, ctx.dht, ctx.clients, ctx.store, ctx.me.peer_id, ctx.refusals, ctx.metrics, ctx.publish
+        )
         self.replayed: list[Replayed] = []  # every replay of this run (rounds, bytes, seconds)
 
     def clock(self) -> int:

@@ -22,23 +22,22 @@ wait is a bounded poll under one deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from peer.config import RunConfig
 from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
-from peer.net.dht import SwarmDHT
-from peer.net.pool import ClientPool
-from peer.node.metrics import MetricsWriter, log_round
-from peer.node.presence import Presence
-from peer.node.round.agreement import expected_replicas, round_bans, round_view
+from peer.node.metrics import log_round
+from peer.node.round.agreement import Commit, Late, commit_decision, expected_replicas, round_bans, round_view
 from peer.node.round.censors import Evidence
 from peer.node.round.claims import closed_elsewhere, majority, parse_claims
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
-from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.payloads import round_validator
+from peer.node.round.ranges.exchange import RangesResult
 from peer.node.round.ranges.rounds import (
     Gathered,
     Job,
@@ -51,7 +50,6 @@ from peer.node.round.ranges.rounds import (
     run_jobs,
     summary,
 )
-from peer.node.round.refusals import Refusals
 from peer.node.round.resync import Resync
 from peer.node.stage.worker import StageWorker
 
@@ -61,23 +59,12 @@ log = logging.getLogger(__name__)
 class Rounds:
     """One peer's outer rounds: gather (contributing or observing), commit, record."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        dht: SwarmDHT,
-        clients: ClientPool,
-        store: PayloadStore,
-        me: Presence,
-        refusals: Refusals,
-        metrics: MetricsWriter,
-        publish: Callable[[], None],
-        resync: Resync,
-    ) -> None:
-        """`publish` refreshes this peer's DHT records (after every commit); `resync` checks and
+    def __init__(self, ctx: RoundContext, resync: Resync) -> None:
+        """`ctx.publish` refreshes this peer's DHT records (after every commit); `resync` checks and
         repairs the committed state (the swarm's clock, `reconcile`, `sync_state`)."""
-        self.cfg, self.dht, self.clients, self.store = cfg, dht, clients, store
-        self.me, self.refusals, self.metrics = me, refusals, metrics
-        self.publish, self.resync = publish, resync
+        self.ctx, self.cfg, self.dht, self.clients, self.store = ctx, ctx.cfg, ctx.dht, ctx.clients, ctx.store
+        self.me, self.refusals, self.metrics = ctx.me, ctx.refusals, ctx.metrics
+        self.publish, self.resync = ctx.publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
         self.evidence: dict[int, Evidence] = {}  # per stage: what we saw of its last round (censors)
 
@@ -107,23 +94,17 @@ class Rounds:
             else round_bans(self.dht.get_stage_peers(stage), t, self.me.peer_id)
         )
         result = gather_round(
-            self.dht,
-            self.clients,
+            self.ctx,
             t,
             stage,
             RoundTimings.from_config(swarm),
             own=own,
-            store=self.store,
-            address=self.me.address,
             validate=round_validator(self.cfg, worker, stage),
             stop=stop,
-            inc=self.me.incarnation,
             peers=peers,
             quorum=swarm.min_replicas if t == 0 else 1,
-            n_stages=self.cfg.stages,
             banned=banned,
             prev=worker.state_id() if own_stage else None,
-            refusals=self.refusals,
             established=_established(worker, own_stage),
             previous=self.evidence.get(stage) if own_stage else None,
         )
@@ -131,6 +112,16 @@ class Rounds:
             self.evidence[stage] = result.evidence
         self.pg_bytes += result.bytes_fetched
         return result
+
+    def gather_jobs(self, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
+        """Every job's round (t, stage) at once, under one deadline (`run_jobs`): all-to-all jobs
+        through `gather`; the bytes a ranges job fetched counted here as `gather` counts its own."""
+        results = run_jobs(self.ctx, self._gather_job, jobs, t, stop)
+        self.pg_bytes += sum(r.fetched.total for r in results if isinstance(r, RangesResult))
+        return results
+
+    def _gather_job(self, job: Job, t: int, stop: threading.Event) -> RoundResult:
+        return self.gather(job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload)
 
     def commit(
         self,
@@ -150,49 +141,37 @@ class Rounds:
     def commit_jobs(self, jobs: Sequence[Job], results: Sequence[Gathered]) -> bool:
         """Apply each own stage's committed round, all-to-all or by ranges (`peer.node.round.ranges.rounds`).
         Stage 0's embedding change moves every other stage's T⊥: from stage 0's own commit when this
-        peer holds it, else from an observer job of stage 0 (no contribution there: T⊥ stays). A round
-        committed elsewhere that this peer could not reproduce (`behind`), or a ranges round that did
-        not complete here, is not applied: the worker re-syncs instead. What a round took from our own
-        payload or parts returns to our error buffer. A followed claim whose state differs from the
-        one we computed from its set is refused. Then the canonical-state check runs
-        (`Resync.reconcile`). False if anything re-synced."""
+        peer holds it, else from an observer job of stage 0 (no contribution there: T⊥ stays). What
+        the late checks find (`_late_checks`) decides (`peer.node.round.agreement.commit_decision`):
+        a round committed elsewhere that this peer could not reproduce (`behind`), or a ranges round
+        that did not complete here, is not applied: the worker re-syncs instead. What a round took
+        from our own payload or parts returns to our error buffer. A followed claim whose state
+        differs from the one we computed from its set is refused. Then the canonical-state check
+        runs (`Resync.reconcile`). False if anything re-synced."""
         pairs = list(zip(jobs, results, strict=True))
         own = {j.stage: (j, r) for j, r in pairs if j.own}
         embed = next(((j, r) for j, r in pairs if not j.own), None)
-        workers = {s: j.worker for s, (j, _) in own.items()}
-        if own and not self._checked_before([j for j, _ in own.values()], next(iter(own.values()))[1].t, keep=True):
+        late, checked = self._late_checks(own, embed)
+        decision = commit_decision(late)
+        if decision is Commit.LEAVE:
             for _, r in own.values():  # a re-sync moved us: the round is applied by the others
                 r.behind = True
             return False
-        checked = time.monotonic()  # the swarm's clock, read right before applying
-        if self._closed_elsewhere([r for _, r in own.values()]):
-            for _, r in own.values():  # the trainers skip a round that was not committed here
-                r.behind = True
-        embed_lost = embed is not None and failed(embed[1]) and 0 not in workers
-        if embed_lost and not self._stage_ahead(workers):
-            # stage 0's committed set cannot be fetched (its sender died) and no holder of our stage
-            # is ahead to sync from: commit our own stage with T⊥ unchanged rather than wait for a
-            # state nobody will ever have; the canonical-state check reconciles holders that could
-            # fetch it (docs/protocol.md, RECONCILE)
-            log.warning(
-                "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
-                embed[1].t if embed is not None else -1,
-                sorted(workers),
-            )
-            embed, embed_lost = None, False
-        if embed_lost or any(failed(r) for _, r in own.values()):
+        if decision is Commit.RESYNC:
             for j, r in own.values():
                 self._resync_behind(j.worker, r)
             return False
-        update, embed_set = None, None
-        if embed is not None:
-            update, embed_set = observed_embed(self, *embed), committed_set(embed[1])
-        for s in sorted(own):
-            job, result = own[s]
-            commit = apply_job(job, result, update, embed_set)
-            if s == 0:
-                update, embed_set = commit.embed_update, committed_set(result)
-        if self._frozen_while_applying(checked, [r for _, r in own.values()]):
+        if decision is Commit.APPLY_WITHOUT_EMBED:
+            assert embed is not None
+            log.warning(
+                "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
+                embed[1].t,
+                sorted(own),
+            )
+            embed = None
+        self._apply(own, embed)
+        frozen = self._frozen_while_applying(checked, [r for _, r in own.values()])
+        if commit_decision(dataclasses.replace(late, frozen=frozen)) is Commit.WITHDRAW:
             for j, r in own.values():
                 r.behind = True  # the trainers record no round (as when closed elsewhere before applying)
                 self._resync_behind(j.worker, r)
@@ -203,12 +182,45 @@ class Rounds:
         # publish the committed set at once (before validation): a holder closing round t late
         # follows it instead of committing a set of its own (docs/protocol.md, FOLLOW)
         self.publish()
-        for w in workers.values():
+        for job, _ in own.values():
             try:
-                self.resync.reconcile(w)
+                self.resync.reconcile(job.worker)
             except PeerError as exc:
+                w = job.worker
                 log.warning("stage %d: canonical state not checked after round %d: %s", w.stage, w.outer_step - 1, exc)
         return True
+
+    def _late_checks(
+        self, own: Mapping[int, tuple[Job, Gathered]], embed: tuple[Job, Gathered] | None
+    ) -> tuple[Late, float]:
+        """What `commit_decision` reads, checked in order right before applying, each read only when
+        the decision needs it; and when the swarm's clock was read (for `_frozen_while_applying`).
+        A round the swarm closed elsewhere is marked `behind` here: the trainers skip it."""
+        owned = [r for _, r in own.values()]
+        if own and not self._checked_before([j for j, _ in own.values()], owned[0].t, keep=True):
+            return Late(moved=True), time.monotonic()
+        checked = time.monotonic()  # the swarm's clock, read right before applying
+        closed = self._closed_elsewhere(owned)
+        if closed:
+            for r in owned:
+                r.behind = True
+        workers = {s: j.worker for s, (j, _) in own.items()}
+        embed_lost = embed is not None and failed(embed[1]) and 0 not in workers
+        ahead = embed_lost and self._stage_ahead(workers)
+        lost = any(failed(r) for r in owned)
+        return Late(closed_elsewhere=closed, failed=lost, embed_lost=embed_lost, stage_ahead=ahead), checked
+
+    def _apply(self, own: Mapping[int, tuple[Job, Gathered]], embed: tuple[Job, Gathered] | None) -> None:
+        """Commit each own stage's round, stage 0 first: its embedding change (else the observed one
+        of `embed`) moves the later stages' T⊥."""
+        update, embed_set = None, None
+        if embed is not None:
+            update, embed_set = observed_embed(self.cfg, *embed), committed_set(embed[1])
+        for s in sorted(own):
+            job, result = own[s]
+            commit = apply_job(job, result, update, embed_set)
+            if s == 0:
+                update, embed_set = commit.embed_update, committed_set(result)
 
     def _check_followed(self, worker: StageWorker, result: RoundResult) -> None:
         """The holder whose committed set we took claims the state that set gives from our state: ours.
@@ -287,20 +299,20 @@ class Rounds:
         """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
         that did this outer step's last inner step: the round's binding), gather and apply; all-to-all
         or by ranges, as the round rule says (`peer.node.round.ranges.rounds`)."""
-        job = own_job(self, worker, self.me.peer_id, dict(peers or {}))
+        job = own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}))
         if not self._checked_before([job], t):
             return RoundResult(t=t, stage=worker.stage, behind=True)
-        result = run_jobs(self, [job], t, stop)[0]
+        result = self.gather_jobs([job], t, stop)[0]
         committed = self.commit_jobs([job], [result])
         return summary(result, behind=not committed)
 
     def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
         """A full replica: contribute to and gather every stage's round at once (each stage all-to-all
         or by ranges, as its rule says: `peer.node.round.ranges.rounds`), then apply them."""
-        jobs = [own_job(self, w, self.me.peer_id) for w in workers.values()]
+        jobs = [own_job(self.ctx, w, self.me.peer_id) for w in workers.values()]
         if not self._checked_before(jobs, t):
             return {w.stage: RoundResult(t=t, stage=w.stage, behind=True) for w in workers.values()}
-        results = run_jobs(self, jobs, t, stop)
+        results = self.gather_jobs(jobs, t, stop)
         committed = self.commit_jobs(jobs, results)
         return {j.stage: summary(r, behind=not committed) for j, r in zip(jobs, results, strict=True)}
 
@@ -334,7 +346,7 @@ class Rounds:
         (`Resync.reconcile`) runs here, after our payload is encoded and before the round: a
         disagreement seen in round t is repaired before round t commits."""
         t = worker.outer_step
-        job = own_job(self, worker, contributor)
+        job = own_job(self.ctx, worker, contributor)
         try:
             self.resync.reconcile(worker, before_round=True)
         except PeerError as exc:
@@ -347,8 +359,8 @@ class Rounds:
             return
         # both gathers at once, under one deadline: a replica that froze mid-round costs the round
         # one deadline, not one for our stage and then another for stage 0's set
-        jobs = [job] + [j for j in [embed_job(self, worker)] if j is not None]
-        results = run_jobs(self, jobs, t, stop)
+        jobs = [job] + [j for j in [embed_job(self.ctx, worker)] if j is not None]
+        results = self.gather_jobs(jobs, t, stop)
         if self.commit_jobs(jobs, results):
             ours = summary(results[0])
             self.record(t, {worker.stage: (worker, ours.participants)}, None, None, ours.wall_s)
@@ -360,11 +372,11 @@ class Rounds:
         t = min(w.outer_step for w in workers.values())
         if self.me.joined_at <= t or not expected_replicas(self.dht, t):
             return
-        jobs = [own_job(self, w, None) for w in workers.values()]
+        jobs = [own_job(self.ctx, w, None) for w in workers.values()]
         if 0 not in workers:
-            embed = embed_job(self, next(iter(workers.values())))
+            embed = embed_job(self.ctx, next(iter(workers.values())))
             jobs += [embed] if embed is not None else []
-        self.commit_jobs(jobs, run_jobs(self, jobs, t, stop))
+        self.commit_jobs(jobs, self.gather_jobs(jobs, t, stop))
         self.metrics.log("catch_up", t=t)
         self.publish()
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,8 +40,12 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadRequest
 from peer.net.transport.server import PeerServer
+from peer.node.metrics import MetricsWriter
+from peer.node.presence import Presence
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, read_round, sha256
+from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.research.swarm.net import LinkClass, LinkMix
 from peer.research.swarm.run import simulate
@@ -56,6 +62,7 @@ class Node:
     store: PayloadStore
     clients: ClientPool
     server: PeerServer | None = None
+    ctx: RoundContext | None = None  # what a gather of this node takes (its DHT, clients, store), as a full replica
 
 
 def _payload(cfg: Any, seed: int) -> bytes:
@@ -74,11 +81,15 @@ def _start(cfg: Any, M: int, stack: ExitStack) -> list[Node]:
         dht = SwarmDHT(initial_peers=first.visible_maddrs())
         stack.callback(dht.shutdown)
         nodes.append(Node(dht, PayloadStore(), ClientPool(timeout_s=10.0)))
+    metrics = MetricsWriter(Path(stack.enter_context(tempfile.TemporaryDirectory())), "full")  # a gather logs none
+    stack.callback(metrics.close)
     for node in nodes:
         node.dht.set_run("swarm-calibration", cfg.stages)
         node.server = PeerServer(PeerService(cfg, {}, node.store, node.dht.peer_id, "full"), host="127.0.0.1", port=0)
         stack.callback(node.server.stop, 0.5)
         stack.callback(node.clients.close)
+        me = Presence(node.dht.peer_id, "full", incarnation="", address=node.server.address)
+        node.ctx = RoundContext(cfg, node.dht, node.clients, node.store, me, Refusals(), metrics, lambda: None)
     return nodes
 
 
@@ -182,10 +193,8 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
             assert node.server is not None
             starts[i] = time.monotonic() - t0  # when this peer's gather begins: its "compute time"
             mine = (node.dht.peer_id, own[i])
-            return gather_round(
-                node.dht, node.clients, t, STAGE, TIMINGS, own=mine, store=node.store,
-                address=node.server.address, validate=validate,
-            )  # fmt: skip
+            assert node.ctx is not None
+            return gather_round(node.ctx, t, STAGE, TIMINGS, own=mine, validate=validate)
 
         with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
             results = list(pool.map(run, range(len(nodes))))

@@ -32,28 +32,25 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.ranges import RangePlan, merkle_root
 from peer.core.sparseloco.ranges.owner import Shard, aggregate_range, roster_digest
 from peer.errors import NetworkError
-from peer.net.dht import SwarmDHT, dht_time
-from peer.net.pool import ClientPool
+from peer.net.dht import dht_time
 from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import FRESH_S, RoundTimings
-from peer.node.round.payloads import PayloadStore, read_round, sha256
+from peer.node.round.payloads import read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import coordinator_order, owners
 from peer.node.round.ranges.resolve import Resolver
-from peer.node.round.refusals import Refusals
 
 log = logging.getLogger(__name__)
-
-Tamper = Callable[[int, Shard], Shard]  # fault injection (tests): the shard a lying owner publishes instead
 
 
 @dataclass
@@ -88,38 +85,28 @@ class RangesResult:
 
 
 def gather_ranges(
-    dht: SwarmDHT,
-    clients: ClientPool,
+    ctx: RoundContext,
     t: int,
     stage: int,
     timings: RoundTimings,
     plan: RangePlan,
-    cfg: SparseLoCoConfig,
     own: tuple[str, Sequence[Payload]] | None = None,
-    store: PayloadStore | None = None,
-    address: str = "",
-    inc: str = "",
-    refusals: Refusals | None = None,
-    backups: int = 1,
-    shard_topk: int | None = None,
     stop: threading.Event | None = None,
     banned: Collection[str] = frozenset(),
     quorum: int = 1,
     peers: Mapping[str, str] | None = None,
-    tamper: Tamper | None = None,
     wanted: Collection[int] | None = None,
 ) -> RangesResult:
     """Contribute `own` = (replica id, its parts in range order) if given, then take round (t, stage)'s
-    roster and shards (module docstring). `backups`: owners per range beyond the primary;
-    `shard_topk`: entries per tile a shard keeps (None: cfg.topk); `quorum`, `banned`, `peers`,
-    `inc` as in `gather_round`; `tamper`: fault injection only (a lying owner in tests); `wanted`:
-    the only ranges an observer resolves (a stage peer reads stage 0's embedding ranges alone)."""
-    settings = _Settings(backups, shard_topk, tamper, None if wanted is None else frozenset(wanted))
-    run = _RangesRound(
-        dht, clients, t, stage, timings, plan, cfg, store or PayloadStore(), inc, refusals, banned, settings
-    )
+    roster and shards (module docstring). Owners per range beyond the primary: `swarm.range_backups`;
+    entries per tile a shard keeps: `swarm.shard_topk` (0: `sparseloco.topk`); `quorum`, `banned`,
+    `peers` as in `gather_round`; `wanted`: the only ranges an observer resolves (a stage peer reads
+    stage 0's embedding ranges alone)."""
+    swarm = ctx.cfg.swarm
+    settings = _Settings(swarm.range_backups, swarm.shard_topk or None, None if wanted is None else frozenset(wanted))
+    run = _RangesRound(ctx, t, stage, timings, plan, banned, settings)
     if own is not None:
-        run.contribute(own, address, peers)
+        run.contribute(own, ctx.me.address, peers)
     return run.run(stop, quorum)
 
 
@@ -127,7 +114,6 @@ def gather_ranges(
 class _Settings:
     backups: int = 1  # owners per range beyond the primary
     shard_topk: int | None = None  # a shard's entries per tile (None: cfg.topk)
-    tamper: Tamper | None = None  # fault injection only
     wanted: frozenset[int] | None = None  # the only ranges resolved (None: all); an observer's choice
 
 
@@ -136,30 +122,26 @@ class _RangesRound:
 
     def __init__(
         self,
-        dht: SwarmDHT,
-        clients: ClientPool,
+        ctx: RoundContext,
         t: int,
         stage: int,
         timings: RoundTimings,
         plan: RangePlan,
-        cfg: SparseLoCoConfig,
-        store: PayloadStore,
-        inc: str,
-        refusals: Refusals | None,
         banned: Collection[str],
         settings: _Settings,
     ) -> None:
-        self.dht, self.t, self.stage, self.timings, self.plan, self.cfg = dht, t, stage, timings, plan, cfg
-        self.store, self.inc, self.refusals, self.banned = store, inc, refusals, banned
-        self.me = dht.peer_id
+        self.dht, self.t, self.stage, self.timings, self.plan = ctx.dht, t, stage, timings, plan
+        self.cfg: SparseLoCoConfig = ctx.cfg.sparseloco
+        self.store, self.inc, self.refusals, self.banned = ctx.store, ctx.me.incarnation, ctx.refusals, banned
+        self.me = ctx.dht.peer_id
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
-        self.backups, self.shard_topk, self.tamper = settings.backups, settings.shard_topk, settings.tamper
+        self.backups, self.shard_topk = settings.backups, settings.shard_topk
         self.replica: str | None = None
         self.result = RangesResult(t, stage, wanted=settings.wanted)
         fetched = self.result.fetched
         self.fetcher = RangeFetcher(
-            clients, self.store, self.me, t, stage, plan, cfg, timings.rpc_s, fetched, self.backups
+            ctx.clients, self.store, self.me, t, stage, plan, self.cfg, timings.rpc_s, fetched, self.backups
         )
         self.fetcher.shard_topk = self.shard_topk
         self.view = RoundView()
@@ -368,8 +350,6 @@ class _RangesRound:
             shard, _ = aggregate_range(
                 self.t, self.stage, r, self.plan, parts[r], roster.digest, self.cfg, self.shard_topk
             )
-            if self.tamper is not None:
-                shard = self.tamper(r, shard)
             data = shard.to_bytes()
             self.store.put_shard(self.t, self.stage, r, data)
             hashes[r] = sha256(data)

@@ -12,7 +12,8 @@ A round is a list of `Job`s, one per stage round this peer takes part in: its ow
 embedding's change (by ranges: only the shards of the ranges that hold embed.weight's bands,
 `peer.node.stage.ranges.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
 our contribution; `run_jobs` gathers every job at once under one deadline (an all-to-all job through
-`Rounds.gather`, a ranges job through `peer.node.round.ranges.exchange.gather_ranges`); `Rounds.commit_jobs`
+the gather it is given, `Rounds.gather`; a ranges job through `peer.node.round.ranges.exchange.gather_ranges`);
+nothing here calls back into `Rounds`. `Rounds.commit_jobs`
 commits them, stage 0 first. A ranges round that did not complete here (no roster, a range left
 without a shard by the deadline) returns our parts to the error buffer and re-syncs, like an
 all-to-all round committed elsewhere.
@@ -26,10 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -40,47 +40,20 @@ from peer.core.sparseloco.commit import RoundCommit, embedding_update
 from peer.core.sparseloco.ranges import RangePlan
 from peer.core.subspace.state import EMBED
 from peer.errors import NetworkError
-from peer.net.dht import SwarmDHT
-from peer.net.pool import ClientPool
-from peer.node.presence import Presence
 from peer.node.round.agreement import round_bans
 from peer.node.round.claims import Entry, entry, parse_claims
+from peer.node.round.context import RoundContext
 from peer.node.round.gather import RoundResult, RoundTimings
-from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.payloads import sha256
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import round_rule
-from peer.node.round.refusals import Refusals
 from peer.node.stage.ranges import embed_change, embed_ranges, range_plan
 from peer.node.stage.worker import StageWorker
-
-
-class Rounds(Protocol):
-    """What a peer's jobs read of `peer.node.round.rounds.Rounds` (a structural type: that module
-    imports this one, so this one names only what it uses)."""
-
-    cfg: RunConfig
-    dht: SwarmDHT
-    clients: ClientPool
-    me: Presence
-    store: PayloadStore
-    refusals: Refusals
-    pg_bytes: int
-
-    def gather(
-        self,
-        worker: StageWorker,
-        t: int,
-        replica_id: str | None,
-        stop: threading.Event,
-        stage: int | None = None,
-        peers: Mapping[str, str] | None = None,
-        payload: Payload | None = None,
-    ) -> RoundResult: ...
-
 
 log = logging.getLogger(__name__)
 
 Gathered = RoundResult | RangesResult
+AllToAll = Callable[["Job", int, threading.Event], RoundResult]  # gathers an all-to-all job's round (t, stage)
 
 
 @dataclass
@@ -107,11 +80,11 @@ def failed(result: Gathered) -> bool:
     return result.behind if isinstance(result, RoundResult) else result.behind or not result.complete
 
 
-def _claimed_n_prev(rounds: Rounds, stage: int, t: int) -> int:
+def _claimed_n_prev(ctx: RoundContext, stage: int, t: int) -> int:
     """The size of round t − 1's committed set of `stage` as most of its other holders at outer step
     t claim it (0 when none does, or the DHT cannot be read: the rule then is "all")."""
     try:
-        claims = parse_claims(rounds.dht.get_stage_peers(stage), rounds.me.peer_id, rounds.refusals.peers())
+        claims = parse_claims(ctx.dht.get_stage_peers(stage), ctx.me.peer_id, ctx.refusals.peers())
     except NetworkError as exc:
         log.warning("stage %d: round %d's rule not read from the claims (%s); taking all-to-all", stage, t, exc)
         return 0
@@ -121,14 +94,14 @@ def _claimed_n_prev(rounds: Rounds, stage: int, t: int) -> int:
     return max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0] if sizes else 0
 
 
-def n_prev_of(rounds: Rounds, worker: StageWorker) -> int:
+def n_prev_of(ctx: RoundContext, worker: StageWorker) -> int:
     """round t − 1's committed-set size for the worker's stage (t = its outer step): from its link,
     else from the stage's claims (a state adopted without its link, e.g. an old checkpoint)."""
     known = worker.n_prev()
-    return known if known is not None else _claimed_n_prev(rounds, worker.stage, worker.outer_step)
+    return known if known is not None else _claimed_n_prev(ctx, worker.stage, worker.outer_step)
 
 
-def stage0_n_prev(rounds: Rounds, worker: StageWorker) -> int:
+def stage0_n_prev(ctx: RoundContext, worker: StageWorker) -> int:
     """Stage 0's committed-set size of round t − 1 for a holder of another stage: the stage-0 set its
     link names (its T⊥ moved by it), else stage 0's claims."""
     link, t = worker.ledger.link, worker.outer_step
@@ -136,29 +109,29 @@ def stage0_n_prev(rounds: Rounds, worker: StageWorker) -> int:
         return 0
     if link is not None and link.t == t - 1 and link.embed is not None:
         return len(link.embed)
-    return _claimed_n_prev(rounds, 0, t)
+    return _claimed_n_prev(ctx, 0, t)
 
 
-def own_job(rounds: Rounds, worker: StageWorker, replica: str | None, peers: Mapping[str, str] | None = None) -> Job:
+def own_job(ctx: RoundContext, worker: StageWorker, replica: str | None, peers: Mapping[str, str] | None = None) -> Job:
     """The worker's own stage round by its rule; our contribution encoded now when `replica` is given
     (a payload, or parts of the round's plan)."""
-    n = n_prev_of(rounds, worker)
-    if round_rule(rounds.cfg.swarm, n) == "all":
+    n = n_prev_of(ctx, worker)
+    if round_rule(ctx.cfg.swarm, n) == "all":
         payload = worker.contribute(replica) if replica is not None else None
         return Job(worker, worker.stage, None, replica, payload, peers=peers)
     shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
-    plan = range_plan(rounds.cfg.sparseloco, shapes, n)
+    plan = range_plan(ctx.cfg.sparseloco, shapes, n)
     if replica is None:
         worker.observe()
         return Job(worker, worker.stage, plan)
     return Job(worker, worker.stage, plan, replica, parts=worker.contribute_parts(replica, plan), peers=peers)
 
 
-def embed_job(rounds: Rounds, worker: StageWorker) -> Job | None:
+def embed_job(ctx: RoundContext, worker: StageWorker) -> Job | None:
     """Stage 0 observed by a holder of another stage for its embedding change (None: not needed, a
     ranges round of a run without a subspace)."""
-    cfg = rounds.cfg
-    n = stage0_n_prev(rounds, worker)
+    cfg = ctx.cfg
+    n = stage0_n_prev(ctx, worker)
     if round_rule(cfg.swarm, n) == "all":
         return Job(worker, 0)
     if worker.U is None:
@@ -171,33 +144,26 @@ def any_ranges(jobs: Sequence[Job]) -> bool:
     return any(j.plan is not None for j in jobs)
 
 
-def run_jobs(rounds: Rounds, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
-    """Gather every job's round (t, stage) at once, under one deadline."""
+def run_jobs(ctx: RoundContext, gather: AllToAll, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
+    """Gather every job's round (t, stage) at once, under one deadline: an all-to-all job through
+    `gather`, a ranges job through `gather_ranges`."""
     with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-        return list(pool.map(lambda j: _run(rounds, j, t, stop), jobs))
+        return list(pool.map(lambda j: _run(ctx, gather, j, t, stop), jobs))
 
 
-def _run(rounds: Rounds, job: Job, t: int, stop: threading.Event) -> Gathered:
+def _run(ctx: RoundContext, gather: AllToAll, job: Job, t: int, stop: threading.Event) -> Gathered:
     if job.plan is None:
-        return rounds.gather(job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload)
-    cfg, me, swarm = rounds.cfg, rounds.me, rounds.cfg.swarm
-    banned = job.worker.ledger.bans.banned(t) if job.own else round_bans(rounds.dht.get_stage_peers(0), t, me.peer_id)
+        return gather(job, t, stop)
+    me, swarm = ctx.me, ctx.cfg.swarm
+    banned = job.worker.ledger.bans.banned(t) if job.own else round_bans(ctx.dht.get_stage_peers(0), t, me.peer_id)
     try:
         result = gather_ranges(
-            rounds.dht,
-            rounds.clients,
+            ctx,
             t,
             job.stage,
             RoundTimings.from_config(swarm),
             job.plan,
-            cfg.sparseloco,
             own=(job.replica, job.parts) if job.replica is not None and job.parts is not None else None,
-            store=rounds.store,
-            address=me.address,
-            inc=me.incarnation,
-            refusals=rounds.refusals,
-            backups=swarm.range_backups,
-            shard_topk=swarm.shard_topk or None,
             stop=stop,
             banned=banned,
             quorum=swarm.min_replicas if t == 0 else 1,
@@ -207,7 +173,6 @@ def _run(rounds: Rounds, job: Job, t: int, stop: threading.Event) -> Gathered:
     except NetworkError as exc:  # the DHT unreachable past the deadline: our parts go back (commit_jobs)
         log.warning("stage %d: ranges round %d failed: %s", job.stage, t, exc)
         return RangesResult(t, job.stage, timed_out=True)
-    rounds.pg_bytes += result.fetched.total
     return result
 
 
@@ -238,14 +203,14 @@ def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
     return embedding_update(list(embed.parsed), cfg.sparseloco, keys=embed.replicas)
 
 
-def observed_embed(rounds: Rounds, job: Job, result: Gathered) -> torch.Tensor | None:
+def observed_embed(cfg: RunConfig, job: Job, result: Gathered) -> torch.Tensor | None:
     """Stage 0's committed embedding change from an observer job of stage 0 (None: no contribution):
     from its payloads (all-to-all), or from the shards of the embedding's ranges alone."""
     if isinstance(result, RoundResult):
-        return stage0_update(result, rounds.cfg) if result.parsed else None
+        return stage0_update(result, cfg) if result.parsed else None
     assert job.plan is not None
-    shape = stage_shapes(rounds.cfg.model, 0, rounds.cfg.stages)[EMBED]
-    return embed_change(rounds.cfg.sparseloco, job.plan, result.parsed, shape)
+    shape = stage_shapes(cfg.model, 0, cfg.stages)[EMBED]
+    return embed_change(cfg.sparseloco, job.plan, result.parsed, shape)
 
 
 def summary(result: Gathered, behind: bool = False) -> RoundResult:
