@@ -172,7 +172,7 @@ def _base_type(annotation: Any) -> Any:
     return get_origin(annotation) or annotation
 
 
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
+def coerce_value(value: Any, annotation: Any, where: str) -> Any:
     """Convert strings from env/CLI to the field's type; check types of TOML values (by hand: see the
     module docstring for why not pydantic)."""
     kind = _base_type(annotation)
@@ -216,7 +216,7 @@ def _section_kwargs(values: Mapping[str, Any], section: str) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in known:
             raise ConfigError(f"unknown key '{section}.{key}'; valid keys: {', '.join(sorted(known))}")
-        out[name] = _coerce(value, known[name], f"{section}.{name}")
+        out[name] = coerce_value(value, known[name], f"{section}.{name}")
     return out
 
 
@@ -248,7 +248,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     for key, value in environ.items():
         if not key.startswith("PEER_") or key in _NOT_RUN_ENV:
             continue
-        if key.startswith("PEER_LINK__"):  # this peer's own link (LinkConfig), not the run's
+        if key.startswith("PEER_LINK__"):  # this peer's own link (peer.node.link_config), not the run's
             continue
         parts = key[len("PEER_") :].lower().split("__")
         if len(parts) == 1:
@@ -345,7 +345,7 @@ def _check_types(layer: Mapping[str, Any]) -> None:
             known = _SECTION_FIELDS[name]
             _section_kwargs({k: v for k, v in value.items() if k.replace("-", "_") in known}, name)
         elif name in _TOP_LEVEL:
-            _coerce(value, _TOP_LEVEL[name], name)
+            coerce_value(value, _TOP_LEVEL[name], name)
 
 
 def _hoist_preset(layer: dict[str, Any]) -> dict[str, Any]:
@@ -372,7 +372,7 @@ def config_from_dict(values: Mapping[str, Any]) -> RunConfig:
                 raise ConfigError(f"'{name}' must be a section (a table in TOML)")
             sections[name] = dict(value)
         elif name in _TOP_LEVEL:
-            top[name] = _coerce(value, _TOP_LEVEL[name], name)
+            top[name] = coerce_value(value, _TOP_LEVEL[name], name)
         else:
             valid = sorted([*_TOP_LEVEL, *_SECTIONS])
             raise ConfigError(f"unknown key '{key}'; valid top-level keys: {', '.join(valid)}")
@@ -467,49 +467,3 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"swarm.range_backups and swarm.shard_topk must be >= 0, got {w.range_backups} and {w.shard_topk}"
         )
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    """One peer's own link, not part of the run's manifest (`peer join` flags, `PEER_LINK__*` env)."""
-
-    max_upload_mbps: float = field(  # cap on everything this peer sends, Mbit/s (0 = no cap)
-        default=0.0,
-        metadata={"help": "Cap on what this peer sends, Mbit/s (default: no cap; PEER_LINK__MAX_UPLOAD_MBPS)."},
-    )
-    max_download_mbps: float = field(  # cap on everything this peer receives, Mbit/s (0 = no cap)
-        default=0.0,
-        metadata={"help": "Cap on what this peer receives, Mbit/s (default: no cap; PEER_LINK__MAX_DOWNLOAD_MBPS)."},
-    )
-    relay: bool = field(  # forward calls for peers that cannot be dialled (behind NAT)
-        default=False,
-        metadata={"help": "Relay calls for peers that cannot be dialled (behind NAT); see docs/connectivity.md."},
-    )
-    relay_max_mbps: float = field(  # cap on the bytes relayed for others, Mbit/s (0 = no cap)
-        default=0.0, metadata={"help": "Cap on the bytes relayed for others, Mbit/s (default: no cap)."}
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("max_upload_mbps", "max_download_mbps", "relay_max_mbps"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"link.{name} must be >= 0 Mbit/s (0 = no cap), got {getattr(self, name)}")
-
-
-def build_link_config(environ: Mapping[str, str] | None = None, *flags: Any, **named: Any) -> LinkConfig:
-    """defaults < `PEER_LINK__FIELD` environment variables < `flags` (LinkConfig's fields in order, or
-    `named` by field; None: not given)."""
-    environ = os.environ if environ is None else environ
-    known = get_type_hints(LinkConfig)
-    values: dict[str, Any] = {}
-    for key, value in environ.items():
-        if key.startswith("PEER_LINK__"):
-            name = key[len("PEER_LINK__") :].lower()
-            if name not in known:
-                raise ConfigError(f"unknown key 'link.{name}' ({key}); valid keys: {', '.join(sorted(known))}")
-            values[name] = _coerce(value, known[name], f"link.{name} (from {key})")
-    for name, value in [*zip(known, flags, strict=False), *named.items()]:
-        if name not in known:
-            raise ConfigError(f"unknown key 'link.{name}'; valid keys: {', '.join(sorted(known))}")
-        if value is not None:
-            values[name] = _coerce(value, known[name], f"link.{name}")
-    return LinkConfig(**values)

@@ -196,7 +196,7 @@ def bootstrap(a: BootstrapArgs) -> None:
     _start_dht_forkserver()
     from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.cli.render import bootstrap_banner
-    from peer.config import build_link_config
+    from peer.node.link_config import build_link_config
 
     cfg = bootstrap_config(a, console)
     export_swarm_secret(cfg, a.swarm_secret_file)
@@ -258,8 +258,8 @@ def join(a: JoinArgs) -> None:
     _setup_logging(a.verbose)
     _start_dht_forkserver()
     from peer.cli.join_setup import join_role, prepare_join
-    from peer.config import build_link_config
     from peer.net.dht import load_swarm_secret
+    from peer.node.link_config import build_link_config
     from peer.node.replica.ranks import run_join  # torchrun: one full replica over its processes
     from peer.node.session import SessionOptions, usable_data_dir
     from peer.node.trainer import data_dir_default

@@ -57,7 +57,8 @@ def setting(key: str, *names: str, defaults: Mapping[str, Any] | None = None, **
 
 def _config_field(key: str) -> dataclasses.Field[Any]:
     """The dataclass field behind a dotted key: a RunConfig section's, RunConfig's own, or LinkConfig's."""
-    from peer.config import LinkConfig, RunConfig
+    from peer.config import RunConfig
+    from peer.node.link_config import LinkConfig
 
     section, _, name = key.rpartition(".")
     owner: Any = LinkConfig if section == "link" else RunConfig
@@ -72,8 +73,9 @@ def _config_field(key: str) -> dataclasses.Field[Any]:
 @functools.cache
 def _fallback(key: str, defaults: tuple[tuple[str, Any], ...]) -> Any:
     """The value a setting takes when no layer sets it (the command's defaults applied)."""
-    from peer.config import LinkConfig, build_config
+    from peer.config import build_config
     from peer.config import setting as value_of
+    from peer.node.link_config import LinkConfig
 
     if key.startswith("link."):
         return getattr(LinkConfig(), key.split(".", 1)[1]) or None  # 0: no cap, said by the help itself

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.config import LinkConfig, RunConfig
+from peer.config import RunConfig
 from peer.core.data.shards import PreparedDataset
 from peer.core.model.precision import resolve_precision
 from peer.errors import ConfigError, NetworkError, PeerError
@@ -51,6 +51,7 @@ from peer.node.connectivity import Connectivity
 from peer.node.data.fetch import fetch_tokenizer, held_dataset
 from peer.node.data.serve import DatasetServer
 from peer.node.data.shard import ShardData, peer_addresses
+from peer.node.link_config import LinkConfig
 from peer.node.manifest import verify_manifest, wait_for_manifest
 from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence

@@ -7,8 +7,9 @@ import dataclasses
 
 from peer.cli import options as o
 from peer.cli.args import BootstrapArgs, JoinArgs, SimulateArgs
-from peer.config import LinkConfig, build_config, build_link_config
+from peer.config import build_config
 from peer.core.model.optim import TrainConfig
+from peer.node.link_config import LinkConfig, build_link_config
 
 
 def _helps(cls: type) -> dict[str, str]:

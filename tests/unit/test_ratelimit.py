@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from peer.config import LinkConfig, build_link_config
 from peer.errors import ConfigError
 from peer.net.ratelimit import HIGH, LOW, MBIT, Link, LinkCaps, TokenBucket, mbps_to_bytes
+from peer.node.link_config import LinkConfig, build_link_config
 
 
 class FakeClock:
