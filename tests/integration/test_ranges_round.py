@@ -41,7 +41,7 @@ from peer.core.sparseloco.ranges.owner import Shard, shard_delta
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
-from peer.net.range_records import ShardsRecord
+from peer.net.range_records import RosterRecord, ShardsRecord
 from peer.net.transport.server import PeerServer
 from peer.node.round.context import RoundContext
 from peer.node.round.gather import RoundTimings
@@ -260,6 +260,23 @@ def test_a_lying_owner_is_refused_and_the_honest_shard_committed(swarm):
         assert hashlib.sha256(honest[0].shards[r]).hexdigest() != published[r]
 
 
+def _wait_for_the_other_owners(dht: SwarmDHT, cfg, t: int, me: str, timeout_s: float = 30.0) -> None:
+    """Until every other owner of a range of round t has published its shard hashes: each has then
+    fetched the parts it needed (ours among them) or given up on them, so our death from here on
+    takes nothing from them but our own shards (a wait on their records, not on the clock)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rosters = dht.get_round("roster", t, STAGE, RosterRecord.parse)
+        if rosters:
+            senders = next(iter(rosters.values())).senders
+            k = 1 + cfg.swarm.range_backups
+            wanted = {o for r in range(_plan(cfg).n) for o in owners(t, STAGE, r, senders, k)} - {me}
+            if wanted <= set(dht.get_round("shards", t, STAGE, ShardsRecord.parse)):
+                return
+        time.sleep(0.1)  # the poll interval of a record that is on its way
+    raise AssertionError(f"the other owners of round {t} did not publish their shards within {timeout_s:.0f} s")
+
+
 def victim_main() -> None:
     """A ninth holder in its own process (argv: the first node's multiaddr): it sets up like the
     others, encodes its parts of round 3, prints its peer id, waits for the go (stdin), runs the
@@ -278,7 +295,7 @@ def victim_main() -> None:
     assert int(sys.stdin.readline()) == t
 
     def die(r: int, shard: bytes) -> bytes:
-        time.sleep(0.5)  # the others fetch its parts meanwhile (a part it never served is left out)
+        _wait_for_the_other_owners(dht, cfg, t, node.id)  # they have its parts (or gave up on them)
         os.kill(os.getpid(), signal.SIGKILL)
         return shard
 
