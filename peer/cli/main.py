@@ -94,7 +94,7 @@ def data_prepare(a: PrepareArgs) -> None:
     _setup_logging(a.verbose)
     from peer.cli.data_prepare import command
 
-    command(console, err_console, dataclasses.asdict(a))
+    command(console, err_console, a)
 
 
 @o.command(app)
