@@ -3,7 +3,7 @@
 A field is a flag's one source (`peer.cli.options`): its name, its default and its help, or, for a flag
 that sets a field of the run's config (`o.setting("train.inner_steps")`), that field's help metadata and
 the value it falls back to. A command's own flag takes its default from the object it configures where
-there is one (`PlanInputs`, `DemoConfig`, `Source`). `peer.cli.main` registers each command from its
+that is cheap to import (`DemoConfig`, `Source`). `peer.cli.main` registers each command from its
 dataclass; the command gets one instance. Invariants: nothing here parses, validates or runs anything;
 a field's name is the flag's (hyphenated) unless it names others.
 """
@@ -18,7 +18,6 @@ from peer.cli import options as o
 from peer.core.data.corpus import Source
 from peer.core.data.prepare import SHARD_TOKENS
 from peer.demo.run import DemoConfig
-from peer.research.plan.command import PlanInputs
 from peer.research.simulate.results import SIMULATE_DEFAULTS
 
 CONFIG_HELP = "TOML run config (defaults < TOML < PEER_* env < flags)."
@@ -237,27 +236,23 @@ class SimulateArgs:
     verbose: bool = o.flag(False, None, "--verbose", "-v")
 
 
-_plan = PlanInputs()  # the plan's own defaults: the flags' defaults too
-
-
 @dataclass(frozen=True)
 class PlanArgs:
-    """`peer plan` (its defaults are PlanInputs's, the numbers of the paper's Fig. 2)."""
+    """`peer plan` (its defaults: the paper's Fig. 2; peer.research.plan is not imported here, it
+    pulls in the transport, gRPC and protobuf, for every `peer` command)."""
 
-    preset: str = o.flag(_plan.preset, "Model preset (tiny … 1B, or 70B for the paper's Fig. 2).")
-    params: float | None = o.flag(_plan.params, "Parameter count instead of a preset (e.g. 7e9).")
-    stages: int = o.flag(_plan.stages, "Pipeline stages.")
-    k_ratio: str = o.flag(
-        _plan.k_ratio, "k/d of compressed boundaries, comma-separated (1/8,1/16,1/32,1/64): one curve each."
-    )
-    inner_steps: int = o.flag(_plan.inner_steps, o.config_help("train.inner_steps"))
-    microbatch_size: int = o.flag(_plan.microbatch_size, "Sequences per micro-batch.")
-    microbatches: int = o.flag(_plan.microbatches, "Micro-batches per inner step.")
-    seq_len: int = o.flag(_plan.seq_len, o.config_help("train.seq_len"))
-    flops: float = o.flag(_plan.flops, "Sustained accelerator FLOP/s per stage (e.g. 4e14).")
+    preset: str = o.flag("70B", "Model preset (tiny … 1B, or 70B for the paper's Fig. 2).")
+    params: float | None = o.flag(None, "Parameter count instead of a preset (e.g. 7e9).")
+    stages: int = o.flag(4, "Pipeline stages.")
+    k_ratio: str = o.flag("1/8", "k/d of compressed boundaries, comma-separated (1/8,1/16,1/32,1/64): one curve each.")
+    inner_steps: int = o.flag(50, o.config_help("train.inner_steps"))
+    microbatch_size: int = o.flag(1, "Sequences per micro-batch.")
+    microbatches: int = o.flag(8, "Micro-batches per inner step.")
+    seq_len: int = o.flag(2048, o.config_help("train.seq_len"))
+    flops: float = o.flag(400e12, "Sustained accelerator FLOP/s per stage (e.g. 4e14).")
     bandwidth_mbps: str = o.flag("10,30,100,300,1000", "Inter-stage bandwidths in Mbit/s.")
-    replicas: int = o.flag(_plan.replicas, "Holders of each stage in the pseudo-gradient round.")
-    wire_dtype: str = o.flag(_plan.wire_dtype, o.config_help("subspace.wire_dtype"))
+    replicas: int = o.flag(8, "Holders of each stage in the pseudo-gradient round.")
+    wire_dtype: str = o.flag("bf16", o.config_help("subspace.wire_dtype"))
     tokens: str | None = o.flag(
         None,
         "Token budget (3e9, 3B, 1.5T): hours to train it per bandwidth and k/d (Fig. 3, a second plot "
