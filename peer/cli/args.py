@@ -1,10 +1,11 @@
-"""The flags of `peer bootstrap`, `peer join` and `peer simulate`, one dataclass field each.
+"""The flags of every `peer` command but `peer bench`, one dataclass per command, one field per flag.
 
 A field is a flag's one source (`peer.cli.options`): its name, its default and its help, or, for a flag
 that sets a field of the run's config (`o.setting("train.inner_steps")`), that field's help metadata and
-the value it falls back to. `peer.cli.main` registers each command from its dataclass; the command
-gets one instance. Invariants: nothing here parses, validates or runs anything; a field's name is the
-flag's (hyphenated) unless it names others.
+the value it falls back to. A command's own flag takes its default from the object it configures where
+that is cheap to import (`DemoConfig`, `Source`). `peer.cli.main` registers each command from its
+dataclass; the command gets one instance. Invariants: nothing here parses, validates or runs anything;
+a field's name is the flag's (hyphenated) unless it names others.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peer.cli import options as o
+from peer.core.data.corpus import Source
+from peer.core.data.prepare import SHARD_TOKENS
+from peer.demo.run import DemoConfig
 from peer.research.simulate.results import SIMULATE_DEFAULTS
 
 CONFIG_HELP = "TOML run config (defaults < TOML < PEER_* env < flags)."
@@ -229,4 +233,136 @@ class SimulateArgs:
         None, "Where every run's state after each outer step goes (default runs/simulate-ckpt)."
     )
     config: Path | None = o.flag(None, CONFIG_HELP, "--config")
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """`peer plan` (its defaults: the paper's Fig. 2; peer.research.plan is not imported here, it
+    pulls in the transport, gRPC and protobuf, for every `peer` command)."""
+
+    preset: str = o.flag("70B", "Model preset (tiny … 1B, or 70B for the paper's Fig. 2).")
+    params: float | None = o.flag(None, "Parameter count instead of a preset (e.g. 7e9).")
+    stages: int = o.flag(4, "Pipeline stages.")
+    k_ratio: str = o.flag("1/8", "k/d of compressed boundaries, comma-separated (1/8,1/16,1/32,1/64): one curve each.")
+    inner_steps: int = o.flag(50, o.config_help("train.inner_steps"))
+    microbatch_size: int = o.flag(1, "Sequences per micro-batch.")
+    microbatches: int = o.flag(8, "Micro-batches per inner step.")
+    seq_len: int = o.flag(2048, o.config_help("train.seq_len"))
+    flops: float = o.flag(400e12, "Sustained accelerator FLOP/s per stage (e.g. 4e14).")
+    bandwidth_mbps: str = o.flag("10,30,100,300,1000", "Inter-stage bandwidths in Mbit/s.")
+    replicas: int = o.flag(8, "Holders of each stage in the pseudo-gradient round.")
+    wire_dtype: str = o.flag("bf16", o.config_help("subspace.wire_dtype"))
+    tokens: str | None = o.flag(
+        None,
+        "Token budget (3e9, 3B, 1.5T): hours to train it per bandwidth and k/d (Fig. 3, a second plot "
+        "<png>-wallclock.png).",
+    )
+    png: Path | None = o.flag(
+        None, "Utilisation plot, Fig. 2 (default: next to --json, else runs/plan.png); Fig. 3 beside it."
+    )
+    json_out: Path | None = o.flag(None, "Write the table as JSON.", "--json")
+    memory: bool = o.flag(False, "Peak memory per stage for every preset and stage count instead.", "--memory")
+
+
+@dataclass(frozen=True)
+class StatusArgs:
+    """`peer status`."""
+
+    initial_peers: list[str] = o.flag(
+        o.REQUIRED, "Multiaddr of a swarm peer, e.g. the bootstrap's /ip4/HOST/tcp/PORT/p2p/ID (repeatable)."
+    )
+    json_out: bool = o.flag(False, "Print the status as JSON on stdout instead of tables.", "--json")
+    timeout_s: float = o.flag(20.0, "Seconds to wait for the DHT and for the run's manifest.")
+    swarm_secret_file: Path | None = o.flag(None, SECRET_HELP)
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
+
+
+@dataclass(frozen=True)
+class ExportArgs:
+    """`peer export`."""
+
+    out: Path = o.flag(o.REQUIRED, "Output folder for the Hugging Face LlamaForCausalLM files.")
+    checkpoint: list[Path] | None = o.flag(
+        None,
+        "What to export: a full replica's data dir (or its checkpoints/ or one checkpoints/step-NNNNNN "
+        "folder); one such folder per stage (`peer export s0/ s1/`); or a folder written by "
+        "`peer simulate --save` (one configuration, or a folder holding exactly one). "
+        "Leave out with --initial-peers.",
+        argument=True,
+        metavar="FOLDER",
+        show_default=False,
+    )
+    initial_peers: list[str] | None = o.flag(
+        None,
+        "Export the live swarm instead: multiaddr of a swarm peer, e.g. the bootstrap's (repeatable). "
+        "Each stage's state is downloaded from its holders and checked like a state sync.",
+    )
+    outer_step: int | None = o.flag(
+        None,
+        "Outer step (rounds committed) to export; default: the newest one every folder has a "
+        "checkpoint of, or live the newest one a majority of every stage's holders claims. Live "
+        "peers hold only their current state.",
+    )
+    timeout_s: float = o.flag(
+        120.0, "Live: seconds to wait for the DHT, the manifest and the holders to agree on one state."
+    )
+    swarm_secret_file: Path | None = o.flag(None, SECRET_HELP)
+    identity: Path | None = o.flag(
+        None, "Live: this node's key file (created if missing); an allow-list swarm must admit it."
+    )
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
+
+
+_demo = DemoConfig()  # the demo's own defaults: the flags' defaults too
+
+
+@dataclass(frozen=True)
+class DemoArgs:
+    """`peer demo` (its defaults are DemoConfig's)."""
+
+    pipelines: int = o.flag(_demo.pipelines, "P: compressed pipelines, each S stage peers (stage 0 is the head).")
+    stages: int = o.flag(_demo.stages, "S: pipeline stages.")
+    full_replicas: int = o.flag(_demo.full_replicas, "F: uncompressed full replicas.")
+    outer_steps: int = o.flag(_demo.outer_steps, "T: outer rounds to train.")
+    inner_steps: int = o.flag(_demo.inner_steps, "H: inner steps per outer round.")
+    preset: str = o.flag(_demo.preset, "Model preset (tiny trains on a CPU in minutes).")
+    json_out: Path | None = o.flag(None, "Write the per-round summary as JSON here.", "--json")
+    plot: Path | None = o.flag(None, "Loss-curve PNG (default: next to --json, else WORKDIR/demo.png).")
+    workdir: Path | None = o.flag(None, "Logs and data dirs of every process (default: a fresh runs/demo-<timestamp>).")
+    timeout_s: float = o.flag(_demo.timeout_s, "Seconds the whole demo may take before every process is stopped.")
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
+
+
+@dataclass(frozen=True)
+class PrepareArgs:
+    """`peer data prepare` (its source's defaults are Source's)."""
+
+    source: str = o.flag(
+        o.REQUIRED,
+        "builtin:stdlib, a local .txt/.jsonl/.json/.parquet file or folder, a dataset folder with a README.md "
+        "card, or a hub dataset name (e.g. allenai/c4).",
+        argument=True,
+    )
+    out: Path = o.flag(
+        o.REQUIRED,
+        "Folder for the shards, index.json and tokenizer.model (new or empty; a prepare stopped there resumes).",
+    )
+    config: str | None = o.flag(None, "Hub configuration / subset, e.g. en (C4) or sample-10BT (FineWeb).")
+    split: str = o.flag(Source.split, "Split of a hub dataset.")
+    text_field: str = o.flag(Source.text_field, "Column holding the text (json, parquet, hub).")
+    vocab_size: int | None = o.flag(
+        None,
+        "Vocabulary of the tokenizer; match the model preset's (tiny 1024, small 4096, 178M and up 32000). "
+        "Default: --tokenizer's, else 1024.",
+    )
+    tokenizer: Path | None = o.flag(
+        None, "Use this sentencepiece .model instead of training one on the first 10M characters."
+    )
+    val_fraction: float = o.flag(0.05, "Share of the documents held out for validation.")
+    seed: int = o.flag(0, "Seed of the train/validation document split.")
+    shard_tokens: int = o.flag(SHARD_TOKENS, "Tokens per shard file.")
+    workers: int | None = o.flag(None, "Tokenizing processes (default: every core).")
+    max_chars: int | None = o.flag(None, "Cap on the characters read from the source (default: all of them).")
+    restart: bool = o.flag(False, "Remove what an earlier prepare wrote in --out and start over.", "--restart")
     verbose: bool = o.flag(False, None, "--verbose", "-v")

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from peer.cli.args import PrepareArgs
 from peer.core.data.prepare import SHARD_TOKENS, Source, prepare
 from peer.core.data.shards import PreparedDataset, is_prepared
 from peer.core.data.tokenizer import Tokenizer
@@ -52,13 +53,13 @@ def summary_lines(ds: PreparedDataset, elapsed_s: float | None, new_tokens: int)
     return lines
 
 
-def command(console: Console, err_console: Console, a: dict[str, Any]) -> None:
-    """Run `peer data prepare` with the parsed flags `a` (cli.py's parameter names)."""
-    source = Source(a["source"], a["config"], a["split"], a["text_field"], a["max_chars"])
-    tokenizer: Path | None = a["tokenizer"]
-    vocab_size = a["vocab_size"] or (Tokenizer.load(tokenizer).vocab_size if tokenizer else DEFAULT_VOCAB_SIZE)
-    out = Path(a["out"]).expanduser()
-    finished_before = is_prepared(out) and not a["restart"]
+def command(console: Console, err_console: Console, a: PrepareArgs) -> None:
+    """Run `peer data prepare` with the parsed flags `a`."""
+    source = Source(a.source, a.config, a.split, a.text_field, a.max_chars)
+    tokenizer: Path | None = a.tokenizer
+    vocab_size = a.vocab_size or (Tokenizer.load(tokenizer).vocab_size if tokenizer else DEFAULT_VOCAB_SIZE)
+    out = Path(a.out).expanduser()
+    finished_before = is_prepared(out) and not a.restart
     t0 = time.perf_counter()
     first: list[tuple[float, int]] = []  # (time, tokens) at the first progress report: a resumed run's start
     bar = Progress(*_columns(), console=err_console, transient=False)
@@ -79,12 +80,12 @@ def command(console: Console, err_console: Console, a: dict[str, Any]) -> None:
             out,
             vocab_size=vocab_size,
             tokenizer=tokenizer,
-            val_fraction=a["val_fraction"],
-            seed=a["seed"],
-            shard_tokens=a["shard_tokens"] or SHARD_TOKENS,
-            workers=a["workers"],
+            val_fraction=a.val_fraction,
+            seed=a.seed,
+            shard_tokens=a.shard_tokens or SHARD_TOKENS,
+            workers=a.workers,
             progress=progress,
-            restart=a["restart"],
+            restart=a.restart,
         )
     except KeyboardInterrupt:
         if first:

@@ -1,10 +1,10 @@
-"""The flags of the smaller `peer` commands (status, export, demo, data, bench): name, help, type.
+"""The flags of `peer bench …`: name, help, type.
 
-Each flag is a typed `Annotated` alias that `peer/cli/main.py` puts in a command's signature together
-with its default (`out: ExportOut`), so a flag shared by several commands is written once; the flags
-of bootstrap, join and simulate are dataclass fields instead (peer.cli.args). Invariants: a flag's
-name and help are the ones `peer … --help` shows; nothing here parses, validates or runs anything
-(the CLI and peer.config do).
+Each flag is a typed `Annotated` alias that `peer/cli/bench.py` puts in a command's signature together
+with its default (`json_out: BenchJson = None`), so a flag shared by several benchmarks is written once;
+the flags of every other command are dataclass fields instead (peer.cli.args). Invariants: a flag's
+name and help are the ones `peer bench … --help` shows; nothing here parses, validates or runs
+anything (the CLI and peer.config do).
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from typing import Annotated
 
 import typer
 
-# --- shared --------------------------------------------------------------------------------------
+# --- every benchmark -----------------------------------------------------------------------------
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v")]
-SwarmSecret = Annotated[
-    Path | None,
-    typer.Option("--swarm-secret-file", help="The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."),
-]
 
-# --- peer bench / export -------------------------------------------------------------------------
+# --- peer bench payload (and the --json of several) ----------------------------------------------
 
 BenchParams = Annotated[
     float, typer.Option(help="Approximate model size in parameters; a real model of that size is built.")
@@ -37,110 +33,12 @@ BenchTemplarSrc = Annotated[
         help="A templar checkout (holding tplr/compress.py or src/tplr/compress.py): time its real codec too.",
     ),
 ]
-Checkpoint = Annotated[
-    list[Path] | None,
-    typer.Argument(
-        help="What to export: a full replica's data dir (or its checkpoints/ or one checkpoints/step-NNNNNN "
-        "folder); one such folder per stage (`peer export s0/ s1/`); or a folder written by "
-        "`peer simulate --save` (one configuration, or a folder holding exactly one). "
-        "Leave out with --initial-peers.",
-        metavar="FOLDER",
-        show_default=False,
-    ),
-]
-ExportOut = Annotated[Path, typer.Option("--out", help="Output folder for the Hugging Face LlamaForCausalLM files.")]
-ExportPeers = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--initial-peers",
-        help="Export the live swarm instead: multiaddr of a swarm peer, e.g. the bootstrap's (repeatable). "
-        "Each stage's state is downloaded from its holders and checked like a state sync.",
-    ),
-]
-ExportOuterStep = Annotated[
-    int | None,
-    typer.Option(
-        "--outer-step",
-        help="Outer step (rounds committed) to export; default: the newest one every folder has a "
-        "checkpoint of, or live the newest one a majority of every stage's holders claims. Live "
-        "peers hold only their current state.",
-    ),
-]
-ExportIdentity = Annotated[
-    Path | None,
-    typer.Option(
-        "--identity", help="Live: this node's key file (created if missing); an allow-list swarm must admit it."
-    ),
-]
-ExportTimeout = Annotated[
-    float,
-    typer.Option(
-        "--timeout-s", help="Live: seconds to wait for the DHT, the manifest and the holders to agree on one state."
-    ),
-]
 
-# --- peer status / bench caps --------------------------------------------------------------------
+# --- peer bench caps ----------------------------------------------------------------------------
 
-StatusPeers = Annotated[
-    list[str],
-    typer.Option(
-        "--initial-peers",
-        help="Multiaddr of a swarm peer, e.g. the bootstrap's /ip4/HOST/tcp/PORT/p2p/ID (repeatable).",
-    ),
-]
-StatusJson = Annotated[bool, typer.Option("--json", help="Print the status as JSON on stdout instead of tables.")]
-StatusTimeout = Annotated[
-    float, typer.Option("--timeout-s", help="Seconds to wait for the DHT and for the run's manifest.")
-]
 CapsMbps = Annotated[float, typer.Option("--mbps", help="The upload and download cap to measure, Mbit/s.")]
 CapsWindow = Annotated[float, typer.Option("--window-s", help="Seconds each rate is measured over.")]
 CapsRepeats = Annotated[int, typer.Option("--repeats", help="Runs; the median of each figure is reported.")]
-
-# --- peer data prepare ---------------------------------------------------------------------------
-
-PrepSource = Annotated[
-    str,
-    typer.Argument(
-        help="builtin:stdlib, a local .txt/.jsonl/.json/.parquet file or folder, a dataset folder with a README.md "
-        "card, or a hub dataset name (e.g. allenai/c4)."
-    ),
-]
-PrepOut = Annotated[
-    Path,
-    typer.Option(
-        "--out",
-        help="Folder for the shards, index.json and tokenizer.model (new or empty; a prepare stopped there resumes).",
-    ),
-]
-PrepConfig = Annotated[
-    str | None, typer.Option("--config", help="Hub configuration / subset, e.g. en (C4) or sample-10BT (FineWeb).")
-]
-PrepSplit = Annotated[str, typer.Option("--split", help="Split of a hub dataset.")]
-TextField = Annotated[str, typer.Option("--text-field", help="Column holding the text (json, parquet, hub).")]
-PrepVocabSize = Annotated[
-    int | None,
-    typer.Option(
-        "--vocab-size",
-        help="Vocabulary of the tokenizer; match the model preset's (tiny 1024, small 4096, 178M and up 32000). "
-        "Default: --tokenizer's, else 1024.",
-    ),
-]
-PrepTokenizer = Annotated[
-    Path | None,
-    typer.Option(
-        "--tokenizer", help="Use this sentencepiece .model instead of training one on the first 10M characters."
-    ),
-]
-ValFraction = Annotated[float, typer.Option("--val-fraction", help="Share of the documents held out for validation.")]
-PrepSeed = Annotated[int, typer.Option("--seed", help="Seed of the train/validation document split.")]
-ShardTokens = Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")]
-PrepWorkers = Annotated[int | None, typer.Option("--workers", help="Tokenizing processes (default: every core).")]
-PrepMaxChars = Annotated[
-    int | None, typer.Option("--max-chars", help="Cap on the characters read from the source (default: all of them).")
-]
-Restart = Annotated[
-    bool, typer.Option("--restart", help="Remove what an earlier prepare wrote in --out and start over.")
-]
 
 # --- peer bench chaos ----------------------------------------------------------------------------
 
@@ -165,25 +63,6 @@ CommitStages = Annotated[int, typer.Option("--stages", help="Stages the model is
 CommitReplicas = Annotated[int, typer.Option("--replicas", help="M: contributions in the round (3+: screening runs).")]
 CommitRepeats = Annotated[int, typer.Option("--repeats", help="Timed commits of each kind; medians are reported.")]
 
-# --- peer demo -----------------------------------------------------------------------------------
-
-Pipelines = Annotated[int, typer.Option(help="P: compressed pipelines, each S stage peers (stage 0 is the head).")]
-DemoStages = Annotated[int, typer.Option(help="S: pipeline stages.")]
-FullReplicas = Annotated[int, typer.Option("--full-replicas", help="F: uncompressed full replicas.")]
-DemoOuterSteps = Annotated[int, typer.Option("--outer-steps", help="T: outer rounds to train.")]
-DemoInnerSteps = Annotated[int, typer.Option("--inner-steps", help="H: inner steps per outer round.")]
-DemoPreset = Annotated[str, typer.Option(help="Model preset (tiny trains on a CPU in minutes).")]
-DemoJson = Annotated[Path | None, typer.Option("--json", help="Write the per-round summary as JSON here.")]
-DemoPlot = Annotated[
-    Path | None, typer.Option("--plot", help="Loss-curve PNG (default: next to --json, else WORKDIR/demo.png).")
-]
-Workdir = Annotated[
-    Path | None,
-    typer.Option("--workdir", help="Logs and data dirs of every process (default: a fresh runs/demo-<timestamp>)."),
-]
-DemoTimeout = Annotated[
-    float, typer.Option("--timeout-s", help="Seconds the whole demo may take before every process is stopped.")
-]
 
 # --- peer bench pipeline / replica ---------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """`peer` command line: parse flags, build the config, call one function, show the result.
 
 The only module that prints (the tables and lines it prints are built in peer.cli.render; each
-flag's name, default and help are one field of peer.cli.args, or an alias in peer.cli.flags).
+flag's name, default and help are one field of a dataclass in peer.cli.args).
 Every `PeerError` becomes a one-line `error: …` and exit code 2. Every file a command writes goes
 where its flags say (--json, --out, --plot, --png, --workdir, --data-dir, --save) or under runs/,
 never into the current directory.
@@ -22,10 +22,8 @@ import typer
 from rich.console import Console
 
 from peer import package_version
-from peer.cli import flags
-from peer.cli import flags_plan as plan_flags
 from peer.cli import options as o
-from peer.cli.args import BootstrapArgs, JoinArgs, SimulateArgs
+from peer.cli.args import BootstrapArgs, DemoArgs, ExportArgs, JoinArgs, PlanArgs, PrepareArgs, SimulateArgs, StatusArgs
 from peer.cli.bench import bench_app
 from peer.cli.bootstrap import bootstrap_config, show_peer_id
 from peer.core.files import atomic_write_bytes
@@ -89,94 +87,53 @@ def simulate(a: SimulateArgs) -> None:
     command(console, args, _png_path(a.plot, a.json_out, RUNS / "simulate.png"), _write_json)
 
 
-@data_app.command("prepare")
-def data_prepare(
-    source: flags.PrepSource,
-    out: flags.PrepOut,
-    config: flags.PrepConfig = None,
-    split: flags.PrepSplit = "train",
-    text_field: flags.TextField = "text",
-    vocab_size: flags.PrepVocabSize = None,
-    tokenizer: flags.PrepTokenizer = None,
-    val_fraction: flags.ValFraction = 0.05,
-    seed: flags.PrepSeed = 0,
-    shard_tokens: flags.ShardTokens = 1 << 24,
-    workers: flags.PrepWorkers = None,
-    max_chars: flags.PrepMaxChars = None,
-    restart: flags.Restart = False,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(data_app, "prepare")
+def data_prepare(a: PrepareArgs) -> None:
     """Tokenize a corpus into token shards with an index and fingerprints (streams; every core; resumes)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")  # say what it does before the bar starts (the tokenizer)
-    _setup_logging(verbose)
+    _setup_logging(a.verbose)
     from peer.cli.data_prepare import command
 
-    command(console, err_console, dict(locals()))
+    command(console, err_console, a)
 
 
-@app.command()
-def plan(
-    preset: plan_flags.PlanPreset = "70B",
-    params: plan_flags.PlanParams = None,
-    stages: plan_flags.PlanStages = 4,
-    k_ratio: plan_flags.PlanKRatio = "1/8",
-    inner_steps: plan_flags.PlanInnerSteps = 50,
-    microbatch_size: plan_flags.MicrobatchSize = 1,
-    microbatches: plan_flags.Microbatches = 8,
-    seq_len: plan_flags.PlanSeqLen = 2048,
-    flops: plan_flags.Flops = 400e12,
-    bandwidth_mbps: plan_flags.BandwidthMbps = "10,30,100,300,1000",
-    replicas: plan_flags.PlanReplicas = 8,
-    wire_dtype: plan_flags.PlanWireDtype = "bf16",
-    tokens: plan_flags.PlanTokens = None,
-    png: plan_flags.Png = None,
-    json_out: plan_flags.PlanJson = None,
-    memory: plan_flags.PlanMemory = False,
-) -> None:
+@o.command(app)
+def plan(a: PlanArgs) -> None:
     """Will my link keep up? Utilisation of compressed (per k/d) vs uncompressed pipelines (paper Fig. 2),
     and the wall-clock of a token budget (--tokens, Fig. 3)."""
     from peer.cli.plan import plan_command
 
-    args = dict(locals())
-    if memory:  # the memory table (peer.research.plan.memory) for the same micro-batch flags
+    args = dataclasses.asdict(a)
+    if a.memory:  # the memory table (peer.research.plan.memory) for the same micro-batch flags
         from peer.research.plan.memory import plan_memory_command
 
-        plan_memory_command(console.print, args, json_out, _write_json)
+        plan_memory_command(console.print, args, a.json_out, _write_json)
         return
-    plan_command(console.print, args, _png_path(png, json_out, RUNS / "plan.png"), json_out, _write_json)
+    plan_command(console.print, args, _png_path(a.png, a.json_out, RUNS / "plan.png"), a.json_out, _write_json)
 
 
-@app.command()
-def export(
-    out: flags.ExportOut,
-    checkpoint: flags.Checkpoint = None,
-    initial_peers: flags.ExportPeers = None,
-    outer_step: flags.ExportOuterStep = None,
-    timeout_s: flags.ExportTimeout = 120.0,
-    swarm_secret_file: flags.SwarmSecret = None,
-    identity: flags.ExportIdentity = None,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(app)
+def export(a: ExportArgs) -> None:
     """Write the model as a Hugging Face `LlamaForCausalLM` folder (config.json, model.safetensors, tokenizer):
     from a full replica's checkpoints, one checkpoint folder per stage, the live swarm, or `peer simulate --save`."""
-    _setup_logging(verbose)
-    if bool(checkpoint) == bool(initial_peers):
+    _setup_logging(a.verbose)
+    if bool(a.checkpoint) == bool(a.initial_peers):
         raise ConfigError("give checkpoint folders or --initial-peers ADDR (a live swarm), not both and not neither")
 
     def say(line: str) -> None:  # progress on stdout: stderr holds warnings and the one `error:` line
         console.print(line, soft_wrap=True, highlight=False)
 
-    if initial_peers:
+    if a.initial_peers:
         from peer.export.live import export_live
         from peer.net.dht import load_swarm_secret
 
-        secret = load_swarm_secret(swarm_secret_file)
-        result = export_live(initial_peers, out, outer_step, timeout_s, secret, say, identity)
+        secret = load_swarm_secret(a.swarm_secret_file)
+        result = export_live(a.initial_peers, a.out, a.outer_step, a.timeout_s, secret, say, a.identity)
     else:
         from peer.export.checkpoints import export_folders
 
-        assert checkpoint is not None
-        result = export_folders(checkpoint, out, outer_step, say)
+        assert a.checkpoint is not None
+        result = export_folders(a.checkpoint, a.out, a.outer_step, say)
     step = "" if result.outer_step is None else f" at outer step {result.outer_step}"
     console.print(
         f"exported {result.source}{step} to {result.out} (model.safetensors sha256 {result.model_sha256[:16]}, "
@@ -226,24 +183,19 @@ def bootstrap(a: BootstrapArgs) -> None:
     console.print("bootstrap stopped", soft_wrap=True)
 
 
-@app.command()
-def status(
-    initial_peers: flags.StatusPeers,
-    json_out: flags.StatusJson = False,
-    timeout_s: flags.StatusTimeout = 20.0,
-    swarm_secret_file: flags.SwarmSecret = None,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(app)
+def status(a: StatusArgs) -> None:
     """Show the swarm: stages and the peers holding them, full replicas, outer step, loss, tokens/s."""
-    _setup_logging(verbose)
+    _setup_logging(a.verbose)
     from peer.cli.render import status_view
     from peer.cli.status import collect_status
     from peer.net.dht import SwarmDHT, load_swarm_secret
 
-    secret = load_swarm_secret(swarm_secret_file)
-    with SwarmDHT(initial_peers=initial_peers, client_mode=True, start_timeout_s=timeout_s, swarm_secret=secret) as dht:
-        result = collect_status(dht, timeout_s=timeout_s, where=", ".join(initial_peers))
-    if json_out:
+    secret = load_swarm_secret(a.swarm_secret_file)
+    peers = a.initial_peers
+    with SwarmDHT(initial_peers=peers, client_mode=True, start_timeout_s=a.timeout_s, swarm_secret=secret) as dht:
+        result = collect_status(dht, timeout_s=a.timeout_s, where=", ".join(peers))
+    if a.json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         sys.stdout.flush()
         return
@@ -297,43 +249,26 @@ def join(a: JoinArgs) -> None:
     raise typer.Exit(code)
 
 
-@app.command()
-def demo(
-    pipelines: flags.Pipelines = 1,
-    stages: flags.DemoStages = 2,
-    full_replicas: flags.FullReplicas = 1,
-    outer_steps: flags.DemoOuterSteps = 18,
-    inner_steps: flags.DemoInnerSteps = 8,
-    preset: flags.DemoPreset = "tiny",
-    json_out: flags.DemoJson = None,
-    plot: flags.DemoPlot = None,
-    workdir: flags.Workdir = None,
-    timeout_s: flags.DemoTimeout = 900.0,
-    verbose: flags.Verbose = False,
-) -> None:
+@o.command(app)
+def demo(a: DemoArgs) -> None:
     """A whole swarm on this machine: a bootstrap, P compressed pipelines and F full replicas as processes
     on loopback."""
-    _setup_logging(verbose)
+    _setup_logging(a.verbose)
     from rich.live import Live
 
     from peer.cli.plots import plot_demo
     from peer.cli.render import demo_live, demo_summary
     from peer.demo.run import DemoConfig, default_workdir, run_demo
 
-    args: dict[str, Any] = {
-        "pipelines": pipelines,
-        "stages": stages,
-        "full_replicas": full_replicas,
-        "outer_steps": outer_steps,
-        "inner_steps": inner_steps,
-        "preset": preset,
-    }
-    cfg = DemoConfig(**args, timeout_s=timeout_s)  # checked before a work directory is made
-    cfg = dataclasses.replace(cfg, workdir=workdir or default_workdir(RUNS))
+    shape_keys = ("pipelines", "stages", "full_replicas", "outer_steps", "inner_steps", "preset")
+    args: dict[str, Any] = {k: getattr(a, k) for k in shape_keys}
+    cfg = DemoConfig(**args, timeout_s=a.timeout_s)  # checked before a work directory is made
+    cfg = dataclasses.replace(cfg, workdir=a.workdir or default_workdir(RUNS))
     workdir = cfg.workdir
+    shape = f"{a.pipelines}×{a.stages}"
     console.print(
-        f"peer demo: {pipelines} pipeline(s) × {stages} stages + {full_replicas} full replica(s), "
-        f"T={outer_steps}, H={inner_steps}; logs in {workdir}",
+        f"peer demo: {a.pipelines} pipeline(s) × {a.stages} stages + {a.full_replicas} full replica(s), "
+        f"T={a.outer_steps}, H={a.inner_steps}; logs in {workdir}",
         soft_wrap=True,
         highlight=False,
     )
@@ -343,17 +278,15 @@ def demo(
     except KeyboardInterrupt:
         err_console.print(f"interrupted — every process the demo started was stopped; logs in {workdir}")
         raise typer.Exit(130) from None
-    shape = f"{pipelines}×{stages} compressed + {full_replicas} full"
-    for part in demo_summary(result, f"peer demo — {preset}, {shape}, H={inner_steps}"):
+    title = f"peer demo — {a.preset}, {shape} compressed + {a.full_replicas} full, H={a.inner_steps}"
+    for part in demo_summary(result, title):
         console.print(part, soft_wrap=True)
-    plot_path = _png_path(plot, json_out, result.workdir / "demo.png")
-    plot_demo(
-        result, plot_path, inner_steps, title=f"peer demo ({preset}, {pipelines}×{stages} + {full_replicas} full)"
-    )
+    plot_path = _png_path(a.plot, a.json_out, result.workdir / "demo.png")
+    plot_demo(result, plot_path, a.inner_steps, title=f"peer demo ({a.preset}, {shape} + {a.full_replicas} full)")
     console.print(f"loss curves: {plot_path}", soft_wrap=True)
-    if json_out:
-        _write_json(json_out, {**result.summary, "workdir": str(result.workdir), "args": args})
-        console.print(f"results: {json_out}", soft_wrap=True)
+    if a.json_out:
+        _write_json(a.json_out, {**result.summary, "workdir": str(result.workdir), "args": args})
+        console.print(f"results: {a.json_out}", soft_wrap=True)
 
 
 def main() -> None:

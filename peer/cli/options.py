@@ -25,6 +25,7 @@ from typing import Annotated, Any, get_type_hints
 import typer
 
 FLAG = "peer.cli.flag"  # the field metadata key of a flag's FlagSpec
+REQUIRED: Any = dataclasses.MISSING  # `flag(REQUIRED, …)`: a flag (or argument) without a default
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,22 @@ def setting(key: str, *names: str, defaults: Mapping[str, Any] | None = None, **
     """A field that overrides the config field `key` ("seed", "train.lr", "link.relay"): help from
     that field's metadata, default None, the fallback value (the config's default, or the
     command's own `defaults`, dotted keys as `build_config` takes them) at the end of the help."""
-    meta = _config_field(key).metadata
-    help_text = meta["help"]
+    help_text = config_help(key)
     fallback = _fallback(key, tuple(sorted((defaults or {}).items())))
     if fallback is not None:
         help_text = f"{help_text.rstrip('.')} (default {fallback})."
     return field(default=None, metadata={FLAG: FlagSpec(help_text, names, key, False, option)})
+
+
+def config_help(key: str) -> str:
+    """The help metadata of the config field `key`: for a command's own flag that means the same thing."""
+    help_text: str = _config_field(key).metadata["help"]
+    return help_text
+
+
+def help_of(cls: type, name: str) -> str | None:
+    """The help of the flag `name` of the flags dataclass `cls` (for an `Annotated` alias that shares it)."""
+    return spec({f.name: f for f in dataclasses.fields(cls)}[name]).help
 
 
 def _config_field(key: str) -> dataclasses.Field[Any]:

@@ -54,3 +54,28 @@ def test_the_command_signature_is_the_dataclass():
     assert list(opts) == [f.name for f in dataclasses.fields(JoinArgs)]
     assert opts["relay"] == (["--relay"], [], None) and opts["host"][2] == "0.0.0.0"
     assert opts["in_flight"][0] == ["--in-flight"] and opts["verbose"][0] == ["--verbose", "-v"]
+
+
+def test_every_command_but_bench_is_its_dataclass_and_shares_its_objects_defaults():
+    import typer
+
+    from peer.cli.args import DemoArgs, ExportArgs, PlanArgs, PrepareArgs, StatusArgs
+    from peer.cli.main import app
+    from peer.demo.run import DemoConfig
+    from peer.research.plan.command import PlanInputs  # PlanArgs's numbers, written twice (import cost)
+
+    root = typer.main.get_command(app)
+    commands = root.commands  # type: ignore[attr-defined]
+    for cmd, cls in [
+        (commands["plan"], PlanArgs),
+        (commands["status"], StatusArgs),
+        (commands["export"], ExportArgs),
+        (commands["demo"], DemoArgs),
+        (commands["data"].commands["prepare"], PrepareArgs),
+    ]:
+        assert [p.name for p in cmd.params] == [f.name for f in dataclasses.fields(cls)]
+    assert {p.name: p.required for p in commands["status"].params}["initial_peers"]
+    assert DemoArgs().outer_steps == DemoConfig().outer_steps
+    plan = dataclasses.asdict(PlanInputs())
+    assert {k: v for k, v in dataclasses.asdict(PlanArgs()).items() if k in plan} == plan
+    assert _helps(PlanArgs)["inner_steps"] == "H: inner steps per outer step."  # the config field's words
