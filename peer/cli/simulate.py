@@ -1,4 +1,4 @@
-"""`peer simulate`: the body of the command (the CLI keeps only its flags, `peer/cli/main.py`).
+"""`peer simulate`: the body of the command (its flags are `SimulateArgs`, `peer/cli/args.py`).
 
 Plans the sweep from the flags (`experiments.plan_sweep`), opens (or prepares) the corpus once, runs every
 configuration × seed × k/d with one progress bar per run (replicas on `--workers` processes, on `--device`,
