@@ -19,11 +19,12 @@ from rich.progress import Progress
 
 from peer.cli.plots import plot_curves
 from peer.cli.render import loss_progress_columns, simulate_table
+from peer.cli.simulate_tables import bias_table, poison_tables, settings_table, summary_table
 from peer.core.data.loader import load_corpus
 from peer.research.simulate import experiments as ex
 from peer.research.simulate import experiments_budget as eb
 from peer.research.simulate import paper_settings as ps
-from peer.research.simulate.ablations import bias_rows, bias_table
+from peer.research.simulate.ablations import bias_rows
 from peer.research.simulate.checkpoint import SweepCheckpoint
 from peer.research.simulate.engine import ConfigResult, SimOptions
 from peer.research.simulate.pool import check_workers, default_workers
@@ -75,7 +76,7 @@ def command(
         a["token_budget"],
     )
     if resolved.table:  # what --paper-settings / --setting set, and from where
-        console.print(ps.settings_table(resolved, settings))
+        console.print(settings_table(resolved, settings))
     budgets = None if a["extend"] is None else eb.plan_budgets(cfg, opts, resolved.budget, a["extend"], names)
     cfg = cfg if budgets is None else budgets.long
     m = opts.replicas
@@ -89,7 +90,7 @@ def command(
     title = (
         ex.summary_title(cfg, m, seed_list, opts.round_rule) if budgets is None else eb.budget_title(budgets, seed_list)
     )
-    console.print(ex.summary_table(rows, title), *ex.poison_tables(results))
+    console.print(summary_table(rows, title), *poison_tables(results))
     bias = bias_rows(results)  # B: eq. 5
     if bias:
         console.print(bias_table(bias, seed_list))

@@ -12,6 +12,7 @@ import torch
 
 from peer.cli.args import SimulateArgs
 from peer.cli.options import parameters
+from peer.cli.simulate_tables import summary_table
 from peer.config import build_config
 from peer.core.model.optim import lr_at
 from peer.core.model.state import stage_state
@@ -111,7 +112,7 @@ def test_sweep_runs_baselines_once_per_seed_and_summarizes_pairs(tmp_path):
             at["het-pp-compress", s].val_loss_replica_mean - at["pp-compress", s].val_loss_replica_mean for s in (0, 1)
         ]
         assert pair["diffs"] == pytest.approx(diffs)
-    assert ex.summary_table(rows, "t").row_count == 2
+    assert summary_table(rows, "t").row_count == 2
     assert ex.t95(2) == pytest.approx(4.303) and ex.t95(100) == 1.96
 
 
@@ -286,14 +287,14 @@ def test_simulate_defaults_are_the_ones_its_help_prints():
 
 
 def test_demo_defaults_are_the_clis_and_reach_the_bootstrap(monkeypatch):
-    import inspect
+    import dataclasses
 
-    from peer.cli import main as cli
+    from peer.cli.args import DemoArgs
     from peer.demo.run import DemoConfig, _train_env
 
-    params = inspect.signature(cli.demo).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(DemoArgs)}
     cfg = DemoConfig()
-    assert (params["outer_steps"].default, params["inner_steps"].default) == (cfg.outer_steps, cfg.inner_steps)
+    assert (defaults["outer_steps"], defaults["inner_steps"]) == (cfg.outer_steps, cfg.inner_steps)
     assert cfg.outer_steps * cfg.inner_steps <= 150  # inner steps that fit the 150 s budget on 2 cores
     monkeypatch.delenv("PEER_TRAIN__LR", raising=False)
     monkeypatch.setenv("PEER_SPARSELOCO__TOPK", "32")  # a user's own setting wins

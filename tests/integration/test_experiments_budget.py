@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from peer.cli.simulate_tables import summary_table
 from peer.config import build_config
 from peer.core.model.optim import lr_at
 from peer.errors import ConfigError
@@ -76,5 +77,5 @@ def test_table_3_deltas_are_against_the_right_baselines(tmp_path):
     assert all((r["delta_pct_own_budget"] is None) == (r["k_ratio"] is None) for r in runs)
     title = eb.budget_title(b, [0, 1])
     assert "N=768 tokens (T=2)" in title and "F·N=1,152 (F=1.5, T=3)" in title
-    table = ex.summary_table([row], title)
+    table = summary_table([row], title)
     assert "pp-compress Δ % vs own budget" in [c.header for c in table.columns]

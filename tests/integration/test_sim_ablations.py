@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from peer.cli.render import simulate_table
+from peer.cli.simulate_tables import bias_table
 from peer.config import build_config
 from peer.core.model.optim import lr_at
 from peer.core.subspace.compression import compressed_boundary, make_basis, project
@@ -17,7 +18,7 @@ from peer.core.subspace.grassmann import boundary_with_basis_grad, grassmann_ste
 from peer.core.subspace.state import perp_of
 from peer.errors import ConfigError
 from peer.research.simulate import experiments as ex
-from peer.research.simulate.ablations import bias_rows, bias_table, check_ablations, grassmann_round, record_bias
+from peer.research.simulate.ablations import bias_rows, check_ablations, grassmann_round, record_bias
 from peer.research.simulate.engine import SimOptions, simulate
 from peer.research.simulate.replica import LocalReplica
 from peer.research.simulate.results import ConfigResult

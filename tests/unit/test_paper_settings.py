@@ -10,6 +10,7 @@ import pytest
 
 from peer.cli.args import SimulateArgs
 from peer.cli.options import parameters
+from peer.cli.simulate_tables import settings_table
 from peer.config import PAPER_ALGORITHM, build_config
 from peer.core.model.decoder import PRESETS
 from peer.core.model.optim import TrainConfig
@@ -151,7 +152,7 @@ def test_the_printed_table_says_setting_value_and_source():
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    console.print(ps.settings_table(_resolve({"train.batch_size": 8}), ["paper"]))
+    console.print(settings_table(_resolve({"train.batch_size": 8}), ["paper"]))
     text = console.export_text()
     assert "settings — paper (tiny)" in text and "where from" in text
     assert "train.batch_size" in text and "a flag (the setting: 32)" in text

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from rich.table import Table
 
 from peer.core.subspace.compression import project
 from peer.core.subspace.grassmann import grassmann_step
@@ -131,29 +130,3 @@ def _nanmean(xs: Sequence[float]) -> float:
 def _k_over_d(ratio: str) -> float:
     num, _, den = ratio.partition("/")
     return float(num) / float(den) if den else float(num)
-
-
-def _pm(stat: dict[str, float]) -> str:
-    if math.isnan(stat["mean"]):
-        return "—"
-    return f"{stat['mean']:.3f}" + ("" if math.isnan(stat["std"]) else f" ± {stat['std']:.3f}")
-
-
-def bias_table(rows: Sequence[dict[str, Any]], seeds: Sequence[int]) -> Table:
-    """Eq. 5: rows k/d, per config the per-replica and aggregate ‖B‖ / ‖Δ*‖ (mean over rounds; ± over seeds)."""
-    names = list(dict.fromkeys(n for r in rows for n in r["configs"]))
-    table = Table(
-        title=f"eq. 5 bias ‖Δ* − Π(Δ*)‖ / ‖Δ*‖ of the embedding, mean over rounds, seeds {','.join(map(str, seeds))}"
-    )
-    columns = ["k/d", "k", "√(1 − k/d)"]
-    for n in names:
-        columns += [f"{n} per replica", f"{n} aggregate"]
-    for col in columns:
-        table.add_column(col, justify="left" if col == "k/d" else "right")
-    for r in rows:
-        cells = [r["k_ratio"], str(r["k"]), f"{r['random']:.3f}"]
-        for n in names:
-            c = r["configs"].get(n)
-            cells += [_pm(c["replica"]), _pm(c["aggregate"])] if c else ["—", "—"]
-        table.add_row(*cells)
-    return table

@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-
 from peer.config import RunConfig
 from peer.core.data.loader import Corpus
 from peer.core.sparseloco.robust import DEFAULT as SCREEN
@@ -318,11 +316,6 @@ def _paired_stderr(a: ConfigResult, b: ConfigResult) -> float | None:
     return float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else None
 
 
-def _pm(stat: dict[str, Any], fmt: str) -> str:
-    std = stat["std"]
-    return f"{stat['mean']:{fmt}}" + ("" if math.isnan(std) else f" ± {std:{fmt[1:] if fmt[0] == '+' else fmt}}")
-
-
 def summary_title(cfg: RunConfig, replicas: int, seeds: Sequence[int], round_rule: str = "all") -> str:
     """The title of the Table-2-shaped summary: the setting every row shares."""
     t = cfg.train
@@ -345,65 +338,3 @@ def dropped_mass_lines(results: Sequence[ConfigResult]) -> list[str]:
                 f"to the senders; their quantization changed {s['quant_error_mean']:.1%} (returned to nobody)"
             )
     return lines
-
-
-def summary_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
-    """The Table-2 shape: rows k/d; SparseLoCo loss, each config's Δ %, the paired het − uniform."""
-    names = list(dict.fromkeys(n for r in rows for n in r["delta_pct"]))
-    pairs = list(dict.fromkeys(f"{p['a']} − {p['b']}" for r in rows for p in r["pairs"]))
-    table = Table(title=title)
-    columns = ("k/d", "k", "SparseLoCo val", "SparseLoCo ppl", *(f"{n} Δ %" for n in names))
-    for col in (*columns, *(f"{p} (nats, 95 % CI)" for p in pairs)):
-        table.add_column(col, justify="left" if col == "k/d" else "right")
-    own = list(dict.fromkeys(n for r in rows for n in r.get("delta_pct_own_budget", {})))  # Table 3
-    for col in [] if not own else ["SparseLoCo val, own budget", *(f"{n} Δ % vs own budget" for n in own)]:
-        table.add_column(col, justify="right")
-    for r in rows:
-        cells = [r["k_ratio"], str(r["k"])]
-        cells.append(_pm(r["sparseloco_val_loss"], ".4f") if "sparseloco_val_loss" in r else "—")
-        cells.append(_pm(r["sparseloco_val_perplexity"], ".2f") if "sparseloco_val_perplexity" in r else "—")
-        cells += [_pm(r["delta_pct"][n], "+.2f") if n in r["delta_pct"] else "—" for n in names]
-        for label in pairs:
-            p = next((p for p in r["pairs"] if f"{p['a']} − {p['b']}" == label), None)
-            if p is None:
-                cells.append("—")
-            else:
-                lo, hi = p["ci95"]
-                cells.append(f"{p['diff_mean']:+.4f} [{lo:+.4f}, {hi:+.4f}] ahead {p['a_ahead']}/{p['n']}")
-        if own:  # Table 3: the loss at the budget N, each config's Δ % against it
-            short, by = r.get("sparseloco_val_loss_own_budget"), r.get("delta_pct_own_budget", {})
-            cells += [_pm(short, ".4f") if short else "—", *(_pm(by[n], "+.2f") if n in by else "—" for n in own)]
-        table.add_row(*cells)
-    return table
-
-
-def poison_tables(results: Sequence[ConfigResult]) -> list[Table]:
-    """One table per screened honest run that has attacked runs: final replica-mean val loss and
-    its Δ % against that honest run, contributions clipped, the attacker's contributions dropped
-    and honest ones dropped (false drops, out of the honest contributions of the run)."""
-    tables = []
-    for base in (r for r in results if r.attack is None and r.screening):
-        same = (base.config, base.k, base.seed)
-        rows = [r for r in results if r.attack is not None and (r.config, r.k, r.seed) == same]
-        if not rows:
-            continue
-        k = "" if base.k_ratio is None else f" {base.k_ratio}"
-        table = Table(
-            title=f"poisoning — {base.name}{k}, M={base.replicas}, seed {base.seed}: the last replica attacks"
-        )
-        for col in ("run", "screening", "val loss", "Δ % vs honest", "clipped", "attacker dropped", "honest dropped"):
-            table.add_column(col, justify="left" if col == "run" else "right")
-        for r in (base, *rows):
-            attacker = sum(1 for _, _, m in r.dropped if r.attack is not None and m == r.replicas - 1)
-            honest_sent = r.rounds * (r.replicas - (r.attack is not None))
-            table.add_row(
-                "honest" if r.attack is None else r.attack,
-                "on" if r.screening else "off (clip only)",
-                f"{r.final_val_loss:.4f}",
-                "—" if r is base else f"{r.delta_pct:+.2f}",
-                str(r.clipped),
-                "—" if r.attack is None else f"{attacker}/{r.rounds}",
-                f"{len(r.dropped) - attacker}/{honest_sent}",
-            )
-        tables.append(table)
-    return tables

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-
 from peer.config import PAPER_ALGORITHM, RunConfig, build_config
 from peer.core.model.optim import TrainConfig
 from peer.errors import ConfigError
@@ -254,14 +252,3 @@ def _final(row: Row, cfg: RunConfig, sim: Mapping[str, Any], flags: Mapping[str,
         return Row(row.key, value, row.source)
     who = "a flag" if flags.get(row.key) is not None else "--config / PEER_*"
     return Row(row.key, value, f"{who} (the setting: {row.value})")
-
-
-def settings_table(res: Resolved, names: Sequence[str]) -> Table:
-    """What `--paper-settings` / `--setting` set: setting, value, where from (printed before the run)."""
-    table = Table(title=f"settings — {', '.join(names)} ({res.cfg.preset})")
-    for col in ("setting", "value", "where from"):
-        table.add_column(col, justify="right" if col == "value" else "left")
-    for row in res.table:
-        value = f"{row.value:,}" if isinstance(row.value, int) and not isinstance(row.value, bool) else str(row.value)
-        table.add_row(row.key, value, row.source)
-    return table
