@@ -105,7 +105,7 @@ def plan(a: PlanArgs) -> None:
 
     args = dataclasses.asdict(a)
     if a.memory:  # the memory table (peer.research.plan.memory) for the same micro-batch flags
-        from peer.research.plan.memory import plan_memory_command
+        from peer.cli.plan import plan_memory_command
 
         plan_memory_command(console.print, args, a.json_out, _write_json)
         return

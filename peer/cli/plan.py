@@ -1,7 +1,8 @@
 """`peer plan`: the planner's tables and figures, drawn from what `peer.research.plan.command.plan` computes.
 
-Two tables (per pipeline and bandwidth; the round's bytes per stage holder), Fig. 2 (utilisation, one
-curve per k/d) at the `--png` path, Fig. 3 (wall-clock of `--tokens`) beside it, and the `--json` file.
+Two tables (per pipeline and bandwidth; the round's bytes per stage holder), Fig. 2 (utilisation,
+one curve per k/d) at the `--png` path, Fig. 3 (wall-clock of `--tokens`) beside it, and the
+`--json` file; with `--memory`, one table of `peer.research.plan.memory`'s rows instead.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from rich.table import Table
 
 from peer.cli.plots import plot_utilisation, plot_wallclock, wallclock_png
 from peer.cli.render import human_bytes
+from peer.core.memory import format_bytes
 from peer.research.plan.command import plan
 from peer.research.plan.figures import by_k_ratio
+from peer.research.plan.memory import MODES, mode_name, plan_memory
 from peer.research.plan.round import HolderRound
 
 
@@ -103,5 +106,37 @@ def _round_table(holders: Mapping[bool, Sequence[HolderRound]], replicas: int) -
             human_bytes(c.fetched_bytes),
             human_bytes(c.served_bytes),
             human_bytes(u.link_bytes),
+        )
+    return table
+
+
+def plan_memory_command(
+    out: Callable[[Any], None],
+    args: Mapping[str, Any],
+    json_out: Path | None,
+    write_json: Callable[[Path, dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """`peer plan --memory`: the table for the flags' micro-batch shape, and the JSON file."""
+    inputs, rows = plan_memory(args)
+    out(memory_table(rows, inputs["microbatch_size"]))
+    if json_out:
+        write_json(json_out, {"inputs": inputs, "rows": rows})
+        out(f"results: {json_out}")
+    return rows
+
+
+def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
+    """`peer plan --memory`'s table: per preset and stage count, the largest stage's peak per mode."""
+    table = Table(
+        title=f"peer plan --memory: GPU memory of the largest stage (K in flight, {microbatch_size} seq each)",
+        caption="ckpt: --activation-checkpointing; host: RAM beside the GPU (θ_start, error buffer, rounds); "
+        "on a CPU device both are one memory (--json: `cpu <mode>`)",
+    )
+    for col in ("model", "S", "seq", "K", *(mode_name(p, c) for p, c in MODES), "host"):
+        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
+    for r in rows:
+        modes = [format_bytes(r[mode_name(p, c)]) for p, c in MODES]
+        table.add_row(
+            r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes, format_bytes(r["host"])
         )
     return table

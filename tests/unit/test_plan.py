@@ -373,7 +373,7 @@ def test_later_stages_fetch_stage_0s_payloads():
 
 
 def test_memory_takes_one_k_ratio():
-    from peer.research.plan.memory import plan_memory_command
+    from peer.cli.plan import plan_memory_command
 
     args = {"microbatch_size": 1, "seq_len": 128, "microbatches": 2, "k_ratio": "1/8,1/16"}
     with pytest.raises(ConfigError, match="--k-ratio"):

@@ -11,13 +11,10 @@ flight (the auto window's cap: all the micro-batches, at most `MAX_STASH`). The 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-from rich.table import Table
-
-from peer.core.memory import estimate_stage, format_bytes
+from peer.core.memory import estimate_stage
 from peer.core.subspace.compression import k_from_ratio
 from peer.errors import ConfigError
 from peer.node.pipeline.schedule import MAX_STASH
@@ -67,35 +64,9 @@ def memory_rows(microbatch_size: int, seq_len: int, microbatches: int, k_ratio: 
     return rows
 
 
-def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
-    table = Table(
-        title=f"peer plan --memory: GPU memory of the largest stage (K in flight, {microbatch_size} seq each)",
-        caption="ckpt: --activation-checkpointing; host: RAM beside the GPU (θ_start, error buffer, rounds); "
-        "on a CPU device both are one memory (--json: `cpu <mode>`)",
-    )
-    for col in ("model", "S", "seq", "K", *(mode_name(p, c) for p, c in MODES), "host"):
-        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
-    for r in rows:
-        modes = [format_bytes(r[mode_name(p, c)]) for p, c in MODES]
-        table.add_row(
-            r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes, format_bytes(r["host"])
-        )
-    return table
-
-
-def plan_memory_command(
-    out: Callable[[Any], None],
-    args: Mapping[str, Any],
-    json_out: Path | None,
-    write_json: Callable[[Path, dict[str, Any]], None],
-) -> list[dict[str, Any]]:
-    """`peer plan --memory`: the table for the flags' micro-batch shape, and the JSON file."""
+def plan_memory(args: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`peer plan --memory`: the inputs it sizes (the flags' micro-batch shape) and its rows (one --k-ratio)."""
     inputs = {n: args[n] for n in ("microbatch_size", "seq_len", "microbatches", "k_ratio")}
     if "," in str(inputs["k_ratio"]):
         raise ConfigError(f"--memory takes one --k-ratio (the boundary width it sizes), got {inputs['k_ratio']!r}")
-    rows = memory_rows(**inputs)
-    out(memory_table(rows, inputs["microbatch_size"]))
-    if json_out:
-        write_json(json_out, {"inputs": inputs, "rows": rows})
-        out(f"results: {json_out}")
-    return rows
+    return inputs, memory_rows(**inputs)
