@@ -30,19 +30,15 @@ from peer.research.simulate import experiments as ex
 from peer.research.simulate.engine import SIMULATE_DEFAULTS, SimOptions, _commit_stage, run_config, simulate
 from peer.research.simulate.paper_settings import PAPER_ADAMW_LR, PAPER_REPLICAS, resolve
 from peer.research.simulate.replica import LocalReplica
+from tests.configs import tiny_run
 from tests.corpora import pattern_corpus
 
 
 def _cfg(**overrides):
-    base = {
-        "train.batch_size": 4,
-        "train.microbatches": 2,
-        "train.seq_len": 16,
+    extra = {
         "train.inner_steps": 3,
-        "train.outer_steps": 2,
-        "stages": 2,
     }
-    return build_config(overrides=base | overrides, environ={})
+    return tiny_run(**{**extra, **overrides})
 
 
 def _data(cfg, root):

@@ -11,7 +11,6 @@ import torch
 
 from peer.cli.render import simulate_table
 from peer.cli.simulate_tables import bias_table
-from peer.config import build_config
 from peer.core.model.optim import lr_at
 from peer.core.subspace.compression import compressed_boundary, make_basis, project
 from peer.core.subspace.grassmann import boundary_with_basis_grad, grassmann_step, resplit
@@ -22,23 +21,18 @@ from peer.research.simulate.ablations import bias_rows, check_ablations, grassma
 from peer.research.simulate.engine import SimOptions, simulate
 from peer.research.simulate.replica import LocalReplica
 from peer.research.simulate.results import ConfigResult
+from tests.configs import tiny_run
 from tests.corpora import pattern_corpus
 
 
 def _cfg(**overrides):
-    base = {
-        "train.batch_size": 4,
-        "train.microbatches": 2,
-        "train.seq_len": 16,
-        "train.inner_steps": 2,
-        "train.outer_steps": 2,
-        "stages": 2,
+    extra = {
         "subspace.k_ratio": "1/8",
         "subspace.wire_dtype": "fp32",
         "sparseloco.quant_bits": 0,
         "sparseloco.clip_median_factor": 0.0,
     }
-    return build_config(overrides=base | overrides, environ={})
+    return tiny_run(**{**extra, **overrides})
 
 
 def _batch(cfg, seed=0):

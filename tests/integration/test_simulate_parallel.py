@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.config import build_config
 from peer.core.data.loader import Corpus
 from peer.errors import ConfigError, DataError
 from peer.research.bench.simulate import fingerprint
@@ -25,6 +24,7 @@ from peer.research.simulate.checkpoint import ARGS_FILE, SUFFIX, SweepCheckpoint
 from peer.research.simulate.engine import CONFIGS, SimOptions, simulate
 from peer.research.simulate.pool import ReplicaPool, check_workers
 from peer.research.simulate.runtime import check_device, session
+from tests.configs import tiny_run
 from tests.conftest import assert_no_leftover_children, live_descendants
 from tests.corpora import pattern_corpus
 
@@ -32,17 +32,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def _cfg(**overrides):
-    base = {
-        "train.batch_size": 4,
-        "train.microbatches": 2,
-        "train.seq_len": 16,
-        "train.inner_steps": 2,
-        "train.outer_steps": 2,
-        "stages": 2,
+    extra = {
         "sparseloco.clip_median_factor": 0.0,
         "sparseloco.screening": False,  # `peer simulate`'s default
     }
-    return build_config(overrides=base | overrides, environ={})
+    return tiny_run(**{**extra, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 
-from peer.config import build_config
 from peer.core.model.state import stage_state
 from peer.core.sparseloco.algorithm import aggregate, compress, decompress, pseudo_gradient
 from peer.core.sparseloco.commit import commit_round
@@ -22,24 +21,19 @@ from peer.research.simulate.engine import SimOptions, _commit_stage, simulate
 from peer.research.simulate.ranges import check_ranges, plan_for
 from peer.research.simulate.replica import LocalReplica
 from peer.research.simulate.results import robust_rule
+from tests.configs import tiny_run
 from tests.corpora import pattern_corpus
 
 RANGES = SimOptions(round_rule="ranges")
 
 
 def _cfg(**overrides):
-    base = {
-        "train.batch_size": 4,
-        "train.microbatches": 2,
-        "train.seq_len": 16,
-        "train.inner_steps": 2,
-        "train.outer_steps": 2,
-        "stages": 2,
+    extra = {
         "sparseloco.quant_bits": 0,
         "sparseloco.clip_median_factor": 0.0,  # `peer simulate`'s default: nothing clipped
         "sparseloco.screening": False,  # ... and nothing screened
     }
-    return build_config(overrides=base | overrides, environ={})
+    return tiny_run(**{**extra, **overrides})
 
 
 def _replicas(cfg, n, U=None):

@@ -24,6 +24,7 @@ from peer.core.sparseloco.commit import embedding_update, perp_decay
 from peer.core.subspace.state import EMBED, perp_of
 from peer.errors import ConfigError
 from peer.node.stage.worker import StageWorker
+from tests.configs import tiny_run
 
 # ------------------------------------------------------------------------- plain reference
 
@@ -189,15 +190,10 @@ def test_clipping_is_deterministic():
 
 
 def _cfg(**overrides):
-    base = {
-        "train.batch_size": 4,
+    extra = {
         "train.microbatches": 1,
-        "train.seq_len": 16,
-        "train.inner_steps": 2,
-        "train.outer_steps": 2,
-        "stages": 2,
     }
-    return build_config(overrides={**base, **overrides}, environ={})
+    return tiny_run(**{**extra, **overrides})
 
 
 def _poisoned_payload(worker: StageWorker, scale: float, seed: int) -> Payload:

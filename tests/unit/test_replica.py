@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.config import WIRE_DTYPES, build_config
+from peer.config import WIRE_DTYPES
 from peer.core.model.state import stage_state, state_hash
 from peer.core.sparseloco.algorithm import compress, decompress, pseudo_gradient
 from peer.core.sparseloco.commit import commit_round, embedding_update, perp_decay
@@ -20,18 +20,11 @@ from peer.core.subspace.compression import make_basis, project
 from peer.core.subspace.state import perp_of
 from peer.node.stage.worker import StageWorker
 from peer.research.simulate.replica import LocalReplica
+from tests.configs import tiny_run
 
 
 def _cfg(**overrides):
-    base = {
-        "train.batch_size": 4,
-        "train.microbatches": 2,
-        "train.seq_len": 16,
-        "train.inner_steps": 2,
-        "train.outer_steps": 2,
-        "stages": 2,
-    }
-    return build_config(overrides={**base, **overrides}, environ={})
+    return tiny_run(**overrides)
 
 
 def _batch(cfg, seed=0):
