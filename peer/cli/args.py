@@ -4,8 +4,9 @@ A field is a flag's one source (`peer.cli.options`): its name, its default and i
 that sets a field of the run's config (`o.setting("train.inner_steps")`), that field's help metadata and
 the value it falls back to. A command's own flag takes its default from the object it configures where
 that is cheap to import (`DemoConfig`, `Source`). `peer.cli.main` registers each command from its
-dataclass; the command gets one instance. Invariants: nothing here parses, validates or runs anything;
-a field's name is the flag's (hyphenated) unless it names others.
+dataclass; the command gets one instance (`peer bench`'s dataclasses are in `peer.cli.bench_args`).
+Invariants: nothing here parses, validates or runs anything; a field's name is the flag's (hyphenated)
+unless it names others.
 """
 
 from __future__ import annotations

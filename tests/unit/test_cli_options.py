@@ -79,3 +79,39 @@ def test_every_command_but_bench_is_its_dataclass_and_shares_its_objects_default
     plan = dataclasses.asdict(PlanInputs())
     assert {k: v for k, v in dataclasses.asdict(PlanArgs()).items() if k in plan} == plan
     assert _helps(PlanArgs)["inner_steps"] == "H: inner steps per outer step."  # the config field's words
+
+
+def test_every_bench_command_is_its_dataclass_and_shared_flags_share_their_words():
+    import typer
+
+    from peer.cli import bench_args as b
+    from peer.cli.args import PlanArgs
+    from peer.cli.bench import bench_app
+
+    commands = typer.main.get_command(bench_app).commands  # type: ignore[attr-defined]
+    classes = {
+        "payload": b.PayloadArgs,
+        "pipeline": b.PipelineArgs,
+        "chaos": b.ChaosArgs,
+        "commit": b.CommitArgs,
+        "caps": b.CapsArgs,
+        "replica": b.ReplicaArgs,
+        "memory": b.MemoryArgs,
+        "data": b.DataArgs,
+        "swarm": b.SwarmArgs,
+        "sybil": b.SybilArgs,
+        "codec": b.CodecArgs,
+        "fetch": b.FetchArgs,
+        "simulate": b.SimulateSpeedArgs,
+    }
+    assert set(commands) == set(classes)
+    for name, cls in classes.items():
+        params = {p.name: p for p in commands[name].params}
+        assert list(params) == [f.name for f in dataclasses.fields(cls)], name
+        assert {k: p.default for k, p in params.items()} == dataclasses.asdict(cls()), name
+    sybil = {p.name: p.opts for p in commands["sybil"].params}
+    assert sybil["round_t"] == ["--round"] and sybil["json_out"] == ["--json"]
+    keep = {p.name: (p.opts, p.secondary_opts) for p in commands["data"].params}["keep"]
+    assert keep == (["--keep"], [])  # a bool flag names itself: no --no-keep
+    assert _helps(b.PipelineArgs)["microbatches"] == _helps(PlanArgs)["microbatches"]
+    assert _helps(b.ReplicaArgs)["seq_len"] == _helps(b.SybilArgs)["seq_len"] == b.SEQ_LEN_HELP
