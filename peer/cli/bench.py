@@ -129,9 +129,9 @@ def bench_commit_cmd(a: CommitArgs) -> None:
 @o.command(bench_app, "caps")
 def bench_caps_cmd(a: CapsArgs) -> None:
     """Achieved rate under `peer join --max-upload-mbps/--max-download-mbps` caps (real gRPC on loopback)."""
-    from peer.research.bench.caps import command
+    from peer.cli.bench_results import caps_command
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), a.mbps, a.window_s, a.repeats, a.json_out)
+    caps_command(lambda x: console.print(x, soft_wrap=True, highlight=False), a.mbps, a.window_s, a.repeats, a.json_out)
 
 
 @o.command(bench_app, "replica")
@@ -170,27 +170,27 @@ def bench_memory_cmd(a: MemoryArgs) -> None:
 @o.command(bench_app, "data")
 def bench_data_cmd(a: DataArgs) -> None:
     """The loader: batch tokens/s on one core, a head's RSS on a small and a huge corpus, data's share of a step."""
-    from peer.research.bench.data import command
+    from peer.cli.bench_results import data_command
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dataclasses.asdict(a), _write_json)
+    data_command(lambda x: console.print(x, soft_wrap=True, highlight=False), dataclasses.asdict(a), _write_json)
 
 
 @o.command(bench_app, "swarm")
 def bench_swarm_cmd(a: SwarmArgs) -> None:
     """Simulated rounds of M peers on home/datacenter links: today's all-to-all vs range-sharded rounds."""
-    from peer.research.bench.swarm import command
+    from peer.cli.bench_results import swarm_command
 
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), dataclasses.asdict(a), _write_json)
+    swarm_command(lambda x: console.print(x, soft_wrap=True, highlight=False), dataclasses.asdict(a), _write_json)
 
 
 @o.command(bench_app, "sybil")
 def bench_sybil_cmd(a: SybilArgs) -> None:
     """K colluders (10/33/50 % of M) against the median clip and screening: how far the committed update moves."""
-    from peer.research.bench.sybil import command
+    from peer.cli.bench_results import sybil_command
 
     args = dataclasses.asdict(a)
     args["round"] = args.pop("round_t")
-    command(lambda x: console.print(x, soft_wrap=True, highlight=False), args, _write_json)
+    sybil_command(lambda x: console.print(x, soft_wrap=True, highlight=False), args, _write_json)
 
 
 @o.command(bench_app, "codec")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from peer.research.bench.data import bench_data, tables
+from peer.cli.bench_results import data_tables as tables
+from peer.research.bench.data import bench_data
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

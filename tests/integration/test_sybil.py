@@ -179,7 +179,8 @@ def test_the_banner_warns_only_an_open_swarm_and_status_says_it(tmp_path):
 
 def test_bench_sybil_measures_a_real_round_of_a_small_run(tmp_path):
     """The bench's whole path on a tiny run (M = 4, one honest round first): real payloads, every row."""
-    from peer.research.bench.sybil import bench_config, bench_sybil, rows_table
+    from peer.cli.bench_results import rows_table
+    from peer.research.bench.sybil import bench_config, bench_sybil
     from tests.corpora import pattern_corpus
 
     cfg = bench_config("tiny", 2, 1, 2, 16, 0)
@@ -197,7 +198,8 @@ def test_the_simulator_runs_colluders_in_every_round(tmp_path):
     reversing one is screened out, and an attacker and colluders together are refused."""
     from dataclasses import replace
 
-    from peer.research.bench.sybil import bench_config, losses, losses_table
+    from peer.cli.bench_results import losses_table
+    from peer.research.bench.sybil import bench_config, losses
     from peer.research.simulate.loops import run_diloco
     from peer.research.simulate.results import SimOptions
     from tests.corpora import pattern_corpus

@@ -168,23 +168,3 @@ def bench_caps(mbps: float = 20.0, window_s: float = 10.0) -> dict[str, Any]:
     out["download_error"] = abs(out["download_mbps"] / mbps - 1)
     out["high_share"] = out["priority_high_mbps"] / max(1e-9, out["priority_high_mbps"] + out["priority_low_mbps"])
     return out
-
-
-def command(echo: Callable[[str], None], mbps: float, window_s: float, repeats: int, json_out: Any) -> None:
-    """The CLI body: `repeats` runs, each phase's median, one line per figure."""
-    runs = []
-    for i in range(repeats):
-        echo(f"run {i + 1}/{repeats}: caps {mbps:g} Mbit/s, {window_s:g} s windows…")
-        runs.append(bench_caps(mbps, window_s))
-    summary = {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0]}
-    for key in ("upload_mbps", "download_mbps", "priority_high_mbps", "priority_low_mbps"):
-        echo(f"{key:>20}: {summary[key]:8.2f} Mbit/s (cap {mbps:g})")
-    ok = summary["upload_error"] <= 0.10 and summary["download_error"] <= 0.10
-    verdict = "within" if ok else "NOT within"
-    echo(
-        f"cap accuracy: upload {summary['upload_error']:.1%}, download {summary['download_error']:.1%} ({verdict} 10 %)"
-    )
-    echo(f"activations' share of the upload cap with round payloads competing: {summary['high_share']:.0%}")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump({"summary": summary, "runs": runs}, f, indent=2)

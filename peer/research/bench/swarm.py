@@ -15,13 +15,9 @@ twice today's rule's round at M = 8.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
-
-from rich.table import Table
 
 from peer.errors import ConfigError
 from peer.research.swarm.net import LinkClass, LinkMix
@@ -110,72 +106,3 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                  "met": ratio <= TARGET_ROUND_RATIO}
             )  # fmt: skip
     return out
-
-
-def _mb(x: float) -> str:
-    return f"{x / 1e6:,.1f}"
-
-
-def swarm_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table(
-        title=title,
-        caption="bytes per peer per round: MB (payloads); round: announce → commit; "
-        "late: holders without the whole set at the deadline",
-    )
-    cols = ("M", "rule", "R", "down mean", "down max", "up mean", "up max", "round s", "max s", "util")
-    for col in (*cols, "counted", "lost"):
-        table.add_column(col, justify="left" if col == "rule" else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            str(r["M"]), r["rule"], str(r["R"]),
-            f"{_mb(r['down_mean'])} ({r['down_payloads']:.2f})", f"{_mb(r['down_max'])} ({r['down_max_payloads']:.1f})",
-            f"{_mb(r['up_mean'])} ({r['up_payloads']:.2f})", f"{_mb(r['up_max'])} ({r['up_max_payloads']:.1f})",
-            f"{r['round_s']:.1f}", f"{r['round_max_s']:.1f}", f"{100 * r['util']:.1f}%",
-            f"{r['counted']:.0f}/{r['holders']:.0f}",
-            f"{r['lost']}/{r['rounds']}" + (f" ({r['timeouts']} late)" if r["timeouts"] else ""),
-        )  # fmt: skip
-    return table
-
-
-def calib_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="peer bench swarm --calibrate: real loopback all-to-all vs the simulator (tiny, stage 0)")
-    for col in ("M", "bytes real", "bytes sim", "round real s", "round sim s", "error", "load"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            str(r["M"]), f"{r['real_bytes']:,.0f}", f"{r['sim_bytes']:,.0f}", f"{r['real_round_s']:.3f}",
-            f"{r['sim_round_s']:.3f}", f"{100 * r['round_error']:+.0f}%", f"{r['load_avg']:.1f}",
-        )  # fmt: skip
-    return table
-
-
-def command(
-    out: Callable[[Any], None], args: Mapping[str, Any], write_json: Callable[[Path, dict[str, Any]], None]
-) -> dict[str, Any]:
-    """`peer bench swarm`: the table (or the calibration), the targets, the JSON file."""
-    if args["calibrate"]:
-        from peer.research.swarm.calib import calibrate
-
-        rows = calibrate(tuple(parse_ints(args["calibrate_peers"], "--calibrate-peers")), args["calibrate_rounds"])
-        out(calib_table(rows))
-        result: dict[str, Any] = {"calibration": rows}
-    else:
-        rules = [r.strip() for r in args["rules"].split(",") if r.strip()]
-        if not rules or any(r not in ("all", "ranges") for r in rules):
-            raise ConfigError(f"--rules: expected all and/or ranges, got {args['rules']!r}")
-        rows = []
-        for M in parse_ints(args["peers"], "--peers"):
-            for rule in rules:
-                rows.append(run_one(sim_config(args, M, rule)))
-                out(f"M={M} {rule}: round {rows[-1]['round_s']:.1f} s, {rows[-1]['down_payloads']:.2f} payloads down")
-        out(swarm_table(rows, f"peer bench swarm: {args['preset']}, stage {args['stage']} of {args['stages']}"))
-        checks = targets(rows)
-        for c in checks:
-            out(f"target {'met' if c['met'] else 'MISSED'}: {c['target']}: {c['value']}")
-        inputs = dataclasses.asdict(sim_config(args, 2, rules[0]))
-        result = {"inputs": {k: v for k, v in inputs.items() if k not in ("peers", "rule", "sizes")}, "rows": rows}
-        result["targets"] = checks
-    if args["json_out"]:
-        write_json(args["json_out"], result)
-        out(f"results: {args['json_out']}")
-    return result

@@ -22,15 +22,13 @@ stage (`SimOptions.collusion`) and reports the held-out loss against the honest 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from peer.config import RunConfig, build_config
-from peer.core.data.loader import Corpus, load_corpus
+from peer.core.data.loader import Corpus
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import commit_state
 from peer.core.sparseloco.robust import DEFAULT, OFF
@@ -151,66 +149,3 @@ def losses(
         caught = sum(1 for _, _, m in res.dropped if m >= replicas - k)
         out.append(LossRow(k, strategy if k else "-", res.final_val_loss, caught, res.rounds))
     return tuple(out)
-
-
-def losses_table(rows: Sequence[LossRow]) -> Any:
-    """The loss runs as a rich table (the CLI prints it); Δ % against the K = 0 row."""
-    from rich import box
-    from rich.table import Table
-
-    honest = next((r.val_loss for r in rows if r.colluders == 0), math.nan)
-    table = Table(title="held-out loss, colluders in every round of every stage", box=box.SIMPLE)
-    for col in ("colluders", "strategy", "val loss", "Δ %", "dropped"):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in rows:
-        dropped = f"{r.colluders_dropped}/{r.colluders * r.rounds}"
-        delta = f"{100 * (r.val_loss / honest - 1):+.2f}"
-        table.add_row(str(r.colluders), r.strategy, f"{r.val_loss:.4f}", delta, dropped)
-    return table
-
-
-def rows_table(result: SybilResult) -> Any:
-    """The rows as a rich table (the CLI prints it)."""
-    from rich import box
-    from rich.table import Table
-
-    title = f"{result.preset}, stage {result.stage} of {result.stages}, round t={result.t}, M={result.replicas}"
-    caption = "deviation ‖u − u_h‖/‖u_h‖, cosine and norm ‖u‖/‖u_h‖ of u against u_h"
-    table = Table(title=title, caption=caption, box=box.SIMPLE)
-    for col in ("colluders", "strategy", "screening", "deviation", "cosine", "norm", "dropped", "honest"):
-        table.add_column(col, justify="left" if col in ("strategy", "screening") else "right")
-    for r in result.rows:
-        table.add_row(
-            f"{r.colluders}/{r.replicas} ({r.fraction:.0%})",
-            r.strategy,
-            "on" if r.screening else "off",
-            f"{r.deviation:.2f}",
-            f"{r.cosine:+.2f}",
-            f"{r.norm:.2f}",
-            f"{r.colluders_dropped}/{r.colluders}",
-            str(r.honest_dropped),
-        )
-    return table
-
-
-def command(show: Callable[[Any], None], args: dict[str, Any], write_json: Callable[[Path, dict], None]) -> None:
-    """`peer bench sybil`: measure the round's rows and show them (and write them, with --json)."""
-    strategies = [s.strip() for s in args["strategies"].split(",") if s.strip()]
-    for s in [*strategies, args["loss_strategy"]]:
-        if s not in COLLUSIONS:
-            raise ConfigError(f"--strategies: unknown {s!r}; choose from {', '.join(COLLUSIONS)}")
-    cfg = bench_config(
-        args["preset"], args["stages"], args["inner_steps"], args["batch_size"], args["seq_len"], args["seed"]
-    )
-    if not 0 <= args["stage"] < cfg.stages:
-        raise ConfigError(f"--stage must be in 0..{cfg.stages - 1}")
-    data = load_corpus(cfg.data)
-    result = bench_sybil(cfg, data, args["replicas"], args["round"], args["stage"], strategies)
-    show(rows_table(result))
-    if args["loss_outer_steps"]:
-        run = replace(cfg, train=replace(cfg.train, outer_steps=args["loss_outer_steps"]))
-        counts = [0, *dict.fromkeys(colluder_counts(args["replicas"]))]
-        result = replace(result, losses=losses(run, data, args["replicas"], args["loss_strategy"], counts))
-        show(losses_table(result.losses))
-    if args["json_out"]:
-        write_json(args["json_out"], asdict(result))
