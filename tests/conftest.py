@@ -71,8 +71,14 @@ def _is_resource_tracker(pid: int) -> bool:
 
 def _is_forkserver(pid: int) -> bool:
     """The forkserver that forks every DHT process (`peer.net.dht_child`): started by the first DHT
-    node of this process, it lives as long as this process does (its children are counted)."""
-    return "multiprocessing.forkserver" in cmdline(pid)
+    node of this process, it lives as long as this process does. Its children (the DHT processes,
+    which keep its command line) are counted: only the one whose parent is not a forkserver is it."""
+    if "multiprocessing.forkserver" not in cmdline(pid):
+        return False
+    try:
+        return "multiprocessing.forkserver" not in cmdline(psutil.Process(pid).ppid())
+    except psutil.Error:
+        return False
 
 
 def _is_helper(pid: int) -> bool:
