@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 
 # gRPC's fork handlers (on by default in grpcio >= 1.78) run in every fork; when another thread is
 # inside gRPC at that moment, a forked child inherits half-held gRPC locks and aborts or segfaults
-# on its own next fork. The DHT process is no longer forked from a peer's process (a clean
-# forkserver forks it: peer.net.dht_child), and what we still fork never calls gRPC, so the
-# handlers are switched off before grpc is first imported.
+# on its own next fork. The DHT process is forked only where no gRPC runs (else a clean forkserver
+# forks it: peer.net.dht_child), and what we fork never calls gRPC, so the handlers are switched
+# off before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 

@@ -4,8 +4,8 @@ Start-up order (each step needs the one before it):
 1. open the run's prepared dataset (`peer.bootstrap.dataset.run_dataset`: a prepared folder, or a source
    prepared into the cache once); its tokenizer.model is the run's tokenizer, whose sha256 goes
    into the manifest with the dataset's fingerprints and the sha256 of its index;
-2. start the `peer.net.dht.SwarmDHT` node (its DHT process is forked by a clean forkserver,
-   `peer.net.dht_child`, so it inherits none of this process's gRPC);
+2. start the `peer.net.dht.SwarmDHT` node BEFORE any gRPC server (its DHT process is then forked
+   at once; after gRPC it would come from a clean forkserver: `peer.net.dht_child`);
 3. start a `peer.net.transport.PeerServer` with an `ArtifactHandler` (tokenizer, manifest, the
    dataset's index and shards, streamed from disk within `--max-upload-mbps`);
 4. build the manifest (`peer.node.manifest.build_manifest`) naming the gRPC address and publish it

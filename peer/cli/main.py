@@ -61,13 +61,6 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _start_dht_forkserver() -> None:
-    """Start the process that will fork the DHT process now: it imports while this one does."""
-    from peer.net.dht_child import start_forkserver
-
-    start_forkserver()
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_bytes(Path(path), (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
@@ -150,7 +143,6 @@ def bootstrap(a: BootstrapArgs) -> None:
     _setup_logging(a.verbose)
     if a.print_peer_id:
         return show_peer_id(a.identity)
-    _start_dht_forkserver()
     from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.cli.render import bootstrap_banner
     from peer.node.link_config import build_link_config
@@ -208,7 +200,6 @@ def join(a: JoinArgs) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
     _setup_logging(a.verbose)
-    _start_dht_forkserver()
     from peer.cli.join_setup import join_role, prepare_join
     from peer.net.dht import load_swarm_secret
     from peer.node.link_config import build_link_config

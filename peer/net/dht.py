@@ -61,7 +61,7 @@ from peer.net.admission import (
     secret_commitment,
 )
 from peer.net.answers import await_answer
-from peer.net.dht_child import DHTProcess, start_forkserver
+from peer.net.dht_child import DHTProcess, grpc_running, start_forkserver
 from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity import make_identity, node_identity, peer_id_of, seal
 from peer.net.processes import ProcessTree, stop_dht_node
@@ -133,8 +133,9 @@ async def _ping_peers(peer_ids: Sequence[str], _dht: Any, node: Any) -> int:
 class SwarmDHT:
     """One hivemind DHT node with `peer`'s records on top. Synchronous; use as a context manager.
 
-    The hivemind DHT process is forked from a clean forkserver (`peer.net.dht_child`), never from
-    this process, so it inherits none of this process's gRPC servers, channels or threads.
+    The hivemind DHT process is forked from this process while it runs no gRPC, else from a clean
+    forkserver (`peer.net.dht_child`), so it inherits none of this process's gRPC servers, channels
+    or threads.
     """
 
     def __init__(
@@ -171,7 +172,8 @@ class SwarmDHT:
         self._watchdog = Watchdog()
         self._closed = False
         t0 = time.monotonic()
-        start_forkserver()  # its imports run while this process reads the identity
+        if grpc_running():
+            start_forkserver()  # its imports run while this process reads the identity (peer.net.dht_child)
         with node_identity(identity_path) as identity:  # a throw-away key is deleted once p2pd has read it
             validator = RSASignatureValidator(identity.key)
             self._key = identity.key  # seals the manifest this node publishes (`identity.seal`)
@@ -209,7 +211,7 @@ class SwarmDHT:
         """Start the hivemind child under a watchdog, remember its process tree; the peer id it runs as."""
         try:
             with _SPAWN_LOCK:
-                self._dht.start()  # forked by the clean forkserver (peer.net.dht_child); it starts p2pd
+                self._dht.start()  # forked where no gRPC runs (peer.net.dht_child); it starts p2pd
                 self._watchdog.start(self._dht.pid)  # from now on a crash of this process does not orphan them
             self._dht.wait_until_ready(timeout_s)
             self._tree.add(self._dht.pid)

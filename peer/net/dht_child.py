@@ -1,4 +1,4 @@
-"""The hivemind DHT process, started from a clean process that never held gRPC state.
+"""The hivemind DHT process, started so that it never holds gRPC state of its peer's process.
 
 hivemind's `DHT` is a `multiprocessing` process started by `fork`: the child is a copy of the
 peer's process, with whatever gRPC servers, channels and threads that process had. A forked child
@@ -7,27 +7,32 @@ Python's garbage collector in the child frees whatever inherited garbage it find
 included. That is how a full CI run once ended with 7 failures and 16 errors, every one "DHT node
 did not start within 30 s", after in-process gRPC in earlier tests.
 
-So `peer` starts the DHT process through a *forkserver* of its own: a fresh interpreter, started
-(exec, not fork) the first time this process starts a DHT node, that imports only this module
-(hivemind, torch; never gRPC) and forks each DHT process from itself. The DHT process therefore
-inherits no gRPC module, object or thread, whatever the peer's process did before. What a fork
-used to carry over implicitly is handed over explicitly: the environment, the root log level and
-the log filters (`peer.net.hivemind_logs`, `peer.net.identity_check`) are installed in `run`.
-
-The main module of the peer's process is never re-run in the child (`multiprocessing` would
-re-import it, which a script without a ``__main__`` guard does not survive); `_Popen` leaves it
-out of the start data.
+So the DHT process is forked only from a process in which gRPC's core is not running:
+- a peer's own process, while it runs no gRPC core thread (`grpc_running`: gRPC starts its threads,
+  `grpc_global_timer`, `event_engine`, `lifeguard`, with its first channel or server and they end
+  with its last): `peer join` and `peer bootstrap` start their DHT before any gRPC object, so they
+  fork at once, as hivemind does;
+- otherwise a *forkserver* of this process: a fresh interpreter, started (exec, not fork) the first
+  time it is needed, that imports only this module (hivemind, torch; never gRPC) and forks each DHT
+  process from itself. What a fork carries over implicitly is handed over explicitly: the
+  environment and the root log level are set in `run`, and `run` installs the log filters
+  (`peer.net.hivemind_logs`) and the identity check (`peer.net.identity_check`) in both cases.
+Either way the DHT process inherits no gRPC module state, object or thread. The main module of the
+peer's process is never re-run in a forkserver's child (`multiprocessing` would re-import it, which a
+script without a ``__main__`` guard does not survive); `_Popen` leaves it out of the start data.
 """
 
 from __future__ import annotations
 
+import glob
 import io
 import logging
 import multiprocessing.forkserver as forkserver
 import os
 import sys
-from multiprocessing import popen_forkserver, reduction, spawn, util
+from multiprocessing import popen_fork, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -35,10 +40,21 @@ import hivemind
 from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity_check import install_identity_check
 
-__all__ = ["DHTProcess", "start_forkserver"]
+__all__ = ["DHTProcess", "grpc_running", "start_forkserver"]
 
 _PRELOAD = [__name__]  # all a DHT process needs, imported once by the forkserver
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as the CLI's (peer.cli.main)
+_GRPC_THREADS = ("grpc_global_tim", "event_engine", "lifeguard")  # gRPC core's threads, as the kernel names them
+
+
+def grpc_running() -> bool:
+    """Whether gRPC's core runs in this process: one of its threads is there (a channel or server
+    exists, or their garbage does). True where threads cannot be listed (no /proc): the safe answer."""
+    try:
+        names = [Path(path).read_text().strip() for path in glob.glob(f"/proc/{os.getpid()}/task/*/comm")]
+    except OSError:  # a thread ended while we listed them: list again next time, take the safe way now
+        return True
+    return not names or any(name.startswith(_GRPC_THREADS) for name in names)
 
 
 def start_forkserver() -> None:
@@ -70,15 +86,15 @@ class _Popen(popen_forkserver.Popen):
 
 
 class DHTProcess(hivemind.DHT):  # type: ignore[misc]  # hivemind has no type information
-    """hivemind's DHT process, forked from `peer`'s clean forkserver (see the module's docstring).
+    """hivemind's DHT process, forked where no gRPC runs (see the module's docstring).
 
     When its peer process is gone (the pipe reads EOF) it exits with one warning line instead of a
     traceback (the watchdog, `peer.net.watchdog`, stops whatever it leaves)."""
 
-    _start_method = "forkserver"
-
     @staticmethod
-    def _Popen(process_obj: Any) -> _Popen:
+    def _Popen(process_obj: Any) -> popen_fork.Popen:
+        if not grpc_running():
+            return popen_fork.Popen(process_obj)  # nothing of gRPC to inherit: fork, as hivemind does
         start_forkserver()
         return _Popen(process_obj)
 

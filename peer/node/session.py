@@ -1,6 +1,6 @@
 """One peer's session in the swarm: join, serve, and leave cleanly — its duties live next door.
 
-`Session.connect` joins the DHT first (a clean forkserver forks its process), waits for the
+`Session.connect` joins the DHT first (forked before any gRPC object exists), waits for the
 bootstrap's manifest (`peer.node.manifest.wait_for_manifest`), verifies it against this build
 (`verify_manifest`), refuses a head's or full replica's local dataset of another corpus, downloads
 and checks the tokenizer, and opens `<data-dir>/metrics.jsonl`. Once a head or full replica has

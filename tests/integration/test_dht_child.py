@@ -5,7 +5,9 @@ A full CI run once ended with 7 failures and 16 errors, every one "DHT node did 
 served and called gRPC, and gRPC state freed in the copy waited forever on locks of threads that
 the fork left behind. Now a clean forkserver forks every DHT process. These tests hold a gRPC
 server, a channel and a thread inside a call in this process while DHT nodes start, and look at
-the DHT process from outside (its memory map and its p2pd's environment), on real processes.
+the DHT process from outside (its memory map and its p2pd's environment), on real processes; a
+fresh interpreter shows which way each node starts (forked at once while no gRPC runs, else by
+the forkserver).
 
 Before the fix, the first test failed: the forked DHT process mapped gRPC's core library
 (`cygrpc`), as every fork of this process does.
@@ -14,6 +16,9 @@ Before the fix, the first test failed: the forked DHT process mapped gRPC's core
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 from collections.abc import Iterator
@@ -86,3 +91,38 @@ def test_the_dht_process_runs_with_its_peers_environment_of_now(reap_children):
                 assert _p2pd(later).environ().get("PEER_TEST_DHT_CHILD_MARK") == mark
         finally:
             del os.environ["PEER_TEST_DHT_CHILD_MARK"]
+
+
+FRESH = textwrap.dedent(
+    """
+    import os, psutil
+    from concurrent import futures
+    import grpc
+    from peer.net.dht import SwarmDHT
+    from peer.net.dht_child import grpc_running
+
+    def parent_of(dht):
+        return "self" if psutil.Process(dht.process_pid).ppid() == os.getpid() else "forkserver"
+
+    first = SwarmDHT()  # grpc is imported, but no channel or server exists: gRPC's core does not run
+    print(grpc_running(), parent_of(first), flush=True)
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    second = SwarmDHT(initial_peers=first.visible_maddrs())
+    print(grpc_running(), parent_of(second), flush=True)
+    first.set_run("fresh", 2)
+    second.set_run("fresh", 2)
+    first.announce_stage(1, {"address": "127.0.0.1:1", "outer_step": 0}, ttl_s=60)
+    print(sorted(second.get_stage_peers(1)) == [first.peer_id], flush=True)
+    second.shutdown()
+    first.shutdown()
+    server.stop(None)
+    """
+)
+
+
+def test_a_process_without_grpc_forks_its_dht_at_once_and_one_with_grpc_uses_the_forkserver(reap_children):
+    done = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:3] == ["False self", "True forkserver", "True"], done.stdout

@@ -74,7 +74,7 @@ def _payload(cfg: Any, seed: int) -> bytes:
 
 def _start(cfg: Any, M: int, stack: ExitStack) -> list[Node]:
     nodes: list[Node] = []
-    first = SwarmDHT()  # every DHT node first (their processes come from a clean forkserver anyway)
+    first = SwarmDHT()  # every DHT node first: forked at once while no gRPC runs (peer.net.dht_child)
     stack.callback(first.shutdown)
     nodes.append(Node(first, PayloadStore(), ClientPool(timeout_s=10.0)))
     for _ in range(M - 1):
