@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 MIN_ANNOUNCER_S = 0.5  # the announcer is given at least this long, even at the deadline
 
 
+class Unreadable(NetworkError):
+    """The DHT could not be read, so the fetch could not ask everyone who may hold the payload (a
+    fetch that asked everyone and got nothing is a plain NetworkError: nobody serves it)."""
+
+
 class Fetcher:
     """Fetches announced payloads of rounds (module docstring): bounded, a deadline per call."""
 
@@ -143,7 +148,10 @@ class Fetcher:
             yield "its claimer", claimer
         others = dict(announcements)
         for x in range(1, self.n_stages) if stage == 0 else ():  # observers of stage 0 keep it too
-            others.update(self.dht.get_payloads(t, x))  # NetworkError: the DHT is not readable now
+            try:
+                others.update(self.dht.get_payloads(t, x))
+            except NetworkError as exc:
+                raise Unreadable(f"the announcements of round {t} stage {x} could not be read: {exc}") from exc
         for other, rec in sorted(others.items()):
             if other not in (sender, self.me) and rec.address:
                 yield other, rec.address

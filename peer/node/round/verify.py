@@ -36,7 +36,7 @@ from peer.node.round.agreement import Announcements, Replicas, bound_to
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Entry
 from peer.node.round.contribution import Contribution
-from peer.node.round.fetcher import Fetcher
+from peer.node.round.fetcher import Fetcher, Unreadable
 from peer.node.round.payloads import PayloadStore
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class SetFetcher:
                 out.payloads[item] = fetcher.fetch(
                     t, stage, found.sender, found.record, parse, announcements, claimer=claimer_address
                 )
+            except Unreadable:  # the DHT, not the payload: the caller retries the whole check
+                raise
             except NetworkError:  # nobody serves it now
                 out.missing.append(item)
             except PeerError as exc:  # a genuine announcement of a payload that does not parse here
