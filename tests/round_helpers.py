@@ -1,15 +1,23 @@
 """A `RoundContext` for the gather tests (tests/integration/test_agreement.py, test_round_hash.py,
-test_ranges_round.py): a gather takes one value for its collaborators; a test names the few it sets."""
+test_ranges_round.py): a gather takes one value for its collaborators; a test names the few it sets.
+`own`: a test's payload bytes as the gather's own contribution."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from peer.config import RunConfig
+from peer.core.sparseloco.codec.format import Payload
 from peer.node.presence import Presence
 from peer.node.round.context import RoundContext
+from peer.node.round.contribution import Contribution, received, sha256
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
+
+
+def own(replica: str, data: bytes) -> Contribution:
+    """A gather's own contribution from payload bytes a test made (identified once, as a fetch does)."""
+    return received(replica, sha256(data), data, Payload.from_bytes)
 
 
 class Quiet:

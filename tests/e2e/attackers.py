@@ -53,6 +53,7 @@ from peer.node.records import Own, Records
 from peer.node.round.agreement import round_view
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import entry, state_id
+from peer.node.round.contribution import Contribution
 from peer.node.round.payloads import round_validator, sha256
 from peer.node.round.rounds import Rounds
 from peer.node.service import PeerService
@@ -301,7 +302,8 @@ def _commit(watch: Watch, ours: list[tuple], stage0: list[tuple]) -> tuple[str, 
     start, perp, bans, prev = watch.start
     parsed = [p[4] for p in ours]
     out = compute(rounds.cfg, worker.stage, worker.U, t, start, perp, bans, parsed, [p[0] for p in ours], update)
-    link = make_link(t, prev, out, parsed, [entry(p[0], p[1]) for p in stage0])
+    committed = [Contribution(p[0], p[1], p[3], p[4]) for p in ours]
+    link = make_link(t, prev, out, committed, [entry(p[0], p[1]) for p in stage0])
     return out.state, Forged(t, out.state, link.to_record(), out.param_hash, out.perp_hash)
 
 

@@ -23,7 +23,7 @@ from peer.node.round.claims import entry
 from peer.node.round.gather import RoundTimings, gather_round
 from peer.node.round.payloads import sha256
 from peer.node.round.refusals import Refusals
-from tests.round_helpers import round_context
+from tests.round_helpers import own, round_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,6 +152,12 @@ class Store:
     def get(self, *a):
         return None
 
+    def mine(self, *a):
+        return None
+
+    def fetched(self, *a):
+        return None
+
 
 PREV = "s0"  # our state id at outer step 0: the state the claims below committed round 0 from
 
@@ -178,7 +184,7 @@ def test_commit_once_every_expected_payload_is_held():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "o": _replica()}
     _other(dht, clients, "o", _payload(1))
-    result = _gather(dht, clients, own=("me", _payload(2)))
+    result = _gather(dht, clients, own=own("me", _payload(2)))
     assert result.replicas == ["me", "o"] and not result.timed_out and not result.behind
 
 
@@ -203,7 +209,7 @@ def test_no_lone_commit_while_another_holder_gathers_then_follow_its_set():
     dht.replicas = {"me": _replica()}
     dht.holders = {"o": {"outer_step": 0}}  # another holder of the stage, still at t
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)))))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)))))
     th.start()
     assert dht.polled(5) and th.is_alive()  # our own payload alone: we do not commit while o gathers
     dht.holders = {"o": _claim(("me", _payload(2)))}  # o committed {our payload} from our state
@@ -219,7 +225,7 @@ def test_one_claim_of_a_set_we_cannot_fetch_is_set_aside_not_followed_into_a_res
     clients.served.clear()  # announced, then gone: nobody serves its payload
     dht.holders = {"o": _claim(("gone", _payload(1)), ("me", _payload(2)))}
     refusals = Refusals()
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.5, refusals=refusals)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=1.5, refusals=refusals)
     assert not result.behind and result.followed is None and result.replicas == ["me"] and result.timed_out
     assert "o" not in refusals  # genuine but unavailable: no blame
 
@@ -231,7 +237,7 @@ def test_a_set_most_holders_committed_that_we_cannot_fetch_means_resync_not_wait
     clients.served.clear()
     both = _claim(("gone", _payload(1)), ("me", _payload(2)))
     dht.holders = {"o": both, "p": both}  # two of the three holders: a strict majority, we included
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30, refusals=Refusals())
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30, refusals=Refusals())
     assert result.behind
 
 
@@ -242,7 +248,7 @@ def test_a_set_naming_payloads_no_replica_announced_gets_its_claimer_refused():
     padded = [("o", _payload(1)), ("me", _payload(2))] + [(f"made-up-{i}", _payload(10 + i)) for i in range(8)]
     dht.holders = {"o": _claim(*padded)}
     refusals = Refusals()
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30, refusals=refusals)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30, refusals=refusals)
     assert "o" in refusals  # its set names replicas that never announced: a forged claim
     assert result.followed is None and result.replicas == ["me", "o"] and not result.behind
 
@@ -254,7 +260,7 @@ def test_a_claim_from_another_state_is_not_followed():
     dht.replicas = {"me": _replica(), "o": _replica()}
     _other(dht, clients, "o", _payload(1))
     dht.holders = {"o": _claim(("o", _payload(1)), prev="elsewhere")}
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)
     assert result.followed is None and result.replicas == ["me", "o"]
 
 
@@ -262,7 +268,7 @@ def test_behind_two_rounds_returns_at_once():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "o": _replica(t=2)}  # the swarm's clock: two rounds past us
     dht.holders = {"o": {"outer_step": 2, "state_id": "s2"}}
-    assert _gather(dht, clients, own=("me", _payload(2)), timeout_s=30).behind
+    assert _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30).behind
 
 
 def test_a_lone_holder_claiming_rounds_ahead_of_the_swarm_is_not_believed():
@@ -271,7 +277,7 @@ def test_a_lone_holder_claiming_rounds_ahead_of_the_swarm_is_not_believed():
     dht.replicas = {"me": _replica(), "o": _replica()}
     _other(dht, clients, "o", _payload(1))
     dht.holders = {"x": {"outer_step": 7, "state_id": "forged"}}
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)
     assert not result.behind and result.replicas == ["me", "o"]
 
 
@@ -281,7 +287,7 @@ def test_a_sender_that_left_after_announcing_is_dropped_not_waited_for():
     _other(dht, clients, "o", _payload(1))
     clients.served.clear()
     del dht.replicas["o"]  # o's records expired, its announcement did not
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)
     assert result.replicas == ["me"] and result.rejected == ["o"] and not result.timed_out
 
 
@@ -298,7 +304,7 @@ def test_our_own_earlier_incarnations_announcement_is_never_fetched():
 def test_the_deadline_ends_every_wait():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica(), "slow": _replica()}
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=1.0)
     assert result.timed_out and result.replicas == ["me"]
 
 
@@ -310,7 +316,9 @@ def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
     done: list = []
 
     def run() -> None:
-        done.append(gather_round(round_context(dht, clients, Store()), 0, 1, FAST, own=("me", _payload(2)), quorum=2))
+        done.append(
+            gather_round(round_context(dht, clients, Store()), 0, 1, FAST, own=own("me", _payload(2)), quorum=2)
+        )
 
     th = threading.Thread(target=run)
     th.start()
@@ -320,7 +328,7 @@ def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
     th.join(5)
     assert done and done[0].replicas == ["me", "o"] and not done[0].timed_out
     del dht.replicas["o"]  # o left: at t = 1 our payload alone closes the round
-    later = gather_round(round_context(dht, clients, Store()), 1, 1, FAST, own=("me", _payload(3)), quorum=2)
+    later = gather_round(round_context(dht, clients, Store()), 1, 1, FAST, own=own("me", _payload(3)), quorum=2)
     assert later.replicas == ["me"] and not later.timed_out  # the quorum holds only for round 0
 
 
@@ -331,7 +339,7 @@ def test_a_holder_seen_gathering_whose_records_expired_is_waited_for_until_the_d
     dht.replicas = {"me": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=2.0)))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), timeout_s=2.0)))
     th.start()
     assert dht.polled(2)  # o seen gathering
     dht.holders = {}  # o's records expired
@@ -346,7 +354,7 @@ def _gathering_beside_o() -> tuple:
     dht.replicas = {"me": _replica(), "o": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)))
     th.start()
     assert dht.polled(2)  # o seen gathering
     return dht, done, th
@@ -378,7 +386,7 @@ def test_a_hot_spare_does_not_hold_a_lone_contributor_until_the_deadline():
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"me": _replica()}
     dht.holders = {"s": {"outer_step": 0, "role": "spare"}}  # an unclaimed stage peer at t
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=30)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)
     assert result.replicas == ["me"] and not result.timed_out
 
 
@@ -402,7 +410,7 @@ def test_a_holder_that_left_gracefully_is_not_waited_for():
     dht.replicas = {"me": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=20)))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), timeout_s=20)))
     th.start()
     assert dht.polled(5) and th.is_alive()
     dht.holders = {"o": {"state": "left"}}
@@ -432,7 +440,7 @@ def test_a_set_closing_at_an_earlier_closers_deadline_without_our_payload_is_not
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.2)
     done: list = []
     refusals = Refusals()
-    gather = lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), grace_s=1.0, refusals=refusals))  # noqa: E731
+    gather = lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), grace_s=1.0, refusals=refusals))  # noqa: E731
     th = threading.Thread(target=gather)
     th.start()
     assert dht.polled(5) and th.is_alive()  # both payloads held, but o's deadline is near: its commit decides
@@ -448,7 +456,7 @@ def test_a_set_closing_at_an_earlier_closers_deadline_with_our_payload_is_follow
     dht.holders = {"o": {"outer_step": 0}}
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.2)
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), grace_s=1.0)))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), grace_s=1.0)))
     th.start()
     assert dht.polled(5) and th.is_alive()  # "late" has not announced: the set is not complete
     dht.holders = {"o": _claim(("o", _payload(1)), ("me", _payload(2)))}  # o closed at its deadline
@@ -463,7 +471,7 @@ def test_a_claim_leaving_out_our_payload_before_any_deadline_is_refused_and_not_
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 30)
     dht.holders = {"c": _claim(("o", _payload(1)))}
     refusals = Refusals()
-    result = _gather(dht, clients, ("me", _payload(2)), 30, 0.3, refusals, established=["me", "o"])
+    result = _gather(dht, clients, own("me", _payload(2)), 30, 0.3, refusals, established=["me", "o"])
     assert "c" in refusals and "before the round's earliest deadline" in refusals._reasons["c"]
     assert result.followed is None and result.replicas == ["me", "o"] and not result.timed_out
 
@@ -476,7 +484,7 @@ def test_a_claim_leaving_out_a_payload_not_fetched_yet_waits_for_it():
     served = clients.served.pop("o:1")  # announced; not reachable for a moment
     dht.holders = {"c": _claim(("me", _payload(2)))}
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=("me", _payload(2)), timeout_s=30)))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)))
     th.start()
     assert dht.polled(5) and th.is_alive()  # not followed while o's payload may still come
     clients.served["o:1"] = served
@@ -489,7 +497,7 @@ def test_the_fence_ends_at_the_earlier_closers_deadline_plus_the_grace():
     dht.replicas = {"me": _replica(), "o": _replica()}
     dht.holders = {"o": {"outer_step": 0}}
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 0.1)
-    result = _gather(dht, clients, own=("me", _payload(2)), grace_s=0.5)
+    result = _gather(dht, clients, own=own("me", _payload(2)), grace_s=0.5)
     assert result.replicas == ["me", "o"] and not result.timed_out and result.wall_s >= 0.4
 
 
@@ -532,7 +540,7 @@ def test_a_holder_frozen_past_the_deadline_rereads_and_never_takes_a_set_without
     clients = SlowClients({}, "o:1", 1.5, o_commits)
     _other(dht, clients, "o", _payload(1))
     refusals = Refusals()
-    result = _gather(dht, clients, own=("me", _payload(2)), timeout_s=1.0, refusals=refusals)
+    result = _gather(dht, clients, own=own("me", _payload(2)), timeout_s=1.0, refusals=refusals)
     assert result.followed is None and result.replicas == ["me", "o"] and "o" not in refusals
 
 
@@ -544,7 +552,7 @@ def test_a_claim_leaving_out_a_sender_whose_records_lapsed_is_no_proof_of_censor
     _other(dht, clients, "o", _payload(1), closes=dht_time() + 30)
     refusals = Refusals()
     done: list = []
-    gather = lambda: done.append(_gather(dht, clients, ("me", _payload(2)), 30, 0.3, refusals, ["me", "o"]))  # noqa: E731
+    gather = lambda: done.append(_gather(dht, clients, own("me", _payload(2)), 30, 0.3, refusals, ["me", "o"]))  # noqa: E731
     th = threading.Thread(target=gather)
     th.start()
     assert dht.polled(3)

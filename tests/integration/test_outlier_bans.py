@@ -28,6 +28,7 @@ from peer.core.sparseloco.algorithm import compress, decompress
 from peer.core.sparseloco.codec.format import Payload
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
+from peer.node.round.contribution import encoded
 from peer.node.round.gather import RoundResult
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.service import PeerService
@@ -123,7 +124,8 @@ def _attack(x, cfg, t: int, honest: Payload) -> int:
 def _round(h: Holder, t: int, payload: Payload | None, stop: threading.Event) -> RoundResult:
     """One holder's round through its session's own code: gather (contributing when `payload`), commit, record."""
     rounds = h.session.rounds
-    result = rounds.gather(h.worker, t, h.id if payload is not None else None, stop, payload=payload)
+    own = encoded(h.id, payload) if payload is not None else None
+    result = rounds.gather(h.worker, t, h.id if payload is not None else None, stop, payload=own)
     assert rounds.commit({STAGE: h.worker}, {STAGE: result})
     rounds.record(t, {STAGE: (h.worker, result.participants)}, None, None, result.wall_s)
     return result

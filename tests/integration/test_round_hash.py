@@ -28,6 +28,7 @@ from peer.net.transport.server import PeerServer
 from peer.node.round.gather import RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, sha256
 from peer.node.service import PeerService
+from tests.round_helpers import own as own_of
 from tests.round_helpers import round_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -110,8 +111,9 @@ def three_replicas(reap_children):
 def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, delay_s: float = 0.0) -> RoundResult:
     time.sleep(delay_s)  # a slower replica: the others poll before it announces
     validate = payload_validator(SHAPES, cfg.sparseloco)  # as Rounds._validator builds it
+    mine = own_of(*own) if own is not None else None
     return gather_round(
-        round_context(node.dht, node.clients, node.store, node.address), t, stage, TIMINGS, own, validate
+        round_context(node.dht, node.clients, node.store, node.address), t, stage, TIMINGS, mine, validate
     )
 
 
@@ -251,7 +253,7 @@ def test_a_payload_whose_sender_died_is_served_by_a_holder_that_fetched_it(three
     b.clients.close()
     ctx = round_context(c.dht, c.clients, c.store, c.address)
     second = gather_round(
-        ctx, t, stage, TIMINGS, own=(c.id, c_data), validate=payload_validator(SHAPES, cfg.sparseloco)
+        ctx, t, stage, TIMINGS, own=own_of(c.id, c_data), validate=payload_validator(SHAPES, cfg.sparseloco)
     )
     assert second.replicas == first.replicas and second.payloads == first.payloads  # the same set, same bytes
     assert not second.timed_out

@@ -26,6 +26,7 @@ from peer.node.round.resync import Resync
 from peer.node.round.verify import SetFetcher
 from peer.node.stage.worker import StageWorker
 from tests.replay_helpers import History, replay_config
+from tests.round_helpers import own
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,8 +188,8 @@ def test_a_branch_nobody_went_on_from_loses_to_the_one_the_swarm_continued(histo
     branch = StageWorker(CFG, 0)
     _replayer(board, history, refusals).run(branch, 1)
     for t, replicas in ((1, history.replicas[:1]), (2, history.replicas)):
-        sent = [Payload.from_bytes(history.payloads[(t, 0, r)]) for r in replicas]
-        branch.advance(branch.replay(sent, list(replicas), None), sent, None)
+        sent = [own(r, history.payloads[(t, 0, r)]) for r in replicas]
+        branch.advance(branch.replay(sent, None), sent, None)
         assert branch.ledger.link is not None
         board.link("H1", branch.ledger.link, 0)
     joiner = StageWorker(CFG, 0)

@@ -24,7 +24,7 @@ from peer.core.sparseloco.codec.format import Payload
 from peer.net.records import StageRecord
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Claim
-from peer.node.round.payloads import sha256
+from peer.node.round.contribution import Contribution
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
 
@@ -55,13 +55,12 @@ def omission(claim: Claim, bound: Collection[str], held: Collection[str], reject
 
 @dataclass
 class Held:
-    """The payloads one gather holds, by replica id."""
+    """The contributions one gather holds, by replica id (each hashed and parsed where it arrived)."""
 
-    data: dict[str, bytes] = field(default_factory=dict)
-    parsed: dict[str, Payload] = field(default_factory=dict)
+    data: dict[str, Contribution] = field(default_factory=dict)
 
-    def by_digest(self) -> dict[str, bytes]:
-        return {sha256(b): b for b in self.data.values()}
+    def by_digest(self) -> dict[str, Contribution]:
+        return {c.sha256: c for c in self.data.values()}
 
 
 class Follow:
@@ -78,7 +77,7 @@ class Follow:
         """Hold exactly `claim`'s set (fetching what is missing, now and then); True once held."""
         assert claim.link is not None
         self.since = time.monotonic() if self.since is None else self.since
-        digests = {sha256(b): rid for rid, b in held.data.items()}
+        digests = {c.sha256: rid for rid, c in held.data.items()}
         have: dict[str, str] = {}  # entry's replica prefix -> our replica id
         missing = []
         for rid16, sha in claim.link.entries:
@@ -105,16 +104,14 @@ class Follow:
                 self.refusals.refuse(
                     claim.peer, self.stage, self.t, f"its committed set names payloads no replica announced ({names})"
                 )
-            for item, (data, payload) in got.payloads.items():
-                rid = got.replicas[item]
-                held.data[rid], held.parsed[rid] = data, payload
-                have[item[0]] = rid
+            for item, got_one in got.payloads.items():
+                held.data[got_one.replica] = got_one
+                have[item[0]] = got_one.replica
             missing = [e for e in missing if e[0] not in have]
         if missing:
             return False
         keep = set(have.values())
-        held.data = {r: b for r, b in held.data.items() if r in keep}
-        held.parsed = {r: p for r, p in held.parsed.items() if r in keep}
+        held.data = {r: c for r, c in held.data.items() if r in keep}
         return True
 
     def expired(self, grace_s: float) -> bool:

@@ -49,15 +49,10 @@ from peer.node.round.bans import PREFIX
 from peer.node.round.censors import CensorWatch, Evidence, evidence
 from peer.node.round.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
 from peer.node.round.context import RoundContext
+from peer.node.round.contribution import Contribution
+from peer.node.round.fetcher import Fetcher
 from peer.node.round.follow import Follow, Held, omission
-from peer.node.round.payloads import (
-    SETTLE_S,
-    announce,
-    fetch_announced,
-    poll_pause,
-    read_round,
-    sha256,
-)
+from peer.node.round.payloads import SETTLE_S, announce, poll_pause, read_round
 from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
@@ -73,8 +68,7 @@ class RoundResult:
     t: int
     stage: int
     replicas: list[str] = field(default_factory=list)  # replica ids, commit order
-    payloads: list[bytes] = field(default_factory=list)
-    parsed: list[Payload] = field(default_factory=list)  # the payloads, parsed once (same order)
+    contributions: list[Contribution] = field(default_factory=list)  # hashed and parsed once (same order)
     expected: int = 0
     rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
     dropped: list[str] = field(default_factory=list)  # replicas out of the round for everyone
@@ -88,6 +82,14 @@ class RoundResult:
     @property
     def participants(self) -> int:
         return len(self.replicas)
+
+    @property
+    def payloads(self) -> list[bytes]:
+        return [c.data for c in self.contributions]
+
+    @property
+    def parsed(self) -> list[Payload]:
+        return [c.payload for c in self.contributions]
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def gather_round(
     t: int,
     stage: int,
     timings: RoundTimings,
-    own: tuple[str, bytes] | None = None,
+    own: Contribution | None = None,
     validate: Callable[[bytes], Payload] | None = None,
     stop: threading.Event | None = None,
     peers: Mapping[str, str] | None = None,
@@ -128,11 +130,12 @@ def gather_round(
     established: Collection[str] = (),
     previous: Evidence | None = None,
 ) -> RoundResult:
-    """Contribute `own` = (replica id, payload bytes) if given, then collect the round's payloads.
+    """Contribute `own` (our contribution, encoded once) if given, then collect the round's payloads.
 
     `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
     skipped, and its replica no longer waited for); without it payloads are parsed as they are.
-    Every payload is parsed exactly once (`RoundResult.parsed`). When the set is closed: see the
+    Every payload is hashed and parsed exactly once, where it is fetched (`RoundResult.contributions`).
+    When the set is closed: see the
     module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at
     outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
     claims we may follow start from it. `ctx.refusals`: holders whose claims are ignored (and where a
@@ -144,8 +147,10 @@ def gather_round(
     held. A payload whose sender is gone is asked of the round's other contributors (for stage 0
     also of the other `ctx.cfg.stages` − 1 stages' holders). `banned`: peer.node.round.bans.
     """
-    if own is not None and own[0][:16] in banned:  # a repeated outlier: not fetched by anyone
-        log.warning("round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own[0][:12])
+    if own is not None and own.replica[:16] in banned:  # a repeated outlier: not fetched by anyone
+        log.warning(
+            "round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own.replica[:12]
+        )
         own = None
     gather = _Gather(ctx, t, stage, timings, own, validate, banned, prev)
     gather.established = {r[:PREFIX] for r in established}
@@ -179,7 +184,7 @@ class _Gather:
         t: int,
         stage: int,
         timings: RoundTimings,
-        own: tuple[str, bytes] | None,
+        own: Contribution | None,
         validate: Callable[[bytes], Payload] | None,
         banned: Collection[str],
         prev: str | None,
@@ -212,16 +217,17 @@ class _Gather:
         self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
         self.result = RoundResult(t=t, stage=stage)
-        fetcher = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s)
-        self.follow = Follow(fetcher, self.refusals, t, stage, self.n_stages)
+        self.fetcher = Fetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, self.n_stages)
+        sets = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s)
+        self.follow = Follow(sets, self.refusals, t, stage, self.n_stages)
 
-    def contribute(self, own: tuple[str, bytes], peers: Mapping[str, str] | None) -> None:
-        """Serve and announce our payload, and hold it."""
+    def contribute(self, own: Contribution, peers: Mapping[str, str] | None) -> None:
+        """Serve and announce our contribution, and hold it (the encoder's payload, never re-parsed)."""
         timings, address = self.timings, self.ctx.me.address
         self.my_closes = announce(
             self.dht, self.t, self.stage, own, self.store, address, self.inc, peers, timings.deadline_s, timings.ttl_s
         )
-        self.held.data[own[0]], self.held.parsed[own[0]] = own[1], Payload.from_bytes(own[1])
+        self.held.data[own.replica] = own
 
     def run(self, stop: threading.Event | None, quorum: int) -> RoundResult:
         """Poll until `close_decision` stops the gather; the result in commit order."""
@@ -308,7 +314,7 @@ class _Gather:
         # a holder seen gathering this round whose records then expired may only be frozen (a
         # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
         seen_gathering = bool(self.seen - read.left)  # a holder that left gracefully is not waited for
-        own_rid = self.own[0] if self.own is not None else None
+        own_rid = self.own.replica if self.own is not None else None
         # a payload we lost (its sender left) may be held by a holder that already committed it:
         # let its commit reach the DHT before closing without it (→ FOLLOW), bounded by the grace
         lost = self.lost_at is not None and time.monotonic() - self.lost_at < min(self.timings.grace_s, SETTLE_S)
@@ -375,25 +381,9 @@ class _Gather:
         for sender, (rid, rec) in sorted(read.view.bound.items()):
             if rid in held.data or sender in self.bad or self.retry_at.get(sender, 0.0) > time.monotonic():
                 continue
+            others = {**read.payloads, **read.stage0}
             try:
-                data = fetch_announced(
-                    self.dht,
-                    self.clients,
-                    t,
-                    stage,
-                    sender,
-                    rec,
-                    read.payloads,
-                    read.stage0,
-                    self.me,
-                    self.n_stages,
-                    self.deadline,
-                    self.timings.rpc_s,
-                )
-                if sha256(data) != rec.sha256:
-                    raise PeerError(f"payload from {sender} does not match its announced sha256")
-                held.parsed[rid] = self.parse(data)
-                self.store.put_fetched(t, stage, sender, data)
+                got = self.fetcher.fetch(t, stage, sender, rec, self.parse, others, self.deadline, strict=True)
             except NetworkError as exc:
                 if not sender_alive(sender, read.holders, read.replicas):  # it died after announcing: out for us
                     if rid not in self.rejected:  # unless a holder that fetched it serves it later (retried)
@@ -412,8 +402,8 @@ class _Gather:
                 self.bad.add(sender)
                 self.rejected.add(rid)
                 continue
-            held.data[rid] = data
-            self.result.bytes_fetched += len(data)
+            held.data[rid] = got
+            self.result.bytes_fetched += len(got.data)
 
     def _finish(self, decision: Close) -> RoundResult:
         result, held, view = self.result, self.held, self.view
@@ -434,8 +424,7 @@ class _Gather:
         result.rejected = sorted(self.rejected - set(held.data))
         result.dropped = sorted(view.dropped - set(held.data))
         result.replicas = sorted(held.data)
-        result.payloads = [held.data[r] for r in result.replicas]
-        result.parsed = [held.parsed[r] for r in result.replicas]
+        result.contributions = [held.data[r] for r in result.replicas]
         result.wall_s = time.monotonic() - self.started
         result.evidence = self.evidence
         return result

@@ -5,21 +5,20 @@
   parameters exactly (names, shapes, each once, stage 0's embedding present), else PayloadError:
   a payload that could not be applied is never committed; `round_validator` builds it for round
   (t, stage) as seen by one of our stage workers (an observer of stage 0 uses stage 0's shapes).
-- `sha256`: the digest announced with every payload.
+- `sha256`: the digest announced with every payload (`peer.node.round.contribution`).
 - `read_round`, `poll_pause`: one poll of a round's DHT records (replicas, stage holders,
   announcements), and the pause between polls.
-- `from_another_holder`: a second source for a payload whose sender is gone (any contributor or
-  observer of the round that fetched it serves it; the announced digest is checked).
+- `announce`: serve and announce our contribution. Fetching: `peer.node.round.fetcher`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from peer.config import RunConfig
@@ -27,12 +26,10 @@ from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.sparseloco.ranges import merkle_proof
 from peer.core.subspace.state import EMBED
-from peer.errors import NetworkError, PeerError
+from peer.errors import PeerError
 from peer.net.dht import SwarmDHT, dht_time
-from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.net.transport.errors import NotFoundError
-from peer.net.transport.messages import PayloadRequest
+from peer.node.round.contribution import Contribution, sha256
 
 if TYPE_CHECKING:
     from peer.node.stage.state import StageState
@@ -41,8 +38,6 @@ __all__ = [
     "SETTLE_S",
     "PayloadStore",
     "announce",
-    "fetch_announced",
-    "from_another_holder",
     "payload_validator",
     "poll_pause",
     "read_round",
@@ -50,6 +45,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Mine:
+    """Our own payload of a round as the store keeps it (`payload` None: given as bare bytes)."""
+
+    data: bytes
+    sha256: str
+    payload: Payload | None = None
 
 
 class PayloadStore:
@@ -65,8 +69,8 @@ class PayloadStore:
     """
 
     def __init__(self, keep: int = 3, history: int = 3) -> None:
-        self._data: dict[tuple[int, int], bytes] = {}
-        self._fetched: dict[tuple[int, int, str], bytes] = {}
+        self._data: dict[tuple[int, int], Mine] = {}  # ours
+        self._fetched: dict[tuple[int, int, str], Contribution] = {}  # by sender, checked and parsed
         self._parts: dict[tuple[int, int], list[bytes]] = {}
         self._proofs: dict[tuple[int, int, int], tuple[bytes, ...]] = {}
         self._fetched_parts: dict[tuple[int, int, str, int], tuple[bytes, tuple[bytes, ...]]] = {}
@@ -74,14 +78,20 @@ class PayloadStore:
         self._lock = threading.Lock()
         self.keep, self.history = keep, max(keep, history)
 
-    def put(self, t: int, stage: int, payload: bytes) -> None:
+    def put(self, t: int, stage: int, payload: bytes | Contribution) -> None:
+        """Our payload of (t, stage): the contribution we announce, or bare bytes (hashed here, once)."""
+        if isinstance(payload, Contribution):
+            mine = Mine(payload.data, payload.sha256, payload.payload)
+        else:
+            mine = Mine(payload, sha256(payload))
         with self._lock:
-            self._data[(t, stage)] = payload
+            self._data[(t, stage)] = mine
             self._expire(t)
 
-    def put_fetched(self, t: int, stage: int, sender: str, payload: bytes) -> None:
+    def put_fetched(self, t: int, stage: int, sender: str, got: Contribution) -> None:
+        """`sender`'s contribution of (t, stage) that we fetched and checked (served as a second source)."""
         with self._lock:
-            self._fetched[(t, stage, sender)] = payload
+            self._fetched[(t, stage, sender)] = got
             self._expire(t)
 
     def _expire(self, t: int) -> None:
@@ -101,8 +111,20 @@ class PayloadStore:
         """Our own payload of (t, stage) or, with `sender`, the one we fetched from that sender."""
         with self._lock:
             if sender is not None:
-                return self._fetched.get((t, stage, sender))
+                got = self._fetched.get((t, stage, sender))
+                return got.data if got is not None else None
+            own = self._data.get((t, stage))
+            return own.data if own is not None else None
+
+    def mine(self, t: int, stage: int) -> Mine | None:
+        """Our own payload of (t, stage), its sha256 and (when we encoded it) its parsed form."""
+        with self._lock:
             return self._data.get((t, stage))
+
+    def fetched(self, t: int, stage: int, sender: str) -> Contribution | None:
+        """The contribution we fetched from `sender` for (t, stage), as checked and parsed then."""
+        with self._lock:
+            return self._fetched.get((t, stage, sender))
 
     # a ranges round (docs/protocol.md, RANGES): parts with their merkle proofs, and shards
     def put_parts(self, t: int, stage: int, parts: Sequence[bytes]) -> None:
@@ -198,40 +220,7 @@ def round_validator(cfg: RunConfig, worker: StageState, stage: int) -> Callable[
     return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 SETTLE_S = 2.0  # longer than a commit takes to appear in the DHT on a busy machine (chaos runs: < 1 s)
-
-
-def from_another_holder(
-    clients: ClientPool,
-    t: int,
-    stage: int,
-    sender: str,
-    rec: Announcement,
-    payloads: Mapping[str, Announcement],
-    me: str,
-    timeout_s: float,
-) -> bytes | None:
-    """`sender`'s payload of (t, stage) from another contributor of the round that fetched it (its
-    `PayloadStore` keeps what it fetched); None if nobody serves it. Checked against the announced
-    sha256 here too, so a wrong answer only costs a try."""
-    for other, ann in sorted(payloads.items()):
-        address = ann.address
-        if other in (sender, me) or not address:
-            continue
-        try:
-            data = clients.get(address).get_payload(PayloadRequest(t, stage, sender), timeout_s=timeout_s)
-        except PeerError:  # unreachable, or it does not hold that payload: try the next one
-            continue
-        if sha256(data) == rec.sha256:
-            log.info(
-                "round %d stage %d: payload of %s served by %s (its sender is gone)", t, stage, sender[:12], other[:12]
-            )
-            return data
-    return None
 
 
 def read_round(
@@ -257,7 +246,7 @@ def announce(
     dht: SwarmDHT,
     t: int,
     stage: int,
-    own: tuple[str, bytes],
+    own: Contribution,
     store: PayloadStore | None,
     address: str,
     inc: str,
@@ -267,43 +256,11 @@ def announce(
 ) -> float:
     """Serve and announce our payload of (t, stage); returns when we close the round at the latest
     (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`)."""
-    replica_id, payload = own
     if store is None:
         raise ValueError("a contributor needs a PayloadStore to serve its payload")
-    store.put(t, stage, payload)
+    store.put(t, stage, own)
     closes = dht_time() + timeout_s
     peers = dict(peers) if peers is not None else None
-    record = Announcement(sha256(payload), len(payload), address, replica_id, inc, round(closes, 3), peers)
+    record = Announcement(own.sha256, len(own.data), address, own.replica, inc, round(closes, 3), peers)
     dht.announce_payload(t, stage, record.to_record(), ttl_s=ttl_s)
     return closes
-
-
-def fetch_announced(
-    dht: SwarmDHT,
-    clients: ClientPool,
-    t: int,
-    stage: int,
-    sender: str,
-    rec: Announcement,
-    payloads: Mapping[str, Announcement],
-    stage0: Mapping[str, Announcement],
-    me: str,
-    n_stages: int,
-    deadline: float,
-    rpc_s: float,
-) -> bytes:
-    """A bound announcement's payload: from its sender, else from another holder of the round that
-    fetched it (the announced sha256 is checked by the caller). NetworkError when nobody serves it."""
-    if not rec.address:
-        raise PeerError(f"the announcement of {sender} has no address")
-    remaining = max(0.5, deadline - time.monotonic())
-    try:
-        return clients.get(rec.address).get_payload(PayloadRequest(t, stage, sender), timeout_s=remaining)
-    except (NetworkError, NotFoundError):  # the sender is gone, or restarted without it:
-        others = {**payloads, **stage0}
-        for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 fetched it too
-            others.update(dht.get_payloads(t, x))
-        second = from_another_holder(clients, t, stage, sender, rec, others, me, rpc_s)
-        if second is None:
-            raise
-        return second

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import embedding_update
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.metrics import MetricsWriter
 from peer.node.round.claims import Claim, Entry, parse_claims
+from peer.node.round.contribution import Contribution
 from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher, Verdict, resolve
@@ -42,22 +42,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Recomputed:
-    """What recomputing a set gave: the outcome (None: not computable now), the set's payloads in
+    """What recomputing a set gave: the outcome (None: not computable now), the set's contributions in
     commit order, and the entries that no replica announced (`forged`) or nobody served (`missing`)."""
 
     outcome: Outcome | None = None
-    payloads: list[Payload] = field(default_factory=list)
+    payloads: list[Contribution] = field(default_factory=list)
     forged: list[Entry] = field(default_factory=list)
     missing: int = 0
 
 
 @dataclass
 class SetBytes:
-    """A committed set fetched by content (`fetch_set`): its parsed payloads and replica ids in commit
-    order, stage 0's embedding change its `embed` names, what could not be had, and the bytes read."""
+    """A committed set fetched by content (`fetch_set`): its contributions in commit order, stage 0's
+    embedding change its `embed` names, what could not be had, and the bytes read."""
 
-    payloads: list[Payload] = field(default_factory=list)
-    replicas: list[str] = field(default_factory=list)
+    payloads: list[Contribution] = field(default_factory=list)
     embed_update: torch.Tensor | None = None
     forged: list[Entry] = field(default_factory=list)  # entries of the set no replica announced
     forged_embed: list[Entry] = field(default_factory=list)  # entries of the embed set no replica announced
@@ -93,12 +92,12 @@ def fetch_set(
         if not got0.complete:
             return out
         if got0.payloads:
-            keys = [got0.replicas[e] for e in embed]
-            out.embed_update = embedding_update([got0.payloads[e][1] for e in embed], cfg.sparseloco, keys=keys)
-        out.nbytes += sum(len(got0.payloads[e][0]) for e in embed)
-    out.payloads = [got.payloads[e][1] for e in entries]
-    out.replicas = [got.replicas[e] for e in entries]
-    out.nbytes += sum(len(got.payloads[e][0]) for e in entries)
+            embed_set = [got0.payloads[e] for e in embed]
+            keys = [c.replica for c in embed_set]
+            out.embed_update = embedding_update([c.payload for c in embed_set], cfg.sparseloco, keys=keys)
+        out.nbytes += sum(len(got0.payloads[e].data) for e in embed)
+    out.payloads = [got.payloads[e] for e in entries]
+    out.nbytes += sum(len(c.data) for c in out.payloads)
     return out
 
 
@@ -122,7 +121,7 @@ def recompute_set(
     if not got.complete:
         return out
     out.payloads = got.payloads
-    out.outcome = worker.recompute(got.payloads, got.replicas, got.embed_update)
+    out.outcome = worker.recompute(got.payloads, got.embed_update)
     return out
 
 
@@ -295,7 +294,7 @@ class ClaimChecks:
         self,
         worker: StageWorker,
         out: Outcome,
-        payloads: Sequence[Payload],
+        payloads: Sequence[Contribution],
         embed: Sequence[Entry] | None,
         why: str,
         peer: str,

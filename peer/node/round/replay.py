@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.config import RunConfig
-from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.records import Announcement
 from peer.node.round.claims import Entry, Link
+from peer.node.round.contribution import Contribution
 from peer.node.round.recheck import fetch_set
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
@@ -295,7 +295,7 @@ class Replayer:
 
     def _check(
         self, worker: StageState, cand: Candidate, done: Replayed, fetcher: SetFetcher
-    ) -> tuple[str, tuple[Outcome, list[Payload], tuple[Entry, ...] | None] | None]:
+    ) -> tuple[str, tuple[Outcome, list[Contribution], tuple[Entry, ...] | None] | None]:
         """Recompute `cand` from the worker's state: ("", what `advance` installs) when it holds; its
         holders refused when it is false, left when its payloads cannot be had (the reason, None)."""
         link, stage, t = cand.link, worker.stage, cand.link.t
@@ -310,7 +310,7 @@ class Replayer:
             return f"{got.missing} payload(s) not available (announcements expired, or nobody serves them)", None
         done.bytes += got.nbytes
         payloads = got.payloads
-        out = worker.replay(payloads, got.replicas, got.embed_update)
+        out = worker.replay(payloads, got.embed_update)
         if out.state != link.state:
             why = f"its state {link.state} does not follow from its set (gives {out.state})"
             return self._refuse(cand, stage, why), None

@@ -285,7 +285,7 @@ class Resync:
         mine = Claim(self.me.peer_id, worker.outer_step, worker.state_id(), worker.ledger.link)
         embed = self.checks.stage0_set(worker)
         prev = worker.ledger.prev
-        own = prev.own[0][:PREFIX] if prev is not None and prev.own is not None else None
+        own = prev.own.replica[:PREFIX] if prev is not None and prev.own is not None else None
         committed = mine.link.replicas if mine.link is not None else []
         mine_embed = mine.link.embed if mine.link is not None else None
         for claim in better(claims.values(), mine):
@@ -315,9 +315,9 @@ class Resync:
         if prev is not None and not before_round:  # our commit's share of our payload, redone for theirs
             worker.optim.feed_back(prev.adjustment, -1.0)
             if prev.own is not None and (
-                worker.ledger.link is None or prev.own[0][:16] not in worker.ledger.link.replicas
+                worker.ledger.link is None or prev.own.replica[:16] not in worker.ledger.link.replicas
             ):
-                worker.return_unsent(prev.own[1])
+                worker.return_unsent(prev.own.payload)
         return True
 
 

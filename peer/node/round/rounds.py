@@ -2,8 +2,9 @@
 
 Round (t, s) — DESIGN §3, docs/protocol.md. `Rounds` holds a peer's round entry points (a head's,
 a full replica's and a stage peer's round): each gathers its stages' rounds (`peer.node.round.gather`)
-and commits every gathered set through `StageWorker.apply_round` → `peer.core.sparseloco.commit.commit_state`
-(portable: the same bits on every holder), parsing each payload once; each stage's round runs
+and commits every gathered set through `StageWorker.commit_round` → `peer.core.sparseloco.commit.commit_state`
+(portable: the same bits on every holder); each payload travels as one `Contribution`
+(`peer.node.round.contribution`), hashed and parsed once where it was encoded or fetched; each stage's round runs
 all-to-all or by ranges, as the round rule every holder of the stage computes alike says
 (`peer.node.round.ranges.rounds`: the jobs of a round, `commit_jobs` commits them). A set taken from another
 holder's claim (FOLLOW) is committed by us, and the claimer's state is then compared with ours: a
@@ -28,13 +29,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.node.metrics import log_round
 from peer.node.round.agreement import Commit, Late, commit_decision, expected_replicas, round_bans, round_view
 from peer.node.round.censors import Evidence
 from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
+from peer.node.round.contribution import Contribution
 from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import round_validator
 from peer.node.round.ranges.exchange import RangesResult
@@ -76,7 +77,7 @@ class Rounds:
         stop: threading.Event,
         stage: int | None = None,
         peers: Mapping[str, str] | None = None,
-        payload: Payload | None = None,
+        payload: Contribution | None = None,
     ) -> RoundResult:
         """Contribute worker's payload (if replica_id; `payload` when already encoded) and collect
         round (t, stage)."""
@@ -84,7 +85,7 @@ class Rounds:
         stage = worker.stage if stage is None else stage
         own = None
         if replica_id is not None:
-            own = (replica_id, (payload if payload is not None else worker.contribute(replica_id)).to_bytes())
+            own = payload if payload is not None else worker.contribution(replica_id)
         elif own_stage:
             worker.observe()
         swarm = self.cfg.swarm
@@ -282,7 +283,7 @@ class Rounds:
         followed = None
         if isinstance(result, RoundResult) and result.followed is not None and result.followed.link is not None:
             followed = result.followed.link.replicas
-        unsent = last is not None and (followed is None or last[0][:16] not in followed)
+        unsent = last is not None and (followed is None or last.replica[:16] not in followed)
         worker.return_unsent_parts()
         try:
             self.resync.sync_state(worker, f"round {result.t} committed elsewhere", keep_errors=True)
@@ -290,7 +291,7 @@ class Rounds:
             log.warning("stage %d: could not re-sync after round %d: %s", worker.stage, result.t, exc)
             return
         if unsent and last is not None:
-            worker.return_unsent(last[1])
+            worker.return_unsent(last.payload)
         worker.observe()
 
     def head_round(
@@ -333,7 +334,7 @@ class Rounds:
             return True
         for job in jobs if not keep else ():
             if job.payload is not None:
-                job.worker.return_unsent(job.payload)
+                job.worker.return_unsent(job.payload.payload)
             job.worker.return_unsent_parts()
             job.worker.observe()
         return False
@@ -353,7 +354,7 @@ class Rounds:
             log.warning("stage %d: canonical state not reachable before round %d: %s", worker.stage, t, exc)
         if worker.outer_step != t:  # the canonical holder had moved on: our payload waits for the next round
             if job.payload is not None:
-                worker.return_unsent(job.payload)
+                worker.return_unsent(job.payload.payload)
             worker.return_unsent_parts()
             worker.observe()
             return

@@ -15,11 +15,13 @@ An entry is
 - UNKNOWN otherwise (the round's records expired, the binding changed): the claim cannot be
   checked now, and is neither adopted nor held against its claimer.
 A genuine entry's bytes may come from anyone — our own store, the sender, the claimer, another
-holder — because the announced sha256 is checked whoever serves them (`SetFetcher`).
+holder — because the announced sha256 is checked whoever serves them (`SetFetcher`, through the one
+fetcher `peer.node.round.fetcher.Fetcher`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -27,14 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.core.sparseloco.codec.format import Payload
-from peer.errors import PeerError
+from peer.errors import NetworkError, PeerError
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement
-from peer.net.transport.messages import PayloadRequest
 from peer.node.round.agreement import Announcements, Replicas, bound_to
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Entry
-from peer.node.round.payloads import PayloadStore, from_another_holder, sha256
+from peer.node.round.contribution import Contribution
+from peer.node.round.fetcher import Fetcher, Unreadable
+from peer.node.round.payloads import PayloadStore
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +83,9 @@ def resolve(
 
 @dataclass
 class Fetched:
-    """What `SetFetcher.fetch` found for a set: payloads by entry, and the entries it could not get."""
+    """What `SetFetcher.fetch` found for a set: contributions by entry, and the entries it could not get."""
 
-    payloads: dict[Entry, tuple[bytes, Payload]] = field(default_factory=dict)
-    replicas: dict[Entry, str] = field(default_factory=dict)  # the full replica id of each entry
+    payloads: dict[Entry, Contribution] = field(default_factory=dict)
     forged: list[Entry] = field(default_factory=list)
     missing: list[Entry] = field(default_factory=list)
 
@@ -93,7 +95,8 @@ class Fetched:
 
 
 class SetFetcher:
-    """Fetches the payloads a claimed set names, checking each against its genuine announcement."""
+    """Fetches the payloads a claimed set names, each proven genuine by its announcement, through the
+    one fetcher of a round's payloads (`peer.node.round.fetcher.Fetcher`)."""
 
     def __init__(
         self, dht: Any, clients: ClientPool, store: PayloadStore, me: str, rpc_timeout_s: float, holders: bool = False
@@ -109,89 +112,36 @@ class SetFetcher:
         stage: int,
         entries: Sequence[Entry],
         parse: Callable[[bytes], Payload],
-        have: Mapping[str, bytes] | None = None,
+        have: Mapping[str, Contribution] | None = None,
         claimer_address: str | None = None,
         n_stages: int = 1,
     ) -> Fetched:
-        """The payloads of `entries` (round t, `stage`): from `have` (sha256 → bytes we hold), our
-        store, the sender, the claimer (at `claimer_address`), then any holder of the round. Each
-        entry's full replica id is in `Fetched.replicas`. Raises NetworkError when the DHT cannot be
-        read."""
+        """The contributions of `entries` (round t, `stage`): from `have` (sha256 → what we hold), else
+        `Fetcher.fetch` (our store, the sender, the claimer at `claimer_address`, any holder of the
+        round). Raises NetworkError when the DHT cannot be read."""
         announcements = self.dht.get_payloads(t, stage)
         stage0 = announcements if stage == 0 else self.dht.get_payloads(t, 0)
         replicas = self.dht.get_replicas()
+        fetcher = Fetcher(self.dht, self.clients, self.store, self.me, self.rpc_timeout_s, n_stages, self.holders)
         out = Fetched()
         for item in entries:
             found = resolve(item, stage, announcements, stage0, replicas)
             if found.verdict is not Verdict.GENUINE:
                 (out.forged if found.verdict is Verdict.FORGED else out.missing).append(item)
                 continue
-            want = found.record.sha256
-            out.replicas[item] = found.record.replica_of(found.sender)
-            data = self._bytes(t, stage, found, want, have or {}, claimer_address, announcements, n_stages)
-            if data is None:
-                out.missing.append(item)
+            replica, want = found.record.replica_of(found.sender), found.record.sha256
+            if have is not None and want in have:
+                out.payloads[item] = dataclasses.replace(have[want], replica=replica)
                 continue
             try:
-                out.payloads[item] = (data, parse(data))
+                out.payloads[item] = fetcher.fetch(
+                    t, stage, found.sender, found.record, parse, announcements, claimer=claimer_address
+                )
+            except Unreadable:  # the DHT, not the payload: the caller retries the whole check
+                raise
+            except NetworkError:  # nobody serves it now
+                out.missing.append(item)
             except PeerError as exc:  # a genuine announcement of a payload that does not parse here
                 log.warning("round %d stage %d: payload of %s is invalid: %s", t, stage, item[0][:12], exc)
                 out.missing.append(item)
         return out
-
-    def _bytes(
-        self,
-        t: int,
-        stage: int,
-        found: Resolved,
-        want: str,
-        have: Mapping[str, bytes],
-        claimer_address: str | None,
-        announcements: Announcements,
-        n_stages: int,
-    ) -> bytes | None:
-        if want in have:
-            return have[want]
-        for data in (self.store.get(t, stage), self.store.get(t, stage, found.sender)):
-            if data is not None and sha256(data) == want:
-                return data
-        request = PayloadRequest(t, stage, found.sender)
-        for address in dict.fromkeys(a for a in (found.record.address, claimer_address) if a):
-            try:
-                data = self.clients.get(address).get_payload(request, timeout_s=self.rpc_timeout_s)
-            except PeerError:
-                continue
-            if sha256(data) == want:
-                self.store.put_fetched(t, stage, found.sender, data)
-                return data
-        others = dict(announcements)
-        for x in range(1, n_stages) if stage == 0 else ():  # observers of stage 0 keep it too
-            others.update(self.dht.get_payloads(t, x))
-        data = from_another_holder(
-            self.clients, t, stage, found.sender, found.record, others, self.me, self.rpc_timeout_s
-        )
-        if data is None and self.holders:
-            data = self._from_holders(t, stage, found.sender, want)
-        if data is not None:
-            self.store.put_fetched(t, stage, found.sender, data)
-        return data
-
-    def _from_holders(self, t: int, stage: int, sender: str, want: str) -> bytes | None:
-        """Last resort: the stage's holders and attesters now (observers and spares keep what they
-        fetched for the window; the round's own contributors may all have left since)."""
-        try:
-            holders = {**self.dht.get_stage_peers(stage), **self.dht.get_stage_peers(stage, kind="attest")}
-        except PeerError:
-            return None
-        request = PayloadRequest(t, stage, sender)
-        for pid, rec in sorted(holders.items()):
-            if pid in (sender, self.me) or not rec.address or rec.left:
-                continue
-            try:
-                data = self.clients.get(rec.address).get_payload(request, timeout_s=self.rpc_timeout_s)
-            except PeerError:
-                continue
-            if sha256(data) == want:
-                log.info("round %d stage %d: payload of %s served by holder %s", t, stage, sender[:12], pid[:12])
-                return data
-        return None

@@ -29,8 +29,9 @@ from peer.core.sparseloco.commit import Committed, commit_state, perp_decay
 from peer.core.sparseloco.feedback import returned
 from peer.node.round.bans import Bans, after_commit
 from peer.node.round.claims import state_id
+from peer.node.round.contribution import Contribution
 
-__all__ = ["Outcome", "Prev", "compute", "own_adjustment"]
+__all__ = ["Outcome", "Prev", "compute", "named", "own_adjustment"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Prev:
     bans: Bans
     state: str  # its state id
     adjustment: dict[str, Tensor] | None  # what our commit of round t added to our error buffer
-    own: tuple[str, Payload] | None = None  # our payload of round t (replica id, payload), if we sent one
+    own: Contribution | None = None  # our contribution to round t, if we sent one
 
 
 @dataclass(frozen=True)
@@ -88,20 +89,23 @@ def compute(
     return Outcome(t, done, new_bans, tuple(replicas), dropped, state_hash(done.params), perp_hash)
 
 
+def named(contributions: Sequence[Contribution]) -> tuple[list[Payload], list[str]]:
+    """A set's payloads and replica ids in commit order, as `compute` takes them (no ids when any
+    contribution is anonymous, a bare payload's: the screening then has no tie-break keys)."""
+    replicas = [c.replica for c in contributions]
+    return [c.payload for c in contributions], replicas if all(replicas) else []
+
+
 def own_adjustment(
-    own: tuple[str, Payload] | None, outcome: Outcome, payloads: Sequence[Payload]
+    own: Contribution | None, outcome: Outcome, contributions: Sequence[Contribution]
 ) -> dict[str, Tensor] | None:
-    """What `outcome` takes from our own payload of its round, for our error buffer: all of it when
-    the set lacks it, else what `peer.core.sparseloco.feedback.returned` says (dropped: all, clipped: the mass
-    clipping removed, else None)."""
+    """What `outcome` takes from our own contribution to its round, for our error buffer: all of it
+    when the set lacks it (same replica, same sha256), else what `peer.core.sparseloco.feedback.returned`
+    says (dropped: all, clipped: the mass clipping removed, else None)."""
     if own is None:
         return None
-    rid, payload = own
-    wire = payload.to_bytes()
-    at = [
-        i for i, (r, p) in enumerate(zip(outcome.replicas, payloads, strict=True)) if r == rid and p.to_bytes() == wire
-    ]
+    at = [i for i, c in enumerate(contributions) if c.replica == own.replica and c.sha256 == own.sha256]
     if not at:
-        return decompress(payload)
+        return decompress(own.payload)
     commit = outcome.committed.commit
-    return returned(payload, at[0], commit.clip, commit.dropped)
+    return returned(own.payload, at[0], commit.clip, commit.dropped)

@@ -15,7 +15,6 @@ Invariants: a commit replaces all of it at once (`committed`), an adopted state 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 from peer.core.sparseloco.codec.clip import ClipStats
@@ -25,6 +24,7 @@ from peer.core.sparseloco.ranges import RangePlan
 from peer.node.round.bans import NONE as NO_BANS
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, entry
+from peer.node.round.contribution import Contribution
 from peer.node.stage.commit import Outcome, Prev
 
 HISTORY = 16  # rounds of our own links kept to audit other holders' claims of those rounds
@@ -39,7 +39,7 @@ class RoundLedger:
         self.link: Link | None = None  # how the committed state was reached (None: initial or downloaded)
         self.history: dict[int, Link] = {}  # our links of the last `keep` rounds (audits; joiners replay them)
         self.prev: Prev | None = None  # the state the last round was committed from (checks recompute from it)
-        self.last_contribution: tuple[str, Payload] | None = None  # (replica id, payload) until its round commits
+        self.last_contribution: Contribution | None = None  # ours, until its round commits
         # a ranges round's contribution: (replica id, plan, parts in range order) until its round commits
         self.last_parts: tuple[str, RangePlan, list[Payload]] | None = None
         self.last_committed: list[str] = []  # replica ids committed in the last round
@@ -72,13 +72,14 @@ def make_link(
     t: int,
     prev_state: str,
     out: Outcome,
-    payloads: Sequence[Payload],
+    committed: Sequence[Contribution],
     embed_set: Sequence[Entry] | None,
 ) -> Link:
     """The link of commit `out` of round t from state `prev_state`: its set named by (replica id
-    prefix, payload sha256 prefix) in commit order (positions stand in for replica ids a caller did
-    not give) and stage 0's set `embed_set` the commit used."""
+    prefix, payload sha256 prefix) in commit order — each sha256 the one its contribution carries,
+    never recomputed (positions stand in for the ids of anonymous contributions) — and stage 0's set
+    `embed_set` the commit used."""
     replicas = out.replicas
-    ids = list(replicas) if len(replicas) == len(payloads) else [f"{i:016d}" for i in range(len(payloads))]
-    entries = tuple(entry(r, hashlib.sha256(p.to_bytes()).hexdigest()) for r, p in zip(ids, payloads, strict=True))
+    ids = list(replicas) if len(replicas) == len(committed) else [f"{i:016d}" for i in range(len(committed))]
+    entries = tuple(entry(r, c.sha256) for r, c in zip(ids, committed, strict=True))
     return Link(t, prev_state, out.state, entries, None if embed_set is None else tuple(embed_set))

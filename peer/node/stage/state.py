@@ -7,8 +7,10 @@ float32, the portable commit's input), the inner AdamW and the SparseLoCo error 
 claim that reached the state (`link`) and the state committed from (`prev`, kept until the next
 commit) (`peer.node.stage.ledger.RoundLedger`).
 
-`encode_round()` produces this peer's payload (`contribute_parts()` its parts in a ranges round,
-committed by `apply_ranges()`: `peer.node.stage.ranges`); `apply_round()` commits a set through
+`contribution()` encodes this peer's payload once (`contribute_parts()` its parts in a ranges round,
+committed by `apply_ranges()`: `peer.node.stage.ranges`); `commit_round()` commits a set of
+contributions (`peer.node.round.contribution`: hashed and parsed where they arrived; `apply_round()`
+wraps bare payloads) through
 `peer.node.stage.commit.compute` → `peer.core.sparseloco.commit`; `recompute()` / `switch()` check another
 holder's claim of the same round and take it when it holds (docs/protocol.md). `state_dict()` /
 `load_state_dict()` are the only way in or out of the stage's state (checkpoints, state sync).
@@ -38,7 +40,8 @@ from peer.core.subspace.state import attach_subspace, initial_split, perp_of, se
 from peer.net.transport.messages import StateReply
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, state_id
-from peer.node.stage.commit import Outcome, Prev, compute, own_adjustment
+from peer.node.round.contribution import Contribution, bare, encoded
+from peer.node.stage.commit import Outcome, Prev, compute, named, own_adjustment
 from peer.node.stage.ledger import RoundLedger, make_link
 from peer.node.stage.optimizer import StageOptimizer
 from peer.node.stage.ranges import commit_ranges, parts_delta, ranges_link, returned
@@ -117,12 +120,17 @@ class StageState:
         with self.lock:
             return self.optim.encode(pseudo_gradient(self.start, stage_state(self.module)))
 
-    def contribute(self, replica_id: str) -> Payload:
-        """`encode_round`, remembered as (replica id, payload) until the round is checked (`maintain`)."""
+    def contribution(self, replica_id: str) -> Contribution:
+        """`encode_round` as our contribution in `replica_id`'s name (serialized and hashed once),
+        remembered until the round is checked (`maintain`)."""
         with self.lock:
-            payload = self.encode_round()
-            self.ledger.last_contribution = (replica_id, payload)
-            return payload
+            own = encoded(replica_id, self.encode_round())
+            self.ledger.last_contribution = own
+            return own
+
+    def contribute(self, replica_id: str) -> Payload:
+        """`contribution`'s payload (tests, benches: committed with `apply_round`)."""
+        return self.contribution(replica_id).payload
 
     def n_prev(self) -> int | None:
         """How many contributions the round before the current one committed (0 at the first round;
@@ -203,8 +211,17 @@ class StageState:
         replicas: Sequence[str] = (),
         embed_set: Sequence[Entry] | None = None,
     ) -> RoundCommit:
+        """`commit_round` of bare payloads (tests, benches), from `replicas` when one id per payload."""
+        return self.commit_round(bare(committed, replicas), embed_update, embed_set)
+
+    def commit_round(
+        self,
+        committed: Sequence[Contribution],
+        embed_update: torch.Tensor | None,
+        embed_set: Sequence[Entry] | None = None,
+    ) -> RoundCommit:
         """Commit the current round: θ ← θ_start − η·mean(clip(Δ̂)) over the committed set (in its
-        given order, from `replicas`), the ban state advanced with it; next outer step.
+        given order), the ban state advanced with it; next outer step.
 
         Stage 0's result carries the embedding's committed change, the T⊥ update of every other
         stage (`embed_update`, from stage 0's committed set `embed_set`, which the link names).
@@ -217,7 +234,7 @@ class StageState:
             perp = self._perp_cpu()
             ledger = self.ledger
             out = compute(
-                self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, committed, replicas, embed_update
+                self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, *named(committed), embed_update
             )
             adjustment = own_adjustment(ledger.last_contribution, out, committed)
             prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, ledger.last_contribution)
@@ -227,9 +244,7 @@ class StageState:
             self._log_commit(out, len(committed))
             return out.committed.commit
 
-    def recompute(
-        self, committed: Sequence[Payload], replicas: Sequence[str], embed_update: torch.Tensor | None
-    ) -> Outcome | None:
+    def recompute(self, committed: Sequence[Contribution], embed_update: torch.Tensor | None) -> Outcome | None:
         """The commit of the last round with another set, from the state it was committed from (nothing
         changes); None when that state is not kept (initial, downloaded or resumed state)."""
         with self.lock:
@@ -237,10 +252,10 @@ class StageState:
         if prev is None:
             return None
         return compute(
-            self.cfg, self.stage, self.U, prev.t, prev.start, prev.perp, prev.bans, committed, replicas, embed_update
+            self.cfg, self.stage, self.U, prev.t, prev.start, prev.perp, prev.bans, *named(committed), embed_update
         )
 
-    def switch(self, out: Outcome, committed: Sequence[Payload], embed_set: Sequence[Entry] | None = None) -> None:
+    def switch(self, out: Outcome, committed: Sequence[Contribution], embed_set: Sequence[Entry] | None = None) -> None:
         """Replace our commit of the last round by `out` (a checked better claim, `recompute`): the
         state, bans and link become its own; our error buffer gives back what our commit took from
         our payload and takes what `out` takes instead."""
@@ -404,16 +419,14 @@ class StageState:
             self.optim = self.optim.loaded({"errors": errors}, self.stage)
             self._reset_step()
 
-    def replay(
-        self, committed: Sequence[Payload], replicas: Sequence[str], embed_update: torch.Tensor | None
-    ) -> Outcome:
+    def replay(self, committed: Sequence[Contribution], embed_update: torch.Tensor | None) -> Outcome:
         """The commit of the current round with `committed` from our state (nothing changes): a
         joiner's check of a holder's link (`peer.node.round.replay`)."""
         with self.lock:
             t, start, perp, bans = self.outer_step, self.start, self._perp_cpu(), self.ledger.bans
-        return compute(self.cfg, self.stage, self.U, t, start, perp, bans, committed, replicas, embed_update)
+        return compute(self.cfg, self.stage, self.U, t, start, perp, bans, *named(committed), embed_update)
 
-    def advance(self, out: Outcome, committed: Sequence[Payload], embed_set: Sequence[Entry] | None) -> None:
+    def advance(self, out: Outcome, committed: Sequence[Contribution], embed_set: Sequence[Entry] | None) -> None:
         """Install `out`, a checked commit of the current round computed by `replay`, as an observer
         (nothing of ours was in the round); the state stays as verified as it was."""
         with self.lock:

@@ -43,8 +43,8 @@ from peer.errors import NetworkError
 from peer.node.round.agreement import round_bans
 from peer.node.round.claims import Entry, entry, parse_claims
 from peer.node.round.context import RoundContext
+from peer.node.round.contribution import Contribution
 from peer.node.round.gather import RoundResult, RoundTimings
-from peer.node.round.payloads import sha256
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import round_rule
 from peer.node.stage.ranges import embed_change, embed_ranges, range_plan
@@ -65,7 +65,7 @@ class Job:
     stage: int
     plan: RangePlan | None = None  # the round's ranges; None: an all-to-all round
     replica: str | None = None  # the replica we contribute for (None: an observer)
-    payload: Payload | None = None  # our all-to-all payload
+    payload: Contribution | None = None  # our all-to-all contribution
     parts: list[Payload] | None = None  # our parts of a ranges round
     peers: Mapping[str, str] | None = None  # a head's binding of its stage peers (stage 0)
     wanted: list[int] | None = None  # the only ranges resolved (an observer of stage 0: the embedding's)
@@ -117,7 +117,7 @@ def own_job(ctx: RoundContext, worker: StageWorker, replica: str | None, peers: 
     (a payload, or parts of the round's plan)."""
     n = n_prev_of(ctx, worker)
     if round_rule(ctx.cfg.swarm, n) == "all":
-        payload = worker.contribute(replica) if replica is not None else None
+        payload = worker.contribution(replica) if replica is not None else None
         return Job(worker, worker.stage, None, replica, payload, peers=peers)
     shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
     plan = range_plan(ctx.cfg.sparseloco, shapes, n)
@@ -181,7 +181,7 @@ def committed_set(result: Gathered) -> list[Entry]:
     if isinstance(result, RangesResult):
         assert result.roster is not None
         return [entry(e.replica, e.sha256) for e in result.roster.entries]
-    return [entry(r, sha256(b)) for r, b in zip(result.replicas, result.payloads, strict=True)]
+    return [c.entry for c in result.contributions]
 
 
 def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set: list[Entry] | None) -> RoundCommit:
@@ -194,12 +194,12 @@ def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set
         roster = [(e.replica, e.sha256) for e in result.roster.entries]
         shards = {r: (result.shards[r], result.parsed[r]) for r in result.parsed}
         return w.apply_ranges(job.plan, roster, result.roster.digest, shards, result.position, update, link_embed)
-    return w.apply_round(result.parsed, update, result.replicas, link_embed)
+    return w.commit_round(result.contributions, update, link_embed)
 
 
 def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
     """Stage 0's committed embedding change from an observer gather of stage 0: screened with the
-    replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.apply_round`)."""
+    replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.commit_round`)."""
     return embedding_update(list(embed.parsed), cfg.sparseloco, keys=embed.replicas)
 
 

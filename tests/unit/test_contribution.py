@@ -1,0 +1,64 @@
+"""One contribution record, identified once (`peer.node.round.contribution`).
+
+Our own payload is never parsed back from its bytes: the gather holds the encoder's `Payload` object.
+That is sound only if the encoder's object commits to exactly the bits the parsed bytes do — tested
+here on stage 0 (the embedding's T⊥ move included) and a later stage, with quantization and clipping
+on, on both the state and the error buffer's feedback. The record also refuses bytes that do not
+match their announcement, and names a set the way a link does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.config import build_config
+from peer.core.sparseloco.codec.format import Payload
+from peer.errors import PeerError
+from peer.node.round.contribution import Mismatch, bare, encoded, received, sha256
+from peer.node.stage.worker import StageWorker
+
+SMALL = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "stages": 2}
+
+
+def _trained(stage: int, seed: int) -> StageWorker:
+    cfg = build_config(overrides=SMALL, environ={})
+    w = StageWorker(cfg, stage)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in w.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+    return w
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_encoders_payload_commits_to_the_same_bits_as_its_bytes_parsed(stage):
+    ours, twin = _trained(stage, 1), _trained(stage, 1)
+    others = [_trained(stage, 2 + i).contribution(f"r{i + 1}") for i in range(2)]
+    mine, same = ours.contribution("r0"), twin.contribution("r0")
+    assert mine.data == same.data and mine.sha256 == sha256(mine.data)
+    parsed = received("r0", same.sha256, same.data, Payload.from_bytes)
+    assert parsed.payload is not same.payload  # the twin commits the bytes parsed back
+    twin.ledger.last_contribution = parsed
+    ours.commit_round([mine, *others], None)
+    twin.commit_round([parsed, *others], None)
+    assert ours.state_id() == twin.state_id()
+    assert ours.ledger.link == twin.ledger.link
+    for name, e in ours.optim.errors.items():
+        assert torch.equal(e, twin.optim.errors[name]), name
+
+
+def test_bytes_that_do_not_match_their_announcement_are_refused_before_parsing():
+    data = _trained(1, 1).contribution("r0").data
+    with pytest.raises(Mismatch):
+        received("r0", sha256(b"other"), data, lambda _: pytest.fail("parsed"))
+    with pytest.raises(PeerError):
+        received("r0", sha256(b"junk"), b"junk", Payload.from_bytes)
+
+
+def test_a_set_is_named_by_replica_and_sha256_prefixes_and_bare_payloads_by_position():
+    c = encoded("r" * 40, _trained(1, 1).encode_round())
+    assert c.entry == ("r" * 16, c.sha256[: len(c.entry[1])])
+    anonymous = bare([c.payload])
+    assert anonymous[0].replica == "" and anonymous[0].sha256 == c.sha256
+    assert bare([c.payload], ["x"])[0].replica == "x"
