@@ -1,6 +1,7 @@
 """A dishonest holder, for tests: `peer` unchanged, except that it publishes forged states.
 
-`python -m tests.e2e.forger join ...` runs the real CLI with one change to `StageWorker.apply_round`:
+`python -m tests.e2e.forger join ...` runs the real CLI with one change to `StageWorker.commit_round`
+(the one commit path of a round's contributions):
 after every commit it negates its stage's parameters (θ and θ_start: the state it serves and
 claims) and lists `FAKE_REPLICAS` made-up replicas beside the real ones in its committed set (the
 link and "committed" of its records). That is the attack of issue 20: a holder whose record claims
@@ -23,11 +24,11 @@ from peer.node.round.claims import entry
 from peer.node.stage.worker import StageWorker
 
 FAKE_REPLICAS = int(os.environ.get("FORGER_FAKE_REPLICAS", "8"))  # 0: altered parameters, the genuine set
-_honest_apply = StageWorker.apply_round
+_honest_commit = StageWorker.commit_round
 
 
-def _forged_apply(self: StageWorker, *args, **kwargs):
-    done = _honest_apply(self, *args, **kwargs)
+def _forged_commit(self: StageWorker, *args, **kwargs):
+    done = _honest_commit(self, *args, **kwargs)
     with self.lock, torch.no_grad():
         for p in self.module.parameters():
             p.neg_()
@@ -43,7 +44,7 @@ def _forged_apply(self: StageWorker, *args, **kwargs):
     return done
 
 
-StageWorker.apply_round = _forged_apply  # type: ignore[method-assign]
+StageWorker.commit_round = _forged_commit  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     main()  # the `peer` CLI (it reads sys.argv and exits)
