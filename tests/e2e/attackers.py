@@ -74,7 +74,8 @@ POLL_S = 0.05  # how often the attack thread reads the round's records (faster t
 @dataclass(frozen=True)
 class Forged:
     """A claim of round `t`, published instead of our worker's own while the worker is at outer step
-    t or t + 1 (so a late claim replaces our own claim of round t)."""
+    t or t + 1 (so a late claim replaces our own claim of round t), or t + 2 for a late one (it stays
+    up while the honest holders gather t + 1 and t + 2, as a censor that wants to be followed keeps it)."""
 
     t: int
     state: str
@@ -127,7 +128,7 @@ def _stage_record(self: Records, worker: StageWorker, role: str) -> Own:
         CTX.worker = worker
         _start_attack()
     forged = CTX.forged
-    if forged is not None and worker is CTX.worker and worker.outer_step <= forged.t + 1:
+    if forged is not None and worker is CTX.worker and worker.outer_step <= forged.t + (2 if DELAY_S else 1):
         record = dataclasses.replace(
             record,
             outer_step=forged.t + 1,

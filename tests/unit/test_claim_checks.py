@@ -9,7 +9,7 @@ must move T⊥ by (`peer.node.round.recheck.stage0_set`).
 from __future__ import annotations
 
 from peer.net.records import Announcement, StageRecord
-from peer.node.round.censors import Evidence, censored, evidence
+from peer.node.round.censors import Evidence, censored, evidence, recent
 from peer.node.round.claims import Claim, Link, entry
 from peer.node.round.follow import omission
 from peer.node.round.recheck import stage0_set
@@ -71,6 +71,17 @@ def test_a_censor_is_a_claim_from_our_state_without_an_expected_live_payload_bef
     assert censored(_claim(a), Evidence(0, "other", ev.suspects, 100.0), 90.0, 2.0) is None  # another state
     assert censored(_claim(a), Evidence(1, "prev", ev.suspects, 100.0), 90.0, 2.0) is None  # another round
     assert censored(_claim(a), Evidence(0, "prev", ev.suspects, None), 90.0, 2.0) is None  # no deadline known
+
+
+def test_a_round_is_kept_as_evidence_while_a_claim_of_it_can_still_prove_a_censor():
+    s = frozenset({"a" * 20})
+    old, mid, new = Evidence(1, "p1", s, closes=100.0), Evidence(2, "p2", s, closes=104.0), Evidence(3, "p3", s, 108.0)
+    kept = recent((old, mid), new, now=99.0, grace_s=2.0)
+    assert kept == (mid, new)  # round 1's fence (98) has passed: nothing seen from now on proves anything
+    assert recent(kept, None, now=103.0, grace_s=2.0) == (new,)  # a gather that saw nothing keeps the rest
+    assert recent((), Evidence(4, "p4", s, None), now=0.0, grace_s=2.0) == ()  # no deadline known: no proof
+    many = [Evidence(t, f"p{t}", s, 1000.0) for t in range(9)]
+    assert [ev.t for ev in recent(many, None, now=0.0, grace_s=2.0, most=4)] == [5, 6, 7, 8]  # the latest few
 
 
 def test_only_expected_live_payloads_we_validated_are_evidence():

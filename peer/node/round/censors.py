@@ -17,8 +17,10 @@ come from an honest close: its holder is refused (`censored`). The grace absorbs
 that waits for the earliest deadline looks like a slow honest holder and is not refused — nor
 followed.
 
-`Evidence` is what a holder saw of one round, kept for the next round too: a censor usually sits at
-t + 1 with its claim of round t while we gather t + 1 (`CensorWatch` checks claims of both).
+`Evidence` is what a holder saw of one round, kept for the next rounds while it can still prove
+something (`recent`: until the round's earliest deadline minus the grace has passed). A censor
+usually publishes its claim of round t while we train or gather t + 1, and a short round can end in
+one poll, so a claim of t is judged whenever we next see it (`CensorWatch` checks every kept round).
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def censored(claim: Claim, ev: Evidence, seen_at: float, grace_s: float) -> str 
         f"it claimed round {ev.t} closed without the payload of {left[0][:12]}, validated here, of a live replica "
         f"every holder expects, {ev.closes - seen_at:.1f} s before the round's earliest deadline"
     )
+
+
+def recent(
+    kept: Iterable[Evidence], new: Evidence | None, now: float, grace_s: float, most: int = 4
+) -> tuple[Evidence, ...]:
+    """The rounds' evidence worth keeping at DHT time `now`: `kept` and `new`, less those that can no
+    longer prove a censor (a claim first seen from now on is past their deadline fence), the latest
+    `most` at the most."""
+    evs = [*kept, *([new] if new is not None else [])]
+    live = [ev for ev in evs if ev.closes is not None and now < ev.closes - grace_s]
+    return tuple(sorted(live, key=lambda ev: ev.t)[-most:])
 
 
 def evidence(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from peer.config import SwarmConfig, history_ttl_s
@@ -128,24 +128,23 @@ def gather_round(
     banned: Collection[str] = frozenset(),
     prev: str | None = None,
     established: Collection[str] = (),
-    previous: Evidence | None = None,
+    previous: Sequence[Evidence] = (),
 ) -> RoundResult:
     """Contribute `own` (our contribution, encoded once) if given, then collect the round's payloads.
 
-    `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then
-    skipped, and its replica no longer waited for); without it payloads are parsed as they are.
-    Every payload is hashed and parsed exactly once, where it is fetched (`RoundResult.contributions`).
-    When the set is closed: see the
-    module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at
-    outer step t (a holder of the stage; None for an observer of a stage it does not hold): the
-    claims we may follow start from it. `ctx.refusals`: holders whose claims are ignored (and where a
-    forged set's claimer goes). `established`: the replicas of our last committed set (a claim that
-    leaves one out before any deadline is refused: `peer.node.round.censors`; `previous`: what we saw
-    of round t − 1, whose claims are judged the same way). Our announcement carries `ctx.me`'s
-    address and incarnation, and `peers`, a head's binding ({"<stage>": peer id}). `quorum` (the
-    run's first round only: `swarm.min_replicas`) keeps the set open until that many payloads are
-    held. A payload whose sender is gone is asked of the round's other contributors (for stage 0
-    also of the other `ctx.cfg.stages` − 1 stages' holders). `banned`: peer.node.round.bans.
+    `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then skipped, and its
+    replica no longer waited for); without it payloads are parsed as they are. Every payload is hashed and
+    parsed exactly once, where it is fetched (`RoundResult.contributions`). When the set is closed: see the
+    module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at outer step
+    t (a holder of the stage; None for an observer of a stage it does not hold): the claims we may follow start
+    from it. `ctx.refusals`: holders whose claims are ignored (and where a forged set's claimer goes).
+    `established`: the replicas of our last committed set (a claim that leaves one out before any deadline is
+    refused: `peer.node.round.censors`; `previous`: what we saw of earlier rounds that can still prove a censor,
+    whose claims are judged the same way). Our announcement carries `ctx.me`'s address and incarnation, and
+    `peers`, a head's binding ({"<stage>": peer id}). `quorum` (the run's first round only:
+    `swarm.min_replicas`) keeps the set open until that many payloads are held. A payload whose sender is gone
+    is asked of the round's other contributors (for stage 0 also of the other `ctx.cfg.stages` − 1 stages'
+    holders). `banned`: peer.node.round.bans.
     """
     if own is not None and own.replica[:16] in banned:  # a repeated outlier: not fetched by anyone
         log.warning(
@@ -211,7 +210,7 @@ class _Gather:
         self.why_behind = ""  # why a BEHIND decision was taken, for the log
         self.watch = CensorWatch(self.refusals, stage, timings.grace_s)
         self.evidence: Evidence | None = None  # what the last poll showed of round t (RoundResult.evidence)
-        self.previous: Evidence | None = None  # what we saw of round t − 1: claims of it are judged too
+        self.previous: Sequence[Evidence] = ()  # what we saw of earlier rounds: claims of them are judged too
         self.lapsed: set[str] = set()  # replicas whose sender was not alive at some poll of this gather
         self.unfetchable: set[tuple[str, str]] = set()  # claims whose set we could not fetch within the grace
         self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
@@ -284,7 +283,7 @@ class _Gather:
         # decide on a view read moments ago, never an old one
         fresh = time.monotonic() - read.at <= FRESH_S or self.slow_reads >= MAX_SLOW_READS
         self.evidence = self._evidence(read)
-        self.watch.check(read.claims.values(), (self.evidence, self.previous), dht_time())
+        self.watch.check(read.claims.values(), (self.evidence, *self.previous), dht_time())
         targets = self._targets(read)
         if targets:  # round t is committed elsewhere, from our state: take exactly that set
             target = targets[0]

@@ -30,9 +30,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from peer.errors import NetworkError, PeerError
+from peer.net.dht import dht_time
 from peer.node.metrics import log_round
 from peer.node.round.agreement import Commit, Late, commit_decision, expected_replicas, round_bans, round_view
-from peer.node.round.censors import Evidence
+from peer.node.round.censors import Evidence, recent
 from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution
@@ -67,7 +68,7 @@ class Rounds:
         self.me, self.refusals, self.metrics = ctx.me, ctx.refusals, ctx.metrics
         self.publish, self.resync = ctx.publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
-        self.evidence: dict[int, Evidence] = {}  # per stage: what we saw of its last round (censors)
+        self.evidence: dict[int, tuple[Evidence, ...]] = {}  # per stage: its recent rounds, as seen (censors)
 
     def gather(
         self,
@@ -94,11 +95,12 @@ class Rounds:
             if own_stage
             else round_bans(self.dht.get_stage_peers(stage), t, self.me.peer_id)
         )
+        timings = RoundTimings.from_config(swarm)
         result = gather_round(
             self.ctx,
             t,
             stage,
-            RoundTimings.from_config(swarm),
+            timings,
             own=own,
             validate=round_validator(self.cfg, worker, stage),
             stop=stop,
@@ -107,10 +109,10 @@ class Rounds:
             banned=banned,
             prev=worker.state_id() if own_stage else None,
             established=_established(worker, own_stage),
-            previous=self.evidence.get(stage) if own_stage else None,
+            previous=self.evidence.get(stage, ()) if own_stage else (),
         )
-        if own_stage and result.evidence is not None:
-            self.evidence[stage] = result.evidence
+        if own_stage:
+            self.evidence[stage] = recent(self.evidence.get(stage, ()), result.evidence, dht_time(), timings.grace_s)
         self.pg_bytes += result.bytes_fetched
         return result
 
