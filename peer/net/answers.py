@@ -65,11 +65,12 @@ def await_answer(
             if time.monotonic() - started < timeout_s + FROZEN_S:
                 raise
             return _result(future, max(timeout_s, retry_s), alive)
+    # the future is never cancelled: an answer that comes after we gave up is dropped with it, while
+    # cancelling races hivemind's delivery thread (the answer of a frozen wait arrives as it times
+    # out), which then logs a traceback of its own
     except _Gone as e:
-        future.cancel()
         raise NetworkError(f"{what}: {gone}") from e
     except TimeoutError as e:
-        future.cancel()
         raise NetworkError(f"{what} got no answer within {timeout_s:.0f} s; {hint}") from e
     except Exception as e:
         text = " ".join(str(e).split())[:200]

@@ -111,3 +111,31 @@ def _record_error(out: list[BaseException], fn) -> None:
         fn()
     except BaseException as e:  # noqa: BLE001 - the test inspects what the lookup raised
         out.append(e)
+
+
+def _answer_late(future, delay_s: float) -> None:
+    time.sleep(delay_s)
+    future.set_result("late answer")
+
+
+def test_an_answer_after_the_deadline_is_taken_by_the_future_never_raced_by_a_cancel():
+    """A wait that gave up leaves its future pending: the answer that comes afterwards is delivered
+    to it by hivemind's thread (a cancelled future made that thread log a traceback when the answer
+    of a frozen wait arrived as the wait timed out)."""
+    import multiprocessing as mp
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    from peer.net.answers import await_answer
+
+    future: MPFuture = MPFuture()
+    child = mp.get_context("fork").Process(target=_answer_late, args=(future, 1.5))
+    child.start()
+    try:
+        with pytest.raises(NetworkError, match="got no answer within 1 s"):
+            await_answer(future, "a lookup", timeout_s=1.0, retry_s=1.0, hint="late")
+        assert not future.cancelled()
+        assert future.result(timeout=10) == "late answer"
+    finally:
+        child.join(timeout=10)
+    assert child.exitcode == 0
