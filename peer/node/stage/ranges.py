@@ -5,8 +5,9 @@ Pure functions of the holder's committed state and the round's agreed outcome, u
 - `range_plan`: the ranges of this stage for a round whose predecessor committed `n_prev`
   contributions (R = `n_ranges_for(n_prev, n_units)`: every holder plans alike from agreed inputs);
 - `commit_ranges`: the portable commit of the assembled shards (`peer.core.sparseloco.commit.commit_summed`, T⊥
-  decayed as in an all-to-all round), the ban state advanced by the roster (a ranges round clips but
-  screens no outlier), as an `Outcome` like `peer.node.stage.commit.compute`'s;
+  decayed as in an all-to-all round), ended by the same `peer.node.stage.commit.outcome` as
+  `peer.node.stage.commit.compute`: the ban state advanced by the roster (a ranges round clips but
+  screens no outlier), the state hashed;
 - `returned`: what the round gives back to our error buffer, range by range
   (`peer.core.sparseloco.ranges.owner.returned_to`: the mass the shard dropped or clipped from our part; our
   whole part where the roster lacks us or the range was not committed);
@@ -26,16 +27,15 @@ import torch
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.model.state import state_hash
 from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.commit import commit_summed, outer_delta, perp_decay
 from peer.core.sparseloco.ranges import RangePlan, assemble, n_ranges_for, n_units, plan_ranges
 from peer.core.sparseloco.ranges.owner import Shard, returned_to, shard_delta
 from peer.core.subspace.state import EMBED
-from peer.node.round.bans import Bans, after_commit
+from peer.node.round.bans import Bans
 from peer.node.round.claims import SHA_CHARS, Entry, Link, entry
-from peer.node.stage.commit import Outcome
+from peer.node.stage.commit import Outcome, outcome
 
 __all__ = ["commit_ranges", "embed_change", "embed_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
 
@@ -86,13 +86,12 @@ def commit_ranges(
     shards: Mapping[int, Shard],
     embed_update: Tensor | None,
 ) -> Outcome:
-    """Commit round t from (start, perp, bans) with the agreed shards of the roster `replicas`."""
+    """Commit round t from (start, perp, bans) with the agreed shards of the roster `replicas`: Δ̄
+    assembled from the shards, the portable commit of it, then `peer.node.stage.commit.outcome` as
+    an all-to-all commit ends (a ranges round screens no outlier: nothing is dropped)."""
     summed = assemble(plan, {r: shard_delta(s) for r, s in shards.items()}, _shapes(start))
     done = commit_summed(start, perp, summed, cfg.sparseloco, U, embed_update, perp_decay(cfg.train, t))
-    swarm = cfg.swarm
-    new_bans = after_commit(bans, t, replicas, (), swarm.ban_after, swarm.ban_rounds, stage)
-    perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
-    return Outcome(t, done, new_bans, tuple(replicas), (), state_hash(done.params), perp_hash)
+    return outcome(cfg, stage, t, bans, done, replicas, ())
 
 
 def returned(
