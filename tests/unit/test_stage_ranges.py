@@ -18,7 +18,8 @@ from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.ranges.owner import aggregate_range, roster_digest
 from peer.core.subspace.state import EMBED
 from peer.node.round.ranges.ownership import round_rule
-from peer.node.stage.ranges import embed_change, embed_ranges, parts_delta, range_plan, returned, shards_digest
+from peer.node.stage.embed import embed_change, embed_ranges
+from peer.node.stage.ranges import parts_delta, range_plan, returned, shards_digest
 from peer.node.stage.state import StageState
 
 

@@ -11,9 +11,6 @@ Pure functions of the holder's committed state and the round's agreed outcome, u
 - `returned`: what the round gives back to our error buffer, range by range
   (`peer.core.sparseloco.ranges.owner.returned_to`: the mass the shard dropped or clipped from our part; our
   whole part where the roster lacks us or the range was not committed);
-- `embed_ranges`, `embed_change`: stage 0's committed embedding change u = fl32(−η·Δ̄[embed.weight])
-  from the shards of the ranges that hold embed.weight's bands alone (a stage peer's T⊥ update: the
-  same bits as `peer.core.sparseloco.commit.apply_update` gives stage 0's holders from the assembled Δ̄);
 - `ranges_link`: the claim of the committed state: the roster's (replica, sha256) entries, and
   (roster digest, sha256 of the shards' digests in range order), which pins the exact shards.
 """
@@ -23,21 +20,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 
-import torch
 from torch import Tensor
 
 from peer.config import RunConfig
 from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
-from peer.core.sparseloco.commit import commit_summed, outer_delta, perp_decay
+from peer.core.sparseloco.commit import commit_summed, perp_decay
 from peer.core.sparseloco.ranges import RangePlan, assemble, n_ranges_for, n_units, plan_ranges
 from peer.core.sparseloco.ranges.owner import Shard, returned_to, shard_delta
-from peer.core.subspace.state import EMBED
 from peer.node.round.bans import Bans
 from peer.node.round.claims import SHA_CHARS, Entry, Link, entry
 from peer.node.stage.commit import Outcome, outcome
 
-__all__ = ["commit_ranges", "embed_change", "embed_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
+__all__ = ["commit_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
 
 
 def _shapes(start: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -47,25 +42,6 @@ def _shapes(start: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
 def range_plan(cfg: SparseLoCoConfig, shapes: Mapping[str, Sequence[int]], n_prev: int) -> RangePlan:
     """The plan of a ranges round of the stage whose parameters have `shapes` (θ_start's tensor order)."""
     return plan_ranges(shapes, cfg.chunk, n_ranges_for(n_prev, n_units(shapes, cfg.chunk)))
-
-
-def embed_ranges(plan: RangePlan) -> list[int]:
-    """The ranges of a stage-0 plan that hold a band of embed.weight (what a stage peer reads)."""
-    return [r for r, bands in enumerate(plan.ranges) if any(b.name == EMBED for b in bands)]
-
-
-def embed_change(cfg: SparseLoCoConfig, plan: RangePlan, shards: Mapping[int, Shard], shape: Sequence[int]) -> Tensor:
-    """u = fl32(−η·Δ̄[embed.weight]) of a stage-0 ranges round from the shards of `embed_ranges(plan)`:
-    Δ̄[embed.weight] is assembled band by band as `assemble` writes it for stage 0's holders, so u
-    has the bits their `commit_summed` gives (KeyError: a needed shard is missing)."""
-    dense = torch.zeros(tuple(int(d) for d in shape), dtype=torch.float32)
-    for r in embed_ranges(plan):
-        delta = shard_delta(shards[r])
-        for b in plan.ranges[r]:
-            if b.name == EMBED:
-                view = dense[b.row0 : b.row1] if dense.dim() >= 2 else dense
-                view.copy_(delta[b.entry].reshape(view.shape))
-    return outer_delta(dense, cfg.outer_lr)
 
 
 def parts_delta(plan: RangePlan, parts: Sequence[Payload], start: Mapping[str, Tensor]) -> dict[str, Tensor]:
