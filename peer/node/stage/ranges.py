@@ -30,6 +30,7 @@ from peer.core.sparseloco.ranges import RangePlan, assemble, n_ranges_for, n_uni
 from peer.core.sparseloco.ranges.owner import Shard, returned_to, shard_delta
 from peer.node.round.bans import Bans
 from peer.node.round.claims import SHA_CHARS, Entry, Link, entry
+from peer.node.round.ranges.shard import RangeShard
 from peer.node.stage.commit import Outcome, outcome
 
 __all__ = ["commit_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
@@ -86,11 +87,12 @@ def returned(
     return assemble(plan, back, _shapes(start))
 
 
-def shards_digest(shards: Mapping[int, bytes]) -> str:
-    """sha256 over the shards' sha256 digests in range order (SHA_CHARS hex chars): pins every shard."""
+def shards_digest(shards: Mapping[int, RangeShard]) -> str:
+    """sha256 over the shards' sha256 digests in range order (SHA_CHARS hex chars): pins every shard
+    (each digest the one its record carries, never recomputed)."""
     h = hashlib.sha256()
     for r in sorted(shards):
-        h.update(hashlib.sha256(shards[r]).digest())
+        h.update(bytes.fromhex(shards[r].sha256))
     return h.hexdigest()[:SHA_CHARS]
 
 
@@ -100,7 +102,7 @@ def ranges_link(
     out: Outcome,
     roster: Sequence[tuple[str, str]],
     roster_digest: str,
-    shards: Mapping[int, bytes],
+    shards: Mapping[int, RangeShard],
     embed_set: Sequence[Entry] | None,
 ) -> Link:
     """The link of a ranges commit: the roster's (replica, sha256) entries and (roster digest, shards digest)."""

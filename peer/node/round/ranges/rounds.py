@@ -191,9 +191,8 @@ def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set
     update = update if w.stage != 0 else None
     if isinstance(result, RangesResult):
         assert result.roster is not None and job.plan is not None
-        roster = [(e.replica, e.sha256) for e in result.roster.entries]
-        shards = {r: (result.shards[r], result.parsed[r]) for r in result.parsed}
-        return w.apply_ranges(job.plan, roster, result.roster.digest, shards, result.position, update, link_embed)
+        roster, digest = [(e.replica, e.sha256) for e in result.roster.entries], result.roster.digest
+        return w.apply_ranges(job.plan, roster, digest, result.shards, result.position, update, link_embed)
     return w.commit_round(result.contributions, update, link_embed)
 
 
