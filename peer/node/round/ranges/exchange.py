@@ -105,8 +105,8 @@ def gather_ranges(
     """Contribute `own` = (replica id, its parts in range order) if given, then take round (t, stage)'s
     roster and shards (module docstring). Owners per range beyond the primary: `swarm.range_backups`;
     entries per tile a shard keeps: `swarm.shard_topk` (0: `sparseloco.topk`); `quorum`, `banned`,
-    `peers` as in `gather_round`; `wanted`: the only ranges an observer resolves (a stage peer reads
-    stage 0's embedding ranges alone)."""
+    `peers` as in `peer.node.round.gather.RoundInputs`; `wanted`: the only ranges an observer resolves
+    (a stage peer reads stage 0's embedding ranges alone)."""
     swarm = ctx.cfg.swarm
     settings = _Settings(swarm.range_backups, swarm.shard_topk or None, None if wanted is None else frozenset(wanted))
     run = _RangesRound(ctx, t, stage, timings, plan, banned, settings)
