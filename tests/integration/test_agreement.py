@@ -20,7 +20,7 @@ from peer.net.dht import dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import fenced_by, fresh, round_view
 from peer.node.round.claims import entry
-from peer.node.round.gather import RoundTimings, gather_round
+from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
 from peer.node.round.payloads import sha256
 from peer.node.round.refusals import Refusals
 from tests.round_helpers import own, round_context
@@ -165,7 +165,7 @@ PREV = "s0"  # our state id at outer step 0: the state the claims below committe
 def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None, established=()):
     ctx = round_context(dht, clients, Store(), address="me:1", refusals=refusals)
     timings = RoundTimings(timeout_s, grace_s=grace_s, poll_s=0.02)
-    return gather_round(ctx, 0, 1, timings, own=own, prev=PREV, established=established)
+    return gather_round(ctx, 0, 1, timings, RoundInputs(own=own, prev=PREV, established=established))
 
 
 def _claim(*items: tuple[str, bytes], prev: str = PREV, state: str = "s1", t: int = 0) -> dict:
@@ -296,7 +296,7 @@ def test_our_own_earlier_incarnations_announcement_is_never_fetched():
     dht.replicas = {"me": _replica(inc="now")}
     dht.payloads[(0, 1)] = {"me": {"sha256": "x", "address": "old:1", "replica": "me", "inc": "before"}}
     result = gather_round(
-        round_context(dht, clients, inc="now"), 0, 1, RoundTimings(30, poll_s=0.02)
+        round_context(dht, clients, inc="now"), 0, 1, RoundTimings(30, poll_s=0.02), RoundInputs()
     )  # an observer (catch-up)
     assert result.replicas == [] and not result.timed_out
 
@@ -317,7 +317,9 @@ def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
 
     def run() -> None:
         done.append(
-            gather_round(round_context(dht, clients, Store()), 0, 1, FAST, own=own("me", _payload(2)), quorum=2)
+            gather_round(
+                round_context(dht, clients, Store()), 0, 1, FAST, RoundInputs(own("me", _payload(2)), quorum=2)
+            )
         )
 
     th = threading.Thread(target=run)
@@ -328,7 +330,9 @@ def test_the_first_round_waits_for_the_start_up_quorum_before_closing():
     th.join(5)
     assert done and done[0].replicas == ["me", "o"] and not done[0].timed_out
     del dht.replicas["o"]  # o left: at t = 1 our payload alone closes the round
-    later = gather_round(round_context(dht, clients, Store()), 1, 1, FAST, own=own("me", _payload(3)), quorum=2)
+    later = gather_round(
+        round_context(dht, clients, Store()), 1, 1, FAST, RoundInputs(own("me", _payload(3)), quorum=2)
+    )
     assert later.replicas == ["me"] and not later.timed_out  # the quorum holds only for round 0
 
 

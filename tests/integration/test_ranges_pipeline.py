@@ -28,7 +28,8 @@ from peer.net.transport.server import PeerServer
 from peer.node.round.ranges.rounds import n_prev_of, stage0_n_prev
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
-from peer.node.stage.ranges import embed_ranges, range_plan
+from peer.node.stage.embed import embed_ranges
+from peer.node.stage.ranges import range_plan
 from peer.node.stage.worker import StageWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -257,7 +257,7 @@ def test_a_lying_owner_is_refused_and_the_honest_shard_committed(swarm):
     assert lied is not None and lied.owned
     published = nodes[0].dht.get_round("shards", 2, STAGE, ShardsRecord.parse)[liar.id].shards or {}
     for r in lied.owned:  # the shard committed is the honest owner's, not the one the liar published
-        assert hashlib.sha256(honest[0].shards[r]).hexdigest() != published[r]
+        assert honest[0].shards[r].sha256 == hashlib.sha256(honest[0].shards[r].data).hexdigest() != published[r]
 
 
 def _wait_for_the_other_owners(dht: SwarmDHT, cfg, t: int, me: str, timeout_s: float = 30.0) -> None:

@@ -25,7 +25,7 @@ from peer.core.sparseloco.codec.format import Payload, PayloadError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.round.gather import RoundResult, RoundTimings, gather_round
+from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, sha256
 from peer.node.service import PeerService
 from tests.round_helpers import own as own_of
@@ -112,9 +112,8 @@ def _gather(cfg, node: Node, t: int, stage: int, own: tuple[str, bytes] | None, 
     time.sleep(delay_s)  # a slower replica: the others poll before it announces
     validate = payload_validator(SHAPES, cfg.sparseloco)  # as Rounds._validator builds it
     mine = own_of(*own) if own is not None else None
-    return gather_round(
-        round_context(node.dht, node.clients, node.store, node.address), t, stage, TIMINGS, mine, validate
-    )
+    ctx = round_context(node.dht, node.clients, node.store, node.address)
+    return gather_round(ctx, t, stage, TIMINGS, RoundInputs(mine, validate))
 
 
 def _honest_round(
@@ -252,9 +251,8 @@ def test_a_payload_whose_sender_died_is_served_by_a_holder_that_fetched_it(three
     a.server = None
     b.clients.close()
     ctx = round_context(c.dht, c.clients, c.store, c.address)
-    second = gather_round(
-        ctx, t, stage, TIMINGS, own=own_of(c.id, c_data), validate=payload_validator(SHAPES, cfg.sparseloco)
-    )
+    inputs = RoundInputs(own_of(c.id, c_data), payload_validator(SHAPES, cfg.sparseloco))
+    second = gather_round(ctx, t, stage, TIMINGS, inputs)
     assert second.replicas == first.replicas and second.payloads == first.payloads  # the same set, same bytes
     assert not second.timed_out
     # a holder asked for a sender's payload it never fetched says so; it never answers with its own

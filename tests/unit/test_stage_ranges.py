@@ -17,8 +17,11 @@ from peer.config import build_config
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.ranges.owner import aggregate_range, roster_digest
 from peer.core.subspace.state import EMBED
+from peer.node.round.claims import SHA_CHARS
 from peer.node.round.ranges.ownership import round_rule
-from peer.node.stage.ranges import embed_change, embed_ranges, parts_delta, range_plan, returned, shards_digest
+from peer.node.round.ranges.shard import made
+from peer.node.stage.embed import embed_change, embed_ranges
+from peer.node.stage.ranges import parts_delta, range_plan, returned, shards_digest
 from peer.node.stage.state import StageState
 
 
@@ -43,7 +46,7 @@ def test_holders_that_commit_the_same_shards_hold_the_same_state_and_get_their_s
     shards = {}
     for r in range(plan.n):
         shard, _ = aggregate_range(0, 1, r, plan, [parts[0][r], parts[1][r]], digest, cfg.sparseloco)
-        shards[r] = (shard.to_bytes(), shard)
+        shards[r] = made(shard)
     before = [{n: e.clone() for n, e in (h.optim.errors or {}).items()} for h in holders]
 
     for i, h in enumerate(holders):
@@ -51,10 +54,12 @@ def test_holders_that_commit_the_same_shards_hold_the_same_state_and_get_their_s
 
     assert len({h.state_id() for h in holders}) == 1
     link = holders[0].ledger.link
-    assert link is not None and link.ranges == (digest, shards_digest({r: b for r, (b, _) in shards.items()}))
+    pinned = hashlib.sha256(b"".join(hashlib.sha256(shards[r].data).digest() for r in sorted(shards)))
+    assert link is not None and link.ranges == (digest, pinned.hexdigest()[:SHA_CHARS])
+    assert shards_digest(shards) == link.ranges[1]
     assert holders[0].n_prev() == 2 and holders[0].outer_step == 1
     assert round_rule(cfg.swarm, holders[0].n_prev()) == "all"  # auto: ranges from 32 contributions on
-    parsed = {r: s for r, (_, s) in shards.items()}
+    parsed = {r: s.shard for r, s in shards.items()}
     for i, h in enumerate(holders):
         back = returned(plan, h.start, parts[i], i if i < 2 else None, parsed)
         if i == 2:
@@ -82,10 +87,10 @@ def test_a_stage_peer_gets_stage_0s_embedding_change_bit_for_bit_from_the_embedd
     shards = {}
     for r in range(plan.n):
         shard, _ = aggregate_range(0, 0, r, plan, [parts[0][r], parts[1][r]], digest, cfg.sparseloco)
-        shards[r] = (shard.to_bytes(), shard)
+        shards[r] = made(shard)
     commit = holders[0].apply_ranges(plan, roster, digest, shards, 0, None)
     assert commit.embed_update is not None
-    u = embed_change(cfg.sparseloco, plan, {r: shards[r][1] for r in wanted}, holders[0].start[EMBED].shape)
+    u = embed_change(cfg.sparseloco, plan, {r: shards[r].shard for r in wanted}, holders[0].start[EMBED].shape)
     assert u.dtype == torch.float32 and torch.equal(u.view(torch.int32), commit.embed_update.view(torch.int32))
 
     fresh = StageState(cfg, 0)

@@ -115,48 +115,60 @@ class RoundTimings:
         return min(self.grace_s, 3.0)
 
 
+@dataclass(frozen=True)
+class RoundInputs:
+    """What one gather of round (t, stage) starts from, decided by its caller (`gather_round`).
+
+    `own`: our contribution, encoded once (None: an observer). `validate(payload)` parses a payload and
+    raises PeerError for a malformed one (it is then skipped, and its replica no longer waited for);
+    None parses payloads as they are. `peers`: a head's binding ({"<stage>": peer id}), carried by our
+    announcement. `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until
+    that many payloads are held. `banned`: peer.node.round.bans. `prev`: the id of our state at outer
+    step t (a holder of the stage; None for an observer of a stage it does not hold): the claims we may
+    follow start from it. `established`: the replicas of our last committed set (a claim that leaves
+    one out before any deadline is refused: `peer.node.round.censors`); `previous`: what we saw of
+    earlier rounds that can still prove a censor, whose claims are judged the same way.
+    """
+
+    own: Contribution | None = None
+    validate: Callable[[bytes], Payload] | None = None
+    peers: Mapping[str, str] | None = None
+    quorum: int = 1
+    banned: Collection[str] = frozenset()
+    prev: str | None = None
+    established: Collection[str] = ()
+    previous: Sequence[Evidence] = ()
+
+
 def gather_round(
     ctx: RoundContext,
     t: int,
     stage: int,
     timings: RoundTimings,
-    own: Contribution | None = None,
-    validate: Callable[[bytes], Payload] | None = None,
+    inputs: RoundInputs,
     stop: threading.Event | None = None,
-    peers: Mapping[str, str] | None = None,
-    quorum: int = 1,
-    banned: Collection[str] = frozenset(),
-    prev: str | None = None,
-    established: Collection[str] = (),
-    previous: Sequence[Evidence] = (),
 ) -> RoundResult:
-    """Contribute `own` (our contribution, encoded once) if given, then collect the round's payloads.
+    """Contribute `inputs.own` if given, then collect the round's payloads (`RoundInputs` says what
+    each input does).
 
-    `validate(payload)` parses a payload and raises PeerError for a malformed one (it is then skipped, and its
-    replica no longer waited for); without it payloads are parsed as they are. Every payload is hashed and
-    parsed exactly once, where it is fetched (`RoundResult.contributions`). When the set is closed: see the
-    module docstring and `peer.node.round.agreement.close_decision`. `prev` is the id of our state at outer step
-    t (a holder of the stage; None for an observer of a stage it does not hold): the claims we may follow start
-    from it. `ctx.refusals`: holders whose claims are ignored (and where a forged set's claimer goes).
-    `established`: the replicas of our last committed set (a claim that leaves one out before any deadline is
-    refused: `peer.node.round.censors`; `previous`: what we saw of earlier rounds that can still prove a censor,
-    whose claims are judged the same way). Our announcement carries `ctx.me`'s address and incarnation, and
-    `peers`, a head's binding ({"<stage>": peer id}). `quorum` (the run's first round only:
-    `swarm.min_replicas`) keeps the set open until that many payloads are held. A payload whose sender is gone
-    is asked of the round's other contributors (for stage 0 also of the other `ctx.cfg.stages` − 1 stages'
-    holders). `banned`: peer.node.round.bans.
+    Every payload is hashed and parsed exactly once, where it is fetched (`RoundResult.contributions`).
+    When the set is closed: see the module docstring and `peer.node.round.agreement.close_decision`.
+    `ctx.refusals`: holders whose claims are ignored (and where a forged set's claimer goes). Our
+    announcement carries `ctx.me`'s address and incarnation. A payload whose sender is gone is asked of
+    the round's other contributors (for stage 0 also of the other `ctx.cfg.stages` − 1 stages' holders).
     """
-    if own is not None and own.replica[:16] in banned:  # a repeated outlier: not fetched by anyone
+    own = inputs.own
+    if own is not None and own.replica[:16] in inputs.banned:  # a repeated outlier: not fetched by anyone
         log.warning(
             "round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own.replica[:12]
         )
         own = None
-    gather = _Gather(ctx, t, stage, timings, own, validate, banned, prev)
-    gather.established = {r[:PREFIX] for r in established}
-    gather.previous = previous
+    gather = _Gather(ctx, t, stage, timings, own, inputs.validate, inputs.banned, inputs.prev)
+    gather.established = {r[:PREFIX] for r in inputs.established}
+    gather.previous = inputs.previous
     if own is not None:
-        gather.contribute(own, peers)
-    return gather.run(stop, quorum)
+        gather.contribute(own, inputs.peers)
+    return gather.run(stop, inputs.quorum)
 
 
 @dataclass

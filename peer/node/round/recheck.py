@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.sparseloco.commit import embedding_update
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.metrics import MetricsWriter
@@ -34,6 +33,7 @@ from peer.node.round.payloads import PayloadStore, round_validator
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage.commit import Outcome
+from peer.node.stage.embed import stage0_change
 from peer.node.stage.state import StageState
 from peer.node.stage.worker import StageWorker
 
@@ -78,7 +78,7 @@ def fetch_set(
     claimer_address: str | None = None,
 ) -> SetBytes:
     """Round t's set `entries` of our stage and, on a stage > 0, stage 0's set `embed` that moves T⊥
-    (its embedding change, `embedding_update`, fused: no dense Δ̂), each entry proven genuine: the one
+    (its embedding change, `peer.node.stage.embed.stage0_change`), each entry proven genuine: the one
     fetch of a claimed set that RECONCILE and the replay both recompute from."""
     parse = round_validator(cfg, worker, worker.stage)
     got = fetcher.fetch(t, worker.stage, entries, parse, claimer_address=claimer_address, n_stages=cfg.stages)
@@ -91,11 +91,9 @@ def fetch_set(
         out.forged_embed, out.missing = list(got0.forged), len(got0.missing)
         if not got0.complete:
             return out
-        if got0.payloads:
-            embed_set = [got0.payloads[e] for e in embed]
-            keys = [c.replica for c in embed_set]
-            out.embed_update = embedding_update([c.payload for c in embed_set], cfg.sparseloco, keys=keys)
-        out.nbytes += sum(len(got0.payloads[e].data) for e in embed)
+        embed_set = [got0.payloads[e] for e in embed]
+        out.embed_update = stage0_change(cfg, embed_set)
+        out.nbytes += sum(len(c.data) for c in embed_set)
     out.payloads = [got.payloads[e] for e in entries]
     out.nbytes += sum(len(c.data) for c in out.payloads)
     return out

@@ -37,7 +37,7 @@ from peer.node.round.censors import Evidence, recent
 from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution
-from peer.node.round.gather import FRESH_S, RoundResult, RoundTimings, gather_round
+from peer.node.round.gather import FRESH_S, RoundInputs, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import round_validator
 from peer.node.round.ranges.exchange import RangesResult
 from peer.node.round.ranges.rounds import (
@@ -96,14 +96,9 @@ class Rounds:
             else round_bans(self.dht.get_stage_peers(stage), t, self.me.peer_id)
         )
         timings = RoundTimings.from_config(swarm)
-        result = gather_round(
-            self.ctx,
-            t,
-            stage,
-            timings,
+        inputs = RoundInputs(
             own=own,
             validate=round_validator(self.cfg, worker, stage),
-            stop=stop,
             peers=peers,
             quorum=swarm.min_replicas if t == 0 else 1,
             banned=banned,
@@ -111,6 +106,7 @@ class Rounds:
             established=_established(worker, own_stage),
             previous=self.evidence.get(stage, ()) if own_stage else (),
         )
+        result = gather_round(self.ctx, t, stage, timings, inputs, stop)
         if own_stage:
             self.evidence[stage] = recent(self.evidence.get(stage, ()), result.evidence, dht_time(), timings.grace_s)
         self.pg_bytes += result.bytes_fetched

@@ -7,6 +7,10 @@ the same function serves a holder's own commit (`StageWorker.apply_round`) and t
 another holder's claim (`StageWorker.recompute`: the named set applied to the state we committed
 round t from, kept as `Prev` until the next commit).
 
+One path for both kinds of round: `outcome` ends every commit — an all-to-all one (`compute`) and
+a ranges one (`peer.node.stage.ranges.commit_ranges`, Δ̄ assembled from range shards) — so the ban
+state, the hashes and the state id of a commit are made in one place.
+
 Error feedback across a switch: a commit may return part of our payload to our error buffer
 (clipped or screened mass, or all of it when the set lacks it: `own_adjustment`). When a holder
 replaces its commit of round t by a checked better one (`StageWorker.switch`), it subtracts what
@@ -31,7 +35,7 @@ from peer.node.round.bans import Bans, after_commit
 from peer.node.round.claims import state_id
 from peer.node.round.contribution import Contribution
 
-__all__ = ["Outcome", "Prev", "compute", "named", "own_adjustment"]
+__all__ = ["Outcome", "Prev", "compute", "named", "outcome", "own_adjustment"]
 
 
 @dataclass(frozen=True)
@@ -77,16 +81,26 @@ def compute(
     embed_update: Tensor | None,
 ) -> Outcome:
     """Commit round t of `stage` from (start, perp, bans): the portable commit of `payloads` (in the
-    given order, from `replicas`; fused, nothing decoded densely), then the ban state advanced by
-    the set and its outliers."""
+    given order, from `replicas`, one id per payload or none; fused, nothing decoded densely), then
+    `outcome` (the ban state advanced by the set and its outliers)."""
     keys = list(replicas) if len(replicas) == len(payloads) else None  # the screening's tie-break
     factor = perp_decay(cfg.train, t)
     done = commit_state(start, perp, payloads, cfg.sparseloco, U, embed_update, factor, keys=keys)  # fused: no dense Δ̂
     dropped = tuple(keys[i] for i in done.commit.dropped) if keys is not None else ()
+    return outcome(cfg, stage, t, bans, done, keys or (), dropped)
+
+
+def outcome(
+    cfg: RunConfig, stage: int, t: int, bans: Bans, done: Committed, replicas: Sequence[str], dropped: Sequence[str]
+) -> Outcome:
+    """The `Outcome` of `done`, round t's commit of `stage` from the ban state `bans`, however its Δ̄
+    was aggregated (all-to-all: `compute`; assembled from range shards:
+    `peer.node.stage.ranges.commit_ranges`): the bans advanced by the committed set `replicas`
+    (commit order) and the outliers `dropped` from it, the new state's parameter and T⊥ hashes."""
     swarm = cfg.swarm
-    new_bans = after_commit(bans, t, keys or [], dropped, swarm.ban_after, swarm.ban_rounds, stage)
+    new_bans = after_commit(bans, t, replicas, dropped, swarm.ban_after, swarm.ban_rounds, stage)
     perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
-    return Outcome(t, done, new_bans, tuple(replicas), dropped, state_hash(done.params), perp_hash)
+    return Outcome(t, done, new_bans, tuple(replicas), tuple(dropped), state_hash(done.params), perp_hash)
 
 
 def named(contributions: Sequence[Contribution]) -> tuple[list[Payload], list[str]]:

@@ -5,14 +5,12 @@ Pure functions of the holder's committed state and the round's agreed outcome, u
 - `range_plan`: the ranges of this stage for a round whose predecessor committed `n_prev`
   contributions (R = `n_ranges_for(n_prev, n_units)`: every holder plans alike from agreed inputs);
 - `commit_ranges`: the portable commit of the assembled shards (`peer.core.sparseloco.commit.commit_summed`, T⊥
-  decayed as in an all-to-all round), the ban state advanced by the roster (a ranges round clips but
-  screens no outlier), as an `Outcome` like `peer.node.stage.commit.compute`'s;
+  decayed as in an all-to-all round), ended by the same `peer.node.stage.commit.outcome` as
+  `peer.node.stage.commit.compute`: the ban state advanced by the roster (a ranges round clips but
+  screens no outlier), the state hashed;
 - `returned`: what the round gives back to our error buffer, range by range
   (`peer.core.sparseloco.ranges.owner.returned_to`: the mass the shard dropped or clipped from our part; our
   whole part where the roster lacks us or the range was not committed);
-- `embed_ranges`, `embed_change`: stage 0's committed embedding change u = fl32(−η·Δ̄[embed.weight])
-  from the shards of the ranges that hold embed.weight's bands alone (a stage peer's T⊥ update: the
-  same bits as `peer.core.sparseloco.commit.apply_update` gives stage 0's holders from the assembled Δ̄);
 - `ranges_link`: the claim of the committed state: the roster's (replica, sha256) entries, and
   (roster digest, sha256 of the shards' digests in range order), which pins the exact shards.
 """
@@ -22,22 +20,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 
-import torch
 from torch import Tensor
 
 from peer.config import RunConfig
-from peer.core.model.state import state_hash
 from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
-from peer.core.sparseloco.commit import commit_summed, outer_delta, perp_decay
+from peer.core.sparseloco.commit import commit_summed, perp_decay
 from peer.core.sparseloco.ranges import RangePlan, assemble, n_ranges_for, n_units, plan_ranges
 from peer.core.sparseloco.ranges.owner import Shard, returned_to, shard_delta
-from peer.core.subspace.state import EMBED
-from peer.node.round.bans import Bans, after_commit
+from peer.node.round.bans import Bans
 from peer.node.round.claims import SHA_CHARS, Entry, Link, entry
-from peer.node.stage.commit import Outcome
+from peer.node.round.ranges.shard import RangeShard
+from peer.node.stage.commit import Outcome, outcome
 
-__all__ = ["commit_ranges", "embed_change", "embed_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
+__all__ = ["commit_ranges", "parts_delta", "range_plan", "ranges_link", "returned"]
 
 
 def _shapes(start: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -47,25 +43,6 @@ def _shapes(start: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
 def range_plan(cfg: SparseLoCoConfig, shapes: Mapping[str, Sequence[int]], n_prev: int) -> RangePlan:
     """The plan of a ranges round of the stage whose parameters have `shapes` (θ_start's tensor order)."""
     return plan_ranges(shapes, cfg.chunk, n_ranges_for(n_prev, n_units(shapes, cfg.chunk)))
-
-
-def embed_ranges(plan: RangePlan) -> list[int]:
-    """The ranges of a stage-0 plan that hold a band of embed.weight (what a stage peer reads)."""
-    return [r for r, bands in enumerate(plan.ranges) if any(b.name == EMBED for b in bands)]
-
-
-def embed_change(cfg: SparseLoCoConfig, plan: RangePlan, shards: Mapping[int, Shard], shape: Sequence[int]) -> Tensor:
-    """u = fl32(−η·Δ̄[embed.weight]) of a stage-0 ranges round from the shards of `embed_ranges(plan)`:
-    Δ̄[embed.weight] is assembled band by band as `assemble` writes it for stage 0's holders, so u
-    has the bits their `commit_summed` gives (KeyError: a needed shard is missing)."""
-    dense = torch.zeros(tuple(int(d) for d in shape), dtype=torch.float32)
-    for r in embed_ranges(plan):
-        delta = shard_delta(shards[r])
-        for b in plan.ranges[r]:
-            if b.name == EMBED:
-                view = dense[b.row0 : b.row1] if dense.dim() >= 2 else dense
-                view.copy_(delta[b.entry].reshape(view.shape))
-    return outer_delta(dense, cfg.outer_lr)
 
 
 def parts_delta(plan: RangePlan, parts: Sequence[Payload], start: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -86,13 +63,12 @@ def commit_ranges(
     shards: Mapping[int, Shard],
     embed_update: Tensor | None,
 ) -> Outcome:
-    """Commit round t from (start, perp, bans) with the agreed shards of the roster `replicas`."""
+    """Commit round t from (start, perp, bans) with the agreed shards of the roster `replicas`: Δ̄
+    assembled from the shards, the portable commit of it, then `peer.node.stage.commit.outcome` as
+    an all-to-all commit ends (a ranges round screens no outlier: nothing is dropped)."""
     summed = assemble(plan, {r: shard_delta(s) for r, s in shards.items()}, _shapes(start))
     done = commit_summed(start, perp, summed, cfg.sparseloco, U, embed_update, perp_decay(cfg.train, t))
-    swarm = cfg.swarm
-    new_bans = after_commit(bans, t, replicas, (), swarm.ban_after, swarm.ban_rounds, stage)
-    perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
-    return Outcome(t, done, new_bans, tuple(replicas), (), state_hash(done.params), perp_hash)
+    return outcome(cfg, stage, t, bans, done, replicas, ())
 
 
 def returned(
@@ -111,11 +87,12 @@ def returned(
     return assemble(plan, back, _shapes(start))
 
 
-def shards_digest(shards: Mapping[int, bytes]) -> str:
-    """sha256 over the shards' sha256 digests in range order (SHA_CHARS hex chars): pins every shard."""
+def shards_digest(shards: Mapping[int, RangeShard]) -> str:
+    """sha256 over the shards' sha256 digests in range order (SHA_CHARS hex chars): pins every shard
+    (each digest the one its record carries, never recomputed)."""
     h = hashlib.sha256()
     for r in sorted(shards):
-        h.update(hashlib.sha256(shards[r]).digest())
+        h.update(bytes.fromhex(shards[r].sha256))
     return h.hexdigest()[:SHA_CHARS]
 
 
@@ -125,7 +102,7 @@ def ranges_link(
     out: Outcome,
     roster: Sequence[tuple[str, str]],
     roster_digest: str,
-    shards: Mapping[int, bytes],
+    shards: Mapping[int, RangeShard],
     embed_set: Sequence[Entry] | None,
 ) -> Link:
     """The link of a ranges commit: the roster's (replica, sha256) entries and (roster digest, shards digest)."""

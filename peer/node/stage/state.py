@@ -34,13 +34,13 @@ from peer.core.sparseloco.algorithm import decompress, pseudo_gradient
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import RoundCommit
 from peer.core.sparseloco.ranges import RangePlan, encode_parts
-from peer.core.sparseloco.ranges.owner import Shard
 from peer.core.subspace.compression import make_basis
 from peer.core.subspace.state import attach_subspace, initial_split, perp_of, set_perp
 from peer.net.transport.messages import StateReply
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, state_id
 from peer.node.round.contribution import Contribution, bare, encoded
+from peer.node.round.ranges.shard import RangeShard
 from peer.node.stage.commit import Outcome, Prev, compute, named, own_adjustment
 from peer.node.stage.ledger import RoundLedger, make_link
 from peer.node.stage.optimizer import StageOptimizer
@@ -167,18 +167,19 @@ class StageState:
         plan: RangePlan,
         roster: Sequence[tuple[str, str]],
         digest: str,
-        shards: Mapping[int, tuple[bytes, Shard]],
+        shards: Mapping[int, RangeShard],
         position: int | None,
         embed_update: torch.Tensor | None,
         embed_set: Sequence[Entry] | None = None,
     ) -> RoundCommit:
         """Commit a ranges round: θ ← θ_start − η·Δ̄ with Δ̄ assembled from the agreed shards of every
-        range (`roster`: its (replica id, payload sha256) entries, `digest` its digest; `position`: our
+        range (`roster`: its (replica id, payload sha256) entries, `digest` its digest; `shards`: the
+        checked shard of every range, each hashed once where it was taken; `position`: our
         contribution's place in it, None when absent), T⊥ and bans as `apply_round`; what each shard
         dropped or clipped from our part returns to our error buffer (`peer.node.stage.ranges`)."""
         with self.lock:
             t, perp, ledger = self.outer_step, self._perp_cpu(), self.ledger
-            parsed = {r: s for r, (_, s) in shards.items()}
+            parsed = {r: s.shard for r, s in shards.items()}
             replicas = [rid for rid, _ in roster]
             out = commit_ranges(
                 self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, plan, replicas, parsed, embed_update
@@ -187,8 +188,7 @@ class StageState:
             adjustment = returned(own[1], self.start, own[2], position, parsed) if own is not None else None
             prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, None)
             self.optim.feed_back(adjustment)
-            data = {r: b for r, (b, _) in shards.items()}
-            self._install(out, ranges_link(t, prev.state, out, roster, digest, data, embed_set))
+            self._install(out, ranges_link(t, prev.state, out, roster, digest, shards, embed_set))
             ledger.prev = prev
             self._log_commit(out, len(roster))
             return out.committed.commit

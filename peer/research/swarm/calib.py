@@ -44,7 +44,7 @@ from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import received
-from peer.node.round.gather import RoundTimings, gather_round
+from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, payload_validator, read_round, sha256
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
@@ -195,7 +195,7 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
             starts[i] = time.monotonic() - t0  # when this peer's gather begins: its "compute time"
             mine = received(node.dht.peer_id, sha256(own[i]), own[i], validate)  # our own, identified once
             assert node.ctx is not None
-            return gather_round(node.ctx, t, STAGE, TIMINGS, own=mine, validate=validate)
+            return gather_round(node.ctx, t, STAGE, TIMINGS, RoundInputs(own=mine, validate=validate))
 
         with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
             results = list(pool.map(run, range(len(nodes))))

@@ -49,6 +49,7 @@ from peer.node.round.payloads import read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import coordinator_order, owners
 from peer.node.round.ranges.resolve import Resolver
+from peer.node.round.ranges.shard import RangeShard, made
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ class RangesResult:
     t: int
     stage: int
     roster: Roster | None = None
-    shards: dict[int, bytes] = field(default_factory=dict)
-    parsed: dict[int, Shard] = field(default_factory=dict)
+    shards: dict[int, RangeShard] = field(default_factory=dict)  # one checked shard per range resolved
     position: int | None = None  # our contribution's place in the roster (None: not in it)
     payload_bytes: int = 0  # our payload's size (its parts concatenated): the unit of `fetched`
     fetched: RangeBytes = field(default_factory=RangeBytes)
@@ -77,7 +77,12 @@ class RangesResult:
     def complete(self) -> bool:
         if self.roster is None:
             return False
-        return set(self.parsed) >= (self.wanted if self.wanted is not None else set(range(self.roster.ranges)))
+        return set(self.shards) >= (self.wanted if self.wanted is not None else set(range(self.roster.ranges)))
+
+    @property
+    def parsed(self) -> dict[int, Shard]:
+        """The resolved shards, parsed, by range (what a commit assembles)."""
+        return {r: s.shard for r, s in self.shards.items()}
 
     @property
     def replicas(self) -> list[str]:
@@ -100,8 +105,8 @@ def gather_ranges(
     """Contribute `own` = (replica id, its parts in range order) if given, then take round (t, stage)'s
     roster and shards (module docstring). Owners per range beyond the primary: `swarm.range_backups`;
     entries per tile a shard keeps: `swarm.shard_topk` (0: `sparseloco.topk`); `quorum`, `banned`,
-    `peers` as in `gather_round`; `wanted`: the only ranges an observer resolves (a stage peer reads
-    stage 0's embedding ranges alone)."""
+    `peers` as in `peer.node.round.gather.RoundInputs`; `wanted`: the only ranges an observer resolves
+    (a stage peer reads stage 0's embedding ranges alone)."""
     swarm = ctx.cfg.swarm
     settings = _Settings(swarm.range_backups, swarm.shard_topk or None, None if wanted is None else frozenset(wanted))
     run = _RangesRound(ctx, t, stage, timings, plan, banned, settings)
@@ -173,7 +178,7 @@ class _RangesRound:
                 result.timed_out = True
                 log.warning("round %d stage %d: no roster by the deadline", self.t, self.stage)
                 break
-            result.roster, result.parsed, result.shards = roster, {}, {}
+            result.roster, result.shards = roster, {}
             result.fetched.add("roster", len(json.dumps(roster.record().to_record())))
             result.position = next((i for i, e in enumerate(roster.entries) if e.replica == self.replica), None)
             self._own(roster)
@@ -184,7 +189,7 @@ class _RangesRound:
                 resolver.wanted = sorted(result.wanted)
             better = resolver.run(roster, lambda: self._best_roster(reread=False), stop, self._deadlines())
             result.computed, result.refused = resolver.computed, resolver.refused
-            result.shards, result.parsed = resolver.shards, resolver.parsed
+            result.shards = resolver.shards
             result.timed_out = not result.complete
             if better is None:
                 break
@@ -350,8 +355,8 @@ class _RangesRound:
             shard, _ = aggregate_range(
                 self.t, self.stage, r, self.plan, parts[r], roster.digest, self.cfg, self.shard_topk
             )
-            data = shard.to_bytes()
-            self.store.put_shard(self.t, self.stage, r, data)
-            hashes[r] = sha256(data)
+            got = made(shard)
+            self.store.put_shard(self.t, self.stage, r, got.data)
+            hashes[r] = got.sha256
         record = ShardsRecord(roster.digest, hashes)
         self.dht.announce_round("shards", self.t, self.stage, record.to_record(), ttl_s=self.timings.ttl_s)

@@ -5,7 +5,8 @@ another owner of r that fetched it) with its merkle path; it counts only if the 
 against the root the sender signed in its announcement (`peer.core.sparseloco.ranges.parts.merkle_check`)
 and it parses as range r's band entries (`RangePlan.validator`). A *shard* comes from whoever
 holds it and counts only if its sha256 is the one its owners published and its header names the
-round, the range and the roster. So a part or a shard may be served by anyone: the check, not the
+round, the range and the roster (taken as a `peer.node.round.ranges.shard.RangeShard`: hashed
+and parsed here, once). So a part or a shard may be served by anyone: the check, not the
 server, makes it genuine.
 
 `RangeBytes` counts what one holder fetched, by kind (parts, their proofs, shards, the roster,
@@ -31,6 +32,7 @@ from peer.net.range_records import Roster, RosterEntry
 from peer.net.transport.messages import PayloadKind, PayloadRequest
 from peer.node.round.payloads import PayloadStore, sha256
 from peer.node.round.ranges.ownership import owners
+from peer.node.round.ranges.shard import RangeShard
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +168,13 @@ class RangeFetcher:
         if entry.sender != self.me:
             self.store.put_part(self.t, self.stage, entry.sender, r, data, proof)
 
-    def shard(self, roster: Roster, r: int, want: str, addresses: Sequence[str]) -> tuple[bytes, Shard] | None:
-        """The shard of range r whose sha256 is `want`: held here, else from `addresses` in turn;
-        checked (hash, format, header: round, range, roster). None when nobody served it."""
+    def shard(self, roster: Roster, r: int, want: str, addresses: Sequence[str]) -> RangeShard | None:
+        """The shard of range r whose sha256 is `want`: held here (stored under it), else from
+        `addresses` in turn; checked (hash, format, header: round, range, roster), hashed and parsed
+        once here. None when nobody served it."""
         held = self.store.shards(self.t, self.stage, [r], want)
         if held:
-            return held[0][1], self._parse_shard(roster, r, held[0][1])
+            return RangeShard(want, held[0][1], self._parse_shard(roster, r, held[0][1]))
         request = PayloadRequest(self.t, self.stage, want, PayloadKind.SHARD, (r,))
         for address in dict.fromkeys(a for a in addresses if a):
             try:
@@ -196,7 +199,7 @@ class RangeFetcher:
                     )
                     continue
                 self.store.put_shard(self.t, self.stage, r, item.data)
-                return item.data, shard
+                return RangeShard(want, item.data, shard)
         return None
 
     def _parse_shard(self, roster: Roster, r: int, data: bytes) -> Shard:

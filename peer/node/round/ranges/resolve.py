@@ -27,9 +27,9 @@ from peer.core.sparseloco.ranges.owner import Shard, aggregate_range
 from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.range_records import Roster, ShardsRecord
-from peer.node.round.payloads import sha256
 from peer.node.round.ranges.fetch import MAX_FETCHERS, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import RangeStep, owners, range_step
+from peer.node.round.ranges.shard import RangeShard, made
 from peer.node.round.refusals import Refusals
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ class Resolver:
         self.backups = 1
         self.poll_s = 0.2
         self.wanted = list(range(plan.n))  # the ranges to resolve (an observer may want a few)
-        self.shards: dict[int, bytes] = {}
-        self.parsed: dict[int, Shard] = {}
+        self.shards: dict[int, RangeShard] = {}  # the checked shard of each range resolved
         self.computed: list[int] = []
         self.refused: list[str] = []
 
@@ -90,7 +89,7 @@ class Resolver:
                 return better
             past = time.monotonic() >= shard_deadline
             takes: list[tuple[int, str, list[str]]] = []  # (range, sha256, owners' addresses): fetched at once
-            for r in [r for r in self.wanted if r not in self.parsed]:
+            for r in [r for r in self.wanted if r not in self.shards]:
                 range_owners = [o for o in owners(self.t, self.stage, r, senders, k) if not self._refused(o)]
                 claims = self._claims(records, roster, range_owners, r)
                 step = range_step(claims, len(range_owners), past)  # a refused owner is not waited for
@@ -119,10 +118,10 @@ class Resolver:
             fetched = list(pool.map(lambda x: self.fetcher.shard(roster, *x), takes))
         for (r, _, _), got in zip(takes, fetched, strict=True):
             if got is not None:
-                self._take(r, *got)
+                self._take(r, got)
 
     def _done(self) -> bool:
-        return all(r in self.parsed for r in self.wanted)
+        return all(r in self.shards for r in self.wanted)
 
     def _claims(
         self, records: Mapping[str, ShardsRecord], roster: Roster, range_owners: Sequence[str], r: int
@@ -141,9 +140,9 @@ class Resolver:
     def _refused(self, owner: str) -> bool:
         return owner in self.refused or (self.refusals is not None and owner in self.refusals)
 
-    def _take(self, r: int, data: bytes, shard: Shard) -> None:
-        self.shards[r], self.parsed[r] = data, shard
-        self.fetcher.store.put_shard(self.t, self.stage, r, data)
+    def _take(self, r: int, got: RangeShard) -> None:
+        self.shards[r] = got
+        self.fetcher.store.put_shard(self.t, self.stage, r, got.data)
 
     def _arbitrate(self, roster: Roster, r: int, claims: Mapping[str, str], address: Mapping[str, str]) -> None:
         """Owners disagree on range r: check each claimed shard by recomputation (module docstring)."""
@@ -155,25 +154,25 @@ class Resolver:
             ", ".join(f"{o[:12]}={h[:8]}" for o, h in sorted(claims.items())),
         )
         parts = self.fetcher.parts(roster, [r], kind="verify")[r]
-        valid: dict[str, tuple[bytes, Shard]] = {}
+        valid: dict[str, RangeShard] = {}
         for o, h in sorted(claims.items()):
             got = self.fetcher.shard(roster, r, h, [address[o]])
             if got is None:
                 continue  # not served: cannot be checked, nor taken
-            data, shard = got
+            shard = got.shard
             masked = [p if shard.is_included(i) else None for i, p in enumerate(parts)]
             if any(shard.is_included(i) and p is None for i, p in enumerate(parts)):
                 continue  # it includes a part we could not fetch: not checkable here
             again, _ = aggregate_range(
                 self.t, self.stage, r, self.plan, masked, roster.digest, self.cfg, self.shard_topk
             )
-            if again.to_bytes() == data:
-                valid[h] = (data, shard)
+            if again.to_bytes() == got.data:
+                valid[h] = got
             else:
                 self._refuse(o, r)
         if valid:
-            pick = min(valid, key=lambda h: (-_count(valid[h][1]), h))
-            self._take(r, *valid[pick])
+            pick = min(valid, key=lambda h: (-_count(valid[h].shard), h))
+            self._take(r, valid[pick])
         else:
             self._compute(roster, r, parts)
 
@@ -190,7 +189,6 @@ class Resolver:
         if parts is None:
             parts = self.fetcher.parts(roster, [r], kind="verify")[r]
         shard, _ = aggregate_range(self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk)
-        self._take(r, shard.to_bytes(), shard)
+        self._take(r, made(shard))
         self.computed.append(r)
-        hashes = {r: sha256(self.shards[r])}
-        log.info("round %d stage %d: computed range %d here (%s)", self.t, self.stage, r, hashes[r][:8])
+        log.info("round %d stage %d: computed range %d here (%s)", self.t, self.stage, r, self.shards[r].sha256[:8])

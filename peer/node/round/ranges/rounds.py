@@ -10,7 +10,7 @@ stage 0's rule from the stage-0 set its link names (`stage0_n_prev`).
 A round is a list of `Job`s, one per stage round this peer takes part in: its own stages
 (contributing a payload or parts, or observing) and, for a stage peer, stage 0 observed for the
 embedding's change (by ranges: only the shards of the ranges that hold embed.weight's bands,
-`peer.node.stage.ranges.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
+`peer.node.stage.embed.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
 our contribution; `run_jobs` gathers every job at once under one deadline (an all-to-all job through
 the gather it is given, `Rounds.gather`; a ranges job through `peer.node.round.ranges.exchange.gather_ranges`);
 nothing here calls back into `Rounds`. `Rounds.commit_jobs`
@@ -36,9 +36,8 @@ import torch
 from peer.config import RunConfig
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import Payload
-from peer.core.sparseloco.commit import RoundCommit, embedding_update
+from peer.core.sparseloco.commit import RoundCommit
 from peer.core.sparseloco.ranges import RangePlan
-from peer.core.subspace.state import EMBED
 from peer.errors import NetworkError
 from peer.node.round.agreement import round_bans
 from peer.node.round.claims import Entry, entry, parse_claims
@@ -47,7 +46,8 @@ from peer.node.round.contribution import Contribution
 from peer.node.round.gather import RoundResult, RoundTimings
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import round_rule
-from peer.node.stage.ranges import embed_change, embed_ranges, range_plan
+from peer.node.stage.embed import EmbedShards, embed_ranges, stage0_change
+from peer.node.stage.ranges import range_plan
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -191,26 +191,18 @@ def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set
     update = update if w.stage != 0 else None
     if isinstance(result, RangesResult):
         assert result.roster is not None and job.plan is not None
-        roster = [(e.replica, e.sha256) for e in result.roster.entries]
-        shards = {r: (result.shards[r], result.parsed[r]) for r in result.parsed}
-        return w.apply_ranges(job.plan, roster, result.roster.digest, shards, result.position, update, link_embed)
+        roster, digest = [(e.replica, e.sha256) for e in result.roster.entries], result.roster.digest
+        return w.apply_ranges(job.plan, roster, digest, result.shards, result.position, update, link_embed)
     return w.commit_round(result.contributions, update, link_embed)
-
-
-def stage0_update(embed: RoundResult, cfg: RunConfig) -> torch.Tensor:
-    """Stage 0's committed embedding change from an observer gather of stage 0: screened with the
-    replica ids as keys, exactly as stage 0's holders commit it (`StageWorker.commit_round`)."""
-    return embedding_update(list(embed.parsed), cfg.sparseloco, keys=embed.replicas)
 
 
 def observed_embed(cfg: RunConfig, job: Job, result: Gathered) -> torch.Tensor | None:
     """Stage 0's committed embedding change from an observer job of stage 0 (None: no contribution):
-    from its payloads (all-to-all), or from the shards of the embedding's ranges alone."""
+    `stage0_change` of its contributions (all-to-all) or of the embedding ranges' shards alone."""
     if isinstance(result, RoundResult):
-        return stage0_update(result, cfg) if result.parsed else None
+        return stage0_change(cfg, result.contributions)
     assert job.plan is not None
-    shape = stage_shapes(cfg.model, 0, cfg.stages)[EMBED]
-    return embed_change(cfg.sparseloco, job.plan, result.parsed, shape)
+    return stage0_change(cfg, EmbedShards(job.plan, result.parsed))
 
 
 def summary(result: Gathered, behind: bool = False) -> RoundResult:
