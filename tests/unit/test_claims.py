@@ -127,6 +127,11 @@ def test_a_round_is_closed_elsewhere_once_the_clock_is_two_rounds_past_it():
     assert not closed_elsewhere(clock=5, t=5)
 
 
+def test_after_a_stall_past_our_records_lifetime_one_round_of_the_clock_is_enough():
+    assert closed_elsewhere(clock=6, t=5, stalled=True)  # the others saw us gone and closed t without us
+    assert not closed_elsewhere(clock=5, t=5, stalled=True)  # nobody past t: our set may still be the one
+
+
 def test_an_observer_takes_the_set_most_holders_committed():
     claims = parse_claims(
         {

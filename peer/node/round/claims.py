@@ -208,10 +208,14 @@ def observed(claims: Iterable[Claim], t: int) -> list[Claim]:
     return sorted(best, key=lambda c: (-len(groups[c.link.entries]) if c.link else 0, c.key, c.peer))
 
 
-def closed_elsewhere(clock: int, t: int) -> bool:
+def closed_elsewhere(clock: int, t: int, stalled: bool = False) -> bool:
     """Whether the swarm closed round t at least a round ago: its clock (the lower median of the
     other replicas' outer steps, which a dishonest minority cannot move) is two or more rounds past
     t. A holder still gathering t then (it woke from a freeze, or stalled) never commits a set of its
     own: it re-syncs to the state a majority of its stage's holders claims (`majority`), whether or
-    not one exists at this very moment (holders one round apart split the vote for a while)."""
-    return clock >= t + 2
+    not one exists at this very moment (holders one round apart split the vote for a while).
+
+    One round past is enough when we `stalled` since the round began for longer than our records
+    live (`peer.node.round.stalls`): the others saw us gone, may have given our payload up, and the
+    replicas that are past t closed it without waiting for us."""
+    return clock >= t + (1 if stalled else 2)

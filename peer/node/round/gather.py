@@ -53,6 +53,7 @@ from peer.node.round.contribution import Contribution
 from peer.node.round.fetcher import Fetcher
 from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import SETTLE_S, announce, poll_pause, read_round
+from peer.node.round.stalls import stall_watch
 from peer.node.round.verify import SetFetcher
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class RoundTimings:
     grace_s: float = 5.0  # FOLLOW and the deadline fence: how long past T_r; to fetch a followed set
     poll_s: float = 0.2  # between two DHT polls
     ttl_s: float = 60.0  # announcements' lifetime: a claim naming them is checked against them later
+    lapse_s: float = 28.0  # a stall this long may have let our records lapse (`peer.node.round.stalls`)
 
     @classmethod
     def from_config(cls, swarm: SwarmConfig) -> RoundTimings:
@@ -107,7 +109,13 @@ class RoundTimings:
             deadline_s=swarm.round_timeout_s,
             grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
             ttl_s=history_ttl_s(swarm),  # announcements outlive the round: a joiner's replay checks them
+            lapse_s=max(1.0, swarm.record_ttl_s - swarm.announce_interval_s),
         )
+
+    def stalled(self, since: float) -> bool:
+        """Whether this process stood still, since monotonic time `since`, long enough that its
+        records may have lapsed (others then close rounds without it)."""
+        return stall_watch().longest_since(since) >= self.lapse_s
 
     @property
     def rpc_s(self) -> float:
@@ -287,7 +295,7 @@ class _Gather:
 
     def _decide(self, read: _Read, quorum: int) -> Close:
         """Fetch what is bound and missing, then the close decision of this poll."""
-        if closed_elsewhere(read.clock, self.t):
+        if closed_elsewhere(read.clock, self.t, self.timings.stalled(self.started)):
             self.why_behind = "the swarm is rounds ahead"
             return close_decision(Poll(fresh=True, closed_elsewhere=True))
         self._fetch_bound(read)

@@ -53,6 +53,7 @@ from peer.node.round.ranges.rounds import (
     summary,
 )
 from peer.node.round.resync import Resync
+from peer.node.round.stalls import stall_watch
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Rounds:
         self.publish, self.resync = ctx.publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
         self.evidence: dict[int, tuple[Evidence, ...]] = {}  # per stage: its recent rounds, as seen (censors)
+        self.started = time.monotonic()  # when the current round's gathers began (`_closed_elsewhere`)
+        stall_watch()  # watching for stalls from now on (`peer.node.round.stalls`)
 
     def gather(
         self,
@@ -115,6 +118,7 @@ class Rounds:
     def gather_jobs(self, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
         """Every job's round (t, stage) at once, under one deadline (`run_jobs`): all-to-all jobs
         through `gather`; the bytes a ranges job fetched counted here as `gather` counts its own."""
+        self.started = time.monotonic()
         results = run_jobs(self.ctx, self._gather_job, jobs, t, stop)
         self.pg_bytes += sum(r.fetched.total for r in results if isinstance(r, RangesResult))
         return results
@@ -242,7 +246,8 @@ class Rounds:
         A gather decides on a fresh view, but the process may freeze between that decision and its
         commit (a SIGSTOP, a stalled machine); others then close the round without the payloads
         only it held. Read again right before applying: never commit a round the swarm closed a
-        round ago (`peer.node.round.claims.closed_elsewhere`), re-sync instead."""
+        round ago (`peer.node.round.claims.closed_elsewhere`), or at all if we stalled since the round
+        began for longer than our records live, re-sync instead."""
         if not results or all(failed(r) for r in results):
             return False
         t = results[0].t
@@ -251,8 +256,10 @@ class Rounds:
         except NetworkError as exc:  # not known: the gather's fresh decision stands
             log.info("round %d: swarm clock not read before committing: %s", t, exc)
             return False
-        if closed_elsewhere(clock, t):
-            log.warning("round %d: the swarm is at outer step %d by now (a freeze?); re-syncing instead", t, clock)
+        stalled = RoundTimings.from_config(self.cfg.swarm).stalled(self.started)
+        if closed_elsewhere(clock, t, stalled):
+            why = "this process stood still past its records' lifetime" if stalled else "a freeze?"
+            log.warning("round %d: the swarm is at outer step %d by now (%s); re-syncing instead", t, clock, why)
             return True
         return False
 
