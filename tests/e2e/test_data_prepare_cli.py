@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 PEER = [sys.executable, "-m", "peer", "data", "prepare"]
 ROOT = Path(__file__).resolve().parents[2]
-STDLIB = ["builtin:stdlib", "--max-chars", "800000", "--vocab-size", "512", "--shard-tokens", "8000"]
+# four batches of 1 MiB (`prepare._BATCH_CHARS`): a kill after the first finished shard lands with three
+# batches still to come (with 800 000 characters, one batch, the index could be written before the kill)
+STDLIB = ["builtin:stdlib", "--max-chars", "4000000", "--vocab-size", "512", "--shard-tokens", "8000"]
 
 
 def _env() -> dict[str, str]:
