@@ -35,7 +35,7 @@ from peer.node.round.bans import Bans, after_commit
 from peer.node.round.claims import state_id
 from peer.node.round.contribution import Contribution
 
-__all__ = ["Outcome", "Prev", "compute", "named", "outcome", "own_adjustment"]
+__all__ = ["Outcome", "Prev", "compute", "named", "outcome", "own_adjustment", "screening_keys"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def compute(
     """Commit round t of `stage` from (start, perp, bans): the portable commit of `payloads` (in the
     given order, from `replicas`, one id per payload or none; fused, nothing decoded densely), then
     `outcome` (the ban state advanced by the set and its outliers)."""
-    keys = list(replicas) if len(replicas) == len(payloads) else None  # the screening's tie-break
+    keys = screening_keys(payloads, replicas)
     factor = perp_decay(cfg.train, t)
     done = commit_state(start, perp, payloads, cfg.sparseloco, U, embed_update, factor, keys=keys)  # fused: no dense Δ̂
     dropped = tuple(keys[i] for i in done.commit.dropped) if keys is not None else ()
@@ -101,6 +101,11 @@ def outcome(
     new_bans = after_commit(bans, t, replicas, dropped, swarm.ban_after, swarm.ban_rounds, stage)
     perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
     return Outcome(t, done, new_bans, tuple(replicas), tuple(dropped), state_hash(done.params), perp_hash)
+
+
+def screening_keys(payloads: Sequence[Payload], replicas: Sequence[str]) -> list[str] | None:
+    """The screening's tie-break keys of a commit: the replica ids, one per payload (else none)."""
+    return list(replicas) if len(replicas) == len(payloads) else None
 
 
 def named(contributions: Sequence[Contribution]) -> tuple[list[Payload], list[str]]:

@@ -30,7 +30,7 @@ from peer.core.sparseloco.ranges import RangePlan
 from peer.core.sparseloco.ranges.owner import Shard, shard_delta
 from peer.core.subspace.state import EMBED
 from peer.node.round.contribution import Contribution
-from peer.node.stage.commit import named
+from peer.node.stage.commit import named, screening_keys
 
 __all__ = ["EmbedShards", "embed_change", "embed_ranges", "stage0_change"]
 
@@ -53,8 +53,7 @@ def stage0_change(cfg: RunConfig, committed: Sequence[Contribution] | EmbedShard
     if not committed:
         return None
     payloads, replicas = named(committed)
-    keys = replicas if len(replicas) == len(payloads) else None  # as `compute` keys stage 0's screening
-    return embedding_update(payloads, cfg.sparseloco, keys=keys)
+    return embedding_update(payloads, cfg.sparseloco, keys=screening_keys(payloads, replicas))
 
 
 def embed_ranges(plan: RangePlan) -> list[int]:
