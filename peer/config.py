@@ -151,6 +151,8 @@ class RunConfig:
         d["data"].pop("cache_dir", None)
         d["data"].pop("tokenizer", None)  # checked by the tokenizer's own sha256
         d["train"].pop("in_flight", None)  # a head's local schedule choice; the math does not depend on it
+        if d["train"].get("overlap") == 0:  # the synchronous schedule: fingerprints from before the option
+            d["train"].pop("overlap")
         d["swarm"].pop("inner_step_replays", None)  # a head's retry budget; the math does not depend on it
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -421,6 +423,8 @@ def validate(cfg: RunConfig) -> None:
     for name in ("inner_steps", "outer_steps", "batch_size", "microbatches", "seq_len"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    if t.overlap not in (0, 1):
+        raise ConfigError(f"train.overlap must be 0 (synchronous) or 1 (one round in flight), got {t.overlap}")
     if t.in_flight < 0:
         raise ConfigError(f"train.in_flight must be >= 0 (0 = auto), got {t.in_flight}")
     if t.batch_size % t.microbatches:

@@ -312,6 +312,7 @@ class StageRecord:
     refused: tuple[str, ...] = ()  # holders whose state failed its check (prefixes)
     tokens_per_s: float | None = None
     in_flight: int | None = None  # a head's micro-batches in flight
+    training: int | None = None  # the outer step it trains while its last round is in flight (overlap)
     net: NetFields = NetFields()
     peer_id: str = ""  # the signer
     time: float = 0.0  # DHT time of the announcement
@@ -332,12 +333,19 @@ class StageRecord:
         "refused": _str_list,
         "tokens_per_s": _opt(_is_num),
         "in_flight": _opt(_is_int),
+        "training": _opt(_is_int),
         **_SIGNED,
     }
 
     @property
     def left(self) -> bool:
         return self.state == "left"
+
+    @property
+    def trains(self) -> int | None:
+        """The outer step whose inner steps it serves: `training` while a round is in flight, else
+        its committed outer step."""
+        return self.training if self.training is not None else self.outer_step
 
     @classmethod
     def parse(cls, raw: Any) -> StageRecord | None:
@@ -366,6 +374,7 @@ class StageRecord:
             "refused": list(self.refused),
             "tokens_per_s": self.tokens_per_s,
             "in_flight": self.in_flight,
+            **({"training": self.training} if self.training is not None else {}),  # only while ahead
             **self.net.to_record(),
         }
 

@@ -91,6 +91,7 @@ class Records:
             role=role,
             state=state,
             outer_step=worker.outer_step,
+            training=worker.train_step if worker.train_step != worker.outer_step else None,
             param_hash=worker.param_hash(),
             perp_hash=worker.perp_hash(),
             inc=self.me.incarnation,

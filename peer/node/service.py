@@ -127,11 +127,12 @@ class PeerService:
                     f"peer {self.peer_id[:12]} is leaving the run; use another stage {stage} peer",
                     refusal=Refusal(RefusalKind.LOST, stage),
                 )
-            busy = Refusal(RefusalKind.BUSY, stage, outer_step=worker.outer_step)
+            trains = worker.train_step  # the outer step it trains (t + 1 while round t is in flight: overlap)
+            busy = Refusal(RefusalKind.BUSY, stage, outer_step=trains)
             if self.in_round:
                 raise Refused(busy, f"stage {stage} is finishing outer round {worker.outer_step}; retry shortly")
-            if outer_step != worker.outer_step:
-                raise Refused(busy, f"stage {stage} is at outer step {worker.outer_step}, request is for {outer_step}")
+            if outer_step != trains:
+                raise Refused(busy, f"stage {stage} is at outer step {trains}, request is for {outer_step}")
             if self.claimed_by not in (None, pipeline_id):
                 raise Refused(
                     Refusal(RefusalKind.CLAIMED, stage),

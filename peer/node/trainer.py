@@ -6,11 +6,14 @@ peer.node.round.resync; every committed round goes through peer.core.sparseloco.
 - head (stage 0):   H inner steps driven through a claimed pipeline (peer.node.pipeline.driver) → round for
                     stage 0 → validation loss;
 - full replica:     H inner steps on all stages locally, no compression → a round for every stage;
-                    a head and a full replica share one outer loop (`_outer_loop`) and differ only in
-                    what `_Head` and `_Full` do inside it (inner step, pause, round, validation);
+                    a head and a full replica share one outer loop (peer.node.outer_loop) and differ only
+                    in what `_Head` and `_Full` do inside it (inner step, pause, round, validation);
 - stage peer (s>0): serves forward/backward/step for the pipeline that claimed it; after the H-th
                     step (or, as a hot spare, when the round's first payload appears) it runs the
                     round for its stage plus an observer gather of stage 0 for T⊥.
+With `train.overlap` 1 every role encodes its payload at the end of outer step t and trains t + 1
+while round t runs in the background (peer.node.round.in_flight; docs/protocol.md, "Overlapped
+outer steps").
 After every `swarm.checkpoint_every_rounds` committed rounds each process saves its stage state to
 `<data-dir>/checkpoints` (peer.node.checkpoints.stage); `peer join --resume` restores it before training.
 Every process writes `<data-dir>/metrics.jsonl` and exits 0 after `train.outer_steps` rounds or on
@@ -19,32 +22,33 @@ SIGINT/SIGTERM (records withdrawn, server and DHT stopped).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from peer.core.data.loader import Corpus, train_batch, val_batches
+from peer.core.data.loader import Corpus
 from peer.core.model.inner import MicroForward
 from peer.errors import ConfigError, NetworkError, PeerError
 from peer.node.fit import check_join
+from peer.node.outer_loop import run_outer_loop
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
 from peer.node.pipeline.schedule import with_in_flight
-from peer.node.replica.data_parallel import chain_loss, chain_step, rank_batch_index
+from peer.node.replica.data_parallel import chain_loss, chain_step
 from peer.node.round.gather import RoundResult
+from peer.node.round.in_flight import InFlight
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
-
-VAL_BATCHES = 2
 
 
 def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> int:
@@ -66,31 +70,83 @@ def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> i
             lambda: session.records.stage(worker, role="trainer" if service.claimed_by else "spare")
         )
         last_check = time.monotonic()
-        while worker.outer_step < cfg.train.outer_steps and not stop.is_set():
-            session.check_alive()  # a dead DHT process ends the role instead of idling forever
-            t = worker.outer_step
-            contributor: str | None
-            try:
-                pipeline, _ = triggers.get(timeout=0.2)
-                contributor = pipeline
-            except queue.Empty:
-                if time.monotonic() - last_check > cfg.swarm.announce_interval_s:
-                    last_check = time.monotonic()
-                    _housekeeping(session, service, worker)
-                # hot spare: once round (t, stage) is complete, apply the same committed set
-                if service.claimed_by is not None or not session.rounds.complete(t, stage):
+        flight: InFlight | None = None
+        try:
+            while not stop.is_set():
+                if flight is not None and not flight.running:
+                    flight.land()
+                    flight = None
+                if flight is None and worker.outer_step >= cfg.train.outer_steps:
+                    break
+                session.check_alive()  # a dead DHT process ends the role instead of idling forever
+                t = worker.outer_step
+                contributor: str | None
+                try:
+                    pipeline, trained = triggers.get(timeout=0.2)
+                    contributor = pipeline
+                except queue.Empty:
+                    if flight is not None:
+                        continue  # nothing to repair or observe while our round is in flight
+                    if time.monotonic() - last_check > cfg.swarm.announce_interval_s:
+                        last_check = time.monotonic()
+                        _housekeeping(session, service, worker)
+                    # hot spare: once round (t, stage) is complete, apply the same committed set
+                    if service.claimed_by is not None or not session.rounds.complete(t, stage):
+                        continue
+                    if not service.begin_observing():
+                        continue  # claimed by a head in the meantime
+                    contributor = None
+                if contributor is not None and cfg.train.overlap:
+                    if flight is not None:  # round t − 1 lands before round t is encoded
+                        flight.land()
+                        flight = None
+                    flight = _stage_launch(session, service, worker, contributor, trained, stop)
                     continue
-                if not service.begin_observing():
-                    continue  # claimed by a head in the meantime
-                contributor = None
-            try:
-                session.rounds.stage_round(worker, contributor, stop)
-                session.checkpoints.after_round({stage: worker})  # still in the round: no pipeline can touch it
-            except NetworkError as exc:  # the DHT or every holder unreachable: housekeeping re-syncs
-                log.warning("stage %d: round %d did not complete: %s", stage, t, exc)
-            finally:
-                service.round_done()
+                try:
+                    session.rounds.stage_round(worker, contributor, stop)
+                    session.checkpoints.after_round({stage: worker})  # still in the round: no pipeline can touch it
+                except NetworkError as exc:  # the DHT or every holder unreachable: housekeeping re-syncs
+                    log.warning("stage %d: round %d did not complete: %s", stage, t, exc)
+                finally:
+                    service.round_done()
+        finally:
+            if flight is not None:
+                flight.land()
         return session.finish(stop)
+
+
+def _stage_launch(
+    session: Session, service: PeerService, worker: StageWorker, pipeline: str, trained: int, stop: threading.Event
+) -> InFlight | None:
+    """Overlap on a stage peer: encode round t now, serve the pipelines' inner steps of t + 1 while
+    the round runs in the background. None (nothing launched) when the outer step the pipeline
+    trained is not ours (our round t − 1 did not commit here): housekeeping re-syncs."""
+    t = worker.outer_step
+    try:
+        if trained != t:
+            log.warning(
+                "stage %d: the pipeline trained outer step %d on our outer step %d; not contributing",
+                worker.stage,
+                trained,
+                t,
+            )
+            return None
+        job = session.rounds.stage_job(worker, pipeline)
+        worker.begin_overlap()
+    finally:
+        service.round_done()  # claimable for the next outer step at once
+    session.records.refresh()
+
+    def run() -> dict[int, RoundResult]:
+        session.rounds.stage_round(worker, pipeline, stop, job=job)
+        return {}
+
+    def checkpoint(results: Mapping[int, RoundResult], val: float | None) -> None:
+        session.checkpoints.after_round({worker.stage: worker})  # a copy: the next outer step trains
+
+    flight = InFlight(t, [worker], run, checkpoint)
+    flight.val.set_result(None)  # a stage peer measures no validation loss
+    return flight
 
 
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
@@ -112,7 +168,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
                 pipeline_peers={str(s): pid for s, (pid, _) in list(driver.peers.items())},
             ),
         )
-        _outer_loop(session, head, data, shard, stop)
+        run_outer_loop(session, head, data, shard, stop)
         return session.finish(stop)
 
 
@@ -155,7 +211,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull
             *[lambda w=w: session.records.stage(w, role="full") for w in workers.values()],
         )
         try:
-            _outer_loop(session, full, data, shard, stop)
+            run_outer_loop(session, full, data, shard, stop)
         finally:
             full.close()
         return session.finish(stop)
@@ -193,84 +249,6 @@ def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[Corpus, in
     return session.data.load(session.cfg), shard, service
 
 
-class _Replica(Protocol):
-    """What a head and a full replica do their own way inside the one outer loop (`_outer_loop`)."""
-
-    @property
-    def workers(self) -> Mapping[int, StageWorker]:
-        """The stages this replica holds, by stage."""
-
-    @property
-    def chain(self) -> list[StageWorker] | None:
-        """Every stage in order, kept at one outer step (a full replica); None: a head."""
-
-    @property
-    def ranks(self) -> int:
-        """Processes training this replica together (torchrun); rank 0 runs this loop."""
-
-    def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One inner step on a (b, L) batch; its loss (NetworkError: no usable peer for a stage)."""
-
-    def pause(self, t: int, exc: NetworkError) -> None:
-        """An inner step failed: forget the outer step's gradients and wait before it starts over."""
-
-    def round(self, t: int) -> Mapping[int, RoundResult]:
-        """Round t of every stage held: the results by stage (NetworkError: the DHT unreachable)."""
-
-    def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        """The validation loss after round t (None: skipped)."""
-
-    @property
-    def activations(self) -> tuple[int, int]:
-        """Stage-boundary bytes so far, as the `round` metric counts them."""
-
-
-def _outer_loop(session: Session, replica: _Replica, data: Corpus, shard: int, stop: threading.Event) -> None:
-    """The outer steps of a head or a full replica until the run's last round (or `stop`): repair,
-    H inner steps on our shard, the round of every stage held, validation, the record, the checkpoint."""
-    cfg = session.cfg
-    train, H, first = cfg.train, cfg.train.inner_steps, replica.workers[0]
-    val = val_batches(data, train.batch_size, train.seq_len, max_batches=VAL_BATCHES)
-    session.wait_for_quorum(first.outer_step, stop)
-    while first.outer_step < train.outer_steps and not stop.is_set():
-        session.check_alive()  # a dead DHT process ends the role instead of re-syncing forever
-        if not _repair(session, replica.workers, stop, replica.chain):
-            continue
-        t = first.outer_step
-        if t >= train.outer_steps:
-            break
-        losses = []
-        try:
-            for h in range(H):
-                batch = rank_batch_index(t, h, H, replica.ranks, 0)  # rank 0's; the others' follow it
-                x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
-                losses.append(replica.inner_step(t, h, x, y))
-                session.metrics.log("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
-                if stop.is_set():
-                    return
-        except NetworkError as exc:  # no usable peer for a stage: pause, then start the outer step over
-            log.warning("pipeline paused at outer step %d: %s", t, exc)
-            session.metrics.log("pause", t=t, reason=str(exc))
-            replica.pause(t, exc)
-            continue
-        try:
-            results = replica.round(t)
-        except NetworkError as exc:  # the DHT unreachable past the deadline: repaired before the next step
-            log.warning("round %d did not complete: %s", t, exc)
-            continue
-        if any(r.behind for r in results.values()):
-            continue  # round t was committed without us: we re-synced instead (aligned before the next step)
-        session.rounds.record(
-            t,
-            {s: (replica.workers[s], r.participants) for s, r in results.items()},
-            sum(losses) / len(losses),
-            replica.evaluate(t, val),
-            max(r.wall_s for r in results.values()),
-            activations=replica.activations,
-        )
-        session.checkpoints.after_round(replica.workers, {"shard": shard})  # data position: (shard, outer step)
-
-
 class _Head:
     """A head's outer steps: stage 0 here, the inner steps through a claimed pipeline."""
 
@@ -299,6 +277,15 @@ class _Head:
             return {0: self.session.rounds.head_round(self.worker, t, self.stop, peers=bound)}
         finally:
             self.driver.release()
+
+    def launch(self, t: int) -> Callable[[], Mapping[int, RoundResult]]:
+        bound = {str(s): pid for s, (pid, _) in list(self.driver.peers.items())}
+        try:
+            job = self.session.rounds.head_job(self.worker, bound)
+            self.worker.begin_overlap()
+        finally:
+            self.driver.release()  # the stage peers take the next outer step's claims
+        return lambda: {0: self.session.rounds.head_round(self.worker, t, self.stop, peers=bound, job=job)}
 
     def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         try:
@@ -329,11 +316,21 @@ class _Full:
         """One inner step's micro-batch forward through the chain (`peer.core.model.inner.accumulate`)."""
         return lambda mx, my: (chain_loss(self.chain, mx, my), 0)
 
+    def held(self) -> contextlib.ExitStack:
+        """With overlap, every stage's lock for one inner step: a round in flight writes the
+        parameters between two steps, never inside one (no lock needed without overlap)."""
+        stack = contextlib.ExitStack()
+        if self.chain[0].cfg.train.overlap:
+            for w in self.chain:
+                stack.enter_context(w.lock)
+        return stack
+
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         """`peer.node.replica.data_parallel.chain_step`: every stage's micro-batches, then their clipped steps."""
         if h == 0:
             self._started = time.monotonic()
-        loss = chain_step(self.chain, self.forward(), t, h, x, y)
+        with self.held():
+            loss = chain_step(self.chain, self.forward(), t, h, x, y)
         self.last_loss = loss
         self.tokens_per_s = (h + 1) * x.numel() * self.ranks / max(1e-9, time.monotonic() - self._started)
         return loss
@@ -350,9 +347,17 @@ class _Full:
     def round(self, t: int) -> Mapping[int, RoundResult]:
         return self.session.rounds.full_round(self.workers, t, self.stop)
 
+    def launch(self, t: int) -> Callable[[], Mapping[int, RoundResult]]:
+        with self.held():
+            jobs = self.session.rounds.full_jobs(self.workers)
+            for w in self.chain:
+                w.begin_overlap()
+        return lambda: self.session.rounds.full_round(self.workers, t, self.stop, jobs=jobs)
+
     @torch.no_grad()
     def evaluate(self, t: int, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        losses = [chain_loss(self.chain, x, y).item() for x, y in val]
+        with self.held():
+            losses = [chain_loss(self.chain, x, y).item() for x, y in val]
         return sum(losses) / max(1, len(losses))
 
 
@@ -364,43 +369,6 @@ def _housekeeping(session: Session, service: PeerService, worker: StageWorker) -
             session.resync.maintain(worker)
         except PeerError as exc:
             log.warning("stage %d: could not re-sync yet: %s", worker.stage, exc)
-
-
-def _repair(
-    session: Session, workers: Mapping[int, StageWorker], stop: threading.Event, chain: list[StageWorker] | None = None
-) -> bool:
-    """Before an outer step of a head or full replica: re-sync what is behind or not canonical,
-    align a full replica's stages, apply a round we synced into. False (after a pause) when a
-    holder to sync from is not reachable yet: the caller tries again, it never exits on it."""
-    try:
-        for w in workers.values():
-            session.resync.maintain(w)
-        if chain is not None and not _align(session, chain):
-            stop.wait(session.cfg.swarm.announce_interval_s)
-            return False
-        session.rounds.catch_up(workers, stop, full=chain is not None)
-    except NetworkError as exc:
-        log.warning("could not re-sync yet: %s", exc)
-        stop.wait(session.cfg.swarm.announce_interval_s)
-        return False
-    return True
-
-
-def _align(session: Session, chain: list[StageWorker], attempts: int = 3) -> bool:
-    """A full replica's stages at different outer steps (one re-synced ahead): re-sync the ones
-    behind to the swarm's state until all are at the same outer step (bounded)."""
-    for _ in range(attempts):
-        top = max(w.outer_step for w in chain)
-        behind = [w for w in chain if w.outer_step < top]
-        if not behind:
-            return True
-        for w in behind:
-            try:
-                session.resync.sync_state(w, f"stage behind the replica's other stages (outer step {w.outer_step})")
-            except PeerError as exc:
-                log.warning("stage %d: could not align with the other stages yet: %s", w.stage, exc)
-                return False
-    return len({w.outer_step for w in chain}) == 1
 
 
 def run_role(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:

@@ -102,7 +102,7 @@ def _matches_the_swarms_validation_loss(sw, folder) -> None:
     transformers = pytest.importorskip("transformers")
     from peer.core.data.loader import open_corpus, val_batches
     from peer.core.data.shards import PreparedDataset
-    from peer.node.trainer import VAL_BATCHES
+    from peer.node.outer_loop import VAL_BATCHES
 
     meta = json.loads((sw.tmp / "full" / "checkpoints" / f"step-{EXPORT_AT:06d}" / "meta.json").read_text())
     train, seed = meta["config"]["train"], meta["config"]["data"]["seed"]

@@ -33,6 +33,11 @@ class TrainConfig:
         metadata={"help": "Head: micro-batches in the pipeline at once (1 = sequential; 0 = auto from S and RTT)."},
     )
     seq_len: int = field(default=64, metadata={"help": "Tokens per sequence."})
+    # rounds in flight while the next inner steps run (docs/protocol.md, "Overlapped outer steps")
+    overlap: int = field(
+        default=0,
+        metadata={"help": "Rounds run in the background while the next outer step trains (0 = synchronous, 1)."},
+    )
     lr: float = field(default=3e-3, metadata={"help": "Peak inner learning rate."})
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1

@@ -90,7 +90,7 @@ class PipelineDriver:
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Validation loss through the pipeline (no backward kept anywhere); None when a stage
         failed (its peer is dropped where the failure says so)."""
-        t = self.worker.outer_step
+        t = self.worker.train_step  # the outer step the pipeline's peers serve now (ahead: overlap)
         losses: list[float] = []
         for i, (x, y) in enumerate(batches):
             hidden = self.worker.evaluate(x, None, None).hidden

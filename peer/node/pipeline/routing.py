@@ -70,7 +70,7 @@ class Routing:
             (pid, rec.address)
             for pid, rec in self.records.get_stage_peers(stage).items()
             if rec.role in ("spare", "trainer")
-            and rec.outer_step == t
+            and rec.trains == t
             and rec.address
             and pid not in self.excluded
             and (rec.pipeline in (None, self.pipeline_id))

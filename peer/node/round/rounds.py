@@ -299,23 +299,40 @@ class Rounds:
             worker.return_unsent(last.payload)
         worker.observe()
 
+    def head_job(self, worker: StageWorker, peers: Mapping[str, str] | None = None) -> Job:
+        """A head's stage-0 job of the current round, our payload encoded now (announcing `peers`,
+        {"<stage>": peer id}, the stage peers that did this outer step's last inner step: the
+        round's binding)."""
+        return own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}))
+
+    def full_jobs(self, workers: Mapping[int, StageWorker]) -> list[Job]:
+        """A full replica's jobs of the current round, one per stage, our payloads encoded now."""
+        return [own_job(self.ctx, w, self.me.peer_id) for w in workers.values()]
+
     def head_round(
-        self, worker: StageWorker, t: int, stop: threading.Event, peers: Mapping[str, str] | None = None
+        self,
+        worker: StageWorker,
+        t: int,
+        stop: threading.Event,
+        peers: Mapping[str, str] | None = None,
+        job: Job | None = None,
     ) -> RoundResult:
-        """Stage 0 of a head: contribute (announcing `peers`, {"<stage>": peer id}, the stage peers
-        that did this outer step's last inner step: the round's binding), gather and apply; all-to-all
-        or by ranges, as the round rule says (`peer.node.round.ranges.rounds`)."""
-        job = own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}))
+        """Stage 0 of a head: contribute (`head_job`, unless `job` was encoded already: overlap),
+        gather and apply; all-to-all or by ranges, as the round rule says (`peer.node.round.ranges.rounds`)."""
+        job = job if job is not None else self.head_job(worker, peers)
         if not self._checked_before([job], t):
             return RoundResult(t=t, stage=worker.stage, behind=True)
         result = self.gather_jobs([job], t, stop)[0]
         committed = self.commit_jobs([job], [result])
         return summary(result, behind=not committed)
 
-    def full_round(self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event) -> dict[int, RoundResult]:
+    def full_round(
+        self, workers: Mapping[int, StageWorker], t: int, stop: threading.Event, jobs: Sequence[Job] | None = None
+    ) -> dict[int, RoundResult]:
         """A full replica: contribute to and gather every stage's round at once (each stage all-to-all
-        or by ranges, as its rule says: `peer.node.round.ranges.rounds`), then apply them."""
-        jobs = [own_job(self.ctx, w, self.me.peer_id) for w in workers.values()]
+        or by ranges, as its rule says: `peer.node.round.ranges.rounds`), then apply them; `jobs`:
+        encoded already (`full_jobs`, overlap)."""
+        jobs = list(jobs) if jobs is not None else self.full_jobs(workers)
         if not self._checked_before(jobs, t):
             return {w.stage: RoundResult(t=t, stage=w.stage, behind=True) for w in workers.values()}
         results = self.gather_jobs(jobs, t, stop)
@@ -344,15 +361,18 @@ class Rounds:
             job.worker.observe()
         return False
 
-    def stage_round(self, worker: StageWorker, contributor: str | None, stop: threading.Event) -> None:
+    def stage_round(
+        self, worker: StageWorker, contributor: str | None, stop: threading.Event, job: Job | None = None
+    ) -> None:
         """A stage > 0 peer: its own round (contributing if it trained) + stage 0's for T⊥ (by ranges:
         the shards of the embedding's ranges alone).
 
         A claimed stage peer is never idle between rounds, so the canonical-state check
         (`Resync.reconcile`) runs here, after our payload is encoded and before the round: a
-        disagreement seen in round t is repaired before round t commits."""
+        disagreement seen in round t is repaired before round t commits. `job`: our own, encoded
+        already (overlap)."""
         t = worker.outer_step
-        job = own_job(self.ctx, worker, contributor)
+        job = job if job is not None else own_job(self.ctx, worker, contributor)
         try:
             self.resync.reconcile(worker, before_round=True)
         except PeerError as exc:
@@ -370,6 +390,10 @@ class Rounds:
         if self.commit_jobs(jobs, results):
             ours = summary(results[0])
             self.record(t, {worker.stage: (worker, ours.participants)}, None, None, ours.wall_s)
+
+    def stage_job(self, worker: StageWorker, contributor: str | None) -> Job:
+        """A stage peer's own job of the current round (our payload encoded now when `contributor`)."""
+        return own_job(self.ctx, worker, contributor)
 
     def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event, full: bool = False) -> None:
         """After a state download at outer step t, apply round t as an observer instead of

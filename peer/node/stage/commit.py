@@ -20,6 +20,7 @@ nothing we sent is lost or counted twice (to float32 rounding).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ from peer.node.round.claims import state_id
 from peer.node.round.contribution import Contribution
 
 __all__ = ["Outcome", "Prev", "compute", "named", "outcome", "own_adjustment", "screening_keys"]
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,27 @@ def own_adjustment(
         return decompress(own.payload)
     commit = outcome.committed.commit
     return returned(own.payload, at[0], commit.clip, commit.dropped)
+
+
+def log_commit(stage: int, out: Outcome, n: int) -> None:
+    """Log what a commit screened out or clipped."""
+    clip = out.committed.commit.clip
+    if out.dropped:
+        log.warning(
+            "stage %d round %d: screened out %d of %d contributions as outliers: %s",
+            stage,
+            out.t,
+            len(out.dropped),
+            n,
+            ", ".join(r[:12] for r in out.dropped),
+        )
+    if clip.n_clipped:
+        log.info(
+            "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
+            stage,
+            out.t,
+            clip.n_clipped,
+            n,
+            clip.max_ratio,
+            clip.median,
+        )

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from peer.config import RunConfig
 from peer.core.model.decoder import Decoder, build_stage
-from peer.core.model.state import check_stage_state, stage_state, state_hash
+from peer.core.model.state import check_stage_state, stage_state
 from peer.core.sparseloco.algorithm import decompress, pseudo_gradient
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import RoundCommit
@@ -41,45 +41,14 @@ from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, state_id
 from peer.node.round.contribution import Contribution, bare, encoded
 from peer.node.round.ranges.shard import RangeShard
-from peer.node.stage.commit import Outcome, Prev, compute, named, own_adjustment
+from peer.node.stage.ahead import Ahead, cloned
+from peer.node.stage.commit import Outcome, Prev, compute, log_commit, named, own_adjustment
 from peer.node.stage.ledger import RoundLedger, make_link
 from peer.node.stage.optimizer import StageOptimizer
 from peer.node.stage.ranges import commit_ranges, parts_delta, ranges_link, returned
+from peer.node.stage.start_cache import StartCache
 
 log = logging.getLogger(__name__)
-
-
-class StartCache:
-    """θ_start of the current outer step (CPU, float32) and the (θ_start, T⊥) hashes of the
-    committed state, computed once per state: every change of θ_start or T⊥ goes through `set`,
-    which bumps the version that keys the cache."""
-
-    def __init__(self, start: Mapping[str, torch.Tensor]) -> None:
-        self._version = 0
-        self._key: tuple[int, int] | None = None
-        self._value = ("", "")
-        self.set(start)
-
-    @property
-    def start(self) -> Mapping[str, torch.Tensor]:
-        return self._start
-
-    def set(self, value: Mapping[str, torch.Tensor]) -> None:
-        """A new θ_start (or T⊥): kept on the CPU in float32, whatever device trains."""
-        self._start = {n: v.detach().to("cpu", torch.float32) for n, v in value.items()}
-        self._version += 1
-
-    def hashes(self, outer_step: int, perp: Callable[[], torch.Tensor]) -> tuple[str, str]:
-        """(θ_start, T⊥) hashes of the state at `outer_step`, computed when the state changed."""
-        key = (self._version, outer_step)
-        if self._key != key:
-            self._value = (state_hash(self._start), state_hash({"perp": perp()}))
-            self._key = key
-        return self._value
-
-    def known(self, outer_step: int, hashes: tuple[str, str]) -> None:
-        """The hashes of the current θ_start at `outer_step` are already known (a commit computed them)."""
-        self._key, self._value = (self._version, outer_step), hashes
 
 
 class StageState:
@@ -95,7 +64,9 @@ class StageState:
         self.U = U.to(self.device)
         self.optim = StageOptimizer(self.module, cfg.train, cfg.sparseloco)
         self.lock = threading.RLock()
+        self.settled = threading.Condition(self.lock)  # notified when no autograd graph holds the parameters
         self.outer_step = 0
+        self.ahead: Ahead | None = None  # training outer step t + 1 while round t is in flight (overlap)
         self.cache = StartCache(stage_state(self.module))
         self.ledger = RoundLedger(cfg.swarm.history_rounds)
         self.loads = 0  # states adopted so far (`load_state_dict`): a change no hash may show (the optimizer)
@@ -113,6 +84,50 @@ class StageState:
     def _reset_step(self) -> None:
         """Forget the current inner step's gradients (the pipeline also forgets its activations)."""
         self.optim.zero_grad()
+
+    # ---------------------------------------------------------------- overlapped outer steps
+    @property
+    def train_step(self) -> int:
+        """The outer step whose inner steps this stage trains: t + 1 while round t is in flight."""
+        ahead = self.ahead
+        return ahead.training if ahead is not None else self.outer_step
+
+    def begin_overlap(self) -> None:
+        """Our payload of round t is encoded: train outer step t + 1 while the round runs (`Ahead`)."""
+        with self.lock:
+            self.ahead = Ahead(self.module, self.outer_step + 1)
+
+    def end_overlap(self) -> bool:
+        """Round t is over: True when it committed (the parameters were rebased onto it); else the
+        progress made since the boundary stands on a state the swarm left: it is dropped (θ ← θ_start)."""
+        with self.lock:
+            ahead, self.ahead = self.ahead, None
+            if ahead is None or self.outer_step == ahead.training:
+                return ahead is not None
+            self._wait_settled()
+            with torch.no_grad():
+                params = dict(self.module.named_parameters())
+                for name, value in self.start.items():
+                    params[name].copy_(value)
+            self._written()
+            self._reset_step()
+            return False
+
+    def _graphs_alive(self) -> bool:
+        """Whether an autograd graph of a pending micro-batch holds the parameters (the pipeline)."""
+        return False
+
+    def _written(self) -> None:
+        """The parameters changed outside an optimizer step (a worker drops its weight casts)."""
+
+    def _wait_settled(self) -> None:
+        """Under the lock: wait until no pending micro-batch holds the parameters, so they can be
+        written in place; past two RPC deadlines the inner step's micro-batches are dropped (the
+        head replays the step)."""
+        if self.settled.wait_for(lambda: not self._graphs_alive(), timeout=2 * self.cfg.swarm.rpc_timeout_s):
+            return
+        log.warning("stage %d: an inner step held the parameters past its deadline; dropping it", self.stage)
+        self._reset_step()
 
     # ---------------------------------------------------------------- outer rounds
     def encode_round(self) -> Payload:
@@ -177,20 +192,22 @@ class StageState:
         checked shard of every range, each hashed once where it was taken; `position`: our
         contribution's place in it, None when absent), T⊥ and bans as `apply_round`; what each shard
         dropped or clipped from our part returns to our error buffer (`peer.node.stage.ranges`)."""
+        with self.lock:  # computed outside the lock, as `commit_round`
+            t, start, perp, ledger = self.outer_step, self.start, self._perp_cpu(), self.ledger
+        parsed = {r: s.shard for r, s in shards.items()}
+        replicas = [rid for rid, _ in roster]
+        out = commit_ranges(
+            self.cfg, self.stage, self.U, t, start, perp, ledger.bans, plan, replicas, parsed, embed_update
+        )
         with self.lock:
-            t, perp, ledger = self.outer_step, self._perp_cpu(), self.ledger
-            parsed = {r: s.shard for r, s in shards.items()}
-            replicas = [rid for rid, _ in roster]
-            out = commit_ranges(
-                self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, plan, replicas, parsed, embed_update
-            )
+            self._still_at(t)
             own = ledger.last_parts
             adjustment = returned(own[1], self.start, own[2], position, parsed) if own is not None else None
             prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, None)
             self.optim.feed_back(adjustment)
             self._install(out, ranges_link(t, prev.state, out, roster, digest, shards, embed_set))
             ledger.prev = prev
-            self._log_commit(out, len(roster))
+            log_commit(self.stage, out, len(roster))
             return out.committed.commit
 
     def observe(self) -> None:
@@ -229,19 +246,17 @@ class StageState:
         error buffer. The state committed from is kept (`prev`) so a claim of another holder can
         be checked against it (`recompute`).
         """
+        with self.lock:  # computed outside the lock: the next outer step may train meanwhile (overlap)
+            t, start, perp, ledger = self.outer_step, self.start, self._perp_cpu(), self.ledger
+        out = compute(self.cfg, self.stage, self.U, t, start, perp, ledger.bans, *named(committed), embed_update)
         with self.lock:
-            t = self.outer_step
-            perp = self._perp_cpu()
-            ledger = self.ledger
-            out = compute(
-                self.cfg, self.stage, self.U, t, self.start, perp, ledger.bans, *named(committed), embed_update
-            )
+            self._still_at(t)
             adjustment = own_adjustment(ledger.last_contribution, out, committed)
-            prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, ledger.last_contribution)
+            prev = Prev(t, start, perp, ledger.bans, self.state_id(), adjustment, ledger.last_contribution)
             self.optim.feed_back(adjustment)
             self._install(out, make_link(t, prev.state, out, committed, embed_set))
             ledger.prev = prev
-            self._log_commit(out, len(committed))
+            log_commit(self.stage, out, len(committed))
             return out.committed.commit
 
     def recompute(self, committed: Sequence[Contribution], embed_update: torch.Tensor | None) -> Outcome | None:
@@ -270,15 +285,26 @@ class StageState:
             self.ledger.prev = Prev(prev.t, prev.start, prev.perp, prev.bans, prev.state, adjustment, prev.own)
             self._reset_step()
 
+    def _still_at(self, t: int) -> None:
+        """A commit computed outside the lock still follows our state (nothing else moved it)."""
+        if self.outer_step != t:
+            raise ValueError(f"stage {self.stage}: moved to outer step {self.outer_step} while committing round {t}")
+
     def _install(self, out: Outcome, link: Link) -> None:
-        """Make a computed commit our state (under the lock): parameters, T⊥, θ_start, bans, link."""
+        """Make a computed commit our state (under the lock): parameters, T⊥, θ_start, bans, link.
+        Trained ahead (overlap), the local parameters are rebased onto it instead (`Ahead`)."""
         done = out.committed
         with torch.no_grad():
-            params = dict(self.module.named_parameters())
-            for name, value in done.params.items():
-                params[name].copy_(value)
+            if self.ahead is not None:
+                self._wait_settled()
+                self.ahead.rebase(self.module, done.params)
+            else:
+                params = dict(self.module.named_parameters())
+                for name, value in done.params.items():
+                    params[name].copy_(value)
             if done.perp is not None:
                 set_perp(self.module, done.perp)
+        self._written()
         self.outer_step = out.t + 1
         self.cache.set(done.params)
         self.cache.known(self.outer_step, (out.param_hash, out.perp_hash))
@@ -290,28 +316,6 @@ class StageState:
             return perp_of(self.module).detach().to("cpu", torch.float32, copy=True)
         except ValueError:
             return None
-
-    def _log_commit(self, out: Outcome, n: int) -> None:
-        clip = out.committed.commit.clip
-        if out.dropped:
-            log.warning(
-                "stage %d round %d: screened out %d of %d contributions as outliers: %s",
-                self.stage,
-                out.t,
-                len(out.dropped),
-                n,
-                ", ".join(r[:12] for r in out.dropped),
-            )
-        if clip.n_clipped:
-            log.info(
-                "stage %d round %d: clipped %d of %d contributions (max norm %.3g x median %.3g)",
-                self.stage,
-                out.t,
-                clip.n_clipped,
-                n,
-                clip.max_ratio,
-                clip.median,
-            )
 
     # ---------------------------------------------------------------- state
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -339,15 +343,22 @@ class StageState:
         """
         with self.lock:
             link = self.ledger.link
-            return {
-                "outer_step": self.outer_step,
-                "params": {n: p.detach() for n, p in self.module.named_parameters()},
-                "start": dict(self.start),
-                "perp": perp_of(self.module).detach(),
-                **self.optim.state_dict(),  # "errors", "optimizer"
-                "bans": self.ledger.bans.to_record(),
-                "link": None if link is None else {**link.to_record(), "state": link.state},
-            }
+            if self.ahead is not None:  # trained meanwhile: a copy, taken between two optimizer steps
+                self._wait_settled()
+                return cloned(self._state_refs(link))
+            return self._state_refs(link)
+
+    def _state_refs(self, link: Link | None) -> dict[str, Any]:
+        """`state_dict` by reference (under the lock)."""
+        return {
+            "outer_step": self.outer_step,
+            "params": {n: p.detach() for n, p in self.module.named_parameters()},
+            "start": dict(self.start),
+            "perp": perp_of(self.module).detach(),
+            **self.optim.state_dict(),  # "errors", "optimizer"
+            "bans": self.ledger.bans.to_record(),
+            "link": None if link is None else {**link.to_record(), "state": link.state},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Adopt a state: "outer_step", "start" and "perp" are required; "params" defaults to θ_start,
@@ -359,6 +370,9 @@ class StageState:
         committed from is forgotten: a loaded state is checked against claims by majority only.
         """
         with self.lock:
+            if self.ahead is not None:  # the progress trained ahead stands on a state we leave
+                self._wait_settled()
+                self.ahead = None
             own = dict(self.module.named_parameters())
             start, params, perp = state["start"], state.get("params", state["start"]), state["perp"]
             check_stage_state(self.module, self.stage, start, params, perp)

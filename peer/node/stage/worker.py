@@ -204,6 +204,7 @@ class StageWorker(StageState):
                 return self._backward(out, root_grad, x_in, defer)
             finally:
                 self.busy_s += time.perf_counter() - started
+                self.settled.notify_all()
 
     def _backward(
         self, root: torch.Tensor, root_grad: torch.Tensor | None, x_in: torch.Tensor | None, defer: bool
@@ -238,13 +239,14 @@ class StageWorker(StageState):
     def _admit(self, mb: int, epoch: tuple[int, int] | None, window: int, turn: bool) -> None:
         """`EpochGate.admit` of micro-batch `mb` in (outer step, *epoch); nothing waits without an epoch."""
         if epoch is not None:
-            self.gate.admit(mb, (self.outer_step, epoch[0], epoch[1]), window, turn)
+            self.gate.admit(mb, (self.train_step, epoch[0], epoch[1]), window, turn)
 
     def drop_pending(self, pipeline_id: str | None = None) -> None:
         """Forget activations of failed micro-batches (all, or one pipeline's)."""
         with self.lock:
             for key in [k for k in self.pending if pipeline_id is None or k[0] == pipeline_id]:
                 del self.pending[key]
+            self.settled.notify_all()
 
     def step(self, outer_step: int, inner_step: int, total_norm: float | None = None) -> None:
         """Optimizer step of the accumulated gradients at the global step t·H + inner_step.
@@ -269,6 +271,12 @@ class StageWorker(StageState):
             self.casts.clear()  # stale now; not kept through a round (the next forward casts again)
             self.scaler.update(finite=True)
             self._reset_step()
+
+    def _graphs_alive(self) -> bool:
+        return bool(self.pending) or self._weights_due is not None
+
+    def _written(self) -> None:
+        self.casts.clear()
 
     def _skip(self, outer_step: int, inner_step: int, norm: float) -> None:
         """Skip this inner step's optimizer step: its gradients overflowed somewhere in the model."""
@@ -312,6 +320,7 @@ class StageWorker(StageState):
         self.seen.clear()
         self.microbatches_seen = 0
         self.gate.reset()
+        self.settled.notify_all()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """`StageState.load_state_dict`; the outer step may have gone back, so no epoch of it is stale."""
