@@ -36,6 +36,7 @@ class BootstrapArgs:
     k_ratio: str | None = o.setting("subspace.k_ratio")
     inner_steps: int | None = o.setting("train.inner_steps")
     outer_steps: int | None = o.setting("train.outer_steps")
+    overlap: int | None = o.setting("train.overlap")
     batch_size: int | None = o.setting("train.batch_size")
     seq_len: int | None = o.setting("train.seq_len")
     seed: int | None = o.setting("seed")

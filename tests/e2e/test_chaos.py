@@ -27,6 +27,7 @@ def test_twenty_random_faults_leave_a_live_agreeing_swarm_and_nothing_behind(tmp
         stop_s=(0.6, 2.0),
         long_stop_rounds=(2.05, 2.2),
         recovery_cap_s=60.0,
+        overlap=1,  # every round in the background of the next outer step (the synchronous schedule: test_churn)
     )
     result = run_chaos(cfg)
     s = result.summary

@@ -62,6 +62,7 @@ class ChaosConfig:
     inner_steps: int = 5
     microbatches: int = 4  # per inner step (batch 8): with in_flight 0 several are in the pipeline at a fault
     in_flight: int = 0  # the heads' window: 0 = auto (1F1B), 1 = the sequential schedule
+    overlap: int = 0  # train.overlap: 1 = every round in the background of the next outer step
     round_timeout_s: float = 20.0
     rpc_timeout_s: float = 3.0
     record_ttl_s: float = 5.0
@@ -162,6 +163,8 @@ class ChaosRun:
             self.cfg.inner_steps,
             "--outer-steps",
             100_000,
+            "--overlap",
+            self.cfg.overlap,
             "--host",
             LOOPBACK,
             "--port",
@@ -376,5 +379,5 @@ def config_from_flags(args: dict[str, Any], runs: Path) -> ChaosConfig:
     if not 0 <= args["long_stops"] < args["faults"]:
         raise ConfigError("--long-stops must be between 0 and --faults − 1 (one fault is a bootstrap kill)")
     where = args["workdir"] or runs / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    keys = ("faults", "seed", "round_timeout_s", "inner_steps", "microbatches", "in_flight", "long_stops")
+    keys = ("faults", "seed", "round_timeout_s", "inner_steps", "microbatches", "in_flight", "overlap", "long_stops")
     return ChaosConfig(workdir=where, **{k: args[k] for k in keys})

@@ -1,0 +1,97 @@
+"""Overlapped outer steps on one stage (`peer.node.stage.ahead`, `StageState.begin_overlap`).
+
+A holder trained ahead commits the same state as a synchronous twin (the committed state is a
+function of the payloads alone), its local parameters end at θ_start(t + 1) + the progress made since
+the boundary, it trains the outer step after the committed one, and a round that does not commit
+drops that progress.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peer.config import build_config
+from peer.node.round.contribution import Contribution
+from peer.node.stage.ahead import Ahead
+from peer.node.stage.worker import StageWorker
+
+SMALL = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "stages": 2}
+
+
+def _worker(stage: int = 0) -> StageWorker:
+    return StageWorker(build_config(overrides=SMALL, environ={}), stage)
+
+
+def _nudge(w: StageWorker, seed: int, scale: float = 1e-2) -> dict[str, torch.Tensor]:
+    """Move the local parameters as inner steps would; the move by name."""
+    g = torch.Generator().manual_seed(seed)
+    moves = {}
+    with torch.no_grad():
+        for n, p in w.module.named_parameters():
+            moves[n] = torch.randn(p.shape, generator=g) * scale
+            p.add_(moves[n])
+    return moves
+
+
+def _others(stage: int) -> list[Contribution]:
+    out = []
+    for i in range(2):
+        w = _worker(stage)
+        _nudge(w, 10 + i)
+        out.append(w.contribution(f"r{i + 1}"))
+    return out
+
+
+def test_rebase_keeps_the_progress_since_the_boundary():
+    module = torch.nn.Linear(3, 2)
+    ahead = Ahead(module, training=1)
+    base = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with torch.no_grad():
+        module.weight.add_(0.5)
+    committed = {n: torch.full_like(p, 2.0) for n, p in base.items()}
+    ahead.rebase(module, committed)
+    assert torch.allclose(module.weight, committed["weight"] + 0.5)
+    assert torch.allclose(module.bias, committed["bias"])
+    assert torch.equal(ahead.base["weight"], committed["weight"])
+
+
+def test_a_stage_trained_ahead_commits_the_synchronous_state_and_keeps_its_progress():
+    sync, ahead = _worker(), _worker()
+    for w in (sync, ahead):
+        _nudge(w, 1)
+    others = _others(0)
+    mine_sync, mine_ahead = sync.contribution("r0"), ahead.contribution("r0")
+    assert mine_sync.data == mine_ahead.data
+    ahead.begin_overlap()
+    assert (ahead.outer_step, ahead.train_step) == (0, 1)
+    progress = _nudge(ahead, 2)  # inner steps of outer step 1 while round 0 is in flight
+    sync.commit_round([mine_sync, *others], None)
+    ahead.commit_round([mine_ahead, *others], None)
+    assert ahead.state_id() == sync.state_id()
+    assert ahead.end_overlap()
+    assert (ahead.outer_step, ahead.train_step) == (1, 1)
+    for n, p in ahead.module.named_parameters():
+        assert torch.allclose(p, sync.start[n] + progress[n], atol=1e-6), n
+    for n, e in ahead.optim.errors.items():
+        assert torch.equal(e, sync.optim.errors[n]), n
+
+
+def test_a_round_that_does_not_commit_drops_the_progress_made_ahead():
+    w = _worker(1)
+    _nudge(w, 1)
+    w.contribution("r0")
+    w.begin_overlap()
+    _nudge(w, 2)
+    assert not w.end_overlap()  # round 0 did not commit here
+    assert (w.outer_step, w.train_step) == (0, 0)
+    for n, p in w.module.named_parameters():
+        assert torch.equal(p.detach(), w.start[n]), n
+
+
+def test_a_state_dict_taken_ahead_is_a_copy():
+    w = _worker(1)
+    w.begin_overlap()
+    state = w.state_dict()
+    _nudge(w, 3)
+    name, p = next(iter(w.module.named_parameters()))
+    assert not torch.equal(state["params"][name], p.detach())
