@@ -84,7 +84,9 @@ def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
     T = 30  # long enough for a kill, a rejoin and a graceful leave mid-run
     # head2 joins by replay from the initial state (docs/protocol.md, "Joining by replay"), about 20
     # rounds in: the holders keep the whole run's history, so it replays from there, not from the attester
-    sw = swarm_factory(outer_steps=T, min_replicas=3, deadlines={**DEADLINES, "PEER_SWARM__HISTORY_ROUNDS": str(T)})
+    # every round in the background of the next outer step (`train.overlap` 1; the first test: synchronous)
+    overlapped = {**DEADLINES, "PEER_SWARM__HISTORY_ROUNDS": str(T), "PEER_TRAIN__OVERLAP": "1"}
+    sw = swarm_factory(outer_steps=T, min_replicas=3, deadlines=overlapped)
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full-a", "--full-replica")

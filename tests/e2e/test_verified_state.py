@@ -184,6 +184,7 @@ def test_a_replica_frozen_past_two_round_deadlines_never_commits_a_stale_set(swa
         "PEER_SWARM__ANNOUNCE_INTERVAL_S": "0.5",
         "PEER_SWARM__ROUND_TIMEOUT_S": "5",
         "PEER_SWARM__CLAIM_TIMEOUT_S": "60",
+        "PEER_TRAIN__OVERLAP": "1",  # frozen with its round in flight while it trains the next outer step
     }
     sw = swarm_factory(outer_steps=T, deadlines=deadlines)
     sw.join("s1", "--stage", "1")
