@@ -70,7 +70,8 @@ class Rounds:
         self.publish, self.resync = ctx.publish, resync
         self.pg_bytes = 0  # pseudo-gradient bytes this peer fetched, over the run
         self.evidence: dict[int, tuple[Evidence, ...]] = {}  # per stage: its recent rounds, as seen (censors)
-        self.started = time.monotonic()  # when the current round's gathers began (`_closed_elsewhere`)
+        # when the current round began: our payload encoded, or an observer's gathers started (`_closed_elsewhere`)
+        self.started = time.monotonic()
         stall_watch()  # watching for stalls from now on (`peer.node.round.stalls`)
 
     def gather(
@@ -117,8 +118,10 @@ class Rounds:
 
     def gather_jobs(self, jobs: Sequence[Job], t: int, stop: threading.Event) -> list[Gathered]:
         """Every job's round (t, stage) at once, under one deadline (`run_jobs`): all-to-all jobs
-        through `gather`; the bytes a ranges job fetched counted here as `gather` counts its own."""
-        self.started = time.monotonic()
+        through `gather`; the bytes a ranges job fetched counted here as `gather` counts its own.
+        `started` is when the round began here (its payloads encoded: `head_job`, `full_jobs`,
+        `stage_job`; else now): a stall since then counts (`_closed_elsewhere`)."""
+        self.started = self.started if any(j.replica is not None for j in jobs) else time.monotonic()
         results = run_jobs(self.ctx, self._gather_job, jobs, t, stop)
         self.pg_bytes += sum(r.fetched.total for r in results if isinstance(r, RangesResult))
         return results
@@ -303,10 +306,12 @@ class Rounds:
         """A head's stage-0 job of the current round, our payload encoded now (announcing `peers`,
         {"<stage>": peer id}, the stage peers that did this outer step's last inner step: the
         round's binding)."""
+        self.started = time.monotonic()
         return own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}))
 
     def full_jobs(self, workers: Mapping[int, StageWorker]) -> list[Job]:
         """A full replica's jobs of the current round, one per stage, our payloads encoded now."""
+        self.started = time.monotonic()
         return [own_job(self.ctx, w, self.me.peer_id) for w in workers.values()]
 
     def head_round(
@@ -372,7 +377,7 @@ class Rounds:
         disagreement seen in round t is repaired before round t commits. `job`: our own, encoded
         already (overlap)."""
         t = worker.outer_step
-        job = job if job is not None else own_job(self.ctx, worker, contributor)
+        job = job if job is not None else self.stage_job(worker, contributor)
         try:
             self.resync.reconcile(worker, before_round=True)
         except PeerError as exc:
@@ -393,6 +398,7 @@ class Rounds:
 
     def stage_job(self, worker: StageWorker, contributor: str | None) -> Job:
         """A stage peer's own job of the current round (our payload encoded now when `contributor`)."""
+        self.started = time.monotonic()
         return own_job(self.ctx, worker, contributor)
 
     def catch_up(self, workers: Mapping[int, StageWorker], stop: threading.Event, full: bool = False) -> None:
