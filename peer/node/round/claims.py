@@ -208,7 +208,7 @@ def observed(claims: Iterable[Claim], t: int) -> list[Claim]:
     return sorted(best, key=lambda c: (-len(groups[c.link.entries]) if c.link else 0, c.key, c.peer))
 
 
-def closed_elsewhere(clock: int, t: int, stalled: bool = False) -> bool:
+def closed_elsewhere(clock: int, t: int, stalled: bool = False, overlap: int = 0) -> bool:
     """Whether the swarm closed round t at least a round ago: its clock (the lower median of the
     other replicas' outer steps, which a dishonest minority cannot move) is two or more rounds past
     t. A holder still gathering t then (it woke from a freeze, or stalled) never commits a set of its
@@ -217,5 +217,9 @@ def closed_elsewhere(clock: int, t: int, stalled: bool = False) -> bool:
 
     One round past is enough when we `stalled` since the round began for longer than our records
     live (`peer.node.round.stalls`): the others saw us gone, may have given our payload up, and the
-    replicas that are past t closed it without waiting for us."""
-    return clock >= t + (1 if stalled else 2)
+    replicas that are past t closed it without waiting for us.
+
+    With `overlap` (`train.overlap`) a replica commits round t + 1 while the holders of its other
+    stages may still gather round t (docs/protocol.md, "Overlapped outer steps"): the clock may run
+    that many rounds further ahead of an open round."""
+    return clock >= t + (1 if stalled else 2) + overlap

@@ -295,7 +295,7 @@ class _Gather:
 
     def _decide(self, read: _Read, quorum: int) -> Close:
         """Fetch what is bound and missing, then the close decision of this poll."""
-        if closed_elsewhere(read.clock, self.t, self.timings.stalled(self.started)):
+        if closed_elsewhere(read.clock, self.t, self.timings.stalled(self.started), self.ctx.cfg.train.overlap):
             self.why_behind = "the swarm is rounds ahead"
             return close_decision(Poll(fresh=True, closed_elsewhere=True))
         self._fetch_bound(read)

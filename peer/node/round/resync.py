@@ -264,9 +264,11 @@ class Resync:
         clients = cast(ClientPool, SkipDead(self.clients))  # SetFetcher calls get(address).get_payload only
         return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s, holders=True)
 
-    def maintain(self, worker: StageWorker, max_lag: int = 1) -> None:
-        """Re-sync a worker more than `max_lag` rounds behind the swarm's clock, else `reconcile`."""
-        if self.clock() > worker.outer_step + max_lag:
+    def maintain(self, worker: StageWorker, max_lag: int | None = None) -> None:
+        """Re-sync a worker more than `max_lag` rounds behind the swarm's clock (default: one, and one
+        more with `train.overlap`: a replica may be a round further on), else `reconcile`."""
+        lag = 1 + self.cfg.train.overlap if max_lag is None else max_lag
+        if self.clock() > worker.outer_step + lag:
             self.sync_state(worker, f"behind (outer step {worker.outer_step})")
             return
         self.reconcile(worker)

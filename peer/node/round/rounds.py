@@ -260,7 +260,7 @@ class Rounds:
             log.info("round %d: swarm clock not read before committing: %s", t, exc)
             return False
         stalled = RoundTimings.from_config(self.cfg.swarm).stalled(self.started)
-        if closed_elsewhere(clock, t, stalled):
+        if closed_elsewhere(clock, t, stalled, self.cfg.train.overlap):
             why = "this process stood still past its records' lifetime" if stalled else "a freeze?"
             log.warning("round %d: the swarm is at outer step %d by now (%s); re-syncing instead", t, clock, why)
             return True
