@@ -81,7 +81,7 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
 
 
 def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
-    T = 30  # long enough for a kill, a rejoin and a graceful leave mid-run
+    T = 50  # long enough for a kill, a rejoin and a graceful leave mid-run (overlapped rounds run fast)
     # head2 joins by replay from the initial state (docs/protocol.md, "Joining by replay"), about 20
     # rounds in: the holders keep the whole run's history, so it replays from there, not from the attester
     # every round in the background of the next outer step (`train.overlap` 1; the first test: synchronous)

@@ -186,7 +186,8 @@ def test_a_replica_frozen_past_two_round_deadlines_never_commits_a_stale_set(swa
         "PEER_SWARM__CLAIM_TIMEOUT_S": "60",
         "PEER_TRAIN__OVERLAP": "1",  # frozen with its round in flight while it trains the next outer step
     }
-    sw = swarm_factory(outer_steps=T, deadlines=deadlines)
+    # overlapped rounds are fast: the pipeline must still be training when the replica wakes
+    sw = swarm_factory(outer_steps=3 * T, deadlines=deadlines)
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full", "--full-replica")
