@@ -44,12 +44,12 @@ SCHEDULES = {0: "synchronous", 1: "overlapped"}
 @dataclass(frozen=True)
 class UtilisationConfig:
     preset: str = "small"
-    inner_steps: int = 40  # H
+    inner_steps: int = 80  # H
     outer_steps: int = 5  # T: outer steps 1 .. T − 2 are measured (0 warms up; T − 1 has no successor)
     batch_size: int = 4
     seq_len: int = 64
     seed: int = 0
-    rate: str = "500kbit"  # tc tbf rate of both ends of the replicas' link ("" = unshaped veth)
+    rate: str = "400kbit"  # tc tbf rate of both ends of the replicas' link ("" = unshaped veth)
     burst: str = "16kbit"  # small: each message pays its serialization time
     overlaps: tuple[int, ...] = (0, 1)
     netns: bool = True
