@@ -1,9 +1,9 @@
 """`peer bench …`: the benchmarks that measure the design's budgets, as a typer sub-app of `peer`.
 
 Each command gets its flags as one dataclass (`peer.cli.bench_args`) and hands them to the module that measures
-(`peer.research.bench.common`, `pipeline`, `chaos`, `commit`, `caps`, `data`, `sybil`, `fetch`, `simulate`, …),
-which returns its result and prints nothing; the command shows it (`peer.cli.render`, `peer.cli.bench_render`,
-`peer.cli.plots`) on the terminal and, with `--json`, writes it to a file.
+(`peer.research.bench.common`, `pipeline`, `chaos`, `utilisation`, `commit`, `caps`, `data`, `sybil`, `fetch`,
+`simulate`, …), which returns its result and prints nothing; the command shows it (`peer.cli.render`,
+`peer.cli.bench_render`, `peer.cli.plots`) on the terminal and, with `--json`, writes it to a file.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from peer.cli.bench_args import (
     SimulateSpeedArgs,
     SwarmArgs,
     SybilArgs,
+    UtilisationArgs,
 )
 from peer.core.files import atomic_write_bytes
 from peer.errors import ConfigError
@@ -110,6 +111,22 @@ def bench_chaos_cmd(a: ChaosArgs) -> None:
     _show(metric_table("chaos", result.summary))
     if a.json_out:
         _write_json(a.json_out, {"summary": result.summary, "faults": result.faults})
+
+
+@o.command(bench_app, "utilisation")
+def bench_utilisation_cmd(a: UtilisationArgs) -> None:
+    """Compute fraction of two full replicas on shaped links: synchronous against overlapped rounds (train.overlap)."""
+    _setup_logging(False)
+    from peer.cli.bench_render import utilisation_lines, utilisation_table
+    from peer.research.bench.utilisation import config_from_flags, run_utilisation
+
+    cfg = config_from_flags(dataclasses.asdict(a), RUNS)
+    result = run_utilisation(cfg, _show)
+    _show(utilisation_table(result))
+    for line in utilisation_lines(result):
+        _show(line)
+    if a.json_out:
+        _write_json(a.json_out, result)
 
 
 @o.command(bench_app, "commit")

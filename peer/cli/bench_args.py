@@ -76,6 +76,24 @@ class ChaosArgs:
 
 
 @dataclass(frozen=True)
+class UtilisationArgs:
+    """`peer bench utilisation` (the field names are `peer.research.bench.utilisation.config_from_flags`'s keys)."""
+
+    preset: str = o.flag("small", PRESET_HELP)
+    inner_steps: int = o.flag(80, INNER_HELP)
+    outer_steps: int = o.flag(5, "T: outer steps of each run (1 .. T − 2 are measured).")
+    batch_size: int = o.flag(4, BATCH_HELP)
+    seq_len: int = o.flag(64, SEQ_LEN_HELP)
+    seed: int = o.flag(0, "Seed of both runs.")
+    rate: str = o.flag("400kbit", "tc tbf rate of the replicas' link, both ways (root; '' = unshaped).")
+    overlaps: str = o.flag("0,1", "Comma-separated train.overlap values to run (0 = synchronous, 1 = overlapped).")
+    no_netns: bool = o.flag(False, "Loopback only, even as root (no shaping).", "--no-netns")
+    no_pin: bool = o.flag(False, "Leave the replicas unpinned (default: replica a on core 0, b on core 1).", "--no-pin")
+    workdir: Path | None = o.flag(None, "Logs and metrics (default: runs/utilisation-…).")
+    json_out: Path | None = o.flag(None, JSON_HELP, "--json")
+
+
+@dataclass(frozen=True)
 class CommitArgs:
     """`peer bench commit`."""
 

@@ -61,3 +61,51 @@ def simulate_speed_lines(out: Mapping[str, Any]) -> list[str]:
         "  (speed-ups: the fastest run of each path)",
         f"  results bit-identical on all runs: {out['bit_identical']}",
     ]
+
+
+def utilisation_table(result: Mapping[str, Any]) -> Table:
+    """`peer bench utilisation`'s table: one row per schedule and replica (medians over the measured outer steps)."""
+    cols = ("schedule", "replica", "compute fraction", "outer step s", "inner steps s", "boundary s", "round s",
+            "gather s", "step s")  # fmt: skip
+    table = Table(*cols, title="peer bench utilisation")
+    for sched in result["schedules"]:
+        for name, r in sched["replicas"].items():
+            cells = [r[k] for k in ("compute_fraction", "outer_step_s", "compute_s", "boundary_s", "landed_s",
+                                    "round_wall_s", "step_s")]  # fmt: skip
+            table.add_row(sched["schedule"], name, *("—" if v is None else f"{v:.2f}" for v in cells))
+    return table
+
+
+def utilisation_lines(result: Mapping[str, Any]) -> list[str]:
+    """`peer bench utilisation`: the run's links, each schedule's one-state check, the issue's targets."""
+    c = result["config"]
+    lines = [
+        f"{c['preset']}, H={c['inner_steps']}, T={c['outer_steps']}, batch {c['batch_size']}×{c['seq_len']}; "
+        f"link: {c['rate'] or 'unshaped'} ({result['shaping']}); two full replicas; logs in {c['workdir']}"
+    ]
+    for sched in result["schedules"]:
+        one = sched["one_state"]
+        fraction = _mean([r["compute_fraction"] for r in sched["replicas"].values()])
+        mean = "—" if fraction is None else f"{fraction:.2f}"
+        target = "≤ 0.70" if sched["overlap"] == 0 else "≥ 0.95"
+        lines.append(
+            f"{sched['schedule']}: compute fraction {mean} (target {target}); one state per (t, stage): "
+            f"{one['agreed']}/{one['checked']} ({one['all_holders']} held by both); pauses {sched['pauses']}; "
+            f"load average {sched['load_avg'][0]:.1f} → {sched['load_avg'][1]:.1f}"
+        )
+    walls = {
+        sched["overlap"]: _mean([r["outer_step_s"] for r in sched["replicas"].values()])
+        for sched in result["schedules"]
+    }
+    sync, overlapped = walls.get(0), walls.get(1)
+    if sync and overlapped:
+        lines.append(
+            f"outer step: {sync:.1f} s synchronous, {overlapped:.1f} s overlapped "
+            f"({sync / overlapped:.2f}x the tokens per second)"
+        )
+    return lines
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    got = [x for x in xs if x is not None]
+    return sum(got) / len(got) if got else None

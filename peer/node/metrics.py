@@ -3,7 +3,8 @@
 One JSON object per line, appended and line-buffered, so a crash loses at most the line being
 written and readers skip a torn last line. Events and their fields are a contract other tools
 read (the demo, `peer status`, tests, notebooks):
-- `step`:  t, h, loss, tokens;
+- `step`:  t, h, loss, tokens, step_s (the inner step's own seconds, without the batch read; not in a
+           torchrun follower's file);
 - `round`: t, stages → {param_hash, perp_hash, participants, clipped, max_norm_ratio},
            train_loss, val_loss, round_wall_s, bytes → {activations, activations_uncompressed_equiv,
            pseudo_gradients};

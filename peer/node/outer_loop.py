@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -131,8 +132,10 @@ def _inner_steps(
             break
         batch = rank_batch_index(t, h, H, replica.ranks, 0)  # rank 0's; the others' follow it
         x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
+        started = time.monotonic()
         losses.append(replica.inner_step(t, h, x, y))
-        session.metrics.log("step", t=t, h=h, loss=losses[-1], tokens=x.numel())
+        step_s = time.monotonic() - started  # the step alone: `peer bench utilisation` sums these
+        session.metrics.log("step", t=t, h=h, loss=losses[-1], tokens=x.numel(), step_s=step_s)
         if stop.is_set():
             break
     return losses

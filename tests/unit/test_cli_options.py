@@ -93,6 +93,7 @@ def test_every_bench_command_is_its_dataclass_and_shared_flags_share_their_words
         "payload": b.PayloadArgs,
         "pipeline": b.PipelineArgs,
         "chaos": b.ChaosArgs,
+        "utilisation": b.UtilisationArgs,
         "commit": b.CommitArgs,
         "caps": b.CapsArgs,
         "replica": b.ReplicaArgs,
