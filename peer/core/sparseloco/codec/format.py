@@ -408,7 +408,7 @@ def _read_entry(r: _Reader, i: int, chunk: int, topk: int, qb: int, budget: int)
     shape = tuple(int(d) for d in r.unpack(f"<{ndim}I", f"shape of {name!r}"))
     numel = math.prod(shape)
     if numel > budget:
-        raise PayloadError(f"declared tensors exceed the element limit (at {name!r})")
+        raise PayloadError(f"declared tensors exceed the element limit ({budget} elements left at {name!r})")
     what = f"body of {name!r}"
     body = entry_nbytes(name, kind, shape, chunk, topk, qb) - (4 + name_len + 4 * ndim)
     if body > len(r.b) - r.pos:
