@@ -85,7 +85,7 @@ def run_outer_loop(session: Session, replica: Replica, data: Corpus, shard: int,
             if t >= train.outer_steps:
                 break
             try:
-                losses = _inner_steps(session, replica, data, shard, t, stop)
+                losses = _inner_steps(session, replica, data, shard, t, stop, flight)
             except NetworkError as exc:  # no usable peer for a stage: pause, then start the outer step over
                 log.warning("pipeline paused at outer step %d: %s", t, exc)
                 session.metrics.log("pause", t=t, reason=str(exc))
@@ -108,14 +108,27 @@ def run_outer_loop(session: Session, replica: Replica, data: Corpus, shard: int,
 
 
 def _inner_steps(
-    session: Session, replica: Replica, data: Corpus, shard: int, t: int, stop: threading.Event
+    session: Session,
+    replica: Replica,
+    data: Corpus,
+    shard: int,
+    t: int,
+    stop: threading.Event,
+    flight: InFlight | None = None,
 ) -> list[float]:
     """The H inner steps of outer step t on our shard (rank 0's batches; torchrun's other ranks
-    follow); their losses (fewer when `stop` is set)."""
+    follow); their losses (fewer when `stop` is set, or when round t − 1, in `flight`, did not commit).
+
+    Round t − 1 lands before the last inner step: a head then announces round t right after it,
+    as in the synchronous schedule, so its stage peers' payloads of round t are never bound by its
+    replica record alone for longer than without overlap (a head that died in between would leave
+    them unprovable to a later replay once that record expired)."""
     cfg = session.cfg
     train, H = cfg.train, cfg.train.inner_steps
-    losses = []
+    losses: list[float] = []
     for h in range(H):
+        if h == H - 1 and flight is not None and not flight.land():
+            break
         batch = rank_batch_index(t, h, H, replica.ranks, 0)  # rank 0's; the others' follow it
         x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
         losses.append(replica.inner_step(t, h, x, y))

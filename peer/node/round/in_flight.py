@@ -43,6 +43,7 @@ class InFlight:
         self.val: Future[float | None] = Future()  # the validation loss the trainer measures meanwhile
         self.error: BaseException | None = None
         self.committed = False
+        self._landed: bool | None = None
         self._thread = threading.Thread(target=self._main, name=f"round-{t}", daemon=True)
         self._thread.start()
 
@@ -67,13 +68,18 @@ class InFlight:
     def land(self) -> bool:
         """Wait for the round; True when every stage committed it (their progress since the boundary
         rebased onto it), False when it did not (that progress dropped; the trainer repairs).
-        A NetworkError of the round is logged here; any other error is raised here."""
+        A NetworkError of the round is logged here; any other error is raised here. Landing again
+        answers the same."""
+        if self._landed is not None:
+            return self._landed
         if not self.val.done():
             self.val.set_result(None)
         self._thread.join()
+        self._landed = False
         if isinstance(self.error, NetworkError):
             log.warning("round %d did not complete: %s", self.t, self.error)
             return False
         if self.error is not None:
             raise self.error
+        self._landed = self.committed
         return self.committed
