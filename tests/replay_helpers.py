@@ -16,7 +16,7 @@ import torch
 from peer.config import RunConfig, build_config
 from peer.core.sparseloco.commit import embedding_update
 from peer.node.round.claims import Link, entry
-from peer.node.round.payloads import sha256
+from peer.node.round.payloads import payload_id
 from peer.node.stage.worker import StageWorker
 
 REPLICAS = ("ReplicaAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "ReplicaBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb")
@@ -60,7 +60,7 @@ class History:
                 payload = w.contribute(rid)
                 self.payloads[(t, s, rid)] = payload.to_bytes()
                 sent.setdefault(s, []).append(payload)
-        embed_set = [entry(r, sha256(self.payloads[(t, 0, r)])) for r in self.replicas]
+        embed_set = [entry(r, payload_id(self.payloads[(t, 0, r)])) for r in self.replicas]
         update = embedding_update(sent[0], self.cfg.sparseloco, keys=list(self.replicas))
         for s in range(self.cfg.stages):
             for rid in self.replicas:

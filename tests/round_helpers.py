@@ -10,14 +10,14 @@ from peer.config import RunConfig
 from peer.core.sparseloco.codec.format import Payload
 from peer.node.presence import Presence
 from peer.node.round.context import RoundContext
-from peer.node.round.contribution import Contribution, received, sha256
+from peer.node.round.contribution import Contribution, payload_id, received
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
 
 
 def own(replica: str, data: bytes) -> Contribution:
     """A gather's own contribution from payload bytes a test made (identified once, as a fetch does)."""
-    return received(replica, sha256(data), data, Payload.from_bytes)
+    return received(replica, payload_id(data), data, Payload.from_bytes)
 
 
 class Quiet:

@@ -373,11 +373,17 @@ class PeerService:
 
     # ------------------------------------------------------------------ rounds and state
     def get_payload(self, request: PayloadRequest) -> bytes | RangesReply:
-        """Our payload of the round, or (another sender named) one we fetched in it (a second source);
-        in a ranges round the parts (ours or a sender's we fetched, with their merkle proofs) or the
-        shards of the ranges asked for that we hold (`peer.node.round.ranges.exchange`)."""
+        """Our payload of the round, or (another sender named) one we fetched in it (a second source),
+        whole or (kind EMBED) as its embedding view; in a ranges round the parts (ours or a sender's we
+        fetched, with their merkle proofs) or the shards of the ranges asked for that we hold
+        (`peer.node.round.ranges.exchange`)."""
         sender = None if request.sender in ("", self.peer_id) else request.sender  # SHARD: the sha256 wanted
         t, stage = request.outer_step, request.stage
+        if request.kind is PayloadKind.EMBED:
+            data = self.store.view(t, stage, sender)
+            if data is None:
+                raise NotFoundError(f"no payload for round {t} stage {stage} here")
+            return data
         if request.kind is not PayloadKind.PAYLOAD:
             if request.kind is PayloadKind.PART:
                 items = [RangeBlob(*held) for held in self.store.parts(t, stage, sender, request.ranges)]

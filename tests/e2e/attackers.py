@@ -54,7 +54,7 @@ from peer.node.round.agreement import round_view
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import entry, state_id
 from peer.node.round.contribution import Contribution
-from peer.node.round.payloads import round_validator, sha256
+from peer.node.round.payloads import payload_id, round_validator
 from peer.node.round.rounds import Rounds
 from peer.node.service import PeerService
 from peer.node.stage.commit import compute
@@ -269,7 +269,10 @@ class Watch:
                     data = self.rounds.clients.get(ann.address).get_payload(PayloadRequest(t, stage, sender))
                 except PeerError as exc:
                     log.info("ATTACK round %d stage %d: payload of %s not fetched: %s", t, stage, sender[:12], exc)
-                ok = data is not None and sha256(data) == ann.sha256
+                try:
+                    ok = data is not None and payload_id(data) == ann.sha256
+                except PeerError:  # no payload at all
+                    ok = False
                 seen.payloads[sender] = (rid, ann.sha256, ann.time, data if ok else None, parse(data) if ok else None)
 
     def until(self, done: Any) -> bool:

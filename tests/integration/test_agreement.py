@@ -21,7 +21,7 @@ from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import fenced_by, fresh, round_view
 from peer.node.round.claims import entry
 from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
-from peer.node.round.payloads import sha256
+from peer.node.round.payloads import payload_id
 from peer.node.round.refusals import Refusals
 from tests.round_helpers import own, round_context
 
@@ -170,13 +170,13 @@ def _gather(dht, clients, own=None, timeout_s=5.0, grace_s=0.3, refusals=None, e
 
 def _claim(*items: tuple[str, bytes], prev: str = PREV, state: str = "s1", t: int = 0) -> dict:
     """A holder's record after committing round t: outer step t + 1, its state id and link."""
-    link = {"t": t, "prev": prev, "set": [list(entry(rid, sha256(data))) for rid, data in items]}
+    link = {"t": t, "prev": prev, "set": [list(entry(rid, payload_id(data))) for rid, data in items]}
     return {"outer_step": t + 1, "state_id": state, "link": link}
 
 
 def _other(dht: FakeDHT, clients: FakeClients, pid: str, data: bytes, **rec) -> None:
     clients.served[f"{pid}:1"] = data
-    ann = {"sha256": sha256(data), "address": f"{pid}:1", "replica": pid, **rec}
+    ann = {"sha256": payload_id(data), "address": f"{pid}:1", "replica": pid, **rec}
     dht.payloads.setdefault((0, 1), {})[pid] = ann
 
 

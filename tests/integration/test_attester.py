@@ -28,7 +28,7 @@ from peer.errors import NetworkError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.round.payloads import sha256
+from peer.node.round.payloads import payload_id
 from peer.node.round.replay import chain_record
 from peer.node.round.resync import Resync
 from peer.node.service import PeerService
@@ -76,7 +76,7 @@ def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_name
             for t in range(ROUNDS):
                 data = history.payloads[(t, STAGE, dht.peer_id)]
                 session.store.put(t, STAGE, data)
-                ann = {"sha256": sha256(data), "size": len(data), "address": session.server.address}
+                ann = {"sha256": payload_id(data), "size": len(data), "address": session.server.address}
                 dht.announce_payload(t, STAGE, {**ann, "replica": dht.peer_id}, ttl_s=ttl)
                 link_ttl = ttl if t == ROUNDS - 1 else SHORT_TTL_S
                 dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), link_ttl)

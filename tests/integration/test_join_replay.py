@@ -22,7 +22,7 @@ from peer.config import history_ttl_s
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.round.claims import Link, entry, majority, parse_claims
-from peer.node.round.payloads import sha256
+from peer.node.round.payloads import payload_id
 from peer.node.round.replay import chain_record
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
@@ -69,7 +69,8 @@ def test_a_late_joiner_replays_the_honest_history_while_three_of_five_holders_cl
             for t in range(ROUNDS):
                 data = history.payloads[(t, STAGE, dht.peer_id)]
                 session.store.put(t, STAGE, data)
-                ann = {"sha256": sha256(data), "size": len(data), "address": session.me.address, "replica": dht.peer_id}
+                address = session.me.address
+                ann = {"sha256": payload_id(data), "size": len(data), "address": address, "replica": dht.peer_id}
                 dht.announce_payload(t, STAGE, ann, ttl_s=ttl)
             session.records.announce(
                 lambda s=session, w=worker: s.records.stage(w, role="trainer"),

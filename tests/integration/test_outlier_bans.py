@@ -30,7 +30,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.round.contribution import encoded
 from peer.node.round.gather import RoundResult
-from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.payloads import PayloadStore, payload_id
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker
@@ -114,7 +114,7 @@ def _attack(x, cfg, t: int, honest: Payload) -> int:
     dht, store, server = x
     poison = compress({n: v * -1e4 for n, v in decompress(honest).items()}, None, cfg.sparseloco)[0].to_bytes()
     store.put(t, STAGE, poison)
-    record = {"sha256": sha256(poison), "size": len(poison), "address": server.address, "replica": dht.peer_id}
+    record = {"sha256": payload_id(poison), "size": len(poison), "address": server.address, "replica": dht.peer_id}
     dht.announce_payload(t, STAGE, record, ttl_s=60)
     replica = {"address": server.address, "kind": "full", "outer_step": t, "shard": 2, "joined_at": 0}
     dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=60)

@@ -9,6 +9,8 @@ all-to-all) and by ranges: after each round the head and the full replicas hold 
 moves by stage 0's embedding change read from the shards of the embedding's ranges alone (a full
 replica takes it from its own stage-0 commit), so the same state id means the same bits of u. A
 state adopted without its link reads round t − 1's size, hence the rule, from the stage's claims.
+The same swarm all-to-all with outlier screening off: the stage peer reads stage 0's payloads as
+embedding views (docs/protocol.md, "Embedding views") and still holds the full replicas' stage-1 state.
 """
 
 from __future__ import annotations
@@ -67,9 +69,20 @@ def _records(session: Session, role: str, workers: dict[int, StageWorker], shard
 @pytest.fixture
 def mixed(tmp_path, reap_children):
     """Peers 0 (head, stage 0), 1 (its stage peer, stage 1), 2 and 3 (full replicas, both stages)."""
-    cfg = build_config(environ={})
+    yield from _swarm(tmp_path, build_config(environ={}), round_rule="auto")
+
+
+@pytest.fixture
+def views(tmp_path, reap_children):
+    """The same four peers, all-to-all, outlier screening off: stage 0's change is read from views."""
+    yield from _swarm(tmp_path, build_config(overrides={"sparseloco.screening": False}, environ={}), round_rule="all")
+
+
+def _swarm(tmp_path, cfg, round_rule: str):
     assert cfg.stages == 2 and cfg.k > 0  # the run uses a subspace: stage 1's T⊥ moves with stage 0
-    swarm = dataclasses.replace(cfg.swarm, rpc_timeout_s=3.0, round_timeout_s=10.0, round_rule="auto", ranges_from=3)
+    swarm = dataclasses.replace(
+        cfg.swarm, rpc_timeout_s=3.0, round_timeout_s=10.0, round_rule=round_rule, ranges_from=3
+    )
     cfg = dataclasses.replace(cfg, swarm=swarm)
     dhts: list[SwarmDHT] = [SwarmDHT()]
     dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(len(ROLES) - 1)]
@@ -154,3 +167,27 @@ def test_a_pipeline_and_full_replicas_follow_each_stages_rule_with_one_state_per
     for t in (1, 2):
         observed = {r for r, _ in stage_peer.session.store.shards(t, 0, range(plan.n))}
         assert observed == set(embed_ranges(plan)) and len(observed) < plan.n
+
+
+def test_a_stage_peer_reads_stage_0_as_embedding_views_and_holds_the_same_state(views):
+    """All-to-all with sparseloco.screening off: the stage peer fetches each stage-0 payload's
+    embedding view (`peer.core.sparseloco.codec.sections`) instead of the payload, and after every round
+    its stage-1 state — T⊥ moved by u from the views — is the full replicas' (u from whole payloads)."""
+    cfg, (head, stage_peer, *fulls) = views
+    stop = threading.Event()
+    for t in range(2):
+        _train([head, stage_peer, *fulls], t)
+        before = stage_peer.session.rounds.pg_bytes
+        head_result, _ = _round(head, stage_peer, fulls, t, bound=t > 0, stop=stop)
+        for s, pipeline in ((0, head), (1, stage_peer)):
+            holders = [pipeline.workers[s]] + [f.workers[s] for f in fulls]
+            assert len({w.state_id() for w in holders}) == 1, f"stage {s} split in round {t}"
+        assert stage_peer.workers[1].perp_hash() == fulls[0].workers[1].perp_hash()
+        store = stage_peer.session.store
+        held = [store.fetched(t, 0, sender) for sender in (head.id, fulls[0].id, fulls[1].id)]
+        assert all(c is not None and c.view for c in held)
+        whole = sum(len(c.data) for c in head_result.contributions)
+        fetched1 = sum(len(store.fetched(t, 1, f.id).data) for f in fulls)
+        assert (
+            stage_peer.session.rounds.pg_bytes - before == fetched1 + sum(len(c.data) for c in held) < fetched1 + whole
+        )

@@ -26,7 +26,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
-from peer.node.round.payloads import PayloadStore, payload_validator, sha256
+from peer.node.round.payloads import PayloadStore, payload_id, payload_validator, sha256
 from peer.node.service import PeerService
 from tests.round_helpers import own as own_of
 from tests.round_helpers import round_context
@@ -61,12 +61,17 @@ def _payload(seed: int, cfg, shapes=SHAPES) -> bytes:
 
 
 def _announce(node: Node, t: int, stage: int, data: bytes, replica: str, announced: bytes | None = None) -> None:
-    """Serve `data` for round (t, stage) and announce it (with the hash of `announced`) for `replica`."""
+    """Serve `data` for round (t, stage) and announce it (with the id of `announced`) for `replica`; bytes
+    that are no payload have no id: they are announced under their plain sha256."""
     node.store.put(t, stage, data)
+    try:
+        announced_id = payload_id(announced or data)
+    except PayloadError:
+        announced_id = sha256(announced or data)
     node.dht.announce_payload(
         t,
         stage,
-        {"sha256": sha256(announced or data), "size": len(data), "address": node.address, "replica": replica},
+        {"sha256": announced_id, "size": len(data), "address": node.address, "replica": replica},
         ttl_s=60,
     )
 
@@ -149,7 +154,7 @@ def test_payload_that_does_not_match_its_announced_hash_is_skipped(three_replica
 
     _check_committed(results, [a, c], cfg, bad=b)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    hash_warnings = [m for m in warnings if "does not match its announced sha256" in m and b.id[:12] in m]
+    hash_warnings = [m for m in warnings if "does not match its announced id" in m and b.id[:12] in m]
     assert len(hash_warnings) == 2, warnings  # one per honest replica, and B's payload is fetched once each
 
 

@@ -13,9 +13,14 @@ import pytest
 import torch
 
 from peer.config import build_config
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.codec.clip import payload_norm
 from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.codec.sections import view_bytes
+from peer.core.subspace.state import EMBED
 from peer.errors import PeerError
-from peer.node.round.contribution import Mismatch, bare, encoded, received, sha256
+from peer.node.round.contribution import Mismatch, bare, encoded, payload_id, received
+from peer.node.round.payloads import view_validator
 from peer.node.stage.worker import StageWorker
 
 SMALL = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "stages": 2}
@@ -36,7 +41,7 @@ def test_the_encoders_payload_commits_to_the_same_bits_as_its_bytes_parsed(stage
     ours, twin = _trained(stage, 1), _trained(stage, 1)
     others = [_trained(stage, 2 + i).contribution(f"r{i + 1}") for i in range(2)]
     mine, same = ours.contribution("r0"), twin.contribution("r0")
-    assert mine.data == same.data and mine.sha256 == sha256(mine.data)
+    assert mine.data == same.data and mine.sha256 == payload_id(mine.data)
     parsed = received("r0", same.sha256, same.data, Payload.from_bytes)
     assert parsed.payload is not same.payload  # the twin commits the bytes parsed back
     twin.ledger.last_contribution = parsed
@@ -48,12 +53,12 @@ def test_the_encoders_payload_commits_to_the_same_bits_as_its_bytes_parsed(stage
         assert torch.equal(e, twin.optim.errors[name]), name
 
 
-def test_bytes_that_do_not_match_their_announcement_are_refused_before_parsing():
-    data = _trained(1, 1).contribution("r0").data
+def test_bytes_that_do_not_match_their_announcement_are_refused():
+    data, other = _trained(1, 1).contribution("r0").data, _trained(1, 2).contribution("r0").data
     with pytest.raises(Mismatch):
-        received("r0", sha256(b"other"), data, lambda _: pytest.fail("parsed"))
+        received("r0", payload_id(other), data, Payload.from_bytes)
     with pytest.raises(PeerError):
-        received("r0", sha256(b"junk"), b"junk", Payload.from_bytes)
+        received("r0", payload_id(other), b"junk", Payload.from_bytes)
 
 
 def test_a_set_is_named_by_replica_and_sha256_prefixes_and_bare_payloads_by_position():
@@ -62,3 +67,14 @@ def test_a_set_is_named_by_replica_and_sha256_prefixes_and_bare_payloads_by_posi
     anonymous = bare([c.payload])
     assert anonymous[0].replica == "" and anonymous[0].sha256 == c.sha256
     assert bare([c.payload], ["x"])[0].replica == "x"
+
+
+def test_a_view_is_received_against_the_whole_payloads_id_and_a_view_of_another_is_refused():
+    cfg = build_config(overrides={**SMALL, "sparseloco.screening": False}, environ={})
+    whole, other = _trained(0, 1).contribution("r0"), _trained(0, 2).contribution("r0")
+    reading = view_validator(stage_shapes(cfg.model, 0, cfg.stages), cfg.sparseloco)
+    got = received("r0", whole.sha256, view_bytes(whole.data, whole.payload), reading)
+    assert got.view and got.sha256 == whole.sha256 and got.whole_norm == payload_norm(whole.payload)
+    assert [e.name for e in got.payload.entries] == [EMBED] and len(got.data) < len(whole.data)
+    with pytest.raises(Mismatch):
+        received("r0", whole.sha256, view_bytes(other.data, other.payload), reading)

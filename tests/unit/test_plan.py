@@ -13,11 +13,12 @@ import torch
 from peer.core.model.decoder import build_stage, get_preset, stage_shapes
 from peer.core.sparseloco.algorithm import compress
 from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
+from peer.core.sparseloco.codec.sections import view_bytes
 from peer.errors import ConfigError
 from peer.net.transport.codec import encoded_size, to_bytes
 from peer.net.transport.messages import BackwardRequest, ForwardRequest
 from peer.research.plan.command import PLAN_PRESETS, PlanInputs, boundary_bytes, plan_rows, resolve_model, with_inputs
-from peer.research.plan.round import parse_tokens, round_holders, round_seconds
+from peer.research.plan.round import parse_tokens, round_holders, round_seconds, stage0_fetch_nbytes
 
 SMALL = PlanInputs(
     preset="small",
@@ -348,6 +349,21 @@ def test_token_budgets_read_floats_and_suffixes(text, tokens):
 def test_bad_token_budgets_name_the_flag(text):
     with pytest.raises(ConfigError, match="--tokens"):
         parse_tokens(text)
+
+
+def test_with_screening_off_later_stages_fetch_stage_0s_embedding_views_of_the_size_sent():
+    """A view's size is what a real stage-0 payload's view measures; with screening on, the whole."""
+    cfg, M, S = get_preset("tiny"), 4, 3
+    off, on = SparseLoCoConfig(screening=False), SparseLoCoConfig()
+    shapes0 = stage_shapes(cfg, 0, S)
+    payload = compress({n: torch.randn(v) for n, v in shapes0.items()}, None, off)[0]
+    assert stage0_fetch_nbytes(cfg, S, off) == len(view_bytes(payload.to_bytes(), payload))
+    assert stage0_fetch_nbytes(cfg, S, on) == payload_nbytes(shapes0, on) == payload.nbytes
+    payloads = [payload_nbytes(stage_shapes(cfg, s, S), off) for s in range(S)]
+    view = stage0_fetch_nbytes(cfg, S, off)
+    comp = round_holders(payloads, M, compressed=True, stage0_fetch=view)
+    assert comp[0].served_bytes == 3 * payloads[0] + 4 * 2 * view  # the M·(S − 1) later holders: views
+    assert all(h.fetched_bytes == 3 * h.payload_bytes + 4 * view for h in comp[1:])
 
 
 def test_later_stages_fetch_stage_0s_payloads():

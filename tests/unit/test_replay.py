@@ -19,7 +19,7 @@ from peer.net.transport.messages import StateReply
 from peer.node.presence import Presence
 from peer.node.round.claims import Link, entry
 from peer.node.round.context import RoundContext
-from peer.node.round.payloads import PayloadStore, sha256
+from peer.node.round.payloads import PayloadStore, payload_id
 from peer.node.round.refusals import Refusals
 from peer.node.round.replay import Replayer, SkipDead, candidates, chain_record, parse_chain
 from peer.node.round.resync import Resync
@@ -42,7 +42,7 @@ class Board:
         self.attest: dict[str, dict] = {}  # attesters' records of the stage (`peer.bootstrap.attester`)
         self.chain: dict[tuple[int, int], dict[str, dict]] = {}
         for (t, s, rid), data in history.payloads.items():
-            ann = {"sha256": sha256(data), "size": len(data), "address": f"{rid}:1", "replica": rid}
+            ann = {"sha256": payload_id(data), "size": len(data), "address": f"{rid}:1", "replica": rid}
             self.announcements.setdefault((t, s), {})[rid] = ann
 
     def link(self, holder: str, link: Link, stage: int) -> None:

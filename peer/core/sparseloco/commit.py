@@ -78,6 +78,7 @@ __all__ = [
     "RoundCommit",
     "commit_round",
     "commit_state",
+    "embed_from_views",
     "embedding_update",
     "outer_delta",
     "perp_decay",
@@ -133,6 +134,14 @@ def screening_rule(cfg: SparseLoCoConfig) -> RobustConfig:
     return ROBUST if cfg.screening else OFF
 
 
+def embed_from_views(cfg: SparseLoCoConfig) -> bool:
+    """Whether stage 0's committed embedding change is a function of each payload's embedding entry
+    and whole norm alone (`embedding_update` with `norms`; a payload's view carries exactly those,
+    `peer.core.sparseloco.codec.sections`): yes unless outlier screening is on, whose scores read every
+    tensor of every contribution."""
+    return not screening_rule(cfg).enabled
+
+
 def robust_aggregate(
     decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
@@ -140,6 +149,7 @@ def robust_aggregate(
     keys: Sequence[str] | None = None,
     names: Collection[str] | None = None,
     out: Mapping[str, Tensor] | None = None,
+    norms: Sequence[float] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
 
@@ -147,11 +157,18 @@ def robust_aggregate(
     Contributions that are all payloads take the fused path (`_fused_aggregate`: the same bits, no
     dense Δ̂); `names` restricts Δ̄ (never the norms or the screening) to those tensors, and `out`
     lends the fused path its accumulators (`peer.core.sparseloco.codec.scratch`: Δ̄ may then be those buffers).
-    `robust` None: the config's rule (`screening_rule`).
+    `robust` None: the config's rule (`screening_rule`). `norms` (payloads only): each payload's
+    whole norm, given where the payloads hold only the `names` entries (views, `embed_from_views`:
+    never with screening on, which would score the part as if it were the whole).
     """
     robust = screening_rule(cfg) if robust is None else robust
+    if norms is not None and (robust.enabled or len(norms) != len(decoded)):
+        raise ValueError(f"{len(norms)} given norms for {len(decoded)} contributions, screening {robust.enabled}")
     if decoded and all(isinstance(d, Payload) for d in decoded):
-        return _fused_aggregate([d for d in decoded if isinstance(d, Payload)], cfg, robust, keys, names, out)
+        payloads = [d for d in decoded if isinstance(d, Payload)]
+        return _fused_aggregate(payloads, cfg, robust, keys, names, out, norms)
+    if norms is not None:
+        raise ValueError("given norms need parsed payloads")
     dense = [decompress(d) if isinstance(d, Payload) else d for d in decoded]
     clipped, clip = clip_to_median(dense, cfg.clip_median_factor)
     screened = screen(clipped, clip.norms, robust, keys)
@@ -170,12 +187,14 @@ def _fused_aggregate(
     keys: Sequence[str] | None,
     names: Collection[str] | None,
     out: Mapping[str, Tensor] | None,
+    norms: Sequence[float] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """`robust_aggregate` of payloads, fused, the same bits: norms read off the values
-    (`payload_norm`), the screening's consensus over the clipped values at their positions only
-    (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
+    (`payload_norm`; or given, the same floats), the screening's consensus over the clipped values at
+    their positions only (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
     kept payloads scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
-    plan, clip = clip_plan([payload_norm(p) for p in payloads], cfg.clip_median_factor)
+    norms = [payload_norm(p) for p in payloads] if norms is None else norms
+    plan, clip = clip_plan(norms, cfg.clip_median_factor)
 
     def scores_of(voters: list[int]) -> list[float]:
         return sparse_consensus_scores(screen_rows(payloads, voters, plan), len(voters))
@@ -329,10 +348,12 @@ def embedding_update(
     cfg: SparseLoCoConfig,
     robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
+    norms: Sequence[float] | None = None,
 ) -> Tensor:
     """Stage 0's committed change of embed.weight (fl32(−η·Δ̄)) for a holder that only observes
     stage 0 (its payloads, fused, or decoded Δ̂). Clipped and screened exactly as `commit_state`
     treats stage 0 (norms and scores over the whole contribution), so T⊥ moves by the same bits on
-    every stage."""
-    summed = robust_aggregate(decoded, cfg, robust, keys, names=(EMBED,))[0]
+    every stage. `norms`: the payloads' whole norms, when the payloads are views holding only the
+    embedding's entry (`embed_from_views`)."""
+    summed = robust_aggregate(decoded, cfg, robust, keys, names=(EMBED,), norms=norms)[0]
     return outer_delta(summed[EMBED], cfg.outer_lr)

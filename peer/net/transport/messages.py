@@ -132,11 +132,13 @@ class PayloadKind(enum.IntEnum):
     PAYLOAD = 0  # a whole payload (answer: its bytes)
     PART = 1  # a ranges round: `sender`'s parts of `ranges`, with merkle proofs (answer: a RangesReply)
     SHARD = 2  # a ranges round: shards of `ranges` the peer holds, `sender` = the sha256 wanted (answer: a RangesReply)
+    EMBED = 3  # a payload's embedding view (answer: its bytes; peer.core.sparseloco.codec.sections)
 
 
 @dataclass(frozen=True, eq=False)
 class PayloadRequest:
-    """Ask for `sender`'s SparseLoCo payload of `stage` in round `outer_step` (answer: bytes), or parts
+    """Ask for `sender`'s SparseLoCo payload of `stage` in round `outer_step` (answer: bytes; kind
+    EMBED: its embedding view), or parts
     or shards of `ranges` in a ranges round (`kind`; docs/protocol.md, RANGES)."""
 
     outer_step: int

@@ -134,9 +134,11 @@ class PayloadRequest(_message.Message):
         PAYLOAD: _ClassVar[PayloadRequest.Kind]
         PART: _ClassVar[PayloadRequest.Kind]
         SHARD: _ClassVar[PayloadRequest.Kind]
+        EMBED: _ClassVar[PayloadRequest.Kind]
     PAYLOAD: PayloadRequest.Kind
     PART: PayloadRequest.Kind
     SHARD: PayloadRequest.Kind
+    EMBED: PayloadRequest.Kind
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]

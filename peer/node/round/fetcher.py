@@ -15,8 +15,10 @@ Sources, in order, each tried once per call (bounded), each call under its own d
    also the announcers of the other stages, whose holders observe stage 0 for their T⊥;
 5. only with `holders` (a replay of rounds whose contributors may all have left): the stage's
    holders and attesters now.
-Any source is as good as the sender: the announced sha256 decides. `strict` (the gather) makes the
-announcer's answer binding — an announcement without an address, bytes that do not match it or a
+Any source is as good as the sender: the announced id decides. With a `ViewReader` (an observer of
+stage 0 whose T⊥ needs only u) each source is asked for the payload's embedding view (kind EMBED),
+checked against the same id; a whole payload held here serves as its own view. `strict` (the
+gather) makes the announcer's answer binding — an announcement without an address, bytes that do not match it or a
 refusal other than "gone" reject the payload (PeerError) — and, when nobody else serves it, raises
 the announcer's own error; without it a wrong answer only costs a try, and nothing served raises
 NetworkError.
@@ -26,16 +28,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement
 from peer.net.transport.errors import NotFoundError
-from peer.net.transport.messages import PayloadRequest
-from peer.node.round.contribution import Contribution, Mismatch, received
+from peer.net.transport.messages import PayloadKind, PayloadRequest
+from peer.node.round.contribution import Contribution, Mismatch, Reading, ViewReader, received
 from peer.node.round.payloads import PayloadStore
 
 log = logging.getLogger(__name__)
@@ -73,20 +74,22 @@ class Fetcher:
         stage: int,
         sender: str,
         ann: Announcement,
-        parse: Callable[[bytes], Payload],
+        parse: Reading,
         announcements: Mapping[str, Announcement],
         deadline: float | None = None,
         claimer: str | None = None,
         strict: bool = False,
     ) -> Contribution:
         """`sender`'s payload of round (t, `stage`) as announced by `ann`, from the sources of the module
-        docstring; `announcements`: the round's (any stage's) announcements already read. PeerError
-        when it does not parse; NetworkError (strict: the announcer's error) when nobody serves it."""
+        docstring; `announcements`: the round's (any stage's) announcements already read; `parse`: how
+        it is read (whole, or its view). PeerError when it does not parse; NetworkError (strict: the
+        announcer's error) when nobody serves it."""
         replica = ann.replica_of(sender)
         held = self._held(t, stage, sender, ann, replica, parse)
         if held is not None:
             return held
-        request = PayloadRequest(t, stage, sender)
+        kind = PayloadKind.EMBED if isinstance(parse, ViewReader) else PayloadKind.PAYLOAD
+        request = PayloadRequest(t, stage, sender, kind)
         first: PeerError | None = None
         if strict and not ann.address:
             raise PeerError(f"the announcement of {sender} has no address")
@@ -116,18 +119,18 @@ class Fetcher:
         raise NetworkError(f"nobody serves the payload of {sender[:12]} for round {t} stage {stage}")
 
     def _held(
-        self, t: int, stage: int, sender: str, ann: Announcement, replica: str, parse: Callable[[bytes], Payload]
+        self, t: int, stage: int, sender: str, ann: Announcement, replica: str, parse: Reading
     ) -> Contribution | None:
-        """The payload from our own store: fetched from `sender` before, or our own (as encoded, or
-        parsed here when the store was given bare bytes)."""
+        """The payload from our own store: fetched from `sender` before (a view only when a view is
+        wanted), or our own (as encoded, or parsed here when the store was given bare bytes)."""
         got = self.store.fetched(t, stage, sender)
-        if got is not None and got.sha256 == ann.sha256:
+        if got is not None and got.sha256 == ann.sha256 and (isinstance(parse, ViewReader) or not got.view):
             return got
         mine = self.store.mine(t, stage)
         if mine is None or mine.sha256 != ann.sha256:
             return None
         if mine.payload is None:
-            return received(replica, ann.sha256, mine.data, parse)
+            return received(replica, ann.sha256, mine.data, parse.whole if isinstance(parse, ViewReader) else parse)
         return Contribution(replica, mine.sha256, mine.data, mine.payload)
 
     def _keep(self, t: int, stage: int, sender: str, got: Contribution) -> Contribution:

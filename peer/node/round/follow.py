@@ -17,14 +17,13 @@ set wins the RECONCILE. When such a claim also proves its holder a censor: `peer
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from peer.core.sparseloco.codec.format import Payload
 from peer.net.records import StageRecord
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Claim
-from peer.node.round.contribution import Contribution
+from peer.node.round.contribution import Contribution, Reading
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher
 
@@ -71,9 +70,7 @@ class Follow:
         self.since: float | None = None
         self.tried_at = 0.0
 
-    def take(
-        self, claim: Claim, held: Held, holders: Mapping[str, StageRecord], parse: Callable[[bytes], Payload]
-    ) -> bool:
+    def take(self, claim: Claim, held: Held, holders: Mapping[str, StageRecord], parse: Reading) -> bool:
         """Hold exactly `claim`'s set (fetching what is missing, now and then); True once held."""
         assert claim.link is not None
         self.since = time.monotonic() if self.since is None else self.since

@@ -16,6 +16,8 @@ checking its sha256 and format, until the set is closed:
 - or the swarm's clock is two rounds past us (`peer.node.round.claims.closed_elsewhere`): the others
   closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
 - or the deadline passes.
+An observer of stage 0 that reads embedding views fetches a payload whole before it judges a claim
+of the round that leaves that payload out (`peer.node.round.views`).
 A close is decided only on a view whose read began moments before (`FRESH_S`): a process frozen
 mid-round (a stopped peer, a stalled machine) — even inside a DHT read, whose answer its DHT child
 took before the freeze — wakes to a fresh read and follows what the others committed meanwhile, or
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from peer.config import SwarmConfig, history_ttl_s
@@ -49,12 +51,13 @@ from peer.node.round.bans import PREFIX
 from peer.node.round.censors import CensorWatch, Evidence, evidence
 from peer.node.round.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
 from peer.node.round.context import RoundContext
-from peer.node.round.contribution import Contribution
+from peer.node.round.contribution import Contribution, Reading, ViewReader
 from peer.node.round.fetcher import Fetcher
 from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import SETTLE_S, announce, poll_pause, read_round
 from peer.node.round.stalls import stall_watch
 from peer.node.round.verify import SetFetcher
+from peer.node.round.views import ViewChecks
 
 log = logging.getLogger(__name__)
 
@@ -129,17 +132,18 @@ class RoundInputs:
 
     `own`: our contribution, encoded once (None: an observer). `validate(payload)` parses a payload and
     raises PeerError for a malformed one (it is then skipped, and its replica no longer waited for);
-    None parses payloads as they are. `peers`: a head's binding ({"<stage>": peer id}), carried by our
-    announcement. `quorum` (the run's first round only: `swarm.min_replicas`) keeps the set open until
-    that many payloads are held. `banned`: peer.node.round.bans. `prev`: the id of our state at outer
-    step t (a holder of the stage; None for an observer of a stage it does not hold): the claims we may
-    follow start from it. `established`: the replicas of our last committed set (a claim that leaves
-    one out before any deadline is refused: `peer.node.round.censors`); `previous`: what we saw of
-    earlier rounds that can still prove a censor, whose claims are judged the same way.
+    None parses payloads as they are; a `ViewReader` reads their embedding views (stage 0 observed).
+    `peers`: a head's binding ({"<stage>": peer id}), carried by our announcement. `quorum` (the run's
+    first round only: `swarm.min_replicas`) keeps the set open until that many payloads are held.
+    `banned`: peer.node.round.bans. `prev`: the id of our state at outer step t (a holder of the stage;
+    None for an observer of a stage it does not hold): the claims we may follow start from it.
+    `established`: the replicas of our last committed set (a claim that leaves one out before any
+    deadline is refused: `peer.node.round.censors`); `previous`: what we saw of earlier rounds that can
+    still prove a censor, whose claims are judged the same way.
     """
 
     own: Contribution | None = None
-    validate: Callable[[bytes], Payload] | None = None
+    validate: Reading | None = None
     peers: Mapping[str, str] | None = None
     quorum: int = 1
     banned: Collection[str] = frozenset()
@@ -204,7 +208,7 @@ class _Gather:
         stage: int,
         timings: RoundTimings,
         own: Contribution | None,
-        validate: Callable[[bytes], Payload] | None,
+        validate: Reading | None,
         banned: Collection[str],
         prev: str | None,
     ) -> None:
@@ -212,7 +216,7 @@ class _Gather:
         self.t, self.stage, self.timings = t, stage, timings
         self.store, self.inc, self.n_stages, self.banned = ctx.store, ctx.me.incarnation, ctx.cfg.stages, banned
         self.prev, self.refusals = prev, ctx.refusals
-        self.parse = validate if validate is not None else Payload.from_bytes
+        self.parse: Reading = validate if validate is not None else Payload.from_bytes
         self.me = ctx.dht.peer_id
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
@@ -237,6 +241,7 @@ class _Gather:
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
         self.result = RoundResult(t=t, stage=stage)
         self.fetcher = Fetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, self.n_stages)
+        self.views = ViewChecks(self.fetcher, t, stage)
         sets = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s)
         self.follow = Follow(sets, self.refusals, t, stage, self.n_stages)
 
@@ -299,6 +304,7 @@ class _Gather:
             self.why_behind = "the swarm is rounds ahead"
             return close_decision(Poll(fresh=True, closed_elsewhere=True))
         self._fetch_bound(read)
+        self._confirm_views(read)
         self.result.expected = len(read.view.expected)
         # decide on a view read moments ago, never an old one
         fresh = time.monotonic() - read.at <= FRESH_S or self.slow_reads >= MAX_SLOW_READS
@@ -365,7 +371,8 @@ class _Gather:
         out = []
         for claim in targets:
             key = (claim.peer, claim.state)
-            if claim.peer in refused or key in self.unfetchable:
+            named = set(claim.link.replicas) if claim.link is not None else set()
+            if claim.peer in refused or key in self.unfetchable or self.views.invalid & named:
                 continue
             left_out = omission(claim, bound, self.held.data, self.rejected)
             if left_out.followable:
@@ -423,6 +430,16 @@ class _Gather:
                 continue
             held.data[rid] = got
             self.result.bytes_fetched += len(got.data)
+
+    def _confirm_views(self, read: _Read) -> None:
+        """Reading views: fetch whole each one a claim of round t leaves out (`peer.node.round.views`)."""
+        if isinstance(self.parse, ViewReader):
+            claims, others = read.claims.values(), {**read.payloads, **read.stage0}
+            nbytes, rejected = self.views.confirm(self.held.data, claims, read.view.bound, others, self.parse)
+            self.result.bytes_fetched += nbytes
+            for rid, sender in rejected:
+                self.bad.add(sender)
+                self.rejected.add(rid)
 
     def _finish(self, decision: Close) -> RoundResult:
         result, held, view = self.result, self.held, self.view

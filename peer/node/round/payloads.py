@@ -1,11 +1,15 @@
 """The payloads of outer rounds, apart from the round logic: what a peer serves, what it accepts.
 
-- `PayloadStore`: the payloads this process serves over gRPC `get_payload`, newest rounds only.
+- `PayloadStore`: the payloads this process serves over gRPC `get_payload`, newest rounds only
+  (whole, or as their embedding views: `view`).
 - `payload_validator`: a received payload parses with this run's settings and fits the stage's
   parameters exactly (names, shapes, each once, stage 0's embedding present), else PayloadError:
   a payload that could not be applied is never committed; `round_validator` builds it for round
-  (t, stage) as seen by one of our stage workers (an observer of stage 0 uses stage 0's shapes).
-- `sha256`: the digest announced with every payload (`peer.node.round.contribution`).
+  (t, stage) as seen by one of our stage workers (an observer of stage 0 uses stage 0's shapes), and
+  `round_reading` how that round's payloads are read: whole, or (an observer of stage 0 whose T⊥
+  needs only u, `embed_from_views`) as views, whose entry `view_validator` checks.
+- `payload_id`: the id announced with every payload; `sha256`: the plain digest of parts and shards
+  (`peer.node.round.contribution`).
 - `read_round`, `poll_pause`: one poll of a round's DHT records (replicas, stage holders,
   announcements), and the pause between polls.
 - `announce`: serve and announce our contribution. Fetching: `peer.node.round.fetcher`.
@@ -24,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 from peer.config import RunConfig
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig
+from peer.core.sparseloco.codec.sections import View, read_view, view_bytes
+from peer.core.sparseloco.commit import embed_from_views
 from peer.core.sparseloco.ranges import merkle_proof
 from peer.core.subspace.state import EMBED
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.round.contribution import Contribution, sha256
+from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256
 
 if TYPE_CHECKING:
     from peer.node.stage.state import StageState
@@ -38,10 +44,13 @@ __all__ = [
     "SETTLE_S",
     "PayloadStore",
     "announce",
+    "payload_id",
     "payload_validator",
     "poll_pause",
     "read_round",
+    "round_reading",
     "sha256",
+    "view_validator",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +80,7 @@ class PayloadStore:
     def __init__(self, keep: int = 3, history: int = 3) -> None:
         self._data: dict[tuple[int, int], Mine] = {}  # ours
         self._fetched: dict[tuple[int, int, str], Contribution] = {}  # by sender, checked and parsed
+        self._views: dict[tuple[int, int, str, str], bytes] = {}  # views made of whole payloads, by sender and id
         self._parts: dict[tuple[int, int], list[bytes]] = {}
         self._proofs: dict[tuple[int, int, int], tuple[bytes, ...]] = {}
         self._fetched_parts: dict[tuple[int, int, str, int], tuple[bytes, tuple[bytes, ...]]] = {}
@@ -79,11 +89,15 @@ class PayloadStore:
         self.keep, self.history = keep, max(keep, history)
 
     def put(self, t: int, stage: int, payload: bytes | Contribution) -> None:
-        """Our payload of (t, stage): the contribution we announce, or bare bytes (hashed here, once)."""
+        """Our payload of (t, stage): the contribution we announce, or bare bytes (identified here, once;
+        bytes that are no payload — a test's faulty sender — under their plain sha256)."""
         if isinstance(payload, Contribution):
             mine = Mine(payload.data, payload.sha256, payload.payload)
         else:
-            mine = Mine(payload, sha256(payload))
+            try:
+                mine = Mine(payload, payload_id(payload))
+            except PayloadError:
+                mine = Mine(payload, sha256(payload))
         with self._lock:
             self._data[(t, stage)] = mine
             self._expire(t)
@@ -98,6 +112,7 @@ class PayloadStore:
         held: tuple[tuple[dict[Any, Any], int], ...] = (
             (self._data, self.history),
             (self._fetched, self.history),
+            (self._views, self.history),
             (self._parts, self.keep),
             (self._proofs, self.keep),
             (self._fetched_parts, self.keep),
@@ -108,13 +123,38 @@ class PayloadStore:
                 del keyed[key]
 
     def get(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
-        """Our own payload of (t, stage) or, with `sender`, the one we fetched from that sender."""
+        """Our own payload of (t, stage) or, with `sender`, the one we fetched whole from that sender."""
         with self._lock:
             if sender is not None:
                 got = self._fetched.get((t, stage, sender))
-                return got.data if got is not None else None
+                return got.data if got is not None and not got.view else None
             own = self._data.get((t, stage))
             return own.data if own is not None else None
+
+    def view(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
+        """The embedding view (`peer.core.sparseloco.codec.sections`) of our own payload of (t, stage) or,
+        with `sender`, of the one we fetched from that sender (whole, or its view as fetched). Made
+        once per payload: a round's stage-0 payloads are asked for by every later stage's holder."""
+        with self._lock:
+            got = self._fetched.get((t, stage, sender)) if sender is not None else None
+            own = self._data.get((t, stage)) if sender is None else None
+        if got is not None and got.view:
+            return got.data
+        mine = Mine(got.data, got.sha256, got.payload) if got is not None else own
+        if mine is None:
+            return None
+        key = (t, stage, sender or "", mine.sha256)
+        with self._lock:
+            made = self._views.get(key)
+        if made is None:
+            try:
+                payload = mine.payload if mine.payload is not None else Payload.from_bytes(mine.data)
+            except PayloadError:  # bare bytes that are no payload have no view
+                return None
+            made = view_bytes(mine.data, payload)  # outside the lock: it reads every value (the norm)
+            with self._lock:
+                self._views[key] = made
+        return made
 
     def mine(self, t: int, stage: int) -> Mine | None:
         """Our own payload of (t, stage), its sha256 and (when we encoded it) its parsed form."""
@@ -208,6 +248,33 @@ def payload_validator(
         return payload
 
     return validate
+
+
+def view_validator(shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig) -> ViewReader:
+    """Read stage 0's payloads (`shapes`: stage 0's) as embedding views: a view with this run's settings
+    whose entry is the embedding with its exact shape (`read_view`; PayloadError otherwise, so a view
+    that could not be applied is never committed); a whole payload as `payload_validator` reads it."""
+    shape = tuple(shapes[EMBED])
+
+    def read(data: bytes) -> View:
+        view = read_view(data, cfg, max_elements=math.prod(shape))
+        if not view.payload.entries:
+            raise PayloadError(f"invalid SparseLoCo payload: missing ['{EMBED}']")
+        got = tuple(view.payload.entries[0].shape)
+        if got != shape:
+            raise PayloadError(f"invalid SparseLoCo payload: {EMBED!r} has shape {got}, the stage's is {shape}")
+        return view
+
+    return ViewReader(read, payload_validator(shapes, cfg, required=[EMBED]))
+
+
+def round_reading(cfg: RunConfig, worker: StageState, stage: int) -> Reading:
+    """How round (t, stage)'s payloads are read by `worker`: whole (`round_validator`), or — stage 0
+    observed by a holder of another stage, whose T⊥ needs only u, when u is a function of views
+    (`embed_from_views`: outlier screening off) — as embedding views (`view_validator`)."""
+    if stage == 0 != worker.stage and embed_from_views(cfg.sparseloco):
+        return view_validator(stage_shapes(cfg.model, 0, cfg.stages), cfg.sparseloco)
+    return round_validator(cfg, worker, stage)
 
 
 def round_validator(cfg: RunConfig, worker: StageState, stage: int) -> Callable[[bytes], Payload]:

@@ -29,7 +29,7 @@ from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.metrics import MetricsWriter
 from peer.node.round.claims import Claim, Entry, parse_claims
 from peer.node.round.contribution import Contribution
-from peer.node.round.payloads import PayloadStore, round_validator
+from peer.node.round.payloads import PayloadStore, round_reading, round_validator
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import SetFetcher, Verdict, resolve
 from peer.node.stage.commit import Outcome
@@ -76,17 +76,21 @@ def fetch_set(
     entries: Sequence[Entry],
     embed: Sequence[Entry] | None,
     claimer_address: str | None = None,
+    views: bool = False,
 ) -> SetBytes:
     """Round t's set `entries` of our stage and, on a stage > 0, stage 0's set `embed` that moves T⊥
     (its embedding change, `peer.node.stage.embed.stage0_change`), each entry proven genuine: the one
-    fetch of a claimed set that RECONCILE and the replay both recompute from."""
+    fetch of a claimed set that RECONCILE and the replay both recompute from. `views`: stage 0's set
+    is read as embedding views where u allows it (`round_reading`) — RECONCILE's sets, which stage 0's
+    majority (or we) committed; a joiner's replay reads it whole (a view cannot prove the whole payload
+    valid, and a replayed link's `embed` may be any stage-0 holder's: docs/protocol.md)."""
     parse = round_validator(cfg, worker, worker.stage)
     got = fetcher.fetch(t, worker.stage, entries, parse, claimer_address=claimer_address, n_stages=cfg.stages)
     out = SetBytes(forged=list(got.forged), missing=len(got.missing))
     if not got.complete:
         return out
     if embed is not None and worker.stage != 0:
-        parse0 = round_validator(cfg, worker, 0)
+        parse0 = round_reading(cfg, worker, 0) if views else round_validator(cfg, worker, 0)
         got0 = fetcher.fetch(t, 0, embed, parse0, claimer_address=claimer_address, n_stages=cfg.stages)
         out.forged_embed, out.missing = list(got0.forged), len(got0.missing)
         if not got0.complete:
@@ -114,7 +118,7 @@ def recompute_set(
     """The commit of round t with set `entries` (and, on a stage > 0, T⊥ moved by stage 0's set
     `embed`) from the state we committed round t from; nothing changes on the worker."""
     fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s))
-    got = fetch_set(cfg, fetcher, worker, t, entries, embed, claimer_address)
+    got = fetch_set(cfg, fetcher, worker, t, entries, embed, claimer_address, views=True)
     out = Recomputed(forged=got.forged + got.forged_embed, missing=got.missing)
     if not got.complete:
         return out

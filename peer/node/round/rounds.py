@@ -38,7 +38,7 @@ from peer.node.round.claims import closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution
 from peer.node.round.gather import FRESH_S, RoundInputs, RoundResult, RoundTimings, gather_round
-from peer.node.round.payloads import round_validator
+from peer.node.round.payloads import round_reading
 from peer.node.round.ranges.exchange import RangesResult
 from peer.node.round.ranges.rounds import (
     Gathered,
@@ -102,7 +102,7 @@ class Rounds:
         timings = RoundTimings.from_config(swarm)
         inputs = RoundInputs(
             own=own,
-            validate=round_validator(self.cfg, worker, stage),
+            validate=round_reading(self.cfg, worker, stage),
             peers=peers,
             quorum=swarm.min_replicas if t == 0 else 1,
             banned=banned,

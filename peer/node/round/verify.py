@@ -24,18 +24,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement
 from peer.node.round.agreement import Announcements, Replicas, bound_to
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Entry
-from peer.node.round.contribution import Contribution
+from peer.node.round.contribution import Contribution, Reading, ViewReader
 from peer.node.round.fetcher import Fetcher, Unreadable
 from peer.node.round.payloads import PayloadStore
 
@@ -111,12 +110,13 @@ class SetFetcher:
         t: int,
         stage: int,
         entries: Sequence[Entry],
-        parse: Callable[[bytes], Payload],
+        parse: Reading,
         have: Mapping[str, Contribution] | None = None,
         claimer_address: str | None = None,
         n_stages: int = 1,
     ) -> Fetched:
-        """The contributions of `entries` (round t, `stage`): from `have` (sha256 → what we hold), else
+        """The contributions of `entries` (round t, `stage`), read by `parse` (whole, or as views): from
+        `have` (id → what we hold; a view only when views are read), else
         `Fetcher.fetch` (our store, the sender, the claimer at `claimer_address`, any holder of the
         round). Raises NetworkError when the DHT cannot be read."""
         announcements = self.dht.get_payloads(t, stage)
@@ -130,7 +130,7 @@ class SetFetcher:
                 (out.forged if found.verdict is Verdict.FORGED else out.missing).append(item)
                 continue
             replica, want = found.record.replica_of(found.sender), found.record.sha256
-            if have is not None and want in have:
+            if have is not None and want in have and (isinstance(parse, ViewReader) or not have[want].view):
                 out.payloads[item] = dataclasses.replace(have[want], replica=replica)
                 continue
             try:

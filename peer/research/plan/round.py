@@ -8,10 +8,12 @@ payload `payload_nbytes(stage_shapes(model, s, S))` bytes:
 - in a compressed pipeline a holder of stage s > 0 also moves its T⊥ by stage 0's committed
   embedding change (`peer.core.sparseloco.commit.embedding_update`), which it computes from stage 0's
   payloads: it gathers round (t, 0) as an observer (`Rounds.stage_round` → `embed_job`), fetching
-  all M stage-0 payloads, whole (the clip and the screening use the whole contribution's norm), at
-  the same time as its own stage's round, over the same link. Each is fetched from its sender, so
-  a holder of stage 0 serves its payload to the M − 1 other heads and to the M·(S − 1) holders of
-  the later stages: (M·S − 1) copies. An uncompressed pipeline has no T⊥ and fetches none of them.
+  all M stage-0 payloads at the same time as its own stage's round, over the same link — each as its
+  embedding view when `sparseloco.screening` is off (the embedding's entry and the payload's norm,
+  what u then reads: `stage0_fetch_nbytes`, `peer.core.sparseloco.codec.sections`), whole when it is
+  on (the screening scores every tensor). Each is fetched from its sender, so a holder of stage 0
+  serves its payload to the M − 1 other heads and that many bytes to each of the M·(S − 1) holders
+  of the later stages. An uncompressed pipeline has no T⊥ and fetches none of them.
 Links are full duplex at the planned bandwidth each way, so a holder's round takes
 max(bytes fetched, bytes served) / bandwidth, and the round of the outer step takes the slowest
 holder's. With ≥ 32 replicas the swarm switches to ranges (stage peers then fetch only the
@@ -30,6 +32,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from peer.core.model.decoder import ModelConfig, stage_shapes
+from peer.core.sparseloco.codec.format import SparseLoCoConfig, entry_kind, entry_nbytes, payload_nbytes
+from peer.core.sparseloco.codec.sections import EMBED_ENTRY, view_nbytes
+from peer.core.sparseloco.commit import embed_from_views
 from peer.errors import ConfigError
 
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -42,7 +48,7 @@ class HolderRound:
     stage: int
     payload_bytes: int  # this stage's payload
     own_fetched: int  # payloads of its own stage fetched
-    stage0_fetched: int  # stage-0 payloads fetched for T⊥ (compressed pipelines, stages > 0)
+    stage0_fetched: int  # stage-0 payloads fetched for T⊥ (compressed pipelines, stages > 0), whole or as views
     fetched_bytes: int
     served_bytes: int
 
@@ -52,15 +58,30 @@ class HolderRound:
         return max(self.fetched_bytes, self.served_bytes)
 
 
-def round_holders(payloads: Sequence[int], replicas: int, compressed: bool) -> list[HolderRound]:
-    """Each stage's holder's round for payload sizes `payloads` (one per stage) and M = `replicas`."""
+def stage0_fetch_nbytes(model: ModelConfig, stages: int, cfg: SparseLoCoConfig) -> int:
+    """What a holder of a stage > 0 fetches of one stage-0 payload for T⊥: its embedding view when u is
+    a function of views (`embed_from_views`: screening off), else the whole payload."""
+    shapes = stage_shapes(model, 0, stages)
+    if not embed_from_views(cfg):
+        return payload_nbytes(shapes, cfg)
+    shape = tuple(shapes[EMBED_ENTRY])
+    kind = entry_kind(shape, cfg)
+    return view_nbytes(entry_nbytes(EMBED_ENTRY, kind, shape, cfg.chunk, cfg.topk, cfg.quant_bits))
+
+
+def round_holders(
+    payloads: Sequence[int], replicas: int, compressed: bool, stage0_fetch: int | None = None
+) -> list[HolderRound]:
+    """Each stage's holder's round for payload sizes `payloads` (one per stage) and M = `replicas`;
+    `stage0_fetch`: a later stage's fetch of one stage-0 payload (`stage0_fetch_nbytes`; None: whole)."""
     M, S = replicas, len(payloads)
     observers = M * (S - 1) if compressed else 0  # holders of stages > 0 that fetch stage 0's payloads
+    view = payloads[0] if stage0_fetch is None else stage0_fetch
     out = []
     for s, size in enumerate(payloads):
         stage0 = M if compressed and s > 0 else 0
-        served = (M - 1) * size + (observers * size if s == 0 else 0)
-        fetched = (M - 1) * size + stage0 * payloads[0]
+        served = (M - 1) * size + (observers * view if s == 0 else 0)
+        fetched = (M - 1) * size + stage0 * view
         out.append(HolderRound(s, size, M - 1, stage0, fetched, served))
     return out
 

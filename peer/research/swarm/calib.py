@@ -45,7 +45,7 @@ from peer.node.presence import Presence
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import received
 from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
-from peer.node.round.payloads import PayloadStore, payload_validator, read_round, sha256
+from peer.node.round.payloads import PayloadStore, payload_id, payload_validator, read_round
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.research.swarm.net import LinkClass, LinkMix
@@ -121,7 +121,7 @@ def probe(nodes: list[Node], data: bytes) -> dict[str, float]:
     for k in range(5):
         t = 10_000 + k
         a.store.put(t, STAGE, data)
-        rec = {"sha256": sha256(data), "size": len(data), "address": server.address, "replica": a.dht.peer_id}
+        rec = {"sha256": payload_id(data), "size": len(data), "address": server.address, "replica": a.dht.peer_id}
         t0 = time.monotonic()
         a.dht.announce_payload(t, STAGE, rec, ttl_s=60)
         stored.append(time.monotonic() - t0)
@@ -193,7 +193,7 @@ def real_rounds(cfg: Any, nodes: list[Node], rounds: int, timed: Timed) -> list[
             node = nodes[i]
             assert node.server is not None
             starts[i] = time.monotonic() - t0  # when this peer's gather begins: its "compute time"
-            mine = received(node.dht.peer_id, sha256(own[i]), own[i], validate)  # our own, identified once
+            mine = received(node.dht.peer_id, payload_id(own[i]), own[i], validate)  # our own, identified once
             assert node.ctx is not None
             return gather_round(node.ctx, t, STAGE, TIMINGS, RoundInputs(own=mine, validate=validate))
 

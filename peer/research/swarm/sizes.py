@@ -12,6 +12,8 @@ here, never from a formula of its own:
   range, roster digest and size, then the lists of missing and clipped roster positions);
 - compute time of H inner steps: `peer.research.plan.command.plan_rows` (the planner's model: m micro-batches of
   max(compute, boundary message) each, at the flags' FLOP/s and the peer's link).
+The simulation is one stage's round: the later stages' fetches of stage 0 for T⊥ (whole, or embedding views
+with screening off: `peer.research.plan.round.stage0_fetch_nbytes`) are not part of it; `peer plan` counts them.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ MAX_CHUNK = 64  # chunk² − 1 must fit a 12-bit index
 DEFAULT_MAX_BYTES = 256 * 2**20
 DEFAULT_MAX_ELEMENTS = 2**31
 _HEADER = struct.Struct("<4sBBBHI")
+HEADER_NBYTES = _HEADER.size  # the header every payload starts with
 
 __all__ = [
     "PayloadError",
@@ -301,7 +302,7 @@ def payload_nbytes(shapes: Mapping[str, Sequence[int]], cfg: SparseLoCoConfig) -
     Used by `peer plan` for models too large to build; `Payload._encode` asserts every entry it
     writes has exactly this size, so the two cannot drift apart.
     """
-    return _HEADER.size + sum(
+    return HEADER_NBYTES + sum(
         entry_nbytes(name, entry_kind(tuple(shape), cfg), shape, cfg.chunk, cfg.topk, cfg.quant_bits)
         for name, shape in shapes.items()
     )
@@ -338,7 +339,28 @@ class _Reader:
 
 def _decode(b: bytes, max_elements: int, cfg: SparseLoCoConfig | None) -> Payload:
     r = _Reader(b)
-    magic, version, qb, chunk, topk, n_tensors = _HEADER.unpack(r.take(_HEADER.size, "header"))
+    qb, chunk, topk, n_tensors = read_header(r.take(HEADER_NBYTES, "header"), cfg)
+    if n_tensors > (len(b) - HEADER_NBYTES) // 4:
+        raise PayloadError(f"{n_tensors} tensors cannot fit in {len(b)} bytes")
+    total, entries, seen = 0, [], set()
+    for i in range(n_tensors):
+        entry = _read_entry(r, i, chunk, topk, qb, max_elements - total)
+        if entry.name in seen:
+            raise PayloadError(f"tensor #{i} has a duplicate name {entry.name!r}")
+        seen.add(entry.name)
+        total += math.prod(entry.shape)
+        entries.append(entry)
+    if r.pos != len(b):
+        raise PayloadError(f"{len(b) - r.pos} trailing bytes after the last tensor")
+    return Payload(entries, chunk, topk, qb)
+
+
+def read_header(head: bytes, cfg: SparseLoCoConfig | None) -> tuple[int, int, int, int]:
+    """(quant_bits, chunk, topk, n_tensors) of a payload's header, checked (with `cfg`: its settings);
+    PayloadError otherwise."""
+    if len(head) != HEADER_NBYTES:
+        raise PayloadError(f"a header is {HEADER_NBYTES} bytes, got {len(head)}")
+    magic, version, qb, chunk, topk, n_tensors = _HEADER.unpack(head)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version not in READ_VERSIONS:
@@ -351,59 +373,68 @@ def _decode(b: bytes, max_elements: int, cfg: SparseLoCoConfig | None) -> Payloa
             f"settings quant_bits={qb} chunk={chunk} topk={topk} differ from this "
             f"run's {cfg.quant_bits}/{cfg.chunk}/{cfg.topk}"
         )
-    if n_tensors > (len(b) - _HEADER.size) // 4:
-        raise PayloadError(f"{n_tensors} tensors cannot fit in {len(b)} bytes")
-    total, entries, seen = 0, [], set()
-    for i in range(n_tensors):
-        (name_len,) = r.unpack("<H", f"name length of tensor #{i}")
-        try:
-            name = r.take(name_len, f"name of tensor #{i}").decode("utf-8")
-        except UnicodeDecodeError:
-            raise PayloadError(f"name of tensor #{i} is not UTF-8") from None
-        if not name or not name.isprintable() or name in seen:
-            raise PayloadError(f"tensor #{i} has an empty, unprintable or duplicate name {name!r}")
-        seen.add(name)
-        kind, ndim = r.unpack("<BB", f"kind of {name!r}")
-        if kind not in (SPARSE, DENSE_F32, DENSE_U8) or ndim > MAX_NDIM:
-            raise PayloadError(f"tensor {name!r} has unknown kind {kind} or ndim {ndim} > {MAX_NDIM}")
-        shape = tuple(int(d) for d in r.unpack(f"<{ndim}I", f"shape of {name!r}"))
-        numel = math.prod(shape)
-        total += numel
-        if total > max_elements:
-            raise PayloadError(f"declared tensors exceed {max_elements} elements (at {name!r})")
-        what = f"body of {name!r}"
-        # sizes are checked against the bytes left before anything is allocated
-        body = entry_nbytes(name, kind, shape, chunk, topk, qb) - (4 + name_len + 4 * ndim)
-        if body > len(b) - r.pos:
-            raise PayloadError(f"truncated while reading {what} (need {body} bytes, {len(b) - r.pos} left)")
-        entry: TensorEntry
-        if kind == SPARSE:
-            n_sel = n_selected(shape, chunk, topk)
-            codebook = r.floats(_levels(qb), f"codebook of {name!r}") if qb else None
-            if codebook is not None and np.any(codebook < 0):
-                raise PayloadError(f"negative magnitude in the codebook of {name!r}")
-            idx = r.take(index_nbytes(shape, chunk, topk), what)
-            ranks = enumerative(topk)
-            if ranks:
-                check_ranks(shape, chunk, topk, idx)
-            indices = None if ranks else decode_indices(shape, chunk, topk, idx)
-            codes = unpack_bits(r.take(packed_len(n_sel, qb), what), n_sel, qb) if qb else None
-            values = None if qb else r.floats(n_sel, f"values of {name!r}")
-            coding: dict[str, Any] = {"index_bytes": idx, "chunk": chunk, "topk": topk} if ranks else {}
-            entry = TensorEntry(name, kind, shape, indices, codes, values, codebook, **coding)
-        elif kind == DENSE_F32:
-            entry = TensorEntry(name, kind, shape, values=r.floats(numel, f"values of {name!r}"))
-        else:
-            lo_scale = r.floats(2, f"scale of {name!r}")
-            top = lo_scale[0] + lo_scale[1] * np.float32(255)
-            if lo_scale[1] < 0 or not np.isfinite(top):
-                raise PayloadError(f"bad 8-bit range of {name!r}")
-            codes = np.frombuffer(r.take(numel, what), dtype=np.uint8).copy()
-            entry = TensorEntry(name, kind, shape, codes=codes, codebook=lo_scale)
-        entries.append(entry)
+    return qb, chunk, topk, n_tensors
+
+
+def read_entry(b: bytes, chunk: int, topk: int, qb: int, max_elements: int) -> TensorEntry:
+    """One tensor entry that is all of `b` (as a payload lays it out after its header), fully
+    validated like `Payload.from_bytes` validates each entry; PayloadError on any invalid input."""
+    r = _Reader(bytes(b))
+    try:
+        with np.errstate(all="ignore"):
+            entry = _read_entry(r, 0, chunk, topk, qb, max_elements)
+    except PayloadError as exc:
+        raise _invalid(str(exc)) from None
+    except (struct.error, ValueError, IndexError, OverflowError, MemoryError) as exc:
+        raise _invalid(f"malformed ({type(exc).__name__}: {exc})") from exc
     if r.pos != len(b):
-        raise PayloadError(f"{len(b) - r.pos} trailing bytes after the last tensor")
-    return Payload(entries, chunk, topk, qb)
+        raise _invalid(f"{len(b) - r.pos} trailing bytes after the entry")
+    return entry
+
+
+def _read_entry(r: _Reader, i: int, chunk: int, topk: int, qb: int, budget: int) -> TensorEntry:
+    """The entry at the reader's position: its name, kind and shape checked, its size checked against
+    the bytes left before anything is allocated, and at most `budget` elements declared."""
+    (name_len,) = r.unpack("<H", f"name length of tensor #{i}")
+    try:
+        name = r.take(name_len, f"name of tensor #{i}").decode("utf-8")
+    except UnicodeDecodeError:
+        raise PayloadError(f"name of tensor #{i} is not UTF-8") from None
+    if not name or not name.isprintable():
+        raise PayloadError(f"tensor #{i} has an empty or unprintable name {name!r}")
+    kind, ndim = r.unpack("<BB", f"kind of {name!r}")
+    if kind not in (SPARSE, DENSE_F32, DENSE_U8) or ndim > MAX_NDIM:
+        raise PayloadError(f"tensor {name!r} has unknown kind {kind} or ndim {ndim} > {MAX_NDIM}")
+    shape = tuple(int(d) for d in r.unpack(f"<{ndim}I", f"shape of {name!r}"))
+    numel = math.prod(shape)
+    if numel > budget:
+        raise PayloadError(f"declared tensors exceed the element limit ({budget} elements left at {name!r})")
+    what = f"body of {name!r}"
+    body = entry_nbytes(name, kind, shape, chunk, topk, qb) - (4 + name_len + 4 * ndim)
+    if body > len(r.b) - r.pos:
+        raise PayloadError(f"truncated while reading {what} (need {body} bytes, {len(r.b) - r.pos} left)")
+    if kind == SPARSE:
+        n_sel = n_selected(shape, chunk, topk)
+        codebook = r.floats(_levels(qb), f"codebook of {name!r}") if qb else None
+        if codebook is not None and np.any(codebook < 0):
+            raise PayloadError(f"negative magnitude in the codebook of {name!r}")
+        idx = r.take(index_nbytes(shape, chunk, topk), what)
+        ranks = enumerative(topk)
+        if ranks:
+            check_ranks(shape, chunk, topk, idx)
+        indices = None if ranks else decode_indices(shape, chunk, topk, idx)
+        codes = unpack_bits(r.take(packed_len(n_sel, qb), what), n_sel, qb) if qb else None
+        values = None if qb else r.floats(n_sel, f"values of {name!r}")
+        coding: dict[str, Any] = {"index_bytes": idx, "chunk": chunk, "topk": topk} if ranks else {}
+        return TensorEntry(name, kind, shape, indices, codes, values, codebook, **coding)
+    if kind == DENSE_F32:
+        return TensorEntry(name, kind, shape, values=r.floats(numel, f"values of {name!r}"))
+    lo_scale = r.floats(2, f"scale of {name!r}")
+    top = lo_scale[0] + lo_scale[1] * np.float32(255)
+    if lo_scale[1] < 0 or not np.isfinite(top):
+        raise PayloadError(f"bad 8-bit range of {name!r}")
+    codes = np.frombuffer(r.take(numel, what), dtype=np.uint8).copy()
+    return TensorEntry(name, kind, shape, codes=codes, codebook=lo_scale)
 
 
 def values_of(e: TensorEntry) -> np.ndarray:

@@ -1,0 +1,77 @@
+"""An observer's embedding views of stage 0's payloads, checked whole where a claim leaves one out.
+
+A holder of a stage s > 0 whose T⊥ needs only stage 0's embedding change reads stage 0's payloads as
+views (`peer.node.round.contribution.ViewReader`; `peer.core.sparseloco.codec.sections`): each proves
+the embedding's entry, the header and the whole payload's norm against the announced id — what u
+reads — but not that the whole payload behind that id is valid. An honest holder of stage 0 checks
+the whole and rejects an invalid one (bytes that are no payload, or whose id is not the announced
+one: an index that lies about the norm), so its committed set leaves that payload out. So before a
+gather of stage 0 judges a claim of the round that leaves out a payload it holds as a view
+(`peer.node.round.follow.omission`, `peer.node.round.censors`), it fetches that payload whole
+(`ViewChecks.confirm`): one that fails is rejected here too, as by every holder of stage 0, and a
+claim naming it is not followed (`invalid`); a valid one replaces the view (the claim then leaves out
+a payload we validated, as in any gather). Only a payload some claim leaves out costs a whole fetch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+from peer.errors import NetworkError, PeerError
+from peer.net.records import Announcement
+from peer.node.round.bans import PREFIX
+from peer.node.round.claims import Claim
+from peer.node.round.contribution import Contribution, ViewReader
+from peer.node.round.fetcher import Fetcher
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # a payload not fetched whole is tried again after this long
+
+
+class ViewChecks:
+    """The whole-payload checks of one gather's views (module docstring)."""
+
+    def __init__(self, fetcher: Fetcher, t: int, stage: int) -> None:
+        self.fetcher, self.t, self.stage = fetcher, t, stage
+        self.invalid: set[str] = set()  # replica prefixes whose view held but whose whole failed its checks
+        self.retry_at: dict[str, float] = {}
+
+    def confirm(
+        self,
+        held: dict[str, Contribution],
+        claims: Iterable[Claim],
+        bound: Mapping[str, tuple[str, Announcement]],
+        announcements: Mapping[str, Announcement],
+        parse: ViewReader,
+    ) -> tuple[int, list[tuple[str, str]]]:
+        """Fetch whole every view in `held` (by replica id) that a claim of round t leaves out; `bound`:
+        the round's bound announcements (sender → (replica, announcement)). Replaces each valid one in
+        `held`, removes each invalid one; returns the bytes fetched and the (replica, sender) rejected."""
+        named = [set(c.link.replicas) for c in claims if c.link is not None and c.link.t == self.t]
+        left_out = sorted(r for r, c in held.items() if c.view and any(r[:PREFIX] not in n for n in named))
+        senders = {rid: (sender, ann) for sender, (rid, ann) in bound.items()}
+        nbytes, rejected = 0, []
+        for rid in left_out:
+            if rid not in senders or self.retry_at.get(rid, 0.0) > time.monotonic():
+                continue
+            sender, ann = senders[rid]
+            try:
+                got = self.fetcher.fetch(self.t, self.stage, sender, ann, parse.whole, announcements, strict=True)
+            except NetworkError as exc:
+                self.retry_at[rid] = time.monotonic() + RETRY_S
+                log.info(
+                    "round %d stage %d: payload of %s not fetched whole yet: %s", self.t, self.stage, rid[:12], exc
+                )
+                continue
+            except PeerError as exc:
+                log.warning("round %d stage %d: rejecting %s, whose view held: %s", self.t, self.stage, rid[:12], exc)
+                del held[rid]
+                self.invalid.add(rid[:PREFIX])
+                rejected.append((rid, sender))
+                continue
+            held[rid] = got
+            nbytes += len(got.data)
+        return nbytes, rejected

@@ -1,0 +1,216 @@
+"""A later stage's holder reads stage 0's round as embedding views: real hivemind DHT nodes and
+PeerServers on 127.0.0.1 (docs/protocol.md, "Embedding views").
+
+A holder of stage 1 observes stage 0's round for its T⊥ (sparseloco.screening off: u reads each
+payload's embedding entry and norm alone). It fetches each stage-0 payload's view — a third of the
+payload at the tiny preset — from the sender or, once the sender is gone, from a stage-0 holder that
+fetched the payload whole; it computes the same u, bit for bit, as stage 0's holders commit from
+the whole payloads. A view that does not prove its announced id is refused; a payload whose view
+proves a lying index (its whole does not hash to that id, so every stage-0 holder rejected it) is
+fetched whole once a claim leaves it out, rejected, and the claim followed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from peer.config import build_config
+from peer.core.model.decoder import stage_shapes
+from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.codec.clip import payload_norm
+from peer.core.sparseloco.codec.format import HEADER_NBYTES, Payload
+from peer.core.sparseloco.codec.sections import DOMAIN, VIEW_MAGIC, payload_id, sections, view_bytes
+from peer.core.sparseloco.commit import commit_state
+from peer.core.subspace.state import EMBED
+from peer.net.dht import SwarmDHT
+from peer.net.pool import ClientPool
+from peer.net.transport.server import PeerServer
+from peer.node.round.claims import entry
+from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
+from peer.node.round.payloads import PayloadStore, view_validator
+from peer.node.round.refusals import Refusals
+from peer.node.service import PeerService
+from peer.node.stage.embed import stage0_change
+from tests.round_helpers import own as own_of
+from tests.round_helpers import round_context
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+TIMINGS = RoundTimings(8.0, poll_s=0.1, ttl_s=60)
+CFG = build_config(overrides={"sparseloco.screening": False}, environ={})
+SHAPES0 = stage_shapes(CFG.model, 0, CFG.stages)
+
+
+@dataclass
+class Node:
+    dht: SwarmDHT
+    store: PayloadStore
+    clients: ClientPool
+    server: PeerServer | None = None
+
+    @property
+    def id(self) -> str:
+        return self.dht.peer_id
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return self.server.address
+
+
+class Lying(PayloadStore):
+    """A dishonest sender's store (fault injection): it serves `view` for every view asked of it."""
+
+    def __init__(self, view: bytes) -> None:
+        super().__init__()
+        self.lie = view
+
+    def view(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
+        return self.lie
+
+
+def _payload(seed: int, scale: float) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    delta = {name: torch.randn(shape, generator=gen) * scale for name, shape in SHAPES0.items()}
+    return compress(delta, None, CFG.sparseloco)[0].to_bytes()
+
+
+def _record(node: Node) -> dict:
+    return {"address": node.address, "kind": "full", "outer_step": 0, "joined_at": 0}
+
+
+@pytest.fixture
+def swarm(reap_children):
+    """Four peers: A and B contribute to stage 0, D is the dishonest one, C holds stage 1 (observes)."""
+    nodes: list[Node] = []
+    try:
+        first = SwarmDHT()  # every DHT node first: hivemind forks, and no gRPC thread may exist then
+        stores = [PayloadStore(), PayloadStore(), PayloadStore(), Lying(b"")]
+        nodes.append(Node(first, stores[0], ClientPool(timeout_s=5.0)))
+        for store in stores[1:]:
+            nodes.append(Node(SwarmDHT(initial_peers=first.visible_maddrs()), store, ClientPool(timeout_s=5.0)))
+        for node in nodes:
+            node.dht.set_run("embed-views-test", CFG.stages)
+            node.server = PeerServer(PeerService(CFG, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.server is not None:
+                node.server.stop(grace_s=0.5)
+            node.clients.close()
+            node.dht.shutdown()
+
+
+def _announce(node: Node, data: bytes, announced: str | None = None) -> None:
+    node.store.put(0, 0, data)
+    record = {"sha256": announced or payload_id(data), "size": len(data), "address": node.address, "replica": node.id}
+    node.dht.announce_payload(0, 0, record, ttl_s=60)
+    node.dht.announce_replica(_record(node), ttl_s=60)
+
+
+def _observe(node: Node, refusals: Refusals | None = None) -> RoundResult:
+    """Stage 0's round as a holder of stage 1 reads it (`round_reading`: views, screening off)."""
+    ctx = round_context(node.dht, node.clients, node.store, node.address, refusals=refusals, cfg=CFG)
+    return gather_round(ctx, 0, 0, TIMINGS, RoundInputs(validate=view_validator(SHAPES0, CFG.sparseloco)))
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.numpy().view(np.int32)
+
+
+def test_an_observer_fetches_only_the_views_and_computes_u_with_stage_0s_bits(swarm):
+    a, b, c, _ = swarm
+    from_a, from_b = _payload(1, 1e-2), _payload(2, 5e-2)  # B's norm is past twice the median: clipped
+    _announce(a, from_a)
+    _announce(b, from_b)
+    # B, a holder of stage 0, gathers the round whole (it fetches A's payload); then A is gone
+    held = gather_round(
+        round_context(b.dht, b.clients, b.store, b.address, cfg=CFG),
+        0,
+        0,
+        TIMINGS,
+        RoundInputs(own=own_of(b.id, from_b)),
+    )
+    assert sorted(held.replicas) == sorted([a.id, b.id]) and not any(x.view for x in held.contributions)
+    a.server.stop(grace_s=0.2)  # A's view now comes from B, made of the whole payload B fetched
+    a.server = None
+
+    seen = _observe(c)
+
+    assert seen.replicas == held.replicas and not seen.timed_out
+    assert all(x.view for x in seen.contributions)
+    views = [view_bytes(x.data, x.payload) for x in held.contributions]
+    assert [x.data for x in seen.contributions] == views
+    assert seen.bytes_fetched == sum(map(len, views)) < sum(len(x.data) for x in held.contributions) / 2
+    assert c.clients.bytes_received()["get_payload"] < sum(len(x.data) for x in held.contributions) / 2
+    whole = stage0_change(CFG, held.contributions)
+    assert np.array_equal(_bits(stage0_change(CFG, seen.contributions)), _bits(whole))
+    start = {name: torch.zeros(shape) for name, shape in SHAPES0.items()}
+    parsed = [x.payload for x in held.contributions]
+    committed = commit_state(start, None, parsed, CFG.sparseloco, None, keys=held.replicas)
+    assert committed.commit.clip.n_clipped == 1  # u's bits depend on the whole payloads' norms
+    assert np.array_equal(_bits(whole), _bits(committed.commit.embed_update))
+
+
+def test_a_view_that_does_not_prove_its_announced_id_is_refused(swarm, caplog):
+    a, _, c, d = swarm
+    caplog.set_level(logging.WARNING)
+    from_a, from_d = _payload(3, 1e-2), _payload(4, 1e-2)
+    tampered = bytearray(view_bytes(from_d, Payload.from_bytes(from_d)))
+    tampered[-1] ^= 0x01  # one code bit of D's embedding
+    assert isinstance(d.store, Lying)
+    d.store.lie = bytes(tampered)
+    _announce(a, from_a)
+    _announce(d, from_d)
+
+    seen = _observe(c)
+
+    assert seen.replicas == [a.id] and seen.rejected == [d.id] and not seen.timed_out
+    refused = [r.getMessage() for r in caplog.records if "does not match its announced id" in r.getMessage()]
+    assert refused and all(d.id[:12] in m for m in refused)
+
+
+def test_a_view_of_a_lying_index_is_checked_whole_once_a_claim_leaves_it_out(swarm, caplog):
+    caplog.set_level(logging.WARNING)
+    a, b, c, d = swarm
+    from_a, from_b, from_d = _payload(6, 1e-2), _payload(7, 1e-2), _payload(8, 1.0)
+    _announce(a, from_a)
+    _announce(b, from_b)
+    # D hashes an index claiming less than its true norm (its payload would escape the clip) and
+    # serves a view that proves that id; its whole payload hashes to another id: stage 0 rejects it
+    whole = Payload.from_bytes(from_d)
+    cut = sections(from_d, whole)
+    embed_norm = payload_norm(Payload([e for e in whole.entries if e.name == EMBED], 64, 32, 2))
+    assert embed_norm < cut.norm  # the lie stays above the entry's own norm: the view alone cannot tell
+    position = struct.unpack("<I", cut.index[HEADER_NBYTES : HEADER_NBYTES + 4])[0]
+    index = cut.index[:HEADER_NBYTES] + struct.pack("<Id", position, (embed_norm + cut.norm) / 2)
+    rest = hashlib.sha256(cut.rest).digest()
+    sha = hashlib.sha256
+    lying_id = sha(DOMAIN + sha(index).digest() + sha(cut.embed).digest() + rest).hexdigest()
+    assert isinstance(d.store, Lying)
+    d.store.lie = VIEW_MAGIC + index + rest + cut.embed
+    _announce(d, from_d, announced=lying_id)
+    # B, a holder of stage 0, committed round 0 without D: its claim names A and B
+    link = {
+        "t": 0,
+        "prev": "s0",
+        "set": [list(entry(r, payload_id(x))) for r, x in sorted([(a.id, from_a), (b.id, from_b)])],
+    }
+    b.dht.announce_stage(0, {"address": b.address, "outer_step": 1, "state_id": "s1", "link": link}, ttl_s=60)
+
+    refusals = Refusals()
+    seen = _observe(c, refusals)
+
+    assert seen.followed is not None and seen.followed.peer == b.id
+    assert seen.replicas == sorted([a.id, b.id]) and d.id in seen.rejected
+    assert all(x.view for x in seen.contributions)
+    checked = [r.getMessage() for r in caplog.records if "whose view held" in r.getMessage()]
+    assert len(checked) == 1 and d.id[:12] in checked[0] and "announced id" in checked[0]  # fetched whole once
+    assert not refusals.peers()  # B's claim left out an invalid payload: no censor
