@@ -50,6 +50,8 @@ from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
+YIELD_S = 2e-4  # between two overlapped inner steps of a full replica (`_Full.held`): locks are not fair
+
 
 def run_stage_peer(opts: SessionOptions, stage: int, stop: threading.Event) -> int:
     """Hold one stage > 0 of compressed pipelines until the run's last round."""
@@ -321,6 +323,7 @@ class _Full:
         parameters between two steps, never inside one (no lock needed without overlap)."""
         stack = contextlib.ExitStack()
         if self.chain[0].cfg.train.overlap:
+            time.sleep(YIELD_S)  # a round thread waiting for a stage's lock takes it now, not after many steps
             for w in self.chain:
                 stack.enter_context(w.lock)
         return stack
