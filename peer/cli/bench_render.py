@@ -61,3 +61,19 @@ def simulate_speed_lines(out: Mapping[str, Any]) -> list[str]:
         "  (speed-ups: the fastest run of each path)",
         f"  results bit-identical on all runs: {out['bit_identical']}",
     ]
+
+
+def commit_table(result: Mapping[str, Any]) -> Table:
+    """`peer bench commit`: the portable commit's speed by device and thread count, and its state ids."""
+    table = Table("device", "threads", "seconds", "speed-up", "state id", title="commit speed by device and threads")
+    base: dict[str, float] = {}
+    for r in result["runs"]:
+        base.setdefault(r["device"], r["seconds"])
+        table.add_row(
+            r["device"],
+            str(r["threads"]),
+            f"{r['seconds']:.2f}",
+            f"{base[r['device']] / r['seconds']:.2f}x",
+            r["state"],
+        )
+    return table

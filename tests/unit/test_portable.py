@@ -121,8 +121,8 @@ def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
     clip_and_aggregate([payload, payload], 2.0)  # the decode-and-aggregate scatter, scaled
     compiled = codec_kernels.compiled(1 << 20)
     kernels = {
-        portable._project_jit: portable._kernel("project", portable._project_jit),
-        portable._normal_jit: portable._kernel("normal", portable._normal_jit),
+        portable._project_jit: codec_kernels.compiled_function(portable._project_jit),
+        portable._normal_jit: codec_kernels.compiled_function(portable._normal_jit),
     }
     if compiled is None or any(k is None for k in kernels.values()):
         pytest.skip("numba is not available here: the numpy twins run (no FMA by construction)")

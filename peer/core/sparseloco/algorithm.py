@@ -36,14 +36,15 @@ Pure torch/numpy: no networking imports.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, payload_norm
+from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, payload_norms
 from peer.core.sparseloco.codec.encode import encode_tensor
 from peer.core.sparseloco.codec.format import (
     AGGREGATIONS,
@@ -58,6 +59,7 @@ from peer.core.sparseloco.codec.format import (
     write_entry,
 )
 from peer.core.sparseloco.codec.fused import run_each
+from peer.core.sparseloco.consensus import SparseRows
 from peer.errors import ConfigError
 
 __all__ = [
@@ -175,29 +177,43 @@ def decompress(payload: Payload, out: Mapping[str, Tensor] | None = None) -> dic
 
 def screen_rows(
     payloads: Sequence[Payload], voters: Sequence[int], scales: Sequence[float | None]
-) -> Iterator[tuple[int, list[tuple[np.ndarray, np.ndarray] | None]]]:
-    """The voters' clipped Δ̂ tensor by tensor, as `peer.core.sparseloco.robust.sparse_consensus_scores` reads
-    them: (numel, per voter (flat positions, values × scale) or None where it lacks the tensor),
-    in name order. Exactly the non-zero-bit entries of clip_to_median(decompress(p)) and no more:
-    one tensor's positions of every voter at a time, never a dense copy."""
+) -> list[tuple[int, Callable[[], SparseRows]]]:
+    """The voters' clipped Δ̂ tensor by tensor, as `peer.core.sparseloco.consensus.sparse_consensus_scores`
+    reads them: per tensor, in name order, (numel, a loader of per voter (flat positions, values ×
+    scale) or None where it lacks the tensor). Exactly the non-zero-bit entries of
+    clip_to_median(decompress(p)) and no more: a loader decodes one tensor's positions of every voter
+    when it is called (on whichever thread scores that tensor), never a dense copy."""
     by_name = [{e.name: e for e in payloads[i].entries} for i in voters]
+    out: list[tuple[int, Callable[[], SparseRows]]] = []
     for name in sorted({n for entries in by_name for n in entries}):
         shapes = {tuple(entries[name].shape) for entries in by_name if name in entries}
         if len(shapes) > 1:
             raise _shape_mismatch(name, *sorted(shapes)[:2])
-        rows: list[tuple[np.ndarray, np.ndarray] | None] = []
-        for i, entries in zip(voters, by_name, strict=True):
-            e = entries.get(name)
-            if e is None:
-                rows.append(None)
-                continue
-            pos, vals = entry_values(e, payloads[i].chunk, payloads[i].topk)
-            if pos is None:
-                pos = np.arange(vals.size, dtype=np.int64)
-            if scales[i] is not None:
-                vals = vals * np.float32(scales[i])  # a float32 product: what clip_to_median computes
-            rows.append((pos, vals))
-        yield math.prod(shapes.pop()), rows
+        out.append((math.prod(shapes.pop()), functools.partial(_voter_rows, payloads, voters, scales, by_name, name)))
+    return out
+
+
+def _voter_rows(
+    payloads: Sequence[Payload],
+    voters: Sequence[int],
+    scales: Sequence[float | None],
+    by_name: Sequence[Mapping[str, TensorEntry]],
+    name: str,
+) -> SparseRows:
+    """One tensor's (flat positions, values × scale) of every voter, None where a voter lacks it."""
+    rows: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for i, entries in zip(voters, by_name, strict=True):
+        e = entries.get(name)
+        if e is None:
+            rows.append(None)
+            continue
+        pos, vals = entry_values(e, payloads[i].chunk, payloads[i].topk)
+        if pos is None:
+            pos = np.arange(vals.size, dtype=np.int64)
+        if scales[i] is not None:
+            vals = vals * np.float32(scales[i])  # a float32 product: what clip_to_median computes
+        rows.append((pos, vals))
+    return rows
 
 
 def _check_rule(rule: str, n_participants: int, n_payloads: int) -> None:
@@ -315,5 +331,5 @@ def clip_and_aggregate(
     The same bits, with norms read off the payloads and one accumulator per tensor (see
     `aggregate_payloads`, and its `out`); `names` restricts the aggregate (not the norms) to those tensors.
     """
-    plan, stats = clip_plan([payload_norm(p) for p in payloads], factor)
+    plan, stats = clip_plan(payload_norms(payloads), factor)
     return aggregate_payloads(payloads, len(payloads), rule, plan, names, out), stats

@@ -53,19 +53,20 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from peer.core.model.decoder import Decoder
 from peer.core.model.optim import TrainConfig, decoupled_decay
 from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, decompress, screen_rows
-from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norm
+from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norms
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.codec.scratch import ACCUMULATORS
+from peer.core.sparseloco.consensus import sparse_consensus_scores
+from peer.core.sparseloco.elementwise import Device, copied, scaled, stepped
 from peer.core.sparseloco.portable import check_denormals
 from peer.core.sparseloco.robust import DEFAULT as ROBUST
-from peer.core.sparseloco.robust import OFF, RobustConfig, Screen, screen, screen_scored, sparse_consensus_scores
+from peer.core.sparseloco.robust import OFF, RobustConfig, Screen, screen, screen_scored
 from peer.core.subspace.compression import embedding_outer_update, perp_outer_update
 from peer.core.subspace.state import EMBED, perp_of, set_perp
 
@@ -175,7 +176,7 @@ def _fused_aggregate(
     (`payload_norm`), the screening's consensus over the clipped values at their positions only
     (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
     kept payloads scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
-    plan, clip = clip_plan([payload_norm(p) for p in payloads], cfg.clip_median_factor)
+    plan, clip = clip_plan(payload_norms(payloads), cfg.clip_median_factor)
 
     def scores_of(voters: list[int]) -> list[float]:
         return sparse_consensus_scores(screen_rows(payloads, voters, plan), len(voters))
@@ -193,14 +194,9 @@ def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]
     return {e.name: tuple(e.shape) for p in contributions if isinstance(p, Payload) for e in p.entries}
 
 
-def _f32(t: Tensor) -> np.ndarray:
-    """A CPU float32 numpy view (a copy only when `t` lives elsewhere or has another dtype)."""
-    return t.detach().to("cpu", torch.float32).contiguous().numpy()
-
-
-def outer_delta(agg: Tensor, lr: float) -> Tensor:
-    """fl32(fl32(−η)·Δ̄): the committed change of one tensor (CPU float32)."""
-    return torch.from_numpy(np.float32(-lr) * _f32(agg))
+def outer_delta(agg: Tensor, lr: float, device: Device = None) -> Tensor:
+    """fl32(fl32(−η)·Δ̄): the committed change of one tensor (CPU float32; computed on `device`)."""
+    return scaled(agg, -lr, device)
 
 
 def commit_state(
@@ -213,36 +209,38 @@ def commit_state(
     perp_factor: float = 1.0,
     robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
+    device: Device = None,
 ) -> Committed:
-    """The portable commit (module docstring): the state after one round, computed on the CPU.
+    """The portable commit (module docstring): the state after one round, as CPU tensors.
 
     `start` = θ_start, `perp` = T⊥ before the round (None without a subspace), `decoded` = the
     committed contributions in commit order, as parsed payloads (the fused path: nothing is
     decoded densely, Δ̄ is summed in accumulators lent by `ACCUMULATORS` for this call only) or as
     decoded Δ̂ (the same bits), `embed_update` = stage 0's committed change (for a stage without
     the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier rule (None:
-    the config's, `screening_rule`) and
-    `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified, and
-    nothing returned aliases a lent buffer (`apply_update` writes every result afresh).
+    the config's, `screening_rule`), `keys` the contributions' replica ids (its tie-break) and
+    `device` where the elementwise steps run (`peer.core.sparseloco.elementwise`; None: the CPU,
+    the same bits either way). Nothing passed in is modified, and nothing returned aliases a lent
+    buffer (`apply_update` writes every result afresh).
     """
     check_denormals()
-    perp = _decayed(perp, U, perp_factor)
+    perp = _decayed(perp, U, perp_factor, device)
     if not decoded:
-        params = {name: torch.from_numpy(_f32(v).copy()) for name, v in start.items()}
+        params = {name: copied(v) for name, v in start.items()}
         if perp is not None and U is not None and embed_update is not None and EMBED not in start:
             perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
         return Committed(params, perp, RoundCommit(NO_CLIP))
     with ACCUMULATORS.lend(_shapes(decoded)) as sums:
         summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
-        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update)
+        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device)
     return Committed(params, perp, RoundCommit(clip, own_update, screened))
 
 
-def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float) -> Tensor | None:
+def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float, device: Device) -> Tensor | None:
     """A fresh CPU float32 T⊥ after the round's weight decay (`perp_decay`)."""
     if perp is not None and U is not None and perp_factor != 1.0:
-        return torch.from_numpy(_f32(perp) * np.float32(perp_factor))
-    return None if perp is None else torch.from_numpy(_f32(perp).copy())
+        return scaled(perp, perp_factor, device)
+    return None if perp is None else copied(perp)
 
 
 def commit_summed(
@@ -253,12 +251,14 @@ def commit_summed(
     U: Tensor | None,
     embed_update: Tensor | None = None,
     perp_factor: float = 1.0,
+    device: Device = None,
 ) -> Committed:
     """`commit_state` for a round whose Δ̄ is already agreed (e.g. assembled from range shards,
     `peer.core.sparseloco.ranges`): decay T⊥, then `apply_update`. No clip or screening happens here (the
     round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
     check_denormals()
-    params, perp, own_update = apply_update(start, _decayed(perp, U, perp_factor), summed, cfg, U, embed_update)
+    perp = _decayed(perp, U, perp_factor, device)
+    params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device)
     return Committed(params, perp, RoundCommit(NO_CLIP, own_update))
 
 
@@ -269,26 +269,28 @@ def apply_update(
     cfg: SparseLoCoConfig,
     U: Tensor | None,
     embed_update: Tensor | None = None,
+    device: Device = None,
 ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
     """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
     embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
     change. `perp` is T⊥ after this round's decay (a fresh tensor this function may write). Returns
     (θ, T⊥, the embedding's committed change u when this stage holds it). Every step is elementwise
-    float32 or `peer.core.sparseloco.portable` (module docstring): any holder gets the same bits from the same
-    Δ̄, however Δ̄ was aggregated (all-to-all here, or assembled from range shards)."""
+    float32 (`peer.core.sparseloco.elementwise`, on `device`) or `peer.core.sparseloco.portable`'s
+    float64 split (on the CPU's cores): any holder gets the same bits from the same Δ̄, however Δ̄ was
+    aggregated (all-to-all here, or assembled from range shards)."""
     params = {}
     own_update: Tensor | None = None
     for name, value in start.items():
         if name not in summed:
-            params[name] = torch.from_numpy(_f32(value).copy())
-            continue
-        change = outer_delta(summed[name], cfg.outer_lr)
-        if name == EMBED:
-            own_update = change
+            params[name] = copied(value)
+        elif name == EMBED:
+            own_update = outer_delta(summed[name], cfg.outer_lr, device)
             if U is not None and perp is not None:
-                params[name], perp = embedding_outer_update(value, perp, change, U)
-                continue
-        params[name] = torch.from_numpy(_f32(value) + change.numpy())
+                params[name], perp = embedding_outer_update(value, perp, own_update, U)
+            else:
+                params[name] = stepped(value, summed[name], cfg.outer_lr, device)
+        else:
+            params[name] = stepped(value, summed[name], cfg.outer_lr, device)
     if EMBED not in start and perp is not None and U is not None and embed_update is not None:
         perp = perp_outer_update(perp, embed_update, U)
     return params, perp, own_update

@@ -37,6 +37,7 @@ ENUM_MAX_K = 64  # enumerative coding up to this topk; larger topk packs fixed-w
 NUMBA_MIN_WORK = 1 << 12  # work below which the numpy versions run (tiny tests never JIT-compile)
 
 _state: dict[str, Any] = {"enabled": True, "kernels": None}
+_functions: dict[str, Any] = {}  # `compiled_function`'s: qualified name -> dispatcher, or False (unavailable)
 _lock = threading.Lock()  # held while the kernels load
 
 
@@ -82,6 +83,27 @@ def compiled(work: int) -> Any:
         with _lock:  # codec threads may ask at once: load the kernels once
             _load()
     return _state["kernels"] or None
+
+
+def compiled_function(fn: Callable[..., Any]) -> Any:
+    """One plain function `fn` compiled by numba on first use (cached on disk, nogil, no fastmath:
+    LLVM never contracts a multiply and an add into an FMA), or None when numba is disabled
+    (`set_numba`), missing or broken, for kernels that live outside the codec (the commit's:
+    `peer.core.sparseloco.portable`, `.consensus`, `codec.exact`); the caller then runs its numpy twin."""
+    if not _state["enabled"]:
+        return None
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    with _lock:
+        if _functions.get(key) is None:
+            try:
+                os.environ.setdefault("NUMBA_CACHE_DIR", cache_dir())
+                import numba
+
+                _functions[key] = numba.njit(cache=True, nogil=True)(fn)
+            except Exception as exc:  # noqa: BLE001  # any import/compile failure means: use numpy
+                log.warning("numba kernel %s unavailable (%s: %s); using numpy", key, type(exc).__name__, exc)
+                _functions[key] = False
+    return _functions[key] or None
 
 
 def _load() -> None:
