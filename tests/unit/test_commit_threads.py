@@ -6,6 +6,7 @@
   reference's partial sums bit for bit: −0.0, ties, absent voters, odd and even voter counts,
   subnormals, and a float32 overflow in a median (that slice falls back to numpy);
 - `elementwise`: a multiply then an add, as numpy computes them;
+- the aggregate scatters every payload a block of bands at a time (`index.scatter_add_all`);
 - a whole commit gives one state at 1, 2 and 4 threads, compiled or numpy; on CUDA (when present)
   the same state as on the CPU.
 Timings are not asserted here: `peer bench commit --threads 1,2,4` measures them.
@@ -24,7 +25,7 @@ import torch
 from peer.core.model.state import state_hash
 from peer.core.sparseloco import consensus, portable
 from peer.core.sparseloco.algorithm import compress
-from peer.core.sparseloco.codec import exact
+from peer.core.sparseloco.codec import exact, index
 from peer.core.sparseloco.codec import fused as pf
 from peer.core.sparseloco.codec import kernels as pk
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
@@ -188,6 +189,7 @@ def test_one_state_at_1_2_and_4_threads_compiled_or_not(monkeypatch, compiled):
     monkeypatch.setattr(consensus, "MIN_WORK", 0)
     monkeypatch.setattr(consensus, "UNIT", 512)
     monkeypatch.setattr(portable, "NUMBA_MIN_ROWS", 1)
+    monkeypatch.setattr(index, "BLOCK_BYTES", 1)  # the aggregate's scatter: one band per block
     for threads in (1, 2, 4):
         with _threads(threads):
             assert _state() == reference, threads

@@ -53,6 +53,7 @@ from peer.core.sparseloco.codec.format import (
     PayloadError,
     SparseLoCoConfig,
     TensorEntry,
+    add_entries,
     entry_values,
     index_bits,
     rank_nbytes,
@@ -298,9 +299,8 @@ def aggregate_payloads(
     def accumulate(name: str) -> tuple[Tensor, Tensor | None]:  # tensors are independent: shared out
         total = _accumulator(name, shapes[name], out)
         count = torch.zeros(shapes[name], dtype=torch.float32) if contributors else None
-        for e, p, scale in adds[name]:
-            cnt = None if count is None else count.view(-1).numpy()
-            write_entry(e, p.chunk, p.topk, total.view(-1).numpy(), True, scale, cnt)
+        items = [(e, p.chunk, p.topk, scale) for e, p, scale in adds[name]]  # in payload order
+        add_entries(items, total.view(-1).numpy(), None if count is None else count.view(-1).numpy())
         return total, count
 
     done = run_each(accumulate, list(adds), [math.prod(shapes[n]) * len(adds[n]) for n in adds])
