@@ -6,6 +6,7 @@
   reference's partial sums bit for bit: −0.0, ties, absent voters, odd and even voter counts,
   subnormals, and a float32 overflow in a median (that slice falls back to numpy);
 - `elementwise`: a multiply then an add, as numpy computes them;
+- `StateHasher`: a state hashed while it is made (on a thread, in any order) is its `state_hash`;
 - the aggregate scatters every payload a block of bands at a time (`index.scatter_add_all`);
 - a whole commit gives one state at 1, 2 and 4 threads, compiled or numpy; on CUDA (when present)
   the same state as on the CPU.
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.model.state import state_hash
+from peer.core.model.state import StateHasher, state_hash
 from peer.core.sparseloco import consensus, portable
 from peer.core.sparseloco.algorithm import compress
 from peer.core.sparseloco.codec import exact, index
@@ -148,6 +149,37 @@ def test_the_elementwise_steps_are_numpys_multiply_then_add():
     assert stepped(start, agg, lr).data_ptr() not in (start.data_ptr(), agg.data_ptr())
 
 
+# ------------------------------------------------------------------ hashing while committing
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_state_hashed_as_it_is_made_is_state_hash(background):
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"t{i}": torch.randn(50 * i + 1, generator=gen) for i in range(6)}
+    tensors["scalar"] = torch.zeros(0)
+    with StateHasher(tensors, background) as hashing:
+        for name in ("t3", "t0", "scalar", "t5", "t1", "t4", "t2"):  # any order
+            hashing.add(name, tensors[name])
+        assert hashing.digest() == state_hash(tensors)
+    with StateHasher([], background) as hashing:
+        assert hashing.digest() == state_hash({})
+    with StateHasher(tensors, background) as hashing:
+        hashing.add("t1", tensors["t1"])
+        with pytest.raises(ValueError, match="t1"):
+            hashing.add("t1", tensors["t1"])  # twice
+        with pytest.raises(ValueError, match="never added"):
+            hashing.digest()
+    # leaving the block with names missing stops the thread: nothing hangs
+
+
+def test_a_tensor_that_cannot_be_hashed_fails_the_digest():
+    with StateHasher(["a", "b"], background=True) as hashing:
+        hashing.add("b", torch.zeros(3))
+        hashing.add("a", object())  # type: ignore[arg-type]
+        with pytest.raises(AttributeError):
+            hashing.digest()
+
+
 # ------------------------------------------------------------------ a whole commit
 
 
@@ -173,7 +205,8 @@ def _commit_inputs() -> tuple:
 def _state(device: str | None = None) -> tuple[str, tuple[int, ...]]:
     start, perp, payloads, cfg, U = _commit_inputs()
     done = commit_state(start, perp, payloads, cfg, U, None, 0.99, keys=[f"r{i}" for i in range(6)], device=device)
-    return state_hash(done.params) + state_hash({"perp": done.perp}), done.commit.dropped
+    assert (done.param_hash, done.perp_hash) == (state_hash(done.params), state_hash({"perp": done.perp}))
+    return done.param_hash + done.perp_hash, done.commit.dropped
 
 
 def test_one_state_at_1_2_and_4_threads_compiled_or_not(monkeypatch, compiled):

@@ -50,7 +50,7 @@ leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +58,11 @@ from torch import Tensor
 
 from peer.core.model.decoder import Decoder
 from peer.core.model.optim import TrainConfig, decoupled_decay
+from peer.core.model.state import StateHasher
 from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, decompress, screen_rows
 from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norms
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.codec.fused import n_workers
 from peer.core.sparseloco.codec.scratch import ACCUMULATORS
 from peer.core.sparseloco.consensus import sparse_consensus_scores
 from peer.core.sparseloco.elementwise import Device, copied, scaled, stepped
@@ -109,11 +111,14 @@ Contribution = Payload | Mapping[str, Tensor]  # a parsed payload (the fused com
 
 @dataclass(frozen=True)
 class Committed:
-    """The state after a commit (CPU float32 tensors) and what the commit did."""
+    """The state after a commit (CPU float32 tensors), what the commit did, and the state's hashes
+    (`state_hash` of θ and of {"perp": T⊥}, made while the commit ran; "" where not made)."""
 
     params: dict[str, Tensor]  # θ for every name of θ_start
     perp: Tensor | None  # T⊥ (None when the run uses no subspace)
     commit: RoundCommit
+    param_hash: str = ""
+    perp_hash: str = ""
 
 
 def perp_decay(train: TrainConfig, outer_step: int) -> float:
@@ -224,16 +229,28 @@ def commit_state(
     buffer (`apply_update` writes every result afresh).
     """
     check_denormals()
-    perp = _decayed(perp, U, perp_factor, device)
-    if not decoded:
-        params = {name: copied(v) for name, v in start.items()}
-        if perp is not None and U is not None and embed_update is not None and EMBED not in start:
-            perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
-        return Committed(params, perp, RoundCommit(NO_CLIP))
-    with ACCUMULATORS.lend(_shapes(decoded)) as sums:
-        summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
-        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device)
-    return Committed(params, perp, RoundCommit(clip, own_update, screened))
+    with StateHasher(start, background=n_workers() > 1) as hashing:
+        perp = _decayed(perp, U, perp_factor, device)
+        if not decoded:
+            params = {name: copied(start[name]) for name in start}
+            for name in sorted(params):
+                hashing.add(name, params[name])
+            if perp is not None and U is not None and embed_update is not None and EMBED not in start:
+                perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
+            return _hashed(params, perp, RoundCommit(NO_CLIP), hashing)
+        with ACCUMULATORS.lend(_shapes(decoded)) as sums:
+            summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
+            params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing.add)
+        return _hashed(params, perp, RoundCommit(clip, own_update, screened), hashing)
+
+
+def _hashed(params: dict[str, Tensor], perp: Tensor | None, commit: RoundCommit, hashing: StateHasher) -> Committed:
+    """The `Committed` of a state whose parameters `hashing` has (being) hashed: T⊥ is hashed beside
+    them, on a thread of its own when the commit has several."""
+    with StateHasher(["perp"] if perp is not None else [], background=n_workers() > 1) as perp_hashing:
+        if perp is not None:
+            perp_hashing.add("perp", perp)
+        return Committed(params, perp, commit, hashing.digest(), perp_hashing.digest())
 
 
 def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float, device: Device) -> Tensor | None:
@@ -257,9 +274,10 @@ def commit_summed(
     `peer.core.sparseloco.ranges`): decay T⊥, then `apply_update`. No clip or screening happens here (the
     round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
     check_denormals()
-    perp = _decayed(perp, U, perp_factor, device)
-    params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device)
-    return Committed(params, perp, RoundCommit(NO_CLIP, own_update))
+    with StateHasher(start, background=n_workers() > 1) as hashing:
+        perp = _decayed(perp, U, perp_factor, device)
+        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing.add)
+        return _hashed(params, perp, RoundCommit(NO_CLIP, own_update), hashing)
 
 
 def apply_update(
@@ -270,6 +288,7 @@ def apply_update(
     U: Tensor | None,
     embed_update: Tensor | None = None,
     device: Device = None,
+    made: Callable[[str, Tensor], None] | None = None,
 ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
     """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
     embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
@@ -277,10 +296,12 @@ def apply_update(
     (θ, T⊥, the embedding's committed change u when this stage holds it). Every step is elementwise
     float32 (`peer.core.sparseloco.elementwise`, on `device`) or `peer.core.sparseloco.portable`'s
     float64 split (on the CPU's cores): any holder gets the same bits from the same Δ̄, however Δ̄ was
-    aggregated (all-to-all here, or assembled from range shards)."""
+    aggregated (all-to-all here, or assembled from range shards). Tensors are made in name order,
+    each handed to `made` when it is final (a `StateHasher` hashes it while the rest are made)."""
     params = {}
     own_update: Tensor | None = None
-    for name, value in start.items():
+    for name in sorted(start):
+        value = start[name]
         if name not in summed:
             params[name] = copied(value)
         elif name == EMBED:
@@ -291,9 +312,11 @@ def apply_update(
                 params[name] = stepped(value, summed[name], cfg.outer_lr, device)
         else:
             params[name] = stepped(value, summed[name], cfg.outer_lr, device)
+        if made is not None:
+            made(name, params[name])
     if EMBED not in start and perp is not None and U is not None and embed_update is not None:
         perp = perp_outer_update(perp, embed_update, U)
-    return params, perp, own_update
+    return {name: params[name] for name in start}, perp, own_update
 
 
 def commit_round(

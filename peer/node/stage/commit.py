@@ -102,8 +102,9 @@ def outcome(
     (commit order) and the outliers `dropped` from it, the new state's parameter and T⊥ hashes."""
     swarm = cfg.swarm
     new_bans = after_commit(bans, t, replicas, dropped, swarm.ban_after, swarm.ban_rounds, stage)
-    perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
-    return Outcome(t, done, new_bans, tuple(replicas), tuple(dropped), state_hash(done.params), perp_hash)
+    perp_hash = done.perp_hash or (state_hash({"perp": done.perp}) if done.perp is not None else state_hash({}))
+    param_hash = done.param_hash or state_hash(done.params)  # the commit hashed them as it made them
+    return Outcome(t, done, new_bans, tuple(replicas), tuple(dropped), param_hash, perp_hash)
 
 
 def screening_keys(payloads: Sequence[Payload], replicas: Sequence[str]) -> list[str] | None:
