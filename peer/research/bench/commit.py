@@ -239,11 +239,12 @@ def commit_rounds(paths: Sequence[Path]) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> int:
     """A child: `commit_rounds(argv)` as one JSON line on stdout — the wire protocol with the parent
     that started it (tests/integration/test_portable_commit.py), not output for a person.
-    $PEER_COMMIT_THREADS limits torch's threads and the cores this process may use."""
+    $PEER_COMMIT_THREADS sets torch's thread count (which sizes the commit's kernel pool too) and
+    limits the cores this process may use to as many (all there are, when it has fewer)."""
     threads = int(os.environ.get("PEER_COMMIT_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
-        if hasattr(os, "sched_setaffinity"):  # our codec pool sizes itself by the cores we may use
+        if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     print(json.dumps(commit_rounds([Path(a) for a in argv])))
     return 0
