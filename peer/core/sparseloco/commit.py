@@ -27,21 +27,26 @@ accumulators are lent for the one call by `peer.core.sparseloco.codec.scratch.AC
 per round) and never escape it.
 
 Why it gives the same bits on every device, kernel set and thread count (docs/protocol.md):
-- It always runs on the CPU: a CUDA holder copies θ_start in and the result out, exactly.
+- It runs on the CPU's cores (as many threads as torch's thread count), and with `device` a CUDA
+  device its elementwise float32 steps there (`peer.core.sparseloco.elementwise` argues why that
+  is the same bits); results are CPU tensors, copied exactly.
 - Decoding is integer arithmetic and table lookups; norms and screening scores are exactly
-  rounded sums (`math.fsum` of products that are exact in float64), so the order of work is
-  irrelevant; the lower median is a selection.
+  rounded sums (of products that are exact in float64: integer accumulators rounded once, or
+  `math.fsum`, the same value: `peer.core.sparseloco.codec.exact`), so how the work is split over
+  threads and in which order is irrelevant; the lower median is a selection.
 - Every other step is elementwise: one IEEE-754 operation per value (+, −, ×, ÷, each correctly
   rounded) in a fixed order — contributions are added in commit order, one coordinate at a time —
-  so SIMD width and threads cannot change a bit. No step uses `a + α·b` with α ≠ ±1 (torch runs it
-  as one fused multiply-add with AVX2 and as two roundings without); a clip factor is a float32
-  value, so its product is the same whether a kernel widens to float64 first or not (double
-  rounding of a float32 product, quotient or sum through float64 is innocuous).
+  so SIMD width, threads and the device cannot change a bit. No step uses `a + α·b` with α ≠ ±1
+  (torch runs it as one fused multiply-add with AVX2 and as two roundings without); a clip factor
+  is a float32 value, so its product is the same whether a kernel widens to float64 first or not
+  (double rounding of a float32 product, quotient or sum through float64 is innocuous).
 - The only sums over many terms with rounding, Π's, run in a fixed order in float64 in our own
   kernel, compiled without fastmath (no FMA contraction); a test inspects its machine code.
 - The decay factor is a product of Python floats from `portable_cos` (no libm).
 - `check_denormals` refuses a process that flushes subnormals to zero.
 Training (forward, backward, AdamW) stays device-native; only what every holder agrees on is here.
+The state's hashes are made while it is made (`peer.core.model.state.StateHasher`: tensors in name
+order, hashed on a thread of their own as each is final), so hashing overlaps the commit's work.
 
 Invariants: the same committed list in the same order gives the same bits on every holder; a
 round that drops nothing gives exactly the bits it gave before screening existed; an empty round
