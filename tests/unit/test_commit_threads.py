@@ -89,6 +89,26 @@ def test_to_float_rounds_any_accumulator_once():
         assert got == total / (1 << exact.OFFSET)  # Python's int / int is correctly rounded
 
 
+def _twice_jit(x: float) -> float:
+    return _double_jit(x)
+
+
+def _double_jit(x: float) -> float:
+    return 2.0 * x
+
+
+def _foreign_jit(x: float) -> float:
+    return x
+
+
+def test_a_kernel_calls_its_helpers_compiled_only_from_its_own_module(compiled, caplog):
+    kernel = pk.compiled_function(_twice_jit, _double_jit)
+    assert kernel is not None and kernel(3.0) == 6.0
+    with caplog.at_level("WARNING"):  # a helper elsewhere could change under the kernel's disk cache
+        assert pk.compiled_function(_foreign_jit, exact._squares_jit) is None
+    assert "must be defined in" in caplog.text
+
+
 # ------------------------------------------------------------------ the screening's sums
 
 

@@ -178,7 +178,8 @@ def _products(
 def _compiled_partials(flat: Sequence[tuple[np.ndarray, np.ndarray]], out: np.ndarray) -> list[int] | None:
     """Fill out (n_slices, n, 3) with the compiled kernels; the slices left to the numpy path (a
     non-finite product), or None when numba is not in use."""
-    bucket, partials = pk.compiled_function(_bucket_jit), pk.compiled_function(_partials_jit)
+    bucket = pk.compiled_function(_bucket_jit)
+    partials = pk.compiled_function(_partials_jit, _medians_jit, _add_products_jit)
     if bucket is None or partials is None:
         return None
     n, n_slices = len(flat), out.shape[0]
@@ -231,10 +232,9 @@ def _partials_jit(
     u1: int,
 ) -> int:
     # For units u0 … u1−1: group each coordinate's values (a slot map; a voter that sends nothing
-    # there holds 0), take each voter's median of the others, and add its row·med, row² and med²
-    # into acc[u, voter, 0 … 2]. Each product of two float32 values is formed in integers (a float32
-    # is ±m·2^e, m < 2^24: the product m·m' < 2^48 is exact) and added exactly. A non-finite value
-    # or median marks the unit bad (the numpy path redoes its slice).
+    # there holds 0), take each voter's median of the others (`_medians_jit`) and add its row·med,
+    # row² and med² into acc[u, voter, 0 … 2] (`_add_products_jit`). A non-finite value or median
+    # marks the unit bad (the numpy path redoes its slice).
     most = 1
     for u in range(u0, u1):
         most = max(most, starts[u + 1] - starts[u])
@@ -242,13 +242,10 @@ def _partials_jit(
     cols = np.empty((most, n), dtype=np.float32)
     col_bits = cols.view(np.int32)
     coords = np.empty(most, dtype=np.int64)
-    srt = np.empty(n, dtype=np.float32)
-    who_at = np.empty(n, dtype=np.int64)  # the voter of srt[r]
-    rank = np.empty(n, dtype=np.int64)
+    srt = np.empty(n, dtype=np.float32)  # the sort's scratch: the values, their voters and ranks
+    ranks = np.empty((2, n), dtype=np.int64)
     meds = np.zeros(n, dtype=np.float32)
     med_bits = meds.view(np.int32)
-    m = n - 1  # the others of each voter
-    low_at, high_at, half = (m - 1) // 2, m // 2, np.float32(0.5)
     for u in range(u0, u1):
         base = (u // per_slice) * slice_ + (u % per_slice) * unit
         used = 0
@@ -269,47 +266,66 @@ def _partials_jit(
                 senders += cols[k, j] != 0
             if senders == 0:
                 continue
-            if senders == 1 and m >= 3:  # the others' middle values are all zeros: every median is 0
+            if senders == 1 and n >= 4:  # the others' middle values are all zeros: every median is 0
                 meds[:] = 0
             else:
-                for j in range(n):  # insertion sort of the coordinate's values, with their voters
-                    v = cols[k, j]
-                    at = j
-                    while at > 0 and srt[at - 1] > v:
-                        srt[at], who_at[at] = srt[at - 1], who_at[at - 1]
-                        at -= 1
-                    srt[at], who_at[at] = v, j
-                for r in range(n):  # equal values may swap ranks: removing either leaves the same others
-                    rank[who_at[r]] = r
-                for j in range(n):
-                    r = rank[j]
-                    med = srt[low_at if low_at < r else low_at + 1]
-                    if m % 2 == 0:
-                        med = (med + srt[high_at if high_at < r else high_at + 1]) * half  # float32
-                    meds[j] = med
+                _medians_jit(cols[k], srt, ranks, meds)
             for j in range(n):
-                wa, wb = np.int64(col_bits[k, j]), np.int64(med_bits[j])
-                if (wa | wb) & 0x7FFFFFFF == 0:  # both ±0: nothing to add
-                    continue
-                ea, eb = (wa >> 23) & 0xFF, (wb >> 23) & 0xFF
-                if ea == 0xFF or eb == 0xFF:  # inf or nan: the numpy path decides
+                if _add_products_jit(np.int64(col_bits[k, j]), np.int64(med_bits[j]), acc[u, j]):
                     bad[u] = 1
-                    continue
-                ma, mb = (wa & 0x7FFFFF) | (0x800000 if ea else 0), (wb & 0x7FFFFF) | (0x800000 if eb else 0)
-                xa, xb = ea + (ea == 0) - 150, eb + (eb == 0) - 150  # a subnormal's exponent is −149
-                for q in range(3):  # row·med, row², med²
-                    if q == 0:
-                        big, bit, sign = ma * mb, xa + xb + OFFSET, 1 - 2 * (((wa ^ wb) >> 31) & 1)
-                    elif q == 1:
-                        big, bit, sign = ma * ma, 2 * xa + OFFSET, np.int64(1)
-                    else:
-                        big, bit, sign = mb * mb, 2 * xb + OFFSET, np.int64(1)
-                    if big == 0:
-                        continue
-                    li, sh = bit >> 5, bit & 31  # the exact add (as in codec.exact._squares_jit, signed)
-                    lo = (big & 0xFFFFFFFF) << sh  # < 2^63
-                    up = (big >> 32) << sh  # < 2^47
-                    acc[u, j, q, li] += sign * (lo & 0xFFFFFFFF)  # < 2^33 per term: a unit never overflows
-                    acc[u, j, q, li + 1] += sign * ((lo >> 32) + (up & 0xFFFFFFFF))
-                    acc[u, j, q, li + 2] += sign * (up >> 32)
     return 0
+
+
+def _medians_jit(row: np.ndarray, srt: np.ndarray, ranks: np.ndarray, meds: np.ndarray) -> None:
+    # meds[j] = the median of row's values but row[j] (float32: (low + high)·0.5 for an even count).
+    # One insertion sort of the values (srt) with their voters (ranks[0]); removing the value at
+    # voter j's rank (ranks[1, j]) leaves the others (equal values may swap ranks: removing either
+    # leaves the same values).
+    n = row.size
+    for j in range(n):
+        v = row[j]
+        at = j
+        while at > 0 and srt[at - 1] > v:
+            srt[at], ranks[0, at] = srt[at - 1], ranks[0, at - 1]
+            at -= 1
+        srt[at], ranks[0, at] = v, j
+    for r in range(n):
+        ranks[1, ranks[0, r]] = r
+    m = n - 1  # the others of each voter
+    low_at, high_at, half = (m - 1) // 2, m // 2, np.float32(0.5)
+    for j in range(n):
+        r = ranks[1, j]
+        med = srt[low_at if low_at < r else low_at + 1]
+        if m % 2 == 0:
+            med = (med + srt[high_at if high_at < r else high_at + 1]) * half  # float32
+        meds[j] = med
+
+
+def _add_products_jit(wa: np.int64, wb: np.int64, acc: np.ndarray) -> bool:
+    # Add a·b, a² and b² of the float32 values with bits wa, wb into acc[0 … 2] exactly; True (and
+    # nothing added) when either is inf or nan. A float32 is ±m·2^e (m < 2^24 an integer, e >= −149),
+    # so each product is m·m' < 2^48 at 2^(e + e'): exact in int64, added digit by digit (the same
+    # lines as codec.exact._squares_jit, with a sign).
+    if (wa | wb) & 0x7FFFFFFF == 0:  # both ±0: nothing to add
+        return False
+    ea, eb = (wa >> 23) & 0xFF, (wb >> 23) & 0xFF
+    if ea == 0xFF or eb == 0xFF:
+        return True
+    ma, mb = (wa & 0x7FFFFF) | (0x800000 if ea else 0), (wb & 0x7FFFFF) | (0x800000 if eb else 0)
+    xa, xb = ea + (ea == 0) - 150, eb + (eb == 0) - 150  # a subnormal's exponent is −149
+    for q in range(3):  # a·b, a², b²
+        if q == 0:
+            big, bit, sign = ma * mb, xa + xb + OFFSET, 1 - 2 * (((wa ^ wb) >> 31) & 1)
+        elif q == 1:
+            big, bit, sign = ma * ma, 2 * xa + OFFSET, np.int64(1)
+        else:
+            big, bit, sign = mb * mb, 2 * xb + OFFSET, np.int64(1)
+        if big == 0:
+            continue
+        li, sh = bit >> 5, bit & 31
+        lo = (big & 0xFFFFFFFF) << sh  # < 2^63
+        up = (big >> 32) << sh  # < 2^47
+        acc[q, li] += sign * (lo & 0xFFFFFFFF)  # < 2^33 per term: a unit's digits never overflow
+        acc[q, li + 1] += sign * ((lo >> 32) + (up & 0xFFFFFFFF))
+        acc[q, li + 2] += sign * (up >> 32)
+    return False
