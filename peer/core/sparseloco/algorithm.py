@@ -298,7 +298,7 @@ def aggregate_payloads(
 
     def accumulate(name: str) -> tuple[Tensor, Tensor | None]:  # tensors are independent: shared out
         total = _accumulator(name, shapes[name], out)
-        count = torch.zeros(shapes[name], dtype=torch.float32) if contributors else None
+        count = _zeros(shapes[name]) if contributors else None
         items = [(e, p.chunk, p.topk, scale) for e, p, scale in adds[name]]  # in payload order
         add_entries(items, total.view(-1).numpy(), None if count is None else count.view(-1).numpy())
         return total, count
@@ -310,13 +310,21 @@ def aggregate_payloads(
 
 
 def _accumulator(name: str, shape: tuple[int, ...], out: Mapping[str, Tensor] | None) -> Tensor:
-    """A zeroed float32 sum of one tensor: out[name] zeroed with a memset, or fresh zeroed pages."""
+    """A zeroed float32 sum of one tensor: out[name] zeroed with a memset, or fresh zeroed pages.
+    numpy's, not torch's: this runs on the kernel pool's threads, where a torch op would start a
+    team of torch's own threads per pool thread."""
     if out is None or name not in out:
-        return torch.zeros(shape, dtype=torch.float32)
+        return _zeros(shape)
     buf = out[name]
     if buf.dtype != torch.float32 or buf.device.type != "cpu" or tuple(buf.shape) != shape or not buf.is_contiguous():
         raise ValueError(f"aggregate_payloads: out[{name!r}] must be contiguous CPU float32 of shape {shape}")
-    return buf.zero_()
+    buf.numpy().fill(0)
+    return buf
+
+
+def _zeros(shape: tuple[int, ...]) -> Tensor:
+    """Fresh zeroed float32 pages (calloc: zeroed by the OS), without a torch op."""
+    return torch.from_numpy(np.zeros(shape, dtype=np.float32))
 
 
 def clip_and_aggregate(
