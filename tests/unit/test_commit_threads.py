@@ -30,7 +30,7 @@ from peer.core.sparseloco.codec import exact, index
 from peer.core.sparseloco.codec import fused as pf
 from peer.core.sparseloco.codec import kernels as pk
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
-from peer.core.sparseloco.commit import commit_state
+from peer.core.sparseloco.commit import commit_state, commit_summed
 from peer.core.sparseloco.elementwise import scaled, stepped
 from peer.core.subspace.state import EMBED
 
@@ -246,6 +246,24 @@ def test_one_state_at_1_2_and_4_threads_compiled_or_not(monkeypatch, compiled):
     for threads in (1, 2, 4):
         with _threads(threads):
             assert _state() == reference, threads
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_commit_path_hands_back_its_states_hashes(threads):
+    start, perp, _, cfg, U = _commit_inputs()
+    no_embed = {n: t for n, t in start.items() if n != EMBED}
+    change = {"blocks.0.w": torch.full((256, 200), 1e-3)}
+    u = torch.randn(300, 64, generator=torch.Generator().manual_seed(4)) * 1e-3
+    with _threads(threads):
+        commits = [
+            commit_state(start, perp, [], cfg, U, None, 0.99),  # an empty round
+            commit_summed(start, perp, change, cfg, U, None, 0.99),  # the embedding not in Δ̄: T⊥ only decays
+            commit_summed(no_embed, perp, change, cfg, U, u, 0.99),  # a later stage: T⊥ moves with stage 0
+            commit_state(no_embed, None, [], cfg, None),  # no subspace
+        ]
+    for done in commits:
+        perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
+        assert (done.param_hash, done.perp_hash) == (state_hash(done.params), perp_hash)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

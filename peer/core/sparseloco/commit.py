@@ -55,7 +55,7 @@ leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -234,28 +234,48 @@ def commit_state(
     buffer (`apply_update` writes every result afresh).
     """
     check_denormals()
-    with StateHasher(start, background=n_workers() > 1) as hashing:
+    with Hashing(start, perp is not None) as hashing:
         perp = _decayed(perp, U, perp_factor, device)
         if not decoded:
             params = {name: copied(start[name]) for name in start}
             for name in sorted(params):
-                hashing.add(name, params[name])
+                hashing.param(name, params[name])
             if perp is not None and U is not None and embed_update is not None and EMBED not in start:
                 perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
-            return _hashed(params, perp, RoundCommit(NO_CLIP), hashing)
+            hashing.perp(perp)
+            return hashing.committed(params, perp, RoundCommit(NO_CLIP))
         with ACCUMULATORS.lend(_shapes(decoded)) as sums:
             summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
-            params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing.add)
-        return _hashed(params, perp, RoundCommit(clip, own_update, screened), hashing)
+            params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing)
+        return hashing.committed(params, perp, RoundCommit(clip, own_update, screened))
 
 
-def _hashed(params: dict[str, Tensor], perp: Tensor | None, commit: RoundCommit, hashing: StateHasher) -> Committed:
-    """The `Committed` of a state whose parameters `hashing` has (being) hashed: T⊥ is hashed beside
-    them, on a thread of its own when the commit has several."""
-    with StateHasher(["perp"] if perp is not None else [], background=n_workers() > 1) as perp_hashing:
-        if perp is not None:
-            perp_hashing.add("perp", perp)
-        return Committed(params, perp, commit, hashing.digest(), perp_hashing.digest())
+class Hashing:
+    """θ's and T⊥'s hashes (`state_hash` of θ and of {"perp": T⊥}), each made by a `StateHasher` while
+    the commit makes the state: on a thread of its own when the commit runs on several, every tensor
+    handed in as soon as it is final (`param`, `perp`). A context manager (its threads end with it)."""
+
+    def __init__(self, names: Iterable[str], has_perp: bool) -> None:
+        background = n_workers() > 1
+        self._params = StateHasher(names, background)
+        self._perp = StateHasher(["perp"] if has_perp else [], background)
+
+    def __enter__(self) -> Hashing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._params, self._perp:
+            pass
+
+    def param(self, name: str, t: Tensor) -> None:
+        self._params.add(name, t)
+
+    def perp(self, t: Tensor | None) -> None:
+        if t is not None:
+            self._perp.add("perp", t)
+
+    def committed(self, params: dict[str, Tensor], perp: Tensor | None, commit: RoundCommit) -> Committed:
+        return Committed(params, perp, commit, self._params.digest(), self._perp.digest())
 
 
 def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float, device: Device) -> Tensor | None:
@@ -279,10 +299,10 @@ def commit_summed(
     `peer.core.sparseloco.ranges`): decay T⊥, then `apply_update`. No clip or screening happens here (the
     round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
     check_denormals()
-    with StateHasher(start, background=n_workers() > 1) as hashing:
+    with Hashing(start, perp is not None) as hashing:
         perp = _decayed(perp, U, perp_factor, device)
-        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing.add)
-        return _hashed(params, perp, RoundCommit(NO_CLIP, own_update), hashing)
+        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing)
+        return hashing.committed(params, perp, RoundCommit(NO_CLIP, own_update))
 
 
 def apply_update(
@@ -293,7 +313,7 @@ def apply_update(
     U: Tensor | None,
     embed_update: Tensor | None = None,
     device: Device = None,
-    made: Callable[[str, Tensor], None] | None = None,
+    hashing: Hashing | None = None,
 ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
     """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
     embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
@@ -302,9 +322,10 @@ def apply_update(
     float32 (`peer.core.sparseloco.elementwise`, on `device`) or `peer.core.sparseloco.portable`'s
     float64 split (on the CPU's cores): any holder gets the same bits from the same Δ̄, however Δ̄ was
     aggregated (all-to-all here, or assembled from range shards). Tensors are made in name order,
-    each handed to `made` when it is final (a `StateHasher` hashes it while the rest are made)."""
+    each handed to `hashing` as soon as it is final (hashed while the rest are made)."""
     params = {}
     own_update: Tensor | None = None
+    perp_final = False
     for name in sorted(start):
         value = start[name]
         if name not in summed:
@@ -313,14 +334,19 @@ def apply_update(
             own_update = outer_delta(summed[name], cfg.outer_lr, device)
             if U is not None and perp is not None:
                 params[name], perp = embedding_outer_update(value, perp, own_update, U)
+                if hashing is not None:
+                    hashing.perp(perp)  # final now: hashed while the other tensors are made
+                perp_final = True
             else:
                 params[name] = stepped(value, summed[name], cfg.outer_lr, device)
         else:
             params[name] = stepped(value, summed[name], cfg.outer_lr, device)
-        if made is not None:
-            made(name, params[name])
+        if hashing is not None:
+            hashing.param(name, params[name])
     if EMBED not in start and perp is not None and U is not None and embed_update is not None:
         perp = perp_outer_update(perp, embed_update, U)
+    if hashing is not None and not perp_final:
+        hashing.perp(perp)
     return {name: params[name] for name in start}, perp, own_update
 
 
