@@ -131,14 +131,17 @@ def bench_utilisation_cmd(a: UtilisationArgs) -> None:
 
 @o.command(bench_app, "commit")
 def bench_commit_cmd(a: CommitArgs) -> None:
-    """Cost of committing one round at a preset's stage 0: the portable commit against the one before it."""
+    """Cost of committing one round at a preset's stage 0, by device and thread count: the portable commit
+    against the one before it."""
+    from peer.cli.bench_render import commit_table
     from peer.cli.render import metric_table
     from peer.research.bench.commit import bench_commit, check_flags
 
-    check_flags(a.replicas, a.repeats, a.stages)
+    threads, devices = check_flags(a.replicas, a.repeats, a.stages, a.threads, a.device)
     _show(f"peer bench commit: stage 0 of {a.preset} split in {a.stages}, {a.replicas} contributions")
-    result = bench_commit(RUNS / f"commit-{a.preset}", a.preset, a.stages, 0, a.replicas, a.repeats)
-    _show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s")}))
+    result = bench_commit(RUNS / f"commit-{a.preset}", a.preset, a.stages, 0, a.replicas, a.repeats, threads, devices)
+    _show(metric_table("commit", {k: v for k, v in result.items() if not k.endswith("_runs_s") and k != "runs"}))
+    _show(commit_table(result))
     if a.json_out:
         _write_json(a.json_out, result)
 

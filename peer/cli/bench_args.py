@@ -101,6 +101,8 @@ class CommitArgs:
     stages: int = o.flag(2, "Stages the model is split into (stage 0 is timed).")
     replicas: int = o.flag(4, "M: contributions in the round (3+: screening runs).")
     repeats: int = o.flag(3, "Timed commits of each kind; medians are reported.")
+    threads: str = o.flag("", "Thread counts to commit with, comma-separated (e.g. 1,2,4); default: torch's.")
+    device: str = o.flag("cpu", "Where the commit's elementwise steps run, comma-separated (cpu, cuda).")
     json_out: Path | None = o.flag(None, JSON_HELP, "--json")
 
 

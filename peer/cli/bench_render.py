@@ -109,3 +109,19 @@ def utilisation_lines(result: Mapping[str, Any]) -> list[str]:
 def _mean(xs: list[float | None]) -> float | None:
     got = [x for x in xs if x is not None]
     return sum(got) / len(got) if got else None
+
+
+def commit_table(result: Mapping[str, Any]) -> Table:
+    """`peer bench commit`: the portable commit's speed by device and thread count, and its state ids."""
+    table = Table("device", "threads", "seconds", "speed-up", "state id", title="commit speed by device and threads")
+    base: dict[str, float] = {}
+    for r in result["runs"]:
+        base.setdefault(r["device"], r["seconds"])
+        table.add_row(
+            r["device"],
+            str(r["threads"]),
+            f"{r['seconds']:.2f}",
+            f"{base[r['device']] / r['seconds']:.2f}x",
+            r["state"],
+        )
+    return table

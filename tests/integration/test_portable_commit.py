@@ -7,8 +7,9 @@ contributions). Each configuration below is a fresh process that builds the init
 (the canonical initialisation is under test too), decodes the payloads and commits, as a holder on
 that hardware would; every one must report the same state ids. Kernel sets are emulated as on a
 CPU without AVX2/FMA: torch's default kernels, MKL's instruction set lowered, numba compiling for a
-generic x86-64 (no AVX, no FMA), with 1 and 2 threads. The state ids are also pinned: if they
-change, the commit's arithmetic changed (say so in CHANGELOG.md).
+generic x86-64 (no AVX, no FMA), with 1, 2 and 4 threads (torch's thread count, which sizes the
+commit's kernels' pool too: `peer.core.sparseloco.codec.fused.n_workers`). The state ids are also
+pinned: if they change, the commit's arithmetic changed (say so in CHANGELOG.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     "best kernels, 2 threads": {"PEER_COMMIT_THREADS": "2"},
+    "best kernels, 4 threads": {"PEER_COMMIT_THREADS": "4"},
     "avx2, 1 thread": {"ATEN_CPU_CAPABILITY": "avx2", "PEER_COMMIT_THREADS": "1"},
     "no AVX (torch default, MKL SSE4.2, numba generic), 1 thread": {
         "ATEN_CPU_CAPABILITY": "default",
@@ -73,7 +75,7 @@ def test_one_round_gives_one_state_on_every_kernel_set_and_thread_count(rounds):
         assert got["rounds"] == here, f"{name} ({got['cpu_capability']}, {got['threads']} threads) differs"
         seen[name] = (got["cpu_capability"], got["threads"])
     capabilities = {cap for cap, _ in seen.values()}
-    assert "DEFAULT" in capabilities and len(capabilities) >= 2 and {t for _, t in seen.values()} == {1, 2}
+    assert "DEFAULT" in capabilities and len(capabilities) >= 2 and {t for _, t in seen.values()} == {1, 2, 4}
     assert here == PINS
 
 

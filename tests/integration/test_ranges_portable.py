@@ -117,7 +117,7 @@ def main(path: str) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        if hasattr(os, "sched_setaffinity"):  # the codec's pool sizes itself by the cores we may use
+        if hasattr(os, "sched_setaffinity"):  # torch's thread count sizes the codec's pool; the cores follow it
             os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     print(json.dumps(aggregate_all(Path(path))))
 

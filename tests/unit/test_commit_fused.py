@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from peer.core.sparseloco import robust
+from peer.core.sparseloco import consensus, robust
 from peer.core.sparseloco.algorithm import aggregate, compress, decompress, screen_rows
 from peer.core.sparseloco.codec import kernels as pk
 from peer.core.sparseloco.codec.clip import clip_to_median
@@ -62,8 +62,8 @@ def dense_scores(decoded, voters) -> list[float]:
             decoded[i][name].detach().reshape(-1).to("cpu", torch.float32) if name in decoded[i] else None
             for i in voters
         ]
-        for start in range(0, numel, robust.SLICE):
-            stop = min(numel, start + robust.SLICE)
+        for start in range(0, numel, consensus.SLICE):
+            stop = min(numel, start + consensus.SLICE)
             rows = [f[start:stop] if f is not None else torch.zeros(stop - start) for f in flat]
             meds = _medians_without_each(torch.stack(rows))
             for j, row in enumerate(rows):
@@ -119,10 +119,12 @@ CFGS = [
 ]
 
 
-@pytest.mark.parametrize(("slice_", "pass_"), [(robust.SLICE, robust.PASS), (1000, robust.PASS), (257, 50), (1000, 7)])
+@pytest.mark.parametrize(
+    ("slice_", "pass_"), [(consensus.SLICE, consensus.PASS), (1000, consensus.PASS), (257, 50), (1000, 7)]
+)
 def test_sparse_scores_equal_the_dense_form_exactly(monkeypatch, slice_, pass_):
-    monkeypatch.setattr(robust, "SLICE", slice_)
-    monkeypatch.setattr(robust, "PASS", pass_)  # a slice ranked in several passes sums the same
+    monkeypatch.setattr(consensus, "SLICE", slice_)
+    monkeypatch.setattr(consensus, "PASS", pass_)  # a slice ranked in several passes sums the same
     cfg = SparseLoCoConfig()
     payloads = _round(7, cfg, seed=slice_)
     decoded = [decompress(p) for p in payloads]
@@ -144,8 +146,8 @@ def test_sparse_scores_equal_the_dense_form_exactly(monkeypatch, slice_, pass_):
 @pytest.mark.parametrize("cfg", CFGS)
 @pytest.mark.parametrize("numba", [True, False])
 def test_fused_robust_aggregate_is_the_dense_one_bit_for_bit(cfg, numba, monkeypatch):
-    monkeypatch.setattr(robust, "SLICE", 997)
-    monkeypatch.setattr(robust, "PASS", 1500)
+    monkeypatch.setattr(consensus, "SLICE", 997)
+    monkeypatch.setattr(consensus, "PASS", 1500)
     pk.set_numba(numba)
     if numba:
         pk.compiled(pk.NUMBA_MIN_WORK)  # load the kernels: small tensors then use them too

@@ -34,13 +34,25 @@ def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 @contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's thread count, which sizes the kernels' pool (the suite runs on 1: conftest.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+@contextmanager
 def _path(fused: bool) -> Iterator[None]:
-    """Run with the fused kernels on every tensor, split over the thread pool (fused), or without numba."""
+    """Run with the fused kernels on every tensor, split over the thread pool of 3 (fused), or without numba."""
     saved = pk.NUMBA_MIN_WORK, pf.MIN_SPLIT_WORK
     pk.NUMBA_MIN_WORK, pf.MIN_SPLIT_WORK = 0, 0
     pk.set_numba(fused)
     try:
-        yield
+        with _threads(3):
+            yield
     finally:
         pk.set_numba(True)
         pk.NUMBA_MIN_WORK, pf.MIN_SPLIT_WORK = saved
@@ -144,15 +156,17 @@ def test_thread_split_does_not_change_the_result():
         whole = compress(d, None, cfg)
     assert split[0].to_bytes() == whole[0].to_bytes()
     assert torch.equal(split[1]["w"], whole[1]["w"])
-    assert pf.n_workers() >= 1
     ranges: list[tuple[int, int]] = []
     pf.MIN_SPLIT_WORK, saved = 0, pf.MIN_SPLIT_WORK
     try:
-        pf.run_split(lambda b0, b1: ranges.append((b0, b1)), 7, 10**9)
+        with _threads(3):
+            assert pf.n_workers() == 3  # the pool follows torch's thread count
+            pf.run_split(lambda b0, b1: ranges.append((b0, b1)), 7, 10**9)
+        assert pf.n_workers() == torch.get_num_threads()
     finally:
         pf.MIN_SPLIT_WORK = saved
     assert sorted(ranges)[0][0] == 0 and sorted(ranges)[-1][1] == 7
-    assert sum(b - a for a, b in ranges) == 7
+    assert sum(b - a for a, b in ranges) == 7 and len(ranges) > 1
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -208,20 +222,21 @@ def test_run_each_keeps_the_order_shares_nested_splits_and_raises_the_first_fail
     saved = pf.MIN_SPLIT_WORK
     pf.MIN_SPLIT_WORK = 0
     try:
-        # each item splits again on the same pool: nesting must neither deadlock nor mix results
-        out = pf.run_each(lambda n: sum(pf.run_split(lambda b0, b1: b1 - b0, n, 1)), list(range(1, 40)), [1] * 39)
-        assert out == list(range(1, 40))
-        done: list[int] = []
+        with _threads(3):
+            # each item splits again on the same pool: nesting must neither deadlock nor mix results
+            out = pf.run_each(lambda n: sum(pf.run_split(lambda b0, b1: b1 - b0, n, 1)), list(range(1, 40)), [1] * 39)
+            assert out == list(range(1, 40))
+            done: list[int] = []
 
-        def fail_odd(i: int) -> int:
-            done.append(i)
-            if i % 2:
-                raise PayloadError(f"item {i}")
-            return i
+            def fail_odd(i: int) -> int:
+                done.append(i)
+                if i % 2:
+                    raise PayloadError(f"item {i}")
+                return i
 
-        with pytest.raises(PayloadError, match="item 1$"):
-            pf.run_each(fail_odd, list(range(8)), list(range(8)))  # largest work first: 7 fails first
-        assert sorted(done) == list(range(8))  # every item ran before the error was raised
+            with pytest.raises(PayloadError, match="item 1$"):
+                pf.run_each(fail_odd, list(range(8)), list(range(8)))  # largest work first: 7 fails first
+            assert sorted(done) == list(range(8))  # every item ran before the error was raised
     finally:
         pf.MIN_SPLIT_WORK = saved
 

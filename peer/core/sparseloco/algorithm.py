@@ -36,14 +36,15 @@ Pure torch/numpy: no networking imports.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, payload_norm
+from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, payload_norms
 from peer.core.sparseloco.codec.encode import encode_tensor
 from peer.core.sparseloco.codec.format import (
     AGGREGATIONS,
@@ -52,12 +53,14 @@ from peer.core.sparseloco.codec.format import (
     PayloadError,
     SparseLoCoConfig,
     TensorEntry,
+    add_entries,
     entry_values,
     index_bits,
     rank_nbytes,
     write_entry,
 )
 from peer.core.sparseloco.codec.fused import run_each
+from peer.core.sparseloco.consensus import SparseRows
 from peer.errors import ConfigError
 
 __all__ = [
@@ -175,29 +178,43 @@ def decompress(payload: Payload, out: Mapping[str, Tensor] | None = None) -> dic
 
 def screen_rows(
     payloads: Sequence[Payload], voters: Sequence[int], scales: Sequence[float | None]
-) -> Iterator[tuple[int, list[tuple[np.ndarray, np.ndarray] | None]]]:
-    """The voters' clipped Δ̂ tensor by tensor, as `peer.core.sparseloco.robust.sparse_consensus_scores` reads
-    them: (numel, per voter (flat positions, values × scale) or None where it lacks the tensor),
-    in name order. Exactly the non-zero-bit entries of clip_to_median(decompress(p)) and no more:
-    one tensor's positions of every voter at a time, never a dense copy."""
+) -> list[tuple[int, Callable[[], SparseRows]]]:
+    """The voters' clipped Δ̂ tensor by tensor, as `peer.core.sparseloco.consensus.sparse_consensus_scores`
+    reads them: per tensor, in name order, (numel, a loader of per voter (flat positions, values ×
+    scale) or None where it lacks the tensor). Exactly the non-zero-bit entries of
+    clip_to_median(decompress(p)) and no more: a loader decodes one tensor's positions of every voter
+    when it is called (on whichever thread scores that tensor), never a dense copy."""
     by_name = [{e.name: e for e in payloads[i].entries} for i in voters]
+    out: list[tuple[int, Callable[[], SparseRows]]] = []
     for name in sorted({n for entries in by_name for n in entries}):
         shapes = {tuple(entries[name].shape) for entries in by_name if name in entries}
         if len(shapes) > 1:
             raise _shape_mismatch(name, *sorted(shapes)[:2])
-        rows: list[tuple[np.ndarray, np.ndarray] | None] = []
-        for i, entries in zip(voters, by_name, strict=True):
-            e = entries.get(name)
-            if e is None:
-                rows.append(None)
-                continue
-            pos, vals = entry_values(e, payloads[i].chunk, payloads[i].topk)
-            if pos is None:
-                pos = np.arange(vals.size, dtype=np.int64)
-            if scales[i] is not None:
-                vals = vals * np.float32(scales[i])  # a float32 product: what clip_to_median computes
-            rows.append((pos, vals))
-        yield math.prod(shapes.pop()), rows
+        out.append((math.prod(shapes.pop()), functools.partial(_voter_rows, payloads, voters, scales, by_name, name)))
+    return out
+
+
+def _voter_rows(
+    payloads: Sequence[Payload],
+    voters: Sequence[int],
+    scales: Sequence[float | None],
+    by_name: Sequence[Mapping[str, TensorEntry]],
+    name: str,
+) -> SparseRows:
+    """One tensor's (flat positions, values × scale) of every voter, None where a voter lacks it."""
+    rows: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for i, entries in zip(voters, by_name, strict=True):
+        e = entries.get(name)
+        if e is None:
+            rows.append(None)
+            continue
+        pos, vals = entry_values(e, payloads[i].chunk, payloads[i].topk)
+        if pos is None:
+            pos = np.arange(vals.size, dtype=np.int64)
+        if scales[i] is not None:
+            vals = vals * np.float32(scales[i])  # a float32 product: what clip_to_median computes
+        rows.append((pos, vals))
+    return rows
 
 
 def _check_rule(rule: str, n_participants: int, n_payloads: int) -> None:
@@ -281,10 +298,9 @@ def aggregate_payloads(
 
     def accumulate(name: str) -> tuple[Tensor, Tensor | None]:  # tensors are independent: shared out
         total = _accumulator(name, shapes[name], out)
-        count = torch.zeros(shapes[name], dtype=torch.float32) if contributors else None
-        for e, p, scale in adds[name]:
-            cnt = None if count is None else count.view(-1).numpy()
-            write_entry(e, p.chunk, p.topk, total.view(-1).numpy(), True, scale, cnt)
+        count = _zeros(shapes[name]) if contributors else None
+        items = [(e, p.chunk, p.topk, scale) for e, p, scale in adds[name]]  # in payload order
+        add_entries(items, total.view(-1).numpy(), None if count is None else count.view(-1).numpy())
         return total, count
 
     done = run_each(accumulate, list(adds), [math.prod(shapes[n]) * len(adds[n]) for n in adds])
@@ -294,13 +310,21 @@ def aggregate_payloads(
 
 
 def _accumulator(name: str, shape: tuple[int, ...], out: Mapping[str, Tensor] | None) -> Tensor:
-    """A zeroed float32 sum of one tensor: out[name] zeroed with a memset, or fresh zeroed pages."""
+    """A zeroed float32 sum of one tensor: out[name] zeroed with a memset, or fresh zeroed pages.
+    numpy's, not torch's: this runs on the kernel pool's threads, where a torch op would start a
+    team of torch's own threads per pool thread."""
     if out is None or name not in out:
-        return torch.zeros(shape, dtype=torch.float32)
+        return _zeros(shape)
     buf = out[name]
     if buf.dtype != torch.float32 or buf.device.type != "cpu" or tuple(buf.shape) != shape or not buf.is_contiguous():
         raise ValueError(f"aggregate_payloads: out[{name!r}] must be contiguous CPU float32 of shape {shape}")
-    return buf.zero_()
+    buf.numpy().fill(0)
+    return buf
+
+
+def _zeros(shape: tuple[int, ...]) -> Tensor:
+    """Fresh zeroed float32 pages (calloc: zeroed by the OS), without a torch op."""
+    return torch.from_numpy(np.zeros(shape, dtype=np.float32))
 
 
 def clip_and_aggregate(
@@ -315,5 +339,5 @@ def clip_and_aggregate(
     The same bits, with norms read off the payloads and one accumulator per tensor (see
     `aggregate_payloads`, and its `out`); `names` restricts the aggregate (not the norms) to those tensors.
     """
-    plan, stats = clip_plan([payload_norm(p) for p in payloads], factor)
+    plan, stats = clip_plan(payload_norms(payloads), factor)
     return aggregate_payloads(payloads, len(payloads), rule, plan, names, out), stats

@@ -27,21 +27,26 @@ accumulators are lent for the one call by `peer.core.sparseloco.codec.scratch.AC
 per round) and never escape it.
 
 Why it gives the same bits on every device, kernel set and thread count (docs/protocol.md):
-- It always runs on the CPU: a CUDA holder copies θ_start in and the result out, exactly.
+- It runs on the CPU's cores (as many threads as torch's thread count), and with `device` a CUDA
+  device its elementwise float32 steps there (`peer.core.sparseloco.elementwise` argues why that
+  is the same bits); results are CPU tensors, copied exactly.
 - Decoding is integer arithmetic and table lookups; norms and screening scores are exactly
-  rounded sums (`math.fsum` of products that are exact in float64), so the order of work is
-  irrelevant; the lower median is a selection.
+  rounded sums (of products that are exact in float64: integer accumulators rounded once, or
+  `math.fsum`, the same value: `peer.core.sparseloco.codec.exact`), so how the work is split over
+  threads and in which order is irrelevant; the lower median is a selection.
 - Every other step is elementwise: one IEEE-754 operation per value (+, −, ×, ÷, each correctly
   rounded) in a fixed order — contributions are added in commit order, one coordinate at a time —
-  so SIMD width and threads cannot change a bit. No step uses `a + α·b` with α ≠ ±1 (torch runs it
-  as one fused multiply-add with AVX2 and as two roundings without); a clip factor is a float32
-  value, so its product is the same whether a kernel widens to float64 first or not (double
-  rounding of a float32 product, quotient or sum through float64 is innocuous).
+  so SIMD width, threads and the device cannot change a bit. No step uses `a + α·b` with α ≠ ±1
+  (torch runs it as one fused multiply-add with AVX2 and as two roundings without); a clip factor
+  is a float32 value, so its product is the same whether a kernel widens to float64 first or not
+  (double rounding of a float32 product, quotient or sum through float64 is innocuous).
 - The only sums over many terms with rounding, Π's, run in a fixed order in float64 in our own
   kernel, compiled without fastmath (no FMA contraction); a test inspects its machine code.
 - The decay factor is a product of Python floats from `portable_cos` (no libm).
 - `check_denormals` refuses a process that flushes subnormals to zero.
 Training (forward, backward, AdamW) stays device-native; only what every holder agrees on is here.
+The state's hashes are made while it is made (`peer.core.model.state.StateHasher`: tensors in name
+order, hashed on a thread of their own as each is final), so hashing overlaps the commit's work.
 
 Invariants: the same committed list in the same order gives the same bits on every holder; a
 round that drops nothing gives exactly the bits it gave before screening existed; an empty round
@@ -50,22 +55,25 @@ leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from peer.core.model.decoder import Decoder
 from peer.core.model.optim import TrainConfig, decoupled_decay
+from peer.core.model.state import StateHasher
 from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, decompress, screen_rows
-from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norm
+from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norms
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.codec.fused import n_workers
 from peer.core.sparseloco.codec.scratch import ACCUMULATORS
+from peer.core.sparseloco.consensus import sparse_consensus_scores
+from peer.core.sparseloco.elementwise import Device, copied, scaled, stepped
 from peer.core.sparseloco.portable import check_denormals
 from peer.core.sparseloco.robust import DEFAULT as ROBUST
-from peer.core.sparseloco.robust import OFF, RobustConfig, Screen, screen, screen_scored, sparse_consensus_scores
+from peer.core.sparseloco.robust import OFF, RobustConfig, Screen, screen, screen_scored
 from peer.core.subspace.compression import embedding_outer_update, perp_outer_update
 from peer.core.subspace.state import EMBED, perp_of, set_perp
 
@@ -109,11 +117,14 @@ Contribution = Payload | Mapping[str, Tensor]  # a parsed payload (the fused com
 
 @dataclass(frozen=True)
 class Committed:
-    """The state after a commit (CPU float32 tensors) and what the commit did."""
+    """The state after a commit (CPU float32 tensors), what the commit did, and the state's hashes
+    (`state_hash` of θ and of {"perp": T⊥}, made while the commit ran; "" where not made)."""
 
     params: dict[str, Tensor]  # θ for every name of θ_start
     perp: Tensor | None  # T⊥ (None when the run uses no subspace)
     commit: RoundCommit
+    param_hash: str = ""
+    perp_hash: str = ""
 
 
 def perp_decay(train: TrainConfig, outer_step: int) -> float:
@@ -193,7 +204,7 @@ def _fused_aggregate(
     (`payload_norm`; or given, the same floats), the screening's consensus over the clipped values at
     their positions only (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
     kept payloads scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
-    norms = [payload_norm(p) for p in payloads] if norms is None else norms
+    norms = payload_norms(payloads) if norms is None else norms
     plan, clip = clip_plan(norms, cfg.clip_median_factor)
 
     def scores_of(voters: list[int]) -> list[float]:
@@ -212,14 +223,9 @@ def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]
     return {e.name: tuple(e.shape) for p in contributions if isinstance(p, Payload) for e in p.entries}
 
 
-def _f32(t: Tensor) -> np.ndarray:
-    """A CPU float32 numpy view (a copy only when `t` lives elsewhere or has another dtype)."""
-    return t.detach().to("cpu", torch.float32).contiguous().numpy()
-
-
-def outer_delta(agg: Tensor, lr: float) -> Tensor:
-    """fl32(fl32(−η)·Δ̄): the committed change of one tensor (CPU float32)."""
-    return torch.from_numpy(np.float32(-lr) * _f32(agg))
+def outer_delta(agg: Tensor, lr: float, device: Device = None) -> Tensor:
+    """fl32(fl32(−η)·Δ̄): the committed change of one tensor (CPU float32; computed on `device`)."""
+    return scaled(agg, -lr, device)
 
 
 def commit_state(
@@ -232,36 +238,70 @@ def commit_state(
     perp_factor: float = 1.0,
     robust: RobustConfig | None = None,
     keys: Sequence[str] | None = None,
+    device: Device = None,
 ) -> Committed:
-    """The portable commit (module docstring): the state after one round, computed on the CPU.
+    """The portable commit (module docstring): the state after one round, as CPU tensors.
 
     `start` = θ_start, `perp` = T⊥ before the round (None without a subspace), `decoded` = the
     committed contributions in commit order, as parsed payloads (the fused path: nothing is
     decoded densely, Δ̄ is summed in accumulators lent by `ACCUMULATORS` for this call only) or as
     decoded Δ̂ (the same bits), `embed_update` = stage 0's committed change (for a stage without
     the embedding), `perp_factor` = `perp_decay` of the round, `robust` the outlier rule (None:
-    the config's, `screening_rule`) and
-    `keys` the contributions' replica ids (its tie-break). Nothing passed in is modified, and
-    nothing returned aliases a lent buffer (`apply_update` writes every result afresh).
+    the config's, `screening_rule`), `keys` the contributions' replica ids (its tie-break) and
+    `device` where the elementwise steps run (`peer.core.sparseloco.elementwise`; None: the CPU,
+    the same bits either way). Nothing passed in is modified, and nothing returned aliases a lent
+    buffer (`apply_update` writes every result afresh).
     """
     check_denormals()
-    perp = _decayed(perp, U, perp_factor)
-    if not decoded:
-        params = {name: torch.from_numpy(_f32(v).copy()) for name, v in start.items()}
-        if perp is not None and U is not None and embed_update is not None and EMBED not in start:
-            perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
-        return Committed(params, perp, RoundCommit(NO_CLIP))
-    with ACCUMULATORS.lend(_shapes(decoded)) as sums:
-        summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
-        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update)
-    return Committed(params, perp, RoundCommit(clip, own_update, screened))
+    with Hashing(start, perp is not None) as hashing:
+        perp = _decayed(perp, U, perp_factor, device)
+        if not decoded:
+            params = {name: copied(start[name]) for name in start}
+            for name in sorted(params):
+                hashing.param(name, params[name])
+            if perp is not None and U is not None and embed_update is not None and EMBED not in start:
+                perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
+            hashing.perp(perp)
+            return hashing.committed(params, perp, RoundCommit(NO_CLIP))
+        with ACCUMULATORS.lend(_shapes(decoded)) as sums:
+            summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
+            params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing)
+        return hashing.committed(params, perp, RoundCommit(clip, own_update, screened))
 
 
-def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float) -> Tensor | None:
+class Hashing:
+    """θ's and T⊥'s hashes (`state_hash` of θ and of {"perp": T⊥}), each made by a `StateHasher` while
+    the commit makes the state: on a thread of its own when the commit runs on several, every tensor
+    handed in as soon as it is final (`param`, `perp`). A context manager (its threads end with it)."""
+
+    def __init__(self, names: Iterable[str], has_perp: bool) -> None:
+        background = n_workers() > 1
+        self._params = StateHasher(names, background)
+        self._perp = StateHasher(["perp"] if has_perp else [], background)
+
+    def __enter__(self) -> Hashing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._params, self._perp:
+            pass
+
+    def param(self, name: str, t: Tensor) -> None:
+        self._params.add(name, t)
+
+    def perp(self, t: Tensor | None) -> None:
+        if t is not None:
+            self._perp.add("perp", t)
+
+    def committed(self, params: dict[str, Tensor], perp: Tensor | None, commit: RoundCommit) -> Committed:
+        return Committed(params, perp, commit, self._params.digest(), self._perp.digest())
+
+
+def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float, device: Device) -> Tensor | None:
     """A fresh CPU float32 T⊥ after the round's weight decay (`perp_decay`)."""
     if perp is not None and U is not None and perp_factor != 1.0:
-        return torch.from_numpy(_f32(perp) * np.float32(perp_factor))
-    return None if perp is None else torch.from_numpy(_f32(perp).copy())
+        return scaled(perp, perp_factor, device)
+    return None if perp is None else copied(perp)
 
 
 def commit_summed(
@@ -272,13 +312,16 @@ def commit_summed(
     U: Tensor | None,
     embed_update: Tensor | None = None,
     perp_factor: float = 1.0,
+    device: Device = None,
 ) -> Committed:
     """`commit_state` for a round whose Δ̄ is already agreed (e.g. assembled from range shards,
     `peer.core.sparseloco.ranges`): decay T⊥, then `apply_update`. No clip or screening happens here (the
     round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
     check_denormals()
-    params, perp, own_update = apply_update(start, _decayed(perp, U, perp_factor), summed, cfg, U, embed_update)
-    return Committed(params, perp, RoundCommit(NO_CLIP, own_update))
+    with Hashing(start, perp is not None) as hashing:
+        perp = _decayed(perp, U, perp_factor, device)
+        params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing)
+        return hashing.committed(params, perp, RoundCommit(NO_CLIP, own_update))
 
 
 def apply_update(
@@ -288,29 +331,42 @@ def apply_update(
     cfg: SparseLoCoConfig,
     U: Tensor | None,
     embed_update: Tensor | None = None,
+    device: Device = None,
+    hashing: Hashing | None = None,
 ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
     """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
     embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
     change. `perp` is T⊥ after this round's decay (a fresh tensor this function may write). Returns
     (θ, T⊥, the embedding's committed change u when this stage holds it). Every step is elementwise
-    float32 or `peer.core.sparseloco.portable` (module docstring): any holder gets the same bits from the same
-    Δ̄, however Δ̄ was aggregated (all-to-all here, or assembled from range shards)."""
+    float32 (`peer.core.sparseloco.elementwise`, on `device`) or `peer.core.sparseloco.portable`'s
+    float64 split (on the CPU's cores): any holder gets the same bits from the same Δ̄, however Δ̄ was
+    aggregated (all-to-all here, or assembled from range shards). Tensors are made in name order,
+    each handed to `hashing` as soon as it is final (hashed while the rest are made)."""
     params = {}
     own_update: Tensor | None = None
-    for name, value in start.items():
+    perp_final = False
+    for name in sorted(start):
+        value = start[name]
         if name not in summed:
-            params[name] = torch.from_numpy(_f32(value).copy())
-            continue
-        change = outer_delta(summed[name], cfg.outer_lr)
-        if name == EMBED:
-            own_update = change
+            params[name] = copied(value)
+        elif name == EMBED:
+            own_update = outer_delta(summed[name], cfg.outer_lr, device)
             if U is not None and perp is not None:
-                params[name], perp = embedding_outer_update(value, perp, change, U)
-                continue
-        params[name] = torch.from_numpy(_f32(value) + change.numpy())
+                params[name], perp = embedding_outer_update(value, perp, own_update, U)
+                if hashing is not None:
+                    hashing.perp(perp)  # final now: hashed while the other tensors are made
+                perp_final = True
+            else:
+                params[name] = stepped(value, summed[name], cfg.outer_lr, device)
+        else:
+            params[name] = stepped(value, summed[name], cfg.outer_lr, device)
+        if hashing is not None:
+            hashing.param(name, params[name])
     if EMBED not in start and perp is not None and U is not None and embed_update is not None:
         perp = perp_outer_update(perp, embed_update, U)
-    return params, perp, own_update
+    if hashing is not None and not perp_final:
+        hashing.perp(perp)
+    return {name: params[name] for name in start}, perp, own_update
 
 
 def commit_round(

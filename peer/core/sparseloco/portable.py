@@ -18,6 +18,8 @@ every conforming machine) in an order fixed by the code, or from integers:
 - `project64`: Π(X) = X·U·Uᵀ (V, d) in float64, each output a sum in ascending index order, a
   product rounded before it is added (`_project_jit` or its numpy twin, the same bits; the numba
   kernel is compiled without fastmath, so LLVM never contracts a multiply and an add into an FMA).
+  `split64` is the commit's use of it, T_S + Π(u) and T⊥ + (u − Π(u)) rounded once, fused into the
+  kernel row by row (rows are independent: split over the cores, the bits never depend on it).
 - `portable_cos`: the cosine of the learning-rate schedule as a Taylor series in float64 basic
   operations (libm's cos differs between C libraries and between its FMA and non-FMA builds).
 - `check_denormals`: a process whose floating-point unit flushes subnormals to zero (a library
@@ -30,12 +32,9 @@ Pure numpy/numba/torch: no networking imports.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import overload
 
 import numpy as np
 import torch
@@ -44,15 +43,16 @@ from torch import Tensor
 from peer.core.sparseloco.codec import kernels as codec_kernels
 from peer.core.sparseloco.codec.fused import run_split
 
-log = logging.getLogger(__name__)
-
 __all__ = [
     "arithmetic_fingerprint",
     "canonical_normal",
     "check_denormals",
     "orthonormal_basis",
     "portable_cos",
+    "as_float64",
     "project64",
+    "round_like",
+    "split64",
 ]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment
@@ -65,17 +65,6 @@ SIGMA = math.sqrt(TERMS * (65536**2 - 1) / 12)  # std of that sum (one correctly
 _CHUNK = 1 << 22  # elements generated at a time (bounded temporaries)
 NUMBA_MIN_ROWS = 256  # rows of a projection below which the numpy twin runs (tiny tests never JIT)
 NUMBA_MIN_ELEMENTS = 1 << 20  # elements of an initial tensor below which the numpy twin runs
-
-_state: dict[str, Any] = {}  # kernel name -> compiled kernel, or False (numba unavailable)
-_lock = threading.Lock()
-
-
-def _fresh_lock() -> None:  # a forked child has no thread that could release the parent's lock
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_fresh_lock)
 
 
 # ------------------------------------------------------------------------------------------
@@ -136,7 +125,7 @@ def canonical_normal(key: int, shape: Sequence[int], std: float) -> Tensor:
     n = math.prod(shape)
     scale = float(std) / SIGMA  # one correctly rounded division
     out = np.empty(n, dtype=np.float32)
-    kernel = _kernel("normal", _normal_jit) if n >= NUMBA_MIN_ELEMENTS else None
+    kernel = codec_kernels.compiled_function(_normal_jit) if n >= NUMBA_MIN_ELEMENTS else None
     if kernel is not None:
         run_split(kernel, n, n, np.uint64(key & 0xFFFFFFFFFFFFFFFF), scale, out)  # elements are independent
     else:
@@ -181,11 +170,27 @@ def orthonormal_basis(d: int, k: int, key: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------
 
 
-def _project_jit(X: np.ndarray, U: np.ndarray, Ut: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
-    """Rows [r0, r1) of out = (X·U)·Uᵀ; X (V, d) float32, U (d, k) and Ut (k, d) float64, out (V, d)
-    float64. Every sum in ascending index order from +0.0, zero terms skipped (exact, see above)."""
+def _project_jit(
+    X: np.ndarray,
+    U: np.ndarray,
+    Ut: np.ndarray,
+    out: np.ndarray,
+    W: np.ndarray,
+    P: np.ndarray,
+    w_out: np.ndarray,
+    p_out: np.ndarray,
+    r0: int,
+    r1: int,
+) -> None:
+    """Rows [r0, r1) of p = (X·U)·Uᵀ; X (V, d) float32, U (d, k) and Ut (k, d) float64. Every sum in
+    ascending index order from +0.0, zero terms skipped (exact, see above). What is made of p: out
+    = p (float64, when `out` has rows), w_out = fl32(W + p) when W has rows, p_out = fl32(P + (X − p))
+    when P has rows (float32 W, P: the commit's T_S/T⊥ split, `split64`), each element in float64
+    and rounded once; a row of p never leaves the kernel then."""
     d, k = U.shape
     p = np.empty(k, dtype=np.float64)
+    row = np.empty(d, dtype=np.float64)
+    keep, to_w, to_p = out.shape[0] > 0, W.shape[0] > 0, P.shape[0] > 0
     for i in range(r0, r1):
         for c in range(k):
             p[c] = 0.0
@@ -195,12 +200,21 @@ def _project_jit(X: np.ndarray, U: np.ndarray, Ut: np.ndarray, out: np.ndarray, 
                 for c in range(k):
                     p[c] = p[c] + a * U[j, c]
         for j in range(d):
-            out[i, j] = 0.0
+            row[j] = 0.0
         for c in range(k):
             b = p[c]
             if b != 0.0:
                 for j in range(d):
-                    out[i, j] = out[i, j] + b * Ut[c, j]
+                    row[j] = row[j] + b * Ut[c, j]
+        if keep:
+            for j in range(d):
+                out[i, j] = row[j]
+        if to_w:
+            for j in range(d):
+                w_out[i, j] = np.float32(np.float64(W[i, j]) + row[j])
+        if to_p:
+            for j in range(d):
+                p_out[i, j] = np.float32(np.float64(P[i, j]) + (np.float64(X[i, j]) - row[j]))
 
 
 def _project_np(X: np.ndarray, U: np.ndarray, Ut: np.ndarray) -> np.ndarray:
@@ -216,24 +230,6 @@ def _project_np(X: np.ndarray, U: np.ndarray, Ut: np.ndarray) -> np.ndarray:
     return out
 
 
-def _kernel(name: str, fn: Any) -> Any:
-    """`fn` compiled by numba (cached on disk, nogil, no fastmath: LLVM never forms an FMA), or None
-    when numba is disabled (`codec_kernels.set_numba`), missing or broken: the numpy twin runs."""
-    if not codec_kernels.numba_enabled():
-        return None
-    with _lock:
-        if _state.get(name) is None:
-            try:
-                os.environ.setdefault("NUMBA_CACHE_DIR", codec_kernels.cache_dir())
-                import numba
-
-                _state[name] = numba.njit(cache=True, nogil=True)(fn)
-            except Exception as exc:  # noqa: BLE001  # any import/compile failure means: use numpy
-                log.warning("numba kernel %s unavailable (%s: %s); using numpy", name, type(exc).__name__, exc)
-                _state[name] = False
-    return _state[name] or None
-
-
 def _stored(t: Tensor) -> np.ndarray:
     """t on the CPU as float32 (its dtype in a run), or float64 when it is float64."""
     t = t.detach().to("cpu")
@@ -246,17 +242,59 @@ def project64(X: Tensor, U: Tensor) -> np.ndarray:
 
     X and U (d, k) are read as float32 (their stored dtype in a run; float64 stays float64): the
     products of two float32 values are exact in float64."""
-    if X.dim() != 2 or U.dim() != 2 or X.shape[1] != U.shape[0]:
-        raise ValueError(f"cannot project {tuple(X.shape)} onto a basis of shape {tuple(U.shape)}")
-    x = np.ascontiguousarray(_stored(X))  # (V, d)
-    u = _stored(U).astype(np.float64)  # (d, k), exact
-    ut = np.ascontiguousarray(u.T)  # (k, d)
-    kernel = _kernel("project", _project_jit) if x.shape[0] >= NUMBA_MIN_ROWS else None
+    x, u, ut = _operands(X, U)
+    kernel = codec_kernels.compiled_function(_project_jit) if x.shape[0] >= NUMBA_MIN_ROWS else None
     if kernel is None:
         return _project_np(x, u, ut)
     out = np.empty((x.shape[0], u.shape[0]), dtype=np.float64)
-    run_split(kernel, x.shape[0], x.size * u.shape[1] // 8, x, u, ut, out)  # rows are independent
+    none = np.empty((0, u.shape[0]), dtype=np.float32)
+    run_split(kernel, x.shape[0], x.size * u.shape[1] // 8, x, u, ut, out, none, none, none, none)  # rows apart
     return out
+
+
+@overload
+def split64(X: Tensor, U: Tensor, W: Tensor, P: Tensor) -> tuple[Tensor, Tensor]: ...
+@overload
+def split64(X: Tensor, U: Tensor, W: None, P: Tensor) -> tuple[None, Tensor]: ...
+def split64(X: Tensor, U: Tensor, W: Tensor | None, P: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(fl(W + Π(X)), fl(P + (X − Π(X)))) with Π(X) = `project64`(X, U): each element in float64,
+    rounded once to W's and P's dtype (float32, or float64 kept); W None: only the second. The commit's
+    T_S/T⊥ split of the embedding's change X. With float32 operands the compiled kernel forms Π a row
+    at a time, on every core, and never stores it; otherwise numpy (the same bits)."""
+    x, u, ut = _operands(X, U)
+    operands = (X, P) if W is None else (X, P, W)
+    fused = all(t.dtype == torch.float32 for t in operands) and x.shape[0] >= NUMBA_MIN_ROWS
+    kernel = codec_kernels.compiled_function(_project_jit) if fused else None
+    if kernel is None:
+        p = project64(X, U)
+        w = None if W is None else round_like(as_float64(W) + p, W)
+        return w, round_like(as_float64(P) + (as_float64(X) - p), P)
+    none = np.empty((0, x.shape[1]), dtype=np.float32)
+    w_in = none if W is None else np.ascontiguousarray(_stored(W))
+    p_in = np.ascontiguousarray(_stored(P))
+    w_out = none if W is None else np.empty_like(w_in)
+    p_out = np.empty_like(p_in)
+    no_out = np.empty((0, x.shape[1]), dtype=np.float64)
+    run_split(kernel, x.shape[0], x.size * u.shape[1] // 8, x, u, ut, no_out, w_in, p_in, w_out, p_out)
+    return (None if W is None else torch.from_numpy(w_out)), torch.from_numpy(p_out)
+
+
+def _operands(X: Tensor, U: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """X (V, d) as stored, U (d, k) and Uᵀ as float64 (exact), contiguous; checks the shapes."""
+    if X.dim() != 2 or U.dim() != 2 or X.shape[1] != U.shape[0]:
+        raise ValueError(f"cannot project {tuple(X.shape)} onto a basis of shape {tuple(U.shape)}")
+    u = _stored(U).astype(np.float64)  # (d, k), exact
+    return np.ascontiguousarray(_stored(X)), u, np.ascontiguousarray(u.T)
+
+
+def as_float64(t: Tensor) -> np.ndarray:
+    """t on the CPU as float64 (exact for float32 and float64 values)."""
+    return _stored(t).astype(np.float64)
+
+
+def round_like(values: np.ndarray, like: Tensor) -> Tensor:
+    """float64 values rounded once to `like`'s dtype (float32, or float64 kept), on the CPU."""
+    return torch.from_numpy(values).to(torch.float64 if like.dtype == torch.float64 else torch.float32)
 
 
 # ------------------------------------------------------------------------------------------

@@ -28,19 +28,19 @@ the voters either way.
 
 Invariants:
 - Deterministic on every holder: the median is a selection (exact), each product of two float32
-  values is exact in float64 and `math.fsum` rounds each sum once, so the scores are the same bits
-  whatever the hardware, thread count or order of the contributions.
+  values is exact in float64 and each sum is rounded once (`math.fsum`, or the integer
+  accumulators of `peer.core.sparseloco.codec.exact`: the same value), so the scores are the same
+  bits whatever the hardware, thread count or order of the contributions.
 - Order independent: the same set in any order drops the same contributions; when the cap binds,
   the lowest scores go first and equal scores are broken by the contribution's key (its replica
   id in the swarm, its position otherwise).
 - Sparse: a coordinate that no voter sends has a zero median for every voter and adds nothing to
-  any sum, so only the union of the voters' positions is ranked (`sparse_consensus_scores`, which
-  reads them straight off the payloads in the fused commit); the partial sums are grouped per
-  tensor and slice as the dense form groups them, so the scores are the same bits (a test keeps
-  the dense form as its reference).
-- Memory stays bounded: the sent entries of one tensor of every voter, and the ranks of at most
-  PASS entries (voters × coordinates), at a time, however many voters there are; never M dense
-  copies of the model.
+  any sum, so only the union of the voters' positions is ranked (`peer.core.sparseloco.consensus`,
+  which reads them straight off the payloads in the fused commit, compiled and split over the
+  cores); the partial sums are grouped per tensor and slice as the dense form groups them, so the
+  scores are the same bits (a test keeps the dense form as its reference).
+- Memory stays bounded: the sent entries of one tensor of every voter at a time, however many
+  voters there are; never M dense copies of the model.
 - Fewer than `min_voters` voters, or nobody past either bar: nothing is dropped and the round's
   math is exactly today's.
 Pure torch/numpy: no networking imports.
@@ -48,18 +48,17 @@ Pure torch/numpy: no networking imports.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from peer.core.sparseloco.consensus import SparseRows, sparse_consensus_scores
 from peer.errors import ConfigError
-
-SLICE = 1 << 20  # coordinates of one tensor whose products are summed together (it fixes the bits)
-PASS = 1 << 22  # entries (voters × coordinates) ranked at once: 16 MiB of float32, whatever M is
 
 
 @dataclass(frozen=True)
@@ -101,37 +100,6 @@ class Screen:
 NOTHING = Screen()
 
 
-def _exact_sum(terms: Sequence[np.ndarray]) -> float:
-    """Σ of float64 terms (each exact), exactly rounded: one `math.fsum`, whatever the grouping."""
-    flat = np.concatenate(terms) if terms else np.zeros(0)
-    return math.fsum(flat.tolist()) if len(flat) else 0.0
-
-
-def _medians_without_each(cols: np.ndarray) -> np.ndarray:
-    """(k, n): entry [c, i] is the median of column c's values in the OTHER n − 1 rows of a (k, n)
-    float32 array (a coordinate per row, a voter per column: each sort is one contiguous row).
-
-    One sort per coordinate: removing the value of rank r from the sorted values shifts every later
-    rank down by one, so the others' middle ranks are read off the same sorted values. The median
-    of an even count is the mean of its two middle values (float32: (low + high)·0.5).
-    """
-    n = cols.shape[1]
-    order = np.argsort(cols, axis=1, kind="stable")  # (k, n)
-    values = np.take_along_axis(cols, order, axis=1)
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n), order.shape), axis=1)
-    m = n - 1
-    low = np.take_along_axis(values, (m - 1) // 2 + ((m - 1) // 2 >= ranks), axis=1)  # ranks in the full row
-    if m % 2:
-        return low
-    high = np.take_along_axis(values, m // 2 + (m // 2 >= ranks), axis=1)
-    out: np.ndarray = (low + high) * np.float32(0.5)
-    return out
-
-
-SparseRows = Sequence["tuple[np.ndarray, np.ndarray] | None"]  # per voter: (flat positions, float32 values)
-
-
 def sparse_rows(t: Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(ascending flat positions, float32 values) of a dense tensor's entries whose bits are not +0.0
     (a −0.0 is kept: the sparse form holds exactly the values the dense one does)."""
@@ -147,85 +115,14 @@ def consensus_scores(decoded: Sequence[Mapping[str, Tensor]], voters: Sequence[i
     """
     names = sorted({name for i in voters for name in decoded[i]})
 
-    def tensors() -> Iterator[tuple[int, list[tuple[np.ndarray, np.ndarray] | None]]]:
-        for name in names:
-            numel = next(decoded[i][name].numel() for i in voters if name in decoded[i])
-            yield numel, [sparse_rows(decoded[i][name]) if name in decoded[i] else None for i in voters]
+    def rows(name: str) -> SparseRows:
+        return [sparse_rows(decoded[i][name]) if name in decoded[i] else None for i in voters]
 
-    return sparse_consensus_scores(tensors(), len(voters))
-
-
-def sparse_consensus_scores(tensors: Iterable[tuple[int, SparseRows]], n_voters: int) -> list[float]:
-    """`consensus_scores` of voters given tensor by tensor as (numel, per voter (positions, values) or None).
-
-    A coordinate that no voter sends has a median of 0 for every voter and adds nothing, so only the
-    union of the voters' positions is ranked, one SLICE of coordinates at a time (the partial sums
-    are grouped per tensor and slice exactly as the dense form groups them: the same bits). Sums
-    are exact (`_exact_sum`), so the scores depend only on the set of voters, never on their order.
-    """
-    dots: list[list[float]] = [[0.0] for _ in range(n_voters)]  # partial sums per slice, fsum'd at the end
-    sq_self: list[list[float]] = [[0.0] for _ in range(n_voters)]
-    sq_med: list[list[float]] = [[0.0] for _ in range(n_voters)]
-    for numel, rows in tensors:
-        if len(rows) != n_voters:
-            raise ValueError(f"{len(rows)} rows for {n_voters} voters")
-        for (dot, sq, sq_m), j in _tensor_partials(numel, rows):
-            dots[j].append(dot)
-            sq_self[j].append(sq)
-            sq_med[j].append(sq_m)
-    return _cosines(dots, sq_self, sq_med)
-
-
-def _cosines(dots: list[list[float]], sq_self: list[list[float]], sq_med: list[list[float]]) -> list[float]:
-    """Each voter's cosine from its exactly rounded partial sums (one fsum of each list)."""
-    out = []
-    for dot, sq, sq_m in zip(dots, sq_self, sq_med, strict=True):
-        norm, med_norm = math.sqrt(math.fsum(sq)), math.sqrt(math.fsum(sq_m))
-        out.append(math.fsum(dot) / (norm * med_norm) if norm > 0 and med_norm > 0 else 0.0)
-    return out
-
-
-def _tensor_partials(numel: int, rows: SparseRows) -> Iterator[tuple[tuple[float, float, float], int]]:
-    """((Σ row·med, Σ row², Σ med²), voter) per SLICE of one tensor, each sum exactly rounded."""
-    n = len(rows)
-    empty = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
-    ordered = []
-    for row in rows:
-        pos, vals = empty if row is None else row
-        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= numel):
-            raise ValueError(f"a position lies outside a tensor of {numel} entries")
-        order = np.argsort(pos, kind="stable")
-        ordered.append((pos[order], np.asarray(vals, dtype=np.float32)[order]))
-    for start in range(0, numel, SLICE):
-        stop = min(numel, start + SLICE)
-        cuts = [np.searchsorted(pos, [start, stop]) for pos, _ in ordered]
-        parts = [(pos[a:b], vals[a:b]) for (pos, vals), (a, b) in zip(ordered, cuts, strict=True)]
-        union = np.unique(np.concatenate([pos for pos, _ in parts]))  # (u,) ascending
-        terms: list[list[list[np.ndarray]]] = [[[], [], []] for _ in range(n)]  # the slice's non-zero products
-        step = max(1, PASS // n)  # coordinates ranked at once: n × step float32 at most
-        for c0 in range(0, len(union), step):
-            _products(union[c0 : c0 + step], parts, terms)
-        for j in range(n):
-            yield (_exact_sum(terms[j][0]), _exact_sum(terms[j][1]), _exact_sum(terms[j][2])), j
-
-
-def _products(
-    coords: np.ndarray, parts: Sequence[tuple[np.ndarray, np.ndarray]], terms: list[list[list[np.ndarray]]]
-) -> None:
-    """Append each voter's row·med, row² and med² (float64, exact) at `coords` (ascending, each
-    sent by some voter) to terms[voter]: the voters' values there, their medians without each."""
-    n = len(parts)
-    cols = np.zeros((len(coords), n), dtype=np.float32)  # (u, n)
-    lo, hi = coords[0], coords[-1] + 1
-    for j, (pos, vals) in enumerate(parts):
-        a, b = np.searchsorted(pos, [lo, hi])
-        cols[np.searchsorted(coords, pos[a:b]), j] = vals[a:b]
-    meds = _medians_without_each(cols).T.astype(np.float64)  # (n, u); float32 products are exact
-    sent = cols.T.astype(np.float64)
-    for j in range(n):
-        row, med = sent[j], meds[j]
-        for k, prod in enumerate((row * med, row * row, med * med)):
-            terms[j][k].append(prod[prod != 0])  # zero terms change no sum
+    tensors = [
+        (next(decoded[i][name].numel() for i in voters if name in decoded[i]), functools.partial(rows, name))
+        for name in names
+    ]
+    return sparse_consensus_scores(tensors, len(voters))
 
 
 def drop_rule(

@@ -36,11 +36,10 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from peer.core.sparseloco.portable import orthonormal_basis, project64
+from peer.core.sparseloco.portable import as_float64, orthonormal_basis, project64, round_like, split64
 from peer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ def split_embedding(TE: Tensor, U: Tensor) -> tuple[Tensor, Tensor]:
     w = round(Π), perp = round(TE − Π)."""
     _check_basis(U, TE.shape[-1])
     p = project64(TE, U)  # (V, d) float64
-    return _back(p, TE), _back(_f64(TE) - p, TE)
+    return round_like(p, TE), round_like(as_float64(TE) - p, TE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,31 +260,19 @@ def compressed_boundary(
 # ---------------------------------------------------------------------------------------------
 
 
-def _f64(t: Tensor) -> np.ndarray:
-    """t on the CPU as float64 (exact for float32 and float64 values)."""
-    t = t.detach().to("cpu")
-    return (t if t.dtype == torch.float64 else t.to(torch.float32)).numpy().astype(np.float64)
-
-
-def _back(values: np.ndarray, like: Tensor) -> Tensor:
-    """float64 values rounded once to `like`'s dtype (float32, or float64 kept), on the CPU."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.from_numpy(values).to(dtype)
-
-
 @torch.no_grad()
 def perp_outer_update(perp: Tensor, update: Tensor, U: Tensor) -> Tensor:
     """T⊥_new = round(T⊥ + (update − Π(update))), float64 inside, on CPU; the single definition
     every peer applies (stage 0 through `embedding_outer_update`, the same bits)."""
     _check_basis(U, update.shape[-1])
-    return _back(_f64(perp) + (_f64(update) - project64(update, U)), perp)
+    return split64(update, U, None, perp)[1]
 
 
 @torch.no_grad()
 def embedding_outer_update(w_start: Tensor, perp: Tensor, update: Tensor, U: Tensor) -> tuple[Tensor, Tensor]:
     """Apply the committed change `update` of embed.weight to (T_S, T⊥), portably (on CPU).
 
-    With p = Π(update) in float64 (`project64`): T_S_new = round(T_S + p) and
+    With p = Π(update) in float64 (`project64`, fused: `split64`): T_S_new = round(T_S + p) and
     T⊥_new = round(T⊥ + (update − p)), rounded once to the stored dtype. TE = T_S + T⊥ moves by
     `update` (to that rounding) and T_S stays in Col(U) when it started there.
     """
@@ -295,5 +282,4 @@ def embedding_outer_update(w_start: Tensor, perp: Tensor, update: Tensor, U: Ten
             f"update {tuple(update.shape)}"
         )
     _check_basis(U, update.shape[-1])
-    p = project64(update, U)  # (V, d) float64
-    return _back(_f64(w_start) + p, w_start), _back(_f64(perp) + (_f64(update) - p), perp)
+    return split64(update, U, w_start, perp)  # Π(update) in float64, never stored whole

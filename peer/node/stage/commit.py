@@ -31,6 +31,7 @@ from peer.core.model.state import state_hash
 from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import Committed, commit_state, perp_decay
+from peer.core.sparseloco.elementwise import Device
 from peer.core.sparseloco.feedback import returned
 from peer.node.round.bans import Bans, after_commit
 from peer.node.round.claims import state_id
@@ -83,13 +84,15 @@ def compute(
     payloads: Sequence[Payload],
     replicas: Sequence[str],
     embed_update: Tensor | None,
+    device: Device = None,
 ) -> Outcome:
     """Commit round t of `stage` from (start, perp, bans): the portable commit of `payloads` (in the
-    given order, from `replicas`, one id per payload or none; fused, nothing decoded densely), then
-    `outcome` (the ban state advanced by the set and its outliers)."""
+    given order, from `replicas`, one id per payload or none; fused, nothing decoded densely; its
+    elementwise steps on `device`, None: the CPU, the same bits), then `outcome` (the ban state
+    advanced by the set and its outliers)."""
     keys = screening_keys(payloads, replicas)
     factor = perp_decay(cfg.train, t)
-    done = commit_state(start, perp, payloads, cfg.sparseloco, U, embed_update, factor, keys=keys)  # fused: no dense Δ̂
+    done = commit_state(start, perp, payloads, cfg.sparseloco, U, embed_update, factor, keys=keys, device=device)
     dropped = tuple(keys[i] for i in done.commit.dropped) if keys is not None else ()
     return outcome(cfg, stage, t, bans, done, keys or (), dropped)
 
@@ -103,8 +106,9 @@ def outcome(
     (commit order) and the outliers `dropped` from it, the new state's parameter and T⊥ hashes."""
     swarm = cfg.swarm
     new_bans = after_commit(bans, t, replicas, dropped, swarm.ban_after, swarm.ban_rounds, stage)
-    perp_hash = state_hash({"perp": done.perp}) if done.perp is not None else state_hash({})
-    return Outcome(t, done, new_bans, tuple(replicas), tuple(dropped), state_hash(done.params), perp_hash)
+    perp_hash = done.perp_hash or (state_hash({"perp": done.perp}) if done.perp is not None else state_hash({}))
+    param_hash = done.param_hash or state_hash(done.params)  # the commit hashed them as it made them
+    return Outcome(t, done, new_bans, tuple(replicas), tuple(dropped), param_hash, perp_hash)
 
 
 def screening_keys(payloads: Sequence[Payload], replicas: Sequence[str]) -> list[str] | None:

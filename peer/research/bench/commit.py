@@ -1,4 +1,4 @@
-"""`peer bench commit`: what committing one round costs at a preset's stage shapes, and its bits.
+"""`peer bench commit`: what committing one round costs at a preset's stage shapes, by device and threads, and its bits.
 
 A round (`make_round`): a stage's initial state (θ_start and T⊥, the run's canonical initialisation)
 and M synthetic contributions — canonical-normal pseudo-gradients at a realistic scale (1e-3),
@@ -7,11 +7,15 @@ bytes. Two commits of it are timed, each from the wire bytes to the state's hash
 - `portable`: `peer.node.stage.commit.compute` → `peer.core.sparseloco.commit.commit_state`, what every
   holder runs (the fused clip, screen and aggregate of the payloads — no dense Δ̂, issue 24 —,
   θ_start − η·Δ̄, the float64 fixed-order T_S/T⊥ re-projection, T⊥ decay, hashes and the ban
-  state);
+  state), once per device (`--device`: where the elementwise steps run) and thread count
+  (`--threads`: torch's thread count, which also sizes the codec's pool), the configurations taken
+  in turn `repeats` times so that a machine's drift falls on all of them alike; each reports its
+  median seconds and the state id it committed, which must be one id for all (the commit's bits
+  depend on neither; docs/protocol.md, "The portable commit");
 - `legacy`: the commit as it was before issue 20 (every payload decoded densely, then the dense
   clip, screen and aggregation, then torch's vectorised outer step and the T_S/T⊥ re-projection by
   two BLAS matmuls per Π, as `embedding_outer_update` computed it then), for the before/after
-  figure.
+  figure, at the process's own thread count.
 
 `python -m peer.research.bench.commit DIR...` commits the rounds saved in each DIR in a fresh process
 and writes one JSON line to stdout, its wire protocol with the parent (state ids, seconds, torch's CPU
@@ -101,15 +105,16 @@ def make_round(path: Path, overrides: Mapping[str, Any], stages: Sequence[int], 
     return Round.load(path)
 
 
-def commit_portable(rnd: Round) -> dict[str, Any]:
-    """Commit the round's stages in order (stage 0's change moves the others' T⊥): state ids, seconds."""
+def commit_portable(rnd: Round, device: str | None = None) -> dict[str, Any]:
+    """Commit the round's stages in order (stage 0's change moves the others' T⊥), the elementwise
+    steps on `device` (None: the CPU): state ids, seconds."""
     cfg, out, seconds, update = rnd.cfg, {}, 0.0, None
     for s in rnd.stages:
         start, perp, U = initial_state(cfg, s)
         payloads = rnd.payloads(s)
         ids = [f"replica-{m:02d}-{'x' * 16}" for m in range(rnd.replicas)]
         began = time.perf_counter()
-        done = compute(cfg, s, U, 0, start, perp, NO_BANS, payloads, ids, update if s else None)
+        done = compute(cfg, s, U, 0, start, perp, NO_BANS, payloads, ids, update if s else None, device)
         seconds += time.perf_counter() - began
         out[str(s)] = done.state
         if s == 0:
@@ -141,42 +146,81 @@ def commit_legacy(rnd: Round) -> dict[str, Any]:
 
 
 def bench_commit(
-    path: Path, preset: str = "178M", stages: int = 2, stage: int = 0, replicas: int = 4, repeats: int = 3
+    path: Path,
+    preset: str = "178M",
+    stages: int = 2,
+    stage: int = 0,
+    replicas: int = 4,
+    repeats: int = 3,
+    threads: Sequence[int] = (),
+    devices: Sequence[str] = ("cpu",),
 ) -> dict[str, Any]:
-    """Time the portable and the legacy commit of one round of `stage` (median of `repeats`)."""
+    """Time the portable commit of one round of `stage` on each device × thread count (`threads`
+    empty: torch's own count) and the legacy commit; medians of `repeats`, the configurations taken
+    in turn. `runs` holds one row per configuration (seconds, each run, the state id)."""
     overrides = {"model.preset": preset, "stages": stages}
     rnd = make_round(path, overrides, [stage], replicas)
     n_params = sum(math.prod(shape) for shape in stage_shapes(rnd.cfg.model, stage, stages).values())
-    portable, legacy = [], []
-    state = ""
-    for _ in range(repeats):
-        p = commit_portable(rnd)
-        portable.append(p["seconds"])
-        state = p["states"][str(stage)]
-        legacy.append(commit_legacy(rnd)["seconds"])
+    own = torch.get_num_threads()
+    configs = [(d, n) for d in devices for n in (threads or [own])]
+    seconds: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+    states: dict[tuple[str, int], str] = {}
+    legacy = []
+    try:
+        for _ in range(repeats):
+            for device, n in configs:
+                torch.set_num_threads(n)
+                p = commit_portable(rnd, None if device == "cpu" else device)
+                seconds[(device, n)].append(p["seconds"])
+                states[(device, n)] = p["states"][str(stage)]
+            torch.set_num_threads(own)
+            legacy.append(commit_legacy(rnd)["seconds"])
+    finally:
+        torch.set_num_threads(own)
+    runs = [
+        {"device": d, "threads": n, "seconds": statistics.median(seconds[(d, n)]), "runs_s": seconds[(d, n)],
+         "state": states[(d, n)]}
+        for d, n in configs
+    ]  # fmt: skip
+    first = runs[0]
     return {
         "preset": preset,
         "stages": stages,
         "stage": stage,
         "params": n_params,
         "replicas": replicas,
-        "portable_s": statistics.median(portable),
+        "portable_s": first["seconds"],
         "legacy_s": statistics.median(legacy),
-        "ratio": statistics.median(portable) / statistics.median(legacy),
-        "portable_runs_s": portable,
+        "ratio": first["seconds"] / statistics.median(legacy),
         "legacy_runs_s": legacy,
-        "state": state,
+        "state": first["state"],
+        "one_state": len({r["state"] for r in runs}) == 1,
+        "runs": runs,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
+        "threads": own,
     }
 
 
-def check_flags(replicas: int, repeats: int, stages: int) -> None:
-    """`peer bench commit`'s flags: each 1 or more."""
+def check_flags(
+    replicas: int, repeats: int, stages: int, threads: str = "", devices: str = "cpu"
+) -> tuple[list[int], list[str]]:
+    """`peer bench commit`'s flags: each count 1 or more, `threads` a comma-separated list of them
+    (empty: torch's own), `devices` of "cpu" and CUDA devices this machine has. Returns both lists."""
     from peer.errors import ConfigError
 
     if replicas < 1 or repeats < 1 or stages < 1:
         raise ConfigError("--replicas, --repeats and --stages must be 1 or more")
+    try:
+        counts = [int(x) for x in threads.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--threads takes thread counts separated by commas, like 1,2,4; got {threads!r}") from None
+    if any(n < 1 for n in counts):
+        raise ConfigError(f"--threads: every thread count must be 1 or more, got {threads!r}")
+    names = [d.strip() for d in devices.split(",") if d.strip()] or ["cpu"]
+    for d in names:
+        if d != "cpu" and not (d.startswith("cuda") and torch.cuda.is_available()):
+            raise ConfigError(f"--device {d}: use cpu, or cuda on a machine where torch sees a CUDA device")
+    return counts, names
 
 
 def commit_rounds(paths: Sequence[Path]) -> dict[str, Any]:
@@ -195,11 +239,12 @@ def commit_rounds(paths: Sequence[Path]) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> int:
     """A child: `commit_rounds(argv)` as one JSON line on stdout — the wire protocol with the parent
     that started it (tests/integration/test_portable_commit.py), not output for a person.
-    $PEER_COMMIT_THREADS limits torch's threads and the cores this process may use."""
+    $PEER_COMMIT_THREADS sets torch's thread count (which sizes the commit's kernel pool too) and
+    limits the cores this process may use to as many (all there are, when it has fewer)."""
     threads = int(os.environ.get("PEER_COMMIT_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
-        if hasattr(os, "sched_setaffinity"):  # our codec pool sizes itself by the cores we may use
+        if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
     print(json.dumps(commit_rounds([Path(a) for a in argv])))
     return 0

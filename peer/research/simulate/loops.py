@@ -276,15 +276,17 @@ def run_diloco(
         record_bias(reps, result, t)  # B: eq. 5 bias of this round's embedding change
         factor = perp_decay(train, t) if opts.te_adaptation else 1.0
         embed_update = None
-        for s in range(cfg.stages):
-            done = commit_stage(reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t)
-            result.clipped += done.clipped
-            result.dropped += [(t, s, m) for m in done.dropped]
-            result.rounds += 1
-            if done.mass is not None:
-                result.dropped_mass.append(RangeShares(t, s, done.mass.dropped_fraction, done.mass.quant_fraction))
-            if s == 0:
-                embed_update = done.embed_update
+        with rt.all_threads():  # the workers wait for the round: its encode and commit take every core
+            for s in range(cfg.stages):
+                done = commit_stage(reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t)
+                result.clipped += done.clipped
+                result.dropped += [(t, s, m) for m in done.dropped]
+                result.rounds += 1
+                if done.mass is not None:
+                    shares = RangeShares(t, s, done.mass.dropped_fraction, done.mass.quant_fraction)
+                    result.dropped_mass.append(shares)
+                if s == 0:
+                    embed_update = done.embed_update
         if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
             for rep in reps:
                 for st, perp in zip(rep.stages, run.initial_perp, strict=True):

@@ -2,11 +2,11 @@
 
     Δ̂ ← Δ̂·min(1, c·med/‖Δ̂‖)   (DESIGN.md §2; med = the lower median of the round's norms)
 
-Invariants: norms are exactly rounded (math.fsum of float32 squares, exact in float64), so every
-holder of a stage clips the same committed list to the same bits, whatever the summation order,
-thread count or hardware; `payload_norm(p)` equals `global_norm(decompress(p))` bit for bit.
-What clipping removes from a sender's contribution (`clipped_mass`) goes back into that sender's
-error buffer, so nothing is lost.
+Invariants: norms are exactly rounded (math.fsum of float32 squares, exact in float64, or the same
+sum in integers: `peer.core.sparseloco.codec.exact`), so every holder of a stage clips the same
+committed list to the same bits, whatever the summation order, thread count or hardware;
+`payload_norm(p)` equals `global_norm(decompress(p))` bit for bit. What clipping removes from a
+sender's contribution (`clipped_mass`) goes back into that sender's error buffer, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from peer.core.sparseloco.codec.exact import square_sum
 from peer.core.sparseloco.codec.format import Payload, values_of
+from peer.core.sparseloco.codec.fused import run_each
 from peer.errors import ConfigError
 
 
@@ -59,12 +61,18 @@ def _exact_norm(squares: Sequence[np.ndarray]) -> float:
 
 
 def payload_norm(payload: Payload) -> float:
-    """global_norm(decompress(payload)), exactly, from the payload's values without decoding it."""
-    squares = []
-    for e in payload.entries:
-        vals = values_of(e)  # the values alone: no positions are decoded
-        squares.append(vals[vals != 0].astype(np.float64) ** 2)
-    return _exact_norm(squares)
+    """global_norm(decompress(payload)), exactly, from the payload's values without decoding it
+    (compiled and split over the cores where it can be: `codec.exact.square_sum`, the same bits)."""
+    values = [values_of(e) for e in payload.entries]  # the values alone: no positions are decoded
+    total = square_sum(values)
+    if total is not None:
+        return math.sqrt(total)
+    return _exact_norm([vals[vals != 0].astype(np.float64) ** 2 for vals in values])
+
+
+def payload_norms(payloads: Sequence[Payload]) -> list[float]:
+    """`payload_norm` of each payload, the payloads shared out over the cores."""
+    return run_each(payload_norm, payloads, [sum(math.prod(e.shape) for e in p.entries) for p in payloads])
 
 
 def clip_plan(norms: Sequence[float], factor: float) -> tuple[list[float | None], ClipStats]:

@@ -49,6 +49,7 @@ from peer.core.sparseloco.codec.index import (
     positions,
     rank_nbytes,
     scatter,
+    scatter_add_all,
     tile_dims,
     unpack_bits,
     valid_extent,
@@ -497,3 +498,18 @@ def write_entry(
             cnt += vals != 0
         else:
             cnt[pos] += vals != 0
+
+
+def add_entries(
+    items: Sequence[tuple[TensorEntry, int, int, float | None]], out: np.ndarray, cnt: np.ndarray | None
+) -> None:
+    """`write_entry(e, chunk, topk, out, add=True, scale, cnt)` of every (e, chunk, topk, scale) of
+    `items`, in order: ranked sparse entries of one geometry a block of bands at a time, every entry
+    in cache (`scatter_add_all`); the same bits, since each coordinate still adds them in order."""
+    if items and all(e.kind == SPARSE and e.ranked(c, k) and (c, k) == items[0][1:3] for e, c, k, _ in items):
+        e0, chunk, topk, _ = items[0]
+        sources = [(_bytes(e.index_bytes), values_of(e), scale) for e, _, _, scale in items]
+        if scatter_add_all(tuple(e0.shape), chunk, topk, sources, out, cnt):
+            return
+    for e, chunk, topk, scale in items:
+        write_entry(e, chunk, topk, out, True, scale, cnt)

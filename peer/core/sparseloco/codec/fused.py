@@ -13,6 +13,9 @@ sent entry is written at its flat position: the position itself, out[p] = v, or 
 `run_each` shares the tensors of a payload out over the caller and a small thread pool (the
 kernels are compiled with nogil), and `run_split` the tiles of one tensor, in ranges taken
 dynamically; distinct tiles touch distinct entries, so the result does not depend on the split.
+How many threads share the work is torch's intra-op thread count (`n_workers`: the cores this
+process may use, unless OMP_NUM_THREADS or torch.set_num_threads says otherwise), so one setting
+sizes both torch's elementwise kernels and ours.
 Arithmetic is the float32 of the torch/numpy reference (β·e is rounded before + Δ; a scaled value
 is rounded before it is added), so the bits equal the numpy path, which tests check. Every index a
 kernel writes lies inside its tile's real part, whatever the rank bytes hold.
@@ -25,10 +28,11 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 MIN_SPLIT_WORK = 1 << 18  # tensors with fewer entries run on the calling thread
 PIECES_PER_WORKER = 4  # ranges of bands per worker thread, taken dynamically
@@ -40,30 +44,33 @@ MAX_LOW = 24  # at most this many candidates beyond the k-th: keep only the smal
 T = TypeVar("T")
 R = TypeVar("R")
 
-_pool: dict[str, Any] = {"executor": None, "lock": threading.Lock()}
+_pool: dict[str, Any] = {"executor": None, "size": 0, "lock": threading.Lock()}
 
 
 def _forget_pool() -> None:  # a forked child has none of the parent's pool threads: start afresh
-    _pool["executor"], _pool["lock"] = None, threading.Lock()
+    _pool["executor"], _pool["size"], _pool["lock"] = None, 0, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
 
 
 def n_workers() -> int:
-    """CPU cores this process may use (the size of the kernel thread pool)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    """Threads the kernels share work over: torch's intra-op thread count (torch.get_num_threads():
+    the cores this process may use, fewer under OMP_NUM_THREADS or torch.set_num_threads)."""
+    return max(1, torch.get_num_threads())
 
 
-def _executor() -> ThreadPoolExecutor:
+def _submit(task: Callable[[], None], count: int) -> list[Future[None]]:
+    """`task` submitted `count` times to the pool, which has at least `count` threads (a larger
+    thread count starts a larger pool; the old one finishes what it holds and lets its threads go)."""
     with _pool["lock"]:
-        if _pool["executor"] is None:
-            _pool["executor"] = ThreadPoolExecutor(max_workers=n_workers(), thread_name_prefix="peer-codec")
+        if _pool["executor"] is None or _pool["size"] < count:
+            if _pool["executor"] is not None:
+                _pool["executor"].shutdown(wait=False)
+            _pool["executor"] = ThreadPoolExecutor(max_workers=count, thread_name_prefix="peer-codec")
+            _pool["size"] = count
         executor: ThreadPoolExecutor = _pool["executor"]
-    return executor
+        return [executor.submit(task) for _ in range(count)]
 
 
 def _share(task: Callable[[], None], parts: int) -> None:
@@ -72,7 +79,7 @@ def _share(task: Callable[[], None], parts: int) -> None:
     `task` takes its work from a shared counter until none is left, so a pool thread that is busy (a
     nested call) or that the OS runs less simply takes less of it; nothing ever waits on work that
     is queued but not started, so nesting cannot deadlock."""
-    futures = [_executor().submit(task) for _ in range(parts - 1)]
+    futures = _submit(task, parts - 1)
     task()
     for f in futures:
         if not f.cancel():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ import numpy as np
 from peer.core.sparseloco.codec import kernels as pk
 from peer.core.sparseloco.codec.fused import run_split
 from peer.errors import PeerError
+
+BLOCK_BYTES = 1 << 18  # of an output a block of bands of `scatter_add_all` spans (it stays in L2)
 
 
 class PayloadError(PeerError):
@@ -344,3 +347,39 @@ def scatter(
     out[pos] += v  # positions are distinct within a tensor
     if cnt is not None:
         cnt[pos] += v != 0
+
+
+def scatter_add_all(
+    shape: tuple[int, ...],
+    chunk: int,
+    topk: int,
+    sources: Sequence[tuple[bytes, np.ndarray, float | None]],
+    out: np.ndarray,
+    cnt: np.ndarray | None = None,
+) -> bool:
+    """`scatter(..., add=True)` of every (rank buffer, values, scale) of `sources` into `out`, in the
+    given order, a block of bands at a time: each block takes every source's entries in turn while
+    its part of `out` (about BLOCK_BYTES) is in cache, and the blocks are shared over the cores. An
+    entry lies in exactly one band, so every coordinate still adds the sources in their order (the
+    same bits as one `scatter` per source). False (nothing written) when numba is not in use."""
+    lay = layout(shape, chunk, topk)
+    kern = pk.compiled(int(lay.sel[-1]) * 8 * len(sources))
+    if kern is None or lay.n_bands == 0:
+        return kern is not None
+    table, ftab = tables(chunk, topk)
+    geometry = (lay.off, lay.kc, lay.sel, lay.rows, lay.cols, lay.th, lay.tw, table, ftab)
+    calls = [
+        (np.frombuffer(buf, dtype=np.uint8), vals, np.float32(1 if s is None else s), 2 if s is None else 3)
+        for buf, vals, s in sources
+    ]
+    c, no_pos = (np.zeros(0, dtype=np.float32) if cnt is None else cnt), np.zeros(0, dtype=np.int64)
+    step = max(1, BLOCK_BYTES // (4 * lay.th * lay.cols))  # bands per block
+
+    def blocks(b0: int, b1: int) -> None:
+        for lo in range(b0 * step, min(lay.n_bands, b1 * step), step):
+            hi = min(lay.n_bands, lo + step)
+            for data, vals, s, mode in calls:
+                kern.walk(data, *geometry, vals, s, mode, out, c, no_pos, lo, hi)
+
+    run_split(blocks, -(-lay.n_bands // step), lay.rows * lay.cols * len(sources))
+    return True

@@ -22,6 +22,7 @@ import logging
 import os
 import tempfile
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ ENUM_MAX_K = 64  # enumerative coding up to this topk; larger topk packs fixed-w
 NUMBA_MIN_WORK = 1 << 12  # work below which the numpy versions run (tiny tests never JIT-compile)
 
 _state: dict[str, Any] = {"enabled": True, "kernels": None}
+_functions: dict[str, Any] = {}  # `compiled_function`'s: qualified name -> dispatcher, or False (unavailable)
 _lock = threading.Lock()  # held while the kernels load
 
 
@@ -82,6 +84,40 @@ def compiled(work: int) -> Any:
         with _lock:  # codec threads may ask at once: load the kernels once
             _load()
     return _state["kernels"] or None
+
+
+def compiled_function(fn: Callable[..., Any], *helpers: Callable[..., Any]) -> Any:
+    """One plain function `fn` compiled by numba on first use (cached on disk, nogil, no fastmath:
+    LLVM never contracts a multiply and an add into an FMA), or None when numba is disabled
+    (`set_numba`), missing or broken, for kernels that live outside the codec (the commit's:
+    `peer.core.sparseloco.portable`, `.consensus`, `codec.exact`); the caller then runs its numpy twin.
+
+    `helpers` are plain functions of fn's own module that fn calls: each is compiled too and fn sees
+    the compiled one under its name. They must live in fn's module: numba's disk cache is keyed by the
+    source file of the function it caches, so a helper elsewhere could change under a stale cache."""
+    if not _state["enabled"]:
+        return None
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    with _lock:
+        if _functions.get(key) is None:
+            try:
+                if any(h.__module__ != fn.__module__ for h in helpers):
+                    raise ValueError(f"helpers of {key} must be defined in {fn.__module__}")
+                os.environ.setdefault("NUMBA_CACHE_DIR", cache_dir())
+                import numba
+
+                njit = numba.njit(cache=True, nogil=True)
+                target = fn
+                if helpers:  # fn's code with the helpers' compiled twins in its globals
+                    inline = numba.njit(cache=True, nogil=True, inline="always")
+                    scope = {**fn.__globals__, **{h.__name__: inline(h) for h in helpers}}
+                    target = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+                    target.__qualname__, target.__module__ = fn.__qualname__, fn.__module__
+                _functions[key] = njit(target)
+            except Exception as exc:  # noqa: BLE001  # any import/compile failure means: use numpy
+                log.warning("numba kernel %s unavailable (%s: %s); using numpy", key, type(exc).__name__, exc)
+                _functions[key] = False
+    return _functions[key] or None
 
 
 def _load() -> None:
