@@ -220,6 +220,11 @@ class SimulateArgs:
     round_rule: str = o.flag(
         "all", "Each stage's round: all (all-to-all, today's) or ranges (range-sharded owners' shards).", "--round"
     )
+    overlap: int = o.flag(
+        0,
+        "N: overlapped outer steps: the first N inner steps of outer step t + 1 run before round t lands, then "
+        "each replica rebases onto the committed state keeping that progress (0: synchronous; at most H).",
+    )
     workers: int | None = o.flag(
         None,
         "Worker processes that run the replicas' inner steps (default: all cores, at most M; "
@@ -265,6 +270,18 @@ class PlanArgs:
     )
     json_out: Path | None = o.flag(None, "Write the table as JSON.", "--json")
     memory: bool = o.flag(False, "Peak memory per stage for every preset and stage count instead.", "--memory")
+    overlap: int = o.flag(
+        0,
+        "1: overlapped outer steps (round t runs beside the inner steps of t + 1, each replica rebases when it "
+        "lands): max(H·inner, round + commit) + encode + rebase per outer step; 0: synchronous, "
+        "H·inner + encode + round + commit.",
+    )
+    commit_device: str = o.flag(
+        "gpu",
+        "Where a holder encodes, commits and rebases: gpu (3.0 TB/s, an H100's memory) or cpu (0.69 GB/s, "
+        "the portable commit measured on a 2-core VM; the node commits on the CPU today).",
+    )
+    commit_gbps: float | None = o.flag(None, "The commit device's bytes/s in GB/s (default: the device's figure).")
 
 
 @dataclass(frozen=True)

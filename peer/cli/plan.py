@@ -54,18 +54,21 @@ def plan_tables(
 
 
 def _pipeline_table(rows: Sequence[Mapping[str, Any]], inputs: Mapping[str, Any]) -> Table:
-    budget = inputs["tokens"] is not None
+    budget, overlap = inputs["tokens"] is not None, bool(inputs["overlap"])
     steps = f", {inputs['tokens']:.3g} tokens = {rows[0]['outer_steps_compressed']:,} outer steps" if budget else ""
     table = Table(
         title=(
             f"peer plan — {rows[0]['model']}, {inputs['stages']} stages, M={inputs['replicas']}, "
             f"H={inputs['inner_steps']}, {inputs['microbatches']}×{inputs['microbatch_size']}×{inputs['seq_len']} "
-            "tokens per inner step" + steps
+            "tokens per inner step, " + ("overlapped" if overlap else "synchronous") + " outer steps" + steps
         ),
         caption="k/d none: the uncompressed pipeline; act/µb: boundary bytes per micro-batch (forward + "
-        "backward); round s: the slowest holder's busier link direction (next table)",
+        "backward); round s: the slowest holder's busier link direction (next table); commit: the slowest "
+        f"holder's, seconds on its {inputs['commit_device']}"
+        + ("; N: inner steps of t + 1 the round overlaps; sync: util on the synchronous schedule" if overlap else ""),
     )
-    columns = ["k/d", "k", "Mbit/s", "util", "s/outer", "round s", "act/µb"] + (["hours"] if budget else [])
+    columns = ["k/d", "k", "Mbit/s", "util", "s/outer", "round s", "commit", "act/µb"]
+    columns += (["N", "sync"] if overlap else []) + (["hours"] if budget else [])
     for col in columns:
         table.add_column(col, justify="left" if col == "k/d" else "right", no_wrap=True)
     groups = [(g[0]["k_ratio"], str(g[0]["k"]), "compressed", g) for g in by_k_ratio(rows).values()]
@@ -81,12 +84,20 @@ def _pipeline_table(rows: Sequence[Mapping[str, Any]], inputs: Mapping[str, Any]
                 f"{100 * r[f'util_{kind}']:.1f} %",
                 f"{r[f'outer_s_{kind}']:,.0f}",
                 f"{r[f'round_s_{kind}']:,.0f}",
+                _seconds(r[f"commit_s_{kind}"]),
                 human_bytes(r[f"boundary_bytes_{kind}"]),
             ]
+            if overlap:
+                cells += [str(r[f"overlap_steps_{kind}"]), f"{100 * r[f'util_sync_{kind}']:.1f} %"]
             if budget:
                 cells.append(f"{r[f'wallclock_h_{kind}']:,.0f}")
             table.add_row(*cells)
     return table
+
+
+def _seconds(value: float) -> str:
+    """Seconds to two decimals below 100, whole above."""
+    return f"{value:.2f}" if value < 100 else f"{value:,.0f}"
 
 
 def _round_table(holders: Mapping[bool, Sequence[HolderRound]], replicas: int) -> Table:

@@ -71,6 +71,7 @@ def command(
             round_rule=a["round_rule"],
             grassmann=a["grassmann"],  # B: Table 5c / 5d switches
             modified_adamw=a["modified_adamw"],
+            overlap=a["overlap"],
             **({} if a["grassmann_lr"] is None else {"grassmann_lr": a["grassmann_lr"]}),
         ),
         a["token_budget"],

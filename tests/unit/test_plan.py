@@ -19,6 +19,7 @@ from peer.net.transport.codec import encoded_size, to_bytes
 from peer.net.transport.messages import BackwardRequest, ForwardRequest
 from peer.research.plan.command import PLAN_PRESETS, PlanInputs, boundary_bytes, plan_rows, resolve_model, with_inputs
 from peer.research.plan.round import parse_tokens, round_holders, round_seconds, stage0_fetch_nbytes
+from peer.research.plan.schedule import payload_entries
 
 SMALL = PlanInputs(
     preset="small",
@@ -124,11 +125,15 @@ def test_utilisation_shape():
     # larger round (stage 0's payloads, test_later_stages_fetch_stage_0s_payloads) can cost it a little
     assert rows[0]["util_compressed"] > rows[0]["util_uncompressed"]
     assert all(r["round_s_compressed"] > r["round_s_uncompressed"] for r in rows[:-1])
-    # compute-bound limit: no time on links or in the round, utilisation 1 (the bubble is left out)
-    assert rows[-1]["util_compressed"] == pytest.approx(1.0, abs=1e-4)
-    assert rows[-1]["util_uncompressed"] == pytest.approx(1.0, abs=1e-4)
+    # compute-bound limit: no time on links or in the round, only the holders' own encode and commit
     compute_s = SMALL.inner_steps * SMALL.microbatches * rows[-1]["compute_s_per_microbatch"]
-    assert rows[-1]["outer_s_compressed"] == pytest.approx(compute_s, rel=1e-4)
+    for kind in ("compressed", "uncompressed"):
+        own_s = rows[-1][f"encode_s_{kind}"] + rows[-1][f"commit_s_{kind}"]
+        assert rows[-1][f"outer_s_{kind}"] == pytest.approx(compute_s + own_s, rel=1e-4)
+    # ... and with a commit device without cost, utilisation 1 (the bubble is left out)
+    fast = plan_rows(with_inputs(SMALL, flops=1e13, commit_gbps=1e12), bws[-1:])[0]
+    assert fast["util_compressed"] == pytest.approx(1.0, abs=1e-4)
+    assert fast["util_uncompressed"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_compute_time_formula():
@@ -320,9 +325,21 @@ def test_token_budget_wallclock_on_a_hand_computed_case():
     cfg, bps = get_preset("small"), 10e6 / 8
     p0, p1 = (payload_nbytes(stage_shapes(cfg, s, 2), SparseLoCoConfig()) for s in (0, 1))
     t_comp = 6 * cfg.n_params / 2 * 2 * 64 / 1e12
+    # the holders' own math on the default commit device, a GPU at 3.0e12 bytes/s: 4 bytes × 11 passes to
+    # encode, × 7 to commit, and 64 bytes per entry of the payloads it gathers (its own stage's 4, stage 0's 4)
+    n0, n1 = (sum(math.prod(v) for v in stage_shapes(cfg, s, 2).values()) for s in (0, 1))
+    e0, e1 = (payload_entries(stage_shapes(cfg, s, 2), SparseLoCoConfig()) for s in (0, 1))
+    encode = 11 * 4 * max(n0, n1) / 3.0e12
+    commit = {
+        "compressed": max(7 * 4 * n0 + 4 * e0 * 64, 7 * 4 * n1 + (4 * e1 + 4 * e0) * 64) / 3.0e12,
+        "uncompressed": max(7 * 4 * n0 + 4 * e0 * 64, 7 * 4 * n1 + 4 * e1 * 64) / 3.0e12,
+    }
     for kind, round_bytes in (("compressed", max(3 * p0 + 4 * p0, 3 * p1 + 4 * p0)), ("uncompressed", 3 * max(p0, p1))):
         msg = max(boundary_bytes(2, 64, row["k"] if kind == "compressed" else cfg.d_model, "bf16"))
-        outer_s = 10 * 4 * max(t_comp, msg / bps) + round_bytes / bps
+        assert row[f"encode_s_{kind}"] == pytest.approx(encode) and row[f"commit_s_{kind}"] == pytest.approx(
+            commit[kind]
+        )
+        outer_s = 10 * 4 * max(t_comp, msg / bps) + round_bytes / bps + encode + commit[kind]
         assert row[f"outer_s_{kind}"] == pytest.approx(outer_s)
         assert row[f"wallclock_h_{kind}"] == pytest.approx(49 * outer_s / 3600)
     assert "wallclock_h_compressed" not in plan_rows(SMALL, [10.0])[0]  # no budget, no wall-clock

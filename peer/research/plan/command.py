@@ -13,8 +13,12 @@ bandwidths, estimate per bandwidth:
   compressed pipeline, a holder of stage s > 0 also all M stage-0 payloads (for T⊥), which stage 0's
   holders serve; the slowest holder's busier link direction sets the round's time
   (`peer.research.plan.round`, which says what the swarm's code fetches),
-- utilisation = compute time / wall time of one outer step (H inner steps + the round; nothing
-  overlaps the round),
+- the holders' own outer-step math (encode, commit, and with overlap the rebase) on the commit device
+  (`--commit-device`, `--commit-gbps`: `peer.research.plan.schedule`),
+- utilisation = compute time / wall time of one outer step: synchronous, H inner steps + encode +
+  the round + the commit; overlapped (`--overlap 1`), max(H inner steps, the round beside them + the
+  commit) + encode + rebase (`peer.research.plan.schedule.outer_step`); every row also has the
+  synchronous figures (`util_sync_*`),
 - with a token budget N (`--tokens`, Fig. 3): ⌈N / (M·H·m·b·L)⌉ outer steps of that wall time.
 Several k/d (`--k-ratio 1/8,1/16,…`) give one row group each; the uncompressed pipeline does not
 depend on k. The figures' curves: `peer.research.plan.figures`; the CLI (`peer.cli.plan`) draws the
@@ -57,6 +61,14 @@ from peer.research.plan.round import (
     tokens_per_outer_step,
     wallclock_hours,
 )
+from peer.research.plan.schedule import (
+    CommitDevice,
+    HolderWork,
+    holder_work,
+    link_busy,
+    outer_step,
+    payload_entries,
+)
 
 # Shapes of larger models for planning only (never built): LLaMA-style, untied head, no GQA.
 PLAN_PRESETS: dict[str, ModelConfig] = {
@@ -88,6 +100,9 @@ class PlanInputs:
     replicas: int = 8
     wire_dtype: str = "bf16"
     tokens: float | None = None  # a token budget: the wall-clock to train it (Fig. 3)
+    overlap: int = 0  # 1: overlapped outer steps (`peer.research.plan.schedule`); 0: synchronous
+    commit_device: str = "gpu"  # where a holder encodes, commits and rebases: cpu or gpu
+    commit_gbps: float | None = None  # its bytes/s in GB/s (None: the device's default)
 
 
 def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
@@ -162,6 +177,9 @@ def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
         raise ConfigError(f"--flops must be a positive FLOP/s rate, e.g. 4e14, got {inputs.flops:g}")
     if inputs.tokens is not None and not (math.isfinite(inputs.tokens) and inputs.tokens >= 1):
         raise ConfigError(f"--tokens must be a positive token budget, e.g. 3e9, got {inputs.tokens:g}")
+    if inputs.overlap not in (0, 1):
+        raise ConfigError(f"--overlap must be 0 (synchronous) or 1 (overlapped outer steps), got {inputs.overlap}")
+    CommitDevice.of(inputs.commit_device, inputs.commit_gbps)
 
 
 def stage_payloads(cfg: ModelConfig, stages: int) -> list[int]:
@@ -181,6 +199,7 @@ def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict[str
     ratios = parse_k_ratios(inputs.k_ratio, cfg.d_model)
     payloads = stage_payloads(cfg, S)
     holders = {c: round_holders(payloads, inputs.replicas, c) for c in (True, False)}
+    work = _holder_work(inputs, cfg, holders)
     t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops
     per_step = tokens_per_outer_step(inputs.replicas, inputs.inner_steps, inputs.microbatches, b, L)
     uncompressed = (0, 0) if S == 1 else boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
@@ -201,40 +220,66 @@ def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict[str
                 "tokens_per_outer_step": per_step,
             }
             for kind, msgs in (("compressed", compressed), ("uncompressed", uncompressed)):
-                row.update(_timing(inputs, kind, msgs, holders[kind == "compressed"], t_comp, bw, per_step))
+                c = kind == "compressed"
+                row.update(_timing(inputs, kind, msgs, (holders[c], work[c]), t_comp, bw, per_step))
             rows.append(row)
     return rows
+
+
+def _holder_work(
+    inputs: PlanInputs, cfg: ModelConfig, holders: Mapping[bool, Sequence[HolderRound]]
+) -> dict[bool, list[HolderWork]]:
+    """Each stage holder's encode, commit and rebase on the commit device, per pipeline (compressed or not)."""
+    device = CommitDevice.of(inputs.commit_device, inputs.commit_gbps)
+    shapes = [stage_shapes(cfg, s, inputs.stages) for s in range(inputs.stages)]
+    params = [_n_params(sh) for sh in shapes]
+    entries = [payload_entries(sh, SparseLoCoConfig()) for sh in shapes]
+    return {c: holder_work(params, entries, holders[c], device) for c in holders}
 
 
 def _timing(
     inputs: PlanInputs,
     kind: str,
     msgs: tuple[int, int],
-    holders: Sequence[HolderRound],
+    stage_rounds: tuple[Sequence[HolderRound], Sequence[HolderWork]],
     t_comp: float,
     bw: float,
     per_step: int,
 ) -> dict[str, Any]:
-    """One pipeline's (`kind`) columns at `bw` Mbit/s: round bytes and time, outer step, utilisation
+    """One pipeline's (`kind`) columns at `bw` Mbit/s: round bytes and time, the holders' own math,
+    the outer step on the synchronous schedule and on the one asked (`inputs.overlap`), utilisation
     and, with a token budget, the outer steps and hours it takes."""
+    holders, work = stage_rounds
     bytes_per_s = bw * 1e6 / 8
     m, H = inputs.microbatches, inputs.inner_steps
     busiest = max(holders, key=lambda h: h.link_bytes)
-    inner_s = H * m * max(t_comp, max(msgs) / bytes_per_s)
+    t_msg = max(msgs) / bytes_per_s
+    inner_s = H * m * max(t_comp, t_msg)
     round_s = round_seconds(holders, bw)
+    busy = link_busy(t_msg, max(t_comp, t_msg))
+    sync = outer_step(inner_s, H, round_s, work, overlap=False)
+    step = outer_step(inner_s, H, round_s, work, overlap=bool(inputs.overlap), busy=busy)
     out: dict[str, Any] = {
         f"round_bytes_{kind}": busiest.link_bytes,
         f"round_busiest_stage_{kind}": busiest.stage,
         f"stage0_payloads_fetched_{kind}": max(h.stage0_fetched for h in holders),
         f"round_s_{kind}": round_s,
         f"inner_s_{kind}": inner_s,
-        f"outer_s_{kind}": inner_s + round_s,
-        f"util_{kind}": H * m * t_comp / (inner_s + round_s),
+        f"link_busy_{kind}": busy,
+        f"round_landed_s_{kind}": step.landed_s,
+        f"encode_s_{kind}": step.encode_s,
+        f"commit_s_{kind}": step.commit_s,
+        f"rebase_s_{kind}": step.rebase_s,
+        f"overlap_steps_{kind}": step.overlap_steps,
+        f"outer_s_sync_{kind}": sync.outer_s,
+        f"util_sync_{kind}": H * m * t_comp / sync.outer_s,
+        f"outer_s_{kind}": step.outer_s,
+        f"util_{kind}": H * m * t_comp / step.outer_s,
     }
     if inputs.tokens is not None:
         steps = outer_steps_for(inputs.tokens, per_step)
         out[f"outer_steps_{kind}"] = steps
-        out[f"wallclock_h_{kind}"] = wallclock_hours(steps, inner_s + round_s)
+        out[f"wallclock_h_{kind}"] = wallclock_hours(steps, step.outer_s)
     return out
 
 

@@ -21,8 +21,8 @@ embedding's shards), which this model does not cover (`peer bench swarm` does).
 
 The token budget (Fig. 3): one outer step trains M·H·m·b·L tokens (M pipelines, H inner steps of
 m micro-batches of b sequences of L tokens), so a budget of N tokens takes ⌈N / (M·H·m·b·L)⌉ outer
-steps, each the time of H inner steps plus the round (`peer.research.plan.command.plan_rows`: nothing
-overlaps the round).
+steps, each of the wall time of the schedule planned (`peer.research.plan.schedule.outer_step`:
+synchronous, or the round overlapped with the next inner steps).
 """
 
 from __future__ import annotations
@@ -121,5 +121,5 @@ def outer_steps_for(tokens: float, per_step: int) -> int:
 
 
 def wallclock_hours(outer_steps: int, outer_s: float) -> float:
-    """Hours of `outer_steps` outer steps of `outer_s` seconds each (inner steps and the round)."""
+    """Hours of `outer_steps` outer steps of `outer_s` seconds each."""
     return outer_steps * outer_s / 3600.0

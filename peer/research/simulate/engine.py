@@ -20,7 +20,10 @@ contribution it drops goes back whole). `peer simulate` turns both off (`SIMULAT
 sends the poisoned contribution instead of its own. T⊥ decays at every commit as AdamW decays the
 rest of the embedding. `SimOptions.round_rule` "ranges" commits every stage's round range by range
 instead (`peer.research.simulate.ranges`, issue 24): owners' re-sparsified shards, assembled; the share of
-‖Δ̄‖² the shards drop is recorded per round (`ConfigResult.dropped_mass`).
+‖Δ̄‖² the shards drop is recorded per round (`ConfigResult.dropped_mass`). `SimOptions.overlap` = N runs
+overlapped outer steps (issue 36, `peer.research.simulate.overlap`): round t lands after the first N inner
+steps of t + 1, each replica rebased onto the committed state keeping that progress; the metric is taken
+on the committed model.
 
 The metric is the paper's: after every outer step, the validation loss averaged over the M
 replicas, each on its OWN forward path (compressed or not), on `val_tokens` held-out tokens.
@@ -49,6 +52,7 @@ from peer.errors import ConfigError
 from peer.node.checkpoints.model import save_model_checkpoint
 from peer.research.simulate.checkpoint import run_key
 from peer.research.simulate.loops import StageRound, commit_stage, run_adamw, run_diloco
+from peer.research.simulate.overlap import check_overlap
 from peer.research.simulate.results import (
     BASELINES,
     CONFIGS,
@@ -102,6 +106,7 @@ def run_config(
     save_dir: Path | None = None,
 ) -> ConfigResult:
     """One configuration at cfg's seed and k/d (checkpointed under save_dir/name if given)."""
+    check_overlap(opts.overlap, cfg.train.inner_steps, [name], opts.grassmann)
     rt, key = current(), run_key(cfg, name, opts)
     if (stored := rt.finished(key)) is not None:  # a resumed sweep: this run finished before
         if progress:

@@ -44,6 +44,7 @@ from peer.research.simulate.engine import (
     check_configs,
     run_config,
 )
+from peer.research.simulate.overlap import check_overlap
 from peer.research.simulate.paper_settings import Resolved, resolve
 from peer.research.simulate.ranges import check_ranges
 from peer.research.simulate.results import perplexity, robust_rule
@@ -116,6 +117,7 @@ def plan_sweep(
     distinct_ks(cfg.model.d_model, ratio_list)
     check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attacks[0] if opts.attacks else None)
     check_ablations(names, opts)  # B: --grassmann / --modified-adamw only on the SparseLoCo configs
+    check_overlap(opts.overlap, cfg.train.inner_steps, names, opts.grassmann)
     opts = dataclasses.replace(opts, replicas=res.replicas, adamw_lr=res.adamw_lr)
     return cfg, names, seed_list, ratio_list, opts, res
 
@@ -209,6 +211,7 @@ def sweep_args(
         "modified_adamw": opts.modified_adamw,
         "paper_settings": paper_settings,
         "round_rule": opts.round_rule,
+        "overlap": opts.overlap,
         "settings": [{"key": r.key, "value": r.value, "source": r.source} for r in table],
         "token_budget": resolved.budget if resolved is not None else None,
         "extend": extend,

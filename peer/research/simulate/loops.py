@@ -2,7 +2,9 @@
 
 `run_adamw` averages M shards' gradients every step into one model; `run_diloco` trains M
 `LocalReplica`s for H inner steps and commits every stage's round (`commit_stage`: all-to-all
-through `peer.core.sparseloco.commit.commit_round`, or range by range through `peer.research.simulate.ranges`).
+through `peer.core.sparseloco.commit.commit_round`, or range by range through `peer.research.simulate.ranges`);
+with `SimOptions.overlap` = N > 0 the round lands after the first N inner steps of the next outer step
+(`peer.research.simulate.overlap`; N = 0 runs the synchronous schedule, to the bit as before).
 Both score the paper's metric after every outer step (`peer.research.simulate.results.Scorer`).
 `round_payloads` stops an honest SparseLoCo run at one round and hands back its payloads (`peer bench sybil`).
 """
@@ -28,6 +30,7 @@ from peer.errors import ConfigError
 from peer.research.simulate.ablations import configure_replicas, grassmann_round, record_bias
 from peer.research.simulate.attacks import check_attack, collude, poison
 from peer.research.simulate.checkpoint import run_key
+from peer.research.simulate.overlap import Rebase, rebase_replicas, restore, snapshot
 from peer.research.simulate.pool import Pending, ReplicaPool, batch, corpus_key
 from peer.research.simulate.ranges import RangeMass, RangeShares, check_ranges, commit_ranges
 from peer.research.simulate.replica import LocalReplica, StepStats
@@ -231,6 +234,7 @@ class DilocoRun:
     act_bytes: list[int]
     t: int = 0  # the next outer step
     rng: torch.Tensor = field(default_factory=torch.get_rng_state)
+    rebase: Rebase | None = None  # overlap: round t − 1, committed, to land after t's first N inner steps
 
 
 def _new_diloco(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> DilocoRun:
@@ -268,25 +272,19 @@ def run_diloco(
     total = train.inner_steps * train.outer_steps
     if progress and run.t:
         progress(kind, run.t * train.inner_steps, total, result.train_curve[-1][1])
-    pool = rt.pool(replicas)
-    pending = _send_inner(pool, run, data, cfg, run.t)
+    pool, N = rt.pool(replicas), opts.overlap
+    pending = _send_inner(pool, run, data, cfg, run.t, 0, N if run.rebase is not None else None)
     for t in range(run.t, train.outer_steps):
-        starts = [{n: v.cpu() for n, v in stage_state(st).items()} for st in reps[0].stages]
-        _inner_steps(run, data, cfg, t, kind, progress, pool, pending)
+        if run.rebase is None:
+            starts = [{n: v.cpu() for n, v in stage_state(st).items()} for st in reps[0].stages]
+        else:  # round t − 1 lands after t's first N inner steps: θ_start(t) is what it committed
+            starts = run.rebase.starts()
+        _train(run, data, cfg, t, kind, progress, pool, pending, N)
         record_bias(reps, result, t)  # B: eq. 5 bias of this round's embedding change
-        factor = perp_decay(train, t) if opts.te_adaptation else 1.0
-        embed_update = None
+        overlapped = N > 0 and t + 1 < train.outer_steps  # the round runs beside t + 1's first N steps
+        boundary = snapshot(reps) if overlapped else None
         with rt.all_threads():  # the workers wait for the round: its encode and commit take every core
-            for s in range(cfg.stages):
-                done = commit_stage(reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t)
-                result.clipped += done.clipped
-                result.dropped += [(t, s, m) for m in done.dropped]
-                result.rounds += 1
-                if done.mass is not None:
-                    shares = RangeShares(t, s, done.mass.dropped_fraction, done.mass.quant_fraction)
-                    result.dropped_mass.append(shares)
-                if s == 0:
-                    embed_update = done.embed_update
+            _commit_all(run, cfg, opts, starts, t)
         if U is not None and not opts.te_adaptation:  # T⊥ stays at its initial value
             for rep in reps:
                 for st, perp in zip(rep.stages, run.initial_perp, strict=True):
@@ -294,10 +292,15 @@ def run_diloco(
         for rep in reps:
             rep.project_outputs()
         grassmann_round(reps, opts, run.pg_bytes)  # B: Table 5c, U' for every replica
-        pending = _send_inner(pool, run, data, cfg, t + 1)  # the workers train on while this scores
+        if boundary is None:
+            pending = _send_inner(pool, run, data, cfg, t + 1)  # the workers train on while this scores
         unc = reps[0] if n_unc > 0 else None
         comp = reps[n_unc] if n_unc < replicas else None
-        _score(scorer, result, unc, comp, (t + 1) * train.inner_steps)
+        _score(scorer, result, unc, comp, (t + 1) * train.inner_steps)  # the committed model
+        if boundary is not None:  # back to θ_b: t + 1's first N steps run before round t lands
+            run.rebase = Rebase(snapshot(reps), boundary)
+            restore(reps, boundary)
+            pending = _send_inner(pool, run, data, cfg, t + 1, 0, N)
         run.t, run.rng = t + 1, torch.get_rng_state()
         rt.save(key, run)
     result.pg_bytes = sum(run.pg_bytes) // replicas
@@ -305,12 +308,66 @@ def run_diloco(
     return result, reps[0]
 
 
-def _send_inner(pool: ReplicaPool | None, run: DilocoRun, data: Corpus, cfg: RunConfig, t: int) -> Pending | None:
-    """Send outer step t's inner steps to the workers (the replicas as they are now), if any."""
+def _commit_all(
+    run: DilocoRun, cfg: RunConfig, opts: SimOptions, starts: list[dict[str, torch.Tensor]], t: int
+) -> None:
+    """Outer step t's rounds, stage by stage (stage 0's embedding change moves the others' T⊥), into `run.result`."""
+    result = run.result
+    factor = perp_decay(cfg.train, t) if opts.te_adaptation else 1.0
+    embed_update = None
+    for s in range(cfg.stages):
+        done = commit_stage(run.reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t)
+        result.clipped += done.clipped
+        result.dropped += [(t, s, m) for m in done.dropped]
+        result.rounds += 1
+        if done.mass is not None:
+            result.dropped_mass.append(RangeShares(t, s, done.mass.dropped_fraction, done.mass.quant_fraction))
+        if s == 0:
+            embed_update = done.embed_update
+
+
+def _train(
+    run: DilocoRun,
+    data: Corpus,
+    cfg: RunConfig,
+    t: int,
+    kind: str,
+    progress: Progress | None,
+    pool: ReplicaPool | None,
+    pending: Pending | None,
+    overlap: int,
+) -> None:
+    """Outer step t's H inner steps; with a round pending (`run.rebase`), the first `overlap` of them on
+    the un-rebased replicas, then the rebase (`peer.research.simulate.overlap`), then the rest."""
+    H = cfg.train.inner_steps
+    if run.rebase is None:
+        _inner_steps(run, data, cfg, t, kind, progress, pool, pending)
+        return
+    _inner_steps(run, data, cfg, t, kind, progress, pool, pending, 0, overlap)
+    rebase_replicas(run.reps, run.rebase)
+    run.rebase = None
+    if overlap < H:
+        rest = _send_inner(pool, run, data, cfg, t, overlap, H - overlap)
+        _inner_steps(run, data, cfg, t, kind, progress, pool, rest, overlap, H - overlap)
+
+
+def _send_inner(
+    pool: ReplicaPool | None,
+    run: DilocoRun,
+    data: Corpus,
+    cfg: RunConfig,
+    t: int,
+    first: int = 0,
+    count: int | None = None,
+) -> Pending | None:
+    """Send outer step t's inner steps `first` … `first + count − 1` (default: all H) to the workers (the
+    replicas as they are now), if any."""
     if pool is None or t >= cfg.train.outer_steps:
         return None
     H, replicas = cfg.train.inner_steps, len(run.reps)
-    return pool.submit("inner", corpus_key(data), [(rep, m, replicas, t * H, H) for m, rep in enumerate(run.reps)])
+    n = H - first if count is None else count
+    jobs = [(rep, m, replicas, t * H + first, n) for m, rep in enumerate(run.reps)]
+    return pool.submit("inner", corpus_key(data), jobs)
 
 
 def _inner_steps(
@@ -322,17 +379,21 @@ def _inner_steps(
     progress: Progress | None,
     pool: ReplicaPool | None = None,
     pending: Pending | None = None,
+    first: int = 0,
+    count: int | None = None,
 ) -> None:
-    """Outer step t's H inner steps of every replica (in process, or sent to the workers: `pending`);
-    each step's replica-mean loss into the train curve (summed in replica order) and the progress."""
+    """Outer step t's inner steps `first` … `first + count − 1` (default: all H) of every replica (in
+    process, or sent to the workers: `pending`); each step's replica-mean loss into the train curve
+    (summed in replica order) and the progress."""
     H, replicas = cfg.train.inner_steps, len(run.reps)
     total = H * cfg.train.outer_steps
+    n = H - first if count is None else count
     if pool is not None and pending is not None:
         done = pool.collect(pending)
         run.reps[:] = [rep for rep, _ in done]
-        per_step = [[stats[h] for _, stats in done] for h in range(H)]
-    for h in range(H):
-        step = t * H + h
+        per_step = [[stats[h] for _, stats in done] for h in range(n)]
+    for h in range(n):
+        step = t * H + first + h
         if pool is None or pending is None:
             stats_h = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for m, rep in enumerate(run.reps)]
         else:

@@ -66,6 +66,7 @@ class SimOptions:
     grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.research.simulate.ablations)
     grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
     modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
+    overlap: int = 0  # N inner steps of t + 1 before round t lands (peer.research.simulate.overlap); 0: synchronous
 
 
 @dataclass
@@ -94,6 +95,7 @@ class ConfigResult:
     attack: str | None = None  # the last replica's attack (peer.research.simulate.attacks); None: an honest run
     screening: bool = False  # outlier screening (peer.core.sparseloco.robust) was on
     round_rule: str = "all"  # SimOptions.round_rule
+    overlap: int = 0  # SimOptions.overlap: N inner steps of t + 1 before round t lands (0: synchronous)
     dropped_mass: list[RangeShares] = field(default_factory=list)  # "ranges": per stage round
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
@@ -122,6 +124,7 @@ class ConfigResult:
             "screening",
             "rounds",
             "round_rule",
+            "overlap",
         )
         extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
         extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
@@ -238,4 +241,5 @@ def new_result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> Confi
         attack=opts.attack,
         screening=screened,
         round_rule="all" if kind.startswith("adamw") else opts.round_rule,  # AdamW: dense all-reduce
+        overlap=0 if kind.startswith("adamw") else opts.overlap,
     )
