@@ -58,6 +58,7 @@ from peer.research.plan.round import (
     parse_tokens,
     round_holders,
     round_seconds,
+    stage0_fetch_nbytes,
     tokens_per_outer_step,
     wallclock_hours,
 )
@@ -103,6 +104,7 @@ class PlanInputs:
     overlap: int = 0  # 1: overlapped outer steps (`peer.research.plan.schedule`); 0: synchronous
     commit_device: str = "gpu"  # where a holder encodes, commits and rebases: cpu or gpu
     commit_gbps: float | None = None  # its bytes/s in GB/s (None: the device's default)
+    screening: bool = True  # False: a later stage fetches stage 0's embedding views (`stage0_fetch_nbytes`)
 
 
 def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
@@ -198,7 +200,7 @@ def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict[str
     split_layers(cfg.n_layers, S)  # ConfigError when S > n_layers
     ratios = parse_k_ratios(inputs.k_ratio, cfg.d_model)
     payloads = stage_payloads(cfg, S)
-    holders = {c: round_holders(payloads, inputs.replicas, c) for c in (True, False)}
+    holders = {c: round_holders(payloads, inputs.replicas, c, stage0_fetch(inputs, cfg)) for c in (True, False)}
     work = _holder_work(inputs, cfg, holders)
     t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops
     per_step = tokens_per_outer_step(inputs.replicas, inputs.inner_steps, inputs.microbatches, b, L)
@@ -312,8 +314,16 @@ def plan(args: Mapping[str, Any]) -> PlanResult:
     inputs = PlanInputs(**fields, tokens=parse_tokens(args.get("tokens")))
     rows = plan_rows(inputs, bws)
     _, cfg = resolve_model(inputs)
-    holders = {c: round_holders(stage_payloads(cfg, inputs.stages), inputs.replicas, c) for c in (True, False)}
+    payloads, fetch = stage_payloads(cfg, inputs.stages), stage0_fetch(inputs, cfg)
+    holders = {c: round_holders(payloads, inputs.replicas, c, fetch) for c in (True, False)}
     return PlanResult(inputs, rows, holders)
+
+
+def stage0_fetch(inputs: PlanInputs, cfg: ModelConfig) -> int | None:
+    """A later stage's fetch of one stage-0 payload: whole with screening (None), else its embedding view."""
+    if inputs.screening:
+        return None
+    return stage0_fetch_nbytes(cfg, inputs.stages, dataclasses.replace(SparseLoCoConfig(), screening=False))
 
 
 # ---------------------------------------------------------------------------- the schedule that runs
