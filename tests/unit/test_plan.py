@@ -3,6 +3,7 @@ and utilisation behaves as the paper's Fig. 2/3 say it must."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from itertools import pairwise
@@ -411,3 +412,10 @@ def test_memory_takes_one_k_ratio():
     args = {"microbatch_size": 1, "seq_len": 128, "microbatches": 2, "k_ratio": "1/8,1/16"}
     with pytest.raises(ConfigError, match="--k-ratio"):
         plan_memory_command(print, args, None, lambda p, d: None)
+
+
+def test_without_screening_later_stages_fetch_stage_0s_embedding_views_and_the_round_shrinks():
+    whole = plan_rows(dataclasses.replace(PlanInputs(), overlap=1), [100.0])[0]
+    views = plan_rows(dataclasses.replace(PlanInputs(), overlap=1, screening=False), [100.0])[0]
+    key = next(k for k in whole if k.startswith("round_s"))
+    assert views[key] < whole[key] / 3  # 70B: a 2.7 MB view instead of a 203 MB payload, M·(S − 1) times
