@@ -29,6 +29,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONFIGS = ["adamw", "sparseloco", "pp-compress", "het-pp-compress"]
 SUMMARY_KEYS = {
     "name",
+    "overlap",
     "val_perplexity",
     "bias",
     "k_ratio",
@@ -55,6 +56,7 @@ SUMMARY_KEYS = {
 }
 ARGS_KEYS = {
     "preset",
+    "overlap",
     "grassmann",
     "grassmann_lr",
     "modified_adamw",
@@ -184,6 +186,7 @@ def test_simulate_json_has_documented_keys(simulated):
         "settings": [],
         "token_budget": None,
         "extend": None,
+        "overlap": 0,
     }
     (row,) = result["summary"]
     assert row["k_ratio"] == "1/8" and row["k"] == 8 and row["pairs"][0]["a"] == "het-pp-compress"
