@@ -95,3 +95,27 @@ def test_a_state_dict_taken_ahead_is_a_copy():
     _nudge(w, 3)
     name, p = next(iter(w.module.named_parameters()))
     assert not torch.equal(state["params"][name], p.detach())
+
+
+def test_the_state_id_is_read_without_the_lock_and_never_stale():
+    """The round's threads read the state id while the trainer holds the stage lock through an inner
+    step: the answer comes without the lock, and a commit or a loaded state changes it at once."""
+    import threading
+
+    from peer.node.stage.state import canonical_state
+
+    w = _worker(0)
+    before = w.state_id()
+    answered: list[str] = []
+    with w.lock:  # the trainer, mid inner step, on another thread's view
+        reader = threading.Thread(target=lambda: answered.append(w.state_id()))
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive() and answered == [before]
+    _nudge(w, 1)
+    w.commit_round([w.contribution("r0"), *_others(0)], None)
+    after = w.state_id()
+    assert after != before and w.param_hash() != _worker(0).param_hash()
+    start, perp = canonical_state(w.cfg, 0)
+    w.load_state_dict({"outer_step": 0, "start": start, "perp": perp})
+    assert w.state_id() == before

@@ -74,6 +74,10 @@ class StageState:
         # own commits, checked switches and replayed rounds; a loaded state is not (docs/protocol.md,
         # "Joining by replay")
         self.verified = True
+        # (param hash, perp hash, state id) of the committed state, read without the lock: the round's
+        # threads ask for it while the trainer holds the lock through an inner step (overlap); every
+        # change of the committed state clears it first, under the lock (`_install`, `load_state_dict`)
+        self._published: tuple[str, str, str] | None = None
         self.initial_state_id = self.state_id()  # the canonical initial state's id: recomputed, never voted on
 
     @property
@@ -294,6 +298,7 @@ class StageState:
         """Make a computed commit our state (under the lock): parameters, T⊥, θ_start, bans, link.
         Trained ahead (overlap), the local parameters are rebased onto it instead (`Ahead`)."""
         done = out.committed
+        self._published = None
         with torch.no_grad():
             if self.ahead is not None:
                 self._wait_settled()
@@ -376,6 +381,7 @@ class StageState:
             own = dict(self.module.named_parameters())
             start, params, perp = state["start"], state.get("params", state["start"]), state["perp"]
             check_stage_state(self.module, self.stage, start, params, perp)
+            self._published = None
             optim = self.optim.loaded(state, self.stage)
             with torch.no_grad():
                 for name, value in params.items():
@@ -457,20 +463,26 @@ class StageState:
 
     def param_hash(self) -> str:
         """Hash of the committed parameters θ_start (published in every record refresh)."""
-        return self._hashes()[0]
+        return self._ids()[0]
 
     def perp_hash(self) -> str:
-        return self._hashes()[1]
+        return self._ids()[1]
 
     def state_id(self) -> str:
         """The id of the committed state (parameters, T⊥, bans): what this holder claims (peer.node.round.claims)."""
-        with self.lock:
-            return state_id(self.param_hash(), self.perp_hash(), self.ledger.bans.to_record())
+        return self._ids()[2]
 
-    def _hashes(self) -> tuple[str, str]:
-        """(θ_start, T⊥) hashes of the committed state (`StartCache`)."""
+    def _ids(self) -> tuple[str, str, str]:
+        """(θ_start hash, T⊥ hash, state id) of the committed state: the published tuple when the state
+        has not changed since it was made (no lock: a reader racing a change gets the state before it),
+        else made under the lock (`StartCache` keeps the hashes) and published."""
+        published = self._published
+        if published is not None:
+            return published
         with self.lock:
-            return self.cache.hashes(self.outer_step, lambda: perp_of(self.module))
+            param, perp = self.cache.hashes(self.outer_step, lambda: perp_of(self.module))
+            self._published = (param, perp, state_id(param, perp, self.ledger.bans.to_record()))
+            return self._published
 
 
 def initial_module(cfg: RunConfig, stage: int) -> tuple[Decoder, torch.Tensor]:
