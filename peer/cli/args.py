@@ -146,6 +146,14 @@ class JoinArgs:
         "file up to --manifest-timeout-s (e.g. on a volume shared with the bootstrap).",
     )
     metrics_port: int | None = o.flag(None, "Serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port).")
+    wandb: str | None = o.flag(
+        None,
+        'Log the metrics.jsonl series to this Weights & Biases project (pip install "peer[wandb]"; '
+        "WANDB_MODE=offline: no network, files in <data-dir>/wandb).",
+    )
+    tensorboard: Path | None = o.flag(
+        None, 'Write the metrics.jsonl series as TensorBoard event files here (pip install "peer[tensorboard]").'
+    )
     in_flight: int | None = o.setting("train.in_flight")  # this head's own K (SessionOptions.in_flight)
     max_upload_mbps: float | None = o.setting("link.max_upload_mbps")
     max_download_mbps: float | None = o.setting("link.max_download_mbps")

@@ -4,7 +4,8 @@ start monitoring.
 - `--initial-peers-file F`: wait (up to the manifest timeout) for the bootstrap's address file and
   join through its multiaddrs, after any `--initial-peers` given too (`peer.node.discovery`);
 - `--metrics-port P`: serve Prometheus metrics on host:P (`peer.net.prometheus`), fed by every
-  metrics.jsonl event of this process; the endpoint starts with the session's first event.
+  metrics.jsonl event of this process; the endpoint starts with the session's first event;
+- `--wandb PROJECT`, `--tensorboard DIR`: the same events into W&B and TensorBoard (`peer.monitor.loggers`).
 """
 
 from __future__ import annotations
@@ -54,3 +55,16 @@ def prepare_join(
     if metrics_port is not None and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks for the replica
         start_metrics(metrics_port, host)
     return peers
+
+
+def start_loggers(wandb_project: str | None, tensorboard_dir: Path | None, data_dir: Path) -> None:
+    """Register the W&B and TensorBoard sinks the flags ask for (rank 0 only under torchrun); a missing
+    package is a one-line ConfigError before anything starts."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from peer.monitor.loggers import TensorBoardSink, WandbSink
+
+    if tensorboard_dir is not None:
+        add_sink(TensorBoardSink(tensorboard_dir.expanduser()))
+    if wandb_project is not None:
+        add_sink(WandbSink(wandb_project, data_dir))

@@ -200,7 +200,7 @@ def join(a: JoinArgs) -> None:
     """Join a swarm: hold one stage (`--stage N`) or a whole replica (`--full-replica`)."""
     os.environ.setdefault("PEER_LOG_LEVEL", "INFO")
     _setup_logging(a.verbose)
-    from peer.cli.join_setup import join_role, prepare_join
+    from peer.cli.join_setup import join_role, prepare_join, start_loggers
     from peer.net.dht import load_swarm_secret
     from peer.node.link_config import build_link_config
     from peer.node.replica.ranks import run_join  # torchrun: one full replica over its processes
@@ -227,6 +227,7 @@ def join(a: JoinArgs) -> None:
         swarm_secret=load_swarm_secret(a.swarm_secret_file),
         in_flight=a.in_flight,  # a head's own window K (peer.node.pipeline.schedule.with_in_flight)
     )
+    start_loggers(a.wandb, a.tensorboard, opts.data_dir)
     stop = threading.Event()
     where = "" if a.stage is None else f" (stage {a.stage})"
     err_console.print(f"peer join: {role}{where}; data in {opts.data_dir}")

@@ -8,7 +8,8 @@ read (the demo, `peer status`, tests, notebooks):
 - `round`: t, stages → {param_hash, perp_hash, participants, clipped, max_norm_ratio},
            train_loss, val_loss, round_wall_s, bytes → {activations, activations_uncompressed_equiv,
            pseudo_gradients};
-- `start`, `sync`, `resume`, `resume_kept`, `catch_up`, `pause`, `checkpoint`, `checkpoint_failed`,
+- `start`: stage, peer_id, address, config (the run's, `RunConfig.to_dict`), fingerprint;
+- `sync`, `resume`, `resume_kept`, `catch_up`, `pause`, `checkpoint`, `checkpoint_failed`,
   `exit` (reason);
 every event also carries `event`, `role` and `time` (unix seconds).
 Sinks (`add_sink`, e.g. the Prometheus exporter of `peer join --metrics-port`) see every event

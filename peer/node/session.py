@@ -236,7 +236,14 @@ class Session:
         )
         self.connectivity.start()  # the reachability check; reverse streams when this peer cannot be dialled
         self.metrics.log("connectivity", **self.connectivity.fields(), address=self.me.address)
-        self.metrics.log("start", stage=self.stage, peer_id=self.peer_id, address=self.me.address)
+        self.metrics.log(
+            "start",
+            stage=self.stage,
+            peer_id=self.peer_id,
+            address=self.me.address,
+            config=self.cfg.to_dict(),
+            fingerprint=self.cfg.fingerprint(),
+        )
         return self.service
 
     def _gate(self) -> Gate:

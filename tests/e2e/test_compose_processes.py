@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from peer.node.metrics import read_events
-from tests.unit.test_compose import load_compose, parse_cli, volume_targets
+from tests.unit.test_compose import load_compose, parse_cli, peer_services, volume_targets
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -118,7 +118,7 @@ def _sample(text: str, name: str) -> float | None:
 def test_compose_services_train_as_processes(tmp_path, reap_children):
     compose = load_compose({})
     host = Host(tmp_path, compose)
-    services = compose["services"]
+    services = peer_services(compose)  # Prometheus and Grafana are images of their own, not run here
     boot = next(n for n, s in services.items() if s["command"][1] == "bootstrap")
     joiners = [n for n in services if n != boot]
     data_dirs = {
@@ -161,6 +161,8 @@ def test_compose_services_train_as_processes(tmp_path, reap_children):
         assert (_sample(text, "peer_tokens_total") or 0) > 0
         assert _sample(text, "peer_loss") is not None and _sample(text, "peer_round_seconds_count") is not None
         assert 'peer_info{peer_id="' in text and 'role="head"' in text
+        swarm = _scrape(host.ports[(boot, "9101")])  # the bootstrap's target in docker/prometheus.yml
+        assert _sample(swarm, "peer_bootstrap_outer_step") is not None and "peer_bootstrap_stage_peers{" in swarm
     finally:
         for proc in procs.values():
             if proc.poll() is None:

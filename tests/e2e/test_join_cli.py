@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.logger_files import tensorboard_scalars, wandb_run
 from tests.prepared import corpus, make_prepared
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -83,7 +84,13 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
         maddr = json.loads(address_file.read_text())["initial_peers"][0]
         assert f"--initial-peers {maddr}" in (tmp_path / "bootstrap.log").read_text()  # the printed join line
 
-        roles = {"stage1": ["--stage", "1"], "full": ["--full-replica"], "head": ["--stage", "0"]}
+        # the head logs to TensorBoard, the full replica to an offline W&B run (peer.monitor.loggers)
+        roles = {
+            "stage1": ["--stage", "1"],
+            "full": ["--full-replica", "--wandb", "peer-e2e"],
+            "head": ["--stage", "0", "--tensorboard", str(tmp_path / "tb")],
+        }
+        wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
         for name, flags in roles.items():
             procs.append(
                 (
@@ -99,7 +106,7 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
                             "--data-dir",
                             str(tmp_path / name),
                         ],
-                        env,
+                        {**env, **wandb_env} if name == "full" else env,
                         tmp_path / f"{name}.log",
                     ),
                 )
@@ -135,6 +142,13 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
             assert stage1[t]["stages"]["1"]["param_hash"] == full[t]["stages"]["1"]["param_hash"]
             assert stage1[t]["stages"]["1"]["perp_hash"] == head[t]["stages"]["0"]["perp_hash"]
         assert head[OUTER - 1]["train_loss"] < head[0]["train_loss"]
+        board = tensorboard_scalars(tmp_path / "tb")  # the head's series, as metrics.jsonl has them
+        assert [t for t, _ in board["round/train_loss"]] == list(range(OUTER))
+        assert board["round/train_loss"][-1][1] == pytest.approx(head[OUTER - 1]["train_loss"])
+        assert len(board["train/loss"]) == OUTER * 3
+        wb = wandb_run(tmp_path / "full" / "wandb")
+        assert wb["group"] and wb["config"]["train"]["inner_steps"] == 3
+        assert [r["outer_step"] for r in wb["history"] if "round/train_loss" in r] == list(range(OUTER))
 
         # a bad address: one line, exit code 2, no traceback
         bad = subprocess.run(

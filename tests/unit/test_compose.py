@@ -11,6 +11,7 @@ file lives on a volume so its multiaddr survives restarts.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -103,11 +104,16 @@ def volume_of(path: str, service: Mapping[str, Any], compose: Mapping[str, Any])
     return None
 
 
+def peer_services(compose: Mapping[str, Any]) -> dict[str, Any]:
+    """The services that run `peer` (the others are the monitoring: Prometheus and Grafana images)."""
+    return {n: s for n, s in compose["services"].items() if "image" not in s or s["image"].startswith("peer:")}
+
+
 @pytest.fixture(scope="module")
 def parsed() -> tuple[dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]:
     compose = load_compose({})
     commands = {}
-    for name, service in compose["services"].items():
+    for name, service in peer_services(compose).items():
         command = service.get("command")
         assert isinstance(command, list), f"service {name}: write `command` as a list (no shell parsing)"
         try:
@@ -133,7 +139,7 @@ def test_parser_rejects_what_the_cli_rejects():
 
 def test_every_service_command_parses(parsed):
     compose, commands = parsed
-    assert set(commands) == set(compose["services"])
+    assert set(commands) == set(peer_services(compose)) and len(commands) >= 4
     kinds = [cmd for cmd, _ in commands.values()]
     assert kinds.count("bootstrap") == 1 and kinds.count("join") == len(kinds) - 1
 
@@ -222,3 +228,45 @@ def test_the_operators_bootstrap_folder_agrees_with_the_cli_and_the_config():
     assert str(params["attest_dir"]).startswith("/var/lib/peer") and str(params["config"]) == "/etc/peer/run.toml"
     cfg = build_config(ROOT / "bootstrap" / "run.toml", environ={})
     assert cfg.run_name == "my-run" and cfg.stages == 2 and cfg.swarm.history_rounds == 16
+
+
+def test_prometheus_scrapes_every_peer_and_the_board_reads_only_series_peer_exports(parsed):
+    """The compose Prometheus scrapes each service's --metrics-port by its service name, and every
+    series the Grafana board queries is one `peer.net.prometheus` exports (a renamed series would leave
+    a panel empty)."""
+    from prometheus_client import generate_latest
+
+    from peer.net.prometheus import REGISTRY, SwarmCollector
+
+    compose, commands = parsed
+    wanted = {f"{n}:{p['metrics_port']}" for n, (_, p) in commands.items() if p.get("metrics_port")}
+    assert len(wanted) == len(commands), "every peer service serves --metrics-port"
+    prom = compose["services"]["prometheus"]
+    assert "./docker/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert targets == wanted
+
+    text = generate_latest(REGISTRY).decode()
+    snapshot = {"uptime_s": 1.0, "outer_step": 1, "stage_peers": {0: 1}, "stage_seen": {0: 1},
+                "replicas": {"pipeline": 1, "full": 0}, "manifest_publications": 1,
+                "manifest_refresh_failures": 0, "artifacts_served": 0, "poll_failures": 0}  # fmt: skip
+    text += generate_latest(SwarmCollector(lambda: snapshot)).decode()  # type: ignore[arg-type]
+    names = set(re.findall(r"^# TYPE (\S+) (\S+)", text, re.M))
+    series = set()
+    for name, kind in names:
+        series |= {name}
+        if kind == "counter":
+            series |= {name + "_total"}
+        if kind == "histogram":
+            series |= {name + "_bucket", name + "_sum", name + "_count"}
+    board = json.loads((ROOT / "docker" / "grafana" / "dashboards" / "peer.json").read_text())
+    queried = {m for p in board["panels"] for t in p["targets"] for m in re.findall(r"\bpeer_[a-z_]+", t["expr"])}
+    assert queried and queried <= series, sorted(queried - series)
+    grafana = compose["services"]["grafana"]
+    assert "./docker/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
+    provider = yaml.safe_load((ROOT / "docker/grafana/provisioning/dashboards/peer.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    assert {t["datasource"]["uid"] for p in board["panels"] for t in p["targets"]} == {source["datasources"][0]["uid"]}
