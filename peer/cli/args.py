@@ -278,6 +278,13 @@ class PlanArgs:
     )
     json_out: Path | None = o.flag(None, "Write the table as JSON.", "--json")
     memory: bool = o.flag(False, "Peak memory per stage for every preset and stage count instead.", "--memory")
+    recommend: bool = o.flag(
+        False,
+        "Per bandwidth, the pipeline mode (uncompressed, or the least compression) that reaches --target-util, "
+        "with the loss the paper's Table 2 expects of that k/d.",
+        "--recommend",
+    )
+    target_util: float = o.flag(0.95, "The utilisation --recommend aims for.")
     overlap: int = o.flag(
         0,
         "1: overlapped outer steps (round t runs beside the inner steps of t + 1, each replica rebases when it "

@@ -102,6 +102,11 @@ def plan(a: PlanArgs) -> None:
 
         plan_memory_command(console.print, args, a.json_out, _write_json)
         return
+    if a.recommend:  # the mode and k/d per link (peer.research.plan.recommend)
+        from peer.cli.plan import plan_recommend_command
+
+        plan_recommend_command(console.print, args, a.json_out, _write_json)
+        return
     plan_command(console.print, args, _png_path(a.png, a.json_out, RUNS / "plan.png"), a.json_out, _write_json)
 
 

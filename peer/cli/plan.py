@@ -151,3 +151,37 @@ def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
             r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes, format_bytes(r["host"])
         )
     return table
+
+
+def plan_recommend_command(
+    out: Callable[[Any], None],
+    args: Mapping[str, Any],
+    json_out: Path | None,
+    write_json: Callable[[Path, dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """`peer plan --recommend`: per bandwidth the mode and k/d (`peer.research.plan.recommend`), and the JSON file."""
+    from peer.research.plan.command import parse_bandwidths, resolve_model
+    from peer.research.plan.recommend import recommend
+
+    inputs, recs = recommend(args, parse_bandwidths(args["bandwidth_mbps"]), args["target_util"])
+    name, _ = resolve_model(inputs)
+    table = Table(
+        title=f"peer plan --recommend — {name}, {inputs.stages} stages, M={inputs.replicas}, H={inputs.inner_steps}, "
+        f"target {100 * args['target_util']:.0f} % utilisation, " + ("overlapped" if inputs.overlap else "synchronous"),
+        caption="loss: the Δ of final loss arXiv 2601.02360's Table 2 measured at that k/d (512M, SparseLoCo; "
+        "interpolated in log d/k), with every pipeline compressed / half the replicas uncompressed",
+    )
+    for col in ("Mbit/s", "mode", "k/d", "util", "uncompressed", "loss (all / half)", "why"):
+        table.add_column(col, justify="right" if col in ("Mbit/s", "util", "uncompressed") else "left")
+    rows = [dataclasses.asdict(r) for r in recs]
+    for r in recs:
+        loss = "—" if r.loss_pp is None else f"+{r.loss_pp:.1f} % / +{r.loss_het:.1f} %"
+        table.add_row(
+            f"{r.bandwidth_mbps:g}", r.mode, r.k_ratio or "—", f"{100 * r.util:.1f} %",
+            f"{100 * r.util_uncompressed:.1f} %", loss if r.mode != "uncompressed" else "0", r.reason,
+        )  # fmt: skip
+    out(table)
+    if json_out:
+        write_json(json_out, {"inputs": dataclasses.asdict(inputs), "target_util": args["target_util"], "rows": rows})
+        out(f"results: {json_out}")
+    return rows
