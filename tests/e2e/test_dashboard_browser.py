@@ -1,0 +1,109 @@
+"""The dashboard as a person sees it: a real swarm, its bootstrap's dashboard, headless Chromium.
+
+A bootstrap with `--dashboard-port 0`, a compressed 2-stage pipeline (head, stage-1 peer) and a
+full replica train as processes on loopback. Once a few rounds have committed, Chromium renders
+the page (`--dump-dom` after the page's scripts ran) and the test reads what is on it: every peer
+under the stage it holds, the agreement column, a loss chart with one point per committed round
+(no gap, each a round the head's metrics.jsonl says it committed) and a peer's page. A screenshot
+is kept as an artefact: <tmp>/dashboard.png. Skips only when no Chromium binary is installed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cli_swarm import DEADLINES
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+HEADLESS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
+
+
+def browse(url: str, *flags: str) -> str:
+    """The DOM of `url` after its scripts ran (or what `flags` make Chromium do)."""
+    out = subprocess.run(
+        [str(CHROMIUM), *HEADLESS, *flags, *(() if flags else ("--dump-dom",)), url],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def element(dom: str, tag: str, ident: str) -> str:
+    """The markup of the element <tag id=ident …>…</tag> (no nesting of the same tag inside)."""
+    found = re.search(rf'<{tag}[^>]*id="{ident}"[^>]*>(.*?)</{tag}>', dom, re.S)
+    assert found, f"no <{tag} id={ident}> in the page"
+    return found.group(0)
+
+
+def cells(markup: str) -> list[str]:
+    return [
+        html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", markup, re.S)
+    ]
+
+
+def test_a_person_sees_the_swarm_on_the_dashboard(swarm_factory, tmp_path: Path):
+    if CHROMIUM is None:
+        pytest.skip("no chromium binary (apt-get install chromium): the dashboard's browser test needs one")
+    flags = ("--dashboard-port", "0", "--dashboard-history", str(tmp_path / "history"))
+    sw = swarm_factory(
+        outer_steps=1000, deadlines={**DEADLINES, "PEER_SWARM__RECORD_TTL_S": "20"}, bootstrap_flags=flags
+    )
+    url = sw.address["dashboard"]
+    sw.join("s1", "--stage", "1")
+    sw.join("full", "--full-replica")
+    sw.join("head", "--stage", "0")
+    ids = {}
+    sw.wait_for(lambda: all(sw.events(n, "start") for n in ("s1", "full", "head")), timeout_s=120)
+    for name in ("s1", "full", "head"):
+        ids[name] = sw.events(name, "start")[0]["peer_id"]
+
+    def api_rounds() -> set[int]:
+        with urllib.request.urlopen(url + "api/loss", timeout=5) as answer:
+            loss = json.load(answer)
+        return {p[0] for r in loss["replicas"] if r["replica"] == ids["head"] for p in r["points"]}
+
+    sw.wait_for(lambda: len(api_rounds()) >= 3, timeout_s=150, poll_s=0.5)
+
+    dom = browse(url)
+    assert 'data-ready="1"' in dom, dom[-3000:]
+    # every peer under the stage it holds (the full replica holds both), with the agreement column
+    for stage, holders in ((0, ("head", "full")), (1, ("s1", "full"))):
+        section = element(dom, "section", f"stage-{stage}")
+        for name in holders:
+            assert ids[name][:16] in section, (stage, name, section[:2000])
+        assert "agrees" in cells(section) and f"Agreement of stage {stage}" in section
+    assert ids["s1"][:16] not in element(dom, "section", "stage-0")
+    # the loss chart: one point per committed round, the same rounds as its table
+    chart = re.search(r'<canvas id="loss-chart"[^>]*>', dom).group(0)
+    drawn = int(re.search(r'data-rounds="(\d+)"', chart).group(1))
+    assert 'data-drawn="yes"' in chart
+    rows = re.findall(r"<tr>(.*?)</tr>", element(dom, "table", "loss-table").split("<tbody>")[1], re.S)
+    shown = [int(cells(r)[0]) for r in rows]
+    committed = set(sw.rounds("head"))
+    assert len(shown) == drawn >= 3 and shown == list(range(shown[0], shown[0] + len(shown))), shown
+    assert set(shown) <= committed | set(sw.rounds("full")), (shown, committed)
+    # the peers' table links to a page per peer
+    assert f'href="/peers/{ids["head"]}"' in element(dom, "table", "peers-table")
+
+    peer_dom = browse(url + f"peers/{ids['head']}")
+    assert f"Peer {ids['head']}" in peer_dom and 'data-ready="1"' in peer_dom
+    assert re.search(r'<div id="overview" hidden', peer_dom)
+    peer_chart = re.search(r'<canvas id="peer-loss-chart"[^>]*>', peer_dom).group(0)
+    assert int(re.search(r'data-rounds="(\d+)"', peer_chart).group(1)) >= 3
+
+    shot = tmp_path / "dashboard.png"
+    browse(url, f"--screenshot={shot}", "--window-size=1280,900")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    print(f"\ndashboard screenshot: {shot}")
