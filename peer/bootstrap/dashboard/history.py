@@ -78,6 +78,7 @@ class History:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL" if self.path != ":memory:" else "PRAGMA journal_mode=MEMORY")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash loses no commit, a power cut the last few
         self._db.execute("PRAGMA cache_size=-2048")  # at most 2 MiB of pages in memory
         self._db.executescript(_SCHEMA)
 
