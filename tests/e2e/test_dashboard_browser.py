@@ -10,52 +10,22 @@ is kept as an artefact: <tmp>/dashboard.png. Skips only when no Chromium binary 
 
 from __future__ import annotations
 
-import html
 import json
 import re
-import shutil
-import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.browser import CHROMIUM, NO_CHROMIUM, browse, cells, element
 from tests.e2e.cli_swarm import DEADLINES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-HEADLESS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
-
-
-def browse(url: str, *flags: str) -> str:
-    """The DOM of `url` after its scripts ran (or what `flags` make Chromium do)."""
-    out = subprocess.run(
-        [str(CHROMIUM), *HEADLESS, *flags, *(() if flags else ("--dump-dom",)), url],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
-def element(dom: str, tag: str, ident: str) -> str:
-    """The markup of the element <tag id=ident …>…</tag> (no nesting of the same tag inside)."""
-    found = re.search(rf'<{tag}[^>]*id="{ident}"[^>]*>(.*?)</{tag}>', dom, re.S)
-    assert found, f"no <{tag} id={ident}> in the page"
-    return found.group(0)
-
-
-def cells(markup: str) -> list[str]:
-    return [
-        html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", markup, re.S)
-    ]
-
 
 def test_a_person_sees_the_swarm_on_the_dashboard(swarm_factory, tmp_path: Path):
     if CHROMIUM is None:
-        pytest.skip("no chromium binary (apt-get install chromium): the dashboard's browser test needs one")
+        pytest.skip(NO_CHROMIUM)
     flags = ("--dashboard-port", "0", "--dashboard-history", str(tmp_path / "history"))
     sw = swarm_factory(
         outer_steps=1000, deadlines={**DEADLINES, "PEER_SWARM__RECORD_TTL_S": "20"}, bootstrap_flags=flags

@@ -21,6 +21,7 @@ from peer.bootstrap.dashboard.collect import Collector
 from peer.bootstrap.dashboard.history import History
 from peer.bootstrap.dashboard.server import serve_dashboard
 from peer.net.dht import SwarmDHT
+from tests.browser import CHROMIUM, NO_CHROMIUM, browse, element
 from tests.conftest import assert_no_leftover_children, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -151,6 +152,32 @@ def test_malformed_and_forged_records_never_reach_the_api(swarm, tmp_path):
         assert data["stages"][1]["holders"] == [] and data["run"]["outer_step"] == 2
         assert {p["peer_id"] for p in data["peers"]} == {head.peer_id}
         assert reader.dropped_records["malformed"] >= 2
+    finally:
+        server.stop()
+        collector.history.close()
+
+
+def test_a_browser_shows_hostile_strings_as_text(swarm, tmp_path):
+    """In headless Chromium the hostile peer's markup is text in its cells: no element it names exists."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    reader, head, hostile = swarm
+    collector = Collector(History(tmp_path / "h.sqlite"), MANIFEST, poll_s=0.5)
+    for t in (1, 2):
+        publish(head, hostile, t)
+        collector.poll(reader)
+    server = serve_dashboard(collector, 0)
+    try:
+        for url in (server.url, server.url + f"peers/{hostile.peer_id}"):
+            dom = browse(url)
+            assert 'data-ready="1"' in dom, dom[-2000:]
+            assert (
+                "<script>alert" not in dom and "<img" not in dom and "onerror" not in dom.replace("onerror=alert", "")
+            )
+            assert "&lt;script&gt;alert" in dom  # the string itself, shown as text
+        overview = browse(server.url)
+        stage1 = element(overview, "section", "stage-1")
+        assert hostile.peer_id[:16] in stage1 and "&lt;img src=x onerror=alert(1)&gt;" in stage1
     finally:
         server.stop()
         collector.history.close()
