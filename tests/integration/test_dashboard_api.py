@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -181,3 +184,43 @@ def test_a_browser_shows_hostile_strings_as_text(swarm, tmp_path):
     finally:
         server.stop()
         collector.history.close()
+
+
+def test_peer_dashboard_serves_a_swarm_it_joins_as_a_client(tmp_path):
+    """`peer dashboard`'s loop (`run_dashboard`): a DHT client that finds the run's manifest through the
+    initial peers, reads the records itself every poll and keeps its history in <history>/<run id>.sqlite."""
+    from peer.bootstrap.dashboard.run import Dashboard, DashboardOptions, run_dashboard
+
+    before = live_descendants(os.getpid())
+    boot = SwarmDHT()
+    stop, ready = threading.Event(), queue.Queue()
+    worker = None
+    try:
+        boot.publish_manifest(MANIFEST, ttl_s=60)
+        boot.set_run("dash-run", n_stages=2)
+        rounds = [[0, 5.0, 5.1, 1.0], [1, 4.5, 4.6, 1.0]]
+        boot.announce_replica({"kind": "full", "outer_step": 2, "joined_at": 0, "rounds": rounds}, ttl_s=60)
+        opts = DashboardOptions(0, "127.0.0.1", tmp_path / "history")
+
+        def serve() -> None:
+            run_dashboard(boot.visible_maddrs(), opts, stop, ready.put, timeout_s=30, poll_s=0.5)
+
+        worker = threading.Thread(target=serve, daemon=True)
+        worker.start()
+        board: Dashboard = ready.get(timeout=60)
+        deadline = time.monotonic() + 30
+        while True:
+            loss = json.loads(get(board.url + "api/loss")[2])
+            if loss["replicas"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert loss["replicas"] == [{"replica": boot.peer_id, "kind": "full", "points": [[0, 5.0, 5.1], [1, 4.5, 4.6]]}]
+        assert json.loads(get(board.url + "api/run")[2])["run_id"] == "dash-run"
+        assert (tmp_path / "history" / "dash-run.sqlite").exists()
+    finally:
+        stop.set()
+        if worker is not None:
+            worker.join(timeout=30)
+        boot.shutdown()
+    assert worker is not None and not worker.is_alive()
+    assert_no_leftover_children(before)
