@@ -299,7 +299,8 @@ def run_bootstrap(
             node.dht.set_run(node.run_id, cfg.stages)
             if dashboard is not None:
                 board = Dashboard.start(dashboard, node.info.manifest, tick_s)
-                node.info = dataclasses.replace(node.info, dashboard_url=board.url)
+                url = board.url_for(node.info.grpc_address.rpartition(":")[0])  # where others reach this node
+                node.info = dataclasses.replace(node.info, dashboard_url=url)
             on_read = board.collector.ingest if board is not None else None
             monitor = SwarmMonitor(node.dht, cfg.stages, node.handler.stats, on_read)
         if metrics_port is not None and monitor is not None:

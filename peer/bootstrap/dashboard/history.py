@@ -176,10 +176,13 @@ class History:
             rows = self._db.execute("SELECT t, a, b, c FROM points WHERE series = ? ORDER BY seq", (series,))
             return [tuple(r) for r in rows]  # type: ignore[misc]
 
-    def series(self, prefix: str) -> dict[str, str]:
-        """{series name: kind} of the series whose name starts with `prefix`."""
+    def series(self, prefix: str, limit: int = MAX_SERIES) -> dict[str, str]:
+        """{series name: kind} of the series whose name starts with `prefix`: the `limit` most recently written."""
         with self._lock:
-            rows = self._db.execute("SELECT name, kind FROM series WHERE substr(name, 1, ?) = ?", (len(prefix), prefix))
+            rows = self._db.execute(
+                "SELECT name, kind FROM series WHERE substr(name, 1, ?) = ? ORDER BY updated DESC LIMIT ?",
+                (len(prefix), prefix, limit),
+            )
             return {name: kind or "" for name, kind in rows}
 
     def claims(self, stage: int) -> dict[int, dict[str, str]]:

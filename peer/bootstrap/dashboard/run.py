@@ -48,6 +48,12 @@ class Dashboard:
     def url(self) -> str:
         return self.server.url
 
+    def url_for(self, advertised_host: str) -> str:
+        """The URL to print: on `advertised_host` when it listens on every interface, else where it listens."""
+        if self.server.host in ("0.0.0.0", "::", ""):
+            return f"http://{advertised_host}:{self.server.port}/"
+        return self.server.url
+
     @classmethod
     def start(cls, opts: DashboardOptions, manifest: Mapping[str, Any], poll_s: float) -> Dashboard:
         run_id = str(manifest.get("run_id") or "run")

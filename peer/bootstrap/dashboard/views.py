@@ -23,6 +23,7 @@ from peer.net.records import StageRecord
 
 MAX_TEXT = 200  # characters of any string a record carries
 AGREEMENT_ROUNDS = 8  # outer steps the agreement column looks back on
+MAX_CURVES = 64  # replicas whose loss the page draws: the most recently updated (an answer stays < ~10 MB)
 
 
 def num(value: Any) -> float | None:
@@ -57,10 +58,11 @@ def run_view(c: Collector, now: float | None = None) -> dict[str, Any]:
 
 def loss_view(c: Collector) -> dict[str, Any]:
     """Every replica's (t, train loss, val loss) per committed round, its kind (pipeline: a compressed
-    pipeline's head; full: a full replica), and the replica-mean validation loss per outer step."""
+    pipeline's head; full: a full replica), and the replica-mean validation loss per outer step: of the
+    `MAX_CURVES` replicas most recently updated."""
     replicas = []
     vals: dict[int, list[float]] = {}
-    for name, kind in sorted(c.history.series("loss:").items()):
+    for name, kind in sorted(c.history.series("loss:", MAX_CURVES).items()):
         points = [(int(p[0]), num(p[1]), num(p[2])) for p in c.history.points(name)]
         replicas.append({"replica": text(name.removeprefix("loss:")), "kind": text(kind), "points": points})
         for t, _, val in points:

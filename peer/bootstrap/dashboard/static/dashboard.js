@@ -7,7 +7,8 @@
   const REFRESH_MS = 2000;
   const charts = {};
   const peerMatch = /^\/peers\/(.+)$/.exec(window.location.pathname);
-  const peerId = peerMatch ? decodeURIComponent(peerMatch[1]) : null;
+  let peerId = null;
+  try { peerId = peerMatch ? decodeURIComponent(peerMatch[1]) : null; } catch (e) { peerId = peerMatch[1]; }
 
   function el(tag, text, cls) {
     const node = document.createElement(tag);
@@ -197,12 +198,13 @@
     try {
       const url = peerId === null ? "/api/dashboard" : "/api/peers/" + encodeURIComponent(peerId);
       const answer = await fetch(url, { cache: "no-store" });
-      if (answer.status === 404) { status.textContent = "No peer " + peerId + " has been seen."; return; }
+      if (answer.status === 404) { status.textContent = "No peer " + peerId + " has been seen."; status.setAttribute("role", "alert"); return; }
       if (!answer.ok) throw new Error("HTTP " + answer.status);
       const data = await answer.json();
       if (peerId === null) {
         renderRun(data.run); renderLoss(data.loss); renderStages(data.stages); renderPeers(data.peers);
         status.textContent = "Updated " + new Date().toLocaleTimeString() + " (every " + REFRESH_MS / 1000 + " s).";
+        status.removeAttribute("role");
       } else {
         document.getElementById("overview").hidden = true;
         document.getElementById("peer-page").hidden = false;
@@ -215,6 +217,7 @@
       }
     } catch (err) {
       status.textContent = "Could not read the run: " + err.message + " (retrying).";
+      status.setAttribute("role", "alert");  /* errors are announced; the every-2-s "Updated" line is not */
     }
   }
   refresh();
