@@ -4,7 +4,8 @@ A bootstrap with `--dashboard-port 0`, a compressed 2-stage pipeline (head, stag
 full replica train as processes on loopback. Once a few rounds have committed, Chromium renders
 the page (`--dump-dom` after the page's scripts ran) and the test reads what is on it: every peer
 under the stage it holds, the agreement column, a loss chart with one point per committed round
-(no gap, each a round the head's metrics.jsonl says it committed) and a peer's page. A screenshot
+(no gap, each a round the head's metrics.jsonl says it committed) and a peer's page; a `peer dashboard`
+process joined through the bootstrap serves the same holders. A screenshot
 is kept as an artefact: <tmp>/dashboard.png. Skips only when no Chromium binary is installed.
 """
 
@@ -72,6 +73,18 @@ def test_a_person_sees_the_swarm_on_the_dashboard(swarm_factory, tmp_path: Path)
     assert re.search(r'<div id="overview" hidden', peer_dom)
     peer_chart = re.search(r'<canvas id="peer-loss-chart"[^>]*>', peer_dom).group(0)
     assert int(re.search(r'data-rounds="(\d+)"', peer_chart).group(1)) >= 3
+
+    # `peer dashboard` on "another machine": a DHT client through the bootstrap, its own reads and history
+    sw.start("dashboard", ["dashboard", "--initial-peers", sw.maddr, "--port", "0", "--poll-s", "0.5",
+                           "--history", str(tmp_path / "elsewhere")])  # fmt: skip
+    sw.wait_for(lambda: "dashboard of " in sw.log("dashboard"), timeout_s=60)
+    other = re.search(r"at (http://\S+/)", sw.log("dashboard")).group(1)
+
+    def other_stages() -> list[dict]:
+        with urllib.request.urlopen(other + "api/stages", timeout=5) as answer:
+            return json.load(answer)
+
+    sw.wait_for(lambda: {h["peer_id"] for h in other_stages()[1]["holders"]} == {ids["s1"], ids["full"]}, timeout_s=60)
 
     shot = tmp_path / "dashboard.png"
     browse(url, f"--screenshot={shot}", "--window-size=1280,900")
