@@ -9,8 +9,8 @@ so metrics and dashboard share one read of the records. The HTTP endpoint
 (`peer.net.prometheus.serve_swarm_metrics`) reads the snapshot at each scrape, so a scrape never
 waits on the DHT; `BootstrapNode.serve` polls every `poll_s`.
 
-Invariants: a failed read is counted and keeps the last snapshot (never raises into the serve
-loop); the sets of peers seen only grow; `summarize` is pure.
+Invariants: a failed read, or an `on_read` that raises, is counted and keeps the last snapshot
+(never raises into the serve loop); the sets of peers seen only grow; `summarize` is pure.
 """
 
 from __future__ import annotations
@@ -74,7 +74,12 @@ class SwarmMonitor:
                 self._seen[s].update(recs)
             self._last = summary
         if self.on_read is not None:
-            self.on_read(stages, replicas)
+            try:
+                self.on_read(stages, replicas)
+            except Exception:  # the dashboard (a full disk, a bug) must not take the manifest down: logged
+                with self._lock:
+                    self._failures += 1
+                logger.exception("the dashboard could not take the swarm's records; it keeps its last view")
 
     def snapshot(self) -> dict[str, Any]:
         """What `SwarmCollector` reads at each scrape."""
