@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from peer.bootstrap.dashboard.history import History, Limits, Sighting
+from peer.bootstrap.dashboard.run import Dashboard, DashboardOptions
+from peer.errors import ConfigError
 
 
 def test_a_series_is_a_ring_of_capacity_points_that_survives_a_reopen(tmp_path: Path) -> None:
@@ -53,3 +57,9 @@ def test_contributions_count_outer_steps_tokens_and_time_seen(tmp_path: Path) ->
     h.seen([Sighting("b", "trainer", 1, 6, None)], now=31.0, gap_s=5.0)
     h.seen([Sighting("c", "full", None, 6, 50.0)], now=32.0, gap_s=5.0)
     assert [p["peer_id"] for p in h.peers()] == ["c", "b"]  # at most max_peers: the least recently seen went
+
+
+def test_an_unusable_history_folder_is_one_config_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ConfigError, match="a_file"):
+        Dashboard.start(DashboardOptions(0, "127.0.0.1", tmp_path / "a_file"), {"run_id": "r"}, 1.0)

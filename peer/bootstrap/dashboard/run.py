@@ -12,6 +12,7 @@ same run shows the history it had, and another run starts its own.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any
 from peer.bootstrap.dashboard.collect import Collector
 from peer.bootstrap.dashboard.history import History
 from peer.bootstrap.dashboard.server import DashboardServer, serve_dashboard
+from peer.errors import ConfigError
 from peer.net.dht import SwarmDHT
 from peer.node.manifest import wait_for_manifest
 
@@ -58,7 +60,11 @@ class Dashboard:
     def start(cls, opts: DashboardOptions, manifest: Mapping[str, Any], poll_s: float) -> Dashboard:
         run_id = str(manifest.get("run_id") or "run")
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)[:128]
-        history = History(opts.history_dir / f"{safe}.sqlite")
+        path = opts.history_dir / f"{safe}.sqlite"
+        try:
+            history = History(path)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"cannot keep the dashboard's history in {path}: {exc}; pass another folder") from exc
         collector = Collector(history, manifest, poll_s)
         try:
             server = serve_dashboard(collector, opts.port, opts.host)
