@@ -263,9 +263,10 @@ def bench_dashboard_cmd(a: DashboardBenchArgs) -> None:
     a.workdir.mkdir(parents=True, exist_ok=True)
     for old in a.workdir.glob("*.sqlite*"):  # each measurement starts from an empty history
         old.unlink()
-    out: dict[str, Any] = {"first_paint": first_paint(a.workdir, a.holders, a.stages, a.replicas, a.polls, a.repeats)}
-    if a.rounds:
+    out: dict[str, Any] = {}
+    if a.rounds:  # first, so the RSS it samples is not the first paint's leftovers
         out["memory"] = memory(a.workdir, a.rounds, a.memory_holders, a.stages, a.replicas)
+    out["first_paint"] = first_paint(a.workdir, a.holders, a.stages, a.replicas, a.polls, a.repeats)
     for line in dashboard_lines(out):
         _show(line)
     if a.json_out:

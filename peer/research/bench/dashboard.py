@@ -19,6 +19,7 @@ Returns plain dicts; `peer.cli.bench` prints them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import statistics
@@ -47,6 +48,11 @@ def _manifest(stages: int) -> dict[str, Any]:
     return {"run_id": "bench-dashboard", "k": 8, "config": {"preset": "tiny", "stages": stages, "train": {}}}
 
 
+def _peer_id(kind: str, i: int) -> str:
+    """A peer id as long and as varied as a real one (base58 of an RSA key's multihash: "Qm" + 44)."""
+    return "Qm" + hashlib.sha256(f"{kind}-{i}".encode()).hexdigest()[:44]
+
+
 def _records(
     t: int, holders: int, stages: int, replicas: int
 ) -> tuple[dict[int, dict[str, StageRecord]], dict[str, ReplicaRecord]]:
@@ -54,14 +60,14 @@ def _records(
     by_stage: dict[int, dict[str, StageRecord]] = {s: {} for s in range(stages)}
     for i in range(holders):
         s = i % stages
-        pid = f"Qm{i:044d}"
+        pid = _peer_id("holder", i)
         by_stage[s][pid] = StageRecord(
             address=f"10.0.{i // 250}.{i % 250}:4000", role="trainer", state="ready", outer_step=t,
             state_id=f"{s:02d}{t:014x}", tokens_per_s=1000.0 + i, peer_id=pid,
         )  # fmt: skip
     reps = {}
     for r in range(replicas):
-        pid = f"Qr{r:044d}"
+        pid = _peer_id("replica", r)
         rounds = tuple(
             RoundPoint(x, 5.0 / (1 + x / 100), 5.1 / (1 + x / 100), 10.0) for x in range(max(0, t - MAX_ROUNDS), t)
         )
@@ -122,7 +128,7 @@ def memory(
             size = sum(p.stat().st_size for p in workdir.glob("memory.sqlite*"))
             samples.append({"rounds": t, "rss_bytes": proc.memory_info().rss, "history_bytes": size})
     seconds = time.perf_counter() - began
-    points = len(collector.history.points(f"loss:Qr{0:044d}"))
+    points = len(collector.history.points(f"loss:{_peer_id('replica', 0)}"))
     collector.history.close()
     return {
         "rounds": rounds, "holders": holders, "stages": stages, "replicas": replicas,
