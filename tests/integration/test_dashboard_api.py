@@ -67,7 +67,7 @@ def publish(head: SwarmDHT, hostile: SwarmDHT, t: int) -> None:
     hostile.announce_stage(1, {"address": XSS, "role": XSS, "state": XSS, "outer_step": t, "state_id": XSS,
                                "tokens_per_s": float("inf"), "connectivity": XSS}, ttl_s=60)  # fmt: skip
     # a NaN loss parses (a diverged replica is still a replica); its kind is markup
-    hostile.announce_replica({"address": "x", "kind": XSS, "outer_step": t, "joined_at": 0,
+    hostile.announce_replica({"address": "x", "kind": XSS, "outer_step": t, "joined_at": 0, "tokens_per_s": 1e308,
                               "rounds": [[t - 1, float("nan"), None, 2.0]]}, ttl_s=60)  # fmt: skip
 
 
@@ -89,7 +89,7 @@ def test_the_api_serves_the_swarm_as_data_never_markup(swarm, tmp_path):
         data = json.loads(body)  # strict JSON: NaN and inf became null
         run, loss, stages, peers = data["run"], data["loss"], data["stages"], data["peers"]
         assert run["run_id"] == "dash-run" and run["stages"] == 2 and run["inner_steps"] == 4
-        assert run["outer_step"] == 3 and run["tokens_per_s"] == 800.0
+        assert run["outer_step"] == 3 and run["tokens_per_s"] == 800.0 + 1e308  # the sum of claims: a liar shows
         assert len(run["tokens_per_s_series"]) == 3 and [s[0] for s in run["step_wall_s_series"]] == [2, 3]
 
         by_kind = {r["kind"]: r for r in loss["replicas"]}
@@ -105,6 +105,7 @@ def test_the_api_serves_the_swarm_as_data_never_markup(swarm, tmp_path):
         assert s1[0]["role"] == XSS and s1[0]["tokens_per_s"] is None  # inf → null
         assert {p["peer_id"] for p in peers} == {head.peer_id, hostile.peer_id}
         assert {p["peer_id"]: p["rounds"] for p in peers}[head.peer_id] == 2  # outer steps 1 → 3
+        assert math.isfinite({p["peer_id"]: p["tokens"] for p in peers}[hostile.peer_id])  # it claimed 1e308/s
 
         status, _, body = get(server.url + f"api/peers/{head.peer_id}")
         mine = json.loads(body)

@@ -4,6 +4,7 @@ step, the loss curves' limits."""
 
 from __future__ import annotations
 
+import json
 import math
 
 from peer.bootstrap.dashboard import views
@@ -65,3 +66,19 @@ def test_the_loss_view_draws_the_most_recently_updated_replicas_only():
         c.ingest({0: {}, 1: {}}, {f"r{i:03d}": rep}, now=float(i))
     shown = [r["replica"] for r in views.loss_view(c)["replicas"]]
     assert shown == [f"r{i:03d}" for i in range(3, views.MAX_CURVES + 3)]
+
+
+def test_junk_outer_steps_and_tokens_are_ignored_not_stored():
+    """A record may carry any 64-bit outer step (SQLite's integers end at 2**63) and any tokens/s: the
+    history takes what it can hold and the views stay strict JSON."""
+    c = collector()
+    huge = 2**64 - 1
+    for now in (1.0, 2.0):
+        stage = {"x": StageRecord(role="trainer", outer_step=huge, state_id="s", tokens_per_s=1e308)}
+        rep = ReplicaRecord(kind="full", outer_step=huge, tokens_per_s=1e308, rounds=(RoundPoint(huge, 1.0, 1.0, 1.0),))
+        c.ingest({0: {}, 1: stage}, {"x": rep}, now=now)
+    (peer,) = views.peers_view(c, now=3.0)
+    assert peer["outer_step"] is None and peer["rounds"] == 0 and math.isfinite(peer["tokens"])
+    assert views.loss_view(c)["replicas"] == [] and views.stages_view(c)[1]["rounds"] == []
+    assert views.run_view(c, now=3.0)["outer_step"] == 0
+    json.dumps(views.dashboard(c, now=3.0), allow_nan=False)

@@ -8,8 +8,9 @@ writes their history (`peer.bootstrap.dashboard.history`): each replica's commit
 wall time of each outer step as seen here, each stage's state-id claims per outer step, and each
 peer's contribution. `Collector.poll(dht)` makes the read itself (`peer dashboard` on any machine).
 
-Invariants: what a record says is a claim and is shown as one — nothing here changes the run; a
-failed read is counted and keeps the last view; the live view is replaced whole by each read (its
+Invariants: what a record says is a claim and is shown as one — nothing here changes the run; an
+outer step outside [0, 2**53) is ignored (junk no store holds exactly); a failed read is counted and
+keeps the last view; the live view is replaced whole by each read (its
 size is the swarm's live records, already bounded by the DHT), the history is bounded by its limits.
 """
 
@@ -63,6 +64,14 @@ class Live:
     at: float | None = None
 
 
+MAX_STEP = 2**53  # an outer step at or past it is junk (SQLite and JavaScript hold integers below it exactly)
+
+
+def _step(value: int | None) -> int | None:
+    """An outer step the history can hold, else None."""
+    return value if value is not None and 0 <= value < MAX_STEP else None
+
+
 def _top(*values: float | None) -> Any:
     """The largest of the values that are not None (None if all are)."""
     return max((v for v in values if v is not None), default=None)
@@ -78,14 +87,14 @@ def _sightings(
         for pid, rec in recs.items():
             had = out.get(pid)
             if had is None:
-                out[pid] = Sighting(pid, rec.role, s, rec.outer_step, rec.tokens_per_s)
+                out[pid] = Sighting(pid, rec.role, s, _step(rec.outer_step), rec.tokens_per_s)
             else:
-                step, speed = _top(rec.outer_step, had.outer_step), _top(rec.tokens_per_s, had.tokens_per_s)
+                step, speed = _top(_step(rec.outer_step), had.outer_step), _top(rec.tokens_per_s, had.tokens_per_s)
                 out[pid] = Sighting(pid, had.role, had.stage, step, speed)
     for pid, rep in replicas.items():
         had = out.get(pid)
         stage = None if had is None or rep.kind == "full" else had.stage
-        step = _top(rep.outer_step, had.outer_step if had else None)
+        step = _top(_step(rep.outer_step), had.outer_step if had else None)
         out[pid] = Sighting(pid, rep.kind or (had.role if had else ""), stage, step, rep.tokens_per_s)
     return [out[p] for p in sorted(out)]
 
@@ -127,11 +136,11 @@ class Collector:
         now = time.time() if now is None else now
         h = self.history
         for pid, rep in replicas.items():
-            points = [(p.t, p.loss, p.val_loss, p.wall_s) for p in rep.rounds]
+            points = [(p.t, p.loss, p.val_loss, p.wall_s) for p in rep.rounds if _step(p.t) is not None]
             if points:
                 h.append(f"loss:{pid}", points, now, kind=rep.kind)
-        steps = [r.outer_step for recs in stages.values() for r in recs.values()]
-        steps += [r.outer_step for r in replicas.values()]
+        steps = [_step(r.outer_step) for recs in stages.values() for r in recs.values()]
+        steps += [_step(r.outer_step) for r in replicas.values()]
         outer = max([0, *(x for x in steps if x is not None)])
         tokens = sum(r.tokens_per_s or 0.0 for r in replicas.values() if not r.left)
         h.append("run", [(now, tokens, outer)], now)
@@ -142,6 +151,6 @@ class Collector:
         if prev is not None and outer > prev[0]:
             h.append("steps", [(outer, (now - prev[1]) / (outer - prev[0]))], now)
         for s, recs in stages.items():
-            claims = [(r.outer_step, pid, r.state_id) for pid, r in recs.items() if r.outer_step is not None]
-            h.claim(s, [(t, pid, sid) for t, pid, sid in claims if sid])
+            claims = [(_step(r.outer_step), pid, r.state_id) for pid, r in recs.items()]
+            h.claim(s, [(t, pid, sid) for t, pid, sid in claims if t is not None and sid])
         h.seen(_sightings(stages, replicas), now, gap_s=3 * self.poll_s + 1.0)

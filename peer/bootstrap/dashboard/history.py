@@ -20,6 +20,7 @@ from the serve loop, HTTP handlers read from their threads).
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
@@ -137,7 +138,8 @@ class History:
     def seen(self, sightings: Iterable[Sighting], now: float, gap_s: float) -> None:
         """Add one poll's sightings to the peers' contributions: uptime runs from the first sighting,
         tokens add tokens/s × the time since the last sighting when that is under `gap_s` (a peer seen
-        again after a gap is not credited for it), rounds add the outer steps it advanced."""
+        again after a gap is not credited for it; a total that would not be finite is not credited at
+        all), rounds add the outer steps it advanced."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
             for s in sightings:
@@ -152,8 +154,9 @@ class History:
                     continue
                 last_seen, rounds, tokens, step = row
                 dt = now - last_seen
-                if 0 < dt <= gap_s and s.tokens_per_s is not None and s.tokens_per_s > 0:
-                    tokens += s.tokens_per_s * dt
+                credit = s.tokens_per_s * dt if 0 < dt <= gap_s and s.tokens_per_s is not None else 0.0
+                if credit > 0 and math.isfinite(tokens + credit):  # a claimed inf or 1e308 tokens/s adds nothing
+                    tokens += credit
                 if s.outer_step is not None and step is not None and s.outer_step > step:
                     rounds += s.outer_step - step
                 self._db.execute(
