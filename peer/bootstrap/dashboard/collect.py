@@ -17,6 +17,7 @@ size is the swarm's live records, already bounded by the DHT), the history is bo
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Mapping
@@ -115,7 +116,7 @@ class Collector:
             return self._live
 
     def poll(self, dht: SwarmDHT) -> None:
-        """Read the run's records once and ingest them; a failed read is counted and logged."""
+        """Read the run's records once and ingest them; a failed read or write is counted and logged."""
         try:
             stages = {s: dht.get_stage_peers(s) for s in range(int(self.run["stages"] or 0))}
             replicas = dht.get_replicas()
@@ -124,7 +125,12 @@ class Collector:
                 self.failures += 1
             logger.debug("dashboard: could not read the swarm's records: %s", exc)
             return
-        self.ingest(stages, replicas)
+        try:
+            self.ingest(stages, replicas)
+        except sqlite3.Error as exc:  # a full disk: the page keeps what it has, the next read tries again
+            with self._lock:
+                self.failures += 1
+            logger.warning("dashboard: could not write its history (%s); free space in %s", exc, self.history.path)
 
     def ingest(
         self,
