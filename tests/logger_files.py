@@ -1,4 +1,4 @@
-"""Reading back what `peer.monitor.loggers` wrote, with the loggers' own formats (tests only).
+"""Reading back what `peer.node.loggers` wrote, with the loggers' own formats (tests only).
 
 - TensorBoard: event files, read by tensorboard's `EventAccumulator`.
 - W&B offline: `<dir>/wandb/offline-run-*/run-*.wandb`, a LevelDB-style log (a 7-byte file header,

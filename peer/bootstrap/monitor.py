@@ -4,11 +4,13 @@
 and keeps a snapshot: peers holding each stage now, distinct peers seen per stage since start,
 replicas online by kind (pipeline heads, full replicas), the largest outer step, plus the
 bootstrap's own counters (manifest publications and failed refreshes, artefacts served) and its
-up time. The HTTP endpoint (`peer.net.prometheus.serve_swarm_metrics`) reads the snapshot at each
-scrape, so a scrape never waits on the DHT; `BootstrapNode.serve` polls every `poll_s`.
+up time. Each read is also handed to `on_read` (the dashboard: `peer.bootstrap.dashboard.collect`),
+so metrics and dashboard share one read of the records. The HTTP endpoint
+(`peer.net.prometheus.serve_swarm_metrics`) reads the snapshot at each scrape, so a scrape never
+waits on the DHT; `BootstrapNode.serve` polls every `poll_s`.
 
-Invariants: a failed read is counted and keeps the last snapshot (never raises into the serve
-loop); the sets of peers seen only grow; `summarize` is pure.
+Invariants: a failed read, or an `on_read` that raises, is counted and keeps the last snapshot
+(never raises into the serve loop); the sets of peers seen only grow; `summarize` is pure.
 """
 
 from __future__ import annotations
@@ -41,8 +43,15 @@ def summarize(stages: Mapping[int, Mapping[str, StageRecord]], replicas: Mapping
 class SwarmMonitor:
     """The bootstrap's snapshot of the swarm (see the module docstring); thread-safe."""
 
-    def __init__(self, dht: SwarmDHT, n_stages: int, counters: Callable[[], Mapping[str, int]]) -> None:
-        self.dht, self.n_stages, self.counters = dht, n_stages, counters
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        n_stages: int,
+        counters: Callable[[], Mapping[str, int]],
+        on_read: Callable[[dict[int, dict[str, StageRecord]], dict[str, ReplicaRecord]], None] | None = None,
+    ) -> None:
+        """`on_read(stages, replicas)` receives every successful read (the dashboard's collector)."""
+        self.dht, self.n_stages, self.counters, self.on_read = dht, n_stages, counters, on_read
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._seen: dict[int, set[str]] = {s: set() for s in range(n_stages)}
@@ -64,6 +73,13 @@ class SwarmMonitor:
             for s, recs in stages.items():
                 self._seen[s].update(recs)
             self._last = summary
+        if self.on_read is not None:
+            try:
+                self.on_read(stages, replicas)
+            except Exception:  # the dashboard (a full disk, a bug) must not take the manifest down: logged
+                with self._lock:
+                    self._failures += 1
+                logger.exception("the dashboard could not take the swarm's records; it keeps its last view")
 
     def snapshot(self) -> dict[str, Any]:
         """What `SwarmCollector` reads at each scrape."""

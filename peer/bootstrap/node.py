@@ -16,7 +16,9 @@ follows every stage by replay, on a thread of its own started after the DHT fork
 states it reached, so a joiner past the history window has a trusted start (docs/protocol.md).
 
 With `--metrics-port` it also serves Prometheus metrics of the swarm it sees (`peer.bootstrap.monitor`),
-refreshed by the serve loop; the endpoint's URL goes into the address file ("metrics").
+refreshed by the serve loop; the endpoint's URL goes into the address file ("metrics"). With
+`--dashboard-port` the same reads feed the run's live dashboard (`peer.bootstrap.dashboard`), whose
+history lives in `dashboard_history` (a file that survives restarts); its URL goes in as "dashboard".
 
 Invariants: every network wait has a deadline (SwarmDHT's request timeout); a failed refresh is
 logged, counted (visible in `info`) and retried after at most 2 s; a manifest left unrefreshed
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.bootstrap.artifacts import ArtifactHandler, manifest_bytes
+from peer.bootstrap.dashboard.run import Dashboard, DashboardOptions
 from peer.bootstrap.dataset import run_dataset
 from peer.bootstrap.monitor import SwarmMonitor
 from peer.config import RunConfig
@@ -78,6 +81,7 @@ class BootstrapInfo:
     tokenizer_sha256: str
     manifest: dict[str, Any] = field(repr=False)
     metrics_url: str = ""  # `--metrics-port`: where Prometheus scrapes this bootstrap ("" = not served)
+    dashboard_url: str = ""  # `--dashboard-port`: the run's live dashboard ("" = not served)
     attest_dir: str = ""  # where the attester keeps its states ("" = it does not attest)
 
     def address_record(self) -> dict[str, Any]:
@@ -90,6 +94,8 @@ class BootstrapInfo:
         }
         if self.metrics_url:
             out["metrics"] = self.metrics_url
+        if self.dashboard_url:
+            out["dashboard"] = self.dashboard_url
         return out
 
 
@@ -262,6 +268,7 @@ def run_bootstrap(
     metrics_port: int | None = None,
     max_upload_mbps: float | None = None,
     attest_dir: Path | None = None,
+    dashboard: DashboardOptions | None = None,
 ) -> BootstrapInfo | None:
     """Run a bootstrap until `stop_event` is set; return its BootstrapInfo (None if stopped during start-up).
 
@@ -271,6 +278,7 @@ def run_bootstrap(
     the swarm as this node sees it on host:port (`peer.bootstrap.monitor`), started after the DHT fork.
     `max_upload_mbps` caps what the bootstrap serves (Mbit/s; None: no cap). `attest_dir`: run the
     attester, keeping its states there (None: no attester; joiners past the window then wait).
+    `dashboard`: serve the run's live dashboard (`peer.bootstrap.dashboard`) from the same reads.
     """
     stop_event = stop_event or threading.Event()
     follower: threading.Thread | None = None
@@ -284,10 +292,18 @@ def run_bootstrap(
     written: Path | None = None
     exporter: Exporter | None = None
     monitor: SwarmMonitor | None = None
+    board: Dashboard | None = None
+    tick_s = max(1.0, cfg.swarm.announce_interval_s)
     try:
-        if metrics_port is not None and node.dht is not None:
+        if (metrics_port is not None or dashboard is not None) and node.dht is not None:
             node.dht.set_run(node.run_id, cfg.stages)
-            monitor = SwarmMonitor(node.dht, cfg.stages, node.handler.stats)
+            if dashboard is not None:
+                board = Dashboard.start(dashboard, node.info.manifest, tick_s)
+                url = board.url_for(node.info.grpc_address.rpartition(":")[0])  # where others reach this node
+                node.info = dataclasses.replace(node.info, dashboard_url=url)
+            on_read = board.collector.ingest if board is not None else None
+            monitor = SwarmMonitor(node.dht, cfg.stages, node.handler.stats, on_read)
+        if metrics_port is not None and monitor is not None:
             exporter = serve_swarm_metrics(monitor.snapshot, metrics_port, host)
             url_host = node.info.grpc_address.rpartition(":")[0]  # the host others reach this node at
             node.info = dataclasses.replace(node.info, metrics_url=f"http://{url_host}:{exporter.port}/metrics")
@@ -297,7 +313,6 @@ def run_bootstrap(
             written = write_address_file(address_file, node.info.address_record())
         if on_ready is not None:
             on_ready(node.info)
-        tick_s = max(1.0, cfg.swarm.announce_interval_s)
         node.serve(stop_event, tick=monitor.poll if monitor is not None else None, tick_s=tick_s)
         return node.info
     finally:
@@ -306,6 +321,8 @@ def run_bootstrap(
             follower.join(timeout=10.0)
         if exporter is not None:
             exporter.stop()
+        if board is not None:
+            board.stop()
         node.close()
         if written is not None:
             written.unlink(missing_ok=True)

@@ -23,6 +23,8 @@ from peer.research.simulate.results import SIMULATE_DEFAULTS
 
 CONFIG_HELP = "TOML run config (defaults < TOML < PEER_* env < flags)."
 SECRET_HELP = "The swarm secret, for a secret-mode swarm (default $PEER_SWARM_SECRET)."
+DASHBOARD_HOST = "127.0.0.1"  # the dashboard shows the whole run: this machine only unless told
+DASHBOARD_HOST_HELP = "Interface the dashboard listens on: 127.0.0.1, this machine only; 0.0.0.0, every interface."
 _sim = functools.partial(o.setting, defaults=SIMULATE_DEFAULTS)  # simulate's shorter runs in the help
 
 
@@ -94,6 +96,13 @@ class BootstrapArgs:
         "--attest/--no-attest",
     )
     attest_dir: Path | None = o.flag(None, "Where the attester keeps its states across restarts (default: the cache).")
+    dashboard_port: int | None = o.flag(
+        None, "Serve the run's live dashboard (web page and /api/ JSON) at http://HOST:PORT/ (0 = any free port)."
+    )
+    dashboard_host: str = o.flag(DASHBOARD_HOST, DASHBOARD_HOST_HELP)
+    dashboard_history: Path | None = o.flag(
+        None, "Folder of the dashboard's history file, kept across restarts (default: <cache>/dashboard)."
+    )
     verbose: bool = o.flag(False, None, "--verbose", "-v")
 
 
@@ -303,6 +312,22 @@ class PlanArgs:
         "whole; --no-screening (the paper's rule): only their embedding views.",
         "--screening/--no-screening",
     )
+
+
+@dataclass(frozen=True)
+class DashboardArgs:
+    """`peer dashboard`."""
+
+    initial_peers: list[str] = o.flag(
+        o.REQUIRED, "Multiaddr of a swarm peer, e.g. the bootstrap's /ip4/HOST/tcp/PORT/p2p/ID (repeatable)."
+    )
+    port: int = o.flag(8080, "Serve the dashboard at http://HOST:PORT/ (0 = any free port).")
+    host: str = o.flag(DASHBOARD_HOST, DASHBOARD_HOST_HELP)
+    history: Path = o.flag(Path("runs") / "dashboard", "Folder of the history file, kept across restarts.")
+    poll_s: float = o.flag(2.0, "Seconds between two reads of the run's records.")
+    timeout_s: float = o.flag(20.0, "Seconds to wait for the DHT and for the run's manifest.")
+    swarm_secret_file: Path | None = o.flag(None, SECRET_HELP)
+    verbose: bool = o.flag(False, None, "--verbose", "-v")
 
 
 @dataclass(frozen=True)

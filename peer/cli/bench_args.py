@@ -240,3 +240,18 @@ class SimulateSpeedArgs:
     workers: int | None = o.flag(None, "Worker processes of the new path (default: all cores, at most M).")
     repeats: int = o.flag(2, "Runs of the old and the new path, interleaved.")
     json_out: Path | None = o.flag(None, JSON_HELP, "--json")
+
+
+@dataclass(frozen=True)
+class DashboardBenchArgs:
+    """`peer bench dashboard`."""
+
+    holders: int = o.flag(1000, "Stage holders whose records the measured page shows.")
+    stages: int = o.flag(4, "Stages they are spread over.")
+    replicas: int = o.flag(8, "Replicas (half pipelines, half full) whose loss curves the page draws.")
+    polls: int = o.flag(50, "Reads of those records before the page is opened (history behind the charts).")
+    repeats: int = o.flag(5, "Page loads in fresh tabs; the median is reported.")
+    rounds: int = o.flag(10_000, "Rounds of history the memory measurement ingests (0: skip it).")
+    memory_holders: int = o.flag(100, "Stage holders per round in the memory measurement.")
+    workdir: Path = o.flag(Path("runs") / "bench-dashboard", "Where the history files are written.")
+    json_out: Path | None = o.flag(None, JSON_HELP, "--json")

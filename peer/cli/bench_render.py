@@ -121,3 +121,35 @@ def commit_table(result: Mapping[str, Any]) -> Table:
         speedup = f"{base[r['device']] / r['seconds']:.2f}x"
         table.add_row(r["device"], str(r["threads"]), f"{r['seconds']:.2f}", speedup, f"{r['cpu_s']:.2f}", r["state"])
     return table
+
+
+def dashboard_lines(out: Mapping[str, Any]) -> list[str]:
+    """`peer bench dashboard`'s result in a few lines."""
+    p = out["first_paint"]
+    mib = 1 << 20
+    lines = [
+        f"{p['holders']} holders over {p['stages']} stages, {p['replicas']} replicas, {p['polls']} reads of history: "
+        f"/api/dashboard {p['api_dashboard_s'] * 1000:.0f} ms, {p['api_dashboard_bytes'] / 1024:.0f} KiB"
+    ]
+    if p["first_paint_s"] is None:
+        lines.append("first paint: not measured (no chromium binary; apt-get install chromium)")
+    else:
+        runs = ", ".join(f"{x * 1000:.0f}" for x in p["first_paint_runs_s"])
+        lines.append(
+            f"first paint (page's performance.now(), real clock): median {p['first_paint_s'] * 1000:.0f} ms "
+            f"(runs {runs} ms); navigation command → painted seen: {p['navigate_to_seen_s'] * 1000:.0f} ms"
+        )
+    m = out.get("memory")
+    if m:
+        lines.append(
+            f"memory over {m['rounds']} rounds ({m['holders']} holders, {m['replicas']} replicas, "
+            f"{m['ingest_s_per_round'] * 1000:.1f} ms per read): RSS at start {m['rss_start_bytes'] / mib:.1f} MiB"
+        )
+        for s in m["samples"]:
+            grown = (s["rss_bytes"] - m["rss_start_bytes"]) / mib
+            lines.append(
+                f"  after {s['rounds']:>6} rounds: RSS {s['rss_bytes'] / mib:.1f} MiB (+{grown:.1f}), "
+                f"history file {s['history_bytes'] / mib:.1f} MiB"
+            )
+        lines.append(f"  points kept per replica: {m['points_kept_per_replica']} (the ring's capacity bounds it)")
+    return lines

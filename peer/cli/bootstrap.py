@@ -13,6 +13,7 @@ from peer.cli import options as o
 from peer.errors import ConfigError
 
 if TYPE_CHECKING:
+    from peer.bootstrap.dashboard.run import DashboardOptions
     from peer.cli.args import BootstrapArgs
     from peer.config import RunConfig
 
@@ -42,3 +43,13 @@ def bootstrap_config(a: BootstrapArgs, console: Console) -> RunConfig:
     for line in changed or ["nothing to change: the run already has the paper's round rule"]:
         console.print(f"--paper-settings: {line}", soft_wrap=True)
     return cfg
+
+
+def dashboard_options(a: BootstrapArgs, cfg: RunConfig) -> DashboardOptions | None:
+    """`--dashboard-port`, `--dashboard-host`, `--dashboard-history` (default: <cache>/dashboard); None without
+    a port."""
+    if a.dashboard_port is None:
+        return None
+    from peer.bootstrap.dashboard.run import DashboardOptions
+
+    return DashboardOptions(a.dashboard_port, a.dashboard_host, a.dashboard_history or cfg.data.cache_dir / "dashboard")

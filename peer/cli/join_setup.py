@@ -5,7 +5,7 @@ start monitoring.
   join through its multiaddrs, after any `--initial-peers` given too (`peer.node.discovery`);
 - `--metrics-port P`: serve Prometheus metrics on host:P (`peer.net.prometheus`), fed by every
   metrics.jsonl event of this process; the endpoint starts with the session's first event;
-- `--wandb PROJECT`, `--tensorboard DIR`: the same events into W&B and TensorBoard (`peer.monitor.loggers`).
+- `--wandb PROJECT`, `--tensorboard DIR`: the same events into W&B and TensorBoard (`peer.node.loggers`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def start_loggers(wandb_project: str | None, tensorboard_dir: Path | None, data_
     package is a one-line ConfigError before anything starts."""
     if os.environ.get("RANK", "0") != "0":
         return
-    from peer.monitor.loggers import TensorBoardSink, WandbSink
+    from peer.node.loggers import TensorBoardSink, WandbSink
 
     if tensorboard_dir is not None:
         add_sink(TensorBoardSink(tensorboard_dir.expanduser()))

@@ -23,9 +23,19 @@ from rich.console import Console
 
 from peer import package_version
 from peer.cli import options as o
-from peer.cli.args import BootstrapArgs, DemoArgs, ExportArgs, JoinArgs, PlanArgs, PrepareArgs, SimulateArgs, StatusArgs
+from peer.cli.args import (
+    BootstrapArgs,
+    DashboardArgs,
+    DemoArgs,
+    ExportArgs,
+    JoinArgs,
+    PlanArgs,
+    PrepareArgs,
+    SimulateArgs,
+    StatusArgs,
+)
 from peer.cli.bench import bench_app
-from peer.cli.bootstrap import bootstrap_config, show_peer_id
+from peer.cli.bootstrap import bootstrap_config, dashboard_options, show_peer_id
 from peer.core.files import atomic_write_bytes
 from peer.core.memory import parse_bytes
 from peer.demo.processes import stop_on_signals
@@ -176,8 +186,26 @@ def bootstrap(a: BootstrapArgs) -> None:
             metrics_port=a.metrics_port,
             max_upload_mbps=build_link_config(None, max_upload_mbps=a.max_upload_mbps).max_upload_mbps,
             attest_dir=(a.attest_dir or cfg.data.cache_dir / "attest") if a.attest else None,
+            dashboard=dashboard_options(a, cfg),
         )
     console.print("bootstrap stopped", soft_wrap=True)
+
+
+@o.command(app)
+def dashboard(a: DashboardArgs) -> None:
+    """Serve a live dashboard of a swarm (web page and /api/ JSON) from its DHT records, on any machine."""
+    _setup_logging(a.verbose)
+    from peer.bootstrap.dashboard.run import Dashboard, DashboardOptions, run_dashboard
+    from peer.net.dht import load_swarm_secret
+
+    def on_ready(board: Dashboard) -> None:
+        console.print(f"dashboard of {board.collector.run['run_id']} at {board.url}", soft_wrap=True, highlight=False)
+
+    stop = threading.Event()
+    opts = DashboardOptions(a.port, a.host, a.history)
+    with stop_on_signals(stop):
+        secret = load_swarm_secret(a.swarm_secret_file)
+        run_dashboard(a.initial_peers, opts, stop, on_ready, a.timeout_s, a.poll_s, secret)
 
 
 @o.command(app)

@@ -162,6 +162,8 @@ def bootstrap_banner(info: BootstrapInfo, cfg: RunConfig) -> list[Text]:
         )
     if info.metrics_url:
         out.append(Text(f"prometheus metrics of the swarm at {info.metrics_url}"))
+    if info.dashboard_url:
+        out.append(Text(f"live dashboard of the run at {info.dashboard_url}"))
     out.append(Text("running; Ctrl-C or SIGTERM stops it"))
     return out
 

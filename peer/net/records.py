@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 from peer.errors import ManifestMismatch
 from peer.net.admission import PROOF_FIELD, Admission, admission_proof
 from peer.net.identity import owner_peer_id, unseal
+from peer.net.round_points import RoundPoint, parse_rounds, valid_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -395,6 +396,7 @@ class ReplicaRecord:
     pipeline_peers: dict[str, str] | None = None  # a head's {"<stage>": peer id}: binds their payloads
     ranks: int | None = None  # a full replica's processes (torchrun ranks; None: a record that does not say)
     global_batch: int | None = None  # sequences per inner step over all its ranks
+    rounds: tuple[RoundPoint, ...] = ()  # its last committed rounds (`peer.net.round_points`)
     net: NetFields = NetFields()
     left: bool = False  # {"state": "left"}: a graceful leave
     peer_id: str = ""
@@ -413,6 +415,7 @@ class ReplicaRecord:
         "pipeline_peers": _opt(_str_map),
         "ranks": _opt(_is_int),
         "global_batch": _opt(_is_int),
+        "rounds": valid_rounds,
         **_SIGNED,
     }
 
@@ -421,6 +424,7 @@ class ReplicaRecord:
         fields, net = _fields(raw, cls.SPEC), _fields(raw, NetFields.SPEC)
         if fields is None or net is None or not _opt(_is_str)(raw.get("state")):
             return None
+        fields["rounds"] = parse_rounds(fields.get("rounds", ()))
         return cls(**fields, net=NetFields.of(net), left=raw.get("state") == "left")
 
     def to_record(self) -> dict[str, Any]:
@@ -440,6 +444,8 @@ class ReplicaRecord:
             out["pipeline_peers"] = self.pipeline_peers
         if self.ranks is not None:  # absent, not null: a record older peers read as before
             out["ranks"], out["global_batch"] = self.ranks, self.global_batch
+        if self.rounds:  # absent while it has committed none
+            out["rounds"] = [p.to_record() for p in self.rounds]
         return out
 
 

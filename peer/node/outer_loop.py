@@ -200,12 +200,14 @@ def _record(
     losses: list[float],
     val_loss: float | None,
 ) -> None:
+    train_loss, wall_s = sum(losses) / max(1, len(losses)), max(r.wall_s for r in results.values())
+    session.records.committed(t, train_loss, val_loss, wall_s)  # published by the record's refresh below
     session.rounds.record(
         t,
         {s: (replica.workers[s], r.participants) for s, r in results.items()},
-        sum(losses) / max(1, len(losses)),
+        train_loss,
         val_loss,
-        max(r.wall_s for r in results.values()),
+        wall_s,
         activations=replica.activations,
     )
 

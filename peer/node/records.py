@@ -4,7 +4,8 @@ Records: `stage.{s}` (one per stage this process holds: address, role, state, ou
 parameter and T⊥ hashes, claiming pipeline, last committed replica ids and ban state
 (`peer.node.round.bans`), the state claim — state id and link (`peer.node.round.claims`) — and the holders
 this peer refused, tokens/s, a head's in-flight window) and `replica` (a head or full replica:
-address, kind, outer step, data shard, loss, tokens/s, joined_at and, for heads, "pipeline_peers",
+address, kind, outer step, data shard, loss, tokens/s, joined_at, its last committed rounds'
+losses (`peer.net.round_points`) and, for heads, "pipeline_peers",
 which binds its stage peers' payload announcements: `peer.node.round.agreement.binding`).
 Each is a typed record of `peer.net.records` (`StageRecord`, `ReplicaRecord`), published as its `to_record()`.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,6 +30,7 @@ from peer.config import SwarmConfig, history_ttl_s
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
 from peer.net.records import NetFields, ReplicaRecord, StageRecord
+from peer.net.round_points import MAX_ROUNDS, RoundPoint
 from peer.node.presence import Presence
 from peer.node.round.claims import Link
 from peer.node.round.refusals import Refusals
@@ -82,6 +85,12 @@ class Records:
         self._lock = threading.Lock()
         self._stages: set[int] = set()
         self._links: dict[int, dict[int, str]] = {}  # stage → {round: state id} of the links published
+        self._rounds: deque[RoundPoint] = deque(maxlen=MAX_ROUNDS)  # a replica's last committed rounds
+
+    def committed(self, t: int, loss: float | None, val_loss: float | None, wall_s: float) -> None:
+        """Round t committed (a head or full replica): its point goes into the next `replica` record."""
+        with self._lock:
+            self._rounds.append(RoundPoint(t, loss, val_loss, wall_s))
 
     def stage(self, worker: StageWorker, role: str) -> Own:
         svc = self.service()
@@ -136,6 +145,7 @@ class Records:
             pipeline_peers=pipeline_peers,
             ranks=ranks,
             global_batch=None if ranks is None or batch_size is None else ranks * batch_size,
+            rounds=tuple(self._rounds),  # read by dashboards (`peer.net.round_points`)
             net=self.net(),  # connectivity, relay, caps, refused calls
         )
         return Own(record)

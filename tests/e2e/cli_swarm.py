@@ -42,6 +42,7 @@ class Swarm:
         batch: str = "8",
         seq_len: str = "64",
         deadlines: dict[str, str] | None = None,
+        bootstrap_flags: tuple[str, ...] = (),
     ):
         self.tmp = tmp
         self.env = {
@@ -71,6 +72,7 @@ class Swarm:
                 "200000",
                 "--address-file",
                 str(address),
+                *bootstrap_flags,
             ],
             extra_env={**(deadlines or DEADLINES), "PEER_SWARM__MIN_REPLICAS": str(min_replicas)},
         )
@@ -79,7 +81,8 @@ class Swarm:
             assert self.procs["bootstrap"].poll() is None, self.log("bootstrap")
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        self.maddr = json.loads(address.read_text())["initial_peers"][0]
+        self.address = json.loads(address.read_text())  # the bootstrap's address record
+        self.maddr = self.address["initial_peers"][0]
 
     def start(self, name: str, args: list[str], extra_env: dict | None = None, module: str = "peer") -> None:
         log = (self.tmp / f"{name}.log").open("a")

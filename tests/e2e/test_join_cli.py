@@ -84,7 +84,7 @@ def test_bootstrap_and_joins_as_processes(tmp_path, reap_children):
         maddr = json.loads(address_file.read_text())["initial_peers"][0]
         assert f"--initial-peers {maddr}" in (tmp_path / "bootstrap.log").read_text()  # the printed join line
 
-        # the head logs to TensorBoard, the full replica to an offline W&B run (peer.monitor.loggers)
+        # the head logs to TensorBoard, the full replica to an offline W&B run (peer.node.loggers)
         roles = {
             "stage1": ["--stage", "1"],
             "full": ["--full-replica", "--wandb", "peer-e2e"],

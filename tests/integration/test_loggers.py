@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from peer.config import build_config
-from peer.monitor.loggers import TensorBoardSink, WandbSink
+from peer.node.loggers import TensorBoardSink, WandbSink
 from peer.node.metrics import MetricsWriter, add_sink, remove_sink
 from tests.logger_files import tensorboard_scalars, tensorboard_text, wandb_run
 

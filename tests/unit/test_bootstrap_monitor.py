@@ -73,3 +73,21 @@ def test_the_monitor_keeps_peers_seen_and_the_last_snapshot_when_a_read_fails():
     assert got[("peer_bootstrap_artifacts_served_total", ())] == 5
     assert got[("peer_bootstrap_poll_failures_total", ())] == 1
     assert got[("peer_bootstrap_uptime_seconds", ())] >= 0
+
+
+def test_each_read_goes_to_on_read_and_one_that_raises_is_counted_never_raised():
+    """The dashboard takes the monitor's reads (one read for metrics and dashboard); if it fails (a full
+    disk, a bug) the bootstrap's serve loop goes on and the failure is counted."""
+    records, seen = _Records(), []
+    records.stages[0] = {"h": StageRecord(outer_step=3)}
+
+    def take(stages: dict, replicas: dict) -> None:
+        seen.append((stages, replicas))
+        if len(seen) == 2:
+            raise OSError("disk full")
+
+    monitor = SwarmMonitor(records, 2, dict, take)  # type: ignore[arg-type]
+    monitor.poll()
+    monitor.poll()  # raises inside: counted
+    assert [s[0] for s, _ in seen] == [{"h": StageRecord(outer_step=3)}] * 2
+    assert monitor.snapshot()["poll_failures"] == 1 and monitor.snapshot()["outer_step"] == 3

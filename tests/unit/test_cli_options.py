@@ -59,7 +59,7 @@ def test_the_command_signature_is_the_dataclass():
 def test_every_command_but_bench_is_its_dataclass_and_shares_its_objects_defaults():
     import typer
 
-    from peer.cli.args import DemoArgs, ExportArgs, PlanArgs, PrepareArgs, StatusArgs
+    from peer.cli.args import DashboardArgs, DemoArgs, ExportArgs, PlanArgs, PrepareArgs, StatusArgs
     from peer.cli.main import app
     from peer.demo.run import DemoConfig
     from peer.research.plan.command import PlanInputs  # PlanArgs's numbers, written twice (import cost)
@@ -69,6 +69,7 @@ def test_every_command_but_bench_is_its_dataclass_and_shares_its_objects_default
     for cmd, cls in [
         (commands["plan"], PlanArgs),
         (commands["status"], StatusArgs),
+        (commands["dashboard"], DashboardArgs),
         (commands["export"], ExportArgs),
         (commands["demo"], DemoArgs),
         (commands["data"].commands["prepare"], PrepareArgs),
@@ -104,6 +105,7 @@ def test_every_bench_command_is_its_dataclass_and_shared_flags_share_their_words
         "codec": b.CodecArgs,
         "fetch": b.FetchArgs,
         "simulate": b.SimulateSpeedArgs,
+        "dashboard": b.DashboardBenchArgs,
     }
     assert set(commands) == set(classes)
     for name, cls in classes.items():

@@ -19,6 +19,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from peer.config import build_config
 from peer.net.identity import owner_peer_id
 from peer.net.records import Announcement, NetFields, RecordReader, ReplicaRecord, StageRecord
+from peer.net.round_points import MAX_ROUNDS
 from peer.node.presence import Presence
 from peer.node.records import Records
 from peer.node.round.refusals import Refusals
@@ -62,6 +63,7 @@ REPLICA = {
     "done": False,
     **NET,
     "pipeline_peers": {"1": "peer-p", "2": "peer-q"},
+    "rounds": [[5, 3.5, None, 1.25], [6, 3.25, 3.375, 1.5]],
 }
 ANNOUNCEMENT = {
     "sha256": "f" * 64,
@@ -130,6 +132,13 @@ def test_optional_parts_are_left_out_as_the_owner_leaves_them_out() -> None:
         (ReplicaRecord, REPLICA, "pipeline_peers", ["peer-p"]),
         (ReplicaRecord, REPLICA, "pipeline_peers", {"1": 5}),
         (ReplicaRecord, REPLICA, "state", 3),
+        (ReplicaRecord, REPLICA, "rounds", [[1, 2.0, 2.0, 1.0]] * 9),  # more than MAX_ROUNDS
+        (ReplicaRecord, REPLICA, "rounds", [[1, 2.0, 2.0]]),
+        (ReplicaRecord, REPLICA, "rounds", [[-1, 2.0, 2.0, 1.0]]),
+        (ReplicaRecord, REPLICA, "rounds", [[True, 2.0, 2.0, 1.0]]),
+        (ReplicaRecord, REPLICA, "rounds", [[1, "<b>2</b>", 2.0, 1.0]]),
+        (ReplicaRecord, REPLICA, "rounds", {"1": [2.0, 2.0, 1.0]}),
+        (ReplicaRecord, REPLICA, "rounds", None),
         (Announcement, ANNOUNCEMENT, "sha256", None),
         (Announcement, ANNOUNCEMENT, "size", "1234"),
         (Announcement, ANNOUNCEMENT, "replica", ["head-a"]),
@@ -155,7 +164,7 @@ def test_missing_fields_take_the_defaults_readers_assume() -> None:
     left = StageRecord.parse({"state": "left", **SIGNED})
     assert left is not None and left.left and left.outer_step is None and left.address == ""
     rep = ReplicaRecord.parse({"state": "left"})
-    assert rep is not None and rep.left and rep.joined_at == 0 and rep.done is None
+    assert rep is not None and rep.left and rep.joined_at == 0 and rep.done is None and rep.rounds == ()
     ann = Announcement.parse({"sha256": "f" * 64})
     assert ann is not None and ann.replica_of("sender") == "sender" and ann.closes is None
     assert StageRecord.parse({"unknown": object()}) == StageRecord()  # fields nobody reads are not kept
@@ -205,7 +214,12 @@ def test_the_writer_publishes_every_field_of_the_protocol() -> None:
     assert list(published) == [k for k in STAGE if k != "via"]
     assert published["state"] == "syncing" and published["address"] == "127.0.0.1:4000"
     assert published["state_id"] == worker.state_id() and published["inc"] == me.incarnation
+    assert "rounds" not in records.replica("pipeline", 3, 1, 2.5, 10.0).record.to_record()  # none committed yet
+    for t in range(10):  # the record keeps the last MAX_ROUNDS, newest last
+        records.committed(t, 3.0 - t / 10, None if t % 2 else 2.9, 1.5)
     replica = records.replica("pipeline", 3, 1, 2.5, 10.0, pipeline_peers={"1": "peer-p"})
     assert replica.stage is None
     assert list(replica.record.to_record()) == [k for k in REPLICA if k != "via"]
+    assert [p[0] for p in replica.record.to_record()["rounds"]] == list(range(10 - MAX_ROUNDS, 10))
+    assert ReplicaRecord.parse(replica.record.to_record()) == replica.record
     assert StageRecord.parse(published) == stage.record

@@ -1,10 +1,10 @@
-"""`peer.monitor.loggers.scalars`: one mapping from metrics events to logger scalars, for W&B and TensorBoard."""
+"""`peer.node.loggers.scalars`: one mapping from metrics events to logger scalars, for W&B and TensorBoard."""
 
 from __future__ import annotations
 
 import math
 
-from peer.monitor.loggers import INNER, OUTER, _Axes, scalars
+from peer.node.loggers import INNER, OUTER, _Axes, scalars
 
 
 def test_steps_rounds_and_other_events_land_on_their_axes():
