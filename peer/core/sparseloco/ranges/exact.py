@@ -51,18 +51,27 @@ import torch
 from torch import Tensor
 
 from peer.core.sparseloco.codec.encode import quantize
-from peer.core.sparseloco.codec.format import PayloadError, dequantize, pack_bits, unpack_bits
+from peer.core.sparseloco.codec.format import (
+    SPARSE,
+    PayloadError,
+    SparseLoCoConfig,
+    dequantize,
+    entry_kind,
+    pack_bits,
+    unpack_bits,
+)
 from peer.core.sparseloco.ranges.plan import Band, RangePlan
 
 __all__ = [
     "ExactBody",
     "ExactEntry",
     "band_nbytes",
-    "body_nbytes_at",
+    "exact_nbytes_at",
     "encode_band",
     "max_body_nbytes",
     "parse_body",
     "rice_bits",
+    "union_density",
 ]
 
 MAGIC = b"SHRX"
@@ -130,14 +139,20 @@ def max_body_nbytes(plan: RangePlan, r: int, qb: int) -> int:
     return _HEAD.size + sum(dense_nbytes(b.numel, b.numel, qb) for b in plan.ranges[r])
 
 
-def body_nbytes_at(plan: RangePlan, r: int, qb: int, density: float) -> int:
-    """The size model: at most this many bytes for an exact body of range r when a fraction `density`
-    of every band's entries is sent (e.g. 1 − (1 − k/chunk²)^M for the union of M top-k payloads):
-    per band min(dense, sparse at the largest L)."""
+def union_density(cfg: SparseLoCoConfig, n_contributors: int) -> float:
+    """The expected share of a sparse band's entries that n top-k payloads touch, positions drawn at
+    random: 1 − (1 − k/chunk²)^n (a size model: real supports overlap more, so the bound holds)."""
+    return 1.0 - (1.0 - cfg.topk / (cfg.chunk * cfg.chunk)) ** n_contributors
+
+
+def exact_nbytes_at(plan: RangePlan, r: int, cfg: SparseLoCoConfig, n_contributors: int) -> int:
+    """The size model of an exact body of range r summing n contributions: per band min(dense, sparse
+    at the largest L) at `union_density` (a band `compress` sends dense: every entry)."""
     total = _HEAD.size
     for b in plan.ranges[r]:
+        density = union_density(cfg, n_contributors) if entry_kind(b.shape, cfg) == SPARSE else 1.0
         n = min(b.numel, round(density * b.numel))
-        total += band_nbytes(b.numel, n, max_unary_len(b.numel, n, rice_bits(b.numel, n)), qb)
+        total += band_nbytes(b.numel, n, max_unary_len(b.numel, n, rice_bits(b.numel, n)), cfg.quant_bits)
     return total
 
 
