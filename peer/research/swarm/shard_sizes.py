@@ -6,8 +6,8 @@ which grows with M while it is sparse and stops at the dense size (`peer.core.sp
 min(≈ the M contributions' bytes, the dense size). `shard_rows` gives, for a stage and several M, the
 bytes of all R shards of each kind next to one payload P and all-to-all's M − 1 payloads:
 
-- `exact_model`: the size model (`exact.exact_nbytes_at`, union density 1 − (1 − k/chunk²)^M, an
-  upper bound), any preset;
+- `exact_model`: the size model (`exact.exact_nbytes_at`, the expected union of M random top-k
+  supports per tile, `exact.union_count`), any preset;
 - `exact_measured`: the real shards of M random payloads (independent Gaussian Δ, `encode_parts`, then
   `aggregate_range(exact=True)` of every range), only where `measure` is set (small stages);
 - `topk`: `shard_payload_nbytes` (its size is a function of the shapes);

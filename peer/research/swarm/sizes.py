@@ -9,7 +9,7 @@ here, never from a formula of its own:
   plan's own sizes (`peer.core.sparseloco.ranges.plan.plan_ranges` for R = `n_ranges_for(n, n_units)`,
   `RangePlan.part_nbytes`, `peer.core.sparseloco.ranges.owner.shard_payload_nbytes`; an exact shard,
   `swarm.shard` = "exact": `peer.core.sparseloco.ranges.exact.exact_nbytes_at`, per band min(sparse, dense)
-  at the union density of the round's contributions, an upper bound), plus a part's merkle proof
+  at the expected union of the round's contributions' supports), plus a part's merkle proof
   (log2 R nodes of `NODE_BYTES`) and a shard's header (`Shard.to_bytes`: magic, version, round, stage,
   range, roster digest and size, then the lists of missing and clipped roster positions);
 - compute time of H inner steps: `peer.research.plan.command.plan_rows` (the planner's model: m micro-batches of

@@ -60,6 +60,7 @@ from peer.core.sparseloco.codec.format import (
     pack_bits,
     unpack_bits,
 )
+from peer.core.sparseloco.codec.index import tile_classes
 from peer.core.sparseloco.ranges.plan import Band, RangePlan
 
 __all__ = [
@@ -71,7 +72,7 @@ __all__ = [
     "max_body_nbytes",
     "parse_body",
     "rice_bits",
-    "union_density",
+    "union_count",
 ]
 
 MAGIC = b"SHRX"
@@ -139,19 +140,23 @@ def max_body_nbytes(plan: RangePlan, r: int, qb: int) -> int:
     return _HEAD.size + sum(dense_nbytes(b.numel, b.numel, qb) for b in plan.ranges[r])
 
 
-def union_density(cfg: SparseLoCoConfig, n_contributors: int) -> float:
-    """The expected share of a sparse band's entries that n top-k payloads touch, positions drawn at
-    random: 1 − (1 − k/chunk²)^n (a size model: real supports overlap more, so the bound holds)."""
-    return 1.0 - (1.0 - cfg.topk / (cfg.chunk * cfg.chunk)) ** n_contributors
+def union_count(shape: tuple[int, ...], cfg: SparseLoCoConfig, n_contributors: int) -> int:
+    """The expected number of entries of a sparse band that n top-k payloads touch, positions drawn at
+    random in each tile: Σ over tiles of n_c·(1 − (1 − min(k, n_c)/n_c)^n) (n_c: the tile's real entries,
+    `tile_classes`), rounded up. A size model: real supports overlap more than random ones."""
+    total = 0.0
+    for count, n_c in tile_classes(shape, cfg.chunk):
+        total += count * n_c * (1.0 - (1.0 - min(cfg.topk, n_c) / n_c) ** n_contributors)
+    return math.ceil(total)
 
 
 def exact_nbytes_at(plan: RangePlan, r: int, cfg: SparseLoCoConfig, n_contributors: int) -> int:
     """The size model of an exact body of range r summing n contributions: per band min(dense, sparse
-    at the largest L) at `union_density` (a band `compress` sends dense: every entry)."""
+    at the largest L) at `union_count` entries (a band `compress` sends dense: every entry)."""
     total = _HEAD.size
     for b in plan.ranges[r]:
-        density = union_density(cfg, n_contributors) if entry_kind(b.shape, cfg) == SPARSE else 1.0
-        n = min(b.numel, round(density * b.numel))
+        n = union_count(b.shape, cfg, n_contributors) if entry_kind(b.shape, cfg) == SPARSE else b.numel
+        n = min(b.numel, n)
         total += band_nbytes(b.numel, n, max_unary_len(b.numel, n, rice_bits(b.numel, n)), cfg.quant_bits)
     return total
 
