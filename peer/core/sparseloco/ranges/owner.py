@@ -30,8 +30,8 @@ threshold (unique whatever the algorithm) and exact comparisons; the quantizer i
 float64; bands are independent, so sharing them over threads changes nothing. A test runs it in
 processes under other ATEN/MKL/numba instruction sets and thread counts.
 
-Shard wire format (version 3, little-endian), canonical (`from_bytes` accepts nothing else):
-  b"SHRD" | u8 version | u64 t | u32 stage | u32 r | 16 bytes roster digest | u32 n_roster |
+Shard wire format (little-endian), canonical (`from_bytes` accepts nothing else):
+  b"SHRD" | u8 version (2: topk, 3: exact) | u64 t | u32 stage | u32 r | 16 bytes roster digest | u32 n_roster |
   u32 n_missing | u32 × n_missing   roster positions NOT in the aggregate, strictly ascending, < n_roster |
   u32 n_clipped | (u32 position, f32 scale in [0, 1]) × n_clipped   strictly ascending, included ones |
   the Payload of range r's band entries (topk), or the exact body of range r (exact: `ranges.exact`)
@@ -77,7 +77,8 @@ from peer.core.sparseloco.ranges.plan import Band, RangePlan, check_entries
 __all__ = ["RangeStats", "Shard", "aggregate_range", "returned_to", "roster_digest", "shard_delta"]
 
 MAGIC = b"SHRD"
-VERSION = 3  # 3: an exact body may follow the lists (issue 37)
+VERSION = 2  # a topk shard: a Payload follows the lists (unchanged since issue 24)
+EXACT_VERSION = 3  # an exact shard: an exact body follows them (issue 37)
 _HEAD = struct.Struct("<4sBQII16sI")
 
 
@@ -147,7 +148,8 @@ class Shard:
         return self.scales[sum(_bit(self.clipped, j) for j in range(i))]
 
     def to_bytes(self) -> bytes:
-        head = _HEAD.pack(MAGIC, VERSION, self.t, self.stage, self.r, bytes.fromhex(self.roster), self.n_roster)
+        version = EXACT_VERSION if isinstance(self.payload, ExactBody) else VERSION
+        head = _HEAD.pack(MAGIC, version, self.t, self.stage, self.r, bytes.fromhex(self.roster), self.n_roster)
         missing = [i for i in range(self.n_roster) if not _bit(self.included, i)]
         clipped = [i for i in range(self.n_roster) if _bit(self.clipped, i)]
         lists = struct.pack(f"<I{len(missing)}I", len(missing), *missing) + struct.pack("<I", len(clipped))
@@ -182,7 +184,7 @@ def _parse_shard(b: bytes, plan: RangePlan, scfg: SparseLoCoConfig, n_roster: in
     if len(b) < _HEAD.size:
         raise PayloadError(f"{len(b)} bytes is shorter than the header")
     magic, version, t, stage, r, roster, n = _HEAD.unpack_from(b)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version != (EXACT_VERSION if exact else VERSION):
         raise PayloadError(f"bad magic {magic!r} or version {version}")
     if n != n_roster or not 0 <= r < plan.n:
         raise PayloadError(f"roster of {n} (expected {n_roster}) or range {r} of {plan.n}")
