@@ -161,7 +161,7 @@ def exact_nbytes_at(plan: RangePlan, r: int, cfg: SparseLoCoConfig, n_contributo
     return total
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compare the bytes (`ExactBody.to_bytes`), as for a Payload
 class ExactEntry:
     """One band of an exact shard: the flat positions sent (None: every entry, dense float32), their
     float32 values as every parser decodes them, and (quant_bits > 0) their codes and codebook."""
@@ -208,7 +208,7 @@ class ExactEntry:
         return b"".join(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExactBody:
     """The bands of one exact shard, in plan order (module docstring)."""
 
