@@ -34,6 +34,7 @@ from peer.core.sparseloco.ranges.plan import Band
 
 CHUNK = 8
 SHAPES = {"embed": (60, 20), "norm": (20,), "w": (20, 44), "v": (44, 20)}
+F32 = SparseLoCoConfig(topk=6, chunk=CHUNK, quant_bits=0)
 ROSTER = roster_digest([(f"r{i}", "00" * 32) for i in range(12)])
 
 
@@ -87,7 +88,7 @@ def test_exact_shard_bytes_are_canonical_and_bounded(qb):
         assert back.to_bytes() == b and back.scale_of(5) is not None
         for name, t in shard_delta(back).items():
             assert torch.equal(t, shard_delta(shard)[name])
-        assert len(shard.payload.to_bytes()) <= max_body_nbytes(plan, r, qb)
+        assert len(shard.payload.to_bytes()) <= max_body_nbytes(plan, r, cfg)
         assert (stats.quant_sq > 0) == (qb > 0)
         with pytest.raises(PayloadError):
             Shard.from_bytes(b, plan, cfg, 12)  # not a topk shard
@@ -134,13 +135,13 @@ def test_non_canonical_forms_are_refused():
     assert not sparse.dense
     as_dense = ExactBody((ExactEntry("w@0", (8, 64), True, None, x),), CHUNK, 0).to_bytes()
     with pytest.raises(PayloadError, match="smaller form"):
-        parse_body(as_dense, 0, plan, 0, CHUNK, 0)
+        parse_body(as_dense, 0, plan, 0, F32)
     zero = ExactBody(
         (type(sparse)("w@0", (8, 64), False, np.array([3, 70]), np.array([1.0, 0.0], np.float32)),), CHUNK, 0
     )
     with pytest.raises(PayloadError, match=r"\+0.0"):
-        parse_body(zero.to_bytes(), 0, plan, 0, CHUNK, 0)
-    assert parse_body(ExactBody((sparse,), CHUNK, 0).to_bytes(), 0, plan, 0, CHUNK, 0).entries[0].pos.tolist() == [
+        parse_body(zero.to_bytes(), 0, plan, 0, F32)
+    assert parse_body(ExactBody((sparse,), CHUNK, 0).to_bytes(), 0, plan, 0, F32).entries[0].pos.tolist() == [
         3,
         70,
     ]

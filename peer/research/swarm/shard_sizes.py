@@ -87,7 +87,7 @@ def shard_rows(
                 payload_nbytes(shapes, cfg),
                 sum(shard_payload_nbytes(plan, r, cfg) for r in rng),
                 sum(exact_nbytes_at(plan, r, cfg, m) for r in rng),
-                sum(max_body_nbytes(plan, r, cfg.quant_bits) for r in rng),
+                sum(max_body_nbytes(plan, r, cfg) for r in rng),
                 _measured(shapes, cfg, m, plan.n, seed) if measure else None,
             )
         )

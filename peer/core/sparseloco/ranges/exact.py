@@ -21,12 +21,13 @@ smallest magnitude level. One bit per entry keeps zero exact; the dense form is 
 (1 + quant_bits)/8 bytes per entry plus a codebook (3 bits at 2-bit codes, where a payload's sent
 entries cost about 9–10 bits each), and with float32 values exactly 4 bytes per entry.
 
-Values: float32 as computed (quant_bits 0: the shard is Δ̄_r to the bit, so the assembled shards commit
-all-to-all's state when the contributions and clip scales agree: `aggregate_range`), else the codec's
-sign-magnitude codes of the band's support with one codebook per band (the codec's own quantizer, as
-a payload's sparse entry). The requantization error ‖Δ̄_r − Q(Δ̄_r)‖² is MEASURED, not returned
-(`RangeStats.quant_sq`): no contributor knows Δ̄_r, so none can take its share of the error back; the
-simulator reports it per round (`RangeMass.quant_fraction`).
+Values: float32 as computed at quant_bits 0 (the shard is then Δ̄_r to the bit, so the assembled shards
+commit all-to-all's state when the contributions and clip scales agree: `aggregate_range`), and at any
+quant_bits for a band `compress` sends dense (a 1-D norm gain: a few bytes, as a topk shard sends it,
+`band_bits`); else the codec's sign-magnitude codes of the band's support with one codebook per band
+(the codec's own quantizer, as a payload's sparse entry). The requantization error ‖Δ̄_r − Q(Δ̄_r)‖² is
+MEASURED, not returned (`RangeStats.quant_sq`): no contributor knows Δ̄_r, so none can take its share of
+the error back; the simulator reports it per round (`RangeMass.quant_fraction`).
 
 Wire form of the body (after the shard's header and lists, little-endian), canonical:
   b"SHRX" | u8 quant_bits | u8 chunk | per band of range r, in plan order:
@@ -69,6 +70,7 @@ __all__ = [
     "band_nbytes",
     "exact_nbytes_at",
     "encode_band",
+    "band_bits",
     "max_body_nbytes",
     "parse_body",
     "rice_bits",
@@ -135,9 +137,15 @@ def band_nbytes(numel: int, n_nz: int, unary: int, qb: int) -> int:
     return min(dense_nbytes(numel, n_nz, qb), sparse_nbytes(numel, n_nz, unary, qb))
 
 
-def max_body_nbytes(plan: RangePlan, r: int, qb: int) -> int:
+def band_bits(shape: tuple[int, ...], cfg: SparseLoCoConfig) -> int:
+    """The bits of a band's values in an exact shard: `quant_bits`, but 0 (float32) for a band `compress`
+    sends dense (1-D tensors with `dense_1d`), as a topk shard sends it: a few bytes, no requantization."""
+    return cfg.quant_bits if entry_kind(shape, cfg) == SPARSE else 0
+
+
+def max_body_nbytes(plan: RangePlan, r: int, cfg: SparseLoCoConfig) -> int:
     """The most bytes an exact body of range r can take: every band dense with every entry sent."""
-    return _HEAD.size + sum(dense_nbytes(b.numel, b.numel, qb) for b in plan.ranges[r])
+    return _HEAD.size + sum(dense_nbytes(b.numel, b.numel, band_bits(b.shape, cfg)) for b in plan.ranges[r])
 
 
 def union_count(shape: tuple[int, ...], cfg: SparseLoCoConfig, n_contributors: int) -> int:
@@ -157,7 +165,7 @@ def exact_nbytes_at(plan: RangePlan, r: int, cfg: SparseLoCoConfig, n_contributo
     for b in plan.ranges[r]:
         n = union_count(b.shape, cfg, n_contributors) if entry_kind(b.shape, cfg) == SPARSE else b.numel
         n = min(b.numel, n)
-        total += band_nbytes(b.numel, n, max_unary_len(b.numel, n, rice_bits(b.numel, n)), cfg.quant_bits)
+        total += band_nbytes(b.numel, n, max_unary_len(b.numel, n, rice_bits(b.numel, n)), band_bits(b.shape, cfg))
     return total
 
 
@@ -330,15 +338,16 @@ def _parse_band(rd: _Reader, band: Band, qb: int) -> ExactEntry:
     return ExactEntry(band.entry, band.shape, False, pos, dequantize(codes, book, qb), codes, book)
 
 
-def parse_body(b: bytes, at: int, plan: RangePlan, r: int, chunk: int, qb: int) -> ExactBody:
+def parse_body(b: bytes, at: int, plan: RangePlan, r: int, cfg: SparseLoCoConfig) -> ExactBody:
     """The exact body of range r that is all of b[at:], canonical for these settings; PayloadError else."""
-    if len(b) - at > max_body_nbytes(plan, r, qb):
+    chunk, qb = cfg.chunk, cfg.quant_bits
+    if len(b) - at > max_body_nbytes(plan, r, cfg):
         raise PayloadError(f"{len(b) - at} bytes exceed the largest body of range {r}")
     rd = _Reader(b, at)
     magic, got_qb, got_chunk = struct.unpack(_HEAD.format, rd.take(_HEAD.size, "the exact body's header"))
     if magic != MAGIC or (got_qb, got_chunk) != (qb, chunk):
         raise PayloadError(f"not an exact body of quant_bits {qb}, chunk {chunk} ({magic!r}, {got_qb}, {got_chunk})")
-    entries = tuple(_parse_band(rd, band, qb) for band in plan.ranges[r])
+    entries = tuple(_parse_band(rd, band, band_bits(band.shape, cfg)) for band in plan.ranges[r])
     if rd.left():
         raise PayloadError(f"{rd.left()} trailing bytes after the last band")
     return ExactBody(entries, chunk, qb)

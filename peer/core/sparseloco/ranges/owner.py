@@ -71,7 +71,7 @@ from peer.core.sparseloco.codec.format import (
     write_entry,
 )
 from peer.core.sparseloco.codec.fused import run_each
-from peer.core.sparseloco.ranges.exact import ExactBody, ExactEntry, encode_band, parse_body
+from peer.core.sparseloco.ranges.exact import ExactBody, ExactEntry, band_bits, encode_band, parse_body
 from peer.core.sparseloco.ranges.plan import Band, RangePlan, check_entries
 
 __all__ = ["RangeStats", "Shard", "aggregate_range", "returned_to", "roster_digest", "shard_delta"]
@@ -206,7 +206,7 @@ def _parse_shard(b: bytes, plan: RangePlan, scfg: SparseLoCoConfig, n_roster: in
     included, clipped = _bitmap([i not in gone for i in range(n)]), _bitmap([i in clips for i in range(n)])
     scales = tuple(float(s) for s in raw)
     if exact:
-        body = parse_body(b, pos, plan, r, scfg.chunk, scfg.quant_bits)
+        body = parse_body(b, pos, plan, r, scfg)
         return Shard(t, stage, r, roster.hex(), included, clipped, scales, body, n)
     nbytes = shard_payload_nbytes(plan, r, scfg)
     if len(b) - pos != nbytes:
@@ -357,7 +357,7 @@ def aggregate_range(
 
     def one_exact(j: int) -> tuple[ExactEntry, _Sq]:
         x = _sum_band(bands[j], j, parts, scales, cfg)
-        entry, quant = encode_band(bands[j], x, cfg.quant_bits)
+        entry, quant = encode_band(bands[j], x, band_bits(bands[j].shape, cfg))
         dense = _sq(x.astype(np.float64))
         return entry, (dense, dense, 0.0, quant)
 
