@@ -96,7 +96,11 @@ class SwarmConfig:
     round_rule: str = "auto"
     ranges_from: int = 32
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
-    shard_topk: int = 0  # entries per tile a range shard keeps (0: sparseloco.topk)
+    # What a range owner publishes (peer.core.sparseloco.ranges, docs/protocol.md RANGES): "exact" (its
+    # range of the exact aggregate, every entry touched, sparse or dense per band: all-to-all's Δ̄) or
+    # "topk" (re-sparsified to shard_topk entries per tile; the rest returns to the senders' error buffers)
+    shard: str = "topk"
+    shard_topk: int = 0  # entries per tile a "topk" shard keeps (0: sparseloco.topk)
     # Joining by replay (docs/protocol.md): holders keep their committed links and payloads of the last
     # `history_rounds` rounds (`history_ttl_s`), so a joiner recomputes the state instead of counting
     history_rounds: int = 16
@@ -154,6 +158,8 @@ class RunConfig:
         if d["train"].get("overlap") == 0:  # the synchronous schedule: fingerprints from before the option
             d["train"].pop("overlap")
         d["swarm"].pop("inner_step_replays", None)  # a head's retry budget; the math does not depend on it
+        if d["swarm"].get("shard") == "topk":  # re-sparsified shards: fingerprints from before the option
+            d["swarm"].pop("shard")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -470,4 +476,10 @@ def validate(cfg: RunConfig) -> None:
     if w.range_backups < 0 or w.shard_topk < 0:
         raise ConfigError(
             f"swarm.range_backups and swarm.shard_topk must be >= 0, got {w.range_backups} and {w.shard_topk}"
+        )
+    if w.shard not in ("exact", "topk"):
+        raise ConfigError(f"swarm.shard must be 'exact' or 'topk', got {w.shard!r}")
+    if w.shard == "exact" and w.shard_topk:
+        raise ConfigError(
+            f"swarm.shard_topk = {w.shard_topk} applies to swarm.shard = 'topk' only; set it to 0 or shard = 'topk'"
         )

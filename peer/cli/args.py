@@ -235,7 +235,10 @@ class SimulateArgs:
         "comma-separated), with median clipping alone and with outlier screening, e.g. --replicas 8 --clip-median 2.",
     )
     round_rule: str = o.flag(
-        "all", "Each stage's round: all (all-to-all, today's) or ranges (range-sharded owners' shards).", "--round"
+        "all",
+        "Each stage's round: all (all-to-all, today's), ranges (range owners' shards re-sparsified to "
+        "swarm.shard_topk per tile) or exact (range owners' shards of the exact aggregate, swarm.shard = exact).",
+        "--round",
     )
     overlap: int = o.flag(
         0,

@@ -52,7 +52,7 @@ SUMMARY_KEYS = {
     "screening",  # the rounds committed and the contributions screening dropped
     "rounds",
     "dropped",
-    "round_rule",  # "all" or "ranges" (issue 24; a ranges run adds dropped_mass_mean and _max)
+    "round_rule",  # "all", "ranges" or "exact" (issues 24, 37; a ranges run adds dropped_mass_mean and _max)
 }
 ARGS_KEYS = {
     "preset",

@@ -66,10 +66,11 @@ def _records(session: Session, role: str, workers: dict[int, StageWorker], shard
     ]
 
 
-@pytest.fixture
-def mixed(tmp_path, reap_children):
-    """Peers 0 (head, stage 0), 1 (its stage peer, stage 1), 2 and 3 (full replicas, both stages)."""
-    yield from _swarm(tmp_path, build_config(environ={}), round_rule="auto")
+@pytest.fixture(params=["topk", "exact"])
+def mixed(tmp_path, reap_children, request):
+    """Peers 0 (head, stage 0), 1 (its stage peer, stage 1), 2 and 3 (full replicas, both stages);
+    range owners publish `swarm.shard` shards as parametrized."""
+    yield from _swarm(tmp_path, build_config(overrides={"swarm.shard": request.param}, environ={}), round_rule="auto")
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 The round: stage 0 of `small` (2 stages), 8 contributions cut into R = 16 ranges (`encode_parts`), one
 of them 30× larger (so median clipping runs) and one not fetched. Each configuration below is a fresh
-process that parses the parts (`RangePlan.validator`) and aggregates every range (`aggregate_range`),
+process that parses the parts (`RangePlan.validator`) and aggregates every range (`aggregate_range`,
+topk and exact shards),
 as an owner on that hardware would; every one must report the same shard hashes as this process.
 Kernel sets are emulated as in test_portable_commit: torch's default kernels, MKL's instruction set
 lowered, numba compiling for a generic x86-64 (no AVX, no FMA), with 1 and 2 threads.
@@ -62,7 +63,8 @@ def make_parts(path: Path) -> None:
 
 
 def aggregate_all(path: Path) -> dict:
-    """Aggregate every range of the parts under `path`: {"shards": [sha256 per range], "seconds", ...}."""
+    """Aggregate every range of the parts under `path`: {"shards": [sha256 of the topk and the exact
+    shard per range], "seconds", ...}."""
     import torch
 
     from peer.core.sparseloco.ranges import aggregate_range, plan_ranges, roster_digest
@@ -79,6 +81,8 @@ def aggregate_all(path: Path) -> dict:
         seconds += time.perf_counter() - began
         assert stats.n_clipped >= 1 and stats.n_included == M - 1
         hashes.append(hashlib.sha256(shard.to_bytes()).hexdigest()[:16])
+        exact, _ = aggregate_range(4, 0, r, plan, parts, roster, cfg, exact=True)  # swarm.shard = "exact"
+        hashes.append(hashlib.sha256(exact.to_bytes()).hexdigest()[:16])
         dropped += stats.dropped_sq / stats.dense_sq / R
     cap = torch.backends.cpu.get_cpu_capability()
     return {"shards": hashes, "seconds": seconds, "cpu_capability": cap, "threads": torch.get_num_threads()}

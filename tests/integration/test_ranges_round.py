@@ -37,6 +37,7 @@ from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import commit_summed
 from peer.core.sparseloco.ranges import assemble, encode_parts, n_ranges_for, n_units, owner, plan_ranges
+from peer.core.sparseloco.ranges.exact import ExactBody
 from peer.core.sparseloco.ranges.owner import Shard, shard_delta
 from peer.errors import PeerError
 from peer.net.dht import SwarmDHT
@@ -83,11 +84,14 @@ class Node:
         return round_context(self.dht, self.clients, self.store, self.address, refusals=self.refusals, cfg=cfg)
 
 
-@pytest.fixture(scope="module")
-def swarm():
-    cfg = build_config(
-        overrides={"preset": "small"}
-    )  # 47 kB payloads: a roster's and proofs' bytes are small beside them
+def _small(shard: str):
+    """The small preset (47 kB payloads: a roster's and proofs' bytes are small beside them) with `swarm.shard`."""
+    return build_config(overrides={"preset": "small", "swarm.shard": shard}, environ={})
+
+
+@pytest.fixture(scope="module", params=["topk", "exact"])
+def swarm(request):
+    cfg = _small(request.param)
     nodes: list[Node] = []
     try:
         first = SwarmDHT()  # every DHT node first: hivemind forks, and no gRPC thread may exist when it does
@@ -165,7 +169,8 @@ def _lying(cfg, node: Node):
 
     def lie(r: int, data: bytes) -> bytes:
         n_roster = owner._HEAD.unpack_from(data)[-1]  # the shard's header names its roster's size
-        bad = _liar(r, Shard.from_bytes(data, plan, cfg.sparseloco, n_roster)).to_bytes()
+        exact = cfg.swarm.shard == "exact"
+        bad = _liar(r, Shard.from_bytes(data, plan, cfg.sparseloco, n_roster, exact=exact)).to_bytes()
         lies[hashlib.sha256(data).hexdigest()] = hashlib.sha256(bad).hexdigest()
         return bad
 
@@ -223,13 +228,26 @@ def test_eight_holders_commit_the_same_state_with_three_payloads_each(swarm):
             f"(parts {fetched.parts}, proofs {fetched.proofs}, shards {fetched.shards}, roster {fetched.roster}, "
             f"verify {fetched.verify}; payload {r.payload_bytes} B; owned {r.owned}) in {wall:.1f}s"
         )
-        assert fetched.total <= 3 * r.payload_bytes, fetched
+        if cfg.swarm.shard == "topk":
+            assert fetched.total <= 3 * r.payload_bytes, fetched
+        else:  # exact shards: the union of the M contributions, never more than M payloads of shards
+            assert fetched.shards <= M * r.payload_bytes, fetched
         assert not r.computed and not r.refused
 
 
 def _liar(r: int, shard: Shard) -> Shard:
     """A shard whose bytes differ from the true aggregate, well formed and with the right header: its
     first tensor's values (or magnitude table) doubled."""
+    if isinstance(shard.payload, ExactBody):
+        first, *rest = shard.payload.entries
+        if first.codebook is not None:
+            first = dataclasses.replace(first, codebook=(first.codebook * 2).astype(np.float32))
+        else:
+            first = dataclasses.replace(first, values=(first.values * 2).astype(np.float32))
+        lie = dataclasses.replace(shard, payload=dataclasses.replace(shard.payload, entries=(first, *rest)))
+        assert lie.to_bytes() != shard.to_bytes()
+        return lie
+    assert isinstance(shard.payload, Payload)
     source = Payload.from_bytes(shard.payload.to_bytes())
     entry = source.entries[0]
     if entry.values is not None:
@@ -282,7 +300,7 @@ def victim_main() -> None:
     others, encodes its parts of round 3, prints its peer id, waits for the go (stdin), runs the
     round and SIGKILLs itself once it has aggregated its ranges, before it publishes their hashes
     (after the roster: it is an owner)."""
-    cfg = build_config(overrides={"preset": "small"})
+    cfg = _small(sys.argv[2])
     dht = SwarmDHT(initial_peers=[sys.argv[1]])
     dht.set_run("ranges-round-test", cfg.stages)
     node = Node(dht, PayloadStore(), ClientPool(timeout_s=5.0))
@@ -314,7 +332,7 @@ def test_an_owner_killed_after_the_roster_is_covered_by_its_backup(swarm, reap_c
     maddr = nodes[0].dht.visible_maddrs()[0]
     code = "import sys; from tests.integration.test_ranges_round import victim_main; victim_main()"
     victim = subprocess.Popen(
-        [sys.executable, "-c", code, maddr], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, maddr, cfg.swarm.shard], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert victim.stdout is not None and victim.stdin is not None
@@ -353,12 +371,15 @@ class Holder:
     worker: StageWorker
 
 
-@pytest.fixture
-def full_replicas(tmp_path, reap_children):
-    """Four full replicas of stage 1 (tiny preset) with the round rule set to "ranges", each a Session,
-    and a fifth Session that publishes no replica record (an observer: nobody expects its payload)."""
+@pytest.fixture(params=["topk", "exact"])
+def full_replicas(tmp_path, reap_children, request):
+    """Four full replicas of stage 1 (tiny preset) with the round rule set to "ranges" (`swarm.shard` as
+    parametrized), each a Session, and a fifth Session that publishes no replica record (an observer:
+    nobody expects its payload)."""
     cfg = build_config(environ={})
-    swarm = dataclasses.replace(cfg.swarm, rpc_timeout_s=3.0, round_timeout_s=10.0, round_rule="ranges")
+    swarm = dataclasses.replace(
+        cfg.swarm, rpc_timeout_s=3.0, round_timeout_s=10.0, round_rule="ranges", shard=request.param
+    )
     cfg = dataclasses.replace(cfg, swarm=swarm)
     dhts: list[SwarmDHT] = [SwarmDHT()]
     dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(4)]

@@ -65,6 +65,7 @@ def test_workers_give_the_in_process_bits_with_range_rounds_and_te_off(corpus):
     configs = ["sparseloco", "het-pp-compress"]
     for opts in (
         SimOptions(replicas=4, val_tokens=160, round_rule="ranges"),
+        SimOptions(replicas=4, val_tokens=160, round_rule="exact"),
         SimOptions(val_tokens=160, te_adaptation=False),
     ):
         assert _run(cfg, corpus, configs, opts, workers=2) == _run(

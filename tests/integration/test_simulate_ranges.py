@@ -162,3 +162,42 @@ def test_simulate_reports_the_dropped_mass_and_refuses_what_ranges_lacks(tmp_pat
     screened = _cfg(**{"sparseloco.screening": True})  # the swarm's default: this round has no screening
     with pytest.raises(ConfigError, match="sparseloco.screening"):
         simulate(screened, data, 2, ["sparseloco"], options=SimOptions(val_tokens=160, round_rule="ranges"))
+
+
+def test_exact_shards_commit_exactly_the_all_round():
+    """--round exact, quant_bits 0, nothing clipped or screened: the same θ and the same error buffers
+    as the all-to-all round, to the bit, with several ranges per stage and no shard_topk override."""
+    cfg = _cfg()
+    reps, starts = _replicas(cfg, 4)
+    twins = copy.deepcopy(reps)
+    errs_all, errs_exact = [[None, None] for _ in reps], [[None, None] for _ in reps]
+    for s in (0, 1):
+        assert plan_for(starts[s], cfg, 4).n == 4
+        a = _commit_stage(twins, s, starts[s], errs_all, [0] * 4, cfg, 1.0, None, SimOptions())
+        r = _commit_stage(reps, s, starts[s], errs_exact, [0] * 4, cfg, 1.0, None, SimOptions(round_rule="exact"))
+        assert r.mass is not None and r.mass.dropped_fraction == 0.0 and r.mass.quant_fraction == 0.0
+        assert (a.embed_update is None) == (r.embed_update is None)
+        for rep, twin in zip(reps, twins, strict=True):
+            assert _same(stage_state(rep.stages[s]), stage_state(twin.stages[s]))
+        for m in range(4):
+            assert _same(errs_exact[m][s], errs_all[m][s])
+
+
+def test_a_run_with_exact_shards_ends_where_the_all_round_does(tmp_path):
+    """`peer simulate --round exact --quant-bits 0` (4 replicas, 2 stages, H 2, T 2) gives the same
+    train and held-out losses, bit for bit, as `--round all`; with 2-bit values it still runs and
+    reports the shards' requantization share."""
+    cfg = _cfg(**{"train.inner_steps": 2, "train.outer_steps": 2})
+    data = pattern_corpus(tmp_path, cfg.model.vocab_size, tokens=20_000, period=89, val=2_000)
+
+    def run(rule, c=cfg):
+        (res,) = simulate(c, data, 4, ["sparseloco"], options=SimOptions(val_tokens=160, round_rule=rule))
+        return res
+
+    every, exact = run("all"), run("exact")
+    assert exact.summary()["round_rule"] == "exact" and exact.rounds == 4  # 2 outer steps × 2 stages
+    assert [v.hex() for _, v in exact.train_curve] == [v.hex() for _, v in every.train_curve]
+    assert [v.hex() for _, v in exact.val_curve] == [v.hex() for _, v in every.val_curve]
+    assert exact.summary()["dropped_mass_max"] == 0.0 and exact.summary()["quant_error_mean"] == 0.0
+    quantized = run("exact", _cfg(**{"train.inner_steps": 2, "train.outer_steps": 2, "sparseloco.quant_bits": 2}))
+    assert quantized.summary()["dropped_mass_max"] == 0.0 and 0.0 < quantized.summary()["quant_error_mean"] < 1.0

@@ -279,6 +279,8 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
         {"sparseloco.topk": 16},
         {"model.n_layers": 6},
         {"data.max_chars": 1000},
+        {"swarm.shard": "exact"},
+        {"swarm.shard_topk": 8},
     ):
         assert build_config(None, overrides, environ={}).fingerprint() != base.fingerprint(), overrides
     # local paths do not change what peers must agree on
@@ -289,6 +291,17 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
     # nor do a head's own schedule and retry budget
     for local in ({"train.in_flight": 3}, {"swarm.inner_step_replays": 7}):
         assert build_config(None, local, environ={}).fingerprint() == base.fingerprint(), local
+
+
+def test_the_shard_rule_is_checked():
+    """swarm.shard is "exact" or "topk"; shard_topk belongs to "topk" shards alone."""
+    assert build_config(None, {"swarm.shard": "exact"}, environ={}).swarm.shard == "exact"
+    for bad, field in (
+        ({"swarm.shard": "dense"}, "swarm.shard"),
+        ({"swarm.shard": "exact", "swarm.shard_topk": 8}, "shard_topk"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            build_config(None, bad, environ={})
 
 
 # ------------------------------------------------------------------------------------ round trip

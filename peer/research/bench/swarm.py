@@ -59,11 +59,13 @@ def sim_config(args: Mapping[str, Any], peers: int, rule: str) -> SimConfig:
     for name, low in (("rounds", 1), ("fetch_parallel", 1), ("range_backups", 0), ("shard_topk", 0)):
         if args[name] < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {args[name]}")
+    if args["shard"] not in ("topk", "exact"):
+        raise ConfigError(f"--shard must be topk or exact, got {args['shard']!r}")
     if args["churn_per_h"] < 0 or not args["deadline_s"] > 0 or not 0 <= args["stage"] < args["stages"]:
         raise ConfigError("--churn-per-h must be >= 0, --deadline-s > 0 and --stage in 0 … --stages − 1")
     mix = LinkMix(home, dc, args["dc_fraction"], args["rate_spread"], args["rpc_ms"] / 1e3)
     names: tuple[str, ...] = ("rounds", "seed", "preset", "stages", "stage", "inner_steps", "flops", "churn_per_h")
-    names = (*names, "deadline_s", "fetch_parallel", "range_backups", "shard_topk")
+    names = (*names, "deadline_s", "fetch_parallel", "range_backups", "shard_topk", "shard")
     return SimConfig(peers=peers, rule=rule, mix=mix, **{n: args[n] for n in names})
 
 

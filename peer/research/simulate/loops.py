@@ -198,8 +198,8 @@ def commit_stage(
     what a range's shard drops returns to each sender (`peer.research.simulate.ranges`).
     """
     slc, opts = cfg.sparseloco, opts or SimOptions()
-    if opts.round_rule == "ranges":
-        ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t)
+    if opts.round_rule in ("ranges", "exact"):
+        ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t, opts.round_rule)
         return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
     parsed = stage_payloads(reps, s, start, errors, pg_bytes, slc)  # the fused commit: no dense Δ̂
     fused = current().fused_commit

@@ -10,6 +10,11 @@ swarm of M holders commits it when the round rule gives "ranges" (docs/protocol.
     θ, T⊥    = commit_summed(θ_start, T⊥, Δ̄, …)             written into every replica's view
     e_m     += returned_to(part_m,r, m, shard_r)  for all r  error feedback keeps what the shard dropped
 
+With rule "exact" (`--round exact`) each shard is the range's exact aggregate
+(`peer.core.sparseloco.ranges.exact`): nothing is dropped, only clipped mass returns, and with
+quant_bits 0 and no clip the run commits exactly what `--round all` commits (tested); with
+quant_bits > 0 the shards' requantization of Δ̄ is `quant_fraction` (returned to nobody).
+
 Only the network is missing: owners are not chosen (each range is aggregated once, here, which is
 what every honest owner publishes) and parts are not fetched (each owner parses the part's bytes
 as it would after fetching them, `RangePlan.validator`). A replica's `pg_bytes` are its parts' bytes.
@@ -52,16 +57,16 @@ from peer.research.simulate.replica import LocalReplica
 
 __all__ = ["ROUND_RULES", "RangeMass", "RangeShares", "RangesRound", "check_ranges", "commit_ranges", "plan_for"]
 
-ROUND_RULES = ("all", "ranges")
+ROUND_RULES = ("all", "ranges", "exact")  # "ranges": topk shards (swarm.shard_topk); "exact": exact shards
 
 
 def check_ranges(round_rule: str, robust: RobustConfig, attack: str | None) -> None:
-    """Refuse an unknown rule, and screening or an attack with "ranges" (this round has neither)."""
+    """Refuse an unknown rule, and screening or an attack with "ranges" or "exact" (these rounds have neither)."""
     if round_rule not in ROUND_RULES:
         raise ConfigError(f"--round must be one of {', '.join(ROUND_RULES)}, got {round_rule!r}")
-    if round_rule == "ranges" and (robust.enabled or attack is not None):
+    if round_rule != "all" and (robust.enabled or attack is not None):
         raise ConfigError(
-            "--round ranges runs without outlier screening and attacks; drop --attacks, set "
+            f"--round {round_rule} runs without outlier screening and attacks; drop --attacks, set "
             "sparseloco.screening = false, or use --round all"
         )
 
@@ -143,9 +148,14 @@ def commit_ranges(
     perp_factor: float,
     embed_update: Tensor | None,
     t: int = 0,
+    rule: str = "ranges",
 ) -> RangesRound:
     """One stage's ranges round over every replica (module docstring); `errors[m][s]` and
-    `pg_bytes[m]` are updated for every replica m."""
+    `pg_bytes[m]` are updated for every replica m. `rule` "ranges": topk shards at
+    `swarm.shard_topk`; "exact": exact shards (`peer.core.sparseloco.ranges.exact`)."""
+    if rule not in ("ranges", "exact"):
+        raise ValueError(f"commit_ranges: rule must be 'ranges' or 'exact', got {rule!r}")
+    exact = rule == "exact"
     slc, plan = cfg.sparseloco, plan_for(start, cfg, len(reps))
     own: list[list[Payload]] = []
     bufs: list[dict[str, Tensor]] = []  # every replica's error buffers of this stage after encoding
@@ -165,7 +175,8 @@ def commit_ranges(
     dense = kept = quant = 0.0
     clipped: set[int] = set()
     for r in range(plan.n):
-        shard, stats = aggregate_range(t, s, r, plan, received[r], digest, slc, cfg.swarm.shard_topk or None)
+        topk = None if exact else cfg.swarm.shard_topk or None
+        shard, stats = aggregate_range(t, s, r, plan, received[r], digest, slc, topk, exact=exact)
         shards.append(shard)
         dense, kept, quant = dense + stats.dense_sq, kept + stats.kept_sq, quant + stats.quant_sq
         clipped |= {m for m in range(len(reps)) if shard.scale_of(m) is not None}

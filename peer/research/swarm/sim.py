@@ -81,13 +81,16 @@ class SimConfig:
     fetch_parallel: int = 16  # requests in flight per peer in a "ranges" round ("all": 1, as gather_round)
     range_backups: int = SWARM.range_backups
     shard_topk: int = SWARM.shard_topk
+    shard: str = SWARM.shard  # swarm.shard: "topk" or "exact"
     roster_wait_s: float = 5.0  # the next publisher in coordinator_order waits this long for the roster
     jitter: float = 0.05  # compute time × U(1 − jitter, 1 + jitter) per peer and round
     compute_s: float | tuple[float, ...] | None = None  # H inner steps' wall time (per peer: cycled; None: planner)
     sizes: Sizes | None = None  # byte counts (None: `stage_sizes` of the preset)
 
     def swarm(self) -> SwarmConfig:
-        return SwarmConfig(round_rule=self.rule, range_backups=self.range_backups, shard_topk=self.shard_topk)
+        return SwarmConfig(
+            round_rule=self.rule, range_backups=self.range_backups, shard_topk=self.shard_topk, shard=self.shard
+        )
 
 
 @dataclass
@@ -199,7 +202,7 @@ class Sim:
             board = self.boards[t] = RoundBoard()
             n_prev = self.n_prev.get(t - 1, self.cfg.peers)  # round 0: a swarm already running at M
             board.sizes = self.cfg.sizes or stage_sizes(
-                self.cfg.preset, self.cfg.stages, self.cfg.stage, n_prev, self.cfg.shard_topk
+                self.cfg.preset, self.cfg.stages, self.cfg.stage, n_prev, self.cfg.shard_topk, self.cfg.shard
             )
             board.R = board.sizes.n if self.cfg.sizes is None else n_ranges_for(n_prev, board.sizes.n)
         return board

@@ -7,7 +7,9 @@ here, never from a formula of its own:
   (the exact layout `Payload.to_bytes` writes);
 - part bytes (range r of one contribution) and shard bytes (an owner's aggregate of range r): the range
   plan's own sizes (`peer.core.sparseloco.ranges.plan.plan_ranges` for R = `n_ranges_for(n, n_units)`,
-  `RangePlan.part_nbytes`, `peer.core.sparseloco.ranges.owner.shard_payload_nbytes`), plus a part's merkle proof
+  `RangePlan.part_nbytes`, `peer.core.sparseloco.ranges.owner.shard_payload_nbytes`; an exact shard,
+  `swarm.shard` = "exact": `peer.core.sparseloco.ranges.exact.exact_nbytes_at`, per band min(sparse, dense)
+  at the expected union of the round's contributions' supports), plus a part's merkle proof
   (log2 R nodes of `NODE_BYTES`) and a shard's header (`Shard.to_bytes`: magic, version, round, stage,
   range, roster digest and size, then the lists of missing and clipped roster positions);
 - compute time of H inner steps: `peer.research.plan.command.plan_rows` (the planner's model: m micro-batches of
@@ -25,6 +27,7 @@ from functools import lru_cache
 
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
+from peer.core.sparseloco.ranges.exact import exact_nbytes_at
 from peer.core.sparseloco.ranges.merkle import NODE_BYTES
 from peer.core.sparseloco.ranges.owner import shard_config, shard_payload_nbytes
 from peer.core.sparseloco.ranges.plan import n_ranges_for, n_units, plan_ranges
@@ -39,7 +42,7 @@ class Sizes:
 
     payload: int  # one contribution, whole (rule "all")
     parts: tuple[int, ...]  # part r of one contribution (its band entries), r = 0 … R − 1
-    shards: tuple[int, ...]  # shard r without its header (re-sparsified at shard_topk)
+    shards: tuple[int, ...]  # shard r without its header (re-sparsified at shard_topk, or exact)
     proof: int  # merkle proof bytes per part
 
     @property
@@ -55,16 +58,21 @@ class Sizes:
 
 
 @lru_cache(maxsize=64)
-def stage_sizes(preset: str, stages: int, stage: int, n_contributors: int, shard_topk: int = 0) -> Sizes:
+def stage_sizes(
+    preset: str, stages: int, stage: int, n_contributors: int, shard_topk: int = 0, shard: str = "topk"
+) -> Sizes:
     """The round's byte counts at stage `stage` of `preset` split in `stages`, for a previous set of
-    `n_contributors` (R = n_ranges_for(n_contributors, tiles)); codec at `SparseLoCoConfig()` defaults."""
+    `n_contributors` (R = n_ranges_for(n_contributors, tiles)); codec at `SparseLoCoConfig()` defaults;
+    `shard` as `swarm.shard` (exact shards of n_contributors contributions, or topk at `shard_topk`)."""
     _, model = resolve_model(PlanInputs(preset=preset))
     shapes = stage_shapes(model, stage, stages)
     cfg = SparseLoCoConfig()
     plan = plan_ranges(shapes, cfg.chunk, n_ranges_for(n_contributors, n_units(shapes, cfg.chunk)))
     parts = tuple(plan.part_nbytes(r, cfg) for r in range(plan.n))
-    scfg = shard_config(cfg, shard_topk or None)
-    shards = tuple(shard_payload_nbytes(plan, r, scfg) for r in range(plan.n))
+    if shard == "exact":
+        shards = tuple(exact_nbytes_at(plan, r, cfg, n_contributors) for r in range(plan.n))
+    else:
+        shards = tuple(shard_payload_nbytes(plan, r, shard_config(cfg, shard_topk or None)) for r in range(plan.n))
     proof = NODE_BYTES * math.ceil(math.log2(plan.n)) if plan.n > 1 else 0
     return Sizes(payload_nbytes(shapes, cfg), parts, shards, proof)
 

@@ -14,6 +14,14 @@ the re-sparsification's dropped mass: the mean over the roster of what is return
 Δ̄_r ⊙ (1 − mask) plus the clipped mass. The quantization error of the shard's kept values is not
 returned (no contributor knows Δ̄_r); `RangeStats.quant_sq` measures it.
 
+With `exact` (`swarm.shard = "exact"`, `peer.core.sparseloco.ranges.exact`) there is no mask: the shard
+is Δ̄_r itself, every entry it touched, coded sparse or dense per band, whichever is smaller. Nothing
+is dropped, so `returned_to` gives back only the clipped mass; with quant_bits > 0 the requantization
+error is measured (`RangeStats.quant_sq`), not returned. With quant_bits 0 the assembled exact shards
+are the all-to-all round's Δ̄ to the bit when both rounds count the same contributions in the same
+order and clip nothing (clip_median_factor 0, or no scale below 1 in either: all-to-all clips by a
+whole payload's norm, a range by its part's) and all-to-all's screening drops nothing (tested).
+
 Why a shard is the same bits on every machine, kernel set and thread count (as `peer.core.sparseloco.commit`):
 norms are exactly rounded (`peer.core.sparseloco.codec.clip`) and the lower median is a selection; sums are
 elementwise float32 in roster order into a zeroed accumulator (one product by a float32 scale, then
@@ -22,11 +30,11 @@ threshold (unique whatever the algorithm) and exact comparisons; the quantizer i
 float64; bands are independent, so sharing them over threads changes nothing. A test runs it in
 processes under other ATEN/MKL/numba instruction sets and thread counts.
 
-Shard wire format (version 1, little-endian), canonical (`from_bytes` accepts nothing else):
-  b"SHRD" | u8 version | u64 t | u32 stage | u32 r | 16 bytes roster digest | u32 n_roster |
+Shard wire format (little-endian), canonical (`from_bytes` accepts nothing else):
+  b"SHRD" | u8 version (2: topk, 3: exact) | u64 t | u32 stage | u32 r | 16 bytes roster digest | u32 n_roster |
   u32 n_missing | u32 × n_missing   roster positions NOT in the aggregate, strictly ascending, < n_roster |
   u32 n_clipped | (u32 position, f32 scale in [0, 1]) × n_clipped   strictly ascending, included ones |
-  the Payload of range r's band entries
+  the Payload of range r's band entries (topk), or the exact body of range r (exact: `ranges.exact`)
 (Exception lists, not bitmaps over the roster: a round in which every contribution arrives and none is
 clipped costs 8 bytes of them at any M, where two bitmaps cost M/4 bytes per shard, R ≈ M shards.)
 """
@@ -63,12 +71,14 @@ from peer.core.sparseloco.codec.format import (
     write_entry,
 )
 from peer.core.sparseloco.codec.fused import run_each
+from peer.core.sparseloco.ranges.exact import ExactBody, ExactEntry, band_bits, encode_band, parse_body
 from peer.core.sparseloco.ranges.plan import Band, RangePlan, check_entries
 
 __all__ = ["RangeStats", "Shard", "aggregate_range", "returned_to", "roster_digest", "shard_delta"]
 
 MAGIC = b"SHRD"
-VERSION = 2
+VERSION = 2  # a topk shard: a Payload follows the lists (unchanged since issue 24)
+EXACT_VERSION = 3  # an exact shard: an exact body follows them (issue 37)
 _HEAD = struct.Struct("<4sBQII16sI")
 
 
@@ -115,7 +125,8 @@ def shard_payload_nbytes(plan: RangePlan, r: int, cfg: SparseLoCoConfig) -> int:
 
 @dataclass(frozen=True)
 class Shard:
-    """The owner's re-sparsified aggregate of range r of stage `stage`'s round t (module docstring)."""
+    """The owner's aggregate of range r of stage `stage`'s round t: re-sparsified (a Payload) or
+    exact (an ExactBody) (module docstring)."""
 
     t: int
     stage: int
@@ -124,7 +135,7 @@ class Shard:
     included: bytes  # bitmap over the roster: bit i = contribution i is in the aggregate
     clipped: bytes  # bitmap: bit i = contribution i was clipped (its clipped mass returns to it)
     scales: tuple[float, ...]  # the clip factor of each clipped contribution, in roster order
-    payload: Payload  # the band entries of range r
+    payload: Payload | ExactBody  # the band entries of range r
     n_roster: int  # the roster's size (the bitmaps' length in bits)
 
     def is_included(self, i: int) -> bool:
@@ -137,7 +148,8 @@ class Shard:
         return self.scales[sum(_bit(self.clipped, j) for j in range(i))]
 
     def to_bytes(self) -> bytes:
-        head = _HEAD.pack(MAGIC, VERSION, self.t, self.stage, self.r, bytes.fromhex(self.roster), self.n_roster)
+        version = EXACT_VERSION if isinstance(self.payload, ExactBody) else VERSION
+        head = _HEAD.pack(MAGIC, version, self.t, self.stage, self.r, bytes.fromhex(self.roster), self.n_roster)
         missing = [i for i in range(self.n_roster) if not _bit(self.included, i)]
         clipped = [i for i in range(self.n_roster) if _bit(self.clipped, i)]
         lists = struct.pack(f"<I{len(missing)}I", len(missing), *missing) + struct.pack("<I", len(clipped))
@@ -146,26 +158,33 @@ class Shard:
 
     @classmethod
     def from_bytes(
-        cls, b: bytes, plan: RangePlan, cfg: SparseLoCoConfig, n_roster: int, shard_topk: int | None = None
+        cls,
+        b: bytes,
+        plan: RangePlan,
+        cfg: SparseLoCoConfig,
+        n_roster: int,
+        shard_topk: int | None = None,
+        *,
+        exact: bool = False,
     ) -> Shard:
-        """Parse a shard of a roster of `n_roster` for this plan and settings (`shard_topk` as in
-        `aggregate_range`). Raises PayloadError, and nothing else, unless `b` is canonical."""
+        """Parse a shard of a roster of `n_roster` for this plan and settings (`shard_topk`, `exact` as
+        in `aggregate_range`). Raises PayloadError, and nothing else, unless `b` is canonical."""
         if not isinstance(b, (bytes, bytearray, memoryview)):
             raise PayloadError(f"a shard must be bytes, got {type(b).__name__}")
         b = bytes(b)
         try:
-            return _parse_shard(b, plan, shard_config(cfg, shard_topk), n_roster)
+            return _parse_shard(b, plan, cfg if exact else shard_config(cfg, shard_topk), n_roster, exact)
         except PayloadError as exc:
             raise PayloadError(f"invalid shard: {exc}; refuse its owner (it is faulty or lying)") from None
         except (struct.error, ValueError, IndexError, OverflowError) as exc:
             raise PayloadError(f"invalid shard: malformed ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_shard(b: bytes, plan: RangePlan, scfg: SparseLoCoConfig, n_roster: int) -> Shard:
+def _parse_shard(b: bytes, plan: RangePlan, scfg: SparseLoCoConfig, n_roster: int, exact: bool) -> Shard:
     if len(b) < _HEAD.size:
         raise PayloadError(f"{len(b)} bytes is shorter than the header")
     magic, version, t, stage, r, roster, n = _HEAD.unpack_from(b)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version != (EXACT_VERSION if exact else VERSION):
         raise PayloadError(f"bad magic {magic!r} or version {version}")
     if n != n_roster or not 0 <= r < plan.n:
         raise PayloadError(f"roster of {n} (expected {n_roster}) or range {r} of {plan.n}")
@@ -185,12 +204,15 @@ def _parse_shard(b: bytes, plan: RangePlan, scfg: SparseLoCoConfig, n_roster: in
         raise PayloadError("clip scales are outside [0, 1]")
     gone, clips = set(missing), set(clip_at)
     included, clipped = _bitmap([i not in gone for i in range(n)]), _bitmap([i in clips for i in range(n)])
+    scales = tuple(float(s) for s in raw)
+    if exact:
+        body = parse_body(b, pos, plan, r, scfg)
+        return Shard(t, stage, r, roster.hex(), included, clipped, scales, body, n)
     nbytes = shard_payload_nbytes(plan, r, scfg)
     if len(b) - pos != nbytes:
         raise PayloadError(f"its payload is {len(b) - pos} bytes, range {r} takes {nbytes}")
     payload = Payload.from_bytes(b[pos:], max_bytes=nbytes, max_elements=max(1, plan.range_elements(r)), cfg=scfg)
     check_entries(plan, r, payload, scfg, dense_f32=True)
-    scales = tuple(float(s) for s in raw)
     return Shard(t, stage, r, roster.hex(), included, clipped, scales, payload, n)
 
 
@@ -309,11 +331,14 @@ def aggregate_range(
     roster: str,
     cfg: SparseLoCoConfig,
     shard_topk: int | None = None,
+    *,
+    exact: bool = False,
 ) -> tuple[Shard, RangeStats]:
     """The shard of range r from the roster's parts (roster order; None = not fetched), and its stats.
 
     Parts must be range r's (`RangePlan.validator`); `roster` is `roster_digest` of the roster;
-    `shard_topk` (None or 0: cfg.topk) is the shard's k per tile. Portable (module docstring).
+    `shard_topk` (None or 0: cfg.topk) is the shard's k per tile; `exact`: the exact aggregate instead
+    (`ranges.exact`; `shard_topk` unused). Portable (module docstring).
     """
     if len(bytes.fromhex(roster)) != 16:
         raise ValueError(f"roster digest must be 16 bytes of hex, got {roster!r}")
@@ -330,31 +355,51 @@ def aggregate_range(
     def one(j: int) -> tuple[TensorEntry, _Sq]:
         return _resparsify(bands[j], _sum_band(bands[j], j, parts, scales, cfg), scfg)
 
-    done = run_each(one, list(range(len(bands))), [b.numel * max(1, len(present)) for b in bands])
-    payload = Payload([e for e, _ in done], scfg.chunk, scfg.topk, scfg.quant_bits)
+    def one_exact(j: int) -> tuple[ExactEntry, _Sq]:
+        x = _sum_band(bands[j], j, parts, scales, cfg)
+        entry, quant = encode_band(bands[j], x, band_bits(bands[j].shape, cfg))
+        dense = _sq(x.astype(np.float64))
+        return entry, (dense, dense, 0.0, quant)
+
+    work = [b.numel * max(1, len(present)) for b in bands]
+    payload: Payload | ExactBody
+    if exact:
+        done_x = run_each(one_exact, list(range(len(bands))), work)
+        payload, sqs = ExactBody(tuple(e for e, _ in done_x), cfg.chunk, cfg.quant_bits), [s for _, s in done_x]
+    else:
+        done = run_each(one, list(range(len(bands))), work)
+        payload, sqs = Payload([e for e, _ in done], scfg.chunk, scfg.topk, scfg.quant_bits), [s for _, s in done]
     clip_bits = [s is not None for s in scales]
     shard = Shard(
         t, stage, r, roster, _bitmap([p is not None for p in parts]), _bitmap(clip_bits),
         tuple(float(s) for s in scales if s is not None), payload, len(parts),
     )  # fmt: skip
-    dense, kept, dropped, quant = (math.fsum(s[i] for _, s in done) for i in range(4))
+    dense, kept, dropped, quant = (math.fsum(s[i] for s in sqs) for i in range(4))
     return shard, RangeStats(dense, kept, dropped, quant, len(present), sum(clip_bits))
 
 
 def shard_delta(shard: Shard) -> dict[str, Tensor]:
     """The shard's band entries, decoded (dense float32 per band entry)."""
+    if isinstance(shard.payload, ExactBody):
+        return shard.payload.decoded()
     return decompress(shard.payload)
 
 
 def returned_to(own_part: Payload, i: int, shard: Shard) -> dict[str, Tensor]:
     """What contributor i (roster position) takes back into its error buffer for this range, per band
     entry: its whole part when the shard does not include it, else Δ̂_i where the shard dropped a
-    coordinate and Δ̂_i − fl(s_i·Δ̂_i) (the clipped mass; zero when not clipped) where it kept one."""
+    coordinate and Δ̂_i − fl(s_i·Δ̂_i) (the clipped mass; zero when not clipped) where it kept one.
+    An exact shard keeps every coordinate: only the clipped mass comes back (its requantization error
+    is measured, `RangeStats.quant_sq`, and returned to nobody)."""
     decoded = decompress(own_part)
     if not shard.is_included(i):
         return decoded
     scale = shard.scale_of(i)
     sp = shard.payload
+    if isinstance(sp, ExactBody):
+        if [e.name for e in sp.entries] != list(decoded):
+            raise ValueError(f"returned_to: the part holds {list(decoded)[:3]}, shard {shard.r} other bands")
+        return {name: _clipped(d, scale) for name, d in decoded.items()}
     kept_at = {e.name: entry_values(e, sp.chunk, sp.topk)[0] for e in sp.entries}
     if list(decoded) != list(kept_at):
         raise ValueError(f"returned_to: the part holds {list(decoded)[:3]}, shard {shard.r} {list(kept_at)[:3]}")
@@ -371,3 +416,10 @@ def returned_to(own_part: Payload, i: int, shard: Shard) -> dict[str, Tensor]:
             ret[pos] = back
         out[name] = torch.from_numpy(ret).view(d.shape)
     return out
+
+
+def _clipped(d: Tensor, scale: float | None) -> Tensor:
+    """Δ̂ − fl(s·Δ̂) of one decoded band (zeros when not clipped), as the kept coordinates above."""
+    flat = d.reshape(-1).numpy()
+    back = np.zeros_like(flat) if scale is None else flat - flat * np.float32(scale)
+    return torch.from_numpy(back).view(d.shape)

@@ -104,11 +104,13 @@ def gather_ranges(
 ) -> RangesResult:
     """Contribute `own` = (replica id, its parts in range order) if given, then take round (t, stage)'s
     roster and shards (module docstring). Owners per range beyond the primary: `swarm.range_backups`;
-    entries per tile a shard keeps: `swarm.shard_topk` (0: `sparseloco.topk`); `quorum`, `banned`,
+    what a shard is: `swarm.shard` ("exact": the range's exact aggregate; "topk": `swarm.shard_topk`
+    entries per tile, 0: `sparseloco.topk`); `quorum`, `banned`,
     `peers` as in `peer.node.round.gather.RoundInputs`; `wanted`: the only ranges an observer resolves
     (a stage peer reads stage 0's embedding ranges alone)."""
     swarm = ctx.cfg.swarm
-    settings = _Settings(swarm.range_backups, swarm.shard_topk or None, None if wanted is None else frozenset(wanted))
+    wants = None if wanted is None else frozenset(wanted)
+    settings = _Settings(swarm.range_backups, swarm.shard_topk or None, wants, swarm.shard == "exact")
     run = _RangesRound(ctx, t, stage, timings, plan, banned, settings)
     if own is not None:
         run.contribute(own, ctx.me.address, peers)
@@ -120,6 +122,7 @@ class _Settings:
     backups: int = 1  # owners per range beyond the primary
     shard_topk: int | None = None  # a shard's entries per tile (None: cfg.topk)
     wanted: frozenset[int] | None = None  # the only ranges resolved (None: all); an observer's choice
+    exact: bool = False  # swarm.shard == "exact": shards of the exact aggregate (shard_topk unused)
 
 
 class _RangesRound:
@@ -141,14 +144,14 @@ class _RangesRound:
         self.me = ctx.dht.peer_id
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
-        self.backups, self.shard_topk = settings.backups, settings.shard_topk
+        self.backups, self.shard_topk, self.exact = settings.backups, settings.shard_topk, settings.exact
         self.replica: str | None = None
         self.result = RangesResult(t, stage, wanted=settings.wanted)
         fetched = self.result.fetched
         self.fetcher = RangeFetcher(
             ctx.clients, self.store, self.me, t, stage, plan, self.cfg, timings.rpc_s, fetched, self.backups
         )
-        self.fetcher.shard_topk = self.shard_topk
+        self.fetcher.shard_topk, self.fetcher.exact = self.shard_topk, self.exact
         self.view = RoundView()
         self.warned: set[str] = set()
 
@@ -185,6 +188,7 @@ class _RangesRound:
             result.timings["owned_s"] = time.monotonic() - self.started
             resolver = Resolver(self.dht, self.fetcher, self.t, self.stage, self.plan, self.cfg, self.refusals)
             resolver.shard_topk, resolver.backups, resolver.poll_s = self.shard_topk, self.backups, self.timings.poll_s
+            resolver.exact = self.exact
             if result.wanted is not None:
                 resolver.wanted = sorted(result.wanted)
             better = resolver.run(roster, lambda: self._best_roster(reread=False), stop, self._deadlines())
@@ -353,7 +357,7 @@ class _RangesRound:
         hashes = {}
         for r in mine:
             shard, _ = aggregate_range(
-                self.t, self.stage, r, self.plan, parts[r], roster.digest, self.cfg, self.shard_topk
+                self.t, self.stage, r, self.plan, parts[r], roster.digest, self.cfg, self.shard_topk, exact=self.exact
             )
             got = made(shard)
             self.store.put_shard(self.t, self.stage, r, got.data)

@@ -79,6 +79,7 @@ class RangeFetcher:
         self.plan, self.cfg, self.rpc_s, self.counts, self.backups = plan, cfg, rpc_s, counts, backups
         self.cache: dict[tuple[str, int], tuple[str, Payload]] = {}  # (sender, r) -> (root, part) checked
         self.shard_topk: int | None = None  # as the owners' aggregate_range
+        self.exact = False  # swarm.shard == "exact"
 
     def parts(self, roster: Roster, ranges: Sequence[int], kind: str = "parts") -> dict[int, list[Payload | None]]:
         """{r: [part of roster member i, or None when nobody served a proven one]} for each of `ranges`
@@ -203,7 +204,7 @@ class RangeFetcher:
         return None
 
     def _parse_shard(self, roster: Roster, r: int, data: bytes) -> Shard:
-        shard = Shard.from_bytes(data, self.plan, self.cfg, len(roster.entries), self.shard_topk)
+        shard = Shard.from_bytes(data, self.plan, self.cfg, len(roster.entries), self.shard_topk, exact=self.exact)
         if (shard.t, shard.stage, shard.r, shard.roster) != (self.t, self.stage, r, roster.digest):
             raise PeerError(f"its header names round {shard.t} stage {shard.stage} range {shard.r} of another roster")
         return shard

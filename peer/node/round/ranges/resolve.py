@@ -55,6 +55,7 @@ class Resolver:
         self.dht, self.fetcher, self.t, self.stage, self.plan, self.cfg = dht, fetcher, t, stage, plan, cfg
         self.refusals = refusals
         self.shard_topk: int | None = None
+        self.exact = False  # swarm.shard == "exact"
         self.backups = 1
         self.poll_s = 0.2
         self.wanted = list(range(plan.n))  # the ranges to resolve (an observer may want a few)
@@ -164,7 +165,7 @@ class Resolver:
             if any(shard.is_included(i) and p is None for i, p in enumerate(parts)):
                 continue  # it includes a part we could not fetch: not checkable here
             again, _ = aggregate_range(
-                self.t, self.stage, r, self.plan, masked, roster.digest, self.cfg, self.shard_topk
+                self.t, self.stage, r, self.plan, masked, roster.digest, self.cfg, self.shard_topk, exact=self.exact
             )
             if again.to_bytes() == got.data:
                 valid[h] = got
@@ -188,7 +189,9 @@ class Resolver:
         """Compute range r here, from every part of it we can fetch (its owners are gone or failed)."""
         if parts is None:
             parts = self.fetcher.parts(roster, [r], kind="verify")[r]
-        shard, _ = aggregate_range(self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk)
+        shard, _ = aggregate_range(
+            self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk, exact=self.exact
+        )
         self._take(r, made(shard))
         self.computed.append(r)
         log.info("round %d stage %d: computed range %d here (%s)", self.t, self.stage, r, self.shards[r].sha256[:8])
