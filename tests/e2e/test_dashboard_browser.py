@@ -5,8 +5,9 @@ full replica train as processes on loopback. Once a few rounds have committed, C
 the page (`--dump-dom` after the page's scripts ran) and the test reads what is on it: every peer
 under the stage it holds, the agreement column, a loss chart with one point per committed round
 (no gap, each a round the head's metrics.jsonl says it committed) and a peer's page; a `peer dashboard`
-process joined through the bootstrap serves the same holders. A screenshot
-is kept as an artefact: <tmp>/dashboard.png. Skips only when no Chromium binary is installed.
+process joined through the bootstrap serves the same holders. Screenshots are kept as artefacts:
+<tmp>/dashboard.png (1280×2000) and <tmp>/dashboard-narrow.png (420×900). Skips only when no
+Chromium binary is installed.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_a_person_sees_the_swarm_on_the_dashboard(swarm_factory, tmp_path: Path)
 
     sw.wait_for(lambda: {h["peer_id"] for h in other_stages()[1]["holders"]} == {ids["s1"], ids["full"]}, timeout_s=60)
 
-    shot = tmp_path / "dashboard.png"
-    browse(url, f"--screenshot={shot}", "--window-size=1280,900")
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-    print(f"\ndashboard screenshot: {shot}")
+    for shot, size in ((tmp_path / "dashboard.png", "1280,2000"), (tmp_path / "dashboard-narrow.png", "420,900")):
+        browse(url, f"--screenshot={shot}", f"--window-size={size}")  # a desktop and a phone-wide window
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+        print(f"\ndashboard screenshot: {shot}")
