@@ -218,7 +218,11 @@ class SimulateArgs:
         "comma-separated), with median clipping alone and with outlier screening, e.g. --replicas 8 --clip-median 2.",
     )
     round_rule: str = o.flag(
-        "all", "Each stage's round: all (all-to-all, today's) or ranges (range-sharded owners' shards).", "--round"
+        "all",
+        "Each stage's round: all (all-to-all, today's), ranges (range-sharded owners' shards), aligned (one "
+        "agreed support per tile, values only) or residual (shards of swarm.shard_topk per tile with an agreed, "
+        "undecayed residual); see peer.research.simulate.round_designs.",
+        "--round",
     )
     overlap: int = o.flag(
         0,

@@ -52,16 +52,16 @@ from peer.research.simulate.replica import LocalReplica
 
 __all__ = ["ROUND_RULES", "RangeMass", "RangeShares", "RangesRound", "check_ranges", "commit_ranges", "plan_for"]
 
-ROUND_RULES = ("all", "ranges")
+ROUND_RULES = ("all", "ranges", "aligned", "residual")  # the last two: peer.research.simulate.round_designs
 
 
 def check_ranges(round_rule: str, robust: RobustConfig, attack: str | None) -> None:
-    """Refuse an unknown rule, and screening or an attack with "ranges" (this round has neither)."""
+    """Refuse an unknown rule, and screening or an attack with any rule but "all" (the others have neither)."""
     if round_rule not in ROUND_RULES:
         raise ConfigError(f"--round must be one of {', '.join(ROUND_RULES)}, got {round_rule!r}")
-    if round_rule == "ranges" and (robust.enabled or attack is not None):
+    if round_rule != "all" and (robust.enabled or attack is not None):
         raise ConfigError(
-            "--round ranges runs without outlier screening and attacks; drop --attacks, set "
+            f"--round {round_rule} runs without outlier screening and attacks; drop --attacks, set "
             "sparseloco.screening = false, or use --round all"
         )
 

@@ -97,6 +97,8 @@ class ConfigResult:
     round_rule: str = "all"  # SimOptions.round_rule
     overlap: int = 0  # SimOptions.overlap: N inner steps of t + 1 before round t lands (0: synchronous)
     dropped_mass: list[RangeShares] = field(default_factory=list)  # "ranges": per stage round
+    # a round design's (sent, downloaded) bytes per holder over the run (peer.research.simulate.round_designs)
+    holder_bytes: tuple[int, int] | None = None
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
@@ -125,6 +127,7 @@ class ConfigResult:
             "rounds",
             "round_rule",
             "overlap",
+            "holder_bytes",
         )
         extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
         extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
