@@ -133,7 +133,7 @@ def test_residual_shards_that_keep_every_entry_commit_exactly_the_all_round():
         assert all(not t.any() for t in state.agreed[s].values())  # nothing left over
 
 
-@pytest.mark.parametrize("rule", ["aligned", "residual"])
+@pytest.mark.parametrize("rule", ["aligned", "voted", "residual"])
 def test_simulate_runs_a_design_and_reports_its_bytes(tmp_path, rule):
     cfg = _cfg(**{"sparseloco.quant_bits": 2})
     data = pattern_corpus(tmp_path, cfg.model.vocab_size, tokens=20_000, period=89, val=2_000)

@@ -19,6 +19,11 @@ SparseLoCo sends them (`dense_1d`: all of it, 8-bit); a tile with fewer real ent
 all of them. Q is the codec's sign-true quantizer per tensor (`codec.encode.quantize`; quant_bits 0:
 float32 values).
 
+**Voted** support (`voted_support`): a first phase where each sender publishes only the index set of
+its own top-k per tile (`tile_topk` of its e, no values), and S_t = the k′ positions per tile with the
+most votes (ties and unvoted fill by the same seeded draw); then the values phase above. It costs the
+index bytes the aligned support saves, and follows this round's errors instead of last round's sum.
+
 Why: all-to-all commits the union of M senders' top-k (up to M·k per tile) and downloads M − 1
 payloads; a range shard re-sparsifies the mean to k per tile and loses half of ‖Δ̄‖². With one agreed
 support the mean needs no re-sparsification and a contribution needs no index bytes (at 2-bit values
@@ -49,8 +54,13 @@ __all__ = [
     "aligned_sum",
     "aligned_values",
     "sparse_names",
+    "fed_back",
+    "indices_nbytes",
+    "send_at",
     "support_seed",
+    "tile_topk",
     "values_nbytes",
+    "voted_support",
 ]
 
 EXPLORE_SHARE = 0.25  # x = ⌊k′ · share⌋ of a tile's k′ agreed positions are drawn by seed, not by |Δ̄_{t−1}|
@@ -99,15 +109,50 @@ def agreed_support(prev: Tensor | None, shape: Sequence[int], chunk: int, keep: 
     return torch.sort(chosen[chosen >= 0]).values
 
 
+def fed_back(delta: Tensor, prev_error: Tensor | None, beta: float) -> Tensor:
+    """e = β·e_prev + Δ, a fresh float32 CPU tensor (two float32 roundings, as the codec computes it)."""
+    d = delta.detach().to("cpu", torch.float32)
+    return d.clone() if prev_error is None else prev_error.detach().to("cpu", torch.float32).mul(beta).add_(d)
+
+
+def tile_topk(e: Tensor, chunk: int, k: int) -> Tensor:
+    """Flat positions (int64) of the top-k |e| of every tile (fewer in a tile with fewer real entries):
+    the index set a sender votes with (`voted_support`)."""
+    numel = e.numel()
+    pos = _tiled(torch.arange(numel, dtype=torch.float64).view(e.shape), chunk, -1.0).to(torch.int64)
+    mag = _tiled(e.detach().to("cpu", torch.float32).abs(), chunk, -1.0)  # padding below any |e|
+    chosen = pos.gather(1, mag.topk(min(k, pos.shape[1]), dim=1).indices)  # (n_tiles, k)
+    return chosen[chosen >= 0]
+
+
+def voted_support(votes: Sequence[Tensor], shape: Sequence[int], chunk: int, keep: int, seed: int) -> Tensor:
+    """Ascending flat positions of the top-k′ per tile by vote count (how many senders' `tile_topk`
+    holds the position), ties and unvoted fill by the seeded draw of `agreed_support`."""
+    shape = tuple(shape)
+    numel = int(np.prod(shape)) if shape else 1
+    count = torch.zeros(numel, dtype=torch.float64)
+    for v in votes:
+        count[v] += 1.0  # a vote holds each position once
+    pos = _tiled(torch.arange(numel, dtype=torch.float64).view(shape), chunk, -1.0).to(torch.int64)
+    key = _tiled(count.view(shape), chunk, -1.0)  # (n_tiles, cc): counts, −1 = padding
+    draw = torch.rand(pos.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    key = torch.where(pos >= 0, key + draw, key)  # a count of c ranks in [c, c + 1)
+    chosen = pos.gather(1, key.topk(min(keep, pos.shape[1]), dim=1).indices)
+    return torch.sort(chosen[chosen >= 0]).values
+
+
 def aligned_values(
     delta: Tensor, prev_error: Tensor | None, support: Tensor, beta: float, quant_bits: int
 ) -> tuple[Tensor, Tensor]:
     """One contribution of one tensor: (v̂ at `support`, float32, as a receiver decodes it; e_new).
 
-    e = β·e_prev + Δ (two float32 roundings, as the codec), v = Q(e[S]); e_new = e − v̂ on S."""
-    d = delta.detach().to("cpu", torch.float32)
-    e = d.clone() if prev_error is None else prev_error.detach().to("cpu", torch.float32).mul(beta).add_(d)
-    flat = e.reshape(-1)
+    e = β·e_prev + Δ (`fed_back`), v = Q(e[S]); e_new = e − v̂ on S."""
+    return send_at(fed_back(delta, prev_error, beta), support, quant_bits)
+
+
+def send_at(e: Tensor, support: Tensor, quant_bits: int) -> tuple[Tensor, Tensor]:
+    """(v̂ = Q(e[S]) as a receiver decodes it, e with v̂ subtracted on S); e is written in place."""
+    flat = e.view(-1)
     v = flat[support].contiguous()
     if quant_bits:
         codes, codebook = quantize(v.numpy(), quant_bits)
@@ -136,4 +181,14 @@ def values_nbytes(
     for name in names:
         shape = tuple(shapes[name])
         total += entry_nbytes(name, SPARSE, shape, chunk, keep, quant_bits) - index_nbytes(shape, chunk, keep)
+    return total
+
+
+def indices_nbytes(shapes: Mapping[str, Sequence[int]], chunk: int, k: int, names: Sequence[str]) -> int:
+    """Wire bytes of an index set of k per tile of `names` alone (a vote, or a published support): a
+    payload header plus, per tensor, its entry header (name, shape) and the codec's index bytes."""
+    total = HEADER_NBYTES
+    for name in names:
+        shape = tuple(shapes[name])
+        total += 2 + len(name.encode("utf-8")) + 2 + 4 * len(shape) + index_nbytes(shape, chunk, k)
     return total

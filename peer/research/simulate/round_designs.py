@@ -51,10 +51,14 @@ from peer.core.sparseloco.algorithm import aggregate_payloads, compress, decompr
 from peer.core.sparseloco.aligned import (
     agreed_support,
     aligned_sum,
-    aligned_values,
+    fed_back,
+    indices_nbytes,
+    send_at,
     sparse_names,
     support_seed,
+    tile_topk,
     values_nbytes,
+    voted_support,
 )
 from peer.core.sparseloco.codec.format import DENSE_F32, HEADER_NBYTES, Payload, entry_nbytes
 from peer.core.sparseloco.commit import Committed, commit_summed, load_committed
@@ -67,7 +71,7 @@ from peer.research.simulate.replica import LocalReplica
 
 __all__ = ["DESIGN_RULES", "DesignRound", "DesignState", "RoundBytes", "check_design", "commit_design"]
 
-DESIGN_RULES = ("aligned", "residual")
+DESIGN_RULES = ("aligned", "voted", "residual")
 
 Errors = list[list[dict[str, Tensor] | None]]
 
@@ -145,6 +149,30 @@ def _n_ranges(start: Mapping[str, Tensor], cfg: RunConfig, M: int) -> int:
     return n_ranges_for(M, n_units({n: tuple(v.shape) for n, v in start.items()}, cfg.sparseloco.chunk))
 
 
+def _supports(
+    es: Sequence[Mapping[str, Tensor]],
+    shapes: Mapping[str, tuple[int, ...]],
+    cfg: RunConfig,
+    t: int,
+    s: int,
+    prev: Mapping[str, Tensor] | None,
+    vote: bool,
+) -> dict[str, Tensor]:
+    """The round's agreed support of every sparse tensor: from the senders' votes (their top-k index
+    sets of e) or from the last committed aggregate, each with the seeded draw of (seed, t, s, tensor)."""
+    slc = cfg.sparseloco
+    keep = cfg.swarm.shard_topk or slc.topk
+    out = {}
+    for n in es[0]:
+        seed = support_seed(cfg.seed, t, s, n)
+        if vote:
+            votes = [tile_topk(e[n], slc.chunk, slc.topk) for e in es]
+            out[n] = voted_support(votes, shapes[n], slc.chunk, keep, seed)
+        else:
+            out[n] = agreed_support(None if prev is None else prev[n], shapes[n], slc.chunk, keep, seed)
+    return out
+
+
 def commit_aligned(
     reps: Sequence[LocalReplica],
     s: int,
@@ -156,42 +184,43 @@ def commit_aligned(
     embed_update: Tensor | None,
     t: int,
     state: DesignState,
+    vote: bool = False,
 ) -> DesignRound:
-    """One stage's aligned round (module docstring); `errors[m][s]`, `pg_bytes[m]` and `state` updated."""
+    """One stage's aligned (or, with `vote`, voted) round (module docstring); `errors[m][s]`,
+    `pg_bytes[m]` and `state` updated."""
     slc, M = cfg.sparseloco, len(reps)
     shapes = {n: tuple(v.shape) for n, v in start.items()}
     sparse = sparse_names(shapes, slc.dense_1d)
     dense = [n for n in shapes if n not in sparse]
     keep = cfg.swarm.shard_topk or slc.topk
-    prev = state.agreed.get(s)
-    supports = {
-        n: agreed_support(
-            None if prev is None else prev[n], shapes[n], slc.chunk, keep, support_seed(cfg.seed, t, s, n)
-        )
-        for n in sparse
-    }
-    values: dict[str, list[Tensor]] = {n: [] for n in sparse}
-    owed = {n: torch.zeros(shapes[n], dtype=torch.float64) for n in sparse}  # Σ_m e_m before sending
+    es: list[dict[str, Tensor]] = []  # every sender's e = β·e + Δ of the sparse tensors
+    kept: list[dict[str, Tensor]] = []  # every sender's new error buffers of the dense ones
     dense_payloads: list[Payload] = []
-    V = values_nbytes(shapes, slc.chunk, keep, slc.quant_bits, sparse)
-    for m, rep in enumerate(reps):
+    dense_nbytes = 0
+    for rep, buf in zip(reps, (errors[m][s] or {} for m in range(M)), strict=True):
         delta = pseudo_gradient(start, stage_state(rep.stages[s]))
-        buf, new = errors[m][s] or {}, {}
-        for n in sparse:
-            v, new[n] = aligned_values(delta[n], buf.get(n), supports[n], slc.beta, slc.quant_bits)
-            values[n].append(v)
-            owed[n] += new[n]
-            owed[n].view(-1)[supports[n]] += v.double()
+        es.append({n: fed_back(delta[n], buf.get(n), slc.beta) for n in sparse})
         if dense:
-            payload, kept = compress({n: delta[n] for n in dense}, buf or None, slc)
+            payload, rest = compress({n: delta[n] for n in dense}, buf or None, slc)
             wire = payload.to_bytes()
             dense_payloads.append(Payload.from_bytes(wire))
-            new |= kept
-            V_m = V + len(wire) - HEADER_NBYTES
-        else:
-            V_m = V
+            dense_nbytes = len(wire) - HEADER_NBYTES
+        kept.append(rest if dense else {})
+    supports = _supports(es, shapes, cfg, t, s, state.agreed.get(s), vote)
+    owed = {n: torch.zeros(shapes[n], dtype=torch.float64) for n in sparse}  # mean e before sending
+    for e in es:
+        for n in sparse:
+            owed[n] += e[n].double() / M
+    values: dict[str, list[Tensor]] = {n: [] for n in sparse}
+    V = values_nbytes(shapes, slc.chunk, keep, slc.quant_bits, sparse) + dense_nbytes
+    vote_nbytes = indices_nbytes(shapes, slc.chunk, slc.topk, sparse) if vote else 0
+    for m, e in enumerate(es):
+        new = dict(kept[m])
+        for n in sparse:
+            v, new[n] = send_at(e[n], supports[n], slc.quant_bits)
+            values[n].append(v)
         errors[m][s] = new
-        pg_bytes[m] += V_m
+        pg_bytes[m] += vote_nbytes + V
     summed = {n: aligned_sum(values[n], supports[n], shapes[n], M) for n in sparse}
     if dense:
         summed |= aggregate_payloads(dense_payloads, M, slc.aggregation)
@@ -199,14 +228,15 @@ def commit_aligned(
     state.agreed[s] = {n: summed[n].clone() for n in sparse}
     dense_sq = kept_sq = quant_sq = 0.0
     for n in sparse:
-        mean_e = owed[n].view(-1) / M
+        mean_e = owed[n].view(-1)
         on = mean_e[supports[n]]
         dense_sq, kept_sq = dense_sq + _sq(mean_e), kept_sq + _sq(on)
         quant_sq += _sq(on - summed[n].view(-1)[supports[n]].double())
     F = values_nbytes(shapes, slc.chunk, keep, 0, sparse) + sum(
         entry_nbytes(n, DENSE_F32, shapes[n], slc.chunk, keep, 0) for n in dense
     )
-    nbytes = RoundBytes.sharded(V_m, F, M, _n_ranges(start, cfg, M))
+    shard = F + (indices_nbytes(shapes, slc.chunk, keep, sparse) if vote else 0)  # the owners' means (and supports)
+    nbytes = RoundBytes.sharded(vote_nbytes + V, shard, M, _n_ranges(start, cfg, M))
     return DesignRound(done.commit.embed_update, RangeMass(dense_sq, kept_sq, quant_sq), nbytes)
 
 
@@ -264,8 +294,8 @@ def commit_design(
     state: DesignState,
 ) -> DesignRound:
     """One stage's round by design `rule` (`DESIGN_RULES`); its bytes added to `state`'s counts."""
-    run = commit_aligned if rule == "aligned" else commit_residual
-    done = run(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t, state)
+    args = (reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t, state)
+    done = commit_residual(*args) if rule == "residual" else commit_aligned(*args, vote=rule == "voted")
     state.sent_bytes += done.bytes.sent
     state.down_bytes += done.bytes.downloaded
     return done
