@@ -1,6 +1,6 @@
 """Round designs below the dense bound (issue 37): an aligned support, and shards with an agreed residual.
 
-Two ways to commit a stage's round that keep what a range-sharded round (`peer.research.simulate.ranges`)
+Three ways to commit a stage's round that keep what a range-sharded round (`peer.research.simulate.ranges`)
 loses, each committing ONE state that every replica loads (`commit_summed` + `load_committed`, as the
 ranges round does).
 
@@ -13,6 +13,12 @@ k′ = `swarm.shard_topk` (0: `sparseloco.topk`), x = ⌊k′/4⌋. Why: the sha
 top-k of a mean whose supports disagree (M senders' top-k, up to M·k per tile), so it drops about
 half of ‖Δ̄‖²; with one support there is nothing to drop, and the wire saves the index bytes.
 Round mass (`RangeMass`): dense = ‖mean_m e_m‖² (before sending), kept = its part on the support.
+
+**voted** (`--round voted`): aligned with a vote phase first — each sender publishes the index set of
+its own top-k per tile of e (no values), and the support is the k′ positions per tile with the most
+votes (ties, and unvoted fill, by the same seeded draw); then the values phase as aligned. Why: last
+round's aggregate is a poor guess of where this round's errors are (after a round, e is emptied
+exactly on the support it chooses again); the votes are this round's, at the price of the indices.
 
 **residual** (`--round residual`): the senders' top-k payloads (as all-to-all), their exact mean Δ̄
 computed per range by its owner, then the shard: C_t = Q(top-(c·k) per tile of A_t), A_t = Δ̄_t + R_{t−1},
@@ -28,9 +34,11 @@ and settings), with R_n = n_ranges_for(M, units) range owners, one range per own
     aligned:   sent V + F/R_n;   downloaded (M − 1)·V/R_n + (R_n − 1)·F/R_n
                V: values only (k′ per tile at quant_bits each + codebook; 1-D tensors as the codec
                sends them); F: the owner's exact mean (float32 at the agreed positions, no indices)
+    voted:     as aligned, plus the vote I_k (k indices per tile) in the contribution and the
+               owner's published support I_k′ (k′ indices per tile) beside F in the shard
     residual:  sent P + S/R_n;   downloaded (M − 1)·P/R_n + (R_n − 1)·S/R_n
                P: the sender's payload (k per tile, indices + values); S: the c·k-per-tile shard
-`pg_bytes` counts a replica's contribution (V or P), as the ranges round counts its parts.
+`pg_bytes` counts a replica's contribution (V, I_k + V or P), as the ranges round counts its parts.
 
 Invariants: every replica holds the same bits after a round; `state` is the only memory a design
 keeps across rounds (one entry per stage), and "all" and "ranges" never read it. Outlier screening,
