@@ -13,6 +13,7 @@ from peer.core.model.state import stage_state
 from peer.core.sparseloco.algorithm import pseudo_gradient
 from peer.core.sparseloco.aligned import agreed_support, support_seed
 from peer.errors import ConfigError
+from peer.research.simulate import experiments as ex
 from peer.research.simulate.engine import SimOptions, _commit_stage, simulate
 from peer.research.simulate.replica import LocalReplica
 from peer.research.simulate.round_designs import DesignState, check_design
@@ -143,5 +144,6 @@ def test_simulate_runs_a_design_and_reports_its_bytes(tmp_path, rule):
     sent, down = summary["holder_bytes"]
     assert sent > 0 and down > 0 and summary["pg_bytes"] > 0
     assert res.val_curve[-1][1] < 7.0
+    assert f"({rule})" in ex.dropped_mass_lines([res])[0]
     with pytest.raises(ConfigError, match="clip"):
         check_design(rule, _cfg(**{"sparseloco.clip_median_factor": 2.0}))

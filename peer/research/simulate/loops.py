@@ -316,7 +316,8 @@ def run_diloco(
         rt.save(key, run)
     result.pg_bytes = sum(run.pg_bytes) // replicas
     result.act_bytes = sum(run.act_bytes) // replicas
-    result.holder_bytes = (round(run.design.sent_bytes), round(run.design.down_bytes))
+    if opts.round_rule in DESIGN_RULES:
+        result.holder_bytes = (round(run.design.sent_bytes), round(run.design.down_bytes))
     return result, reps[0]
 
 

@@ -127,7 +127,6 @@ class ConfigResult:
             "rounds",
             "round_rule",
             "overlap",
-            "holder_bytes",
         )
         extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
         extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
@@ -135,6 +134,8 @@ class ConfigResult:
             quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
             extra |= {"quant_error_mean": quant}
+        if self.holder_bytes is not None:  # a round design's (sent, downloaded) per holder over the run
+            extra["holder_bytes"] = list(self.holder_bytes)
         return {k: getattr(self, k) for k in keys} | extra
 
 

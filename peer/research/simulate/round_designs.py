@@ -77,7 +77,15 @@ from peer.errors import ConfigError
 from peer.research.simulate.ranges import RangeMass
 from peer.research.simulate.replica import LocalReplica
 
-__all__ = ["DESIGN_RULES", "DesignRound", "DesignState", "RoundBytes", "check_design", "commit_design"]
+__all__ = [
+    "DESIGN_RULES",
+    "DesignRound",
+    "DesignState",
+    "RoundBytes",
+    "check_design",
+    "commit_design",
+    "design_mass_line",
+]
 
 DESIGN_RULES = ("aligned", "voted", "residual")
 
@@ -115,6 +123,16 @@ class DesignRound:
     embed_update: Tensor | None
     mass: RangeMass
     bytes: RoundBytes
+
+
+def design_mass_line(name: str, seed: int, rule: str, summary: Mapping[str, float]) -> str:
+    """One run's line on what its rounds left out, per stage round (`RangeMass` as the design fills it)."""
+    mean, peak = summary["dropped_mass_mean"], summary["dropped_mass_max"]
+    if rule == "residual":
+        what = "the shards left {} of ‖Δ̄ + R‖² in the agreed residual R (max {})"
+    else:
+        what = "the agreed support left {} of the senders' mean error buffer ‖mean e‖² to error feedback (max {})"
+    return f"{name} s{seed} ({rule}): " + what.format(f"{mean:.1%}", f"{peak:.1%}") + " per stage round"
 
 
 def check_design(round_rule: str, cfg: RunConfig) -> None:
