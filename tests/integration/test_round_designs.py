@@ -21,6 +21,7 @@ from tests.configs import tiny_run
 from tests.corpora import pattern_corpus
 
 ALIGNED, RESIDUAL = SimOptions(round_rule="aligned"), SimOptions(round_rule="residual")
+VOTED = SimOptions(round_rule="voted")
 
 
 def _cfg(**overrides):
@@ -119,6 +120,32 @@ def test_residual_keeps_what_its_shard_drops_in_an_agreed_residual_that_never_de
     assert any(bool(c.any()) for c in C1.values())  # the kept residual is committed later
 
 
+def test_voted_residual_publishes_two_bit_means_and_keeps_their_rounding_undecayed():
+    cfg = _cfg(**{"sparseloco.quant_bits": 2})
+    reps, starts = _replicas(cfg, 3)
+    s, lr = 1, cfg.sparseloco.outer_lr
+    rule = SimOptions(round_rule="voted-residual")
+    twins, twin_state = copy.deepcopy(reps), DesignState()  # the voted round: the exact float32 mean
+    _commit_stage(twins, s, starts[s], [[None, None] for _ in reps], [0] * 3, cfg, 1.0, None, VOTED, 0, twin_state)
+    errors, state = [[None, None] for _ in reps], DesignState()
+    _commit_stage(reps, s, starts[s], errors, [0] * 3, cfg, 1.0, None, rule, 0, state)
+    states = [stage_state(r.stages[s]) for r in reps]
+    assert all(_same(states[0], other) for other in states[1:])
+    C0 = _committed(starts[s], reps[0], s, lr)
+    for n, mean in twin_state.agreed[s].items():  # the same votes, the same support: R_0 + C_0 = Δ̄_0
+        torch.testing.assert_close(state.agreed[s][n] + C0[n], mean, rtol=1e-5, atol=1e-6)
+        assert not C0[n][mean == 0].any()  # C lies on the agreed support
+        mags = torch.sort(C0[n][C0[n] != 0].abs()).values  # 2-bit codes: two magnitudes (read off θ: noise)
+        assert int((mags.diff() > 1e-5).sum()) <= 1
+    R0 = {n: t.clone() for n, t in state.agreed[s].items()}
+    start1 = stage_state(reps[0].stages[s])
+    nothing = {n: torch.zeros_like(v) for n, v in start1.items()}
+    _commit_stage(reps, s, start1, [[nothing, nothing] for _ in reps], [0] * 3, cfg, 1.0, None, rule, 1, state)
+    C1 = _committed(start1, reps[0], s, lr)
+    for n in R0:  # Δ̄_1 = 0: R_1 + C_1 = R_0, nothing decayed
+        torch.testing.assert_close(state.agreed[s][n] + C1[n], R0[n], rtol=1e-5, atol=1e-6)
+
+
 def test_residual_shards_that_keep_every_entry_commit_exactly_the_all_round():
     cfg = _cfg(**{"swarm.shard_topk": 64 * 64})
     reps, starts = _replicas(cfg, 3)
@@ -134,7 +161,7 @@ def test_residual_shards_that_keep_every_entry_commit_exactly_the_all_round():
         assert all(not t.any() for t in state.agreed[s].values())  # nothing left over
 
 
-@pytest.mark.parametrize("rule", ["aligned", "voted", "residual"])
+@pytest.mark.parametrize("rule", ["aligned", "voted", "voted-residual", "residual"])
 def test_simulate_runs_a_design_and_reports_its_bytes(tmp_path, rule):
     cfg = _cfg(**{"sparseloco.quant_bits": 2})
     data = pattern_corpus(tmp_path, cfg.model.vocab_size, tokens=20_000, period=89, val=2_000)

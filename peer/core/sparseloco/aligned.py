@@ -23,6 +23,8 @@ float32 values).
 its own top-k per tile (`tile_topk` of its e, no values), and S_t = the k′ positions per tile with the
 most votes (ties and unvoted fill by the same seeded draw); then the values phase above. It costs the
 index bytes the aligned support saves, and follows this round's errors instead of last round's sum.
+`requantized` lets the owner publish the mean at quant_bits instead of float32, the rounding kept in
+an agreed residual that the next round's mean carries (as the residual shards of issue 37 do).
 
 Why: all-to-all commits the union of M senders' top-k (up to M·k per tile) and downloads M − 1
 payloads; a range shard re-sparsifies the mean to k per tile and loses half of ‖Δ̄‖². With one agreed
@@ -56,6 +58,7 @@ __all__ = [
     "sparse_names",
     "fed_back",
     "indices_nbytes",
+    "requantized",
     "send_at",
     "support_seed",
     "tile_topk",
@@ -192,3 +195,13 @@ def indices_nbytes(shapes: Mapping[str, Sequence[int]], chunk: int, k: int, name
         shape = tuple(shapes[name])
         total += 2 + len(name.encode("utf-8")) + 2 + 4 * len(shape) + index_nbytes(shape, chunk, k)
     return total
+
+
+def requantized(mean: Tensor, residual: Tensor | None, support: Tensor, quant_bits: int) -> tuple[Tensor, Tensor]:
+    """(C, R) of an owner that publishes its mean at `quant_bits` and keeps the rest in an agreed
+    residual: A = Δ̄ + R_prev, C = Q(A[S]) scattered on S (zero elsewhere), R = A − C (exactly A off S)."""
+    a = mean.detach().to("cpu", torch.float32).clone() if residual is None else mean + residual
+    v, rest = send_at(a.contiguous(), support, quant_bits)
+    committed = torch.zeros(a.numel(), dtype=torch.float32)
+    committed[support] = v
+    return committed.view(a.shape), rest

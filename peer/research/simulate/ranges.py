@@ -52,7 +52,14 @@ from peer.research.simulate.replica import LocalReplica
 
 __all__ = ["ROUND_RULES", "RangeMass", "RangeShares", "RangesRound", "check_ranges", "commit_ranges", "plan_for"]
 
-ROUND_RULES = ("all", "ranges", "aligned", "voted", "residual")  # the last two: peer.research.simulate.round_designs
+ROUND_RULES = (
+    "all",
+    "ranges",
+    "aligned",
+    "voted",
+    "voted-residual",
+    "residual",
+)  # the last two: peer.research.simulate.round_designs
 
 
 def check_ranges(round_rule: str, robust: RobustConfig, attack: str | None) -> None:

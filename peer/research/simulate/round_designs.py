@@ -19,6 +19,9 @@ its own top-k per tile of e (no values), and the support is the k′ positions p
 votes (ties, and unvoted fill, by the same seeded draw); then the values phase as aligned. Why: last
 round's aggregate is a poor guess of where this round's errors are (after a round, e is emptied
 exactly on the support it chooses again); the votes are this round's, at the price of the indices.
+**voted-residual** (`--round voted-residual`): voted, with each owner publishing C = Q(Δ̄ + R) on the
+support at quant_bits instead of float32, and R = Δ̄ + R − C kept per stage as agreed, undecayed state
+(as residual keeps its shards' drop): the download of a float32 mean cut to 2-bit values.
 
 **residual** (`--round residual`): the senders' top-k payloads (as all-to-all), their exact mean Δ̄
 computed per range by its owner, then the shard: C_t = Q(top-(c·k) per tile of A_t), A_t = Δ̄_t + R_{t−1},
@@ -36,6 +39,7 @@ and settings), with R_n = n_ranges_for(M, units) range owners, one range per own
                sends them); F: the owner's exact mean (float32 at the agreed positions, no indices)
     voted:     as aligned, plus the vote I_k (k indices per tile) in the contribution and the
                owner's published support I_k′ (k′ indices per tile) beside F in the shard
+    voted-residual: as voted, F at quant_bits (values only, + codebook) in place of float32
     residual:  sent P + S/R_n;   downloaded (M − 1)·P/R_n + (R_n − 1)·S/R_n
                P: the sender's payload (k per tile, indices + values); S: the c·k-per-tile shard
 `pg_bytes` counts a replica's contribution (V, I_k + V or P), as the ranges round counts its parts.
@@ -61,6 +65,7 @@ from peer.core.sparseloco.aligned import (
     aligned_sum,
     fed_back,
     indices_nbytes,
+    requantized,
     send_at,
     sparse_names,
     support_seed,
@@ -87,7 +92,7 @@ __all__ = [
     "design_mass_line",
 ]
 
-DESIGN_RULES = ("aligned", "voted", "residual")
+DESIGN_RULES = ("aligned", "voted", "voted-residual", "residual")
 
 Errors = list[list[dict[str, Tensor] | None]]
 
@@ -211,9 +216,11 @@ def commit_aligned(
     t: int,
     state: DesignState,
     vote: bool = False,
+    requantize: bool = False,
 ) -> DesignRound:
     """One stage's aligned (or, with `vote`, voted) round (module docstring); `errors[m][s]`,
-    `pg_bytes[m]` and `state` updated."""
+    `pg_bytes[m]` and `state` updated. `requantize`: the owners publish the mean at quant_bits with an
+    agreed residual (`peer.core.sparseloco.aligned.requantized`; `state` then holds R, not Δ̄)."""
     slc, M = cfg.sparseloco, len(reps)
     shapes = {n: tuple(v.shape) for n, v in start.items()}
     sparse = sparse_names(shapes, slc.dense_1d)
@@ -248,17 +255,28 @@ def commit_aligned(
         errors[m][s] = new
         pg_bytes[m] += vote_nbytes + V
     summed = {n: aligned_sum(values[n], supports[n], shapes[n], M) for n in sparse}
+    quant_sq = 0.0
+    if requantize:  # the owners publish Q(Δ̄ + R) on S; R keeps the rounding (and everything off S)
+        prev = state.agreed.get(s) or {}
+        for n in sparse:
+            a_on = (summed[n] if prev.get(n) is None else summed[n] + prev[n]).view(-1)[supports[n]]
+            summed[n], state.agreed.setdefault(s, {})[n] = requantized(
+                summed[n], prev.get(n), supports[n], slc.quant_bits
+            )
+            quant_sq += _sq(a_on - summed[n].view(-1)[supports[n]])
+    else:
+        state.agreed[s] = {n: summed[n].clone() for n in sparse}
     if dense:
         summed |= aggregate_payloads(dense_payloads, M, slc.aggregation)
     done = _commit(reps, s, start, summed, cfg, perp_factor, embed_update)
-    state.agreed[s] = {n: summed[n].clone() for n in sparse}
-    dense_sq = kept_sq = quant_sq = 0.0
+    dense_sq = kept_sq = 0.0
     for n in sparse:
         mean_e = owed[n].view(-1)
         on = mean_e[supports[n]]
         dense_sq, kept_sq = dense_sq + _sq(mean_e), kept_sq + _sq(on)
-        quant_sq += _sq(on - summed[n].view(-1)[supports[n]].double())
-    F = values_nbytes(shapes, slc.chunk, keep, 0, sparse) + sum(
+        if not requantize:
+            quant_sq += _sq(on - summed[n].view(-1)[supports[n]].double())
+    F = values_nbytes(shapes, slc.chunk, keep, slc.quant_bits if requantize else 0, sparse) + sum(
         entry_nbytes(n, DENSE_F32, shapes[n], slc.chunk, keep, 0) for n in dense
     )
     shard = F + (indices_nbytes(shapes, slc.chunk, keep, sparse) if vote else 0)  # the owners' means (and supports)
@@ -321,7 +339,10 @@ def commit_design(
 ) -> DesignRound:
     """One stage's round by design `rule` (`DESIGN_RULES`); its bytes added to `state`'s counts."""
     args = (reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t, state)
-    done = commit_residual(*args) if rule == "residual" else commit_aligned(*args, vote=rule == "voted")
+    if rule == "residual":
+        done = commit_residual(*args)
+    else:
+        done = commit_aligned(*args, vote=rule != "aligned", requantize=rule == "voted-residual")
     state.sent_bytes += done.bytes.sent
     state.down_bytes += done.bytes.downloaded
     return done
