@@ -62,7 +62,9 @@ class SimOptions:
     robust: RobustConfig | None = None
     attack: str | None = None  # the last replica sends this attack (peer.research.simulate.attacks) every round
     collusion: Collusion | None = None  # the last K replicas collude every round (peer.research.simulate.attacks)
-    round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.research.simulate.ranges)
+    # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.research.simulate.ranges); the others:
+    # peer.research.simulate.round_designs (aligned, voted, voted-residual, residual)
+    round_rule: str = "all"
     grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.research.simulate.ablations)
     grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
     modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
