@@ -255,33 +255,46 @@ def commit_aligned(
         errors[m][s] = new
         pg_bytes[m] += vote_nbytes + V
     summed = {n: aligned_sum(values[n], supports[n], shapes[n], M) for n in sparse}
-    quant_sq = 0.0
-    if requantize:  # the owners publish Q(Δ̄ + R) on S; R keeps the rounding (and everything off S)
-        prev = state.agreed.get(s) or {}
-        for n in sparse:
-            a_on = (summed[n] if prev.get(n) is None else summed[n] + prev[n]).view(-1)[supports[n]]
-            summed[n], state.agreed.setdefault(s, {})[n] = requantized(
-                summed[n], prev.get(n), supports[n], slc.quant_bits
-            )
-            quant_sq += _sq(a_on - summed[n].view(-1)[supports[n]])
-    else:
+    quant_sq = _requantize(state, s, summed, supports, slc.quant_bits) if requantize else None
+    if not requantize:
         state.agreed[s] = {n: summed[n].clone() for n in sparse}
     if dense:
         summed |= aggregate_payloads(dense_payloads, M, slc.aggregation)
     done = _commit(reps, s, start, summed, cfg, perp_factor, embed_update)
-    dense_sq = kept_sq = 0.0
-    for n in sparse:
-        mean_e = owed[n].view(-1)
-        on = mean_e[supports[n]]
-        dense_sq, kept_sq = dense_sq + _sq(mean_e), kept_sq + _sq(on)
-        if not requantize:
-            quant_sq += _sq(on - summed[n].view(-1)[supports[n]].double())
+    mass = _support_mass(owed, supports, summed, quant_sq)
     F = values_nbytes(shapes, slc.chunk, keep, slc.quant_bits if requantize else 0, sparse) + sum(
         entry_nbytes(n, DENSE_F32, shapes[n], slc.chunk, keep, 0) for n in dense
     )
     shard = F + (indices_nbytes(shapes, slc.chunk, keep, sparse) if vote else 0)  # the owners' means (and supports)
     nbytes = RoundBytes.sharded(vote_nbytes + V, shard, M, _n_ranges(start, cfg, M))
-    return DesignRound(done.commit.embed_update, RangeMass(dense_sq, kept_sq, quant_sq), nbytes)
+    return DesignRound(done.commit.embed_update, mass, nbytes)
+
+
+def _requantize(
+    state: DesignState, s: int, summed: dict[str, Tensor], supports: Mapping[str, Tensor], bits: int
+) -> float:
+    """The owners' C = Q(Δ̄ + R) on the support written over `summed`, R = Δ̄ + R − C into `state`;
+    returns Σ ‖(Δ̄ + R − C) on S‖² (the rounding R keeps this round)."""
+    prev, quant_sq = state.agreed.get(s) or {}, 0.0
+    for n, support in supports.items():
+        a_on = (summed[n] if prev.get(n) is None else summed[n] + prev[n]).view(-1)[support]
+        summed[n], state.agreed.setdefault(s, {})[n] = requantized(summed[n], prev.get(n), support, bits)
+        quant_sq += _sq(a_on - summed[n].view(-1)[support])
+    return quant_sq
+
+
+def _support_mass(
+    owed: Mapping[str, Tensor], supports: Mapping[str, Tensor], summed: Mapping[str, Tensor], quant_sq: float | None
+) -> RangeMass:
+    """dense = ‖mean e‖², kept = its part on the support, quant = the published mean's rounding there
+    (`quant_sq`, or ‖mean e − Δ̄‖² on S when the mean is published exact)."""
+    dense_sq = kept_sq = rounding = 0.0
+    for n, support in supports.items():
+        mean_e = owed[n].view(-1)
+        on = mean_e[support]
+        dense_sq, kept_sq = dense_sq + _sq(mean_e), kept_sq + _sq(on)
+        rounding += _sq(on - summed[n].view(-1)[support].double())
+    return RangeMass(dense_sq, kept_sq, rounding if quant_sq is None else quant_sq)
 
 
 def commit_residual(
