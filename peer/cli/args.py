@@ -237,7 +237,10 @@ class SimulateArgs:
     round_rule: str = o.flag(
         "all",
         "Each stage's round: all (all-to-all, today's), ranges (range owners' shards re-sparsified to "
-        "swarm.shard_topk per tile) or exact (range owners' shards of the exact aggregate, swarm.shard = exact).",
+        "swarm.shard_topk per tile), exact (range owners' shards of the exact aggregate, swarm.shard = exact), "
+        "aligned (one agreed support per tile from the last aggregate, values only), voted (the support by the "
+        "senders' top-k votes), voted-residual (voted, 2-bit means with an agreed residual) or residual (shards of "
+        "swarm.shard_topk per tile with an agreed, undecayed residual); see peer.research.simulate.round_designs.",
         "--round",
     )
     overlap: int = o.flag(

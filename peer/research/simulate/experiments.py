@@ -48,6 +48,7 @@ from peer.research.simulate.overlap import check_overlap
 from peer.research.simulate.paper_settings import Resolved, resolve
 from peer.research.simulate.ranges import check_ranges
 from peer.research.simulate.results import perplexity, robust_rule
+from peer.research.simulate.round_designs import design_mass_line
 
 PAIRS = (("het-pp-compress", "pp-compress"), ("adamw-het-pp-compress", "adamw-pp-compress"))
 
@@ -334,7 +335,9 @@ def dropped_mass_lines(results: Sequence[ConfigResult]) -> list[str]:
     lines = []
     for r in results:
         s = r.summary()
-        if "dropped_mass_mean" in s:
+        if "dropped_mass_mean" in s and r.round_rule != "ranges":  # a design (round_designs): its own shares
+            lines.append(design_mass_line(r.name, r.seed, r.round_rule, s))
+        elif "dropped_mass_mean" in s:
             lines.append(
                 f"{r.name} s{r.seed}: the range shards dropped {s['dropped_mass_mean']:.1%} of ‖Δ̄‖² per stage round "
                 f"(mean of {len(r.dropped_mass)}; max {s['dropped_mass_max']:.1%}); error feedback returns it "

@@ -44,6 +44,7 @@ from peer.research.simulate.results import (
     new_result,
     robust_rule,
 )
+from peer.research.simulate.round_designs import DESIGN_RULES, DesignState, check_design, commit_design
 from peer.research.simulate.runtime import current
 
 
@@ -191,13 +192,21 @@ def commit_stage(
     embed_update: torch.Tensor | None,
     opts: SimOptions | None = None,
     t: int = 0,
+    design: DesignState | None = None,
 ) -> StageRound:
-    """One stage's round over all replicas, all-to-all or range by range (`SimOptions.round_rule`).
+    """One stage's round over all replicas, all-to-all, range by range or by a design of
+    `peer.research.simulate.round_designs` (`SimOptions.round_rule`; `design` holds its agreed state).
 
     Clipped mass returns to its honest sender's error buffer; a dropped contribution returns whole;
     what a range's shard drops returns to each sender (`peer.research.simulate.ranges`).
     """
     slc, opts = cfg.sparseloco, opts or SimOptions()
+    if opts.round_rule in DESIGN_RULES:
+        state = DesignState() if design is None else design
+        made = commit_design(
+            opts.round_rule, reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t, state
+        )
+        return StageRound(0, (), made.embed_update, made.mass)
     if opts.round_rule in ("ranges", "exact"):
         ranged = commit_ranges(reps, s, start, errors, pg_bytes, cfg, perp_factor, embed_update, t, opts.round_rule)
         return StageRound(ranged.clipped, (), ranged.embed_update, ranged.mass)
@@ -235,6 +244,7 @@ class DilocoRun:
     t: int = 0  # the next outer step
     rng: torch.Tensor = field(default_factory=torch.get_rng_state)
     rebase: Rebase | None = None  # overlap: round t − 1, committed, to land after t's first N inner steps
+    design: DesignState = field(default_factory=DesignState)  # a round design's agreed state (round_designs)
 
 
 def _new_diloco(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> DilocoRun:
@@ -263,6 +273,7 @@ def run_diloco(
         raise ConfigError("a run has one attack: an attacker (--attacks) or colluders, not both")
     colluding = None if opts.collusion is None else opts.collusion.strategy
     check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack or colluding)
+    check_design(opts.round_rule, cfg)
     n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
     run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, n_unc)
     torch.set_rng_state(run.rng)
@@ -305,6 +316,8 @@ def run_diloco(
         rt.save(key, run)
     result.pg_bytes = sum(run.pg_bytes) // replicas
     result.act_bytes = sum(run.act_bytes) // replicas
+    if opts.round_rule in DESIGN_RULES:
+        result.holder_bytes = (round(run.design.sent_bytes), round(run.design.down_bytes))
     return result, reps[0]
 
 
@@ -316,7 +329,9 @@ def _commit_all(
     factor = perp_decay(cfg.train, t) if opts.te_adaptation else 1.0
     embed_update = None
     for s in range(cfg.stages):
-        done = commit_stage(run.reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t)
+        done = commit_stage(
+            run.reps, s, starts[s], run.errors, run.pg_bytes, cfg, factor, embed_update, opts, t, run.design
+        )
         result.clipped += done.clipped
         result.dropped += [(t, s, m) for m in done.dropped]
         result.rounds += 1

@@ -57,11 +57,19 @@ from peer.research.simulate.replica import LocalReplica
 
 __all__ = ["ROUND_RULES", "RangeMass", "RangeShares", "RangesRound", "check_ranges", "commit_ranges", "plan_for"]
 
-ROUND_RULES = ("all", "ranges", "exact")  # "ranges": topk shards (swarm.shard_topk); "exact": exact shards
+ROUND_RULES = (
+    "all",
+    "ranges",  # topk shards (swarm.shard_topk)
+    "exact",  # exact shards
+    "aligned",
+    "voted",
+    "voted-residual",
+    "residual",
+)  # the last four: peer.research.simulate.round_designs
 
 
 def check_ranges(round_rule: str, robust: RobustConfig, attack: str | None) -> None:
-    """Refuse an unknown rule, and screening or an attack with "ranges" or "exact" (these rounds have neither)."""
+    """Refuse an unknown rule, and screening or an attack with any rule but "all" (the others have neither)."""
     if round_rule not in ROUND_RULES:
         raise ConfigError(f"--round must be one of {', '.join(ROUND_RULES)}, got {round_rule!r}")
     if round_rule != "all" and (robust.enabled or attack is not None):

@@ -62,7 +62,9 @@ class SimOptions:
     robust: RobustConfig | None = None
     attack: str | None = None  # the last replica sends this attack (peer.research.simulate.attacks) every round
     collusion: Collusion | None = None  # the last K replicas collude every round (peer.research.simulate.attacks)
-    round_rule: str = "all"  # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.research.simulate.ranges)
+    # "all": all-to-all rounds; "ranges": range-sharded rounds (peer.research.simulate.ranges); the others:
+    # peer.research.simulate.round_designs (aligned, voted, voted-residual, residual)
+    round_rule: str = "all"
     grassmann: bool = False  # Table 5c: a Riemannian step of U per outer round (peer.research.simulate.ablations)
     grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
     modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
@@ -97,6 +99,8 @@ class ConfigResult:
     round_rule: str = "all"  # SimOptions.round_rule
     overlap: int = 0  # SimOptions.overlap: N inner steps of t + 1 before round t lands (0: synchronous)
     dropped_mass: list[RangeShares] = field(default_factory=list)  # "ranges": per stage round
+    # a round design's (sent, downloaded) bytes per holder over the run (peer.research.simulate.round_designs)
+    holder_bytes: tuple[int, int] | None = None
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, loss)
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
@@ -132,6 +136,8 @@ class ConfigResult:
             quant = sum(m.quant for m in self.dropped_mass) / len(shares)
             extra |= {"dropped_mass_mean": sum(shares) / len(shares), "dropped_mass_max": max(shares)}
             extra |= {"quant_error_mean": quant}
+        if self.holder_bytes is not None:  # a round design's (sent, downloaded) per holder over the run
+            extra["holder_bytes"] = list(self.holder_bytes)
         return {k: getattr(self, k) for k in keys} | extra
 
 
