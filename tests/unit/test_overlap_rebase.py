@@ -102,7 +102,7 @@ def test_the_state_id_is_read_without_the_lock_and_never_stale():
     step: the answer comes without the lock, and a commit or a loaded state changes it at once."""
     import threading
 
-    from peer.node.stage.state import canonical_state
+    from peer.node.stage.initial import canonical_state
 
     w = _worker(0)
     before = w.state_id()

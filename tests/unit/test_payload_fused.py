@@ -14,8 +14,9 @@ import torch
 from peer.core.sparseloco.algorithm import aggregate_payloads, clip_and_aggregate, compress, decompress
 from peer.core.sparseloco.codec import fused as pf
 from peer.core.sparseloco.codec import kernels as pk
+from peer.core.sparseloco.codec.decode import entry_values
 from peer.core.sparseloco.codec.encode import LLOYD_ROUNDS, quantize
-from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig, entry_values, index_nbytes
+from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig, index_nbytes
 from peer.core.sparseloco.codec.index import layout
 
 pytest.importorskip("numba")

@@ -10,7 +10,8 @@ import torch
 
 from peer.core.model.decoder import build_stage, get_preset, stage_shapes
 from peer.core.sparseloco.algorithm import compress
-from peer.core.sparseloco.codec.format import SparseLoCoConfig, entry_values
+from peer.core.sparseloco.codec.decode import entry_values
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
 from peer.errors import ConfigError
 from peer.research.plan.command import PlanInputs, plan_rows, with_inputs
 from peer.research.plan.round import round_holders

@@ -8,7 +8,8 @@ import torch
 
 from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, compress, decompress
 from peer.core.sparseloco.codec.clip import clip_plan, payload_norm
-from peer.core.sparseloco.codec.format import PayloadError, SparseLoCoConfig, entry_values
+from peer.core.sparseloco.codec.decode import entry_values
+from peer.core.sparseloco.codec.format import PayloadError, SparseLoCoConfig
 from peer.core.sparseloco.ranges import (
     Shard,
     aggregate_range,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from peer.core.sparseloco.algorithm import compress, decompress
-from peer.core.sparseloco.codec.format import SPARSE, SparseLoCoConfig, entry_values
+from peer.core.sparseloco.codec.decode import entry_values
+from peer.core.sparseloco.codec.format import SPARSE, SparseLoCoConfig
 from peer.core.sparseloco.ranges import encode_parts, merkle_check, merkle_proof, merkle_root, plan_ranges
 
 CHUNK = 16

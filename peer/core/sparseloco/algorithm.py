@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, payload_norms
+from peer.core.sparseloco.codec.decode import add_entries, entry_values, write_entry
 from peer.core.sparseloco.codec.encode import encode_tensor
 from peer.core.sparseloco.codec.format import (
     AGGREGATIONS,
@@ -53,11 +54,8 @@ from peer.core.sparseloco.codec.format import (
     PayloadError,
     SparseLoCoConfig,
     TensorEntry,
-    add_entries,
-    entry_values,
     index_bits,
     rank_nbytes,
-    write_entry,
 )
 from peer.core.sparseloco.codec.fused import run_each
 from peer.core.sparseloco.consensus import SparseRows

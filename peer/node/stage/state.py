@@ -28,14 +28,12 @@ from typing import Any
 import torch
 
 from peer.config import RunConfig
-from peer.core.model.decoder import Decoder, build_stage
 from peer.core.model.state import check_stage_state, stage_state
 from peer.core.sparseloco.algorithm import decompress, pseudo_gradient
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import RoundCommit
 from peer.core.sparseloco.ranges import RangePlan, encode_parts
-from peer.core.subspace.compression import make_basis
-from peer.core.subspace.state import attach_subspace, initial_split, perp_of, set_perp
+from peer.core.subspace.state import perp_of, set_perp
 from peer.net.transport.messages import StateReply
 from peer.node.round.bans import Bans
 from peer.node.round.claims import Entry, Link, state_id
@@ -43,6 +41,7 @@ from peer.node.round.contribution import Contribution, bare, encoded
 from peer.node.round.ranges.shard import RangeShard
 from peer.node.stage.ahead import Ahead, cloned
 from peer.node.stage.commit import Outcome, Prev, compute, log_commit, named, own_adjustment
+from peer.node.stage.initial import canonical_state, initial_module
 from peer.node.stage.ledger import RoundLedger, make_link
 from peer.node.stage.optimizer import StageOptimizer
 from peer.node.stage.ranges import commit_ranges, parts_delta, ranges_link, returned
@@ -483,19 +482,3 @@ class StageState:
             param, perp = self.cache.hashes(self.outer_step, lambda: perp_of(self.module))
             self._published = (param, perp, state_id(param, perp, self.ledger.bans.to_record()))
             return self._published
-
-
-def initial_module(cfg: RunConfig, stage: int) -> tuple[Decoder, torch.Tensor]:
-    """The canonical initial stage (CPU) and the basis U: every weight from the seed, T_S/T⊥ split
-    by Π (docs/protocol.md, "The initial state is defined by bytes")."""
-    module = build_stage(cfg.model, stage, cfg.stages, cfg.seed)
-    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
-    w, perp = initial_split(cfg, U)
-    attach_subspace(module, w, perp)
-    return module, U
-
-
-def canonical_state(cfg: RunConfig, stage: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(θ_start, T⊥) of `stage`'s canonical initial state, recomputed (what `reset_initial` loads)."""
-    module, _ = initial_module(cfg, stage)
-    return stage_state(module), perp_of(module).detach().clone()

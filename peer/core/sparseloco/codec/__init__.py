@@ -7,6 +7,7 @@ Modules, each importing only the ones before it (no circle):
   index    chunk geometry, bit packing and the index coding of a payload
   format   the wire format (`Payload`, `TensorEntry`) and the `[sparseloco]` settings
            (`SparseLoCoConfig`) it is encoded with
+  decode   an entry's Δ̂ as receivers read it: values, positions, writes into dense accumulators
   encode   one error-feedback buffer → top-k, sign-true quantization, e − Δ̂
   clip     exactly rounded norms and clipping to the round's median norm
   scratch  reused float32 buffers (decode targets, the commit's accumulators) and who owns them

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from peer.core.sparseloco.codec.decode import values_of
 from peer.core.sparseloco.codec.exact import square_sum
-from peer.core.sparseloco.codec.format import Payload, values_of
+from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.codec.fused import run_each
 from peer.errors import ConfigError
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from peer.core.sparseloco.codec import kernels as pk
+from peer.core.sparseloco.codec.decode import entry_values
 from peer.core.sparseloco.codec.format import (
     DENSE_F32,
     DENSE_U8,
@@ -36,7 +37,6 @@ from peer.core.sparseloco.codec.format import (
     SparseLoCoConfig,
     TensorEntry,
     dequantize,
-    entry_values,
     positions,
     tile_dims,
     valid_extent,

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.clip import clip_plan, payload_norm
+from peer.core.sparseloco.codec.decode import entry_values, write_entry
 from peer.core.sparseloco.codec.encode import quantize
 from peer.core.sparseloco.codec.format import (
     DENSE_F32,
@@ -64,11 +65,9 @@ from peer.core.sparseloco.codec.format import (
     dequantize,
     entry_kind,
     entry_nbytes,
-    entry_values,
     payload_nbytes,
     positions,
     tile_dims,
-    write_entry,
 )
 from peer.core.sparseloco.codec.fused import run_each
 from peer.core.sparseloco.ranges.exact import ExactBody, ExactEntry, band_bits, encode_band, parse_body
