@@ -32,6 +32,10 @@ class NetworkError(PeerError):
     """A peer, the DHT or a gRPC call could not be reached within its deadline."""
 
 
+class ProcessGoneError(NetworkError):
+    """The background process that answers this peer's requests (the hivemind DHT) has exited."""
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """An exception's message on one line, at most `limit` characters, for quoting inside a PeerError."""
     text = " ".join(str(exc).split()) or type(exc).__name__

@@ -39,7 +39,7 @@ from peer.cli.bootstrap import bootstrap_config, dashboard_options, show_peer_id
 from peer.core.files import atomic_write_bytes
 from peer.core.memory import parse_bytes
 from peer.demo.processes import stop_on_signals
-from peer.errors import ConfigError, PeerError
+from peer.errors import ConfigError, PeerError, ProcessGoneError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer pre-training of LLMs.")
 app.add_typer(bench_app, name="bench")
@@ -237,7 +237,7 @@ def join(a: JoinArgs) -> None:
     from peer.net.dht import load_swarm_secret
     from peer.node.link_config import build_link_config
     from peer.node.replica.ranks import run_join  # torchrun: one full replica over its processes
-    from peer.node.session import SessionOptions, usable_data_dir
+    from peer.node.session import SessionOptions, dht_exited, usable_data_dir
     from peer.node.trainer import data_dir_default
 
     role = join_role(a.stage, a.full_replica, a.device, a.precision)
@@ -267,8 +267,10 @@ def join(a: JoinArgs) -> None:
     with stop_on_signals(stop):
         try:
             code = run_join(opts, a.stage, stop)
-        except PeerError:
+        except PeerError as exc:
             if not stop.is_set():
+                if isinstance(exc, ProcessGoneError):  # the same line whichever DHT wait noticed first
+                    raise dht_exited(opts.data_dir) from None
                 raise
             code = 0  # asked to leave (SIGINT/SIGTERM) while waiting: records withdrawn, a clean exit
     raise typer.Exit(code)

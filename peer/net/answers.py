@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from peer.errors import NetworkError
+from peer.errors import NetworkError, ProcessGoneError
 
 __all__ = ["FROZEN_S", "MIN_WAIT_S", "POLL_S", "await_answer"]
 
@@ -55,7 +55,7 @@ def await_answer(
 ) -> Any:
     """future.result() within `timeout_s` (at least MIN_WAIT_S), once more within max(timeout_s,
     `retry_s`) if the wait overslept (frozen); NetworkError "<what> got no answer …; <hint>", or
-    "<what>: <gone>" as soon as `alive()` turns False."""
+    ProcessGoneError "<what>: <gone>" as soon as `alive()` turns False."""
     timeout_s = max(MIN_WAIT_S, timeout_s)
     started = time.monotonic()
     try:
@@ -69,7 +69,7 @@ def await_answer(
     # cancelling races hivemind's delivery thread (the answer of a frozen wait arrives as it times
     # out), which then logs a traceback of its own
     except _Gone as e:
-        raise NetworkError(f"{what}: {gone}") from e
+        raise ProcessGoneError(f"{what}: {gone}") from e
     except TimeoutError as e:
         raise NetworkError(f"{what} got no answer within {timeout_s:.0f} s; {hint}") from e
     except Exception as e:

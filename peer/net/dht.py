@@ -48,7 +48,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peer.errors import ConfigError, NetworkError
+from peer.errors import ConfigError, NetworkError, ProcessGoneError
 from peer.net import unreachable
 from peer.net.addresses import check_initial_peer, listen_maddr
 from peer.net.admission import (
@@ -305,7 +305,7 @@ class SwarmDHT:
         if self._closed:
             raise RuntimeError("this SwarmDHT was shut down")
         if not self._dht.is_alive():
-            raise NetworkError(_GONE)
+            raise ProcessGoneError(_GONE)
 
     def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None, timeout_s: float | None) -> None:
         """Store with a later expiration than any before it; up to 3 attempts under one deadline.

@@ -337,10 +337,7 @@ class Session:
         Every DHT wait would then time out forever and the peer would look alive while doing
         nothing; the error ends the role (the CLI prints it, exit 2) so a supervisor restarts it."""
         if not self.dht.alive:
-            raise PeerError(
-                "the hivemind DHT process of this peer exited, so it can no longer reach the swarm; "
-                f"start `peer join` again (add --resume to continue from {self.opts.data_dir / 'checkpoints'})"
-            )
+            raise dht_exited(self.opts.data_dir)
 
     # ------------------------------------------------------------------ the swarm around us
     def wait_for_quorum(self, t: int, stop: threading.Event) -> None:
@@ -387,6 +384,15 @@ class Session:
             out |= {pid for pid, rec in self.dht.get_stage_peers(s).items() if stage(rec)}
         out.discard(self.peer_id)
         return sorted(out)
+
+
+def dht_exited(data_dir: Path) -> PeerError:
+    """The one error a role ends with once its hivemind DHT process has exited (killed, crashed),
+    whichever wait noticed it first; the CLI prints it and exits 2 so a supervisor restarts the peer."""
+    return PeerError(
+        "the hivemind DHT process of this peer exited, so it can no longer reach the swarm; "
+        f"start `peer join` again (add --resume to continue from {data_dir / 'checkpoints'})"
+    )
 
 
 def usable_data_dir(path: Path) -> Path:
