@@ -69,6 +69,21 @@ def _finish(sw, names) -> None:
     for name in names:
         rc = sw.wait_exit(name)
         assert rc == 0, f"{name} exited {rc}\n{sw.log(name)}"
+    for name in names:
+        _moved_every_round(sw, name)
+
+
+def _moved_every_round(sw, name: str) -> None:
+    """Every round a peer records moved its stages' θ_start: one recording the hash of the round
+    before read an id left stale by its commit (a commit that waited for a pending micro-batch while
+    trained ahead), and then claimed and linked the wrong state."""
+    rounds = sw.rounds(name)
+    for t in sorted(rounds):
+        if t - 1 not in rounds:
+            continue
+        for s, now in rounds[t]["stages"].items():
+            before = rounds[t - 1]["stages"].get(s)
+            assert before is None or now["param_hash"] != before["param_hash"], (name, s, t, sw.log(name))
 
 
 def _export(sw, name: str, *args: str) -> None:

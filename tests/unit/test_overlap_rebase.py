@@ -8,6 +8,8 @@ drops that progress.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from peer.config import build_config
@@ -119,3 +121,46 @@ def test_the_state_id_is_read_without_the_lock_and_never_stale():
     start, perp = canonical_state(w.cfg, 0)
     w.load_state_dict({"outer_step": 0, "start": start, "perp": perp})
     assert w.state_id() == before
+
+
+class _Watched(threading.Condition):
+    """The stage's `settled` condition, telling when a thread waits on it (the lock released)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_a_commit_waiting_for_a_pending_micro_batch_never_leaves_stale_ids():
+    """Trained ahead, a commit waits for the pipeline's pending micro-batch (the lock released): a
+    record refresh reading the state id meanwhile must not leave the old ids published after the
+    commit (a head then claimed, recorded and linked its next round from the state before)."""
+    sync, w = _worker(), _worker()
+    for x in (sync, w):
+        _nudge(x, 1)
+    others = _others(0)
+    mine_sync, mine = sync.contribution("r0"), w.contribution("r0")
+    sync.commit_round([mine_sync, *others], None)
+    w.begin_overlap()
+    w.settled = watched = _Watched(w.lock)
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    w.forward(("pipeline", 0), tokens, None, None)  # outer step 1's micro-batch, its graph pending
+    before = w.state_id()
+    committer = threading.Thread(target=lambda: w.commit_round([mine, *others], None))
+    committer.start()
+    assert watched.waiting.wait(timeout=30)  # the commit waits for the micro-batch, the lock released
+    assert w.state_id() == before  # a reader meanwhile: the state before the commit
+    w.drop_pending()
+    committer.join(timeout=30)
+    assert not committer.is_alive() and w.outer_step == 1
+    assert (w.state_id(), w.param_hash()) == (sync.state_id(), sync.param_hash())
+    assert w.ledger.link is not None and w.ledger.link.state == sync.state_id()
+    assert w.end_overlap()
+    for x in (sync, w):  # the next round, from the committed state: its link says so
+        x.commit_round(others, None)
+    assert w.ledger.link.prev == sync.ledger.link.prev
+    assert w.state_id() == sync.state_id()

@@ -123,6 +123,12 @@ class StageState:
     def _written(self) -> None:
         """The parameters changed outside an optimizer step (a worker drops its weight casts)."""
 
+    def _settle(self) -> None:
+        """Under the lock, trained ahead: `_wait_settled` before the committed state is read to be
+        replaced (the wait releases the lock; from its end the lock is held through the change)."""
+        if self.ahead is not None:
+            self._wait_settled()
+
     def _wait_settled(self) -> None:
         """Under the lock: wait until no pending micro-batch holds the parameters, so they can be
         written in place; past two RPC deadlines the inner step's micro-batches are dropped (the
@@ -203,6 +209,7 @@ class StageState:
             self.cfg, self.stage, self.U, t, start, perp, ledger.bans, plan, replicas, parsed, embed_update
         )
         with self.lock:
+            self._settle()  # first: its wait releases the lock, and the state is checked after it
             self._still_at(t)
             own = ledger.last_parts
             adjustment = returned(own[1], self.start, own[2], position, parsed) if own is not None else None
@@ -253,6 +260,7 @@ class StageState:
             t, start, perp, ledger = self.outer_step, self.start, self._perp_cpu(), self.ledger
         out = compute(self.cfg, self.stage, self.U, t, start, perp, ledger.bans, *named(committed), embed_update)
         with self.lock:
+            self._settle()  # first: its wait releases the lock, and the state is checked after it
             self._still_at(t)
             adjustment = own_adjustment(ledger.last_contribution, out, committed)
             prev = Prev(t, start, perp, ledger.bans, self.state_id(), adjustment, ledger.last_contribution)
@@ -278,6 +286,7 @@ class StageState:
         state, bans and link become its own; our error buffer gives back what our commit took from
         our payload and takes what `out` takes instead."""
         with self.lock:
+            self._settle()
             prev = self.ledger.prev
             if prev is None or out.t != prev.t or self.outer_step != prev.t + 1:
                 raise ValueError(f"stage {self.stage}: no commit of round {out.t} to replace")
@@ -295,12 +304,14 @@ class StageState:
 
     def _install(self, out: Outcome, link: Link) -> None:
         """Make a computed commit our state (under the lock): parameters, T⊥, θ_start, bans, link.
-        Trained ahead (overlap), the local parameters are rebased onto it instead (`Ahead`)."""
+        Trained ahead (overlap), the local parameters are rebased onto it instead (`Ahead`).
+        The wait for a pending micro-batch releases the lock: a reader may publish the old ids
+        meanwhile, so they are cleared after it, the lock held from there to the new state."""
         done = out.committed
+        self._settle()
         self._published = None
         with torch.no_grad():
             if self.ahead is not None:
-                self._wait_settled()
                 self.ahead.rebase(self.module, done.params)
             else:
                 params = dict(self.module.named_parameters())
@@ -449,6 +460,7 @@ class StageState:
         """Install `out`, a checked commit of the current round computed by `replay`, as an observer
         (nothing of ours was in the round); the state stays as verified as it was."""
         with self.lock:
+            self._settle()
             if out.t != self.outer_step:
                 raise ValueError(
                     f"stage {self.stage}: a commit of round {out.t} does not follow outer step {self.outer_step}"
