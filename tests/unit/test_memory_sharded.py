@@ -153,3 +153,5 @@ def test_the_cli_prints_per_rank_memory_and_the_fewest_ranks(tmp_path):
     assert data["ranks"] == rank_rows(1, 2048, "1/8", 4, True) and data["fit"] == fit_rows(1, 2048, "1/8")
     plain = CliRunner().invoke(app, ["plan", "--memory", "--json", str(out)])
     assert plain.exit_code == 0 and "ranks" not in json.loads(out.read_text()) and "which presets fit" in plain.output
+    alone = CliRunner().invoke(app, ["plan", "--ranks", "4", "--sharded"])
+    assert isinstance(alone.exception, ConfigError) and "pass them with --memory" in str(alone.exception)
