@@ -177,6 +177,13 @@ def estimate_replica(
     )
 
 
+def stage_buffers(cfg: ModelConfig, k: int | None, copies: int = 1) -> int:
+    """`copies` stages' buffers: T⊥ (V·d), U (d·k; k None: d/8) and the RoPE tables, float32."""
+    d = cfg.d_model
+    width = k if k is not None else max(1, d // 8)
+    return copies * F32 * (cfg.vocab_size * d + d * width + 2 * cfg.max_seq_len * cfg.head_dim)
+
+
 def _holder(
     label: str,
     cfg: ModelConfig,
@@ -191,10 +198,8 @@ def _holder(
     copies: int = 1,
 ) -> StageMemory:
     """The state of P parameters plus `copies` stages' buffers (T⊥, U, RoPE) and the given transients."""
-    d = cfg.d_model
-    width = k if k is not None else max(1, d // 8)
-    perp = F32 * cfg.vocab_size * d
-    buffers = copies * (perp + F32 * (d * width + 2 * cfg.max_seq_len * cfg.head_dim))
+    perp = F32 * cfg.vocab_size * cfg.d_model
+    buffers = stage_buffers(cfg, k, copies)
     per_mb, stashed = activations
     return StageMemory(
         label=label,

@@ -46,7 +46,7 @@ import functools
 import math
 
 from peer.core.memory.activations import F32, MicroBatch, compute_bytes, stash_bytes, workspace_bytes
-from peer.core.memory.estimate import StageMemory, round_transients
+from peer.core.memory.estimate import StageMemory, round_transients, stage_buffers
 from peer.core.model.decoder import ModelConfig, stage_shapes
 
 MAX_RANKS = 512  # the most ranks a search for the fewest that fit tries (`peer plan --memory`, the join)
@@ -106,9 +106,7 @@ def estimate_sharded_replica(
     mb = MicroBatch(cfg, microbatch_size, seq_len, precision)
     P, stage_P, matmuls, largest, unit = replica_shards(cfg, n_stages, ranks)
     c = compute_bytes(precision)
-    d = cfg.d_model
-    width = k if k is not None else max(1, d // 8)
-    perp = F32 * cfg.vocab_size * d
+    perp = F32 * cfg.vocab_size * cfg.d_model
     per_mb = stash_bytes(mb, cfg.n_layers, True, checkpointing)
     return StageMemory(
         label=(f"each of {ranks} sharded ranks" if ranks > 1 else "one sharded rank")
@@ -116,7 +114,7 @@ def estimate_sharded_replica(
         weights=F32 * P,
         gradients=F32 * P,
         optimizer=2 * F32 * P,
-        buffers=n_stages * (perp + F32 * (d * width + 2 * cfg.max_seq_len * cfg.head_dim)),
+        buffers=stage_buffers(cfg, k, n_stages),
         start=F32 * P,
         prev=F32 * P + n_stages * perp,
         errors=F32 * P,
