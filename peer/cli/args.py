@@ -293,6 +293,17 @@ class PlanArgs:
     )
     json_out: Path | None = o.flag(None, "Write the table as JSON.", "--json")
     memory: bool = o.flag(False, "Peak memory per stage for every preset and stage count instead.", "--memory")
+    ranks: int = o.flag(
+        1,
+        "With --memory: per-rank memory of a full replica over this many ranks (torchrun --nproc-per-node N); "
+        "DDP, every rank the whole replica, unless --sharded.",
+    )
+    sharded: bool = o.flag(
+        False,
+        "With --memory: the ranks shard the replica (FSDP2, planned by issue 40: a memory plan only, the replica "
+        "that runs is DDP).",
+        "--sharded",
+    )
     recommend: bool = o.flag(
         False,
         "Per bandwidth, the pipeline mode (uncompressed, or the least compression) that reaches --target-util, "

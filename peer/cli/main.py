@@ -107,6 +107,8 @@ def plan(a: PlanArgs) -> None:
     from peer.cli.plan import plan_command
 
     args = dataclasses.asdict(a)
+    if (a.ranks != 1 or a.sharded) and not a.memory:
+        raise ConfigError("--ranks and --sharded size a full replica's memory per rank: pass them with --memory")
     if a.memory:  # the memory table (peer.research.plan.memory) for the same micro-batch flags
         from peer.cli.plan import plan_memory_command
 

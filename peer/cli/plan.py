@@ -2,7 +2,8 @@
 
 Two tables (per pipeline and bandwidth; the round's bytes per stage holder), Fig. 2 (utilisation,
 one curve per k/d) at the `--png` path, Fig. 3 (wall-clock of `--tokens`) beside it, and the
-`--json` file; with `--memory`, one table of `peer.research.plan.memory`'s rows instead.
+`--json` file; with `--memory`, one table of `peer.research.plan.memory`'s rows (or with `--ranks N` /
+`--sharded`, per rank of a full replica: `peer.research.plan.ranks`) and the fewest sharded ranks per GPU size instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rich.table import Table
 
 from peer.cli.plots import plot_utilisation, plot_wallclock, wallclock_png
 from peer.cli.render import human_bytes
-from peer.core.memory import format_bytes
+from peer.core.memory import MAX_RANKS, format_bytes
 from peer.research.plan.command import plan
 from peer.research.plan.figures import by_k_ratio
 from peer.research.plan.memory import MODES, mode_name, plan_memory
@@ -127,11 +128,17 @@ def plan_memory_command(
     json_out: Path | None,
     write_json: Callable[[Path, dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
-    """`peer plan --memory`: the table for the flags' micro-batch shape, and the JSON file."""
+    """`peer plan --memory`: the per-stage table (with `--ranks N` / `--sharded`: per rank of a full
+    replica instead), the fewest sharded ranks per GPU size, and the JSON file."""
+    from peer.research.plan.ranks import plan_ranks
+
     inputs, rows = plan_memory(args)
-    out(memory_table(rows, inputs["microbatch_size"]))
+    replica, per_rank, fit = plan_ranks(args)
+    out(memory_table(rows, inputs["microbatch_size"]) if per_rank is None else rank_table(per_rank, replica))
+    out(fit_table(fit, inputs["microbatch_size"]))
     if json_out:
-        write_json(json_out, {"inputs": inputs, "rows": rows})
+        ranks = {} if per_rank is None else {"ranks": per_rank}
+        write_json(json_out, {"inputs": {**inputs, **replica}, "rows": rows, **ranks, "fit": fit})
         out(f"results: {json_out}")
     return rows
 
@@ -150,6 +157,50 @@ def memory_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
         table.add_row(
             r["model"], str(r["stages"]), str(r["seq_len"]), str(r["in_flight"]), *modes, format_bytes(r["host"])
         )
+    return table
+
+
+def rank_table(rows: list[dict[str, Any]], replica: Mapping[str, Any]) -> Table:
+    """Per preset, one rank's GPU memory per mode of a full replica over `--ranks` ranks."""
+    N, sharded = replica["ranks"], replica["sharded"]
+    kind = "sharded over them (FSDP2, planned: issue 40)" if sharded else "DDP (every rank the whole replica)"
+    table = Table(
+        title=f"peer plan --memory --ranks {N}: GPU memory per rank of a full replica of {N} "
+        f"rank{'s' if N > 1 else ''}, {kind}, {replica['microbatch_size']} seq per micro-batch",
+        caption="a one-stage run (S stages: S − 1 more copies of T⊥ per rank); host: RAM beside each rank's GPU"
+        + (" (its shard of θ_start, the error buffer and the round)" if sharded else ""),
+    )
+    for col in ("model", "seq", *(mode_name(p, c) for p, c in MODES), "host"):
+        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
+    for r in rows:
+        modes = [format_bytes(r[mode_name(p, c)]) for p, c in MODES]
+        table.add_row(r["model"], str(r["seq_len"]), *modes, format_bytes(r["host"]))
+    return table
+
+
+def fit_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
+    """Per preset and mode: DDP's per-rank GPU memory and the devices it fits, and the fewest
+    sharded ranks that fit each GPU size (`peer.research.plan.ranks.fit_rows`)."""
+    from peer.research.plan.ranks import DEVICES_GIB, FIT_MODES
+
+    table = Table(
+        title=f"which presets fit on which GPUs, and how many ({microbatch_size} seq per micro-batch per rank)",
+        caption="DDP (runs today): every rank holds the whole replica; sharded: the fewest FSDP2 ranks (planned "
+        "by issue 40, a memory plan only) whose per-rank memory fits the GPU; —: none up to "
+        f"{MAX_RANKS}; GiB of the GPU's own memory, nothing kept back",
+    )
+    for col in ("model", "mode", "DDP per rank", "DDP fits", *(f"sharded {g} GiB" for g in DEVICES_GIB)):
+        table.add_column(col, justify="left" if col in ("model", "mode", "DDP fits") else "right", no_wrap=True)
+    for n, r in enumerate(rows):
+        if n:
+            table.add_section()
+        for p, c in FIT_MODES:
+            mode = mode_name(p, c)
+            ddp = r["ddp " + mode]
+            fits = [f"{g} GiB" for g in DEVICES_GIB if ddp <= g * 2**30]
+            ranks = [r[f"{mode} {g}GiB"] for g in DEVICES_GIB]
+            cells = ["—" if k is None else str(k) for k in ranks]
+            table.add_row(r["model"], mode, format_bytes(ddp), ", ".join(fits) or "none", *cells)
     return table
 
 

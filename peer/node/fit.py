@@ -7,6 +7,11 @@ MemAvailable through psutil). A stage that does not fit is a one-line `ConfigErr
 what would make it fit, each with its estimate: fewer micro-batches in flight, activation
 checkpointing, bf16, or another stage.
 
+A full replica over N ranks is checked per rank. DDP (what runs today) holds the whole replica on
+every rank, whatever N; a sharded replica (`sharded=True`, FSDP2 ranks planned by issue 40,
+`peer.core.memory.sharded`) holds 1/N of its state per rank, and the smallest rank count that fits
+is one more remedy.
+
 The precision is the one `peer join` computes in (`peer.core.model.precision.resolve_precision`: `auto`
 is bf16 on a GPU that supports it, fp32 elsewhere).
 """
@@ -21,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from peer.config import RunConfig
-from peer.core.memory import StageMemory, estimate_replica, estimate_stage, format_bytes
+from peer.core.memory import (
+    MAX_RANKS,
+    StageMemory,
+    estimate_replica,
+    estimate_sharded_replica,
+    estimate_stage,
+    format_bytes,
+)
 from peer.core.model.precision import resolve_precision
 from peer.errors import ConfigError
 from peer.node.pipeline.schedule import MAX_STASH, with_in_flight
@@ -34,12 +46,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Ask:
-    """What a joining peer would hold: a stage (None: a full replica) in a mode."""
+    """What a joining peer would hold: a stage (None: a full replica, on each of `ranks` ranks,
+    sharded over them or whole on each) in a mode."""
 
     stage: int | None
     in_flight: int
     precision: str
     checkpointing: bool
+    ranks: int = 1
+    sharded: bool = False
 
 
 def largest_window(cfg: RunConfig) -> int:
@@ -64,6 +79,8 @@ def estimate(cfg: RunConfig, ask: Ask, device_kind: str) -> StageMemory:
         "replicas": max(2, cfg.swarm.min_replicas),
         "device_kind": device_kind,
     }
+    if ask.stage is None and ask.sharded:
+        return estimate_sharded_replica(cfg.model, cfg.stages, ranks=ask.ranks, **shape)
     if ask.stage is None:
         return estimate_replica(cfg.model, cfg.stages, **shape)
     return estimate_stage(cfg.model, ask.stage, cfg.stages, in_flight=ask.in_flight, **shape)
@@ -80,18 +97,35 @@ def free_memory(device: str) -> tuple[int, int]:
     return host, host
 
 
-def check_join(cfg: RunConfig, stage: int | None, opts: SessionOptions) -> StageMemory:
+def check_join(
+    cfg: RunConfig, stage: int | None, opts: SessionOptions, ranks: int = 1, sharded: bool = False
+) -> StageMemory:
     """`check_fit` with `peer join`'s options (the device already resolved from "auto")."""
     cfg = with_in_flight(cfg, opts.in_flight)
-    return check_fit(cfg, stage, opts.device, opts.precision, opts.activation_checkpointing, opts.max_memory)
+    return check_fit(
+        cfg, stage, opts.device, opts.precision, opts.activation_checkpointing, opts.max_memory, ranks, sharded
+    )
 
 
 def check_fit(
-    cfg: RunConfig, stage: int | None, device: str, precision: str, checkpointing: bool, max_memory: int | None
+    cfg: RunConfig,
+    stage: int | None,
+    device: str,
+    precision: str,
+    checkpointing: bool,
+    max_memory: int | None,
+    ranks: int = 1,
+    sharded: bool = False,
 ) -> StageMemory:
-    """Log the estimate; a one-line ConfigError naming the remedies when it does not fit."""
+    """Log the estimate; a one-line ConfigError naming the remedies when it does not fit. `ranks`,
+    `sharded`: a full replica's ranks and whether they shard it (per rank; DDP: the whole replica)."""
+    if ranks < 1:
+        raise ConfigError(f"a replica needs at least one rank, got {ranks}")
+    if sharded and stage is not None:
+        raise ConfigError(f"stage {stage} is one process: only a full replica is sharded over ranks")
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    ask = Ask(stage, largest_window(cfg) if stage != cfg.stages - 1 else 1, precision, checkpointing)
+    window = largest_window(cfg) if stage != cfg.stages - 1 else 1
+    ask = Ask(stage, window, precision, checkpointing, ranks, sharded)
     need = estimate(cfg, ask, kind)
     device_free, host_free = free_memory(device)
     budget = max_memory if max_memory is not None else device_free
@@ -118,6 +152,7 @@ def describe(cfg: RunConfig, need: StageMemory) -> str:
         ("error buffer", need.errors),
         ("T⊥/U", need.buffers),
         *([("bf16/fp16 weight copy", need.casts)] if need.casts else []),
+        *([("all-gathered unit", need.gathered)] if need.gathered else []),
     ]
     acts = f"activations {format_bytes(need.per_microbatch)} × {need.stashed} in flight"
     shown = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts)
@@ -151,4 +186,9 @@ def remedies(cfg: RunConfig, ask: Ask, kind: str, budget: int) -> list[str]:
         need = fits(dataclasses.replace(ask, stage=s, in_flight=window))
         if need is not None:
             found.append(f"--stage {s} (~{format_bytes(need)})")
+    if ask.sharded:  # the fewest ranks (each a device like this one) that hold it
+        for n in range(ask.ranks + 1, MAX_RANKS + 1):
+            if (need := fits(dataclasses.replace(ask, ranks=n))) is not None:
+                found.append(f"{n} sharded ranks (~{format_bytes(need)} each)")
+                break
     return found

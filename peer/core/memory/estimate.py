@@ -42,7 +42,7 @@ from peer.core.memory.activations import (
 from peer.core.model.decoder import ModelConfig, stage_layers, stage_shapes
 
 
-def _round_bytes(cfg: ModelConfig, P: int, replicas: int) -> int:
+def round_transients(cfg: ModelConfig, P: int, replicas: int) -> int:
     """A round's host transients: encoding holds a clone of θ and Δ (2·P; the error buffer is
     updated in place), then the commit holds every decoded payload, the committed state before it
     replaces θ_start ((replicas + 1)·P) and a CPU copy of T⊥ (measured: `peer bench memory`)."""
@@ -68,6 +68,7 @@ class StageMemory:
     workspace: int  # the backward's transient peak (with checkpointing: one block's recompute in it)
     round: int  # a round's transients (host)
     on_cuda: bool = False
+    gathered: int = 0  # a sharded rank: the all-gathered largest unit and its gradient (`peer.core.memory.sharded`)
 
     @property
     def state(self) -> int:
@@ -76,7 +77,7 @@ class StageMemory:
 
     @property
     def inner_step(self) -> int:
-        return self.state + self.gradients + self.casts + self.activations + self.workspace
+        return self.state + self.gradients + self.casts + self.gathered + self.activations + self.workspace
 
     @property
     def device(self) -> int:
@@ -140,7 +141,7 @@ def estimate_stage(
         casts=cast_bytes(cfg, precision, len(layers), has_head),
         activations=(per_mb, stashed),
         workspace=workspace_bytes(mb, has_embed, has_head, largest, checkpointing),
-        round_bytes=_round_bytes(cfg, P, replicas),
+        round_bytes=round_transients(cfg, P, replicas),
         on_cuda=device_kind == "cuda",
     )
 
@@ -170,10 +171,17 @@ def estimate_replica(
         casts=cast_bytes(cfg, precision, cfg.n_layers, True),
         activations=(stash_bytes(mb, cfg.n_layers, True, checkpointing), 1),
         workspace=workspace_bytes(mb, True, True, max(lg for _, lg in counts), checkpointing),
-        round_bytes=_round_bytes(cfg, max(p for p, _ in counts), replicas),
+        round_bytes=round_transients(cfg, max(p for p, _ in counts), replicas),
         on_cuda=device_kind == "cuda",
         copies=n_stages,
     )
+
+
+def stage_buffers(cfg: ModelConfig, k: int | None, copies: int = 1) -> int:
+    """`copies` stages' buffers: T⊥ (V·d), U (d·k; k None: d/8) and the RoPE tables, float32."""
+    d = cfg.d_model
+    width = k if k is not None else max(1, d // 8)
+    return copies * F32 * (cfg.vocab_size * d + d * width + 2 * cfg.max_seq_len * cfg.head_dim)
 
 
 def _holder(
@@ -190,10 +198,8 @@ def _holder(
     copies: int = 1,
 ) -> StageMemory:
     """The state of P parameters plus `copies` stages' buffers (T⊥, U, RoPE) and the given transients."""
-    d = cfg.d_model
-    width = k if k is not None else max(1, d // 8)
-    perp = F32 * cfg.vocab_size * d
-    buffers = copies * (perp + F32 * (d * width + 2 * cfg.max_seq_len * cfg.head_dim))
+    perp = F32 * cfg.vocab_size * cfg.d_model
+    buffers = stage_buffers(cfg, k, copies)
     per_mb, stashed = activations
     return StageMemory(
         label=label,
