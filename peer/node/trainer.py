@@ -266,7 +266,7 @@ class _Head:
 
     def pause(self, t: int, exc: NetworkError) -> None:
         """Free the pipeline; re-sync at once when a stage peer is ahead of us (`PipelineBehind`)."""
-        self.worker.zero_grad()
+        self.worker.restart_outer_step()  # else stage 0 refuses the restarted inner step 0 as stale
         self.driver.release()
         if isinstance(exc, PipelineBehind):
             self.session.resync.maintain(self.worker, max_lag=0)

@@ -124,3 +124,18 @@ def test_a_stage_ahead_for_an_earlier_head_process_names_its_inner_step_in_the_r
     assert from_refusal(refusal, t=0, h=2, reason="stale").action is Action.REPLAY  # not ahead: replay
     # a later attempt of the same inner step is never refused: the replay restarts it on the stage
     assert worker.forward(("p", 0), tokens, hidden, targets, epoch=(2, 10**12), window=4).loss is not None
+
+
+def test_a_head_paused_mid_outer_step_admits_its_own_restart_at_inner_step_0():
+    """A head that pauses at inner step 2 starts the outer step over at inner step 0 with a new attempt;
+    its own stage 0 must take it (before, the gate kept (t, 2, …) and refused every restart as stale:
+    the head retried forever). A stage that did not restart still refuses it, as above. (The gate is
+    the same at every stage; stage 1's takes the test's compressed inputs.)"""
+    head = StageWorker(_cfg(), 1, compressed=True)
+    tokens, hidden, targets = _inputs(head.cfg, 2, 0)
+    head.forward(("p", 0), tokens, hidden, targets, epoch=(2, 5), window=4)
+    with pytest.raises(StaleMicrobatch):
+        head.forward(("p", 0), tokens, hidden, targets, epoch=(0, 6), window=4)
+    head.restart_outer_step()  # `_Head.pause`
+    assert head.forward(("p", 0), tokens, hidden, targets, epoch=(0, 6), window=4).loss is not None
+    assert head.gate.epoch == (head.train_step, 0, 6)

@@ -311,6 +311,13 @@ class StageWorker(StageState):
         with self.lock:
             self._reset_step()
 
+    def restart_outer_step(self) -> None:
+        """A head paused mid outer step and starts it over at inner step 0 with a new attempt: forget
+        the step's gradients and the epoch, which its own restarted micro-batches would find stale."""
+        with self.lock:
+            self._reset_step()
+            self.gate.forget()
+
     def _reset_step(self) -> None:
         """Forget the current inner step's gradients and pending activations."""
         self._weights_due = None
