@@ -103,11 +103,30 @@ def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_name
         sessions.append(joiner)
         with pytest.raises(NetworkError, match="round 0: no holder published a link"):  # named, but lying
             _joiner_resync(joiner, cfg, (forger.peer_id,)).sync_state(StageWorker(cfg, STAGE), "late join", wait_s=0)
+        # a joining peer tries again for a bounded time, each failure logged, and at once gives up when asked to leave
+        quick = dataclasses.replace(
+            cfg, swarm=dataclasses.replace(cfg.swarm, round_timeout_s=0.4, announce_interval_s=0.1)
+        )
+        liar = _joiner_resync(joiner, quick, (forger.peer_id,))
+        started = time.monotonic()
+        with pytest.raises(
+            NetworkError, match=r"round 0: no holder published a link.*gave up joining after ([2-9]|\d\d) tries"
+        ):
+            liar.late_join(w := StageWorker(cfg, STAGE))
+        assert time.monotonic() - started < 15.0  # JOIN_WAIT_ROUNDS (6) round deadlines of 0.4 s, and one try past them
+        assert w.outer_step == 0 and w.verified  # a state that failed its check is never kept
+        liar.stop.set()
+        started = time.monotonic()
+        with pytest.raises(NetworkError, match="asked to leave"):
+            liar.late_join(StageWorker(cfg, STAGE))
+        assert time.monotonic() - started < 1.0
+        served = handler.stats()["states_served"]  # the lie (it points here, with another state id), each try
+        assert served >= 3
         resync = _joiner_resync(joiner, cfg, (att_dht.peer_id,))
         worker = StageWorker(cfg, STAGE)
         assert resync.sync_state(worker, "late join", wait_s=0)
         assert worker.outer_step == ROUNDS and worker.state_id() == history.state(STAGE) and worker.verified
-        assert handler.stats()["states_served"] == 2  # the lie (it points here, with another state id), then ours
+        assert handler.stats()["states_served"] == served + 1  # ours
 
         again = Attester(cfg, att_dht, clients, servers[-1].address, tmp_path / "attest")  # a restart
         assert again.stages[STAGE].outer_step == ROUNDS and again.stages[STAGE].verified
