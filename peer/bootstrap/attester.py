@@ -74,6 +74,7 @@ class Attester:
         self.stuck: dict[int, str] = {}  # stage → why it cannot follow now
         self._warned_at: dict[int, float] = {}
         self.last: dict[int, Replayed] = {}
+        self._rewound: dict[tuple[int, str], float] = {}  # (stage, state) gone back from → not again before
         for s, state in self.stages.items():
             self._resume(s, state)
 
@@ -137,13 +138,14 @@ class Attester:
         round t was committed from another state and a link of the round before goes on from there;
         the next replay takes the link that reaches further (`Replayer.step`). True when it went back."""
         t, held, prev = state.outer_step, state.state_id(), state.ledger.prev
-        if prev is None or prev.t != t - 1:
-            return False
+        if prev is None or prev.t != t - 1 or time.monotonic() < self._rewound.get((s, held), 0.0):
+            return False  # a further link failed its check from here a moment ago: not every poll
         links = self.dht.get_round("chain", t, s, parse_chain)
         if not links or any(link.prev == held for link in links.values()):
             return False  # round t not committed yet, or a link of it goes on from our state
         if not self.replayer.has_links_from(prev.t, s, prev.state) or not state.rewind():
             return False
+        self._rewound[(s, held)] = time.monotonic() + WARN_EVERY_S
         log.info(
             "attester: stage %d back at outer step %d: round %d went on from another state than %s", s, prev.t, t, held
         )
