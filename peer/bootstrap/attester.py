@@ -48,7 +48,7 @@ from peer.net.transport.messages import PayloadKind, PayloadRequest, StateReply
 from peer.node.round.claims import swarm_clock
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
-from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead
+from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead, parse_chain
 from peer.node.round.verify import SetFetcher
 from peer.node.stage.state import StageState
 
@@ -74,6 +74,7 @@ class Attester:
         self.stuck: dict[int, str] = {}  # stage → why it cannot follow now
         self._warned_at: dict[int, float] = {}
         self.last: dict[int, Replayed] = {}
+        self._rewound: dict[tuple[int, str], float] = {}  # (stage, state) gone back from → not again before
         for s, state in self.stages.items():
             self._resume(s, state)
 
@@ -111,6 +112,8 @@ class Attester:
         if state.outer_step > clock:
             return
         done = self.replayer.run(state, clock + 1)
+        if not done.rounds and state.outer_step < clock and self._rewind(s, state):
+            done = self.replayer.run(state, clock + 1)
         self.last[s] = done
         if done.rounds:
             log.debug("attester: stage %d at outer step %d (state %s)", s, state.outer_step, state.state_id())
@@ -127,6 +130,26 @@ class Attester:
                 clock,
                 done.stopped,
             )
+
+    def _rewind(self, s: int, state: StageState) -> bool:
+        """Our last replayed round was overtaken: its holders switched to another set of it (a
+        RECONCILE switch republishes the round's link) and went on from that state, so no link goes
+        on from ours. Back to the state it was replayed from (`StageState.rewind`, one round), when
+        round t was committed from another state and a link of the round before goes on from there;
+        the next replay takes the link that reaches further (`Replayer.step`). True when it went back."""
+        t, held, prev = state.outer_step, state.state_id(), state.ledger.prev
+        if prev is None or prev.t != t - 1 or time.monotonic() < self._rewound.get((s, held), 0.0):
+            return False  # a further link failed its check from here a moment ago: not every poll
+        links = self.dht.get_round("chain", t, s, parse_chain)
+        if not links or any(link.prev == held for link in links.values()):
+            return False  # round t not committed yet, or a link of it goes on from our state
+        if not self.replayer.has_links_from(prev.t, s, prev.state) or not state.rewind():
+            return False
+        self._rewound[(s, held)] = time.monotonic() + WARN_EVERY_S
+        log.info(
+            "attester: stage %d back at outer step %d: round %d went on from another state than %s", s, prev.t, t, held
+        )
+        return True
 
     def _attest(self, s: int, state: StageState) -> None:
         with state.lock:

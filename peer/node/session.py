@@ -105,10 +105,12 @@ class Session:
         stage: int | None,
         outbound: Outbound | None = None,
         dataset: PreparedDataset | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         """`outbound` (default: from the DHT's admission and `opts.link`): what every call this
         peer makes carries, its admission proof and its one link with the caps; `dataset`: the
-        run's prepared dataset this peer already holds (served from `serve` on)."""
+        run's prepared dataset this peer already holds (served from `serve` on); `stop`: set when
+        the peer is asked to leave (re-syncs give up at once)."""
         self.opts, self.dht, self.manifest, self.cfg = opts, dht, manifest, cfg
         self.outbound = outbound or _outbound(opts, dht)
         self.role, self.stage = role, stage
@@ -141,7 +143,7 @@ class Session:
         publish = self.records.refresh
         attesters = [dht.manifest_signer] if dht.manifest_signer else []  # the bootstrap attests by default
         ctx = RoundContext(cfg, dht, self.clients, self.store, self.me, self.refusals, self.metrics, publish)
-        self.resync = Resync(ctx, self.checkpoints, attesters)
+        self.resync = Resync(ctx, self.checkpoints, attesters, stop)
         self.rounds = Rounds(ctx, self.resync)
 
     # ------------------------------------------------------------------ joining and leaving
@@ -151,7 +153,7 @@ class Session:
     ) -> Session:
         if not opts.initial_peers:
             raise PeerError("--initial-peers is required: paste the line `peer bootstrap` printed")
-        dht = _start_dht(opts)
+        dht = _start_dht(opts, stop)
         if opts.device == "auto":  # only now: the DHT process has forked, CUDA may be touched
             import torch
 
@@ -166,7 +168,7 @@ class Session:
             addresses = peer_addresses(dht, cfg)
             local = held.tokenizer_path if held is not None else None
             cfg = fetch_tokenizer(cfg, manifest, opts.data_dir, opts.manifest_timeout_s, addresses, outbound, local)
-            session = cls(opts, dht, manifest, cfg, role, stage, outbound, held)
+            session = cls(opts, dht, manifest, cfg, role, stage, outbound, held, stop)
         except BaseException:
             dht.shutdown()
             raise
@@ -426,9 +428,10 @@ def max_request_bytes(cfg: RunConfig) -> int:
     return max(4 << 20, 4 * boundary)
 
 
-def _start_dht(opts: SessionOptions, attempts: int = 2) -> SwarmDHT:
+def _start_dht(opts: SessionOptions, stop: threading.Event | None = None, attempts: int = 2) -> SwarmDHT:
     """Start this peer's DHT node; one retry when the forked node did not come up in time
-    (a fork from a busy multi-threaded process can stall; the stalled child is reaped)."""
+    (a fork from a busy multi-threaded process can stall; the stalled child is reaped), never
+    once `stop` is set (asked to leave while starting: a SIGTERM to the group killed the child)."""
     for attempt in range(attempts):
         try:
             return SwarmDHT(
@@ -440,7 +443,7 @@ def _start_dht(opts: SessionOptions, attempts: int = 2) -> SwarmDHT:
                 swarm_secret=opts.swarm_secret,
             )
         except NetworkError as exc:
-            if attempt + 1 == attempts or "did not start" not in str(exc):
+            if attempt + 1 == attempts or "did not start" not in str(exc) or (stop is not None and stop.is_set()):
                 raise
             log.warning("%s; retrying once", exc)
     raise AssertionError("unreachable")

@@ -568,3 +568,20 @@ def test_a_claim_leaving_out_a_sender_whose_records_lapsed_is_no_proof_of_censor
     dht.replicas = {"me": _replica(), "o": _replica()}  # "late" leaves: the round is complete
     th.join(10)
     assert done and done[0].followed is None and done[0].replicas == ["me", "o"] and "c" not in refusals
+
+
+def test_a_payload_whose_head_left_before_announcing_is_left_out_of_our_set():
+    # p's payload speaks for head h only through h's replica record (h has not announced stage 0):
+    # once h is gone nothing binds it, and no replay could prove it genuine, so our set leaves it out
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "o": _replica(), "h": _replica("pipeline", pipeline_peers={"1": "p"})}
+    clients.served["p:1"] = _payload(3)
+    dht.payloads[(0, 1)] = {"p": {"sha256": payload_id(_payload(3)), "address": "p:1", "replica": "h"}}
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=own("me", _payload(2)), timeout_s=30)))
+    th.start()
+    assert dht.polled(3) and th.is_alive()  # h's payload held; o's awaited
+    del dht.replicas["h"]  # h was killed before it announced round 0: its record expired
+    _other(dht, clients, "o", _payload(1))
+    th.join(10)
+    assert done and done[0].replicas == ["me", "o"] and "h" in done[0].rejected and not done[0].timed_out

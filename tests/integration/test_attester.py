@@ -103,11 +103,30 @@ def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_name
         sessions.append(joiner)
         with pytest.raises(NetworkError, match="round 0: no holder published a link"):  # named, but lying
             _joiner_resync(joiner, cfg, (forger.peer_id,)).sync_state(StageWorker(cfg, STAGE), "late join", wait_s=0)
+        # a joining peer tries again for a bounded time, each failure logged, and at once gives up when asked to leave
+        quick = dataclasses.replace(
+            cfg, swarm=dataclasses.replace(cfg.swarm, round_timeout_s=0.4, announce_interval_s=0.1)
+        )
+        liar = _joiner_resync(joiner, quick, (forger.peer_id,))
+        started = time.monotonic()
+        with pytest.raises(
+            NetworkError, match=r"round 0: no holder published a link.*gave up joining after ([2-9]|\d\d) tries"
+        ):
+            liar.late_join(w := StageWorker(cfg, STAGE))
+        assert time.monotonic() - started < 15.0  # JOIN_WAIT_ROUNDS (6) round deadlines of 0.4 s, and one try past them
+        assert w.outer_step == 0 and w.verified  # a state that failed its check is never kept
+        liar.stop.set()
+        started = time.monotonic()
+        with pytest.raises(NetworkError, match="asked to leave"):
+            liar.late_join(StageWorker(cfg, STAGE))
+        assert time.monotonic() - started < 1.0
+        served = handler.stats()["states_served"]  # the lie (it points here, with another state id), each try
+        assert served >= 3
         resync = _joiner_resync(joiner, cfg, (att_dht.peer_id,))
         worker = StageWorker(cfg, STAGE)
         assert resync.sync_state(worker, "late join", wait_s=0)
         assert worker.outer_step == ROUNDS and worker.state_id() == history.state(STAGE) and worker.verified
-        assert handler.stats()["states_served"] == 2  # the lie (it points here, with another state id), then ours
+        assert handler.stats()["states_served"] == served + 1  # ours
 
         again = Attester(cfg, att_dht, clients, servers[-1].address, tmp_path / "attest")  # a restart
         assert again.stages[STAGE].outer_step == ROUNDS and again.stages[STAGE].verified
@@ -116,6 +135,68 @@ def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_name
         clients.close()
         for server in servers:
             server.stop(grace_s=0.5)
+        for session in sessions:
+            session.close()
+        for dht in dhts:
+            if all(dht is not s.dht for s in sessions):
+                dht.shutdown()
+
+
+def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(tmp_path, reap_children):
+    # the attester replays round R − 2 while the only link of it is a set the holders then switch
+    # away from (a RECONCILE switch republishes the round's link); round R − 1 goes on from the
+    # switched state only: the attester goes back a round and replays the set the swarm went on from
+    from peer.core.sparseloco.codec.format import Payload
+
+    cfg = replay_config(history_rounds=ROUNDS + 2)
+    dhts: list[SwarmDHT] = []
+    sessions: list[Session] = []
+    clients = ClientPool(10.0)
+    try:
+        dhts.append(SwarmDHT())
+        dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(2)]
+        for dht in dhts:
+            dht.set_run("rewind-test", cfg.stages)
+        a_dht, b_dht, att_dht = dhts
+        history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
+        history.run(ROUNDS)
+        ttl = history_ttl_s(cfg.swarm)
+        overtaken = StageWorker(cfg, STAGE)  # round ROUNDS − 2 committed with a's payload alone
+        for t in range(ROUNDS - 1):
+            rids = history.replicas if t < ROUNDS - 2 else history.replicas[:1]
+            overtaken.apply_round([Payload.from_bytes(history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
+        assert overtaken.ledger.link is not None and overtaken.state_id() != history.links[(ROUNDS - 2, STAGE)].state
+
+        def publish(dht: SwarmDHT, upto: int, switched: bool) -> None:
+            for t in range(upto):
+                link = overtaken.ledger.link if t == ROUNDS - 2 and not switched else history.links[(t, STAGE)]
+                dht.announce_round("chain", t, STAGE, chain_record(link), ttl)
+            replica = {"kind": "full", "outer_step": upto, "shard": 0, "joined_at": 0, "address": ""}
+            dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
+
+        for dht in (a_dht, b_dht):
+            session = _session(dht, cfg, tmp_path, dht.peer_id[-6:])
+            sessions.append(session)
+            worker = history.workers[(dht.peer_id, STAGE)]
+            session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
+            session.server = PeerServer(session.service, host="127.0.0.1", port=0)
+            for t in range(ROUNDS):
+                data = history.payloads[(t, STAGE, dht.peer_id)]
+                session.store.put(t, STAGE, data)
+                ann = {"sha256": payload_id(data), "size": len(data), "address": session.server.address}
+                dht.announce_payload(t, STAGE, {**ann, "replica": dht.peer_id}, ttl_s=ttl)
+            publish(dht, ROUNDS - 1, switched=False)
+        attester = Attester(cfg, att_dht, clients, "127.0.0.1:1")
+        attester.poll()
+        assert attester.stages[STAGE].state_id() == overtaken.state_id()  # the only link of round ROUNDS − 2 then
+
+        for dht in (a_dht, b_dht):
+            publish(dht, ROUNDS, switched=True)  # switched to the set of both, and went on from there
+        attester.poll()
+        assert attester.stages[STAGE].outer_step == ROUNDS
+        assert attester.stages[STAGE].state_id() == history.state(STAGE)
+    finally:
+        clients.close()
         for session in sessions:
             session.close()
         for dht in dhts:

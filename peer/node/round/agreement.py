@@ -193,6 +193,16 @@ def _ban(view: RoundView, banned: Collection[str]) -> None:
     view.dropped |= view.banned
 
 
+def unbound_held(view: RoundView, held: Collection[str]) -> list[str]:
+    """The replicas of `held` that nothing binds any more: a stage peer's payload bound only by its
+    head's replica record (provisionally), whose head left before announcing the round. No later
+    replay can prove such a payload genuine (`peer.node.round.verify.resolve`), so a set that holds it
+    can never be replayed past (by a joiner, or the attester): a holder closing a set of its own
+    leaves it out, as every holder that reads the round after the head's record expired does."""
+    bound = {rid for rid, _ in view.bound.values()}
+    return sorted({rid for _, rid, why in view.ignored if why == "unbound"} & set(held) - bound)
+
+
 def fenced_by(view: RoundView, me: str, my_closes: float | None, now: float, margin_s: float) -> set[str]:
     """Contributors of the round whose deadline comes before ours (ties: the smaller peer id) and is
     within `margin_s` of `now` (DHT time): at that deadline each closes with what it holds, maybe

@@ -46,6 +46,7 @@ from peer.node.round.agreement import (
     fenced_by,
     round_view,
     sender_alive,
+    unbound_held,
 )
 from peer.node.round.bans import PREFIX
 from peer.node.round.censors import CensorWatch, Evidence, evidence
@@ -442,6 +443,11 @@ class _Gather:
                 self.rejected.add(rid)
 
     def _finish(self, decision: Close) -> RoundResult:
+        if decision in (Close.COMPLETE, Close.DEADLINE):  # a set of our own: only payloads a replay can check
+            for rid in unbound_held(self.view, self.held.data):
+                log.warning("round %d stage %d: left out %s: head gone, nothing binds it", self.t, self.stage, rid[:12])
+                del self.held.data[rid]
+                self.rejected.add(rid)
         result, held, view = self.result, self.held, self.view
         if decision is Close.BEHIND:
             result.behind = True

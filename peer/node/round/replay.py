@@ -27,6 +27,7 @@ replay that cannot go on stops with a reason (`Replayed.stopped`), keeping the r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -230,14 +231,18 @@ class Replayer:
         links = self.dht.get_round("chain", t, stage, parse_chain)
         return bool(candidates(links, t, prev, self.refusals.peers()))
 
-    def run(self, worker: StageState, until: int) -> Replayed:
-        """Replay rounds onto `worker` until its outer step is `until` or no link can be checked."""
+    def run(self, worker: StageState, until: int, stop: threading.Event | None = None) -> Replayed:
+        """Replay rounds onto `worker` until its outer step is `until`, no link can be checked, or
+        `stop` is set (between two rounds)."""
         done = Replayed()
         started = time.perf_counter()
         reads = RoundReads(self.dht)
         fetcher = self.fetcher(reads)
         while worker.outer_step < until:
             t = worker.outer_step
+            if stop is not None and stop.is_set():
+                done.stopped = f"round {t}: asked to leave"
+                break
             reads.forget(t)
             if ("chain", t, worker.stage) not in reads:
                 reads.prefetch(t, min(until, t + PREFETCH), worker.stage)

@@ -34,6 +34,7 @@ at t contributes from t + 1 (`Presence.joined_at`); a state that cannot be verif
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Collection, Mapping
 from typing import Any, cast
@@ -48,24 +49,35 @@ from peer.node.round.context import RoundContext
 from peer.node.round.recheck import ClaimChecks
 from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead
 from peer.node.round.verify import SetFetcher
+from peer.node.stage.ahead import cloned
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
+
+JOIN_WAIT_ROUNDS = 6  # round deadlines a (re)joining peer retries its replay before it gives up
 
 
 class Resync:
     """State checks, switches and downloads of one peer's stage workers."""
 
-    def __init__(self, ctx: RoundContext, checkpoints: PeerCheckpoints, attesters: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        ctx: RoundContext,
+        checkpoints: PeerCheckpoints,
+        attesters: Collection[str] = (),
+        stop: threading.Event | None = None,
+    ) -> None:
         """`ctx.publish` refreshes this peer's DHT records (after a download or a switch);
         `checkpoints.resumed_at` tells `late_join` whether the state came from `--resume`;
         `attesters`: whose attested states a joiner past the history window may start from, beside
-        `swarm.attesters` (the manifest's signer, the bootstrap: `peer.bootstrap.attester`)."""
+        `swarm.attesters` (the manifest's signer, the bootstrap: `peer.bootstrap.attester`);
+        `stop`: set when the peer is asked to leave: every wait here ends at once (NetworkError)."""
         cfg = ctx.cfg
         self.attesters = frozenset(cfg.swarm.attesters) | frozenset(attesters)
         self.ctx, self.cfg, self.dht, self.clients, self.store = ctx, cfg, ctx.dht, ctx.clients, ctx.store
         self.me, self.refusals, self.metrics = ctx.me, ctx.refusals, ctx.metrics
         self.publish, self.checkpoints = ctx.publish, checkpoints
+        self.stop = stop or threading.Event()
         self.count = 0  # states adopted over the run (`sync_state`: replayed, or the initial one recomputed)
         self.checks = ClaimChecks(
             cfg, ctx.dht, ctx.clients, ctx.store, ctx.me.peer_id, ctx.refusals, ctx.metrics, ctx.publish
@@ -81,8 +93,36 @@ class Resync:
         """If the swarm's clock is past this worker's outer step, replay the rounds to it (`sync_state`).
 
         A state resumed from a checkpoint at (or past) the clock is kept; one that is behind loses
-        to the swarm's (error buffer and optimizer reset, as for any late joiner).
+        to the swarm's (error buffer and optimizer reset, as for any late joiner). A churning swarm
+        may not serve the rounds for a while (holders restarting, an attester's record between two
+        refreshes): tried again every `swarm.announce_interval_s` for `JOIN_WAIT_ROUNDS` round
+        deadlines (each failure logged), then the last NetworkError; at once when asked to leave.
         """
+        started, tries = time.monotonic(), 0
+        give_up = started + JOIN_WAIT_ROUNDS * self.cfg.swarm.round_timeout_s
+        first, count = (worker.outer_step, worker.state_id()), self.count
+        while True:
+            tries += 1
+            try:
+                self._late_join(worker)
+                if self.count == count and (worker.outer_step, worker.state_id()) != first:
+                    self._adopted(worker, False, "late join")  # a failed try replayed part of the way
+                return
+            except NetworkError as exc:
+                waited = time.monotonic() - started
+                if self.stop.is_set() or time.monotonic() >= give_up:
+                    raise NetworkError(f"{exc} (gave up joining after {tries} tries in {waited:.0f} s)") from None
+                log.warning(
+                    "stage %d: cannot join the swarm's state yet (try %d, retrying for %.0f s more): %s",
+                    worker.stage,
+                    tries,
+                    give_up - time.monotonic(),
+                    exc,
+                )
+            if self.stop.wait(self.cfg.swarm.announce_interval_s):
+                raise NetworkError(f"stage {worker.stage}: asked to leave while joining the swarm's state")
+
+    def _late_join(self, worker: StageWorker) -> None:
         t_swarm = self.clock()
         resumed = self.checkpoints.resumed_at is not None
         if resumed:
@@ -141,6 +181,8 @@ class Resync:
         replayer = Replayer(self.cfg, self.dht, self._fetcher, self.refusals)
         attested = False
         while True:
+            if self.stop.is_set():
+                raise NetworkError(f"stage {worker.stage}: asked to leave while re-syncing ({reason})")
             clock = self.clock() if until is None else until
             if clock == 0 and worker.outer_step == 0:  # no vote where bytes decide (docs/protocol.md)
                 if worker.state_id() != worker.initial_state_id or not worker.verified:
@@ -148,13 +190,15 @@ class Resync:
                 break
             self._start(worker, replayer, vote, clock, keep_errors, reason, initial=not attested)
             vote = False  # the start is chosen once; later tries go on from where the replay stopped
-            done = replayer.run(worker, clock + 1 if until is None else until)
+            done = replayer.run(worker, clock + 1 if until is None else until, self.stop)
             self.replayed = [*self.replayed[-63:], done]
             if worker.outer_step >= clock:
                 if until is None and done.rounds and self.clock() > clock:  # the swarm went on meanwhile: once more
-                    self.replayed = [*self.replayed[-63:], replayer.run(worker, self.clock() + 1)]
+                    self.replayed = [*self.replayed[-63:], replayer.run(worker, self.clock() + 1, self.stop)]
                 break
-            limit = clock + 1 if until is None else until  # the clock + 1 is believed; `until` is exact
+            # the clock + 1 is believed, read again: rounds go on while a replay fails (an attester that
+            # follows them is past the clock read before it); `until` is exact
+            limit = self.clock() + 1 if until is None else until
             if not done.rounds and self._attested(worker, limit, keep_errors, reason):
                 attested = True  # from now on never back to the initial state: its rounds failed already
                 continue  # beyond the window: an attester's state, replayed on from
@@ -167,26 +211,23 @@ class Resync:
                     "it from the initial state or our own checked state (docs/protocol.md, 'Joining by "
                     "replay'); retry when holders serve the rounds"
                 )
-            time.sleep(min(1.0, self.cfg.swarm.announce_interval_s))
+            self.stop.wait(min(1.0, self.cfg.swarm.announce_interval_s))
         changed = (worker.outer_step, worker.state_id(), worker.loads) != before
         if changed:
-            if not keep_errors:
-                worker.fresh_optimizer()  # a late joiner starts with an empty error buffer and AdamW
-            # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
-            self.me.joined_at = max(self.me.joined_at, worker.outer_step + 1)
-            self.count += 1
-            log.info(
-                "%s: stage %d replayed to outer step %d (state %s)",
-                reason,
-                worker.stage,
-                worker.outer_step,
-                worker.state_id(),
-            )
-            self.metrics.log(
-                "sync", stage=worker.stage, t=worker.outer_step, param_hash=worker.param_hash(), reason=reason
-            )
-            self.publish()
+            self._adopted(worker, keep_errors, reason)
         return changed
+
+    def _adopted(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
+        """After a re-sync moved `worker`: optimizer, `joined_at`, the count, the log and our records."""
+        if not keep_errors:
+            worker.fresh_optimizer()  # a late joiner starts with an empty error buffer and AdamW
+        # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
+        self.me.joined_at = max(self.me.joined_at, worker.outer_step + 1)
+        self.count += 1
+        t, state = worker.outer_step, worker.state_id()
+        log.info("%s: stage %d replayed to outer step %d (state %s)", reason, worker.stage, t, state)
+        self.metrics.log("sync", stage=worker.stage, t=worker.outer_step, param_hash=worker.param_hash(), reason=reason)
+        self.publish()
 
     def _start(
         self,
@@ -237,21 +278,32 @@ class Resync:
         claims = parse_claims(holders, self.me.peer_id, self.refusals.peers())
         ours = worker.outer_step
         found = [c for p, c in claims.items() if p in attesters and ours < c.outer_step <= limit]
+        held = (cloned(worker.state_dict()), worker.verified) if found else None
         for claim in sorted(found, key=lambda c: (-c.outer_step, c.state, c.peer)):
             address = holders[claim.peer].address
             errors = worker.state_dict()["errors"] if keep_errors else None
-            if address and download_claimed(self.clients, worker, claim.peer, address, claim, errors) is not None:
+            if not address:
+                continue
+            loads = worker.loads
+            if download_claimed(self.clients, worker, claim.peer, address, claim, errors) is None:
+                if worker.loads == loads:
+                    continue  # nothing loaded (the call failed)
+                assert held is not None  # a state that failed its check is never kept: back to ours
+                worker.load_state_dict(held[0])
                 with worker.lock:
-                    worker.verified = True  # attested: a start the manifest names, replayed on from
-                log.info(
-                    "%s: stage %d at the state %s attested by %s at outer step %d",
-                    reason,
-                    worker.stage,
-                    claim.state,
-                    claim.peer[:12],
-                    claim.outer_step,
-                )
-                return True
+                    worker.verified = held[1]
+                continue
+            with worker.lock:
+                worker.verified = True  # attested: a start the manifest names, replayed on from
+            log.info(
+                "%s: stage %d at the state %s attested by %s at outer step %d",
+                reason,
+                worker.stage,
+                claim.state,
+                claim.peer[:12],
+                claim.outer_step,
+            )
+            return True
         return False
 
     def _reset_initial(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
