@@ -343,19 +343,28 @@ def export_swarm_secret(cfg: RunConfig, secret_file: Path | None) -> None:
 
 
 def start_attester(node: BootstrapNode, cfg: RunConfig, folder: Path, stop_event: threading.Event) -> threading.Thread:
-    """Start the attester (`peer.bootstrap.attester`) on a daemon thread that polls every announce
-    interval until `stop_event`; its states are served by the node's `get_state` from now on."""
-    from peer.bootstrap.attester import Attester  # torch and the model: only a bootstrap that attests loads them
-
+    """Start the attester (`peer.bootstrap.attester`) on a daemon thread that builds it (torch, the
+    model's initial states: seconds, while the first peers start) and then polls every announce interval
+    until `stop_event`; its states are served by the node's `get_state` once it is built (before, a
+    joiner past the window is told none is attested yet and waits, as without an attester)."""
     assert node.dht is not None
     node.dht.set_run(node.run_id, cfg.stages)
     clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, node.outbound)
     folder = folder / f"{node.run_id}-{node.dht.peer_id[:12]}"  # this bootstrap's run: --identity keeps it
-    attester = Attester(cfg, node.dht, clients, node.info.grpc_address, folder)
-    node.handler.attester = attester
     poll_s = max(0.5, cfg.swarm.announce_interval_s)
 
     def follow() -> None:
+        from peer.bootstrap.attester import Attester  # torch and the model: only a bootstrap that attests loads them
+
+        assert node.dht is not None
+        try:
+            attester = Attester(cfg, node.dht, clients, node.info.grpc_address, folder)
+        except Exception:  # the manifest and the dataset stay served without it
+            logger.exception("the attester could not start; joiners past the window will wait")
+            clients.close()
+            return
+        node.handler.attester = attester
+        logger.info("attester of %s running: states kept in %s", node.run_id, folder)
         while not stop_event.is_set():
             started = time.monotonic()
             try:
@@ -368,5 +377,4 @@ def start_attester(node: BootstrapNode, cfg: RunConfig, folder: Path, stop_event
     thread = threading.Thread(target=follow, name="attester", daemon=True)
     thread.start()
     node.info = dataclasses.replace(node.info, attest_dir=str(folder))
-    logger.info("attester of %s running: states kept in %s", node.run_id, folder)
     return thread

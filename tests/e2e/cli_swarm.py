@@ -141,13 +141,19 @@ class Swarm:
 ATTACKERS = "tests.e2e.attackers"  # the dishonest stage holders' module (never imported here: it patches `peer`)
 
 
-def join_with_attackers(sw: Swarm, attack: dict[str, str], attackers: list[str] | tuple[str, ...]) -> None:
+def join_with_attackers(
+    sw: Swarm,
+    attack: dict[str, str],
+    attackers: list[str] | tuple[str, ...],
+    each: dict[str, dict[str, str]] | None = None,
+) -> None:
     """s1 (`--stage 1`) and `attackers` (stage-1 holders of tests/e2e/attackers.py with `attack`'s
-    env), then the full replica and the head: the attackers are up before round 0 (a join takes
-    longer than a short run on 2 cores) and publish unclaimable records, so the head claims s1."""
+    env, plus `each[name]`'s), then the full replica and the head: the attackers are up before round 0
+    (a join takes longer than a short run on 2 cores) and publish unclaimable records, so the head
+    claims s1."""
     sw.join("s1", "--stage", "1")
     for name in attackers:
-        sw.join(name, "--stage", "1", module=ATTACKERS, extra_env=attack)
+        sw.join(name, "--stage", "1", module=ATTACKERS, extra_env={**attack, **(each or {}).get(name, {})})
     for name in ("s1", *attackers):
         sw.wait_for(lambda n=name: sw.events(n, "start"))
     sw.join("full", "--full-replica")

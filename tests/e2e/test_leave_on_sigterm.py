@@ -1,7 +1,8 @@
 """A peer asked to leave (SIGTERM to its process group, as a supervisor or Ctrl-C in its terminal
 sends it) leaves within seconds whatever it is waiting on: its DHT node starting (the signal kills
 the DHT child too: no 30 s wait for a node that will never be ready, no second start), the manifest,
-the replay of a late join. Nothing of it keeps running.
+the replay of a late join. Nothing of it keeps running. One bootstrap serves every case: each joins
+a new full replica under its own name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 
 import psutil
 import pytest
+
+from tests.e2e.cli_swarm import Swarm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -29,9 +32,18 @@ def _group(pgid: int) -> list[psutil.Process]:
     return out
 
 
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    sw = Swarm(tmp_path_factory.mktemp("leave"), outer_steps=1000)
+    try:
+        yield sw
+    finally:
+        sw.close()
+
+
 @pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0, 9.0])
-def test_a_joining_full_replica_leaves_within_seconds_of_sigterm(swarm_factory, after_s):
-    sw = swarm_factory(outer_steps=1000)
+def test_a_joining_full_replica_leaves_within_seconds_of_sigterm(swarm, after_s):
+    sw = swarm
     name = f"full-{after_s}"
     sw.join(name, "--full-replica", "--device", "cpu")
     sw.wait_for(lambda: "peer join:" in sw.log(name), timeout_s=120, poll_s=0.05)

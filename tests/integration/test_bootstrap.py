@@ -203,8 +203,9 @@ def test_artifacts_over_grpc(boot):
         assert hashlib.sha256(head).hexdigest() == shard.sha256 and head[10:] == tail
         with pytest.raises(NotFoundError, match="no shard"):
             client.get_artifact(ArtifactRequest("0" * 64))
-        # its attester serves the state it reached: here, with no peer yet, the canonical initial state
-        state = client.get_state(StateRequest(stage=0))
+        # its attester serves the state it reached once it is built (on its own thread, while the first
+        # peers start): here, with no peer yet, the canonical initial state
+        state = _attested(client, 0)
         assert state.outer_step == 0 and state.meta["state_id"] == StageState(cfg, 0).initial_state_id
         with pytest.raises(NotFoundError, match="holds no stage"):
             client.get_state(StateRequest(stage=cfg.stages))
@@ -216,6 +217,18 @@ def test_artifacts_over_grpc(boot):
     assert about["dataset"]["fingerprint"] == manifest["dataset_fingerprint"]
     assert about["dataset"]["shards_held"] == about["dataset"]["shards"] == len(index.shards)
     assert about["states_served"] == 1 and {s["outer_step"] for s in about["attested"].values()} == {0}
+
+
+def _attested(client, stage: int, wait_s: float = 60.0):
+    """The bootstrap's attested state of `stage`, waiting (bounded) for its attester to be built."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.get_state(StateRequest(stage=stage))
+        except NotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def test_peer_status_json_with_no_peers(boot):
