@@ -108,7 +108,6 @@ _SPAWN_LOCK = threading.Lock()
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHECK_HINT = "check --initial-peers (each ends in /p2p/<peer id>) and that this host can reach them"
 _GONE = "the hivemind DHT process exited; restart this peer"
-READY_POLL_S = 0.25  # how often a starting node checks that its child still runs
 
 
 def dht_time() -> float:
@@ -214,7 +213,8 @@ class SwarmDHT:
             with _SPAWN_LOCK:
                 self._dht.start()  # forked where no gRPC runs (peer.net.dht_child); it starts p2pd
                 self._watchdog.start(self._dht.pid)  # from now on a crash of this process does not orphan them
-            self._wait_ready(timeout_s)
+            if not self._dht.wait_ready(timeout_s):  # a SIGTERM to the group while it started: fail at once
+                raise ProcessGoneError("the DHT node did not start: its hivemind process exited")
             self._tree.add(self._dht.pid)
             return str(self._wait(self._dht.run_coroutine(_node_peer_id, return_future=True), "start", timeout_s))
         except TimeoutError as e:
@@ -226,20 +226,6 @@ class SwarmDHT:
         except Exception as e:
             self.shutdown()
             raise NetworkError(unreachable.start_error(e, initial, identity_path)) from e
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        """Until the child is ready (TimeoutError past `timeout_s`); a child that exited meanwhile (a
-        SIGTERM to the whole process group while it started) fails at once, not at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._dht.wait_until_ready(max(0.0, min(READY_POLL_S, deadline - time.monotonic())))
-                return
-            except TimeoutError:
-                if not self._dht.is_alive():
-                    raise ProcessGoneError("the DHT node did not start: its hivemind process exited") from None
-                if time.monotonic() >= deadline:
-                    raise
 
     # --- lifecycle -----------------------------------------------------------------------------
 

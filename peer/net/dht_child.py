@@ -30,6 +30,7 @@ import logging
 import multiprocessing.forkserver as forkserver
 import os
 import sys
+import time
 from multiprocessing import popen_fork, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
 from pathlib import Path
@@ -39,6 +40,8 @@ import hivemind
 
 from peer.net.hivemind_logs import quiet_cancelled_futures
 from peer.net.identity_check import install_identity_check
+
+READY_POLL_S = 0.25  # how often a starting node checks that its process still runs
 
 __all__ = ["DHTProcess", "grpc_running", "start_forkserver"]
 
@@ -103,6 +106,20 @@ class DHTProcess(hivemind.DHT):  # type: ignore[misc]  # hivemind has no type in
         self._peer_environ = dict(os.environ)
         self._peer_log_level = logging.getLogger().getEffectiveLevel()
         super().start()
+
+    def wait_ready(self, timeout_s: float, poll_s: float = READY_POLL_S) -> bool:
+        """Until the process is ready (TimeoutError past `timeout_s`); False at once if it exited
+        meanwhile (a SIGTERM to the whole process group while it started), not at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.wait_until_ready(max(0.0, min(poll_s, deadline - time.monotonic())))
+                return True
+            except TimeoutError:
+                if not self.is_alive():
+                    return False
+                if time.monotonic() >= deadline:
+                    raise
 
     def run(self) -> None:
         os.environ.clear()

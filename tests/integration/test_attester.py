@@ -47,6 +47,20 @@ def _session(dht: SwarmDHT, cfg, root: Path, name: str) -> Session:
     return Session(SessionOptions(initial_peers=(), data_dir=root / name), dht, {}, cfg, role="full", stage=None)
 
 
+def _serve_history(dht: SwarmDHT, cfg, root: Path, history: History, ttl: float) -> Session:
+    """A holder of `history`: its session serves the stage and every round's payload, announced as its own."""
+    session = _session(dht, cfg, root, dht.peer_id[-6:])
+    worker = history.workers[(dht.peer_id, STAGE)]
+    session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
+    session.server = PeerServer(session.service, host="127.0.0.1", port=0)
+    for t in range(ROUNDS):
+        data = history.payloads[(t, STAGE, dht.peer_id)]
+        session.store.put(t, STAGE, data)
+        ann = {"sha256": payload_id(data), "size": len(data), "address": session.server.address}
+        dht.announce_payload(t, STAGE, {**ann, "replica": dht.peer_id}, ttl_s=ttl)
+    return session
+
+
 def _joiner_resync(session: Session, cfg, attesters: tuple[str, ...]) -> Resync:
     s = session
     return Resync(dataclasses.replace(s.rounds.ctx, cfg=cfg, publish=lambda: None), s.checkpoints, attesters)
@@ -68,16 +82,8 @@ def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_name
         history.run(ROUNDS)
         ttl = history_ttl_s(cfg.swarm)
         for dht in (a_dht, b_dht):  # the honest holders: serve, announce, link every round
-            session = _session(dht, cfg, tmp_path, dht.peer_id[-6:])
-            sessions.append(session)
-            worker = history.workers[(dht.peer_id, STAGE)]
-            session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
-            session.server = PeerServer(session.service, host="127.0.0.1", port=0)
+            sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
             for t in range(ROUNDS):
-                data = history.payloads[(t, STAGE, dht.peer_id)]
-                session.store.put(t, STAGE, data)
-                ann = {"sha256": payload_id(data), "size": len(data), "address": session.server.address}
-                dht.announce_payload(t, STAGE, {**ann, "replica": dht.peer_id}, ttl_s=ttl)
                 link_ttl = ttl if t == ROUNDS - 1 else SHORT_TTL_S
                 dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), link_ttl)
             replica = {"kind": "full", "outer_step": ROUNDS, "shard": 0, "joined_at": 0, "address": ""}
@@ -175,16 +181,7 @@ def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(t
             dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
 
         for dht in (a_dht, b_dht):
-            session = _session(dht, cfg, tmp_path, dht.peer_id[-6:])
-            sessions.append(session)
-            worker = history.workers[(dht.peer_id, STAGE)]
-            session.service = PeerService(cfg, {STAGE: worker}, session.store, session.peer_id, "full")
-            session.server = PeerServer(session.service, host="127.0.0.1", port=0)
-            for t in range(ROUNDS):
-                data = history.payloads[(t, STAGE, dht.peer_id)]
-                session.store.put(t, STAGE, data)
-                ann = {"sha256": payload_id(data), "size": len(data), "address": session.server.address}
-                dht.announce_payload(t, STAGE, {**ann, "replica": dht.peer_id}, ttl_s=ttl)
+            sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
             publish(dht, ROUNDS - 1, switched=False)
         attester = Attester(cfg, att_dht, clients, "127.0.0.1:1")
         attester.poll()

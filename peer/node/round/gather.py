@@ -38,7 +38,6 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import (
-    IGNORED,
     Close,
     Poll,
     RoundView,
@@ -58,7 +57,7 @@ from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import SETTLE_S, announce, poll_pause, read_round
 from peer.node.round.stalls import stall_watch
 from peer.node.round.verify import SetFetcher
-from peer.node.round.views import ViewChecks
+from peer.node.round.views import ViewChecks, log_ignored
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +291,7 @@ class _Gather:
         mine = replicas.get(me)
         if self.own is None and (stage == 0 or (mine is not None and mine.kind == "full")):
             view.expected.discard(me)  # only we could send our replica's payload, and we observe
-        _log_ignored(view, self.logged, t, stage)
+        log_ignored(view, self.logged, t, stage)
         refused = self.refusals.peers()
         claims = parse_claims(holders, me, refused)
         clock = swarm_clock({p: r for p, r in replicas.items() if p != me}, refused)
@@ -487,17 +486,3 @@ def _claimed_by_most(claim: Claim, read: _Read, me: str, refused: Collection[str
 def _past(rec: StageRecord | None, t: int) -> bool:
     """A holder seen gathering round t is still waited for: gone, or its record is not at or before t."""
     return rec is None or rec.outer_step is None or rec.outer_step > t
-
-
-def _log_ignored(view: RoundView, logged: set[tuple[str, str]], t: int, stage: int) -> None:
-    for sender, rid, why in view.ignored:
-        if (sender, rid) not in logged and len(logged) < 16:  # bounded log
-            logged.add((sender, rid))
-            log.warning(
-                "round %d stage %d: ignoring the announcement of %s for replica %s: %s",
-                t,
-                stage,
-                sender[:12],
-                rid[:12],
-                IGNORED[why].format(stage=stage),
-            )

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 
 from peer.errors import NetworkError, PeerError
 from peer.net.records import Announcement
+from peer.node.round.agreement import IGNORED, RoundView
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Claim
 from peer.node.round.contribution import Contribution, ViewReader
@@ -75,3 +76,18 @@ class ViewChecks:
             held[rid] = got
             nbytes += len(got.data)
         return nbytes, rejected
+
+
+def log_ignored(view: RoundView, logged: set[tuple[str, str]], t: int, stage: int) -> None:
+    """Log each announcement `round_view` ignored, once, and at most 16 of a round (`IGNORED` says why)."""
+    for sender, rid, why in view.ignored:
+        if (sender, rid) not in logged and len(logged) < 16:  # bounded log
+            logged.add((sender, rid))
+            log.warning(
+                "round %d stage %d: ignoring the announcement of %s for replica %s: %s",
+                t,
+                stage,
+                sender[:12],
+                rid[:12],
+                IGNORED[why].format(stage=stage),
+            )
