@@ -128,13 +128,24 @@ def reap_children():
         live = [p for p in live if _running(p)]
 
 
+# integration modules that build network namespaces (fixed names, `tc` on shared veths): with the swarms
+NETNS_MODULES = {"test_nat.py", "test_bench_pipeline.py"}
+
+
 def pytest_collection_modifyitems(config, items):
+    """Tier markers, and the groups `pytest -n 2 --dist loadgroup` (pyproject's addopts) keeps on one
+    worker: every swarm of processes (tests/e2e, the namespace tests) runs one at a time, as without
+    xdist, while the other worker takes the in-process tiers (an integration module at a time, so its
+    module fixtures are built once; unit tests one by one)."""
     for item in items:
         path = str(item.fspath)
         if f"{os.sep}integration{os.sep}" in path:
             item.add_marker(pytest.mark.integration)
+            group = "swarm" if os.path.basename(path) in NETNS_MODULES else os.path.basename(path)
+            item.add_marker(pytest.mark.xdist_group(group))
         elif f"{os.sep}e2e{os.sep}" in path:
             item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.xdist_group("swarm"))
 
 
 @pytest.fixture(autouse=True)

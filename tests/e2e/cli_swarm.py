@@ -107,6 +107,17 @@ class Swarm:
     def rounds(self, name: str) -> dict[int, dict]:
         return {r["t"]: r for r in self.events(name, "round")}
 
+    def settled(self, name: str) -> dict[int, dict]:
+        """`rounds`, each stage's parameter hash as it settled: a holder that committed a smaller set at
+        its deadline switches to the checked larger one after the round (a `switch` event), and holds
+        that state from then on (docs/protocol.md, RECONCILE)."""
+        out = {t: {**r, "stages": {s: dict(v) for s, v in r["stages"].items()}} for t, r in self.rounds(name).items()}
+        for e in self.events(name, "switch"):
+            stage = out.get(e["round"], {}).get("stages", {}).get(str(e["stage"]))
+            if stage is not None:
+                stage["param_hash"] = e["param_hash"]
+        return out
+
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()[-4000:]
 

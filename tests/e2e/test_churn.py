@@ -63,7 +63,7 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
     # the stalled peer came back behind and either re-synced or applied every round it missed while its
     # payloads were still held (which of the two depends on how long the freeze lasted), each to the
     # swarm's state, instead of poisoning a round
-    full, head, mine = sw.rounds("full"), sw.rounds("head"), sw.rounds(stalled)
+    full, head, mine = sw.settled("full"), sw.settled("head"), sw.settled(stalled)
     synced = [e for e in sw.events(stalled, "sync") if e["t"] > t_now + 1]
     assert synced or set(range(t_now + 1, T)) <= set(mine), sw.log(stalled)
     for t in sorted(set(mine) & set(full)):
@@ -74,7 +74,7 @@ def test_stage_peer_kill_stall_and_return(swarm_factory):
     for t in head:
         assert head[t]["stages"]["0"]["param_hash"] == full[t]["stages"]["0"]["param_hash"], t
     for name in {spare, victim + "-back", stalled}:
-        last = sw.rounds(name)
+        last = sw.settled(name)
         assert T - 1 in last, f"{name} did not reach the last round\n{sw.log(name)}"
         assert last[T - 1]["stages"]["1"]["param_hash"] == full[T - 1]["stages"]["1"]["param_hash"], name
     assert full[T - 1]["train_loss"] < full[0]["train_loss"]

@@ -88,6 +88,12 @@ def test_a_head_whose_bound_peer_died_without_announcing_is_dropped_for_everyone
     assert view.dropped == {"h"} and view.expected == {"f"}
     alive = _view(0, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 0}}, "me", "")
     assert alive.expected == {"h", "f"} and not alive.dropped  # alive and at t: it will announce
+    # still committing the round before (overlapped rounds; its record lags): it will announce too
+    replicas["h"] = _replica("pipeline", t=2)
+    lagging = _view(2, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 1}}, "me", "")
+    assert lagging.expected == {"h", "f"} and not lagging.dropped
+    moved_on = _view(2, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 3}}, "me", "")
+    assert moved_on.dropped == {"h"}  # past the round without announcing it: it never will
 
 
 # ------------------------------------------------------------------ gather_round: when it closes
@@ -568,6 +574,29 @@ def test_a_claim_leaving_out_a_sender_whose_records_lapsed_is_no_proof_of_censor
     dht.replicas = {"me": _replica(), "o": _replica()}  # "late" leaves: the round is complete
     th.join(10)
     assert done and done[0].followed is None and done[0].replicas == ["me", "o"] and "c" not in refusals
+
+
+def test_a_claim_leaving_out_a_payload_whose_head_left_is_no_proof_of_censorship():
+    # p speaks for head h in stage 1; h leaves (SIGTERM: its records go) while p lives on, so nothing
+    # binds the payload we validated and an honest holder leaves it out: a claim without it, well
+    # before any deadline, is no proof of censorship (chaos seed 5: a spare refused every holder)
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"me": _replica(), "late": _replica(), "h": _replica("pipeline", pipeline_peers={"1": "p"})}
+    dht.holders = {"p": {"outer_step": 0}}
+    clients.served["p:1"] = _payload(3)
+    dht.payloads[(0, 1)] = {"p": {"sha256": payload_id(_payload(3)), "address": "p:1", "replica": "h"}}
+    refusals = Refusals()
+    done: list = []
+    gather = lambda: done.append(_gather(dht, clients, own("me", _payload(2)), 30, 0.3, refusals, ["me", "h"]))  # noqa: E731
+    th = threading.Thread(target=gather)
+    th.start()
+    assert dht.polled(3) and th.is_alive()  # h's payload held; "late" awaited
+    del dht.replicas["h"]  # h left gracefully: its replica record is gone, p still serves stage 1
+    dht.holders = {"p": {"outer_step": 0}, "c": _claim(("me", _payload(2)))}
+    assert dht.polled(5) and "c" not in refusals
+    del dht.replicas["late"]
+    th.join(10)
+    assert done and "h" not in done[0].replicas and "c" not in refusals
 
 
 def test_a_payload_whose_head_left_before_announcing_is_left_out_of_our_set():

@@ -156,7 +156,10 @@ def round_view(
             view.expected.add(rid)
             continue
         peer = announced.get(str(stage))
-        if peer is not None and step_of(holders.get(peer)) == t:  # alive and still to announce
+        # alive and still to announce: at t, or at t - 1 still committing round t - 1 (overlapped rounds:
+        # its head trained outer step t with it meanwhile, and the record lags the commit)
+        step = step_of(holders.get(peer)) if peer is not None else -1
+        if step >= 0 and t - 1 <= step <= t:
             view.expected.add(rid)
         else:  # bound nobody, or a peer that died or moved on without announcing
             view.dropped.add(rid)

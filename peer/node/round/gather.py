@@ -392,11 +392,17 @@ class _Gather:
     def _evidence(self, read: _Read) -> Evidence | None:
         """What this poll shows of round t, to judge claims of it (`peer.node.round.censors`)."""
         bound = {rid: sender for sender, (rid, _) in read.view.bound.items()}
-        for rid, sender in bound.items():
-            if sender != self.me and not sender_alive(sender, read.holders, read.replicas):
+        own_rid = self.own.replica if self.own is not None else None
+        for rid in self.held.data:
+            sender = bound.get(rid)
+            if rid == own_rid or sender == self.me:
+                continue
+            # nothing binds it now (its head left: `agreement.unbound_held`), or its sender's records lapsed
+            if sender is None or not sender_alive(sender, read.holders, read.replicas):
                 self.lapsed.add(rid)
-        # alive at every poll of this gather: a sender whose records lapsed once (a frozen process)
-        # may have been given up by an honest holder, which is then no censor for leaving it out
+        # bound and alive at every poll of this gather: a payload whose sender's records lapsed once (a
+        # frozen process) or whose binding went away (its head left) may have been given up by an honest
+        # holder, which is then no censor for leaving it out
         alive = {rid for rid in self.held.data if rid not in self.lapsed}
         closes = [ann.closes for _, ann in read.view.bound.values()] + [self.my_closes]
         return evidence(self.t, self.prev, self.held.data, self.established, alive, closes)
