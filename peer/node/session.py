@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,13 @@ class SessionOptions:
     dataset: Path | None = None  # the run's prepared dataset (`peer join --dataset`; default <data_dir>/dataset)
     link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
     in_flight: int | None = None  # a head's own window K (`peer join --in-flight`; None: the run's train.in_flight)
+
+
+def quorum_over(replicas: Mapping[str, ReplicaRecord], me: str, have: int, need: int) -> bool:
+    """Whether a peer at outer step 0 stops waiting for `swarm.min_replicas`: `have` of `need`
+    replicas are online, or the other replicas are past outer step 0 (the run started without us: a
+    fresh joiner re-syncs instead of waiting)."""
+    return have >= need or swarm_clock({p: r for p, r in replicas.items() if p != me}) > 0
 
 
 class Session:
@@ -345,15 +352,17 @@ class Session:
     def wait_for_quorum(self, t: int, stop: threading.Event) -> None:
         """Before the run's first step, wait (bounded) until `swarm.min_replicas` replicas are online.
 
-        A late joiner (t > 0) joins a swarm that is already training and does not wait."""
+        A late joiner (t > 0, or a fresh peer whose swarm is past outer step 0: it re-syncs first) joins a
+        swarm that is already training and does not wait."""
         if t > 0:
             return
         need = self.cfg.swarm.min_replicas
         wait_s = max(self.cfg.swarm.round_timeout_s, self.cfg.swarm.claim_timeout_s)  # heads form pipelines first
         deadline = time.monotonic() + wait_s
         while not stop.is_set():
-            have = len(expected_replicas(self.dht, t))
-            if have >= need:
+            replicas = self.dht.get_replicas()
+            have = len(expected_replicas(self.dht, t, replicas))
+            if quorum_over(replicas, self.dht.peer_id, have, need):
                 return
             if time.monotonic() >= deadline:
                 log.warning("starting with %d of %d replicas after %.0fs", have, need, wait_s)
