@@ -133,19 +133,35 @@ NETNS_MODULES = {"test_nat.py", "test_bench_pipeline.py"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tier markers, and the groups `pytest -n 2 --dist loadgroup` (pyproject's addopts) keeps on one
-    worker: every swarm of processes (tests/e2e, the namespace tests) runs one at a time, as without
-    xdist, while the other worker takes the in-process tiers (an integration module at a time, so its
-    module fixtures are built once; unit tests one by one)."""
     for item in items:
         path = str(item.fspath)
         if f"{os.sep}integration{os.sep}" in path:
             item.add_marker(pytest.mark.integration)
-            group = "swarm" if os.path.basename(path) in NETNS_MODULES else os.path.basename(path)
-            item.add_marker(pytest.mark.xdist_group(group))
         elif f"{os.sep}e2e{os.sep}" in path:
             item.add_marker(pytest.mark.e2e)
-            item.add_marker(pytest.mark.xdist_group("swarm"))
+
+
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs in one go (pyproject's addopts: `-n 2`): every swarm of
+    processes (tests/e2e, the namespace tests) is one unit, so swarms run one at a time as without
+    xdist, while the other worker takes the in-process tiers: an integration module at a time (its
+    module fixtures built once), unit tests one by one."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/e2e/") or os.path.basename(path) in NETNS_MODULES:
+        return "swarm"
+    return path if path.startswith("tests/integration/") else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`work_unit`'s units, largest first (xdist's load-scope scheduling; its `xdist_group` marker
+    is not used: pytest 9.2 ignores the node ids it rewrites)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return Units(config, log)
 
 
 @pytest.fixture(autouse=True)
