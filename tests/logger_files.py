@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,20 @@ def wandb_run(wandb_dir: Path) -> dict[str, Any]:
     files = sorted(wandb_dir.glob("offline-run-*/run-*.wandb"))
     if len(files) != 1:
         raise AssertionError(f"expected one offline W&B run under {wandb_dir}, found {files}")
+    # W&B's writer process may still be flushing the log when `finish()` returned (seen on a loaded
+    # machine: the file lacked its run record): read it once it ends with the run's exit record
+    deadline = time.monotonic() + 30.0
+    while True:
+        records = []
+        for body in _chunks(files[0].read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(body)
+            records.append(rec)
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     run: dict[str, Any] = {"name": None, "group": None, "config": {}, "history": []}
-    for body in _chunks(files[0].read_bytes()):
-        rec = pb.Record()
-        rec.ParseFromString(body)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             run["name"], run["group"] = rec.run.display_name, rec.run.run_group
