@@ -152,7 +152,7 @@ def _stage_launch(
 
 
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
-    """Stage 0: drive a compressed pipeline through the other stages' peers."""
+    """Stage 0: drive a pipeline through the other stages' peers, compressed or not by its links."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
         check_join(session.cfg, 0, session.opts)  # before the stage is built or announced
         worker = _worker(session, 0, compressed=True)
@@ -168,6 +168,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
                 driver.last_loss,
                 driver.tokens_per_s(),
                 pipeline_peers={str(s): pid for s, (pid, _) in list(driver.peers.items())},
+                mode=driver.mode,
             ),
         )
         run_outer_loop(session, head, data, shard, stop)
@@ -190,6 +191,7 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
         stop,
         on_bind=session.records.refresh,
         on_schedule=show_schedule,
+        policy=session.opts.compression,  # `peer join --stage 0 --compression`
     )
 
 

@@ -1,9 +1,11 @@
 """One inner step of the head's pipeline: K micro-batches in flight, one replay loop.
 
 For each micro-batch the head runs stage 0's forward, sends the boundary X̃ (b, L, k) on, gets back
-the loss and ∇X̃ and runs stage 0's backward; after the micro-batches it tells every stage to take
-its optimizer step with the gradient norm over all stages (each later stage reports its Σ‖g‖²
-with the last micro-batch), so a pipeline clips as a whole model does.
+the loss and ∇X̃ and runs stage 0's backward (in an uncompressed outer step X and ∇X (b, L, d),
+every call flagged so: `StageWorker.boundary_compressed`, chosen by `peer.node.pipeline.mode`);
+after the micro-batches it tells every stage to take its optimizer step with the gradient norm
+over all stages (each later stage reports its Σ‖g‖² with the last micro-batch), so a pipeline
+clips as a whole model does.
 
 - K = 1, the sequential schedule: the head relays the chain itself (`forward_chain`: stage s's
   output comes back to the head and goes to s + 1; the gradients walk back the same way, one
@@ -183,6 +185,7 @@ class StepExecutor:
                 _required(hidden, f"stage {s - 1} activations"),
                 targets=targets if s == S - 1 else None,
                 train=train,
+                compressed=self.worker.boundary_compressed,
             )
             reply = self.call(s, t, h, _forward(request))
             hidden = reply.hidden
@@ -198,7 +201,8 @@ class StepExecutor:
         reply = self.forward_chain(t, h, mb, mb_x.to(torch.int32), hidden, mb_y.to(torch.int32), train=True)
         grad, norms = reply.grad, [reply.grad_sq_norm]
         for s in range(self.cfg.stages - 2, 0, -1):
-            back = BackwardRequest(self.pipeline_id, mb, t, h, s, _required(grad, f"stage {s + 1} gradient"))
+            grad = _required(grad, f"stage {s + 1} gradient")
+            back = BackwardRequest(self.pipeline_id, mb, t, h, s, grad, self.worker.boundary_compressed)
             back_reply = self.call(s, t, h, _backward(back))
             grad = back_reply.grad
             norms.append(back_reply.grad_sq_norm)
@@ -268,6 +272,7 @@ class StepExecutor:
             route=route[1:],
             window=k,
             defer_norms=mb == self.cfg.train.microbatches - 1,  # the flush: Σ‖g‖² come after the gradient
+            compressed=self.worker.boundary_compressed,
         )
         reply = self.call(1, t, h, self._send(request), abort)
         if reply.grad is None or reply.loss is None:
