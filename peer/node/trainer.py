@@ -40,6 +40,7 @@ from peer.node.fit import check_join
 from peer.node.outer_loop import run_outer_loop
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
+from peer.node.pipeline.mode import LinkFigures, ModeDecision
 from peer.node.pipeline.schedule import with_in_flight
 from peer.node.replica.data_parallel import chain_loss, chain_step
 from peer.node.round.gather import RoundResult
@@ -182,6 +183,11 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
     def show_schedule(schedule: dict[str, Any]) -> None:
         service.schedule = schedule
 
+    def record_mode(t: int, decision: ModeDecision, figures: LinkFigures | None) -> None:
+        fields = {} if figures is None else figures.to_fields()
+        util = decision.util_uncompressed
+        session.metrics.log("mode", t=t, mode=decision.mode, reason=decision.reason, util_uncompressed=util, **fields)
+
     return PipelineDriver(
         with_in_flight(session.cfg, session.opts.in_flight),  # this head's own window K (`--in-flight`)
         session.peer_id,
@@ -192,6 +198,7 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
         on_bind=session.records.refresh,
         on_schedule=show_schedule,
         policy=session.opts.compression,  # `peer join --stage 0 --compression`
+        on_mode=record_mode,
     )
 
 

@@ -31,7 +31,7 @@ from peer.config import RunConfig
 from peer.net.pool import ClientPool
 from peer.node.pipeline.accounting import EquivalentBytes
 from peer.node.pipeline.failures import Action, StageFailed
-from peer.node.pipeline.mode import ModeDecision, check_policy, choose_mode, message_bytes
+from peer.node.pipeline.mode import LinkFigures, ModeDecision, check_policy, choose_mode, message_bytes
 from peer.node.pipeline.routing import Routing, StageRecords
 from peer.node.pipeline.schedule import LinkEstimator
 from peer.node.pipeline.step import StepExecutor
@@ -56,10 +56,12 @@ class PipelineDriver:
         on_bind: Callable[[], None] = lambda: None,
         on_schedule: Callable[[dict[str, Any]], None] | None = None,
         policy: str = "auto",
+        on_mode: Callable[[int, ModeDecision, LinkFigures | None], None] | None = None,
     ) -> None:
         """on_bind: publish the stage peers just bound (the head's record); on_schedule: the K,
         round trip and serialization time chosen, to show (`PeerService.schedule`); policy: the
-        boundary mode, "auto" (by the links), "always" or "never" compressed."""
+        boundary mode, "auto" (by the links), "always" or "never" compressed; on_mode: each outer
+        step's mode and the figures it was chosen from, to record."""
         self.cfg, self.pipeline_id, self.worker, self.clients = cfg, pipeline_id, worker, clients
         self.routing = Routing(cfg, pipeline_id, records, clients, stop, on_bind)
         self.links = LinkEstimator(cfg, clients, lambda: worker.busy_s, on_schedule)
@@ -69,7 +71,7 @@ class PipelineDriver:
         self.tokens = 0
         self.started = time.monotonic()
         self.in_flight = 1  # micro-batches in flight in the last inner step (1: the sequential schedule)
-        self.policy = check_policy(policy)
+        self.policy, self.on_mode = check_policy(policy), on_mode
         self.decision: ModeDecision | None = None  # this outer step's mode (None: no step begun yet)
         self._decided_at: int | None = None  # the outer step it was chosen for
 
@@ -105,6 +107,8 @@ class PipelineDriver:
         self.worker.boundary_compressed = decision.compressed
         self.links.set_compressed(decision.compressed)
         self.decision, self._decided_at = decision, t
+        if self.on_mode is not None:
+            self.on_mode(t, decision, figures)
 
     @property
     def mode(self) -> str:

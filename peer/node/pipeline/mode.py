@@ -2,7 +2,7 @@
 
 The paper compresses by interconnect bandwidth, not by role (arXiv 2601.02360 §2.3): a pipeline whose
 links keep its stages busy with the full (b, L, d) boundary runs uncompressed — its math is the
-paper's uncompressed replica (docs/protocol.md, "Compression by the link") — and one on slow links
+paper's uncompressed replica (docs/architecture.md, "Compressed or not") — and one on slow links
 compresses at the run's k/d. The rule is `peer plan --recommend`'s first one
 (`peer.research.plan.recommend`): uncompressed when the uncompressed pipeline reaches the target
 utilisation `subspace.uncompressed_min_util`, with the planner's utilisation of an inner step
@@ -12,11 +12,12 @@ busy compute / max(compute, t_msg) of the time (1F1B; the bubble is left out, as
 
 The figures are the head's own measurements (`LinkEstimator.figures`): stage 0's compute per
 micro-batch and the slowest bandwidth of the chain, the lower of the caps the head and its stage
-peers state and of what the streamed calls into stage 1 showed (the bytes of a hop over its network
-time less the round trip). Links past stage 1 are known by their caps alone. Before any compute is
-measured (the head's first outer step) `auto` runs compressed, the mode that is safe on any link,
-and measures. The choice is made at an outer step's first inner step and holds through it
-(`PipelineDriver.inner_step`); `peer join --stage 0 --compression always|never` forces it.
+peers state and of what its calls into stage 1 showed in the last outer step (the bytes of a hop over
+the fastest call's network time less the round trip; a hop faster than `MIN_WIRE_S` bounds nothing).
+Links past stage 1 are known by their caps alone. Before any compute is measured (the head's first
+outer step) `auto` runs compressed, the mode that is safe on any link, and measures. The choice is
+made at an outer step's first inner step and holds through it (`PipelineDriver.inner_step`);
+`peer join --stage 0 --compression always|never` forces it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from peer.config import WIRE_DTYPES, RunConfig
 from peer.errors import ConfigError
 
 POLICIES = ("auto", "always", "never")  # `peer join --stage 0 --compression`
+# a hop's wire time (network less round trip) below this bounds no bandwidth: what a call costs beyond
+# its bytes (gRPC streams, codec, threads waking on a busy core) reaches a few ms on a loaded loopback,
+# and charged to the bytes it made a 1.3 KiB hop look like a 3 Mbit/s link (measured, 2 cores)
+MIN_WIRE_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,13 @@ class LinkFigures:
     bandwidth_bps: float | None  # bytes/s of the slowest link, measured or capped (None: none bounds it)
     rtt_s: float  # round trip to stage 1
     source: str  # where the bandwidth came from: "caps", "measured" or "none"
+
+    def to_fields(self) -> dict[str, float | str | None]:
+        """The figures as a metrics event's fields (ms and Mbit/s; None where not known)."""
+        bw = None if self.bandwidth_bps is None else round(self.bandwidth_bps * 8 / 1e6, 3)
+        compute = None if self.compute_s is None else round(self.compute_s * 1e3, 3)
+        return {"compute_ms": compute, "bandwidth_mbps": bw, "bandwidth_source": self.source,
+                "rtt_ms": round(self.rtt_s * 1e3, 3)}  # fmt: skip
 
     def describe(self) -> str:
         compute = "not measured" if self.compute_s is None else f"{self.compute_s * 1e3:.1f} ms"
@@ -100,8 +112,8 @@ def choose_mode(policy: str, figures: LinkFigures | None, msg_bytes: int, target
 
 def measured_bandwidth(hop_bytes: int, network_s: float | None, rtt_s: float) -> float | None:
     """Bytes/s a hop's measured network time shows: both messages of a hop (`hop_bytes`) over its
-    network time less the round trip; None when not measured, or too fast to tell (≤ 0.1 ms)."""
+    network time less the round trip; None when not measured, or too fast to tell (`MIN_WIRE_S`)."""
     if network_s is None:
         return None
     wire_s = network_s - rtt_s
-    return hop_bytes / wire_s if wire_s > 1e-4 else None
+    return hop_bytes / wire_s if wire_s >= MIN_WIRE_S else None

@@ -110,6 +110,7 @@ class LinkEstimator:
         self._network_s: float | None = None  # measured network time of one hop (smoothed)
         self.k = 0
         self._compressed = True  # the boundary mode of the calls measured (`set_compressed`)
+        self._fastest: float | None = None  # the fastest call's network seconds since the last `figures`
 
     def in_flight(self, route: Callable[[], Sequence[str]]) -> int:
         """K for the next inner step, re-evaluated each time from the latest measurements; `route`
@@ -145,17 +146,21 @@ class LinkEstimator:
         if compressed != self._compressed:
             self._compressed, self._network_s = compressed, None
             with self._calls_lock:
-                self._calls = []
+                self._calls, self._fastest = [], None
 
     def figures(self, route: Callable[[], Sequence[str]]) -> LinkFigures:
         """What the mode is chosen from (`peer.node.pipeline.mode`): stage 0's compute per
         micro-batch, the round trip to stage 1 and the slowest bandwidth of the chain, the lower of
-        the stated caps and of the last inner steps' measured hops (`route`: stages 1 … S−1)."""
+        the stated caps and of the hops measured since the last call (`route`: stages 1 … S−1). A hop
+        is measured by its fastest call: every call pays the link's serialization, while a busy core
+        (or K calls queued on the link) only ever adds to some."""
         addresses = route()
-        rtt = self.rtt(addresses[0])
-        self._measured_network()  # the calls of the last inner step, not yet looked at when K is fixed
+        with self._rtt_lock:  # the probes so far (`rtt` probes on when K is chosen): 0 before any
+            rtt = min(self._rtt.get(addresses[0]) or [0.0])
+        with self._calls_lock:
+            fastest, self._fastest = self._fastest, None
         rates = {"caps": min((c * ratelimit.MBIT for c in self._chain_caps(addresses) if c), default=None)}
-        rates["measured"] = measured_bandwidth(hop_bytes(self.cfg, self._compressed), self._network_s, rtt)
+        rates["measured"] = measured_bandwidth(hop_bytes(self.cfg, self._compressed), fastest, rtt)
         known = {k: v for k, v in rates.items() if v is not None}
         source = min(known, key=lambda k: known[k]) if known else "none"
         return LinkFigures(self._compute_s, known.get(source), rtt, source)
@@ -166,9 +171,10 @@ class LinkEstimator:
         return [link.upload_mbps, link.download_mbps, *(c for a in addresses for c in self.caps(a))]
 
     def record_call(self, network_s: float) -> None:
-        """The network part of one streamed call into stage 1 (its time less the time stage 1 held it)."""
+        """The network part of one call into stage 1 (its time less the time stage 1 held it)."""
         with self._calls_lock:
             self._calls.append(max(0.0, network_s))
+            self._fastest = network_s if self._fastest is None else min(self._fastest, network_s)
 
     def _measured_compute(self) -> float | None:
         """Stage 0's compute seconds per micro-batch in the inner step(s) since the last call

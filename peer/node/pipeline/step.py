@@ -187,7 +187,7 @@ class StepExecutor:
                 train=train,
                 compressed=self.worker.boundary_compressed,
             )
-            reply = self.call(s, t, h, _forward(request))
+            reply = self.call(s, t, h, self._timed(request) if s == 1 and train else _forward(request))
             hidden = reply.hidden
         if reply is None or reply.loss is None:
             raise StageFailed(Failure(Action.REPLAY, S - 1, f"stage {S - 1} returned no loss"))
@@ -284,6 +284,18 @@ class StepExecutor:
         self.worker.backward(key, reply.grad, epoch)  # while the stages after compute their weight gradients
         norms: Norms = [*reply.norms()] or [None]
         return reply.loss, norms
+
+    def _timed(self, request: ForwardRequest) -> Callable[[PeerClient], ForwardReply]:
+        """A relayed call into stage 1, its network time measured (`LinkEstimator.record_call`)."""
+
+        def send(client: PeerClient) -> ForwardReply:
+            started = time.monotonic()
+            reply = client.forward(request)
+            if reply.served_s is not None:
+                self.links.record_call(time.monotonic() - started - reply.served_s)
+            return reply
+
+        return send
 
     def _send(self, request: ForwardRequest) -> Callable[[PeerClient], ForwardReply]:
         """The streamed call into stage 1, measured: every try counts its uncompressed equivalent
