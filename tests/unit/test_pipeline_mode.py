@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peer.cli.join_setup import join_role
 from peer.config import build_config
 from peer.core.model.chain import global_grad_norm
 from peer.core.model.state import stage_state, state_hash
@@ -177,3 +178,12 @@ def test_one_stage_worker_serves_both_modes_and_a_gradient_keeps_its_forwards_mo
     head.forward(("p", 1), mx, None, None, compressed=False)
     with pytest.raises(ValueError, match="same mode"):
         head.backward(("p", 1), out_c.grad, compressed=True)
+
+
+def test_compression_is_a_heads_flag():
+    assert join_role(0, False, "cpu", "fp32", "never") == "head"
+    with pytest.raises(ConfigError, match="--stage 0"):
+        join_role(1, False, "cpu", "fp32", "always")
+    with pytest.raises(ConfigError, match="--compression"):
+        join_role(0, False, "cpu", "fp32", "sometimes")
+    assert join_role(None, True, "cpu", "fp32") == "full"  # auto, the default, goes with any role

@@ -94,7 +94,8 @@ class PipelineDriver:
     def _choose_mode(self, t: int) -> None:
         """Outer step t's boundary mode, from the links measured so far (`peer.node.pipeline.mode`)."""
         cfg = self.cfg
-        figures = self.links.figures(lambda: self.routing.route(t)) if cfg.stages > 1 else None
+        measured = cfg.stages > 1 and self.policy == "auto"  # a forced mode asks nothing of the links
+        figures = self.links.figures(lambda: self.routing.route(t)) if measured else None
         target = cfg.subspace.uncompressed_min_util
         decision = choose_mode(self.policy, figures, message_bytes(cfg, cfg.model.d_model), target)
         log.info(
@@ -129,12 +130,13 @@ class PipelineDriver:
         """Validation loss through the pipeline (no backward kept anywhere); None when a stage
         failed (its peer is dropped where the failure says so)."""
         t = self.worker.train_step  # the outer step the pipeline's peers serve now (ahead: overlap)
+        mode = self.worker.boundary_compressed  # read once: with overlap the next outer step may choose anew
         losses: list[float] = []
         for i, (x, y) in enumerate(batches):
-            hidden = self.worker.evaluate(x, None, None).hidden
+            hidden = self.worker.evaluate(x, None, None, mode).hidden
             try:
                 reply = self.executor.forward_chain(
-                    t, 0, EVAL_MICROBATCH + i, x.to(torch.int32), hidden, y.to(torch.int32), train=False
+                    t, 0, EVAL_MICROBATCH + i, x.to(torch.int32), hidden, y.to(torch.int32), False, mode
                 )
             except StageFailed as exc:
                 if exc.failure.action is not Action.WAIT:

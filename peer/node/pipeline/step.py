@@ -170,10 +170,13 @@ class StepExecutor:
         hidden: torch.Tensor | None,
         targets: torch.Tensor,
         train: bool,
+        compressed: bool | None = None,
     ) -> ForwardReply:
-        """Stage 0's output `hidden` (b, L, k) through stages 1 … S−1, each called by the head in
-        turn: the last stage's reply (the loss; ∇ of its input when training)."""
+        """Stage 0's output `hidden` (b, L, k), or (b, L, d) not `compressed` (None: stage 0's mode),
+        through stages 1 … S−1, each called by the head in turn: the last stage's reply (the loss; ∇
+        of its input when training)."""
         S, reply = self.cfg.stages, None
+        mode = self.worker.boundary_compressed if compressed is None else compressed
         for s in range(1, S):
             request = ForwardRequest(
                 self.pipeline_id,
@@ -185,7 +188,7 @@ class StepExecutor:
                 _required(hidden, f"stage {s - 1} activations"),
                 targets=targets if s == S - 1 else None,
                 train=train,
-                compressed=self.worker.boundary_compressed,
+                compressed=mode,
             )
             reply = self.call(s, t, h, self._timed(request) if s == 1 and train else _forward(request))
             hidden = reply.hidden
