@@ -5,16 +5,16 @@ Two network namespaces joined by a veth link stand for two machines (`peer.resea
 host 0 (10.77.0.1) runs the bootstrap, both stage-1 peers, the full replica and head A; host 1
 (10.77.0.2) runs head B alone, so whichever stage-1 peer B claims, its pipeline's boundary crosses the
 link, while A's stays on host 0. Both heads choose by their links (`--compression auto`, the default).
-After B's round 1 the link gets a `tc tbf` qdisc at 10 Mbit/s on both ends.
+After B's round 2 the link gets a `tc tbf` qdisc at 10 Mbit/s on both ends.
 
 Checked: head A runs its outer steps after the first uncompressed (its first is compressed: nothing
-measured yet); head B runs uncompressed before the link is shaped and compressed from at most two
-outer steps after (the decision reads the fastest call of the outer step before it: one that began
-on the fast link may still show it), saying it measured a link of at most ~10 Mbit/s; B never
-re-syncs across the switch; and every round commits one state per stage across every holder (both
-heads, both stage-1 peers, the full replica), with all three replicas' contributions. The modes are
-read from each head's `mode` metrics events, which carry the figures behind them (printed). Skipped
-with the reason when not root or without `ip netns`/`tc`.
+measured yet; one outer step may misread a busy core as a slow link); head B runs uncompressed before
+the link is shaped and compressed from at most two outer steps after (the decision reads the fastest
+call of the outer step before it: one that began on the fast link may still show it), saying it
+measured a link of at most ~10 Mbit/s; B never re-syncs across the switch; and every round commits
+one state per stage across every holder (both heads, both stage-1 peers, the full replica), with all
+three replicas' contributions. The modes are read from each head's `mode` metrics events, which carry
+the figures behind them (printed). Skipped with the reason when not root or without `ip netns`/`tc`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from peer.research.bench.netns import ShapedChain, netns_unavailable, run_cmd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-OUTER = 6
-SHAPED_AFTER = 1  # B's round after which its link is shaped
-RUN = {"PEER_TRAIN__MICROBATCHES": "4"}  # 4 micro-batches of 4 × 128 tokens: a 68 KiB boundary uncompressed
+OUTER = 7
+SHAPED_AFTER = 2  # B's round after which its link is shaped
+# 4 micro-batches of 4 × 128 tokens, fp32 on the wire: 132 KiB uncompressed, 106 ms at 10 Mbit/s, several
+# times the compute of a micro-batch even on a loaded core (12-50 ms measured); 36 KiB a compressed hop
+RUN = {"PEER_TRAIN__MICROBATCHES": "4", "PEER_SUBSPACE__WIRE_DTYPE": "fp32"}
 DEADLINES = {
     "PEER_SWARM__RPC_TIMEOUT_S": "10",
     "PEER_SWARM__RECORD_TTL_S": "8",
@@ -90,8 +92,10 @@ def test_each_pipeline_compresses_by_its_link_and_a_degraded_link_switches_witho
           f"{SHAPED_AFTER} (B at outer step {shaped_from}):\n" + "\n".join(lines))  # fmt: skip
     assert sorted(a) == sorted(b) == list(range(OUTER)), (a, b)
     assert a[0]["mode"] == b[0]["mode"] == "compressed"  # nothing measured yet
-    assert all(a[t]["mode"] == "uncompressed" for t in range(1, OUTER)), lines  # host 0's own links
-    assert b[1]["mode"] == "uncompressed", lines  # before the link was shaped
+    # host 0's own links; one outer step may read a busy core's delay as a slow link (its fastest call
+    # ≥ 5 ms: seen once in 50 outer steps of the churn tests, 2 cores)
+    assert sum(a[t]["mode"] == "compressed" for t in range(1, OUTER)) <= 1, lines
+    assert any(b[t]["mode"] == "uncompressed" for t in range(1, shaped_from + 1)), lines  # before the link was shaped
     switched = [t for t in range(shaped_from + 1, OUTER) if b[t]["mode"] == "compressed"]
     assert switched and switched[0] <= shaped_from + 2, lines
     assert all(b[t]["mode"] == "compressed" for t in range(switched[0], OUTER)), lines
