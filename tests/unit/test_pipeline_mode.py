@@ -17,6 +17,7 @@ from peer.cli.join_setup import join_role
 from peer.config import build_config
 from peer.core.model.chain import global_grad_norm
 from peer.core.model.state import stage_state, state_hash
+from peer.core.subspace.compression import make_basis
 from peer.errors import ConfigError
 from peer.net.ratelimit import MBIT
 from peer.net.transport import codec
@@ -33,6 +34,7 @@ from peer.node.pipeline.mode import (
 from peer.node.replica.data_parallel import chain_loss, chain_step
 from peer.node.stage.worker import StageWorker
 from peer.research.plan.command import PlanInputs, plan_rows
+from peer.research.simulate.replica import LocalReplica
 
 TARGET = 0.95
 
@@ -187,3 +189,26 @@ def test_compression_is_a_heads_flag():
     with pytest.raises(ConfigError, match="--compression"):
         join_role(0, False, "cpu", "fp32", "sometimes")
     assert join_role(None, True, "cpu", "fp32") == "full"  # auto, the default, goes with any role
+
+
+def test_the_simulators_uncompressed_replica_is_what_an_uncompressed_pipeline_computes():
+    """`peer simulate`'s het-pp-compress counts its uncompressed replicas as full replicas (exact
+    boundaries); the swarm's uncompressed pipeline is the same on an fp32 wire (bf16, the default,
+    rounds its (b, L, d) boundaries as the compressed ones are rounded)."""
+    cfg = _cfg()
+    x, y = _batch(cfg, 3)
+    ref = LocalReplica.build(cfg, compressed=False, U=make_basis(cfg.model.d_model, cfg.k, cfg.seed))
+    ref.zero_grad()
+    ref_loss = ref.accumulate(x, y).loss
+    head, last = StageWorker(cfg, 0), StageWorker(cfg, 1)
+    head.boundary_compressed = False
+    n, loss = cfg.train.microbatches, 0.0
+    for mb, (mx, my) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
+        out = last.forward(("p", mb), mx, head.forward(("p", mb), mx, None, None).hidden, my, compressed=False)
+        head.backward(("p", mb), out.grad)
+        loss += out.loss / n
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    for s, w in enumerate((head, last)):
+        ref_grads = {name: p.grad for name, p in ref.stages[s].named_parameters()}
+        for name, p in w.module.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7)
