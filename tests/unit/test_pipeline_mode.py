@@ -212,3 +212,12 @@ def test_the_simulators_uncompressed_replica_is_what_an_uncompressed_pipeline_co
         ref_grads = {name: p.grad for name, p in ref.stages[s].named_parameters()}
         for name, p in w.module.named_parameters():
             torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_target_is_a_manifest_setting_checked_and_fingerprinted_when_not_the_default():
+    base = build_config(environ={})
+    assert base.subspace.uncompressed_min_util == TARGET
+    lower = build_config(overrides={"subspace.uncompressed_min_util": 0.9}, environ={})
+    assert lower.fingerprint() != base.fingerprint()  # every peer of a run agrees on it
+    with pytest.raises(ConfigError, match="subspace.uncompressed_min_util"):
+        build_config(overrides={"subspace.uncompressed_min_util": 1.5}, environ={})
