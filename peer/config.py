@@ -67,6 +67,9 @@ class SubspaceConfig:
     wire_dtype: str = field(  # dtype of boundary activations and gradients on the wire
         default="bf16", metadata={"help": "Boundary dtype on the wire: fp32, bf16, fp16."}
     )
+    # a head runs an outer step uncompressed when its measured links keep the stages busy at least
+    # this fraction of the time with the full boundary (peer.node.pipeline.mode; paper §2.3)
+    uncompressed_min_util: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,8 @@ class RunConfig:
         d["swarm"].pop("inner_step_replays", None)  # a head's retry budget; the math does not depend on it
         if d["swarm"].get("shard") == "topk":  # re-sparsified shards: fingerprints from before the option
             d["swarm"].pop("shard")
+        if d["subspace"].get("uncompressed_min_util") == 0.95:  # the default target: fingerprints from before it
+            d["subspace"].pop("uncompressed_min_util")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -422,6 +427,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"subspace.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {cfg.subspace.wire_dtype!r}"
         )
+    if not 0 < cfg.subspace.uncompressed_min_util <= 1:
+        raise ConfigError(f"subspace.uncompressed_min_util must be in (0, 1], got {cfg.subspace.uncompressed_min_util}")
     try:
         _ = cfg.k  # k_from_ratio validates k_ratio against d_model
     except ConfigError as exc:

@@ -164,6 +164,11 @@ class JoinArgs:
         None, 'Write the metrics.jsonl series as TensorBoard event files here (pip install "peer[tensorboard]").'
     )
     in_flight: int | None = o.setting("train.in_flight")  # this head's own K (SessionOptions.in_flight)
+    compression: str = o.flag(
+        "auto",
+        "A head's stage boundaries: auto (uncompressed while its measured links keep the stages busy at "
+        "the manifest's subspace.uncompressed_min_util, chosen each outer step), always or never compressed.",
+    )
     max_upload_mbps: float | None = o.setting("link.max_upload_mbps")
     max_download_mbps: float | None = o.setting("link.max_download_mbps")
     relay: bool | None = o.setting("link.relay", "--relay")

@@ -19,13 +19,17 @@ from peer.errors import ConfigError
 from peer.net.prometheus import EventSink, Exporter
 from peer.node.discovery import wait_for_address_file
 from peer.node.metrics import add_sink
+from peer.node.pipeline.mode import check_policy
 
 
-def join_role(stage: int | None, full_replica: bool, device: str, precision: str) -> str:
+def join_role(stage: int | None, full_replica: bool, device: str, precision: str, compression: str = "auto") -> str:
     """The role `peer join`'s flags ask for ("full", "head" or "stage"); a one-line ConfigError for
-    flags that do not go together or an unknown device or precision."""
+    flags that do not go together or an unknown device, precision or compression."""
     if (stage is None) == (not full_replica):
         raise ConfigError("pass exactly one of --stage N or --full-replica")
+    check_policy(compression)
+    if compression != "auto" and stage != 0:
+        raise ConfigError("--compression is a head's choice: pass it with --stage 0 only")
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
     if precision not in ("auto", "bf16", "fp16", "fp32"):

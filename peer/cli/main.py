@@ -242,7 +242,7 @@ def join(a: JoinArgs) -> None:
     from peer.node.session import SessionOptions, dht_exited, usable_data_dir
     from peer.node.trainer import data_dir_default
 
-    role = join_role(a.stage, a.full_replica, a.device, a.precision)
+    role = join_role(a.stage, a.full_replica, a.device, a.precision, a.compression)
     opts = SessionOptions(
         initial_peers=prepare_join(a.initial_peers, a.initial_peers_file, a.manifest_timeout_s, a.metrics_port, a.host),
         host=a.host,
@@ -261,6 +261,7 @@ def join(a: JoinArgs) -> None:
         link=build_link_config(None, **o.overrides(a, "link")),
         swarm_secret=load_swarm_secret(a.swarm_secret_file),
         in_flight=a.in_flight,  # a head's own window K (peer.node.pipeline.schedule.with_in_flight)
+        compression=a.compression,  # a head's boundary mode (peer.node.pipeline.mode)
     )
     start_loggers(a.wandb, a.tensorboard, opts.data_dir)
     stop = threading.Event()

@@ -230,7 +230,7 @@ def status_view(result: Mapping[str, Any]) -> list[Text | Table]:
             table.add_row(
                 stage,
                 short_id(p["peer_id"]),
-                fmt(p["role"]),
+                fmt(p["role"]) + (f" ({p['mode']})" if p.get("mode") else ""),  # a head's boundary mode
                 fmt(p["state"]),
                 fmt(p["outer_step"]),
                 fmt(p["tokens_per_s"], ".0f"),

@@ -6,7 +6,7 @@ full replica or pipeline head). Returns one plain dict, the documented shape of 
 
     {"run_id": str, "preset": str, "outer_step": int, "admission": "open" | "secret" | "allowlist",
      "stages": {"0": [{"peer_id", "state", "outer_step", "tokens_per_s", "role", "address", "in_flight",
-                       *LINK}, ...], ...},
+                       "mode", *LINK}, ...], ...},
      "full_replicas": [{"peer_id", "outer_step", "loss", "tokens_per_s", "ranks", "global_batch", *LINK}, ...]}
     LINK = "connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures"
 
@@ -29,7 +29,8 @@ from peer.node.manifest import wait_for_manifest
 
 logger = logging.getLogger(__name__)
 
-STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address", "in_flight")  # in_flight: a head's K
+# in_flight: a head's K; mode: a head's boundary mode this outer step, "compressed" or "uncompressed"
+STAGE_FIELDS = ("state", "outer_step", "tokens_per_s", "role", "address", "in_flight", "mode")
 REPLICA_FIELDS = ("outer_step", "loss", "tokens_per_s", "ranks", "global_batch")  # ranks: torchrun processes
 # docs/connectivity.md: how others reach the peer (direct, reverse, relayed), its caps, refused calls
 LINK_FIELDS = ("connectivity", "relay", "max_upload_mbps", "max_download_mbps", "auth_failures")
@@ -55,11 +56,13 @@ def _link(net: NetFields) -> dict[str, Any]:
     }
 
 
-def stage_entry(peer_id: str, record: StageRecord) -> dict[str, Any]:
-    """One stage peer's row of `peer status --json` (STAGE_FIELDS, then LINK_FIELDS)."""
+def stage_entry(peer_id: str, record: StageRecord, replica: ReplicaRecord | None = None) -> dict[str, Any]:
+    """One stage peer's row of `peer status --json` (STAGE_FIELDS, then LINK_FIELDS); a head's mode
+    comes from its `replica` record."""
     r = record
     out = {"peer_id": peer_id, "state": r.state or None, "outer_step": r.outer_step, "tokens_per_s": r.tokens_per_s}
     out.update(role=r.role or None, address=r.address or None, in_flight=r.in_flight)
+    out["mode"] = replica.mode if replica is not None and r.role == "head" else None
     return out | _link(r.net)
 
 
@@ -97,11 +100,11 @@ def collect_status(
 
     stages: dict[str, list[dict[str, Any]]] = {}
     best = 0
+    replicas = dht.get_replicas()
     for s in range(n_stages):
         records = dht.get_stage_peers(s)
-        stages[str(s)] = [stage_entry(pid, records[pid]) for pid in sorted(records)]
+        stages[str(s)] = [stage_entry(pid, records[pid], replicas.get(pid)) for pid in sorted(records)]
         best = max([best, *(r.outer_step or 0 for r in records.values())])
-    replicas = dht.get_replicas()
     best = max([best, *(r.outer_step or 0 for r in replicas.values())])
     full = [replica_entry(pid, replicas[pid]) for pid in sorted(replicas) if replicas[pid].kind == "full"]
     model = _mapping(config.get("model"))

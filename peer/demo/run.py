@@ -213,8 +213,8 @@ class _DemoRun:
                 )
             self.report("starting peers")
             time.sleep(cfg.poll_interval_s)
-        for i in range(cfg.pipelines):
-            self.join(maddr, f"p{i}-s0", "head", 0, "--stage", 0)
+        for i in range(cfg.pipelines):  # compressed on loopback too: the demo shows both kinds of replica
+            self.join(maddr, f"p{i}-s0", "head", 0, "--stage", 0, "--compression", "always")
         for j in range(cfg.full_replicas):
             self.join(maddr, f"full{j}", "full", None, "--full-replica")
 

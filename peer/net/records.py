@@ -33,6 +33,7 @@ from peer.net.round_points import RoundPoint, parse_rounds, valid_rounds
 logger = logging.getLogger(__name__)
 
 DROP_REASONS = ("unsigned", "forged", "not_admitted", "malformed")
+MODES = ("compressed", "uncompressed")  # a pipeline's boundary mode in an outer step (`mode` fields)
 R = TypeVar("R")
 _MAX_WARNED = 64  # distinct (reason, peer) warnings per reader: keys are free to make
 
@@ -396,6 +397,7 @@ class ReplicaRecord:
     pipeline_peers: dict[str, str] | None = None  # a head's {"<stage>": peer id}: binds their payloads
     ranks: int | None = None  # a full replica's processes (torchrun ranks; None: a record that does not say)
     global_batch: int | None = None  # sequences per inner step over all its ranks
+    mode: str | None = None  # a head's boundary mode this outer step, one of MODES (None: not said)
     rounds: tuple[RoundPoint, ...] = ()  # its last committed rounds (`peer.net.round_points`)
     net: NetFields = NetFields()
     left: bool = False  # {"state": "left"}: a graceful leave
@@ -415,6 +417,7 @@ class ReplicaRecord:
         "pipeline_peers": _opt(_str_map),
         "ranks": _opt(_is_int),
         "global_batch": _opt(_is_int),
+        "mode": _opt(MODES.__contains__),
         "rounds": valid_rounds,
         **_SIGNED,
     }
@@ -444,6 +447,7 @@ class ReplicaRecord:
             out["pipeline_peers"] = self.pipeline_peers
         if self.ranks is not None:  # absent, not null: a record older peers read as before
             out["ranks"], out["global_batch"] = self.ranks, self.global_batch
+        out |= {"mode": self.mode} if self.mode is not None else {}  # a head's only: absent in others'
         if self.rounds:  # absent while it has committed none
             out["rounds"] = [p.to_record() for p in self.rounds]
         return out
@@ -462,6 +466,7 @@ class Announcement:
     peers: dict[str, str] | None = None  # a head's stage-0 announcement: {"<stage>": peer id} it binds
     root: str | None = None  # a ranges round: the merkle root of its parts (sha256 = of the parts concatenated)
     ranges: int | None = None  # a ranges round: how many parts (ranges) it was cut into
+    mode: str | None = None  # a head's: its outer step's boundaries, "compressed" or "uncompressed"
     peer_id: str = ""
     time: float = 0.0
 
@@ -475,6 +480,7 @@ class Announcement:
         "peers": _str_map,
         "root": _opt(_is_str),
         "ranges": _opt(_is_int),
+        "mode": _opt(MODES.__contains__),
         **_SIGNED,
     }
 
@@ -494,4 +500,5 @@ class Announcement:
             out["peers"] = self.peers
         if self.root is not None:  # absent, not null, in an all-to-all round: the records of before
             out["root"], out["ranges"] = self.root, self.ranges
+        out |= {"mode": self.mode} if self.mode is not None else {}  # a head's only: absent in others'
         return out

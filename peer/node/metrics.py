@@ -9,6 +9,8 @@ read (the demo, `peer status`, tests, notebooks):
            train_loss, val_loss, round_wall_s, bytes → {activations, activations_uncompressed_equiv,
            pseudo_gradients};
 - `start`: stage, peer_id, address, config (the run's, `RunConfig.to_dict`), fingerprint;
+- `mode` (a head, each outer step): t, mode ("compressed" or "uncompressed"), reason, util_uncompressed,
+  compute_ms, bandwidth_mbps, bandwidth_source, rtt_ms (`peer.node.pipeline.mode`; None where not known);
 - `sync`, `resume`, `resume_kept`, `catch_up`, `pause`, `checkpoint`, `checkpoint_failed`,
   `exit` (reason);
 every event also carries `event`, `role` and `time` (unix seconds).

@@ -128,9 +128,11 @@ class Records:
         ranks: int | None = None,
         batch_size: int | None = None,
         pipeline_peers: dict[str, str] | None = None,
+        mode: str | None = None,
     ) -> Own:
         """`pipeline_peers` ({"<stage>": peer id}, heads only) binds the stage peers' payload
-        announcements to this replica (`peer.node.round.agreement.binding`). A full replica says how
+        announcements to this replica (`peer.node.round.agreement.binding`); `mode` (heads only) is the
+        outer step's boundary mode, "compressed" or "uncompressed" (`peer.node.pipeline.mode`). A full replica says how
         many processes train it (`ranks`, torchrun) and its global batch, ranks × `batch_size`."""
         record = ReplicaRecord(
             address=self.me.address,
@@ -143,6 +145,7 @@ class Records:
             inc=self.me.incarnation,
             done=self.me.finishing,
             pipeline_peers=pipeline_peers,
+            mode=mode,
             ranks=ranks,
             global_batch=None if ranks is None or batch_size is None else ranks * batch_size,
             rounds=tuple(self._rounds),  # read by dashboards (`peer.net.round_points`)

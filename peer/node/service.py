@@ -157,8 +157,9 @@ class PeerService:
         for worker in self.workers.values():
             worker.drop_pending(pipeline_id)
 
-    def _width(self, worker: StageWorker) -> int:
-        return self.cfg.k if worker.compressed else self.cfg.model.d_model
+    def _width(self, compressed: bool) -> int:
+        """The boundary's last dimension in a call of this mode: k compressed, d not."""
+        return self.cfg.k if compressed else self.cfg.model.d_model
 
     def _check_forward(self, worker: StageWorker, request: ForwardRequest) -> None:
         """Reject a micro-batch that does not fit this stage (raises before any state changes)."""
@@ -181,7 +182,7 @@ class PeerService:
                 "micro-batches)"
             )
         if not worker.is_first:
-            _check_boundary(request.hidden, (b, L, self._width(worker)), f"stage {s} hidden")
+            _check_boundary(request.hidden, (b, L, self._width(request.compressed)), f"stage {s} hidden")
         if request.route and (not request.train or request.window < 1 or len(request.route) != self.cfg.stages - 1 - s):
             raise TransportError(
                 f"stage {s}: a streamed training request names the {self.cfg.stages - 1 - s} later stages and a "
@@ -209,13 +210,15 @@ class PeerService:
         try:
             if not request.train:
                 with torch.no_grad():
-                    out = worker.evaluate(request.tokens, request.hidden, request.targets)
+                    out = worker.evaluate(request.tokens, request.hidden, request.targets, request.compressed)
                 return ForwardReply(hidden=out.hidden, loss=out.loss)
             epoch = (request.inner_step, request.attempt) if request.window > 0 else None
             if request.route:
                 return self._stream(worker, request, epoch)
             defer = self._defers(request, epoch)
-            out = worker.forward(key, request.tokens, request.hidden, request.targets, epoch, request.window, defer)
+            out = worker.forward(
+                key, request.tokens, request.hidden, request.targets, epoch, request.window, defer, request.compressed
+            )
         except StaleMicrobatch as exc:
             t, h, attempt = exc.epoch
             raise TransportError(
@@ -238,7 +241,8 @@ class PeerService:
     def _stream(self, worker: StageWorker, request: ForwardRequest, epoch: tuple[int, int] | None) -> ForwardReply:
         """Forward here, on to the next stage, backward here with the gradient it answers."""
         key = (request.pipeline_id, request.microbatch)
-        out = worker.forward(key, request.tokens, request.hidden, None, epoch, request.window)
+        mode = request.compressed
+        out = worker.forward(key, request.tokens, request.hidden, None, epoch, request.window, False, mode)
         if out.hidden is None:
             raise TransportError(f"stage {worker.stage} produced no activations to stream on")
         onward = ForwardRequest(
@@ -254,12 +258,13 @@ class PeerService:
             route=request.route[1:],
             window=request.window,
             defer_norms=request.defer_norms,
+            compressed=request.compressed,
         )
         reply = self._hop(request.route[0], onward, len(request.route))
         if reply.grad is None or reply.loss is None:
             raise HopError(Refusal(RefusalKind.REMOTE, worker.stage + 1), "the reply carries no loss and gradient")
         defer = self._defers(request, epoch)
-        grad = worker.backward(key, reply.grad, epoch, defer)
+        grad = worker.backward(key, reply.grad, epoch, defer, request.compressed)
         if not self._last_microbatch(request.microbatch):
             return ForwardReply(loss=reply.loss, grad=grad)
         generation = worker.gate.generation
@@ -316,9 +321,9 @@ class PeerService:
                     f"{worker.stage}; replay the micro-batch from its forward pass"
                 )
             b, L = pending[1].shape[:2]
-            _check_boundary(request.grad, (b, L, self._width(worker)), f"stage {worker.stage} grad")
+            _check_boundary(request.grad, (b, L, self._width(request.compressed)), f"stage {worker.stage} grad")
             try:
-                grad = worker.backward(key, request.grad)
+                grad = worker.backward(key, request.grad, compressed=request.compressed)
             except (KeyError, ValueError) as exc:
                 raise PeerError(str(exc).strip("'\"")) from None
             sq = worker.grad_sq_norm() if self._last_microbatch(request.microbatch) else None

@@ -90,6 +90,7 @@ class SessionOptions:
     dataset: Path | None = None  # the run's prepared dataset (`peer join --dataset`; default <data_dir>/dataset)
     link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
     in_flight: int | None = None  # a head's own window K (`peer join --in-flight`; None: the run's train.in_flight)
+    compression: str = "auto"  # a head's boundary mode: auto (by its links), always, never (`peer join --compression`)
 
 
 def quorum_over(replicas: Mapping[str, ReplicaRecord], me: str, have: int, need: int) -> bool:

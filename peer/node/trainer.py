@@ -40,6 +40,7 @@ from peer.node.fit import check_join
 from peer.node.outer_loop import run_outer_loop
 from peer.node.pipeline.driver import PipelineDriver
 from peer.node.pipeline.failures import PipelineBehind
+from peer.node.pipeline.mode import LinkFigures, ModeDecision
 from peer.node.pipeline.schedule import with_in_flight
 from peer.node.replica.data_parallel import chain_loss, chain_step
 from peer.node.round.gather import RoundResult
@@ -152,7 +153,7 @@ def _stage_launch(
 
 
 def run_head(opts: SessionOptions, stop: threading.Event) -> int:
-    """Stage 0: drive a compressed pipeline through the other stages' peers."""
+    """Stage 0: drive a pipeline through the other stages' peers, compressed or not by its links."""
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
         check_join(session.cfg, 0, session.opts)  # before the stage is built or announced
         worker = _worker(session, 0, compressed=True)
@@ -168,6 +169,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
                 driver.last_loss,
                 driver.tokens_per_s(),
                 pipeline_peers={str(s): pid for s, (pid, _) in list(driver.peers.items())},
+                mode=driver.mode,
             ),
         )
         run_outer_loop(session, head, data, shard, stop)
@@ -181,6 +183,11 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
     def show_schedule(schedule: dict[str, Any]) -> None:
         service.schedule = schedule
 
+    def record_mode(t: int, decision: ModeDecision, figures: LinkFigures | None) -> None:
+        fields = {} if figures is None else figures.to_fields()
+        util = decision.util_uncompressed
+        session.metrics.log("mode", t=t, mode=decision.mode, reason=decision.reason, util_uncompressed=util, **fields)
+
     return PipelineDriver(
         with_in_flight(session.cfg, session.opts.in_flight),  # this head's own window K (`--in-flight`)
         session.peer_id,
@@ -190,6 +197,8 @@ def _head_driver(session: Session, service: PeerService, worker: StageWorker, st
         stop,
         on_bind=session.records.refresh,
         on_schedule=show_schedule,
+        policy=session.opts.compression,  # `peer join --stage 0 --compression`
+        on_mode=record_mode,
     )
 
 

@@ -43,8 +43,12 @@ class Swarm:
         seq_len: str = "64",
         deadlines: dict[str, str] | None = None,
         bootstrap_flags: tuple[str, ...] = (),
+        host: str = LOOPBACK,
+        prefix: tuple[str, ...] = (),
     ):
-        self.tmp = tmp
+        """`host`, `prefix`: the bootstrap's (and by default every join's) address and command prefix,
+        e.g. `ip netns exec NS` (`peer.research.bench.netns`)."""
+        self.tmp, self.host, self.prefix = tmp, host, prefix
         self.env = {
             **os.environ,
             "PEER_CACHE_DIR": str(tmp / "cache"),
@@ -59,7 +63,7 @@ class Swarm:
             [
                 "bootstrap",
                 "--host",
-                LOOPBACK,
+                host,
                 "--inner-steps",
                 "4",
                 "--outer-steps",
@@ -84,10 +88,12 @@ class Swarm:
         self.address = json.loads(address.read_text())  # the bootstrap's address record
         self.maddr = self.address["initial_peers"][0]
 
-    def start(self, name: str, args: list[str], extra_env: dict | None = None, module: str = "peer") -> None:
+    def start(
+        self, name: str, args: list[str], extra_env: dict | None = None, module: str = "peer", prefix: tuple = ()
+    ) -> None:
         log = (self.tmp / f"{name}.log").open("a")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*(prefix or self.prefix), sys.executable, "-m", module, *args],
             cwd=ROOT,  # `module` may be a test's (tests/e2e/forger.py)
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -95,9 +101,19 @@ class Swarm:
             start_new_session=True,
         )
 
-    def join(self, name: str, *flags: str, extra_env: dict | None = None, module: str = "peer") -> None:
-        args = ["join", *flags, "--host", LOOPBACK, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)]
-        self.start(name, args, extra_env, module)
+    def join(
+        self,
+        name: str,
+        *flags: str,
+        extra_env: dict | None = None,
+        module: str = "peer",
+        host: str | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
+        """`host`, `prefix`: this peer's own (default: the bootstrap's)."""
+        where = host or self.host
+        args = ["join", *flags, "--host", where, "--initial-peers", self.maddr, "--data-dir", str(self.tmp / name)]
+        self.start(name, args, extra_env, module, prefix)
 
     def events(self, name: str, kind: str | None = None) -> list[dict]:
         path = self.tmp / name / "metrics.jsonl"

@@ -272,7 +272,14 @@ def test_collect_status_reads_stage_and_replica_records(boot):
             ttl_s=30,
         )
         head.announce_replica(
-            {"address": "127.0.0.1:7000", "kind": "pipeline", "outer_step": 3, "loss": 4.5, "tokens_per_s": 1200.0},
+            {
+                "address": "127.0.0.1:7000",
+                "kind": "pipeline",
+                "outer_step": 3,
+                "loss": 4.5,
+                "tokens_per_s": 1200.0,
+                "mode": "uncompressed",  # the head's boundary mode of this outer step, shown with its stage row
+            },
             ttl_s=30,
         )
         full.announce_replica(
@@ -306,6 +313,7 @@ def test_collect_status_reads_stage_and_replica_records(boot):
                     "role": "head",
                     "address": "127.0.0.1:7000",
                     "in_flight": 4,
+                    "mode": "uncompressed",
                     **no_link,
                 }
             ],

@@ -7,6 +7,8 @@ tiny model for 4 outer rounds; a second stage-1 peer joins late. Every role runs
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,7 +39,8 @@ def swarm_run(tmp_path, reap_children):
     with InProcessSwarm(cfg, tmp_path) as sw:
         sw.spawn("stage1", run_stage_peer, sw.opts("stage1"), 1, sw.stop)
         sw.spawn("full", run_full_replica, sw.opts("full"), sw.stop)
-        sw.spawn("head", run_head, sw.opts("head"), sw.stop)
+        # compressed on loopback too (its links would choose uncompressed): the swarm mixes both kinds
+        sw.spawn("head", run_head, dataclasses.replace(sw.opts("head"), compression="always"), sw.stop)
         # the late joiner arrives once round 0 has been committed
         sw.wait_for(lambda: rounds(sw.metrics("head")), timeout_s=240)
         # probe while stage 1 still serves (rounds 1.. are to come) and before the late joiner forks

@@ -82,3 +82,17 @@ def test_junk_outer_steps_and_tokens_are_ignored_not_stored():
     assert views.loss_view(c)["replicas"] == [] and views.stages_view(c)[1]["rounds"] == []
     assert views.run_view(c, now=3.0)["outer_step"] == 0
     json.dumps(views.dashboard(c, now=3.0), allow_nan=False)
+
+
+def test_a_heads_holder_row_and_detail_name_its_boundary_mode():
+    c = collector()
+    heads = {"h": holder(1, "x", role="head"), "f": holder(1, "x", role="full")}
+    replicas = {
+        "h": ReplicaRecord(kind="pipeline", outer_step=1, mode="uncompressed"),
+        "f": ReplicaRecord(kind="full", outer_step=1),
+    }
+    c.ingest({0: heads, 1: {}}, replicas, now=100.0)
+    rows = {h["peer_id"]: h["mode"] for h in views.stages_view(c)[0]["holders"]}
+    assert rows == {"h": "uncompressed", "f": None}  # a full replica has no mode: it never compresses
+    detail = views.peer_view(c, "h", now=100.0)
+    assert detail is not None and detail["replica"]["mode"] == "uncompressed"

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from peer.bootstrap.dashboard.collect import Collector
-from peer.net.records import StageRecord
+from peer.net.records import ReplicaRecord, StageRecord
 
 MAX_TEXT = 200  # characters of any string a record carries
 AGREEMENT_ROUNDS = 8  # outer steps the agreement column looks back on
@@ -72,10 +72,12 @@ def loss_view(c: Collector) -> dict[str, Any]:
     return {"replicas": replicas, "mean_val": mean}
 
 
-def _holder(pid: str, r: StageRecord, majority: str | None) -> dict[str, Any]:
+def _holder(pid: str, r: StageRecord, majority: str | None, mode: str | None = None) -> dict[str, Any]:
+    """One holder's row; `mode`: a head's boundary mode this outer step (its replica record's)."""
     return {
         "peer_id": text(pid),
         "role": text(r.role or None),
+        "mode": text(mode) if r.role == "head" else None,
         "state": text(r.state or None),
         "outer_step": r.outer_step,
         "state_id": text(r.state_id),
@@ -84,6 +86,10 @@ def _holder(pid: str, r: StageRecord, majority: str | None) -> dict[str, Any]:
         "address": text(r.address or None),
         "connectivity": text(r.net.connectivity),
     }
+
+
+def _mode(rep: ReplicaRecord | None) -> str | None:
+    return None if rep is None else rep.mode
 
 
 def _majority(state_ids: Iterable[str]) -> str | None:
@@ -106,7 +112,10 @@ def stages_view(c: Collector) -> list[dict[str, Any]]:
             rounds.append({"t": t, "holders": sum(ids.values()), "state_ids": len(ids), "agree": len(ids) == 1})
         majority = {t: _majority(v.values()) for t, v in claims.items()}
         recs = live.stages.get(s, {})
-        holders = [_holder(pid, recs[pid], majority.get(recs[pid].outer_step or -1)) for pid in sorted(recs)]
+        holders = [
+            _holder(pid, recs[pid], majority.get(recs[pid].outer_step or -1), _mode(live.replicas.get(pid)))
+            for pid in sorted(recs)
+        ]
         agree = all(r["agree"] for r in rounds) if rounds else None
         speed = sum(h["tokens_per_s"] or 0.0 for h in holders)
         out.append({"stage": s, "holders": holders, "tokens_per_s": speed, "agreement": agree, "rounds": rounds})
@@ -149,12 +158,13 @@ def peer_view(c: Collector, peer_id: str, now: float | None = None) -> dict[str,
     stages = []
     for s, recs in sorted(live.stages.items()):
         if peer_id in recs:
-            stages.append({"stage": s} | _holder(peer_id, recs[peer_id], None))
+            stages.append({"stage": s} | _holder(peer_id, recs[peer_id], None, _mode(live.replicas.get(peer_id))))
     rep = live.replicas.get(peer_id)
     replica = None
     if rep is not None:
         replica = {"kind": text(rep.kind), "outer_step": rep.outer_step, "loss": num(rep.loss)}
         replica |= {"tokens_per_s": num(rep.tokens_per_s), "shard": rep.shard, "joined_at": rep.joined_at}
+        replica["mode"] = text(rep.mode)  # a head's boundary mode this outer step (None: a full replica's)
     points = [[int(p[0]), num(p[1]), num(p[2]), num(p[3])] for p in c.history.points(f"loss:{peer_id}")]
     out = _contribution(rows[0], now, _live_ids(c))
     return out | {"stages": stages, "replica": replica, "loss": points}

@@ -84,6 +84,7 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             route=list(msg.route),
             window=msg.window,
             defer_norms=msg.defer_norms,
+            uncompressed=not msg.compressed,
         )
         if msg.targets is not None:
             out.targets.CopyFrom(tokens_to_proto(msg.targets, "ForwardRequest.targets"))
@@ -110,6 +111,7 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
             inner_step=msg.inner_step,
             stage=msg.stage,
             grad=boundary_to_proto(msg.grad, "BackwardRequest.grad", wd),
+            uncompressed=not msg.compressed,
         )
     if isinstance(msg, BackwardReply):
         out = pb.BackwardReply()
@@ -189,6 +191,7 @@ def _decode_forward_request(msg: pb.ForwardRequest, limits: WireLimits) -> Forwa
         route=tuple(read_route(msg.route, limits)),
         window=read_index(msg.window, "ForwardRequest.window"),
         defer_norms=bool(msg.defer_norms),
+        compressed=not msg.uncompressed,
     )
 
 
@@ -214,6 +217,7 @@ def _decode_backward_request(msg: pb.BackwardRequest, limits: WireLimits) -> Bac
         inner_step=read_index(msg.inner_step, "BackwardRequest.inner_step"),
         stage=read_index(msg.stage, "BackwardRequest.stage"),
         grad=read_boundary(msg.grad, "BackwardRequest.grad", limits),
+        compressed=not msg.uncompressed,
     )
 
 

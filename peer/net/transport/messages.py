@@ -3,9 +3,10 @@
 Nothing here knows about protobuf; `peer.net.transport.codec` maps these to and from the wire
 (protos/peer.proto). Conventions:
 - token ids (`tokens`, `targets`) are int32 (b, L); the codec also accepts int64 and narrows it.
-- boundary tensors (`hidden`, `grad`) are float (b, L, k) in a compressed pipeline or (b, L, d)
-  for an uncompressed boundary; on the wire they use the sender's wire dtype (fp32, bf16, fp16)
-  and the receiver gets them in that dtype (cast with `.to(...)` before use).
+- boundary tensors (`hidden`, `grad`) are float (b, L, k) in a compressed call or (b, L, d) in an
+  uncompressed one (the request's `compressed` flag: its head's mode for the outer step); on the
+  wire they use the sender's wire dtype (fp32, bf16, fp16) and the receiver gets them in that
+  dtype (cast with `.to(...)` before use).
 - steps, micro-batch and stage indices are non-negative ints.
 Messages are immutable containers (frozen); `eq=False` because tensors have no boolean equality.
 """
@@ -61,6 +62,7 @@ class ForwardRequest:
     route: tuple[str, ...] = ()  # streaming: addresses of stages stage+1 .. S-1 (targets travel along)
     window: int = 0  # micro-batches in flight (0: sequential); stage s stashes at most window - s
     defer_norms: bool = False  # last micro-batch, streamed: Σ‖g‖² follow the answer (see ForwardReply.late)
+    compressed: bool = True  # False: an uncompressed pipeline's call, `hidden` and the gradient (b, L, d)
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +100,7 @@ class BackwardRequest:
     inner_step: int
     stage: int
     grad: Tensor  # (b, L, k or d) float
+    compressed: bool = True  # the forward pass's mode (`ForwardRequest.compressed`)
 
 
 @dataclass(frozen=True, eq=False)

@@ -34,7 +34,7 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train", "attempt", "route", "window", "defer_norms")
+    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "tokens", "hidden", "targets", "train", "attempt", "route", "window", "defer_norms", "uncompressed")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class ForwardRequest(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     DEFER_NORMS_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPRESSED_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     microbatch: int
     outer_step: int
@@ -61,7 +62,8 @@ class ForwardRequest(_message.Message):
     route: _containers.RepeatedScalarFieldContainer[str]
     window: int
     defer_norms: bool
-    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ..., attempt: _Optional[int] = ..., route: _Optional[_Iterable[str]] = ..., window: _Optional[int] = ..., defer_norms: _Optional[bool] = ...) -> None: ...
+    uncompressed: bool
+    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., train: _Optional[bool] = ..., attempt: _Optional[int] = ..., route: _Optional[_Iterable[str]] = ..., window: _Optional[int] = ..., defer_norms: _Optional[bool] = ..., uncompressed: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("hidden", "loss", "grad", "grad_sq_norm", "sq_norms", "served_s")
@@ -80,20 +82,22 @@ class ForwardReply(_message.Message):
     def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., sq_norms: _Optional[_Iterable[float]] = ..., served_s: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "grad")
+    __slots__ = ("pipeline_id", "microbatch", "outer_step", "inner_step", "stage", "grad", "uncompressed")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPRESSED_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     microbatch: int
     outer_step: int
     inner_step: int
     stage: int
     grad: Tensor
-    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    uncompressed: bool
+    def __init__(self, pipeline_id: _Optional[str] = ..., microbatch: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., stage: _Optional[int] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., uncompressed: _Optional[bool] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
     __slots__ = ("grad", "grad_sq_norm")

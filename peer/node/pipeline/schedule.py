@@ -22,6 +22,7 @@ from peer.config import WIRE_DTYPES, RunConfig
 from peer.errors import PeerError
 from peer.net import ratelimit
 from peer.net.pool import ClientPool
+from peer.node.pipeline.mode import LinkFigures, measured_bandwidth
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,12 @@ def serialization_s(hop_bytes: int, caps_mbps: Iterable[float | None]) -> float:
     return hop_bytes / min(rates) if rates else 0.0
 
 
-def hop_bytes(cfg: RunConfig) -> int:
-    """Bytes of one hop of one micro-batch: the compressed boundary (b, L, k) with its int32 tokens
-    and targets forward, its gradient back (framing left out)."""
+def hop_bytes(cfg: RunConfig, compressed: bool = True) -> int:
+    """Bytes of one hop of one micro-batch: the boundary (b, L, k), or (b, L, d) uncompressed, with
+    its int32 tokens and targets forward, its gradient back (framing left out)."""
     b, L = cfg.train.batch_size // cfg.train.microbatches, cfg.train.seq_len
-    boundary = b * L * cfg.k * WIRE_DTYPES[cfg.subspace.wire_dtype].itemsize
+    width = cfg.k if compressed else cfg.model.d_model
+    boundary = b * L * width * WIRE_DTYPES[cfg.subspace.wire_dtype].itemsize
     return 2 * boundary + 2 * b * L * 4
 
 
@@ -107,6 +109,8 @@ class LinkEstimator:
         self._calls_lock = threading.Lock()
         self._network_s: float | None = None  # measured network time of one hop (smoothed)
         self.k = 0
+        self._compressed = True  # the boundary mode of the calls measured (`set_compressed`)
+        self._fastest: float | None = None  # the fastest call's network seconds since the last `figures`
 
     def in_flight(self, route: Callable[[], Sequence[str]]) -> int:
         """K for the next inner step, re-evaluated each time from the latest measurements; `route`
@@ -118,9 +122,7 @@ class LinkEstimator:
         if configured == 0 and cfg.stages > 1:
             addresses = route()
             rtt = self.rtt(addresses[0])
-            link = self.clients.outbound.link.caps  # this peer's own caps
-            caps = [link.upload_mbps, link.download_mbps, *(c for a in addresses for c in self.caps(a))]
-            ser = serialization_s(hop_bytes(cfg), caps)
+            ser = serialization_s(hop_bytes(cfg, self._compressed), self._chain_caps(addresses))
             network = self._measured_network()
             if network is not None and network > rtt + ser:  # the link is slower than probes and caps say
                 rtt, ser = network, 0.0
@@ -138,10 +140,41 @@ class LinkEstimator:
             self.on_schedule({"in_flight": k, "rtt_ms": round(rtt * 1e3, 2), "serialize_ms": round(ser * 1e3, 2)})
         return k
 
+    def set_compressed(self, compressed: bool) -> None:
+        """The mode of the calls to come: a hop measured in the other mode moved other bytes, so the
+        measured network time starts over."""
+        if compressed != self._compressed:
+            self._compressed, self._network_s = compressed, None
+            with self._calls_lock:
+                self._calls, self._fastest = [], None
+
+    def figures(self, route: Callable[[], Sequence[str]]) -> LinkFigures:
+        """What the mode is chosen from (`peer.node.pipeline.mode`): stage 0's compute per
+        micro-batch, the round trip to stage 1 and the slowest bandwidth of the chain, the lower of
+        the stated caps and of the hops measured since the last call (`route`: stages 1 … S−1). A hop
+        is measured by its fastest call: every call pays the link's serialization, while a busy core
+        (or K calls queued on the link) only ever adds to some."""
+        addresses = route()
+        with self._rtt_lock:  # the probes so far (`rtt` probes on when K is chosen): 0 before any
+            rtt = min(self._rtt.get(addresses[0]) or [0.0])
+        with self._calls_lock:
+            fastest, self._fastest = self._fastest, None
+        rates = {"caps": min((c * ratelimit.MBIT for c in self._chain_caps(addresses) if c), default=None)}
+        rates["measured"] = measured_bandwidth(hop_bytes(self.cfg, self._compressed), fastest, rtt)
+        known = {k: v for k, v in rates.items() if v is not None}
+        source = min(known, key=lambda k: known[k]) if known else "none"
+        return LinkFigures(self._compute_s, known.get(source), rtt, source)
+
+    def _chain_caps(self, addresses: Sequence[str]) -> list[float | None]:
+        """This peer's own (upload, download) caps and those of the stage peers at `addresses`."""
+        link = self.clients.outbound.link.caps
+        return [link.upload_mbps, link.download_mbps, *(c for a in addresses for c in self.caps(a))]
+
     def record_call(self, network_s: float) -> None:
-        """The network part of one streamed call into stage 1 (its time less the time stage 1 held it)."""
+        """The network part of one call into stage 1 (its time less the time stage 1 held it)."""
         with self._calls_lock:
             self._calls.append(max(0.0, network_s))
+            self._fastest = network_s if self._fastest is None else min(self._fastest, network_s)
 
     def _measured_compute(self) -> float | None:
         """Stage 0's compute seconds per micro-batch in the inner step(s) since the last call

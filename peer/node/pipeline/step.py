@@ -1,9 +1,11 @@
 """One inner step of the head's pipeline: K micro-batches in flight, one replay loop.
 
 For each micro-batch the head runs stage 0's forward, sends the boundary X̃ (b, L, k) on, gets back
-the loss and ∇X̃ and runs stage 0's backward; after the micro-batches it tells every stage to take
-its optimizer step with the gradient norm over all stages (each later stage reports its Σ‖g‖²
-with the last micro-batch), so a pipeline clips as a whole model does.
+the loss and ∇X̃ and runs stage 0's backward (in an uncompressed outer step X and ∇X (b, L, d),
+every call flagged so: `StageWorker.boundary_compressed`, chosen by `peer.node.pipeline.mode`);
+after the micro-batches it tells every stage to take its optimizer step with the gradient norm
+over all stages (each later stage reports its Σ‖g‖² with the last micro-batch), so a pipeline
+clips as a whole model does.
 
 - K = 1, the sequential schedule: the head relays the chain itself (`forward_chain`: stage s's
   output comes back to the head and goes to s + 1; the gradients walk back the same way, one
@@ -168,10 +170,13 @@ class StepExecutor:
         hidden: torch.Tensor | None,
         targets: torch.Tensor,
         train: bool,
+        compressed: bool | None = None,
     ) -> ForwardReply:
-        """Stage 0's output `hidden` (b, L, k) through stages 1 … S−1, each called by the head in
-        turn: the last stage's reply (the loss; ∇ of its input when training)."""
+        """Stage 0's output `hidden` (b, L, k), or (b, L, d) not `compressed` (None: stage 0's mode),
+        through stages 1 … S−1, each called by the head in turn: the last stage's reply (the loss; ∇
+        of its input when training)."""
         S, reply = self.cfg.stages, None
+        mode = self.worker.boundary_compressed if compressed is None else compressed
         for s in range(1, S):
             request = ForwardRequest(
                 self.pipeline_id,
@@ -183,8 +188,9 @@ class StepExecutor:
                 _required(hidden, f"stage {s - 1} activations"),
                 targets=targets if s == S - 1 else None,
                 train=train,
+                compressed=mode,
             )
-            reply = self.call(s, t, h, _forward(request))
+            reply = self.call(s, t, h, self._timed(request) if s == 1 and train else _forward(request))
             hidden = reply.hidden
         if reply is None or reply.loss is None:
             raise StageFailed(Failure(Action.REPLAY, S - 1, f"stage {S - 1} returned no loss"))
@@ -198,7 +204,8 @@ class StepExecutor:
         reply = self.forward_chain(t, h, mb, mb_x.to(torch.int32), hidden, mb_y.to(torch.int32), train=True)
         grad, norms = reply.grad, [reply.grad_sq_norm]
         for s in range(self.cfg.stages - 2, 0, -1):
-            back = BackwardRequest(self.pipeline_id, mb, t, h, s, _required(grad, f"stage {s + 1} gradient"))
+            grad = _required(grad, f"stage {s + 1} gradient")
+            back = BackwardRequest(self.pipeline_id, mb, t, h, s, grad, self.worker.boundary_compressed)
             back_reply = self.call(s, t, h, _backward(back))
             grad = back_reply.grad
             norms.append(back_reply.grad_sq_norm)
@@ -268,6 +275,7 @@ class StepExecutor:
             route=route[1:],
             window=k,
             defer_norms=mb == self.cfg.train.microbatches - 1,  # the flush: Σ‖g‖² come after the gradient
+            compressed=self.worker.boundary_compressed,
         )
         reply = self.call(1, t, h, self._send(request), abort)
         if reply.grad is None or reply.loss is None:
@@ -279,6 +287,18 @@ class StepExecutor:
         self.worker.backward(key, reply.grad, epoch)  # while the stages after compute their weight gradients
         norms: Norms = [*reply.norms()] or [None]
         return reply.loss, norms
+
+    def _timed(self, request: ForwardRequest) -> Callable[[PeerClient], ForwardReply]:
+        """A relayed call into stage 1, its network time measured (`LinkEstimator.record_call`)."""
+
+        def send(client: PeerClient) -> ForwardReply:
+            started = time.monotonic()
+            reply = client.forward(request)
+            if reply.served_s is not None:
+                self.links.record_call(time.monotonic() - started - reply.served_s)
+            return reply
+
+        return send
 
     def _send(self, request: ForwardRequest) -> Callable[[PeerClient], ForwardReply]:
         """The streamed call into stage 1, measured: every try counts its uncompressed equivalent

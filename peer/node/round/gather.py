@@ -133,7 +133,8 @@ class RoundInputs:
     `own`: our contribution, encoded once (None: an observer). `validate(payload)` parses a payload and
     raises PeerError for a malformed one (it is then skipped, and its replica no longer waited for);
     None parses payloads as they are; a `ViewReader` reads their embedding views (stage 0 observed).
-    `peers`: a head's binding ({"<stage>": peer id}), carried by our announcement. `quorum` (the run's
+    `peers`: a head's binding ({"<stage>": peer id}), carried by our announcement with `mode` (a head's
+    boundary mode of the outer step, "compressed" or "uncompressed"). `quorum` (the run's
     first round only: `swarm.min_replicas`) keeps the set open until that many payloads are held.
     `banned`: peer.node.round.bans. `prev`: the id of our state at outer step t (a holder of the stage;
     None for an observer of a stage it does not hold): the claims we may follow start from it.
@@ -145,6 +146,7 @@ class RoundInputs:
     own: Contribution | None = None
     validate: Reading | None = None
     peers: Mapping[str, str] | None = None
+    mode: str | None = None
     quorum: int = 1
     banned: Collection[str] = frozenset()
     prev: str | None = None
@@ -179,7 +181,7 @@ def gather_round(
     gather.established = {r[:PREFIX] for r in inputs.established}
     gather.previous = inputs.previous
     if own is not None:
-        gather.contribute(own, inputs.peers)
+        gather.contribute(own, inputs.peers, inputs.mode)
     return gather.run(stop, inputs.quorum)
 
 
@@ -245,12 +247,10 @@ class _Gather:
         sets = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s)
         self.follow = Follow(sets, self.refusals, t, stage, self.n_stages)
 
-    def contribute(self, own: Contribution, peers: Mapping[str, str] | None) -> None:
+    def contribute(self, own: Contribution, peers: Mapping[str, str] | None, mode: str | None = None) -> None:
         """Serve and announce our contribution, and hold it (the encoder's payload, never re-parsed)."""
-        timings, address = self.timings, self.ctx.me.address
-        self.my_closes = announce(
-            self.dht, self.t, self.stage, own, self.store, address, self.inc, peers, timings.deadline_s, timings.ttl_s
-        )
+        served = (self.store, self.ctx.me.address, self.inc, peers, self.timings.deadline_s, self.timings.ttl_s, mode)
+        self.my_closes = announce(self.dht, self.t, self.stage, own, *served)
         self.held.data[own.replica] = own
 
     def run(self, stop: threading.Event | None, quorum: int) -> RoundResult:

@@ -320,14 +320,16 @@ def announce(
     peers: Mapping[str, str] | None,
     timeout_s: float,
     ttl_s: float,
+    mode: str | None = None,
 ) -> float:
     """Serve and announce our payload of (t, stage); returns when we close the round at the latest
-    (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`)."""
+    (DHT time: the deadline fence, `peer.node.round.agreement.fenced_by`). `mode`: a head's boundary
+    mode of the outer step, named by its announcement."""
     if store is None:
         raise ValueError("a contributor needs a PayloadStore to serve its payload")
     store.put(t, stage, own)
     closes = dht_time() + timeout_s
     peers = dict(peers) if peers is not None else None
-    record = Announcement(own.sha256, len(own.data), address, own.replica, inc, round(closes, 3), peers)
+    record = Announcement(own.sha256, len(own.data), address, own.replica, inc, round(closes, 3), peers, mode=mode)
     dht.announce_payload(t, stage, record.to_record(), ttl_s=ttl_s)
     return closes

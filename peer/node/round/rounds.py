@@ -83,9 +83,10 @@ class Rounds:
         stage: int | None = None,
         peers: Mapping[str, str] | None = None,
         payload: Contribution | None = None,
+        mode: str | None = None,
     ) -> RoundResult:
         """Contribute worker's payload (if replica_id; `payload` when already encoded) and collect
-        round (t, stage)."""
+        round (t, stage); `peers` and `mode`: a head's, for its announcement."""
         own_stage = stage is None or stage == worker.stage
         stage = worker.stage if stage is None else stage
         own = None
@@ -104,6 +105,7 @@ class Rounds:
             own=own,
             validate=round_reading(self.cfg, worker, stage),
             peers=peers,
+            mode=mode,
             quorum=swarm.min_replicas if t == 0 else 1,
             banned=banned,
             prev=worker.state_id() if own_stage else None,
@@ -127,7 +129,9 @@ class Rounds:
         return results
 
     def _gather_job(self, job: Job, t: int, stop: threading.Event) -> RoundResult:
-        return self.gather(job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload)
+        return self.gather(
+            job.worker, t, job.replica, stop, stage=job.stage, peers=job.peers, payload=job.payload, mode=job.mode
+        )
 
     def commit(
         self,
@@ -305,9 +309,11 @@ class Rounds:
     def head_job(self, worker: StageWorker, peers: Mapping[str, str] | None = None) -> Job:
         """A head's stage-0 job of the current round, our payload encoded now (announcing `peers`,
         {"<stage>": peer id}, the stage peers that did this outer step's last inner step: the
-        round's binding)."""
+        round's binding) and the outer step's boundary mode, "compressed" or "uncompressed" (read now:
+        with overlap the next outer step may choose another)."""
         self.started = time.monotonic()
-        return own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}))
+        mode = "compressed" if worker.boundary_compressed else "uncompressed"
+        return own_job(self.ctx, worker, self.me.peer_id, dict(peers or {}), mode)
 
     def full_jobs(self, workers: Mapping[int, StageWorker]) -> list[Job]:
         """A full replica's jobs of the current round, one per stage, our payloads encoded now."""

@@ -5,6 +5,11 @@ A stage peer receives compressed activations X̃ (b, L, k) and token ids, expand
 ∇X̃' with Uᵀ, backpropagates, and returns ∇X̂·U. The last stage computes the loss and its backward
 in the same call. Gradients accumulate over micro-batches until the head says `step`.
 
+Each call says its mode (`compressed`, the head's choice for the outer step; None: the worker's
+`boundary_compressed`): an uncompressed call takes and returns the full (b, L, d) boundary and its
+gradient, no projection, as a full replica chains its stages. Stage 0 keeps T_S in Col(U) through
+its inner steps only while its outer step is compressed (`boundary_compressed`, read by `step`).
+
 The committed state and the outer rounds are `peer.node.stage.state.StageState`, which this class
 extends; the inner step is its `StageOptimizer` (`peer.core.model.inner.adamw_step`). Every method is
 synchronous and thread-safe (one lock), so the gRPC handler can call it from any worker thread.
@@ -57,9 +62,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ForwardOut:
-    hidden: torch.Tensor | None = None  # (b, L, k) compressed output, for stages before the last
+    hidden: torch.Tensor | None = None  # (b, L, k) compressed output ((b, L, d) not), for stages before the last
     loss: float | None = None  # last stage only
-    grad: torch.Tensor | None = None  # last stage only: (b, L, k) gradient wrt its compressed input
+    grad: torch.Tensor | None = None  # last stage only: (b, L, k or d) gradient wrt its input
 
 
 class StageWorker(StageState):
@@ -83,7 +88,8 @@ class StageWorker(StageState):
         self.scaler = LossScaler.for_precision(self.precision)
         self.casts = CastWeights(self.module, self.precision)  # the weights in the compute dtype, once per step
         self._overflow = False  # an input gradient of this inner step was not finite (sent as zeros)
-        self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        # micro-batch -> (input X̂ or None on stage 0, output, compressed): awaiting its backward
+        self.pending: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor, bool]] = {}
         self.microbatches_seen = 0
         self.seen: set[tuple[str, int]] = set()  # micro-batches of the current inner step
         swarm = cfg.swarm
@@ -91,6 +97,9 @@ class StageWorker(StageState):
         self.busy_s = 0.0  # seconds spent computing forward/backward (benchmarks: busy fraction)
         self._weights_due: Callable[[], None] | None = None  # deferred weight gradients (`defer`)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm (`step`)
+        # this outer step's boundary mode: a head sets it per outer step (`peer.node.pipeline.mode`);
+        # `compressed` stays the role (a pipeline's stage or a full replica's: checkpoints record it)
+        self.boundary_compressed = compressed
 
     # ---------------------------------------------------------------- pipeline compute
     def forward(
@@ -102,10 +111,13 @@ class StageWorker(StageState):
         epoch: tuple[int, int] | None = None,
         window: int = 0,
         defer: bool = False,
+        compressed: bool | None = None,
     ) -> ForwardOut:
-        """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0.
-        `epoch` (inner step, attempt): micro-batches in flight (see the module docstring). `defer`
-        (last stage): the input gradient first, weight gradients at the next use (`split_backward`)."""
+        """Run this stage on one micro-batch. tokens (b, L) int; hidden (b, L, k) for stages > 0,
+        (b, L, d) when not `compressed` (None: `boundary_compressed`). `epoch` (inner step, attempt):
+        micro-batches in flight (see the module docstring). `defer` (last stage): the input gradient
+        first, weight gradients at the next use (`split_backward`)."""
+        mode = self.boundary_compressed if compressed is None else compressed
         tokens = tokens.long().to(self.device)
         hidden = hidden.to(self.device) if hidden is not None else None
         targets = targets.to(self.device) if targets is not None else None
@@ -113,7 +125,7 @@ class StageWorker(StageState):
             self._admit(key[1], epoch, window, turn=self.is_last)
             started = time.perf_counter()
             try:
-                return self._forward_locked(key, tokens, hidden, targets, defer)
+                return self._forward_locked(key, tokens, hidden, targets, defer, mode)
             finally:
                 self.busy_s += time.perf_counter() - started
 
@@ -123,7 +135,8 @@ class StageWorker(StageState):
         tokens: torch.Tensor,
         hidden: torch.Tensor | None,
         targets: torch.Tensor | None,
-        defer: bool = False,
+        defer: bool,
+        compressed: bool,
     ) -> ForwardOut:
         if key in self.seen:  # the head replays the inner step (a stage peer failed): start it over
             log.info(
@@ -139,8 +152,7 @@ class StageWorker(StageState):
         else:
             if hidden is None:
                 raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
-            x_in = expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)  # (b, L, d)
-            x_in.requires_grad_(True)
+            x_in = self._expand(hidden, tokens, compressed).detach().requires_grad_(True)  # (b, L, d)
             out = self.run(x_in)
         if self.is_last:
             if targets is None:
@@ -153,10 +165,22 @@ class StageWorker(StageState):
                     "(out-of-range activations or diverged parameters; lower the learning rate)"
                 )
             root = self._scaled(loss / self.cfg.train.microbatches)
-            grad = self._backward(root, None, x_in, defer)  # (b, L, k)
+            grad = self._backward(root, None, x_in, defer, compressed)  # (b, L, k or d)
             return ForwardOut(loss=loss.item(), grad=grad)
-        self.pending[key] = (x_in, out)
-        return ForwardOut(hidden=compress_activations(out.detach(), tokens, perp_of(self.module), self.U).cpu())
+        self.pending[key] = (x_in, out, compressed)
+        return ForwardOut(hidden=self._boundary(out.detach(), tokens, compressed))
+
+    def _expand(self, hidden: torch.Tensor, tokens: torch.Tensor, compressed: bool) -> torch.Tensor:
+        """The input X̂ (b, L, d) of a received boundary: X̃·Uᵀ + T⊥[x], or X itself uncompressed."""
+        if not compressed:
+            return hidden.float()
+        return expand_activations(hidden.float(), tokens, perp_of(self.module), self.U)
+
+    def _boundary(self, out: torch.Tensor, tokens: torch.Tensor, compressed: bool) -> torch.Tensor:
+        """The output sent on (CPU): X̃' = (X' − T⊥[x])·U (b, L, k), or X' (b, L, d) uncompressed."""
+        if not compressed:
+            return out.cpu()
+        return compress_activations(out, tokens, perp_of(self.module), self.U).cpu()
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's module on its input under autocast in this stage's precision, its matmul
@@ -171,8 +195,15 @@ class StageWorker(StageState):
         return root_or_grad * self.scaler.scale if self.scaler.enabled else root_or_grad
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, hidden: torch.Tensor | None, targets: torch.Tensor | None) -> ForwardOut:
+    def evaluate(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        compressed: bool | None = None,
+    ) -> ForwardOut:
         """Forward without keeping anything for backward (validation loss through the pipeline)."""
+        mode = self.boundary_compressed if compressed is None else compressed
         tokens = tokens.long().to(self.device)
         with self.lock:
             if self.is_first:
@@ -180,37 +211,55 @@ class StageWorker(StageState):
             else:
                 if hidden is None:
                     raise ValueError(f"stage {self.stage} needs activations from stage {self.stage - 1}")
-                out = self.run(expand_activations(hidden.to(self.device).float(), tokens, perp_of(self.module), self.U))
+                out = self.run(self._expand(hidden.to(self.device), tokens, mode))
             if self.is_last:
                 if targets is None:
                     raise ValueError("the last stage needs targets")
                 loss = token_loss(out, targets.to(self.device))
                 return ForwardOut(loss=loss.item())
-            return ForwardOut(hidden=compress_activations(out, tokens, perp_of(self.module), self.U).cpu())
+            return ForwardOut(hidden=self._boundary(out, tokens, mode))
 
     def backward(
-        self, key: tuple[str, int], grad: torch.Tensor, epoch: tuple[int, int] | None = None, defer: bool = False
+        self,
+        key: tuple[str, int],
+        grad: torch.Tensor,
+        epoch: tuple[int, int] | None = None,
+        defer: bool = False,
+        compressed: bool | None = None,
     ) -> torch.Tensor | None:
-        """Backpropagate a compressed output gradient (b, L, k); returns ∇ of the input, compressed.
-        With `epoch`, waits until earlier micro-batches are accumulated; `defer` as in `forward`."""
+        """Backpropagate an output gradient (b, L, k), or (b, L, d) when the forward pass was
+        uncompressed; returns ∇ of the input in the same mode. `compressed`, when given, must be
+        the forward pass's. With `epoch`, waits until earlier micro-batches are accumulated; `defer`
+        as in `forward`."""
         with self.lock:
             self._admit(key[1], epoch, 0, turn=True)
             if key not in self.pending:
                 raise KeyError(f"no forward pass {key} pending on stage {self.stage}")
+            if compressed is not None and self.pending[key][2] != compressed:
+                raise ValueError(
+                    f"micro-batch {key[1]} ran its forward pass {'' if self.pending[key][2] else 'un'}compressed "
+                    f"on stage {self.stage}; its gradient must come in the same mode"
+                )
             started = time.perf_counter()
-            x_in, out = self.pending.pop(key)
+            x_in, out, mode = self.pending.pop(key)
             try:  # the gradient is already scaled by 1/n_micro; × S here (fp16)
-                root_grad = self._scaled(expand_grad(grad.to(self.device).float(), self.U))
-                return self._backward(out, root_grad, x_in, defer)
+                root_grad = grad.to(self.device).float()
+                root_grad = self._scaled(expand_grad(root_grad, self.U) if mode else root_grad)
+                return self._backward(out, root_grad, x_in, defer, mode)
             finally:
                 self.busy_s += time.perf_counter() - started
                 self.settled.notify_all()
 
     def _backward(
-        self, root: torch.Tensor, root_grad: torch.Tensor | None, x_in: torch.Tensor | None, defer: bool
+        self,
+        root: torch.Tensor,
+        root_grad: torch.Tensor | None,
+        x_in: torch.Tensor | None,
+        defer: bool,
+        compressed: bool,
     ) -> torch.Tensor | None:
-        """Accumulate one micro-batch's gradients; ∇ of the input, compressed (b, L, k), or None on
-        stage 0. defer: the weights' part waits for `_weights` (the step or Σ‖g‖² asks for it).
+        """Accumulate one micro-batch's gradients; ∇ of the input, compressed (b, L, k) or not
+        (b, L, d), or None on stage 0. defer: the weights' part waits for `_weights` (the step or Σ‖g‖² asks for it).
         `root`/`root_grad` carry the loss scale S; the input gradient goes out divided by it."""
         grad_in: torch.Tensor | None
         if defer and x_in is not None:
@@ -227,7 +276,7 @@ class StageWorker(StageState):
         if not bool(torch.isfinite(grad_in).all()):  # an overflow: the step is skipped everywhere (`step`)
             self._overflow = True
             grad_in = torch.zeros_like(grad_in)
-        return compress_grad(grad_in, self.U).cpu()
+        return compress_grad(grad_in, self.U).cpu() if compressed else grad_in.cpu()
 
     def _weights(self) -> None:  # the deferred weight gradients, if any (under the lock)
         due, self._weights_due = self._weights_due, None
@@ -266,7 +315,7 @@ class StageWorker(StageState):
                     if p.grad is not None:
                         p.grad.div_(self.scaler.scale)  # exact: S is a power of two
             global_step = outer_step * self.cfg.train.inner_steps + inner_step
-            keep_in = self.U if self.is_first and self.compressed else None  # keep T_S in Col(U)
+            keep_in = self.U if self.is_first and self.boundary_compressed else None  # keep T_S in Col(U)
             self.optim.step(global_step, keep_in, total_norm)
             self.casts.clear()  # stale now; not kept through a round (the next forward casts again)
             self.scaler.update(finite=True)

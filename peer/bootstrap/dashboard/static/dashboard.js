@@ -160,7 +160,7 @@
       const speed = Math.round(st.tokens_per_s).toLocaleString("en-US");
       section.appendChild(el("h3", "Stage " + st.stage + " — " + st.holders.length + " holder(s), " + speed + " tokens/s, agreement: " + agreementText(st.agreement)));
       const rows = st.holders.map(function (h) {
-        return [peerLink(h.peer_id), h.role, h.state, h.outer_step, { text: short(h.state_id), cls: "id" },
+        return [peerLink(h.peer_id), h.mode ? h.role + " (" + h.mode + ")" : h.role, h.state, h.outer_step, { text: short(h.state_id), cls: "id" },
           { text: h.agrees === null ? "—" : h.agrees ? "yes" : "no", cls: h.agrees === false ? "bad" : h.agrees ? "good" : "" },
           h.tokens_per_s === null ? null : Math.round(h.tokens_per_s), h.connectivity];
       });

@@ -101,19 +101,20 @@ def gather_ranges(
     quorum: int = 1,
     peers: Mapping[str, str] | None = None,
     wanted: Collection[int] | None = None,
+    mode: str | None = None,
 ) -> RangesResult:
     """Contribute `own` = (replica id, its parts in range order) if given, then take round (t, stage)'s
     roster and shards (module docstring). Owners per range beyond the primary: `swarm.range_backups`;
     what a shard is: `swarm.shard` ("exact": the range's exact aggregate; "topk": `swarm.shard_topk`
     entries per tile, 0: `sparseloco.topk`); `quorum`, `banned`,
-    `peers` as in `peer.node.round.gather.RoundInputs`; `wanted`: the only ranges an observer resolves
+    `peers` and `mode` as in `peer.node.round.gather.RoundInputs`; `wanted`: the only ranges an observer resolves
     (a stage peer reads stage 0's embedding ranges alone)."""
     swarm = ctx.cfg.swarm
     wants = None if wanted is None else frozenset(wanted)
     settings = _Settings(swarm.range_backups, swarm.shard_topk or None, wants, swarm.shard == "exact")
     run = _RangesRound(ctx, t, stage, timings, plan, banned, settings)
     if own is not None:
-        run.contribute(own, ctx.me.address, peers)
+        run.contribute(own, ctx.me.address, peers, mode)
     return run.run(stop, quorum)
 
 
@@ -155,7 +156,9 @@ class _RangesRound:
         self.view = RoundView()
         self.warned: set[str] = set()
 
-    def contribute(self, own: tuple[str, Sequence[Payload]], address: str, peers: Mapping[str, str] | None) -> None:
+    def contribute(
+        self, own: tuple[str, Sequence[Payload]], address: str, peers: Mapping[str, str] | None, mode: str | None
+    ) -> None:
         """Serve our parts and announce them: merkle root, R, sha256 of the parts concatenated."""
         replica, parts = own
         if len(parts) != self.plan.n:
@@ -166,7 +169,9 @@ class _RangesRound:
         closes = round(dht_time() + self.timings.deadline_s, 3)
         peers = dict(peers) if peers is not None else None
         root = merkle_root(data)
-        ann = Announcement(sha256(joined), len(joined), address, replica, self.inc, closes, peers, root, self.plan.n)
+        ann = Announcement(
+            sha256(joined), len(joined), address, replica, self.inc, closes, peers, root, self.plan.n, mode
+        )
         self.dht.announce_payload(self.t, self.stage, ann.to_record(), ttl_s=self.timings.ttl_s)
         self.replica, self.result.payload_bytes = replica, len(joined)
 

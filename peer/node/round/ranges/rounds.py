@@ -68,6 +68,7 @@ class Job:
     payload: Contribution | None = None  # our all-to-all contribution
     parts: list[Payload] | None = None  # our parts of a ranges round
     peers: Mapping[str, str] | None = None  # a head's binding of its stage peers (stage 0)
+    mode: str | None = None  # a head's boundary mode of the outer step (stage 0), named by its announcement
     wanted: list[int] | None = None  # the only ranges resolved (an observer of stage 0: the embedding's)
 
     @property
@@ -112,19 +113,26 @@ def stage0_n_prev(ctx: RoundContext, worker: StageWorker) -> int:
     return _claimed_n_prev(ctx, 0, t)
 
 
-def own_job(ctx: RoundContext, worker: StageWorker, replica: str | None, peers: Mapping[str, str] | None = None) -> Job:
+def own_job(
+    ctx: RoundContext,
+    worker: StageWorker,
+    replica: str | None,
+    peers: Mapping[str, str] | None = None,
+    mode: str | None = None,
+) -> Job:
     """The worker's own stage round by its rule; our contribution encoded now when `replica` is given
-    (a payload, or parts of the round's plan)."""
+    (a payload, or parts of the round's plan); `peers` and `mode`: a head's, for its announcement."""
     n = n_prev_of(ctx, worker)
     if round_rule(ctx.cfg.swarm, n) == "all":
         payload = worker.contribution(replica) if replica is not None else None
-        return Job(worker, worker.stage, None, replica, payload, peers=peers)
+        return Job(worker, worker.stage, None, replica, payload, peers=peers, mode=mode)
     shapes = {name: tuple(v.shape) for name, v in worker.start.items()}
     plan = range_plan(ctx.cfg.sparseloco, shapes, n)
     if replica is None:
         worker.observe()
         return Job(worker, worker.stage, plan)
-    return Job(worker, worker.stage, plan, replica, parts=worker.contribute_parts(replica, plan), peers=peers)
+    parts = worker.contribute_parts(replica, plan)
+    return Job(worker, worker.stage, plan, replica, parts=parts, peers=peers, mode=mode)
 
 
 def embed_job(ctx: RoundContext, worker: StageWorker) -> Job | None:
@@ -168,6 +176,7 @@ def _run(ctx: RoundContext, gather: AllToAll, job: Job, t: int, stop: threading.
             banned=banned,
             quorum=swarm.min_replicas if t == 0 else 1,
             peers=job.peers,
+            mode=job.mode,
             wanted=job.wanted,
         )
     except NetworkError as exc:  # the DHT unreachable past the deadline: our parts go back (commit_jobs)
