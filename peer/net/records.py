@@ -74,9 +74,7 @@ class RecordReader:
 
     def sign(self, record: Mapping[str, Any], now: float) -> dict[str, Any]:
         """`record` with this peer's "time", "peer_id" and (secret mode) admission proof added."""
-        out = dict(record)
-        out["time"] = now
-        out["peer_id"] = self.peer_id
+        out = {**record, "time": now, "peer_id": self.peer_id}
         if self._secret is not None:
             out[PROOF_FIELD] = admission_proof(self._secret, self.peer_id)
         return out
@@ -90,10 +88,8 @@ class RecordReader:
         keep_left: bool = False,
     ) -> dict[str, R]:
         """Live, signed, admitted per-peer records of a subkeyed DHT value, parsed by `parse`, keyed by
-        the signer's peer id (with `keep_left`, graceful leaves' {"state": "left"} records too).
-
-        Signatures themselves were checked by this node's hivemind validator before we see them.
-        """
+        the signer's peer id (with `keep_left`, graceful leaves' {"state": "left"} records too); their
+        signatures were checked by this node's hivemind validator before we see them."""
         if value is None:
             return {}
         if not isinstance(value, dict):
