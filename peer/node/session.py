@@ -90,6 +90,7 @@ class SessionOptions:
     dataset: Path | None = None  # the run's prepared dataset (`peer join --dataset`; default <data_dir>/dataset)
     link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
     in_flight: int | None = None  # a head's own window K (`peer join --in-flight`; None: the run's train.in_flight)
+    sharded: bool = False  # a full replica's torchrun ranks shard it (FSDP2, `peer join --sharded`); else DDP
 
 
 class Session:
