@@ -91,6 +91,7 @@ def main() -> None:
         held = {"params": 4 * n, "grads": 0, "optimizer": 8 * n}
     out = {"hashes": hashes, "held": held, "world": world, "rss": _rss()}
     Path(f"{a.out}-rank{rank}.json").write_text(json.dumps(out))
+    ddp = None  # DDP's reducer goes before its process group (its teardown can hang)
     dist.barrier()  # no rank tears the group down while another still talks in it
     dist.destroy_process_group()
 
