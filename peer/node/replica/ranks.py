@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -68,9 +70,20 @@ def run_join(opts: SessionOptions, stage: int | None, stop: threading.Event) -> 
     if stage is not None:
         raise ConfigError(f"--stage runs in one process; under torchrun ({ranks} processes) use --full-replica")
     group = ReplicaGroup.from_env()
-    if group.lead:
-        return run_full_replica(opts, stop, make=_Lead(group, opts.sharded))
-    return follow(opts, stop, group)
+    code = run_full_replica(opts, stop, make=_Lead(group, opts.sharded)) if group.lead else follow(opts, stop, group)
+    if opts.sharded:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code` at once, logs flushed: after FSDP2 on gloo, torch 2.13's interpreter exit
+    sometimes aborts ("terminate called without an active exception", SIGABRT), which torchrun
+    would take for a failed rank (and restart the replica)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def live_hashes(chain: list[StageWorker]) -> dict[str, str]:

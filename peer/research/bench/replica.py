@@ -30,7 +30,7 @@ import torch.distributed as dist
 from peer.config import RunConfig, build_config
 from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step
 from peer.node.replica.group import ReplicaGroup, launched_ranks
-from peer.node.replica.ranks import parallel_chain
+from peer.node.replica.ranks import exit_now, parallel_chain
 from peer.node.replica.sharded import ShardedChain
 from peer.node.stage.worker import StageWorker
 
@@ -95,6 +95,8 @@ def worker(cfg: RunConfig, warmup: int, steps: int, report: Path, sharded: bool 
         report.write_text(json.dumps(result | {"held": held, "sharded": shards is not None}))
     if ranks > 1:
         forward, parallel = lambda: None, None  # DDP's reducer goes before its process group (its teardown can hang)
+        if shards is not None:
+            exit_now(0)  # as `peer join --sharded` exits
         group.close()
 
 
