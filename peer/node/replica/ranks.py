@@ -16,6 +16,12 @@ Each rank logs the hash of its live parameters after the H inner steps of every 
 (`replica_hash`; rank 0 in metrics.jsonl, rank r in `metrics-rank<r>.jsonl`) and a follower the
 state it adopted (`replica_state`), so the ranks' lockstep is checkable.
 
+With `--sharded` (`peer.node.replica.sharded`) every rank trains its shards of every stage (FSDP2)
+instead of a DDP copy; rank 0's whole stages are the round's: "gather" (before each round) all-gathers
+the live parameters and AdamW state into them, and a changed committed state is scattered back to the
+shards (`state` on the next message). A follower holds no whole stage, so it logs no `replica_hash`;
+its `replica_state` names the hashes rank 0 scattered. A sharded rank leaves with `exit_now`.
+
 Failure: a rank that dies closes its sockets; the others' next collective raises `RankLost`:
 rank 0 leaves the swarm (records withdrawn, server and DHT stopped) and exits 2, so
 `torchrun --max-restarts R … --resume` starts the replica again from rank 0's checkpoint. torchrun
