@@ -306,8 +306,8 @@ class PlanArgs:
     )
     sharded: bool = o.flag(
         False,
-        "With --memory: the ranks shard the replica (FSDP2, planned by issue 40: a memory plan only, the replica "
-        "that runs is DDP).",
+        "With --memory: the ranks shard the replica (FSDP2, issue 40's per-rank round; `peer join --sharded` runs "
+        "the first design, whose rank 0 still holds the whole replica).",
         "--sharded",
     )
     recommend: bool = o.flag(
