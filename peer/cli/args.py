@@ -113,6 +113,12 @@ class JoinArgs:
     initial_peers: list[str] | None = o.flag(None, "Multiaddr printed by `peer bootstrap` (repeatable).")
     stage: int | None = o.flag(None, "Hold this pipeline stage (0 = a head that drives a pipeline).")
     full_replica: bool = o.flag(False, "Hold every stage and train without compression.", "--full-replica")
+    sharded: bool = o.flag(
+        False,
+        "A full replica under torchrun: shard its parameters, gradients and AdamW state over the ranks "
+        "(FSDP2) instead of a whole copy per rank (DDP); rank 0 still runs the round on the whole state.",
+        "--sharded",
+    )
     device: str = o.flag("auto", "auto, cpu or cuda.")
     precision: str = o.flag(
         "auto",
@@ -305,8 +311,8 @@ class PlanArgs:
     )
     sharded: bool = o.flag(
         False,
-        "With --memory: the ranks shard the replica (FSDP2, planned by issue 40: a memory plan only, the replica "
-        "that runs is DDP).",
+        "With --memory: the ranks shard the replica (FSDP2, issue 40's per-rank round; `peer join --sharded` runs "
+        "the first design, whose rank 0 still holds the whole replica).",
         "--sharded",
     )
     recommend: bool = o.flag(

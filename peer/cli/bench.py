@@ -157,17 +157,22 @@ def bench_caps_cmd(a: CapsArgs) -> None:
 
 @o.command(bench_app, "replica")
 def bench_replica_cmd(a: ReplicaArgs) -> None:
-    """Full-replica tokens/s: 1 rank on one core against N torchrun ranks on N cores (DDP, gloo)."""
+    """Full-replica tokens/s: 1 rank on one core against N torchrun ranks on N cores (DDP or --sharded, gloo)."""
     from peer.research.bench.replica import run_bench
 
     if a.ranks < 2 or a.repeats < 1 or a.steps < 1 or a.warmup < 0:
         raise ConfigError("--ranks must be 2 or more, --repeats and --steps 1 or more, --warmup 0 or more")
     args = [a.preset, *map(str, (a.stages, a.batch_size, a.seq_len, a.microbatches, a.warmup, a.steps))]
+    args += ["--sharded"] if a.sharded else []
     result = run_bench(a.ranks, a.repeats, args, lambda line: console.print(line, highlight=False))
     console.print(
         f"median tokens/s: 1 rank {result['median_1']:,.0f}, {a.ranks} ranks {result[f'median_{a.ranks}']:,.0f}: "
         f"{result['speedup']:.2f}x (load average {result['load_avg']:.2f})",
         highlight=False,
+    )
+    held = result["held_bytes"]
+    console.print(
+        f"parameters + AdamW per rank: 1 rank {held['1']}, {a.ranks} ranks {held[str(a.ranks)]}", highlight=False
     )
     if a.json_out:
         _write_json(a.json_out, result)

@@ -129,6 +129,9 @@ class ReplicaArgs:
     warmup: int = o.flag(2, "Inner steps before the measured ones.")
     steps: int = o.flag(6, "Measured inner steps per run.")
     repeats: int = o.flag(3, "Runs of each (1 rank, N ranks), alternating; medians reported.")
+    sharded: bool = o.flag(
+        False, "The N ranks shard the replica (FSDP2, `peer join --sharded`) instead of DDP.", "--sharded"
+    )
     json_out: Path | None = o.flag(None, JSON_HELP, "--json")
 
 

@@ -8,8 +8,9 @@ what would make it fit, each with its estimate: fewer micro-batches in flight, a
 checkpointing, bf16, or another stage.
 
 A full replica over N ranks is checked per rank. DDP (what runs today) holds the whole replica on
-every rank, whatever N; a sharded replica (`sharded=True`, FSDP2 ranks planned by issue 40,
-`peer.core.memory.sharded`) holds 1/N of its state per rank, and the smallest rank count that fits
+every rank, whatever N; a sharded replica (`sharded=True`, FSDP2 ranks of issue 40,
+`peer.core.memory.sharded`: what a follower of `peer join --sharded` is checked against) holds
+1/N of its state per rank, and the smallest rank count that fits
 is one more remedy.
 
 The precision is the one `peer join` computes in (`peer.core.model.precision.resolve_precision`: `auto`

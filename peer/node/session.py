@@ -91,6 +91,7 @@ class SessionOptions:
     link: LinkConfig = LinkConfig()  # upload/download caps, relaying (`peer join --max-upload-mbps`, `--relay`)
     in_flight: int | None = None  # a head's own window K (`peer join --in-flight`; None: the run's train.in_flight)
     compression: str = "auto"  # a head's boundary mode: auto (by its links), always, never (`peer join --compression`)
+    sharded: bool = False  # a full replica's torchrun ranks shard it (FSDP2, `peer join --sharded`); else DDP
 
 
 def quorum_over(replicas: Mapping[str, ReplicaRecord], me: str, have: int, need: int) -> bool:

@@ -342,10 +342,14 @@ class _Full:
         if h == 0:
             self._started = time.monotonic()
         with self.held():
-            loss = chain_step(self.chain, self.forward(), t, h, x, y)
+            loss = self.step(t, h, x, y)
         self.last_loss = loss
         self.tokens_per_s = (h + 1) * x.numel() * self.ranks / max(1e-9, time.monotonic() - self._started)
         return loss
+
+    def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The inner step itself (a sharded replica's ranks run their own)."""
+        return chain_step(self.chain, self.forward(), t, h, x, y)
 
     def close(self) -> None:
         """The outer loop ended (finished, stopped or failed): nothing to release on one rank."""

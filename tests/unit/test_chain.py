@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from peer.core.model.chain import chain_forward, global_grad_norm, token_loss
 from peer.core.model.decoder import PRESETS, build_model, build_stage
-from peer.core.model.optim import SQ_NORM_EXACT_BELOW, SQ_NORM_GRID, grad_sq_norm
+from peer.core.model.optim import SQ_NORM_EXACT_BELOW, SQ_NORM_GRID, grad_sq_norm, sq_norm
 
 TINY = PRESETS["tiny"]
 SEED = 7
@@ -73,6 +73,17 @@ def test_the_norm_unscales_before_the_grid():
     scaled = grad_sq_norm(_with_grads(*[[g * scale for g in gs] for gs in grads]), unscale=scale**2)
     assert scaled == plain
     assert grad_sq_norm(_with_grads([float("inf")], [1.0])) == math.inf
+
+
+def test_a_sharded_tensors_shard_sums_give_the_whole_tensors_norm():
+    """A sharded replica's Σ‖g‖²: each parameter's Σg² summed over its dim-0 shards, then the grid."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.zeros(n, 48)) for n in (97, 64, 5)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    for ranks in (1, 2, 4):
+        per = [sum(float(c.double().square().sum()) for c in p.grad.chunk(ranks)) for p in params]
+        assert sq_norm(per) == grad_sq_norm(params)
 
 
 def test_a_boundary_maps_what_crosses_between_stages():

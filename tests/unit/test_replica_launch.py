@@ -21,6 +21,16 @@ def test_a_stage_under_torchrun_with_several_processes_is_a_one_line_config_erro
         run_join(SessionOptions(initial_peers=("x",), data_dir=tmp_path), 1, threading.Event())
 
 
+def test_sharded_without_torchrun_or_on_a_stage_is_a_one_line_config_error(monkeypatch, tmp_path):
+    opts = SessionOptions(initial_peers=("x",), data_dir=tmp_path, sharded=True)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="--sharded"):
+        run_join(opts, None, threading.Event())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="--sharded"):
+        run_join(opts, 1, threading.Event())
+
+
 def test_launched_ranks_reads_torchruns_world_size():
     assert launched_ranks({}) == 1
     assert launched_ranks({"WORLD_SIZE": "4"}) == 4

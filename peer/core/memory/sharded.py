@@ -1,6 +1,8 @@
-"""Per-rank memory of a sharded full replica: N ranks, FSDP2-style `fully_shard` (planned, issue 40).
+"""Per-rank memory of a sharded full replica: N ranks, FSDP2-style `fully_shard` (issue 40).
 
-A model only: the replica that runs today is DDP (`peer.node.replica`, `estimate_replica` per rank).
+A model of issue 40's second design. What runs (`peer join --sharded`, `peer.node.replica.sharded`)
+is the first: its followers hold the weights, gradients and AdamW terms below, and its rank 0 also
+holds the whole replica, θ_start and the error buffer (`estimate_replica`) for today's round.
 The sharded replica of issue 40 wraps each transformer block, the embedding and the final norm +
 head as their own `fully_shard` unit over the N ranks, with float32 master weights and the inner
 step reducing gradients on every micro-batch, and runs the round on shards (each rank keeps θ_start

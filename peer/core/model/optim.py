@@ -116,8 +116,13 @@ def grad_sq_norm(params: Iterable[torch.nn.Parameter], unscale: float = 1.0) -> 
     put on the fixed grid SQ_NORM_GRID, then summed exactly: the shares of any split of a model into
     stages add up (`peer.core.model.chain.global_grad_norm`) to the whole model's float while the total
     is below SQ_NORM_EXACT_BELOW."""
-    per_tensor = (float(p.grad.detach().double().square().sum()) / unscale for p in params if p.grad is not None)
-    return math.fsum(_on_grid(sq) for sq in per_tensor)
+    per_tensor = (float(p.grad.detach().double().square().sum()) for p in params if p.grad is not None)
+    return sq_norm(per_tensor, unscale)
+
+
+def sq_norm(per_tensor: Iterable[float], unscale: float = 1.0) -> float:
+    """`grad_sq_norm` of each tensor's Σg² given (float64; a sharded tensor's: the sum of its shards')."""
+    return math.fsum(_on_grid(sq / unscale) for sq in per_tensor)
 
 
 def clip_grads_to(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:

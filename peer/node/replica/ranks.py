@@ -16,6 +16,12 @@ Each rank logs the hash of its live parameters after the H inner steps of every 
 (`replica_hash`; rank 0 in metrics.jsonl, rank r in `metrics-rank<r>.jsonl`) and a follower the
 state it adopted (`replica_state`), so the ranks' lockstep is checkable.
 
+With `--sharded` (`peer.node.replica.sharded`) every rank trains its shards of every stage (FSDP2)
+instead of a DDP copy; rank 0's whole stages are the round's: "gather" (before each round) all-gathers
+the live parameters and AdamW state into them, and a changed committed state is scattered back to the
+shards (`state` on the next message). A follower holds no whole stage, so it logs no `replica_hash`;
+its `replica_state` names the hashes rank 0 scattered. A sharded rank leaves with `exit_now`.
+
 Failure: a rank that dies closes its sockets; the others' next collective raises `RankLost`:
 rank 0 leaves the swarm (records withdrawn, server and DHT stopped) and exits 2, so
 `torchrun --max-restarts R … --resume` starts the replica again from rank 0's checkpoint. torchrun
@@ -25,12 +31,15 @@ at its next control message (at most `replica_group.POLL_S`) and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -45,6 +54,8 @@ from peer.node.fit import check_join
 from peer.node.metrics import MetricsWriter
 from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index
 from peer.node.replica.group import Control, RankLost, ReplicaGroup, launched_ranks
+from peer.node.replica.sharded import ShardedChain
+from peer.node.round.gather import RoundResult
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker
 from peer.node.trainer import _Full, run_full_replica, run_role
@@ -55,14 +66,30 @@ log = logging.getLogger(__name__)
 def run_join(opts: SessionOptions, stage: int | None, stop: threading.Event) -> int:
     """`peer join`: under torchrun with several processes a full replica across them, else `run_role`."""
     ranks = launched_ranks()
+    if opts.sharded and (ranks == 1 or stage is not None):
+        raise ConfigError(
+            "--sharded shards a full replica over torchrun's processes: torchrun --nproc-per-node N "
+            "(N ≥ 2) -m peer join --full-replica --sharded …"
+        )
     if ranks == 1:
         return run_role(opts, stage, stop)
     if stage is not None:
         raise ConfigError(f"--stage runs in one process; under torchrun ({ranks} processes) use --full-replica")
     group = ReplicaGroup.from_env()
-    if group.lead:
-        return run_full_replica(opts, stop, make=_Lead(group))
-    return follow(opts, stop, group)
+    code = run_full_replica(opts, stop, make=_Lead(group, opts.sharded)) if group.lead else follow(opts, stop, group)
+    if opts.sharded:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code` at once, logs flushed: after FSDP2 on gloo, torch 2.13's interpreter exit
+    sometimes aborts ("terminate called without an active exception", SIGABRT), which torchrun
+    would take for a failed rank (and restart the replica)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def live_hashes(chain: list[StageWorker]) -> dict[str, str]:
@@ -80,8 +107,8 @@ def parallel_chain(chain: list[StageWorker], group: ReplicaGroup) -> DataParalle
 class _Lead:
     """Rank 0's part in `run_full_replica`: set the followers up, then the `_Ranked` replica."""
 
-    def __init__(self, group: ReplicaGroup) -> None:
-        self.group = group
+    def __init__(self, group: ReplicaGroup, sharded: bool = False) -> None:
+        self.group, self.sharded = group, sharded
 
     def device(self, device: str) -> str:
         return self.group.device(device)
@@ -90,11 +117,14 @@ class _Lead:
         self, session: Session, workers: dict[int, StageWorker], data: Corpus, shard: int, stop: threading.Event
     ) -> _Full:
         cfg, tokenizer = session.cfg, session.cfg.data.tokenizer
+        if self.sharded and cfg.train.overlap:
+            raise ConfigError("--sharded runs the round between two inner steps: a run with train.overlap 0")
         setup = {"cfg": cfg, "shard": shard, "device": session.opts.device, "dataset": str(data.dataset.root)}
         setup["tokenizer"] = Path(tokenizer).read_bytes() if tokenizer else None
+        setup |= {"sharded": self.sharded, "precision": workers[0].precision}
         self.group.post(setup, key="setup")
         self.group.open(session.opts.device)  # after the DHT (Session.open): hivemind has forked
-        return _Ranked(session, workers, stop, self.group)
+        return (_Sharded if self.sharded else _Ranked)(session, workers, stop, self.group)
 
 
 class _Ranked(_Full):
@@ -105,23 +135,35 @@ class _Ranked(_Full):
     ) -> None:
         super().__init__(session, workers, stop)
         self.group, self.ranks = group, group.world
-        self.parallel = parallel_chain(self.chain, group)
         self._shared: tuple[Any, ...] | None = None  # which state the followers hold
         self._failed = False
+        self._build()
+
+    def _build(self) -> None:
+        self.parallel = parallel_chain(self.chain, self.group)
 
     def forward(self) -> MicroForward:
         return self.parallel.forward()
 
     def inner_step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         self._tell(Control("step", t, h))
-        try:
+        with self._collective():
             loss = super().inner_step(t, h, x, y)
-        except RuntimeError as exc:  # gloo/NCCL: a rank closed its sockets
+        if h == self.session.cfg.train.inner_steps - 1:
+            self._log_hashes(t)
+        return loss
+
+    def _log_hashes(self, t: int) -> None:
+        self.session.metrics.log("replica_hash", t=t, rank=0, stages=live_hashes(self.chain))
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        """RankLost when the collective inside raises: gloo/NCCL, a rank closed its sockets."""
+        try:
+            yield
+        except RuntimeError as exc:
             self._failed = True
             raise RankLost(f"a rank of this replica is gone ({exc}); stopping the replica") from None
-        if h == self.session.cfg.train.inner_steps - 1:
-            self.session.metrics.log("replica_hash", t=t, rank=0, stages=live_hashes(self.chain))
-        return loss
 
     def close(self) -> None:
         """Tell the followers to stop: with the last committed state, unless a rank is gone or
@@ -136,11 +178,43 @@ class _Ranked(_Full):
         self.group.post(dataclasses.replace(msg, state=send))
         if send:
             try:
-                self.group.share_states({w.stage: w.state_dict() for w in self.chain})
+                self._share()
             except RankLost:
                 self._failed = True
                 raise
             self._shared = held
+
+    def _share(self) -> None:
+        self.group.share_states({w.stage: w.state_dict() for w in self.chain})
+
+
+class _Sharded(_Ranked):
+    """Rank 0 of a sharded replica (`peer.node.replica.sharded`): every rank trains its shards; the
+    round gathers them into rank 0's whole stages first, a changed committed state is scattered back."""
+
+    def _build(self) -> None:
+        self.sharded = ShardedChain(self.session.cfg, self.chain[0].device, self.chain[0].precision)
+
+    def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.sharded.step(t, h, x, y)
+
+    def _log_hashes(self, t: int) -> None:
+        """Logged by `round`, once the live parameters are gathered here."""
+
+    def round(self, t: int) -> Mapping[int, RoundResult]:
+        self._tell(Control("gather"), share=False)  # the followers' shards are the live state
+        with self._collective():
+            self.sharded.gather(self.chain)
+        super()._log_hashes(t)
+        return super().round(t)
+
+    def close(self) -> None:
+        """Tell the followers to stop (a follower holds no state worth adopting before it exits)."""
+        self._tell(Control("stop", code=1 if self._failed else 0), share=False)
+
+    def _share(self) -> None:
+        with self._collective():
+            self.sharded.scatter(self.chain)
 
 
 def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> int:
@@ -149,35 +223,82 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
     cfg = _local_config(setup, opts.data_dir, group.rank)
     group.open(setup["device"])
     device = group.device(setup["device"])
-    check_join(cfg, None, dataclasses.replace(opts, device=str(device)))  # this rank's own device fits too
-    chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
+    local = dataclasses.replace(opts, device=str(device))
+    sharded = bool(setup.get("sharded"))
+    check_join(cfg, None, local, group.world if sharded else 1, sharded)  # this rank's own device fits too
     data = open_corpus(PreparedDataset.open(setup["dataset"]), cfg.data.seed)  # rank 0's folder, its seed
-    parallel = parallel_chain(chain, group)
     metrics = MetricsWriter(opts.data_dir, "full", name=f"metrics-rank{group.rank}.jsonl")
-    metrics.log("start", rank=group.rank, ranks=group.world, device=device)
+    metrics.log("start", rank=group.rank, ranks=group.world, device=device, sharded=sharded)
+    rank = _ShardRank(cfg, device, setup["precision"], metrics) if sharded else _WholeRank(cfg, device, group, metrics)
     train, shard = cfg.train, int(setup["shard"])
     try:
         while True:
             msg: Control = group.receive(stop)
-            if msg.state:
-                _adopt(chain, group.share_states(None), metrics)
-            if msg.kind == "stop":
-                metrics.log("exit", reason=f"rank 0 stopped (exit code {msg.code})")
-                return msg.code
-            batch = rank_batch_index(msg.t, msg.h, train.inner_steps, group.world, group.rank)
-            x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
             try:
-                loss = chain_step(chain, parallel.forward(), msg.t, msg.h, x, y)
-            except RuntimeError as exc:
+                if msg.state:
+                    rank.adopt()
+                if msg.kind == "stop":
+                    metrics.log("exit", reason=f"rank 0 stopped (exit code {msg.code})")
+                    return msg.code
+                if msg.kind == "gather":
+                    rank.gather()
+                    continue
+                batch = rank_batch_index(msg.t, msg.h, train.inner_steps, group.world, group.rank)
+                x, y = train_batch(data, shard, cfg.swarm.n_shards, batch, train.batch_size, train.seq_len)
+                loss = rank.step(msg.t, msg.h, x, y)
+            except RuntimeError as exc:  # gloo/NCCL: a rank closed its sockets
                 raise RankLost(f"rank {group.rank}: a rank of this replica is gone ({exc})") from None
             metrics.log("step", t=msg.t, h=msg.h, loss=loss, tokens=x.numel())
             if msg.h == train.inner_steps - 1:
-                metrics.log("replica_hash", t=msg.t, rank=group.rank, stages=live_hashes(chain))
+                rank.log_hashes(msg.t, group.rank)
     except BaseException as exc:
         metrics.log("exit", reason="stopped" if stop.is_set() else f"error: {exc}")
         raise
     finally:
         metrics.close()
+
+
+class _WholeRank:
+    """A follower of a DDP replica: every stage whole, rank 0's committed states adopted."""
+
+    def __init__(self, cfg: RunConfig, device: str, group: ReplicaGroup, metrics: MetricsWriter) -> None:
+        self.chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
+        self.parallel = parallel_chain(self.chain, group)
+        self.group, self.metrics = group, metrics
+
+    def adopt(self) -> None:
+        _adopt(self.chain, self.group.share_states(None), self.metrics)
+
+    def gather(self) -> None:
+        raise RuntimeError("a DDP replica's rank 0 holds the live state: nothing to gather")
+
+    def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        return chain_step(self.chain, self.parallel.forward(), t, h, x, y)
+
+    def log_hashes(self, t: int, rank: int) -> None:
+        self.metrics.log("replica_hash", t=t, rank=rank, stages=live_hashes(self.chain))
+
+
+class _ShardRank:
+    """A follower of a sharded replica: its shards only (`ShardedChain`); rank 0 gathers and scatters."""
+
+    def __init__(self, cfg: RunConfig, device: str, precision: str, metrics: MetricsWriter) -> None:
+        self.sharded = ShardedChain(cfg, device, precision)
+        self.metrics = metrics
+
+    def adopt(self) -> None:
+        said = self.sharded.scatter(None)
+        stages = {s: {"param_hash": h} for s, h in said["param_hashes"].items()}
+        self.metrics.log("replica_state", outer_step=said["outer_step"], stages=stages, held=self.sharded.held_bytes())
+
+    def gather(self) -> None:
+        self.sharded.gather(None)
+
+    def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.sharded.step(t, h, x, y)
+
+    def log_hashes(self, t: int, rank: int) -> None:
+        """A shard has no whole-stage hash; rank 0 logs the gathered one (`_Sharded.round`)."""
 
 
 def _adopt(chain: list[StageWorker], states: Mapping[int, Mapping[str, Any]], metrics: MetricsWriter) -> None:

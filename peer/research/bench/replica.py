@@ -1,5 +1,6 @@
 """`peer bench replica`: a full replica's tokens/s on one rank and one core against N ranks under
-torchrun, each rank on its own core with one torch thread (issue 22's target: 2 ranks ≥ 1.7×).
+torchrun, each rank on its own core with one torch thread (issue 22's target: 2 ranks ≥ 1.7×);
+`--sharded`: the N ranks shard the replica (`peer.node.replica.sharded`, issue 40: ≥ 1.6×).
 
 Both run the code `peer join --full-replica` runs for its inner steps, without a swarm: the stage
 workers of every stage, `peer.node.replica.data_parallel.chain_step` with the one-process micro-batch
@@ -27,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from peer.config import RunConfig, build_config
-from peer.node.replica.data_parallel import chain_loss, chain_step
+from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step
 from peer.node.replica.group import ReplicaGroup, launched_ranks
-from peer.node.replica.ranks import parallel_chain
+from peer.node.replica.ranks import exit_now, parallel_chain
+from peer.node.replica.sharded import ShardedChain
 from peer.node.stage.worker import StageWorker
 
 
@@ -47,19 +49,25 @@ def bench_config(preset: str, stages: int, batch_size: int, seq_len: int, microb
     )
 
 
-def worker(cfg: RunConfig, warmup: int, steps: int, report: Path) -> None:
-    """This rank's inner steps; rank 0 writes {"tokens_per_s", "ranks", "step_s"} to `report`."""
+def worker(cfg: RunConfig, warmup: int, steps: int, report: Path, sharded: bool = False) -> None:
+    """This rank's inner steps; rank 0 writes {"tokens_per_s", "ranks", "step_s", "held"} to `report`
+    ("held": the bytes of parameters and AdamW state each rank holds after the last step)."""
     torch.set_num_threads(1)
     ranks = launched_ranks()
     rank = int(os.environ.get("RANK", "0"))
     if ranks > 1 and hasattr(os, "sched_setaffinity"):  # one core per rank (torchrun does not pin)
         os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % (os.cpu_count() or 1)})
-    chain = [StageWorker(cfg, s, compressed=False) for s in range(cfg.stages)]
+    shards: ShardedChain | None = None
+    parallel: DataParallel | None = None
+    chain = [] if sharded and ranks > 1 else [StageWorker(cfg, s, compressed=False) for s in range(cfg.stages)]
     if ranks > 1:
         group = ReplicaGroup.from_env()
         group.open("cpu")
-        parallel = parallel_chain(chain, group)
-        forward: Callable[[], Any] = parallel.forward
+        if sharded:
+            shards = ShardedChain(cfg, "cpu", "fp32")
+        else:
+            parallel = parallel_chain(chain, group)
+        forward: Callable[[], Any] = parallel.forward if parallel is not None else lambda: None
     else:
         forward = lambda: lambda x, y: (chain_loss(chain, x, y), 0)  # noqa: E731 - `_Full.forward`'s
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -71,13 +79,35 @@ def worker(cfg: RunConfig, warmup: int, steps: int, report: Path) -> None:
                 dist.barrier()  # the ranks start the measured steps together
             t0 = time.perf_counter()
         tokens = torch.randint(V, (b, L + 1), generator=gen)  # (b, L+1)
-        chain_step(chain, forward(), 0, h, tokens[:, :-1], tokens[:, 1:])
+        if shards is not None:
+            shards.step(0, h, tokens[:, :-1], tokens[:, 1:])
+        else:
+            chain_step(chain, forward(), 0, h, tokens[:, :-1], tokens[:, 1:])
     measured = time.perf_counter() - t0
+    held = [_held(chain, shards)]
+    if ranks > 1:
+        dist.barrier()
+        every: list[Any] = [None] * ranks
+        dist.all_gather_object(every, held[0])
+        held = every
     if rank == 0:
         result = {"ranks": ranks, "tokens_per_s": steps * b * L * ranks / measured, "step_s": measured / steps}
-        report.write_text(json.dumps(result))
+        report.write_text(json.dumps(result | {"held": held, "sharded": shards is not None}))
     if ranks > 1:
+        forward, parallel = lambda: None, None  # DDP's reducer goes before its process group (its teardown can hang)
+        if shards is not None:
+            exit_now(0)  # as `peer join --sharded` exits
         group.close()
+
+
+def _held(chain: list[StageWorker], shards: ShardedChain | None) -> int:
+    """Bytes of parameters and AdamW state this rank holds (its shards, or every stage whole)."""
+    if shards is not None:
+        held = shards.held_bytes()
+        return held["params"] + held["optimizer"]
+    params = [p for w in chain for p in w.module.parameters()]
+    moments = [v for w in chain for st in w.optim.adamw.state.values() for v in st.values() if v.ndim > 0]
+    return sum(p.nbytes for p in params) + sum(v.nbytes for v in moments)
 
 
 def _run(ranks: int, args: list[str], report: Path) -> dict[str, Any]:
@@ -102,10 +132,12 @@ def run_bench(ranks: int, repeats: int, args: list[str], progress: Callable[[str
         progress(f"only {os.cpu_count()} cores for {ranks} ranks: ranks share cores, the speed-up is not meaningful")
     report = Path(tempfile.mkdtemp(prefix="peer-bench-replica-")) / "report.json"
     runs: dict[int, list[float]] = {1: [], ranks: []}
+    held: dict[int, list[int]] = {}
     for i in range(repeats):
         for n in (1, ranks):
             r = _run(n, args, report)
             runs[n].append(r["tokens_per_s"])
+            held[n] = r["held"]
             rate, step_s = r["tokens_per_s"], r["step_s"]
             progress(f"run {i + 1}/{repeats}: {n} rank(s): {rate:,.0f} tokens/s ({step_s:.3f} s per inner step)")
     one, many = statistics.median(runs[1]), statistics.median(runs[ranks])
@@ -115,17 +147,21 @@ def run_bench(ranks: int, repeats: int, args: list[str], progress: Callable[[str
         "median_1": one,
         f"median_{ranks}": many,
         "speedup": many / one,
+        "held_bytes": {str(n): h for n, h in held.items()},  # per rank: parameters + AdamW state
         "load_avg": os.getloadavg()[0],
     }
 
 
 def main(argv: list[str]) -> int:
-    """`python -m peer.research.bench.replica worker PRESET STAGES BATCH SEQ MICRO WARMUP STEPS --report F`."""
+    """`python -m peer.research.bench.replica worker PRESET STAGES BATCH SEQ MICRO WARMUP STEPS [--sharded]
+    --report F`."""
+    sharded = "--sharded" in argv
+    argv = [a for a in argv if a != "--sharded"]
     if len(argv) != 10 or argv[0] != "worker" or argv[8] != "--report":
         sys.stderr.write(f"usage: {main.__doc__}\n")
         return 2
     preset, stages, batch, seq, micro, warmup, steps = argv[1], *map(int, argv[2:8])
-    worker(bench_config(preset, stages, batch, seq, micro), warmup, steps, Path(argv[9]))
+    worker(bench_config(preset, stages, batch, seq, micro), warmup, steps, Path(argv[9]), sharded)
     return 0
 
 

@@ -1,0 +1,119 @@
+"""Outer steps of a `tiny` full replica over torchrun's ranks, without a swarm (run by test_sharded_replica).
+
+`torchrun --nproc-per-node N tests/integration/replica_rounds.py MODE OUT [--microbatches M] [--rounds T]
+[--save F] [--resume F]`:
+MODE "sharded" (`ShardedChain`: gather → rank 0's round → scatter), "ddp" (`DataParallel`, rank 0's
+state shared after each commit) or "plain" (one rank, `chain_step`). Each rank draws its batches as a
+replica's ranks do (`rank_batch_index`, synthetic tokens seeded by the batch's index); rank 0 commits
+each round from its own payloads alone (`apply_round`). Rank r writes OUT-rank<r>.json: rank 0 the
+committed param hash of every round and stage, every rank the bytes it holds. `--save`/`--resume`: rank 0's
+stages' `state_dict()` (a checkpoint's content) after the last round / before the first, as `--resume`
+restores a replica: rank 0 loads it, the first scatter gives every rank its shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's peer
+
+from peer.core.sparseloco.algorithm import decompress  # noqa: E402
+from peer.core.sparseloco.commit import embedding_update  # noqa: E402
+from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index  # noqa: E402
+from peer.node.replica.group import ReplicaGroup  # noqa: E402
+from peer.node.replica.ranks import exit_now  # noqa: E402
+from peer.node.replica.sharded import ShardedChain  # noqa: E402
+from peer.node.stage.worker import StageWorker  # noqa: E402
+from tests.configs import tiny_run  # noqa: E402
+
+
+def batch(index: int, b: int, L: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic tokens (b, L + 1) seeded by the batch's index: inputs and next-token targets."""
+    seq = torch.randint(vocab, (b, L + 1), generator=torch.Generator().manual_seed(1000 + index))
+    return seq[:, :-1], seq[:, 1:]
+
+
+def commit(chain: list[StageWorker]) -> dict[str, str]:
+    """Rank 0's round from its own payloads alone; {stage: committed param hash}."""
+    payloads = [w.contribute("full") for w in chain]
+    embed = embedding_update([decompress(payloads[0])], chain[0].cfg.sparseloco)
+    for w, p in zip(chain, payloads, strict=True):
+        w.apply_round([p], None if w.stage == 0 else embed, ("full",))
+    return {str(w.stage): w.param_hash() for w in chain}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("sharded", "ddp", "plain"))
+    ap.add_argument("out")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--save", help="rank 0 saves its stages' state_dict() here after the last round")
+    ap.add_argument("--resume", help="rank 0 starts from the states saved here (then scatters them)")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = tiny_run(**{"train.microbatches": a.microbatches, "train.outer_steps": a.rounds, "train.inner_steps": 2})
+    train = cfg.train
+    lead = rank == 0
+    whole = a.mode != "sharded" or lead  # a sharded follower holds no whole stage
+    chain = [StageWorker(cfg, s, compressed=False, precision="fp32") for s in range(cfg.stages)] if whole else []
+    sharded = ShardedChain(cfg, "cpu", "fp32") if a.mode == "sharded" else None
+    ddp = DataParallel(chain, lambda x, y: chain_loss(chain, x, y)) if a.mode == "ddp" else None
+    group = ReplicaGroup(rank, world, rank, connect=lambda: None)  # type: ignore[arg-type,return-value]
+    if a.resume and lead:
+        for w, st in zip(chain, torch.load(a.resume, weights_only=True), strict=True):
+            w.load_state_dict(st)
+    first = chain[0].outer_step if lead else 0
+    if sharded is not None:
+        first = sharded.scatter(chain if lead else None)["outer_step"]
+    hashes: dict[int, dict[str, str]] = {}
+    held: dict[str, int] = {}
+    for t in range(first, a.rounds):
+        for h in range(train.inner_steps):
+            index = rank_batch_index(t, h, train.inner_steps, world, rank)
+            x, y = batch(index, train.batch_size, train.seq_len, cfg.model.vocab_size)
+            if sharded is not None:
+                sharded.step(t, h, x, y)
+            elif ddp is not None:
+                chain_step(chain, ddp.forward(), t, h, x, y)
+            else:
+                chain_step(chain, lambda mx, my: (chain_loss(chain, mx, my), 0), t, h, x, y)
+        if sharded is not None:
+            held = sharded.held_bytes()
+            sharded.gather(chain if lead else None)
+        if lead:
+            hashes[t] = commit(chain)
+        if sharded is not None:
+            sharded.scatter(chain if lead else None)
+        elif ddp is not None:
+            for w, st in group.share_states({w.stage: w.state_dict() for w in chain} if lead else None).items():
+                chain[w].load_state_dict(st)
+    if a.save and lead:
+        torch.save([w.state_dict() for w in chain], a.save)
+    if not held:  # what a whole replica holds: its parameters and AdamW's two moments
+        n = sum(p.numel() for w in chain for p in w.module.parameters())
+        held = {"params": 4 * n, "grads": 0, "optimizer": 8 * n}
+    out = {"hashes": hashes, "held": held, "world": world, "rss": _rss()}
+    Path(f"{a.out}-rank{rank}.json").write_text(json.dumps(out))
+    ddp = None  # DDP's reducer goes before its process group (its teardown can hang)
+    dist.barrier()  # no rank tears the group down while another still talks in it
+    if sharded is not None:
+        exit_now(0)  # as `peer join --sharded` exits (torch 2.13's exit after FSDP2 on gloo can abort)
+    dist.destroy_process_group()
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+if __name__ == "__main__":
+    main()
