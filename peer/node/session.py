@@ -444,6 +444,8 @@ def _start_dht(opts: SessionOptions, stop: threading.Event | None = None, attemp
     (a fork from a busy multi-threaded process can stall; the stalled child is reaped), never
     once `stop` is set (asked to leave while starting: a SIGTERM to the group killed the child)."""
     for attempt in range(attempts):
+        if stop is not None and stop.is_set():  # asked to leave before anything started: nothing to undo
+            raise PeerError("asked to leave before this peer's DHT node started")
         try:
             return SwarmDHT(
                 opts.initial_peers,
