@@ -154,6 +154,13 @@ class Swarm:
         assert last[name] >= 0, head_log[-3000:]
         return name
 
+    def status(self) -> dict:
+        """`peer status --json` of the swarm, as a user runs it (a failed run raises with its stderr)."""
+        args = [sys.executable, "-m", "peer", "status", "--initial-peers", self.maddr, "--timeout-s", "20", "--json"]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=self.env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
     def wait_exit(self, name: str, timeout_s: float = 240) -> int:
         return self.procs[name].wait(timeout=timeout_s)
 

@@ -8,10 +8,6 @@ remedies themselves are tested in tests/unit/test_memory_estimate.py), no traceb
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 
@@ -28,13 +24,5 @@ def test_join_refuses_a_stage_that_does_not_fit(swarm_factory):
     assert "nothing here makes it fit" in errors[0]
     assert "Traceback" not in log
     assert "stage 1 of 2 of tiny: needs ~" in log  # the estimate's line came first
-    status = subprocess.run(
-        [sys.executable, "-m", "peer", "status", "--initial-peers", sw.maddr, "--timeout-s", "20", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=sw.env,
-    )
-    assert status.returncode == 0, status.stderr
-    stages = json.loads(status.stdout)["stages"]
+    stages = sw.status()["stages"]
     assert not stages.get("1"), stages

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -118,16 +116,8 @@ def test_a_two_rank_replica_agrees_with_the_swarm_and_kill_9_of_a_rank_leaves_no
     sw.wait_for(lambda: len(sw.rounds("full")) >= 3 and len(sw.rounds("head")) >= 3, timeout_s=150)
     _check_lockstep(sw, "full", ("head", "s1", "full"), rounds=2)
     # the replica's record: 2 ranks, a global batch of 2 x 8
-    out = subprocess.run(
-        [sys.executable, "-m", "peer", "status", "--initial-peers", sw.maddr, "--json", "--timeout-s", "20"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=sw.env,
-        check=True,
-    )
-    full = json.loads(out.stdout)["full_replicas"]
-    assert [(r["ranks"], r["global_batch"]) for r in full] == [(2, 16)], out.stdout
+    full = sw.status()["full_replicas"]
+    assert [(r["ranks"], r["global_batch"]) for r in full] == [(2, 16)], full
     _kill_rank_and_check(sw, "full", 1)
     assert "a rank of this replica is gone" in sw.log("full") or "stopped" in sw.log("full"), sw.log("full")
     _torchrun(sw, "full2")

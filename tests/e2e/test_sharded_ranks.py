@@ -9,10 +9,7 @@ own batches. SIGTERM to torchrun stops every process of the replica (DHT and p2p
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -59,15 +56,8 @@ def test_a_two_rank_sharded_replica_commits_the_pipelines_states(swarm_factory):
     losses0 = [e["loss"] for e in sw.events("full", "step")][:4]
     losses1 = [e["loss"] for e in _rank_events(sw, "full", 1, "step")][:4]
     assert len(losses1) == len(losses0) == 4 and losses0 != losses1
-    out = subprocess.run(
-        [sys.executable, "-m", "peer", "status", "--initial-peers", sw.maddr, "--json", "--timeout-s", "20"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=sw.env,
-        check=True,
-    )
-    assert [(r["ranks"], r["global_batch"]) for r in json.loads(out.stdout)["full_replicas"]] == [(2, 16)], out.stdout
+    full = sw.status()["full_replicas"]
+    assert [(r["ranks"], r["global_batch"]) for r in full] == [(2, 16)], full
     # SIGTERM to torchrun's agent: it passes it on; every process of the replica leaves
     agent = psutil.Process(sw.procs["full"].pid)
     tree = [agent, *agent.children(recursive=True)]
