@@ -39,7 +39,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any, cast
 
-from peer.errors import NetworkError, PeerError
+from peer.errors import NetworkError, PeerError, ProcessGoneError
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import StateReply, StateRequest
 from peer.node.checkpoints.peer import PeerCheckpoints
@@ -108,6 +108,8 @@ class Resync:
                 if self.count == count and (worker.outer_step, worker.state_id()) != first:
                     self._adopted(worker, False, "late join")  # a failed try replayed part of the way
                 return
+            except ProcessGoneError:
+                raise  # this peer's DHT process is gone: no retry reaches the swarm again
             except NetworkError as exc:
                 waited = time.monotonic() - started
                 if self.stop.is_set() or time.monotonic() >= give_up:
