@@ -70,6 +70,41 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
     wd = wire_dtype(wire_dtype_name)
     if isinstance(msg, (bytes, bytearray, memoryview)):
         return pb.Blob(data=bytes(msg))
+    if isinstance(msg, (ForwardRequest, ForwardReply, BackwardRequest, BackwardReply)):
+        return _encode_pipeline(msg, wd)
+    if isinstance(msg, StepRequest):
+        step = pb.StepRequest(
+            pipeline_id=msg.pipeline_id,
+            outer_step=msg.outer_step,
+            inner_step=msg.inner_step,
+            n_microbatches=msg.n_microbatches,
+            tokens=msg.tokens,
+        )
+        if msg.grad_norm is not None:
+            step.grad_norm = float(msg.grad_norm)
+        return step
+    if isinstance(msg, StepReply):
+        return pb.StepReply(ok=msg.ok, message=msg.message)
+    if isinstance(msg, (PayloadRequest, RangesReply)):
+        return _encode_round(msg)
+    if isinstance(msg, StateRequest):
+        return pb.StateRequest(stage=msg.stage)
+    if isinstance(msg, StateReply):
+        tensors = [pb.NamedTensor(name=k, tensor=tensor_to_proto(v)) for k, v in msg.tensors.items()]
+        meta_json = _dump_json(msg.meta, "StateReply.meta")
+        return pb.StateReply(outer_step=msg.outer_step, meta_json=meta_json, tensors=tensors)
+    if isinstance(msg, ArtifactRequest):
+        return pb.ArtifactRequest(name=msg.name, offset=msg.offset)
+    if isinstance(msg, dict):
+        return pb.InfoReply(json=_dump_json(msg, "info"))
+    raise TypeError(f"no wire encoding for {type(msg).__name__}")
+
+
+PipelineMessage = ForwardRequest | ForwardReply | BackwardRequest | BackwardReply
+
+
+def _encode_pipeline(msg: PipelineMessage, wd: torch.dtype) -> PbMessage:
+    """A pipeline call or its reply: boundary tensors at the wire dtype `wd`."""
     if isinstance(msg, ForwardRequest):
         out = pb.ForwardRequest(
             pipeline_id=msg.pipeline_id,
@@ -120,31 +155,6 @@ def encode(msg: Any, wire_dtype_name: str = "fp32") -> PbMessage:
         if msg.grad_sq_norm is not None:
             out.grad_sq_norm = float(msg.grad_sq_norm)
         return out
-    if isinstance(msg, StepRequest):
-        step = pb.StepRequest(
-            pipeline_id=msg.pipeline_id,
-            outer_step=msg.outer_step,
-            inner_step=msg.inner_step,
-            n_microbatches=msg.n_microbatches,
-            tokens=msg.tokens,
-        )
-        if msg.grad_norm is not None:
-            step.grad_norm = float(msg.grad_norm)
-        return step
-    if isinstance(msg, StepReply):
-        return pb.StepReply(ok=msg.ok, message=msg.message)
-    if isinstance(msg, (PayloadRequest, RangesReply)):
-        return _encode_round(msg)
-    if isinstance(msg, StateRequest):
-        return pb.StateRequest(stage=msg.stage)
-    if isinstance(msg, StateReply):
-        tensors = [pb.NamedTensor(name=k, tensor=tensor_to_proto(v)) for k, v in msg.tensors.items()]
-        meta_json = _dump_json(msg.meta, "StateReply.meta")
-        return pb.StateReply(outer_step=msg.outer_step, meta_json=meta_json, tensors=tensors)
-    if isinstance(msg, ArtifactRequest):
-        return pb.ArtifactRequest(name=msg.name, offset=msg.offset)
-    if isinstance(msg, dict):
-        return pb.InfoReply(json=_dump_json(msg, "info"))
     raise TypeError(f"no wire encoding for {type(msg).__name__}")
 
 
