@@ -52,6 +52,9 @@ class PipelineArgs:
     rate: str = o.flag("", "Comma-separated tc tbf link rates besides unshaped, e.g. 100mbit,10mbit (root).")
     rtt_ms: str = o.flag("", "Comma-separated round trips (ms) added on a 100mbit link by a delay relay.")
     in_flight: str = o.flag("1,0", "Comma-separated schedules: 1 = sequential, 0 = auto, K = K in flight.")
+    compression: str = o.flag(
+        "always", "Comma-separated head boundary modes: always (k/d), never, auto (by the measured links)."
+    )
     wire_dtype: str = o.flag("bf16", o.config_help("subspace.wire_dtype"))
     steps: int = o.flag(3, "Measured inner steps (after one warm-up step).")
     repeats: int = o.flag(1, "Runs per configuration (the median is reported).")

@@ -27,8 +27,13 @@ def pipeline_rows(result: Mapping[str, Any]) -> list[list[str]]:
     for r in result["rows"]:
         link = r["rate"] + (f" +{r['rtt_ms']:g}ms" if r["rtt_ms"] else "")
         vs = "" if r.get("vs_unshaped") is None else f"{r['vs_unshaped']:.2f}x"
+        kd = (
+            r["k_ratio"]
+            if r.get("compression", "always") == "always"
+            else f"{r['k_ratio']} {r['compression']}→{r['mode']}"
+        )
         out.append(
-            [r["k_ratio"], link, str(r["in_flight"]), f"{r['tokens_per_s']:.0f}", f"{r['plan_tokens_per_s']:.0f}",
+            [kd, link, str(r["in_flight"]), f"{r['tokens_per_s']:.0f}", f"{r['plan_tokens_per_s']:.0f}",
              f"{r['efficiency']:.2f}", vs,
              "/".join(f"{x:.2f}" for x in r["busy"]), f"{r['bubble']:.2f}",
              "/".join(f"{x:.0f}" for x in r["bytes_per_token"])]
@@ -46,7 +51,17 @@ def pipeline_summary(result: Mapping[str, Any]) -> list[str]:
     ]
     for r in rows:
         if r["rate"] == "unshaped" and not r["rtt_ms"]:
-            lines.append(f"k/d={r['k_ratio']} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}")
+            mode = "" if r.get("compression", "always") == "always" else f" ({r['compression']}: {r['mode']})"
+            lines.append(
+                f"k/d={r['k_ratio']}{mode} in_flight={r['in_flight']}: scaling efficiency {r['efficiency']:.2f}"
+            )
+    for r in rows:
+        if r.get("compression", "always") != "always" and r.get("vs_compressed") is not None:
+            link = r["rate"] + (f" +{r['rtt_ms']:g}ms" if r["rtt_ms"] else "")
+            lines.append(
+                f"{link}, in_flight={r['in_flight']}: --compression {r['compression']} ran {r['mode']}, "
+                f"{r['vs_compressed']:.2f}x the tokens/s of the same pipeline forced compressed at k/d={r['k_ratio']}"
+            )
     return lines
 
 

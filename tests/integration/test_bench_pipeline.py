@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from peer.cli.bench_render import pipeline_rows
+from peer.cli.bench_render import pipeline_rows, pipeline_summary
 from peer.research.bench.netns import netns_unavailable
 from peer.research.bench.pipeline import PipelineBench, rate_mbps, run_bench
 
@@ -45,6 +45,22 @@ def test_loopback_old_and_new_schedule(tmp_path):
     seq, pipe = (next(r for r in result["rows"] if r["schedule"] == s) for s in ("sequential", "pipelined"))
     assert seq["in_flight"] == 1 and pipe["in_flight"] >= 2
     assert pipe["bytes_per_token"][0] == pytest.approx(seq["bytes_per_token"][0], rel=0.05)  # S = 2: same messages
+
+
+def test_a_head_choosing_by_its_links_runs_uncompressed_on_loopback(tmp_path):
+    # issue 39: the same pipeline forced compressed and choosing by its measured links (`--compression auto`)
+    bench = PipelineBench(
+        **TINY, rates=("",), in_flight=(0,), compression=("always", "auto"), netns=False, workdir=tmp_path
+    )
+    result = run_bench(bench, lambda line: None)
+    _check(result, {"pipelined"})
+    forced, auto = (next(r for r in result["rows"] if r["compression"] == c) for c in ("always", "auto"))
+    assert forced["mode"] == "compressed" and forced["vs_compressed"] == 1.0
+    assert auto["mode"] == "uncompressed", auto["mode_reason"]
+    assert "busy" in auto["mode_reason"] and auto["vs_compressed"] is not None
+    # the full (b, L, d) boundary on the wire: d/k = 8 times the compressed one's bytes, give or take headers
+    assert 5 < auto["bytes_per_token"][0] / forced["bytes_per_token"][0] < 9
+    assert any("forced compressed" in line for line in pipeline_summary(result))
 
 
 def test_shaped_namespaces_and_a_round_trip(tmp_path):

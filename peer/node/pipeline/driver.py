@@ -84,15 +84,16 @@ class PipelineDriver:
         """One inner step over `train.microbatches` micro-batches; replays after replacing a failed
         stage peer (NetworkError when it cannot go on, PipelineBehind when the head missed a round)."""
         if t != self._decided_at:
-            self._choose_mode(t)
+            self.choose_mode(t)
         self.in_flight = self.links.in_flight(lambda: self.routing.route(t)) if self.cfg.stages > 1 else 1
         loss = self.executor.run(t, h, x, y, self.in_flight)
         self.last_loss = loss
         self.tokens += x.numel()
         return loss
 
-    def _choose_mode(self, t: int) -> None:
-        """Outer step t's boundary mode, from the links measured so far (`peer.node.pipeline.mode`)."""
+    def choose_mode(self, t: int) -> None:
+        """Outer step t's boundary mode, from the links measured so far (`peer.node.pipeline.mode`);
+        called at the outer step's first inner step (and by `peer bench pipeline` after its warm-up)."""
         cfg = self.cfg
         measured = cfg.stages > 1 and self.policy == "auto"  # a forced mode asks nothing of the links
         figures = self.links.figures(lambda: self.routing.route(t)) if measured else None

@@ -17,6 +17,7 @@ relative to the same schedule and k/d unshaped.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -50,6 +51,9 @@ class PipelineBench:
     rtt_ms: tuple[float, ...] = (0.0,)
     rtt_rate: str = "100mbit"  # the link the round trip is added to ("" = unshaped)
     in_flight: tuple[int, ...] = (1, 0)  # 0 = the default (auto)
+    # the head's boundary mode (`peer join --compression`): "always" compressed at k/d, "never", or
+    # "auto" (chosen by its measured links after the warm-up: peer.node.pipeline.mode)
+    compression: tuple[str, ...] = ("always",)
     wire_dtype: str = "bf16"  # subspace.wire_dtype (its default): the boundary dtype on the wire
     warmup: int = 1
     steps: int = 3
@@ -122,7 +126,9 @@ def _relays(addresses: dict[int, str], rtt_ms: float, prefix: Callable[[int], li
                 proc.stdout.close()
 
 
-def measure(b: PipelineBench, k_ratio: str, rate: str, rtt_ms: float, in_flight: int, work: Path) -> dict[str, Any]:
+def measure(
+    b: PipelineBench, k_ratio: str, rate: str, rtt_ms: float, in_flight: int, work: Path, compression: str = "always"
+) -> dict[str, Any]:
     """One pipeline run; returns the head's result plus this configuration."""
     cfg = _config(b, k_ratio, in_flight)
     work.mkdir(parents=True, exist_ok=True)
@@ -145,11 +151,12 @@ def measure(b: PipelineBench, k_ratio: str, rate: str, rtt_ms: float, in_flight:
         report = work / "head.json"
         cmd = [*prefix(0), sys.executable, "-m", "peer.research.bench.pipeline_peers", "head", str(cfg_path)]
         cmd += ["--addresses", ",".join(addresses[s] for s in sorted(addresses)), "--report", str(report)]
-        cmd += ["--warmup", str(b.warmup), "--steps", str(b.steps)]
+        cmd += ["--warmup", str(b.warmup), "--steps", str(b.steps), "--compression", compression]
         result = _run_child(cmd, report)
     result.pop("losses", None)
     schedule = "sequential" if in_flight == 1 else "pipelined"
-    return {"k_ratio": k_ratio, "rate": rate or "unshaped", "rtt_ms": rtt_ms, "schedule": schedule, **result}
+    link = {"rate": rate or "unshaped", "rtt_ms": rtt_ms}
+    return {"k_ratio": k_ratio, **link, "schedule": schedule, "compression": compression, **result}
 
 
 def whole(b: PipelineBench, work: Path) -> dict[str, Any]:
@@ -183,31 +190,31 @@ def run_bench(b: PipelineBench, progress: Callable[[str], None] = log.info) -> d
     one = median["tokens_per_s"]
     progress(f"one device (whole model, one core): {one:.0f} tokens/s")
     rows = []
-    for k_ratio in b.k_ratios:
-        for rate, rtt in links(b):
-            if rate and not b.netns:
-                continue
-            for k in b.in_flight:
-                runs = [
-                    measure(
-                        b, k_ratio, rate, rtt, k, root / f"{k_ratio.replace('/', '-')}-{rate or 'none'}-{rtt:g}-{k}-{i}"
-                    )
-                    for i in range(b.repeats)
-                ]
-                row = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-                row["efficiency"] = row["tokens_per_s"] / (b.stages * one)
-                row["bubble"] = 1.0 - sum(row["busy"]) / len(row["busy"])
-                row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
-                row["plan_tokens_per_s"] = planned(b, row, median)
-                rows.append(row)
-                progress(_line(row))
+    for k_ratio, (rate, rtt), k, mode in itertools.product(b.k_ratios, links(b), b.in_flight, b.compression):
+        if rate and not b.netns:
+            continue
+        name = f"{k_ratio.replace('/', '-')}-{rate or 'none'}-{rtt:g}-{k}-{mode}"
+        runs = [measure(b, k_ratio, rate, rtt, k, root / f"{name}-{i}", mode) for i in range(b.repeats)]
+        row = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+        row["efficiency"] = row["tokens_per_s"] / (b.stages * one)
+        row["bubble"] = 1.0 - sum(row["busy"]) / len(row["busy"])
+        row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+        row["plan_tokens_per_s"] = planned(b, row, median)
+        rows.append(row)
+        progress(_line(row))
     for row in rows:
         base = next(
             (r for r in rows if r["k_ratio"] == row["k_ratio"] and r["schedule"] == row["schedule"] and
-             r["rate"] == "unshaped" and r["rtt_ms"] == 0),
+             r["compression"] == row["compression"] and r["rate"] == "unshaped" and r["rtt_ms"] == 0),
             None,
         )  # fmt: skip
         row["vs_unshaped"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+        forced = next(
+            (r for r in rows if r["k_ratio"] == row["k_ratio"] and r["schedule"] == row["schedule"] and
+             r["compression"] == "always" and r["rate"] == row["rate"] and r["rtt_ms"] == row["rtt_ms"]),
+            None,
+        )  # fmt: skip
+        row["vs_compressed"] = row["tokens_per_s"] / forced["tokens_per_s"] if forced else None
     return {
         "bench": {k: (str(v) if isinstance(v, Path) else v) for k, v in b.__dict__.items()},
         "one_device_tokens_per_s": one,
@@ -235,11 +242,12 @@ def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -
     from peer.research.plan.command import RPC_OVERHEAD_S, flops_from_tokens_per_s, predict_pipeline
 
     cfg = get_preset(b.preset, stage_split=b.split)
+    k_ratio = row["k_ratio"] if row.get("mode", "compressed") == "compressed" else "1"  # (b, L, d) on the wire
     tokens, wall = one_device["tokens"], one_device["wall_s"]
     step_s = one_device.get("step_s", 0.0) * b.steps
     flops = flops_from_tokens_per_s(cfg, b.seq_len, tokens / max(1e-9, wall - step_s))
     return predict_pipeline(
-        cfg, b.stages, b.microbatches, b.batch_size, b.seq_len, row["k_ratio"], flops, row["in_flight"],
+        cfg, b.stages, b.microbatches, b.batch_size, b.seq_len, k_ratio, flops, row["in_flight"],
         rate_mbps(row["rate"]), row["rtt_ms"], wire_dtype=b.wire_dtype, rpc_overhead_s=RPC_OVERHEAD_S,
         opt_s_per_param=one_device.get("opt_s_per_param", 0.0),
     )["tokens_per_s"]  # fmt: skip
@@ -247,8 +255,9 @@ def planned(b: PipelineBench, row: dict[str, Any], one_device: dict[str, Any]) -
 
 def _line(row: dict[str, Any]) -> str:
     link = row["rate"] + (f" +{row['rtt_ms']:g}ms" if row["rtt_ms"] else "")
+    mode = f" {row['compression']}→{row['mode']}" if row.get("compression", "always") != "always" else ""
     return (
-        f"k/d={row['k_ratio']:<4} {link:<16} in_flight={row['in_flight']}: {row['tokens_per_s']:7.0f} tok/s, "
+        f"k/d={row['k_ratio']:<4}{mode} {link:<16} in_flight={row['in_flight']}: {row['tokens_per_s']:7.0f} tok/s, "
         f"efficiency {row['efficiency']:.2f}, busy {'/'.join(f'{x:.2f}' for x in row['busy'])}"
     )
 
@@ -278,6 +287,7 @@ def run_from_flags(
     rate: str,
     rtt_ms: str,
     in_flight: str,
+    compression: str,
     wire_dtype: str,
     steps: int,
     repeats: int,
@@ -299,6 +309,7 @@ def run_from_flags(
             rates=("", *(r for r in parse_list(rate, str, "--rate") if r)),
             rtt_ms=tuple(x for x in parse_list(rtt_ms, float, "--rtt-ms") if x > 0) if rtt_ms.strip() else (),
             in_flight=parse_list(in_flight, int, "--in-flight"),
+            compression=parse_list(compression, str, "--compression"),
             wire_dtype=wire_dtype,
             steps=steps,
             repeats=repeats,
@@ -308,6 +319,9 @@ def run_from_flags(
         raise ConfigError(str(exc)) from None
     for k_ratio in bench.k_ratios:  # the run config's own checks (wire dtype, k/d, preset, stages), before any run
         _config(bench, k_ratio, 0)
+    bad = [c for c in bench.compression if c not in ("always", "never", "auto")]
+    if bad:
+        raise ConfigError(f"--compression: {', '.join(bad)} is not always, never or auto")
     if stages < 2 or microbatches < 1 or batch_size % microbatches:
         raise ConfigError("--stages must be >= 2 and --batch-size a multiple of --microbatches")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # cleanups (namespaces, children) still run

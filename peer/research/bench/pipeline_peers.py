@@ -67,10 +67,13 @@ def head_driver(
     worker: StageWorker,
     clients: ClientPool,
     on_schedule: Callable[[dict[str, Any]], None] | None = None,
+    policy: str = "always",
 ) -> PipelineDriver:
-    """A head's pipeline over the stage peers at `addresses` (stage -> host:port)."""
+    """A head's pipeline over the stage peers at `addresses` (stage -> host:port); `policy`: its
+    boundary mode ("always" / "never" compressed, or "auto": chosen by the links each outer step)."""
+    stages = FixedStages(addresses)
     return PipelineDriver(
-        cfg, "bench-head", worker, FixedStages(addresses), clients, threading.Event(), on_schedule=on_schedule
+        cfg, "bench-head", worker, stages, clients, threading.Event(), on_schedule=on_schedule, policy=policy
     )
 
 
@@ -109,15 +112,24 @@ def serve_stage(
     report.write_text(json.dumps({"param_hash": digest, "busy_s": worker.busy_s}))
 
 
-def run_head(cfg: RunConfig, addresses: dict[int, str], warmup: int, steps: int) -> dict[str, Any]:
-    """`warmup` + `steps` inner steps of outer step 0; timings of the last `steps` only."""
+def run_head(
+    cfg: RunConfig, addresses: dict[int, str], warmup: int, steps: int, policy: str = "always"
+) -> dict[str, Any]:
+    """`warmup` + `steps` inner steps of outer step 0; timings of the last `steps` only. A head that
+    chooses its boundary mode by the links (`policy` "auto": the node's rule, `peer.node.pipeline.mode`,
+    which runs an outer step's first inner step compressed and measures) chooses again after the
+    warm-up, as it would at the next outer step, so the timed steps run the mode its links earn."""
     clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype)
     worker = StageWorker(cfg, 0)
-    driver = head_driver(cfg, addresses, worker, clients)
+    driver = head_driver(cfg, addresses, worker, clients, policy=policy)
+    if policy == "auto":  # the rule needs stage 0's compute of a whole inner step, measured at the next
+        warmup = max(warmup, 2)
     data = batches(cfg, warmup + steps)
     losses: list[float] = []
     for h, (x, y) in enumerate(data[:warmup]):
         losses.append(driver.inner_step(0, h, x, y))
+    driver.settle_steps()
+    driver.choose_mode(0)
     busy0 = _busy(clients, worker, addresses)
     bytes0 = _link_bytes(clients, addresses)
     started = time.perf_counter()
@@ -142,6 +154,8 @@ def run_head(cfg: RunConfig, addresses: dict[int, str], warmup: int, steps: int)
         "busy": busy,
         "bytes_per_token": links,
         "head_param_hash": head_hash,
+        "mode": driver.mode,
+        "mode_reason": driver.decision.reason if driver.decision else "",
     }
 
 
@@ -276,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--addresses", default="", help="head: comma-separated addresses of stages 1..S-1")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--compression", default="always", choices=("always", "never", "auto"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.basicConfig(level=os.environ.get("PEER_LOG_LEVEL", "WARNING"))
@@ -285,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.role == "head":
         addresses = {s: a for s, a in enumerate(args.addresses.split(","), start=1) if a}
-        result = run_head(cfg, addresses, args.warmup, args.steps)
+        result = run_head(cfg, addresses, args.warmup, args.steps, args.compression)
     else:
         result = whole_model(cfg, args.warmup, args.steps)
     args.report.write_text(json.dumps(result))
