@@ -96,3 +96,19 @@ def test_a_heads_holder_row_and_detail_name_its_boundary_mode():
     assert rows == {"h": "uncompressed", "f": None}  # a full replica has no mode: it never compresses
     detail = views.peer_view(c, "h", now=100.0)
     assert detail is not None and detail["replica"]["mode"] == "uncompressed"
+
+
+def test_a_head_or_full_replica_is_credited_with_its_replica_records_tokens_per_s():
+    # their stage records carry no throughput (0): a stage's tokens/s must still count the tokens they train
+    c = collector()
+    stage0 = {"h": holder(1, "x", role="head", speed=0.0), "f": holder(1, "x", role="full", speed=0.0)}
+    stage1 = {"p": holder(1, "y", speed=30.0), "f": holder(1, "y", role="full", speed=0.0)}
+    replicas = {
+        "h": ReplicaRecord(kind="pipeline", outer_step=1, tokens_per_s=30.0),
+        "f": ReplicaRecord(kind="full", outer_step=1, tokens_per_s=50.0),
+    }
+    c.ingest({0: stage0, 1: stage1}, replicas, now=100.0)
+    s0, s1 = views.stages_view(c)
+    assert {h["peer_id"]: h["tokens_per_s"] for h in s0["holders"]} == {"h": 30.0, "f": 50.0}
+    assert {h["peer_id"]: h["tokens_per_s"] for h in s1["holders"]} == {"p": 30.0, "f": 50.0}  # its own figure first
+    assert s0["tokens_per_s"] == s1["tokens_per_s"] == 80.0

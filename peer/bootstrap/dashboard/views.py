@@ -72,8 +72,11 @@ def loss_view(c: Collector) -> dict[str, Any]:
     return {"replicas": replicas, "mean_val": mean}
 
 
-def _holder(pid: str, r: StageRecord, majority: str | None, mode: str | None = None) -> dict[str, Any]:
-    """One holder's row; `mode`: a head's boundary mode this outer step (its replica record's)."""
+def _holder(pid: str, r: StageRecord, majority: str | None, rep: ReplicaRecord | None = None) -> dict[str, Any]:
+    """One holder's row; `rep`: its replica record when it is a head or a full replica (a head's boundary
+    mode this outer step; the tokens/s it trains every stage it holds at, where its stage record has none)."""
+    mode = None if rep is None else rep.mode
+    speed = r.tokens_per_s or (None if rep is None else rep.tokens_per_s) or r.tokens_per_s
     return {
         "peer_id": text(pid),
         "role": text(r.role or None),
@@ -82,14 +85,10 @@ def _holder(pid: str, r: StageRecord, majority: str | None, mode: str | None = N
         "outer_step": r.outer_step,
         "state_id": text(r.state_id),
         "agrees": None if majority is None or r.state_id is None else r.state_id == majority,
-        "tokens_per_s": num(r.tokens_per_s),
+        "tokens_per_s": num(speed),
         "address": text(r.address or None),
         "connectivity": text(r.net.connectivity),
     }
-
-
-def _mode(rep: ReplicaRecord | None) -> str | None:
-    return None if rep is None else rep.mode
 
 
 def _majority(state_ids: Iterable[str]) -> str | None:
@@ -113,7 +112,7 @@ def stages_view(c: Collector) -> list[dict[str, Any]]:
         majority = {t: _majority(v.values()) for t, v in claims.items()}
         recs = live.stages.get(s, {})
         holders = [
-            _holder(pid, recs[pid], majority.get(recs[pid].outer_step or -1), _mode(live.replicas.get(pid)))
+            _holder(pid, recs[pid], majority.get(recs[pid].outer_step or -1), live.replicas.get(pid))
             for pid in sorted(recs)
         ]
         agree = all(r["agree"] for r in rounds) if rounds else None
@@ -158,7 +157,7 @@ def peer_view(c: Collector, peer_id: str, now: float | None = None) -> dict[str,
     stages = []
     for s, recs in sorted(live.stages.items()):
         if peer_id in recs:
-            stages.append({"stage": s} | _holder(peer_id, recs[peer_id], None, _mode(live.replicas.get(peer_id))))
+            stages.append({"stage": s} | _holder(peer_id, recs[peer_id], None, live.replicas.get(peer_id)))
     rep = live.replicas.get(peer_id)
     replica = None
     if rep is not None:
