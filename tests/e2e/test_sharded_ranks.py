@@ -4,7 +4,8 @@ beside a compressed pipeline, as real processes.
 Every round and stage the pipeline's holders and the sharded replica commit one state; rank 1 adopts
 each committed state (rank 0 scatters it into the shards) and holds half of the replica's parameters
 and AdamW state; the replica's record says 2 ranks and a global batch of 2 × b; rank 1 trains on its
-own batches. SIGTERM to torchrun stops every process of the replica (DHT and p2pd included).
+own batches. SIGTERM to torchrun stops every process of the replica (DHT and p2pd included); so does
+`kill -9` of one rank of a second sharded replica, and the pipeline goes on committing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.test_replica_ranks import _alive, _rank_events, _torchrun
+from tests.e2e.test_replica_ranks import _alive, _kill_rank_and_check, _rank_events, _torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -66,3 +67,7 @@ def test_a_two_rank_sharded_replica_commits_the_pipelines_states(swarm_factory):
     while any(_alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in tree if _alive(p)], sw.log("full")
+    # kill -9 of a rank of a sharded replica: torchrun's agent and every process of the replica exit
+    _torchrun(sw, "full2", "--sharded")
+    sw.wait_for(lambda: sw.rounds("full2"), timeout_s=120)
+    _kill_rank_and_check(sw, "full2", 1)
