@@ -120,6 +120,8 @@ def test_a_two_rank_replica_agrees_with_the_swarm_and_kill_9_of_a_rank_leaves_no
     assert [(r["ranks"], r["global_batch"]) for r in full] == [(2, 16)], full
     _kill_rank_and_check(sw, "full", 1)
     assert "a rank of this replica is gone" in sw.log("full") or "stopped" in sw.log("full"), sw.log("full")
-    _torchrun(sw, "full2")
+    _torchrun(sw, "full2", "--precision", "bf16")
     sw.wait_for(lambda: sw.rounds("full2"), timeout_s=120)
+    # rank 1 computes in rank 0's precision, not its own default (fp32 on a CPU)
+    assert [e["precision"] for e in _rank_events(sw, "full2", 1, "start")] == ["bf16"]
     _kill_rank_and_check(sw, "full2", 0)

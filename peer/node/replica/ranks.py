@@ -228,8 +228,11 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
     check_join(cfg, None, local, group.world if sharded else 1, sharded)  # this rank's own device fits too
     data = open_corpus(PreparedDataset.open(setup["dataset"]), cfg.data.seed)  # rank 0's folder, its seed
     metrics = MetricsWriter(opts.data_dir, "full", name=f"metrics-rank{group.rank}.jsonl")
-    metrics.log("start", rank=group.rank, ranks=group.world, device=device, sharded=sharded)
-    rank = _ShardRank(cfg, device, setup["precision"], metrics) if sharded else _WholeRank(cfg, device, group, metrics)
+    precision = setup["precision"]  # rank 0's, resolved: every rank computes in the same dtype
+    metrics.log("start", rank=group.rank, ranks=group.world, device=device, sharded=sharded, precision=precision)
+    rank = (
+        _ShardRank(cfg, device, precision, metrics) if sharded else _WholeRank(cfg, device, precision, group, metrics)
+    )
     train, shard = cfg.train, int(setup["shard"])
     try:
         while True:
@@ -261,8 +264,12 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
 class _WholeRank:
     """A follower of a DDP replica: every stage whole, rank 0's committed states adopted."""
 
-    def __init__(self, cfg: RunConfig, device: str, group: ReplicaGroup, metrics: MetricsWriter) -> None:
-        self.chain = [StageWorker(cfg, s, compressed=False, device=device) for s in range(cfg.stages)]
+    def __init__(
+        self, cfg: RunConfig, device: str, precision: str, group: ReplicaGroup, metrics: MetricsWriter
+    ) -> None:
+        self.chain = [
+            StageWorker(cfg, s, compressed=False, device=device, precision=precision) for s in range(cfg.stages)
+        ]
         self.parallel = parallel_chain(self.chain, group)
         self.group, self.metrics = group, metrics
 
