@@ -9,10 +9,11 @@ must move T⊥ by (`peer.node.round.recheck.stage0_set`).
 from __future__ import annotations
 
 from peer.net.records import Announcement, StageRecord
-from peer.node.round.censors import Evidence, censored, evidence, recent
+from peer.node.round.censors import REFUSAL_ROUNDS, CensorWatch, Evidence, censored, evidence, recent
 from peer.node.round.claims import Claim, Link, entry
 from peer.node.round.follow import omission
 from peer.node.round.recheck import stage0_set
+from peer.node.round.refusals import Refusals
 from peer.node.round.verify import Verdict, resolve
 
 SHA_A, SHA_B, SHA_OLD = "a" * 64, "b" * 64, "c" * 64
@@ -71,6 +72,27 @@ def test_a_censor_is_a_claim_from_our_state_without_an_expected_live_payload_bef
     assert censored(_claim(a), Evidence(0, "other", ev.suspects, 100.0), 90.0, 2.0) is None  # another state
     assert censored(_claim(a), Evidence(1, "prev", ev.suspects, 100.0), 90.0, 2.0) is None  # another round
     assert censored(_claim(a), Evidence(0, "prev", ev.suspects, None), 90.0, 2.0) is None  # no deadline known
+
+
+def test_a_censor_is_refused_for_a_while_and_a_false_state_for_good():
+    # the censor proof rests on this holder's view of liveness: its refusal ends, a recomputed false state's never
+    a, b, censor, forger = "a" * 20, "b" * 20, "c", "f" * 20  # `_claim` is holder "c"'s claim of round 0
+    events: list[tuple[str, dict]] = []
+    refusals = Refusals(on_refuse=lambda event, **kw: events.append((event, kw)))
+    watch = CensorWatch(refusals, stage=1, grace_s=2.0)
+    watch.check([_claim(a)], [Evidence(0, "prev", frozenset({a, b}), closes=100.0)], now=90.0)
+    refusals.refuse(forger, 1, 0, "it claims a state its set does not give")
+    assert censor in refusals and forger in refusals
+    watch.check([], [Evidence(REFUSAL_ROUNDS - 1, "p", frozenset(), closes=None)], now=95.0)
+    assert censor in refusals  # still within its rounds
+    watch.check([], [Evidence(REFUSAL_ROUNDS, "p", frozenset(), closes=None)], now=96.0)
+    assert censor not in refusals and forger in refusals
+    assert [e for e, _ in events] == ["refused", "refused", "refusal_ended"]
+    assert events[0][1]["rounds"] == REFUSAL_ROUNDS and events[1][1]["rounds"] is None
+    # proof for good outlasts a time-limited refusal of the same peer
+    refusals.refuse(b, 1, 30, "a censor", rounds=2)
+    refusals.refuse(b, 1, 31, "a false state")
+    assert refusals.expire(40) == [] and b in refusals
 
 
 def test_a_round_is_kept_as_evidence_while_a_claim_of_it_can_still_prove_a_censor():

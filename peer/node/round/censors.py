@@ -21,6 +21,10 @@ followed.
 something (`recent`: until the round's earliest deadline minus the grace has passed). A censor
 usually publishes its claim of round t while we train or gather t + 1, and a short round can end in
 one poll, so a claim of t is judged whenever we next see it (`CensorWatch` checks every kept round).
+
+A censor is refused for `REFUSAL_ROUNDS` rounds, not for good (`peer.node.round.refusals`): the proof rests on
+this holder's view of liveness, which can be wrong (a head's graceful leave once made honest holders look like
+censors), and a refusal that never ends strands the holder that made it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 from peer.node.round.bans import PREFIX
 from peer.node.round.claims import Claim
 from peer.node.round.refusals import Refusals
+
+REFUSAL_ROUNDS = 16  # how long a proven censor's claims are ignored (a false state's: for good)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class CensorWatch:
         if self.refusals is None:
             return
         evs = [ev for ev in rounds if ev is not None]
+        if evs:
+            self.refusals.expire(max(ev.t for ev in evs))
         for claim in claims:
             if claim.link is None or claim.peer in self.refusals:
                 continue
@@ -107,5 +115,5 @@ class CensorWatch:
             for ev in evs:
                 why = censored(claim, ev, seen_at, self.grace_s)
                 if why is not None:
-                    self.refusals.refuse(claim.peer, self.stage, ev.t, why)
+                    self.refusals.refuse(claim.peer, self.stage, ev.t, why, rounds=REFUSAL_ROUNDS)
                     break
