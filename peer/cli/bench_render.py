@@ -61,6 +61,11 @@ def pipeline_summary(result: Mapping[str, Any]) -> list[str]:
             lines.append(
                 f"{link}, in_flight={r['in_flight']}: --compression {r['compression']} ran {r['mode']}, "
                 f"{r['vs_compressed']:.2f}x the tokens/s of the same pipeline forced compressed at k/d={r['k_ratio']}"
+                + (
+                    f" (median of the paired repeats {r['paired_vs_compressed']:.2f}x)"
+                    if "paired_vs_compressed" in r
+                    else ""
+                )
             )
     return lines
 

@@ -55,7 +55,7 @@ def test_a_head_choosing_by_its_links_runs_uncompressed_on_loopback(tmp_path):
     result = run_bench(bench, lambda line: None)
     _check(result, {"pipelined"})
     forced, auto = (next(r for r in result["rows"] if r["compression"] == c) for c in ("always", "auto"))
-    assert forced["mode"] == "compressed" and forced["vs_compressed"] == 1.0
+    assert forced["mode"] == "compressed" and forced["vs_compressed"] == forced["paired_vs_compressed"] == 1.0
     assert auto["mode"] == "uncompressed", auto["mode_reason"]
     assert "busy" in auto["mode_reason"] and auto["vs_compressed"] is not None
     # the full (b, L, d) boundary on the wire: d/k = 8 times the compressed one's bytes, give or take headers
