@@ -143,6 +143,10 @@ class Support:
     counted: tuple[int, ...]
     sets: tuple[np.ndarray, ...]  # per voted band of range r, ascending int64
 
+    def is_included(self, i: int) -> bool:
+        """Whether roster member i's vote counted (as `Shard.is_included` of a contribution)."""
+        return i in self.counted
+
     def to_bytes(self, plan: RangePlan, cfg: SparseLoCoConfig, keep: int) -> bytes:
         head = _SUPPORT_HEAD.pack(SUPPORT, self.t, self.stage, self.r, bytes.fromhex(self.roster), self.n_roster)
         vb = [b for b in plan.ranges[self.r] if voted(b, cfg)]
