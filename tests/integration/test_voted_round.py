@@ -328,3 +328,34 @@ def test_an_owner_killed_after_the_roster_is_covered(swarm, reap_children):
     assert any(victim_id in owners(4, STAGE, r, senders, 2) for r in range(_plan(cfg).n)), "it owned nothing"
     assert not any(r.refused for r in done)
     assert all(not s.shard.is_included(gone) for s in done[0].shards.values())  # no values from the dead
+
+
+def test_a_sender_whose_vote_does_not_parse_is_left_out_of_the_round(swarm):
+    """One holder announces (and proves) vote parts whose ranks no index set has (a stuffed or garbage
+    vote): every owner refuses them whole, no support counts its vote, no mean includes its values,
+    and all eight holders still commit one state."""
+    cfg, nodes = swarm
+    for node in nodes:
+        node.refusals = Refusals()
+    stuffer = nodes[6]
+    put = stuffer.store.put_parts
+
+    def put_parts(t: int, stage: int, parts: list[bytes]) -> None:
+        if stage == STAGE:  # its vote parts (values parts go under values_stage): garbage ranks, still proven
+            parts[:] = [p[:4] + b"\xff" * (len(p) - 4) for p in parts]  # in place: the announced root covers them
+        put(t, stage, parts)
+
+    stuffer.store.put_parts = put_parts  # type: ignore[method-assign]
+    try:
+        results = _round(cfg, nodes, t=5)
+    finally:
+        del stuffer.store.put_parts
+    assert all(r is not None for r in results)
+    done = [r for r in results if r is not None]
+    _check_agreed(cfg, done)
+    roster = done[0].roster
+    assert roster is not None
+    out = [e.sender for e in roster.entries].index(stuffer.id)
+    assert all(not s.shard.is_included(out) for s in done[0].supports.values())
+    assert all(not s.shard.is_included(out) for s in done[0].shards.values())
+    assert all(s.shard.is_included(i) for s in done[0].shards.values() for i in range(M) if i != out)

@@ -137,3 +137,16 @@ def test_values_and_the_owners_mean_match_a_dense_reference(qb):
             sent = [torch.from_numpy(vals[m][j]) for m in (0, 2)]
             ref = aligned_sum(sent, at, (band.numel,), 3)  # float32, roster order, one division
             assert torch.equal(got[band.entry].reshape(-1), ref), band.entry
+
+
+def test_a_member_whose_vote_was_not_counted_is_left_out_of_the_mean():
+    es = _errors(3)
+    plan, votes, _ = _round(CFG, es, 2)
+    parsed = [parse_votes(v[0], plan, 0, CFG) for v in votes]
+    parsed[2] = None  # its vote part was refused (or never arrived)
+    support = range_support(T, STAGE, 0, plan, parsed, ROSTER, CFG, KEEP, SEED)
+    assert support.counted == (0, 1)
+    values = [parse_values(values_part(e, plan, support, CFG), plan, support, CFG, KEEP) for e in es]
+    shard = mean_shard(plan, support, values, CFG)
+    assert [shard.is_included(i) for i in range(3)] == [True, True, False]
+    assert shard.to_bytes() == mean_shard(plan, support, [*values[:2], None], CFG).to_bytes()

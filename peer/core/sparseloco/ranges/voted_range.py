@@ -269,8 +269,11 @@ def mean_shard(
     plan: RangePlan, support: Support, values: Sequence[Sequence[np.ndarray] | None], cfg: SparseLoCoConfig
 ) -> Shard:
     """Range r's exact mean Δ̄ = Σ v̂_m / n_roster on the support, from the roster's parsed values parts
-    (roster order; None: absent), as an exact shard at quant_bits 0 (float32 sums in roster order)."""
+    (roster order; None: absent), as an exact shard at quant_bits 0 (float32 sums in roster order). A
+    member whose vote the support did not count (refused, or never fetched) is left out of the range's
+    mean, values or not, as a malformed part is left out of a ranges shard."""
     n, entries, sets = support.n_roster, [], iter(support.sets)
+    values = [v if support.is_included(i) else None for i, v in enumerate(values)]
     for j, band in enumerate(plan.ranges[support.r]):
         at = torch.from_numpy(next(sets)) if voted(band, cfg) else None
         total = torch.zeros(band.numel if at is None else len(at), dtype=torch.float32)
