@@ -9,9 +9,9 @@ and backups, merkle proofs, the resolver that refuses a liar and covers a dead o
    whole: its sender left out of the tally), publishes `supports.{t}.{s}` and serves each support by
    its sha256; every holder resolves one support per range as shards are resolved (`Resolver` with
    kind "supports", recomputation `range_support` from the vote parts a support lists as counted);
-3. values: a contributor encodes Q(e) at every range's support (`values_part`, on a copy of e: the
-   caller installs `VotedResult.errors` when it commits), serves the parts under `values_stage(s)`
-   and publishes their merkle root (`values.{t}.{s}`);
+3. values: a contributor encodes Q(e) at every range's support (`values_part`, on a copy of e: its
+   commit adds `sent_adjustment`, −v̂ of each mean that includes it, to e), serves the parts under
+   `values_stage(s)` and publishes their merkle root (`values.{t}.{s}`);
 4. means: each owner waits for the roster's values records (up to the phase's shard deadline), fetches
    the values parts of its ranges proven against those roots, publishes the exact mean shard
    (`mean_shard`) as `shards.{t}.{s}`; every holder resolves one per range (`Resolver`, recomputation
@@ -24,6 +24,7 @@ such a holder's commit differs and is reconciled as a ranges round's would be.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -143,6 +144,7 @@ class _VotedRound(_RangesRound):
             log.warning("round %d stage %d: no roster by the deadline", self.t, self.stage)
             return result
         result.roster = roster
+        result.fetched.add("roster", len(json.dumps(roster.record().to_record())))
         result.position = next((i for i, e in enumerate(roster.entries) if e.replica == self.replica), None)
         contributing = result.position is not None and self.e is not None
         supports = self._supports(roster, stop, everything=contributing)
