@@ -11,6 +11,8 @@ Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our
   holder that sees the same records; none valid: compute the range ourselves;
 - no owner published by the shard deadline (all gone): compute the range ourselves from its parts.
 A better-ranked roster seen meanwhile ends the resolution: the caller restarts with it.
+A voted round (docs/protocol.md, VOTED) resolves its supports and its mean shards by the same steps:
+`kind`, `fetch_one` and `aggregate` say which record, how it is fetched and how it is recomputed.
 """
 
 from __future__ import annotations
