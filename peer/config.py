@@ -102,8 +102,10 @@ class SwarmConfig:
     # What a range owner publishes (peer.core.sparseloco.ranges, docs/protocol.md RANGES): "exact" (its
     # range of the exact aggregate, every entry touched, sparse or dense per band: all-to-all's Δ̄) or
     # "topk" (re-sparsified to shard_topk entries per tile; the rest returns to the senders' error buffers)
+    # or "voted" (docs/protocol.md VOTED: senders vote their top-k per tile, the shard_topk most voted
+    # positions per tile are agreed, every sender sends values there, owners publish the exact mean)
     shard: str = "topk"
-    shard_topk: int = 0  # entries per tile a "topk" shard keeps (0: sparseloco.topk)
+    shard_topk: int = 0  # entries per tile a "topk" shard keeps (0: sparseloco.topk); "voted": k′ (0: 2·topk)
     # Joining by replay (docs/protocol.md): holders keep their committed links and payloads of the last
     # `history_rounds` rounds (`history_ttl_s`), so a joiner recomputes the state instead of counting
     history_rounds: int = 16
@@ -484,9 +486,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"swarm.range_backups and swarm.shard_topk must be >= 0, got {w.range_backups} and {w.shard_topk}"
         )
-    if w.shard not in ("exact", "topk"):
-        raise ConfigError(f"swarm.shard must be 'exact' or 'topk', got {w.shard!r}")
+    if w.shard not in ("exact", "topk", "voted"):
+        raise ConfigError(f"swarm.shard must be 'exact', 'topk' or 'voted', got {w.shard!r}")
     if w.shard == "exact" and w.shard_topk:
         raise ConfigError(
-            f"swarm.shard_topk = {w.shard_topk} applies to swarm.shard = 'topk' only; set it to 0 or shard = 'topk'"
+            f"swarm.shard_topk = {w.shard_topk} applies to swarm.shard = 'topk' or 'voted' only; "
+            "set it to 0 or shard = 'topk' or 'voted'"
         )

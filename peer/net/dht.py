@@ -98,7 +98,8 @@ MANIFEST_KEY = "peer.manifest"  # unsigned mirror for stock hivemind clients
 SIGNED_MANIFEST_KEY = "peer.manifest.signed"  # subkey = the bootstrap's owner key
 SEALED_MANIFEST_KEY = "peer.manifest.sealed"  # subkey = any re-publisher; the value carries the bootstrap's seal
 LEFT_TTL_S = 30.0  # minimum lifetime of a {"state": "left"} record
-RoundKind = Literal["round", "roster", "shards", "chain"]  # announcements, a ranges round's records, links
+# announcements, a ranges round's records (a voted round's supports and values too), links
+RoundKind = Literal["round", "roster", "shards", "supports", "values", "chain"]
 StageKind = Literal["stage", "attest"]  # holders' records of a stage, or attesters' (`peer.bootstrap.attester`)
 RoundRead = tuple[RoundKind, int, int, Callable[[Any], Any]]  # (kind, t, stage, parse): `SwarmDHT.get_rounds`
 R = TypeVar("R")

@@ -8,7 +8,10 @@
 - ``shards.{t}.{s}`` (`ShardsRecord`): an owner's shard hashes {range: sha256 of the shard's bytes}
   for the roster it aggregated against; the shards themselves are fetched over gRPC (kind SHARD).
 
-Both are per-peer records under the signer's owner subkey (`peer.net.records.RecordReader`), so a
+- ``supports.{t}.{s}`` (a `ShardsRecord`): a voted round's owner's support hashes {range: sha256}.
+- ``values.{t}.{s}`` (`ValuesRecord`): a voted round's sender's merkle root of its values parts.
+
+All are per-peer records under the signer's owner subkey (`peer.net.records.RecordReader`), so a
 roster or a shard hash is always the claim of a named peer: a holder checks it before it commits
 anything (a roster's entries against the signed announcements, a shard against its owner's backup
 or a recomputation).
@@ -115,3 +118,26 @@ class ShardsRecord:
 
     def to_record(self) -> dict[str, Any]:
         return {"roster": self.roster, "shards": {str(r): h for r, h in sorted((self.shards or {}).items())}}
+
+
+@dataclass(frozen=True)
+class ValuesRecord:
+    """A sender's `values.{t}.{s}` record in a voted round (docs/protocol.md, VOTED): the merkle root
+    of its values parts (one per range, each at that range's agreed support) for the roster `roster`.
+    A values part counts only when its merkle path proves it against this signed root, so a sender
+    cannot serve one owner values and a backup others."""
+
+    roster: str = ""
+    root: str = ""
+    peer_id: str = ""
+    time: float = 0.0
+
+    SPEC: ClassVar[dict[str, Callable[[Any], bool]]] = {"roster": _is_str, "root": _is_str, **_SIGNED}
+
+    @classmethod
+    def parse(cls, raw: Any) -> ValuesRecord | None:
+        fields = _fields(raw, cls.SPEC)
+        return None if fields is None else cls(**fields)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"roster": self.roster, "root": self.root}

@@ -66,7 +66,7 @@ def _records(session: Session, role: str, workers: dict[int, StageWorker], shard
     ]
 
 
-@pytest.fixture(params=["topk", "exact"])
+@pytest.fixture(params=["topk", "exact", "voted"])
 def mixed(tmp_path, reap_children, request):
     """Peers 0 (head, stage 0), 1 (its stage peer, stage 1), 2 and 3 (full replicas, both stages);
     range owners publish `swarm.shard` shards as parametrized."""

@@ -50,6 +50,7 @@ from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import owners
 from peer.node.round.ranges.rounds import own_job, summary
+from peer.node.round.ranges.voted import values_stage
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
@@ -371,10 +372,11 @@ class Holder:
     worker: StageWorker
 
 
-@pytest.fixture(params=["topk", "exact"])
+@pytest.fixture(params=["topk", "exact", "voted"])
 def full_replicas(tmp_path, reap_children, request):
     """Four full replicas of stage 1 (tiny preset) with the round rule set to "ranges" (`swarm.shard` as
-    parametrized), each a Session, and a fifth Session that publishes no replica record (an observer:
+    parametrized: "voted" runs docs/protocol.md's VOTED phases), each a Session, and a fifth Session
+    that publishes no replica record (an observer:
     nobody expects its payload)."""
     cfg = build_config(environ={})
     swarm = dataclasses.replace(
@@ -439,6 +441,8 @@ def test_full_replicas_commit_ranges_rounds_through_their_rounds_code(full_repli
         assert all(not r.behind and r.participants == len(holders) for r in results)
         assert len({h.worker.state_id() for h in holders}) == 1
         assert all(h.worker.outer_step == t + 1 and h.worker.ledger.link.ranges is not None for h in holders)
+        if cfg.swarm.shard == "voted":  # the voted phases ran: every holder served its values parts
+            assert all(h.session.store.parts(t, values_stage(STAGE), None, [0]) for h in holders)
         if t == 0:
             observer.worker.load_state_dict(holders[0].worker.state_dict())  # a state download after round 0
     assert holders[0].worker.n_prev() == len(holders)

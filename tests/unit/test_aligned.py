@@ -11,9 +11,7 @@ from peer.core.sparseloco.aligned import (
     aligned_sum,
     aligned_values,
     support_seed,
-    tile_topk,
     values_nbytes,
-    voted_support,
 )
 from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
 
@@ -90,19 +88,3 @@ def test_values_only_cost_the_payload_minus_its_index_bytes():
     assert v < full / 3  # 8 tiles: 32 two-bit values (8 bytes) against ~34 index bytes each
     assert v == values_nbytes(shapes, 64, 32, 2, ["w"])
     assert values_nbytes(shapes, 64, 32, 0, ["w"]) - v == 8 * (32 * 4 - 8) - 4 * 2  # float32, no codebook
-
-
-def test_a_voted_support_takes_the_most_voted_positions_of_each_tile():
-    gen = torch.Generator().manual_seed(3)
-    es = [torch.randn(SHAPE, generator=gen) for _ in range(3)]
-    common = torch.tensor([0, 1, 2])  # tile 0: large in every sender's e
-    for e in es:
-        e.view(-1)[common] = 50.0
-    votes = [tile_topk(e, CHUNK, 4) for e in es]
-    assert all(len(v) == len(agreed_support(None, SHAPE, CHUNK, 4, 0)) for v in votes)  # ≤ k per tile
-    support = voted_support(votes, SHAPE, CHUNK, KEEP, 11)
-    assert set(common.tolist()) <= set(support.tolist())  # three votes beat one
-    assert torch.equal(support, voted_support(votes, SHAPE, CHUNK, KEEP, 11))
-    assert torch.equal(torch.bincount(_tile_of(support), minlength=6), torch.tensor([KEEP] * 6))
-    union = set(torch.cat(votes).tolist())
-    assert set(support.tolist()) <= union  # 3 senders × 4 ≥ k′ = 6 voted positions in every tile

@@ -294,8 +294,10 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
 
 
 def test_the_shard_rule_is_checked():
-    """swarm.shard is "exact" or "topk"; shard_topk belongs to "topk" shards alone."""
+    """swarm.shard is "exact", "topk" or "voted"; shard_topk belongs to "topk" shards and to "voted" (k′)."""
     assert build_config(None, {"swarm.shard": "exact"}, environ={}).swarm.shard == "exact"
+    voted = build_config(None, {"swarm.shard": "voted", "swarm.shard_topk": 48}, environ={}).swarm
+    assert (voted.shard, voted.shard_topk) == ("voted", 48)
     for bad, field in (
         ({"swarm.shard": "dense"}, "swarm.shard"),
         ({"swarm.shard": "exact", "swarm.shard_topk": 8}, "shard_topk"),

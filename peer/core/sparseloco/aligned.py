@@ -19,10 +19,10 @@ SparseLoCo sends them (`dense_1d`: all of it, 8-bit); a tile with fewer real ent
 all of them. Q is the codec's sign-true quantizer per tensor (`codec.encode.quantize`; quant_bits 0:
 float32 values).
 
-**Voted** support (`voted_support`): a first phase where each sender publishes only the index set of
-its own top-k per tile (`tile_topk` of its e, no values), and S_t = the k′ positions per tile with the
-most votes (ties and unvoted fill by the same seeded draw); then the values phase above. It costs the
-index bytes the aligned support saves, and follows this round's errors instead of last round's sum.
+**Voted** support (`peer.core.sparseloco.ranges.voted`): a first phase where each sender publishes only
+the index set of its own top-k per tile (no values), and S_t = the k′ positions per tile with the most
+votes; then the values phase above (`send_at`, `aligned_sum`). It costs the index bytes the aligned
+support saves, and follows this round's errors instead of last round's sum.
 `requantized` lets the owner publish the mean at quant_bits instead of float32, the rounding kept in
 an agreed residual that the next round's mean carries (as the residual shards of issue 37 do).
 
@@ -61,9 +61,7 @@ __all__ = [
     "requantized",
     "send_at",
     "support_seed",
-    "tile_topk",
     "values_nbytes",
-    "voted_support",
 ]
 
 EXPLORE_SHARE = 0.25  # x = ⌊k′ · share⌋ of a tile's k′ agreed positions are drawn by seed, not by |Δ̄_{t−1}|
@@ -116,32 +114,6 @@ def fed_back(delta: Tensor, prev_error: Tensor | None, beta: float) -> Tensor:
     """e = β·e_prev + Δ, a fresh float32 CPU tensor (two float32 roundings, as the codec computes it)."""
     d = delta.detach().to("cpu", torch.float32)
     return d.clone() if prev_error is None else prev_error.detach().to("cpu", torch.float32).mul(beta).add_(d)
-
-
-def tile_topk(e: Tensor, chunk: int, k: int) -> Tensor:
-    """Flat positions (int64) of the top-k |e| of every tile (fewer in a tile with fewer real entries):
-    the index set a sender votes with (`voted_support`)."""
-    numel = e.numel()
-    pos = _tiled(torch.arange(numel, dtype=torch.float64).view(e.shape), chunk, -1.0).to(torch.int64)
-    mag = _tiled(e.detach().to("cpu", torch.float32).abs(), chunk, -1.0)  # padding below any |e|
-    chosen = pos.gather(1, mag.topk(min(k, pos.shape[1]), dim=1).indices)  # (n_tiles, k)
-    return chosen[chosen >= 0]
-
-
-def voted_support(votes: Sequence[Tensor], shape: Sequence[int], chunk: int, keep: int, seed: int) -> Tensor:
-    """Ascending flat positions of the top-k′ per tile by vote count (how many senders' `tile_topk`
-    holds the position), ties and unvoted fill by the seeded draw of `agreed_support`."""
-    shape = tuple(shape)
-    numel = int(np.prod(shape)) if shape else 1
-    count = torch.zeros(numel, dtype=torch.float64)
-    for v in votes:
-        count[v] += 1.0  # a vote holds each position once
-    pos = _tiled(torch.arange(numel, dtype=torch.float64).view(shape), chunk, -1.0).to(torch.int64)
-    key = _tiled(count.view(shape), chunk, -1.0)  # (n_tiles, cc): counts, −1 = padding
-    draw = torch.rand(pos.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    key = torch.where(pos >= 0, key + draw, key)  # a count of c ranks in [c, c + 1)
-    chosen = pos.gather(1, key.topk(min(keep, pos.shape[1]), dim=1).indices)
-    return torch.sort(chosen[chosen >= 0]).values
 
 
 def aligned_values(

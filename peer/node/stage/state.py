@@ -30,6 +30,7 @@ import torch
 from peer.config import RunConfig
 from peer.core.model.state import check_stage_state, stage_state
 from peer.core.sparseloco.algorithm import decompress, pseudo_gradient
+from peer.core.sparseloco.aligned import fed_back
 from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.commit import RoundCommit
 from peer.core.sparseloco.ranges import RangePlan, encode_parts
@@ -178,6 +179,15 @@ class StageState:
             self.ledger.last_parts = (replica_id, plan, parts)
             return parts
 
+    def contribute_votes(self) -> dict[str, torch.Tensor]:
+        """A voted round's contribution (docs/protocol.md, VOTED): e = β·e + Δ becomes the error buffer
+        (nothing sent yet, so a failed round returns nothing) and is returned to vote and send from."""
+        with self.lock:
+            delta, errors = pseudo_gradient(self.start, stage_state(self.module)), self.optim.errors or {}
+            self.optim.errors = {n: fed_back(d, errors.get(n), self.cfg.sparseloco.beta) for n, d in delta.items()}
+            self.ledger.last_contribution, self.ledger.last_parts = None, None
+            return self.optim.errors
+
     def return_unsent_parts(self) -> None:
         """Our parts of a ranges round that did not commit go back into the error buffer whole."""
         with self.lock:
@@ -195,12 +205,14 @@ class StageState:
         position: int | None,
         embed_update: torch.Tensor | None,
         embed_set: Sequence[Entry] | None = None,
+        sent: Mapping[str, torch.Tensor] | None = None,
     ) -> RoundCommit:
         """Commit a ranges round: θ ← θ_start − η·Δ̄ with Δ̄ assembled from the agreed shards of every
         range (`roster`: its (replica id, payload sha256) entries, `digest` its digest; `shards`: the
         checked shard of every range, each hashed once where it was taken; `position`: our
         contribution's place in it, None when absent), T⊥ and bans as `apply_round`; what each shard
-        dropped or clipped from our part returns to our error buffer (`peer.node.stage.ranges`)."""
+        dropped or clipped from our part returns to our error buffer (`peer.node.stage.ranges`); a voted
+        round's `sent`: −v̂ of the means that include us (`peer.node.round.ranges.voted.sent_adjustment`)."""
         with self.lock:  # computed outside the lock, as `commit_round`
             t, start, perp, ledger = self.outer_step, self.start, self._perp_cpu(), self.ledger
         parsed = {r: s.shard for r, s in shards.items()}
@@ -213,6 +225,7 @@ class StageState:
             self._still_at(t)
             own = ledger.last_parts
             adjustment = returned(own[1], self.start, own[2], position, parsed) if own is not None else None
+            adjustment = dict(sent) if sent is not None else adjustment
             prev = Prev(t, self.start, perp, ledger.bans, self.state_id(), adjustment, None)
             self.optim.feed_back(adjustment)
             self._install(out, ranges_link(t, prev.state, out, roster, digest, shards, embed_set))

@@ -14,9 +14,10 @@ top-k of a mean whose supports disagree (M senders' top-k, up to M·k per tile),
 half of ‖Δ̄‖²; with one support there is nothing to drop, and the wire saves the index bytes.
 Round mass (`RangeMass`): dense = ‖mean_m e_m‖² (before sending), kept = its part on the support.
 
-**voted** (`--round voted`): aligned with a vote phase first — each sender publishes the index set of
-its own top-k per tile of e (no values), and the support is the k′ positions per tile with the most
-votes (ties, and unvoted fill, by the same seeded draw); then the values phase as aligned. Why: last
+**voted** (`--round voted`, `peer.core.sparseloco.ranges.voted`, the swarm's `swarm.shard = "voted"`):
+aligned with a vote phase first — each sender publishes the index set of its own top-k per tile of e
+(no values), and the support is the k′ positions per tile with the most votes (ties, and unvoted fill,
+by a seeded PCG64 draw); then the values phase as aligned. k′ = `swarm.shard_topk`, 0: 2·k (`voted_keep`). Why: last
 round's aggregate is a poor guess of where this round's errors are (after a round, e is emptied
 exactly on the support it chooses again); the votes are this round's, at the price of the indices.
 **voted-residual** (`--round voted-residual`): voted, with each owner publishing C = Q(Δ̄ + R) on the
@@ -69,14 +70,13 @@ from peer.core.sparseloco.aligned import (
     send_at,
     sparse_names,
     support_seed,
-    tile_topk,
     values_nbytes,
-    voted_support,
 )
 from peer.core.sparseloco.codec.format import DENSE_F32, HEADER_NBYTES, Payload, entry_nbytes
 from peer.core.sparseloco.commit import Committed, commit_summed, load_committed
 from peer.core.sparseloco.ranges import n_ranges_for, n_units
 from peer.core.sparseloco.ranges.owner import shard_config
+from peer.core.sparseloco.ranges.voted import tile_topk, voted_keep, voted_support
 from peer.core.subspace.state import perp_of
 from peer.errors import ConfigError
 from peer.research.simulate.ranges import RangeMass
@@ -180,6 +180,13 @@ def _n_ranges(start: Mapping[str, Tensor], cfg: RunConfig, M: int) -> int:
     return n_ranges_for(M, n_units({n: tuple(v.shape) for n, v in start.items()}, cfg.sparseloco.chunk))
 
 
+def _keep(cfg: RunConfig, vote: bool) -> int:
+    """k′: `swarm.shard_topk`, 0 meaning 2·k for the voted rules (`voted_keep`, as the swarm) and k for aligned."""
+    return (
+        voted_keep(cfg.swarm.shard_topk, cfg.sparseloco.topk) if vote else cfg.swarm.shard_topk or cfg.sparseloco.topk
+    )
+
+
 def _supports(
     es: Sequence[Mapping[str, Tensor]],
     shapes: Mapping[str, tuple[int, ...]],
@@ -192,13 +199,13 @@ def _supports(
     """The round's agreed support of every sparse tensor: from the senders' votes (their top-k index
     sets of e) or from the last committed aggregate, each with the seeded draw of (seed, t, s, tensor)."""
     slc = cfg.sparseloco
-    keep = cfg.swarm.shard_topk or slc.topk
+    keep = _keep(cfg, vote)
     out = {}
     for n in es[0]:
         seed = support_seed(cfg.seed, t, s, n)
         if vote:
             votes = [tile_topk(e[n], slc.chunk, slc.topk) for e in es]
-            out[n] = voted_support(votes, shapes[n], slc.chunk, keep, seed)
+            out[n], _ = voted_support(votes, shapes[n], slc.chunk, slc.topk, keep, seed)
         else:
             out[n] = agreed_support(None if prev is None else prev[n], shapes[n], slc.chunk, keep, seed)
     return out
@@ -225,7 +232,7 @@ def commit_aligned(
     shapes = {n: tuple(v.shape) for n, v in start.items()}
     sparse = sparse_names(shapes, slc.dense_1d)
     dense = [n for n in shapes if n not in sparse]
-    keep = cfg.swarm.shard_topk or slc.topk
+    keep = _keep(cfg, vote)
     es: list[dict[str, Tensor]] = []  # every sender's e = β·e + Δ of the sparse tensors
     kept: list[dict[str, Tensor]] = []  # every sender's new error buffers of the dense ones
     dense_payloads: list[Payload] = []

@@ -5,6 +5,8 @@ Modules, each importing only the ones before it:
   merkle  the root a contributor announces over its parts, and the proof of one part
   parts   a contribution as R parts: `compress`'s error feedback, band by band
   owner   an owner's portable aggregate of one range (the shard), and what it returns to senders
+  voted   the voted support: a sender's vote, the owner's tally and the agreed k′ positions per tile
+  voted_range  range r of a voted round: vote, support and values parts, the owner's exact mean shard
 
 The swarm protocol that uses them is `peer.node.round` (docs/protocol.md).
 """

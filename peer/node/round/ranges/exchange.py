@@ -39,7 +39,7 @@ from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.ranges import RangePlan, merkle_root
 from peer.core.sparseloco.ranges.owner import Shard, aggregate_range, roster_digest
 from peer.errors import NetworkError
-from peer.net.dht import dht_time
+from peer.net.dht import RoundKind, dht_time
 from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsRecord
 from peer.net.records import Announcement
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
@@ -48,7 +48,7 @@ from peer.node.round.gather import FRESH_S, RoundTimings
 from peer.node.round.payloads import read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import coordinator_order, owners
-from peer.node.round.ranges.resolve import Resolver
+from peer.node.round.ranges.resolve import Aggregate, Resolver
 from peer.node.round.ranges.shard import RangeShard, made
 
 log = logging.getLogger(__name__)
@@ -157,13 +157,18 @@ class _RangesRound:
         self.warned: set[str] = set()
 
     def contribute(
-        self, own: tuple[str, Sequence[Payload]], address: str, peers: Mapping[str, str] | None, mode: str | None
+        self,
+        own: tuple[str, Sequence[Payload | bytes]],
+        address: str,
+        peers: Mapping[str, str] | None,
+        mode: str | None,
     ) -> None:
-        """Serve our parts and announce them: merkle root, R, sha256 of the parts concatenated."""
+        """Serve our parts (Payloads, or a voted round's vote parts as bytes) and announce them:
+        merkle root, R, sha256 of the parts concatenated."""
         replica, parts = own
         if len(parts) != self.plan.n:
             raise ValueError(f"{len(parts)} parts for a plan of {self.plan.n} ranges")
-        data = [p.to_bytes() for p in parts]
+        data = [p if isinstance(p, bytes) else p.to_bytes() for p in parts]
         joined = b"".join(data)
         self.store.put_parts(self.t, self.stage, data)
         closes = round(dht_time() + self.timings.deadline_s, 3)
@@ -178,9 +183,7 @@ class _RangesRound:
     def run(self, stop: threading.Event | None, quorum: int) -> RangesResult:
         """Close the roster, agree on one, own our ranges, resolve every range (module docstring)."""
         result = self.result
-        candidate = self._close(stop, quorum)
-        roster = self._agree(candidate, stop)
-        result.timings["roster_s"] = time.monotonic() - self.started
+        roster = self.roster(stop, quorum)
         for _ in range(3):  # a better-ranked roster seen late replaces ours (at most twice)
             if roster is None:
                 result.timed_out = True
@@ -205,6 +208,12 @@ class _RangesRound:
             roster = better
         result.timings["wall_s"] = time.monotonic() - self.started
         return result
+
+    def roster(self, stop: threading.Event | None, quorum: int) -> Roster | None:
+        """Steps 1–2: close the announcements and take the best-ranked valid roster (None: none by the deadline)."""
+        roster = self._agree(self._close(stop, quorum), stop)
+        self.result.timings["roster_s"] = time.monotonic() - self.started
+        return roster
 
     def _deadlines(self) -> tuple[float, float]:
         """(shard deadline: owners silent past it are counted as gone, the round's hard deadline)."""
@@ -358,14 +367,24 @@ class _RangesRound:
         self.result.owned = mine
         if not mine:
             return
-        parts = self.fetcher.parts(roster, mine)
+        self.publish("shards", roster, mine, self.fetcher, self._aggregate)
+
+    def _aggregate(self, roster: Roster, r: int, parts: Sequence[Payload | None]) -> RangeShard:
+        shard, _ = aggregate_range(
+            self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk, exact=self.exact
+        )
+        return made(shard)
+
+    def publish(
+        self, kind: RoundKind, roster: Roster, mine: Sequence[int], fetcher: RangeFetcher, make: Aggregate
+    ) -> None:
+        """As an owner of `mine`: fetch their parts, make each range's record, serve it (by its sha256)
+        and publish the hashes as our `kind` record ("shards"; a voted round's "supports" too)."""
+        parts = fetcher.parts(roster, mine)
         hashes = {}
         for r in mine:
-            shard, _ = aggregate_range(
-                self.t, self.stage, r, self.plan, parts[r], roster.digest, self.cfg, self.shard_topk, exact=self.exact
-            )
-            got = made(shard)
+            got = make(roster, r, parts[r])
             self.store.put_shard(self.t, self.stage, r, got.data)
             hashes[r] = got.sha256
         record = ShardsRecord(roster.digest, hashes)
-        self.dht.announce_round("shards", self.t, self.stage, record.to_record(), ttl_s=self.timings.ttl_s)
+        self.dht.announce_round(kind, self.t, self.stage, record.to_record(), ttl_s=self.timings.ttl_s)

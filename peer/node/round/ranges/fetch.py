@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
-from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
 from peer.core.sparseloco.ranges import RangePlan, merkle_check
 from peer.core.sparseloco.ranges.owner import Shard
 from peer.errors import PeerError
@@ -77,15 +78,19 @@ class RangeFetcher:
     ) -> None:
         self.clients, self.store, self.me, self.t, self.stage = clients, store, me, t, stage
         self.plan, self.cfg, self.rpc_s, self.counts, self.backups = plan, cfg, rpc_s, counts, backups
-        self.cache: dict[tuple[str, int], tuple[str, Payload]] = {}  # (sender, r) -> (root, part) checked
+        self.cache: dict[tuple[str, int], tuple[str, Any]] = {}  # (sender, r) -> (root, part) checked
         self.shard_topk: int | None = None  # as the owners' aggregate_range
         self.exact = False  # swarm.shard == "exact"
+        # what a part is and where it lives: a ranges round's Payload parts under (t, stage); a voted
+        # round's vote parts, and its values parts under `values_stage(stage)` (`peer.node.round.ranges.voted`)
+        self.wire_stage = stage  # the stage key of the parts in the store and in requests
+        self.parse_part: Callable[[int, bytes], Any] = lambda r, data: plan.validator(r, cfg)(data)
 
-    def parts(self, roster: Roster, ranges: Sequence[int], kind: str = "parts") -> dict[int, list[Payload | None]]:
+    def parts(self, roster: Roster, ranges: Sequence[int], kind: str = "parts") -> dict[int, list[Any]]:
         """{r: [part of roster member i, or None when nobody served a proven one]} for each of `ranges`
         (parts already held are not fetched again); `kind` is the counter the bytes go to."""
         ranges = sorted(set(ranges))
-        out: dict[int, list[Payload | None]] = {r: [None] * len(roster.entries) for r in ranges}
+        out: dict[int, list[Any]] = {r: [None] * len(roster.entries) for r in ranges}
         if not ranges:
             return out
 
@@ -97,16 +102,18 @@ class RangeFetcher:
             list(pool.map(member, range(len(roster.entries))))
         return out
 
-    def _member(self, roster: Roster, entry: RosterEntry, ranges: Sequence[int], kind: str) -> dict[int, Payload]:
+    def _member(self, roster: Roster, entry: RosterEntry, ranges: Sequence[int], kind: str) -> dict[int, Any]:
         """One member's parts of `ranges`: held, ours, from its sender, else from another owner."""
-        got: dict[int, Payload] = {}
+        got: dict[int, Any] = {}
+        if not entry.root:
+            return got  # nothing committed to (a voted round's sender without values): nothing to prove
         for r in ranges:
             cached = self.cache.get((entry.sender, r))
             if cached is not None and cached[0] == entry.root:
                 got[r] = cached[1]
         want = [r for r in ranges if r not in got]
         if want and entry.sender == self.me:
-            for r, data, proof in self.store.parts(self.t, self.stage, None, want):
+            for r, data, proof in self.store.parts(self.t, self.wire_stage, None, want):
                 self._accept(entry, r, data, proof, got)
             return got
         sources = [entry.address] + self._second_sources(roster, entry, want)
@@ -114,7 +121,7 @@ class RangeFetcher:
             want = [r for r in want if r not in got]
             if not want:
                 break
-            request = PayloadRequest(self.t, self.stage, entry.sender, PayloadKind.PART, tuple(want))
+            request = PayloadRequest(self.t, self.wire_stage, entry.sender, PayloadKind.PART, tuple(want))
             try:
                 reply = self.clients.get(address).get_ranges(request, timeout_s=self.rpc_s)
             except PeerError as exc:  # unreachable, or it does not hold them: the next source
@@ -145,7 +152,7 @@ class RangeFetcher:
                     out.append(by_sender[o])
         return out
 
-    def _accept(self, entry: RosterEntry, r: int, data: bytes, proof: Sequence[bytes], got: dict[int, Payload]) -> None:
+    def _accept(self, entry: RosterEntry, r: int, data: bytes, proof: Sequence[bytes], got: dict[int, Any]) -> None:
         """Keep `entry`'s part of range r if its merkle path proves it against the signed root and it
         parses as range r's bands; else log (a wrong part from anyone only costs that try)."""
         if not merkle_check(entry.root, r, self.plan.n, data, [h.hex() for h in proof]):
@@ -158,7 +165,7 @@ class RangeFetcher:
             )
             return
         try:
-            part = self.plan.validator(r, self.cfg)(data)
+            part = self.parse_part(r, data)
         except PeerError as exc:
             log.warning(
                 "round %d stage %d: part %d of %s is invalid: %s", self.t, self.stage, r, entry.sender[:12], exc
@@ -167,15 +174,23 @@ class RangeFetcher:
         got[r] = part
         self.cache[(entry.sender, r)] = (entry.root, part)
         if entry.sender != self.me:
-            self.store.put_part(self.t, self.stage, entry.sender, r, data, proof)
+            self.store.put_part(self.t, self.wire_stage, entry.sender, r, data, proof)
 
-    def shard(self, roster: Roster, r: int, want: str, addresses: Sequence[str]) -> RangeShard | None:
+    def shard(
+        self,
+        roster: Roster,
+        r: int,
+        want: str,
+        addresses: Sequence[str],
+        parse: Callable[[Roster, int, bytes], Any] | None = None,
+    ) -> RangeShard | None:
         """The shard of range r whose sha256 is `want`: held here (stored under it), else from
         `addresses` in turn; checked (hash, format, header: round, range, roster), hashed and parsed
-        once here. None when nobody served it."""
+        once here (`parse`: another record served by hash, a voted round's support). None when nobody served it."""
+        parse = parse or self._parse_shard
         held = self.store.shards(self.t, self.stage, [r], want)
         if held:
-            return RangeShard(want, held[0][1], self._parse_shard(roster, r, held[0][1]))
+            return RangeShard(want, held[0][1], parse(roster, r, held[0][1]))
         request = PayloadRequest(self.t, self.stage, want, PayloadKind.SHARD, (r,))
         for address in dict.fromkeys(a for a in addresses if a):
             try:
@@ -193,7 +208,7 @@ class RangeFetcher:
                     )
                     continue
                 try:
-                    shard = self._parse_shard(roster, r, item.data)
+                    shard = parse(roster, r, item.data)
                 except PeerError as exc:
                     log.warning(
                         "round %d stage %d: shard %d from %s is invalid: %s", self.t, self.stage, r, address, exc

@@ -11,6 +11,8 @@ Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our
   holder that sees the same records; none valid: compute the range ourselves;
 - no owner published by the shard deadline (all gone): compute the range ourselves from its parts.
 A better-ranked roster seen meanwhile ends the resolution: the caller restarts with it.
+A voted round (docs/protocol.md, VOTED) resolves its supports and its mean shards by the same steps:
+`kind`, `fetch_one` and `aggregate` say which record, how it is fetched and how it is recomputed.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
+from peer.core.sparseloco.codec.format import SparseLoCoConfig
 from peer.core.sparseloco.ranges import RangePlan
 from peer.core.sparseloco.ranges.owner import Shard, aggregate_range
+from peer.core.sparseloco.ranges.voted_range import Support
 from peer.errors import NetworkError
-from peer.net.dht import SwarmDHT
+from peer.net.dht import RoundKind, SwarmDHT
 from peer.net.range_records import Roster, ShardsRecord
 from peer.node.round.ranges.fetch import MAX_FETCHERS, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import RangeStep, owners, range_step
@@ -35,8 +39,12 @@ from peer.node.round.refusals import Refusals
 log = logging.getLogger(__name__)
 
 
-def _count(shard: Shard) -> int:
+def _count(shard: Shard | Support) -> int:
     return sum(shard.is_included(i) for i in range(shard.n_roster))
+
+
+Aggregate = Callable[[Roster, int, Sequence[Any]], RangeShard]  # range r of the roster from its parts, made
+FetchOne = Callable[[Roster, int, str, Sequence[str]], RangeShard | None]  # range r's record by its sha256
 
 
 class Resolver:
@@ -59,6 +67,11 @@ class Resolver:
         self.backups = 1
         self.poll_s = 0.2
         self.wanted = list(range(plan.n))  # the ranges to resolve (an observer may want a few)
+        # what a range's record is: a shard by `aggregate_range` (None), or a voted round's support or
+        # mean shard (`peer.node.round.ranges.voted`): its DHT kind, how it is fetched and recomputed
+        self.kind: RoundKind = "shards"
+        self.fetch_one: FetchOne | None = None
+        self.aggregate: Aggregate | None = None
         self.shards: dict[int, RangeShard] = {}  # the checked shard of each range resolved
         self.computed: list[int] = []
         self.refused: list[str] = []
@@ -77,7 +90,7 @@ class Resolver:
         k = 1 + self.backups
         while not self._done():
             try:
-                records = self.dht.get_round("shards", self.t, self.stage, ShardsRecord.parse)
+                records = self.dht.get_round(self.kind, self.t, self.stage, ShardsRecord.parse)
             except NetworkError as exc:  # decide nothing on a failed read (no owner would look published)
                 log.info("round %d stage %d: DHT read failed, polling again: %s", self.t, self.stage, exc)
                 if time.monotonic() >= hard:
@@ -116,10 +129,24 @@ class Resolver:
         if not takes:
             return
         with ThreadPoolExecutor(max_workers=min(MAX_FETCHERS, len(takes))) as pool:
-            fetched = list(pool.map(lambda x: self.fetcher.shard(roster, *x), takes))
+            fetched = list(pool.map(lambda x: self._fetch(roster, *x), takes))
         for (r, _, _), got in zip(takes, fetched, strict=True):
             if got is not None:
                 self._take(r, got)
+
+    def _fetch(self, roster: Roster, r: int, want: str, addresses: Sequence[str]) -> RangeShard | None:
+        if self.fetch_one is not None:
+            return self.fetch_one(roster, r, want, addresses)
+        return self.fetcher.shard(roster, r, want, addresses)
+
+    def _aggregate(self, roster: Roster, r: int, parts: Sequence[Any]) -> RangeShard:
+        """Range r's record from these parts (None: left out), made here (hashed once)."""
+        if self.aggregate is not None:
+            return self.aggregate(roster, r, parts)
+        shard, _ = aggregate_range(
+            self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk, exact=self.exact
+        )
+        return made(shard)
 
     def _done(self) -> bool:
         return all(r in self.shards for r in self.wanted)
@@ -157,17 +184,14 @@ class Resolver:
         parts = self.fetcher.parts(roster, [r], kind="verify")[r]
         valid: dict[str, RangeShard] = {}
         for o, h in sorted(claims.items()):
-            got = self.fetcher.shard(roster, r, h, [address[o]])
+            got = self._fetch(roster, r, h, [address[o]])
             if got is None:
                 continue  # not served: cannot be checked, nor taken
             shard = got.shard
             masked = [p if shard.is_included(i) else None for i, p in enumerate(parts)]
             if any(shard.is_included(i) and p is None for i, p in enumerate(parts)):
                 continue  # it includes a part we could not fetch: not checkable here
-            again, _ = aggregate_range(
-                self.t, self.stage, r, self.plan, masked, roster.digest, self.cfg, self.shard_topk, exact=self.exact
-            )
-            if again.to_bytes() == got.data:
+            if self._aggregate(roster, r, masked).data == got.data:
                 valid[h] = got
             else:
                 self._refuse(o, r)
@@ -185,13 +209,10 @@ class Resolver:
         else:
             log.warning("round %d stage %d: %s: %s", self.t, self.stage, owner[:12], reason)
 
-    def _compute(self, roster: Roster, r: int, parts: Sequence[Payload | None] | None = None) -> None:
+    def _compute(self, roster: Roster, r: int, parts: Sequence[Any] | None = None) -> None:
         """Compute range r here, from every part of it we can fetch (its owners are gone or failed)."""
         if parts is None:
             parts = self.fetcher.parts(roster, [r], kind="verify")[r]
-        shard, _ = aggregate_range(
-            self.t, self.stage, r, self.plan, parts, roster.digest, self.cfg, self.shard_topk, exact=self.exact
-        )
-        self._take(r, made(shard))
+        self._take(r, self._aggregate(roster, r, parts))
         self.computed.append(r)
         log.info("round %d stage %d: computed range %d here (%s)", self.t, self.stage, r, self.shards[r].sha256[:8])

@@ -12,7 +12,9 @@ A round is a list of `Job`s, one per stage round this peer takes part in: its ow
 embedding's change (by ranges: only the shards of the ranges that hold embed.weight's bands,
 `peer.node.stage.embed.embed_ranges`). `own_job` / `embed_job` pick each job's rule and encode
 our contribution; `run_jobs` gathers every job at once under one deadline (an all-to-all job through
-the gather it is given, `Rounds.gather`; a ranges job through `peer.node.round.ranges.exchange.gather_ranges`);
+the gather it is given, `Rounds.gather`; a ranges job through `peer.node.round.ranges.exchange.gather_ranges`,
+or with `swarm.shard` "voted" through `peer.node.round.ranges.voted.gather_voted`: our e = β·e + Δ instead
+of parts, its commit's `sent_adjustment` as the error feedback);
 nothing here calls back into `Rounds`. `Rounds.commit_jobs`
 commits them, stage 0 first. A ranges round that did not complete here (no roster, a range left
 without a shard by the deadline) returns our parts to the error buffer and re-syncs, like an
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -46,6 +48,7 @@ from peer.node.round.contribution import Contribution
 from peer.node.round.gather import RoundResult, RoundTimings
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import round_rule
+from peer.node.round.ranges.voted import VotedResult, gather_voted, sent_adjustment
 from peer.node.stage.embed import EmbedShards, embed_ranges, stage0_change
 from peer.node.stage.ranges import range_plan
 from peer.node.stage.worker import StageWorker
@@ -70,6 +73,7 @@ class Job:
     peers: Mapping[str, str] | None = None  # a head's binding of its stage peers (stage 0)
     mode: str | None = None  # a head's boundary mode of the outer step (stage 0), named by its announcement
     wanted: list[int] | None = None  # the only ranges resolved (an observer of stage 0: the embedding's)
+    errors: dict[str, torch.Tensor] | None = None  # our e = β·e + Δ to vote and send from (`swarm.shard` "voted")
 
     @property
     def own(self) -> bool:
@@ -131,6 +135,8 @@ def own_job(
     if replica is None:
         worker.observe()
         return Job(worker, worker.stage, plan)
+    if ctx.cfg.swarm.shard == "voted":
+        return Job(worker, worker.stage, plan, replica, peers=peers, mode=mode, errors=worker.contribute_votes())
     parts = worker.contribute_parts(replica, plan)
     return Job(worker, worker.stage, plan, replica, parts=parts, peers=peers, mode=mode)
 
@@ -164,6 +170,8 @@ def _run(ctx: RoundContext, gather: AllToAll, job: Job, t: int, stop: threading.
         return gather(job, t, stop)
     me, swarm = ctx.me, ctx.cfg.swarm
     banned = job.worker.ledger.bans.banned(t) if job.own else round_bans(ctx.dht.get_stage_peers(0), t, me.peer_id)
+    if swarm.shard == "voted":
+        return _run_voted(ctx, job, t, stop, banned)
     try:
         result = gather_ranges(
             ctx,
@@ -185,6 +193,21 @@ def _run(ctx: RoundContext, gather: AllToAll, job: Job, t: int, stop: threading.
     return result
 
 
+def _run_voted(ctx: RoundContext, job: Job, t: int, stop: threading.Event, banned: Collection[str]) -> Gathered:
+    """A ranges job of a run with `swarm.shard` "voted" (`peer.node.round.ranges.voted`)."""
+    assert job.plan is not None
+    swarm = ctx.cfg.swarm
+    own = (job.replica, job.errors) if job.replica is not None and job.errors is not None else None
+    try:
+        return gather_voted(
+            ctx, t, job.stage, RoundTimings.from_config(swarm), job.plan, own=own, stop=stop, banned=banned,
+            quorum=swarm.min_replicas if t == 0 else 1, peers=job.peers, wanted=job.wanted, mode=job.mode,
+        )  # fmt: skip
+    except NetworkError as exc:  # the DHT unreachable past the deadline: e = β·e + Δ stays whole
+        log.warning("stage %d: voted round %d failed: %s", job.stage, t, exc)
+        return VotedResult(t, job.stage, timed_out=True)
+
+
 def committed_set(result: Gathered) -> list[Entry]:
     """A gathered round's committed set as a link names it: (replica prefix, sha256 prefix)."""
     if isinstance(result, RangesResult):
@@ -201,7 +224,8 @@ def apply_job(job: Job, result: Gathered, update: torch.Tensor | None, embed_set
     if isinstance(result, RangesResult):
         assert result.roster is not None and job.plan is not None
         roster, digest = [(e.replica, e.sha256) for e in result.roster.entries], result.roster.digest
-        return w.apply_ranges(job.plan, roster, digest, result.shards, result.position, update, link_embed)
+        sent = sent_adjustment(result, job.plan, w.cfg.sparseloco) if isinstance(result, VotedResult) else None
+        return w.apply_ranges(job.plan, roster, digest, result.shards, result.position, update, link_embed, sent)
     return w.commit_round(result.contributions, update, link_embed)
 
 

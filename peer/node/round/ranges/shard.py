@@ -18,6 +18,7 @@ serialized from); frozen.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from peer.core.sparseloco.ranges.owner import Shard
 from peer.node.round.contribution import sha256
@@ -25,16 +26,20 @@ from peer.node.round.contribution import sha256
 __all__ = ["RangeShard", "made"]
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class RangeShard:
-    """The shard of one range as a holder took it: its sha256 (hex), wire bytes and parsed shard."""
+class RangeShard(Generic[T]):
+    """The shard of one range as a holder took it: its sha256 (hex), wire bytes and parsed shard (a
+    `Shard`; in a voted round's support phase, the range's `Support`: the same record, hashed once)."""
 
     sha256: str  # hex digest of `data`: checked against the published one, or computed where made
     data: bytes = field(repr=False)
-    shard: Shard = field(repr=False, compare=False)  # `data` parsed: equal bytes, equal shards
+    shard: T = field(repr=False, compare=False)  # `data` parsed: equal bytes, equal shards
 
 
-def made(shard: Shard) -> RangeShard:
+def made(shard: Shard) -> RangeShard[Shard]:
     """A shard we aggregated ourselves: serialized and hashed once."""
     data = shard.to_bytes()
     return RangeShard(sha256(data), data, shard)
