@@ -1,21 +1,14 @@
 """One stage's committed state held by a peer, and its outer rounds (no networking, no pipeline).
 
-The parts, each its own job: the stage's view of the model and T⊥ (`module`), θ_start of the
-current outer step and the hashes of the committed state (`StartCache`: θ_start kept on the CPU,
-float32, the portable commit's input), the inner AdamW and the SparseLoCo error buffer
-(`peer.node.stage.optimizer.StageOptimizer`), and what the rounds left behind: the ban state, the
-claim that reached the state (`link`) and the state committed from (`prev`, kept until the next
-commit) (`peer.node.stage.ledger.RoundLedger`).
-
-`contribution()` encodes this peer's payload once (`contribute_parts()` its parts in a ranges round,
-committed by `apply_ranges()`: `peer.node.stage.ranges`); `commit_round()` commits a set of
-contributions (`peer.node.round.contribution`: hashed and parsed where they arrived; `apply_round()`
-wraps bare payloads) through
-`peer.node.stage.commit.compute` → `peer.core.sparseloco.commit`; `recompute()` / `switch()` check another
-holder's claim of the same round and take it when it holds (docs/protocol.md). `state_dict()` /
-`load_state_dict()` are the only way in or out of the stage's state (checkpoints, state sync).
-Every method is synchronous and thread-safe (one lock). `peer.node.stage.worker.StageWorker` adds
-the pipeline compute on top.
+Its parts: the stage's view of the model and T⊥ (`module`); θ_start and the committed state's hashes
+(`StartCache`, float32 on the CPU: the portable commit's input); the inner AdamW and the SparseLoCo error
+buffer (`StageOptimizer`); what rounds left behind — bans, the claim that reached the state (`link`), the
+state committed from (`prev`) — in `RoundLedger`. `contribution()` encodes our payload once
+(`contribute_parts()` / `contribute_votes()` in a ranges or voted round, committed by `apply_ranges()`);
+`commit_round()` commits contributions through `peer.node.stage.commit.compute` →
+`peer.core.sparseloco.commit`; `recompute()` / `switch()` check another holder's claim of the round and take
+it when it holds (docs/protocol.md). `state_dict()` / `load_state_dict()` are the only way in or out
+(checkpoints, state sync). Synchronous and thread-safe (one lock); `StageWorker` adds the pipeline compute.
 """
 
 from __future__ import annotations
@@ -158,10 +151,8 @@ class StageState:
         return self.contribution(replica_id).payload
 
     def n_prev(self) -> int | None:
-        """How many contributions the round before the current one committed (0 at the first round;
-        None: not known here, a state adopted without its link): what the round rule reads
-        (`peer.node.round.ranges.ownership.round_rule`; `peer.node.round.ranges.rounds.n_prev_of` asks the
-        stage's other holders when None)."""
+        """Contributions the round before the current one committed (0 at the first; None: a state adopted
+        without its link, then `n_prev_of` asks the other holders): what `round_rule` reads."""
         with self.lock:
             link = self.ledger.link
             if self.outer_step == 0:
@@ -245,12 +236,9 @@ class StageState:
             self.optim.feed_back(decompress(payload))
 
     def apply_round(
-        self,
-        committed: Sequence[Payload],
-        embed_update: torch.Tensor | None,
-        replicas: Sequence[str] = (),
+        self, committed: Sequence[Payload], embed_update: torch.Tensor | None, replicas: Sequence[str] = (),
         embed_set: Sequence[Entry] | None = None,
-    ) -> RoundCommit:
+    ) -> RoundCommit:  # fmt: skip
         """`commit_round` of bare payloads (tests, benches), from `replicas` when one id per payload."""
         return self.commit_round(bare(committed, replicas), embed_update, embed_set)
 
