@@ -20,7 +20,7 @@ from peer.research.simulate.links import (
     parse_links,
     parse_schedule,
 )
-from peer.research.simulate.results import SimOptions, uncompressed_share
+from peer.research.simulate.results import uncompressed_share
 from tests.configs import tiny_run
 
 FLOPS = 1e11  # tiny's micro-batch keeps pace with 1000 Mbit/s at this rate, not with 10 (see the first test)
@@ -85,21 +85,22 @@ def test_bad_links_are_refused_naming_the_flag(links, change, match):
 
 def test_links_and_het_bw_go_together():
     schedule = parse_schedule("full,10", None, FLOPS)
+    bw = ["het-bw-pp-compress"]
     with pytest.raises(ConfigError, match="needs --links"):
-        check_links(["het-bw-pp-compress"], SimOptions(replicas=2))
+        check_links(bw, None, 2, "", 0)
     with pytest.raises(ConfigError, match="add it to --configs"):
-        check_links(["het-pp-compress"], SimOptions(replicas=2, links=schedule))
+        check_links(["het-pp-compress"], schedule, 2, "", 0)
     with pytest.raises(ConfigError, match="the run has 4"):
-        check_links(["het-bw-pp-compress"], SimOptions(replicas=4, links=schedule))
+        check_links(bw, schedule, 4, "", 0)
     with pytest.raises(ConfigError, match="--grassmann"):
-        check_links(["het-bw-pp-compress"], SimOptions(replicas=2, links=schedule, grassmann=True))
+        check_links(bw, schedule, 2, "--grassmann", 0)
     changing = parse_schedule("full,10", "1:full,1000", FLOPS)
     with pytest.raises(ConfigError, match="--overlap"):
-        check_links(["het-bw-pp-compress"], SimOptions(replicas=2, links=changing, overlap=1))
-    check_links(["het-bw-pp-compress"], SimOptions(replicas=2, links=schedule, overlap=1))  # static: no switch
-    check_links(["sparseloco", "het-pp-compress"], SimOptions(replicas=2))
+        check_links(bw, changing, 2, "", 1)
+    check_links(bw, schedule, 2, "", 1)  # static links: no switch to overlap
+    check_links(["sparseloco", "het-pp-compress"], None, 2, "", 0)
     with pytest.raises(ConfigError, match="--link-flops"):
-        check_links(["het-bw-pp-compress"], SimOptions(replicas=2, links=LinkSchedule(((0, (None, 10.0)),), 0.0)))
+        check_links(bw, LinkSchedule(((0, (None, 10.0)),), 0.0), 2, "", 0)
 
 
 def test_parse_links_reads_full_and_numbers():

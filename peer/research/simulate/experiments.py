@@ -126,7 +126,8 @@ def plan_sweep(
     check_ablations(names, opts)  # B: --grassmann / --modified-adamw only on the SparseLoCo configs
     check_overlap(opts.overlap, cfg.train.inner_steps, names, opts.grassmann)
     opts = dataclasses.replace(opts, replicas=res.replicas, adamw_lr=res.adamw_lr)
-    check_links(names, opts)  # issue 39: het-bw-pp-compress and --links go together, one link per replica
+    fixed = "--grassmann" if opts.grassmann else "--modified-adamw" if opts.modified_adamw else ""
+    check_links(names, opts.links, opts.replicas, fixed, opts.overlap)  # issue 39: one link per replica
     return cfg, names, seed_list, ratio_list, opts, res
 
 

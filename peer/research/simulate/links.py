@@ -26,7 +26,6 @@ from peer.config import RunConfig
 from peer.errors import ConfigError
 from peer.node.pipeline.mode import LinkFigures, choose_mode, message_bytes
 from peer.research.plan.command import PlanInputs, microbatch_compute_s
-from peer.research.simulate.results import SimOptions
 
 BY_LINK = "het-bw-pp-compress"  # the configuration whose modes the links choose
 FULL, UNCOMPRESSED, COMPRESSED = "F", "U", "C"
@@ -137,20 +136,20 @@ def link_modes(cfg: RunConfig, schedule: LinkSchedule) -> list[str]:
     return out
 
 
-def check_links(configs: Sequence[str], opts: SimOptions) -> None:
+def check_links(configs: Sequence[str], schedule: LinkSchedule | None, replicas: int, fixed: str, overlap: int) -> None:
     """ConfigError: het-bw-pp-compress without --links, --links without it, links for another M, or a
-    switch that --overlap or the Table 5c/5d ablations cannot follow (both fix a replica's mode)."""
-    schedule = opts.links
+    switch that cannot be followed: `fixed` names a switch on that fixes a replica's mode when it is
+    built (the Table 5c/5d ablations; "" none), `overlap` N > 0 overlaps a round with the next step."""
     if schedule is None:
         if BY_LINK in configs:
             raise ConfigError(f"{BY_LINK} needs --links: every replica's Mbit/s, or 'full' for a full replica")
         return
     if BY_LINK not in configs:
         raise ConfigError(f"--links choose the modes of {BY_LINK}; add it to --configs")
-    check_schedule(schedule, opts.replicas)
-    if opts.grassmann or opts.modified_adamw:
-        raise ConfigError(f"{BY_LINK} with --grassmann or --modified-adamw: they fix a replica's mode when it is built")
-    if opts.overlap and len(schedule.phases) > 1:
+    check_schedule(schedule, replicas)
+    if fixed:
+        raise ConfigError(f"{BY_LINK} with {fixed}: it fixes a replica's mode when the replica is built")
+    if overlap and len(schedule.phases) > 1:
         raise ConfigError(
             "--links-change with --overlap: a replica that switches mode while its round is in flight is not modelled"
         )
