@@ -18,6 +18,7 @@ pipeline compressed at the run's k/d. The other configurations have fixed modes 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,10 +163,4 @@ def fixed_modes(outer_steps: int, replicas: int, n_uncompressed: int) -> list[st
 
 def mode_summary(modes: Sequence[str]) -> str:
     """ "FFUUUCCC × 10, FFCCCCCC × 10": the runs of equal outer steps, in order."""
-    runs: list[list[Any]] = []
-    for m in modes:
-        if runs and runs[-1][0] == m:
-            runs[-1][1] += 1
-        else:
-            runs.append([m, 1])
-    return ", ".join(f"{m} × {n}" for m, n in runs)
+    return ", ".join(f"{m} × {len(list(run))}" for m, run in itertools.groupby(modes))

@@ -30,7 +30,7 @@ from peer.errors import ConfigError
 from peer.research.simulate.ablations import configure_replicas, grassmann_round, record_bias
 from peer.research.simulate.attacks import check_attack, collude, poison
 from peer.research.simulate.checkpoint import run_key
-from peer.research.simulate.links import BY_LINK, COMPRESSED, fixed_modes, link_modes
+from peer.research.simulate.links import BY_LINK, COMPRESSED, FULL, fixed_modes, link_modes
 from peer.research.simulate.overlap import Rebase, rebase_replicas, restore, snapshot
 from peer.research.simulate.pool import Pending, ReplicaPool, batch, corpus_key
 from peer.research.simulate.ranges import RangeMass, RangeShares, check_ranges, commit_ranges
@@ -128,7 +128,7 @@ def _adamw_steps(
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
             _score(scorer, result, model, model, step + 1)
-            result.modes.append("".join(COMPRESSED if c else "F" for c in paths))
+            result.modes.append("".join(COMPRESSED if c else FULL for c in paths))
             run.step, run.rng = step + 1, torch.get_rng_state()
             rt.save(key, run)
         if progress:
