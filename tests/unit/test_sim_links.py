@@ -107,3 +107,14 @@ def test_parse_links_reads_full_and_numbers():
     assert parse_links("full, FULL ,1000,2.5") == (None, None, 1000.0, 2.5)
     assert parse_schedule(None, None) is None
     assert parse_schedule("10", "").phases == ((0, (10.0,)),)  # type: ignore[union-attr]
+
+
+def test_the_cli_line_summarises_each_het_bw_runs_modes():
+    from peer.research.simulate.experiments import mode_lines
+    from peer.research.simulate.results import ConfigResult
+
+    bw = ConfigResult("het-bw-pp-compress", "1/8", 0.5, 0.0, 0.0, seed=2, config="het-bw-pp-compress")
+    bw.modes = ["FUC", "FUC", "FCC"]
+    role = ConfigResult("het-pp-compress", "1/8", 0.5, 0.0, 0.0, config="het-pp-compress", modes=["FFC"])
+    (line,) = mode_lines([role, bw])
+    assert line.startswith("het-bw-pp-compress s2:") and line.endswith("FUC × 2, FCC × 1")
