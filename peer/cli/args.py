@@ -191,6 +191,17 @@ class SimulateArgs:
     stages: int | None = _sim("stages")
     k_ratio: str | None = o.flag(None, "Subspace widths k/d, comma-separated: a sweep (default 1/8).")
     het_fraction: float = o.flag(0.5, "α: fraction of uncompressed replicas in het-pp-compress.")
+    links: str | None = o.flag(
+        None,
+        "het-bw-pp-compress: each replica's link in Mbit/s, or full (a full replica), e.g. full,full,1000,10; "
+        "each outer step a pipeline runs uncompressed where the node's rule (subspace.uncompressed_min_util) says so.",
+    )
+    links_change: str | None = o.flag(
+        None, "Links from outer step T on (a link degraded or restored), T:LINKS, several separated by ';'."
+    )
+    link_flops: float | None = o.flag(
+        None, "One stage's sustained FLOP/s that --links plan a micro-batch's compute at (default 4e14, peer plan's)."
+    )
     inner_steps: int | None = _sim("train.inner_steps")
     outer_steps: int | None = _sim("train.outer_steps")
     batch_size: int | None = _sim("train.batch_size")

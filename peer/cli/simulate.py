@@ -27,6 +27,7 @@ from peer.research.simulate import paper_settings as ps
 from peer.research.simulate.ablations import bias_rows
 from peer.research.simulate.checkpoint import SweepCheckpoint
 from peer.research.simulate.engine import ConfigResult, SimOptions
+from peer.research.simulate.links import parse_schedule
 from peer.research.simulate.pool import check_workers, default_workers
 from peer.research.simulate.runtime import Runtime, check_device, session
 
@@ -72,6 +73,7 @@ def command(
             grassmann=a["grassmann"],  # B: Table 5c / 5d switches
             modified_adamw=a["modified_adamw"],
             overlap=a["overlap"],
+            links=parse_schedule(a["links"], a["links_change"], a["link_flops"]),  # issue 39
             **({} if a["grassmann_lr"] is None else {"grassmann_lr": a["grassmann_lr"]}),
         ),
         a["token_budget"],
@@ -95,7 +97,7 @@ def command(
     bias = bias_rows(results)  # B: eq. 5
     if bias:
         console.print(bias_table(bias, seed_list))
-    for line in ex.dropped_mass_lines(results):
+    for line in [*ex.mode_lines(results), *ex.dropped_mass_lines(results)]:
         console.print(line)
     plot_curves([*results, *short], plot_path, title=f"peer simulate ({cfg.preset}, M={m}, S={cfg.stages})")
     console.print(f"loss curves: {plot_path}")

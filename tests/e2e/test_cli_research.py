@@ -53,6 +53,7 @@ SUMMARY_KEYS = {
     "rounds",
     "dropped",
     "round_rule",  # "all", "ranges" or "exact" (issues 24, 37; a ranges run adds dropped_mass_mean and _max)
+    "modes",  # per outer step, each replica's mode: F full, U uncompressed pipeline, C compressed (issue 39)
 }
 ARGS_KEYS = {
     "preset",
@@ -83,6 +84,7 @@ ARGS_KEYS = {
     "settings",  # what --paper-settings / --setting set: key, value, source (issue 25)
     "token_budget",
     "extend",
+    "links",  # het-bw-pp-compress's links per phase and FLOP/s (issue 39); null without --links
 }
 SIM_ARGS = [
     "--preset",
@@ -187,6 +189,7 @@ def test_simulate_json_has_documented_keys(simulated):
         "token_budget": None,
         "extend": None,
         "overlap": 0,
+        "links": None,
     }
     (row,) = result["summary"]
     assert row["k_ratio"] == "1/8" and row["k"] == 8 and row["pairs"][0]["a"] == "het-pp-compress"
@@ -194,6 +197,7 @@ def test_simulate_json_has_documented_keys(simulated):
     assert by["sparseloco"]["bias"] == [] and len(by["het-pp-compress"]["bias"]) == 2  # eq. 5, per outer step
     assert result["bias"][0]["k_ratio"] == "1/8" and "het-pp-compress" in result["bias"][0]["configs"]
     assert by["pp-compress"]["val_perplexity"] == math.exp(by["pp-compress"]["final_val_loss"])
+    assert by["het-pp-compress"]["modes"] == ["FC", "FC"] and by["sparseloco"]["modes"] == ["FF", "FF"]
 
 
 def test_simulate_configs_and_bytes(simulated):
@@ -327,6 +331,14 @@ BAD_INPUTS = [
     pytest.param(["simulate", *SIM_ARGS, "--k-ratio", "1/256"], {}, "smallest valid ratio", id="k-ratio-below-one"),
     pytest.param(["simulate", *SIM_ARGS, "--k-ratio", "1/8,1/64,1/100"], {}, "both give k = 1", id="k-ratio-same-k"),
     pytest.param(["simulate", *SIM_ARGS, "--seeds", "0,x"], {}, "--seeds", id="bad-seeds"),
+    pytest.param(["simulate", *SIM_ARGS, "--links", "full,fast"], {}, "--links", id="bad-links"),
+    pytest.param(["simulate", *SIM_ARGS, "--configs", "het-bw-pp-compress"], {}, "--links", id="het-bw-no-links"),
+    pytest.param(
+        ["simulate", *SIM_ARGS, "--configs", "het-bw-pp-compress", "--links", "full,10,10"],
+        {},
+        "the run has 2",
+        id="links-for-other-m",
+    ),
     pytest.param(["export", "/nonexistent", "--out", "X"], {}, "/nonexistent", id="missing-checkpoint"),
     pytest.param(["simulate"], {"PEER_TRAIN__INNER_STEPS": "abc"}, "train.inner_steps", id="env-wrong-type"),
     pytest.param(["simulate", *SIM_ARGS, "--stages", "9"], {}, "stages", id="too-many-stages"),

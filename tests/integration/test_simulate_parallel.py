@@ -22,6 +22,7 @@ from peer.errors import ConfigError, DataError
 from peer.research.bench.simulate import fingerprint
 from peer.research.simulate.checkpoint import ARGS_FILE, SUFFIX, SweepCheckpoint
 from peer.research.simulate.engine import CONFIGS, SimOptions, simulate
+from peer.research.simulate.links import parse_schedule
 from peer.research.simulate.pool import ReplicaPool, check_workers
 from peer.research.simulate.runtime import check_device, session
 from tests.configs import tiny_run
@@ -51,9 +52,11 @@ def _run(cfg, data, configs, opts, **runtime):
 
 def test_workers_give_the_in_process_bits_for_every_config(corpus):
     """M = 3 over 2 workers (uneven shares), two micro-batches per step: every curve value, held-out
-    loss and byte count equal; the pool is gone after the sweep."""
+    loss and byte count equal; the pool is gone after the sweep. het-bw-pp-compress's replicas switch
+    mode after the first outer step (issue 39): the workers train each step in the mode it was sent in."""
     before = live_descendants(os.getpid())
-    cfg, opts = _cfg(), SimOptions(replicas=3, val_tokens=160)
+    links = parse_schedule("full,1000,10", "1:full,10,1000", 1e11)  # F U C, then F C U
+    cfg, opts = _cfg(), SimOptions(replicas=3, val_tokens=160, links=links)
     today = _run(cfg, corpus, CONFIGS, opts, workers=1, fused_commit=False)
     assert _run(cfg, corpus, CONFIGS, opts, workers=1) == today  # the fused commit: the same bits
     assert _run(cfg, corpus, CONFIGS, opts, workers=2) == today

@@ -41,6 +41,7 @@ def fingerprint(results: list[ConfigResult]) -> list[Any]:
                 r.act_bytes,
                 r.clipped,
                 r.dropped,
+                r.modes,
             )
         )
     return out

@@ -184,6 +184,12 @@ def _check_inputs(inputs: PlanInputs, bandwidths_mbps: list[float]) -> None:
     CommitDevice.of(inputs.commit_device, inputs.commit_gbps)
 
 
+def microbatch_compute_s(cfg: ModelConfig, stages: int, microbatch_size: int, seq_len: int, flops: float) -> float:
+    """The planner's compute of one micro-batch on one stage (forward + backward): 6 · (params / S) ·
+    tokens / FLOP/s (module docstring); the simulator's links use it too (`peer.research.simulate.links`)."""
+    return 6.0 * (cfg.n_params / stages) * microbatch_size * seq_len / flops
+
+
 def stage_payloads(cfg: ModelConfig, stages: int) -> list[int]:
     """Each stage's payload bytes at the codec's defaults (`payload_nbytes` over the real shapes)."""
     slc = SparseLoCoConfig()
@@ -202,7 +208,7 @@ def plan_rows(inputs: PlanInputs, bandwidths_mbps: list[float]) -> list[dict[str
     payloads = stage_payloads(cfg, S)
     holders = {c: round_holders(payloads, inputs.replicas, c, stage0_fetch(inputs, cfg)) for c in (True, False)}
     work = _holder_work(inputs, cfg, holders)
-    t_comp = 6.0 * (cfg.n_params / S) * b * L / inputs.flops
+    t_comp = microbatch_compute_s(cfg, S, b, L, inputs.flops)
     per_step = tokens_per_outer_step(inputs.replicas, inputs.inner_steps, inputs.microbatches, b, L)
     uncompressed = (0, 0) if S == 1 else boundary_bytes(b, L, cfg.d_model, inputs.wire_dtype)
     rows: list[dict[str, Any]] = []

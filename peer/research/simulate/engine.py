@@ -6,7 +6,9 @@ Runs, on the same data, seed and number of steps:
 - `pp-compress`            every replica's stage boundaries go through the k-dim subspace,
 - `het-pp-compress`        a fraction α of the replicas is uncompressed, the rest compressed,
 - `adamw-pp-compress`      data-parallel AdamW, every replica compressed (Table 4),
-- `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4).
+- `adamw-het-pp-compress`  data-parallel AdamW, a fraction α uncompressed (Table 4),
+- `het-bw-pp-compress`     each replica on a link (`SimOptions.links`), its mode chosen every outer step by
+                           the node's rule (issue 39, `peer.research.simulate.links`).
 
 Every replica is S stage views of the decoder (`peer.research.simulate.replica.LocalReplica`), so the chain
 forward (`peer.core.model.chain`), the stage boundaries, the inner step (`peer.core.model.inner.accumulate`,

@@ -3,9 +3,10 @@
 `run_sweep` runs, for every seed, the k-independent baselines (`adamw`, `sparseloco`) once and the
 subspace configs once per k/d; every result carries its seed, k/d and actual k. `summarize` gives,
 per k/d, the mean ± sample std over seeds of each config's Δ % (against its family's baseline of
-the same seed) and the paired differences het − uniform (`het-pp-compress` − `pp-compress`, and
-the AdamW pair of Table 4) in nats, with a 95 % Student-t interval over seeds and, per seed, the
-standard error of the difference over the shared held-out sequences. Pure: no printing.
+the same seed) and the paired differences het − uniform (`het-pp-compress` − `pp-compress`, the
+AdamW pair of Table 4, and by link − by role: `het-bw-pp-compress` − `het-pp-compress`) in nats,
+with a 95 % Student-t interval over seeds and, per seed, the standard error of the difference over
+the shared held-out sequences. Pure: no printing.
 
 With `SimOptions.attacks` (`peer simulate --attacks random,flip,negate`) every SparseLoCo config
 also runs once per attack with its last replica poisoning every round (`peer.research.simulate.attacks`):
@@ -44,13 +45,18 @@ from peer.research.simulate.engine import (
     check_configs,
     run_config,
 )
+from peer.research.simulate.links import check_links, mode_summary
 from peer.research.simulate.overlap import check_overlap
 from peer.research.simulate.paper_settings import Resolved, resolve
 from peer.research.simulate.ranges import check_ranges
 from peer.research.simulate.results import perplexity, robust_rule
 from peer.research.simulate.round_designs import design_mass_line
 
-PAIRS = (("het-pp-compress", "pp-compress"), ("adamw-het-pp-compress", "adamw-pp-compress"))
+PAIRS = (
+    ("het-pp-compress", "pp-compress"),
+    ("adamw-het-pp-compress", "adamw-pp-compress"),
+    ("het-bw-pp-compress", "het-pp-compress"),  # issue 39: compression by the link against by role
+)
 
 # two-sided 95 % Student-t quantiles by degrees of freedom (df > 30: the normal 1.96)
 _T95: tuple[float, ...] = (
@@ -120,6 +126,8 @@ def plan_sweep(
     check_ablations(names, opts)  # B: --grassmann / --modified-adamw only on the SparseLoCo configs
     check_overlap(opts.overlap, cfg.train.inner_steps, names, opts.grassmann)
     opts = dataclasses.replace(opts, replicas=res.replicas, adamw_lr=res.adamw_lr)
+    fixed = "--grassmann" if opts.grassmann else "--modified-adamw" if opts.modified_adamw else ""
+    check_links(names, opts.links, opts.replicas, fixed, opts.overlap)  # issue 39: one link per replica
     return cfg, names, seed_list, ratio_list, opts, res
 
 
@@ -213,6 +221,7 @@ def sweep_args(
         "paper_settings": paper_settings,
         "round_rule": opts.round_rule,
         "overlap": opts.overlap,
+        "links": None if opts.links is None else opts.links.to_json(),
         "settings": [{"key": r.key, "value": r.value, "source": r.source} for r in table],
         "token_budget": resolved.budget if resolved is not None else None,
         "extend": extend,
@@ -344,3 +353,13 @@ def dropped_mass_lines(results: Sequence[ConfigResult]) -> list[str]:
                 f"to the senders; their quantization changed {s['quant_error_mean']:.1%} (returned to nobody)"
             )
     return lines
+
+
+def mode_lines(results: Sequence[ConfigResult]) -> list[str]:
+    """One line per het-bw-pp-compress run: each replica's mode per outer step, as runs of equal steps."""
+    return [
+        f"{r.name} s{r.seed}: modes per outer step (F full replica, U uncompressed pipeline, C compressed) "
+        f"{mode_summary(r.modes)}"
+        for r in results
+        if r.config == "het-bw-pp-compress"
+    ]

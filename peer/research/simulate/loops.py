@@ -30,6 +30,7 @@ from peer.errors import ConfigError
 from peer.research.simulate.ablations import configure_replicas, grassmann_round, record_bias
 from peer.research.simulate.attacks import check_attack, collude, poison
 from peer.research.simulate.checkpoint import run_key
+from peer.research.simulate.links import BY_LINK, COMPRESSED, FULL, fixed_modes, link_modes
 from peer.research.simulate.overlap import Rebase, rebase_replicas, restore, snapshot
 from peer.research.simulate.pool import Pending, ReplicaPool, batch, corpus_key
 from peer.research.simulate.ranges import RangeMass, RangeShares, check_ranges, commit_ranges
@@ -127,6 +128,7 @@ def _adamw_steps(
         result.train_curve.append((step, loss))
         if (step + 1) % train.inner_steps == 0:
             _score(scorer, result, model, model, step + 1)
+            result.modes.append("".join(COMPRESSED if c else FULL for c in paths))
             run.step, run.rng = step + 1, torch.get_rng_state()
             rt.save(key, run)
         if progress:
@@ -247,16 +249,31 @@ class DilocoRun:
     design: DesignState = field(default_factory=DesignState)  # a round design's agreed state (round_designs)
 
 
-def _new_diloco(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> DilocoRun:
+def run_modes(cfg: RunConfig, kind: str, opts: SimOptions) -> list[str]:
+    """Every outer step's mode of each replica (`peer.research.simulate.links`): chosen by the links for
+    het-bw-pp-compress, fixed for the others (the first n_uncompressed full replicas, the rest compressed)."""
+    if kind != BY_LINK:
+        n_unc = n_uncompressed(kind, opts.replicas, opts.het_fraction)
+        return fixed_modes(cfg.train.outer_steps, opts.replicas, n_unc)
+    if opts.links is None:
+        raise ConfigError(f"{BY_LINK} needs --links: every replica's Mbit/s, or 'full' for a full replica")
+    return link_modes(cfg, opts.links)
+
+
+def _new_diloco(cfg: RunConfig, kind: str, opts: SimOptions, modes: list[str]) -> DilocoRun:
     replicas, rt = opts.replicas, current()
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed) if kind != "sparseloco" else None
     wp = opts.weight_projection and U is not None
-    reps = [LocalReplica.build(cfg, compressed=(m >= n_unc), U=U, weight_projection=wp) for m in range(replicas)]
+    first = modes[0]
+    if len(first) != replicas:
+        raise ConfigError(f"--links names {len(first)} replicas; the run has {replicas}")
+    reps = [LocalReplica.build(cfg, compressed=(mode == COMPRESSED), U=U, weight_projection=wp) for mode in first]
     configure_replicas(reps, opts)  # B: Table 5c / 5d switches, the eq. 5 record (peer.research.simulate.ablations)
     reps = [rt.place(rep) for rep in reps]
     errors: list[list[dict[str, torch.Tensor] | None]] = [[None] * cfg.stages for _ in range(replicas)]
     initial_perp = [perp_of(st).clone() for st in reps[0].stages] if U is not None else []
-    result = new_result(cfg, kind, opts, n_unc)
+    n_unc = replicas - first.count(COMPRESSED)
+    result = new_result(cfg, kind, opts, n_unc, modes if kind == BY_LINK else None)
     return DilocoRun(reps, errors, result, initial_perp, [0] * replicas, [0] * replicas)
 
 
@@ -274,16 +291,17 @@ def run_diloco(
     colluding = None if opts.collusion is None else opts.collusion.strategy
     check_ranges(opts.round_rule, robust_rule(opts, cfg), opts.attack or colluding)
     check_design(opts.round_rule, cfg)
-    n_unc = n_uncompressed(kind, replicas, opts.het_fraction)
-    run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, n_unc)
+    modes = run_modes(cfg, kind, opts)
+    run: DilocoRun = rt.restore(key) or _new_diloco(cfg, kind, opts, modes)
     torch.set_rng_state(run.rng)
     result, reps, U = run.result, run.reps, run.reps[0].U
-    scorer = Scorer.build(data, cfg, opts, n_unc)
+    scorer = Scorer.build(data, cfg, opts, 0)  # its count of uncompressed replicas: per outer step (`_score_modes`)
     scorer.batches = rt.batches(scorer.batches)
     total = train.inner_steps * train.outer_steps
     if progress and run.t:
         progress(kind, run.t * train.inner_steps, total, result.train_curve[-1][1])
     pool, N = rt.pool(replicas), opts.overlap
+    _begin(run, modes, run.t)
     pending = _send_inner(pool, run, data, cfg, run.t, 0, N if run.rebase is not None else None)
     for t in range(run.t, train.outer_steps):
         if run.rebase is None:
@@ -303,11 +321,10 @@ def run_diloco(
         for rep in reps:
             rep.project_outputs()
         grassmann_round(reps, opts, run.pg_bytes)  # B: Table 5c, U' for every replica
+        _begin(run, modes, t + 1)  # t + 1's modes, before its inner steps are sent
         if boundary is None:
             pending = _send_inner(pool, run, data, cfg, t + 1)  # the workers train on while this scores
-        unc = reps[0] if n_unc > 0 else None
-        comp = reps[n_unc] if n_unc < replicas else None
-        _score(scorer, result, unc, comp, (t + 1) * train.inner_steps)  # the committed model
+        _score_modes(scorer, result, reps, modes[t], (t + 1) * train.inner_steps)  # the committed model
         if boundary is not None:  # back to θ_b: t + 1's first N steps run before round t lands
             run.rebase = Rebase(snapshot(reps), boundary)
             restore(reps, boundary)
@@ -319,6 +336,25 @@ def run_diloco(
     if opts.round_rule in DESIGN_RULES:
         result.holder_bytes = (round(run.design.sent_bytes), round(run.design.down_bytes))
     return result, reps[0]
+
+
+def _begin(run: DilocoRun, modes: list[str], t: int) -> None:
+    """Outer step t's modes on the replicas (before its inner steps run or are sent), recorded once."""
+    if t >= len(modes):
+        return
+    for rep, mode in zip(run.reps, modes[t], strict=True):
+        rep.compressed = mode == COMPRESSED
+    if len(run.result.modes) == t:
+        run.result.modes.append(modes[t])
+
+
+def _score_modes(scorer: Scorer, result: ConfigResult, reps: list[LocalReplica], ran: str, step: int) -> None:
+    """The paper's metric after an outer step whose replicas ran the modes `ran`: after the commit every
+    replica holds the same weights, so each path is evaluated on its first replica, weighted by its count."""
+    unc = next((rep for rep, mode in zip(reps, ran, strict=True) if mode != COMPRESSED), None)
+    comp = next((rep for rep, mode in zip(reps, ran, strict=True) if mode == COMPRESSED), None)
+    scorer.n_uncompressed = len(ran) - ran.count(COMPRESSED)
+    _score(scorer, result, unc, comp, step)
 
 
 def _commit_all(
@@ -427,7 +463,7 @@ def round_payloads(
     """(θ_start, every replica's payload) of `stage`'s round at outer step t of an honest SparseLoCo run
     of M = `replicas` (rounds 0 … t−1 trained and committed as `run_diloco` does, in this process)."""
     opts = SimOptions(replicas=replicas)
-    run = _new_diloco(cfg, "sparseloco", opts, replicas)
+    run = _new_diloco(cfg, "sparseloco", opts, run_modes(cfg, "sparseloco", opts))
 
     def starts() -> list[dict[str, torch.Tensor]]:
         return [{n: v.cpu() for n, v in stage_state(st).items()} for st in run.reps[0].stages]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -23,6 +23,9 @@ from peer.research.simulate.attacks import Collusion
 from peer.research.simulate.ranges import RangeShares
 from peer.research.simulate.replica import LocalReplica
 
+if TYPE_CHECKING:  # links.py imports SimOptions from here
+    from peer.research.simulate.links import LinkSchedule
+
 CONFIGS = (
     "adamw",
     "sparseloco",
@@ -30,6 +33,7 @@ CONFIGS = (
     "het-pp-compress",
     "adamw-pp-compress",
     "adamw-het-pp-compress",
+    "het-bw-pp-compress",
 )
 BASELINES = ("adamw", "sparseloco")  # no subspace: independent of k/d
 # `peer simulate`'s own defaults (its --help says the same): the paper's metric needs no median clip
@@ -69,6 +73,7 @@ class SimOptions:
     grassmann_lr: float = GRASSMANN_LR  # Table 5c: its step size η_U
     modified_adamw: bool = False  # Table 5d: compressed replicas step T_S in subspace coordinates
     overlap: int = 0  # N inner steps of t + 1 before round t lands (peer.research.simulate.overlap); 0: synchronous
+    links: LinkSchedule | None = None  # het-bw-pp-compress: every replica's link per outer step (simulate.links)
 
 
 @dataclass
@@ -105,6 +110,8 @@ class ConfigResult:
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (global step, replica mean)
     val_sequences: torch.Tensor | None = field(default=None, repr=False)  # (n_seq,) final replica mean
     bias: list[BiasRound] = field(default_factory=list)  # eq. 5, per outer round (peer.research.simulate.ablations)
+    # per outer step, each replica's mode: F full replica, U uncompressed pipeline, C compressed (simulate.links)
+    modes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         keys = (
@@ -129,6 +136,7 @@ class ConfigResult:
             "rounds",
             "round_rule",
             "overlap",
+            "modes",
         )
         extra: dict[str, Any] = {"dropped": len(self.dropped), "wall_s": round(self.wall_s, 2)}
         extra |= {"val_perplexity": perplexity(self.final_val_loss), "bias": [b._asdict() for b in self.bias]}
@@ -230,14 +238,20 @@ class Scorer:
         res.val_sequences = per_seq
 
 
-def new_result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int) -> ConfigResult:
+def uncompressed_share(modes: list[str]) -> float:
+    """The share of replica-steps that ran uncompressed (F or U) over `modes` (one string per outer step)."""
+    return sum(len(m) - m.count("C") for m in modes) / sum(len(m) for m in modes)
+
+
+def new_result(cfg: RunConfig, kind: str, opts: SimOptions, n_unc: int, modes: list[str] | None = None) -> ConfigResult:
+    """An empty result of `kind`; its α is n_unc / M, or with `modes` (het-bw) the uncompressed share."""
     uses_subspace = kind not in BASELINES
     screened = robust_rule(opts, cfg).enabled
     label = kind if opts.attack is None else f"{kind}+{opts.attack}" + ("" if screened else " (clip only)")
     return ConfigResult(
         label,
         cfg.subspace.k_ratio if uses_subspace else None,
-        (n_unc / opts.replicas) if "het" in kind else None,
+        (n_unc / opts.replicas if modes is None else uncompressed_share(modes)) if "het" in kind else None,
         0.0,
         0.0,
         k=cfg.k if uses_subspace else None,
