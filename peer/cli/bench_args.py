@@ -166,7 +166,7 @@ class SwarmArgs:
     """`peer bench swarm` (the field names are `peer.research.bench.swarm.command`'s keys)."""
 
     peers: str = o.flag("8,16,32,64,128,256,512,1000", "Swarm sizes M to simulate, comma-separated.")
-    rules: str = o.flag("all,ranges", "Round rules to compare: all (today) and/or ranges.")
+    rules: str = o.flag("all,ranges,voted", "Round rules to compare: all (today), ranges, voted.")
     rounds: int = o.flag(2, "Outer rounds simulated per M and rule.")
     seed: int = o.flag(0, "Seed of every draw (links, compute jitter, churn).")
     preset: str = o.flag("1B", "Model preset (shapes for payload and compute).")
@@ -189,6 +189,7 @@ class SwarmArgs:
     range_backups: int = o.flag(1, "Owners per range beyond the primary.")
     shard_topk: int = o.flag(0, "Entries per tile a topk shard keeps (0: sparseloco.topk).")
     shard: str = o.flag("topk", "What a range owner publishes: topk (re-sparsified) or exact (swarm.shard).")
+    support_topk: int = o.flag(64, "Positions per tile of the voted rule's agreed support (k′).")
     calibrate: bool = o.flag(False, "Instead: a real loopback all-to-all vs the simulator.", "--calibrate")
     calibrate_peers: str = o.flag("4,8", "Replicas of the loopback swarms.")
     calibrate_rounds: int = o.flag(5, "Rounds of each loopback swarm.")

@@ -20,7 +20,7 @@ from peer.core.data.loader import load_corpus
 from peer.errors import ConfigError
 from peer.research.bench.caps import bench_caps
 from peer.research.bench.data import TARGET_RSS_SPREAD, TARGET_TOKENS_PER_S, bench_data, parse_size
-from peer.research.bench.swarm import parse_ints, run_one, sim_config, targets
+from peer.research.bench.swarm import parse_ints, parse_rules, run_one, sim_config, targets
 from peer.research.bench.sybil import (
     COLLUSIONS,
     LossRow,
@@ -133,16 +133,14 @@ def swarm_command(
         out(calib_table(rows))
         result: dict[str, Any] = {"calibration": rows}
     else:
-        rules = [r.strip() for r in args["rules"].split(",") if r.strip()]
-        if not rules or any(r not in ("all", "ranges") for r in rules):
-            raise ConfigError(f"--rules: expected all and/or ranges, got {args['rules']!r}")
+        rules = parse_rules(args["rules"])
         rows = []
         for M in parse_ints(args["peers"], "--peers"):
             for rule in rules:
                 rows.append(run_one(sim_config(args, M, rule)))
                 out(f"M={M} {rule}: round {rows[-1]['round_s']:.1f} s, {rows[-1]['down_payloads']:.2f} payloads down")
         out(swarm_table(rows, f"peer bench swarm: {args['preset']}, stage {args['stage']} of {args['stages']}"))
-        checks = targets(rows)
+        checks = targets(rows, sim_config(args, 2, rules[0]))
         for c in checks:
             out(f"target {'met' if c['met'] else 'MISSED'}: {c['target']}: {c['value']}")
         inputs = dataclasses.asdict(sim_config(args, 2, rules[0]))

@@ -14,6 +14,7 @@ import simpy
 from peer.node.round import agreement
 from peer.node.round.agreement import Close
 from peer.node.round.ranges import ownership
+from peer.research.bench.swarm import voted_bound
 from peer.research.swarm.net import MBIT, Link, Network
 from peer.research.swarm.run import simulate
 from peer.research.swarm.sim import Protocol, SimConfig, summarize
@@ -108,3 +109,57 @@ def test_ranges_keep_a_peer_near_three_payloads_where_all_to_all_needs_m_minus_o
     down = row["down_mean"] / row["payload_bytes"]
     assert row["R"] == M and not row["lost"] and row["counted"] == M
     assert 2.9 <= down <= 3.1, down
+
+
+def test_a_voted_round_moves_each_phase_once_by_the_swarms_owners():
+    """Exact bytes: an owner fetches its ranges' votes and values from every other member; every peer
+    fetches every other range's support and mean once (tiny: R = 16 ranges for 12 peers)."""
+    M = 12
+    sim = simulate(SimConfig(peers=M, rule="voted", rounds=1, **FAST))
+    board = sim.boards[0]
+    vt, v = board.voted, board.voted.sizes
+    assert board.roster == tuple(sorted(sim.peers)) and v.n == board.R == 16
+    for r in range(board.R):
+        assert vt.support.owners[r] == ownership.owners(0, 0, r, vt.support.members, 2)
+    for p in sim.peers:
+        mine = vt.support.mine.get(p, [])
+        parts = (M - 1) * sum(v.votes[r] + v.values[r] + 2 * v.proof for r in mine)
+        shards = sum(v.supports[r] + v.means[r] + 2 * v.head for r in range(board.R) if r not in mine)
+        assert sim.net.received[0][p] == parts + shards
+    row = summarize(sim)[0]
+    assert row["rule"] == "voted" and row["counted"] == M and not row["lost"] and row["R"] == 16
+
+
+def test_voted_download_per_holder_is_a_constant_of_the_stage_not_of_m():
+    """1B stage 0 at M = 16 and M = 128: the mean download stays under `voted_bound` (every range's
+    support and mean, two owner shares of a vote and values), the bound moves < 1 % between the two
+    (proofs' log2 R), and at M = 128 it is far below all-to-all's M − 1 payloads."""
+    downs, bounds = {}, {}
+    for M in (16, 128):
+        cfg = SimConfig(peers=M, rule="voted", rounds=1, churn_per_h=0.0, preset="1B", stages=4)
+        row = summarize(simulate(cfg))[0]
+        downs[M], bounds[M] = row["down_mean"], voted_bound(cfg, M)
+        assert row["counted"] == M and not row["lost"] and row["timeouts"] == 0
+        assert downs[M] <= bounds[M], (M, downs[M], bounds[M])
+        payload = row["payload_bytes"]
+    assert abs(bounds[128] - bounds[16]) <= 0.01 * bounds[16]
+    assert 0.9 * bounds[128] <= downs[128] and downs[128] < 12 * payload < (128 - 1) * payload
+
+
+def test_a_voted_round_under_churn_counts_every_live_contribution():
+    """Peers leave (and join) mid-round, owners among them: a dead owner's ranges are served by their
+    backup, and every holder that commits counts every member that lived through the round; none lost."""
+    cfg = SimConfig(peers=24, rule="voted", rounds=3, compute_s=20.0, **{**FAST, "churn_per_h": 10.0})
+    sim = simulate(cfg)
+    rows = summarize(sim)
+    assert len(rows) == 3 and not any(r["lost"] for r in rows)
+    owners_lost = 0
+    for t, board in sim.boards.items():
+        done = [r for r in sim.log if r.t == t and r.outcome == "voted"]
+        assert done and len({r.counted for r in done}) == 1  # one committed set
+        end = max(r.start_s + r.round_s for r in done)
+        lived = [p for p in board.roster if sim.peers[p].records_until - cfg.record_ttl_s > end]
+        assert len(lived) <= done[0].counted <= len(board.roster)
+        gone = {p: sim.peers[p].records_until - cfg.record_ttl_s for p in board.voted.support.mine}
+        owners_lost += sum(board.roster_at < at < end for at in gone.values())
+    assert owners_lost > 0  # the churn did take owners mid-round

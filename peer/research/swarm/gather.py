@@ -1,7 +1,9 @@
 """The two gathers of a simulated round: today's all-to-all and the range-sharded round (simpy processes).
 
 Where this sits: `peer.research.swarm.sim.Sim` starts `run_peer` for every peer; each round it calls
-`gather_all` or `gather_ranges` as `ownership.round_rule` says.
+`gather_all`, `gather_ranges` or (`peer.research.swarm.voted`) `gather_voted` as `ownership.round_rule`
+says (`RuleHooks.gathers`, wired by `peer.research.swarm.run`). The roster, the owners' deal, a range's
+readiness and a peer's request pool are shared with the voted round.
 
 "all" (`peer.node.round.gather.gather_round`): poll the DHT every `poll_s`; each poll reads the round
 (`dht_read_s`), takes `agreement.round_view` of it, fetches every bound payload not held yet one after
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from peer.research.swarm.sim import Peer, RoundBoard, Sim
 
 Proc = Generator[simpy.Event, Any, Any]
+Publish = Callable[["Sim", int, "RoundBoard", tuple[str, ...]], None]
 CLOSED = (Close.COMPLETE, Close.DEADLINE)
 
 
@@ -52,12 +55,12 @@ def run_peer(sim: Sim, peer: Peer) -> Proc:
         yield env.timeout(rec.compute_s)
         if not peer.alive:
             return
-        start = env.now
+        start = rec.start_s = env.now
         board = sim.board(t)
-        _later(env, cfg.dht_s, _announcer(sim, board, peer.pid))
+        later(env, cfg.dht_s, _announcer(sim, board, peer.pid))
         board.holders_of.setdefault(peer.pid, set()).add(peer.pid)
         yield env.timeout(cfg.dht_store_s)  # the announcement's DHT store returns
-        gather = gather_all if rec.rule == "all" else gather_ranges
+        gather = sim.rules.gathers[rec.rule]
         rec.outcome, rec.counted = yield from gather(sim, peer, t, start, pool)
         rec.round_s = env.now - start
         sim.log.append(rec)
@@ -70,7 +73,7 @@ def run_peer(sim: Sim, peer: Peer) -> Proc:
     sim.version += 1
 
 
-def _later(env: simpy.Environment, delay_s: float, fn: Callable[[], None]) -> None:
+def later(env: simpy.Environment, delay_s: float, fn: Callable[[], None]) -> None:
     """Call `fn()` `delay_s` from now (a DHT store becoming visible)."""
     env.timeout(delay_s).callbacks.append(lambda _e: fn())
 
@@ -149,7 +152,7 @@ class Ranges:
     is_ready: set[int] = field(default_factory=set)
 
 
-def _ranges(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -> Ranges:
+def deal_ranges(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -> Ranges:
     k = 1 + sim.cfg.range_backups
     owners = [sim.proto.owners(t, sim.cfg.stage, r, members, k) for r in range(board.R)]
     mine: dict[str, list[int]] = {}
@@ -172,8 +175,9 @@ def check_range(sim: Sim, rg: Ranges, r: int) -> None:
     rg.ready_log.append((sim.env.now, r, "shard" if pub else "fallback"))
 
 
-def _roster(sim: Sim, peer: Peer, t: int, start: float) -> Proc:
-    """Wait for round t's roster; publish it when this peer's turn in coordinator_order comes."""
+def wait_roster(sim: Sim, peer: Peer, t: int, start: float, publish: Publish | None = None) -> Proc:
+    """Wait for round t's roster; publish it when this peer's turn in coordinator_order comes (`publish`:
+    what the roster starts, the ranges round's owners by default); True once it is out."""
     env, cfg, me = sim.env, sim.cfg, peer.pid
     board = sim.board(t)
     closed_at: float | None = None
@@ -200,7 +204,8 @@ def _roster(sim: Sim, peer: Peer, t: int, start: float) -> Proc:
                 if env.now >= closed_at + pos * cfg.roster_wait_s:
                     board.roster_pending = True
                     roster = tuple(sorted(announced))
-                    _later(env, cfg.dht_s, lambda roster=roster: _publish_roster(sim, t, board, roster))  # type: ignore[misc]
+                    fn = publish or _publish_roster
+                    later(env, cfg.dht_s, lambda roster=roster, fn=fn: fn(sim, t, board, roster))  # type: ignore[misc]
         if env.now >= start + cfg.deadline_s and board.roster_at == float("inf") and not board.roster_pending:
             return False
         yield env.timeout(cfg.poll_s)
@@ -208,7 +213,8 @@ def _roster(sim: Sim, peer: Peer, t: int, start: float) -> Proc:
 
 def _publish_roster(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -> None:
     board.roster, board.roster_at = members, sim.env.now
-    board.ranges = rg = _ranges(sim, t, board, members)
+    board.ranges = rg = deal_ranges(sim, t, board, members)
+    board.phases.append(rg)
     for owner, mine in rg.mine.items():
         if sim.peers[owner].alive:
             sim.env.process(_own(sim, t, board, rg, owner, mine))
@@ -235,7 +241,7 @@ def _own(sim: Sim, t: int, board: RoundBoard, rg: Ranges, me: str, mine: list[in
 
     for m in rg.members:
         if m != me:
-            pool.add(t, nbytes, _while_alive(sim, m), one)
+            pool.add(t, nbytes, while_alive(sim, m), one)
     yield done
     if not sim.peers[me].alive:
         return
@@ -251,7 +257,7 @@ def gather_ranges(sim: Sim, peer: Peer, t: int, start: float, pool: Pool) -> Pro
     """The range-sharded round (module docstring); (outcome, contributions in the roster)."""
     env, cfg, me = sim.env, sim.cfg, peer.pid
     board = sim.board(t)
-    got = yield from _roster(sim, peer, t, start)
+    got = yield from wait_roster(sim, peer, t, start)
     if not got:
         return ("left", 0) if not peer.alive else ("timeout", 0)
     rg: Ranges = board.ranges
@@ -281,9 +287,9 @@ def gather_ranges(sim: Sim, peer: Peer, t: int, start: float, pool: Pool) -> Pro
                 continue
             if kind == "shard":
                 nbytes = sizes.shard(r, len(rg.members))
-                pool.add(t, nbytes, _shard_source(sim, rg, r), finished)
+                pool.add(t, nbytes, shard_source(sim, rg, r), finished)
             else:
-                _fallback(sim, pool, t, rg, sizes.parts[r] + sizes.proof, finished)
+                fetch_from_members(sim, pool, t, rg, sizes.parts[r] + sizes.proof, finished)
         if not all_done.triggered:
             yield env.any_of([all_done, env.timeout(cfg.poll_s)])
     own_published = all(me in rg.published[r] for r in mine_done)
@@ -297,19 +303,19 @@ def gather_ranges(sim: Sim, peer: Peer, t: int, start: float, pool: Pool) -> Pro
     return ("ranges", len(rg.members)) if all_done.triggered and own_published else ("timeout", 0)
 
 
-def _while_alive(sim: Sim, pid: str) -> Callable[[], str | None]:
+def while_alive(sim: Sim, pid: str) -> Callable[[], str | None]:
     """A request's source: `pid` while it lives (a member's part is nowhere else)."""
     return lambda: pid if sim.peers[pid].alive else None
 
 
-def _shard_source(sim: Sim, rg: Ranges, r: int) -> Callable[[], str | None]:
+def shard_source(sim: Sim, rg: Ranges, r: int) -> Callable[[], str | None]:
     def source() -> str | None:
         return next((o for o in rg.owners[r] if o in rg.published[r] and sim.peers[o].alive), None)
 
     return source
 
 
-def _fallback(sim: Sim, pool: Pool, t: int, rg: Ranges, nbytes: int, finished: Callable[[bool], None]) -> None:
+def fetch_from_members(sim: Sim, pool: Pool, t: int, rg: Ranges, nbytes: int, finished: Callable[[bool], None]) -> None:
     """Every owner of a range is gone: fetch its part from every live member and aggregate it here."""
     others = [m for m in rg.members if m != pool.me]
     left = [len(others)]
@@ -323,17 +329,19 @@ def _fallback(sim: Sim, pool: Pool, t: int, rg: Ranges, nbytes: int, finished: C
             finished(True)
 
     for m in others:
-        pool.add(t, nbytes, _while_alive(sim, m), one)
+        pool.add(t, nbytes, while_alive(sim, m), one)
 
 
 class Pool:
     """A peer's requests: a FIFO queue served `size` at a time (the peer's requests in flight)."""
 
-    def __init__(self, sim: Sim, me: str, size: int) -> None:
+    def __init__(self, sim: Sim, me: str, size: int, register: bool = True) -> None:
+        """`register`: the peer's own pool (`Sim.pools[me]`); False: one more, for a role apart."""
         self.sim, self.me = sim, me
         self.queue: deque[tuple[int, float, Callable[[], str | None], Callable[[bool], None]]] = deque()
         self.wake = sim.env.event()
-        sim.pools[me] = self
+        if register:
+            sim.pools[me] = self
         for _ in range(max(1, size)):
             sim.env.process(self._worker())
 

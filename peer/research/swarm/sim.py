@@ -2,7 +2,8 @@
 
 Where this sits: `peer.research.bench.swarm` builds a `SimConfig` per M and reads `simulate`'s rows; links
 and transfers are `peer.research.swarm.net`, byte counts and compute times `peer.research.swarm.sizes`, the
-two rules' gathers `peer.research.swarm.gather`. Every protocol decision is the swarm's own function, called,
+three rules' gathers `peer.research.swarm.gather` ("all", "ranges") and
+`peer.research.swarm.voted`. Every protocol decision is the swarm's own function, called,
 never re-written: `ownership.round_rule` (which rule), `agreement.round_view` on real `peer.net.records`
 (who is expected), `agreement.close_decision` on a `Poll` built from the simulated state (when a gather
 or the roster closes), `ownership.coordinator_order` (who publishes the roster), `ownership.owners`
@@ -50,11 +51,13 @@ class Protocol:
 @dataclass
 class RuleHooks:
     """How a peer runs its rounds (`run_peer(sim, peer)`, a simpy process) and how a range is checked
-    when an owner's records expire (`check_range(sim, ranges, r)`): `peer.research.swarm.gather`'s, passed
-    in by `peer.research.swarm.run.simulate`, so the engine never imports the gathers that read it."""
+    when an owner's records expire (`check_range(sim, ranges, r)`), and each rule's gather: those of
+    `peer.research.swarm.gather` and `.voted`, passed in by `peer.research.swarm.run.simulate`, so the
+    engine never imports the gathers that read it."""
 
     run_peer: Callable[..., Any] = field(default=lambda sim, peer: iter(()))
     check_range: Callable[..., None] = field(default=lambda sim, ranges, r: None)
+    gathers: dict[str, Callable[..., Any]] = field(default_factory=dict)  # rule -> its gather (run_peer calls)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class SimConfig:
     """One simulation: the swarm, its links, the model and the protocol's clocks (units in names)."""
 
     peers: int = 8
-    rule: str = "ranges"  # swarm.round_rule: "all", "ranges" or "auto"
+    rule: str = "ranges"  # swarm.round_rule: "all", "ranges", "voted" or "auto"
     rounds: int = 3
     seed: int = 0
     preset: str = "1B"
@@ -82,6 +85,7 @@ class SimConfig:
     range_backups: int = SWARM.range_backups
     shard_topk: int = SWARM.shard_topk
     shard: str = SWARM.shard  # swarm.shard: "topk" or "exact"
+    support_topk: int = 64  # k′: positions per tile of the voted rule's agreed support (docs/results.md: 64)
     roster_wait_s: float = 5.0  # the next publisher in coordinator_order waits this long for the roster
     jitter: float = 0.05  # compute time × U(1 − jitter, 1 + jitter) per peer and round
     compute_s: float | tuple[float, ...] | None = None  # H inner steps' wall time (per peer: cycled; None: planner)
@@ -102,8 +106,9 @@ class PeerRound:
     rule: str
     compute_s: float
     round_s: float = 0.0
-    outcome: str = ""  # the close decision ("complete", "deadline") or "ranges", "timeout", "left"
+    outcome: str = ""  # the close decision ("complete", "deadline") or "ranges", "voted", "timeout", "left"
     counted: int = 0  # contributions in the set it committed
+    start_s: float = 0.0  # simulated time of its announce (round_s counts from it)
 
 
 @dataclass
@@ -128,6 +133,8 @@ class RoundBoard:
     R: int = 1
     sizes: Sizes | None = None
     ranges: Any = None  # swarm_gather.Ranges once the roster is read
+    phases: list[Any] = field(default_factory=list)  # every Ranges whose readiness waits on its owners' records
+    voted: Any = None  # swarm_voted.Voted once a voted round's roster is out
 
 
 class Sim:
@@ -148,6 +155,7 @@ class Sim:
         self.next_id = 0
         self.max_compute_s = 0.0
         self.pools: dict[str, Any] = {}  # pid -> its swarm_gather.Pool
+        self.left: list[str] = []  # every peer that left, in order
         self._views: dict[tuple[int, str], tuple[int, agreement.RoundView]] = {}
         self._order: dict[int, tuple[int, list[str]]] = {}
 
@@ -166,6 +174,7 @@ class Sim:
     def leave(self, peer: Peer) -> None:
         peer.alive = False
         peer.records_until = self.env.now + self.cfg.record_ttl_s
+        self.left.append(peer.pid)
         self.version += 1
         self.env.timeout(self.cfg.record_ttl_s).callbacks.append(lambda _e: self._expired(peer.pid))
 
@@ -173,9 +182,9 @@ class Sim:
         """`pid`'s records expired: ranges it owned may be ready now (its backups', or the fallback)."""
         self.version += 1
         for board in self.boards.values():
-            if board.ranges is not None:
-                for r in board.ranges.mine.get(pid, ()):
-                    self.rules.check_range(self, board.ranges, r)
+            for phase in board.phases:
+                for r in phase.mine.get(pid, ()):
+                    self.rules.check_range(self, phase, r)
 
     def recorded(self, pid: str) -> bool:
         """Its DHT records are still there (alive, or left less than the TTL ago)."""
@@ -281,7 +290,7 @@ def summarize(sim: Sim) -> list[dict[str, Any]]:
                 "t": t,
                 "rule": done[0].rule,
                 "holders": len(done),
-                "R": board.R if done[0].rule == "ranges" else 1,
+                "R": 1 if done[0].rule == "all" else board.R,
                 "payload_bytes": payload,
                 "down_mean": statistics.fmean(down),
                 "down_max": max(down),

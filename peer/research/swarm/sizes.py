@@ -12,6 +12,11 @@ here, never from a formula of its own:
   at the expected union of the round's contributions' supports), plus a part's merkle proof
   (log2 R nodes of `NODE_BYTES`) and a shard's header (`Shard.to_bytes`: magic, version, round, stage,
   range, roster digest and size, then the lists of missing and clipped roster positions);
+- the voted round's four messages per range (`voted_sizes`): a vote (k indices per tile), an agreed
+  support (k′ indices per tile), a sender's values at it (k′ codes per tile and codebook, no indices) and
+  the owners' exact mean (k′ float32 per tile), by `peer.core.sparseloco.aligned`'s `indices_nbytes` and
+  `values_nbytes` on range r's bands — the functions `peer simulate --round voted`'s `RoundBytes` counts
+  with; 1-D tensors go through the codec as the designs send them (8-bit, float32 in the mean);
 - compute time of H inner steps: `peer.research.plan.command.plan_rows` (the planner's model: m micro-batches of
   max(compute, boundary message) each, at the flags' FLOP/s and the peer's link).
 The simulation is one stage's round: the later stages' fetches of stage 0 for T⊥ (whole, or embedding views
@@ -26,11 +31,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from peer.core.model.decoder import stage_shapes
-from peer.core.sparseloco.codec.format import SparseLoCoConfig, payload_nbytes
+from peer.core.sparseloco.aligned import indices_nbytes, sparse_names, values_nbytes
+from peer.core.sparseloco.codec.format import DENSE_F32, HEADER_NBYTES, SparseLoCoConfig, entry_nbytes, payload_nbytes
 from peer.core.sparseloco.ranges.exact import exact_nbytes_at
 from peer.core.sparseloco.ranges.merkle import NODE_BYTES
 from peer.core.sparseloco.ranges.owner import shard_config, shard_payload_nbytes
-from peer.core.sparseloco.ranges.plan import n_ranges_for, n_units, plan_ranges
+from peer.core.sparseloco.ranges.plan import RangePlan, n_ranges_for, n_units, plan_ranges
 from peer.research.plan.command import PlanInputs, plan_rows, resolve_model
 
 SHARD_HEAD = struct.calcsize("<4sBQII16sI")  # magic, version, t, stage, r, roster digest, roster size (`Shard`)
@@ -75,6 +81,53 @@ def stage_sizes(
         shards = tuple(shard_payload_nbytes(plan, r, shard_config(cfg, shard_topk or None)) for r in range(plan.n))
     proof = NODE_BYTES * math.ceil(math.log2(plan.n)) if plan.n > 1 else 0
     return Sizes(payload_nbytes(shapes, cfg), parts, shards, proof)
+
+
+@dataclass(frozen=True)
+class VotedSizes:
+    """Byte counts of one stage's voted round per range r = 0 … R − 1 (module docstring); a vote and a
+    sender's values carry a merkle proof (`proof`) as a part does, a support and a mean a shard's header
+    (`head`)."""
+
+    votes: tuple[int, ...]  # range r of one sender's vote: k indices per tile
+    values: tuple[int, ...]  # range r of one sender's values at the agreed support: k′ codes per tile
+    supports: tuple[int, ...]  # range r's agreed support: k′ indices per tile
+    means: tuple[int, ...]  # range r's exact mean at the support: k′ float32 per tile
+    proof: int
+    head: int = SHARD_HEAD + 8  # `Sizes.shard`'s header with empty lists of missing and clipped members
+
+    @property
+    def n(self) -> int:
+        return len(self.votes)
+
+
+def _voted_range(plan: RangePlan, r: int, cfg: SparseLoCoConfig, keep: int) -> tuple[int, int, int, int]:
+    """(vote, values, support, mean) bytes of range r: its bands as the aligned designs size a stage."""
+    shapes = {b.entry: b.shape for b in plan.ranges[r]}
+    sparse = sparse_names(shapes, cfg.dense_1d)
+    dense = {n: s for n, s in shapes.items() if n not in sparse}
+    codec = payload_nbytes(dense, cfg) - HEADER_NBYTES  # 1-D tensors as the codec sends them
+    f32 = sum(entry_nbytes(n, DENSE_F32, s, cfg.chunk, keep, 0) for n, s in dense.items())
+    return (
+        indices_nbytes(shapes, cfg.chunk, cfg.topk, sparse),
+        values_nbytes(shapes, cfg.chunk, keep, cfg.quant_bits, sparse) + codec,
+        indices_nbytes(shapes, cfg.chunk, keep, sparse),
+        values_nbytes(shapes, cfg.chunk, keep, 0, sparse) + f32,
+    )
+
+
+@lru_cache(maxsize=64)
+def voted_sizes(preset: str, stages: int, stage: int, n_contributors: int, support_topk: int) -> VotedSizes:
+    """The voted round's byte counts at stage `stage` of `preset` split in `stages`, R as `stage_sizes`
+    gives for `n_contributors`, k′ = `support_topk` positions per tile; codec at `SparseLoCoConfig()`."""
+    _, model = resolve_model(PlanInputs(preset=preset))
+    shapes = stage_shapes(model, stage, stages)
+    cfg = SparseLoCoConfig()
+    plan = plan_ranges(shapes, cfg.chunk, n_ranges_for(n_contributors, n_units(shapes, cfg.chunk)))
+    per = [_voted_range(plan, r, cfg, support_topk) for r in range(plan.n)]
+    proof = NODE_BYTES * math.ceil(math.log2(plan.n)) if plan.n > 1 else 0
+    votes, values, supports, means = (tuple(x) for x in zip(*per, strict=True))
+    return VotedSizes(votes, values, supports, means, proof)
 
 
 @lru_cache(maxsize=64)
