@@ -94,17 +94,17 @@ class SwarmConfig:
     ban_rounds: int = 10
     # How a stage's round aggregates (peer.node.round.ranges.ownership, docs/protocol.md): "all" (every holder
     # fetches every payload), "ranges" (range owners aggregate, every holder fetches the shards) or
-    # "auto" ("ranges" once the previous round committed >= ranges_from contributions: 32, where
-    # all-to-all stops fitting a round on home links; below it all-to-all learns better, docs/scaling.md)
+    # "auto" ("ranges" once the previous round committed >= ranges_from contributions: 14, from where the
+    # voted round closes before all-to-all on home links and learns as much, docs/scaling.md)
     round_rule: str = "auto"
-    ranges_from: int = 32
+    ranges_from: int = 14
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
     # What a range owner publishes (peer.core.sparseloco.ranges, docs/protocol.md RANGES): "exact" (its
     # range of the exact aggregate, every entry touched, sparse or dense per band: all-to-all's Δ̄) or
     # "topk" (re-sparsified to shard_topk entries per tile; the rest returns to the senders' error buffers)
     # or "voted" (docs/protocol.md VOTED: senders vote their top-k per tile, the shard_topk most voted
     # positions per tile are agreed, every sender sends values there, owners publish the exact mean)
-    shard: str = "topk"
+    shard: str = "voted"
     shard_topk: int = 0  # entries per tile a "topk" shard keeps (0: sparseloco.topk); "voted": k′ (0: 2·topk)
     # Joining by replay (docs/protocol.md): holders keep their committed links and payloads of the last
     # `history_rounds` rounds (`history_ttl_s`), so a joiner recomputes the state instead of counting

@@ -25,7 +25,7 @@ PEERS = [f"peer-{i:02d}" for i in range(8)]
 
 @pytest.mark.parametrize(
     ("rule", "n_prev", "want"),
-    [("auto", 0, "all"), ("auto", 8, "all"), ("auto", 31, "all"), ("auto", 32, "ranges"), ("all", 100, "all"),
+    [("auto", 0, "all"), ("auto", 8, "all"), ("auto", 13, "all"), ("auto", 14, "ranges"), ("all", 100, "all"),
      ("ranges", 0, "ranges")],
 )  # fmt: skip
 def test_round_rule(rule, n_prev, want):
