@@ -10,8 +10,6 @@ gradient is what autograd would pass on through one graph).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -26,9 +24,7 @@ from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.messages import ForwardRequest
 from peer.node.pipeline.mode import (
-    MIN_WIRE_S,
     LinkFigures,
-    carried_bandwidth,
     check_policy,
     choose_mode,
     measured_bandwidth,
@@ -113,22 +109,6 @@ def test_measured_bandwidth_is_the_hop_over_its_wire_time():
     assert measured_bandwidth(100_000, 0.011, 0.001) == pytest.approx(1e7)
     assert measured_bandwidth(1_300, 0.004, 0.001) is None  # a call's own costs, not the link's: no bound
     assert measured_bandwidth(100_000, None, 0.001) is None
-
-
-def test_a_hop_too_fast_to_time_keeps_the_last_measured_link_not_an_unbounded_one():
-    slow = 10e6 / 8  # bytes/s: an uncompressed outer step measured a 10 Mbit/s link
-    assert carried_bandwidth(100_000, 0.081, 0.001, None) == (pytest.approx(slow), "measured")
-    # the next, compressed, outer step's 1.3 KB hops are too small to time: the 10 Mbit/s reading holds ...
-    assert carried_bandwidth(1_300, 0.002, 0.001, slow) == (slow, "measured earlier")
-    assert carried_bandwidth(1_300, None, 0.001, slow) == (slow, "measured earlier")  # (no call at all)
-    # ... and the mode stays compressed, where an unbounded link would flip it back to uncompressed
-    figures = LinkFigures(compute_s=0.014, bandwidth_bps=slow, rtt_s=0.001, source="measured earlier")
-    assert choose_mode("auto", figures, 131_072, 0.95).compressed
-    assert not choose_mode("auto", dataclasses.replace(figures, bandwidth_bps=None), 131_072, 0.95).compressed
-    # a link that got faster shows it: a large hop too fast to time bounds the link from below
-    fast = carried_bandwidth(1_000_000, 0.003, 0.001, slow)
-    assert fast == (pytest.approx(1_000_000 / MIN_WIRE_S), "measured earlier") and fast[0] > slow
-    assert carried_bandwidth(1_300, 0.002, 0.001, None) == (None, "measured")  # nothing ever measured: unbounded
 
 
 def test_an_unknown_policy_names_the_flag():

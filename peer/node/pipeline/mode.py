@@ -13,8 +13,7 @@ busy compute / max(compute, t_msg) of the time (1F1B; the bubble is left out, as
 The figures are the head's own measurements (`LinkEstimator.figures`): stage 0's compute per
 micro-batch and the slowest bandwidth of the chain, the lower of the caps the head and its stage
 peers state and of what its calls into stage 1 showed in the last outer step (the bytes of a hop over
-the fastest call's network time less the round trip; a hop faster than `MIN_WIRE_S` bounds nothing, and
-then the last bandwidth measured holds: `carried_bandwidth`).
+the fastest call's network time less the round trip; a hop faster than `MIN_WIRE_S` bounds nothing).
 Links past stage 1 are known by their caps alone. Before any compute is measured (the head's first
 outer step) `auto` runs compressed, the mode that is safe on any link, and measures. The choice is
 made at an outer step's first inner step and holds through it (`PipelineDriver.inner_step`);
@@ -118,18 +117,3 @@ def measured_bandwidth(hop_bytes: int, network_s: float | None, rtt_s: float) ->
         return None
     wire_s = network_s - rtt_s
     return hop_bytes / wire_s if wire_s >= MIN_WIRE_S else None
-
-
-def carried_bandwidth(
-    hop_bytes: int, network_s: float | None, rtt_s: float, earlier: float | None
-) -> tuple[float | None, str]:
-    """(bytes/s, its source) a head goes by after an outer step whose fastest hop took `network_s`:
-    what that hop shows ("measured"); when it was too fast to tell, the `earlier` measurement, raised to
-    the least such a hop shows (`hop_bytes` in `MIN_WIRE_S`: "measured earlier"). A compressed hop can be
-    too small to time on a link where the uncompressed one measured slow; read as an unbounded link, its
-    silence would switch the pipeline back to uncompressed every other outer step."""
-    now = measured_bandwidth(hop_bytes, network_s, rtt_s)
-    if now is not None or earlier is None:
-        return now, "measured"
-    floor = hop_bytes / MIN_WIRE_S if network_s is not None else 0.0
-    return max(earlier, floor), "measured earlier"

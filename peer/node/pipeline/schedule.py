@@ -22,7 +22,7 @@ from peer.config import WIRE_DTYPES, RunConfig
 from peer.errors import PeerError
 from peer.net import ratelimit
 from peer.net.pool import ClientPool
-from peer.node.pipeline.mode import LinkFigures, carried_bandwidth
+from peer.node.pipeline.mode import LinkFigures, measured_bandwidth
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,6 @@ class LinkEstimator:
         self._caps: dict[str, tuple[float | None, float | None]] = {}  # address -> its (upload, download) caps
         self._busy = busy_s()  # stage 0's compute seconds at the last choice
         self._compute_s: float | None = None
-        self._measured_bps: float | None = None  # the last bandwidth a hop into stage 1 showed (`figures`)
         self._calls: list[float] = []  # network seconds of each streamed call into stage 1 in this inner step
         self._calls_lock = threading.Lock()
         self._network_s: float | None = None  # measured network time of one hop (smoothed)
@@ -161,10 +160,7 @@ class LinkEstimator:
         with self._calls_lock:
             fastest, self._fastest = self._fastest, None
         rates = {"caps": min((c * ratelimit.MBIT for c in self._chain_caps(addresses) if c), default=None)}
-        bw, how = carried_bandwidth(hop_bytes(self.cfg, self._compressed), fastest, rtt, self._measured_bps)
-        if how == "measured" and bw is not None:
-            self._measured_bps = bw
-        rates[how] = bw
+        rates["measured"] = measured_bandwidth(hop_bytes(self.cfg, self._compressed), fastest, rtt)
         known = {k: v for k, v in rates.items() if v is not None}
         source = min(known, key=lambda k: known[k]) if known else "none"
         return LinkFigures(self._compute_s, known.get(source), rtt, source)
