@@ -51,6 +51,10 @@ def _mixed_swarm(swarm_factory, deadlines: dict[str, str] | None = None):
     sw.join("s1", "--stage", "1", "--precision", "bf16")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full", "--full-replica", extra_env=OTHER_KERNELS)
+    # the head after the full replica is up: round 0 then expects both (a head that starts first may close
+    # round 0 alone at its deadline and switch to the full set when it checks it — a race of start-up on a
+    # loaded machine, resolved by the protocol within the round, not what these tests are about)
+    sw.wait_for(lambda: sw.events("full", "start"))
     sw.join("head", "--stage", "0")
     return sw
 
