@@ -162,6 +162,7 @@ def bootstrap(a: BootstrapArgs) -> None:
         return show_peer_id(a.identity)
     from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.cli.render import bootstrap_banner
+    from peer.net.dht_child import start_shared_memory_manager
     from peer.node.link_config import build_link_config
 
     cfg = bootstrap_config(a, console)
@@ -172,6 +173,7 @@ def bootstrap(a: BootstrapArgs) -> None:
             console.print(line, soft_wrap=True)
 
     stop = threading.Event()
+    start_shared_memory_manager()  # before the handler: see its docstring
     with stop_on_signals(stop):
         console.print("opening the dataset and starting the DHT node…", soft_wrap=True)
         run_bootstrap(
@@ -199,12 +201,14 @@ def dashboard(a: DashboardArgs) -> None:
     _setup_logging(a.verbose)
     from peer.bootstrap.dashboard.run import Dashboard, DashboardOptions, run_dashboard
     from peer.net.dht import load_swarm_secret
+    from peer.net.dht_child import start_shared_memory_manager
 
     def on_ready(board: Dashboard) -> None:
         console.print(f"dashboard of {board.collector.run['run_id']} at {board.url}", soft_wrap=True, highlight=False)
 
     stop = threading.Event()
     opts = DashboardOptions(a.port, a.host, a.history)
+    start_shared_memory_manager()  # before the handler: see its docstring
     with stop_on_signals(stop):
         secret = load_swarm_secret(a.swarm_secret_file)
         run_dashboard(a.initial_peers, opts, stop, on_ready, a.timeout_s, a.poll_s, secret)
@@ -237,6 +241,7 @@ def join(a: JoinArgs) -> None:
     _setup_logging(a.verbose)
     from peer.cli.join_setup import join_role, prepare_join, start_loggers
     from peer.net.dht import load_swarm_secret
+    from peer.net.dht_child import start_shared_memory_manager
     from peer.node.link_config import build_link_config
     from peer.node.replica.ranks import run_join  # torchrun: one full replica over its processes
     from peer.node.session import SessionOptions, dht_exited, usable_data_dir
@@ -266,6 +271,7 @@ def join(a: JoinArgs) -> None:
     )
     start_loggers(a.wandb, a.tensorboard, opts.data_dir)
     stop = threading.Event()
+    start_shared_memory_manager()  # before the handler: see its docstring
     where = "" if a.stage is None else f" (stage {a.stage})"
     err_console.print(f"peer join: {role}{where}; data in {opts.data_dir}")
     with stop_on_signals(stop):

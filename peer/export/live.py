@@ -8,8 +8,11 @@ replicas, which publish a `stage.{s}` record for each stage they hold — and th
     default          the newest step that a strict majority of each stage's live holders claims,
                      the same step for every stage (a stage in the middle of a commit splits the
                      vote or runs ahead: read again until they agree, until the deadline);
-    --outer-step T   wait until every stage's majority claims T; refused when a stage is past T,
-                     since holders keep only their current state (export T from checkpoints).
+    --outer-step T   wait until every stage's majority claims T; a holder one round past T
+                     vouches for T with its link's `prev` (the state its round T started from), so
+                     a swarm that commits T + 1 while the export reads still exports T; refused when
+                     a stage is further on, since holders keep only their current state (export T
+                     from checkpoints).
 
 The majority only names the target: each stage's state at t is then reached as a joiner reaches it,
 by replaying the committed rounds from a state it trusts — the canonical initial state, or past the
@@ -79,6 +82,8 @@ def pick_step(claims: Mapping[int, Collection[Claim]], clock: int, wanted: int |
     """
     winners: dict[int, Majority] = {}
     for s, stage_claims in sorted(claims.items()):
+        if wanted is not None:
+            stage_claims = [_back_to(c, wanted) for c in stage_claims]
         if wanted is not None and stage_claims and min(c.outer_step for c in stage_claims) > wanted:
             return Pick(refuse=_past(s, wanted, min(c.outer_step for c in stage_claims)))
         if not stage_claims:
@@ -101,6 +106,15 @@ def pick_step(claims: Mapping[int, Collection[Claim]], clock: int, wanted: int |
     if len(set(steps.values())) > 1:
         return Pick(wait=f"the stages are at different outer steps ({_by_stage(steps)}): a round is being committed")
     return Pick(outer_step=next(iter(steps.values())), winners=winners)
+
+
+def _back_to(claim: Claim, wanted: int) -> Claim:
+    """A claim one round past `wanted` read as its vouch for the state round `wanted` started from (its
+    link's prev); any other claim as it is. The replay still checks the state it reaches."""
+    link = claim.link
+    if claim.outer_step == wanted + 1 and link is not None and link.t == wanted:
+        return Claim(claim.peer, wanted, link.prev, None)
+    return claim
 
 
 def _past(stage: int, wanted: int, at: int) -> str:

@@ -43,11 +43,28 @@ from peer.net.identity_check import install_identity_check
 
 READY_POLL_S = 0.25  # how often a starting node checks that its process still runs
 
-__all__ = ["DHTProcess", "grpc_running", "start_forkserver"]
+__all__ = ["DHTProcess", "grpc_running", "start_forkserver", "start_shared_memory_manager"]
 
 _PRELOAD = [__name__]  # all a DHT process needs, imported once by the forkserver
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as the CLI's (peer.cli.main)
 _GRPC_THREADS = ("grpc_global_tim", "event_engine", "lifeguard")  # gRPC core's threads, as the kernel names them
+
+
+def start_shared_memory_manager() -> None:
+    """Start torch's shared-memory manager now, before a command installs its SIGINT/SIGTERM handler.
+
+    hivemind's futures keep their state in shared memory that torch's `torch_shm_manager` process
+    hands out (hivemind sets the "file_system" strategy); the first future of a process starts that
+    manager (fork, exec, then it leaves our process group). A SIGTERM to our process group in that
+    window — a supervisor stopping a peer just after its start — left the main thread spinning in
+    torch's start-up of the manager, past any handler: a `peer join` that never left
+    (tests/e2e/test_leave_on_sigterm.py). Started here, before the handler, a signal in the window
+    ends the process by the default action instead; once started, the manager is beyond a
+    signal to our group.
+    """
+    from hivemind.utils.mpfuture import SharedBytes
+
+    SharedBytes.next()
 
 
 def grpc_running() -> bool:

@@ -71,6 +71,13 @@ class Node:
     clients: ClientPool
     server: PeerServer | None = None
     refusals: Refusals = dataclasses.field(default_factory=Refusals)
+    shard: int = 0
+
+    def present(self) -> None:
+        """Announce (again) this node's full-replica record, as a live peer's presence loop does: a
+        module's rounds on a loaded machine outlast one TTL, and an expired record binds no announcement."""
+        record = {"address": self.address, "kind": "full", "outer_step": 5, "shard": self.shard, "joined_at": 0}
+        self.dht.announce_replica(record, ttl_s=120)
 
     @property
     def id(self) -> str:
@@ -104,8 +111,8 @@ def swarm(request):
         for i, node in enumerate(nodes):
             node.dht.set_run("ranges-round-test", cfg.stages)
             node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
-            record = {"address": node.address, "kind": "full", "outer_step": 5, "shard": i, "joined_at": 0}
-            node.dht.announce_replica(record, ttl_s=120)
+            node.shard = i
+            node.present()
         yield cfg, nodes
     finally:
         for node in nodes:
@@ -133,6 +140,8 @@ def _parts(cfg, plan, seed: int):
 def _round(cfg, nodes: list[Node], t: int) -> list[RangesResult | None]:
     """Every node contributes and gathers round (t, STAGE) in its own thread; None for a node that died."""
     plan = _plan(cfg)
+    for node in nodes:
+        node.present()
 
     def run(i: int) -> RangesResult | None:
         node = nodes[i]

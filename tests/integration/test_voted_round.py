@@ -78,8 +78,8 @@ def swarm():
         for i, node in enumerate(nodes):
             node.dht.set_run("voted-round-test", cfg.stages)
             node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
-            record = {"address": node.address, "kind": "full", "outer_step": 5, "shard": i, "joined_at": 0}
-            node.dht.announce_replica(record, ttl_s=120)
+            node.shard = i
+            node.present()
         yield cfg, nodes
     finally:
         for node in nodes:
@@ -105,6 +105,8 @@ def _errors(cfg, seed: int) -> dict[str, torch.Tensor]:
 
 def _round(cfg, nodes: list[Node], t: int) -> list[VotedResult | None]:
     plan = _plan(cfg)
+    for node in nodes:
+        node.present()
 
     def run(i: int) -> VotedResult | None:
         node = nodes[i]

@@ -9,7 +9,7 @@ import pytest
 from peer.errors import CheckpointError
 from peer.export.checkpoints import PeerFolder, pick_outer_step
 from peer.export.live import pick_step
-from peer.node.round.claims import Claim
+from peer.node.round.claims import Claim, Link
 
 
 def _claims(*held: tuple[int, str]) -> list[Claim]:
@@ -53,13 +53,28 @@ def test_an_asked_step_is_waited_for_then_fetched():
     assert pick_step(AGREE, clock=4, wanted=4).outer_step == 4
 
 
+def _one_on(peer: str, prev: str, state: str = "c") -> Claim:
+    """A holder at outer step 5 whose round 4 started from `prev`."""
+    return Claim(peer, 5, state, Link(4, prev, state, ()))
+
+
+def test_a_holder_one_round_past_the_asked_step_vouches_for_the_state_it_started_from():
+    claims = {0: [Claim("peer0", 4, "a", None), _one_on("peer1", "a")], 1: AGREE[1]}
+    pick = pick_step(claims, clock=5, wanted=4)
+    assert pick.outer_step == 4 and pick.winners[0].state == "a" and pick.winners[0].holders == ("peer0", "peer1")
+    split = {0: [Claim("peer0", 4, "a", None), _one_on("peer1", "x")], 1: AGREE[1]}  # its round began elsewhere
+    assert "strict majority" in pick_step(split, clock=5, wanted=4).wait
+    assert pick_step(claims, clock=5).outer_step is None  # without an asked step: the newest, not a vouch
+
+
 @pytest.mark.parametrize(
     "claims",
     [
-        {0: _claims((5, "c"), (5, "c")), 1: AGREE[1]},  # stage 0's majority has moved on
+        {0: _claims((6, "c"), (6, "c")), 1: AGREE[1]},  # stage 0's majority has moved on
+        {0: _claims((5, "c"), (5, "c")), 1: AGREE[1]},  # one round on, but no link names where it began
         {0: _claims((5, "c"), (6, "d")), 1: AGREE[1]},  # no majority, but every holder is past it
     ],
-    ids=["majority-past", "all-past"],
+    ids=["majority-past", "one-on-unlinked", "all-past"],
 )
 def test_an_asked_step_the_holders_are_past_is_refused_in_one_line(claims):
     pick = pick_step(claims, clock=6, wanted=4)
