@@ -130,6 +130,9 @@ def reap_children():
 
 # integration modules that build network namespaces (fixed names, `tc` on shared veths): with the swarms
 NETNS_MODULES = {"test_nat.py", "test_bench_pipeline.py"}
+# end-to-end modules whose processes wait on no round deadline (research commands, dataset preparation, a
+# join refused before it trains): beside a swarm, on the other worker
+E2E_WITHOUT_ROUNDS = {"test_cli_research.py", "test_data_prepare_cli.py", "test_join_memory.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -147,8 +150,11 @@ def work_unit(nodeid: str) -> str:
     xdist, while the other worker takes the in-process tiers: an integration module at a time (its
     module fixtures built once), unit tests one by one."""
     path = nodeid.split("::", 1)[0]
-    if path.startswith("tests/e2e/") or os.path.basename(path) in NETNS_MODULES:
+    name = os.path.basename(path)
+    if (path.startswith("tests/e2e/") and name not in E2E_WITHOUT_ROUNDS) or name in NETNS_MODULES:
         return "swarm"
+    if path.startswith("tests/e2e/"):
+        return path
     return path if path.startswith("tests/integration/") else nodeid
 
 

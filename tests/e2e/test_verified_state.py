@@ -34,7 +34,7 @@ from tests.e2e.cli_swarm import DEADLINES
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "NUMBA_CPU_NAME": "generic"}
-T = 16
+T = 12
 HONEST: dict[str, dict] = {}  # the first test's rounds, the second test's baseline
 # The outer step exported live, early: the exports from the peers' folders and the transformers check
 # then run while the swarm trains on. Peers checkpoint every EXPORT_AT rounds and keep them all.

@@ -5,7 +5,8 @@ inner steps, rank 0 committing each round from its own payloads (no swarm: the r
 the replica trained). The committed hashes must match an unsharded replica's given the same batches:
 - 2 ranks, one micro-batch per step: sharded == DDP (one average of two gradients either way);
 - 1 rank, two micro-batches: sharded == a plain one-process replica;
-- a 2-rank sharded replica resumed from rank 0's saved state after round 1 commits round 2 as if never stopped.
+- a 2-rank sharded replica resumed from rank 0's saved state after round 1 commits round 2 as if never stopped
+  (one micro-batch per step: the 3-round run is the DDP test's).
 And each rank of the 2-rank sharded replica holds half the parameters and AdamW state (FSDP2's dim-0
 shards: ⌈rows/2⌉ of every parameter), within 1/N + 10 % of the whole replica's.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "integration" / "replica_rounds.py"
@@ -34,15 +35,23 @@ def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, 
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=240,  # a torchrun of 2 ranks on a loaded 2-core machine: imports, gloo, 3 rounds
         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def test_two_sharded_ranks_commit_ddps_hashes_and_each_holds_half_the_state(tmp_path):
-    sharded, ddp = _run(tmp_path, 2, "sharded", 1), _run(tmp_path, 2, "ddp", 1)
+@pytest.fixture(scope="module")
+def two_sharded(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-rank sharded run of 3 rounds (one micro-batch per step), for the DDP and the resume tests."""
+    tmp = tmp_path_factory.mktemp("sharded2")
+    return tmp, _run(tmp, 2, "sharded", 1)
+
+
+def test_two_sharded_ranks_commit_ddps_hashes_and_each_holds_half_the_state(two_sharded):
+    tmp_path, sharded = two_sharded
+    ddp = _run(tmp_path, 2, "ddp", 1)
     assert len(sharded[0]["hashes"]) == 3
     assert sharded[0]["hashes"] == ddp[0]["hashes"]
     assert len({h for r in sharded[0]["hashes"].values() for h in r.values()}) == 6  # every round moved
@@ -58,12 +67,12 @@ def test_one_sharded_rank_commits_a_plain_replicas_hashes(tmp_path):
     assert len(sharded["hashes"]) == 3 and sharded["hashes"] == plain["hashes"]
 
 
-def test_a_resumed_sharded_replica_continues_bit_for_bit(tmp_path):
+def test_a_resumed_sharded_replica_continues_bit_for_bit(two_sharded, tmp_path):
     """2 rounds, rank 0's state saved (a checkpoint's content); a new replica resumes it for round 2: the
     rounds committed match one replica that ran all 3 (parameters and AdamW state came back through the scatter)."""
-    whole = _run(tmp_path, 2, "sharded", 2)[0]["hashes"]
+    whole = two_sharded[1][0]["hashes"]
     saved = tmp_path / "state.pt"
-    before = _run(tmp_path, 2, "sharded", 2, "--rounds", "2", "--save", str(saved), name="before")[0]["hashes"]
-    after = _run(tmp_path, 2, "sharded", 2, "--resume", str(saved), name="after")[0]["hashes"]
+    before = _run(tmp_path, 2, "sharded", 1, "--rounds", "2", "--save", str(saved), name="before")[0]["hashes"]
+    after = _run(tmp_path, 2, "sharded", 1, "--resume", str(saved), name="after")[0]["hashes"]
     assert sorted(before) == ["0", "1"] and sorted(after) == ["2"]
     assert before | after == whole
