@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,29 +97,37 @@ def _small(shard: str):
     return build_config(overrides={"preset": "small", "swarm.shard": shard}, environ={})
 
 
-@pytest.fixture(scope="module", params=["topk", "exact"])
-def swarm(request):
-    cfg = _small(request.param)
+@contextlib.contextmanager
+def holders(cfg, run: str, m: int = M) -> Iterator[list[Node]]:
+    """`m` full-replica holders on loopback: a hivemind DHT node, a PeerServer and a client pool each, their
+    replica records announced; every part stopped on the way out."""
     nodes: list[Node] = []
     try:
         first = SwarmDHT()  # every DHT node first: hivemind forks, and no gRPC thread may exist when it does
         nodes.append(Node(first, PayloadStore(), ClientPool(timeout_s=5.0)))
-        for _ in range(M - 1):
+        for _ in range(m - 1):
             nodes.append(
                 Node(SwarmDHT(initial_peers=first.visible_maddrs()), PayloadStore(), ClientPool(timeout_s=5.0))
             )
         for i, node in enumerate(nodes):
-            node.dht.set_run("ranges-round-test", cfg.stages)
+            node.dht.set_run(run, cfg.stages)
             node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
             node.shard = i
             node.present()
-        yield cfg, nodes
+        yield nodes
     finally:
         for node in nodes:
             if node.server is not None:
                 node.server.stop(grace_s=0.5)
             node.clients.close()
             node.dht.shutdown()
+
+
+@pytest.fixture(scope="module", params=["topk", "exact"])
+def swarm(request):
+    cfg = _small(request.param)
+    with holders(cfg, "ranges-round-test") as nodes:
+        yield cfg, nodes
 
 
 def _shapes(cfg):

@@ -55,7 +55,7 @@ from peer.node.round.ranges.ownership import owners
 from peer.node.round.ranges.voted import VotedResult, gather_voted, sent_adjustment
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
-from tests.integration.test_ranges_round import Node, _on_put_shard, _small  # one loopback swarm's helpers
+from tests.integration.test_ranges_round import Node, _on_put_shard, _small, holders  # one loopback swarm's helpers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -67,26 +67,8 @@ TIMINGS = RoundTimings(deadline_s=14.0, grace_s=2.0, poll_s=0.1, ttl_s=60)
 @pytest.fixture(scope="module")
 def swarm():
     cfg = _small("exact")
-    nodes: list[Node] = []
-    try:
-        first = SwarmDHT()  # every DHT node first: hivemind forks, and no gRPC thread may exist when it does
-        nodes.append(Node(first, PayloadStore(), ClientPool(timeout_s=5.0)))
-        for _ in range(M - 1):
-            nodes.append(
-                Node(SwarmDHT(initial_peers=first.visible_maddrs()), PayloadStore(), ClientPool(timeout_s=5.0))
-            )
-        for i, node in enumerate(nodes):
-            node.dht.set_run("voted-round-test", cfg.stages)
-            node.server = PeerServer(PeerService(cfg, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
-            node.shard = i
-            node.present()
+    with holders(cfg, "voted-round-test") as nodes:
         yield cfg, nodes
-    finally:
-        for node in nodes:
-            if node.server is not None:
-                node.server.stop(grace_s=0.5)
-            node.clients.close()
-            node.dht.shutdown()
 
 
 def _shapes(cfg):
