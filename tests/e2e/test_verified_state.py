@@ -34,7 +34,7 @@ from tests.e2e.cli_swarm import DEADLINES
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "NUMBA_CPU_NAME": "generic"}
-T = 12
+T = 16
 HONEST: dict[str, dict] = {}  # the first test's rounds, the second test's baseline
 # The outer step exported live, early: the exports from the peers' folders and the transformers check
 # then run while the swarm trains on. Peers checkpoint every EXPORT_AT rounds and keep them all.
@@ -46,8 +46,8 @@ CHECKPOINTS = {
 }
 
 
-def _mixed_swarm(swarm_factory, deadlines: dict[str, str] | None = None, outer_steps: int = T):
-    sw = swarm_factory(outer_steps=outer_steps, deadlines=deadlines)
+def _mixed_swarm(swarm_factory, deadlines: dict[str, str] | None = None):
+    sw = swarm_factory(outer_steps=T, deadlines=deadlines)
     sw.join("s1", "--stage", "1", "--precision", "bf16")
     sw.wait_for(lambda: sw.events("s1", "start"))
     sw.join("full", "--full-replica", extra_env=OTHER_KERNELS)
@@ -167,9 +167,7 @@ def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(s
 
 
 def test_a_holder_that_forges_its_state_is_refused_and_never_adopted(swarm_factory):
-    # twice the rounds: the forger starts after the head's first step and needs 15-20 s to come up on a loaded
-    # machine, by when a T-round swarm (about 1.5 s a round) has nearly finished; the first T rounds are compared
-    sw = _mixed_swarm(swarm_factory, outer_steps=2 * T)
+    sw = _mixed_swarm(swarm_factory)
     sw.wait_for(lambda: sw.events("head", "step"))  # the head has claimed the honest stage-1 peer
     sw.join("forger", "--stage", "1", module="tests.e2e.forger")
     sw.wait_for(lambda: sw.events("forger", "start"))
