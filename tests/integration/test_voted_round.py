@@ -29,9 +29,6 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.model.decoder import stage_shapes
-from peer.core.sparseloco.commit import commit_summed
-from peer.core.sparseloco.ranges import assemble, n_ranges_for, n_units, plan_ranges, shard_delta
 from peer.core.sparseloco.ranges.owner import Shard
 from peer.core.sparseloco.ranges.voted import voted_keep
 from peer.core.sparseloco.ranges.voted_range import (
@@ -49,19 +46,25 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.range_records import RosterRecord, ShardsRecord
 from peer.net.transport.server import PeerServer
-from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges.ownership import owners
 from peer.node.round.ranges.voted import VotedResult, gather_voted, sent_adjustment
 from peer.node.round.refusals import Refusals
 from peer.node.service import PeerService
-from tests.integration.test_ranges_round import Node, _on_put_shard, _small, holders  # one loopback swarm's helpers
+from tests.integration.test_ranges_round import (  # one loopback swarm's helpers
+    STAGE,
+    TIMINGS,
+    M,
+    Node,
+    _on_put_shard,
+    _plan,
+    _shapes,
+    _small,
+    holders,
+)
+from tests.integration.test_ranges_round import _check_agreed as _agreed_ranges
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-M = 8
-STAGE = 1
-TIMINGS = RoundTimings(deadline_s=14.0, grace_s=2.0, poll_s=0.1, ttl_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +72,6 @@ def swarm():
     cfg = _small("exact")
     with holders(cfg, "voted-round-test") as nodes:
         yield cfg, nodes
-
-
-def _shapes(cfg):
-    return stage_shapes(cfg.model, STAGE, cfg.stages)
-
-
-def _plan(cfg):
-    shapes = _shapes(cfg)
-    return plan_ranges(shapes, cfg.sparseloco.chunk, n_ranges_for(M, n_units(shapes, cfg.sparseloco.chunk)))
 
 
 def _errors(cfg, seed: int) -> dict[str, torch.Tensor]:
@@ -120,27 +114,11 @@ def _reference(cfg, results: list[VotedResult], nodes: list[Node], t: int) -> di
     return out
 
 
-def _committed(cfg, result: VotedResult) -> str:
-    shapes = _shapes(cfg)
-    gen = torch.Generator().manual_seed(7)
-    start = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
-    summed = assemble(_plan(cfg), {r: shard_delta(s) for r, s in result.parsed.items()}, shapes)
-    done = commit_summed(start, None, summed, cfg.sparseloco, None)
-    digest = hashlib.sha256()
-    for name in shapes:
-        digest.update(done.params[name].numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _check_agreed(cfg, results: list[VotedResult]) -> None:
-    first = results[0]
-    assert first.roster is not None and first.complete, first
-    for result in results:
-        assert result.complete and not result.timed_out
-        assert result.roster == first.roster
-        assert result.shards == first.shards  # the same bytes of every range's mean
-        assert result.supports == first.supports
-    assert len({_committed(cfg, r) for r in results}) == 1
+    """The ranges round's agreement (one roster, the same bytes of every range's mean, one committed state) and
+    the same support of every range."""
+    _agreed_ranges(cfg, results)
+    assert all(result.supports == results[0].supports for result in results)
 
 
 def test_eight_holders_commit_the_mean_the_core_computes(swarm):

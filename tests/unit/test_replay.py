@@ -318,6 +318,27 @@ def test_a_holder_whose_commit_was_overtaken_goes_back_one_round_and_replays_on(
     assert worker.outer_step == 4 and worker.state_id() == history.state(0)
 
 
+def test_a_holder_whose_lone_commits_the_swarm_never_took_starts_over_from_the_initial_state(history):
+    """Its last two rounds it committed alone (a partition, a freeze), publishing their links: the only link
+    from the state its last round started from is its own, back to where it is. Going back one round
+    replayed that link on every try (`peer bench chaos`: a stage peer stuck 270 s); back there once, it
+    replays the swarm's history from the initial state on the next try."""
+    board = Board(history)
+    _honest(board, history)
+    resync = _resync(board, history, {f"R{i}": {"kind": "full", "outer_step": 4} for i in range(3)})
+    worker = StageWorker(CFG, 0)
+    _replayer(board, history, Refusals()).run(worker, 1)
+    rid = history.replicas[0]
+    for t in (1, 2):
+        prev, alone = worker.state_id(), history.payloads[(t, 0, rid)]
+        worker.apply_round([Payload.from_bytes(alone)], None, [rid])
+        board.link("me", Link(t, prev, worker.state_id(), (entry(rid, payload_id(alone)),)), 0)
+    assert worker.outer_step == 3 and worker.state_id() != history.links[(2, 0)].state and worker.verified
+    board.holders = {"H1": {"outer_step": 4, "state_id": history.state(0), "address": "H1:1"}}  # the stage went on
+    assert resync.sync_state(worker, "round 3 committed elsewhere", keep_errors=True, wait_s=5)
+    assert worker.outer_step == 4 and worker.state_id() == history.state(0)
+
+
 ATTESTER = "Qm" + "A" * 44
 
 

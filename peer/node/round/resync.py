@@ -83,6 +83,7 @@ class Resync:
             cfg, ctx.dht, ctx.clients, ctx.store, ctx.me.peer_id, ctx.refusals, ctx.metrics, ctx.publish
         )
         self.replayed: list[Replayed] = []  # every replay of this run (rounds, bytes, seconds)
+        self.rewound: dict[tuple[int, int, str, str], None] = {}  # (stage, t, prev, ours) we went back from
 
     def clock(self) -> int:
         """The swarm's outer step: the lower median of the other live replicas' (`swarm_clock`)."""
@@ -242,10 +243,11 @@ class Resync:
         initial: bool = True,
     ) -> None:
         """Put `worker` on the state the replay starts from (sync_state's docstring): our own state
-        when a link goes on from it; else, when our last commit was overtaken, the state we committed
-        it from (`StageState.rewind`); else the canonical initial state when the window reaches back
-        to it — unless `initial` is off (an attester's state was loaded in this sync because the
-        rounds from the initial state could not be had: their links can outlive their payloads).
+        when a link goes on from it; else, when our last commit was overtaken (another state was
+        committed from the same one), the state we committed it from (`StageState.rewind`); else the
+        canonical initial state when the window reaches back to it — unless `initial` is off (an
+        attester's state was loaded in this sync because the rounds from the initial state could not
+        be had: their links can outlive their payloads).
         None of them: our own state (the replay then says why it cannot go on)."""
         stage, held = worker.stage, worker.state_id()
         if worker.outer_step == 0 and worker.verified and held == worker.initial_state_id:
@@ -254,11 +256,29 @@ class Resync:
             if worker.outer_step >= clock or replayer.has_links_from(worker.outer_step, stage, held):
                 return
             prev = worker.ledger.prev
-            if prev is not None and replayer.has_links_from(prev.t, stage, prev.state) and worker.rewind():
+            if prev is not None and self._may_rewind(replayer, stage, prev.t, prev.state, held) and worker.rewind():
                 log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
                 return
         if not worker.verified or (initial and replayer.has_links_from(0, stage, worker.initial_state_id)):
             self._reset_initial(worker, keep_errors, reason)
+
+    def _may_rewind(self, replayer: Replayer, stage: int, t: int, prev: str, held: str) -> bool:
+        """Whether to go back to `prev`, the state our round t started from: when a link of round t leads
+        from it to another state than ours (our commit was overtaken), or to ours the first time only
+        (the others' links may not be published yet). Back at our own state by our own link a second
+        time is a loop — it kept a holder whose lone commits the swarm never took stuck for 270 s in
+        `peer bench chaos`, until it was killed — so it starts over from the initial state instead."""
+        if replayer.has_links_from(t, stage, prev, other_than=held):
+            return True
+        if not replayer.has_links_from(t, stage, prev):
+            return False
+        key = (stage, t, prev, held)
+        if key in self.rewound:
+            return False
+        self.rewound[key] = None
+        while len(self.rewound) > 64:
+            del self.rewound[next(iter(self.rewound))]
+        return True
 
     def _at_frontier(self, worker: StageWorker) -> bool:
         """Whether our checked state is as far as the stage has gone: no live holder of the stage
