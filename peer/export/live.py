@@ -84,8 +84,9 @@ def pick_step(claims: Mapping[int, Collection[Claim]], clock: int, wanted: int |
     for s, stage_claims in sorted(claims.items()):
         if wanted is not None:
             stage_claims = [_back_to(c, wanted) for c in stage_claims]
-        if wanted is not None and stage_claims and min(c.outer_step for c in stage_claims) > wanted:
-            return Pick(refuse=_past(s, wanted, min(c.outer_step for c in stage_claims)))
+            lowest = min((c.outer_step for c in stage_claims), default=wanted)
+            if lowest > wanted:
+                return Pick(refuse=_past(s, wanted, lowest))
         if not stage_claims:
             return Pick(wait=f"stage {s} has no live holder")
         win = majority(stage_claims, clock)

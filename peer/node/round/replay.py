@@ -226,11 +226,14 @@ class Replayer:
     ) -> None:
         self.cfg, self.dht, self.fetcher, self.refusals = cfg, dht, fetcher, refusals
 
-    def has_links_from(self, t: int, stage: int, prev: str, other_than: str = "") -> bool:
-        """Whether some holder published a link of round (t, stage) from state `prev` (to a state other
-        than `other_than`: our own commit's link leads nowhere new)."""
+    def has_links_from(self, t: int, stage: int, prev: str) -> bool:
+        """Whether some holder published a link of round (t, stage) from state `prev`."""
+        return bool(self.states_linked_from(t, stage, prev))
+
+    def states_linked_from(self, t: int, stage: int, prev: str) -> set[str]:
+        """The states that holders' published links of round (t, stage) lead to from state `prev`."""
         links = self.dht.get_round("chain", t, stage, parse_chain)
-        return any(c.link.state != other_than for c in candidates(links, t, prev, self.refusals.peers()))
+        return {c.link.state for c in candidates(links, t, prev, self.refusals.peers())}
 
     def run(self, worker: StageState, until: int, stop: threading.Event | None = None) -> Replayed:
         """Replay rounds onto `worker` until its outer step is `until`, no link can be checked, or

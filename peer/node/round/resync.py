@@ -268,9 +268,10 @@ class Resync:
         (the others' links may not be published yet). Back at our own state by our own link a second
         time is a loop — it kept a holder whose lone commits the swarm never took stuck for 270 s in
         `peer bench chaos`, until it was killed — so it starts over from the initial state instead."""
-        if replayer.has_links_from(t, stage, prev, other_than=held):
+        linked = replayer.states_linked_from(t, stage, prev)  # one DHT read
+        if linked - {held}:
             return True
-        if not replayer.has_links_from(t, stage, prev):
+        if not linked:
             return False
         key = (stage, t, prev, held)
         if key in self.rewound:
