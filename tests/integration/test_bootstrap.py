@@ -334,8 +334,9 @@ def test_status_without_manifest_fails_with_one_line(reap_children):
             collect_status(empty, timeout_s=1.0, where=maddr)
         assert "\n" not in str(caught.value) and "--initial-peers" in str(caught.value)
         t0 = time.monotonic()
+        # --timeout-s bounds the DHT's start too: 2 s was too short for a loaded CI machine (stop 48)
         proc = subprocess.run(
-            [*PEER, "status", "--initial-peers", maddr, "--timeout-s", "2"], capture_output=True, text=True, timeout=60
+            [*PEER, "status", "--initial-peers", maddr, "--timeout-s", "8"], capture_output=True, text=True, timeout=60
         )
     assert proc.returncode == 2, proc.stderr
     text = " ".join(proc.stderr.split())  # rich may wrap the one-line message at the terminal width
