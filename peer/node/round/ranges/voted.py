@@ -231,10 +231,11 @@ class _VotedRound(_RangesRound):
         }
 
     # ------------------------------------------------------------------ 4. means
-    def _values_roster(self, roster: Roster, stop: threading.Event | None, needed: bool) -> Roster:
+    def _values_roster(
+        self, roster: Roster, stop: threading.Event | None, needed: bool, shard_deadline: float
+    ) -> Roster:
         """The roster with each member's root replaced by its values root (\"\" where none was read):
         an owner waits for every member's record up to the phase's shard deadline."""
-        shard_deadline, _ = self._deadlines()
         roots: dict[str, str] = {}
         while True:
             try:
@@ -251,9 +252,18 @@ class _VotedRound(_RangesRound):
         return Roster(roster.digest, roster.ranges, entries)
 
     def _means(self, roster: Roster, supports: Mapping[int, RangeShard[Support]], stop: threading.Event | None) -> None:
-        """Publish the mean shards of our ranges, then resolve one per wanted range (module docstring)."""
+        """Publish the mean shards of our ranges, then resolve one per wanted range (module docstring).
+
+        An owner may wait for values records up to the phase's shard deadline and then fetch and publish,
+        so a holder counts a silent owner as gone only half a shard window after it: at the shard deadline
+        itself a holder that saw one owner's mean would take it while one that also saw its co-owner's
+        (which counted a values record the first had not read) would arbitrate and pick the fuller one."""
+        start = time.monotonic()
+        values_deadline, hard = self._deadlines()
+        fence = values_deadline + (values_deadline - start) / 2
+        deadlines = (fence, max(hard, fence + self.timings.grace_s))
         mine = [r for r in self._mine(roster) if r in supports]
-        vroster = self._values_roster(roster, stop, needed=bool(mine))
+        vroster = self._values_roster(roster, stop, needed=bool(mine), shard_deadline=values_deadline)
         fetcher = RangeFetcher(
             self.clients, self.store, self.me, self.t, self.stage, self.plan, replace(self.cfg, quant_bits=0),
             self.timings.rpc_s, self.voted.fetched, self.backups,
@@ -271,7 +281,7 @@ class _VotedRound(_RangesRound):
             self.publish("shards", vroster, mine, fetcher, make)
         resolver = self._resolver(fetcher, self.voted.wanted)
         resolver.aggregate = make
-        resolver.run(vroster, lambda: None, stop, self._deadlines())
+        resolver.run(vroster, lambda: None, stop, deadlines)
         self.voted.refused += resolver.refused
         self.voted.computed = resolver.computed
         self.voted.shards = resolver.shards
