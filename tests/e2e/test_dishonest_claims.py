@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from tests.e2e.cli_swarm import DEADLINES, Swarm, join_with_attackers
+from tests.e2e.cli_swarm import DEADLINES, LONG_ROUNDS, Swarm, join_with_attackers
 
 pytestmark = [pytest.mark.e2e]
 
@@ -115,10 +115,7 @@ CENSORS = {  # variant: the attacker's env
     "last-at-once": {"ATTACK_TARGET": "last", "ATTACK_DELAY_S": "0"},
     "full-late": {"ATTACK_TARGET": "full", "ATTACK_DELAY_S": "1"},  # a round takes ~1.3 s here: after the commits
 }
-# A censor is proven only by a claim seen more than the grace (6 s here) before the round's earliest deadline: with
-# DEADLINES' 10 s, a loaded 2-core machine saw the late censor's claims of all 5 rounds past that fence (ci3, ci4).
-# Honest rounds here close complete, long before any deadline, so a longer one costs nothing.
-CENSOR_DEADLINES = DEADLINES | {"PEER_SWARM__ROUND_TIMEOUT_S": "30"}
+CENSOR_DEADLINES = DEADLINES | LONG_ROUNDS  # DEADLINES' 10 s: the late censor's 5 claims were seen too late (ci3, ci4)
 
 
 @pytest.mark.timeout(240)

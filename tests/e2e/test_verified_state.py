@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 
-from tests.e2e.cli_swarm import DEADLINES
+from tests.e2e.cli_swarm import DEADLINES, LONG_ROUNDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -139,10 +139,7 @@ def _matches_the_swarms_validation_loss(sw, folder) -> None:
 
 
 def test_a_full_replica_on_other_kernels_holds_the_pipelines_state_every_round(swarm_factory):
-    # a 30 s round deadline: the full replica on torch's default kernels, in fp32, once took longer than 10 s past
-    # the head's announcements for its first outer step on a loaded CI machine (stop 49's pre-check), and re-synced;
-    # rounds whose payloads all arrive close complete, so a longer deadline costs nothing here
-    sw = _mixed_swarm(swarm_factory, CHECKPOINTS | {"PEER_SWARM__ROUND_TIMEOUT_S": "30"})
+    sw = _mixed_swarm(swarm_factory, CHECKPOINTS | LONG_ROUNDS)  # the full replica on default kernels is slow
     _export(sw, "export-live", "--initial-peers", sw.maddr, "--timeout-s", "240")
     assert sw.wait_exit("export-live", timeout_s=300) == 0, sw.log("export-live")
     _export(sw, "export-replica", str(sw.tmp / "full"))
