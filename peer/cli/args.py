@@ -345,12 +345,6 @@ class PlanArgs:
         "the portable commit measured on a 2-core VM; the node commits on the CPU today).",
     )
     commit_gbps: float | None = o.flag(None, "The commit device's bytes/s in GB/s (default: the device's figure).")
-    screening: bool = o.flag(
-        True,
-        "The run screens outliers (`sparseloco.screening`, the default): a later stage fetches stage 0's payloads "
-        "whole; --no-screening (the paper's rule): only their embedding views.",
-        "--screening/--no-screening",
-    )
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 12  # 12: the voted round (supports and values records), the default from 14 contributions
+PROTOCOL_VERSION = 13  # 13: outlier screening by sections (the embedding apart): later stages read stage 0 as views
+# 12: the voted round (supports and values records), the default from 14 contributions
 # 10: a payload's id is a hash over its sections; GetPayload kind EMBED (embedding views)
 # 9: claims checked before adopted (issue 34: FOLLOW's omission rule, forged entries, T⊥ set)
 # 8: the round's rule is the manifest's (sparseloco.screening; dense_1d false commits 1-D top-k)

@@ -1,8 +1,8 @@
 """A later stage's holder reads stage 0's round as embedding views: real hivemind DHT nodes and
 PeerServers on 127.0.0.1 (docs/protocol.md, "Embedding views").
 
-A holder of stage 1 observes stage 0's round for its T⊥ (sparseloco.screening off: u reads each
-payload's embedding entry and norm alone). It fetches each stage-0 payload's view — a third of the
+A holder of stage 1 observes stage 0's round for its T⊥ (u reads each payload's embedding entry and
+norm alone: the outlier screening, on as by default, screens the embedding apart). It fetches each stage-0 payload's view — a third of the
 payload at the tiny preset — from the sender or, once the sender is gone, from a stage-0 holder that
 fetched the payload whole; it computes the same u, bit for bit, as stage 0's holders commit from
 the whole payloads. A view that does not prove its announced id is refused; a payload whose view
@@ -44,7 +44,7 @@ from tests.round_helpers import round_context
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TIMINGS = RoundTimings(8.0, poll_s=0.1, ttl_s=60)
-CFG = build_config(overrides={"sparseloco.screening": False}, environ={})
+CFG = build_config(environ={})
 SHAPES0 = stage_shapes(CFG.model, 0, CFG.stages)
 
 
@@ -116,7 +116,7 @@ def _announce(node: Node, data: bytes, announced: str | None = None) -> None:
 
 
 def _observe(node: Node, refusals: Refusals | None = None) -> RoundResult:
-    """Stage 0's round as a holder of stage 1 reads it (`round_reading`: views, screening off)."""
+    """Stage 0's round as a holder of stage 1 reads it (`round_reading`: views)."""
     ctx = round_context(node.dht, node.clients, node.store, node.address, refusals=refusals, cfg=CFG)
     return gather_round(ctx, 0, 0, TIMINGS, RoundInputs(validate=view_validator(SHAPES0, CFG.sparseloco)))
 

@@ -9,8 +9,8 @@ all-to-all) and by ranges: after each round the head and the full replicas hold 
 moves by stage 0's embedding change read from the shards of the embedding's ranges alone (a full
 replica takes it from its own stage-0 commit), so the same state id means the same bits of u. A
 state adopted without its link reads round t − 1's size, hence the rule, from the stage's claims.
-The same swarm all-to-all with outlier screening off: the stage peer reads stage 0's payloads as
-embedding views (docs/protocol.md, "Embedding views") and still holds the full replicas' stage-1 state.
+The same swarm all-to-all (outlier screening on, as by default): the stage peer reads stage 0's
+payloads as embedding views (docs/protocol.md, "Embedding views") and still holds the full replicas' stage-1 state.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def mixed(tmp_path, reap_children, request):
 
 @pytest.fixture
 def views(tmp_path, reap_children):
-    """The same four peers, all-to-all, outlier screening off: stage 0's change is read from views."""
-    yield from _swarm(tmp_path, build_config(overrides={"sparseloco.screening": False}, environ={}), round_rule="all")
+    """The same four peers, all-to-all (screening on, the default): stage 0's change is read from views."""
+    cfg = build_config(environ={})
+    assert cfg.sparseloco.screening
+    yield from _swarm(tmp_path, cfg, round_rule="all")
 
 
 def _swarm(tmp_path, cfg, round_rule: str):
@@ -171,7 +173,7 @@ def test_a_pipeline_and_full_replicas_follow_each_stages_rule_with_one_state_per
 
 
 def test_a_stage_peer_reads_stage_0_as_embedding_views_and_holds_the_same_state(views):
-    """All-to-all with sparseloco.screening off: the stage peer fetches each stage-0 payload's
+    """All-to-all, outlier screening on: the stage peer fetches each stage-0 payload's
     embedding view (`peer.core.sparseloco.codec.sections`) instead of the payload, and after every round
     its stage-1 state — T⊥ moved by u from the views — is the full replicas' (u from whole payloads)."""
     cfg, (head, stage_peer, *fulls) = views

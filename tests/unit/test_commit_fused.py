@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -19,7 +20,7 @@ import torch
 from peer.core.sparseloco import consensus, robust
 from peer.core.sparseloco.algorithm import aggregate, compress, decompress, screen_rows
 from peer.core.sparseloco.codec import kernels as pk
-from peer.core.sparseloco.codec.clip import clip_to_median
+from peer.core.sparseloco.codec.clip import clip_to_median, global_norm
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.codec.scratch import ACCUMULATORS, BufferPool
 from peer.core.sparseloco.commit import commit_state, embedding_update, robust_aggregate
@@ -78,13 +79,23 @@ def dense_scores(decoded, voters) -> list[float]:
 
 
 def dense_robust_aggregate(decoded, cfg, rcfg=robust.DEFAULT, keys=None, monkeypatch=None):
-    """robust_aggregate before issue 24: clip_to_median, screen with `dense_scores`, aggregate."""
+    """robust_aggregate before issue 24, by sections: clip_to_median by whole norms, then per section (the
+    embedding, the rest) screen with `dense_scores` and that section's norms, aggregate what it kept."""
     clipped, clip = clip_to_median(decoded, cfg.clip_median_factor)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(robust, "consensus_scores", dense_scores)
-        screened = robust.screen(clipped, clip.norms, rcfg, keys)
-    kept = [d for i, d in enumerate(clipped) if i not in set(screened.dropped)]
-    return aggregate(kept, len(kept), cfg.aggregation), clip, screened
+    summed, screens = {}, {}
+    for section in robust.sections({n for d in decoded for n in d}):
+        norms = [global_norm({n: t for n, t in d.items() if n in section}) for d in decoded]
+        norms = [n if math.isfinite(w) else math.nan for n, w in zip(norms, clip.norms, strict=True)]
+        parts = [{n: t for n, t in d.items() if n in section} for d in clipped]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(robust, "consensus_scores", dense_scores)
+            screens[section] = robust.screen(parts, norms, rcfg, keys)
+        kept = [p for i, p in enumerate(parts) if i not in set(screens[section].dropped)]
+        summed.update(aggregate(kept, len(kept), cfg.aggregation))
+    embedding = screens.pop((EMBED,), None)
+    rest = next(iter(screens.values()), embedding)
+    summed = {n: summed[n] for n in dict.fromkeys(n for d in decoded for n in d)}  # as one aggregate names them
+    return summed, clip, rest if embedding is None else dataclasses.replace(rest, embedding=embedding)
 
 
 # ------------------------------------------------------------------ rounds

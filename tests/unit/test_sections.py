@@ -9,6 +9,7 @@ be the very bits stage 0's holders commit from the whole payloads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import struct
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco.algorithm import compress, decompress
 from peer.core.sparseloco.codec.clip import payload_norm
 from peer.core.sparseloco.codec.format import HEADER_NBYTES, Payload, PayloadError, SparseLoCoConfig, entry_nbytes
 from peer.core.sparseloco.codec.sections import (
@@ -31,7 +32,7 @@ from peer.core.sparseloco.codec.sections import (
     view_bytes,
     view_nbytes,
 )
-from peer.core.sparseloco.commit import commit_state, embed_from_views, embedding_update
+from peer.core.sparseloco.commit import commit_state, embedding_update
 from peer.core.subspace.state import EMBED
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "sparseloco_payload_v3.bin"
@@ -142,10 +143,37 @@ def test_u_from_views_is_the_bits_stage_0_commits_from_whole_payloads(aggregatio
     assert np.array_equal(u.numpy().view(np.int32), stage0.embed_update.numpy().view(np.int32))
 
 
-def test_views_are_refused_where_screening_reads_every_tensor():
+def _agreeing(seed: int, cfg: SparseLoCoConfig, times: dict[str, float]) -> Payload:
+    """One of a round's honest payloads around a shared direction, its tensors `times` larger."""
+    common, own = torch.Generator().manual_seed(0), torch.Generator().manual_seed(seed)
+    dense = {
+        n: (torch.randn(shape, generator=common) + 0.5 * torch.randn(shape, generator=own)) * 1e-2 * times.get(n, 1.0)
+        for n, shape in SHAPES.items()
+    }
+    return compress(dense, None, cfg)[0]
+
+
+def test_with_screening_on_the_embedding_is_screened_apart_and_views_give_stage_0s_u():
+    """Contribution 1's embedding and contribution 3's blocks are norm outliers: each is dropped from
+    its own section only, the fused and dense commits agree, and u from views is stage 0's u."""
     cfg = SparseLoCoConfig(screening=True)
-    assert embed_from_views(CFG) and not embed_from_views(cfg)
-    payloads = [_payload(20 + i, cfg=cfg) for i in range(3)]
+    big = {1: {EMBED: 100.0}, 3: {n: 100.0 for n in SHAPES if n != EMBED}}
+    payloads = [_agreeing(30 + i, cfg, big.get(i, {})) for i in range(6)]
+    keys = [f"r{i}" for i in range(6)]
+    start = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    fused = commit_state(start, None, payloads, cfg, None, keys=keys)
+    dense = commit_state(start, None, [decompress(p) for p in payloads], cfg, None, keys=keys)
+    screened = fused.commit.screen
+    assert screened.embedding is not None and screened.embedding.dropped == (1,) and screened.dropped == (3,)
+    assert fused.commit.dropped == (1, 3) == dense.commit.dropped  # outliers of the round (what bans count)
+    assert all(torch.equal(fused.params[n], dense.params[n]) for n in SHAPES)
     views = [read_view(view_bytes(p.to_bytes(), p), cfg, MAX) for p in payloads]
-    with pytest.raises(ValueError, match="screening"):
-        embedding_update([v.payload for v in views], cfg, norms=[v.norm for v in views])
+    u = embedding_update([v.payload for v in views], cfg, keys=keys, norms=[v.norm for v in views])
+    assert fused.commit.embed_update is not None
+    assert np.array_equal(u.numpy().view(np.int32), fused.commit.embed_update.numpy().view(np.int32))
+    # each section keeps what it did not drop: contribution 1's blocks are in Δ̄, its embedding is not
+    unscreened = commit_state(start, None, payloads, dataclasses.replace(cfg, screening=False), None, keys=keys)
+    assert not torch.equal(unscreened.params[EMBED], fused.params[EMBED])
+    others = [i for i in range(6) if i != 3]
+    without_3 = commit_state(start, None, [payloads[i] for i in others], cfg, None, keys=[keys[i] for i in others])
+    assert not torch.equal(without_3.params[EMBED], fused.params[EMBED])  # 3's embedding was kept

@@ -175,14 +175,18 @@ def decompress(payload: Payload, out: Mapping[str, Tensor] | None = None) -> dic
 
 
 def screen_rows(
-    payloads: Sequence[Payload], voters: Sequence[int], scales: Sequence[float | None]
+    payloads: Sequence[Payload],
+    voters: Sequence[int],
+    scales: Sequence[float | None],
+    names: Collection[str] | None = None,
 ) -> list[tuple[int, Callable[[], SparseRows]]]:
     """The voters' clipped Δ̂ tensor by tensor, as `peer.core.sparseloco.consensus.sparse_consensus_scores`
     reads them: per tensor, in name order, (numel, a loader of per voter (flat positions, values ×
     scale) or None where it lacks the tensor). Exactly the non-zero-bit entries of
     clip_to_median(decompress(p)) and no more: a loader decodes one tensor's positions of every voter
-    when it is called (on whichever thread scores that tensor), never a dense copy."""
-    by_name = [{e.name: e for e in payloads[i].entries} for i in voters]
+    when it is called (on whichever thread scores that tensor), never a dense copy. `names`: those
+    tensors only (a screening section, `peer.core.sparseloco.robust.sections`)."""
+    by_name = [{e.name: e for e in payloads[i].entries if names is None or e.name in names} for i in voters]
     out: list[tuple[int, Callable[[], SparseRows]]] = []
     for name in sorted({n for entries in by_name for n in entries}):
         shapes = {tuple(entries[name].shape) for entries in by_name if name in entries}

@@ -2,9 +2,10 @@
 
     Δ̂_i    = decode(payload_i)                          integer unranking, codebook lookups
     Δ̂_i   ← Δ̂_i · min(1, c·med/‖Δ̂_i‖)                   clip to the round's median norm (codec.clip)
-    keep    = screen(Δ̂)                                  drop outliers (peer.core.sparseloco.robust), when
-                                                          `sparseloco.screening` (`screening_rule`)
-    Δ̄      = aggregate(Δ̂_i, i ∈ keep)                   in commit order ("mean-over-all" or
+    keep_σ  = screen(Δ̂[σ])                               drop outliers (peer.core.sparseloco.robust), when
+                                                          `sparseloco.screening` (`screening_rule`), per
+                                                          section σ: the embedding, the rest
+    Δ̄[σ]   = aggregate(Δ̂_i[σ], i ∈ keep_σ)              in commit order ("mean-over-all" or
                                                           "mean-over-contributors")
     θ      = θ_start + fl32(fl32(−η)·Δ̄)                 every parameter but the embedding
     u      = fl32(fl32(−η)·Δ̄[embed])                     the embedding's change
@@ -55,8 +56,11 @@ leaves θ = θ_start (T⊥ still decays, and moves with stage 0's change).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,7 +69,7 @@ from peer.core.model.decoder import Decoder
 from peer.core.model.optim import TrainConfig, decoupled_decay
 from peer.core.model.state import StateHasher
 from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, decompress, screen_rows
-from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, payload_norms
+from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, global_norm, payload_norms
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.codec.fused import n_workers
 from peer.core.sparseloco.codec.scratch import ACCUMULATORS
@@ -73,7 +77,7 @@ from peer.core.sparseloco.consensus import sparse_consensus_scores
 from peer.core.sparseloco.elementwise import Device, copied, scaled, stepped
 from peer.core.sparseloco.portable import check_denormals
 from peer.core.sparseloco.robust import DEFAULT as ROBUST
-from peer.core.sparseloco.robust import OFF, RobustConfig, Screen, screen, screen_scored
+from peer.core.sparseloco.robust import NOTHING, OFF, RobustConfig, Screen, screen, screen_scored, sections
 from peer.core.subspace.compression import embedding_outer_update, perp_outer_update
 from peer.core.subspace.state import EMBED, perp_of, set_perp
 
@@ -86,7 +90,6 @@ __all__ = [
     "RoundCommit",
     "commit_round",
     "commit_state",
-    "embed_from_views",
     "embedding_update",
     "outer_delta",
     "perp_decay",
@@ -98,8 +101,8 @@ __all__ = [
 @dataclass(frozen=True)
 class RoundCommit:
     """What committing one stage's round did: the clip stats, the outliers dropped (positions in
-    the committed list, `screen.dropped`) and, when the stage holds the embedding, its committed
-    change u = −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
+    the committed list, from any section: `dropped`; by section: `screen`) and, when the stage holds
+    the embedding, its committed change u = −η·Δ̄[embed.weight] (the T⊥ update of every other stage)."""
 
     clip: ClipStats
     embed_update: Tensor | None = None
@@ -107,7 +110,7 @@ class RoundCommit:
 
     @property
     def dropped(self) -> tuple[int, ...]:
-        return self.screen.dropped
+        return self.screen.outliers
 
 
 NO_CLIP = ClipStats(0, (), 0.0, 0.0)
@@ -145,14 +148,6 @@ def screening_rule(cfg: SparseLoCoConfig) -> RobustConfig:
     return ROBUST if cfg.screening else OFF
 
 
-def embed_from_views(cfg: SparseLoCoConfig) -> bool:
-    """Whether stage 0's committed embedding change is a function of each payload's embedding entry
-    and whole norm alone (`embedding_update` with `norms`; a payload's view carries exactly those,
-    `peer.core.sparseloco.codec.sections`): yes unless outlier screening is on, whose scores read every
-    tensor of every contribution."""
-    return not screening_rule(cfg).enabled
-
-
 def robust_aggregate(
     decoded: Sequence[Contribution],
     cfg: SparseLoCoConfig,
@@ -164,17 +159,21 @@ def robust_aggregate(
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
 
-    With nothing dropped this is aggregate(clip_to_median(decoded), len(decoded)), bit for bit.
+    Clipping reads each contribution's whole norm; the screening runs by sections
+    (`peer.core.sparseloco.robust.sections`: the embedding apart from the rest, each with its own
+    norms and consensus) and each section's Δ̄ sums the contributions that section kept. With
+    nothing dropped this is aggregate(clip_to_median(decoded), len(decoded)), bit for bit.
     Contributions that are all payloads take the fused path (`_fused_aggregate`: the same bits, no
-    dense Δ̂); `names` restricts Δ̄ (never the norms or the screening) to those tensors, and `out`
-    lends the fused path its accumulators (`peer.core.sparseloco.codec.scratch`: Δ̄ may then be those buffers).
-    `robust` None: the config's rule (`screening_rule`). `norms` (payloads only): each payload's
-    whole norm, given where the payloads hold only the `names` entries (views, `embed_from_views`:
-    never with screening on, which would score the part as if it were the whole).
+    dense Δ̂); `names` restricts Δ̄ (and the sections screened, never the clip) to those tensors, and
+    `out` lends the fused path its accumulators (`peer.core.sparseloco.codec.scratch`: Δ̄ may then be
+    those buffers). `robust` None: the config's rule (`screening_rule`). `norms` (payloads only):
+    each payload's whole norm, given where the payloads hold only the `names` entries (embedding
+    views, `peer.core.sparseloco.codec.sections`: the embedding's section is screened from its own
+    entry, so u needs nothing else).
     """
     robust = screening_rule(cfg) if robust is None else robust
-    if norms is not None and (robust.enabled or len(norms) != len(decoded)):
-        raise ValueError(f"{len(norms)} given norms for {len(decoded)} contributions, screening {robust.enabled}")
+    if norms is not None and len(norms) != len(decoded):
+        raise ValueError(f"{len(norms)} given norms for {len(decoded)} contributions")
     if decoded and all(isinstance(d, Payload) for d in decoded):
         payloads = [d for d in decoded if isinstance(d, Payload)]
         return _fused_aggregate(payloads, cfg, robust, keys, names, out, norms)
@@ -182,13 +181,48 @@ def robust_aggregate(
         raise ValueError("given norms need parsed payloads")
     dense = [decompress(d) if isinstance(d, Payload) else d for d in decoded]
     clipped, clip = clip_to_median(dense, cfg.clip_median_factor)
-    screened = screen(clipped, clip.norms, robust, keys)
-    if screened.dropped:
-        gone = set(screened.dropped)
-        clipped = [d for i, d in enumerate(clipped) if i not in gone]
-    if names is not None:
-        clipped = [{n: t for n, t in d.items() if n in names} for d in clipped]
-    return aggregate(clipped, len(clipped), cfg.aggregation), clip, screened
+    summed: dict[str, Tensor] = {}
+    screens: dict[tuple[str, ...], Screen] = {}
+    for section in _sections(dense, names):
+        part = [{n: t for n, t in d.items() if n in section} for d in dense]
+        section_norms = _voting(_norms(part), clip.norms)
+        screened = screen([{n: t for n, t in d.items() if n in section} for d in clipped], section_norms, robust, keys)
+        kept = [i for i in range(len(clipped)) if i not in set(screened.dropped)]
+        want = section if names is None else [n for n in section if n in names]
+        kept_parts = [{n: t for n, t in clipped[i].items() if n in want} for i in kept]
+        summed.update(aggregate(kept_parts, len(kept), cfg.aggregation))
+        screens[section] = screened
+    return _in_order(summed, dense), clip, _screen(screens)
+
+
+def _sections(contributions: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> list[tuple[str, ...]]:
+    """The screening sections of these contributions' tensors that hold one of `names` (None: all)."""
+    held = {n for d in contributions for n in d}
+    return [sec for sec in sections(held) if names is None or any(n in names for n in sec)]
+
+
+def _in_order(summed: dict[str, Tensor], contributions: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+    """Δ̄'s tensors in the order the contributions first name them (as one unsectioned aggregate)."""
+    order = dict.fromkeys(n for d in contributions for n in d)
+    return {n: summed[n] for n in order if n in summed}
+
+
+def _norms(parts: Sequence[Mapping[str, Tensor]]) -> list[float]:
+    return [global_norm(d) for d in parts]
+
+
+def _voting(section_norms: Sequence[float], whole_norms: Sequence[float]) -> list[float]:
+    """A section's norms for its screening, nan where the whole norm is not finite: clipping zeroed
+    that contribution, so it votes in no section (as it votes nowhere unsectioned)."""
+    return [n if math.isfinite(w) else math.nan for n, w in zip(section_norms, whole_norms, strict=True)]
+
+
+def _screen(screens: Mapping[tuple[str, ...], Screen]) -> Screen:
+    """One `Screen` of a round screened by sections: the rest's decision with the embedding's own (the
+    embedding's alone, as both, where the contributions hold nothing else: views)."""
+    embedding = screens.get((EMBED,))
+    rest = next((sc for sec, sc in screens.items() if sec != (EMBED,)), embedding or NOTHING)
+    return rest if embedding is None else dataclasses.replace(rest, embedding=embedding)
 
 
 def _fused_aggregate(
@@ -201,21 +235,30 @@ def _fused_aggregate(
     norms: Sequence[float] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """`robust_aggregate` of payloads, fused, the same bits: norms read off the values
-    (`payload_norm`; or given, the same floats), the screening's consensus over the clipped values at
-    their positions only (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody sends adds nothing), then the
-    kept payloads scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
+    (`payload_norm`; or given, the same floats), each section's screening consensus over the clipped
+    values at their positions only (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody
+    sends adds nothing), then the kept payloads scattered straight into one accumulator per tensor
+    (`aggregate_payloads`)."""
     norms = payload_norms(payloads) if norms is None else norms
     plan, clip = clip_plan(norms, cfg.clip_median_factor)
+    summed: dict[str, Tensor] = {}
+    screens: dict[tuple[str, ...], Screen] = {}
+    held = [{e.name: e for e in p.entries} for p in payloads]
+    one = len(sections({n for h in held for n in h})) == 1
+    for section in _sections(held, names):
+        # a stage without the embedding is one section: its norms are the whole norms, read already
+        section_norms = norms if one and EMBED not in section else _voting(payload_norms(payloads, section), norms)
 
-    def scores_of(voters: list[int]) -> list[float]:
-        return sparse_consensus_scores(screen_rows(payloads, voters, plan), len(voters))
+        def scores_of(voters: list[int], section: tuple[str, ...] = section) -> list[float]:
+            return sparse_consensus_scores(screen_rows(payloads, voters, plan, section), len(voters))
 
-    screened = screen_scored(scores_of, clip.norms, robust, keys)
-    kept = [i for i in range(len(payloads)) if i not in set(screened.dropped)]
-    summed = aggregate_payloads(
-        [payloads[i] for i in kept], len(kept), cfg.aggregation, [plan[i] for i in kept], names, out
-    )
-    return summed, clip, screened
+        screened = screen_scored(scores_of, section_norms, robust, keys)
+        kept = [i for i in range(len(payloads)) if i not in set(screened.dropped)]
+        want = section if names is None else [n for n in section if n in names]
+        kept_payloads, scales = [payloads[i] for i in kept], [plan[i] for i in kept]
+        summed.update(aggregate_payloads(kept_payloads, len(kept), cfg.aggregation, scales, want, out))
+        screens[section] = screened
+    return _in_order(summed, held), clip, _screen(screens)
 
 
 def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]:
@@ -407,9 +450,9 @@ def embedding_update(
     norms: Sequence[float] | None = None,
 ) -> Tensor:
     """Stage 0's committed change of embed.weight (fl32(−η·Δ̄)) for a holder that only observes
-    stage 0 (its payloads, fused, or decoded Δ̂). Clipped and screened exactly as `commit_state`
-    treats stage 0 (norms and scores over the whole contribution), so T⊥ moves by the same bits on
+    stage 0 (its payloads, fused, or decoded Δ̂). Clipped (by whole norms) and screened (the
+    embedding's section) exactly as `commit_state` treats stage 0, so T⊥ moves by the same bits on
     every stage. `norms`: the payloads' whole norms, when the payloads are views holding only the
-    embedding's entry (`embed_from_views`)."""
+    embedding's entry (`peer.core.sparseloco.codec.sections`)."""
     summed = robust_aggregate(decoded, cfg, robust, keys, names=(EMBED,), norms=norms)[0]
     return outer_delta(summed[EMBED], cfg.outer_lr)

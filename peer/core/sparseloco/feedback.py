@@ -16,7 +16,7 @@ fed back.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -24,19 +24,25 @@ from torch import Tensor
 from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.clip import ClipStats, clipped_mass
 from peer.core.sparseloco.codec.format import Payload
+from peer.core.sparseloco.robust import Screen
 
 
 def returned(
-    contribution: Payload | Mapping[str, Tensor], index: int, clip: ClipStats, dropped: Collection[int]
+    contribution: Payload | Mapping[str, Tensor], index: int, clip: ClipStats, screened: Screen
 ) -> dict[str, Tensor] | None:
-    """What a round returns to the sender of contribution `index` of its committed list: all of it
-    when screening dropped it (`dropped`: positions), what median clipping removed when its scale is
-    set (`clip.scales`), else None. A payload is decoded only when something returns."""
+    """What a round returns to the sender of contribution `index` of its committed list: each tensor
+    screening left out of the aggregate whole (`screened`, by sections: `Screen.dropped_names`), what
+    median clipping removed from the others when its scale is set (`clip.scales`), else None. A
+    payload is decoded only when something returns."""
     scale = clip.scales[index] if clip.scales else None
-    if index not in dropped and scale is None:
+    if index not in screened.outliers and scale is None:
         return None
     decoded = decompress(contribution) if isinstance(contribution, Payload) else contribution
-    return dict(decoded) if index in dropped else clipped_mass(decoded, scale)
+    left_out = screened.dropped_names(index, decoded)
+    kept = {n: t for n, t in decoded.items() if n not in left_out}
+    out = (clipped_mass(kept, scale) or {}) if kept else {}
+    out.update({n: decoded[n] for n in left_out})
+    return out or None
 
 
 def add_to_errors(

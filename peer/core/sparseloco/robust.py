@@ -20,6 +20,14 @@ zero (below −0.25 × the median once in 400), hence the absolute `floor` on th
 against the consensus, or a norm 10× the median, never happened in honest runs and catches a
 wrong-sign contribution at any scale (`peer.research.simulate.attacks`).
 
+Screened by sections: where the contributions hold the embedding (stage 0's), the embedding and the
+rest of the tensors are screened apart, each with its own norms and consensus, and each section's
+aggregate takes the contributions that section kept (`sections`). So stage 0's committed embedding
+change is a function of each payload's embedding entry (and whole norm, for clipping) alone, and a
+holder of another stage reproduces it from embedding views without stage 0's whole payloads; an
+outlier in the embedding is caught there, one in the blocks there, and a contribution is an outlier
+of the round (`Screen.outliers`, what bans count) when any section dropped it.
+
 Voters are the contributions with a finite, non-zero norm; the others (empty, or non-finite and
 already zeroed by clipping) are never scored nor dropped. Leaving the scored contribution out of
 its own consensus keeps a huge or dense attacker from pulling the median towards itself. The
@@ -50,7 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +66,7 @@ import torch
 from torch import Tensor
 
 from peer.core.sparseloco.consensus import SparseRows, sparse_consensus_scores
+from peer.core.subspace.state import EMBED
 from peer.errors import ConfigError
 
 
@@ -90,14 +99,38 @@ OFF = RobustConfig(enabled=False)
 
 @dataclass(frozen=True)
 class Screen:
-    """What `screen` decided for one round's contributions (indices are positions in the input)."""
+    """What `screen` decided for one round's contributions (indices are positions in the input):
+    for every tensor, or (`embedding` set) for every tensor but the embedding, whose own decision
+    `embedding` is (module docstring, screened by sections)."""
 
     dropped: tuple[int, ...] = ()  # in input order
     scores: tuple[float | None, ...] = ()  # cosine to the consensus; None: not a voter
     consensus: float = 0.0  # median cosine of the voters (0.0 when nothing was scored)
+    embedding: Screen | None = None  # the embedding section's decision (contributions that hold it)
+
+    @property
+    def outliers(self) -> tuple[int, ...]:
+        """The contributions some section dropped, in input order (what bans count)."""
+        more = self.embedding.dropped if self.embedding is not None else ()
+        return tuple(sorted({*self.dropped, *more}))
+
+    def dropped_names(self, index: int, names: Collection[str]) -> set[str]:
+        """Which of a contribution's tensors `names` the screening left out of the aggregate."""
+        out = {n for n in names if n != EMBED} if index in self.dropped else set()
+        dropped_embedding = self.embedding.dropped if self.embedding is not None else self.dropped
+        return out | ({EMBED} & set(names) if index in dropped_embedding else set())
 
 
 NOTHING = Screen()
+
+
+def sections(names: Collection[str]) -> list[tuple[str, ...]]:
+    """The tensors screened together (module docstring): the embedding alone and the rest where the
+    contributions hold the embedding, else all of them; each section in name order, empty ones left out."""
+    rest = tuple(sorted(n for n in names if n != EMBED))
+    if EMBED not in names:
+        return [rest] if rest else []
+    return [(EMBED,), *([rest] if rest else [])]
 
 
 def sparse_rows(t: Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ two places and is identified there, once:
   object is kept — it commits to the same bits as the bytes parsed back, `tests/unit/test_contribution.py`);
 - another's, where it is fetched (`received`: the bytes parsed once by the round's validator, then
   their id checked against the one their signed announcement carries). An observer of stage 0 whose
-  T⊥ needs only stage 0's embedding change (`commit.embed_from_views`) fetches each payload's view
+  T⊥ needs only stage 0's embedding change fetches each payload's view
   instead (`ViewReader`: the embedding's entry, the whole payload's norm, proven against the same id;
   `peer.core.sparseloco.codec.sections`) and holds a contribution with `view` set.
 From there the same record travels through the gather (`peer.node.round.gather`), FOLLOW, the

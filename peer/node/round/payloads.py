@@ -6,8 +6,8 @@
   parameters exactly (names, shapes, each once, stage 0's embedding present), else PayloadError:
   a payload that could not be applied is never committed; `round_validator` builds it for round
   (t, stage) as seen by one of our stage workers (an observer of stage 0 uses stage 0's shapes), and
-  `round_reading` how that round's payloads are read: whole, or (an observer of stage 0 whose T⊥
-  needs only u, `embed_from_views`) as views, whose entry `view_validator` checks.
+  `round_reading` how that round's payloads are read: whole, or (an observer of stage 0, whose T⊥
+  needs only u) as views, whose entry `view_validator` checks.
 - `payload_id`: the id announced with every payload; `sha256`: the plain digest of parts and shards
   (`peer.node.round.contribution`).
 - `read_round`, `poll_pause`: one poll of a round's DHT records (replicas, stage holders,
@@ -29,7 +29,6 @@ from peer.config import RunConfig
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoConfig
 from peer.core.sparseloco.codec.sections import View, read_view, view_bytes
-from peer.core.sparseloco.commit import embed_from_views
 from peer.core.sparseloco.ranges import merkle_proof
 from peer.core.subspace.state import EMBED
 from peer.errors import PeerError
@@ -270,9 +269,9 @@ def view_validator(shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig)
 
 def round_reading(cfg: RunConfig, worker: StageState, stage: int) -> Reading:
     """How round (t, stage)'s payloads are read by `worker`: whole (`round_validator`), or — stage 0
-    observed by a holder of another stage, whose T⊥ needs only u, when u is a function of views
-    (`embed_from_views`: outlier screening off) — as embedding views (`view_validator`)."""
-    if stage == 0 != worker.stage and embed_from_views(cfg.sparseloco):
+    observed by a holder of another stage, whose T⊥ needs only u, a function of views (the embedding
+    is screened apart: `peer.core.sparseloco.robust.sections`) — as embedding views (`view_validator`)."""
+    if stage == 0 != worker.stage:
         return view_validator(stage_shapes(cfg.model, 0, cfg.stages), cfg.sparseloco)
     return round_validator(cfg, worker, stage)
 

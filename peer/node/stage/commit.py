@@ -135,7 +135,7 @@ def own_adjustment(
     if not at:
         return decompress(own.payload)
     commit = outcome.committed.commit
-    return returned(own.payload, at[0], commit.clip, commit.dropped)
+    return returned(own.payload, at[0], commit.clip, commit.screen)
 
 
 def log_commit(stage: int, out: Outcome, n: int) -> None:

@@ -7,8 +7,8 @@ function that turns that round into u, from either
 - its committed contributions (all-to-all): clipped and screened over the whole contributions,
   with the replica ids as the screening's keys, exactly as stage 0's holders commit them
   (`peer.node.stage.commit.compute`, its set named by `peer.node.stage.commit.named`); a contribution
-  may be a view (`Contribution.view`: the embedding's entry and the whole payload's norm, what u reads
-  when screening is off, `embed_from_views`), clipped by that norm;
+  may be a view (`Contribution.view`: the embedding's entry and the whole payload's norm, all that u
+  reads: the embedding is screened apart, `peer.core.sparseloco.robust.sections`), clipped by that norm;
 - the shards of the ranges that hold embed.weight's bands (a ranges round, `embed_ranges`): Δ̄ of
   embed.weight assembled band by band as `assemble` writes it for stage 0's holders (`embed_change`).
 
@@ -27,7 +27,7 @@ from torch import Tensor
 from peer.config import RunConfig
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.codec.format import SparseLoCoConfig
-from peer.core.sparseloco.commit import embed_from_views, embedding_update, outer_delta
+from peer.core.sparseloco.commit import embedding_update, outer_delta
 from peer.core.sparseloco.ranges import RangePlan
 from peer.core.sparseloco.ranges.owner import Shard, shard_delta
 from peer.core.subspace.state import EMBED
@@ -58,8 +58,6 @@ def stage0_change(cfg: RunConfig, committed: Sequence[Contribution] | EmbedShard
     keys = screening_keys(payloads, replicas)
     if not any(c.view for c in committed):
         return embedding_update(payloads, cfg.sparseloco, keys=keys)
-    if not embed_from_views(cfg.sparseloco):  # screening reads every tensor: a view is not enough
-        raise ValueError("stage 0's embedding change from views needs sparseloco.screening off")
     return embedding_update(payloads, cfg.sparseloco, keys=keys, norms=[c.whole_norm for c in committed])
 
 

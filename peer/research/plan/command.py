@@ -104,7 +104,6 @@ class PlanInputs:
     overlap: int = 0  # 1: overlapped outer steps (`peer.research.plan.schedule`); 0: synchronous
     commit_device: str = "gpu"  # where a holder encodes, commits and rebases: cpu or gpu
     commit_gbps: float | None = None  # its bytes/s in GB/s (None: the device's default)
-    screening: bool = True  # False: a later stage fetches stage 0's embedding views (`stage0_fetch_nbytes`)
 
 
 def resolve_model(inputs: PlanInputs) -> tuple[str, ModelConfig]:
@@ -325,11 +324,9 @@ def plan(args: Mapping[str, Any]) -> PlanResult:
     return PlanResult(inputs, rows, holders)
 
 
-def stage0_fetch(inputs: PlanInputs, cfg: ModelConfig) -> int | None:
-    """A later stage's fetch of one stage-0 payload: whole with screening (None), else its embedding view."""
-    if inputs.screening:
-        return None
-    return stage0_fetch_nbytes(cfg, inputs.stages, dataclasses.replace(SparseLoCoConfig(), screening=False))
+def stage0_fetch(inputs: PlanInputs, cfg: ModelConfig) -> int:
+    """A later stage's fetch of one stage-0 payload: its embedding view."""
+    return stage0_fetch_nbytes(cfg, inputs.stages, SparseLoCoConfig())
 
 
 # ---------------------------------------------------------------------------- the schedule that runs

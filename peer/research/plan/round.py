@@ -9,9 +9,9 @@ payload `payload_nbytes(stage_shapes(model, s, S))` bytes:
   embedding change (`peer.core.sparseloco.commit.embedding_update`), which it computes from stage 0's
   payloads: it gathers round (t, 0) as an observer (`Rounds.stage_round` → `embed_job`), fetching
   all M stage-0 payloads at the same time as its own stage's round, over the same link — each as its
-  embedding view when `sparseloco.screening` is off (the embedding's entry and the payload's norm,
-  what u then reads: `stage0_fetch_nbytes`, `peer.core.sparseloco.codec.sections`), whole when it is
-  on (the screening scores every tensor). Each is fetched from its sender, so a holder of stage 0
+  embedding view (the embedding's entry and the payload's norm, all that u reads, the embedding being
+  screened apart: `stage0_fetch_nbytes`, `peer.core.sparseloco.codec.sections`). Each is fetched
+  from its sender, so a holder of stage 0
   serves its payload to the M − 1 other heads and that many bytes to each of the M·(S − 1) holders
   of the later stages. An uncompressed pipeline has no T⊥ and fetches none of them.
 Links are full duplex at the planned bandwidth each way, so a holder's round takes
@@ -33,9 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from peer.core.model.decoder import ModelConfig, stage_shapes
-from peer.core.sparseloco.codec.format import SparseLoCoConfig, entry_kind, entry_nbytes, payload_nbytes
+from peer.core.sparseloco.codec.format import SparseLoCoConfig, entry_kind, entry_nbytes
 from peer.core.sparseloco.codec.sections import EMBED_ENTRY, view_nbytes
-from peer.core.sparseloco.commit import embed_from_views
 from peer.errors import ConfigError
 
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -59,11 +58,8 @@ class HolderRound:
 
 
 def stage0_fetch_nbytes(model: ModelConfig, stages: int, cfg: SparseLoCoConfig) -> int:
-    """What a holder of a stage > 0 fetches of one stage-0 payload for T⊥: its embedding view when u is
-    a function of views (`embed_from_views`: screening off), else the whole payload."""
+    """What a holder of a stage > 0 fetches of one stage-0 payload for T⊥: its embedding view."""
     shapes = stage_shapes(model, 0, stages)
-    if not embed_from_views(cfg):
-        return payload_nbytes(shapes, cfg)
     shape = tuple(shapes[EMBED_ENTRY])
     kind = entry_kind(shape, cfg)
     return view_nbytes(entry_nbytes(EMBED_ENTRY, kind, shape, cfg.chunk, cfg.topk, cfg.quant_bits))

@@ -227,7 +227,7 @@ def commit_stage(
     done = commit_round(views, start, decoded, slc, U, embed_update, perp_factor, robust_rule(opts, cfg))
     honest = range(len(reps) - attackers)  # an attacker keeps its own error buffer
     for m in honest:
-        back = returned(decoded[m], m, done.clip, done.dropped)
+        back = returned(decoded[m], m, done.clip, done.screen)
         if back is not None:
             errors[m][s] = add_to_errors(errors[m][s], back)
     return StageRound(done.clip.n_clipped, done.dropped, done.embed_update)

@@ -12,7 +12,7 @@ sender's contribution (`clipped_mass`) goes back into that sender's error buffer
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,19 +61,22 @@ def _exact_norm(squares: Sequence[np.ndarray]) -> float:
     return math.sqrt(math.fsum(sq.tolist()))
 
 
-def payload_norm(payload: Payload) -> float:
+def payload_norm(payload: Payload, names: Collection[str] | None = None) -> float:
     """global_norm(decompress(payload)), exactly, from the payload's values without decoding it
-    (compiled and split over the cores where it can be: `codec.exact.square_sum`, the same bits)."""
-    values = [values_of(e) for e in payload.entries]  # the values alone: no positions are decoded
+    (compiled and split over the cores where it can be: `codec.exact.square_sum`, the same bits);
+    `names`: over those tensors only (global_norm of that part of the decoded payload)."""
+    entries = [e for e in payload.entries if names is None or e.name in names]
+    values = [values_of(e) for e in entries]  # the values alone: no positions are decoded
     total = square_sum(values)
     if total is not None:
         return math.sqrt(total)
     return _exact_norm([vals[vals != 0].astype(np.float64) ** 2 for vals in values])
 
 
-def payload_norms(payloads: Sequence[Payload]) -> list[float]:
-    """`payload_norm` of each payload, the payloads shared out over the cores."""
-    return run_each(payload_norm, payloads, [sum(math.prod(e.shape) for e in p.entries) for p in payloads])
+def payload_norms(payloads: Sequence[Payload], names: Collection[str] | None = None) -> list[float]:
+    """`payload_norm` of each payload (over `names` only, if given), the payloads shared out over the cores."""
+    work = [sum(math.prod(e.shape) for e in p.entries if names is None or e.name in names) for p in payloads]
+    return run_each(lambda p: payload_norm(p, names), payloads, work)
 
 
 def clip_plan(norms: Sequence[float], factor: float) -> tuple[list[float | None], ClipStats]:

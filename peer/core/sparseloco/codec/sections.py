@@ -3,7 +3,8 @@
 A holder of a stage s > 0 of a compressed pipeline moves its T⊥ by stage 0's committed change
 u = fl32(−η·Δ̄[embed.weight]) (`peer.core.sparseloco.commit`). Of each stage-0 payload, u reads the
 embedding's entry and the whole payload's norm (the median clip scales a contribution by its norm over
-every tensor) and nothing else when outlier screening is off (`commit.embed_from_views`). So the id
+every tensor) and nothing else (outlier screening screens the embedding apart from the rest:
+`peer.core.sparseloco.robust.sections`). So the id
 that announcements and committed sets name is a hash over three sections of the payload's bytes
 rather than the sha256 of the bytes, and a view — the embedding's section with what proves it — is
 checked against that id alone (docs/protocol.md, "Embedding views"):
