@@ -2,8 +2,9 @@
 PeerServers on 127.0.0.1 (docs/protocol.md, "Embedding views").
 
 A holder of stage 1 observes stage 0's round for its T⊥ (u reads each payload's embedding entry and
-norm alone: the outlier screening, on as by default, screens the embedding apart). It fetches each stage-0 payload's view — a third of the
-payload at the tiny preset — from the sender or, once the sender is gone, from a stage-0 holder that
+norm alone: the outlier screening, on as by default, screens the embedding apart). It fetches each
+stage-0 payload's view — a third of the payload at the tiny preset — from the sender or, once the
+sender is gone, from a stage-0 holder that
 fetched the payload whole; it computes the same u, bit for bit, as stage 0's holders commit from
 the whole payloads. A view that does not prove its announced id is refused; a payload whose view
 proves a lying index (its whole does not hash to that id, so every stage-0 holder rejected it) is

@@ -86,8 +86,9 @@ def test_screening_drops_one_reversing_colluder_but_not_a_coalition(measured):
     # payloads mostly do not: every score turns negative, there is no consensus, nothing is dropped
     for k in (3, 5):
         assert rows[k, "reversed", True].colluders_dropped == 0 and rows[k, "reversed", True].cosine < 0
-    assert all(r.honest_dropped == 0 for (k, _, _), r in rows.items() if k < M / 2)
-    assert rows[5, "orthogonal", True].honest_dropped == 3  # half of the voters decide who is "against"
+    # half of the voters decide who is "against": an orthogonal coalition of 5 leaves a median cosine under
+    # the floor (no consensus), so no honest contribution is dropped (3 were while any median above 0 counted)
+    assert all(r.honest_dropped == 0 for r in rows.values())
 
 
 def test_what_screening_keeps_moves_the_update_more_with_more_colluders(measured):

@@ -8,7 +8,7 @@ round's consensus (DESIGN.md §2, issue 12):
     m_i    = coordinate-wise median of the OTHER voters' Δ̂     (per tensor, in slices)
     s_i    = ⟨Δ̂_i, m_i⟩ / (‖Δ̂_i‖·‖m_i‖)                      cosine to the others' consensus
     drop i ⇔ ‖Δ̂_i‖ > norm_ratio · median‖Δ̂‖                   a norm no honest peer reaches
-          or s_i < −max(ratio · median(s), floor), median(s) > 0   clearly against a consensus
+          or s_i < −max(ratio · median(s), floor), median(s) > floor   clearly against a consensus
     at most ⌊(n − 1)/2⌋ of n voters (norm outliers first, then the lowest scores)
 
 Why this rule: honest SparseLoCo contributions are sparse top-k picks of different replicas, so as
@@ -16,7 +16,10 @@ training goes on they become nearly orthogonal (the median cosine falls from ~0.
 50 rounds of the tiny preset) while staying NON-NEGATIVE against the others' median; a rule
 relative to the median score ("below 0.25 × median") then drops honest peers in late rounds
 (15 of 400 in that run), and with a consensus that weak an honest score can even dip just below
-zero (below −0.25 × the median once in 400), hence the absolute `floor` on the cosine. Pointing clearly
+zero (below −0.25 × the median once in 400), hence the absolute `floor` on the cosine. A consensus
+exists only where the median cosine is above that floor: the embedding's section alone (stage 0,
+screened by sections) has rounds whose median cosine is 0.002–0.008, where honest scores dip to
+−0.015 (two false drops in 50 rounds of the tiny run below, none with the bar at the floor). Pointing clearly
 against the consensus, or a norm 10× the median, never happened in honest runs and catches a
 wrong-sign contribution at any scale (`peer.research.simulate.attacks`).
 
@@ -175,7 +178,7 @@ def drop_rule(
     median_norm = sorted(norms)[(n - 1) // 2]
     huge = [i for i in range(n) if cfg.norm_ratio and norms[i] > cfg.norm_ratio * median_norm]
     bar = -max(cfg.ratio * median_score, cfg.floor)
-    against = [i for i in range(n) if median_score > 0 and scores[i] < bar and i not in huge]
+    against = [i for i in range(n) if median_score > cfg.floor and scores[i] < bar and i not in huge]
     order = sorted(huge, key=lambda i: (-norms[i], keys[i])) + sorted(against, key=lambda i: (scores[i], keys[i]))
     return sorted(order[: (n - 1) // 2])
 
