@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,3 +216,59 @@ def test_a_view_of_a_lying_index_is_checked_whole_once_a_claim_leaves_it_out(swa
     checked = [r.getMessage() for r in caplog.records if "whose view held" in r.getMessage()]
     assert len(checked) == 1 and d.id[:12] in checked[0] and "announced id" in checked[0]  # fetched whole once
     assert not refusals.peers()  # B's claim left out an invalid payload: no censor
+
+
+class ViewsOnly(PayloadStore):
+    """A sender gone from the swarm but for one last answer (fault injection): it still serves its
+    payload's view, and a request for the whole payload finds nobody there (it times out; no record
+    of the sender is in the DHT any more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gone = threading.Event()  # set at the end of the test: the hung requests return
+
+    def get(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
+        self.gone.wait(timeout=30.0)  # past any fetch's timeout (a gather's rpc_s: at most 3 s)
+        return None
+
+
+def test_a_view_whose_whole_nobody_serves_after_its_sender_left_is_given_up_and_the_claim_followed(caplog):
+    """A's payload reached the observer C as a view; A has left (no record), nobody serves it whole,
+    and B, the holder of stage 0, committed without it: C gives the view up and commits B's set, as a
+    holder that fetches stage 0 whole drops a payload it could not fetch before its sender left (else
+    C's T⊥ would move by another u than stage 0's: `peer bench chaos`)."""
+    caplog.set_level(logging.WARNING)
+    nodes: list[Node] = []
+    try:
+        first = SwarmDHT()
+        nodes.append(Node(first, ViewsOnly(), ClientPool(timeout_s=5.0)))
+        for _ in range(2):
+            nodes.append(
+                Node(SwarmDHT(initial_peers=first.visible_maddrs()), PayloadStore(), ClientPool(timeout_s=5.0))
+            )
+        for node in nodes:
+            node.dht.set_run("embed-views-lost-test", CFG.stages)
+            node.server = PeerServer(PeerService(CFG, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
+        a, b, c = nodes
+        from_a, from_b = _payload(11, 1e-2), _payload(12, 1e-2)
+        a.store.put(0, 0, from_a)  # its announcement only: A published no replica record (it left)
+        record = {"sha256": payload_id(from_a), "size": len(from_a), "address": a.address, "replica": a.id}
+        a.dht.announce_payload(0, 0, record, ttl_s=60)
+        _announce(b, from_b)
+        link = {"t": 0, "prev": "s0", "set": [list(entry(b.id, payload_id(from_b)))]}
+        b.dht.announce_stage(0, {"address": b.address, "outer_step": 1, "state_id": "s1", "link": link}, ttl_s=60)
+
+        seen = _observe(c)
+
+        assert seen.followed is not None and seen.followed.peer == b.id
+        assert seen.replicas == [b.id] and a.id in seen.rejected and not seen.timed_out
+        given_up = [r.getMessage() for r in caplog.records if "giving up the view" in r.getMessage()]
+        assert len(given_up) == 1 and a.id[:12] in given_up[0]
+    finally:
+        if nodes and isinstance(nodes[0].store, ViewsOnly):
+            nodes[0].store.gone.set()
+        for node in nodes:
+            if node.server is not None:
+                node.server.stop(grace_s=0.5)
+            node.clients.close()
+            node.dht.shutdown()

@@ -26,6 +26,7 @@ re-syncs, never a set decided on what it read before the freeze.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -441,11 +442,17 @@ class _Gather:
         """Reading views: fetch whole each one a claim of round t leaves out (`peer.node.round.views`)."""
         if isinstance(self.parse, ViewReader):
             claims, others = read.claims.values(), {**read.payloads, **read.stage0}
-            nbytes, rejected = self.views.confirm(self.held.data, claims, read.view.bound, others, self.parse)
+            alive = functools.partial(sender_alive, holders=read.holders, replicas=read.replicas)
+            nbytes, rejected, lost = self.views.confirm(
+                self.held.data, claims, read.view.bound, others, self.parse, alive
+            )
             self.result.bytes_fetched += nbytes
             for rid, sender in rejected:
                 self.bad.add(sender)
                 self.rejected.add(rid)
+            for rid in lost:  # as `_fetch_bound` drops a payload whose sender left before we had it
+                self.rejected.add(rid)
+                self.lost_at = time.monotonic()
 
     def _finish(self, decision: Close) -> RoundResult:
         if decision in (Close.COMPLETE, Close.DEADLINE):  # a set of our own: only payloads a replay can check

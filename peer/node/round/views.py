@@ -10,14 +10,18 @@ gather of stage 0 judges a claim of the round that leaves out a payload it holds
 (`peer.node.round.follow.omission`, `peer.node.round.censors`), it fetches that payload whole
 (`ViewChecks.confirm`): one that fails is rejected here too, as by every holder of stage 0, and a
 claim naming it is not followed (`invalid`); a valid one replaces the view (the claim then leaves out
-a payload we validated, as in any gather). Only a payload some claim leaves out costs a whole fetch.
+a payload we validated, as in any gather). One whose whole nobody serves while its sender is gone is
+given up (`lost`), as a gather gives up a whole payload it could not fetch before its sender left: no
+honest holder of stage 0 holds it either (it would serve it), so the claim that leaves it out is the
+set stage 0 committed (`peer bench chaos`: a stage peer that kept a dead head's view committed another
+T⊥ than the stage-0 holders). Only a payload some claim leaves out costs a whole fetch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from peer.errors import NetworkError, PeerError
 from peer.net.records import Announcement
@@ -47,14 +51,17 @@ class ViewChecks:
         bound: Mapping[str, tuple[str, Announcement]],
         announcements: Mapping[str, Announcement],
         parse: ViewReader,
-    ) -> tuple[int, list[tuple[str, str]]]:
+        alive: Callable[[str], bool] = lambda sender: True,
+    ) -> tuple[int, list[tuple[str, str]], list[str]]:
         """Fetch whole every view in `held` (by replica id) that a claim of round t leaves out; `bound`:
-        the round's bound announcements (sender → (replica, announcement)). Replaces each valid one in
-        `held`, removes each invalid one; returns the bytes fetched and the (replica, sender) rejected."""
+        the round's bound announcements (sender → (replica, announcement)), `alive` whether a sender
+        still publishes a record. Replaces each valid one in `held`, removes each invalid one and each
+        nobody serves whole while its sender is gone; returns the bytes fetched, the (replica, sender)
+        rejected and the replicas given up."""
         named = [set(c.link.replicas) for c in claims if c.link is not None and c.link.t == self.t]
         left_out = sorted(r for r, c in held.items() if c.view and any(r[:PREFIX] not in n for n in named))
         senders = {rid: (sender, ann) for sender, (rid, ann) in bound.items()}
-        nbytes, rejected = 0, []
+        nbytes, rejected, lost = 0, [], []
         for rid in left_out:
             if rid not in senders or self.retry_at.get(rid, 0.0) > time.monotonic():
                 continue
@@ -62,6 +69,16 @@ class ViewChecks:
             try:
                 got = self.fetcher.fetch(self.t, self.stage, sender, ann, parse.whole, announcements, strict=True)
             except NetworkError as exc:
+                if not alive(sender):  # nobody serves it whole and its sender is gone: as if never fetched
+                    log.warning(
+                        "round %d stage %d: giving up the view of %s: its sender left and nobody serves it whole",
+                        self.t,
+                        self.stage,
+                        rid[:12],
+                    )
+                    del held[rid]
+                    lost.append(rid)
+                    continue
                 self.retry_at[rid] = time.monotonic() + RETRY_S
                 log.info(
                     "round %d stage %d: payload of %s not fetched whole yet: %s", self.t, self.stage, rid[:12], exc
@@ -75,7 +92,7 @@ class ViewChecks:
                 continue
             held[rid] = got
             nbytes += len(got.data)
-        return nbytes, rejected
+        return nbytes, rejected, lost
 
 
 def log_ignored(view: RoundView, logged: set[tuple[str, str]], t: int, stage: int) -> None:
