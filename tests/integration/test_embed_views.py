@@ -18,6 +18,8 @@ import logging
 import struct
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -34,12 +36,15 @@ from peer.core.subspace.state import EMBED
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.round.claims import entry
+from peer.node.round.claims import Link, entry
 from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, view_validator
+from peer.node.round.recheck import linked_stage0
 from peer.node.round.refusals import Refusals
+from peer.node.round.replay import chain_record, parse_chain
 from peer.node.service import PeerService
 from peer.node.stage.embed import stage0_change
+from peer.node.stage.state import StageState
 from tests.round_helpers import own as own_of
 from tests.round_helpers import round_context
 
@@ -159,6 +164,34 @@ def test_an_observer_fetches_only_the_views_and_computes_u_with_stage_0s_bits(sw
     committed = commit_state(start, None, parsed, CFG.sparseloco, None, keys=held.replicas)
     assert committed.commit.clip.n_clipped == 1  # u's bits depend on the whole payloads' norms
     assert np.array_equal(_bits(whole), _bits(committed.commit.embed_update))
+
+
+def test_an_observer_that_lost_the_round_moves_t_perp_by_the_set_stage_0s_links_name(swarm):
+    """Stage 0's holders went on past round 0 before the observer C read their claims: C reads the
+    set from their links (`chain.0.0`: A and B link {A, B}, dishonest D links {B}), fetches its views
+    (A is gone: B serves A's) and gets u with the bits B committed (`Rounds._linked_embed`)."""
+    a, b, c, d = swarm
+    from_a, from_b = _payload(21, 1e-2), _payload(22, 5e-2)
+    _announce(a, from_a)
+    _announce(b, from_b)
+    ctx = round_context(b.dht, b.clients, b.store, b.address, cfg=CFG)
+    held = gather_round(ctx, 0, 0, TIMINGS, RoundInputs(own=own_of(b.id, from_b)))
+    both = tuple(x.entry for x in held.contributions)
+    assert len(both) == 2
+    for node, entries in ((a, both), (b, both), (d, both[1:])):
+        node.dht.announce_round("chain", 0, 0, chain_record(Link(0, "s0", "s1", entries)), ttl_s=60)
+    a.server.stop(grace_s=0.2)
+    a.server = None
+    links = c.dht.get_round("chain", 0, 0, parse_chain)
+    assert len(links) == 3
+    observer = cast(StageState, SimpleNamespace(stage=1))  # `round_reading` reads only the observer's stage
+
+    got = linked_stage0(CFG, c.dht, c.clients, c.store, c.id, observer, links, 0, refused=set())
+
+    assert got is not None and got[1] == list(both)
+    assert np.array_equal(_bits(got[0]), _bits(stage0_change(CFG, held.contributions)))
+    assert c.clients.bytes_received()["get_payload"] < sum(len(x.data) for x in held.contributions) / 2  # views
+    assert linked_stage0(CFG, c.dht, c.clients, c.store, c.id, observer, links, 0, refused={a.id}) is None
 
 
 def test_a_view_that_does_not_prove_its_announced_id_is_refused(swarm, caplog):

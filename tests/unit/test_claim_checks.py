@@ -12,7 +12,7 @@ from peer.net.records import Announcement, StageRecord
 from peer.node.round.censors import REFUSAL_ROUNDS, CensorWatch, Evidence, censored, evidence, recent
 from peer.node.round.claims import Claim, Link, entry
 from peer.node.round.follow import omission
-from peer.node.round.recheck import stage0_set
+from peer.node.round.recheck import linked_set, stage0_set
 from peer.node.round.refusals import Refusals
 from peer.node.round.verify import Verdict, resolve
 
@@ -132,3 +132,18 @@ def test_stage_0s_set_for_t_perp_is_the_one_a_strict_majority_of_its_holders_cla
     holders = {"h1": _holder(4, 3, a, b), "h2": _holder(3, 2, a), "h3": _holder(4, 3, a)}
     assert stage0_set(holders, 3, refused=()) is None
     assert stage0_set({"h1": _holder(4, 3, a)}, 3, refused=()) == one
+
+
+def test_stage_0s_set_from_its_links_is_the_one_a_strict_majority_of_the_unrefused_links_names():
+    """An observer whose gather lost round t reads stage 0's set from the `chain.{t}.0` links its
+    holders published (their claims have gone past t)."""
+    a, b = "a" * 20, "b" * 20
+    both, one = (entry(a, SHA_A), entry(b, SHA_A)), (entry(a, SHA_A),)
+    links = {"h1": Link(3, "s", "x", both), "h2": Link(3, "s", "x", both), "h3": Link(3, "s", "y", one)}
+    assert linked_set(links, 3, refused=()) == both
+    assert linked_set(links, 3, refused={"h1"}) is None  # one against one
+    assert linked_set(links, 4, refused=()) is None  # no link of round 4
+    older = {**links, "h4": Link(2, "s", "z", one)}
+    assert linked_set(older, 3, refused=()) == both  # another round's link is no vote
+    ranges = {p: Link(3, "s", "x", both, ranges=("r", "d")) for p in ("h1", "h2")}
+    assert linked_set(ranges, 3, refused=()) is None  # a ranges round's embedding is read from its shards

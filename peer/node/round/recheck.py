@@ -27,7 +27,7 @@ from peer.config import RunConfig
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.metrics import MetricsWriter
-from peer.node.round.claims import Claim, Entry, parse_claims
+from peer.node.round.claims import Claim, Entry, Link, parse_claims
 from peer.node.round.contribution import Contribution
 from peer.node.round.payloads import PayloadStore, round_reading, round_validator
 from peer.node.round.refusals import Refusals
@@ -101,6 +101,43 @@ def fetch_set(
     out.payloads = [got.payloads[e] for e in entries]
     out.nbytes += sum(len(c.data) for c in out.payloads)
     return out
+
+
+def linked_set(links: Mapping[str, Link], t: int, refused: Collection[str]) -> tuple[Entry, ...] | None:
+    """The set of round t that a strict majority of the links stage 0's unrefused holders published
+    for it (`chain.{t}.0`, kept for the history window) names; None when no set has one (or the
+    round was a ranges round). What an observer whose own gather lost round t moves T⊥ by once stage
+    0's holders have gone past it: their claims no longer name round t, their links still do."""
+    votes: dict[tuple[Entry, ...], int] = {}
+    for peer, link in links.items():
+        if peer in refused or link.t != t or link.ranges is not None:
+            continue
+        votes[link.entries] = votes.get(link.entries, 0) + 1
+    n = sum(votes.values())
+    return next((entries for entries, c in votes.items() if 2 * c > n), None)
+
+
+def linked_stage0(
+    cfg: RunConfig,
+    dht: object,
+    clients: ClientPool,
+    store: PayloadStore,
+    me: str,
+    worker: StageState,
+    links: Mapping[str, Link],
+    t: int,
+    refused: Collection[str],
+) -> tuple[torch.Tensor, list[Entry]] | None:
+    """Stage 0's committed set of round t as its holders' `links` name it (`linked_set`), its entries
+    fetched by content as `worker`'s stage reads them (views: `round_reading`) and proven genuine,
+    and its embedding change; None when no set has a majority or any entry could not be had."""
+    embed = linked_set(links, t, refused)
+    if embed is None:
+        return None
+    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), holders=True)
+    got = fetcher.fetch(t, 0, embed, round_reading(cfg, worker, 0), n_stages=cfg.stages)
+    update = stage0_change(cfg, [got.payloads[e] for e in embed]) if got.complete else None
+    return None if update is None else (update, list(embed))
 
 
 def recompute_set(

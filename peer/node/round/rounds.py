@@ -29,12 +29,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+import torch
+
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import dht_time
 from peer.node.metrics import log_round
 from peer.node.round.agreement import Commit, Late, commit_decision, expected_replicas, round_bans, round_view
 from peer.node.round.censors import Evidence, recent
-from peer.node.round.claims import closed_elsewhere, majority, parse_claims
+from peer.node.round.claims import Entry, closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution
 from peer.node.round.gather import FRESH_S, RoundInputs, RoundResult, RoundTimings, gather_round
@@ -52,6 +54,8 @@ from peer.node.round.ranges.rounds import (
     run_jobs,
     summary,
 )
+from peer.node.round.recheck import linked_stage0
+from peer.node.round.replay import parse_chain
 from peer.node.round.resync import Resync
 from peer.node.round.stalls import stall_watch
 from peer.node.stage.worker import StageWorker
@@ -171,15 +175,18 @@ class Rounds:
             for j, r in own.values():
                 self._resync_behind(j.worker, r)
             return False
+        linked = None
         if decision is Commit.APPLY_WITHOUT_EMBED:
             assert embed is not None
-            log.warning(
-                "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
-                embed[1].t,
-                sorted(own),
-            )
+            linked = self._linked_embed(embed[0].worker, embed[1].t)
+            if linked is None:
+                log.warning(
+                    "round %d: stage 0's committed set is gone; committing stage(s) %s with T⊥ unchanged",
+                    embed[1].t,
+                    sorted(own),
+                )
             embed = None
-        self._apply(own, embed)
+        self._apply(own, embed, linked)
         frozen = self._frozen_while_applying(checked, [r for _, r in own.values()])
         if commit_decision(dataclasses.replace(late, frozen=frozen)) is Commit.WITHDRAW:
             for j, r in own.values():
@@ -220,10 +227,32 @@ class Rounds:
         lost = any(failed(r) for r in owned)
         return Late(closed_elsewhere=closed, failed=lost, embed_lost=embed_lost, stage_ahead=ahead), checked
 
-    def _apply(self, own: Mapping[int, tuple[Job, Gathered]], embed: tuple[Job, Gathered] | None) -> None:
+    def _linked_embed(self, worker: StageWorker, t: int) -> tuple[torch.Tensor, list[Entry]] | None:
+        """Stage 0's committed set of round t as its holders' links name it (`recheck.linked_set`),
+        fetched, and its embedding change: for an observer whose gather of stage 0 lost the round
+        because stage 0's holders went on past it (chaos: a stage peer that then kept T⊥ unchanged
+        held another T⊥ than its stage for four rounds). None when no set has a majority or its
+        payloads cannot be had (T⊥ then stays, as before)."""
+        try:
+            links = self.dht.get_round("chain", t, 0, parse_chain)
+            me, refused = self.me.peer_id, self.refusals.peers()
+            got = linked_stage0(self.cfg, self.dht, self.clients, self.store, me, worker, links, t, refused)
+        except NetworkError as exc:
+            log.info("round %d: stage 0's linked set not fetched: %s", t, exc)
+            return None
+        if got is not None:
+            log.info("round %d: stage 0's set taken from its holders' links (%d payloads)", t, len(got[1]))
+        return got
+
+    def _apply(
+        self,
+        own: Mapping[int, tuple[Job, Gathered]],
+        embed: tuple[Job, Gathered] | None,
+        linked: tuple[torch.Tensor, list[Entry]] | None = None,
+    ) -> None:
         """Commit each own stage's round, stage 0 first: its embedding change (else the observed one
-        of `embed`) moves the later stages' T⊥."""
-        update, embed_set = None, None
+        of `embed`, or `linked`: stage 0's set as its links name it) moves the later stages' T⊥."""
+        update, embed_set = linked if linked is not None else (None, None)
         if embed is not None:
             update, embed_set = observed_embed(self.cfg, *embed), committed_set(embed[1])
         for s in sorted(own):
