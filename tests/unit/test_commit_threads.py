@@ -5,8 +5,11 @@
 - `consensus`: the compiled screening (units over threads, integer sums) gives the numpy
   reference's partial sums bit for bit: −0.0, ties, absent voters, odd and even voter counts,
   subnormals, and a float32 overflow in a median (that slice falls back to numpy);
-- `elementwise`: a multiply then an add, as numpy computes them;
+- `elementwise`: a multiply then an add, as numpy computes them, compiled or not, on blocks of an
+  odd-sized tensor shared over 1, 2 or 4 threads;
 - `StateHasher`: a state hashed while it is made (on a thread, in any order) is its `state_hash`;
+- `OuterStep`: tensors taken in any order, from several threads at once, give `apply_update`'s
+  state and hashes; the aggregation hands each Δ̄ over as it is final, the same bits;
 - the aggregate scatters every payload a block of bands at a time (`index.scatter_add_all`);
 - a whole commit gives one state at 1, 2 and 4 threads, compiled or numpy; on CUDA (when present)
   the same state as on the CPU.
@@ -24,14 +27,15 @@ import pytest
 import torch
 
 from peer.core.model.state import StateHasher, state_hash
-from peer.core.sparseloco import consensus, portable
-from peer.core.sparseloco.algorithm import compress
+from peer.core.sparseloco import consensus, elementwise, portable
+from peer.core.sparseloco.algorithm import aggregate_payloads, compress
 from peer.core.sparseloco.codec import exact, index
 from peer.core.sparseloco.codec import fused as pf
 from peer.core.sparseloco.codec import kernels as pk
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
 from peer.core.sparseloco.commit import commit_state, commit_summed
-from peer.core.sparseloco.elementwise import scaled, stepped
+from peer.core.sparseloco.elementwise import copied, scaled, stepped
+from peer.core.sparseloco.step import Hashing, OuterStep, apply_update
 from peer.core.subspace.state import EMBED
 
 
@@ -169,6 +173,28 @@ def test_the_elementwise_steps_are_numpys_multiply_then_add():
     assert stepped(start, agg, lr).data_ptr() not in (start.data_ptr(), agg.data_ptr())
 
 
+def test_the_compiled_steps_are_the_torch_ones_on_any_split(monkeypatch, compiled):
+    """The compiled passes (blocks of an odd-sized tensor taken by 1, 2 or 4 threads) give the torch
+    calls' bits: subnormals, ±0.0, huge values and overflow to inf included."""
+    rng = np.random.default_rng(5)
+    n = 100_003  # 101 blocks of 997, the last one short
+    start = (rng.standard_normal(n) * np.exp2(rng.integers(-149, 127, n))).astype(np.float32)
+    agg = (rng.standard_normal(n) * np.exp2(rng.integers(-149, 127, n))).astype(np.float32)
+    start[:4], agg[:4] = [0.0, -0.0, 3e38, 1e-45], [-0.0, 0.0, 3e38, -1e-45]
+    s, a = torch.from_numpy(start), torch.from_numpy(agg)
+    want = (_bits(stepped(s, a, 0.7).numpy()), _bits(scaled(a, 0.999).numpy()), _bits(copied(s).numpy()))
+    monkeypatch.setattr(elementwise, "MIN_COMPILED", 0)
+    monkeypatch.setattr(elementwise, "BLOCK", 997)
+    monkeypatch.setattr(pf, "MIN_SPLIT_WORK", 0)
+    for threads in (1, 2, 4):
+        with _threads(threads):
+            got = (_bits(stepped(s, a, 0.7).numpy()), _bits(scaled(a, 0.999).numpy()), _bits(copied(s).numpy()))
+            assert got == want, threads
+    assert np.isinf(stepped(s, a, -1.0).numpy()[2])  # 3e38 + 3e38 overflows alike on both paths
+    grid = s.view(1, n)  # a shape other than flat: the result keeps it
+    assert stepped(grid, a.view(1, n), 0.7).shape == (1, n) and copied(grid).data_ptr() != grid.data_ptr()
+
+
 # ------------------------------------------------------------------ hashing while committing
 
 
@@ -243,9 +269,54 @@ def test_one_state_at_1_2_and_4_threads_compiled_or_not(monkeypatch, compiled):
     monkeypatch.setattr(consensus, "UNIT", 512)
     monkeypatch.setattr(portable, "NUMBA_MIN_ROWS", 1)
     monkeypatch.setattr(index, "BLOCK_BYTES", 1)  # the aggregate's scatter: one band per block
+    monkeypatch.setattr(elementwise, "MIN_COMPILED", 0)  # the outer step's compiled passes
+    monkeypatch.setattr(elementwise, "BLOCK", 333)  # on blocks that split the tensors unevenly
     for threads in (1, 2, 4):
         with _threads(threads):
             assert _state() == reference, threads
+
+
+def test_the_outer_step_takes_tensors_in_any_order_from_any_thread(monkeypatch):
+    """`OuterStep` fed Δ̄ a tensor at a time, in reverse name order and from 4 threads at once, makes
+    `apply_update`'s state and hashes; a tensor given twice is refused."""
+    start, perp, _, cfg, U = _commit_inputs()
+    gen = torch.Generator().manual_seed(11)
+    summed = {n: torch.randn(t.shape, generator=gen) * 1e-3 for n, t in start.items() if n != "blocks.0.gain"}
+    with Hashing(start, True) as hashing:
+        want = apply_update(start, perp.clone(), summed, cfg, U, None, None, hashing)
+        want_hashes = hashing.digests()
+    monkeypatch.setattr(pf, "MIN_SPLIT_WORK", 0)
+    with _threads(4), Hashing(start, True) as hashing:
+        step = OuterStep(start, perp.clone(), cfg, U, None, None, hashing)
+        pf.run_each(lambda name: step.take(name, summed[name]), sorted(summed, reverse=True), [1] * len(summed))
+        with pytest.raises(ValueError, match="twice"):
+            step.take(EMBED, summed[EMBED])
+        params, new_perp, u = step.finish()
+        assert hashing.digests() == want_hashes
+    assert list(params) == list(want[0]) and all(torch.equal(params[n], want[0][n]) for n in params)
+    assert torch.equal(new_perp, want[1]) and torch.equal(u, want[2])
+    assert torch.equal(params["blocks.0.gain"], start["blocks.0.gain"])  # not in Δ̄: θ_start, copied
+
+
+def test_the_aggregate_hands_each_tensor_over_as_it_is_final(monkeypatch):
+    """`aggregate_payloads(each=…)`: every tensor's Δ̄ once, in name order on one thread, the same bits
+    as without; on 2 threads each tensor once, whichever thread summed it."""
+    _, _, payloads, cfg, _ = _commit_inputs()
+    want = {n: t.clone() for n, t in aggregate_payloads(payloads, 6, cfg.aggregation).items()}
+    for threads in (1, 2):
+        seen: dict[str, torch.Tensor] = {}
+        order: list[str] = []
+
+        def each(name: str, mean: torch.Tensor, order: list = order, seen: dict = seen) -> None:
+            order.append(name)
+            seen[name] = mean.clone()
+
+        monkeypatch.setattr(pf, "MIN_SPLIT_WORK", 0 if threads > 1 else 1 << 62)
+        with _threads(threads):
+            got = aggregate_payloads(payloads, 6, cfg.aggregation, each=each)
+        assert list(got) == list(want) and sorted(order) == sorted(want)
+        assert order == sorted(want) or threads > 1
+        assert all(_bits(seen[n].numpy()) == _bits(want[n].numpy()) == _bits(got[n].numpy()) for n in want)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

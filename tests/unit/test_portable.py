@@ -151,7 +151,7 @@ def _fma_count(fn, signature, helpers=(), **flags) -> int:
 
 
 def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
-    from peer.core.sparseloco import consensus
+    from peer.core.sparseloco import consensus, elementwise
     from peer.core.sparseloco.codec import exact
 
     U = torch.from_numpy(orthonormal_basis(64, 8, key=3)).float()
@@ -164,6 +164,8 @@ def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
     clip_and_aggregate([payload, payload2, payload], 2.0)  # the norms and the decode-and-aggregate scatter
     rows = [(np.arange(0, 4096, 3 + j), np.ones(len(range(0, 4096, 3 + j)), np.float32)) for j in range(5)]
     consensus._tensor_partials(1 << 20, rows)  # the screening's kernels
+    big = torch.ones(elementwise.MIN_COMPILED)
+    elementwise.stepped(big, big, 0.5), elementwise.scaled(big, 0.5), elementwise.copied(big)  # the outer step's
     compiled = codec_kernels.compiled(1 << 20)
     helpers = {consensus._partials_jit: (consensus._medians_jit, consensus._add_products_jit)}
     kernels = {
@@ -174,6 +176,9 @@ def test_no_kernel_of_the_commit_or_the_initial_state_contracts_into_fma():
             exact._squares_jit,
             consensus._bucket_jit,
             consensus._partials_jit,
+            elementwise._step_jit,
+            elementwise._scale_jit,
+            elementwise._copy_jit,
         )
     }
     if compiled is None or any(k is None for k in kernels.values()):

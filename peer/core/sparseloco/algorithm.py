@@ -233,11 +233,22 @@ def _shape_mismatch(name: str, have: tuple[int, ...], got: tuple[int, ...]) -> P
 def _finish(sums: dict[str, Tensor], counts: dict[str, Tensor], n_participants: int, rule: str) -> dict[str, Tensor]:
     """Σ Δ̂ → Δ̄ by the aggregation rule (shared by `aggregate` and `aggregate_payloads`)."""
     if rule == "mean-over-all":
-        return {name: s.div_(n_participants) for name, s in sums.items()}  # in place: no second dense copy
+        return {name: _divided(s, n_participants) for name, s in sums.items()}  # in place: no second dense copy
     return {
         name: torch.where(counts[name] > 0, s / counts[name].clamp_min(1), torch.zeros_like(s))
         for name, s in sums.items()
     }
+
+
+def _divided(s: Tensor, n: int) -> Tensor:
+    """s ÷ n in place, each element one correctly rounded float32 division (torch's `div_` and numpy's
+    give the same bits; numpy's on a contiguous CPU float32 tensor, so that a kernel-pool thread
+    never starts a team of torch's own threads)."""
+    if s.device.type == "cpu" and s.dtype == torch.float32 and s.is_contiguous():
+        flat = s.view(-1).numpy()
+        np.divide(flat, np.float32(n), out=flat)
+        return s
+    return s.div_(n)
 
 
 def aggregate(
@@ -273,6 +284,7 @@ def aggregate_payloads(
     scales: Sequence[float | None] | None = None,
     names: Collection[str] | None = None,
     out: Mapping[str, Tensor] | None = None,
+    each: Callable[[str, Tensor], None] | None = None,
 ) -> dict[str, Tensor]:
     """aggregate([decompress(p) (× scales[i]) for p in payloads]), the same bits, without M dense copies.
 
@@ -281,8 +293,11 @@ def aggregate_payloads(
     starts at +0.0. `scales` (from `clip_plan`): None keeps a payload, a float multiplies its
     values (0.0 zeroes it). `names` restricts the result to those tensors. With `out` (buffers by
     name, e.g. lent by `peer.core.sparseloco.codec.scratch.ACCUMULATORS`: CPU float32, contiguous) the sums are
-    zeroed and accumulated there, so no fresh pages are touched; with "mean-over-all" the result
-    then holds those very buffers (the caller's ownership rule applies to it).
+    zeroed and accumulated there, so no fresh pages are touched; with "mean-over-all" each sum is
+    divided by n_participants there too (a block at a time, while it is in cache: `add_entries`)
+    and the result then holds those very buffers (the caller's ownership rule applies to it). `each(name, Δ̄[name])`,
+    when given, is called as soon as that tensor's Δ̄ is final, on the thread that summed it; tensors
+    are then taken in name order (not largest first), the order a state's hash reads them in.
     """
     _check_rule(rule, n_participants, len(payloads))
     scales = [None] * len(payloads) if scales is None else list(scales)
@@ -298,35 +313,33 @@ def aggregate_payloads(
             adds.setdefault(e.name, []).append((e, p, scale))
     contributors = rule == "mean-over-contributors"
 
-    def accumulate(name: str) -> tuple[Tensor, Tensor | None]:  # tensors are independent: shared out
+    def accumulate(name: str) -> Tensor:  # tensors are independent: shared out
         total = _accumulator(name, shapes[name], out)
-        count = _zeros(shapes[name]) if contributors else None
+        count = _accumulator(name, shapes[name], None) if contributors else None
         items = [(e, p.chunk, p.topk, scale) for e, p, scale in adds[name]]  # in payload order
-        add_entries(items, total.view(-1).numpy(), None if count is None else count.view(-1).numpy())
-        return total, count
+        divisor = None if contributors else n_participants  # Σ ÷ M while each block is in cache
+        add_entries(items, total.view(-1).numpy(), None if count is None else count.view(-1).numpy(), True, divisor)
+        mean = total if count is None else _finish({name: total}, {name: count}, n_participants, rule)[name]
+        if each is not None:
+            each(name, mean)  # while the other tensors are summed
+        return mean
 
-    done = run_each(accumulate, list(adds), [math.prod(shapes[n]) * len(adds[n]) for n in adds])
-    sums = {name: total for name, (total, _) in zip(adds, done, strict=True)}
-    counts = {name: count for name, (_, count) in zip(adds, done, strict=True) if count is not None}
-    return _finish(sums, counts, n_participants, rule)
+    order = sorted(adds) if each is not None else list(adds)
+    done = run_each(accumulate, order, [math.prod(shapes[n]) * len(adds[n]) for n in order], each is not None)
+    means = dict(zip(order, done, strict=True))
+    return {name: means[name] for name in adds}
 
 
 def _accumulator(name: str, shape: tuple[int, ...], out: Mapping[str, Tensor] | None) -> Tensor:
-    """A zeroed float32 sum of one tensor: out[name] zeroed with a memset, or fresh zeroed pages.
-    numpy's, not torch's: this runs on the kernel pool's threads, where a torch op would start a
-    team of torch's own threads per pool thread."""
+    """A float32 buffer for one tensor's sum, its contents undefined (`add_entries` zeroes it a block
+    at a time): out[name], or fresh pages. numpy's, not torch's: this runs on the kernel pool's
+    threads, where a torch op would start a team of torch's own threads per pool thread."""
     if out is None or name not in out:
-        return _zeros(shape)
+        return torch.from_numpy(np.empty(shape, dtype=np.float32))
     buf = out[name]
     if buf.dtype != torch.float32 or buf.device.type != "cpu" or tuple(buf.shape) != shape or not buf.is_contiguous():
         raise ValueError(f"aggregate_payloads: out[{name!r}] must be contiguous CPU float32 of shape {shape}")
-    buf.numpy().fill(0)
     return buf
-
-
-def _zeros(shape: tuple[int, ...]) -> Tensor:
-    """Fresh zeroed float32 pages (calloc: zeroed by the OS), without a torch op."""
-    return torch.from_numpy(np.zeros(shape, dtype=np.float32))
 
 
 def clip_and_aggregate(

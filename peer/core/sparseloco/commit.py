@@ -46,8 +46,10 @@ Why it gives the same bits on every device, kernel set and thread count (docs/pr
 - The decay factor is a product of Python floats from `portable_cos` (no libm).
 - `check_denormals` refuses a process that flushes subnormals to zero.
 Training (forward, backward, AdamW) stays device-native; only what every holder agrees on is here.
-The state's hashes are made while it is made (`peer.core.model.state.StateHasher`: tensors in name
-order, hashed on a thread of their own as each is final), so hashing overlaps the commit's work.
+The outer step is taken a tensor at a time as each Δ̄ is final (`peer.core.sparseloco.step.OuterStep`,
+called by the aggregation on the kernel-pool thread that summed the tensor, tensors in name order),
+and the state's hashes are made while it is made (`step.Hashing`: tensors in name order, hashed on a
+thread of their own as each is final), so the steps and the hashing overlap the screening and sums.
 
 Invariants: the same committed list in the same order gives the same bits on every holder; a
 round that drops nothing gives exactly the bits it gave before screening existed; an empty round
@@ -58,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,18 +69,16 @@ from torch import Tensor
 
 from peer.core.model.decoder import Decoder
 from peer.core.model.optim import TrainConfig, decoupled_decay
-from peer.core.model.state import StateHasher
 from peer.core.sparseloco.algorithm import aggregate, aggregate_payloads, decompress, screen_rows
 from peer.core.sparseloco.codec.clip import ClipStats, clip_plan, clip_to_median, global_norm, payload_norms
 from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig
-from peer.core.sparseloco.codec.fused import n_workers
 from peer.core.sparseloco.codec.scratch import ACCUMULATORS
 from peer.core.sparseloco.consensus import sparse_consensus_scores
-from peer.core.sparseloco.elementwise import Device, copied, scaled, stepped
+from peer.core.sparseloco.elementwise import Device
 from peer.core.sparseloco.portable import check_denormals
 from peer.core.sparseloco.robust import DEFAULT as ROBUST
 from peer.core.sparseloco.robust import NOTHING, OFF, RobustConfig, Screen, screen, screen_scored, sections
-from peer.core.subspace.compression import embedding_outer_update, perp_outer_update
+from peer.core.sparseloco.step import Hashing, OuterStep, apply_update, decayed, outer_delta
 from peer.core.subspace.state import EMBED, perp_of, set_perp
 
 __all__ = [
@@ -156,6 +156,7 @@ def robust_aggregate(
     names: Collection[str] | None = None,
     out: Mapping[str, Tensor] | None = None,
     norms: Sequence[float] | None = None,
+    each: Callable[[str, Tensor], None] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """Δ̄ of a committed list: median clip → drop outliers → aggregate the kept ones (in order).
 
@@ -169,14 +170,17 @@ def robust_aggregate(
     those buffers). `robust` None: the config's rule (`screening_rule`). `norms` (payloads only):
     each payload's whole norm, given where the payloads hold only the `names` entries (embedding
     views, `peer.core.sparseloco.codec.sections`: the embedding's section is screened from its own
-    entry, so u needs nothing else).
+    entry, so u needs nothing else). `each(name, Δ̄[name])`, when given, is called once per tensor as
+    soon as that tensor's Δ̄ is final — section by section, in name order within one, from whichever
+    kernel-pool thread summed it (the fused path) — so a caller can use it while the rest is summed
+    (`commit_state`'s outer step); it must not keep Δ̄, which may be a lent buffer.
     """
     robust = screening_rule(cfg) if robust is None else robust
     if norms is not None and len(norms) != len(decoded):
         raise ValueError(f"{len(norms)} given norms for {len(decoded)} contributions")
     if decoded and all(isinstance(d, Payload) for d in decoded):
         payloads = [d for d in decoded if isinstance(d, Payload)]
-        return _fused_aggregate(payloads, cfg, robust, keys, names, out, norms)
+        return _fused_aggregate(payloads, cfg, robust, keys, names, out, norms, each)
     if norms is not None:
         raise ValueError("given norms need parsed payloads")
     dense = [decompress(d) if isinstance(d, Payload) else d for d in decoded]
@@ -190,7 +194,11 @@ def robust_aggregate(
         kept = [i for i in range(len(clipped)) if i not in set(screened.dropped)]
         want = section if names is None else [n for n in section if n in names]
         kept_parts = [{n: t for n, t in clipped[i].items() if n in want} for i in kept]
-        summed.update(aggregate(kept_parts, len(kept), cfg.aggregation))
+        means = aggregate(kept_parts, len(kept), cfg.aggregation)
+        if each is not None:
+            for name in sorted(means):
+                each(name, means[name])
+        summed.update(means)
         screens[section] = screened
     return _in_order(summed, dense), clip, _screen(screens)
 
@@ -233,6 +241,7 @@ def _fused_aggregate(
     names: Collection[str] | None,
     out: Mapping[str, Tensor] | None,
     norms: Sequence[float] | None = None,
+    each: Callable[[str, Tensor], None] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
     """`robust_aggregate` of payloads, fused, the same bits: norms read off the values
     (`payload_norm`; or given, the same floats), each section's screening consensus over the clipped
@@ -256,7 +265,7 @@ def _fused_aggregate(
         kept = [i for i in range(len(payloads)) if i not in set(screened.dropped)]
         want = section if names is None else [n for n in section if n in names]
         kept_payloads, scales = [payloads[i] for i in kept], [plan[i] for i in kept]
-        summed.update(aggregate_payloads(kept_payloads, len(kept), cfg.aggregation, scales, want, out))
+        summed.update(aggregate_payloads(kept_payloads, len(kept), cfg.aggregation, scales, want, out, each))
         screens[section] = screened
     return _in_order(summed, held), clip, _screen(screens)
 
@@ -264,11 +273,6 @@ def _fused_aggregate(
 def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in the committed payloads (the accumulators a fused commit borrows)."""
     return {e.name: tuple(e.shape) for p in contributions if isinstance(p, Payload) for e in p.entries}
-
-
-def outer_delta(agg: Tensor, lr: float, device: Device = None) -> Tensor:
-    """fl32(fl32(−η)·Δ̄): the committed change of one tensor (CPU float32; computed on `device`)."""
-    return scaled(agg, -lr, device)
 
 
 def commit_state(
@@ -293,58 +297,26 @@ def commit_state(
     the config's, `screening_rule`), `keys` the contributions' replica ids (its tie-break) and
     `device` where the elementwise steps run (`peer.core.sparseloco.elementwise`; None: the CPU,
     the same bits either way). Nothing passed in is modified, and nothing returned aliases a lent
-    buffer (`apply_update` writes every result afresh).
+    buffer (`OuterStep` writes every result afresh).
+
+    Each tensor's outer step is taken as soon as its Δ̄ is final (`OuterStep.take`, called by the
+    aggregation on the thread that summed it), and hashed as soon as it is made, so the steps and
+    the state's hash overlap the screening and the sums of the tensors after it.
     """
     check_denormals()
     with Hashing(start, perp is not None) as hashing:
-        perp = _decayed(perp, U, perp_factor, device)
+        step = OuterStep(start, decayed(perp, U, perp_factor, device), cfg, U, embed_update, device, hashing)
         if not decoded:
-            params = {name: copied(start[name]) for name in start}
-            for name in sorted(params):
-                hashing.param(name, params[name])
-            if perp is not None and U is not None and embed_update is not None and EMBED not in start:
-                perp = perp_outer_update(perp, embed_update, U)  # stage 0 moved: so does T⊥
-            hashing.perp(perp)
-            return hashing.committed(params, perp, RoundCommit(NO_CLIP))
+            params, perp, _ = step.finish()  # θ_start; T⊥ decays, and moves with stage 0's change
+            return _committed(params, perp, RoundCommit(NO_CLIP), hashing)
         with ACCUMULATORS.lend(_shapes(decoded)) as sums:
-            summed, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums)
-            params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing)
-        return hashing.committed(params, perp, RoundCommit(clip, own_update, screened))
+            _, clip, screened = robust_aggregate(decoded, cfg, robust, keys, out=sums, each=step.take)
+        params, perp, own_update = step.finish()
+        return _committed(params, perp, RoundCommit(clip, own_update, screened), hashing)
 
 
-class Hashing:
-    """θ's and T⊥'s hashes (`state_hash` of θ and of {"perp": T⊥}), each made by a `StateHasher` while
-    the commit makes the state: on a thread of its own when the commit runs on several, every tensor
-    handed in as soon as it is final (`param`, `perp`). A context manager (its threads end with it)."""
-
-    def __init__(self, names: Iterable[str], has_perp: bool) -> None:
-        background = n_workers() > 1
-        self._params = StateHasher(names, background)
-        self._perp = StateHasher(["perp"] if has_perp else [], background)
-
-    def __enter__(self) -> Hashing:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._params, self._perp:
-            pass
-
-    def param(self, name: str, t: Tensor) -> None:
-        self._params.add(name, t)
-
-    def perp(self, t: Tensor | None) -> None:
-        if t is not None:
-            self._perp.add("perp", t)
-
-    def committed(self, params: dict[str, Tensor], perp: Tensor | None, commit: RoundCommit) -> Committed:
-        return Committed(params, perp, commit, self._params.digest(), self._perp.digest())
-
-
-def _decayed(perp: Tensor | None, U: Tensor | None, perp_factor: float, device: Device) -> Tensor | None:
-    """A fresh CPU float32 T⊥ after the round's weight decay (`perp_decay`)."""
-    if perp is not None and U is not None and perp_factor != 1.0:
-        return scaled(perp, perp_factor, device)
-    return None if perp is None else copied(perp)
+def _committed(params: dict[str, Tensor], perp: Tensor | None, commit: RoundCommit, hashing: Hashing) -> Committed:
+    return Committed(params, perp, commit, *hashing.digests())
 
 
 def commit_summed(
@@ -362,54 +334,9 @@ def commit_summed(
     round that produced Δ̄ did its own), so the stats are empty. Nothing passed in is modified."""
     check_denormals()
     with Hashing(start, perp is not None) as hashing:
-        perp = _decayed(perp, U, perp_factor, device)
+        perp = decayed(perp, U, perp_factor, device)
         params, perp, own_update = apply_update(start, perp, summed, cfg, U, embed_update, device, hashing)
-        return hashing.committed(params, perp, RoundCommit(NO_CLIP, own_update))
-
-
-def apply_update(
-    start: Mapping[str, Tensor],
-    perp: Tensor | None,
-    summed: Mapping[str, Tensor],
-    cfg: SparseLoCoConfig,
-    U: Tensor | None,
-    embed_update: Tensor | None = None,
-    device: Device = None,
-    hashing: Hashing | None = None,
-) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
-    """θ = θ_start + fl32(−η·Δ̄) for every name of `summed` (the others stay θ_start), with the
-    embedding's T_S/T⊥ split and a stage without the embedding's T⊥ moved by stage 0's committed
-    change. `perp` is T⊥ after this round's decay (a fresh tensor this function may write). Returns
-    (θ, T⊥, the embedding's committed change u when this stage holds it). Every step is elementwise
-    float32 (`peer.core.sparseloco.elementwise`, on `device`) or `peer.core.sparseloco.portable`'s
-    float64 split (on the CPU's cores): any holder gets the same bits from the same Δ̄, however Δ̄ was
-    aggregated (all-to-all here, or assembled from range shards). Tensors are made in name order,
-    each handed to `hashing` as soon as it is final (hashed while the rest are made)."""
-    params = {}
-    own_update: Tensor | None = None
-    perp_final = False
-    for name in sorted(start):
-        value = start[name]
-        if name not in summed:
-            params[name] = copied(value)
-        elif name == EMBED:
-            own_update = outer_delta(summed[name], cfg.outer_lr, device)
-            if U is not None and perp is not None:
-                params[name], perp = embedding_outer_update(value, perp, own_update, U)
-                if hashing is not None:
-                    hashing.perp(perp)  # final now: hashed while the other tensors are made
-                perp_final = True
-            else:
-                params[name] = stepped(value, summed[name], cfg.outer_lr, device)
-        else:
-            params[name] = stepped(value, summed[name], cfg.outer_lr, device)
-        if hashing is not None:
-            hashing.param(name, params[name])
-    if EMBED not in start and perp is not None and U is not None and embed_update is not None:
-        perp = perp_outer_update(perp, embed_update, U)
-    if hashing is not None and not perp_final:
-        hashing.perp(perp)
-    return {name: params[name] for name in start}, perp, own_update
+        return _committed(params, perp, RoundCommit(NO_CLIP, own_update), hashing)
 
 
 def commit_round(

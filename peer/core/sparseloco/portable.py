@@ -65,6 +65,7 @@ SIGMA = math.sqrt(TERMS * (65536**2 - 1) / 12)  # std of that sum (one correctly
 _CHUNK = 1 << 22  # elements generated at a time (bounded temporaries)
 NUMBA_MIN_ROWS = 256  # rows of a projection below which the numpy twin runs (tiny tests never JIT)
 NUMBA_MIN_ELEMENTS = 1 << 20  # elements of an initial tensor below which the numpy twin runs
+ROWS = 8  # rows `_project_jit` projects together (it fixes no bit: each row's sums are its own)
 
 
 # ------------------------------------------------------------------------------------------
@@ -186,35 +187,42 @@ def _project_jit(
     ascending index order from +0.0, zero terms skipped (exact, see above). What is made of p: out
     = p (float64, when `out` has rows), w_out = fl32(W + p) when W has rows, p_out = fl32(P + (X − p))
     when P has rows (float32 W, P: the commit's T_S/T⊥ split, `split64`), each element in float64
-    and rounded once; a row of p never leaves the kernel then."""
+    and rounded once; a row of p never leaves the kernel then. Rows are taken ROWS at a time, each
+    row of Uᵀ read once for all of them (Uᵀ is larger than a core's L2: read once per row, it made
+    the kernel wait on the shared cache); every element still adds its terms alone, in order."""
     d, k = U.shape
-    p = np.empty(k, dtype=np.float64)
-    row = np.empty(d, dtype=np.float64)
+    p = np.empty((ROWS, k), dtype=np.float64)
+    rows = np.empty((ROWS, d), dtype=np.float64)
     keep, to_w, to_p = out.shape[0] > 0, W.shape[0] > 0, P.shape[0] > 0
-    for i in range(r0, r1):
+    for i0 in range(r0, r1, ROWS):
+        n = min(ROWS, r1 - i0)
+        for r in range(n):
+            for c in range(k):
+                p[r, c] = 0.0
+            for j in range(d):
+                a = np.float64(X[i0 + r, j])
+                if a != 0.0:
+                    for c in range(k):
+                        p[r, c] = p[r, c] + a * U[j, c]
+            for j in range(d):
+                rows[r, j] = 0.0
         for c in range(k):
-            p[c] = 0.0
-        for j in range(d):
-            a = np.float64(X[i, j])
-            if a != 0.0:
-                for c in range(k):
-                    p[c] = p[c] + a * U[j, c]
-        for j in range(d):
-            row[j] = 0.0
-        for c in range(k):
-            b = p[c]
-            if b != 0.0:
+            for r in range(n):
+                b = p[r, c]
+                if b != 0.0:
+                    for j in range(d):
+                        rows[r, j] = rows[r, j] + b * Ut[c, j]
+        for r in range(n):
+            i = i0 + r
+            if keep:
                 for j in range(d):
-                    row[j] = row[j] + b * Ut[c, j]
-        if keep:
-            for j in range(d):
-                out[i, j] = row[j]
-        if to_w:
-            for j in range(d):
-                w_out[i, j] = np.float32(np.float64(W[i, j]) + row[j])
-        if to_p:
-            for j in range(d):
-                p_out[i, j] = np.float32(np.float64(P[i, j]) + (np.float64(X[i, j]) - row[j]))
+                    out[i, j] = rows[r, j]
+            if to_w:
+                for j in range(d):
+                    w_out[i, j] = np.float32(np.float64(W[i, j]) + rows[r, j])
+            if to_p:
+                for j in range(d):
+                    p_out[i, j] = np.float32(np.float64(P[i, j]) + (np.float64(X[i, j]) - rows[r, j]))
 
 
 def _project_np(X: np.ndarray, U: np.ndarray, Ut: np.ndarray) -> np.ndarray:

@@ -81,15 +81,28 @@ def write_entry(
 
 
 def add_entries(
-    items: Sequence[tuple[TensorEntry, int, int, float | None]], out: np.ndarray, cnt: np.ndarray | None
+    items: Sequence[tuple[TensorEntry, int, int, float | None]],
+    out: np.ndarray,
+    cnt: np.ndarray | None,
+    fresh: bool = False,
+    divisor: int | None = None,
 ) -> None:
     """`write_entry(e, chunk, topk, out, add=True, scale, cnt)` of every (e, chunk, topk, scale) of
     `items`, in order: ranked sparse entries of one geometry a block of bands at a time, every entry
-    in cache (`scatter_add_all`); the same bits, since each coordinate still adds them in order."""
+    in cache (`scatter_add_all`); the same bits, since each coordinate still adds them in order.
+    `fresh`: `out` (and `cnt`) hold anything and are zeroed first; `divisor`: `out` ends divided by
+    it (one correctly rounded float32 division per element) — both a block at a time, in cache,
+    where the scatter runs."""
     if items and all(e.kind == SPARSE and e.ranked(c, k) and (c, k) == items[0][1:3] for e, c, k, _ in items):
         e0, chunk, topk, _ = items[0]
         sources = [(_bytes(e.index_bytes), values_of(e), scale) for e, _, _, scale in items]
-        if scatter_add_all(tuple(e0.shape), chunk, topk, sources, out, cnt):
+        if scatter_add_all(tuple(e0.shape), chunk, topk, sources, out, cnt, fresh, divisor):
             return
+    if fresh:
+        out.fill(0)
+        if cnt is not None:
+            cnt.fill(0)
     for e, chunk, topk, scale in items:
         write_entry(e, chunk, topk, out, True, scale, cnt)
+    if divisor is not None:
+        np.divide(out, np.float32(divisor), out=out)

@@ -108,14 +108,15 @@ def run_split(kernel: Callable[..., Any], n_bands: int, work: int, *args: Any) -
     return results
 
 
-def run_each(fn: Callable[[T], R], items: Sequence[T], work: Sequence[int]) -> list[R]:
+def run_each(fn: Callable[[T], R], items: Sequence[T], work: Sequence[int], in_order: bool = False) -> list[R]:
     """[fn(x) for x in items], the items shared out over the caller and the pool threads, largest
-    `work` first, when the total work (entries) is large enough. An exception is raised after every
-    item is done: the one of the first item that failed, as the plain loop would raise."""
+    `work` first (`in_order`: in the given order, for a caller that consumes results as they come),
+    when the total work (entries) is large enough. An exception is raised after every item is done:
+    the one of the first item that failed, as the plain loop would raise."""
     parts = min(n_workers(), len(items)) if sum(work) >= MIN_SPLIT_WORK else 1
     if parts <= 1:
         return [fn(x) for x in items]
-    order = sorted(range(len(items)), key=lambda i: -work[i])
+    order = list(range(len(items))) if in_order else sorted(range(len(items)), key=lambda i: -work[i])
     results: list[Any] = [None] * len(items)
     errors: list[BaseException | None] = [None] * len(items)
     taken = itertools.count()

@@ -356,12 +356,18 @@ def scatter_add_all(
     sources: Sequence[tuple[bytes, np.ndarray, float | None]],
     out: np.ndarray,
     cnt: np.ndarray | None = None,
+    fresh: bool = False,
+    divisor: int | None = None,
 ) -> bool:
     """`scatter(..., add=True)` of every (rank buffer, values, scale) of `sources` into `out`, in the
     given order, a block of bands at a time: each block takes every source's entries in turn while
     its part of `out` (about BLOCK_BYTES) is in cache, and the blocks are shared over the cores. An
     entry lies in exactly one band, so every coordinate still adds the sources in their order (the
-    same bits as one `scatter` per source). False (nothing written) when numba is not in use."""
+    same bits as one `scatter` per source). `fresh`: `out` (and `cnt`) hold anything, and each block
+    is zeroed just before its adds; `divisor`: each block is then divided by it (one correctly
+    rounded float32 division per element, as `np.divide` of the whole), so `out` ends as the mean —
+    both while the block is in cache, never a pass of their own over the tensor. False (nothing
+    written) when numba is not in use."""
     lay = layout(shape, chunk, topk)
     kern = pk.compiled(int(lay.sel[-1]) * 8 * len(sources))
     if kern is None or lay.n_bands == 0:
@@ -375,11 +381,19 @@ def scatter_add_all(
     c, no_pos = (np.zeros(0, dtype=np.float32) if cnt is None else cnt), np.zeros(0, dtype=np.int64)
     step = max(1, BLOCK_BYTES // (4 * lay.th * lay.cols))  # bands per block
 
+    by = None if divisor is None else np.float32(divisor)
+
     def blocks(b0: int, b1: int) -> None:
         for lo in range(b0 * step, min(lay.n_bands, b1 * step), step):
             hi = min(lay.n_bands, lo + step)
+            a, b = lo * lay.th * lay.cols, min(lay.rows, hi * lay.th) * lay.cols  # the block's entries
+            if fresh:
+                out[a:b] = 0
+                c[a:b] = 0
             for data, vals, s, mode in calls:
                 kern.walk(data, *geometry, vals, s, mode, out, c, no_pos, lo, hi)
+            if by is not None:
+                np.divide(out[a:b], by, out=out[a:b])
 
     run_split(blocks, -(-lay.n_bands // step), lay.rows * lay.cols * len(sources))
     return True
