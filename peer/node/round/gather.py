@@ -441,11 +441,9 @@ class _Gather:
     def _confirm_views(self, read: _Read) -> None:
         """Reading views: fetch whole each one a claim of round t leaves out (`peer.node.round.views`)."""
         if isinstance(self.parse, ViewReader):
-            claims, others = read.claims.values(), {**read.payloads, **read.stage0}
+            claims, bound, others = read.claims.values(), read.view.bound, {**read.payloads, **read.stage0}
             alive = functools.partial(sender_alive, holders=read.holders, replicas=read.replicas)
-            nbytes, rejected, lost = self.views.confirm(
-                self.held.data, claims, read.view.bound, others, self.parse, alive
-            )
+            nbytes, rejected, lost = self.views.confirm(self.held.data, claims, bound, others, self.parse, alive)
             self.result.bytes_fetched += nbytes
             for rid, sender in rejected:
                 self.bad.add(sender)

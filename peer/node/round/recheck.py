@@ -113,8 +113,7 @@ def linked_set(links: Mapping[str, Link], t: int, refused: Collection[str]) -> t
         if peer in refused or link.t != t or link.ranges is not None:
             continue
         votes[link.entries] = votes.get(link.entries, 0) + 1
-    n = sum(votes.values())
-    return next((entries for entries, c in votes.items() if 2 * c > n), None)
+    return _strict_majority(votes, sum(votes.values()))
 
 
 def linked_stage0(
@@ -186,10 +185,12 @@ def stage0_set(
     if own is not None:
         voters += 1
         votes[tuple(own)] = votes.get(tuple(own), 0) + 1
-    for entries, n in votes.items():
-        if 2 * n > voters:
-            return entries
-    return None
+    return _strict_majority(votes, voters)
+
+
+def _strict_majority(votes: Mapping[tuple[Entry, ...], int], voters: int) -> tuple[Entry, ...] | None:
+    """The set more than half of `voters` voted for, if any."""
+    return next((entries for entries, n in votes.items() if 2 * n > voters), None)
 
 
 class ClaimChecks:
