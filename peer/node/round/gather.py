@@ -55,7 +55,7 @@ from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution, Reading, ViewReader
 from peer.node.round.fetcher import Fetcher
 from peer.node.round.follow import Follow, Held, omission
-from peer.node.round.payloads import SETTLE_S, announce, poll_pause, read_round
+from peer.node.round.payloads import SETTLE_S, announce, first_payload, poll_pause, read_round
 from peer.node.round.stalls import stall_watch
 from peer.node.round.verify import SetFetcher
 from peer.node.round.views import ViewChecks, log_ignored
@@ -172,7 +172,7 @@ def gather_round(
     announcement carries `ctx.me`'s address and incarnation. A payload whose sender is gone is asked of
     the round's other contributors (for stage 0 also of the other `ctx.cfg.stages` − 1 stages' holders).
     """
-    own = inputs.own
+    own = inputs.own if inputs.own is None else first_payload(ctx, t, stage, inputs.own)
     if own is not None and own.replica[:16] in inputs.banned:  # a repeated outlier: not fetched by anyone
         log.warning(
             "round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own.replica[:12]

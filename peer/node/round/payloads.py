@@ -31,12 +31,13 @@ from peer.core.sparseloco.codec.format import Payload, PayloadError, SparseLoCoC
 from peer.core.sparseloco.codec.sections import View, read_view, view_bytes
 from peer.core.sparseloco.ranges import merkle_proof
 from peer.core.subspace.state import EMBED
-from peer.errors import PeerError
+from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
-from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256
+from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256, whole
 
 if TYPE_CHECKING:
+    from peer.node.round.context import RoundContext
     from peer.node.stage.state import StageState
 
 __all__ = [
@@ -286,6 +287,7 @@ def round_validator(cfg: RunConfig, worker: StageState, stage: int) -> Callable[
     return payload_validator(shapes, cfg.sparseloco, required=[EMBED] if stage == 0 else [])
 
 
+RESTART_ROUNDS = 2  # rounds past its join a restarted peer checks for its earlier process's announcements
 SETTLE_S = 2.0  # longer than a commit takes to appear in the DHT on a busy machine (chaos runs: < 1 s)
 
 
@@ -306,6 +308,51 @@ def poll_pause(stop: threading.Event | None, poll_s: float) -> None:
         raise PeerError("stopped while waiting for a round")
     if stop is None:
         time.sleep(poll_s)
+
+
+def first_payload(ctx: RoundContext, t: int, stage: int, own: Contribution) -> Contribution | None:
+    """What we contribute to round (t, stage): `own`; the other payload this process announced for
+    that round already; or nothing (None: we observe) when an earlier incarnation of this peer did.
+
+    A sender announces one payload per round. Its announcement is one DHT record per sender, so a
+    second one replaces the first, and a set other holders committed from the first would then name a
+    payload "no replica announced": an honest claimer refused as a forger. A re-sync while the round
+    was in flight makes a holder redo its outer step and encode another payload: the first is sent
+    again, and the new one goes back to the error buffer as any payload not committed does
+    (`peer.node.stage.commit.own_adjustment`). A peer restarted with its identity (`--resume`) may redo
+    a round its killed process announced: it leaves that record in place and observes the round."""
+    first = ctx.store.mine(t, stage)
+    if first is not None and first.payload is not None:
+        if first.sha256 == own.sha256:
+            return own
+        log.warning(
+            "round %d stage %d: contributing the payload this peer announced first (%s), not the one its "
+            "re-sync made (%s): a sender announces one payload per round",
+            *(t, stage, first.sha256[:12], own.sha256[:12]),
+        )
+        return whole(own.replica, first.data, first.payload)
+    # an earlier process can have announced only the rounds about the swarm's clock when this one joined
+    if t <= ctx.me.joined_at + RESTART_ROUNDS and announced_before(ctx, t, stage, own.sha256):
+        return None
+    return own
+
+
+def announced_before(ctx: RoundContext, t: int, stage: int, sha: str) -> bool:
+    """Whether the DHT holds another announcement of ours for round (t, stage) than the payload `sha`
+    (an earlier incarnation's, before a restart): we observe that round (`first_payload`). A DHT that
+    does not answer says nothing here; the gather's own reads decide then."""
+    try:
+        ann = ctx.dht.get_payloads(t, stage).get(ctx.dht.peer_id)
+    except NetworkError:
+        return False
+    if ann is None or ann.sha256 == sha:
+        return False
+    log.warning(
+        "round %d stage %d: an earlier process of this peer announced %s for this round: observing it, not "
+        "replacing that announcement (a sender announces one payload per round)",
+        *(t, stage, ann.sha256[:12]),
+    )
+    return True
 
 
 def announce(

@@ -10,8 +10,9 @@ An entry is
   are visible (the claimer made the replica up: a padded set), or when the replica's announcements
   are visible and none carries that sha256 (a payload the replica never announced for this round:
   an old round's set relabelled, a made-up payload in a real replica's name). A sender announces
-  one payload per round, once (a restarted sender observes the round: its `joined_at` is past it),
-  so an honest claim never names a sha256 its replica's announcements lack;
+  one payload per round, once (`peer.node.round.payloads.first_payload`: a holder that redoes a
+  round sends its first payload again, a restarted one observes a round its killed process
+  announced), so an honest claim never names a sha256 its replica's announcements lack;
 - UNKNOWN otherwise (the round's records expired, the binding changed): the claim cannot be
   checked now, and is neither adopted nor held against its claimer.
 A genuine entry's bytes may come from anyone — our own store, the sender, the claimer, another

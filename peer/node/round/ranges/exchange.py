@@ -44,8 +44,8 @@ from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsReco
 from peer.net.records import Announcement
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
 from peer.node.round.context import RoundContext
-from peer.node.round.gather import FRESH_S, RoundTimings
-from peer.node.round.payloads import read_round, sha256
+from peer.node.round.gather import FRESH_S, MAX_SLOW_READS, RoundTimings
+from peer.node.round.payloads import RESTART_ROUNDS, announced_before, read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import coordinator_order, owners
 from peer.node.round.ranges.resolve import Aggregate, Resolver
@@ -142,7 +142,7 @@ class _RangesRound:
         self.dht, self.t, self.stage, self.timings, self.plan = ctx.dht, t, stage, timings, plan
         self.cfg: SparseLoCoConfig = ctx.cfg.sparseloco
         self.store, self.inc, self.refusals, self.banned = ctx.store, ctx.me.incarnation, ctx.refusals, banned
-        self.me = ctx.dht.peer_id
+        self.me, self.ctx, self.joined_at = ctx.dht.peer_id, ctx, ctx.me.joined_at
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
         self.backups, self.shard_topk, self.exact = settings.backups, settings.shard_topk, settings.exact
@@ -164,12 +164,17 @@ class _RangesRound:
         mode: str | None,
     ) -> None:
         """Serve our parts (Payloads, or a voted round's vote parts as bytes) and announce them:
-        merkle root, R, sha256 of the parts concatenated."""
+        merkle root, R, sha256 of the parts concatenated. Not when other parts of ours are announced
+        for this round (a redone outer step, a restart): a sender announces one payload per round
+        (`peer.node.round.payloads.first_payload`), and we observe the round instead."""
         replica, parts = own
         if len(parts) != self.plan.n:
             raise ValueError(f"{len(parts)} parts for a plan of {self.plan.n} ranges")
         data = [p if isinstance(p, bytes) else p.to_bytes() for p in parts]
         joined = b"".join(data)
+        redone = self.store.parts(self.t, self.stage, None, range(1)) or self.t <= self.joined_at + RESTART_ROUNDS
+        if redone and announced_before(self.ctx, self.t, self.stage, sha256(joined)):
+            return  # we (or our killed process) announced other parts for this round: we observe it
         self.store.put_parts(self.t, self.stage, data)
         closes = round(dht_time() + self.timings.deadline_s, 3)
         peers = dict(peers) if peers is not None else None
@@ -251,17 +256,19 @@ class _RangesRound:
         """Poll the announcements until the close rule closes them (or a roster is already out):
         our candidate roster, in replica order."""
         good: dict[str, tuple[str, Announcement]] = {}
+        slow = 0  # reads in a row that took longer than FRESH_S: believed after MAX_SLOW_READS (a slow DHT)
         while True:
             at = time.monotonic()
             read = self._read()
             if read is None:
                 wait_until(self.deadline + self.timings.grace_s, stop, self.timings.poll_s)
                 continue
+            slow = slow + 1 if time.monotonic() - at > FRESH_S else 0
             view, rosters = read
             good, bad = self._planned(view)
             held = {rid for rid, _ in good.values()}
             poll = Poll(
-                fresh=time.monotonic() - at <= FRESH_S,
+                fresh=slow == 0 or slow >= MAX_SLOW_READS,
                 past_deadline=time.monotonic() >= self.deadline,
                 complete=view.expected <= held | bad | view.dropped,
                 short=self.t == 0 and quorum > 1 and len(held) < quorum,
