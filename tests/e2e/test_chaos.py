@@ -36,6 +36,7 @@ def test_random_faults_of_every_kind_leave_a_live_agreeing_swarm_and_nothing_beh
     result = run_chaos(cfg)
     s = result.summary
     report = "\n".join(f"{k}: {v}" for k, v in s.items())
+    report += "".join(f"\ncrash of {f['target']}: {f.get('why')}" for f in result.faults if f["kind"] == "crash")
     assert s["faults"] == FAULTS and sum(s["faults_by_kind"].values()) >= FAULTS, report
     assert s["faults_by_kind"].get("bootstrap_kill") == 1, report
     assert set(s["faults_by_kind"]) == {*KINDS, "long_stop", "bootstrap_kill"}, report  # every kind was drawn
@@ -44,6 +45,7 @@ def test_random_faults_of_every_kind_leave_a_live_agreeing_swarm_and_nothing_beh
     assert s["hash_disagreements_unresolved"] == 0, report
     assert s["hash_disagreement_longest_run"] <= 2, report  # resolved within one round of being seen
     assert s["lone_commits"] == 0, report
+    assert s["refusals"] == 0, report  # every holder is honest here: a refusal is a false one
     assert s["orphans"] == 0, report
     assert s["slow_leaves"] == [], report  # every peer left within leave_s of the swarm-wide SIGTERM
     assert s["tracebacks"] == 0, report

@@ -76,30 +76,27 @@ def test_a_restarted_peer_observes_the_round_its_killed_process_announced(tmp_pa
     killed = SwarmDHT(initial_peers=anchor.visible_maddrs(), identity_path=key)
     peer_id = killed.peer_id
     killed.set_run("one-payload", CFG.stages)
-    clients = ClientPool(timeout_s=5.0)
     restarted = None
     try:
-        ctx = round_context(killed, clients, PayloadStore(), "127.0.0.1:1", inc="one", cfg=CFG)
+        store = PayloadStore()
         announced = own(peer_id, _payload(1))
-        assert first_payload(ctx, T, STAGE, announced) is announced  # nothing announced yet: ours
-        announce(killed, T, STAGE, announced, ctx.store, "127.0.0.1:1", "one", None, 8.0, 60)
+        assert first_payload(killed, store, 0, T, STAGE, announced) is announced  # nothing announced yet: ours
+        announce(killed, T, STAGE, announced, store, "127.0.0.1:1", "one", None, 8.0, 60)
         killed.shutdown()
 
         restarted = SwarmDHT(initial_peers=anchor.visible_maddrs(), identity_path=key)
         assert restarted.peer_id == peer_id
         restarted.set_run("one-payload", CFG.stages)
-        ctx = round_context(restarted, clients, PayloadStore(), "127.0.0.1:2", inc="two", cfg=CFG)
-        ctx.me.joined_at = T  # resumed at the swarm's clock, T
+        store, joined = PayloadStore(), T  # a new process: an empty store; resumed at the swarm's clock, T
         redone = own(peer_id, _payload(2))
         assert _announced(restarted) == announced.sha256
-        assert first_payload(ctx, T, STAGE, redone) is None  # observe round T
+        assert first_payload(restarted, store, joined, T, STAGE, redone) is None  # observe round T
         assert _announced(restarted) == announced.sha256  # the record its process made is left in place
         same = own(peer_id, _payload(1))
-        assert first_payload(ctx, T, STAGE, same) is same  # the very payload announced: nothing to replace
+        assert first_payload(restarted, store, joined, T, STAGE, same) is same  # that very payload: nothing replaced
         later = own(peer_id, _payload(3))
-        assert first_payload(ctx, T + 1, STAGE, later) is later  # a round the killed process never announced
+        assert first_payload(restarted, store, joined, T + 1, STAGE, later) is later  # a round it never announced
     finally:
-        clients.close()
         if restarted is not None:
             restarted.shutdown()
         anchor.shutdown()

@@ -37,7 +37,6 @@ from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256, whole
 
 if TYPE_CHECKING:
-    from peer.node.round.context import RoundContext
     from peer.node.stage.state import StageState
 
 __all__ = [
@@ -310,7 +309,9 @@ def poll_pause(stop: threading.Event | None, poll_s: float) -> None:
         time.sleep(poll_s)
 
 
-def first_payload(ctx: RoundContext, t: int, stage: int, own: Contribution) -> Contribution | None:
+def first_payload(
+    dht: SwarmDHT, store: PayloadStore, joined_at: int, t: int, stage: int, own: Contribution
+) -> Contribution | None:
     """What we contribute to round (t, stage): `own`; the other payload this process announced for
     that round already; or nothing (None: we observe) when an earlier incarnation of this peer did.
 
@@ -320,8 +321,9 @@ def first_payload(ctx: RoundContext, t: int, stage: int, own: Contribution) -> C
     was in flight makes a holder redo its outer step and encode another payload: the first is sent
     again, and the new one goes back to the error buffer as any payload not committed does
     (`peer.node.stage.commit.own_adjustment`). A peer restarted with its identity (`--resume`) may redo
-    a round its killed process announced: it leaves that record in place and observes the round."""
-    first = ctx.store.mine(t, stage)
+    a round its killed process announced: it leaves that record in place and observes the round
+    (checked in the `RESTART_ROUNDS` rounds from `joined_at`, this process's first round)."""
+    first = store.mine(t, stage)
     if first is not None and first.payload is not None:
         if first.sha256 == own.sha256:
             return own
@@ -332,17 +334,17 @@ def first_payload(ctx: RoundContext, t: int, stage: int, own: Contribution) -> C
         )
         return whole(own.replica, first.data, first.payload)
     # an earlier process can have announced only the rounds about the swarm's clock when this one joined
-    if t <= ctx.me.joined_at + RESTART_ROUNDS and announced_before(ctx, t, stage, own.sha256):
+    if t <= joined_at + RESTART_ROUNDS and announced_before(dht, t, stage, own.sha256):
         return None
     return own
 
 
-def announced_before(ctx: RoundContext, t: int, stage: int, sha: str) -> bool:
+def announced_before(dht: SwarmDHT, t: int, stage: int, sha: str) -> bool:
     """Whether the DHT holds another announcement of ours for round (t, stage) than the payload `sha`
     (an earlier incarnation's, before a restart): we observe that round (`first_payload`). A DHT that
     does not answer says nothing here; the gather's own reads decide then."""
     try:
-        ann = ctx.dht.get_payloads(t, stage).get(ctx.dht.peer_id)
+        ann = dht.get_payloads(t, stage).get(dht.peer_id)
     except NetworkError:
         return False
     if ann is None or ann.sha256 == sha:
