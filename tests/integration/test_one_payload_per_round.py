@@ -21,6 +21,7 @@ from peer.core.sparseloco.algorithm import compress
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
+from peer.node.presence import Presence
 from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, announce, first_payload, payload_validator
 from peer.node.service import PeerService
@@ -80,22 +81,24 @@ def test_a_restarted_peer_observes_the_round_its_killed_process_announced(tmp_pa
     try:
         store = PayloadStore()
         announced = own(peer_id, _payload(1))
-        assert first_payload(killed, store, 0, T, STAGE, announced) is announced  # nothing announced yet: ours
+        first = Presence(peer_id, "full", incarnation="one")
+        assert first_payload(killed, store, first, T, STAGE, announced) is announced  # nothing announced yet
         announce(killed, T, STAGE, announced, store, "127.0.0.1:1", "one", None, 8.0, 60)
         killed.shutdown()
 
         restarted = SwarmDHT(initial_peers=anchor.visible_maddrs(), identity_path=key)
         assert restarted.peer_id == peer_id
         restarted.set_run("one-payload", CFG.stages)
-        store, joined = PayloadStore(), T  # a new process: an empty store; resumed at the swarm's clock, T
+        store, me = PayloadStore(), Presence(peer_id, "full", incarnation="two", joined_at=T)  # resumed at T
         redone = own(peer_id, _payload(2))
         assert _announced(restarted) == announced.sha256
-        assert first_payload(restarted, store, joined, T, STAGE, redone) is None  # observe round T
+        assert first_payload(restarted, store, me, T, STAGE, redone) is None  # observe round T
         assert _announced(restarted) == announced.sha256  # the record its process made is left in place
+        assert me.joined_at == T + 1  # its next record: not expected in round T
         same = own(peer_id, _payload(1))
-        assert first_payload(restarted, store, joined, T, STAGE, same) is same  # that very payload: nothing replaced
+        assert first_payload(restarted, store, me, T, STAGE, same) is same  # that very payload: nothing replaced
         later = own(peer_id, _payload(3))
-        assert first_payload(restarted, store, joined, T + 1, STAGE, later) is later  # a round it never announced
+        assert first_payload(restarted, store, me, T + 1, STAGE, later) is later  # a round it never announced
     finally:
         if restarted is not None:
             restarted.shutdown()

@@ -34,6 +34,7 @@ from peer.core.subspace.state import EMBED
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
+from peer.node.presence import Presence
 from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256, whole
 
 if TYPE_CHECKING:
@@ -310,7 +311,7 @@ def poll_pause(stop: threading.Event | None, poll_s: float) -> None:
 
 
 def first_payload(
-    dht: SwarmDHT, store: PayloadStore, joined_at: int, t: int, stage: int, own: Contribution
+    dht: SwarmDHT, store: PayloadStore, me: Presence, t: int, stage: int, own: Contribution
 ) -> Contribution | None:
     """What we contribute to round (t, stage): `own`; the other payload this process announced for
     that round already; or nothing (None: we observe) when an earlier incarnation of this peer did.
@@ -322,7 +323,8 @@ def first_payload(
     again, and the new one goes back to the error buffer as any payload not committed does
     (`peer.node.stage.commit.own_adjustment`). A peer restarted with its identity (`--resume`) may redo
     a round its killed process announced: it leaves that record in place and observes the round
-    (checked in the `RESTART_ROUNDS` rounds from `joined_at`, this process's first round)."""
+    (checked in the `RESTART_ROUNDS` rounds from `me.joined_at`, this process's first round), and
+    moves `joined_at` past it, so its next record tells the others not to wait for it there."""
     first = store.mine(t, stage)
     if first is not None and first.payload is not None:
         if first.sha256 == own.sha256:
@@ -334,7 +336,8 @@ def first_payload(
         )
         return whole(own.replica, first.data, first.payload)
     # an earlier process can have announced only the rounds about the swarm's clock when this one joined
-    if t <= joined_at + RESTART_ROUNDS and announced_before(dht, t, stage, own.sha256):
+    if t <= me.joined_at + RESTART_ROUNDS and announced_before(dht, t, stage, own.sha256):
+        me.joined_at = max(me.joined_at, t + 1)
         return None
     return own
 

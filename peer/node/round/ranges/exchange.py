@@ -142,7 +142,7 @@ class _RangesRound:
         self.dht, self.t, self.stage, self.timings, self.plan = ctx.dht, t, stage, timings, plan
         self.cfg: SparseLoCoConfig = ctx.cfg.sparseloco
         self.store, self.inc, self.refusals, self.banned = ctx.store, ctx.me.incarnation, ctx.refusals, banned
-        self.me, self.joined_at = ctx.dht.peer_id, ctx.me.joined_at
+        self.me, self.presence = ctx.dht.peer_id, ctx.me
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
         self.backups, self.shard_topk, self.exact = settings.backups, settings.shard_topk, settings.exact
@@ -172,9 +172,12 @@ class _RangesRound:
             raise ValueError(f"{len(parts)} parts for a plan of {self.plan.n} ranges")
         data = [p if isinstance(p, bytes) else p.to_bytes() for p in parts]
         joined = b"".join(data)
-        redone = self.store.parts(self.t, self.stage, None, range(1)) or self.t <= self.joined_at + RESTART_ROUNDS
-        if redone and announced_before(self.dht, self.t, self.stage, sha256(joined)):
-            return  # we (or our killed process) announced other parts for this round: we observe it
+        redone = self.store.parts(self.t, self.stage, None, range(1))
+        if (redone or self.t <= self.presence.joined_at + RESTART_ROUNDS) and announced_before(
+            self.dht, self.t, self.stage, sha256(joined)
+        ):  # we (or our killed process) announced other parts for this round: we observe it
+            self.presence.joined_at = max(self.presence.joined_at, self.t + 1)
+            return
         self.store.put_parts(self.t, self.stage, data)
         closes = round(dht_time() + self.timings.deadline_s, 3)
         peers = dict(peers) if peers is not None else None
