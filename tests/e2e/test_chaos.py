@@ -44,7 +44,8 @@ def test_random_faults_of_every_kind_leave_a_live_agreeing_swarm_and_nothing_beh
     assert s["stalls"] == 0, report
     assert s["hash_disagreements_unresolved"] == 0, report
     assert s["hash_disagreement_longest_run"] <= 2, report  # resolved within one round of being seen
-    assert s["lone_commits"] == 0, report
+    # a holder whose round's other payload sits in a frozen process closes alone at the deadline by design
+    assert s["lone_commits_outside_freezes"] == 0, report
     assert s["refusals"] == 0, report  # every holder is honest here: a refusal is a false one
     assert s["orphans"] == 0, report
     assert s["slow_leaves"] == [], report  # every peer left within leave_s of the swarm-wide SIGTERM

@@ -43,19 +43,31 @@ def holder_events(
 
 
 def states(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> Table:
-    """{(outer step, stage): {holder: [(source "round"|"sync", state), ...] in time order}}."""
+    """{(outer step, stage): {holder: [(source "round"|"sync"|"switch"|"moved", state), ...] in time
+    order}}. "moved": the holder re-synced past that outer step later (a sync at a later step of the
+    stage: it replayed the swarm's rounds through it), so it no longer holds what it committed there."""
     out: Table = defaultdict(lambda: defaultdict(list))
+    committed_at: dict[tuple[str, int, int], float] = {}  # (holder, outer step, stage): when it committed
+    syncs: list[tuple[str, int, int, float]] = []  # (holder, stage, outer step synced to, when)
     for holder, evs in events.items():
         for ev in evs:
+            at = float(ev.get("time", 0.0))
             if ev.get("event") == "round":
                 for s, st in (ev.get("stages") or {}).items():
                     state = (str(st.get("param_hash")), str(st.get("perp_hash")))
                     out[(int(ev["t"]) + 1, int(s))][holder].append(("round", state))
+                    committed_at[(holder, int(ev["t"]) + 1, int(s))] = at
             elif ev.get("event") == "sync" and ev.get("stage") is not None:
                 out[(int(ev["t"]), int(ev["stage"]))][holder].append(("sync", (str(ev.get("param_hash")), "")))
+                syncs.append((holder, int(ev["stage"]), int(ev["t"]), at))
             elif ev.get("event") == "switch" and ev.get("stage") is not None:
                 state = (str(ev.get("param_hash")), str(ev.get("perp_hash")))
                 out[(int(ev["t"]), int(ev["stage"]))][holder].append(("switch", state))
+    for holder, stage, to, at in syncs:
+        for (h, t, s), when in committed_at.items():
+            entries = out[(t, s)][h]
+            if h == holder and s == stage and t < to and when < at and entries[-1][0] == "round":
+                entries.append(("moved", ("", "")))
     return out
 
 
@@ -63,13 +75,14 @@ def disagreements(table: Table) -> tuple[int, int]:
     """(committed, unresolved) disagreement counts over (outer step, stage) pairs: holders whose
     commits of one round differ (a split), and those whose last known states still differ.
 
-    A sync event carries no T⊥ hash, so the unresolved check compares parameter hashes only.
+    A sync event carries no T⊥ hash, so the unresolved check compares parameter hashes only; a holder
+    that re-synced past the step since ("moved") holds none of the states there.
     """
     committed = unresolved = 0
     for per_holder in table.values():
         rounds = {st for entries in per_holder.values() for src, st in entries if src == "round"}
         committed += len(rounds) > 1
-        last = {entries[-1][1][0] for entries in per_holder.values() if entries}
+        last = {entries[-1][1][0] for entries in per_holder.values() if entries and entries[-1][0] != "moved"}
         unresolved += len(last) > 1
     return committed, unresolved
 
@@ -97,22 +110,35 @@ def lone_commits(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict
     committed a different set: a set that holder alone held. (Events without the committed set, from
     older builds, fall back to comparing parameter hashes.) A T⊥ mismatch alone is a disagreement,
     counted by `disagreements`, not a lone commit."""
-    by_key: dict[tuple[int, int], dict[str, tuple[int, tuple[str, ...] | str]]] = defaultdict(dict)
+    by_key: dict[tuple[int, int], dict[str, tuple[int, tuple[str, ...] | str, float, float]]] = defaultdict(dict)
     for holder, evs in events.items():
         for ev in evs:
             if ev.get("event") != "round":
                 continue
+            at, wall = float(ev.get("time", 0.0)), float(ev.get("round_wall_s") or 0.0)
             for s, st in (ev.get("stages") or {}).items():
                 committed = st.get("committed")
                 key = tuple(sorted(committed)) if isinstance(committed, list) else str(st.get("param_hash"))
-                by_key[(int(ev["t"]), int(s))][holder] = (int(st.get("participants", 0)), key)
+                by_key[(int(ev["t"]), int(s))][holder] = (int(st.get("participants", 0)), key, at, wall)
     out = []
     for (t, s), held in by_key.items():
-        for holder, (n, key) in held.items():
-            others = [k for h, (_, k) in held.items() if h != holder]
+        for holder, (n, key, at, wall) in held.items():
+            others = [k for h, (_, k, _, _) in held.items() if h != holder]
             if n == 1 and others and key not in others:
-                out.append({"t": t, "stage": s, "holder": holder})
+                out.append({"t": t, "stage": s, "holder": holder, "time": at, "wall_s": wall})
     return out
+
+
+def outside_freezes(lone: Sequence[Mapping[str, Any]], faults: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The lone commits whose round ([commit time − its wall time, commit time]) overlapped no freeze
+    the harness made (a `stop` or `long_stop`, from its SIGSTOP to its SIGCONT). A holder whose
+    round's other payload sits in a frozen process closes alone at the deadline by design (the lone
+    guard waits for a second payload, that holder's commit, or the deadline: docs/protocol.md), and
+    RECONCILE or a re-sync moves one side within a round; a lone commit with nobody frozen is the
+    lone guard failing."""
+    stops = [f for f in faults if f["kind"] in ("stop", "long_stop")]
+    frozen = [(float(f["time"]), float(f.get("until", f["time"]))) for f in stops]
+    return [c for c in lone if not any(a <= c["time"] and c["time"] - c["wall_s"] <= b for a, b in frozen)]
 
 
 def round_times(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[float]:
@@ -184,6 +210,7 @@ def summary(
         "hash_disagreements_unresolved": unresolved,
         "hash_disagreement_longest_run": longest_disagreement(table),
         "lone_commits": len(lone),
+        "lone_commits_outside_freezes": len(outside_freezes(lone, faults)),
         "switches": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "switch"),
         "syncs": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "sync"),
         "refusals": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "refused"),
