@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from peer.config import RunConfig
+from peer.config import RunConfig, history_ttl_s
 from peer.core.files import atomic_write_bytes
 from peer.core.subspace.state import perp_of
 from peer.errors import PeerError
@@ -240,4 +240,5 @@ class Attester:
     def _fetcher(self, reads: RoundReads) -> SetFetcher:
         timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
         clients: Any = SkipDead(self.clients)  # SetFetcher calls get(address).get_payload only
-        return SetFetcher(reads, clients, self.store, self.dht.peer_id, timeout_s, holders=True)
+        ttl = history_ttl_s(self.cfg.swarm)  # a round read as it expires proves no forgery
+        return SetFetcher(reads, clients, self.store, self.dht.peer_id, timeout_s, holders=True, ttl_s=ttl)

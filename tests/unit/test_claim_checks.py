@@ -14,7 +14,7 @@ from peer.node.round.claims import Claim, Link, entry
 from peer.node.round.follow import omission
 from peer.node.round.recheck import linked_set, stage0_set
 from peer.node.round.refusals import Refusals
-from peer.node.round.verify import Verdict, resolve
+from peer.node.round.verify import Verdict, alive, resolve
 
 SHA_A, SHA_B, SHA_OLD = "a" * 64, "b" * 64, "c" * 64
 REPLICAS = {"ra": "ra".ljust(40, "0"), "rb": "rb".ljust(40, "0")}
@@ -35,6 +35,19 @@ def test_an_entry_is_genuine_only_with_its_replicas_announced_sha256():
     assert resolve(entry(REPLICAS["rb"], SHA_OLD), 0, anns, anns, {}).verdict is Verdict.FORGED
     # the round's records are gone: nothing can be said
     assert resolve(entry(REPLICAS["rb"], SHA_OLD), 0, {}, {}, {}).verdict is Verdict.UNKNOWN
+
+
+def test_a_round_read_as_its_announcements_expire_proves_no_forgery():
+    """A joiner replaying the oldest rounds of the history window reads their announcements as they
+    expire one by one: an entry missing then is unknown, not forged (its claimer is not refused)."""
+    ra = {REPLICAS["ra"]: Announcement(sha256=SHA_A, replica=REPLICAS["ra"], time=100.0)}
+    assert alive(ra, now=150.0, ttl_s=128.0)  # the oldest visible one is 50 s old: none can have expired
+    assert not alive(ra, now=170.0, ttl_s=128.0)  # 70 s, past half the lifetime: rb's may have gone first
+    assert alive(ra, now=1e9, ttl_s=None)  # not judged
+    missing = entry(REPLICAS["rb"], SHA_B)
+    assert resolve(missing, 0, ra, ra, {}, complete=False).verdict is Verdict.UNKNOWN
+    assert resolve(missing, 0, ra, ra, {}).verdict is Verdict.FORGED  # while the round is young: forged
+    assert resolve(entry(REPLICAS["ra"], SHA_A), 0, ra, ra, {}, complete=False).verdict is Verdict.GENUINE
 
 
 def test_an_entry_whose_announcement_no_longer_binds_it_is_unknown_not_forged():

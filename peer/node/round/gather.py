@@ -245,7 +245,7 @@ class _Gather:
         self.result = RoundResult(t=t, stage=stage)
         self.fetcher = Fetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, self.n_stages)
         self.views = ViewChecks(self.fetcher, t, stage)
-        sets = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s)
+        sets = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, ttl_s=timings.ttl_s)
         self.follow = Follow(sets, self.refusals, t, stage, self.n_stages)
 
     def contribute(self, own: Contribution, peers: Mapping[str, str] | None, mode: str | None = None) -> None:

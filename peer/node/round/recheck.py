@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from peer.config import RunConfig
+from peer.config import RunConfig, history_ttl_s
+from peer.net.dht import dht_time
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.metrics import MetricsWriter
@@ -31,7 +32,7 @@ from peer.node.round.claims import Claim, Entry, Link, parse_claims
 from peer.node.round.contribution import Contribution
 from peer.node.round.payloads import PayloadStore, round_reading, round_validator
 from peer.node.round.refusals import Refusals
-from peer.node.round.verify import SetFetcher, Verdict, resolve
+from peer.node.round.verify import SetFetcher, Verdict, alive, resolve
 from peer.node.stage.commit import Outcome
 from peer.node.stage.embed import stage0_change
 from peer.node.stage.state import StageState
@@ -133,7 +134,8 @@ def linked_stage0(
     embed = linked_set(links, t, refused)
     if embed is None:
         return None
-    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), holders=True)
+    ttl = history_ttl_s(cfg.swarm)
+    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), holders=True, ttl_s=ttl)
     got = fetcher.fetch(t, 0, embed, round_reading(cfg, worker, 0), n_stages=cfg.stages)
     update = stage0_change(cfg, [got.payloads[e] for e in embed]) if got.complete else None
     return None if update is None else (update, list(embed))
@@ -153,7 +155,7 @@ def recompute_set(
 ) -> Recomputed:
     """The commit of round t with set `entries` (and, on a stage > 0, T⊥ moved by stage 0's set
     `embed`) from the state we committed round t from; nothing changes on the worker."""
-    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s))
+    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), ttl_s=history_ttl_s(cfg.swarm))
     got = fetch_set(cfg, fetcher, worker, t, entries, embed, claimer_address, views=True)
     out = Recomputed(forged=got.forged + got.forged_embed, missing=got.missing)
     if not got.complete:
@@ -246,7 +248,10 @@ class ClaimChecks:
             replicas = self.dht.get_replicas() if replicas is None else replicas
             for stage, entries in ((worker.stage, link.entries), (0, link.embed or ())):
                 anns, anns0 = announcements(link.t, stage), announcements(link.t, 0)
-                forged = [e for e in entries if resolve(e, stage, anns, anns0, replicas).verdict is Verdict.FORGED]
+                whole = alive(anns, dht_time(), history_ttl_s(self.cfg.swarm))  # else none can be proven forged
+                forged = [
+                    e for e in entries if resolve(e, stage, anns, anns0, replicas, whole).verdict is Verdict.FORGED
+                ]
                 if forged:
                     names = ", ".join(r[:12] for r, _ in forged)
                     reason = f"its committed set names payloads no replica announced ({names})"

@@ -39,6 +39,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any, cast
 
+from peer.config import history_ttl_s
 from peer.errors import NetworkError, PeerError, ProcessGoneError
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import StateReply, StateRequest
@@ -337,7 +338,8 @@ class Resync:
     def _fetcher(self, reads: RoundReads) -> SetFetcher:
         timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
         clients = cast(ClientPool, SkipDead(self.clients))  # SetFetcher calls get(address).get_payload only
-        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s, holders=True)
+        ttl = history_ttl_s(self.cfg.swarm)  # a round read as it expires proves no forgery
+        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s, holders=True, ttl_s=ttl)
 
     def maintain(self, worker: StageWorker, max_lag: int | None = None) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock (default: one, and one

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.errors import NetworkError, PeerError
+from peer.net.dht import dht_time
 from peer.net.pool import ClientPool
 from peer.net.records import Announcement
 from peer.node.round.agreement import Announcements, Replicas, bound_to
@@ -57,15 +58,30 @@ class Resolved:
     record: Announcement = Announcement()
 
 
+def alive(announcements: Announcements, now: float, ttl_s: float | None) -> bool:
+    """Whether every announcement of a round is still in the DHT, judged by the oldest one visible
+    (`now`: DHT time; `ttl_s`: their lifetime, `peer.config.history_ttl_s`; None: not judged, True).
+    A round's honest announcements are all made within its deadline and grace, far less than half
+    their lifetime, so while the oldest visible one is younger than half of it none can have expired.
+    Past that an entry missing from a read may only have expired first: not proof of a forgery (a
+    joiner replaying the oldest rounds of the history window reads them as they expire one by one)."""
+    if ttl_s is None:
+        return True
+    stamps = [a.time for a in announcements.values() if a.time]
+    return not stamps or now - min(stamps) < ttl_s / 2
+
+
 def resolve(
     item: Entry,
     stage: int,
     announcements: Announcements,
     stage0: Announcements,
     replicas: Replicas,
+    complete: bool = True,
 ) -> Resolved:
     """The verdict on one entry of a set of round (t, `stage`) (module docstring); `announcements`
-    are the round's, `stage0` those of (t, 0) (the heads' bindings), `replicas` the replica records."""
+    are the round's, `stage0` those of (t, 0) (the heads' bindings), `replicas` the replica records.
+    `complete`: every announcement of the round can still be read (`alive`); else nothing is FORGED."""
     rid, sha = item
     same_sha = False
     for sender, ann in sorted(announcements.items()):
@@ -76,7 +92,7 @@ def resolve(
             same_sha = True
             if bound_to(sender, full, stage, stage0, replicas):
                 return Resolved(Verdict.GENUINE, sender, ann)
-    if announcements and not same_sha:  # the replica made up, or a payload it never announced
+    if announcements and not same_sha and complete:  # the replica made up, or a payload it never announced
         return Resolved(Verdict.FORGED)
     return Resolved(Verdict.UNKNOWN)
 
@@ -99,12 +115,20 @@ class SetFetcher:
     one fetcher of a round's payloads (`peer.node.round.fetcher.Fetcher`)."""
 
     def __init__(
-        self, dht: Any, clients: ClientPool, store: PayloadStore, me: str, rpc_timeout_s: float, holders: bool = False
+        self,
+        dht: Any,
+        clients: ClientPool,
+        store: PayloadStore,
+        me: str,
+        rpc_timeout_s: float,
+        holders: bool = False,
+        ttl_s: float | None = None,
     ) -> None:
         """`holders`: as a last resort ask the stage's holders and attesters too (a replay of rounds
-        whose contributors may all have left; a live round does not wait on them)."""
+        whose contributors may all have left; a live round does not wait on them). `ttl_s`: the
+        announcements' lifetime (`alive`: a round read as it expires proves no forgery)."""
         self.dht, self.clients, self.store, self.me = dht, clients, store, me
-        self.rpc_timeout_s, self.holders = rpc_timeout_s, holders
+        self.rpc_timeout_s, self.holders, self.ttl_s = rpc_timeout_s, holders, ttl_s
 
     def fetch(
         self,
@@ -125,8 +149,9 @@ class SetFetcher:
         replicas = self.dht.get_replicas()
         fetcher = Fetcher(self.dht, self.clients, self.store, self.me, self.rpc_timeout_s, n_stages, self.holders)
         out = Fetched()
+        complete = alive(announcements, dht_time(), self.ttl_s)
         for item in entries:
-            found = resolve(item, stage, announcements, stage0, replicas)
+            found = resolve(item, stage, announcements, stage0, replicas, complete)
             if found.verdict is not Verdict.GENUINE:
                 (out.forged if found.verdict is Verdict.FORGED else out.missing).append(item)
                 continue
