@@ -94,6 +94,10 @@ def test_a_head_whose_bound_peer_died_without_announcing_is_dropped_for_everyone
     assert lagging.expected == {"h", "f"} and not lagging.dropped
     moved_on = _view(2, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 3}}, "me", "")
     assert moved_on.dropped == {"h"}  # past the round without announcing it: it never will
+    # further behind (a peer the head took while it caught up: the head trained outer step 2 through it,
+    # its record lags the rounds it is committing): it will announce too (chaos: a holder closed without it)
+    catching_up = _view(2, 1, {"f": {}}, stage0, replicas, {"dead": {"outer_step": 0}}, "me", "")
+    assert catching_up.expected == {"h", "f"} and not catching_up.dropped
 
 
 # ------------------------------------------------------------------ gather_round: when it closes

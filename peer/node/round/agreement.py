@@ -156,10 +156,11 @@ def round_view(
             view.expected.add(rid)
             continue
         peer = announced.get(str(stage))
-        # alive and still to announce: at t, or at t - 1 still committing round t - 1 (overlapped rounds:
-        # its head trained outer step t with it meanwhile, and the record lags the commit)
+        # alive and still to announce: at t, or behind it — its head trained outer step t through it, so
+        # only its record lags (overlapped rounds: still committing t - 1; a peer catching up commits the
+        # rounds before t within seconds, its record a refresh behind); past t without announcing it never will
         step = step_of(holders.get(peer)) if peer is not None else -1
-        if step >= 0 and t - 1 <= step <= t:
+        if 0 <= step <= t:
             view.expected.add(rid)
         else:  # bound nobody, or a peer that died or moved on without announcing
             view.dropped.add(rid)
