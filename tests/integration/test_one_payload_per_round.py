@@ -103,3 +103,23 @@ def test_a_restarted_peer_observes_the_round_its_killed_process_announced(tmp_pa
         if restarted is not None:
             restarted.shutdown()
         anchor.shutdown()
+
+
+def test_a_holder_far_behind_the_swarm_announces_nothing_for_the_round_it_left():
+    """A holder still at round T while the swarm is at T + 5 observes T (its gather re-syncs at once):
+    a record made now would outlive the round's own and keep an expiring round looking young."""
+    ahead = SwarmDHT()
+    ahead.set_run("one-payload", CFG.stages)
+    behind = SwarmDHT(initial_peers=ahead.visible_maddrs())
+    behind.set_run("one-payload", CFG.stages)
+    try:
+        record = {"address": "127.0.0.1:1", "kind": "full", "outer_step": T + 5, "joined_at": 0}
+        ahead.announce_replica(record, ttl_s=60)
+        me, store = Presence(behind.peer_id, "full", joined_at=0), PayloadStore()
+        late = own(behind.peer_id, _payload(4))
+        assert first_payload(behind, store, me, T, STAGE, late) is None
+        assert _announced(behind) is None and store.mine(T, STAGE) is None
+        assert first_payload(behind, store, me, T + 4, STAGE, late) is late  # one round behind: not closed yet
+    finally:
+        behind.shutdown()
+        ahead.shutdown()

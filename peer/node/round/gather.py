@@ -172,7 +172,7 @@ def gather_round(
     announcement carries `ctx.me`'s address and incarnation. A payload whose sender is gone is asked of
     the round's other contributors (for stage 0 also of the other `ctx.cfg.stages` − 1 stages' holders).
     """
-    own = inputs.own and first_payload(ctx.dht, ctx.store, ctx.me, t, stage, inputs.own)
+    own = inputs.own and first_payload(ctx.dht, ctx.store, ctx.me, t, stage, inputs.own, ctx.cfg.train.overlap)
     if own is not None and own.replica[:16] in inputs.banned:  # a repeated outlier: not fetched by anyone
         log.warning(
             "round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own.replica[:12]

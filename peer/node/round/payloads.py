@@ -35,6 +35,7 @@ from peer.errors import NetworkError, PeerError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.presence import Presence
+from peer.node.round.claims import closed_elsewhere, swarm_clock
 from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256, whole
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def poll_pause(stop: threading.Event | None, poll_s: float) -> None:
 
 
 def first_payload(
-    dht: SwarmDHT, store: PayloadStore, me: Presence, t: int, stage: int, own: Contribution
+    dht: SwarmDHT, store: PayloadStore, me: Presence, t: int, stage: int, own: Contribution, overlap: int = 0
 ) -> Contribution | None:
     """What we contribute to round (t, stage): `own`; the other payload this process announced for
     that round already; or nothing (None: we observe) when an earlier incarnation of this peer did.
@@ -324,7 +325,12 @@ def first_payload(
     (`peer.node.stage.commit.own_adjustment`). A peer restarted with its identity (`--resume`) may redo
     a round its killed process announced: it leaves that record in place and observes the round
     (checked in the `RESTART_ROUNDS` rounds from `me.joined_at`, this process's first round), and
-    moves `joined_at` past it, so its next record tells the others not to wait for it there."""
+    moves `joined_at` past it, so its next record tells the others not to wait for it there.
+
+    Nor does a holder announce for a round the swarm closed rounds ago (`claims.closed_elsewhere`,
+    `overlap` = `train.overlap`; its gather re-syncs at once then): a record made long after the
+    round's own ones would outlive them, and a round whose announcements expired would then still look
+    young (`peer.node.round.verify.alive`)."""
     first = store.mine(t, stage)
     if first is not None and first.payload is not None:
         if first.sha256 == own.sha256:
@@ -335,6 +341,13 @@ def first_payload(
             *(t, stage, first.sha256[:12], own.sha256[:12]),
         )
         return whole(own.replica, first.data, first.payload)
+    try:
+        others = {p: r for p, r in dht.get_replicas().items() if p != dht.peer_id}
+    except NetworkError:
+        others = {}  # unknown: the gather's own reads decide
+    if others and closed_elsewhere(swarm_clock(others), t, overlap=overlap):
+        log.warning("round %d stage %d: the swarm closed this round rounds ago; observing it", t, stage)
+        return None
     # an earlier process can have announced only the rounds about the swarm's clock when this one joined
     if t <= me.joined_at + RESTART_ROUNDS and announced_before(dht, t, stage, own.sha256):
         me.joined_at = max(me.joined_at, t + 1)
