@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from peer.config import RunConfig, history_ttl_s
+from peer.config import RunConfig
 from peer.core.files import atomic_write_bytes
 from peer.core.subspace.state import perp_of
 from peer.errors import PeerError
@@ -238,7 +238,5 @@ class Attester:
         log.info("attester: stage %d resumed at outer step %d (state %s)", s, state.outer_step, state.state_id())
 
     def _fetcher(self, reads: RoundReads) -> SetFetcher:
-        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
         clients: Any = SkipDead(self.clients)  # SetFetcher calls get(address).get_payload only
-        ttl = history_ttl_s(self.cfg.swarm)  # a round read as it expires proves no forgery
-        return SetFetcher(reads, clients, self.store, self.dht.peer_id, timeout_s, holders=True, ttl_s=ttl)
+        return SetFetcher.of_run(self.cfg, reads, clients, self.store, self.dht.peer_id, holders=True)

@@ -348,17 +348,18 @@ def first_payload(
     if others and closed_elsewhere(swarm_clock(others), t, overlap=overlap):
         log.warning("round %d stage %d: the swarm closed this round rounds ago; observing it", t, stage)
         return None
-    # an earlier process can have announced only the rounds about the swarm's clock when this one joined
-    if t <= me.joined_at + RESTART_ROUNDS and announced_before(dht, t, stage, own.sha256):
-        me.joined_at = max(me.joined_at, t + 1)
-        return None
-    return own
+    return None if announced_before(dht, me, t, stage, own.sha256) else own
 
 
-def announced_before(dht: SwarmDHT, t: int, stage: int, sha: str) -> bool:
+def announced_before(dht: SwarmDHT, me: Presence, t: int, stage: int, sha: str) -> bool:
     """Whether the DHT holds another announcement of ours for round (t, stage) than the payload `sha`
-    (an earlier incarnation's, before a restart): we observe that round (`first_payload`). A DHT that
-    does not answer says nothing here; the gather's own reads decide then."""
+    (an earlier process's, before a restart, or ours before a re-sync): we observe that round, and
+    `me.joined_at` moves past it (`first_payload`). Read only in the `RESTART_ROUNDS` rounds from
+    `joined_at`: an earlier process can have announced only the rounds about the swarm's clock when
+    this one joined, and a re-sync moves `joined_at` just past the round it redoes. A DHT that does not answer
+    says nothing here; the gather's own reads decide then."""
+    if t > me.joined_at + RESTART_ROUNDS:
+        return False
     try:
         ann = dht.get_payloads(t, stage).get(dht.peer_id)
     except NetworkError:
@@ -370,6 +371,7 @@ def announced_before(dht: SwarmDHT, t: int, stage: int, sha: str) -> bool:
         "replacing that announcement (a sender announces one payload per round)",
         *(t, stage, ann.sha256[:12]),
     )
+    me.joined_at = max(me.joined_at, t + 1)
     return True
 
 

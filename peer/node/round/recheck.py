@@ -134,8 +134,7 @@ def linked_stage0(
     embed = linked_set(links, t, refused)
     if embed is None:
         return None
-    ttl = history_ttl_s(cfg.swarm)
-    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), holders=True, ttl_s=ttl)
+    fetcher = SetFetcher.of_run(cfg, dht, clients, store, me, holders=True)
     got = fetcher.fetch(t, 0, embed, round_reading(cfg, worker, 0), n_stages=cfg.stages)
     update = stage0_change(cfg, [got.payloads[e] for e in embed]) if got.complete else None
     return None if update is None else (update, list(embed))
@@ -155,7 +154,7 @@ def recompute_set(
 ) -> Recomputed:
     """The commit of round t with set `entries` (and, on a stage > 0, T⊥ moved by stage 0's set
     `embed`) from the state we committed round t from; nothing changes on the worker."""
-    fetcher = SetFetcher(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), ttl_s=history_ttl_s(cfg.swarm))
+    fetcher = SetFetcher.of_run(cfg, dht, clients, store, me)
     got = fetch_set(cfg, fetcher, worker, t, entries, embed, claimer_address, views=True)
     out = Recomputed(forged=got.forged + got.forged_embed, missing=got.missing)
     if not got.complete:

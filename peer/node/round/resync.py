@@ -39,7 +39,6 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any, cast
 
-from peer.config import history_ttl_s
 from peer.errors import NetworkError, PeerError, ProcessGoneError
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import StateReply, StateRequest
@@ -336,10 +335,8 @@ class Resync:
         log.info("%s: stage %d at the canonical initial state %s (recomputed)", reason, worker.stage, worker.state_id())
 
     def _fetcher(self, reads: RoundReads) -> SetFetcher:
-        timeout_s = min(3.0, self.cfg.swarm.rpc_timeout_s)
         clients = cast(ClientPool, SkipDead(self.clients))  # SetFetcher calls get(address).get_payload only
-        ttl = history_ttl_s(self.cfg.swarm)  # a round read as it expires proves no forgery
-        return SetFetcher(reads, clients, self.store, self.me.peer_id, timeout_s, holders=True, ttl_s=ttl)
+        return SetFetcher.of_run(self.cfg, reads, clients, self.store, self.me.peer_id, holders=True)
 
     def maintain(self, worker: StageWorker, max_lag: int | None = None) -> None:
         """Re-sync a worker more than `max_lag` rounds behind the swarm's clock (default: one, and one

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.config import RunConfig, history_ttl_s
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import dht_time
 from peer.net.pool import ClientPool
@@ -129,6 +130,14 @@ class SetFetcher:
         announcements' lifetime (`alive`: a round read as it expires proves no forgery)."""
         self.dht, self.clients, self.store, self.me = dht, clients, store, me
         self.rpc_timeout_s, self.holders, self.ttl_s = rpc_timeout_s, holders, ttl_s
+
+    @classmethod
+    def of_run(
+        cls, cfg: RunConfig, dht: Any, clients: Any, store: PayloadStore, me: str, holders: bool = False
+    ) -> SetFetcher:
+        """A fetcher with the run's clocks: one try at a source takes at most 3 s (`swarm.rpc_timeout_s`
+        if shorter), and the announcements live `peer.config.history_ttl_s`."""
+        return cls(dht, clients, store, me, min(3.0, cfg.swarm.rpc_timeout_s), holders, history_ttl_s(cfg.swarm))
 
     def fetch(
         self,

@@ -315,7 +315,6 @@ class ChaosRun:
                     target = self.rng.choice(sorted(self.roles))
                     self.inject(kind, self.roles[target])
                 fault = {"i": i, "kind": kind, "target": target, "time": since, "until": time.time()}  # a freeze ends
-                fault["recovery_s"] = None
                 fault["recovery_s"] = self.wait_recovered(since)
                 self.faults.append(fault)
                 self.progress(f"fault {i + 1}/{self.cfg.faults}: {fault_line(fault)}")

@@ -45,7 +45,7 @@ from peer.net.records import Announcement
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
 from peer.node.round.context import RoundContext
 from peer.node.round.gather import FRESH_S, MAX_SLOW_READS, RoundTimings
-from peer.node.round.payloads import RESTART_ROUNDS, announced_before, read_round, sha256
+from peer.node.round.payloads import announced_before, read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import coordinator_order, owners
 from peer.node.round.ranges.resolve import Aggregate, Resolver
@@ -172,12 +172,8 @@ class _RangesRound:
             raise ValueError(f"{len(parts)} parts for a plan of {self.plan.n} ranges")
         data = [p if isinstance(p, bytes) else p.to_bytes() for p in parts]
         joined = b"".join(data)
-        redone = self.store.parts(self.t, self.stage, None, range(1))
-        if (redone or self.t <= self.presence.joined_at + RESTART_ROUNDS) and announced_before(
-            self.dht, self.t, self.stage, sha256(joined)
-        ):  # we (or our killed process) announced other parts for this round: we observe it
-            self.presence.joined_at = max(self.presence.joined_at, self.t + 1)
-            return
+        if announced_before(self.dht, self.presence, self.t, self.stage, sha256(joined)):
+            return  # we (or our killed process) announced other parts for this round: we observe it
         self.store.put_parts(self.t, self.stage, data)
         closes = round(dht_time() + self.timings.deadline_s, 3)
         peers = dict(peers) if peers is not None else None
