@@ -14,6 +14,7 @@ import dataclasses
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,3 +244,20 @@ def test_a_pool_never_lends_one_buffer_to_two_open_blocks():
         assert bufs["a"].data_ptr() in seen  # later blocks reuse them
     pool.clear()
     assert pool.held_bytes() == 0
+
+
+def test_the_bucketing_groups_entries_by_unit_in_their_order_however_it_is_cut(monkeypatch):
+    count, place = pk.compiled_function(consensus._count_jit), pk.compiled_function(consensus._place_jit)
+    if count is None or place is None:
+        pytest.skip("numba is not available here: the numpy path runs instead")
+    rng = np.random.default_rng(0)
+    unit, per_slice = consensus.UNIT, consensus.SLICE // consensus.UNIT
+    pos = rng.integers(0, 3 * consensus.SLICE - 5, size=300_000)  # three slices, enough to share out
+    units = (pos // consensus.SLICE) * per_slice + (pos % consensus.SLICE) // unit
+    n_units = 3 * per_slice
+    want_order = np.argsort(units, kind="stable")  # by unit, each unit's entries in their given order
+    want_starts = np.concatenate([[0], np.cumsum(np.bincount(units, minlength=n_units))])
+    for min_piece in (1 << 20, 1 << 16, 1000):  # one piece, a few, the most there may be
+        monkeypatch.setattr(consensus, "MIN_PIECE", min_piece)
+        starts, order = consensus._bucket(count, place, pos, unit, per_slice, n_units)
+        assert np.array_equal(starts, want_starts) and np.array_equal(order, want_order), min_piece

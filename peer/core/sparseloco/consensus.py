@@ -8,8 +8,9 @@ coordinates, then one `math.fsum` of a voter's partials. Only the union of the v
 is visited: a coordinate that no voter sends has a zero median for every voter and adds nothing.
 
 Two ways to the same bits:
-- compiled (numba, nogil; `_bucket_jit`, `_partials_jit`): a tensor's entries are bucketed by
-  UNIT of coordinates (a slice is cut into units), and the units are shared out over the cores
+- compiled (numba, nogil; `_count_jit`, `_place_jit`, `_partials_jit`): a tensor's entries are
+  bucketed by UNIT of coordinates (a slice is cut into units; a counting sort whose two passes are
+  shared out over the cores, `_bucket`), and the units are shared out over the cores
   (`codec.fused.run_split`). Per unit, a slot map groups each coordinate's values (no sort of the
   positions), a small insertion sort gives the medians, and each product of two float32 values
   (exact in float64) goes into an integer accumulator (`codec.exact`): a unit's accumulators are
@@ -44,6 +45,8 @@ SLICE = 1 << 20  # coordinates of one tensor whose products are summed together 
 PASS = 1 << 22  # entries (voters × coordinates) the numpy path ranks at once: 16 MiB of float32
 UNIT = 1 << 16  # coordinates of a slice one kernel call groups at a time (splits, never fixes, the bits)
 MIN_WORK = 1 << 14  # entries × voters below which the numpy path runs (tiny tests never JIT)
+BUCKET_PIECES = 16  # pieces of a tensor's entries the bucketing's two passes are cut into, at most
+MIN_PIECE = 1 << 16  # entries of a piece, at least (fewer entries: fewer pieces)
 
 SparseRows = Sequence["tuple[np.ndarray, np.ndarray] | None"]  # per voter: (flat positions, float32 values)
 
@@ -178,9 +181,9 @@ def _products(
 def _compiled_partials(flat: Sequence[tuple[np.ndarray, np.ndarray]], out: np.ndarray) -> list[int] | None:
     """Fill out (n_slices, n, 3) with the compiled kernels; the slices left to the numpy path (a
     non-finite product), or None when numba is not in use."""
-    bucket = pk.compiled_function(_bucket_jit)
+    count, place = pk.compiled_function(_count_jit), pk.compiled_function(_place_jit)
     partials = pk.compiled_function(_partials_jit, _medians_jit, _add_products_jit)
-    if bucket is None or partials is None:
+    if count is None or place is None or partials is None:
         return None
     n, n_slices = len(flat), out.shape[0]
     unit = min(UNIT, SLICE)
@@ -188,9 +191,7 @@ def _compiled_partials(flat: Sequence[tuple[np.ndarray, np.ndarray]], out: np.nd
     pos = np.concatenate([p for p, _ in flat])
     vals = np.concatenate([v for _, v in flat])
     who = np.repeat(np.arange(n, dtype=np.int64), [p.size for p, _ in flat])  # (E,) each entry's voter
-    starts = np.zeros(n_slices * per_slice + 1, dtype=np.int64)
-    order = np.empty(pos.size, dtype=np.int64)
-    bucket(pos, SLICE, unit, per_slice, starts, order)
+    starts, order = _bucket(count, place, pos, unit, per_slice, n_slices * per_slice)
     acc = np.zeros((n_slices * per_slice, n, 3, LIMBS), dtype=np.int64)
     bad = np.zeros(n_slices * per_slice, dtype=np.uint8)
     args = (pos, vals, who, order, starts, n, SLICE, unit, per_slice, acc, bad)
@@ -199,20 +200,56 @@ def _compiled_partials(flat: Sequence[tuple[np.ndarray, np.ndarray]], out: np.nd
     return sorted({int(u) // per_slice for u in np.flatnonzero(bad)})
 
 
-def _bucket_jit(pos: np.ndarray, slice_: int, unit: int, per_slice: int, starts: np.ndarray, order: np.ndarray) -> int:
-    # order = the entries' indices grouped by unit (slice · per_slice + offset in the slice // unit),
-    # each unit's in their given order; starts[u] … starts[u + 1] − 1 index order for unit u.
-    for e in range(pos.size):
-        p = pos[e]
-        starts[(p // slice_) * per_slice + (p % slice_) // unit + 1] += 1
-    for u in range(starts.size - 1):
-        starts[u + 1] += starts[u]
-    fill = starts[:-1].copy()
-    for e in range(pos.size):
-        p = pos[e]
-        u = (p // slice_) * per_slice + (p % slice_) // unit
-        order[fill[u]] = e
-        fill[u] += 1
+def _bucket(
+    count: Callable[..., int], place: Callable[..., int], pos: np.ndarray, unit: int, per_slice: int, n_units: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, order): the entries' indices grouped by unit (slice · per_slice + offset in the slice
+    // unit), each unit's in their given order; starts[u] … starts[u + 1] − 1 index `order` for unit
+    u. A counting sort in two passes over the entries, each cut into pieces the cores take
+    (`_count_jit`, `_place_jit`): piece i's entries of a unit follow those of pieces before it, so
+    the grouping is the one a single pass gives, however the pieces were shared out."""
+    size = pos.size
+    pieces = max(1, min(BUCKET_PIECES, size // MIN_PIECE))
+    bounds = np.array([size * i // pieces for i in range(pieces + 1)], dtype=np.int64)
+    counts = np.zeros((pieces, n_units), dtype=np.int64)
+    run_split(count, pieces, size, pos, bounds, SLICE, unit, per_slice, counts)
+    starts = np.zeros(n_units + 1, dtype=np.int64)
+    np.cumsum(counts.sum(axis=0), out=starts[1:])
+    fill = starts[:-1] + (np.cumsum(counts, axis=0) - counts)  # (pieces, n_units): each piece's first slot
+    order = np.empty(size, dtype=np.int64)
+    run_split(place, pieces, size, pos, bounds, SLICE, unit, per_slice, fill, order)
+    return starts, order
+
+
+def _count_jit(
+    pos: np.ndarray, bounds: np.ndarray, slice_: int, unit: int, per_slice: int, counts: np.ndarray, b0: int, b1: int
+) -> int:
+    # counts[i, u] = entries of piece i (bounds[i] … bounds[i + 1] − 1) in unit u, for pieces b0 … b1 − 1.
+    for i in range(b0, b1):
+        for e in range(bounds[i], bounds[i + 1]):
+            p = pos[e]
+            counts[i, (p // slice_) * per_slice + (p % slice_) // unit] += 1
+    return 0
+
+
+def _place_jit(
+    pos: np.ndarray,
+    bounds: np.ndarray,
+    slice_: int,
+    unit: int,
+    per_slice: int,
+    fill: np.ndarray,
+    order: np.ndarray,
+    b0: int,
+    b1: int,
+) -> int:
+    # Each entry of pieces b0 … b1 − 1 into its unit's next slot of its piece (fill[i, u], advanced).
+    for i in range(b0, b1):
+        for e in range(bounds[i], bounds[i + 1]):
+            p = pos[e]
+            u = (p // slice_) * per_slice + (p % slice_) // unit
+            order[fill[i, u]] = e
+            fill[i, u] += 1
     return 0
 
 

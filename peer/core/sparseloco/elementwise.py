@@ -45,6 +45,7 @@ from torch import Tensor
 
 from peer.core.sparseloco.codec import kernels as codec_kernels
 from peer.core.sparseloco.codec.fused import run_split
+from peer.core.sparseloco.codec.scratch import fresh
 
 __all__ = ["Device", "copied", "f32", "scaled", "stepped"]
 
@@ -104,8 +105,9 @@ def _flat(t: Tensor) -> np.ndarray:
 
 def _blocks(kernel: Any, like: Tensor, *args: Any) -> Tensor:
     """A fresh CPU float32 tensor of `like`'s shape, kernel(*args, out, block, b0, b1) over its blocks
-    of BLOCK elements on the kernel pool (elements are independent: the split never shows)."""
-    out = np.empty(like.numel(), dtype=np.float32)
+    of BLOCK elements on the kernel pool (elements are independent: the split never shows), written
+    on huge pages where the OS has them (`codec.scratch.fresh`: the state outlives the commit)."""
+    out = fresh(like.numel(), np.float32)
     run_split(kernel, -(-out.size // BLOCK), out.size, *args, out, BLOCK)
     return torch.from_numpy(out).view(like.shape)
 

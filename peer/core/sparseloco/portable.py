@@ -42,6 +42,7 @@ from torch import Tensor
 
 from peer.core.sparseloco.codec import kernels as codec_kernels
 from peer.core.sparseloco.codec.fused import run_split
+from peer.core.sparseloco.codec.scratch import fresh
 
 __all__ = [
     "arithmetic_fingerprint",
@@ -280,8 +281,8 @@ def split64(X: Tensor, U: Tensor, W: Tensor | None, P: Tensor) -> tuple[Tensor |
     none = np.empty((0, x.shape[1]), dtype=np.float32)
     w_in = none if W is None else np.ascontiguousarray(_stored(W))
     p_in = np.ascontiguousarray(_stored(P))
-    w_out = none if W is None else np.empty_like(w_in)
-    p_out = np.empty_like(p_in)
+    w_out = none if W is None else fresh(w_in.size, w_in.dtype).reshape(w_in.shape)  # huge pages: the state's
+    p_out = fresh(p_in.size, p_in.dtype).reshape(p_in.shape)
     no_out = np.empty((0, x.shape[1]), dtype=np.float64)
     run_split(kernel, x.shape[0], x.size * u.shape[1] // 8, x, u, ut, no_out, w_in, p_in, w_out, p_out)
     return (None if W is None else torch.from_numpy(w_out)), torch.from_numpy(p_out)
