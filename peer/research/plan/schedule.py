@@ -25,11 +25,12 @@ The outer step (H inner steps of `inner_s` in all, the round's transfer `round_s
   nothing. The node overlaps N = ⌈(round' + commit) / inner step⌉ inner steps, at most H
   (`overlap_steps`); when the round takes longer, the inner steps of t + 1 wait for it.
 
-Calibration of `cpu` (2026-11-29, this 2-core AMD EPYC VM, AVX-512, 2 torch threads, other sessions'
-work beside it): `peer bench commit --preset 178M --stages 2 --replicas 8` commits stage 0 of 178M
-(95,037,440 parameters; 8 payloads of 752,640 sent entries each, `payload_entries`) in 4.40 s (the
-portable commit, its least-loaded run; 10.8–13.0 s in three later runs with the machine's load
-at 9): 7 passes of 380 MB plus 6.02 M entries of 64 bytes, 3.05 GB, in 4.40 s: 0.69 GB/s. It is
+Calibration of `cpu` (2026-11-30, this 2-core AMD EPYC VM, AVX-512, 2 torch threads, nothing else
+running): `peer bench commit --preset 178M --stages 2 --replicas 8 --threads 1,2,4 --repeats 7`
+commits stage 0 of 178M (95,037,440 parameters; 8 payloads of 752,640 sent entries each,
+`payload_entries`) in 1.31 s (median of 7; 2.43 s on one thread): 7 passes of 380 MB plus 6.02 M
+entries of 64 bytes, 3.05 GB, in 1.31 s: 2.3 GB/s (0.69 GB/s on 2026-11-29, before the new state
+came on recycled pages and the outer step ran on the kernel pool). It is
 the portable commit's effective rate on 2 cores (fixed-order float64 sums, hashing, screening), not
 the memory's bandwidth: give a server's own with `--commit-gbps`. `gpu`: 3.0 TB/s, about 90 % of an
 H100 SXM's 3.35 TB/s of HBM3 (NVIDIA H100 Tensor Core GPU datasheet; an H200 has 4.8 TB/s). The
@@ -52,7 +53,7 @@ ENCODE_PASSES = 11  # Δ: 3, error feedback: 3, top-k: 1, e −= Δ̂: 2, θ_b k
 COMMIT_PASSES = 7  # accumulator: 1, θ_start − η·Δ̄: 3, hash: 1, load: 2
 REBASE_PASSES = 4  # θ_c, θ, θ_b read; θ written
 DECODE_BYTES_PER_ENTRY = 64  # one scattered entry: a cache line (or sector) read and written
-CPU_BYTES_PER_S = 0.69e9  # calibrated on this machine (module docstring)
+CPU_BYTES_PER_S = 2.3e9  # calibrated on this machine (module docstring)
 GPU_BYTES_PER_S = 3.0e12  # ~90 % of an H100 SXM's 3.35 TB/s (module docstring)
 DEVICES = {"cpu": CPU_BYTES_PER_S, "gpu": GPU_BYTES_PER_S}
 
