@@ -97,3 +97,15 @@ def test_a_commit_on_recycled_regions_gives_the_same_bits_and_leaves_held_states
     assert {_address(third.params[n].numpy()) for n in ("blocks.0.w", "blocks.1.w")} == regions  # reused
     assert _bits(third.params) == plain[0] and _bits(second.params) == plain[1]
     FRESH.clear()
+
+
+def test_a_region_freed_by_the_collector_under_the_lock_comes_back_without_a_deadlock():
+    pages = FreshPages(min_bytes=MIB)
+    a = pages.array(MIB // 4)
+    cycle: list[object] = [a]
+    cycle.append(cycle)  # only the collector frees it
+    del a, cycle
+    with pages._lock:  # the collection runs on a thread that holds the lock
+        gc.collect()
+        assert pages.held_bytes() == MIB
+    assert pages.array(MIB // 4) is not None and pages.held_bytes() == 0

@@ -203,20 +203,23 @@ def _voter_rows(
     by_name: Sequence[Mapping[str, TensorEntry]],
     name: str,
 ) -> SparseRows:
-    """One tensor's (flat positions, values × scale) of every voter, None where a voter lacks it."""
-    rows: list[tuple[np.ndarray, np.ndarray] | None] = []
-    for i, entries in zip(voters, by_name, strict=True):
-        e = entries.get(name)
+    """One tensor's (flat positions, values × scale) of every voter, None where a voter lacks it; the
+    voters decoded on the kernel pool when the tensor is large (one tensor alone is a whole section:
+    the embedding's)."""
+
+    def row(voter: tuple[int, TensorEntry | None]) -> tuple[np.ndarray, np.ndarray] | None:
+        i, e = voter
         if e is None:
-            rows.append(None)
-            continue
+            return None
         pos, vals = entry_values(e, payloads[i].chunk, payloads[i].topk)
         if pos is None:
             pos = np.arange(vals.size, dtype=np.int64)
         if scales[i] is not None:
             vals = vals * np.float32(scales[i])  # a float32 product: what clip_to_median computes
-        rows.append((pos, vals))
-    return rows
+        return pos, vals
+
+    items = [(i, entries.get(name)) for i, entries in zip(voters, by_name, strict=True)]
+    return run_each(row, items, [0 if e is None else math.prod(e.shape) for _, e in items], in_order=True)
 
 
 def _check_rule(rule: str, n_participants: int, n_payloads: int) -> None:

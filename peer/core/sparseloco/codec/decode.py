@@ -8,11 +8,13 @@ index bytes (`peer.core.sparseloco.codec.index.scatter`), never expanding positi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from peer.core.sparseloco.codec.format import DENSE_F32, DENSE_U8, SPARSE, TensorEntry, _arr, _bytes, dequantize
+from peer.core.sparseloco.codec.fused import run_each
 from peer.core.sparseloco.codec.index import index_positions, positions, scatter, scatter_add_all
 
 __all__ = ["add_entries", "entry_values", "values_of", "write_entry"]
@@ -95,7 +97,8 @@ def add_entries(
     where the scatter runs."""
     if items and all(e.kind == SPARSE and e.ranked(c, k) and (c, k) == items[0][1:3] for e, c, k, _ in items):
         e0, chunk, topk, _ = items[0]
-        sources = [(_bytes(e.index_bytes), values_of(e), scale) for e, _, _, scale in items]
+        values = run_each(values_of, [e for e, _, _, _ in items], [math.prod(e.shape) for e, _, _, _ in items], True)
+        sources = [(_bytes(e.index_bytes), v, scale) for (e, _, _, scale), v in zip(items, values, strict=True)]
         if scatter_add_all(tuple(e0.shape), chunk, topk, sources, out, cnt, fresh, divisor):
             return
     if fresh:

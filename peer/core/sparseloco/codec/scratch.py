@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -51,7 +52,14 @@ class FreshPages:
     def __init__(self, min_bytes: int = FRESH_MIN_BYTES) -> None:
         self.min_bytes = min_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
-        self._lock = threading.Lock()
+        # re-entrant: a region comes back from a finalizer, which the garbage collector may run on a
+        # thread that holds the lock already (any allocation under it can start a collection)
+        self._lock = threading.RLock()
+        forked = weakref.WeakMethod(self._forked)  # the hook must not keep a pool alive
+        os.register_at_fork(after_in_child=lambda: (hook := forked()) is not None and hook())
+
+    def _forked(self) -> None:  # a forked child has no other threads: its copy of the lock starts free
+        self._lock = threading.RLock()
 
     def array(self, n: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
         """An uninitialised flat array of n elements (`np.empty` below `min_bytes`)."""
@@ -76,12 +84,13 @@ class FreshPages:
     def held_bytes(self) -> int:
         """Bytes of the regions waiting to be handed out again."""
         with self._lock:
-            return sum(size * len(regions) for size, regions in self._free.items())
+            held = [(size, len(regions)) for size, regions in list(self._free.items())]
+        return sum(size * n for size, n in held)
 
     def clear(self) -> None:
         """Give every region not in use back to the OS."""
         with self._lock:
-            self._free.clear()
+            self._free = {}
 
 
 def _mapped(nbytes: int) -> mmap.mmap:
