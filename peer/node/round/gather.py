@@ -58,7 +58,7 @@ from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import SETTLE_S, announce, first_payload, poll_pause, read_round
 from peer.node.round.stalls import stall_watch
 from peer.node.round.verify import SetFetcher
-from peer.node.round.views import ViewChecks, log_ignored
+from peer.node.round.views import ViewChecks, log_ignored, log_short_close
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +174,7 @@ def gather_round(
     """
     own = inputs.own and first_payload(ctx.dht, ctx.store, ctx.me, t, stage, inputs.own, ctx.cfg.train.overlap)
     if own is not None and own.replica[:16] in inputs.banned:  # a repeated outlier: not fetched by anyone
-        log.warning(
-            "round %d stage %d: replica %s is banned as a repeated outlier; observing", t, stage, own.replica[:12]
-        )
+        log.warning("round %d stage %d: %s is banned as a repeated outlier; observing", t, stage, own.replica[:12])
         own = None
     gather = _Gather(ctx, t, stage, timings, own, inputs.validate, inputs.banned, inputs.prev)
     gather.established = {r[:PREFIX] for r in inputs.established}
@@ -459,6 +457,8 @@ class _Gather:
                 del self.held.data[rid]
                 self.rejected.add(rid)
         result, held, view = self.result, self.held, self.view
+        if decision is Close.COMPLETE:
+            log_short_close(view, held.data, self.seen, self.t, self.stage)
         if decision is Close.BEHIND:
             result.behind = True
             log.warning("round %d stage %d: %s; re-syncing instead", self.t, self.stage, self.why_behind)

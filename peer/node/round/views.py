@@ -108,3 +108,26 @@ def log_ignored(view: RoundView, logged: set[tuple[str, str]], t: int, stage: in
                 rid[:12],
                 IGNORED[why].format(stage=stage),
             )
+
+
+def log_short_close(view: RoundView, held: Iterable[str], seen: Iterable[str], t: int, stage: int) -> None:
+    """Say why a set of our own closed with fewer payloads than the holders we saw gathering: the
+    replicas the round expected, those it dropped and ignored, and who was seen (the one line a log
+    needs to tell whether a holder was left out for a reason or by a wrong view of the round)."""
+    have, gathering = sorted(held), sorted(set(seen) | view.gathering)
+    if len(have) >= len(gathering):
+        return
+    log.info(
+        "round %d stage %d: closing with %d payload(s) (%s) of %d holders seen gathering (%s): expected %s, "
+        "dropped %s, bound %s, ignored %d",
+        t,
+        stage,
+        len(have),
+        ",".join(r[:12] for r in have),
+        len(gathering),
+        ",".join(p[:12] for p in gathering),
+        ",".join(sorted(r[:12] for r in view.expected)) or "none",
+        ",".join(sorted(r[:12] for r in view.dropped)) or "none",
+        ",".join(sorted(f"{s[:12]}>{r[:12]}" for s, (r, _) in view.bound.items())) or "none",
+        len(view.ignored),
+    )
