@@ -106,7 +106,7 @@ def _flat(t: Tensor) -> np.ndarray:
 def _blocks(kernel: Any, like: Tensor, *args: Any) -> Tensor:
     """A fresh CPU float32 tensor of `like`'s shape, kernel(*args, out, block, b0, b1) over its blocks
     of BLOCK elements on the kernel pool (elements are independent: the split never shows), written
-    on huge pages where the OS has them (`codec.scratch.fresh`: the state outlives the commit)."""
+    on recycled pages (`codec.scratch.fresh`: the state outlives the commit)."""
     out = fresh(like.numel(), np.float32)
     run_split(kernel, -(-out.size // BLOCK), out.size, *args, out, BLOCK)
     return torch.from_numpy(out).view(like.shape)

@@ -281,7 +281,7 @@ def split64(X: Tensor, U: Tensor, W: Tensor | None, P: Tensor) -> tuple[Tensor |
     none = np.empty((0, x.shape[1]), dtype=np.float32)
     w_in = none if W is None else np.ascontiguousarray(_stored(W))
     p_in = np.ascontiguousarray(_stored(P))
-    w_out = none if W is None else fresh(w_in.size, w_in.dtype).reshape(w_in.shape)  # huge pages: the state's
+    w_out = none if W is None else fresh(w_in.size, w_in.dtype).reshape(w_in.shape)  # recycled pages: the state's
     p_out = fresh(p_in.size, p_in.dtype).reshape(p_in.shape)
     no_out = np.empty((0, x.shape[1]), dtype=np.float64)
     run_split(kernel, x.shape[0], x.size * u.shape[1] // 8, x, u, ut, no_out, w_in, p_in, w_out, p_out)

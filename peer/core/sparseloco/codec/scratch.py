@@ -10,9 +10,10 @@ it, and takes a region back for the next array of its size once nothing views it
 a holder dropped: the one the next commit replaces). Faults serialise on the process's memory map,
 so writing a 380 MB state to new pages kept the commit's second core waiting: on a 2-core VM a 178M
 stage-0 commit at M 8 ran 1.56x faster on 2 cores than on 1 with fresh pages, 1.86x with recycled
-ones (`peer bench commit --threads 1,2`, docs/results.md). New regions are advised onto transparent
-huge pages where the OS lets us ask (Linux `madvise(MADV_HUGEPAGE)`): one fault per 2 MiB. The
-bytes are the same either way; only where the pages come from differs.
+ones (`peer bench commit --threads 1,2`, docs/results.md). New regions are plain pages: advising
+them onto transparent huge pages (`madvise(MADV_HUGEPAGE)`) made no difference once regions were
+recycled and made a process's first commit slower on the VM measured (docs/results.md). The bytes are
+the same either way; only where the pages come from differs.
 
 Ownership (the one rule that keeps reuse safe): a lent buffer belongs to the block that borrowed
 it, from `with pool.lend(...) as bufs:` to the block's end. Nothing computed into it may be kept
@@ -24,7 +25,6 @@ per shape) until `clear`.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import threading
@@ -94,14 +94,8 @@ class FreshPages:
 
 
 def _mapped(nbytes: int) -> mmap.mmap:
-    """A fresh anonymous private mapping of nbytes, advised onto transparent huge pages where the OS
-    lets us ask (one fault per 2 MiB instead of per 4 KiB the first time it is written)."""
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel without THP: plain pages, the same bytes
-            region.madvise(advice)
-    return region
+    """A fresh anonymous private mapping of nbytes (plain pages: module docstring)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 FRESH = FreshPages()  # the commit's new state (`peer.core.sparseloco.elementwise`, `portable.split64`)
