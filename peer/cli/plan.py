@@ -104,8 +104,9 @@ def _seconds(value: float) -> str:
 def _round_table(holders: Mapping[bool, Sequence[HolderRound]], replicas: int) -> Table:
     table = Table(
         title=f"the round per stage holder, M={replicas}, all-to-all (payloads fetched: own stage, stage 0)",
-        caption="compressed: the later stages also fetch all of stage 0's payloads (for T⊥), which stage 0's "
-        "holders serve; uncompressed: each way",
+        caption="compressed: the later stages also fetch all of stage 0's payloads (for T⊥) as embedding views, "
+        "stage 1 from stage 0's holders, each later stage from the holders of the stage before it; "
+        "uncompressed: each way",
     )
     for col in ("stage", "payload", "own", "stage 0", "fetched", "served", "uncompressed"):
         table.add_column(col, justify="right", no_wrap=True)

@@ -37,6 +37,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.round.claims import Link, entry
+from peer.node.round.fetcher import relay_wait_s
 from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
 from peer.node.round.payloads import PayloadStore, view_validator
 from peer.node.round.recheck import linked_stage0
@@ -305,3 +306,100 @@ def test_a_view_whose_whole_nobody_serves_after_its_sender_left_is_given_up_and_
                 node.server.stop(grace_s=0.5)
             node.clients.close()
             node.dht.shutdown()
+
+
+class Counting(PayloadStore):
+    """A real store that counts the views it served (`PeerService.get_payload` asks it for each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served = 0
+
+    def view(self, t: int, stage: int, sender: str | None = None) -> bytes | None:
+        made = super().view(t, stage, sender)
+        self.served += made is not None
+        return made
+
+
+@pytest.fixture
+def relays(reap_children):
+    """A and B send stage 0; C and F hold stage 1 (announcers of round (0, 1)); D holds stage 1 and
+    serves a wrong view for everything; E holds stage 2 and reads stage 0's views through stage 1's."""
+    nodes: list[Node] = []
+    try:
+        first = SwarmDHT()
+        stores = [Counting(), Counting(), Counting(), Counting(), Lying(b"wrong"), PayloadStore()]
+        nodes.append(Node(first, stores[0], ClientPool(timeout_s=5.0)))
+        for store in stores[1:]:
+            nodes.append(Node(SwarmDHT(initial_peers=first.visible_maddrs()), store, ClientPool(timeout_s=5.0)))
+        for node in nodes:
+            node.dht.set_run("embed-relay-test", CFG.stages)
+            node.server = PeerServer(PeerService(CFG, {}, node.store, node.id, "stage"), host="127.0.0.1", port=0)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.server is not None:
+                node.server.stop(grace_s=0.5)
+            node.clients.close()
+            node.dht.shutdown()
+
+
+def _announce_stage1(node: Node, seed: int) -> None:
+    """`node` contributes to round (0, 1), so it is one of the relays a holder of stage 2 asks."""
+    data = _payload(seed, 1e-2)  # any payload: only its announcement (who, where) matters to the relay
+    node.store.put(0, 1, data)
+    record = {"sha256": payload_id(data), "size": len(data), "address": node.address, "replica": node.id}
+    node.dht.announce_payload(0, 1, record, ttl_s=60)
+
+
+def _observe_stage2(node: Node) -> RoundResult:
+    """Stage 0's round as a holder of stage 2 reads it (`round_reading`: views, stage 1's holders first)."""
+    ctx = round_context(node.dht, node.clients, node.store, node.address, cfg=CFG)
+    reading = view_validator(SHAPES0, CFG.sparseloco, relay=1)
+    return gather_round(ctx, 0, 0, TIMINGS, RoundInputs(validate=reading))
+
+
+def test_a_holder_of_stage_2_reads_stage_0s_views_from_stage_1s_holders_not_from_stage_0(relays):
+    """Stage 0's senders serve each view once, to the holder of stage 1; the holder of stage 2 gets
+    the same bytes from it (docs/protocol.md, "Embedding views": relays)."""
+    a, b, c, f, _, e = relays
+    _announce(a, from_a := _payload(31, 1e-2))
+    _announce(b, _payload(32, 5e-2))
+    _announce_stage1(c, 33)
+    _announce_stage1(f, 34)  # a relay that never observed stage 0: it answers "not here"
+    by_c = _observe(c)
+    assert all(isinstance(n.store, Counting) for n in (a, b, c, f))
+    assert (a.store.served, b.store.served) == (1, 1)
+
+    seen = _observe_stage2(e)
+
+    assert seen.replicas == by_c.replicas == sorted([a.id, b.id]) and not seen.timed_out
+    assert [x.data for x in seen.contributions] == [x.data for x in by_c.contributions]
+    assert all(x.view for x in seen.contributions)
+    assert (a.store.served, b.store.served) == (1, 1)  # stage 0 served nothing more
+    assert c.store.served == 2 and f.store.served == 0  # both views relayed by C
+    assert np.array_equal(_bits(stage0_change(CFG, seen.contributions)), _bits(stage0_change(CFG, by_c.contributions)))
+    assert e.store.view(0, 0, a.id) == view_bytes(from_a, Payload.from_bytes(from_a))  # relayed on in turn
+
+
+def test_views_no_relay_holds_come_from_their_senders_once_the_wait_is_over(relays, caplog):
+    """Stage 1's holders are F, which never fetched the views, and D, which serves wrong bytes: the
+    holder of stage 2 asks them until the wait (`relay_wait_s`) is over, then the senders."""
+    caplog.set_level(logging.WARNING)
+    a, b, _, f, d, e = relays
+    _announce(a, from_a := _payload(41, 1e-2))
+    _announce(b, from_b := _payload(42, 1e-2))
+    _announce_stage1(f, 43)
+    _announce_stage1(d, 44)
+
+    seen = _observe_stage2(e)
+
+    assert seen.replicas == sorted([a.id, b.id]) and not seen.timed_out
+    assert sorted(x.data for x in seen.contributions) == sorted(
+        view_bytes(x, Payload.from_bytes(x)) for x in (from_a, from_b)
+    )
+    assert isinstance(a.store, Counting) and isinstance(b.store, Counting)
+    assert (a.store.served, b.store.served) == (1, 1)
+    wrong = [r.getMessage() for r in caplog.records if "served a wrong view" in r.getMessage()]
+    assert wrong and all(d.id[:12] in m for m in wrong)
+    assert seen.wall_s >= relay_wait_s(TIMINGS.deadline_s)  # the senders were asked only after the wait

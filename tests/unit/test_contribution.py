@@ -19,8 +19,8 @@ from peer.core.sparseloco.codec.format import Payload
 from peer.core.sparseloco.codec.sections import view_bytes
 from peer.core.subspace.state import EMBED
 from peer.errors import PeerError
-from peer.node.round.contribution import Mismatch, bare, encoded, payload_id, received
-from peer.node.round.payloads import view_validator
+from peer.node.round.contribution import Mismatch, ViewReader, bare, encoded, payload_id, received
+from peer.node.round.payloads import round_reading, view_validator
 from peer.node.stage.worker import StageWorker
 
 SMALL = {"train.batch_size": 4, "train.microbatches": 2, "train.seq_len": 16, "stages": 2}
@@ -78,3 +78,13 @@ def test_a_view_is_received_against_the_whole_payloads_id_and_a_view_of_another_
     assert [e.name for e in got.payload.entries] == [EMBED] and len(got.data) < len(whole.data)
     with pytest.raises(Mismatch):
         received("r0", whole.sha256, view_bytes(other.data, other.payload), reading)
+
+
+def test_a_holder_reads_stage_0s_views_through_the_stage_before_its_own_from_stage_2_on():
+    """Relays (`peer.node.round.fetcher`): stage 1 asks the senders, stage s ≥ 2 the holders of s − 1;
+    stage 0's own holders read their round whole."""
+    cfg = build_config(overrides={**SMALL, "stages": 4}, environ={})
+    readings = {s: round_reading(cfg, StageWorker(cfg, s), 0) for s in range(4)}
+    assert not isinstance(readings[0], ViewReader)
+    relays = {s: r.relay for s, r in readings.items() if isinstance(r, ViewReader)}
+    assert relays == {1: None, 2: 1, 3: 2}

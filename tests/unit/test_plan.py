@@ -389,8 +389,13 @@ def test_later_stages_fetch_stage_0s_embedding_views_of_the_size_sent():
     payloads = [payload_nbytes(stage_shapes(cfg, s, S), slc) for s in range(S)]
     view = stage0_fetch_nbytes(cfg, S, slc)
     comp = round_holders(payloads, M, compressed=True, stage0_fetch=view)
-    assert comp[0].served_bytes == 3 * payloads[0] + 4 * 2 * view  # the M·(S − 1) later holders: views
+    # stage 0 serves its view to stage 1's M holders; stage 1's relay M views on average to stage 2's
+    assert comp[0].served_bytes == 3 * payloads[0] + 4 * view
+    assert comp[1].served_bytes == 3 * payloads[1] + 4 * view and comp[2].served_bytes == 3 * payloads[2]
     assert all(h.fetched_bytes == 3 * h.payload_bytes + 4 * view for h in comp[1:])
+    whole = round_holders(payloads, M, compressed=True)  # whole payloads (no views) all come from their senders
+    assert whole[0].served_bytes == 3 * payloads[0] + 4 * 2 * payloads[0]
+    assert [h.served_bytes for h in whole[1:]] == [3 * p for p in payloads[1:]]
 
 
 def test_later_stages_fetch_stage_0s_payloads():

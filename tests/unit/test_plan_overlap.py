@@ -56,17 +56,18 @@ def test_the_issue_target_rows_70b_4_stages_h50():
     before = {r["bandwidth_mbps"]: r for r in plan_rows(FIG2, [100.0, 1000.0])}
     for bw in (100.0, 1000.0):  # the synchronous rows are the same either way
         assert rows[bw]["util_sync_compressed"] == before[bw]["util_compressed"]
-    # synchronous, a GPU's commit counted, stage 0 read as embedding views by the later stages (protocol 13):
-    # 66.9 % and 95.1 % (32.4 % and 82.6 % while they fetched stage 0's payloads whole)
-    assert round(100 * before[100.0]["util_compressed"], 1) == 66.9
-    assert round(100 * before[1000.0]["util_compressed"], 1) == 95.1
+    # synchronous, a GPU's commit counted, stage 0 read as embedding views by the later stages (protocol 13),
+    # stages 2 and 3 taking them from the stage before theirs: 67.5 % and 95.2 % (66.9 % and 95.1 % with every
+    # view from its sender; 32.4 % and 82.6 % while they fetched stage 0's payloads whole)
+    assert round(100 * before[100.0]["util_compressed"], 1) == 67.5
+    assert round(100 * before[1000.0]["util_compressed"], 1) == 95.2
     fast, slow = rows[1000.0], rows[100.0]
     assert fast["util_compressed"] >= 0.97 and fast["overlap_steps_compressed"] < FIG2.inner_steps
-    # at 100 Mbit/s the round (each holder's 1.4-1.5 GB, on a link the boundary messages keep 56 % busy) lands
-    # after the 50 inner steps: 94.8 %, the 95 % target missed by 0.2 points
+    # at 100 Mbit/s the round (each holder's 1.44 GB, on a link the boundary messages keep 56 % busy) lands
+    # after the 50 inner steps: 96.1 % (94.8 % when stage 0's holders served every later holder its views)
     assert slow["round_landed_s_compressed"] > slow["inner_s_compressed"] > slow["round_s_compressed"]
     assert slow["overlap_steps_compressed"] == FIG2.inner_steps
-    assert round(100 * slow["util_compressed"], 1) == 94.8
+    assert round(100 * slow["util_compressed"], 1) == 96.1 and slow["util_compressed"] >= 0.95
     # the commit on a GPU is a fraction of a second for a 17.5B-parameter stage
     assert 0.1 < fast["commit_s_compressed"] < 1.0
 

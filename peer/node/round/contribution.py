@@ -62,10 +62,13 @@ class ViewReader:
     parses and checks a view (the run's settings, the embedding's shape) and returns it with the id it
     proves; `whole` parses the whole payload, when one must be checked whole after all (a claim left
     it out: `peer.node.round.gather`). Passed where a whole payload's `parse` is otherwise passed
-    (`Reading`)."""
+    (`Reading`). `relay`: the stage whose round's announcers are asked for a view before its sender
+    (they observed stage 0 too and serve what they fetched: `peer.node.round.fetcher`); None: the
+    sender first, as a holder of stage 1 does."""
 
     read: Callable[[bytes], View]
     whole: Callable[[bytes], Payload]
+    relay: int | None = None
 
 
 Reading = Callable[[bytes], Payload] | ViewReader  # how fetched bytes are read: whole (parsed) or as views

@@ -9,6 +9,13 @@ keeps it in the `PayloadStore`, so this holder serves it on as a second source.
 
 Sources, in order, each tried once per call (bounded), each call under its own deadline:
 1. what we hold: our own payload, or the one we fetched from that sender earlier (`PayloadStore`);
+   a holder of stage s ≥ 2 reading stage 0's embedding views (`ViewReader.relay` = s − 1) then asks
+   the relays: two of the announcers of round (t, s − 1), ranked by a hash of (us, the sender), which
+   observe stage 0 too and serve the views they fetched. While none holds the view yet it raises
+   `NotRelayed` (the gather asks again at a later poll) until `relay_s` after the fetcher was made
+   (`relay_wait_s`), then falls through to the sender. So a stage-0 holder serves its view to stage
+   1's M holders instead of the M·(S − 1) holders of every later stage, and each holder of a middle
+   stage serves about M views (docs/protocol.md, "Embedding views"); a relay's answer is never binding;
 2. the announcer, under the caller's `deadline` (else one `rpc_s`);
 3. a claimer that named the payload in its committed set (`claimer`);
 4. the round's other announcers — contributors and observers keep what they fetched; for stage 0
@@ -26,10 +33,12 @@ NetworkError.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from peer.errors import NetworkError, PeerError
 from peer.net.pool import ClientPool
@@ -42,11 +51,25 @@ from peer.node.round.payloads import PayloadStore
 log = logging.getLogger(__name__)
 
 MIN_ANNOUNCER_S = 0.5  # the announcer is given at least this long, even at the deadline
+RELAY_TRIES = 2  # relays asked for a view per try
+RELAY_RETRY_S = 0.5  # a view no relay held yet is asked of them again this much later
+RELAY_READ_S = 1.0  # how long one DHT read of the relays' announcements is used
+RELAY_WAIT_S = 20.0  # the most a gather waits for its relays before it asks the sender
 
 
 class Unreadable(NetworkError):
     """The DHT could not be read, so the fetch could not ask everyone who may hold the payload (a
     fetch that asked everyone and got nothing is a plain NetworkError: nobody serves it)."""
+
+
+class NotRelayed(NetworkError):
+    """No relay holds the view yet and the wait for them is not over: asked again at a later poll."""
+
+
+def relay_wait_s(deadline_s: float) -> float:
+    """How long a gather of views waits for its relays: a quarter of its deadline, at most `RELAY_WAIT_S`
+    (a relay fetches each view from its sender at the round's start, as we would)."""
+    return min(deadline_s / 4, RELAY_WAIT_S)
 
 
 class Fetcher:
@@ -61,12 +84,17 @@ class Fetcher:
         rpc_s: float,
         n_stages: int = 1,
         holders: bool = False,
+        relay_s: float = 0.0,
     ) -> None:
         """`rpc_s`: one try at a source other than the announcer; `n_stages`: the run's stages (stage
         0's payloads are asked of every stage's announcers); `holders`: ask the stage's holders and
-        attesters as a last resort."""
+        attesters as a last resort; `relay_s`: how long from now views wait for their relays."""
         self.dht, self.clients, self.store, self.me = dht, clients, store, me
         self.rpc_s, self.n_stages, self.holders = rpc_s, n_stages, holders
+        self.relay_until = time.monotonic() + relay_s
+        self._relay_next: dict[tuple[int, str], float] = {}  # (t, sender): when its relays are asked again
+        self._relay_read: dict[tuple[int, int], tuple[float, dict[str, Announcement]]] = {}
+        self._skipped: set[str] = set()  # relays that were unreachable or served wrong bytes
 
     def fetch(
         self,
@@ -88,6 +116,10 @@ class Fetcher:
         held = self._held(t, stage, sender, ann, replica, parse)
         if held is not None:
             return held
+        if isinstance(parse, ViewReader) and parse.relay is not None and stage == 0:
+            relayed = self._relayed(t, sender, ann, replica, parse)
+            if relayed is not None:
+                return self._keep(t, stage, sender, relayed)
         kind = PayloadKind.EMBED if isinstance(parse, ViewReader) else PayloadKind.PAYLOAD
         request = PayloadRequest(t, stage, sender, kind)
         first: PeerError | None = None
@@ -132,6 +164,47 @@ class Fetcher:
         if mine.payload is None:
             return received(replica, ann.sha256, mine.data, parse.whole if isinstance(parse, ViewReader) else parse)
         return Contribution(replica, mine.sha256, mine.data, mine.payload)
+
+    def _relayed(self, t: int, sender: str, ann: Announcement, replica: str, parse: ViewReader) -> Contribution | None:
+        """`sender`'s stage-0 view from the relays (module docstring, source 1); None: ask the sender
+        (no relay announced, or the wait is over); NotRelayed: ask again later."""
+        relays = self._relays(t, cast(int, parse.relay), sender)
+        if not relays:
+            return None
+        if time.monotonic() < self._relay_next.get((t, sender), 0.0):
+            raise NotRelayed(f"the view of {sender[:12]} was asked of its relays moments ago")
+        request = PayloadRequest(t, 0, sender, PayloadKind.EMBED)
+        for who, address in relays[:RELAY_TRIES]:
+            try:
+                data = self.clients.get(address).get_payload(request, timeout_s=self.rpc_s)
+            except NotFoundError:  # not fetched there yet
+                continue
+            except PeerError:  # unreachable, or refused: not asked again by this fetcher
+                self._skipped.add(who)
+                continue
+            try:
+                return received(replica, ann.sha256, data, parse)
+            except PeerError:  # bytes that do not prove the id cost the relay its turn
+                log.warning("round %d stage 0: relay %s served a wrong view of %s", t, who[:12], sender[:12])
+                self._skipped.add(who)
+        if time.monotonic() >= self.relay_until:
+            return None
+        self._relay_next[(t, sender)] = time.monotonic() + RELAY_RETRY_S
+        raise NotRelayed(f"no relay holds the view of {sender[:12]} yet")
+
+    def _relays(self, t: int, relay: int, sender: str) -> list[tuple[str, str]]:
+        """(who, address) of the announcers of round (t, `relay`), in the order a hash of (us, `sender`,
+        them) gives (each relay serves about as many views as it fetched); [] when none can be read."""
+        at, read = self._relay_read.get((t, relay), (-math.inf, {}))
+        if time.monotonic() - at > RELAY_READ_S:
+            try:
+                read = dict(self.dht.get_payloads(t, relay))
+            except NetworkError:
+                read = {}
+            self._relay_read[(t, relay)] = (time.monotonic(), read)
+        live = [(p, rec.address) for p, rec in read.items() if rec.address and p not in (self.me, sender)]
+        live = [(p, a) for p, a in live if p not in self._skipped]
+        return sorted(live, key=lambda pa: hashlib.sha256(f"{self.me}|{sender}|{pa[0]}".encode()).digest())
 
     def _keep(self, t: int, stage: int, sender: str, got: Contribution) -> Contribution:
         self.store.put_fetched(t, stage, sender, got)

@@ -16,12 +16,11 @@ checking its sha256 and format, until the set is closed:
 - or the swarm's clock is two rounds past us (`peer.node.round.claims.closed_elsewhere`): the others
   closed round t a round ago, so we re-sync (`behind`) and never commit a set of our own;
 - or the deadline passes.
-An observer of stage 0 that reads embedding views fetches a payload whole before it judges a claim
-of the round that leaves that payload out (`peer.node.round.views`).
+An observer of stage 0 reading embedding views (from the relays first: `peer.node.round.fetcher`)
+fetches a payload whole before it judges a claim of the round that leaves it out (`.views`).
 A close is decided only on a view whose read began moments before (`FRESH_S`): a process frozen
-mid-round (a stopped peer, a stalled machine) — even inside a DHT read, whose answer its DHT child
-took before the freeze — wakes to a fresh read and follows what the others committed meanwhile, or
-re-syncs, never a set decided on what it read before the freeze.
+mid-round (a stopped peer, a stalled machine), even inside a DHT read, wakes to a fresh read and
+follows what the others committed meanwhile, or re-syncs, never a set decided on what it read before.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from peer.node.round.censors import CensorWatch, Evidence, evidence
 from peer.node.round.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution, Reading, ViewReader
-from peer.node.round.fetcher import Fetcher
+from peer.node.round.fetcher import Fetcher, NotRelayed, relay_wait_s
 from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import SETTLE_S, announce, first_payload, poll_pause, read_round
 from peer.node.round.stalls import stall_watch
@@ -242,6 +241,7 @@ class _Gather:
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
         self.result = RoundResult(t=t, stage=stage)
         self.fetcher = Fetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, self.n_stages)
+        self.fetcher.relay_until = self.started + relay_wait_s(timings.deadline_s)  # views: relays first
         self.views = ViewChecks(self.fetcher, t, stage)
         sets = SetFetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, ttl_s=timings.ttl_s)
         self.follow = Follow(sets, self.refusals, t, stage, self.n_stages)
@@ -415,6 +415,8 @@ class _Gather:
             others = {**read.payloads, **read.stage0}
             try:
                 got = self.fetcher.fetch(t, stage, sender, rec, self.parse, others, self.deadline, strict=True)
+            except NotRelayed:  # the holders of the stage before ours fetch the view now: the next poll
+                continue
             except NetworkError as exc:
                 if not sender_alive(sender, read.holders, read.replicas):  # it died after announcing: out for us
                     if rid not in self.rejected:  # unless a holder that fetched it serves it later (retried)
@@ -473,8 +475,7 @@ class _Gather:
                 len(view.expected),
                 ", ".join(sorted(view.expected - set(held.data) - self.rejected))[:200],
             )
-        result.rejected = sorted(self.rejected - set(held.data))
-        result.dropped = sorted(view.dropped - set(held.data))
+        result.rejected, result.dropped = sorted(self.rejected - set(held.data)), sorted(view.dropped - set(held.data))
         result.replicas = sorted(held.data)
         result.contributions = [held.data[r] for r in result.replicas]
         result.wall_s = time.monotonic() - self.started

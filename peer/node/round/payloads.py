@@ -251,10 +251,13 @@ def payload_validator(
     return validate
 
 
-def view_validator(shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig) -> ViewReader:
+def view_validator(
+    shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig, relay: int | None = None
+) -> ViewReader:
     """Read stage 0's payloads (`shapes`: stage 0's) as embedding views: a view with this run's settings
     whose entry is the embedding with its exact shape (`read_view`; PayloadError otherwise, so a view
-    that could not be applied is never committed); a whole payload as `payload_validator` reads it."""
+    that could not be applied is never committed); a whole payload as `payload_validator` reads it;
+    `relay`: the stage whose holders are asked for the views first (`ViewReader`)."""
     shape = tuple(shapes[EMBED])
 
     def read(data: bytes) -> View:
@@ -266,15 +269,17 @@ def view_validator(shapes: Mapping[str, tuple[int, ...]], cfg: SparseLoCoConfig)
             raise PayloadError(f"invalid SparseLoCo payload: {EMBED!r} has shape {got}, the stage's is {shape}")
         return view
 
-    return ViewReader(read, payload_validator(shapes, cfg, required=[EMBED]))
+    return ViewReader(read, payload_validator(shapes, cfg, required=[EMBED]), relay)
 
 
 def round_reading(cfg: RunConfig, worker: StageState, stage: int) -> Reading:
     """How round (t, stage)'s payloads are read by `worker`: whole (`round_validator`), or — stage 0
     observed by a holder of another stage, whose T⊥ needs only u, a function of views (the embedding
-    is screened apart: `peer.core.sparseloco.robust.sections`) — as embedding views (`view_validator`)."""
+    is screened apart: `peer.core.sparseloco.robust.sections`) — as embedding views (`view_validator`),
+    which a holder of stage s ≥ 2 asks first of stage s − 1's holders (docs/protocol.md, "Embedding views")."""
     if stage == 0 != worker.stage:
-        return view_validator(stage_shapes(cfg.model, 0, cfg.stages), cfg.sparseloco)
+        relay = worker.stage - 1 if worker.stage >= 2 else None
+        return view_validator(stage_shapes(cfg.model, 0, cfg.stages), cfg.sparseloco, relay)
     return round_validator(cfg, worker, stage)
 
 

@@ -10,10 +10,13 @@ payload `payload_nbytes(stage_shapes(model, s, S))` bytes:
   payloads: it gathers round (t, 0) as an observer (`Rounds.stage_round` → `embed_job`), fetching
   all M stage-0 payloads at the same time as its own stage's round, over the same link — each as its
   embedding view (the embedding's entry and the payload's norm, all that u reads, the embedding being
-  screened apart: `stage0_fetch_nbytes`, `peer.core.sparseloco.codec.sections`). Each is fetched
-  from its sender, so a holder of stage 0
-  serves its payload to the M − 1 other heads and that many bytes to each of the M·(S − 1) holders
-  of the later stages. An uncompressed pipeline has no T⊥ and fetches none of them.
+  screened apart: `stage0_fetch_nbytes`, `peer.core.sparseloco.codec.sections`). A holder of stage 1
+  fetches each view from its sender; a holder of stage s ≥ 2 from the holders of stage s − 1, which
+  fetched them for their own T⊥ (relays: `peer.node.round.fetcher`). So a holder of stage 0 serves its
+  payload to the M − 1 other heads and its view to the M holders of stage 1, and a holder of a middle
+  stage serves M views on average (the relays are ranked by a hash per (holder, sender): about M·M
+  requests over its stage's M holders); with whole payloads (views off) every later holder fetches
+  from the sender. An uncompressed pipeline has no T⊥ and fetches none of them.
 Links are full duplex at the planned bandwidth each way, so a holder's round takes
 max(bytes fetched, bytes served) / bandwidth, and the round of the outer step takes the slowest
 holder's. With ≥ 32 replicas the swarm switches to ranges (stage peers then fetch only the
@@ -71,12 +74,16 @@ def round_holders(
     """Each stage's holder's round for payload sizes `payloads` (one per stage) and M = `replicas`;
     `stage0_fetch`: a later stage's fetch of one stage-0 payload (`stage0_fetch_nbytes`; None: whole)."""
     M, S = replicas, len(payloads)
-    observers = M * (S - 1) if compressed else 0  # holders of stages > 0 that fetch stage 0's payloads
     view = payloads[0] if stage0_fetch is None else stage0_fetch
+    relayed = compressed and stage0_fetch is not None  # views: stage s ≥ 2 asks stage s − 1's holders
+    # views: the M holders of stage s + 1 fetch M each over the M holders of stage s; whole payloads all
+    # come from their senders, stage 0's holders, for every holder of a later stage
+    relays = [M if relayed and s + 1 < S else 0 for s in range(S)]
+    relays[0] = M * (S - 1) if compressed and not relayed else relays[0]
     out = []
     for s, size in enumerate(payloads):
         stage0 = M if compressed and s > 0 else 0
-        served = (M - 1) * size + (observers * view if s == 0 else 0)
+        served = (M - 1) * size + relays[s] * view
         fetched = (M - 1) * size + stage0 * view
         out.append(HolderRound(s, size, M - 1, stage0, fetched, served))
     return out
