@@ -183,10 +183,13 @@ class Fetcher:
                 self._skipped.add(who)
                 continue
             try:
-                return received(replica, ann.sha256, data, parse)
+                got = received(replica, ann.sha256, data, parse)
             except PeerError:  # bytes that do not prove the id cost the relay its turn
                 log.warning("round %d stage 0: relay %s served a wrong view of %s", t, who[:12], sender[:12])
                 self._skipped.add(who)
+                continue
+            log.debug("round %d stage 0: the view of %s relayed by %s", t, sender[:12], who[:12])
+            return got
         if time.monotonic() >= self.relay_until:
             return None
         self._relay_next[(t, sender)] = time.monotonic() + RELAY_RETRY_S
