@@ -119,6 +119,13 @@ class JoinArgs:
         "(FSDP2) instead of a whole copy per rank (DDP); rank 0 still runs the round on the whole state.",
         "--sharded",
     )
+    gather_per_step: bool = o.flag(
+        False,
+        "With --sharded: gather each unit's parameters and reduce its gradient once per inner step instead of "
+        "per micro-batch (DDP's traffic and bits; the whole replica's parameters and gradients per rank "
+        "during the step).",
+        "--gather-per-step",
+    )
     device: str = o.flag("auto", "auto, cpu or cuda.")
     precision: str = o.flag(
         "auto",

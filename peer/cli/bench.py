@@ -163,7 +163,9 @@ def bench_replica_cmd(a: ReplicaArgs) -> None:
     if a.ranks < 2 or a.repeats < 1 or a.steps < 1 or a.warmup < 0:
         raise ConfigError("--ranks must be 2 or more, --repeats and --steps 1 or more, --warmup 0 or more")
     args = [a.preset, *map(str, (a.stages, a.batch_size, a.seq_len, a.microbatches, a.warmup, a.steps))]
-    args += ["--sharded"] if a.sharded else []
+    if a.gather_per_step and not a.sharded:
+        raise ConfigError("--gather-per-step applies to --sharded")
+    args += (["--sharded"] if a.sharded else []) + (["--gather-per-step"] if a.gather_per_step else [])
     result = run_bench(a.ranks, a.repeats, args, lambda line: console.print(line, highlight=False))
     console.print(
         f"median tokens/s: 1 rank {result['median_1']:,.0f}, {a.ranks} ranks {result[f'median_{a.ranks}']:,.0f}: "

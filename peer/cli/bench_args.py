@@ -135,6 +135,11 @@ class ReplicaArgs:
     sharded: bool = o.flag(
         False, "The N ranks shard the replica (FSDP2, `peer join --sharded`) instead of DDP.", "--sharded"
     )
+    gather_per_step: bool = o.flag(
+        False,
+        "With --sharded: gather and reduce once per inner step (`peer join --gather-per-step`).",
+        "--gather-per-step",
+    )
     json_out: Path | None = o.flag(None, JSON_HELP, "--json")
 
 

@@ -268,6 +268,7 @@ def join(a: JoinArgs) -> None:
         in_flight=a.in_flight,  # a head's own window K (peer.node.pipeline.schedule.with_in_flight)
         compression=a.compression,  # a head's boundary mode (peer.node.pipeline.mode)
         sharded=a.sharded,  # torchrun's ranks of a full replica: FSDP2 shards (peer.node.replica.sharded)
+        gather_per_step=a.gather_per_step,
     )
     start_loggers(a.wandb, a.tensorboard, opts.data_dir)
     stop = threading.Event()

@@ -56,6 +56,7 @@ class Ask:
     checkpointing: bool
     ranks: int = 1
     sharded: bool = False
+    per_step: bool = False  # sharded, gathered once per inner step (`peer join --gather-per-step`)
 
 
 def largest_window(cfg: RunConfig) -> int:
@@ -81,7 +82,7 @@ def estimate(cfg: RunConfig, ask: Ask, device_kind: str) -> StageMemory:
         "device_kind": device_kind,
     }
     if ask.stage is None and ask.sharded:
-        return estimate_sharded_replica(cfg.model, cfg.stages, ranks=ask.ranks, **shape)
+        return estimate_sharded_replica(cfg.model, cfg.stages, ranks=ask.ranks, per_step=ask.per_step, **shape)
     if ask.stage is None:
         return estimate_replica(cfg.model, cfg.stages, **shape)
     return estimate_stage(cfg.model, ask.stage, cfg.stages, in_flight=ask.in_flight, **shape)
@@ -104,7 +105,15 @@ def check_join(
     """`check_fit` with `peer join`'s options (the device already resolved from "auto")."""
     cfg = with_in_flight(cfg, opts.in_flight)
     return check_fit(
-        cfg, stage, opts.device, opts.precision, opts.activation_checkpointing, opts.max_memory, ranks, sharded
+        cfg,
+        stage,
+        opts.device,
+        opts.precision,
+        opts.activation_checkpointing,
+        opts.max_memory,
+        ranks,
+        sharded,
+        opts.gather_per_step,
     )
 
 
@@ -117,16 +126,18 @@ def check_fit(
     max_memory: int | None,
     ranks: int = 1,
     sharded: bool = False,
+    per_step: bool = False,
 ) -> StageMemory:
     """Log the estimate; a one-line ConfigError naming the remedies when it does not fit. `ranks`,
-    `sharded`: a full replica's ranks and whether they shard it (per rank; DDP: the whole replica)."""
+    `sharded`: a full replica's ranks and whether they shard it (per rank; DDP: the whole replica);
+    `per_step`: sharded ranks that gather once per inner step (`--gather-per-step`)."""
     if ranks < 1:
         raise ConfigError(f"a replica needs at least one rank, got {ranks}")
     if sharded and stage is not None:
         raise ConfigError(f"stage {stage} is one process: only a full replica is sharded over ranks")
     kind = "cuda" if device.startswith("cuda") else "cpu"
     window = largest_window(cfg) if stage != cfg.stages - 1 else 1
-    ask = Ask(stage, window, precision, checkpointing, ranks, sharded)
+    ask = Ask(stage, window, precision, checkpointing, ranks, sharded, per_step)
     need = estimate(cfg, ask, kind)
     device_free, host_free = free_memory(device)
     budget = max_memory if max_memory is not None else device_free
@@ -187,6 +198,8 @@ def remedies(cfg: RunConfig, ask: Ask, kind: str, budget: int) -> list[str]:
         need = fits(dataclasses.replace(ask, stage=s, in_flight=window))
         if need is not None:
             found.append(f"--stage {s} (~{format_bytes(need)})")
+    if ask.per_step and (need := fits(dataclasses.replace(ask, per_step=False))) is not None:
+        found.append(f"without --gather-per-step (~{format_bytes(need)})")
     if ask.sharded:  # the fewest ranks (each a device like this one) that hold it
         for n in range(ask.ranks + 1, MAX_RANKS + 1):
             if (need := fits(dataclasses.replace(ask, ranks=n))) is not None:

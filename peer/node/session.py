@@ -92,6 +92,7 @@ class SessionOptions:
     in_flight: int | None = None  # a head's own window K (`peer join --in-flight`; None: the run's train.in_flight)
     compression: str = "auto"  # a head's boundary mode: auto (by its links), always, never (`peer join --compression`)
     sharded: bool = False  # a full replica's torchrun ranks shard it (FSDP2, `peer join --sharded`); else DDP
+    gather_per_step: bool = False  # with sharded: gather and reduce once per inner step (`ShardedChain`)
 
 
 def quorum_over(replicas: Mapping[str, ReplicaRecord], me: str, have: int, need: int) -> bool:

@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--save", help="rank 0 saves its stages' state_dict() here after the last round")
     ap.add_argument("--resume", help="rank 0 starts from the states saved here (then scatters them)")
+    ap.add_argument("--gather-per-step", action="store_true", help="sharded: gather and reduce once per inner step")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -65,7 +66,7 @@ def main() -> None:
     lead = rank == 0
     whole = a.mode != "sharded" or lead  # a sharded follower holds no whole stage
     chain = [StageWorker(cfg, s, compressed=False, precision="fp32") for s in range(cfg.stages)] if whole else []
-    sharded = ShardedChain(cfg, "cpu", "fp32") if a.mode == "sharded" else None
+    sharded = ShardedChain(cfg, "cpu", "fp32", a.gather_per_step) if a.mode == "sharded" else None
     ddp = DataParallel(chain, lambda x, y: chain_loss(chain, x, y)) if a.mode == "ddp" else None
     group = ReplicaGroup(rank, world, rank, connect=lambda: None)  # type: ignore[arg-type,return-value]
     if a.resume and lead:

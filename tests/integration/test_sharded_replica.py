@@ -5,6 +5,8 @@ inner steps, rank 0 committing each round from its own payloads (no swarm: the r
 the replica trained). The committed hashes must match an unsharded replica's given the same batches:
 - 2 ranks, one micro-batch per step: sharded == DDP (one average of two gradients either way);
 - 1 rank, two micro-batches: sharded == a plain one-process replica;
+- 2 ranks, two micro-batches, gathered and reduced once per step (`--gather-per-step`): sharded == DDP
+  (the local sum over the micro-batches, then one average: DDP's `no_sync` order);
 - a 2-rank sharded replica resumed from rank 0's saved state after round 1 commits round 2 as if never stopped
   (one micro-batch per step: the 3-round run is the DDP test's).
 And each rank of the 2-rank sharded replica holds half the parameters and AdamW state (FSDP2's dim-0
@@ -76,3 +78,14 @@ def test_a_resumed_sharded_replica_continues_bit_for_bit(two_sharded, tmp_path):
     after = _run(tmp_path, 2, "sharded", 1, "--resume", str(saved), name="after")[0]["hashes"]
     assert sorted(before) == ["0", "1"] and sorted(after) == ["2"]
     assert before | after == whole
+
+
+def test_two_ranks_gathering_once_per_step_commit_ddps_hashes_with_two_micro_batches(tmp_path):
+    """Per step, each unit's gradient is summed over the micro-batches on each rank and reduce-scattered
+    once: DDP's float order, so the same bits with several micro-batches (per micro-batch they differ)."""
+    per_step = _run(tmp_path, 2, "sharded", 2, "--gather-per-step", name="per-step")
+    ddp = _run(tmp_path, 2, "ddp", 2)
+    assert len(per_step[0]["hashes"]) == 3 and per_step[0]["hashes"] == ddp[0]["hashes"]
+    whole = ddp[0]["held"]["params"] + ddp[0]["held"]["optimizer"]
+    for rank in per_step:  # between steps a rank holds its shards only
+        assert whole / 2 <= rank["held"]["params"] + rank["held"]["optimizer"] <= whole * (1 / 2 + 0.1)

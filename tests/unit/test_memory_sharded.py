@@ -155,3 +155,20 @@ def test_the_cli_prints_per_rank_memory_and_the_fewest_ranks(tmp_path):
     assert plain.exit_code == 0 and "ranks" not in json.loads(out.read_text()) and "which presets fit" in plain.output
     alone = CliRunner().invoke(app, ["plan", "--ranks", "4", "--sharded"])
     assert isinstance(alone.exception, ConfigError) and "pass them with --memory" in str(alone.exception)
+
+
+def test_gathering_once_per_step_holds_the_whole_replicas_parameters_and_gradients_during_the_step():
+    """`--gather-per-step`: every unit's parameters (compute dtype) and float32 gradient are whole during
+    the step, so a rank holds them beside its shards; the shards themselves do not change."""
+    cfg = _run()
+    per_unit = check_fit(cfg, None, "cpu", "fp32", False, 2**40, ranks=2, sharded=True)
+    per_step = check_fit(cfg, None, "cpu", "fp32", False, 2**40, ranks=2, sharded=True, per_step=True)
+    whole = replica_shards(cfg.model, cfg.stages, 1)[0]
+    assert per_step.gathered == (F32 + F32) * whole > per_unit.gathered
+    for part in STATE:
+        assert getattr(per_step, part) == getattr(per_unit, part), part
+    assert per_step.peak - per_unit.peak == per_step.gathered - per_unit.gathered
+    budget = (per_unit.peak + per_step.peak) // 2  # per unit fits, per step does not
+    check_fit(cfg, None, "cpu", "fp32", False, budget, ranks=2, sharded=True)
+    with pytest.raises(ConfigError, match="without --gather-per-step"):  # the remedy is named
+        check_fit(cfg, None, "cpu", "fp32", False, budget, ranks=2, sharded=True, per_step=True)

@@ -100,9 +100,12 @@ def estimate_sharded_replica(
     k: int | None = None,
     replicas: int = 2,
     device_kind: str = "cpu",
+    per_step: bool = False,
 ) -> StageMemory:
     """One rank of a full replica of `n_stages` stages sharded over `ranks` ranks, each rank training
-    micro-batches of (microbatch_size, seq_len); `k`, `replicas` as in `estimate_replica`."""
+    micro-batches of (microbatch_size, seq_len); `k`, `replicas` as in `estimate_replica`; `per_step`:
+    parameters gathered and gradients reduced once per inner step (`--gather-per-step`), so `gathered`
+    is every unit's parameters in the compute dtype and its whole float32 gradient during the step."""
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     mb = MicroBatch(cfg, microbatch_size, seq_len, precision)
@@ -127,7 +130,7 @@ def estimate_sharded_replica(
         workspace=workspace_bytes(mb, False, True, largest, checkpointing),
         round=round_transients(cfg, stage_P, replicas),
         on_cuda=device_kind == "cuda",
-        gathered=2 * c * unit + F32 * unit,
+        gathered=(c + F32) * replica_shards(cfg, n_stages, 1)[0] if per_step else 2 * c * unit + F32 * unit,
     )
 
 

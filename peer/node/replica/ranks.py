@@ -71,6 +71,8 @@ def run_join(opts: SessionOptions, stage: int | None, stop: threading.Event) -> 
             "--sharded shards a full replica over torchrun's processes: torchrun --nproc-per-node N "
             "(N ≥ 2) -m peer join --full-replica --sharded …"
         )
+    if opts.gather_per_step and not opts.sharded:
+        raise ConfigError("--gather-per-step applies to a sharded replica: add --sharded")
     if ranks == 1:
         return run_role(opts, stage, stop)
     if stage is not None:
@@ -122,6 +124,7 @@ class _Lead:
         setup = {"cfg": cfg, "shard": shard, "device": session.opts.device, "dataset": str(data.dataset.root)}
         setup["tokenizer"] = Path(tokenizer).read_bytes() if tokenizer else None
         setup |= {"sharded": self.sharded, "precision": workers[0].precision}
+        setup["per_step"] = session.opts.gather_per_step  # every rank gathers as rank 0 does
         self.group.post(setup, key="setup")
         self.group.open(session.opts.device)  # after the DHT (Session.open): hivemind has forked
         return (_Sharded if self.sharded else _Ranked)(session, workers, stop, self.group)
@@ -193,7 +196,8 @@ class _Sharded(_Ranked):
     round gathers them into rank 0's whole stages first, a changed committed state is scattered back."""
 
     def _build(self) -> None:
-        self.sharded = ShardedChain(self.session.cfg, self.chain[0].device, self.chain[0].precision)
+        per_step = self.session.opts.gather_per_step
+        self.sharded = ShardedChain(self.session.cfg, self.chain[0].device, self.chain[0].precision, per_step)
 
     def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         return self.sharded.step(t, h, x, y)
@@ -224,14 +228,17 @@ def follow(opts: SessionOptions, stop: threading.Event, group: ReplicaGroup) -> 
     group.open(setup["device"])
     device = group.device(setup["device"])
     local = dataclasses.replace(opts, device=str(device))
-    sharded = bool(setup.get("sharded"))
+    sharded, per_step = bool(setup.get("sharded")), bool(setup.get("per_step"))
+    local = dataclasses.replace(local, gather_per_step=per_step)
     check_join(cfg, None, local, group.world if sharded else 1, sharded)  # this rank's own device fits too
     data = open_corpus(PreparedDataset.open(setup["dataset"]), cfg.data.seed)  # rank 0's folder, its seed
     metrics = MetricsWriter(opts.data_dir, "full", name=f"metrics-rank{group.rank}.jsonl")
     precision = setup["precision"]  # rank 0's, resolved: every rank computes in the same dtype
     metrics.log("start", rank=group.rank, ranks=group.world, device=device, sharded=sharded, precision=precision)
     rank = (
-        _ShardRank(cfg, device, precision, metrics) if sharded else _WholeRank(cfg, device, precision, group, metrics)
+        _ShardRank(cfg, device, precision, metrics, per_step)
+        if sharded
+        else _WholeRank(cfg, device, precision, group, metrics)
     )
     train, shard = cfg.train, int(setup["shard"])
     try:
@@ -289,8 +296,8 @@ class _WholeRank:
 class _ShardRank:
     """A follower of a sharded replica: its shards only (`ShardedChain`); rank 0 gathers and scatters."""
 
-    def __init__(self, cfg: RunConfig, device: str, precision: str, metrics: MetricsWriter) -> None:
-        self.sharded = ShardedChain(cfg, device, precision)
+    def __init__(self, cfg: RunConfig, device: str, precision: str, metrics: MetricsWriter, per_step: bool) -> None:
+        self.sharded = ShardedChain(cfg, device, precision, per_step)
         self.metrics = metrics
 
     def adopt(self) -> None:

@@ -17,10 +17,18 @@ AdamW state are all-gathered into rank 0's whole `StageWorker`s (θ_start and th
 there only); after the committed state changed, rank 0's state is scattered back to the shards.
 So what leaves the replica and what it commits is an unsharded replica's, byte for byte.
 
+`per_step` (`peer join --sharded --gather-per-step`) trades memory for traffic: each unit's
+parameters are all-gathered once per inner step and kept through its micro-batches (no re-gather in
+the backward, nor for the next micro-batch), and its gradient accumulates whole on each rank and is
+reduce-scattered once, after the last micro-batch — DDP's traffic and DDP's float order (the local
+sum over micro-batches, then one average over the ranks). During the step a rank then holds the whole
+replica's parameters and gradients; between steps only its shards (`peer.core.memory.sharded`). On
+2 CPU cores it lifts 2 ranks' tokens/s from 1.35× one rank's to 1.66× (docs/hardware.md).
+
 Invariants: every rank calls `step`, `gather` and `scatter` at the same point (they are
 collectives); with one micro-batch per step, N sharded ranks take DDP's step over N ranks bit for bit
 (one average of N gradients either way); with several, the sum runs per micro-batch (a different
-float order, the price of sharded gradients).
+float order, the price of sharded gradients), or with `per_step` as DDP's.
 """
 
 from __future__ import annotations
@@ -28,13 +36,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from peer.config import RunConfig
@@ -73,20 +81,22 @@ class ShardedChain:
 
     Building it is a collective; its state is the canonical initial one until the first `scatter`."""
 
-    def __init__(self, cfg: RunConfig, device: str | torch.device, precision: str) -> None:
+    def __init__(self, cfg: RunConfig, device: str | torch.device, precision: str, per_step: bool = False) -> None:
+        """`per_step`: gather and reduce once per inner step (module docstring)."""
         if precision == "fp16":
             raise ConfigError("--sharded trains in bf16 or fp32 (fp16's loss scale is not sharded); pass --precision")
-        self.cfg, self.device, self.precision = cfg, torch.device(device), precision
+        self.cfg, self.device, self.precision, self.per_step = cfg, torch.device(device), precision, per_step
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         modules = [initial_module(cfg, s)[0].to(self.device) for s in range(cfg.stages)]
+        mesh, after = self.mesh, not per_step  # per step: no reshard between a unit's forward and backward
         for m in modules:
             if m.embed is not None:
-                fully_shard(m.embed, mesh=self.mesh)
+                fully_shard(m.embed, mesh=mesh, reshard_after_forward=after)
             for block in m.layers.values():
-                fully_shard(block, mesh=self.mesh)
-            fully_shard(m, mesh=self.mesh)  # the final norm and head (the last stage)
+                fully_shard(block, mesh=mesh, reshard_after_forward=after)
+            fully_shard(m, mesh=mesh, reshard_after_forward=after)  # the final norm and head (the last stage)
         self.root = _Stages(modules, self.device, precision)
-        fully_shard(self.root, mesh=self.mesh)
+        fully_shard(self.root, mesh=mesh, reshard_after_forward=after)
         self.stages: list[Decoder] = modules
         self.optims = [build_adamw(m.named_parameters(), cfg.train) for m in modules]
         self.skipped_steps = 0
@@ -94,7 +104,17 @@ class ShardedChain:
     # ------------------------------------------------------------------ the inner step
     def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
         """Inner step h of outer step t on this rank's (b, L) batch; the batch's mean loss (this rank's)."""
-        loss, _ = accumulate(lambda mx, my: (self.root(mx, my), 0), x, y, self.cfg.train.microbatches)
+        n, seen = self.cfg.train.microbatches, [0]
+
+        def forward(mx: torch.Tensor, my: torch.Tensor) -> tuple[torch.Tensor, int]:
+            seen[0] += 1
+            if self.per_step:  # reduce-scatter and reshard after the last micro-batch's backward only
+                root = cast(FSDPModule, self.root)
+                root.set_requires_gradient_sync(seen[0] == n)
+                root.set_reshard_after_backward(seen[0] == n)
+            return self.root(mx, my), 0
+
+        loss, _ = accumulate(forward, x, y, n)
         norm = global_grad_norm(self._sq_norms())
         if not math.isfinite(norm):
             log.info("sharded replica: gradient norm %s at inner step %d of outer step %d; step skipped", norm, h, t)

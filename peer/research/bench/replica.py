@@ -49,7 +49,9 @@ def bench_config(preset: str, stages: int, batch_size: int, seq_len: int, microb
     )
 
 
-def worker(cfg: RunConfig, warmup: int, steps: int, report: Path, sharded: bool = False) -> None:
+def worker(
+    cfg: RunConfig, warmup: int, steps: int, report: Path, sharded: bool = False, per_step: bool = False
+) -> None:
     """This rank's inner steps; rank 0 writes {"tokens_per_s", "ranks", "step_s", "held"} to `report`
     ("held": the bytes of parameters and AdamW state each rank holds after the last step)."""
     torch.set_num_threads(1)
@@ -64,7 +66,7 @@ def worker(cfg: RunConfig, warmup: int, steps: int, report: Path, sharded: bool 
         group = ReplicaGroup.from_env()
         group.open("cpu")
         if sharded:
-            shards = ShardedChain(cfg, "cpu", "fp32")
+            shards = ShardedChain(cfg, "cpu", "fp32", per_step)
         else:
             parallel = parallel_chain(chain, group)
         forward: Callable[[], Any] = parallel.forward if parallel is not None else lambda: None
@@ -154,14 +156,14 @@ def run_bench(ranks: int, repeats: int, args: list[str], progress: Callable[[str
 
 def main(argv: list[str]) -> int:
     """`python -m peer.research.bench.replica worker PRESET STAGES BATCH SEQ MICRO WARMUP STEPS [--sharded]
-    --report F`."""
-    sharded = "--sharded" in argv
-    argv = [a for a in argv if a != "--sharded"]
+    [--gather-per-step] --report F`."""
+    sharded, per_step = "--sharded" in argv, "--gather-per-step" in argv
+    argv = [a for a in argv if a not in ("--sharded", "--gather-per-step")]
     if len(argv) != 10 or argv[0] != "worker" or argv[8] != "--report":
         sys.stderr.write(f"usage: {main.__doc__}\n")
         return 2
     preset, stages, batch, seq, micro, warmup, steps = argv[1], *map(int, argv[2:8])
-    worker(bench_config(preset, stages, batch, seq, micro), warmup, steps, Path(argv[9]), sharded)
+    worker(bench_config(preset, stages, batch, seq, micro), warmup, steps, Path(argv[9]), sharded, per_step)
     return 0
 
 
