@@ -17,6 +17,8 @@ import hashlib
 import logging
 import struct
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import cast
@@ -94,19 +96,18 @@ def _record(node: Node) -> dict:
     return {"address": node.address, "kind": "full", "outer_step": 0, "joined_at": 0}
 
 
-@pytest.fixture
-def swarm(reap_children):
-    """Four peers: A and B contribute to stage 0, D is the dishonest one, C holds stage 1 (observes)."""
+@contextmanager
+def _peers(stores: list[PayloadStore], run: str, kind: str) -> Iterator[list[Node]]:
+    """A real DHT node, client pool and PeerServer on 127.0.0.1 per store, all in `run`; stopped after."""
     nodes: list[Node] = []
     try:
         first = SwarmDHT()  # every DHT node first: hivemind forks, and no gRPC thread may exist then
-        stores = [PayloadStore(), PayloadStore(), PayloadStore(), Lying(b"")]
         nodes.append(Node(first, stores[0], ClientPool(timeout_s=5.0)))
         for store in stores[1:]:
             nodes.append(Node(SwarmDHT(initial_peers=first.visible_maddrs()), store, ClientPool(timeout_s=5.0)))
         for node in nodes:
-            node.dht.set_run("embed-views-test", CFG.stages)
-            node.server = PeerServer(PeerService(CFG, {}, node.store, node.id, "full"), host="127.0.0.1", port=0)
+            node.dht.set_run(run, CFG.stages)
+            node.server = PeerServer(PeerService(CFG, {}, node.store, node.id, kind), host="127.0.0.1", port=0)
         yield nodes
     finally:
         for node in nodes:
@@ -114,6 +115,13 @@ def swarm(reap_children):
                 node.server.stop(grace_s=0.5)
             node.clients.close()
             node.dht.shutdown()
+
+
+@pytest.fixture
+def swarm(reap_children):
+    """Four peers: A and B contribute to stage 0, D is the dishonest one, C holds stage 1 (observes)."""
+    with _peers([PayloadStore(), PayloadStore(), PayloadStore(), Lying(b"")], "embed-views-test", "full") as nodes:
+        yield nodes
 
 
 def _announce(node: Node, data: bytes, announced: str | None = None) -> None:
@@ -325,23 +333,9 @@ class Counting(PayloadStore):
 def relays(reap_children):
     """A and B send stage 0; C and F hold stage 1 (announcers of round (0, 1)); D holds stage 1 and
     serves a wrong view for everything; E holds stage 2 and reads stage 0's views through stage 1's."""
-    nodes: list[Node] = []
-    try:
-        first = SwarmDHT()
-        stores = [Counting(), Counting(), Counting(), Counting(), Lying(b"wrong"), PayloadStore()]
-        nodes.append(Node(first, stores[0], ClientPool(timeout_s=5.0)))
-        for store in stores[1:]:
-            nodes.append(Node(SwarmDHT(initial_peers=first.visible_maddrs()), store, ClientPool(timeout_s=5.0)))
-        for node in nodes:
-            node.dht.set_run("embed-relay-test", CFG.stages)
-            node.server = PeerServer(PeerService(CFG, {}, node.store, node.id, "stage"), host="127.0.0.1", port=0)
+    stores = [Counting(), Counting(), Counting(), Counting(), Lying(b"wrong"), PayloadStore()]
+    with _peers(stores, "embed-relay-test", "stage") as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            if node.server is not None:
-                node.server.stop(grace_s=0.5)
-            node.clients.close()
-            node.dht.shutdown()
 
 
 def _announce_stage1(node: Node, seed: int) -> None:
