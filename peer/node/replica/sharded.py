@@ -23,7 +23,7 @@ the backward, nor for the next micro-batch), and its gradient accumulates whole 
 reduce-scattered once, after the last micro-batch — DDP's traffic and DDP's float order (the local
 sum over micro-batches, then one average over the ranks). During the step a rank then holds the whole
 replica's parameters and gradients; between steps only its shards (`peer.core.memory.sharded`). On
-2 CPU cores it lifts 2 ranks' tokens/s from 1.35× one rank's to 1.66× (docs/hardware.md).
+2 CPU cores it lifts 2 ranks' tokens/s from 1.36× one rank's to 1.61× (docs/hardware.md).
 
 Invariants: every rank calls `step`, `gather` and `scatter` at the same point (they are
 collectives); with one micro-batch per step, N sharded ranks take DDP's step over N ranks bit for bit
