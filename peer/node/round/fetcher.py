@@ -12,8 +12,8 @@ Sources, in order, each tried once per call (bounded), each call under its own d
    a holder of stage s ≥ 2 reading stage 0's embedding views (`ViewReader.relay` = s − 1) then asks
    the relays: two of the announcers of round (t, s − 1), ranked by a hash of (us, the sender), which
    observe stage 0 too and serve the views they fetched. While none holds the view yet it raises
-   `NotRelayed` (the gather asks again at a later poll) until `relay_s` after the fetcher was made
-   (`relay_wait_s`), then falls through to the sender. So a stage-0 holder serves its view to stage
+   `NotRelayed` (the gather asks again at a later poll) until `relay_until` (a gather's start plus
+   `relay_wait_s`), then falls through to the sender. So a stage-0 holder serves its view to stage
    1's M holders instead of the M·(S − 1) holders of every later stage, and each holder of a middle
    stage serves about M views (docs/protocol.md, "Embedding views"); a relay's answer is never binding;
 2. the announcer, under the caller's `deadline` (else one `rpc_s`);
@@ -84,14 +84,14 @@ class Fetcher:
         rpc_s: float,
         n_stages: int = 1,
         holders: bool = False,
-        relay_s: float = 0.0,
     ) -> None:
         """`rpc_s`: one try at a source other than the announcer; `n_stages`: the run's stages (stage
         0's payloads are asked of every stage's announcers); `holders`: ask the stage's holders and
-        attesters as a last resort; `relay_s`: how long from now views wait for their relays."""
+        attesters as a last resort. Views wait for their relays until `relay_until` (monotonic; a
+        gather sets it: `relay_wait_s`), by default not at all."""
         self.dht, self.clients, self.store, self.me = dht, clients, store, me
         self.rpc_s, self.n_stages, self.holders = rpc_s, n_stages, holders
-        self.relay_until = time.monotonic() + relay_s
+        self.relay_until = -math.inf
         self._relay_next: dict[tuple[int, str], float] = {}  # (t, sender): when its relays are asked again
         self._relay_read: dict[tuple[int, int], tuple[float, dict[str, Announcement]]] = {}
         self._skipped: set[str] = set()  # relays that were unreachable or served wrong bytes
@@ -205,8 +205,8 @@ class Fetcher:
             except NetworkError:
                 read = {}
             self._relay_read[(t, relay)] = (time.monotonic(), read)
-        live = [(p, rec.address) for p, rec in read.items() if rec.address and p not in (self.me, sender)]
-        live = [(p, a) for p, a in live if p not in self._skipped]
+        skip = {self.me, sender, *self._skipped}
+        live = [(p, rec.address) for p, rec in read.items() if rec.address and p not in skip]
         return sorted(live, key=lambda pa: hashlib.sha256(f"{self.me}|{sender}|{pa[0]}".encode()).digest())
 
     def _keep(self, t: int, stage: int, sender: str, got: Contribution) -> Contribution:
