@@ -39,7 +39,7 @@ import torch
 from peer.core.data.corpus import DataConfig
 from peer.core.model.decoder import ModelConfig, get_preset, stage_layers
 from peer.core.model.optim import TrainConfig
-from peer.core.sparseloco.codec.format import SparseLoCoConfig
+from peer.core.sparseloco.codec.format import QUANT_BITS, SparseLoCoConfig
 from peer.core.subspace.compression import k_from_ratio
 from peer.errors import ConfigError
 
@@ -99,6 +99,14 @@ class SwarmConfig:
     round_rule: str = "auto"
     ranges_from: int = 14
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
+    # A range's other owners are waited for this long after the first one published its hash; then the
+    # published agree or are checked (docs/protocol.md RANGES: a crashed owner costs this, not T/2)
+    owner_grace_s: float = 5.0
+    # The roster closes once no contribution was announced for roster_quiet_s while roster_quorum of
+    # the expected ones are in (a departed contributor's records would hold it until they expire); the
+    # contributions left out go back to their senders' error feedback (0: wait for every one)
+    roster_quiet_s: float = 3.0
+    roster_quorum: float = 0.9
     # What a range owner publishes (peer.core.sparseloco.ranges, docs/protocol.md RANGES): "exact" (its
     # range of the exact aggregate, every entry touched, sparse or dense per band: all-to-all's Δ̄) or
     # "topk" (re-sparsified to shard_topk entries per tile; the rest returns to the senders' error buffers)
@@ -106,6 +114,10 @@ class SwarmConfig:
     # positions per tile are agreed, every sender sends values there, owners publish the exact mean)
     shard: str = "voted"
     shard_topk: int = 0  # entries per tile a "topk" shard keeps (0: sparseloco.topk); "voted": k′ (0: 2·topk)
+    # Bits of the values of a "voted" round's mean shards (the codec's quantizer, one codebook per band;
+    # 0: float32). 8 costs 0.4x float32's bytes, shortens the round at scale and learns as much
+    # (docs/results.md, docs/scaling.md); its rounding is measured and logged, not returned.
+    mean_bits: int = 8
     # Joining by replay (docs/protocol.md): holders keep their committed links and payloads of the last
     # `history_rounds` rounds (`history_ttl_s`), so a joiner recomputes the state instead of counting
     history_rounds: int = 16
@@ -486,6 +498,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"swarm.range_backups and swarm.shard_topk must be >= 0, got {w.range_backups} and {w.shard_topk}"
         )
+    if w.owner_grace_s < 0 or w.roster_quiet_s < 0 or not 0 < w.roster_quorum <= 1:
+        raise ConfigError(
+            "swarm.owner_grace_s and swarm.roster_quiet_s must be >= 0 (0: off) and swarm.roster_quorum in (0, 1], "
+            f"got {w.owner_grace_s}, {w.roster_quiet_s} and {w.roster_quorum}"
+        )
+    if w.mean_bits not in QUANT_BITS:
+        raise ConfigError(f"swarm.mean_bits must be 0 (float32), 2, 4 or 8, got {w.mean_bits}")
     if w.shard not in ("exact", "topk", "voted"):
         raise ConfigError(f"swarm.shard must be 'exact', 'topk' or 'voted', got {w.shard!r}")
     if w.shard == "exact" and w.shard_topk:

@@ -32,7 +32,8 @@ from peer.net.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 13  # 13: outlier screening by sections (the embedding apart): later stages read stage 0 as views
+PROTOCOL_VERSION = 14  # 14: voted means at swarm.mean_bits; owner grace; quiet roster close (issue 37)
+# 13: outlier screening by sections (the embedding apart): later stages read stage 0 as views
 # 12: the voted round (supports and values records), the default from 14 contributions
 # 10: a payload's id is a hash over its sections; GetPayload kind EMBED (embedding views)
 # 9: claims checked before adopted (issue 34: FOLLOW's omission rule, forged entries, T⊥ set)

@@ -126,7 +126,8 @@ def test_voted_residual_publishes_two_bit_means_and_keeps_their_rounding_undecay
     s, lr = 1, cfg.sparseloco.outer_lr
     rule = SimOptions(round_rule="voted-residual")
     twins, twin_state = copy.deepcopy(reps), DesignState()  # the voted round: the exact float32 mean
-    _commit_stage(twins, s, starts[s], [[None, None] for _ in reps], [0] * 3, cfg, 1.0, None, VOTED, 0, twin_state)
+    f32 = _cfg(**{"sparseloco.quant_bits": 2, "swarm.mean_bits": 0})
+    _commit_stage(twins, s, starts[s], [[None, None] for _ in reps], [0] * 3, f32, 1.0, None, VOTED, 0, twin_state)
     errors, state = [[None, None] for _ in reps], DesignState()
     _commit_stage(reps, s, starts[s], errors, [0] * 3, cfg, 1.0, None, rule, 0, state)
     states = [stage_state(r.stages[s]) for r in reps]

@@ -46,6 +46,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.range_records import RosterRecord, ShardsRecord
 from peer.net.transport.server import PeerServer
+from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges.ownership import owners
 from peer.node.round.ranges.voted import VotedResult, gather_voted, sent_adjustment
@@ -79,7 +80,7 @@ def _errors(cfg, seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in _shapes(cfg).items()}
 
 
-def _round(cfg, nodes: list[Node], t: int) -> list[VotedResult | None]:
+def _round(cfg, nodes: list[Node], t: int, timings: RoundTimings = TIMINGS) -> list[VotedResult | None]:
     plan = _plan(cfg)
     for node in nodes:
         node.present()
@@ -88,7 +89,7 @@ def _round(cfg, nodes: list[Node], t: int) -> list[VotedResult | None]:
         node = nodes[i]
         try:
             own = (node.id, _errors(cfg, 100 * t + i))
-            return gather_voted(node.context(cfg), t, STAGE, TIMINGS, plan, own=own)
+            return gather_voted(node.context(cfg), t, STAGE, timings, plan, own=own)
         except PeerError:
             return None
 
@@ -110,7 +111,7 @@ def _reference(cfg, results: list[VotedResult], nodes: list[Node], t: int) -> di
         parsed = [parse_votes(v[r], plan, r, slc) for v in votes]
         support = range_support(t, STAGE, r, plan, parsed, roster.digest, slc, keep, cfg.seed)
         values = [parse_values(values_part(e, plan, support, slc), plan, support, slc, keep) for e in es]
-        out[r] = mean_shard(plan, support, values, slc).to_bytes()
+        out[r] = mean_shard(plan, support, values, slc, cfg.swarm.mean_bits).to_bytes()
     return out
 
 
@@ -168,13 +169,15 @@ def _lying(node: Node, magic: bytes, lie: Callable[[bytes], bytes], kind: str):
 
 
 def _doubled_mean(cfg):
-    plan, f32 = _plan(cfg), dataclasses.replace(cfg.sparseloco, quant_bits=0)
+    plan, coded = _plan(cfg), dataclasses.replace(cfg.sparseloco, quant_bits=cfg.swarm.mean_bits)
 
     def lie(data: bytes) -> bytes:
         n = int.from_bytes(data[37:41], "little")  # the shard header's roster size
-        shard = Shard.from_bytes(data, plan, f32, n, exact=True)
+        shard = Shard.from_bytes(data, plan, coded, n, exact=True)
         first, *rest = shard.payload.entries
         first = dataclasses.replace(first, values=(first.values * 2).astype(np.float32))
+        if first.codebook is not None:  # the mean's values are codes: double their magnitudes
+            first = dataclasses.replace(first, codebook=(first.codebook * 2).astype(np.float32))
         return dataclasses.replace(shard, payload=dataclasses.replace(shard.payload, entries=(first, *rest))).to_bytes()
 
     return lie
@@ -263,9 +266,14 @@ def _wait_for_supports(dht: SwarmDHT, cfg, t: int, me: str, timeout_s: float = 3
 
 def test_an_owner_killed_after_the_roster_is_covered(swarm, reap_children):
     """A ninth holder owns ranges of round 4 and is SIGKILLed before it publishes their supports: its
-    co-owners' supports are taken past the shard deadline, it sends no values (a zero in each mean
-    over the roster), and the eight others commit one state."""
+    co-owners' supports are taken `swarm.owner_grace_s` after they published, the owners close the
+    values without its record (`swarm.roster_quiet_s` after the eighth; both long before the shard
+    deadline, 30 s here), it sends no values (a zero in each mean over the roster), and the eight others
+    commit one state."""
     cfg, nodes = swarm
+    quick = dataclasses.replace(cfg.swarm, owner_grace_s=1.0, roster_quorum=0.8)  # 8 of 9 values close quietly
+    cfg = dataclasses.replace(cfg, swarm=quick)
+    slow = RoundTimings(deadline_s=60.0, grace_s=2.0, poll_s=0.1, ttl_s=90)  # shard deadline 30 s
     for node in nodes:
         node.refusals = Refusals()
     code = "import sys; from tests.integration.test_voted_round import voted_victim_main; voted_victim_main()"
@@ -284,7 +292,7 @@ def test_an_owner_killed_after_the_roster_is_covered(swarm, reap_children):
         victim.stdin.write("4\n")
         victim.stdin.flush()
         assert victim.stdout.readline().strip() == "announced", "the victim did not announce its vote parts"
-        results = _round(cfg, nodes, t=4)
+        results = _round(cfg, nodes, t=4, timings=slow)
         assert victim.wait(timeout=30) == -signal.SIGKILL, victim.stdout.read()
     finally:
         if victim.poll() is None:
@@ -301,6 +309,9 @@ def test_an_owner_killed_after_the_roster_is_covered(swarm, reap_children):
     assert any(victim_id in owners(4, STAGE, r, senders, 2) for r in range(_plan(cfg).n)), "it owned nothing"
     assert not any(r.refused for r in done)
     assert all(not s.shard.is_included(gone) for s in done[0].shards.values())  # no values from the dead
+    walls = [r.timings["wall_s"] for r in done]
+    print(f"rounds with a dead owner: {min(walls):.1f}–{max(walls):.1f} s")
+    assert max(walls) < slow.deadline_s / 2  # the owners' grace and the quiet close, not the shard deadline
 
 
 def test_a_sender_whose_vote_does_not_parse_is_left_out_of_the_round(swarm):

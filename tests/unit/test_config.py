@@ -281,6 +281,8 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
         {"data.max_chars": 1000},
         {"swarm.shard": "exact"},
         {"swarm.shard_topk": 8},
+        {"swarm.mean_bits": 4},
+        {"swarm.owner_grace_s": 9.0},
     ):
         assert build_config(None, overrides, environ={}).fingerprint() != base.fingerprint(), overrides
     # local paths do not change what peers must agree on
@@ -291,6 +293,23 @@ def test_fingerprint_stable_and_sensitive(tmp_path):
     # nor do a head's own schedule and retry budget
     for local in ({"train.in_flight": 3}, {"swarm.inner_step_replays": 7}):
         assert build_config(None, local, environ={}).fingerprint() == base.fingerprint(), local
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"swarm.mean_bits": 3},
+        {"swarm.mean_bits": 16},
+        {"swarm.owner_grace_s": -1.0},
+        {"swarm.roster_quiet_s": -0.5},
+        {"swarm.roster_quorum": 0.0},
+        {"swarm.roster_quorum": 1.5},
+    ],
+)
+def test_the_voted_rounds_settings_are_checked(bad):
+    (name,) = bad
+    assert name in _error(overrides=bad)
+    assert build_config(None, {"swarm.mean_bits": 0}, environ={}).swarm.mean_bits == 0  # float32 means
 
 
 def test_the_shard_rule_is_checked():

@@ -18,7 +18,14 @@ from peer.net.transport.errors import TransportError
 from peer.net.transport.messages import PayloadKind, PayloadRequest, RangeBlob, RangesReply
 from peer.node.round.claims import Link
 from peer.node.round.payloads import PayloadStore, sha256
-from peer.node.round.ranges.ownership import RangeStep, coordinator_order, owners, range_step, round_rule
+from peer.node.round.ranges.ownership import (
+    RangeStep,
+    coordinator_order,
+    owners,
+    quiet_close,
+    range_step,
+    round_rule,
+)
 
 PEERS = [f"peer-{i:02d}" for i in range(8)]
 
@@ -66,6 +73,22 @@ def test_the_rendezvous_order_ranks_two_peers_alike_whatever_else_is_seen():
 )
 def test_range_step(claims, past, want):
     assert range_step(claims, 2, past) is want
+
+
+@pytest.mark.parametrize(
+    ("announced", "expected", "quiet_s", "want"),
+    [
+        (972, 1000, 3.0, True),  # 28 departed: their records would hold the roster until they expire
+        (972, 1000, 2.9, False),  # one may still come
+        (899, 1000, 60.0, False),  # below the quorum: wait (for the deadline, or the records to expire)
+        (7, 8, 60.0, False),  # a small swarm waits for its eighth: 7/8 < 0.9
+        (9, 10, 3.0, True),
+        (0, 0, 60.0, False),  # nothing expected: the other rules decide
+    ],
+)
+def test_quiet_close(announced, expected, quiet_s, want):
+    assert quiet_close(announced, expected, quiet_s, 3.0, 0.9) is want
+    assert quiet_close(announced, expected, quiet_s, 0.0, 0.9) is False  # roster_quiet_s 0: off
 
 
 def test_roster_and_shards_records_round_trip_and_reject_malformed_values():

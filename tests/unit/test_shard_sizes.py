@@ -51,14 +51,21 @@ def test_the_voted_rounds_range_sizes_add_up_to_the_stage_as_the_design_counts_i
         indices_nbytes(shapes, cfg.chunk, cfg.topk, sparse),
         values_nbytes(shapes, cfg.chunk, keep, cfg.quant_bits, sparse) + payload_nbytes(dense, cfg) - HEADER_NBYTES,
         indices_nbytes(shapes, cfg.chunk, keep, sparse),
-        values_nbytes(shapes, cfg.chunk, keep, 0, sparse)
-        + sum(entry_nbytes(n, DENSE_F32, s, cfg.chunk, keep, 0) for n, s in dense.items()),
+    )
+    f32_values = values_nbytes(shapes, cfg.chunk, keep, 0, sparse) + sum(
+        entry_nbytes(n, DENSE_F32, s, cfg.chunk, keep, 0) for n, s in dense.items()
     )
     for m in (1, 8):
         v = voted_sizes(preset, stages, stage, m, keep)
         bands = sum(len(b) for b in plan_ranges(shapes, cfg.chunk, v.n).ranges)
-        for ranged, stage_total in zip((v.votes, v.values, v.supports, v.means), whole, strict=True):
+        for ranged, stage_total in zip((v.votes, v.values, v.supports), whole, strict=True):
             extra = sum(ranged) - stage_total - (v.n - 1) * HEADER_NBYTES
             assert 0 <= extra <= 64 * bands, (m, extra, bands)
+        # the float32 mean shard: the values the design counts plus positions (Rice, <= 12 bits each here)
+        n_values = (f32_values - HEADER_NBYTES) // 4
+        assert f32_values - HEADER_NBYTES < sum(v.means) < f32_values + 2 * n_values, m
     v = voted_sizes(preset, stages, stage, 8, keep)
     assert sum(v.supports) > sum(v.votes) and sum(v.means) > 4 * sum(v.values)  # k′ = 2k; float32 vs 2-bit
+    # swarm.mean_bits 8: codes in place of float32 (at 1B; a tiny band's 512-byte codebook outweighs them)
+    f32, b8 = voted_sizes("1B", 4, 0, 8, keep), voted_sizes("1B", 4, 0, 8, keep, 8)
+    assert sum(b8.means) < 0.5 * sum(f32.means)

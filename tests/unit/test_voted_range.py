@@ -16,6 +16,7 @@ from peer.core.sparseloco.ranges.owner import Shard
 from peer.core.sparseloco.ranges.voted import tile_topk, voted_support
 from peer.core.sparseloco.ranges.voted_range import (
     Support,
+    mean_rounding,
     mean_shard,
     parse_values,
     parse_votes,
@@ -150,3 +151,34 @@ def test_a_member_whose_vote_was_not_counted_is_left_out_of_the_mean():
     shard = mean_shard(plan, support, values, CFG)
     assert [shard.is_included(i) for i in range(3)] == [True, True, False]
     assert shard.to_bytes() == mean_shard(plan, support, [*values[:2], None], CFG).to_bytes()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_mean_shard_at_mean_bits_is_the_quantized_mean_and_the_size_model_bounds_it(bits):
+    """`swarm.mean_bits`: the owner publishes Q(Δ̄) (the codec's quantizer per band, 1-D bands float32):
+    the same bytes from every owner, smaller than the float32 mean, its rounding measured, and never more
+    bytes than `peer bench swarm`'s size model (`sizes.mean_shard_nbytes`) counts."""
+    from peer.research.swarm.sizes import mean_shard_nbytes
+
+    es = _errors(3)
+    plan, _, supports = _round(CFG, es, 2)
+    for r, s in enumerate(supports):
+        values = [parse_values(values_part(e, plan, s, CFG), plan, s, CFG, KEEP) for e in es]
+        exact, coded = mean_shard(plan, s, values, CFG), mean_shard(plan, s, values, CFG, bits)
+        assert coded.to_bytes() == mean_shard(plan, s, [v.copy() for v in values], CFG, bits).to_bytes()
+        assert len(coded.to_bytes()) < len(exact.to_bytes())
+        again = Shard.from_bytes(coded.to_bytes(), plan, replace(CFG, quant_bits=bits), 3, exact=True)
+        assert again.to_bytes() == coded.to_bytes()
+        with pytest.raises(PayloadError):  # a holder expecting float32 means refuses it
+            Shard.from_bytes(coded.to_bytes(), plan, replace(CFG, quant_bits=0), 3, exact=True)
+        want, got = shard_delta(exact), shard_delta(again)
+        quant_sq, mean_sq = mean_rounding(plan, s, values, CFG, bits)
+        diff = sum(float(torch.square(want[n].double() - got[n].double()).sum()) for n in want)
+        assert diff == pytest.approx(quant_sq, rel=1e-6) and 0 < quant_sq < (0.02 if bits == 8 else 0.2) * mean_sq
+        for band in plan.ranges[r]:
+            if not voted(band, CFG):  # a band sent dense stays float32: exactly the mean
+                assert torch.equal(got[band.entry], want[band.entry])
+            else:  # positions: those of the float32 mean; the values' signs kept
+                assert torch.equal(got[band.entry] != 0, want[band.entry] != 0)
+                assert torch.equal(torch.sign(got[band.entry]), torch.sign(want[band.entry]))
+        assert len(coded.payload.to_bytes()) <= mean_shard_nbytes(plan, r, CFG, KEEP, bits)

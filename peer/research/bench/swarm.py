@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from peer.core.sparseloco.codec.format import QUANT_BITS
 from peer.errors import ConfigError
 from peer.research.swarm.net import LinkClass, LinkMix
 from peer.research.swarm.run import simulate
@@ -77,6 +78,10 @@ def sim_config(args: Mapping[str, Any], peers: int, rule: str) -> SimConfig:
     ):
         if args[name] < low:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {args[name]}")
+    if args["owner_grace_s"] < 0 or args["roster_quiet_s"] < 0:
+        raise ConfigError("--owner-grace-s and --roster-quiet-s must be >= 0 (0: off)")
+    if args["mean_bits"] not in QUANT_BITS:
+        raise ConfigError(f"--mean-bits must be 0, 2, 4 or 8, got {args['mean_bits']}")
     if args["shard"] not in ("topk", "exact"):
         raise ConfigError(f"--shard must be topk or exact, got {args['shard']!r}")
     if args["churn_per_h"] < 0 or not args["deadline_s"] > 0 or not 0 <= args["stage"] < args["stages"]:
@@ -84,6 +89,7 @@ def sim_config(args: Mapping[str, Any], peers: int, rule: str) -> SimConfig:
     mix = LinkMix(home, dc, args["dc_fraction"], args["rate_spread"], args["rpc_ms"] / 1e3)
     names: tuple[str, ...] = ("rounds", "seed", "preset", "stages", "stage", "inner_steps", "flops", "churn_per_h")
     names = (*names, "deadline_s", "fetch_parallel", "range_backups", "shard_topk", "shard", "support_topk")
+    names = (*names, "mean_bits", "owner_grace_s", "roster_quiet_s")
     return SimConfig(peers=peers, rule=rule, mix=mix, **{n: args[n] for n in names})
 
 
@@ -112,7 +118,7 @@ def voted_bound(cfg: SimConfig, peers: int) -> float:
     member's vote and values (each with a part's proof): an owner holds (1 + b)·R/M ranges of 1/R each
     and fetches them from M − 1 members, (1 + b)·(M − 1)/M of a whole vote and values; R and the
     proofs' log2 R are the only inputs that move with M."""
-    v = voted_sizes(cfg.preset, cfg.stages, cfg.stage, peers, cfg.support_topk)
+    v = voted_sizes(cfg.preset, cfg.stages, cfg.stage, peers, cfg.support_topk, cfg.mean_bits)
     shards = sum(v.supports) + sum(v.means) + 2 * v.n * v.head
     parts = sum(v.votes) + sum(v.values) + 2 * v.n * v.proof
     return shards + (1 + cfg.range_backups) * parts

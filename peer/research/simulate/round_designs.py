@@ -20,6 +20,8 @@ aligned with a vote phase first — each sender publishes the index set of its o
 by a seeded PCG64 draw); then the values phase as aligned. k′ = `swarm.shard_topk`, 0: 2·k (`voted_keep`). Why: last
 round's aggregate is a poor guess of where this round's errors are (after a round, e is emptied
 exactly on the support it chooses again); the votes are this round's, at the price of the indices.
+The owners publish the mean at `swarm.mean_bits` (the codec's quantizer; 0: float32) and nobody gets
+the rounding back: it is the round's `quant` mass.
 **voted-residual** (`--round voted-residual`): voted, with each owner publishing C = Q(Δ̄ + R) on the
 support at quant_bits instead of float32, and R = Δ̄ + R − C kept per stage as agreed, undecayed state
 (as residual keeps its shards' drop): the download of a float32 mean cut to 2-bit values.
@@ -262,14 +264,17 @@ def commit_aligned(
         errors[m][s] = new
         pg_bytes[m] += vote_nbytes + V
     summed = {n: aligned_sum(values[n], supports[n], shapes[n], M) for n in sparse}
-    quant_sq = _requantize(state, s, summed, supports, slc.quant_bits) if requantize else None
-    if not requantize:
+    mean_bits = slc.quant_bits if requantize else cfg.swarm.mean_bits if vote else 0
+    if requantize:
+        quant_sq: float | None = _requantize(state, s, summed, supports, slc.quant_bits)
+    else:
+        quant_sq = _rounded(summed, supports, mean_bits) if mean_bits else None
         state.agreed[s] = {n: summed[n].clone() for n in sparse}
     if dense:
         summed |= aggregate_payloads(dense_payloads, M, slc.aggregation)
     done = _commit(reps, s, start, summed, cfg, perp_factor, embed_update)
     mass = _support_mass(owed, supports, summed, quant_sq)
-    F = values_nbytes(shapes, slc.chunk, keep, slc.quant_bits if requantize else 0, sparse) + sum(
+    F = values_nbytes(shapes, slc.chunk, keep, mean_bits, sparse) + sum(
         entry_nbytes(n, DENSE_F32, shapes[n], slc.chunk, keep, 0) for n in dense
     )
     shard = F + (indices_nbytes(shapes, slc.chunk, keep, sparse) if vote else 0)  # the owners' means (and supports)
@@ -287,6 +292,18 @@ def _requantize(
         a_on = (summed[n] if prev.get(n) is None else summed[n] + prev[n]).view(-1)[support]
         summed[n], state.agreed.setdefault(s, {})[n] = requantized(summed[n], prev.get(n), support, bits)
         quant_sq += _sq(a_on - summed[n].view(-1)[support])
+    return quant_sq
+
+
+def _rounded(summed: dict[str, Tensor], supports: Mapping[str, Tensor], bits: int) -> float:
+    """The owners publish the mean at `bits` (`swarm.mean_bits`, the codec's quantizer; per tensor here,
+    per band in the swarm) with no residual: `summed` becomes Q(Δ̄) on the support; returns Σ ‖Δ̄ − Q(Δ̄)‖²
+    there (the rounding nobody gets back)."""
+    quant_sq = 0.0
+    for n, support in supports.items():
+        exact = summed[n].view(-1)[support].clone()
+        summed[n], _ = requantized(summed[n], None, support, bits)
+        quant_sq += _sq(exact - summed[n].view(-1)[support])
     return quant_sq
 
 

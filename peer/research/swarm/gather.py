@@ -12,11 +12,13 @@ from another holder that has it (second sources), then asks `agreement.close_dec
 is closed. Bytes: each holder fetches M − 1 payloads.
 
 "ranges" (docs/protocol.md, RANGES): announce; the first live holder in `ownership.coordinator_order`
-whose `close_decision` over the announcements (held = announced) says COMPLETE or DEADLINE publishes the
-roster (the next in order `roster_wait_s` later if none appeared); each range's owners
-(`ownership.owners`, 1 + `range_backups`) fetch part r of every roster member (one request per member for
-all their ranges, `fetch_parallel` in flight) and publish their shard; a range is ready when every owner
-published, or those that did plus the others' records expired; every holder fetches each ready shard
+whose `close_decision` over the announcements (held = announced; complete also by `ownership.quiet_close`)
+says COMPLETE or DEADLINE publishes the roster (the next in order `roster_wait_s` later if none appeared);
+each range's owners (`ownership.owners`, 1 + `range_backups`) fetch part r of every roster member (one
+request per member for all their ranges, `fetch_parallel` in flight, starting after their own roster
+position: `rotated`) and publish their shard; a range is ready when every owner published, or those that
+did plus the others' records expired, or `owner_grace_s` after its first owner published; every holder
+fetches each ready shard
 from its first live publisher; a range whose owners are all gone is computed by every holder from the
 members' parts (the fallback). Not done by its deadline: the holder gives the round up ("timeout").
 Aggregation and decoding CPU time are not modelled (`peer bench commit` measures them).
@@ -24,6 +26,7 @@ Aggregation and decoding CPU time are not modelled (`peer bench commit` measures
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ import simpy
 
 from peer.node.round.agreement import Close, Poll
 from peer.node.round.gather import FRESH_S
+from peer.node.round.ranges.ownership import quiet_close
 
 if TYPE_CHECKING:
     from peer.research.swarm.sim import Peer, RoundBoard, Sim
@@ -150,6 +154,7 @@ class Ranges:
     published: list[set[str]]
     ready_log: list[tuple[float, int, str]] = field(default_factory=list)  # (time, r, "shard" | "fallback")
     is_ready: set[int] = field(default_factory=set)
+    waiting: set[int] = field(default_factory=set)  # ranges one owner published: ready `owner_grace_s` later
 
 
 def deal_ranges(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -> Ranges:
@@ -162,14 +167,18 @@ def deal_ranges(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -
     return Ranges(members, owners, mine, [set() for _ in range(board.R)])
 
 
-def check_range(sim: Sim, rg: Ranges, r: int) -> None:
-    """Range r is ready once every owner published or is gone (records expired); none published and all
-    gone: the fallback."""
+def check_range(sim: Sim, rg: Ranges, r: int, waited: bool = False) -> None:
+    """Range r is ready once every owner published or is gone (records expired), or `owner_grace_s` after
+    its first owner published (`waited`: `ownership.range_step`'s grace); none published and all gone:
+    the fallback."""
     if r in rg.is_ready:
         return
     pub, ow = rg.published[r], rg.owners[r]
     gone = [o for o in ow if o not in pub and not sim.recorded(o)]
-    if len(pub) + len(gone) < len(ow):
+    if len(pub) + len(gone) < len(ow) and not (waited and pub):
+        if pub and r not in rg.waiting and sim.cfg.owner_grace_s > 0:
+            rg.waiting.add(r)
+            later(sim.env, sim.cfg.owner_grace_s, lambda: check_range(sim, rg, r, waited=True))
         return
     rg.is_ready.add(r)
     rg.ready_log.append((sim.env.now, r, "shard" if pub else "fallback"))
@@ -193,10 +202,12 @@ def wait_roster(sim: Sim, peer: Peer, t: int, start: float, publish: Publish | N
         if pos >= 0 and not board.roster_pending:
             view = sim.view(t, me)
             announced = {s for s, at in board.announced.items() if at <= read_at}
+            last = max((at for at in board.announced.values() if at <= read_at), default=read_at)
             poll = Poll(
                 fresh=True,
                 past_deadline=env.now >= start + cfg.deadline_s,
-                complete=view.expected <= announced | view.dropped,
+                complete=view.expected <= announced | view.dropped
+                or quiet(len(announced), len(view.expected | announced), read_at - last, cfg),
                 lone=announced == {me} and bool(view.gathering),
             )
             if sim.proto.close_decision(poll) in CLOSED:
@@ -209,6 +220,11 @@ def wait_roster(sim: Sim, peer: Peer, t: int, start: float, publish: Publish | N
         if env.now >= start + cfg.deadline_s and board.roster_at == float("inf") and not board.roster_pending:
             return False
         yield env.timeout(cfg.poll_s)
+
+
+def quiet(announced: int, expected: int, quiet_s: float, cfg: Any) -> bool:
+    """`ownership.quiet_close` with the simulation's settings."""
+    return quiet_close(announced, expected, quiet_s, cfg.roster_quiet_s, cfg.roster_quorum)
 
 
 def _publish_roster(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -> None:
@@ -239,9 +255,8 @@ def _own(sim: Sim, t: int, board: RoundBoard, rg: Ranges, me: str, mine: list[in
         if left[0] == 0:
             done.succeed()
 
-    for m in rg.members:
-        if m != me:
-            pool.add(t, nbytes, while_alive(sim, m), one)
+    for m in rotated(rg.members, me):
+        pool.add(t, nbytes, while_alive(sim, m), one)
     yield done
     if not sim.peers[me].alive:
         return
@@ -287,7 +302,7 @@ def gather_ranges(sim: Sim, peer: Peer, t: int, start: float, pool: Pool) -> Pro
                 continue
             if kind == "shard":
                 nbytes = sizes.shard(r, len(rg.members))
-                pool.add(t, nbytes, shard_source(sim, rg, r), finished)
+                pool.add(t, nbytes, shard_source(sim, rg, r, me), finished)
             else:
                 fetch_from_members(sim, pool, t, rg, sizes.parts[r] + sizes.proof, finished)
         if not all_done.triggered:
@@ -303,21 +318,32 @@ def gather_ranges(sim: Sim, peer: Peer, t: int, start: float, pool: Pool) -> Pro
     return ("ranges", len(rg.members)) if all_done.triggered and own_published else ("timeout", 0)
 
 
+def rotated(members: tuple[str, ...], me: str) -> list[str]:
+    """The members but `me`, starting after `me` (as `RangeFetcher.parts` asks them): owners that start
+    at once spread their first requests over every member instead of queueing on the roster's first."""
+    i = members.index(me) + 1 if me in members else 0
+    return [m for m in members[i:] + members[:i] if m != me]
+
+
 def while_alive(sim: Sim, pid: str) -> Callable[[], str | None]:
     """A request's source: `pid` while it lives (a member's part is nowhere else)."""
     return lambda: pid if sim.peers[pid].alive else None
 
 
-def shard_source(sim: Sim, rg: Ranges, r: int) -> Callable[[], str | None]:
+def shard_source(sim: Sim, rg: Ranges, r: int, me: str) -> Callable[[], str | None]:
+    """Who serves range r's shard to `me`: a live owner that published it, in `me`'s own order of them
+    (`Resolver._spread`: sha256 of the two ids), so a range's holders share its owners' uploads."""
+
     def source() -> str | None:
-        return next((o for o in rg.owners[r] if o in rg.published[r] and sim.peers[o].alive), None)
+        live = [o for o in rg.owners[r] if o in rg.published[r] and sim.peers[o].alive]
+        return min(live, key=lambda o: hashlib.sha256(f"{me}|{o}".encode()).digest(), default=None)
 
     return source
 
 
 def fetch_from_members(sim: Sim, pool: Pool, t: int, rg: Ranges, nbytes: int, finished: Callable[[bool], None]) -> None:
     """Every owner of a range is gone: fetch its part from every live member and aggregate it here."""
-    others = [m for m in rg.members if m != pool.me]
+    others = rotated(rg.members, pool.me)
     left = [len(others)]
     if not others:
         finished(True)

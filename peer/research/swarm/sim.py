@@ -31,6 +31,7 @@ from peer.core.sparseloco.ranges.plan import n_ranges_for
 from peer.node.round import agreement
 from peer.node.round.gather import RoundTimings
 from peer.node.round.ranges import ownership
+from peer.node.round.ranges.fetch import MAX_FETCHERS
 from peer.research.swarm.net import LinkMix, Network, draw_link
 from peer.research.swarm.sizes import Sizes, compute_s, stage_sizes
 
@@ -81,11 +82,15 @@ class SimConfig:
     dht_s: float = 0.5  # from a DHT store's start until every reader sees it
     dht_store_s: float = 0.3  # a DHT store's call (the announcer waits for it)
     dht_read_s: float = 0.1  # one DHT read of a round's records
-    fetch_parallel: int = 16  # requests in flight per peer in a "ranges" round ("all": 1, as gather_round)
+    fetch_parallel: int = MAX_FETCHERS  # requests in flight per peer in a "ranges" round ("all": 1, as gather_round)
     range_backups: int = SWARM.range_backups
     shard_topk: int = SWARM.shard_topk
     shard: str = SWARM.shard  # swarm.shard: "topk" or "exact"
+    mean_bits: int = SWARM.mean_bits  # the voted round's mean shards (`swarm.mean_bits`; 0: float32)
     support_topk: int = 64  # k′: positions per tile of the voted rule's agreed support (docs/results.md: 64)
+    owner_grace_s: float = SWARM.owner_grace_s  # a range's co-owners are waited for this long after its first
+    roster_quiet_s: float = SWARM.roster_quiet_s  # the roster closes this long after the last announcement ...
+    roster_quorum: float = SWARM.roster_quorum  # ... once this share of the expected contributors announced
     roster_wait_s: float = 5.0  # the next publisher in coordinator_order waits this long for the roster
     jitter: float = 0.05  # compute time × U(1 − jitter, 1 + jitter) per peer and round
     compute_s: float | tuple[float, ...] | None = None  # H inner steps' wall time (per peer: cycled; None: planner)

@@ -14,9 +14,10 @@ here, never from a formula of its own:
   range, roster digest and size, then the lists of missing and clipped roster positions);
 - the voted round's four messages per range (`voted_sizes`): a vote (k indices per tile), an agreed
   support (k′ indices per tile), a sender's values at it (k′ codes per tile and codebook, no indices) and
-  the owners' exact mean (k′ float32 per tile), by `peer.core.sparseloco.aligned`'s `indices_nbytes` and
+  the owners' mean shard (k′ positions and values at `swarm.mean_bits` per tile: `mean_shard_nbytes`, the
+  exact shard's own size functions), the others by `peer.core.sparseloco.aligned`'s `indices_nbytes` and
   `values_nbytes` on range r's bands — the functions `peer simulate --round voted`'s `RoundBytes` counts
-  with; 1-D tensors go through the codec as the designs send them (8-bit, float32 in the mean);
+  with; 1-D tensors go through the codec as the designs send them (8-bit; float32 in the mean shard);
 - compute time of H inner steps: `peer.research.plan.command.plan_rows` (the planner's model: m micro-batches of
   max(compute, boundary message) each, at the flags' FLOP/s and the peer's link).
 The simulation is one stage's round: the later stages' fetches of stage 0 for T⊥ (whole, or embedding views
@@ -27,13 +28,27 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from peer.core.model.decoder import stage_shapes
 from peer.core.sparseloco.aligned import indices_nbytes, sparse_names, values_nbytes
-from peer.core.sparseloco.codec.format import DENSE_F32, HEADER_NBYTES, SparseLoCoConfig, entry_nbytes, payload_nbytes
-from peer.core.sparseloco.ranges.exact import exact_nbytes_at
+from peer.core.sparseloco.codec.format import (
+    HEADER_NBYTES,
+    SPARSE,
+    SparseLoCoConfig,
+    entry_kind,
+    payload_nbytes,
+)
+from peer.core.sparseloco.ranges.exact import (
+    BODY_HEAD_NBYTES,
+    band_bits,
+    band_nbytes,
+    exact_nbytes_at,
+    max_unary_len,
+    rice_bits,
+    union_count,
+)
 from peer.core.sparseloco.ranges.merkle import NODE_BYTES
 from peer.core.sparseloco.ranges.owner import shard_config, shard_payload_nbytes
 from peer.core.sparseloco.ranges.plan import RangePlan, n_ranges_for, n_units, plan_ranges
@@ -92,7 +107,7 @@ class VotedSizes:
     votes: tuple[int, ...]  # range r of one sender's vote: k indices per tile
     values: tuple[int, ...]  # range r of one sender's values at the agreed support: k′ codes per tile
     supports: tuple[int, ...]  # range r's agreed support: k′ indices per tile
-    means: tuple[int, ...]  # range r's exact mean at the support: k′ float32 per tile
+    means: tuple[int, ...]  # range r's mean shard: k′ positions and values (at mean_bits) per tile
     proof: int
     head: int = SHARD_HEAD + 8  # `Sizes.shard`'s header with empty lists of missing and clipped members
 
@@ -101,30 +116,47 @@ class VotedSizes:
         return len(self.votes)
 
 
-def _voted_range(plan: RangePlan, r: int, cfg: SparseLoCoConfig, keep: int) -> tuple[int, int, int, int]:
-    """(vote, values, support, mean) bytes of range r: its bands as the aligned designs size a stage."""
+def mean_shard_nbytes(plan: RangePlan, r: int, cfg: SparseLoCoConfig, keep: int, bits: int) -> int:
+    """Range r's mean shard body as the swarm sends it (`voted_range.mean_shard`: an exact shard of k′
+    entries per tile of each voted band, values at `bits`, positions Rice-coded; a band `compress` sends
+    dense: every entry, float32), each band at its largest Rice length (`max_unary_len`)."""
+    at = replace(cfg, topk=keep, quant_bits=bits)
+    total = BODY_HEAD_NBYTES
+    for b in plan.ranges[r]:
+        n = min(b.numel, union_count(b.shape, at, 1)) if entry_kind(b.shape, cfg) == SPARSE else b.numel
+        total += band_nbytes(b.numel, n, max_unary_len(b.numel, n, rice_bits(b.numel, n)), band_bits(b.shape, at))
+    return total
+
+
+def _voted_range(
+    plan: RangePlan, r: int, cfg: SparseLoCoConfig, keep: int, mean_bits: int
+) -> tuple[int, int, int, int]:
+    """(vote, values, support, mean) bytes of range r: its bands as the aligned designs size a stage, the
+    mean as the swarm's mean shard (`mean_shard_nbytes`)."""
     shapes = {b.entry: b.shape for b in plan.ranges[r]}
     sparse = sparse_names(shapes, cfg.dense_1d)
     dense = {n: s for n, s in shapes.items() if n not in sparse}
     codec = payload_nbytes(dense, cfg) - HEADER_NBYTES  # 1-D tensors as the codec sends them
-    f32 = sum(entry_nbytes(n, DENSE_F32, s, cfg.chunk, keep, 0) for n, s in dense.items())
     return (
         indices_nbytes(shapes, cfg.chunk, cfg.topk, sparse),
         values_nbytes(shapes, cfg.chunk, keep, cfg.quant_bits, sparse) + codec,
         indices_nbytes(shapes, cfg.chunk, keep, sparse),
-        values_nbytes(shapes, cfg.chunk, keep, 0, sparse) + f32,
+        mean_shard_nbytes(plan, r, cfg, keep, mean_bits),
     )
 
 
 @lru_cache(maxsize=64)
-def voted_sizes(preset: str, stages: int, stage: int, n_contributors: int, support_topk: int) -> VotedSizes:
+def voted_sizes(
+    preset: str, stages: int, stage: int, n_contributors: int, support_topk: int, mean_bits: int = 0
+) -> VotedSizes:
     """The voted round's byte counts at stage `stage` of `preset` split in `stages`, R as `stage_sizes`
-    gives for `n_contributors`, k′ = `support_topk` positions per tile; codec at `SparseLoCoConfig()`."""
+    gives for `n_contributors`, k′ = `support_topk` positions per tile, the means at `mean_bits`
+    (`swarm.mean_bits`); codec at `SparseLoCoConfig()`."""
     _, model = resolve_model(PlanInputs(preset=preset))
     shapes = stage_shapes(model, stage, stages)
     cfg = SparseLoCoConfig()
     plan = plan_ranges(shapes, cfg.chunk, n_ranges_for(n_contributors, n_units(shapes, cfg.chunk)))
-    per = [_voted_range(plan, r, cfg, support_topk) for r in range(plan.n)]
+    per = [_voted_range(plan, r, cfg, support_topk, mean_bits) for r in range(plan.n)]
     proof = NODE_BYTES * math.ceil(math.log2(plan.n)) if plan.n > 1 else 0
     votes, values, supports, means = (tuple(x) for x in zip(*per, strict=True))
     return VotedSizes(votes, values, supports, means, proof)

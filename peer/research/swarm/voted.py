@@ -18,8 +18,9 @@ Per round, after the announcements and the roster (as "ranges"), per range r wit
    from its first live publisher;
 3. values: once a member holds the supports of every range owner o owns, o fetches the member's values
    there (k′ codes per tile, no indices; one request per member for all o's ranges);
-4. mean: when every member's values are in (or the member is gone), the owner publishes the exact
-   float32 mean at the support; every holder fetches every other range's mean, as in phase 2.
+4. mean: when every member's values are in (or the member is gone: its records expired), or by the quiet
+   close (`ownership.quiet_close` over the values that came), the owner publishes the mean shard (values
+   at `mean_bits`); every holder fetches every other range's mean, as in phase 2.
 A range whose owners are all gone (the fallback) is computed by every holder: its support from every
 member's vote of r, its mean from every member's values at it. A member that left fails its requests at
 once (as a ranges part does); an owner stops waiting for values at the roster's time + the deadline.
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import simpy
 
+from peer.node.round.ranges.ownership import quiet_close
 from peer.research.swarm.gather import (
     Pool,
     Proc,
@@ -69,7 +71,6 @@ class Voted:
     in_mean: dict[int, frozenset[str]] = field(default_factory=dict)  # r -> members its first mean holds
     counted: int | None = None  # members in every range's mean, once all are published
     pools: dict[str, Pool] = field(default_factory=dict)  # owner -> the requests of its owner role
-    seen_left: dict[str, int] = field(default_factory=dict)  # owner -> how much of `Sim.left` it checked
 
 
 def _publish_voted(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]) -> None:
@@ -78,7 +79,9 @@ def _publish_voted(sim: Sim, t: int, board: RoundBoard, members: tuple[str, ...]
     support = deal_ranges(sim, t, board, members)
     mean = Ranges(members, support.owners, support.mine, [set() for _ in range(board.R)])
     cfg = sim.cfg
-    sizes = voted_sizes(cfg.preset, cfg.stages, cfg.stage, board.R, cfg.support_topk)  # R ranges, as the board's
+    sizes = voted_sizes(
+        cfg.preset, cfg.stages, cfg.stage, board.R, cfg.support_topk, cfg.mean_bits
+    )  # R ranges, as the board's
     assert sizes.n == board.R, (sizes.n, board.R)
     board.ranges, board.phases = support, [support, mean]
     board.voted = vt = Voted(support, mean, sizes, sim.env.now + cfg.deadline_s, frozenset(members))
@@ -114,11 +117,16 @@ def _own(sim: Sim, t: int, vt: Voted, me: str, mine: list[int]) -> Proc:
         vt.support.published[r].add(me)
         check_range(sim, vt.support, r)
         hold(sim, t, vt, me, r)
+    grew_at, n_ok, cfg = env.now, len(vt.ok[me]), sim.cfg
     while not _values_in(sim, vt, me) and env.now < vt.deadline:
-        yield env.timeout(sim.cfg.poll_s)
+        yield env.timeout(cfg.poll_s)
         if not sim.peers[me].alive:
             return
-    if not _values_in(sim, vt, me):
+        if len(vt.ok[me]) > n_ok:
+            grew_at, n_ok = env.now, len(vt.ok[me])
+        if quiet_close(n_ok, len(vt.member_set), env.now - grew_at, cfg.roster_quiet_s, cfg.roster_quorum):
+            break  # `_values_roster`'s quiet close: the rest are gone or late
+    if not _values_in(sim, vt, me) and env.now >= vt.deadline:
         return
     yield env.timeout(sim.cfg.dht_s)
     if not sim.peers[me].alive:
@@ -153,13 +161,11 @@ def _succeed(event: simpy.Event) -> None:
 
 
 def _values_in(sim: Sim, vt: Voted, owner: str) -> bool:
-    """Every other member's values reached `owner`, or their requests failed, or the member left."""
+    """Every other member's values reached `owner`, or their requests failed, or the member left and
+    its records expired (until then an owner cannot tell it from a late one)."""
     got = vt.got[owner]
-    for pid in sim.left[vt.seen_left.get(owner, 0) :]:
-        if pid in vt.member_set and pid != owner:
-            got.add(pid)
-    vt.seen_left[owner] = len(sim.left)
-    return len(got) >= len(vt.member_set) - 1
+    gone = {pid for pid in sim.left if pid in vt.member_set and pid != owner and not sim.recorded(pid)}
+    return len(got | gone) >= len(vt.member_set) - 1
 
 
 def hold(sim: Sim, t: int, vt: Voted, me: str, r: int) -> None:
@@ -243,10 +249,10 @@ def _fetch(
     if phase == "support":
         done: Callable[[bool], None] = lambda _ok: hold(sim, t, vt, me, r)  # noqa: E731
         if kind == "shard":
-            pool.add(t, sizes.supports[r] + sizes.head, shard_source(sim, vt.support, r), done)
+            pool.add(t, sizes.supports[r] + sizes.head, shard_source(sim, vt.support, r, me), done)
         else:
             fetch_from_members(sim, pool, t, vt.support, sizes.votes[r] + sizes.proof, done)
     elif kind == "shard":
-        pool.add(t, sizes.means[r] + sizes.head, shard_source(sim, vt.mean, r), finished)
+        pool.add(t, sizes.means[r] + sizes.head, shard_source(sim, vt.mean, r, me), finished)
     else:
         fetch_from_members(sim, pool, t, vt.mean, sizes.values[r] + sizes.proof, finished)

@@ -79,6 +79,7 @@ __all__ = [
 
 MAGIC = b"SHRX"
 _HEAD = struct.Struct("<4sBB")
+BODY_HEAD_NBYTES = _HEAD.size  # magic, quant_bits, chunk: before the bands
 _COUNTS = struct.Struct("<II")
 SPARSE_FORM, DENSE_FORM = 0, 1
 MAX_RICE_BITS = 16  # `pack_bits` packs up to 16-bit fields

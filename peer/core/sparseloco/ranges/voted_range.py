@@ -11,7 +11,8 @@ are voted; a band it sends dense (1-D tensors with `dense_1d`) is sent whole, fl
                      per voted band: the codec's index set of k′ per tile
     values part r  = b"VALS" | u8 quant_bits | per band of r: voted: [f32 codebook] + codes of
                      Q(e[S_band]) (qb 0: f32 values); dense: f32 × numel
-    mean shard r   = an exact shard (`Shard`, version 3) of range r at quant_bits 0: Σ v̂_m / n_roster
+    mean shard r   = an exact shard (`Shard`, version 3) of range r of Δ̄ = Σ v̂_m / n_roster, its values at
+                     `swarm.mean_bits` (the codec's quantizer, one codebook per band; 0: float32)
 
 Every size is a function of (plan, chunk, k, k′, quant_bits): a vote, support or values part of
 another length, a rank out of range (two positions alike, one in padding, more than k in a tile) or
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ from peer.core.sparseloco.codec.format import (
     unpack_bits,
 )
 from peer.core.sparseloco.codec.index import decode_indices, encode_indices, index_nbytes, positions
-from peer.core.sparseloco.ranges.exact import ExactBody, encode_band
+from peer.core.sparseloco.ranges.exact import ExactBody, band_bits, encode_band
 from peer.core.sparseloco.ranges.owner import Shard, _bitmap
 from peer.core.sparseloco.ranges.plan import Band, RangePlan
 from peer.core.sparseloco.ranges.voted import select_support, tile_of, tile_topk
@@ -57,6 +58,7 @@ __all__ = [
     "Support",
     "encode_votes",
     "first_tile",
+    "mean_rounding",
     "mean_shard",
     "parse_values",
     "parse_votes",
@@ -266,13 +268,43 @@ def parse_values(b: bytes, plan: RangePlan, support: Support, cfg: SparseLoCoCon
 
 
 def mean_shard(
-    plan: RangePlan, support: Support, values: Sequence[Sequence[np.ndarray] | None], cfg: SparseLoCoConfig
+    plan: RangePlan,
+    support: Support,
+    values: Sequence[Sequence[np.ndarray] | None],
+    cfg: SparseLoCoConfig,
+    bits: int = 0,
 ) -> Shard:
-    """Range r's exact mean Δ̄ = Σ v̂_m / n_roster on the support, from the roster's parsed values parts
-    (roster order; None: absent), as an exact shard at quant_bits 0 (float32 sums in roster order). A
-    member whose vote the support did not count (refused, or never fetched) is left out of the range's
-    mean, values or not, as a malformed part is left out of a ranges shard."""
+    """Range r's mean Δ̄ = Σ v̂_m / n_roster on the support, from the roster's parsed values parts
+    (roster order; None: absent; float32 sums in roster order), as an exact shard whose values are Q(Δ̄)
+    at `bits` (`swarm.mean_bits`: the codec's quantizer per band, deterministic; 0: Δ̄ itself, float32;
+    a band `compress` sends dense stays float32). A member whose vote the support did not count (refused,
+    or never fetched) is left out of the range's mean, values or not, as a malformed part is left out of a
+    ranges shard. `mean_rounding` measures what Q(Δ̄) changed."""
+    return _mean_shard(plan, support, values, cfg, bits)[0]
+
+
+def mean_rounding(
+    plan: RangePlan,
+    support: Support,
+    values: Sequence[Sequence[np.ndarray] | None],
+    cfg: SparseLoCoConfig,
+    bits: int,
+) -> tuple[float, float]:
+    """(‖Δ̄ − Q(Δ̄)‖², ‖Δ̄‖²) of range r's mean shard at `bits`: the rounding nobody gets back."""
+    _, quant_sq, mean_sq = _mean_shard(plan, support, values, cfg, bits)
+    return quant_sq, mean_sq
+
+
+def _mean_shard(
+    plan: RangePlan,
+    support: Support,
+    values: Sequence[Sequence[np.ndarray] | None],
+    cfg: SparseLoCoConfig,
+    bits: int,
+) -> tuple[Shard, float, float]:
     n, entries, sets = support.n_roster, [], iter(support.sets)
+    at_bits = replace(cfg, quant_bits=bits)
+    quant_sq = mean_sq = 0.0
     values = [v if support.is_included(i) else None for i, v in enumerate(values)]
     for j, band in enumerate(plan.ranges[support.r]):
         at = torch.from_numpy(next(sets)) if voted(band, cfg) else None
@@ -285,7 +317,11 @@ def mean_shard(
             x = total / n
         else:
             x[at] = total / n
-        entries.append(encode_band(band, x.numpy(), 0)[0])
+        entry, rounding = encode_band(band, x.numpy(), band_bits(band.shape, at_bits))
+        entries.append(entry)
+        quant_sq += rounding
+        mean_sq += float(torch.square(x.double()).sum())
     included = _bitmap([v is not None for v in values])
-    body = ExactBody(tuple(entries), cfg.chunk, 0)
-    return Shard(support.t, support.stage, support.r, support.roster, included, _bitmap([False] * n), (), body, n)
+    body = ExactBody(tuple(entries), cfg.chunk, bits)
+    shard = Shard(support.t, support.stage, support.r, support.roster, included, _bitmap([False] * n), (), body, n)
+    return shard, quant_sq, mean_sq

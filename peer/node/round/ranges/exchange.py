@@ -7,7 +7,9 @@ one shard per other range:
 1. announce: our parts are served from the `PayloadStore`; the announcement carries their merkle
    `root`, the number of `ranges` and, as `sha256`, the hash of the parts concatenated;
 2. roster: the close rule of an all-to-all gather (`peer.node.round.agreement.close_decision`) runs
-   over *announcements* (held = announced, bound, fresh, planned for R ranges); then the first of
+   over *announcements* (held = announced, bound, fresh, planned for R ranges; complete also once
+   `swarm.roster_quorum` of the expected are in and none came for `swarm.roster_quiet_s`:
+   `ownership.quiet_close`, so a departed contributor's records do not hold it); then the first of
    `coordinator_order` that closed publishes the roster (`roster.{t}.{s}`: the contributions in
    replica order); every holder takes the valid roster of the best-ranked publisher, and one ranked
    i-th publishes its own after i · `rpc_s` without a better one (a vanished coordinator costs that);
@@ -16,7 +18,8 @@ one shard per other range:
    (`peer.core.sparseloco.ranges.owner.aggregate_range`: portable, the same bits on every machine), publish
    {r: sha256(shard)} (`shards.{t}.{s}`) and serve the shard;
 4. every holder takes, per range, the shard its owners agree on; the one published when another
-   owner vanished (past the shard deadline); on a disagreement it fetches the parts, recomputes each
+   owner vanished (`swarm.owner_grace_s` after the range's first hash, or past the shard deadline);
+   on a disagreement it fetches the parts, recomputes each
    claimed shard from the contributions it lists as included, refuses an owner whose shard is not
    what it claims (`peer.node.round.refusals`) and takes the valid shard that includes the most (then the
    smallest hash); a range whose owners are all gone it computes itself.
@@ -47,7 +50,7 @@ from peer.node.round.context import RoundContext
 from peer.node.round.gather import FRESH_S, MAX_SLOW_READS, RoundTimings
 from peer.node.round.payloads import announced_before, read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
-from peer.node.round.ranges.ownership import coordinator_order, owners
+from peer.node.round.ranges.ownership import coordinator_order, owners, quiet_close
 from peer.node.round.ranges.resolve import Aggregate, Resolver
 from peer.node.round.ranges.shard import RangeShard, made
 
@@ -146,6 +149,7 @@ class _RangesRound:
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
         self.backups, self.shard_topk, self.exact = settings.backups, settings.shard_topk, settings.exact
+        self.swarm = ctx.cfg.swarm  # the roster's quiet close, the owners' grace
         self.replica: str | None = None
         self.result = RangesResult(t, stage, wanted=settings.wanted)
         fetched = self.result.fetched
@@ -200,7 +204,7 @@ class _RangesRound:
             result.timings["owned_s"] = time.monotonic() - self.started
             resolver = Resolver(self.dht, self.fetcher, self.t, self.stage, self.plan, self.cfg, self.refusals)
             resolver.shard_topk, resolver.backups, resolver.poll_s = self.shard_topk, self.backups, self.timings.poll_s
-            resolver.exact = self.exact
+            resolver.exact, resolver.owner_grace_s = self.exact, self.swarm.owner_grace_s
             if result.wanted is not None:
                 resolver.wanted = sorted(result.wanted)
             better = resolver.run(roster, lambda: self._best_roster(reread=False), stop, self._deadlines())
@@ -256,6 +260,7 @@ class _RangesRound:
         our candidate roster, in replica order."""
         good: dict[str, tuple[str, Announcement]] = {}
         slow = 0  # reads in a row that took longer than FRESH_S: believed after MAX_SLOW_READS (a slow DHT)
+        grew_at, n_held = time.monotonic(), 0  # when the last new contribution was read (the quiet close)
         while True:
             at = time.monotonic()
             read = self._read()
@@ -266,10 +271,16 @@ class _RangesRound:
             view, rosters = read
             good, bad = self._planned(view)
             held = {rid for rid, _ in good.values()}
+            if len(held) > n_held:
+                grew_at, n_held = time.monotonic(), len(held)
+            w = self.swarm
+            quiet = quiet_close(
+                len(held), len(view.expected | held), time.monotonic() - grew_at, w.roster_quiet_s, w.roster_quorum
+            )
             poll = Poll(
                 fresh=slow == 0 or slow >= MAX_SLOW_READS,
                 past_deadline=time.monotonic() >= self.deadline,
-                complete=view.expected <= held | bad | view.dropped,
+                complete=view.expected <= held | bad | view.dropped or quiet,
                 short=self.t == 0 and quorum > 1 and len(held) < quorum,
             )
             decision = close_decision(poll)

@@ -37,7 +37,7 @@ from peer.node.round.ranges.shard import RangeShard
 
 log = logging.getLogger(__name__)
 
-MAX_FETCHERS = 16  # requests of one holder in flight (one per roster member; `peer bench swarm --fetch-parallel`)
+MAX_FETCHERS = 64  # requests of one holder in flight (`peer bench swarm --fetch-parallel`: docs/scaling.md)
 
 
 @dataclass
@@ -99,8 +99,16 @@ class RangeFetcher:
                 out[r][i] = part
 
         with ThreadPoolExecutor(max_workers=min(MAX_FETCHERS, len(roster.entries))) as pool:
-            list(pool.map(member, range(len(roster.entries))))
+            list(pool.map(member, self.order(roster)))
         return out
+
+    def order(self, roster: Roster) -> list[int]:
+        """Roster positions in the order we ask them: starting after our own, so the owners of a round,
+        which all start when the roster is out, spread their first requests over every member instead of
+        queueing on the roster's first `MAX_FETCHERS` (`peer bench swarm`: docs/scaling.md)."""
+        n = len(roster.entries)
+        mine = next((i for i, e in enumerate(roster.entries) if e.sender == self.me), -1)
+        return [(mine + 1 + j) % n for j in range(n)]
 
     def _member(self, roster: Roster, entry: RosterEntry, ranges: Sequence[int], kind: str) -> dict[int, Any]:
         """One member's parts of `ranges`: held, ours, from its sender, else from another owner."""

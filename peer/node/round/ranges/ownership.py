@@ -11,7 +11,8 @@ holder of a stage computes the same answers without talking (docs/protocol.md, R
   other (the candidates are the roster's senders, fixed once the roster is; a vanished owner is
   covered by its backups, not by a new deal);
 - `range_step`: what a holder does next about one range, from the shard hashes its owners published
-  (take the agreed shard, check a disagreement, compute an orphaned range, or wait).
+  (take the agreed shard, check a disagreement, compute an orphaned range, or wait);
+- `quiet_close`: whether a roster may close before every expected contributor announced.
 The simulator (`peer bench swarm`) calls these same functions.
 """
 
@@ -76,3 +77,15 @@ def range_step(claims: Mapping[str, str], n_owners: int, past_deadline: bool) ->
     if distinct and (len(claims) >= n_owners or past_deadline):
         return RangeStep.TAKE
     return RangeStep.COMPUTE if past_deadline and not distinct else RangeStep.WAIT
+
+
+def quiet_close(announced: int, expected: int, quiet_s: float, roster_quiet_s: float, quorum: float) -> bool:
+    """Whether the announcements may close without the rest of the `expected` contributors: at least
+    `quorum` of them announced (`announced` of `expected`, ours included) and none was announced for
+    `roster_quiet_s` (`quiet_s` since the last). A departed contributor stays expected until its
+    records expire (`swarm.record_ttl_s`), so without this every roster of a large swarm under churn
+    waits for that; a live contributor left out sends its error a round later (error feedback keeps
+    it). `roster_quiet_s` 0 turns it off."""
+    if roster_quiet_s <= 0 or expected <= 0:
+        return False
+    return announced >= quorum * expected and quiet_s >= roster_quiet_s

@@ -2,8 +2,9 @@
 
 Per range r, from the owners' published hashes (`shards.{t}.{s}` records for our roster), as
 `peer.node.round.ranges.ownership.range_step` decides:
-- every owner published and all agree, or past the shard deadline those that published agree (the
-  others vanished): take that hash, fetch the shard from them (or hold it, as an owner);
+- every owner published and all agree, or those that published agree `owner_grace_s` after we read the
+  range's first hash or past the shard deadline (the others vanished or lag): take that hash, fetch the
+  shard from them, each holder asking them in its own order (`_spread`), or hold it, as an owner;
 - two owners disagree: fetch the range's parts and every claimed shard, recompute each from exactly
   the contributions it lists as included (`aggregate_range` is portable: an honest owner's shard is
   reproduced to the bit), refuse an owner whose shard is not that recomputation, and take the valid
@@ -17,6 +18,7 @@ A voted round (docs/protocol.md, VOTED) resolves its supports and its mean shard
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -66,6 +68,8 @@ class Resolver:
         self.exact = False  # swarm.shard == "exact"
         self.backups = 1
         self.poll_s = 0.2
+        # a range's silent owners are waited for this long after its first hash (0: to the shard deadline)
+        self.owner_grace_s = 0.0
         self.wanted = list(range(plan.n))  # the ranges to resolve (an observer may want a few)
         # what a range's record is: a shard by `aggregate_range` (None), or a voted round's support or
         # mean shard (`peer.node.round.ranges.voted`): its DHT kind, how it is fetched and recomputed
@@ -88,6 +92,7 @@ class Resolver:
         senders = [e.sender for e in roster.entries]
         address = {e.sender: e.address for e in roster.entries}
         k = 1 + self.backups
+        first: dict[int, float] = {}  # range -> when we first read a hash of it (its owners' grace runs from then)
         while not self._done():
             try:
                 records = self.dht.get_round(self.kind, self.t, self.stage, ShardsRecord.parse)
@@ -101,15 +106,19 @@ class Resolver:
             if better is not None and better.digest != roster.digest:
                 log.warning("round %d stage %d: a better-ranked roster appeared; taking it", self.t, self.stage)
                 return better
-            past = time.monotonic() >= shard_deadline
+            now = time.monotonic()
+            past = now >= shard_deadline
             takes: list[tuple[int, str, list[str]]] = []  # (range, sha256, owners' addresses): fetched at once
             for r in [r for r in self.wanted if r not in self.shards]:
                 range_owners = [o for o in owners(self.t, self.stage, r, senders, k) if not self._refused(o)]
                 claims = self._claims(records, roster, range_owners, r)
-                step = range_step(claims, len(range_owners), past)  # a refused owner is not waited for
+                if claims:
+                    first.setdefault(r, now)
+                waited = self.owner_grace_s > 0 and r in first and now >= first[r] + self.owner_grace_s
+                step = range_step(claims, len(range_owners), past or waited)  # a refused owner is not waited for
                 if step is RangeStep.TAKE:
                     (want,) = set(claims.values())
-                    takes.append((r, want, [address[o] for o in sorted(claims)]))
+                    takes.append((r, want, [address[o] for o in self._spread(sorted(claims))]))
                 elif step is RangeStep.CHECK:
                     self._arbitrate(roster, r, claims, address)
                 elif step is RangeStep.COMPUTE:
@@ -122,6 +131,13 @@ class Resolver:
                 break
             wait_until(hard, stop, self.poll_s)
         return None
+
+    def _spread(self, publishers: Sequence[str]) -> list[str]:
+        """The owners that published a range's hash, in the order we ask them: by sha256(us ‖ owner), so
+        the holders of a round share each range's download between its owners instead of all asking the
+        first."""
+        me = self.fetcher.me
+        return sorted(publishers, key=lambda o: hashlib.sha256(f"{me}|{o}".encode()).digest())
 
     def _take_all(self, roster: Roster, takes: Sequence[tuple[int, str, list[str]]]) -> None:
         """Fetch the agreed shards of `takes`, MAX_FETCHERS requests in flight (one range after another

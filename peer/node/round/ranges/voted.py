@@ -12,10 +12,10 @@ and backups, merkle proofs, the resolver that refuses a liar and covers a dead o
 3. values: a contributor encodes Q(e) at every range's support (`values_part`, on a copy of e: its
    commit adds `sent_adjustment`, −v̂ of each mean that includes it, to e), serves the parts under
    `values_stage(s)` and publishes their merkle root (`values.{t}.{s}`);
-4. means: each owner waits for the roster's values records (up to the phase's shard deadline), fetches
-   the values parts of its ranges proven against those roots, publishes the exact mean shard
-   (`mean_shard`) as `shards.{t}.{s}`; every holder resolves one per range (`Resolver`, recomputation
-   `mean_shard` from the values parts the shard lists as included).
+4. means: each owner waits for the roster's values records (up to the phase's shard deadline, or their
+   quiet close), fetches the values parts of its ranges proven against those roots, publishes the mean
+   shard (`mean_shard`, its values at `swarm.mean_bits`) as `shards.{t}.{s}`; every holder resolves one
+   per range (`Resolver`, recomputation `mean_shard` from the values parts the shard lists as included).
 Every phase waits with deadlines of its own, each as a ranges round's (the shard deadline max(grace,
 T/2), the hard deadline T + grace, from the phase's start). A better-ranked roster seen after the
 roster is taken is not followed (the ranges round restarts on one; here values are already out):
@@ -57,7 +57,7 @@ from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import sha256
 from peer.node.round.ranges.exchange import RangesResult, _RangesRound, _Settings
 from peer.node.round.ranges.fetch import RangeFetcher, wait_until
-from peer.node.round.ranges.ownership import owners
+from peer.node.round.ranges.ownership import owners, quiet_close
 from peer.node.round.ranges.resolve import Resolver
 from peer.node.round.ranges.shard import RangeShard, made
 
@@ -124,6 +124,7 @@ class _VotedRound(_RangesRound):
         self.fetcher.counts = self.voted.fetched
         self.fetcher.parse_part = lambda r, data: parse_votes(data, plan, r, self.cfg)
         self.keep = voted_keep(ctx.cfg.swarm.shard_topk, self.cfg.topk)
+        self.mean_bits = ctx.cfg.swarm.mean_bits  # the bits of a mean shard's values (0: float32)
         self.seed = ctx.cfg.seed
         self.clients = ctx.clients
         self.e: dict[str, Tensor] | None = None
@@ -159,6 +160,7 @@ class _VotedRound(_RangesRound):
     def _resolver(self, fetcher: RangeFetcher, wanted: Collection[int] | None) -> Resolver:
         resolver = Resolver(self.dht, fetcher, self.t, self.stage, self.plan, self.cfg, self.refusals)
         resolver.backups, resolver.poll_s = self.backups, self.timings.poll_s
+        resolver.owner_grace_s = self.swarm.owner_grace_s
         if wanted is not None:
             resolver.wanted = sorted(wanted)
         return resolver
@@ -235,15 +237,23 @@ class _VotedRound(_RangesRound):
         self, roster: Roster, stop: threading.Event | None, needed: bool, shard_deadline: float
     ) -> Roster:
         """The roster with each member's root replaced by its values root (\"\" where none was read):
-        an owner waits for every member's record up to the phase's shard deadline."""
+        an owner waits for every member's record up to the phase's shard deadline, or until the quiet
+        close of the roster's announcements (`ownership.quiet_close`) holds for the values records: a
+        member that died after the roster sends no values, and its records would hold every owner."""
         roots: dict[str, str] = {}
+        grew_at, n_in, w = time.monotonic(), 0, self.swarm
+        members = {e.sender for e in roster.entries}
         while True:
             try:
                 records = self.dht.get_round("values", self.t, self.stage, ValuesRecord.parse)
                 roots = {p: rec.root for p, rec in records.items() if rec.roster == roster.digest and rec.root}
             except NetworkError as exc:
                 log.info("round %d stage %d: values records not read: %s", self.t, self.stage, exc)
-            if not needed or all(e.sender in roots for e in roster.entries) or time.monotonic() >= shard_deadline:
+            now, n = time.monotonic(), len(members & roots.keys())
+            if n > n_in:
+                grew_at, n_in = now, n
+            quiet = quiet_close(n, len(members), now - grew_at, w.roster_quiet_s, w.roster_quorum)
+            if not needed or n == len(members) or quiet or now >= shard_deadline:
                 break
             wait_until(shard_deadline, stop, self.timings.poll_s)
         entries = tuple(
@@ -264,8 +274,9 @@ class _VotedRound(_RangesRound):
         deadlines = (fence, max(hard, fence + self.timings.grace_s))
         mine = [r for r in self._mine(roster) if r in supports]
         vroster = self._values_roster(roster, stop, needed=bool(mine), shard_deadline=values_deadline)
+        at_bits = replace(self.cfg, quant_bits=self.mean_bits)  # how a mean shard's values are coded
         fetcher = RangeFetcher(
-            self.clients, self.store, self.me, self.t, self.stage, self.plan, replace(self.cfg, quant_bits=0),
+            self.clients, self.store, self.me, self.t, self.stage, self.plan, at_bits,
             self.timings.rpc_s, self.voted.fetched, self.backups,
         )  # fmt: skip
         fetcher.exact, fetcher.wire_stage = True, values_stage(self.stage)
@@ -275,7 +286,7 @@ class _VotedRound(_RangesRound):
 
         def make(ro: Roster, r: int, values: Sequence[Any]) -> RangeShard[Shard]:
             support = self._support(roster, r, supports)
-            return made(mean_shard(self.plan, support, values, self.cfg))
+            return made(mean_shard(self.plan, support, values, self.cfg, self.mean_bits))
 
         if mine:
             self.publish("shards", vroster, mine, fetcher, make)
