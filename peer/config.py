@@ -101,11 +101,11 @@ class SwarmConfig:
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
     # A range's other owners are waited for this long after the first one published its hash; then the
     # published agree or are checked (docs/protocol.md RANGES: a crashed owner costs this, not T/2)
-    owner_grace_s: float = 5.0
+    owner_grace_s: float = 3.0
     # The roster closes once no contribution was announced for roster_quiet_s while roster_quorum of
     # the expected ones are in (a departed contributor's records would hold it until they expire); the
     # contributions left out go back to their senders' error feedback (0: wait for every one)
-    roster_quiet_s: float = 3.0
+    roster_quiet_s: float = 2.0
     roster_quorum: float = 0.9
     # What a range owner publishes (peer.core.sparseloco.ranges, docs/protocol.md RANGES): "exact" (its
     # range of the exact aggregate, every entry touched, sparse or dense per band: all-to-all's Δ̄) or
