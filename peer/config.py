@@ -92,32 +92,17 @@ class SwarmConfig:
     # from for the next `ban_rounds` rounds of that stage (peer.node.round.bans; 0 = never ban)
     ban_after: int = 3
     ban_rounds: int = 10
-    # How a stage's round aggregates (peer.node.round.ranges.ownership, docs/protocol.md): "all" (every holder
-    # fetches every payload), "ranges" (range owners aggregate, every holder fetches the shards) or
-    # "auto" ("ranges" once the previous round committed >= ranges_from contributions: 14, from where the
-    # voted round closes before all-to-all on home links and learns as much, docs/scaling.md)
+    # round_rule "all" | "ranges" | "auto" (ranges from ranges_from); shard "exact" | "topk" | "voted" (protocol.md)
     round_rule: str = "auto"
     ranges_from: int = 14
     range_backups: int = 1  # owners per range beyond the primary, each computing the same shard
-    # A range's other owners are waited for this long after the first one published its hash; then the
-    # published agree or are checked (docs/protocol.md RANGES: a crashed owner costs this, not T/2)
-    owner_grace_s: float = 3.0
-    # The roster closes once no contribution was announced for roster_quiet_s while roster_quorum of
-    # the expected ones are in (a departed contributor's records would hold it until they expire); the
-    # contributions left out go back to their senders' error feedback (0: wait for every one)
+    owner_grace_s: float = 3.0  # a range's silent co-owner is waited for this long after the first hash
+    # the roster (and an owner's values) close once roster_quorum are in and none came for this long (0: off)
     roster_quiet_s: float = 2.0
     roster_quorum: float = 0.9
-    # What a range owner publishes (peer.core.sparseloco.ranges, docs/protocol.md RANGES): "exact" (its
-    # range of the exact aggregate, every entry touched, sparse or dense per band: all-to-all's Δ̄) or
-    # "topk" (re-sparsified to shard_topk entries per tile; the rest returns to the senders' error buffers)
-    # or "voted" (docs/protocol.md VOTED: senders vote their top-k per tile, the shard_topk most voted
-    # positions per tile are agreed, every sender sends values there, owners publish the exact mean)
     shard: str = "voted"
     shard_topk: int = 0  # entries per tile a "topk" shard keeps (0: sparseloco.topk); "voted": k′ (0: 2·topk)
-    # Bits of the values of a "voted" round's mean shards (the codec's quantizer, one codebook per band;
-    # 0: float32). 8 costs 0.4x float32's bytes, shortens the round at scale and learns as much
-    # (docs/results.md, docs/scaling.md); its rounding is measured and logged, not returned.
-    mean_bits: int = 8
+    mean_bits: int = 8  # a "voted" round's mean shards: bits per value (0: float32; docs/protocol.md VOTED)
     # Joining by replay (docs/protocol.md): holders keep their committed links and payloads of the last
     # `history_rounds` rounds (`history_ttl_s`), so a joiner recomputes the state instead of counting
     history_rounds: int = 16
@@ -490,23 +475,24 @@ def validate(cfg: RunConfig) -> None:
     for name in ("ban_after", "ban_rounds"):
         if getattr(w, name) < 0:
             raise ConfigError(f"swarm.{name} must be >= 0 (0 = never ban), got {getattr(w, name)}")
-    if w.round_rule not in ("all", "ranges", "auto"):
-        raise ConfigError(f"swarm.round_rule must be 'all', 'ranges' or 'auto', got {w.round_rule!r}")
-    if w.ranges_from < 2:
-        raise ConfigError(f"swarm.ranges_from must be >= 2, got {w.ranges_from}")
-    if w.range_backups < 0 or w.shard_topk < 0:
-        raise ConfigError(
-            f"swarm.range_backups and swarm.shard_topk must be >= 0, got {w.range_backups} and {w.shard_topk}"
-        )
-    if w.owner_grace_s < 0 or w.roster_quiet_s < 0 or not 0 < w.roster_quorum <= 1:
-        raise ConfigError(
-            "swarm.owner_grace_s and swarm.roster_quiet_s must be >= 0 (0: off) and swarm.roster_quorum in (0, 1], "
-            f"got {w.owner_grace_s}, {w.roster_quiet_s} and {w.roster_quorum}"
-        )
-    if w.mean_bits not in QUANT_BITS:
-        raise ConfigError(f"swarm.mean_bits must be 0 (float32), 2, 4 or 8, got {w.mean_bits}")
-    if w.shard not in ("exact", "topk", "voted"):
-        raise ConfigError(f"swarm.shard must be 'exact', 'topk' or 'voted', got {w.shard!r}")
+    _validate_round_rule(w)
+
+
+def _validate_round_rule(w: SwarmConfig) -> None:
+    """The checks of how a stage's round aggregates (rule, ranges, owners, shards, waits)."""
+    for name, ok, want in (
+        ("round_rule", w.round_rule in ("all", "ranges", "auto"), "'all', 'ranges' or 'auto'"),
+        ("ranges_from", w.ranges_from >= 2, ">= 2"),
+        ("range_backups", w.range_backups >= 0, ">= 0"),
+        ("shard_topk", w.shard_topk >= 0, ">= 0"),
+        ("owner_grace_s", w.owner_grace_s >= 0, ">= 0 (0: off)"),
+        ("roster_quiet_s", w.roster_quiet_s >= 0, ">= 0 (0: off)"),
+        ("roster_quorum", 0 < w.roster_quorum <= 1, "in (0, 1]"),
+        ("mean_bits", w.mean_bits in QUANT_BITS, "0 (float32), 2, 4 or 8"),
+        ("shard", w.shard in ("exact", "topk", "voted"), "'exact', 'topk' or 'voted'"),
+    ):
+        if not ok:
+            raise ConfigError(f"swarm.{name} must be {want}, got {getattr(w, name)!r}")
     if w.shard == "exact" and w.shard_topk:
         raise ConfigError(
             f"swarm.shard_topk = {w.shard_topk} applies to swarm.shard = 'topk' or 'voted' only; "
