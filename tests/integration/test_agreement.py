@@ -418,6 +418,29 @@ def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_se
     assert done and done[0].replicas == ["a"] and done[0].followed is not None and not done[0].timed_out
 
 
+def test_an_observer_holding_nothing_waits_for_a_resyncing_replica_instead_of_closing_round_t_empty():
+    # `peer bench chaos` (seed 6): a head catching up round 126 as an observer saw the full replica's
+    # records at its replay's outer step (not expected, not gathering) and closed the round empty before
+    # the full replica announced; the full replica then refused it as a censor of its payload
+    dht, clients = FakeDHT("me"), FakeClients({})
+    # f re-syncing: its records at the replay's step, joined past t (it re-synced to t), yet it sends t
+    dht.replicas = {"me": _replica(t=5), "f": _replica(t=0, joined_at=6)}
+    done: list = []
+    th = threading.Thread(
+        target=lambda: done.append(
+            gather_round(round_context(dht, clients, Store()), 5, 1, FAST, RoundInputs(prev="s5"))
+        )
+    )
+    th.start()
+    assert dht.polled(5) and th.is_alive()  # nothing held, nothing dropped, f lives: no empty close
+    data = _payload(1)
+    clients.served["f:1"] = data
+    dht.replicas["f"] = _replica(t=5)
+    dht.payloads[(5, 1)] = {"f": {"sha256": payload_id(data), "address": "f:1", "replica": "f"}}
+    th.join(5)
+    assert done and done[0].replicas == ["f"] and not done[0].timed_out  # every expected payload held: its set
+
+
 def test_a_holder_that_left_gracefully_is_not_waited_for():
     # SIGTERM: its records become {"state": "left"}; unlike a frozen peer it will not come back to t
     dht, clients = FakeDHT("me"), FakeClients({})

@@ -106,8 +106,9 @@ def test_message_bytes_match_the_encoded_uncompressed_request():
 
 
 def test_measured_bandwidth_is_the_hop_over_its_wire_time():
-    assert measured_bandwidth(100_000, 0.011, 0.001) == pytest.approx(1e7)
-    assert measured_bandwidth(1_300, 0.004, 0.001) is None  # a call's own costs, not the link's: no bound
+    assert measured_bandwidth(300_000, 0.031, 0.001) == pytest.approx(1e7)
+    assert measured_bandwidth(2_700, 0.006, 0.001) is None  # a call's own costs on a loaded core, not the link's
+    assert measured_bandwidth(2_700, 0.020, 0.001) is None  # under MIN_WIRE_S of wire: no bound
     assert measured_bandwidth(100_000, None, 0.001) is None
 
 

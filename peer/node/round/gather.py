@@ -212,26 +212,22 @@ class _Gather:
         banned: Collection[str],
         prev: str | None,
     ) -> None:
-        self.ctx, self.dht, self.clients = ctx, ctx.dht, ctx.clients
-        self.t, self.stage, self.timings = t, stage, timings
+        self.ctx, self.dht, self.clients, self.me = ctx, ctx.dht, ctx.clients, ctx.dht.peer_id
+        self.t, self.stage, self.timings, self.own, self.prev = t, stage, timings, own, prev
         self.store, self.inc, self.n_stages, self.banned = ctx.store, ctx.me.incarnation, ctx.cfg.stages, banned
-        self.prev, self.refusals = prev, ctx.refusals
+        self.refusals = ctx.refusals
         self.parse: Reading = validate if validate is not None else Payload.from_bytes
-        self.me = ctx.dht.peer_id
         self.started = time.monotonic()
         self.deadline = self.started + timings.deadline_s
-        self.own = own
         self.my_closes: float | None = None  # when we close the round at the latest (DHT time)
         self.held = Held()
-        self.bad: set[str] = set()  # senders whose payload failed its checks
-        self.rejected: set[str] = set()  # the replicas they stood for
+        self.bad, self.rejected = set[str](), set[str]()  # senders whose payload failed its checks; their replicas
         self.logged: set[tuple[str, str]] = set()  # (sender, claimed replica) already logged
         self.retry_at: dict[str, float] = {}  # unreachable senders are retried with backoff, not every poll
         self.lost_at: float | None = None  # when a sender's payload was last given up as gone
         self.seen: set[str] = set()  # other holders of the stage seen gathering this round
         self.slow_reads = 0  # DHT reads in a row that took longer than FRESH_S themselves
-        self.view = RoundView()
-        self.why_behind = ""  # why a BEHIND decision was taken, for the log
+        self.view, self.why_behind = RoundView(), ""  # the last poll's view; why a BEHIND was taken (the log)
         self.watch = CensorWatch(self.refusals, stage, timings.grace_s)
         self.evidence: Evidence | None = None  # what the last poll showed of round t (RoundResult.evidence)
         self.previous: Sequence[Evidence] = ()  # what we saw of earlier rounds: claims of them are judged too
@@ -335,22 +331,25 @@ class _Gather:
         # decides (→ FOLLOW), waited for until its deadline + the grace, even past ours
         fenced = fenced_by(read.view, self.me, self.my_closes, dht_time(), self.timings.grace_s)
         held = set(self.held.data)
-        # a holder seen gathering this round whose records then expired may only be frozen (a
-        # stopped process, a stalled link): a payload of ours alone waits for it until the deadline
-        seen_gathering = bool(self.seen - read.left)  # a holder that left gracefully is not waited for
+        # a holder seen gathering this round whose records then expired may only be frozen (a stopped
+        # process, a stalled link): a payload of ours alone waits for it (not one that left gracefully)
+        seen_gathering = bool(self.seen - read.left)
         own_rid = self.own.replica if self.own is not None else None
-        # a payload we lost (its sender left) may be held by a holder that already committed it:
-        # let its commit reach the DHT before closing without it (→ FOLLOW), bounded by the grace
+        # a payload we lost (its sender left) may be held by a holder that committed it: its commit may
+        # reach the DHT before we close without it (→ FOLLOW), bounded by the grace
         lost = self.lost_at is not None and time.monotonic() - self.lost_at < min(self.timings.grace_s, SETTLE_S)
+        # an observer (no payload of its own) never decides a set while a contributor is around: it follows
+        # the first commit (a frozen contributor's expired records cannot mislead it); holding nothing, it
+        # closes no empty set while another replica lives, none dropped: one re-syncing shows its replay's
+        # step and a join past t, yet sends t (a head catching up closed t empty: refused as a censor)
+        idle = not held and not read.view.dropped and any(r != self.me for r in read.replicas)
         poll = Poll(
             fresh,
             past_deadline=time.monotonic() >= self.deadline,
             fenced=bool(fenced),
             complete=read.view.expected <= held | self.rejected | read.view.dropped,
             lone=held == {own_rid} and seen_gathering,
-            # an observer (no payload of its own) never decides a set while a contributor is around:
-            # it follows the first commit (a frozen contributor's expired records cannot mislead it)
-            follower=self.own is None and seen_gathering,
+            follower=self.own is None and (seen_gathering or idle),
             short=self.t == 0 and quorum > 1 and len(held) < quorum,  # start-up: peers still appearing
             settling=lost,
         )
