@@ -46,6 +46,7 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.messages import PayloadKind, PayloadRequest, StateReply
 from peer.node.round.claims import swarm_clock
+from peer.node.round.payload_disk import PayloadDisk
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
 from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead, parse_chain
@@ -67,7 +68,10 @@ class Attester:
         states are kept across restarts (None: memory only)."""
         self.cfg, self.dht, self.clients, self.address, self.folder = cfg, dht, clients, address, folder
         self.refusals = Refusals()
-        self.store = PayloadStore(history=cfg.swarm.history_rounds)
+        # the payloads it replayed, served to joiners as a second source: on disk too, kept across restarts
+        disk = PayloadDisk(folder / "payloads", resume=True) if folder is not None else None
+        self.store = PayloadStore(history=cfg.swarm.history_rounds, disk=disk)
+        self.store.restore()
         self.replayer = Replayer(cfg, dht, self._fetcher, self.refusals)
         self.stages = {s: StageState(cfg, s) for s in range(cfg.stages)}
         self.saved = {s: -1 for s in self.stages}

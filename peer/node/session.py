@@ -59,6 +59,7 @@ from peer.node.records import Records
 from peer.node.round.agreement import expected_replicas
 from peer.node.round.claims import swarm_clock
 from peer.node.round.context import RoundContext
+from peer.node.round.payload_disk import PayloadDisk
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.refusals import Refusals
 from peer.node.round.resync import Resync
@@ -126,7 +127,11 @@ class Session:
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
         self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
-        self.store = PayloadStore(history=cfg.swarm.history_rounds)  # joiners replay the window
+        # joiners replay the window: its whole payloads also on disk, served again after --resume
+        disk = PayloadDisk(opts.data_dir / "payloads", resume=opts.resume)
+        self.store = PayloadStore(history=cfg.swarm.history_rounds, disk=disk)
+        if opts.resume and (kept := self.store.restore()):
+            log.info("serving again %d payload(s) of the last %d rounds kept on disk", kept, cfg.swarm.history_rounds)
         self.clients = ClientPool(cfg.swarm.rpc_timeout_s, cfg.subspace.wire_dtype, self.outbound)
         watch_pool(self.clients)  # --metrics-port: bytes per gRPC method, read at each scrape
         self.server: PeerServer | None = None

@@ -37,6 +37,7 @@ from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.presence import Presence
 from peer.node.round.claims import closed_elsewhere, swarm_clock
 from peer.node.round.contribution import Contribution, Reading, ViewReader, payload_id, sha256, whole
+from peer.node.round.payload_disk import PayloadDisk
 
 if TYPE_CHECKING:
     from peer.node.stage.state import StageState
@@ -78,7 +79,8 @@ class PayloadStore:
     fetched) and shards instead (`peer.node.round.ranges.exchange`).
     """
 
-    def __init__(self, keep: int = 3, history: int = 3) -> None:
+    def __init__(self, keep: int = 3, history: int = 3, disk: PayloadDisk | None = None) -> None:
+        """`disk`: whole payloads also kept in files, read back by `restore` (a peer's `--resume`)."""
         self._data: dict[tuple[int, int], Mine] = {}  # ours
         self._fetched: dict[tuple[int, int, str], Contribution] = {}  # by sender, checked and parsed
         self._views: dict[tuple[int, int, str, str], bytes] = {}  # views made of whole payloads, by sender and id
@@ -88,6 +90,28 @@ class PayloadStore:
         self._shards: dict[tuple[int, int, int, str], bytes] = {}
         self._lock = threading.Lock()
         self.keep, self.history = keep, max(keep, history)
+        self.disk = disk
+
+    def restore(self) -> int:
+        """Serve again the whole payloads `disk` kept (an earlier run of this peer): how many."""
+        if self.disk is None:
+            return 0
+        n = 0
+        for kept in self.disk.read():
+            got = whole(kept.replica, kept.data, kept.payload)
+            with self._lock:
+                if kept.sender is None:
+                    self._data[(kept.t, kept.stage)] = Mine(got.data, got.sha256, got.payload)
+                else:
+                    self._fetched[(kept.t, kept.stage, kept.sender)] = got
+                self._expire(kept.t)
+            n += 1
+        return n
+
+    def _keep(self, t: int, stage: int, sender: str | None, replica: str, data: bytes) -> None:
+        if self.disk is not None:
+            self.disk.write(t, stage, sender, replica, data)
+            self.disk.expire(t - self.history + 1)
 
     def put(self, t: int, stage: int, payload: bytes | Contribution) -> None:
         """Our payload of (t, stage): the contribution we announce, or bare bytes (identified here, once;
@@ -102,12 +126,15 @@ class PayloadStore:
         with self._lock:
             self._data[(t, stage)] = mine
             self._expire(t)
+        self._keep(t, stage, None, payload.replica if isinstance(payload, Contribution) else "", mine.data)
 
     def put_fetched(self, t: int, stage: int, sender: str, got: Contribution) -> None:
         """`sender`'s contribution of (t, stage) that we fetched and checked (served as a second source)."""
         with self._lock:
             self._fetched[(t, stage, sender)] = got
             self._expire(t)
+        if not got.view:
+            self._keep(t, stage, sender, got.replica, got.data)
 
     def _expire(self, t: int) -> None:
         held: tuple[tuple[dict[Any, Any], int], ...] = (

@@ -77,7 +77,7 @@ class ChaosConfig:
     startup_timeout_s: float = 240.0
     bootstrap_kill: bool = True
     # a restart replays from its own state or the initial one (docs/protocol.md, "Joining by replay");
-    # past the window (payloads kept in memory die with their holders) from the bootstrap's attested one.
+    # past the window (payloads of holders killed fresh die with them) from the bootstrap's attested one.
     # Rounds here last under a second, so the window is 48 rounds (about 40 s; 16 of a real run's rounds
     # are an hour): the bootstrap kill keeps its attester away for about 12 s, and it must find the
     # rounds it missed still served when it is back
