@@ -1,5 +1,6 @@
-"""A set of our own closed with fewer payloads than the holders seen gathering says why, in one line
-(`peer.node.round.views.log_short_close`): what the round expected, dropped and bound, and who was seen."""
+"""A set of our own closed with fewer payloads than the holders seen gathering, or with one payload, says why
+in one line (`peer.node.round.views.log_short_close`): what the round expected, dropped and bound, who was
+seen, and the records read."""
 
 from __future__ import annotations
 
@@ -31,3 +32,12 @@ def test_a_close_with_a_payload_per_holder_seen_says_nothing(caplog):
     with caplog.at_level(logging.INFO, logger="peer.node.round.views"):
         log_short_close(_view(), [OWN, OTHER], ["peer-a-" + "0" * 30], t=3, stage=0)
     assert caplog.records == []
+
+
+def test_a_close_with_one_payload_names_the_records_read(caplog):
+    view = RoundView(expected={OWN}, seen=["QmHead00:pipeline@107+109", "QmStage0:spare@109"])
+    with caplog.at_level(logging.INFO, logger="peer.node.round.views"):
+        log_short_close(view, [OWN], [], t=109, stage=1)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "closing with 1 payload(s) (aaaaaaaaaaaa) of 0 holders seen gathering" in line
+    assert line.endswith("records QmHead00:pipeline@107+109 QmStage0:spare@109")

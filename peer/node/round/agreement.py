@@ -91,6 +91,7 @@ class RoundView:
     others_gathering: bool = False  # another live holder of stage s is still at outer step t
     gathering: set[str] = field(default_factory=set)  # those holders' peer ids
     banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.round.bans): out of (t, s), not fetched
+    seen: list[str] = field(default_factory=list)  # the records read ("id:kind@step+joined", "id:role@step"): logs
 
 
 def _head_binding(anns0: Announcements, rid: str) -> Mapping[str, str] | None:
@@ -179,6 +180,8 @@ def round_view(
         and joined_at(replicas, pid) <= t
     }
     view.others_gathering = bool(view.gathering)
+    view.seen = [f"{p[:8]}:{r.kind}@{r.outer_step}+{r.joined_at}" for p, r in sorted(replicas.items())]
+    view.seen += [f"{p[:8]}:{r.role}@{r.outer_step}" for p, r in sorted(holders.items())]
     if banned:
         _ban(view, banned)
     return view

@@ -113,13 +113,14 @@ def log_ignored(view: RoundView, logged: set[tuple[str, str]], t: int, stage: in
 def log_short_close(view: RoundView, held: Iterable[str], seen: Iterable[str], t: int, stage: int) -> None:
     """Say why a set of our own closed with fewer payloads than the holders we saw gathering: the
     replicas the round expected, those it dropped and ignored, and who was seen (the one line a log
-    needs to tell whether a holder was left out for a reason or by a wrong view of the round)."""
+    needs to tell whether a holder was left out for a reason or by a wrong view of the round); a set of
+    one payload is always said, with the records read (a lone commit's first clue)."""
     have, gathering = sorted(held), sorted(set(seen) | view.gathering)
-    if len(have) >= len(gathering):
+    if len(have) >= len(gathering) and len(have) > 1:
         return
     log.info(
         "round %d stage %d: closing with %d payload(s) (%s) of %d holders seen gathering (%s): expected %s, "
-        "dropped %s, bound %s, ignored %d",
+        "dropped %s, bound %s, ignored %d; records %s",
         t,
         stage,
         len(have),
@@ -130,4 +131,5 @@ def log_short_close(view: RoundView, held: Iterable[str], seen: Iterable[str], t
         ",".join(sorted(r[:12] for r in view.dropped)) or "none",
         ",".join(sorted(f"{s[:12]}>{r[:12]}" for s, (r, _) in view.bound.items())) or "none",
         len(view.ignored),
+        " ".join(view.seen) or "none",
     )
