@@ -46,7 +46,7 @@ from peer.research.simulate.results import (
     robust_rule,
 )
 from peer.research.simulate.round_designs import DESIGN_RULES, DesignState, check_design, commit_design
-from peer.research.simulate.runtime import current
+from peer.research.simulate.runtime import current, worker_threads
 
 
 @dataclass
@@ -446,7 +446,8 @@ def _inner_steps(
     for h in range(n):
         step = t * H + first + h
         if pool is None or pending is None:
-            stats_h = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for m, rep in enumerate(run.reps)]
+            with worker_threads():  # the bits of any --workers
+                stats_h = [rep.inner_step(*batch(data, m, replicas, step, rep), step) for m, rep in enumerate(run.reps)]
         else:
             stats_h = per_step[h]
         for m, (rep, stats) in enumerate(zip(run.reps, stats_h, strict=True)):

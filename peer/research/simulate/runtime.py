@@ -101,6 +101,20 @@ def check_device(device: str, workers: int | None) -> None:
 
 
 @contextmanager
+def worker_threads() -> Iterator[None]:
+    """Inside: this process's torch threads are a worker's, one (`pool._serve`), so in-process inner
+    steps round as the workers' do: more threads split some kernels otherwise (measured: a 2-thread
+    in-process sweep and a 2-worker one differ in the last bits of the second loss on this 2-core CPU),
+    and `--workers N` gives the same bits for every N."""
+    inside = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(inside)
+
+
+@contextmanager
 def session(
     workers: int = 1, device: str = "cpu", checkpoint: SweepCheckpoint | None = None, fused_commit: bool = True
 ) -> Iterator[Runtime]:
