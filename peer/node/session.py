@@ -127,8 +127,9 @@ class Session:
         self.role, self.stage = role, stage
         self.peer_id = dht.peer_id
         self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
-        # joiners replay the window: its whole payloads also on disk, served again after --resume
-        disk = PayloadDisk(opts.data_dir / "payloads", resume=opts.resume)
+        # joiners replay the window: its whole payloads also on disk (this run's folder: another run's
+        # payloads of the same rounds and senders are never served), served again after --resume
+        disk = PayloadDisk(opts.data_dir / "payloads" / str(manifest["run_id"]), resume=opts.resume)
         self.store = PayloadStore(history=cfg.swarm.history_rounds, disk=disk)
         if opts.resume and (kept := self.store.restore()):
             log.info("serving again %d payload(s) of the last %d rounds kept on disk", kept, cfg.swarm.history_rounds)

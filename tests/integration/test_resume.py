@@ -77,7 +77,8 @@ def test_stage_peer_leaves_after_a_round_and_resumes_from_its_checkpoint(tmp_pat
         assert head[t]["stages"]["0"]["param_hash"] == full[t]["stages"]["0"]["param_hash"]
     # its payload of round 0, written by the first incarnation, was kept by the resumed one (served again:
     # tests/integration/test_payload_disk.py), as was the full replica's it fetched for that round
-    kept_files = sorted(p.name.split(".")[:3] for p in (stage_dir / "payloads").iterdir())
+    [run_folder] = (stage_dir / "payloads").iterdir()  # the run's own folder
+    kept_files = sorted(p.name.split(".")[:3] for p in run_folder.iterdir())
     assert ["0", "1", "own"] in kept_files and any(f[:2] == ["0", "1"] and f[2] != "own" for f in kept_files)
     # both replicas contributed to stage 1 in every round: the leaving peer handed off round 0's payload
     assert all(full[t]["stages"]["1"]["participants"] == 2 for t in range(OUTER))

@@ -5,7 +5,7 @@ rounds: a joiner replays those rounds from them (docs/protocol.md, "Joining by r
 memory only, they died with the process: a holder killed and resumed no longer served them, and when
 every holder of a round had restarted, its payloads were nowhere while its links were still
 published, so a joiner needing that round could only wait for an attester's state. `PayloadDisk`
-writes each whole payload once, as it enters the store (`<data dir>/payloads/`, one file per payload,
+writes each whole payload once, as it enters the store (`<data dir>/payloads/<run id>/`, one file per payload,
 written to a temporary name and renamed: a kill never leaves half a file under the real name),
 deletes the files of rounds that leave the window, and reads the window back on `--resume`. A fresh
 start (no `--resume`) begins with an empty folder. Embedding views and a ranges round's parts and
