@@ -49,10 +49,10 @@ class PayloadDisk:
 
     def __init__(self, folder: Path, resume: bool) -> None:
         """`resume` keeps what an earlier run of this peer wrote; without it the folder starts empty."""
-        self.folder = folder
+        self.folder, self.oldest = folder, 0  # `oldest`: no file of an earlier round is left
         folder.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            for path in folder.iterdir():
+        for path in folder.iterdir():
+            if not resume or path.name.endswith(".tmp"):  # a fresh start, or a write a kill interrupted
                 path.unlink(missing_ok=True)
 
     def write(self, t: int, stage: int, sender: str | None, replica: str, data: bytes) -> None:
@@ -67,7 +67,10 @@ class PayloadDisk:
             tmp.unlink(missing_ok=True)
 
     def expire(self, oldest: int) -> None:
-        """Delete the files of rounds before `oldest`."""
+        """Delete the files of rounds before `oldest` (the folder is read only when `oldest` moves on)."""
+        if oldest <= self.oldest:
+            return
+        self.oldest = oldest
         for path, t in self._files():
             if t < oldest:
                 path.unlink(missing_ok=True)
@@ -87,11 +90,10 @@ class PayloadDisk:
             yield Stored(t, int(stage), who, "" if replica == OWN else replica, data, payload)
 
     def _files(self) -> list[tuple[Path, int]]:
+        """(path, round) of every payload file; a write in progress (a temporary name) is not one."""
         out = []
         for path in self.folder.iterdir():
             parts = path.name.split(".")
             if len(parts) == 4 and parts[0].isdigit() and parts[1].isdigit():
                 out.append((path, int(parts[0])))
-            elif path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # a write a kill interrupted
         return out
