@@ -129,7 +129,9 @@ class Session:
         self.me = Presence(dht.peer_id, role)  # address, joined_at, finishing: shared with the parts below
         # joiners replay the window: its whole payloads also on disk (this run's folder: another run's
         # payloads of the same rounds and senders are never served), served again after --resume
-        disk = PayloadDisk(opts.data_dir / "payloads" / str(manifest["run_id"]), resume=opts.resume)
+        if dht.run_id is None:
+            raise RuntimeError("call dht.set_run(run_id) (from the manifest) before building a Session")
+        disk = PayloadDisk(opts.data_dir / "payloads" / dht.run_id, resume=opts.resume)
         self.store = PayloadStore(history=cfg.swarm.history_rounds, disk=disk)
         if opts.resume and (kept := self.store.restore()):
             log.info("serving again %d payload(s) of the last %d rounds kept on disk", kept, cfg.swarm.history_rounds)
