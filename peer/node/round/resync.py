@@ -244,23 +244,46 @@ class Resync:
     ) -> None:
         """Put `worker` on the state the replay starts from (sync_state's docstring): our own state
         when a link goes on from it; else, when our last commit was overtaken (another state was
-        committed from the same one), the state we committed it from (`StageState.rewind`); else the
-        canonical initial state when the window reaches back to it — unless `initial` is off (an
+        committed from the same one), the state we committed it from (`StageState.rewind`) — with
+        `vote` only past the window, and only when another state was linked from it; else the
+        canonical initial state when the window reaches back to it (the clock below
+        `swarm.history_rounds`: round 0's payloads are still kept) — unless `initial` is off (an
         attester's state was loaded in this sync because the rounds from the initial state could not
         be had: their links can outlive their payloads).
         None of them: our own state (the replay then says why it cannot go on)."""
         stage, held = worker.stage, worker.state_id()
         if worker.outer_step == 0 and worker.verified and held == worker.initial_state_id:
             return  # we hold it already
-        if worker.verified and not vote:
-            if worker.outer_step >= clock or replayer.has_links_from(worker.outer_step, stage, held):
-                return
-            prev = worker.ledger.prev
-            if prev is not None and self._may_rewind(replayer, stage, prev.t, prev.state, held) and worker.rewind():
+        # round 0's payloads are still kept (`swarm.history_rounds`): its links outlive them, so their
+        # presence alone does not say a replay from the initial state can go on
+        in_window = clock < self.cfg.swarm.history_rounds
+        if (
+            worker.verified
+            and not vote
+            and (worker.outer_step >= clock or replayer.has_links_from(worker.outer_step, stage, held))
+        ):
+            return
+        prev = worker.ledger.prev
+        if worker.verified and prev is not None and not (vote and in_window):
+            # outvoted past the window: our last round's other outcome, if one was linked, is the one
+            # start left that the replay can check (the initial state's rounds are gone)
+            may = (
+                self._may_rewind(replayer, stage, prev.t, prev.state, held)
+                if not vote
+                else self._overtaken(replayer, stage, prev.t, prev.state, held)
+            )
+            if may and worker.rewind():
                 log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
                 return
-        if not worker.verified or (initial and replayer.has_links_from(0, stage, worker.initial_state_id)):
+        if not worker.verified or (
+            initial and in_window and replayer.has_links_from(0, stage, worker.initial_state_id)
+        ):
             self._reset_initial(worker, keep_errors, reason)
+
+    @staticmethod
+    def _overtaken(replayer: Replayer, stage: int, t: int, prev: str, held: str) -> bool:
+        """Whether a link of round t leads from `prev` to another state than ours."""
+        return bool(replayer.states_linked_from(t, stage, prev) - {held})
 
     def _may_rewind(self, replayer: Replayer, stage: int, t: int, prev: str, held: str) -> bool:
         """Whether to go back to `prev`, the state our round t started from: when a link of round t leads
