@@ -153,21 +153,34 @@ class Records:
         )
         return Own(record)
 
+    def publish_once(self, *record_fns: Callable[[], Own]) -> None:
+        """Publish these records once, now (a joiner's first replica record, before `announce`);
+        a failure is logged: the loop `announce` starts publishes them again."""
+        with self._lock:
+            try:
+                self._publish_all(record_fns)
+            except PeerError as exc:
+                log.warning("could not publish DHT records: %s", exc)
+
+    def _publish_all(self, record_fns: tuple[Callable[[], Own], ...]) -> None:
+        dht, swarm_cfg = self.dht, self.swarm
+        for fn in record_fns:
+            own = fn()
+            if own.stage is not None:
+                self._stages.add(own.stage)
+                dht.announce_stage(own.stage, own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
+                # joiners replay these (peer.node.round.replay): each round's link as finally held
+                sent = self._links.setdefault(own.stage, {})
+                publish_links(dht, own.stage, own.links, sent, history_ttl_s(swarm_cfg))
+            else:
+                dht.announce_replica(own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
+
     def announce(self, *record_fns: Callable[[], Own]) -> None:
         """Publish the records now and then every `announce_interval_s` until close()."""
         dht, swarm_cfg = self.dht, self.swarm
 
         def publish() -> None:
-            for fn in record_fns:
-                own = fn()
-                if own.stage is not None:
-                    self._stages.add(own.stage)
-                    dht.announce_stage(own.stage, own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
-                    # joiners replay these (peer.node.round.replay): each round's link as finally held
-                    sent = self._links.setdefault(own.stage, {})
-                    publish_links(dht, own.stage, own.links, sent, history_ttl_s(swarm_cfg))
-                else:
-                    dht.announce_replica(own.record.to_record(), ttl_s=swarm_cfg.record_ttl_s)
+            self._publish_all(record_fns)
 
         def loop() -> None:
             ticks = 0

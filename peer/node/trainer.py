@@ -157,7 +157,7 @@ def run_head(opts: SessionOptions, stop: threading.Event) -> int:
     with Session.open(opts, role="head", stage=0, stop=stop) as session:
         check_join(session.cfg, 0, session.opts)  # before the stage is built or announced
         worker = _worker(session, 0, compressed=True)
-        data, shard, service = _join(session, {0: worker})
+        data, shard, service = _join(session, {0: worker}, "pipeline")
         head = _Head(session, worker, _head_driver(session, service, worker, stop), stop)
         driver = head.driver
         session.records.announce(
@@ -212,7 +212,7 @@ def run_full_replica(opts: SessionOptions, stop: threading.Event, make: MakeFull
         check_join(cfg, None, session.opts)  # before the stages are built or announced
         device = session.opts.device if make is None else make.device(session.opts.device)
         workers = {s: _worker(session, s, compressed=False, device=device) for s in range(cfg.stages)}
-        data, shard, _ = _join(session, workers)
+        data, shard, _ = _join(session, workers, "full")
         full = _Full(session, workers, stop) if make is None else make(session, workers, data, shard, stop)
         batch = cfg.train.batch_size  # per rank: the record says ranks × batch
         session.records.announce(
@@ -247,15 +247,20 @@ def _worker(session: Session, stage: int, compressed: bool, device: str | None =
     )
 
 
-def _join(session: Session, workers: dict[int, StageWorker]) -> tuple[Corpus, int, PeerService]:
-    """A head or full replica joins: resume its checkpoint, serve its stages, catch up with the
-    swarm, claim its data shard (a resumed peer's own when still free), fetch the dataset files
-    that shard reads (`peer.node.data.shard.ShardData`) and open the corpus; the service."""
+def _join(session: Session, workers: dict[int, StageWorker], kind: str) -> tuple[Corpus, int, PeerService]:
+    """A head or full replica (`kind` "pipeline" or "full") joins: resume its checkpoint, serve its
+    stages, catch up with the swarm, claim its data shard (a resumed peer's own when still free),
+    fetch the dataset files that shard reads (`peer.node.data.shard.ShardData`) and open the corpus;
+    the service. Its replica record goes out as soon as its state and shard are known, before the
+    data loads: holders gathering the round it joins at expect its payload instead of closing
+    without it (the records' loop starts once the peer trains)."""
     resumed = session.checkpoints.resume(workers) or {}
     service = session.serve(workers)
     for w in workers.values():
         session.resync.late_join(w)
     shard = session.data.claim(session.cfg, prefer=resumed.get("extra", {}).get("shard"))
+    step = min(w.outer_step for w in workers.values())
+    session.records.publish_once(lambda: session.records.replica(kind, step, shard, None, 0.0))
     session.cfg = session.data.fetch(session.cfg, shard)
     return session.data.load(session.cfg), shard, service
 

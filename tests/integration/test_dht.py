@@ -14,9 +14,14 @@ import time
 import hivemind
 import pytest
 
+from peer.config import build_config
 from peer.errors import ConfigError, NetworkError
 from peer.net.dht import SwarmDHT, dht_time
 from peer.net.identity import make_identity
+from peer.net.records import NetFields
+from peer.node.presence import Presence
+from peer.node.records import Records
+from peer.node.round.refusals import Refusals
 from tests.conftest import assert_no_leftover_children, is_live, live_descendants
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -114,6 +119,26 @@ def test_stage_records_replicas_and_withdraw(nodes):
 
     with pytest.raises(TypeError):
         a.announce_stage(0, {"bad": object()}, ttl_s=10)
+
+
+def test_a_joiners_first_replica_record_is_published_once_before_its_records_loop(nodes):
+    """`Records.publish_once` (a head or full replica's first record, sent before its data loads: holders
+    gathering the round it joins at expect its payload): another node reads it at once, with the
+    joiner's step and joined_at; no republishing loop starts until `announce`."""
+    a = nodes()
+    b = nodes(initial_peers=a.visible_maddrs())
+    for n in (a, b):
+        n.set_run("run-1", n_stages=2)
+    me = Presence(a.peer_id, "full", address="127.0.0.1:5000")
+    me.joined_at = 13
+    net = NetFields("direct", None, False, 0, None, None)
+    records = Records(a, build_config(environ={}).swarm, me, Refusals(), lambda: net, lambda: None)
+    records.publish_once(lambda: records.replica("full", 12, 1, None, 0.0))
+    seen = b.get_replicas()[a.peer_id]
+    assert (seen.kind, seen.outer_step, seen.joined_at, seen.shard) == ("full", 12, 13, 1)
+    assert records._thread is None  # nothing republishes it: the records' loop starts with `announce`
+    records.close()  # withdraws it: a replica that never trained leaves no record behind
+    assert b.get_replicas() == {}
 
 
 def test_a_malformed_record_is_dropped_never_read(nodes):
