@@ -109,6 +109,10 @@ def test_full_replica_and_head_kills_rejoin_and_graceful_leave(swarm_factory):
     # a new head joins: it replays stage 0 over the rounds the full replica kept and claims the spare
     sw.join("head2", "--stage", "0")
     sw.wait_for(lambda: sw.events("head2", "sync") and sw.events("head2", "round"))
+    # and the full replica committed a round the new head committed too (its first round waits for
+    # the new head's payload: a SIGTERM right after the head's commit could land before the full
+    # replica's own commit of that round)
+    sw.wait_for(lambda: set(sw.rounds("head2")) & set(sw.rounds("full-b")) & set(sw.rounds("s1")))
 
     # graceful leave: SIGTERM the full replica → exit 0 quickly, no kill needed
     sigterm_at = time.monotonic()

@@ -94,11 +94,13 @@ def committed_both(sw: Swarm, names: Iterable[str] = HONEST) -> dict[str, list[t
     return short
 
 
-def one_state(sw: Swarm, names: Iterable[str]) -> dict[tuple[int, str], set[str]]:
-    """{(round, stage): param hashes} where the holders `names` hold more than one state."""
+def one_state(sw: Swarm, names: Iterable[str], reconciled: bool = False) -> dict[tuple[int, str], set[str]]:
+    """{(round, stage): param hashes} where the holders `names` hold more than one state: as each
+    committed it, or (`reconciled`) as each held it once RECONCILE had checked the others' claims of
+    that round (`Swarm.settled`: a holder that switched holds the state it switched to)."""
     states: dict[tuple[int, str], set[str]] = {}
     for name in names:
-        for t, rec in sw.rounds(name).items():
+        for t, rec in (sw.settled(name) if reconciled else sw.rounds(name)).items():
             for s, st in rec["stages"].items():
                 states.setdefault((t, s), set()).add(st["param_hash"])
     return {k: v for k, v in states.items() if len(v) != 1}
@@ -229,7 +231,9 @@ def test_colluders_from_outer_step_0_never_give_an_honest_holder_their_state(col
     }
     synced = {n: [e["t"] for e in sw.events(n, "sync") if e["param_hash"] in bad] for n in HONEST}
     assert not any(held.values()) and not any(synced.values()), f"colluders' state held: {held}, synced: {synced}"
-    split = one_state(sw, HONEST)
+    # a round closed at its deadline while the DHT did not answer (2 loaded cores: ci30 read no record
+    # for 28 s) may fork for one round; reconciled at once, one state: what a colluder cannot cause
+    split = one_state(sw, HONEST, reconciled=True)
     assert not split, f"honest holders disagree: {split}"
     head = sw.rounds("head")
     losses = [head[t]["val_loss"] if t in head else None for t in range(T_COLLUDE)]
