@@ -343,21 +343,28 @@ def test_an_outvoted_holder_past_the_window_goes_back_one_round_not_to_the_initi
     """Round 0's links outlive its payloads (links live `history_ttl_s`, payloads `swarm.history_rounds`
     rounds): a holder outvoted on its last round once reset to the initial state because round 0's
     links were still published, and its replay stopped at round 0 (`peer bench chaos`: a stage at outer
-    step 0 in its records for seconds). Past the window it goes back to the state its last round
-    started from and replays the majority's link from there."""
+    step 0 in its records for seconds). Past the window — judged by its own step too, since a replica
+    re-syncing pulls the clock (the others' lower median) down to 0 — it goes back to the state its last
+    round started from and replays the majority's link from there."""
     cfg = replay_config(history_rounds=3)  # the clock (4) is past the window
     board = Board(history)
     _honest(board, history)
     expired = History.__new__(History)  # round 0's payloads left every holder's window
     expired.payloads = {k: v for k, v in history.payloads.items() if k[0] >= 1}
     gone = Servers(expired)
-    resync = _resync(board, history, {f"R{i}": {"kind": "full", "outer_step": 4} for i in range(3)}, cfg, gone)
+    # the clock is the others' lower median: a replica re-syncing from the initial state shows outer step 0
+    replicas = {"R0": {"kind": "full", "outer_step": 4}, "R1": {"kind": "full", "outer_step": 0}}
+    resync = _resync(board, history, replicas, cfg, gone)
     worker = StageWorker(CFG, 0)
     _replayer(board, history, Refusals()).run(worker, 3)
     alone = history.payloads[(3, 0, history.replicas[0])]
     worker.apply_round([Payload.from_bytes(alone)], None, history.replicas[:1])  # round 3 committed alone
     assert worker.outer_step == 4 and worker.state_id() != history.state(0) and worker.verified
-    assert resync.sync_state(worker, "outvoted", keep_errors=True, vote=True, wait_s=0)
+    assert resync.clock() == 0  # the clock alone would say round 0 is still in the window
+    replayer = Replayer(cfg, board, resync._fetcher, Refusals())
+    resync._start(worker, replayer, vote=True, clock=resync.clock(), keep_errors=True, reason="outvoted")
+    assert worker.outer_step == 3 and worker.verified  # back one round, not at the initial state
+    assert resync.sync_state(worker, "outvoted", keep_errors=True, until=4, wait_s=0)
     assert worker.outer_step == 4 and worker.state_id() == history.state(0)
     assert resync.replayed[-1].rounds == 1  # round 3 again, from its start: nothing before it was asked for
 

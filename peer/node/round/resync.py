@@ -255,8 +255,9 @@ class Resync:
         if worker.outer_step == 0 and worker.verified and held == worker.initial_state_id:
             return  # we hold it already
         # round 0's payloads are still kept (`swarm.history_rounds`): its links outlive them, so their
-        # presence alone does not say a replay from the initial state can go on
-        in_window = clock < self.cfg.swarm.history_rounds
+        # presence alone does not say a replay from the initial state can go on. Our own step counts
+        # too: the clock is the other replicas' lower median, and one re-syncing shows its replay's step
+        in_window = max(clock, worker.outer_step) < self.cfg.swarm.history_rounds
         if (
             worker.verified
             and not vote
