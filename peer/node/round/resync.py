@@ -246,7 +246,7 @@ class Resync:
         when a link goes on from it; else, when our last commit was overtaken (another state was
         committed from the same one), the state we committed it from (`StageState.rewind`) — with
         `vote` only past the window, and only when another state was linked from it; else the
-        canonical initial state when the window reaches back to it (the clock below
+        canonical initial state when the window reaches back to it (the clock and our own step below
         `swarm.history_rounds`: round 0's payloads are still kept) — unless `initial` is off (an
         attester's state was loaded in this sync because the rounds from the initial state could not
         be had: their links can outlive their payloads).
