@@ -156,11 +156,7 @@ class Records:
     def publish_once(self, *record_fns: Callable[[], Own]) -> None:
         """Publish these records once, now (a joiner's first replica record, before `announce`);
         a failure is logged: the loop `announce` starts publishes them again."""
-        with self._lock:
-            try:
-                self._publish_all(record_fns)
-            except PeerError as exc:
-                log.warning("could not publish DHT records: %s", exc)
+        self._guarded(lambda: self._publish_all(record_fns))
 
     def _publish_all(self, record_fns: tuple[Callable[[], Own], ...]) -> None:
         dht, swarm_cfg = self.dht, self.swarm
@@ -204,13 +200,16 @@ class Records:
 
     def refresh(self) -> None:
         """Publish this peer's records now (after every round, so peers see its new outer step)."""
-        if self._publish is None:
-            return
+        if self._publish is not None:
+            self._guarded(self._publish)
+
+    def _guarded(self, publish: Callable[[], None]) -> None:
+        """Publish under the lock; a DHT failure is logged (the next refresh tries again)."""
         with self._lock:
             try:
-                self._publish()
+                publish()
             except PeerError as exc:
-                log.warning("could not refresh DHT records: %s", exc)
+                log.warning("could not publish DHT records: %s", exc)
 
     def close(self) -> None:
         """Stop republishing and withdraw what this peer published, best effort within `WITHDRAW_S`:

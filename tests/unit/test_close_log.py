@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from peer.net.records import Announcement
+from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import RoundView
 from peer.node.round.views import log_short_close
 
@@ -35,7 +35,11 @@ def test_a_close_with_a_payload_per_holder_seen_says_nothing(caplog):
 
 
 def test_a_close_with_one_payload_names_the_records_read(caplog):
-    view = RoundView(expected={OWN}, seen=["QmHead00:pipeline@107+109", "QmStage0:spare@109"])
+    view = RoundView(
+        expected={OWN},
+        replicas={"QmHead00" + "x" * 38: ReplicaRecord(kind="pipeline", outer_step=107, joined_at=109)},
+        holders={"QmStage0" + "y" * 38: StageRecord(role="spare", outer_step=109)},
+    )
     with caplog.at_level(logging.INFO, logger="peer.node.round.views"):
         log_short_close(view, [OWN], [], t=109, stage=1)
     [line] = [r.getMessage() for r in caplog.records]

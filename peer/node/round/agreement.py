@@ -91,7 +91,9 @@ class RoundView:
     others_gathering: bool = False  # another live holder of stage s is still at outer step t
     gathering: set[str] = field(default_factory=set)  # those holders' peer ids
     banned: set[str] = field(default_factory=set)  # banned replicas (peer.node.round.bans): out of (t, s), not fetched
-    seen: list[str] = field(default_factory=list)  # the records read ("id:kind@step+joined", "id:role@step"): logs
+    # the records this view was decided on (references, formatted only by a log line: `views.log_short_close`)
+    replicas: Mapping[str, ReplicaRecord] = field(default_factory=dict)
+    holders: Mapping[str, StageRecord] = field(default_factory=dict)
 
 
 def _head_binding(anns0: Announcements, rid: str) -> Mapping[str, str] | None:
@@ -180,8 +182,7 @@ def round_view(
         and joined_at(replicas, pid) <= t
     }
     view.others_gathering = bool(view.gathering)
-    view.seen = [f"{p[:8]}:{r.kind}@{r.outer_step}+{r.joined_at}" for p, r in sorted(replicas.items())]
-    view.seen += [f"{p[:8]}:{r.role}@{r.outer_step}" for p, r in sorted(holders.items())]
+    view.replicas, view.holders = replicas, holders
     if banned:
         _ban(view, banned)
     return view

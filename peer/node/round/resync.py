@@ -265,37 +265,35 @@ class Resync:
         ):
             return
         prev = worker.ledger.prev
-        if worker.verified and prev is not None and not (vote and in_window):
-            # outvoted past the window: our last round's other outcome, if one was linked, is the one
-            # start left that the replay can check (the initial state's rounds are gone)
-            may = (
-                self._may_rewind(replayer, stage, prev.t, prev.state, held)
-                if not vote
-                else self._overtaken(replayer, stage, prev.t, prev.state, held)
-            )
-            if may and worker.rewind():
-                log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
-                return
+        # outvoted past the window: our last round's other outcome, if one was linked, is the one start
+        # left that the replay can check (the initial state's rounds are gone)
+        if (
+            worker.verified
+            and prev is not None
+            and not (vote and in_window)
+            and self._may_rewind(replayer, stage, prev.t, prev.state, held, overtaken_only=vote)
+            and worker.rewind()
+        ):
+            log.info("%s: stage %d back at outer step %d (state %s) to replay", reason, stage, prev.t, prev.state)
+            return
         if not worker.verified or (
             initial and in_window and replayer.has_links_from(0, stage, worker.initial_state_id)
         ):
             self._reset_initial(worker, keep_errors, reason)
 
-    @staticmethod
-    def _overtaken(replayer: Replayer, stage: int, t: int, prev: str, held: str) -> bool:
-        """Whether a link of round t leads from `prev` to another state than ours."""
-        return bool(replayer.states_linked_from(t, stage, prev) - {held})
-
-    def _may_rewind(self, replayer: Replayer, stage: int, t: int, prev: str, held: str) -> bool:
+    def _may_rewind(
+        self, replayer: Replayer, stage: int, t: int, prev: str, held: str, overtaken_only: bool = False
+    ) -> bool:
         """Whether to go back to `prev`, the state our round t started from: when a link of round t leads
         from it to another state than ours (our commit was overtaken), or to ours the first time only
         (the others' links may not be published yet). Back at our own state by our own link a second
         time is a loop — it kept a holder whose lone commits the swarm never took stuck for 270 s in
-        `peer bench chaos`, until it was killed — so it starts over from the initial state instead."""
+        `peer bench chaos`, until it was killed — so it starts over from the initial state instead.
+        `overtaken_only` (an outvoted holder): only when another state was linked from `prev`."""
         linked = replayer.states_linked_from(t, stage, prev)  # one DHT read
         if linked - {held}:
             return True
-        if not linked:
+        if overtaken_only or not linked:
             return False
         key = (stage, t, prev, held)
         if key in self.rewound:

@@ -131,5 +131,11 @@ def log_short_close(view: RoundView, held: Iterable[str], seen: Iterable[str], t
         ",".join(sorted(r[:12] for r in view.dropped)) or "none",
         ",".join(sorted(f"{s[:12]}>{r[:12]}" for s, (r, _) in view.bound.items())) or "none",
         len(view.ignored),
-        " ".join(view.seen) or "none",
+        " ".join(_records(view)) or "none",
     )
+
+
+def _records(view: RoundView) -> list[str]:
+    """The records a view was decided on: "id:kind@step+joined" per replica, "id:role@step" per holder."""
+    out = [f"{p[:8]}:{r.kind}@{r.outer_step}+{r.joined_at}" for p, r in sorted(view.replicas.items())]
+    return out + [f"{p[:8]}:{r.role}@{r.outer_step}" for p, r in sorted(view.holders.items())]
