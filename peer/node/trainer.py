@@ -251,17 +251,19 @@ def _join(session: Session, workers: dict[int, StageWorker], kind: str) -> tuple
     """A head or full replica (`kind` "pipeline" or "full") joins: resume its checkpoint, serve its
     stages, catch up with the swarm, claim its data shard (a resumed peer's own when still free),
     fetch the dataset files that shard reads (`peer.node.data.shard.ShardData`) and open the corpus;
-    the service. Its replica record goes out as soon as its state and shard are known, before the
-    data loads: holders gathering the round it joins at expect its payload instead of closing
-    without it (the records' loop starts once the peer trains)."""
+    the service. Its replica record goes out once its state is caught up and its shard's files are
+    here, before they load: holders gathering the round it joins at expect its payload instead of
+    closing without it (the records' loop starts once the peer trains). Not before the files are
+    fetched: a fresh joiner's download can outlast a round, which would then wait for it to its
+    deadline (`peer bench chaos`: a 26 s fetch held round 127 for 8 s)."""
     resumed = session.checkpoints.resume(workers) or {}
     service = session.serve(workers)
     for w in workers.values():
         session.resync.late_join(w)
     shard = session.data.claim(session.cfg, prefer=resumed.get("extra", {}).get("shard"))
+    session.cfg = session.data.fetch(session.cfg, shard)
     step = min(w.outer_step for w in workers.values())
     session.records.publish_once(lambda: session.records.replica(kind, step, shard, None, 0.0))
-    session.cfg = session.data.fetch(session.cfg, shard)
     return session.data.load(session.cfg), shard, service
 
 
