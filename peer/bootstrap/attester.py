@@ -10,7 +10,8 @@ attester earns that trust the same way any joiner would: it starts from the cano
 no pipeline, trains nothing and contributes nothing.
 
 Every `poll` (the bootstrap's serve loop, on a thread of its own):
-1. replay every stage up to the swarm's clock (`swarm_clock`, as a joiner reads it);
+1. replay every stage up to the swarm's clock (`swarm_clock`, as a joiner reads it: the outer step
+   the lower median of the live replicas reached), never into the round still being committed;
 2. publish one `attest.{s}` record per stage (a stage record: address, outer step, state id, link),
    signed by the bootstrap's key like every record;
 3. save each stage's state to `folder` (`stage-{s}.pt`, atomically) when it moved, so a restarted
@@ -113,11 +114,14 @@ class Attester:
                 newest,
             )
             state.reset_initial()
-        if state.outer_step > clock:
+        if state.outer_step >= clock:
             return
-        done = self.replayer.run(state, clock + 1)
-        if not done.rounds and state.outer_step < clock and self._rewind(s, state):
-            done = self.replayer.run(state, clock + 1)
+        # to the clock, not past it: round `clock` is still being committed, and the first link of it
+        # published may be a lone holder's that the others overtake a moment later; the links of round
+        # `clock` (the horizon) weigh between those of the round before (`Replayer.step`)
+        done = self.replayer.run(state, clock, horizon=clock + 1)
+        if not done.rounds and self._rewind(s, state):
+            done = self.replayer.run(state, clock, horizon=clock + 1)
         self.last[s] = done
         if done.rounds:
             log.debug("attester: stage %d at outer step %d (state %s)", s, state.outer_step, state.state_id())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from peer.research.bench.chaos import KINDS, ChaosConfig, run_chaos
+from peer.research.bench.chaos_report import fault_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,6 +38,8 @@ def test_random_faults_of_every_kind_leave_a_live_agreeing_swarm_and_nothing_beh
     s = result.summary
     report = "\n".join(f"{k}: {v}" for k, v in s.items())
     report += "".join(f"\ncrash of {f['target']}: {f.get('why')}" for f in result.faults if f["kind"] == "crash")
+    t0 = min((float(f["time"]) for f in result.faults), default=0.0)  # the report's times: from the first fault
+    report += "".join(f"\nat {float(f['time']) - t0:.1f}s {fault_line(f)}" for f in result.faults)
     assert s["faults"] == FAULTS and sum(s["faults_by_kind"].values()) >= FAULTS, report
     assert s["faults_by_kind"].get("bootstrap_kill") == 1, report
     assert set(s["faults_by_kind"]) == {*KINDS, "long_stop", "bootstrap_kill"}, report  # every kind was drawn

@@ -199,3 +199,56 @@ def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(t
         for dht in dhts:
             if all(dht is not s.dht for s in sessions):
                 dht.shutdown()
+
+
+def test_the_attester_stops_at_the_clock_and_takes_the_link_the_next_round_goes_on_from(tmp_path, reap_children):
+    # round R − 2 has two genuine links: the set of both holders (first in the canonical order) and a's
+    # payload alone; round R − 1 (the round still being committed: the replicas are at R − 1) goes on
+    # from the second only. The attester takes the second, the branch the swarm went on from, and stops
+    # at the clock: a link of the round in flight may be a lone holder's the others overtake next
+    from peer.core.sparseloco.codec.format import Payload
+
+    cfg = replay_config(history_rounds=ROUNDS + 2)
+    dhts: list[SwarmDHT] = []
+    sessions: list[Session] = []
+    clients = ClientPool(10.0)
+    try:
+        dhts.append(SwarmDHT())
+        dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(2)]
+        for dht in dhts:
+            dht.set_run("horizon-test", cfg.stages)
+        a_dht, b_dht, att_dht = dhts
+        history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
+        history.run(ROUNDS)
+        ttl = history_ttl_s(cfg.swarm)
+        branch = StageWorker(cfg, STAGE)  # round R − 2 with a's payload alone, round R − 1 from there
+        for t in range(ROUNDS):
+            rids = history.replicas[:1] if t == ROUNDS - 2 else history.replicas
+            branch.apply_round([Payload.from_bytes(history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
+            if t == ROUNDS - 2:
+                lone = branch.ledger.link
+        assert lone is not None and lone.state != history.links[(ROUNDS - 2, STAGE)].state
+        next_link = branch.ledger.link
+        assert next_link is not None and next_link.prev == lone.state
+
+        for dht in (a_dht, b_dht):
+            sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
+            replica = {"kind": "full", "outer_step": ROUNDS - 1, "shard": 0, "joined_at": 0, "address": ""}
+            dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
+        for t in range(ROUNDS - 2):
+            a_dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), ttl)
+        a_dht.announce_round("chain", ROUNDS - 2, STAGE, chain_record(history.links[(ROUNDS - 2, STAGE)]), ttl)
+        b_dht.announce_round("chain", ROUNDS - 2, STAGE, chain_record(lone), ttl)
+        b_dht.announce_round("chain", ROUNDS - 1, STAGE, chain_record(next_link), ttl)
+
+        attester = Attester(cfg, att_dht, clients, "127.0.0.1:1")
+        attester.poll()
+        assert attester.stages[STAGE].outer_step == ROUNDS - 1  # the clock: round R − 1 is not replayed yet
+        assert attester.stages[STAGE].state_id() == lone.state  # the branch round R − 1 goes on from
+    finally:
+        clients.close()
+        for session in sessions:
+            session.close()
+        for dht in dhts:
+            if all(dht is not s.dht for s in sessions):
+                dht.shutdown()

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from peer.research.bench.chaos_report import (
+    disagreement_lines,
     disagreements,
     holder_events,
     lone_commits,
@@ -36,6 +37,8 @@ def test_a_lone_set_is_counted_once_and_a_perp_mismatch_is_not_a_lone_commit(tmp
     assert lone == [{"t": 4, "stage": 1, "holder": "a", "time": 2.0, "wall_s": 0.0}]
     committed, unresolved = disagreements(states(events))
     assert committed == 2 and unresolved == 1  # the last states of (5, 1) still differ
+    # where they were, for a failed run's report: "!" marks the unresolved one
+    assert disagreement_lines(states(events)) == ["4/1: a=round:p/x b=round:p/y", "!5/1: a=round:q/x b=round:r/x"]
 
 
 def test_a_resync_resolves_a_committed_disagreement(tmp_path):

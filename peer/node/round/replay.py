@@ -235,9 +235,14 @@ class Replayer:
         links = self.dht.get_round("chain", t, stage, parse_chain)
         return {c.link.state for c in candidates(links, t, prev, self.refusals.peers())}
 
-    def run(self, worker: StageState, until: int, stop: threading.Event | None = None) -> Replayed:
+    def run(
+        self, worker: StageState, until: int, stop: threading.Event | None = None, horizon: int | None = None
+    ) -> Replayed:
         """Replay rounds onto `worker` until its outer step is `until`, no link can be checked, or
-        `stop` is set (between two rounds)."""
+        `stop` is set (between two rounds). `horizon` (default `until`): how far the links a round's
+        choice weighs may reach (`step`); past `until`, the rounds after the last one installed
+        decide between its links too."""
+        horizon = until if horizon is None else max(until, horizon)
         done = Replayed()
         started = time.perf_counter()
         reads = RoundReads(self.dht)
@@ -249,8 +254,8 @@ class Replayer:
                 break
             reads.forget(t)
             if ("chain", t, worker.stage) not in reads:
-                reads.prefetch(t, min(until, t + PREFETCH), worker.stage)
-            why = self.step(worker, done, reads, fetcher, until)
+                reads.prefetch(t, min(horizon, t + PREFETCH), worker.stage)
+            why = self.step(worker, done, reads, fetcher, horizon)
             if why:
                 done.stopped = f"round {t}: {why}"
                 break
@@ -268,12 +273,12 @@ class Replayer:
         done.seconds = time.perf_counter() - started
         return done
 
-    def step(self, worker: StageState, done: Replayed, reads: RoundReads, fetcher: SetFetcher, until: int) -> str:
+    def step(self, worker: StageState, done: Replayed, reads: RoundReads, fetcher: SetFetcher, horizon: int) -> str:
         """Replay the worker's current round: "" when a checked link was installed, else why not.
 
         Links are checked in the canonical order (so a false one ahead of the true one gets its
         holders refused), but a genuine link whose state the published links go on from less far
-        towards `until` than another's (`RoundReads.reach`: a branch its holders left, switching or
+        towards `horizon` than another's (`RoundReads.reach`: a branch its holders left, switching or
         dying with their link still published) is passed over while a further-reaching one may hold;
         it is installed only when none does."""
         t, stage, prev = worker.outer_step, worker.stage, worker.state_id()
@@ -284,8 +289,9 @@ class Replayer:
         if not found:
             return f"no holder published a link from state {prev} (beyond the history window, or not committed yet)"
         reach: dict[str, int] = {}
-        if len(found) > 1 and t + 1 < until:
-            reach = {c.link.state: reads.reach(t + 1, stage, c.link.state, until, self.refusals.peers()) for c in found}
+        if len(found) > 1 and t + 1 < horizon:
+            refused = self.refusals.peers()
+            reach = {c.link.state: reads.reach(t + 1, stage, c.link.state, horizon, refused) for c in found}
         reasons, passed = [], None
         for i, cand in enumerate(found):
             why, checked = self._check(worker, cand, done, fetcher)

@@ -87,6 +87,25 @@ def disagreements(table: Table) -> tuple[int, int]:
     return committed, unresolved
 
 
+def disagreement_lines(table: Table, most: int = 8) -> list[str]:
+    """The (outer step, stage) pairs `disagreements` counts, one line each ("t/s: holder=source:hash
+    ...", a hash as parameters/T⊥; "!" marks an unresolved one), for a report to say where they were;
+    at most `most`."""
+    out = []
+    for (t, s), per_holder in sorted(table.items()):
+        rounds = {st for entries in per_holder.values() for src, st in entries if src == "round"}
+        last = {entries[-1][1][0] for entries in per_holder.values() if entries and entries[-1][0] != "moved"}
+        if len(rounds) > 1 or len(last) > 1:
+            held = " ".join(f"{h}=" + ",".join(_short(e) for e in entries) for h, entries in sorted(per_holder.items()))
+            out.append(f"{'!' if len(last) > 1 else ''}{t}/{s}: {held}")
+    return out[:most]
+
+
+def _short(entry: tuple[str, State]) -> str:
+    src, (param, perp) = entry
+    return f"{src}:{param[:8]}" + (f"/{perp[:6]}" if perp else "")
+
+
 def longest_disagreement(table: Table) -> int:
     """The most consecutive outer steps any one stage's holders committed different states (the
     protocol resolves a disagreement within one round of seeing it: at most 2 here)."""
@@ -211,6 +230,11 @@ def summary(
         "hash_disagreement_longest_run": longest_disagreement(table),
         "lone_commits": len(lone),
         "lone_commits_outside_freezes": len(outside_freezes(lone, faults)),
+        "lone_commits_outside_freezes_at": [
+            f"{c['holder']} {c['t']}/{c['stage']} at {c['time'] - (start or 0.0):.1f}s"
+            for c in outside_freezes(lone, faults)
+        ],
+        "disagreements_at": disagreement_lines(table),
         "switches": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "switch"),
         "syncs": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "sync"),
         "refusals": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "refused"),
