@@ -418,6 +418,25 @@ def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_se
     assert done and done[0].replicas == ["a"] and done[0].followed is not None and not done[0].timed_out
 
 
+def test_an_observer_whose_state_no_commit_starts_from_closes_its_complete_set_instead_of_the_deadline():
+    # `peer bench chaos` (CI, seed 5): a full replica catching up round 127 as an observer held stage 1
+    # at a state whose T⊥ the others had rebased already; their commits of round 127 came from theirs,
+    # none could be followed, and it waited to its deadline: 8 s late for round 128, whose head then
+    # closed without its payload
+    dht, clients = FakeDHT("me"), FakeClients({})
+    dht.replicas = {"a": _replica()}
+    dht.holders = {"o": {"outer_step": 0}}  # a contributor of the stage, still gathering
+    _other(dht, clients, "a", _payload(1))
+    done: list = []
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=None, timeout_s=30)))
+    th.start()
+    assert dht.polled(5) and th.is_alive()  # every expected payload held: an observer still waits for a commit
+    dht.holders = {"o": _claim(("a", _payload(1)), prev="rebased")}  # committed, from another state than ours
+    assert dht.polled(20) and th.is_alive()  # a commit from our state may still appear: not at once
+    th.join(10)
+    assert done and done[0].replicas == ["a"] and done[0].followed is None and not done[0].timed_out
+
+
 def test_an_observer_holding_nothing_waits_for_a_resyncing_replica_instead_of_closing_round_t_empty():
     # `peer bench chaos` (seed 6): a head catching up round 126 as an observer saw the full replica's
     # records at its replay's outer step (not expected, not gathering) and closed the round empty before

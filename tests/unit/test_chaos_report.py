@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from peer.research.bench.chaos_report import (
+    abandoned,
     disagreement_lines,
     disagreements,
     holder_events,
@@ -88,3 +89,16 @@ def test_a_lone_commit_is_explained_only_by_a_freeze_during_its_round():
     assert outside_freezes(lone, [{"kind": "stop", "time": 1.0, "until": 4.9}]) == lone  # thawed before it began
     assert outside_freezes(lone, [{"kind": "stop", "time": 10.5, "until": 12.0}]) == lone  # frozen after it
     assert outside_freezes(lone, [{"kind": "kill_fresh", "time": 6.0, "until": 6.1}]) == lone  # a kill is no freeze
+
+
+def test_a_holder_a_fresh_restart_replaced_keeps_no_state_at_the_end(tmp_path):
+    # the head commits round 3 alone and is killed before it can reconcile; its fresh restart is a new
+    # holder (head-1): the swarm keeps none of the old head's states, but its split still counts
+    _write(tmp_path, "head", [_round(3, 0, "p", "", ["head"], 1.0)])
+    _write(tmp_path, "full", [_round(3, 0, "q", "", ["head", "full"], 1.1)])
+    _write(tmp_path, "head-1", [_round(5, 0, "r", "", ["head", "full"], 9.0)])
+    gone = abandoned(["full", "head", "head-1", "s1b", "s1b-1", "s1b-2"])
+    assert gone == {"head", "s1b", "s1b-1"}
+    table = states(holder_events(tmp_path))
+    assert disagreements(table) == (1, 1)
+    assert disagreements(table, gone) == (1, 0)

@@ -143,6 +143,14 @@ def followable(claims: Iterable[Claim], t: int, prev: str) -> list[Claim]:
     return sorted(out, key=lambda c: (c.key, c.peer))
 
 
+def committed_only_from_others(claims: Iterable[Claim], t: int, prev: str, refused: Collection[str] = ()) -> bool:
+    """Whether round t was committed (by holders not `refused`) and every such commit started from
+    another state than `prev`: none of them can be followed from `prev`."""
+    counted = [c for c in claims if c.peer not in refused]
+    froms = {c.link.prev for c in counted if c.outer_step == t + 1 and c.link is not None and c.link.t == t}
+    return bool(froms) and prev not in froms
+
+
 def better(claims: Iterable[Claim], mine: Claim) -> list[Claim]:
     """Claims of the same round from the same state as `mine` that the canonical order puts before
     it, best first: each is checked by recomputation before it may replace our state."""

@@ -49,7 +49,15 @@ from peer.node.round.agreement import (
 )
 from peer.node.round.bans import PREFIX
 from peer.node.round.censors import CensorWatch, Evidence, evidence
-from peer.node.round.claims import Claim, closed_elsewhere, followable, observed, parse_claims, swarm_clock
+from peer.node.round.claims import (
+    Claim,
+    closed_elsewhere,
+    committed_only_from_others,
+    followable,
+    observed,
+    parse_claims,
+    swarm_clock,
+)
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution, Reading, ViewReader
 from peer.node.round.fetcher import Fetcher, NotRelayed, relay_wait_s
@@ -234,6 +242,7 @@ class _Gather:
         self.lapsed: set[str] = set()  # replicas whose sender was not alive at some poll of this gather
         self.unfetchable: set[tuple[str, str]] = set()  # claims whose set we could not fetch within the grace
         self.logged_claims: set[tuple[str, str]] = set()  # claims we logged as not followed
+        self.stranded_at: float | None = None  # when an observer first saw round t committed from another state
         self.established: set[str] = set()  # replica prefixes of our last committed set: expected by all
         self.result = RoundResult(t=t, stage=stage)
         self.fetcher = Fetcher(self.dht, self.clients, self.store, self.me, timings.rpc_s, self.n_stages)
@@ -343,13 +352,16 @@ class _Gather:
         # closes no empty set while another replica lives, none dropped: one re-syncing shows its replay's
         # step and a join past t, yet sends t (a head catching up closed t empty: refused as a censor)
         idle = not held and not read.view.dropped and any(r != self.me for r in read.replicas)
+        # ... but an observer whose state no commit of round t starts from (a T⊥ rebase of ours still to
+        # come) waits for none it could follow: once such commits have settled, its set closes
+        stranded = self.own is None and bool(held) and self._stranded(read)
         poll = Poll(
             fresh,
             past_deadline=time.monotonic() >= self.deadline,
             fenced=bool(fenced),
             complete=read.view.expected <= held | self.rejected | read.view.dropped,
             lone=held == {own_rid} and seen_gathering,
-            follower=self.own is None and (seen_gathering or idle),
+            follower=self.own is None and (seen_gathering or idle) and not stranded,
             short=self.t == 0 and quorum > 1 and len(held) < quorum,  # start-up: peers still appearing
             settling=lost,
         )
@@ -357,6 +369,18 @@ class _Gather:
 
     def _refused(self) -> frozenset[str]:
         return self.refusals.peers()
+
+    def _stranded(self, read: _Read) -> bool:
+        """Whether round t was committed by others, every commit from another state than ours (so none
+        can be followed: `followable`), for `SETTLE_S` since we first saw one — time for a commit from
+        our state to appear too."""
+        claims = read.claims.values()
+        if self.prev is None or not committed_only_from_others(claims, self.t, self.prev, self._refused()):
+            self.stranded_at = None
+            return False
+        if self.stranded_at is None:
+            self.stranded_at = time.monotonic()
+        return time.monotonic() - self.stranded_at >= SETTLE_S
 
     def _targets(self, read: _Read) -> list[Claim]:
         """The claims of round t we may follow, best first: from our state (an observer: the set most

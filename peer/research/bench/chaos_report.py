@@ -6,7 +6,8 @@ with --resume keeps its holder, a fresh restart is a new one) and every `<workdi
   outer step t + 1; a `sync` event gives the state it downloaded at its outer step, a `switch` event
   the checked state it replaced its own commit with (docs/protocol.md, RECONCILE).
 - Committed disagreements: (t + 1, s) where holders' round events disagree; unresolved: where the
-  holders' last known states still disagree at the end (a re-sync repairs a committed one).
+  holders' last known states still disagree at the end (a re-sync repairs a committed one); a holder
+  a fresh restart replaced (killed, its data directory never used again) holds nothing at the end.
 - Lone commits: a round event with a one-replica committed set that no other holder of the same
   (t, s) committed.
 - Stalls: gaps longer than `stall_s` between two consecutive round events of the whole swarm.
@@ -22,7 +23,7 @@ import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,30 +72,48 @@ def states(events: Mapping[str, Sequence[Mapping[str, Any]]]) -> Table:
     return out
 
 
-def disagreements(table: Table) -> tuple[int, int]:
+def abandoned(holders: Iterable[str]) -> set[str]:
+    """The holders a fresh restart of their role replaced (`holder_name`: a later generation exists):
+    their data directories are never used again, so the swarm keeps none of their states."""
+    holders = list(holders)
+    newest: dict[str, int] = {}
+    for h in holders:
+        newest[role_of(h)] = max(newest.get(role_of(h), 0), generation_of(h))
+    return {h for h in holders if generation_of(h) < newest[role_of(h)]}
+
+
+def _last_states(per_holder: Mapping[str, list[tuple[str, State]]], gone: Collection[str]) -> set[str]:
+    return {
+        entries[-1][1][0]
+        for h, entries in per_holder.items()
+        if entries and entries[-1][0] != "moved" and h not in gone
+    }
+
+
+def disagreements(table: Table, gone: Collection[str] = ()) -> tuple[int, int]:
     """(committed, unresolved) disagreement counts over (outer step, stage) pairs: holders whose
     commits of one round differ (a split), and those whose last known states still differ.
 
     A sync event carries no T⊥ hash, so the unresolved check compares parameter hashes only; a holder
-    that re-synced past the step since ("moved") holds none of the states there.
+    that re-synced past the step since ("moved") holds none of the states there, nor does one in
+    `gone` (`abandoned`: a kill and fresh restart replaced it; its split still counts as committed).
     """
     committed = unresolved = 0
     for per_holder in table.values():
         rounds = {st for entries in per_holder.values() for src, st in entries if src == "round"}
         committed += len(rounds) > 1
-        last = {entries[-1][1][0] for entries in per_holder.values() if entries and entries[-1][0] != "moved"}
-        unresolved += len(last) > 1
+        unresolved += len(_last_states(per_holder, gone)) > 1
     return committed, unresolved
 
 
-def disagreement_lines(table: Table, most: int = 8) -> list[str]:
+def disagreement_lines(table: Table, gone: Collection[str] = (), most: int = 8) -> list[str]:
     """The (outer step, stage) pairs `disagreements` counts, one line each ("t/s: holder=source:hash
     ...", a hash as parameters/T⊥; "!" marks an unresolved one), for a report to say where they were;
     at most `most`."""
     out = []
     for (t, s), per_holder in sorted(table.items()):
         rounds = {st for entries in per_holder.values() for src, st in entries if src == "round"}
-        last = {entries[-1][1][0] for entries in per_holder.values() if entries and entries[-1][0] != "moved"}
+        last = _last_states(per_holder, gone)
         if len(rounds) > 1 or len(last) > 1:
             held = " ".join(f"{h}=" + ",".join(_short(e) for e in entries) for h, entries in sorted(per_holder.items()))
             out.append(f"{'!' if len(last) > 1 else ''}{t}/{s}: {held}")
@@ -204,7 +223,8 @@ def summary(
     # the swarm's start-up (before the first fault) and its final shutdown are not churn
     events = holder_events(workdir, end, start)
     table = states(events)
-    committed, unresolved = disagreements(table)
+    gone = abandoned(p.parent.name for p in Path(workdir).glob("*/metrics.jsonl"))
+    committed, unresolved = disagreements(table, gone)
     crashes = [f for f in faults if f["kind"] == "crash"]  # a role that exited by itself
     faults = [f for f in faults if f["kind"] != "crash"]
     by_kind: dict[str, int] = defaultdict(int)
@@ -234,7 +254,7 @@ def summary(
             f"{c['holder']} {c['t']}/{c['stage']} at {c['time'] - (start or 0.0):.1f}s"
             for c in outside_freezes(lone, faults)
         ],
-        "disagreements_at": disagreement_lines(table),
+        "disagreements_at": disagreement_lines(table, gone),
         "switches": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "switch"),
         "syncs": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "sync"),
         "refusals": sum(1 for evs in events.values() for ev in evs if ev.get("event") == "refused"),
@@ -258,3 +278,9 @@ def holder_name(role: str, generation: int) -> str:
 
 def role_of(holder: str) -> str:
     return re.sub(r"-\d+$", "", holder)
+
+
+def generation_of(holder: str) -> int:
+    """`holder_name`'s generation: 0 for the role's first start."""
+    found = re.search(r"-(\d+)$", holder)
+    return int(found.group(1)) if found else 0
