@@ -15,7 +15,9 @@ Every `poll` (the bootstrap's serve loop, on a thread of its own):
 2. publish one `attest.{s}` record per stage (a stage record: address, outer step, state id, link),
    signed by the bootstrap's key like every record;
 3. save each stage's state to `folder` (`stage-{s}.pt`, atomically) when it moved, so a restarted
-   bootstrap goes on from its own checked state instead of the initial one.
+   bootstrap goes on from its own checked state instead of the initial one, and keep the last
+   `KEEP_STATES` of them (`stage-{s}/`): a state on a branch the swarm left further back than one
+   round goes back to the newest kept one from which the published links reach the clock.
 `state_reply(stage)` serves the attested state (`GetState`); a joiner checks it against the state
 id of the attestation before it replays on from it (`peer.node.round.resync.download_claimed`).
 `payload` serves what the replays fetched in the history window (`GetPayload`, sender named), so a
@@ -25,8 +27,8 @@ Invariants: the attester's states are reached only by `StageState.advance` (a ch
 `reset_initial` or its own checkpoint; it never downloads a state. A stage it cannot follow (it
 fell out of the history window) keeps its last attestation's state and says why, every
 `WARN_EVERY_S`, until the rounds it needs are served again.
-Cost: one stage state per stage (parameters, θ_start, T⊥) and every committed payload of every
-stage fetched once per round — a machine that could hold a full replica (docs/protocol.md).
+Cost: one stage state per stage (parameters, θ_start, T⊥) in memory, `KEEP_STATES` + 1 of them
+per stage on disk, and every committed payload of every stage fetched once per round — a machine that could hold a full replica (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -56,7 +58,16 @@ from peer.node.stage.state import StageState
 
 log = logging.getLogger(__name__)
 
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 WARN_EVERY_S = 60.0  # a stage that cannot be followed says so this often
+KEEP_STATES = 8  # checked states kept per stage (`folder`/stage-{s}/): how far back a dead end can go
 
 
 class Attester:
@@ -75,11 +86,12 @@ class Attester:
         self.store.restore()
         self.replayer = Replayer(cfg, dht, self._fetcher, self.refusals)
         self.stages = {s: StageState(cfg, s) for s in range(cfg.stages)}
-        self.saved = {s: -1 for s in self.stages}
+        self.saved = {s: "" for s in self.stages}  # stage → the state id last saved
         self.stuck: dict[int, str] = {}  # stage → why it cannot follow now
         self._warned_at: dict[int, float] = {}
         self.last: dict[int, Replayed] = {}
         self._rewound: dict[tuple[int, str], float] = {}  # (stage, state) gone back from → not again before
+        self._gone_back: dict[int, tuple[str, int]] = {}  # stage → (state, clock) `_go_back` last tried from
         for s, state in self.stages.items():
             self._resume(s, state)
 
@@ -120,7 +132,7 @@ class Attester:
         # published may be a lone holder's that the others overtake a moment later; the links of round
         # `clock` (the horizon) weigh between those of the round before (`Replayer.step`)
         done = self.replayer.run(state, clock, horizon=clock + 1)
-        if not done.rounds and self._rewind(s, state):
+        if not done.rounds and (self._rewind(s, state) or self._go_back(s, state, clock)):
             done = self.replayer.run(state, clock, horizon=clock + 1)
         self.last[s] = done
         if done.rounds:
@@ -158,6 +170,47 @@ class Attester:
             "attester: stage %d back at outer step %d: round %d went on from another state than %s", s, prev.t, t, held
         )
         return True
+
+    def _go_back(self, s: int, state: StageState, clock: int) -> bool:
+        """Our state is a dead end further back than one round: round t was committed, from other
+        states only (a branch whose holders switched away, or died, while their links stay published).
+        Back to the newest state we kept (`_keep`) from which the published links reach the clock —
+        the branch the swarm went on along — checked against its state id. True when one loaded."""
+        t, held, kept = state.outer_step, state.state_id(), self._kept(s)
+        if not kept or self._gone_back.get(s) == (held, clock):
+            return False  # nothing kept, or tried from here at this clock already
+        self._gone_back[s] = (held, clock)
+        links = self.dht.get_round("chain", t, s, parse_chain)
+        if not links or any(link.prev == held for link in links.values()):
+            return False  # round t not committed yet, or a link of it goes on from our state
+        reads, refused = RoundReads(self.dht), self.refusals.peers()
+        for step, sid, path in kept:
+            if step >= t or reads.reach(step, s, sid, clock, refused) < clock:
+                continue
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                if saved.get("state_id") != sid:
+                    raise ValueError("it names another state")
+                state.load_state_dict(saved)
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("attester: ignoring %s (%s)", path, exc)
+                continue
+            if state.state_id() != sid:  # a file that loads but does not give its state: no start of ours
+                log.warning("attester: %s does not hold the state it names; stage %d starts over", path, s)
+                state.reset_initial()
+                return True
+            with state.lock:
+                state.verified = True  # our own checked state, kept by us
+            log.info(
+                "attester: stage %d back at outer step %d (state %s): round %d went on from other states than %s",
+                s,
+                step,
+                sid,
+                t,
+                held,
+            )
+            return True
+        return False
 
     def _attest(self, s: int, state: StageState) -> None:
         with state.lock:
@@ -205,8 +258,8 @@ class Attester:
 
     def _save(self, s: int, state: StageState) -> None:
         path = self._path(s)
-        if path is None or self.saved[s] == state.outer_step:
-            return
+        if path is None or self.saved[s] == state.state_id():
+            return  # saved already (a state gone back from and replayed to again is saved again)
         with state.lock:
             kept = {
                 "outer_step": state.outer_step,
@@ -221,7 +274,28 @@ class Attester:
         torch.save(kept, buf)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, buf.getvalue())
-        self.saved[s] = state.outer_step
+        self.saved[s] = sid = str(kept["state_id"])
+        self._keep(s, state.outer_step, sid, buf.getvalue())
+
+    def _keep(self, s: int, step: int, sid: str, data: bytes) -> None:
+        """Keep the state just saved beside the `KEEP_STATES` - 1 newest ones (`_go_back`'s starts)."""
+        assert self.folder is not None
+        folder = self.folder / f"stage-{s}"
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(folder / f"{step:08d}-{sid}.pt", data)
+        for _, _, old in self._kept(s)[KEEP_STATES:]:
+            old.unlink(missing_ok=True)
+
+    def _kept(self, s: int) -> list[tuple[int, str, Path]]:
+        """The states `_keep` kept of stage `s`: (outer step, state id, file), newest first."""
+        if self.folder is None:
+            return []
+        out = []
+        for path in (self.folder / f"stage-{s}").glob("*.pt"):
+            step, _, sid = path.stem.partition("-")
+            if step.isdigit() and sid:
+                out.append((int(step), sid, path))
+        return sorted(out, key=lambda k: (k[0], _mtime(k[2])), reverse=True)
 
     def _resume(self, s: int, state: StageState) -> None:
         path = self._path(s)
@@ -242,7 +316,7 @@ class Attester:
             return
         with state.lock:
             state.verified = True  # our own checked state, saved by us
-        self.saved[s] = state.outer_step
+        self.saved[s] = state.state_id()
         log.info("attester: stage %d resumed at outer step %d (state %s)", s, state.outer_step, state.state_id())
 
     def _fetcher(self, reads: RoundReads) -> SetFetcher:

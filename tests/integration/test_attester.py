@@ -252,3 +252,68 @@ def test_the_attester_stops_at_the_clock_and_takes_the_link_the_next_round_goes_
         for dht in dhts:
             if all(dht is not s.dht for s in sessions):
                 dht.shutdown()
+
+
+def test_the_attester_on_a_branch_that_died_two_rounds_deep_goes_back_to_a_state_it_kept(tmp_path, reap_children):
+    # rounds R − 4 and R − 3 were first committed along a branch (a's payload alone, then both) whose
+    # holders then left it; the swarm went on from the other set of round R − 4. Going back one round
+    # lands on the branch again: the attester goes back to the newest state it kept from which the
+    # published links reach the clock, and replays the swarm's branch from there
+    from peer.core.sparseloco.codec.format import Payload
+
+    cfg = replay_config(history_rounds=ROUNDS + 4)
+    dhts: list[SwarmDHT] = []
+    sessions: list[Session] = []
+    clients = ClientPool(10.0)
+    try:
+        dhts.append(SwarmDHT())
+        dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(2)]
+        for dht in dhts:
+            dht.set_run("dead-branch-test", cfg.stages)
+        a_dht, b_dht, att_dht = dhts
+        history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
+        history.run(ROUNDS)
+        ttl = history_ttl_s(cfg.swarm)
+        fork = ROUNDS - 4
+        dead = StageWorker(cfg, STAGE)
+        dead_links = {}
+        for t in range(fork + 2):
+            rids = history.replicas[:1] if t == fork else history.replicas
+            dead.apply_round([Payload.from_bytes(history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
+            if t >= fork:
+                dead_links[t] = dead.ledger.link
+        assert dead_links[fork].state != history.links[(fork, STAGE)].state
+
+        def at(clock: int) -> None:
+            for dht in (a_dht, b_dht):
+                replica = {"kind": "full", "outer_step": clock, "shard": 0, "joined_at": 0, "address": ""}
+                dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
+
+        for dht in (a_dht, b_dht):
+            sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
+        for t in range(fork):
+            a_dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), ttl)
+        for t, link in dead_links.items():
+            b_dht.announce_round("chain", t, STAGE, chain_record(link), ttl)  # b's branch, b then leaves it
+        attester = Attester(cfg, att_dht, clients, "127.0.0.1:1", folder=tmp_path / "attest")
+        for clock in range(1, fork + 3):  # one round a poll: a state kept at every outer step
+            at(clock)
+            attester.poll()
+            assert attester.stages[STAGE].outer_step == clock
+        assert attester.stages[STAGE].state_id() == dead_links[fork + 1].state  # on the branch, the only one yet
+
+        for t in range(fork, ROUNDS):  # the swarm's branch, from the other set of round R − 4
+            a_dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), ttl)
+        at(ROUNDS)
+        for _ in range(3):  # one round back lands on the branch again (rewind); then a kept state
+            attester.poll()
+        assert attester.stages[STAGE].outer_step == ROUNDS
+        assert attester.stages[STAGE].state_id() == history.state(STAGE)
+        assert len(list((tmp_path / "attest" / f"stage-{STAGE}").glob("*.pt"))) <= 8  # KEEP_STATES
+    finally:
+        clients.close()
+        for session in sessions:
+            session.close()
+        for dht in dhts:
+            if all(dht is not s.dht for s in sessions):
+                dht.shutdown()
