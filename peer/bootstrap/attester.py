@@ -28,7 +28,8 @@ Invariants: the attester's states are reached only by `StageState.advance` (a ch
 fell out of the history window) keeps its last attestation's state and says why, every
 `WARN_EVERY_S`, until the rounds it needs are served again.
 Cost: one stage state per stage (parameters, θ_start, T⊥) in memory, `KEEP_STATES` + 1 of them
-per stage on disk, and every committed payload of every stage fetched once per round — a machine that could hold a full replica (docs/protocol.md).
+per stage on disk, and every committed payload of every stage fetched once per round — a machine
+that could hold a full replica (docs/protocol.md).
 """
 
 from __future__ import annotations
