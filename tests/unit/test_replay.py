@@ -369,6 +369,29 @@ def test_an_outvoted_holder_past_the_window_goes_back_one_round_not_to_the_initi
     assert resync.replayed[-1].rounds == 1  # round 3 again, from its start: nothing before it was asked for
 
 
+def test_an_outvoted_holder_whose_replay_ends_on_its_own_state_keeps_taking_part(history):
+    """`peer bench chaos`: a full replica outvoted on stage 1 went back a round and replayed to the very
+    state it held (its own link is the canonical one); bumping its `joined_at` past the round it had
+    already sent made the others stop expecting its payload, and it refused them as censors."""
+    cfg = replay_config(history_rounds=3)  # past the window: an outvoted holder goes back one round
+    board = Board(history)
+    _honest(board, history)
+    resync = _resync(board, history, {"R0": {"kind": "full", "outer_step": 4}}, cfg)
+    worker = StageWorker(CFG, 0)
+    _replayer(board, history, Refusals()).run(worker, 4)
+    held = worker.state_id()
+    assert worker.outer_step == 4 and held == history.state(0) and worker.verified
+    lone = StageWorker(CFG, 0)  # another set of round 3 from the same state: a's payload alone
+    _replayer(board, history, Refusals()).run(lone, 3)
+    alone = history.payloads[(3, 0, history.replicas[0])]
+    lone.apply_round([Payload.from_bytes(alone)], None, history.replicas[:1])
+    board.link("L", lone.ledger.link, 0)
+    resync.me.joined_at = 2
+    assert resync.sync_state(worker, "outvoted", keep_errors=True, vote=True, wait_s=0)  # back a round, replayed
+    assert worker.outer_step == 4 and worker.state_id() == held  # the canonical link of round 3 is ours
+    assert resync.me.joined_at == 2  # it took part in round 4 as it was: still expected there
+
+
 ATTESTER = "Qm" + "A" * 44
 
 

@@ -217,15 +217,20 @@ class Resync:
             self.stop.wait(min(1.0, self.cfg.swarm.announce_interval_s))
         changed = (worker.outer_step, worker.state_id(), worker.loads) != before
         if changed:
-            self._adopted(worker, keep_errors, reason)
+            self._adopted(worker, keep_errors, reason, moved=(worker.outer_step, worker.state_id()) != before[:2])
         return changed
 
-    def _adopted(self, worker: StageWorker, keep_errors: bool, reason: str) -> None:
-        """After a re-sync moved `worker`: optimizer, `joined_at`, the count, the log and our records."""
+    def _adopted(self, worker: StageWorker, keep_errors: bool, reason: str, moved: bool = True) -> None:
+        """After a re-sync moved `worker`: optimizer, `joined_at`, the count, the log and our records.
+        `moved` False: the replay went back and ended on the very state we held (an outvoted holder
+        whose own link the canonical order kept): we took part in round t as we were, and its payload
+        may be out already, so `joined_at` stays (bumped, others stop expecting a payload we sent, and
+        we refuse as censors the holders that closed without it)."""
         if not keep_errors:
             worker.fresh_optimizer()  # a late joiner starts with an empty error buffer and AdamW
         # a peer that (re)synced at t contributes from t + 1 (DESIGN §3: late joiners)
-        self.me.joined_at = max(self.me.joined_at, worker.outer_step + 1)
+        if moved:
+            self.me.joined_at = max(self.me.joined_at, worker.outer_step + 1)
         self.count += 1
         t, state = worker.outer_step, worker.state_id()
         log.info("%s: stage %d replayed to outer step %d (state %s)", reason, worker.stage, t, state)
