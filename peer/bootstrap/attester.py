@@ -59,16 +59,15 @@ from peer.node.stage.state import StageState
 
 log = logging.getLogger(__name__)
 
+WARN_EVERY_S = 60.0  # a stage that cannot be followed says so this often
+KEEP_STATES = 8  # checked states kept per stage (`folder`/stage-{s}/): how far back a dead end can go
+
 
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
     except OSError:
         return 0.0
-
-
-WARN_EVERY_S = 60.0  # a stage that cannot be followed says so this often
-KEEP_STATES = 8  # checked states kept per stage (`folder`/stage-{s}/): how far back a dead end can go
 
 
 class Attester:
@@ -180,10 +179,10 @@ class Attester:
         t, held, kept = state.outer_step, state.state_id(), self._kept(s)
         if not kept or self._gone_back.get(s) == (held, clock):
             return False  # nothing kept, or tried from here at this clock already
-        self._gone_back[s] = (held, clock)
         links = self.dht.get_round("chain", t, s, parse_chain)
         if not links or any(link.prev == held for link in links.values()):
             return False  # round t not committed yet, or a link of it goes on from our state
+        self._gone_back[s] = (held, clock)
         reads, refused = RoundReads(self.dht), self.refusals.peers()
         for step, sid, path in kept:
             if step >= t or reads.reach(step, s, sid, clock, refused) < clock:
