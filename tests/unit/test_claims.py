@@ -9,6 +9,7 @@ from peer.node.round.claims import (
     Link,
     better,
     closed_elsewhere,
+    committed_only_from_others,
     entry,
     followable,
     majority,
@@ -16,6 +17,7 @@ from peer.node.round.claims import (
     parse_claims,
     state_id,
     swarm_clock,
+    voters,
 )
 
 SHA = "a" * 64
@@ -146,3 +148,31 @@ def test_an_observer_takes_the_set_most_holders_committed():
 def test_state_ids_cover_parameters_perp_and_bans():
     ids = {state_id(p, q, b) for p in ("1", "2") for q in ("1", "2") for b in ({}, {"A": [1, 2, 0]})}
     assert len(ids) == 8 and all(len(i) == 16 for i in ids)
+
+
+def test_a_claim_whose_perp_moved_by_another_stage_0_set_is_no_vote():
+    # CI's chaos run: two stage peers had moved T⊥ by stage 0's set {full, head} of a round whose head
+    # died before committing it; the full replica, stage 0's one holder, committed {full}. Their two
+    # claims outvoted the one right T⊥, sent it back a round, and they rebased onto it a moment later
+    ours = (entry("F" * 20, SHA),)
+    theirs = (entry("F" * 20, SHA), entry("H" * 20, SHA))
+    moved = [Claim(p, 5, "x", Link(4, "p", "x", ours, embed=theirs)) for p in ("a", "b")]
+    right = Claim("c", 5, "y", Link(4, "p", "y", ours, embed=ours))
+    plain = Claim("d", 5, "z", None)  # a downloaded state: no link to judge its T⊥ by
+    early = Claim("e", 4, "w", Link(3, "q", "w", ours, embed=theirs))
+    everyone = [*moved, right, plain, early]
+    assert voters(everyone, 5, ours) == [right, plain]
+    assert voters(everyone, 5, None) == [*moved, right, plain]  # stage 0's set not known: every claim votes
+    outvoted = majority(moved, 5, (5, "y"))
+    assert outvoted is not None and outvoted.state == "x"  # counted as before: 2 of 3 send us back
+    kept = majority(voters(moved, 5, ours), 5, (5, "y"))
+    assert kept is None or kept.state == "y"  # counted now: nobody outvotes the T⊥ stage 0 committed
+
+
+def test_round_t_committed_only_from_other_states_is_told_apart():
+    link = lambda prev: Link(4, prev, "s", (entry("A" * 20, SHA),))  # noqa: E731
+    assert committed_only_from_others([Claim("a", 5, "s", link("other"))], 4, "ours")
+    both = [Claim("a", 5, "s", link("other")), Claim("b", 5, "s", link("ours"))]
+    assert not committed_only_from_others(both, 4, "ours")
+    assert not committed_only_from_others([Claim("a", 5, "s", link("other"))], 4, "ours", refused={"a"})
+    assert not committed_only_from_others([Claim("a", 4, "s", None)], 4, "ours")  # nobody committed round 4 yet

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,20 @@ def committed_only_from_others(claims: Iterable[Claim], t: int, prev: str, refus
     counted = [c for c in claims if c.peer not in refused]
     froms = {c.link.prev for c in counted if c.outer_step == t + 1 and c.link is not None and c.link.t == t}
     return bool(froms) and prev not in froms
+
+
+def voters(claims: Iterable[Claim], step: int, embed: Sequence[Entry] | None) -> list[Claim]:
+    """The claims at outer step `step` that vote on a stage's state (`majority`): a claim whose T⊥
+    moved by another stage-0 set than `embed` — stage 0's committed set of that round, None when not
+    known — is no vote: its holder rebases its T⊥ onto stage 0's set itself (RECONCILE), and an
+    outvote by such claims once sent the one holder of the right T⊥ back a round."""
+    wanted = None if embed is None else tuple(embed)
+    return [
+        c
+        for c in claims
+        if c.outer_step == step
+        and (wanted is None or c.link is None or c.link.embed is None or tuple(c.link.embed) == wanted)
+    ]
 
 
 def better(claims: Iterable[Claim], mine: Claim) -> list[Claim]:

@@ -44,7 +44,7 @@ from peer.net.pool import ClientPool
 from peer.net.transport.messages import StateReply, StateRequest
 from peer.node.checkpoints.peer import PeerCheckpoints
 from peer.node.round.bans import PREFIX
-from peer.node.round.claims import Claim, better, majority, parse_claims, swarm_clock
+from peer.node.round.claims import Claim, better, majority, parse_claims, swarm_clock, voters
 from peer.node.round.context import RoundContext
 from peer.node.round.recheck import ClaimChecks
 from peer.node.round.replay import Replayed, Replayer, RoundReads, SkipDead
@@ -402,7 +402,7 @@ class Resync:
         stale_embed = embed is not None and mine.link is not None and mine.link.embed not in (None, embed)
         if stale_embed and embed is not None and self.checks.rebase_embed(worker, embed, holders):
             return True
-        same = [c for c in claims.values() if c.outer_step == worker.outer_step]
+        same = voters(claims.values(), worker.outer_step, embed)
         win = majority(same, worker.outer_step, (worker.outer_step, mine.state))
         if win is None or win.state == mine.state or not _worse(mine, [claims[p] for p in win.holders]):
             return False
