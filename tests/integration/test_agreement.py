@@ -404,14 +404,21 @@ def test_a_hot_spare_does_not_hold_a_lone_contributor_until_the_deadline():
     assert result.replicas == ["me"] and not result.timed_out
 
 
-def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_set():
+def _observing_a_beside_o(timeout_s: float = 5.0) -> tuple:
+    """Our gather of round 0 as an observer (in a thread) while contributor o still gathers it and a's
+    payload, the one expected, is held."""
     dht, clients = FakeDHT("me"), FakeClients({})
     dht.replicas = {"a": _replica()}
     dht.holders = {"o": {"outer_step": 0}}  # a contributor of the stage, still gathering
     _other(dht, clients, "a", _payload(1))
     done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=None)))
+    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=None, timeout_s=timeout_s)))
     th.start()
+    return dht, done, th
+
+
+def test_an_observer_follows_a_contributors_commit_instead_of_closing_its_own_set():
+    dht, done, th = _observing_a_beside_o()
     assert dht.polled(5) and th.is_alive()  # every expected payload is held, but an observer does not decide the set
     dht.holders = {"o": _claim(("a", _payload(1)))}
     th.join(5)
@@ -423,13 +430,7 @@ def test_an_observer_whose_state_no_commit_starts_from_closes_its_complete_set_i
     # at a state whose T⊥ the others had rebased already; their commits of round 127 came from theirs,
     # none could be followed, and it waited to its deadline: 8 s late for round 128, whose head then
     # closed without its payload
-    dht, clients = FakeDHT("me"), FakeClients({})
-    dht.replicas = {"a": _replica()}
-    dht.holders = {"o": {"outer_step": 0}}  # a contributor of the stage, still gathering
-    _other(dht, clients, "a", _payload(1))
-    done: list = []
-    th = threading.Thread(target=lambda: done.append(_gather(dht, clients, own=None, timeout_s=30)))
-    th.start()
+    dht, done, th = _observing_a_beside_o(timeout_s=30)
     assert dht.polled(5) and th.is_alive()  # every expected payload held: an observer still waits for a commit
     dht.holders = {"o": _claim(("a", _payload(1)), prev="rebased")}  # committed, from another state than ours
     assert dht.polled(20) and th.is_alive()  # a commit from our state may still appear: not at once

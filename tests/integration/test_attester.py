@@ -15,9 +15,12 @@ as the bootstrap runs it) follows the stage by replay. After they expired:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,13 +151,43 @@ def test_a_joiner_past_the_window_starts_from_the_attested_state_and_only_a_name
                 dht.shutdown()
 
 
-def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(tmp_path, reap_children):
-    # the attester replays round R − 2 while the only link of it is a set the holders then switch
-    # away from (a RECONCILE switch republishes the round's link); round R − 1 goes on from the
-    # switched state only: the attester goes back a round and replays the set the swarm went on from
-    from peer.core.sparseloco.codec.format import Payload
+@dataclasses.dataclass
+class TwoHolders:
+    """Holders a and b of `History` (serving every round's payload) and the attester's DHT node."""
 
-    cfg = replay_config(history_rounds=ROUNDS + 2)
+    cfg: Any
+    history: History
+    a: SwarmDHT
+    b: SwarmDHT
+    attester_dht: SwarmDHT
+    clients: ClientPool
+    ttl: float
+
+    def at(self, clock: int) -> None:
+        """Both holders' replica records at outer step `clock`: the swarm's clock."""
+        for dht in (self.a, self.b):
+            replica = {"kind": "full", "outer_step": clock, "shard": 0, "joined_at": 0, "address": ""}
+            dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=self.ttl)
+
+    def link(self, dht: SwarmDHT, link: Any) -> None:
+        dht.announce_round("chain", link.t, STAGE, chain_record(link), self.ttl)
+
+    def branch(self, alone: set[int], rounds: int) -> dict[int, Any]:
+        """Links of another history of `rounds` rounds: rounds in `alone` committed with a's payload
+        alone, the others with both (genuine sets, their states off the honest ones from the first)."""
+        from peer.core.sparseloco.codec.format import Payload
+
+        worker, links = StageWorker(self.cfg, STAGE), {}
+        for t in range(rounds):
+            rids = self.history.replicas[:1] if t in alone else self.history.replicas
+            worker.apply_round([Payload.from_bytes(self.history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
+            links[t] = worker.ledger.link
+        return links
+
+
+@contextlib.contextmanager
+def _two_holders(tmp_path: Path, run: str, history_rounds: int) -> Iterator[TwoHolders]:
+    cfg = replay_config(history_rounds=history_rounds)
     dhts: list[SwarmDHT] = []
     sessions: list[Session] = []
     clients = ClientPool(10.0)
@@ -162,36 +195,14 @@ def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(t
         dhts.append(SwarmDHT())
         dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(2)]
         for dht in dhts:
-            dht.set_run("rewind-test", cfg.stages)
+            dht.set_run(run, cfg.stages)
         a_dht, b_dht, att_dht = dhts
         history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
         history.run(ROUNDS)
         ttl = history_ttl_s(cfg.swarm)
-        overtaken = StageWorker(cfg, STAGE)  # round ROUNDS − 2 committed with a's payload alone
-        for t in range(ROUNDS - 1):
-            rids = history.replicas if t < ROUNDS - 2 else history.replicas[:1]
-            overtaken.apply_round([Payload.from_bytes(history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
-        assert overtaken.ledger.link is not None and overtaken.state_id() != history.links[(ROUNDS - 2, STAGE)].state
-
-        def publish(dht: SwarmDHT, upto: int, switched: bool) -> None:
-            for t in range(upto):
-                link = overtaken.ledger.link if t == ROUNDS - 2 and not switched else history.links[(t, STAGE)]
-                dht.announce_round("chain", t, STAGE, chain_record(link), ttl)
-            replica = {"kind": "full", "outer_step": upto, "shard": 0, "joined_at": 0, "address": ""}
-            dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
-
         for dht in (a_dht, b_dht):
             sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
-            publish(dht, ROUNDS - 1, switched=False)
-        attester = Attester(cfg, att_dht, clients, "127.0.0.1:1")
-        attester.poll()
-        assert attester.stages[STAGE].state_id() == overtaken.state_id()  # the only link of round ROUNDS − 2 then
-
-        for dht in (a_dht, b_dht):
-            publish(dht, ROUNDS, switched=True)  # switched to the set of both, and went on from there
-        attester.poll()
-        assert attester.stages[STAGE].outer_step == ROUNDS
-        assert attester.stages[STAGE].state_id() == history.state(STAGE)
+        yield TwoHolders(cfg, history, a_dht, b_dht, att_dht, clients, ttl)
     finally:
         clients.close()
         for session in sessions:
@@ -199,6 +210,32 @@ def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(t
         for dht in dhts:
             if all(dht is not s.dht for s in sessions):
                 dht.shutdown()
+
+
+def test_the_attester_goes_back_a_round_when_the_set_it_replayed_was_overtaken(tmp_path, reap_children):
+    # the attester replays round R − 2 while the only link of it is a set the holders then switch
+    # away from (a RECONCILE switch republishes the round's link); round R − 1 goes on from the
+    # switched state only: the attester goes back a round and replays the set the swarm went on from
+    with _two_holders(tmp_path, "rewind-test", ROUNDS + 2) as swarm:
+        history = swarm.history
+        overtaken = swarm.branch({ROUNDS - 2}, ROUNDS - 1)[ROUNDS - 2]  # round R − 2 with a's payload alone
+        assert overtaken.state != history.links[(ROUNDS - 2, STAGE)].state
+        for dht in (swarm.a, swarm.b):
+            for t in range(ROUNDS - 2):
+                swarm.link(dht, history.links[(t, STAGE)])
+            swarm.link(dht, overtaken)
+        swarm.at(ROUNDS - 1)
+        attester = Attester(swarm.cfg, swarm.attester_dht, swarm.clients, "127.0.0.1:1")
+        attester.poll()
+        assert attester.stages[STAGE].state_id() == overtaken.state  # the only link of round R − 2 then
+
+        for dht in (swarm.a, swarm.b):  # switched to the set of both (the link republished), and went on
+            for t in (ROUNDS - 2, ROUNDS - 1):
+                swarm.link(dht, history.links[(t, STAGE)])
+        swarm.at(ROUNDS)
+        attester.poll()
+        assert attester.stages[STAGE].outer_step == ROUNDS
+        assert attester.stages[STAGE].state_id() == history.state(STAGE)
 
 
 def test_the_attester_stops_at_the_clock_and_takes_the_link_the_next_round_goes_on_from(tmp_path, reap_children):
@@ -206,52 +243,20 @@ def test_the_attester_stops_at_the_clock_and_takes_the_link_the_next_round_goes_
     # payload alone; round R − 1 (the round still being committed: the replicas are at R − 1) goes on
     # from the second only. The attester takes the second, the branch the swarm went on from, and stops
     # at the clock: a link of the round in flight may be a lone holder's the others overtake next
-    from peer.core.sparseloco.codec.format import Payload
-
-    cfg = replay_config(history_rounds=ROUNDS + 2)
-    dhts: list[SwarmDHT] = []
-    sessions: list[Session] = []
-    clients = ClientPool(10.0)
-    try:
-        dhts.append(SwarmDHT())
-        dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(2)]
-        for dht in dhts:
-            dht.set_run("horizon-test", cfg.stages)
-        a_dht, b_dht, att_dht = dhts
-        history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
-        history.run(ROUNDS)
-        ttl = history_ttl_s(cfg.swarm)
-        branch = StageWorker(cfg, STAGE)  # round R − 2 with a's payload alone, round R − 1 from there
-        for t in range(ROUNDS):
-            rids = history.replicas[:1] if t == ROUNDS - 2 else history.replicas
-            branch.apply_round([Payload.from_bytes(history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
-            if t == ROUNDS - 2:
-                lone = branch.ledger.link
-        assert lone is not None and lone.state != history.links[(ROUNDS - 2, STAGE)].state
-        next_link = branch.ledger.link
-        assert next_link is not None and next_link.prev == lone.state
-
-        for dht in (a_dht, b_dht):
-            sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
-            replica = {"kind": "full", "outer_step": ROUNDS - 1, "shard": 0, "joined_at": 0, "address": ""}
-            dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
-        for t in range(ROUNDS - 2):
-            a_dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), ttl)
-        a_dht.announce_round("chain", ROUNDS - 2, STAGE, chain_record(history.links[(ROUNDS - 2, STAGE)]), ttl)
-        b_dht.announce_round("chain", ROUNDS - 2, STAGE, chain_record(lone), ttl)
-        b_dht.announce_round("chain", ROUNDS - 1, STAGE, chain_record(next_link), ttl)
-
-        attester = Attester(cfg, att_dht, clients, "127.0.0.1:1")
+    with _two_holders(tmp_path, "horizon-test", ROUNDS + 2) as swarm:
+        history = swarm.history
+        branch = swarm.branch({ROUNDS - 2}, ROUNDS)
+        lone, next_link = branch[ROUNDS - 2], branch[ROUNDS - 1]
+        assert lone.state != history.links[(ROUNDS - 2, STAGE)].state and next_link.prev == lone.state
+        for t in range(ROUNDS - 1):
+            swarm.link(swarm.a, history.links[(t, STAGE)])
+        swarm.link(swarm.b, lone)
+        swarm.link(swarm.b, next_link)
+        swarm.at(ROUNDS - 1)
+        attester = Attester(swarm.cfg, swarm.attester_dht, swarm.clients, "127.0.0.1:1")
         attester.poll()
         assert attester.stages[STAGE].outer_step == ROUNDS - 1  # the clock: round R − 1 is not replayed yet
         assert attester.stages[STAGE].state_id() == lone.state  # the branch round R − 1 goes on from
-    finally:
-        clients.close()
-        for session in sessions:
-            session.close()
-        for dht in dhts:
-            if all(dht is not s.dht for s in sessions):
-                dht.shutdown()
 
 
 def test_the_attester_on_a_branch_that_died_two_rounds_deep_goes_back_to_a_state_it_kept(tmp_path, reap_children):
@@ -259,61 +264,27 @@ def test_the_attester_on_a_branch_that_died_two_rounds_deep_goes_back_to_a_state
     # holders then left it; the swarm went on from the other set of round R − 4. Going back one round
     # lands on the branch again: the attester goes back to the newest state it kept from which the
     # published links reach the clock, and replays the swarm's branch from there
-    from peer.core.sparseloco.codec.format import Payload
-
-    cfg = replay_config(history_rounds=ROUNDS + 4)
-    dhts: list[SwarmDHT] = []
-    sessions: list[Session] = []
-    clients = ClientPool(10.0)
-    try:
-        dhts.append(SwarmDHT())
-        dhts += [SwarmDHT(initial_peers=dhts[0].visible_maddrs()) for _ in range(2)]
-        for dht in dhts:
-            dht.set_run("dead-branch-test", cfg.stages)
-        a_dht, b_dht, att_dht = dhts
-        history = History(cfg, replicas=(a_dht.peer_id, b_dht.peer_id))
-        history.run(ROUNDS)
-        ttl = history_ttl_s(cfg.swarm)
-        fork = ROUNDS - 4
-        dead = StageWorker(cfg, STAGE)
-        dead_links = {}
-        for t in range(fork + 2):
-            rids = history.replicas[:1] if t == fork else history.replicas
-            dead.apply_round([Payload.from_bytes(history.payloads[(t, STAGE, r)]) for r in rids], None, rids)
-            if t >= fork:
-                dead_links[t] = dead.ledger.link
-        assert dead_links[fork].state != history.links[(fork, STAGE)].state
-
-        def at(clock: int) -> None:
-            for dht in (a_dht, b_dht):
-                replica = {"kind": "full", "outer_step": clock, "shard": 0, "joined_at": 0, "address": ""}
-                dht.announce_replica({**replica, "loss": None, "tokens_per_s": 0.0}, ttl_s=ttl)
-
-        for dht in (a_dht, b_dht):
-            sessions.append(_serve_history(dht, cfg, tmp_path, history, ttl))
+    fork = ROUNDS - 4
+    with _two_holders(tmp_path, "dead-branch-test", ROUNDS + 4) as swarm:
+        history = swarm.history
+        dead = swarm.branch({fork}, fork + 2)
+        assert dead[fork].state != history.links[(fork, STAGE)].state
         for t in range(fork):
-            a_dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), ttl)
-        for t, link in dead_links.items():
-            b_dht.announce_round("chain", t, STAGE, chain_record(link), ttl)  # b's branch, b then leaves it
-        attester = Attester(cfg, att_dht, clients, "127.0.0.1:1", folder=tmp_path / "attest")
+            swarm.link(swarm.a, history.links[(t, STAGE)])
+        for t in (fork, fork + 1):
+            swarm.link(swarm.b, dead[t])  # b's branch, b then leaves it
+        attester = Attester(swarm.cfg, swarm.attester_dht, swarm.clients, "127.0.0.1:1", folder=tmp_path / "attest")
         for clock in range(1, fork + 3):  # one round a poll: a state kept at every outer step
-            at(clock)
+            swarm.at(clock)
             attester.poll()
             assert attester.stages[STAGE].outer_step == clock
-        assert attester.stages[STAGE].state_id() == dead_links[fork + 1].state  # on the branch, the only one yet
+        assert attester.stages[STAGE].state_id() == dead[fork + 1].state  # on the branch, the only one yet
 
         for t in range(fork, ROUNDS):  # the swarm's branch, from the other set of round R − 4
-            a_dht.announce_round("chain", t, STAGE, chain_record(history.links[(t, STAGE)]), ttl)
-        at(ROUNDS)
+            swarm.link(swarm.a, history.links[(t, STAGE)])
+        swarm.at(ROUNDS)
         for _ in range(3):  # one round back lands on the branch again (rewind); then a kept state
             attester.poll()
         assert attester.stages[STAGE].outer_step == ROUNDS
         assert attester.stages[STAGE].state_id() == history.state(STAGE)
         assert len(list((tmp_path / "attest" / f"stage-{STAGE}").glob("*.pt"))) <= 8  # KEEP_STATES
-    finally:
-        clients.close()
-        for session in sessions:
-            session.close()
-        for dht in dhts:
-            if all(dht is not s.dht for s in sessions):
-                dht.shutdown()
