@@ -21,8 +21,8 @@ import torch
 from peer.core.data.loader import Corpus, train_batch, val_batches
 from peer.errors import NetworkError, PeerError
 from peer.node.replica.data_parallel import rank_batch_index
-from peer.node.round.gather import RoundResult
 from peer.node.round.in_flight import InFlight
+from peer.node.round.result import RoundResult
 from peer.node.session import Session
 from peer.node.stage.worker import StageWorker
 

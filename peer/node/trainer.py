@@ -43,8 +43,8 @@ from peer.node.pipeline.failures import PipelineBehind
 from peer.node.pipeline.mode import LinkFigures, ModeDecision
 from peer.node.pipeline.schedule import with_in_flight
 from peer.node.replica.data_parallel import chain_loss, chain_step
-from peer.node.round.gather import RoundResult
 from peer.node.round.in_flight import InFlight
+from peer.node.round.result import RoundResult
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker

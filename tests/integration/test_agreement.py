@@ -20,9 +20,11 @@ from peer.net.dht import dht_time
 from peer.net.records import Announcement, ReplicaRecord, StageRecord
 from peer.node.round.agreement import fenced_by, fresh, round_view
 from peer.node.round.claims import entry
-from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
+from peer.node.round.gather import gather_round
 from peer.node.round.payloads import payload_id
 from peer.node.round.refusals import Refusals
+from peer.node.round.result import RoundInputs
+from peer.node.round.timings import RoundTimings
 from tests.round_helpers import own, round_context
 
 pytestmark = pytest.mark.timeout(60)

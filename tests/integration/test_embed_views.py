@@ -40,11 +40,13 @@ from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.round.claims import Link, entry
 from peer.node.round.fetcher import relay_wait_s
-from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
+from peer.node.round.gather import gather_round
 from peer.node.round.payloads import PayloadStore, view_validator
 from peer.node.round.recheck import linked_stage0
 from peer.node.round.refusals import Refusals
 from peer.node.round.replay import chain_record, parse_chain
+from peer.node.round.result import RoundInputs, RoundResult
+from peer.node.round.timings import RoundTimings
 from peer.node.service import PeerService
 from peer.node.stage.embed import stage0_change
 from peer.node.stage.state import StageState

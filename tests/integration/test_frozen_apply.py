@@ -19,7 +19,7 @@ from peer.config import build_config
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.round import rounds as rounds_module
-from peer.node.round.gather import FRESH_S
+from peer.node.round.timings import FRESH_S
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker

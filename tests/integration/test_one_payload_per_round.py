@@ -22,8 +22,10 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
 from peer.node.presence import Presence
-from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
+from peer.node.round.gather import gather_round
 from peer.node.round.payloads import PayloadStore, announce, first_payload, payload_validator
+from peer.node.round.result import RoundInputs
+from peer.node.round.timings import RoundTimings
 from peer.node.service import PeerService
 from tests.round_helpers import own, round_context
 

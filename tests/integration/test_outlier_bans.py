@@ -29,8 +29,8 @@ from peer.core.sparseloco.codec.format import Payload
 from peer.net.dht import SwarmDHT
 from peer.net.transport.server import PeerServer
 from peer.node.round.contribution import encoded
-from peer.node.round.gather import RoundResult
 from peer.node.round.payloads import PayloadStore, payload_id
+from peer.node.round.result import RoundResult
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker

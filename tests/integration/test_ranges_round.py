@@ -45,13 +45,13 @@ from peer.net.pool import ClientPool
 from peer.net.range_records import RosterRecord, ShardsRecord
 from peer.net.transport.server import PeerServer
 from peer.node.round.context import RoundContext
-from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import owners
 from peer.node.round.ranges.rounds import own_job, summary
 from peer.node.round.ranges.voted import values_stage
 from peer.node.round.refusals import Refusals
+from peer.node.round.timings import RoundTimings
 from peer.node.service import PeerService
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker

@@ -25,8 +25,10 @@ from peer.core.sparseloco.codec.format import Payload, PayloadError
 from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.transport.server import PeerServer
-from peer.node.round.gather import RoundInputs, RoundResult, RoundTimings, gather_round
+from peer.node.round.gather import gather_round
 from peer.node.round.payloads import PayloadStore, payload_id, payload_validator, sha256
+from peer.node.round.result import RoundInputs, RoundResult
+from peer.node.round.timings import RoundTimings
 from peer.node.service import PeerService
 from tests.round_helpers import own as own_of
 from tests.round_helpers import round_context

@@ -46,11 +46,11 @@ from peer.net.dht import SwarmDHT
 from peer.net.pool import ClientPool
 from peer.net.range_records import RosterRecord, ShardsRecord
 from peer.net.transport.server import PeerServer
-from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import PayloadStore
 from peer.node.round.ranges.ownership import owners
 from peer.node.round.ranges.voted import VotedResult, gather_voted, sent_adjustment
 from peer.node.round.refusals import Refusals
+from peer.node.round.timings import RoundTimings
 from peer.node.service import PeerService
 from tests.integration.test_ranges_round import (  # one loopback swarm's helpers
     STAGE,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from peer.node.round import stalls
-from peer.node.round.gather import RoundTimings
 from peer.node.round.stalls import StallWatch
+from peer.node.round.timings import RoundTimings
 
 
 def _watch(clock: list[float]) -> StallWatch:

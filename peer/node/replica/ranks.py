@@ -55,7 +55,7 @@ from peer.node.metrics import MetricsWriter
 from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index
 from peer.node.replica.group import Control, RankLost, ReplicaGroup, launched_ranks
 from peer.node.replica.sharded import ShardedChain
-from peer.node.round.gather import RoundResult
+from peer.node.round.result import RoundResult
 from peer.node.session import Session, SessionOptions
 from peer.node.stage.worker import StageWorker
 from peer.node.trainer import _Full, run_full_replica, run_role

@@ -269,7 +269,7 @@ class Close(enum.Enum):
 class Poll:
     """What one poll of a gather knows, as the close decision reads it (docs/protocol.md, GATHER).
 
-    `fresh`: the view was read moments ago (`peer.node.round.gather.FRESH_S`); `past_deadline`: the
+    `fresh`: the view was read moments ago (`peer.node.round.timings.FRESH_S`); `past_deadline`: the
     round's deadline has passed; `fenced`: an earlier closer's deadline is near, so its commit
     decides (`fenced_by`). `closed_elsewhere`: the swarm's clock is two rounds past t. Following:
     `following` a claim from our state, whose set we now hold whole (`follow_held`) or have failed

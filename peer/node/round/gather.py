@@ -18,7 +18,7 @@ checking its sha256 and format, until the set is closed:
 - or the deadline passes.
 An observer of stage 0 reading embedding views (from the relays first: `peer.node.round.fetcher`)
 fetches a payload whole before it judges a claim of the round that leaves it out (`.views`).
-A close is decided only on a view whose read began moments before (`FRESH_S`): a process frozen
+A close is decided only on a view whose read began moments before (`peer.node.round.timings.FRESH_S`): a process frozen
 mid-round (a stopped peer, a stalled machine), even inside a DHT read, wakes to a fresh read and
 follows what the others committed meanwhile, or re-syncs, never a set decided on what it read before.
 """
@@ -30,9 +30,8 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from peer.config import SwarmConfig, history_ttl_s
 from peer.core.sparseloco.codec.format import Payload
 from peer.errors import NetworkError, PeerError
 from peer.net.dht import dht_time
@@ -63,103 +62,12 @@ from peer.node.round.contribution import Contribution, Reading, ViewReader
 from peer.node.round.fetcher import Fetcher, NotRelayed, relay_wait_s
 from peer.node.round.follow import Follow, Held, omission
 from peer.node.round.payloads import SETTLE_S, announce, first_payload, poll_pause, read_round
-from peer.node.round.stalls import stall_watch
+from peer.node.round.result import RoundInputs, RoundResult
+from peer.node.round.timings import FRESH_S, MAX_SLOW_READS, RoundTimings
 from peer.node.round.verify import SetFetcher
 from peer.node.round.views import ViewChecks, log_ignored, log_short_close
 
 log = logging.getLogger(__name__)
-
-FRESH_S = 1.0  # a set is closed only on a DHT read begun at most this long ago (a frozen process re-reads)
-MAX_SLOW_READS = 3  # reads in a row that each took longer than FRESH_S: the DHT is slow, not we frozen
-
-
-@dataclass
-class RoundResult:
-    """What one peer committed for round (t, s), in commit order, and why it stopped waiting."""
-
-    t: int
-    stage: int
-    replicas: list[str] = field(default_factory=list)  # replica ids, commit order
-    contributions: list[Contribution] = field(default_factory=list)  # hashed and parsed once (same order)
-    expected: int = 0
-    rejected: list[str] = field(default_factory=list)  # replica ids whose payload failed its checks
-    dropped: list[str] = field(default_factory=list)  # replicas out of the round for everyone
-    timed_out: bool = False
-    behind: bool = False  # the round was committed elsewhere and cannot be reproduced here: re-sync
-    followed: Claim | None = None  # the claim whose set we took (its state is checked after our commit)
-    evidence: Evidence | None = None  # what we saw of the round, to judge claims of it in the next one
-    wall_s: float = 0.0
-    bytes_fetched: int = 0
-
-    @property
-    def participants(self) -> int:
-        return len(self.replicas)
-
-    @property
-    def payloads(self) -> list[bytes]:
-        return [c.data for c in self.contributions]
-
-    @property
-    def parsed(self) -> list[Payload]:
-        return [c.payload for c in self.contributions]
-
-
-@dataclass(frozen=True)
-class RoundTimings:
-    """A round's clocks, one value built from the run's config (`from_config`)."""
-
-    deadline_s: float  # T_r: how long a gather waits for the expected payloads
-    grace_s: float = 5.0  # FOLLOW and the deadline fence: how long past T_r; to fetch a followed set
-    poll_s: float = 0.2  # between two DHT polls
-    ttl_s: float = 60.0  # announcements' lifetime: a claim naming them is checked against them later
-    lapse_s: float = 28.0  # a stall this long may have let our records lapse (`peer.node.round.stalls`)
-
-    @classmethod
-    def from_config(cls, swarm: SwarmConfig) -> RoundTimings:
-        return cls(
-            deadline_s=swarm.round_timeout_s,
-            grace_s=max(2.0, 2 * swarm.rpc_timeout_s),
-            ttl_s=history_ttl_s(swarm),  # announcements outlive the round: a joiner's replay checks them
-            lapse_s=max(1.0, swarm.record_ttl_s - swarm.announce_interval_s),
-        )
-
-    def stalled(self, since: float) -> bool:
-        """Whether this process stood still, since monotonic time `since`, long enough that its
-        records may have lapsed (others then close rounds without it)."""
-        return stall_watch().longest_since(since) >= self.lapse_s
-
-    @property
-    def rpc_s(self) -> float:
-        """One try at a second source of a payload."""
-        return min(self.grace_s, 3.0)
-
-
-@dataclass(frozen=True)
-class RoundInputs:
-    """What one gather of round (t, stage) starts from, decided by its caller (`gather_round`).
-
-    `own`: our contribution, encoded once (None: an observer). `validate(payload)` parses a payload and
-    raises PeerError for a malformed one (it is then skipped, and its replica no longer waited for);
-    None parses payloads as they are; a `ViewReader` reads their embedding views (stage 0 observed).
-    `peers`: a head's binding ({"<stage>": peer id}), carried by our announcement with `mode` (a head's
-    boundary mode of the outer step, "compressed" or "uncompressed"). `quorum` (the run's
-    first round only: `swarm.min_replicas`) keeps the set open until that many payloads are held.
-    `banned`: peer.node.round.bans. `prev`: the id of our state at outer step t (a holder of the stage;
-    None for an observer of a stage it does not hold): the claims we may follow start from it.
-    `established`: the replicas of our last committed set (a claim that leaves one out before any
-    deadline is refused: `peer.node.round.censors`); `previous`: what we saw of earlier rounds that can
-    still prove a censor, whose claims are judged the same way.
-    """
-
-    own: Contribution | None = None
-    validate: Reading | None = None
-    peers: Mapping[str, str] | None = None
-    mode: str | None = None
-    quorum: int = 1
-    banned: Collection[str] = frozenset()
-    prev: str | None = None
-    established: Collection[str] = ()
-    previous: Sequence[Evidence] = ()
 
 
 def gather_round(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 from peer.errors import NetworkError
-from peer.node.round.gather import RoundResult
+from peer.node.round.result import RoundResult
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)

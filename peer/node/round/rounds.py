@@ -39,7 +39,7 @@ from peer.node.round.censors import Evidence, recent
 from peer.node.round.claims import Entry, closed_elsewhere, majority, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution
-from peer.node.round.gather import FRESH_S, RoundInputs, RoundResult, RoundTimings, gather_round
+from peer.node.round.gather import gather_round
 from peer.node.round.payloads import round_reading
 from peer.node.round.ranges.exchange import RangesResult
 from peer.node.round.ranges.rounds import (
@@ -56,8 +56,10 @@ from peer.node.round.ranges.rounds import (
 )
 from peer.node.round.recheck import linked_stage0
 from peer.node.round.replay import parse_chain
+from peer.node.round.result import RoundInputs, RoundResult
 from peer.node.round.resync import Resync
 from peer.node.round.stalls import stall_watch
+from peer.node.round.timings import FRESH_S, RoundTimings
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)

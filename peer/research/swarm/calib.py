@@ -44,9 +44,11 @@ from peer.node.metrics import MetricsWriter
 from peer.node.presence import Presence
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import received
-from peer.node.round.gather import RoundInputs, RoundTimings, gather_round
+from peer.node.round.gather import gather_round
 from peer.node.round.payloads import PayloadStore, payload_id, payload_validator, read_round
 from peer.node.round.refusals import Refusals
+from peer.node.round.result import RoundInputs
+from peer.node.round.timings import RoundTimings
 from peer.node.service import PeerService
 from peer.research.swarm.net import LinkClass, LinkMix
 from peer.research.swarm.run import simulate

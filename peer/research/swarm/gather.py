@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import simpy
 
 from peer.node.round.agreement import Close, Poll
-from peer.node.round.gather import FRESH_S
 from peer.node.round.ranges.ownership import quiet_close
+from peer.node.round.timings import FRESH_S
 
 if TYPE_CHECKING:
     from peer.research.swarm.sim import Peer, RoundBoard, Sim

@@ -29,9 +29,9 @@ import simpy
 from peer.config import SwarmConfig
 from peer.core.sparseloco.ranges.plan import n_ranges_for
 from peer.node.round import agreement
-from peer.node.round.gather import RoundTimings
 from peer.node.round.ranges import ownership
 from peer.node.round.ranges.fetch import MAX_FETCHERS
+from peer.node.round.timings import RoundTimings
 from peer.research.swarm.net import LinkMix, Network, draw_link
 from peer.research.swarm.sizes import Sizes, compute_s, stage_sizes
 

@@ -47,12 +47,12 @@ from peer.net.range_records import Roster, RosterEntry, RosterRecord, ShardsReco
 from peer.net.records import Announcement
 from peer.node.round.agreement import Close, Poll, RoundView, close_decision, round_view
 from peer.node.round.context import RoundContext
-from peer.node.round.gather import FRESH_S, MAX_SLOW_READS, RoundTimings
 from peer.node.round.payloads import announced_before, read_round, sha256
 from peer.node.round.ranges.fetch import RangeBytes, RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import coordinator_order, owners, quiet_close
 from peer.node.round.ranges.resolve import Aggregate, Resolver
 from peer.node.round.ranges.shard import RangeShard, made
+from peer.node.round.timings import FRESH_S, MAX_SLOW_READS, RoundTimings
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def gather_ranges(
     roster and shards (module docstring). Owners per range beyond the primary: `swarm.range_backups`;
     what a shard is: `swarm.shard` ("exact": the range's exact aggregate; "topk": `swarm.shard_topk`
     entries per tile, 0: `sparseloco.topk`); `quorum`, `banned`,
-    `peers` and `mode` as in `peer.node.round.gather.RoundInputs`; `wanted`: the only ranges an observer resolves
+    `peers` and `mode` as in `peer.node.round.result.RoundInputs`; `wanted`: the only ranges an observer resolves
     (a stage peer reads stage 0's embedding ranges alone)."""
     swarm = ctx.cfg.swarm
     wants = None if wanted is None else frozenset(wanted)

@@ -45,10 +45,11 @@ from peer.node.round.agreement import round_bans
 from peer.node.round.claims import Entry, entry, parse_claims
 from peer.node.round.context import RoundContext
 from peer.node.round.contribution import Contribution
-from peer.node.round.gather import RoundResult, RoundTimings
 from peer.node.round.ranges.exchange import RangesResult, gather_ranges
 from peer.node.round.ranges.ownership import round_rule
 from peer.node.round.ranges.voted import VotedResult, gather_voted, sent_adjustment
+from peer.node.round.result import RoundResult
+from peer.node.round.timings import RoundTimings
 from peer.node.stage.embed import EmbedShards, embed_ranges, stage0_change
 from peer.node.stage.ranges import range_plan
 from peer.node.stage.worker import StageWorker

@@ -53,13 +53,13 @@ from peer.core.sparseloco.ranges.voted_range import (
 from peer.errors import NetworkError, PeerError
 from peer.net.range_records import Roster, RosterEntry, ValuesRecord
 from peer.node.round.context import RoundContext
-from peer.node.round.gather import RoundTimings
 from peer.node.round.payloads import sha256
 from peer.node.round.ranges.exchange import RangesResult, _RangesRound, _Settings
 from peer.node.round.ranges.fetch import RangeFetcher, wait_until
 from peer.node.round.ranges.ownership import owners, quiet_close
 from peer.node.round.ranges.resolve import Resolver
 from peer.node.round.ranges.shard import RangeShard, made
+from peer.node.round.timings import RoundTimings
 
 log = logging.getLogger(__name__)
 
