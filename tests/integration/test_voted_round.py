@@ -195,6 +195,9 @@ def _shifted_support(cfg):
     return lie
 
 
+LIES = RoundTimings(deadline_s=40.0, grace_s=2.0, poll_s=0.1, ttl_s=60)  # the lying owners' rounds
+
+
 @pytest.mark.parametrize("what", ["mean", "support"])
 def test_a_lying_owner_is_refused_and_the_honest_record_committed(swarm, what):
     cfg, nodes = swarm
@@ -206,14 +209,17 @@ def test_a_lying_owner_is_refused_and_the_honest_record_committed(swarm, what):
         ctx = _lying(liar, b"SHRD", _doubled_mean(cfg), "shards")
     else:
         ctx = _lying(liar, SUPPORT, _shifted_support(cfg), "supports")
-    with ctx:
-        results = _round(cfg, nodes, t=t)
+    with ctx:  # a shard deadline (20 s) no loaded CI box reaches: a holder past it computes a range unchecked
+        results = _round(cfg, nodes, t=t, timings=LIES)
     honest = [r for node, r in zip(nodes, results, strict=True) if node is not liar and r is not None]
     assert len(honest) == M - 1
     _check_agreed(cfg, honest)
     for node, result in zip(nodes, results, strict=True):
-        if node is not liar:
-            assert result is not None and liar.id in result.refused and liar.id in node.refusals
+        if node is not liar:  # every honest holder saw the lie, checked it and refused its owner
+            assert result is not None, f"{node.id[:12]} did not finish the round"
+            assert liar.id in result.refused and liar.id in node.refusals, (
+                f"{node.id[:12]} did not refuse the liar: computed ranges {result.computed}, timings {result.timings}"
+            )
 
 
 def voted_victim_main() -> None:
@@ -268,12 +274,12 @@ def test_an_owner_killed_after_the_roster_is_covered(swarm, reap_children):
     """A ninth holder owns ranges of round 4 and is SIGKILLed before it publishes their supports: its
     co-owners' supports are taken `swarm.owner_grace_s` after they published, the owners close the
     values without its record (`swarm.roster_quiet_s` after the eighth; both long before the shard
-    deadline, 30 s here), it sends no values (a zero in each mean over the roster), and the eight others
+    deadline, 50 s here), it sends no values (a zero in each mean over the roster), and the eight others
     commit one state."""
     cfg, nodes = swarm
     quick = dataclasses.replace(cfg.swarm, owner_grace_s=1.0, roster_quorum=0.8)  # 8 of 9 values close quietly
     cfg = dataclasses.replace(cfg, swarm=quick)
-    slow = RoundTimings(deadline_s=60.0, grace_s=2.0, poll_s=0.1, ttl_s=90)  # shard deadline 30 s
+    slow = RoundTimings(deadline_s=100.0, grace_s=2.0, poll_s=0.1, ttl_s=120)  # shard deadline 50 s
     for node in nodes:
         node.refusals = Refusals()
     code = "import sys; from tests.integration.test_voted_round import voted_victim_main; voted_victim_main()"
@@ -311,7 +317,8 @@ def test_an_owner_killed_after_the_roster_is_covered(swarm, reap_children):
     assert all(not s.shard.is_included(gone) for s in done[0].shards.values())  # no values from the dead
     walls = [r.timings["wall_s"] for r in done]
     print(f"rounds with a dead owner: {min(walls):.1f}–{max(walls):.1f} s")
-    assert max(walls) < slow.deadline_s / 2  # the owners' grace and the quiet close, not the shard deadline
+    # the owners' grace and the quiet close, not the shard deadline (phase timings say which phase waited)
+    assert max(walls) < slow.deadline_s / 2, [r.timings for r in done]
 
 
 def test_a_sender_whose_vote_does_not_parse_is_left_out_of_the_round(swarm):

@@ -151,6 +151,7 @@ class _VotedRound(_RangesRound):
         supports = self._supports(roster, stop, everything=contributing)
         if contributing and len(supports) == self.plan.n:
             self._send_values(roster, supports)
+            result.timings["values_s"] = time.monotonic() - self.started
         self._means(roster, supports, stop)
         result.timed_out = not result.complete
         result.timings["wall_s"] = time.monotonic() - self.started
@@ -274,6 +275,7 @@ class _VotedRound(_RangesRound):
         deadlines = (fence, max(hard, fence + self.timings.grace_s))
         mine = [r for r in self._mine(roster) if r in supports]
         vroster = self._values_roster(roster, stop, needed=bool(mine), shard_deadline=values_deadline)
+        self.voted.timings["values_closed_s"] = time.monotonic() - self.started
         at_bits = replace(self.cfg, quant_bits=self.mean_bits)  # how a mean shard's values are coded
         fetcher = RangeFetcher(
             self.clients, self.store, self.me, self.t, self.stage, self.plan, at_bits,
