@@ -62,6 +62,7 @@ from peer.node.data.serve import DatasetServer
 from peer.node.manifest import build_manifest, run_id_for
 
 logger = logging.getLogger(__name__)
+ATTESTER_THREAD = "attester"  # the thread that builds and runs the attester (the CLI's exit looks for it)
 
 RETRY_AFTER_FAILURE_S = 2.0  # a failed manifest refresh is retried this soon (or at the next interval)
 
@@ -374,7 +375,7 @@ def start_attester(node: BootstrapNode, cfg: RunConfig, folder: Path, stop_event
             stop_event.wait(max(0.0, poll_s - (time.monotonic() - started)))
         clients.close()
 
-    thread = threading.Thread(target=follow, name="attester", daemon=True)
+    thread = threading.Thread(target=follow, name=ATTESTER_THREAD, daemon=True)
     thread.start()
     node.info = dataclasses.replace(node.info, attest_dir=str(folder))
     return thread

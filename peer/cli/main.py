@@ -160,7 +160,7 @@ def bootstrap(a: BootstrapArgs) -> None:
     _setup_logging(a.verbose)
     if a.print_peer_id:
         return show_peer_id(a.identity)
-    from peer.bootstrap.node import BootstrapInfo, export_swarm_secret, run_bootstrap
+    from peer.bootstrap.node import ATTESTER_THREAD, BootstrapInfo, export_swarm_secret, run_bootstrap
     from peer.cli.render import bootstrap_banner
     from peer.net.dht_child import start_shared_memory_manager
     from peer.node.link_config import build_link_config
@@ -193,6 +193,14 @@ def bootstrap(a: BootstrapArgs) -> None:
             dashboard=dashboard_options(a, cfg),
         )
     console.print("bootstrap stopped", soft_wrap=True)
+    if any(t.name == ATTESTER_THREAD and t.is_alive() for t in threading.enumerate()):
+        # stopped while the attester was still being built (torch's first imports, the initial states:
+        # longer than the stop waits on a loaded machine): the interpreter's teardown under that thread
+        # aborts the process (SIGABRT, "terminate called without an active exception"), so leave now
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @o.command(app)
