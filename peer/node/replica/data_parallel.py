@@ -7,8 +7,9 @@ micro-batches through the chain (`peer.core.model.inner.accumulate`), the gradie
 Over N ranks (`DataParallel`, torch's DistributedDataParallel around a module that holds every
 stage): each rank draws its own batch of the replica's shard (`rank_batch_index`), its micro-
 batches accumulate locally (`no_sync`) and the last one's backward averages the gradients over the
-ranks, bucket by bucket while backward still runs. Every rank then holds the same averaged
-gradients, the same norm and takes the same AdamW step: one replica with an N × b batch.
+ranks, bucket by bucket while backward still runs, in rank order (`peer.node.replica.reduce`). Every
+rank then holds the same averaged gradients, the same norm and takes the same AdamW step: one replica
+with an N × b batch.
 
 Invariants: with one rank the step is `accumulate` + norm + step, nothing else; with N ranks every
 rank's parameters and optimizer state stay bit-identical as long as they start so.
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from peer.core.model.chain import global_grad_norm, token_loss
 from peer.core.model.inner import MicroForward, accumulate
+from peer.node.replica.reduce import rank_order_mean
 from peer.node.stage.worker import StageWorker
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs (b, L), targets (b, L)) -> mean loss
@@ -101,6 +103,7 @@ class DataParallel:
             forward_sync_buffers=False,
             bucket_cap_mb=bucket_cap_mb,
         )
+        self.ddp.register_comm_hook(None, rank_order_mean)  # a sharded replica's float order (`.reduce`)
 
     def forward(self) -> MicroForward:
         """One inner step's micro-batch forward for `accumulate`: the gradients of every micro-batch

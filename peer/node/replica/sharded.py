@@ -52,6 +52,7 @@ from peer.core.model.inner import accumulate
 from peer.core.model.optim import build_adamw, clip_grads_to, lr_at, set_lr, sq_norm
 from peer.core.model.precision import autocast
 from peer.errors import ConfigError
+from peer.node.replica.reduce import RankOrderReduceScatter
 from peer.node.stage.initial import initial_module
 from peer.node.stage.optimizer import named_optimizer_state
 from peer.node.stage.worker import StageWorker
@@ -89,14 +90,15 @@ class ShardedChain:
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         modules = [initial_module(cfg, s)[0].to(self.device) for s in range(cfg.stages)]
         mesh, after = self.mesh, not per_step  # per step: no reshard between a unit's forward and backward
+        units: list[nn.Module] = []
         for m in modules:
-            if m.embed is not None:
-                fully_shard(m.embed, mesh=mesh, reshard_after_forward=after)
-            for block in m.layers.values():
-                fully_shard(block, mesh=mesh, reshard_after_forward=after)
-            fully_shard(m, mesh=mesh, reshard_after_forward=after)  # the final norm and head (the last stage)
+            units += [*([m.embed] if m.embed is not None else []), *m.layers.values(), m]  # m: final norm, head
         self.root = _Stages(modules, self.device, precision)
-        fully_shard(self.root, mesh=mesh, reshard_after_forward=after)
+        for unit in (*units, self.root):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=after)
+            fsdp = cast(FSDPModule, unit)  # gradients averaged in rank order, as DataParallel's (`.reduce`)
+            fsdp.set_force_sum_reduction_for_comms(True)
+            fsdp.set_custom_reduce_scatter(RankOrderReduceScatter())
         self.stages: list[Decoder] = modules
         self.optims = [build_adamw(m.named_parameters(), cfg.train) for m in modules]
         self.skipped_steps = 0
