@@ -1,14 +1,18 @@
 """Outer steps of a `tiny` full replica over torchrun's ranks, without a swarm (run by test_sharded_replica).
 
 `torchrun --nproc-per-node N tests/integration/replica_rounds.py MODE OUT [--microbatches M] [--rounds T]
-[--save F] [--resume F]`:
+[--save F] [--resume F] [--gather-per-step] [--banded] [--banded-round]`:
 MODE "sharded" (`ShardedChain`: gather → rank 0's round → scatter), "ddp" (`DataParallel`, rank 0's
 state shared after each commit) or "plain" (one rank, `chain_step`). Each rank draws its batches as a
 replica's ranks do (`rank_batch_index`, synthetic tokens seeded by the batch's index); rank 0 commits
 each round from its own payloads alone (`apply_round`). Rank r writes OUT-rank<r>.json: rank 0 the
 committed param hash of every round and stage, every rank the bytes it holds. `--save`/`--resume`: rank 0's
 stages' `state_dict()` (a checkpoint's content) after the last round / before the first, as `--resume`
-restores a replica: rank 0 loads it, the first scatter gives every rank its shards.
+restores a replica: rank 0 loads it, the first scatter gives every rank its shards. `--banded` (sharded):
+every rank also encodes each round from its bands of θ_start and the error buffer (`BandedStage`), and
+rank 0 writes, per round and stage, whether that payload's bytes and the gathered error buffer are its
+whole stages' own; every rank the bytes of its bands. `--banded-round` (sharded): the round runs on
+the bands alone (`banded_round`: no rank holds a whole stage, nothing is gathered or scattered).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +30,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's peer
 
 from peer.core.sparseloco.algorithm import decompress  # noqa: E402
+from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig  # noqa: E402
 from peer.core.sparseloco.commit import embedding_update  # noqa: E402
+from peer.core.subspace.compression import make_basis  # noqa: E402
+from peer.node.replica.bands import BandedStage  # noqa: E402
 from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index  # noqa: E402
 from peer.node.replica.group import ReplicaGroup  # noqa: E402
 from peer.node.replica.ranks import exit_now  # noqa: E402
@@ -40,13 +48,29 @@ def batch(index: int, b: int, L: int, vocab: int) -> tuple[torch.Tensor, torch.T
     return seq[:, :-1], seq[:, 1:]
 
 
-def commit(chain: list[StageWorker]) -> dict[str, str]:
-    """Rank 0's round from its own payloads alone; {stage: committed param hash}."""
+def commit(chain: list[StageWorker], check: Callable[[list[Payload]], None] | None = None) -> dict[str, str]:
+    """Rank 0's round from its own payloads alone (`check`ed first, if given); {stage: committed param hash}."""
     payloads = [w.contribute("full") for w in chain]
+    if check is not None:
+        check(payloads)
     embed = embedding_update([decompress(payloads[0])], chain[0].cfg.sparseloco)
     for w, p in zip(chain, payloads, strict=True):
         w.apply_round([p], None if w.stage == 0 else embed, ("full",))
     return {str(w.stage): w.param_hash() for w in chain}
+
+
+def banded_round(bands: list[BandedStage], cfg: SparseLoCoConfig, t: int) -> dict[str, str] | None:
+    """The round as `commit` makes it, on every rank's bands alone (encode, plan, commit its rows);
+    rank 0's {stage: committed param hash}, None on the others."""
+    payloads = [b.encode() for b in bands]
+    lead = payloads[0] is not None
+    embed = embedding_update([decompress(payloads[0])], cfg) if payloads[0] is not None else None
+    out = {}
+    for s, (b, p) in enumerate(zip(bands, payloads, strict=True)):
+        done = b.commit([p] if p is not None else None, t, None if s == 0 else embed)
+        if done is not None:
+            out[str(s)] = done["param_hash"]
+    return out if lead else None
 
 
 def main() -> None:
@@ -58,13 +82,15 @@ def main() -> None:
     ap.add_argument("--save", help="rank 0 saves its stages' state_dict() here after the last round")
     ap.add_argument("--resume", help="rank 0 starts from the states saved here (then scatters them)")
     ap.add_argument("--gather-per-step", action="store_true", help="sharded: gather and reduce once per inner step")
+    ap.add_argument("--banded", action="store_true", help="sharded: encode band by band too, and compare")
+    ap.add_argument("--banded-round", action="store_true", help="sharded: the round on the bands alone")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = tiny_run(**{"train.microbatches": a.microbatches, "train.outer_steps": a.rounds, "train.inner_steps": 2})
     train = cfg.train
     lead = rank == 0
-    whole = a.mode != "sharded" or lead  # a sharded follower holds no whole stage
+    whole = a.mode != "sharded" or lead and not a.banded_round  # a sharded follower holds no whole stage
     chain = [StageWorker(cfg, s, compressed=False, precision="fp32") for s in range(cfg.stages)] if whole else []
     sharded = ShardedChain(cfg, "cpu", "fp32", a.gather_per_step) if a.mode == "sharded" else None
     ddp = DataParallel(chain, lambda x, y: chain_loss(chain, x, y)) if a.mode == "ddp" else None
@@ -72,11 +98,15 @@ def main() -> None:
     if a.resume and lead:
         for w, st in zip(chain, torch.load(a.resume, weights_only=True), strict=True):
             w.load_state_dict(st)
-    first = chain[0].outer_step if lead else 0
-    if sharded is not None:
+    first = chain[0].outer_step if chain else 0
+    if sharded is not None and not a.banded_round:  # banded: the shards start canonical, as rank 0 would
         first = sharded.scatter(chain if lead else None)["outer_step"]
     hashes: dict[int, dict[str, str]] = {}
     held: dict[str, int] = {}
+    U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+    banding = sharded is not None and (a.banded or a.banded_round)
+    bands = [BandedStage(m, cfg, U) for m in sharded.stages] if sharded is not None and banding else []
+    same: dict[int, dict[str, list[bool]]] = {}
     for t in range(first, a.rounds):
         for h in range(train.inner_steps):
             index = rank_batch_index(t, h, train.inner_steps, world, rank)
@@ -87,22 +117,43 @@ def main() -> None:
                 chain_step(chain, ddp.forward(), t, h, x, y)
             else:
                 chain_step(chain, lambda mx, my: (chain_loss(chain, mx, my), 0), t, h, x, y)
+        if sharded is not None and a.banded_round:
+            held = sharded.held_bytes()
+            committed = banded_round(bands, cfg.sparseloco, t)
+            if committed is not None:
+                hashes[t] = committed
+            continue
+        banded = [b.encode() for b in bands]
+        errors = [b.whole_errors() for b in bands]
         if sharded is not None:
             held = sharded.held_bytes()
             sharded.gather(chain if lead else None)
+
+        def check(payloads: list[Payload], t: int = t, banded: list = banded, errors: list = errors) -> None:
+            """Rank 0's whole stages' payloads and error buffers against the bands'."""
+            for w, p, b, e in zip(chain, payloads, banded, errors, strict=True):
+                assert b is not None and e is not None and w.optim.errors is not None
+                errs = w.optim.errors
+                alike = e.keys() == errs.keys() and all(torch.equal(e[n], errs[n]) for n in e)
+                same.setdefault(t, {})[str(w.stage)] = [p.to_bytes() == b.to_bytes(), alike]
+
         if lead:
-            hashes[t] = commit(chain)
+            hashes[t] = commit(chain, check if bands else None)
         if sharded is not None:
             sharded.scatter(chain if lead else None)
         elif ddp is not None:
             for w, st in group.share_states({w.stage: w.state_dict() for w in chain} if lead else None).items():
                 chain[w].load_state_dict(st)
+        for b in bands:  # the committed state, scattered into the shards, is the next round's θ_start
+            b.mark_start()
     if a.save and lead:
         torch.save([w.state_dict() for w in chain], a.save)
     if not held:  # what a whole replica holds: its parameters and AdamW's two moments
         n = sum(p.numel() for w in chain for p in w.module.parameters())
         held = {"params": 4 * n, "grads": 0, "optimizer": 8 * n}
     out = {"hashes": hashes, "held": held, "world": world, "rss": _rss()}
+    if bands:
+        out |= {"banded": same, "band_bytes": sum(b.held_bytes() for b in bands)}
     Path(f"{a.out}-rank{rank}.json").write_text(json.dumps(out))
     ddp = None  # DDP's reducer goes before its process group (its teardown can hang)
     dist.barrier()  # no rank tears the group down while another still talks in it

@@ -9,8 +9,14 @@ the replica trained). The committed hashes must match an unsharded replica's giv
   (the local sum over the micro-batches, then one average: DDP's `no_sync` order);
 - a 2-rank sharded replica resumed from rank 0's saved state after round 1 commits round 2 as if never stopped
   (one micro-batch per step: the 3-round run is the DDP test's).
+- the round on the bands alone (`--banded-round`, `peer.node.replica.bands`: each rank encodes and commits
+  its rows of every tensor) == rank 0's whole round, at 2 ranks, and == DDP at 4 ranks (both average
+  gradients in rank order: `peer.node.replica.reduce`).
 And each rank of the 2-rank sharded replica holds half the parameters and AdamW state (FSDP2's dim-0
-shards: ⌈rows/2⌉ of every parameter), within 1/N + 10 % of the whole replica's.
+shards: ⌈rows/2⌉ of every parameter), within 1/N + 10 % of the whole replica's. At 2 and 4 ranks every
+rank also encodes each round from its bands of θ_start and the error buffer (`--banded`,
+`peer.node.replica.bands`): the payload is rank 0's whole stages' byte for byte, the error buffer the
+same bits, and each rank holds its share of the two (within 1/N + 10 % of 2 × the parameters).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, 
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,  # a torchrun of 2 ranks on a loaded 2-core machine: imports, gloo, 3 rounds
+        timeout=240,  # a torchrun of 2 or 4 ranks on a loaded 2-core machine: imports, gloo, 3 rounds
         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -48,7 +54,18 @@ def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, 
 def two_sharded(tmp_path_factory) -> tuple[Path, list[dict]]:
     """One 2-rank sharded run of 3 rounds (one micro-batch per step), for the DDP and the resume tests."""
     tmp = tmp_path_factory.mktemp("sharded2")
-    return tmp, _run(tmp, 2, "sharded", 1)
+    return tmp, _run(tmp, 2, "sharded", 1, "--banded")
+
+
+def _check_banded(sharded: list[dict], whole_params: int) -> None:
+    """Every round's payload of every stage encoded from the bands is rank 0's, its error buffer too,
+    and each rank holds about 1/N of θ_start and the error buffer (2 × the parameters' bytes)."""
+    rounds = sharded[0]["banded"]
+    assert rounds and all(same == [True, True] for r in rounds.values() for same in r.values()), rounds
+    n = len(sharded)
+    assert sum(r["band_bytes"] for r in sharded) == 2 * whole_params  # the bands tile θ_start and e
+    for rank in sharded:
+        assert rank["band_bytes"] <= 2 * whole_params * (1 / n + 0.1), (rank["band_bytes"], whole_params)
 
 
 def test_two_sharded_ranks_commit_ddps_hashes_and_each_holds_half_the_state(two_sharded):
@@ -62,6 +79,24 @@ def test_two_sharded_ranks_commit_ddps_hashes_and_each_holds_half_the_state(two_
         held = rank["held"]["params"] + rank["held"]["optimizer"]
         assert whole / 2 <= held <= whole * (1 / 2 + 0.1), (held, whole)
     assert sum(r["held"]["params"] for r in sharded) == ddp[0]["held"]["params"]  # the shards tile the replica
+    _check_banded(sharded, ddp[0]["held"]["params"])
+
+
+def test_a_round_on_the_bands_alone_commits_ddps_hashes_at_two_and_four_ranks(two_sharded):
+    """The whole round on each rank's bands (`--banded-round`: encode, rank 0's plan, each rank commits
+    its rows into θ_start and the shards; no rank holds a whole stage) commits what the unsharded
+    replica commits. Four ranks average gradients alike sharded and data-parallel only because both
+    add them in rank order (gloo's own reduce-scatter and all-reduce do not)."""
+    tmp_path, sharded = two_sharded
+    two = _run(tmp_path, 2, "sharded", 1, "--banded-round", name="banded-round-2")
+    assert two[0]["hashes"] == sharded[0]["hashes"]  # the two-rank run's rank 0 committed whole (== DDP's)
+    four = _run(tmp_path, 4, "sharded", 1, "--rounds", "2", "--banded-round", name="banded-round-4")
+    ddp = _run(tmp_path, 4, "ddp", 1, "--rounds", "2", name="ddp-4")
+    assert len(four[0]["hashes"]) == 2 and four[0]["hashes"] == ddp[0]["hashes"]
+    whole = ddp[0]["held"]["params"]
+    for rank in four:  # θ_start and the error buffer: each rank its bands
+        assert rank["band_bytes"] <= 2 * whole * (1 / 4 + 0.1), (rank["band_bytes"], whole)
+    assert sum(r["band_bytes"] for r in four) == 2 * whole
 
 
 def test_one_sharded_rank_commits_a_plain_replicas_hashes(tmp_path):

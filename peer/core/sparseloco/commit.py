@@ -233,6 +233,60 @@ def _screen(screens: Mapping[tuple[str, ...], Screen]) -> Screen:
     return rest if embedding is None else dataclasses.replace(rest, embedding=embedding)
 
 
+@dataclass(frozen=True)
+class CommitPlan:
+    """What a fused commit decides from the whole committed payloads before it sums anything: each
+    payload's clip scale (`clip_plan`: None keeps it, a float multiplies it), the clip stats, the
+    screening's `Screen`, and the payloads each section keeps (by whether it is the embedding's).
+    A sum over any rows of the tensors, with these, gives those rows of the whole Δ̄ (`commit_bands`)."""
+
+    clip: ClipStats
+    scales: tuple[float | None, ...]
+    screen: Screen
+    kept: Mapping[bool, tuple[int, ...]]  # is the embedding's section -> positions kept, in commit order
+
+    def section(self, names: Collection[str]) -> list[tuple[list[str], list[int]]]:
+        """(the names of a section, the payloads it keeps) for each section that holds one of `names`."""
+        out = []
+        for embedding in (True, False):
+            want = sorted(n for n in names if (n == EMBED) == embedding)
+            kept = self.kept.get(embedding, self.kept.get(False, ()))
+            if want:
+                out.append((want, list(kept)))
+        return out
+
+
+def decide(
+    payloads: Sequence[Payload],
+    cfg: SparseLoCoConfig,
+    robust: RobustConfig,
+    keys: Sequence[str] | None,
+    names: Collection[str] | None = None,
+    norms: Sequence[float] | None = None,
+) -> CommitPlan:
+    """The fused commit's plan (`CommitPlan`): norms read off the values (`payload_norm`; or given,
+    the same floats), the clip plan, and each section's screening from the consensus over the clipped
+    values at their positions only (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody
+    sends adds nothing)."""
+    norms = payload_norms(payloads) if norms is None else norms
+    scales, clip = clip_plan(norms, cfg.clip_median_factor)
+    held = [{e.name: e for e in p.entries} for p in payloads]
+    one = len(sections({n for h in held for n in h})) == 1
+    screens: dict[tuple[str, ...], Screen] = {}
+    kept: dict[bool, tuple[int, ...]] = {}
+    for section in _sections(held, names):
+        # a stage without the embedding is one section: its norms are the whole norms, read already
+        section_norms = norms if one and EMBED not in section else _voting(payload_norms(payloads, section), norms)
+
+        def scores_of(voters: list[int], section: tuple[str, ...] = section) -> list[float]:
+            return sparse_consensus_scores(screen_rows(payloads, voters, scales, section), len(voters))
+
+        screened = screen_scored(scores_of, section_norms, robust, keys)
+        kept[section == (EMBED,)] = tuple(i for i in range(len(payloads)) if i not in set(screened.dropped))
+        screens[section] = screened
+    return CommitPlan(clip, tuple(scales), _screen(screens), kept)
+
+
 def _fused_aggregate(
     payloads: Sequence[Payload],
     cfg: SparseLoCoConfig,
@@ -243,31 +297,34 @@ def _fused_aggregate(
     norms: Sequence[float] | None = None,
     each: Callable[[str, Tensor], None] | None = None,
 ) -> tuple[dict[str, Tensor], ClipStats, Screen]:
-    """`robust_aggregate` of payloads, fused, the same bits: norms read off the values
-    (`payload_norm`; or given, the same floats), each section's screening consensus over the clipped
-    values at their positions only (`screen_rows` → `sparse_consensus_scores`: a coordinate nobody
-    sends adds nothing), then the kept payloads scattered straight into one accumulator per tensor
-    (`aggregate_payloads`)."""
-    norms = payload_norms(payloads) if norms is None else norms
-    plan, clip = clip_plan(norms, cfg.clip_median_factor)
-    summed: dict[str, Tensor] = {}
-    screens: dict[tuple[str, ...], Screen] = {}
+    """`robust_aggregate` of payloads, fused, the same bits: `decide`, then the kept payloads of each
+    section scattered straight into one accumulator per tensor (`aggregate_payloads`)."""
+    decided = decide(payloads, cfg, robust, keys, names, norms)
     held = [{e.name: e for e in p.entries} for p in payloads]
-    one = len(sections({n for h in held for n in h})) == 1
-    for section in _sections(held, names):
-        # a stage without the embedding is one section: its norms are the whole norms, read already
-        section_norms = norms if one and EMBED not in section else _voting(payload_norms(payloads, section), norms)
+    summed = summed_by_plan(payloads, decided, cfg, held_names(held, names), out, each)
+    return _in_order(summed, held), decided.clip, decided.screen
 
-        def scores_of(voters: list[int], section: tuple[str, ...] = section) -> list[float]:
-            return sparse_consensus_scores(screen_rows(payloads, voters, plan, section), len(voters))
 
-        screened = screen_scored(scores_of, section_norms, robust, keys)
-        kept = [i for i in range(len(payloads)) if i not in set(screened.dropped)]
-        want = section if names is None else [n for n in section if n in names]
-        kept_payloads, scales = [payloads[i] for i in kept], [plan[i] for i in kept]
+def held_names(held: Sequence[Mapping[str, Any]], names: Collection[str] | None) -> list[str]:
+    """The tensors the payloads hold, `names` only when given."""
+    return sorted({n for h in held for n in h if names is None or n in names})
+
+
+def summed_by_plan(
+    payloads: Sequence[Payload],
+    plan: CommitPlan,
+    cfg: SparseLoCoConfig,
+    names: Collection[str],
+    out: Mapping[str, Tensor] | None = None,
+    each: Callable[[str, Tensor], None] | None = None,
+) -> dict[str, Tensor]:
+    """Δ̄ of `names` from the payloads (whole, or any rows of them: `codec.bands.entry_rows`) as
+    `plan` says: each section's kept payloads, clipped by their scales, summed in commit order."""
+    summed: dict[str, Tensor] = {}
+    for want, kept in plan.section(names):
+        kept_payloads, scales = [payloads[i] for i in kept], [plan.scales[i] for i in kept]
         summed.update(aggregate_payloads(kept_payloads, len(kept), cfg.aggregation, scales, want, out, each))
-        screens[section] = screened
-    return _in_order(summed, held), clip, _screen(screens)
+    return summed
 
 
 def _shapes(contributions: Sequence[Contribution]) -> dict[str, tuple[int, ...]]:

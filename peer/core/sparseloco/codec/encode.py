@@ -210,6 +210,26 @@ def _encode_fused(
     kern: Any, name: str, d: Tensor, prev: Tensor | None, cfg: SparseLoCoConfig, in_place: bool
 ) -> tuple[TensorEntry, Tensor]:
     """encode_tensor of a sparse tensor with the fused kernels (see the module docstring)."""
+    lay, rank_buf, vals, pos, error = select_fused(kern, name, d, prev, cfg, in_place)
+    coding = {"index_bytes": rank_buf.tobytes(), "chunk": cfg.chunk, "topk": cfg.topk}
+    if cfg.quant_bits == 0:
+        entry, sent = TensorEntry(name, SPARSE, tuple(d.shape), values=vals, **coding), vals  # type: ignore[arg-type]
+    else:
+        codes, codebook = quantize(vals, cfg.quant_bits)
+        entry = TensorEntry(name, SPARSE, tuple(d.shape), codes=codes, codebook=codebook, **coding)  # type: ignore[arg-type]
+        sent = dequantize(codes, codebook, cfg.quant_bits)
+    _check_update(name, sent)
+    subtract_fused(kern, lay, error, pos, sent)
+    return entry, error
+
+
+def select_fused(
+    kern: Any, name: str, d: Tensor, prev: Tensor | None, cfg: SparseLoCoConfig, in_place: bool
+) -> tuple[Layout, np.ndarray, np.ndarray, np.ndarray, Tensor]:
+    """The fused kernels' first half: e = β·prev + d written into the returned error buffer, and the
+    top-k of every chunk: (layout, index ranks (bytes of every chunk, in order), the sent values
+    (n_sel,) and their flat positions in e (n_sel,)). The arrays are this thread's work arrays
+    (`_scratch`): used up before the next call on the thread, or copied."""
     shape, chunk, topk = tuple(d.shape), cfg.chunk, cfg.topk
     lay = layout(shape, chunk, topk)
     n_chunks, k, n_sel = lay.n_chunks, lay.k, int(lay.sel[-1])
@@ -236,17 +256,13 @@ def _encode_fused(
         local[tied] = torch.sort(top, dim=1).values.numpy()
         rerank(lay, local, tied, table, rank_buf)
         _gather_tiles(lay, local, tied, e, vals, pos)
-    coding = {"index_bytes": rank_buf.tobytes(), "chunk": chunk, "topk": topk}
-    if cfg.quant_bits == 0:
-        entry, sent = TensorEntry(name, SPARSE, shape, values=vals, **coding), vals  # type: ignore[arg-type]
-    else:
-        codes, codebook = quantize(vals, cfg.quant_bits)
-        entry = TensorEntry(name, SPARSE, shape, codes=codes, codebook=codebook, **coding)  # type: ignore[arg-type]
-        sent = dequantize(codes, codebook, cfg.quant_bits)
-    _check_update(name, sent)
+    return lay, rank_buf, vals, pos, error
+
+
+def subtract_fused(kern: Any, lay: Layout, error: Tensor, pos: np.ndarray, sent: np.ndarray) -> None:
+    """e − Δ̂ in place at the sent positions (distinct), split over the cores as the encoder is."""
     n_c = -(-lay.cols // lay.tw)
-    run_split(kern.subtract, lay.n_bands, n_sel * 64, e, pos, sent, lay.sel, n_c)  # e − Δ̂; positions are distinct
-    return entry, error
+    run_split(kern.subtract, lay.n_bands, len(sent) * 64, error.view(-1).numpy(), pos, sent, lay.sel, n_c)
 
 
 def _scratch(key: str, n: int, dtype: type) -> np.ndarray:
