@@ -162,6 +162,9 @@ def bench_replica_cmd(a: ReplicaArgs) -> None:
 
     if a.ranks < 2 or a.repeats < 1 or a.steps < 1 or a.warmup < 0:
         raise ConfigError("--ranks must be 2 or more, --repeats and --steps 1 or more, --warmup 0 or more")
+    if a.memory:
+        _replica_memory(a)
+        return
     args = [a.preset, *map(str, (a.stages, a.batch_size, a.seq_len, a.microbatches, a.warmup, a.steps))]
     if a.gather_per_step and not a.sharded:
         raise ConfigError("--gather-per-step applies to --sharded")
@@ -178,6 +181,29 @@ def bench_replica_cmd(a: ReplicaArgs) -> None:
     )
     if a.json_out:
         _write_json(a.json_out, result)
+
+
+def _replica_memory(a: ReplicaArgs) -> None:
+    """`peer bench replica --memory`: per-rank peaks of a sharded replica with its round on the bands."""
+    from peer.core.memory import format_bytes
+    from peer.research.bench.replica_memory import run_bench as memory_bench
+
+    if a.gather_per_step:
+        raise ConfigError("--memory measures the sharded replica `peer join --sharded` runs: drop --gather-per-step")
+    if a.batch_size % a.microbatches:
+        raise ConfigError(f"--batch-size {a.batch_size} must be a multiple of --microbatches {a.microbatches}")
+    args = [a.preset, *map(str, (a.stages, a.batch_size, a.seq_len, a.microbatches))]
+    r = memory_bench(a.ranks, args, lambda line: console.print(line, highlight=False))
+    console.print(f"unsharded replica: peak {format_bytes(r['whole_peak'])}", highlight=False)
+    for rank, (peak, bands) in enumerate(zip(r["rank_peaks"], r["rank_bands"], strict=True)):
+        share = peak / r["whole_peak"]
+        console.print(
+            f"sharded rank {rank}/{a.ranks}: peak {format_bytes(peak)} ({share:.1%} of the unsharded; "
+            f"target ≤ {r['target_share']:.1%}), θ_start + error rows {format_bytes(bands)}",
+            highlight=False,
+        )
+    if a.json_out:
+        _write_json(a.json_out, r)
 
 
 @o.command(bench_app, "memory")

@@ -140,6 +140,12 @@ class ReplicaArgs:
         "With --sharded: gather and reduce once per inner step (`peer join --gather-per-step`).",
         "--gather-per-step",
     )
+    memory: bool = o.flag(
+        False,
+        "Instead of tokens/s: each of N sharded ranks' peak memory (allocator, as `peer bench memory`) over two "
+        "inner steps and a round on its bands, against one unsharded replica's.",
+        "--memory",
+    )
     json_out: Path | None = o.flag(None, JSON_HELP, "--json")
 
 

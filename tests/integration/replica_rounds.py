@@ -12,7 +12,7 @@ restores a replica: rank 0 loads it, the first scatter gives every rank its shar
 every rank also encodes each round from its bands of θ_start and the error buffer (`BandedStage`), and
 rank 0 writes, per round and stage, whether that payload's bytes and the gathered error buffer are its
 whole stages' own; every rank the bytes of its bands. `--banded-round` (sharded): the round runs on
-the bands alone (`banded_round`: no rank holds a whole stage, nothing is gathered or scattered).
+the bands alone (`round_alone`: no rank holds a whole stage, nothing is gathered or scattered).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: this checkout's peer
 
 from peer.core.sparseloco.algorithm import decompress  # noqa: E402
-from peer.core.sparseloco.codec.format import Payload, SparseLoCoConfig  # noqa: E402
+from peer.core.sparseloco.codec.format import Payload  # noqa: E402
 from peer.core.sparseloco.commit import embedding_update  # noqa: E402
 from peer.core.subspace.compression import make_basis  # noqa: E402
-from peer.node.replica.bands import BandedStage  # noqa: E402
+from peer.node.replica.bands import BandedStage, round_alone  # noqa: E402
 from peer.node.replica.data_parallel import DataParallel, chain_loss, chain_step, rank_batch_index  # noqa: E402
 from peer.node.replica.group import ReplicaGroup  # noqa: E402
 from peer.node.replica.ranks import exit_now  # noqa: E402
@@ -57,20 +57,6 @@ def commit(chain: list[StageWorker], check: Callable[[list[Payload]], None] | No
     for w, p in zip(chain, payloads, strict=True):
         w.apply_round([p], None if w.stage == 0 else embed, ("full",))
     return {str(w.stage): w.param_hash() for w in chain}
-
-
-def banded_round(bands: list[BandedStage], cfg: SparseLoCoConfig, t: int) -> dict[str, str] | None:
-    """The round as `commit` makes it, on every rank's bands alone (encode, plan, commit its rows);
-    rank 0's {stage: committed param hash}, None on the others."""
-    payloads = [b.encode() for b in bands]
-    lead = payloads[0] is not None
-    embed = embedding_update([decompress(payloads[0])], cfg) if payloads[0] is not None else None
-    out = {}
-    for s, (b, p) in enumerate(zip(bands, payloads, strict=True)):
-        done = b.commit([p] if p is not None else None, t, None if s == 0 else embed)
-        if done is not None:
-            out[str(s)] = done["param_hash"]
-    return out if lead else None
 
 
 def main() -> None:
@@ -119,7 +105,7 @@ def main() -> None:
                 chain_step(chain, lambda mx, my: (chain_loss(chain, mx, my), 0), t, h, x, y)
         if sharded is not None and a.banded_round:
             held = sharded.held_bytes()
-            committed = banded_round(bands, cfg.sparseloco, t)
+            committed = round_alone(bands, t)
             if committed is not None:
                 hashes[t] = committed
             continue

@@ -1,18 +1,25 @@
-"""A sharded replica's outer state in bands: each rank's θ_start and error buffer, and the payload they
-encode together (`peer join --full-replica --sharded`).
+"""A sharded replica's outer state in bands: each rank's θ_start and error buffer, the payload they
+encode together and the commit each rank makes of its rows (`peer join --full-replica --sharded`).
 
 Each rank holds, of every parameter of two or more dimensions, the rows of one band
 (`peer.core.sparseloco.codec.bands.band_rows`: whole 64-row tile rows, so about 1/N of each; which band
-turns from tensor to tensor) of θ_start
-and of the SparseLoCo error buffer; the speaking rank (0) holds the small rest (biases, norms) whole.
+turns from tensor to tensor) of θ_start and of the SparseLoCo error buffer; the speaking rank (0) holds
+the small rest (biases, norms) whole.
+
 `BandedStage.encode` is a collective of every rank: each takes its rows of the current parameters
 (one parameter all-gathered at a time, so a rank never holds more than one whole tensor besides its
 shards), forms Δ = θ_start − θ on them and selects each tile's top-k (`bands.select`); the ranks then
 exchange what a payload carries of their bands (sent values and index ranks, `BandWire`: a payload's
 size, not the model's), each computes the codebooks alike and settles its error rows, and rank 0
 joins the entries into the payload. The payload is byte for byte what an unsharded replica with the
-same θ_start, θ and error buffer sends, and the error rows are its error buffer's rows
-(tests/integration/test_banded_encode.py at 2 and 4 gloo ranks).
+same θ_start, θ and error buffer sends, and the error rows are its error buffer's rows.
+
+`BandedStage.commit` is one too: rank 0 plans the commit from the whole committed payloads
+(`peer.core.sparseloco.commit.decide`: clip scales, screening) and broadcasts plan and payloads; every
+rank commits its rows of θ_start and T⊥ (`peer.core.sparseloco.commit_rows`), and the ranks put the
+new rows together one tensor at a time (an all-gather of equal, padded bands) into their FSDP2 shards.
+The committed bits are an unsharded replica's (tests/unit/test_commit_rows.py;
+tests/integration/test_sharded_replica.py at 2 and 4 gloo ranks).
 
 A rank whose rows are not finite raises `PayloadError` on every rank (the exchange carries the
 message), so no rank waits in a collective the others left.
@@ -31,10 +38,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from peer.config import RunConfig
 from peer.core.model.decoder import Decoder
 from peer.core.model.state import StateHasher, state_hash
+from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.bands import Band, BandWire, band_rows, banded, join, select, sent_parts, settle
 from peer.core.sparseloco.codec.encode import encode_tensor
 from peer.core.sparseloco.codec.format import Payload, PayloadError, TensorEntry
-from peer.core.sparseloco.commit import decide, perp_decay, screening_rule
+from peer.core.sparseloco.commit import decide, embedding_update, perp_decay, screening_rule
 from peer.core.sparseloco.commit_rows import commit_rows, payload_rows
 from peer.core.subspace.state import EMBED, perp_of, set_perp
 
@@ -190,12 +198,35 @@ class BandedStage:
         return out if self.rank == 0 else None
 
     def _joined(self, name: str, rows: Tensor | None) -> Tensor:
-        """The whole tensor from every rank's rows of it (rank 0's alone for an unbanded one), on every rank."""
-        got: list[Any] = [None] * self.world
-        dist.all_gather_object(got, rows, group=self.group)
-        if name in self.rows or name == "perp":
-            return torch.cat(self._in_row_order(name, got))
-        return got[0]
+        """The whole float32 tensor from every rank's rows of it (rank 0's alone for an unbanded one), on
+        every rank: one all-gather of the bands padded to the longest, or one broadcast (a collective)."""
+        device = self._wire_device()
+        if name not in self.rows and name != "perp":
+            shape = self.shapes[name]
+            out = rows.to(device, torch.float32) if self.rank == 0 and rows is not None else None
+            buf = out if out is not None else torch.empty(shape, dtype=torch.float32, device=device)
+            dist.broadcast(buf, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            return buf.cpu()
+        shape = tuple(perp_of(self.module).shape) if name == "perp" else self.shapes[name]
+        bands = band_rows(shape, self.cfg.chunk, self.world)  # in row order
+        longest = max(b - a for a, b in bands)
+        mine = torch.zeros((longest, *shape[1:]), dtype=torch.float32, device=device)
+        if rows is not None and rows.shape[0]:
+            mine[: rows.shape[0]] = rows.to(device, torch.float32)
+        got = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(got, mine, group=self.group)
+        parts: list[Tensor] = [mine] * self.world
+        for rank, t in enumerate(got):
+            band = self._band(name, rank)
+            a, b = bands[band]
+            parts[band] = t[: b - a]
+        return torch.cat(parts).cpu()
+
+    def _wire_device(self) -> torch.device:
+        """Where the collectives' tensors live: the current CUDA device on NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def whole_errors(self) -> dict[str, Tensor] | None:
         """The whole error buffer on rank 0 (None on the others): every rank's rows gathered (a
@@ -211,3 +242,19 @@ class BandedStage:
             elif name in self.errors:
                 out[name] = self.errors[name]
         return out
+
+
+def round_alone(bands: Sequence[BandedStage], t: int) -> dict[str, str] | None:
+    """Round t of a replica alone, on every rank's bands (a collective): each stage's payload encoded
+    from the bands and committed by itself, stage 0's embedding update passed on to the others; rank
+    0's {stage: committed param hash}, None on the other ranks."""
+    payloads = [b.encode() for b in bands]
+    lead = payloads[0] is not None
+    cfg = bands[0].cfg
+    embed = embedding_update([decompress(payloads[0])], cfg) if payloads[0] is not None else None
+    out = {}
+    for s, (b, p) in enumerate(zip(bands, payloads, strict=True)):
+        done = b.commit([p] if p is not None else None, t, None if s == 0 else embed)
+        if done is not None:
+            out[str(s)] = done["param_hash"]
+    return out if lead else None

@@ -88,20 +88,24 @@ class ShardedChain:
             raise ConfigError("--sharded trains in bf16 or fp32 (fp16's loss scale is not sharded); pass --precision")
         self.cfg, self.device, self.precision, self.per_step = cfg, torch.device(device), precision, per_step
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        modules = [initial_module(cfg, s)[0].to(self.device) for s in range(cfg.stages)]
-        mesh, after = self.mesh, not per_step  # per step: no reshard between a unit's forward and backward
-        units: list[nn.Module] = []
-        for m in modules:
-            units += [*([m.embed] if m.embed is not None else []), *m.layers.values(), m]  # m: final norm, head
+        modules: list[Decoder] = []
+        for s in range(cfg.stages):  # each stage sharded before the next is built: one stage whole at a time
+            m = initial_module(cfg, s)[0].to(self.device)
+            for unit in (*([m.embed] if m.embed is not None else []), *m.layers.values(), m):  # m: norm, head
+                self._shard(unit)
+            modules.append(m)
         self.root = _Stages(modules, self.device, precision)
-        for unit in (*units, self.root):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=after)
-            fsdp = cast(FSDPModule, unit)  # gradients averaged in rank order, as DataParallel's (`.reduce`)
-            fsdp.set_force_sum_reduction_for_comms(True)
-            fsdp.set_custom_reduce_scatter(RankOrderReduceScatter())
+        self._shard(self.root)
         self.stages: list[Decoder] = modules
         self.optims = [build_adamw(m.named_parameters(), cfg.train) for m in modules]
         self.skipped_steps = 0
+
+    def _shard(self, unit: nn.Module) -> None:
+        """`fully_shard` one unit (its parameters become this rank's shards at once)."""
+        fully_shard(unit, mesh=self.mesh, reshard_after_forward=not self.per_step)  # per step: kept to the backward
+        fsdp = cast(FSDPModule, unit)  # gradients averaged in rank order, as DataParallel's (`.reduce`)
+        fsdp.set_force_sum_reduction_for_comms(True)
+        fsdp.set_custom_reduce_scatter(RankOrderReduceScatter())
 
     # ------------------------------------------------------------------ the inner step
     def step(self, t: int, h: int, x: torch.Tensor, y: torch.Tensor) -> float:
