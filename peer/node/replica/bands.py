@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from peer.config import RunConfig
 from peer.core.model.decoder import Decoder
 from peer.core.model.state import StateHasher, state_hash
-from peer.core.sparseloco.algorithm import decompress
 from peer.core.sparseloco.codec.bands import Band, BandWire, band_rows, banded, join, select, sent_parts, settle
 from peer.core.sparseloco.codec.encode import encode_tensor
 from peer.core.sparseloco.codec.format import Payload, PayloadError, TensorEntry
@@ -251,7 +250,7 @@ def round_alone(bands: Sequence[BandedStage], t: int) -> dict[str, str] | None:
     payloads = [b.encode() for b in bands]
     lead = payloads[0] is not None
     cfg = bands[0].cfg
-    embed = embedding_update([decompress(payloads[0])], cfg) if payloads[0] is not None else None
+    embed = embedding_update([payloads[0]], cfg) if payloads[0] is not None else None  # fused: no dense Δ̂
     out = {}
     for s, (b, p) in enumerate(zip(bands, payloads, strict=True)):
         done = b.commit([p] if p is not None else None, t, None if s == 0 else embed)
