@@ -33,6 +33,7 @@ def test_random_faults_of_every_kind_leave_a_live_agreeing_swarm_and_nothing_beh
         long_stop_rounds=(2.05, 2.2),
         recovery_cap_s=90.0,  # `peer bench chaos`'s cap: a fresh full replica under CI load took 64 s (18 s to start)
         overlap=1,  # every round in the background of the next outer step (the synchronous schedule: test_churn)
+        leave_s=15.0,  # five processes leaving at once on 2 slow cores: up to 13.3 s (ci42; `peer bench chaos`: 10 s)
     )
     result = run_chaos(cfg)
     s = result.summary
