@@ -91,7 +91,8 @@ def run_bench(ranks: int, args: list[str], progress: Callable[[str], None]) -> d
     with tempfile.TemporaryDirectory(prefix="peer-bench-replica-memory-") as tmp:
         report = Path(tmp) / "report.json"
         progress("the unsharded replica (one process)")
-        whole = json.loads(_check([*me, "whole", *args], env).strip().splitlines()[-1])
+        _check([*me, "whole", *args, str(report)], env)
+        whole = json.loads(report.read_text())
         progress(f"{ranks} sharded ranks (torchrun, gloo)")
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
         _check([*torchrun, "-m", "peer.research.bench.replica_memory", "sharded", *args, str(report)], env)
@@ -108,11 +109,10 @@ def run_bench(ranks: int, args: list[str], progress: Callable[[str], None]) -> d
     }
 
 
-def _check(cmd: list[str], env: dict[str, str]) -> str:
+def _check(cmd: list[str], env: dict[str, str]) -> None:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{_first_traceback(done.stderr)}")
-    return done.stdout
 
 
 def _first_traceback(stderr: str, limit: int = 4000) -> str:
@@ -126,18 +126,18 @@ def _first_traceback(stderr: str, limit: int = 4000) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m peer.research.bench.replica_memory whole|sharded PRESET STAGES BATCH SEQ MICRO [REPORT]`:
-    `whole` prints {"peak": bytes}; `sharded` (under torchrun) writes every rank's figures to REPORT."""
-    if len(argv) < 6 or argv[0] not in ("whole", "sharded") or len(argv) != (7 if argv[0] == "sharded" else 6):
+    """`python -m peer.research.bench.replica_memory whole|sharded PRESET STAGES BATCH SEQ MICRO REPORT`:
+    `whole` writes {"peak": bytes} to REPORT; `sharded` (under torchrun) every rank's figures."""
+    if len(argv) != 7 or argv[0] not in ("whole", "sharded"):
         sys.stderr.write(f"usage: {main.__doc__}\n")
         return 2
     preset, stages, batch, seq, micro = argv[1], *map(int, argv[2:6])
-    cfg = bench_config(preset, stages, batch, seq, micro)
+    cfg, report = bench_config(preset, stages, batch, seq, micro), Path(argv[6])
     if argv[0] == "whole":
         torch.set_num_threads(1)
-        print(json.dumps({"peak": measure(whole_case(cfg))}))
+        report.write_text(json.dumps({"peak": measure(whole_case(cfg))}))
         return 0
-    sharded_rank(cfg, Path(argv[6]))
+    sharded_rank(cfg, report)
     return 0
 
 
