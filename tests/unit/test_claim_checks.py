@@ -74,6 +74,10 @@ def test_a_set_is_followable_only_when_it_leaves_out_nothing_we_could_still_comm
     assert omission(_claim(a, b), bound, held={a, b}, rejected={c}).followable  # we tried c: it is bad or gone
     own = omission(_claim(a, b), {a, b}, held={a, b, "me" * 10}, rejected=set())
     assert own.validated == {"me" * 10}  # our own payload above all
+    # an observer's payload whose sender lapsed (a frozen head) is one the holders may have given up
+    assert omission(_claim(a, b), bound, held={a, b, c}, rejected=set(), given_up={c}).followable
+    assert omission(_claim(a, b), bound, held={a, b}, rejected=set(), given_up={c}).followable
+    assert not omission(_claim(a), bound, held={a, b, c}, rejected=set(), given_up={c}).followable  # b is alive
 
 
 def test_a_censor_is_a_claim_from_our_state_without_an_expected_live_payload_before_any_deadline():

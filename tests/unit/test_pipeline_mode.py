@@ -24,9 +24,14 @@ from peer.net.transport import codec
 from peer.net.transport import peer_pb2 as pb
 from peer.net.transport.messages import ForwardRequest
 from peer.node.pipeline.mode import (
+    HOLD_READINGS,
+    MIN_WIRE_S,
+    RECOVERED,
+    HeldBandwidth,
     LinkFigures,
     check_policy,
     choose_mode,
+    held_bandwidth,
     measured_bandwidth,
     message_bytes,
     utilisation,
@@ -222,3 +227,31 @@ def test_the_target_is_a_manifest_setting_checked_and_fingerprinted_when_not_the
     assert lower.fingerprint() != base.fingerprint()  # every peer of a run agrees on it
     with pytest.raises(ConfigError, match="subspace.uncompressed_min_util"):
         build_config(overrides={"subspace.uncompressed_min_util": 1.5}, environ={})
+
+
+def test_a_bandwidth_is_held_through_readings_too_fast_to_tell_until_the_link_shows_it_healed():
+    """ci43: a compressed head on a 10 Mbit/s link read one outer step's 36 KiB hop as too fast to
+    tell and ran the next uncompressed on the slow link; the measured figure now holds."""
+    hop = 36 * 1024
+    slow = measured_bandwidth(hop, 0.029 + 0.001, 0.001)  # 29 ms on the wire: ~10 Mbit/s
+    assert slow is not None and 9.5 < slow * 8 / 1e6 < 10.5
+    fast = measured_bandwidth(hop, 0.015, 0.001)  # 14 ms: under MIN_WIRE_S, bounds nothing
+    assert fast is None
+    floor = hop / MIN_WIRE_S
+    assert floor < RECOVERED * slow  # the floor of a small hop cannot tell 10 Mbit/s from a healed link
+    held = held_bandwidth(slow, floor, None)
+    assert held == HeldBandwidth(slow)
+    for i in range(1, HOLD_READINGS + 1):  # held through HOLD_READINGS readings too fast to tell
+        held = held_bandwidth(fast, floor, held)
+        assert held == HeldBandwidth(slow, i)
+    assert held_bandwidth(fast, floor, held) is None  # then let go: an uncompressed step measures again
+    # an outer step with no call read nothing and keeps the figure as it was
+    assert held_bandwidth(None, None, HeldBandwidth(slow, 1)) == HeldBandwidth(slow, 1)
+    # a floor at RECOVERED times the held figure is evidence of a faster link: let go at once
+    assert held_bandwidth(None, RECOVERED * slow, HeldBandwidth(slow)) is None
+    # a new reading replaces the held one and starts its count over
+    assert held_bandwidth(2 * slow, floor, HeldBandwidth(slow, 2)) == HeldBandwidth(2 * slow)
+    # nothing bounded yet: a hop too fast to tell bounds nothing
+    assert held_bandwidth(None, floor, None) is None
+    decision = choose_mode("auto", LinkFigures(0.02, slow, 0.001, "measured"), 132 * 1024, TARGET)
+    assert decision.compressed  # the held figure keeps the pipeline compressed

@@ -14,6 +14,12 @@ The figures are the head's own measurements (`LinkEstimator.figures`): stage 0's
 micro-batch and the slowest bandwidth of the chain, the lower of the caps the head and its stage
 peers state and of what its calls into stage 1 showed in the last outer step (the bytes of a hop over
 the fastest call's network time less the round trip; a hop faster than `MIN_WIRE_S` bounds nothing).
+A hop too fast to tell is no evidence of a fast link when its bytes are few: a compressed hop of
+36 KiB takes 29 ms at 10 Mbit/s, within noise of `MIN_WIRE_S` (a CI run's head read one such outer step
+as too fast to tell and ran the next uncompressed on the 10 Mbit/s link). So the last bandwidth a
+hop of the same mode bounded is held through such readings (`held_bandwidth`) until one shows at
+least `RECOVERED` times it, or for `HOLD_READINGS` outer steps; then the pipeline runs uncompressed
+once more, whose larger hop measures the link again.
 Links past stage 1 are known by their caps alone. Before any compute is measured (the head's first
 outer step) `auto` runs compressed, the mode that is safe on any link, and measures. The choice is
 made at an outer step's first inner step and holds through it (`PipelineDriver.inner_step`);
@@ -34,6 +40,12 @@ POLICIES = ("auto", "always", "never")  # `peer join --stage 0 --compression`
 # cores are shared with a swarm's other processes (CI: a 2.7 KiB hop read as a link that keeps the
 # stages 35 % busy). 20 ms still measures a 36 KiB compressed hop at 10 Mbit/s (29 ms)
 MIN_WIRE_S = 0.020
+# a measured bandwidth is held through at most this many readings too fast to tell, then let go: the
+# next outer step runs uncompressed and measures the link with its full boundary (a link that healed)
+HOLD_READINGS = 3
+# a reading too fast to tell shows at least hop_bytes / MIN_WIRE_S; at this multiple of the held
+# bandwidth it is evidence the link got faster, and the held figure is let go at once
+RECOVERED = 2.0
 
 
 @dataclass(frozen=True)
@@ -119,3 +131,29 @@ def measured_bandwidth(hop_bytes: int, network_s: float | None, rtt_s: float) ->
         return None
     wire_s = network_s - rtt_s
     return hop_bytes / wire_s if wire_s >= MIN_WIRE_S else None
+
+
+@dataclass(frozen=True)
+class HeldBandwidth:
+    """A bandwidth a hop bounded, and how many readings too fast to tell it has been held through."""
+
+    bps: float
+    held: int = 0
+
+
+def held_bandwidth(
+    reading_bps: float | None, floor_bps: float | None, last: HeldBandwidth | None
+) -> HeldBandwidth | None:
+    """The measured bandwidth of the chain after one outer step's reading: the reading where it bounds
+    one; else the last one, held while the reading's floor (`floor_bps`: the least bandwidth a hop too
+    fast to tell shows; None: no call measured) stays under `RECOVERED` times it and for at most
+    `HOLD_READINGS` readings; None once let go or when nothing was ever bounded."""
+    if reading_bps is not None:
+        return HeldBandwidth(reading_bps)
+    if last is None:
+        return None
+    if floor_bps is None:  # no call in the outer step: nothing read, nothing learned
+        return last
+    if floor_bps >= RECOVERED * last.bps or last.held >= HOLD_READINGS:
+        return None
+    return HeldBandwidth(last.bps, last.held + 1)

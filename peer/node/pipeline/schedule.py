@@ -22,7 +22,7 @@ from peer.config import WIRE_DTYPES, RunConfig
 from peer.errors import PeerError
 from peer.net import ratelimit
 from peer.net.pool import ClientPool
-from peer.node.pipeline.mode import LinkFigures, measured_bandwidth
+from peer.node.pipeline.mode import MIN_WIRE_S, HeldBandwidth, LinkFigures, held_bandwidth, measured_bandwidth
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class LinkEstimator:
         self.k = 0
         self._compressed = True  # the boundary mode of the calls measured (`set_compressed`)
         self._fastest: float | None = None  # the fastest call's network seconds since the last `figures`
+        self._held: HeldBandwidth | None = None  # the last bandwidth a hop bounded (`held_bandwidth`)
 
     def in_flight(self, route: Callable[[], Sequence[str]]) -> int:
         """K for the next inner step, re-evaluated each time from the latest measurements; `route`
@@ -142,9 +143,10 @@ class LinkEstimator:
 
     def set_compressed(self, compressed: bool) -> None:
         """The mode of the calls to come: a hop measured in the other mode moved other bytes, so the
-        measured network time starts over."""
-        if compressed != self._compressed:
-            self._compressed, self._network_s = compressed, None
+        measured network time starts over, and the bandwidth held is let go (a single uncompressed
+        hop misread on a busy core must not hold the compressed steps that follow)."""
+        if compressed != self._compressed:  # a bandwidth read off the other mode's hops is not held
+            self._compressed, self._network_s, self._held = compressed, None, None
             with self._calls_lock:
                 self._calls, self._fastest = [], None
 
@@ -153,14 +155,18 @@ class LinkEstimator:
         micro-batch, the round trip to stage 1 and the slowest bandwidth of the chain, the lower of
         the stated caps and of the hops measured since the last call (`route`: stages 1 … S−1). A hop
         is measured by its fastest call: every call pays the link's serialization, while a busy core
-        (or K calls queued on the link) only ever adds to some."""
+        (or K calls queued on the link) only ever adds to some; a hop too fast to tell holds the last
+        bandwidth measured for a while (`peer.node.pipeline.mode.held_bandwidth`)."""
         addresses = route()
         with self._rtt_lock:  # the probes so far (`rtt` probes on when K is chosen): 0 before any
             rtt = min(self._rtt.get(addresses[0]) or [0.0])
         with self._calls_lock:
             fastest, self._fastest = self._fastest, None
         rates = {"caps": min((c * ratelimit.MBIT for c in self._chain_caps(addresses) if c), default=None)}
-        rates["measured"] = measured_bandwidth(hop_bytes(self.cfg, self._compressed), fastest, rtt)
+        hop = hop_bytes(self.cfg, self._compressed)
+        floor = None if fastest is None else hop / MIN_WIRE_S
+        self._held = held_bandwidth(measured_bandwidth(hop, fastest, rtt), floor, self._held)
+        rates["measured"] = None if self._held is None else self._held.bps
         known = {k: v for k, v in rates.items() if v is not None}
         source = min(known, key=lambda k: known[k]) if known else "none"
         return LinkFigures(self._compute_s, known.get(source), rtt, source)

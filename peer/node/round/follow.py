@@ -42,14 +42,24 @@ class Omission:
         return not self.validated and not self.unchecked
 
 
-def omission(claim: Claim, bound: Collection[str], held: Collection[str], rejected: Collection[str]) -> Omission:
+def omission(
+    claim: Claim,
+    bound: Collection[str],
+    held: Collection[str],
+    rejected: Collection[str],
+    given_up: Collection[str] = (),
+) -> Omission:
     """The payloads of round (t, s) that `claim`'s set leaves out: `bound` are the replicas whose
     announcement is bound and fresh (not banned), `held` the replicas whose payload we hold,
-    `rejected` those whose payload we tried and rejected (malformed, or gone with its sender)."""
+    `rejected` those whose payload we tried and rejected (malformed, or gone with its sender),
+    `given_up` those an honest holder may have dropped, left out freely (an observer's: payloads
+    whose sender lapsed, `peer.node.round.gather`'s `_targets`)."""
     assert claim.link is not None
     named = set(claim.link.replicas)
-    out = {r for r in set(bound) | set(held) if r[:PREFIX] not in named}
-    return Omission(frozenset(out & set(held)), frozenset(out - set(held) - set(rejected)))
+    gone = set(rejected) | set(given_up)
+    kept = set(held) - set(given_up)
+    out = {r for r in set(bound) | kept if r[:PREFIX] not in named}
+    return Omission(frozenset(out & kept), frozenset(out - kept - gone))
 
 
 @dataclass

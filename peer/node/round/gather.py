@@ -293,18 +293,26 @@ class _Gather:
     def _targets(self, read: _Read) -> list[Claim]:
         """The claims of round t we may follow, best first: from our state (an observer: the set most
         holders committed), not refused, not set aside as unfetchable, leaving out no payload we
-        hold or have not checked yet (`peer.node.round.follow.omission`)."""
+        hold or have not checked yet (`peer.node.round.follow.omission`).
+
+        An observer of a stage it does not hold (`prev` None: stage 0 for T⊥) has no say in the set: it
+        must move T⊥ by the set the stage's holders commit. A payload whose sender lapsed at some poll
+        (`_evidence`: a frozen or gone head) is one an honest holder may have given up, so an
+        observer follows a set that leaves it out (ci43's chaos run: a restarted observer held a frozen
+        head's payload that every holder had dropped, closed its own set and moved T⊥ apart for 8
+        rounds). A holder keeps the rule whole: its larger set wins the RECONCILE after the round."""
         claims = read.claims.values()
         targets = followable(claims, self.t, self.prev) if self.prev is not None else observed(claims, self.t)
         refused = self._refused()
         bound = {rid for rid, _ in read.view.bound.values()}
+        given_up = self.lapsed if self.prev is None else set()
         out = []
         for claim in targets:
             key = (claim.peer, claim.state)
             named = set(claim.link.replicas) if claim.link is not None else set()
             if claim.peer in refused or key in self.unfetchable or self.views.invalid & named:
                 continue
-            left_out = omission(claim, bound, self.held.data, self.rejected)
+            left_out = omission(claim, bound, self.held.data, self.rejected, given_up)
             if left_out.followable:
                 out.append(claim)
                 continue
