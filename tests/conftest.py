@@ -130,9 +130,16 @@ def reap_children():
 
 # integration modules that build network namespaces (fixed names, `tc` on shared veths): with the swarms
 NETNS_MODULES = {"test_nat.py", "test_bench_pipeline.py"}
-# end-to-end modules whose processes wait on no round deadline (research commands, dataset preparation, a
-# join refused before it trains): beside a swarm, on the other worker
-E2E_WITHOUT_ROUNDS = {"test_cli_research.py", "test_data_prepare_cli.py", "test_join_memory.py"}
+# end-to-end modules, or tests ("module::test"), whose processes wait on no round deadline (research
+# commands, dataset preparation, a bootstrap alone, a join refused before it trains): beside a swarm, on
+# the other worker (their own waits allow seconds to minutes)
+E2E_WITHOUT_ROUNDS = {
+    "test_cli_research.py",
+    "test_data_prepare_cli.py",
+    "test_join_memory.py",
+    "test_bootstrap_cli.py",
+    "test_join_cli.py::test_unusable_data_dir_is_one_line_and_exit_code_2",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -151,7 +158,9 @@ def work_unit(nodeid: str) -> str:
     module fixtures built once), unit tests one by one."""
     path = nodeid.split("::", 1)[0]
     name = os.path.basename(path)
-    if (path.startswith("tests/e2e/") and name not in E2E_WITHOUT_ROUNDS) or name in NETNS_MODULES:
+    test = name + "::" + nodeid.split("::", 1)[-1].split("[", 1)[0]
+    rounds = name not in E2E_WITHOUT_ROUNDS and test not in E2E_WITHOUT_ROUNDS
+    if (path.startswith("tests/e2e/") and rounds) or name in NETNS_MODULES:
         return "swarm"
     if path.startswith("tests/e2e/"):
         return path

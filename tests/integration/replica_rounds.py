@@ -1,13 +1,13 @@
 """Outer steps of a `tiny` full replica over torchrun's ranks, without a swarm (run by test_sharded_replica).
 
 `torchrun --nproc-per-node N tests/integration/replica_rounds.py MODE OUT [--microbatches M] [--rounds T]
-[--save F] [--resume F] [--gather-per-step] [--banded] [--banded-round]`:
+[--save F [--save-after R]] [--resume F] [--gather-per-step] [--banded] [--banded-round]`:
 MODE "sharded" (`ShardedChain`: gather → rank 0's round → scatter), "ddp" (`DataParallel`, rank 0's
 state shared after each commit) or "plain" (one rank, `chain_step`). Each rank draws its batches as a
 replica's ranks do (`rank_batch_index`, synthetic tokens seeded by the batch's index); rank 0 commits
 each round from its own payloads alone (`apply_round`). Rank r writes OUT-rank<r>.json: rank 0 the
 committed param hash of every round and stage, every rank the bytes it holds. `--save`/`--resume`: rank 0's
-stages' `state_dict()` (a checkpoint's content) after the last round / before the first, as `--resume`
+stages' `state_dict()` (a checkpoint's content) after round R (default: the last) / before the first, as `--resume`
 restores a replica: rank 0 loads it, the first scatter gives every rank its shards. `--banded` (sharded):
 every rank also encodes each round from its bands of θ_start and the error buffer (`BandedStage`), and
 rank 0 writes, per round and stage, whether that payload's bytes and the gathered error buffer are its
@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--save", help="rank 0 saves its stages' state_dict() here after the last round")
+    ap.add_argument("--save", help="rank 0 saves its stages' state_dict() here after round --save-after")
+    ap.add_argument("--save-after", type=int, default=-1, help="the round after which --save saves (default: the last)")
     ap.add_argument("--resume", help="rank 0 starts from the states saved here (then scatters them)")
     ap.add_argument("--gather-per-step", action="store_true", help="sharded: gather and reduce once per inner step")
     ap.add_argument("--banded", action="store_true", help="sharded: encode band by band too, and compare")
@@ -132,8 +133,8 @@ def main() -> None:
                 chain[w].load_state_dict(st)
         for b in bands:  # the committed state, scattered into the shards, is the next round's θ_start
             b.mark_start()
-    if a.save and lead:
-        torch.save([w.state_dict() for w in chain], a.save)
+        if a.save and lead and t == (a.save_after if a.save_after >= 0 else a.rounds - 1):
+            torch.save([w.state_dict() for w in chain], a.save)
     if not held:  # what a whole replica holds: its parameters and AdamW's two moments
         n = sum(p.numel() for w in chain for p in w.module.parameters())
         held = {"params": 4 * n, "grads": 0, "optimizer": 8 * n}

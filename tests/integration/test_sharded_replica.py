@@ -7,8 +7,8 @@ the replica trained). The committed hashes must match an unsharded replica's giv
 - 1 rank, two micro-batches: sharded == a plain one-process replica;
 - 2 ranks, two micro-batches, gathered and reduced once per step (`--gather-per-step`): sharded == DDP
   (the local sum over the micro-batches, then one average: DDP's `no_sync` order);
-- a 2-rank sharded replica resumed from rank 0's saved state after round 1 commits round 2 as if never stopped
-  (one micro-batch per step: the 3-round run is the DDP test's).
+- a 2-rank sharded replica resumed from rank 0's state saved after round 1 commits round 2 as if never stopped
+  (one micro-batch per step: the state and the 3-round run are the DDP test's).
 - the round on the bands alone (`--banded-round`, `peer.node.replica.bands`: each rank encodes and commits
   its rows of every tensor) == rank 0's whole round, at 2 ranks, and == DDP at 4 ranks (both average
   gradients in rank order: `peer.node.replica.reduce`).
@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "integration" / "replica_rounds.py"
+SAVED = "state-after-round-1.pt"
 
 
 def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, name: str = "") -> list[dict]:
@@ -52,9 +53,10 @@ def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, 
 
 @pytest.fixture(scope="module")
 def two_sharded(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One 2-rank sharded run of 3 rounds (one micro-batch per step), for the DDP and the resume tests."""
+    """One 2-rank sharded run of 3 rounds (one micro-batch per step), for the DDP and the resume tests
+    (rank 0's state saved after round 1: `SAVED`)."""
     tmp = tmp_path_factory.mktemp("sharded2")
-    return tmp, _run(tmp, 2, "sharded", 1, "--banded")
+    return tmp, _run(tmp, 2, "sharded", 1, "--banded", "--save", str(tmp / SAVED), "--save-after", "1")
 
 
 def _check_banded(sharded: list[dict], whole_params: int) -> None:
@@ -105,14 +107,13 @@ def test_one_sharded_rank_commits_a_plain_replicas_hashes(tmp_path):
 
 
 def test_a_resumed_sharded_replica_continues_bit_for_bit(two_sharded, tmp_path):
-    """2 rounds, rank 0's state saved (a checkpoint's content); a new replica resumes it for round 2: the
-    rounds committed match one replica that ran all 3 (parameters and AdamW state came back through the scatter)."""
+    """Rank 0's state saved after round 1 of the 3-round run (a checkpoint's content); a new replica resumes
+    it for round 2: round 2 commits what the run that went on committed (parameters and AdamW state came back
+    through the scatter)."""
     whole = two_sharded[1][0]["hashes"]
-    saved = tmp_path / "state.pt"
-    before = _run(tmp_path, 2, "sharded", 1, "--rounds", "2", "--save", str(saved), name="before")[0]["hashes"]
-    after = _run(tmp_path, 2, "sharded", 1, "--resume", str(saved), name="after")[0]["hashes"]
-    assert sorted(before) == ["0", "1"] and sorted(after) == ["2"]
-    assert before | after == whole
+    after = _run(tmp_path, 2, "sharded", 1, "--resume", str(two_sharded[0] / SAVED), name="after")[0]["hashes"]
+    assert sorted(whole) == ["0", "1", "2"] and sorted(after) == ["2"]
+    assert after["2"] == whole["2"] and after["2"] != whole["1"]
 
 
 def test_two_ranks_gathering_once_per_step_commit_ddps_hashes_with_two_micro_batches(tmp_path):
