@@ -195,11 +195,12 @@ def _replica_memory(a: ReplicaArgs) -> None:
     args = [a.preset, *map(str, (a.stages, a.batch_size, a.seq_len, a.microbatches))]
     r = memory_bench(a.ranks, args, lambda line: console.print(line, highlight=False))
     console.print(f"unsharded replica: peak {format_bytes(r['whole_peak'])}", highlight=False)
-    for rank, (peak, bands) in enumerate(zip(r["rank_peaks"], r["rank_bands"], strict=True)):
+    for rank, (peak, bands, phases) in enumerate(zip(r["rank_peaks"], r["rank_bands"], r["rank_phases"], strict=True)):
         share = peak / r["whole_peak"]
+        where = ", ".join(f"{name} {format_bytes(v)}" for name, v in phases.items())
         console.print(
             f"sharded rank {rank}/{a.ranks}: peak {format_bytes(peak)} ({share:.1%} of the unsharded; "
-            f"target ≤ {r['target_share']:.1%}), θ_start + error rows {format_bytes(bands)}",
+            f"target ≤ {r['target_share']:.1%}), θ_start + error rows {format_bytes(bands)}; peak by phase: {where}",
             highlight=False,
         )
     if a.json_out:

@@ -11,7 +11,8 @@ Checked: head A runs its outer steps after the first uncompressed (its first is 
 measured yet; one outer step may misread a busy core as a slow link); head B runs uncompressed before
 the link is shaped and compressed from at most two outer steps after (the decision reads the fastest
 call of the outer step before it: one that began on the fast link may still show it), saying it
-measured a link of at most ~10 Mbit/s; B never re-syncs across the switch; and every round commits
+measured a link of at most ~10 Mbit/s; B never re-syncs across the switch (either head may re-sync once at
+start-up, when it joined as the swarm moved on); and every round commits
 one state per stage across every holder (both heads, both stage-1 peers, the full replica), with all
 three replicas' contributions. The modes are read from each head's `mode` metrics events, which carry
 the figures behind them (printed). Skipped with the reason when not root or without `ip netns`/`tc`.
@@ -91,14 +92,17 @@ def test_each_pipeline_compresses_by_its_link_and_a_degraded_link_switches_witho
     print(f"\ntwo pipelines and a full replica, {OUTER} outer steps in {took:.0f} s; link shaped after B's round "
           f"{SHAPED_AFTER} (B at outer step {shaped_from}):\n" + "\n".join(lines))  # fmt: skip
     # a head that joined as the swarm moved on may re-sync once after its first outer step, skipping the steps
-    # it replayed (a start-up race on a loaded machine): its steps are 0, then contiguous to the end
-    steps = sorted(a)
-    assert steps[0] == 0 and steps[1:] == list(range(steps[1], OUTER)) and sorted(b) == list(range(OUTER)), (a, b)
+    # it replayed (a start-up race on a loaded machine; ci45: head B, from outer step 0 to 2): its steps are 0,
+    # then contiguous to the end, and for B the skip ends before the link is shaped
+    steps, steps_b = sorted(a), sorted(b)
+    for s in (steps, steps_b):
+        assert s[0] == 0 and s[1:] == list(range(s[1], OUTER)), (a, b)
+    assert steps_b[1] <= shaped_from, (b, shaped_from)
     assert a[0]["mode"] == b[0]["mode"] == "compressed"  # nothing measured yet
     # host 0's own links; one outer step may read a busy core's delay as a slow link (its fastest call
     # ≥ 5 ms: seen once in 50 outer steps of the churn tests, 2 cores)
     assert sum(a[t]["mode"] == "compressed" for t in steps[1:]) <= 1, lines
-    assert any(b[t]["mode"] == "uncompressed" for t in range(1, shaped_from + 1)), lines  # before the link was shaped
+    assert any(b[t]["mode"] == "uncompressed" for t in range(steps_b[1], shaped_from + 1)), lines  # before shaping
     switched = [t for t in range(shaped_from + 1, OUTER) if b[t]["mode"] == "compressed"]
     assert switched and switched[0] <= shaped_from + 2, lines
     assert all(b[t]["mode"] == "compressed" for t in range(switched[0], OUTER)), lines
@@ -106,7 +110,8 @@ def test_each_pipeline_compresses_by_its_link_and_a_degraded_link_switches_witho
     # the first reading after the shaping may still hold calls from before it (ci10: 18.5 Mbit/s, and
     # it switched on it); the readings that follow are of the shaped link alone
     assert min(b[t]["bandwidth_mbps"] for t in range(switched[0], OUTER)) <= 12, lines
-    assert not sw.events("head_b", "sync"), "the switch needed no re-sync"
+    # the switch needed no re-sync (a start-up one lands B at its second outer step, before the shaping)
+    assert not [e for e in sw.events("head_b", "sync") if e["t"] > steps_b[1]], sw.events("head_b", "sync")
 
     settled = {name: sw.settled(name) for names in HOLDERS.values() for name in names}
     for t in range(OUTER):

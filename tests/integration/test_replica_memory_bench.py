@@ -4,7 +4,8 @@
 On `tiny` the activations and the fixed costs are most of a rank's peak, so issue 40's 1/N + 10 %
 target is for `small` and up (docs/hardware.md has the measured table); here each rank's peak must be
 below the unsharded one, the parameters and AdamW state split in two, and the bands of θ_start and the
-error buffer hold together two copies of the parameters, each rank about half.
+error buffer hold together two copies of the parameters, each rank about half; each rank's peak is
+also given by phase (build, the two inner steps, the round between them).
 """
 
 from __future__ import annotations
@@ -35,3 +36,8 @@ def test_sharded_ranks_hold_their_share(tmp_path):
     # θ_start and the error buffer, float32 like the parameters: 2 × the whole model over the ranks
     assert sum(r["rank_bands"]) == pytest.approx(2 * sum(params), rel=0.05)
     assert max(r["rank_bands"]) <= (1 / 2 + 0.1) * sum(r["rank_bands"])
+    # each rank's peak by phase: the run's peak is the largest of them, and every phase allocated something
+    for peak, phases in zip(r["rank_peaks"], r["rank_phases"], strict=True):
+        assert list(phases) == ["build", "step 0", "round", "step 1"], phases
+        assert all(v > 0 for v in phases.values()) and max(phases.values()) <= peak, (peak, phases)
+    assert "peak by phase: build" in done.stdout

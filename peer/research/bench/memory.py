@@ -162,18 +162,39 @@ def _numpy_bytes() -> int:
     return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
-def _torch_peak(prof: torch.profiler.profile) -> int:
-    """The largest running total of live CPU tensor bytes during a profile, from its start."""
+PHASE = "phase: "  # the prefix of a `torch.profiler.record_function` range that `_torch_peaks` reports on
+
+
+def _trace(prof: torch.profiler.profile) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    memory = [e["args"] for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
+        events: list[dict[str, Any]] = json.loads(trace.read_text())["traceEvents"]
+    return events
+
+
+def _torch_peak(prof: torch.profiler.profile) -> int:
+    """The largest running total of live CPU tensor bytes during a profile, from its start."""
+    return _torch_peaks(prof)[""]
+
+
+def _torch_peaks(prof: torch.profiler.profile) -> dict[str, int]:
+    """`_torch_peak` ("") and the same peak within each range the profiled code named `PHASE` + name
+    (`torch.profiler.record_function`), by name: which part of a run sets the peak."""
+    events = _trace(prof)
+    memory = [e for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
+    named = (e for e in events if str(e.get("name", "")).startswith(PHASE) and e.get("ph") == "X")
+    phases = sorted(named, key=lambda e: float(e["ts"]))
     if not memory:
-        return 0
+        return {"": 0, **{e["name"][len(PHASE) :]: 0 for e in phases}}
     # the running total is process-wide and kept between profiles: count from where this one began
-    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]
-    return max(m["Total Allocated"] for m in memory) - start
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    out = {"": max(m["args"]["Total Allocated"] for m in memory) - start}
+    for ph in phases:
+        a, b = float(ph["ts"]), float(ph["ts"]) + float(ph["dur"])
+        inside = [m["args"]["Total Allocated"] for m in memory if a <= float(m["ts"]) <= b]
+        out[ph["name"][len(PHASE) :]] = max(inside, default=start) - start
+    return out
 
 
 def _hwm_kib() -> int:

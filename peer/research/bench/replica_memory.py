@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from peer.config import RunConfig
 from peer.core.subspace.compression import make_basis
@@ -34,13 +35,14 @@ from peer.node.replica.bands import BandedStage, round_alone
 from peer.node.replica.group import ReplicaGroup
 from peer.node.replica.ranks import exit_now
 from peer.node.replica.sharded import ShardedChain
-from peer.research.bench.memory import Case, _numpy_bytes, _torch_peak, measure
+from peer.research.bench.memory import PHASE, Case, _numpy_bytes, _torch_peaks, measure
 from peer.research.bench.replica import bench_config
 
 
 def sharded_rank(cfg: RunConfig, report: Path) -> None:
     """This rank's peak over building the sharded replica, two inner steps and a round on the bands
-    between them; rank 0 writes every rank's {"peak", "held", "bands"} to `report`."""
+    between them, and within each of those phases; rank 0 writes every rank's {"peak", "phases", "held",
+    "bands"} to `report`."""
     torch.set_num_threads(1)
     group = ReplicaGroup.from_env()
     group.open("cpu")
@@ -51,17 +53,21 @@ def sharded_rank(cfg: RunConfig, report: Path) -> None:
     tracemalloc.start()
     numpy_before = _numpy_bytes()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        chain = ShardedChain(cfg, "cpu", "fp32")
-        U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
-        bands = [BandedStage(m, cfg, U) for m in chain.stages]
+        with record_function(PHASE + "build"):
+            chain = ShardedChain(cfg, "cpu", "fp32")
+            U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
+            bands = [BandedStage(m, cfg, U) for m in chain.stages]
         for h in range(2):
             tokens = torch.randint(V, (b, L + 1), generator=gen)  # (b, L+1)
-            chain.step(0, h, tokens[:, :-1], tokens[:, 1:])
+            with record_function(PHASE + f"step {h}"):
+                chain.step(0, h, tokens[:, :-1], tokens[:, 1:])
             if h == 0:
-                round_alone(bands, 0)
+                with record_function(PHASE + "round"):
+                    round_alone(bands, 0)
     numpy_held = _numpy_bytes() - numpy_before
     tracemalloc.stop()
-    mine = {"peak": _torch_peak(prof) + numpy_held, "held": chain.held_bytes()}
+    peaks = _torch_peaks(prof)
+    mine = {"peak": peaks.pop("") + numpy_held, "phases": peaks, "held": chain.held_bytes()}
     mine["bands"] = sum(x.held_bytes() for x in bands)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
@@ -104,6 +110,7 @@ def run_bench(ranks: int, args: list[str], progress: Callable[[str], None]) -> d
         "rank_peaks": peaks,
         "rank_held": [r["held"] for r in sharded],
         "rank_bands": [r["bands"] for r in sharded],
+        "rank_phases": [r["phases"] for r in sharded],  # each rank's peak in build, step 0, round, step 1
         "worst_share": max(peaks) / whole["peak"],  # the target: ≤ 1/N + 0.1
         "target_share": 1 / ranks + 0.1,
     }
