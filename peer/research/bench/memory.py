@@ -165,14 +165,6 @@ def _numpy_bytes() -> int:
 PHASE = "phase: "  # the prefix of a `torch.profiler.record_function` range that `_torch_peaks` reports on
 
 
-def _trace(prof: torch.profiler.profile) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events: list[dict[str, Any]] = json.loads(trace.read_text())["traceEvents"]
-    return events
-
-
 def _torch_peak(prof: torch.profiler.profile) -> int:
     """The largest running total of live CPU tensor bytes during a profile, from its start."""
     return _torch_peaks(prof)[""]
@@ -181,7 +173,10 @@ def _torch_peak(prof: torch.profiler.profile) -> int:
 def _torch_peaks(prof: torch.profiler.profile) -> dict[str, int]:
     """`_torch_peak` ("") and the same peak within each range the profiled code named `PHASE` + name
     (`torch.profiler.record_function`), by name: which part of a run sets the peak."""
-    events = _trace(prof)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events: list[dict[str, Any]] = json.loads(trace.read_text())["traceEvents"]
     memory = [e for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
     named = (e for e in events if str(e.get("name", "")).startswith(PHASE) and e.get("ph") == "X")
     phases = sorted(named, key=lambda e: float(e["ts"]))
