@@ -1,4 +1,4 @@
-"""Random churn on a real loopback swarm (`peer bench chaos`, issue 8): 12 faults in a few minutes.
+"""Random churn on a real loopback swarm (`peer bench chaos`, issue 8): 9 faults in a few minutes.
 
 kill -9 + restart (--resume or fresh), SIGTERM + restart, SIGSTOP/SIGCONT of heads, stage peers and
 the full replica, plus one bootstrap kill; short deadlines so the run fits a CI job on 2 cores.
@@ -17,14 +17,16 @@ from peer.research.bench.chaos_report import fault_line
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
-FAULTS = 12  # `peer bench chaos` defaults to 20; seed 5's 12 kill every role (the full replica fresh, twice),
-# stop the head past two round deadlines twice and draw every kind: the suite's time goes to where the risk is
+FAULTS = 9  # `peer bench chaos` defaults to 20; seed 62's 9 draw every kind, kill every role (the full replica
+# fresh), stop the head past two round deadlines twice and SIGTERM it and a stage peer: the fewest faults that do
+# all of that (no seed of 8 does, none of 200 tried), so the suite's time goes to where the risk is
+SEED = 62
 
 
 def test_random_faults_of_every_kind_leave_a_live_agreeing_swarm_and_nothing_behind(tmp_path):
     cfg = ChaosConfig(
         faults=FAULTS,
-        seed=5,
+        seed=SEED,
         workdir=tmp_path / "chaos",
         inner_steps=3,
         round_timeout_s=8.0,

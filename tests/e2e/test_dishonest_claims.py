@@ -16,9 +16,11 @@ stage-1 holders that are honest inside and change only the claim they publish
   0 on: no honest holder ever holds their state, the validation loss falls as in an honest run, and
   a stage-1 peer that joins late never adopts their state.
 
-Each test fails exactly when its attack got through: with `ATTACKS_BASELINE=1` every attacker runs
-as `ATTACK=none` (the same unclaimable spares, publishing their true claims) and every assertion
-but "the attack was made and refused" passes. The attackers join before the head and the full
+Three swarms: both censors in one, the replayer and the splitter in one, the colluders in one (an
+attack the honest holders refuse must not break what another test asks of them either). Each test
+fails exactly when its attack got through: with `ATTACKS_BASELINE=1` every attacker runs as
+`ATTACK=none` (the same unclaimable spares, publishing their true claims) and every assertion but
+"the attack was made and refused" passes. The attackers join before the head and the full
 replica (a join takes longer than a 6-round run on 2 cores), so every round is attacked.
 """
 
@@ -141,12 +143,24 @@ def test_censors_never_drop_an_announced_payload_and_are_refused(swarm_factory):
     finished(sw, rcs)
 
 
-# ------------------------------------------------------------------------------------ replayer
+# ------------------------------------------------------------------------------------ replayer, T⊥ splitter
+@pytest.fixture(scope="module")
+def replayed_and_split(tmp_path_factory):
+    """One swarm for the replayer and the T⊥ splitter (each a stage-1 spare with its own attack: what
+    each test asks of the honest holders is what the other's attack must not break either). Yields
+    (swarm, exit codes)."""
+    sw = Swarm(tmp_path_factory.mktemp("replayed"), outer_steps=T, deadlines=DEADLINES)
+    try:
+        each = {"replayer": _attack("replay"), "splitter": _attack("embed")}
+        join_with_attackers(sw, {}, list(each), each=each)
+        yield sw, finish(sw)
+    finally:
+        sw.close()
+
+
 @pytest.mark.timeout(240)
-def test_a_replayed_claim_stalls_nobody_and_is_refused(swarm_factory):
-    sw = swarm_factory(outer_steps=T, deadlines=DEADLINES)
-    join_with_attackers(sw, _attack("replay"), ["replayer"])
-    rcs = finish(sw)
+def test_a_replayed_claim_stalls_nobody_and_is_refused(replayed_and_split):
+    sw, rcs = replayed_and_split
     made = attacks(sw, ["replayer"])
     print(f"\nreplayer: replayed rounds {[e['t'] for e in made]}")
     synced = {n: [(e["t"], e["reason"]) for e in sw.events(n, "sync")] for n in HONEST}
@@ -159,7 +173,6 @@ def test_a_replayed_claim_stalls_nobody_and_is_refused(swarm_factory):
     finished(sw, rcs)
 
 
-# ------------------------------------------------------------------------------------ T⊥ splitter
 def split_perp(sw: Swarm, names: Iterable[str] = HONEST) -> dict[int, dict[str, str]]:
     """{round: {"holder/stage": T⊥ hash}} for the rounds where the honest holders' T⊥ of stage 0 and
     of stage 1 differ (one table: every stage's T⊥ moves by stage 0's embedding change)."""
@@ -171,11 +184,9 @@ def split_perp(sw: Swarm, names: Iterable[str] = HONEST) -> dict[int, dict[str, 
     return {t: p for t, p in sorted(perps.items()) if len(set(p.values())) != 1}
 
 
-@pytest.mark.timeout(240)
-def test_a_perp_splitter_never_moves_stage_1s_perp_apart_from_stage_0s(swarm_factory):
-    sw = swarm_factory(outer_steps=T, deadlines=DEADLINES)
-    join_with_attackers(sw, _attack("embed"), ["splitter"])
-    rcs = finish(sw)
+@pytest.mark.timeout(60)  # the swarm ran in the replayer test's setup
+def test_a_perp_splitter_never_moves_stage_1s_perp_apart_from_stage_0s(replayed_and_split):
+    sw, rcs = replayed_and_split
     made = attacks(sw, ["splitter"])
     print(f"\nsplitter: {[(e['t'], e['embed'], e['embed_of'], e['first']) for e in made]}")
     split = split_perp(sw)

@@ -3,7 +3,9 @@
 `torchrun --nproc-per-node N tests/integration/replica_rounds.py MODE OUT [--microbatches M] [--rounds T]
 [--save F [--save-after R]] [--resume F] [--gather-per-step] [--banded] [--banded-round]`:
 MODE "sharded" (`ShardedChain`: gather → rank 0's round → scatter), "ddp" (`DataParallel`, rank 0's
-state shared after each commit) or "plain" (one rank, `chain_step`). Each rank draws its batches as a
+state shared after each commit) or "plain" (one rank, `chain_step`); "sharded+ddp" runs both replicas,
+one after the other in the same processes (one torchrun: its start-up, not the rounds, is most of a run's
+time), and reports the later ones under "beside". Each rank draws its batches as a
 replica's ranks do (`rank_batch_index`, synthetic tokens seeded by the batch's index); rank 0 commits
 each round from its own payloads alone (`apply_round`). Rank r writes OUT-rank<r>.json: rank 0 the
 committed param hash of every round and stage, every rank the bytes it holds. `--save`/`--resume`: rank 0's
@@ -61,7 +63,7 @@ def commit(chain: list[StageWorker], check: Callable[[list[Payload]], None] | No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("sharded", "ddp", "plain"))
+    ap.add_argument("mode", help="sharded, ddp or plain; several joined by + run one after another in one process")
     ap.add_argument("out")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -72,29 +74,49 @@ def main() -> None:
     ap.add_argument("--banded", action="store_true", help="sharded: encode band by band too, and compare")
     ap.add_argument("--banded-round", action="store_true", help="sharded: the round on the bands alone")
     a = ap.parse_args()
+    modes = a.mode.split("+")
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"mode: one or more of {', '.join(MODES)} joined by +, not {a.mode!r}")
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    reports = [replica(m, a, first=i == 0) for i, m in enumerate(modes)]
+    out = reports[0] | {"beside": dict(zip(modes[1:], reports[1:], strict=True))}
+    Path(f"{a.out}-rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()  # no rank tears the group down while another still talks in it
+    if "sharded" in modes:
+        exit_now(0)  # as `peer join --sharded` exits (torch 2.13's exit after FSDP2 on gloo can abort)
+    dist.destroy_process_group()
+
+
+MODES = ("sharded", "ddp", "plain")
+
+
+def replica(mode: str, a: argparse.Namespace, first: bool) -> dict:
+    """One replica of `mode` over every rank, from the initial state (or `--resume`, the first mode only)
+    through the last round: this rank's report (module docstring). `--save` too is the first mode's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = tiny_run(**{"train.microbatches": a.microbatches, "train.outer_steps": a.rounds, "train.inner_steps": 2})
     train = cfg.train
     lead = rank == 0
-    whole = a.mode != "sharded" or lead and not a.banded_round  # a sharded follower holds no whole stage
+    banded_round = mode == "sharded" and a.banded_round
+    whole = mode != "sharded" or lead and not banded_round  # a sharded follower holds no whole stage
     chain = [StageWorker(cfg, s, compressed=False, precision="fp32") for s in range(cfg.stages)] if whole else []
-    sharded = ShardedChain(cfg, "cpu", "fp32", a.gather_per_step) if a.mode == "sharded" else None
-    ddp = DataParallel(chain, lambda x, y: chain_loss(chain, x, y)) if a.mode == "ddp" else None
+    sharded = ShardedChain(cfg, "cpu", "fp32", a.gather_per_step) if mode == "sharded" else None
+    ddp = DataParallel(chain, lambda x, y: chain_loss(chain, x, y)) if mode == "ddp" else None
     group = ReplicaGroup(rank, world, rank, connect=lambda: None)  # type: ignore[arg-type,return-value]
-    if a.resume and lead:
+    if a.resume and lead and first:
         for w, st in zip(chain, torch.load(a.resume, weights_only=True), strict=True):
             w.load_state_dict(st)
-    first = chain[0].outer_step if chain else 0
-    if sharded is not None and not a.banded_round:  # banded: the shards start canonical, as rank 0 would
-        first = sharded.scatter(chain if lead else None)["outer_step"]
+    start = chain[0].outer_step if chain else 0
+    if sharded is not None and not banded_round:  # banded: the shards start canonical, as rank 0 would
+        start = sharded.scatter(chain if lead else None)["outer_step"]
     hashes: dict[int, dict[str, str]] = {}
     held: dict[str, int] = {}
     U = make_basis(cfg.model.d_model, cfg.k, cfg.seed)
-    banding = sharded is not None and (a.banded or a.banded_round)
+    banding = sharded is not None and (a.banded or banded_round)
     bands = [BandedStage(m, cfg, U) for m in sharded.stages] if sharded is not None and banding else []
     same: dict[int, dict[str, list[bool]]] = {}
-    for t in range(first, a.rounds):
+    for t in range(start, a.rounds):
         for h in range(train.inner_steps):
             index = rank_batch_index(t, h, train.inner_steps, world, rank)
             x, y = batch(index, train.batch_size, train.seq_len, cfg.model.vocab_size)
@@ -104,7 +126,7 @@ def main() -> None:
                 chain_step(chain, ddp.forward(), t, h, x, y)
             else:
                 chain_step(chain, lambda mx, my: (chain_loss(chain, mx, my), 0), t, h, x, y)
-        if sharded is not None and a.banded_round:
+        if sharded is not None and banded_round:
             held = sharded.held_bytes()
             committed = round_alone(bands, t)
             if committed is not None:
@@ -133,7 +155,7 @@ def main() -> None:
                 chain[w].load_state_dict(st)
         for b in bands:  # the committed state, scattered into the shards, is the next round's θ_start
             b.mark_start()
-        if a.save and lead and t == (a.save_after if a.save_after >= 0 else a.rounds - 1):
+        if a.save and lead and first and t == (a.save_after if a.save_after >= 0 else a.rounds - 1):
             torch.save([w.state_dict() for w in chain], a.save)
     if not held:  # what a whole replica holds: its parameters and AdamW's two moments
         n = sum(p.numel() for w in chain for p in w.module.parameters())
@@ -141,12 +163,9 @@ def main() -> None:
     out = {"hashes": hashes, "held": held, "world": world, "rss": _rss()}
     if bands:
         out |= {"banded": same, "band_bytes": sum(b.held_bytes() for b in bands)}
-    Path(f"{a.out}-rank{rank}.json").write_text(json.dumps(out))
     ddp = None  # DDP's reducer goes before its process group (its teardown can hang)
-    dist.barrier()  # no rank tears the group down while another still talks in it
-    if sharded is not None:
-        exit_now(0)  # as `peer join --sharded` exits (torch 2.13's exit after FSDP2 on gloo can abort)
-    dist.destroy_process_group()
+    dist.barrier()  # the next replica starts on every rank at once
+    return out
 
 
 def _rss() -> int:

@@ -2,7 +2,8 @@
 
 Each run is `tests/integration/replica_rounds.py` under torchrun: the `tiny` preset, 3 outer steps of 2
 inner steps, rank 0 committing each round from its own payloads (no swarm: the round's input is what
-the replica trained). The committed hashes must match an unsharded replica's given the same batches:
+the replica trained). The committed hashes must match an unsharded replica's given the same batches (the
+unsharded one runs after the sharded one in the same torchrun, `MODE` "sharded+ddp": 6 torchruns, not 10):
 - 2 ranks, one micro-batch per step: sharded == DDP (one average of two gradients either way);
 - 1 rank, two micro-batches: sharded == a plain one-process replica;
 - 2 ranks, two micro-batches, gathered and reduced once per step (`--gather-per-step`): sharded == DDP
@@ -36,7 +37,7 @@ SAVED = "state-after-round-1.pt"
 
 
 def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, name: str = "") -> list[dict]:
-    """Every rank's report of one torchrun of `replica_rounds.py`."""
+    """Every rank's report of one torchrun of `replica_rounds.py` (`mode` "a+b": b's under "beside")."""
     out = tmp_path / (name or f"{mode}-{ranks}")
     args = ["--nproc-per-node", str(ranks), "--standalone", "--max-restarts", "0", str(SCRIPT), mode, str(out)]
     done = subprocess.run(
@@ -53,10 +54,16 @@ def _run(tmp_path: Path, ranks: int, mode: str, microbatches: int, *flags: str, 
 
 @pytest.fixture(scope="module")
 def two_sharded(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One 2-rank sharded run of 3 rounds (one micro-batch per step), for the DDP and the resume tests
-    (rank 0's state saved after round 1: `SAVED`)."""
+    """One 2-rank sharded run of 3 rounds (one micro-batch per step), then a DDP one in the same torchrun
+    (each rank's under "beside"), for the DDP and the resume tests (the sharded rank 0's state saved after
+    round 1: `SAVED`)."""
     tmp = tmp_path_factory.mktemp("sharded2")
-    return tmp, _run(tmp, 2, "sharded", 1, "--banded", "--save", str(tmp / SAVED), "--save-after", "1")
+    return tmp, _run(tmp, 2, "sharded+ddp", 1, "--banded", "--save", str(tmp / SAVED), "--save-after", "1")
+
+
+def _beside(ranks: list[dict], mode: str) -> list[dict]:
+    """Each rank's report of the replica of `mode` that ran beside (after) the first in one torchrun."""
+    return [r["beside"][mode] for r in ranks]
 
 
 def _check_banded(sharded: list[dict], whole_params: int) -> None:
@@ -71,8 +78,8 @@ def _check_banded(sharded: list[dict], whole_params: int) -> None:
 
 
 def test_two_sharded_ranks_commit_ddps_hashes_and_each_holds_half_the_state(two_sharded):
-    tmp_path, sharded = two_sharded
-    ddp = _run(tmp_path, 2, "ddp", 1)
+    _, sharded = two_sharded
+    ddp = _beside(sharded, "ddp")
     assert len(sharded[0]["hashes"]) == 3
     assert sharded[0]["hashes"] == ddp[0]["hashes"]
     assert len({h for r in sharded[0]["hashes"].values() for h in r.values()}) == 6  # every round moved
@@ -92,8 +99,8 @@ def test_a_round_on_the_bands_alone_commits_ddps_hashes_at_two_and_four_ranks(tw
     tmp_path, sharded = two_sharded
     two = _run(tmp_path, 2, "sharded", 1, "--banded-round", name="banded-round-2")
     assert two[0]["hashes"] == sharded[0]["hashes"]  # the two-rank run's rank 0 committed whole (== DDP's)
-    four = _run(tmp_path, 4, "sharded", 1, "--rounds", "2", "--banded-round", name="banded-round-4")
-    ddp = _run(tmp_path, 4, "ddp", 1, "--rounds", "2", name="ddp-4")
+    four = _run(tmp_path, 4, "sharded+ddp", 1, "--rounds", "2", "--banded-round", name="banded-round-4")
+    ddp = _beside(four, "ddp")
     assert len(four[0]["hashes"]) == 2 and four[0]["hashes"] == ddp[0]["hashes"]
     whole = ddp[0]["held"]["params"]
     for rank in four:  # θ_start and the error buffer: each rank its bands
@@ -102,7 +109,8 @@ def test_a_round_on_the_bands_alone_commits_ddps_hashes_at_two_and_four_ranks(tw
 
 
 def test_one_sharded_rank_commits_a_plain_replicas_hashes(tmp_path):
-    (sharded,), (plain,) = _run(tmp_path, 1, "sharded", 2), _run(tmp_path, 1, "plain", 2)
+    (sharded,) = _run(tmp_path, 1, "sharded+plain", 2)
+    plain = sharded["beside"]["plain"]
     assert len(sharded["hashes"]) == 3 and sharded["hashes"] == plain["hashes"]
 
 
@@ -119,8 +127,8 @@ def test_a_resumed_sharded_replica_continues_bit_for_bit(two_sharded, tmp_path):
 def test_two_ranks_gathering_once_per_step_commit_ddps_hashes_with_two_micro_batches(tmp_path):
     """Per step, each unit's gradient is summed over the micro-batches on each rank and reduce-scattered
     once: DDP's float order, so the same bits with several micro-batches (per micro-batch they differ)."""
-    per_step = _run(tmp_path, 2, "sharded", 2, "--gather-per-step", name="per-step")
-    ddp = _run(tmp_path, 2, "ddp", 2)
+    per_step = _run(tmp_path, 2, "sharded+ddp", 2, "--gather-per-step", name="per-step")
+    ddp = _beside(per_step, "ddp")
     assert len(per_step[0]["hashes"]) == 3 and per_step[0]["hashes"] == ddp[0]["hashes"]
     whole = ddp[0]["held"]["params"] + ddp[0]["held"]["optimizer"]
     for rank in per_step:  # between steps a rank holds its shards only

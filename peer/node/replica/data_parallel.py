@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from peer.core.model.chain import global_grad_norm, token_loss
 from peer.core.model.inner import MicroForward, accumulate
+from peer.node.replica.reduce import rank_order_mean
 from peer.node.stage.worker import StageWorker
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs (b, L), targets (b, L)) -> mean loss
@@ -102,10 +103,6 @@ class DataParallel:
             forward_sync_buffers=False,
             bucket_cap_mb=bucket_cap_mb,
         )
-        # a sharded replica's float order (`.reduce`: imported here, as it imports FSDP2, which every
-        # peer process would otherwise load at start for nothing: ~0.45 s of CPU each)
-        from peer.node.replica.reduce import rank_order_mean
-
         self.ddp.register_comm_hook(None, rank_order_mean)
 
     def forward(self) -> MicroForward:

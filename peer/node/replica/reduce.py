@@ -6,9 +6,10 @@ can average to other bits in DDP than in FSDP2, and on another machine. Here bot
 
     mean = (((g_0 + g_1) + g_2) + … + g_{N−1}) / N        (rank order, float32, then one division)
 
-- `RankOrderReduceScatter` (FSDP2's `set_custom_reduce_scatter`, with sum reduction forced so FSDP2
-  divides by N once after it): an all-to-all sends each rank the chunks it owns, which it adds in rank
-  order — the traffic of a reduce-scatter, (N − 1)/N of the gradient per rank.
+- `peer.node.replica.sharded.RankOrderReduceScatter` (FSDP2's `set_custom_reduce_scatter`, beside the
+  FSDP2 code it plugs into, so importing this module loads no FSDP2): an all-to-all sends each rank the
+  chunks it owns, which it adds in rank order (`sum_in_rank_order`) — the traffic of a reduce-scatter,
+  (N − 1)/N of the gradient per rank.
 - `rank_order_mean` (a DDP communication hook): the same reduce-scatter on the bucket, the division,
   then an all-gather of the means — an all-reduce's traffic, 2(N − 1)/N of the bucket.
 
@@ -17,42 +18,17 @@ same N ranks take the same inner steps bit for bit (tests/integration/test_shard
 4 ranks), and neither depends on the backend's reduction algorithm.
 """
 
-from typing import Any  # no `from __future__ import annotations`: DDP reads the hook's annotations as types
+# no `from __future__ import annotations`: DDP reads the hook's annotations as types
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 
-def _sum_in_rank_order(received: torch.Tensor, out: torch.Tensor) -> None:
+def sum_in_rank_order(received: torch.Tensor, out: torch.Tensor) -> None:
     """out = received[0] + received[1] + … in that order (received: (N, n), out: (n,))."""
     out.copy_(received[0])
     for part in received[1:]:
         out.add_(part)
-
-
-class RankOrderReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter as an all-to-all and a sum in rank order (module docstring)."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> None:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ValueError(f"a rank-order reduce-scatter sums or averages, not {op}")
-        n = group.size()
-        received = torch.empty((n, output_tensor.numel()), dtype=input_tensor.dtype, device=input_tensor.device)
-        dist.all_to_all_single(received.view(-1), input_tensor.view(-1), group=group)
-        _sum_in_rank_order(received, output_tensor.view(-1))
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(n)
 
 
 def rank_order_mean(group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -69,7 +45,7 @@ def rank_order_mean(group: dist.ProcessGroup | None, bucket: dist.GradBucket) ->
     received = torch.empty((n, per), dtype=buf.dtype, device=buf.device)
     dist.all_to_all_single(received.view(-1), padded, group=group)
     mine = torch.empty(per, dtype=buf.dtype, device=buf.device)
-    _sum_in_rank_order(received, mine)
+    sum_in_rank_order(received, mine)
     mine.div_(n)
     dist.all_gather_into_tensor(padded, mine, group=group)
     buf.copy_(padded[: buf.numel()])

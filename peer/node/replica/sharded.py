@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from peer.config import RunConfig
@@ -52,12 +53,37 @@ from peer.core.model.inner import accumulate
 from peer.core.model.optim import build_adamw, clip_grads_to, lr_at, set_lr, sq_norm
 from peer.core.model.precision import autocast
 from peer.errors import ConfigError
-from peer.node.replica.reduce import RankOrderReduceScatter
+from peer.node.replica.reduce import sum_in_rank_order
 from peer.node.stage.initial import initial_module
 from peer.node.stage.optimizer import named_optimizer_state
 from peer.node.stage.worker import StageWorker
 
 log = logging.getLogger(__name__)
+
+
+class RankOrderReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter as an all-to-all and a sum in rank order (`peer.node.replica.reduce`: the
+    float order DDP's hook uses too), so sharded and data-parallel ranks average alike."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"a rank-order reduce-scatter sums or averages, not {op}")
+        n = group.size()
+        received = torch.empty((n, output_tensor.numel()), dtype=input_tensor.dtype, device=input_tensor.device)
+        dist.all_to_all_single(received.view(-1), input_tensor.view(-1), group=group)
+        sum_in_rank_order(received, output_tensor.view(-1))
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(n)
 
 
 class _Stages(nn.Module):
