@@ -152,12 +152,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def work_unit(nodeid: str) -> str:
-    """What one pytest-xdist worker runs in one go (pyproject's addopts: `-n 3`): every swarm of
+    """What one pytest-xdist worker runs in one go (pyproject's addopts: `-n 2`): every swarm of
     processes (tests/e2e, the namespace tests) is one unit, so swarms run one at a time as without
-    xdist, while the other two workers take the in-process tiers: an integration module at a time (its
-    module fixtures built once), unit tests one by one. Two, as most in-process tests use one core
-    (one torch thread) and a swarm often waits (deadlines, start-up), so one worker beside it left a
-    core idle (ci47: 147 % of 2 cores); at nice 10 they take from a swarm only what it leaves."""
+    xdist, while the other worker takes the in-process tiers: an integration module at a time (its
+    module fixtures built once), unit tests one by one."""
     path = nodeid.split("::", 1)[0]
     name = os.path.basename(path)
     test = name + "::" + nodeid.split("::", 1)[-1].split("[", 1)[0]

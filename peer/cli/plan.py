@@ -186,9 +186,10 @@ def fit_table(rows: list[dict[str, Any]], microbatch_size: int) -> Table:
 
     table = Table(
         title=f"which presets fit on which GPUs, and how many ({microbatch_size} seq per micro-batch per rank)",
-        caption="DDP (runs today): every rank holds the whole replica; sharded: the fewest FSDP2 ranks (planned "
-        "by issue 40, a memory plan only) whose per-rank memory fits the GPU; —: none up to "
-        f"{MAX_RANKS}; GiB of the GPU's own memory, nothing kept back",
+        caption="DDP: every rank holds the whole replica; sharded: the fewest FSDP2 ranks whose per-rank memory "
+        "fits the GPU (each rank's shards with the round on shards: what a follower of `peer join --sharded` "
+        f"holds; its rank 0 still holds the whole replica for the round); —: none up to {MAX_RANKS}; GiB of the "
+        "GPU's own memory, nothing kept back",
     )
     for col in ("model", "mode", "DDP per rank", "DDP fits", *(f"sharded {g} GiB" for g in DEVICES_GIB)):
         table.add_column(col, justify="left" if col in ("model", "mode", "DDP fits") else "right", no_wrap=True)

@@ -7,7 +7,7 @@ MemAvailable through psutil). A stage that does not fit is a one-line `ConfigErr
 what would make it fit, each with its estimate: fewer micro-batches in flight, activation
 checkpointing, bf16, or another stage.
 
-A full replica over N ranks is checked per rank. DDP (what runs today) holds the whole replica on
+A full replica over N ranks is checked per rank. DDP holds the whole replica on
 every rank, whatever N; a sharded replica (`sharded=True`, FSDP2 ranks of issue 40,
 `peer.core.memory.sharded`: what a follower of `peer join --sharded` is checked against) holds
 1/N of its state per rank, and the smallest rank count that fits

@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 GONE_WITHIN_S = 15.0
 
 
-def _torchrun(sw, name: str, *flags: str) -> None:
-    args = ["--nproc-per-node", "2", "--standalone", "--max-restarts", "0", "-m", "peer", "join", "--full-replica"]
+def _torchrun(sw, name: str, *flags: str, ranks: int = 2) -> None:
+    args = ["--nproc-per-node", str(ranks), "--standalone", "--max-restarts", "0"]
+    args += ["-m", "peer", "join", "--full-replica"]
     args += ["--host", LOOPBACK, "--initial-peers", sw.maddr, "--data-dir", str(sw.tmp / name), *flags]
     sw.start(name, args, module="torch.distributed.run")  # cwd: the repository, so the workers import this peer
 

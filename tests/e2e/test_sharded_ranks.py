@@ -1,11 +1,12 @@
-"""A sharded full replica (`torchrun … peer join --full-replica --sharded`, FSDP2 over two gloo ranks)
-beside a compressed pipeline, as real processes.
+"""Sharded full replicas (`torchrun … peer join --full-replica --sharded`, FSDP2 over two and four gloo
+ranks) beside a compressed pipeline, as real processes.
 
-Every round and stage the pipeline's holders and the sharded replica commit one state; rank 1 adopts
-each committed state (rank 0 scatters it into the shards) and holds half of the replica's parameters
-and AdamW state; the replica's record says 2 ranks and a global batch of 2 × b; rank 1 trains on its
-own batches. SIGTERM to torchrun stops every process of the replica (DHT and p2pd included); so does
-`kill -9` of one rank of a second sharded replica, and the pipeline goes on committing.
+Every round and stage the pipeline's holders and the 2-rank sharded replica commit one state; rank 1
+adopts each committed state (rank 0 scatters it into the shards) and holds half of the replica's
+parameters and AdamW state; the replica's record says 2 ranks and a global batch of 2 × b; rank 1 trains
+on its own batches. SIGTERM to torchrun stops every process of the replica (DHT and p2pd included). A
+4-rank sharded replica then joins the running pipeline and commits its states (its record: 4 ranks, 4 × b);
+`kill -9` of one of its ranks stops every process of it, and the pipeline goes on committing.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import pytest
 
 from tests.e2e.test_replica_ranks import _alive, _kill_rank_and_check, _rank_events, _torchrun
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]  # a 4-rank replica joins a running swarm on 2 cores
 
 
-def test_a_two_rank_sharded_replica_commits_the_pipelines_states(swarm_factory):
+def test_two_and_four_rank_sharded_replicas_commit_the_pipelines_states(swarm_factory):
     sw = swarm_factory(outer_steps=1000)
     sw.join("s1", "--stage", "1")
     sw.wait_for(lambda: sw.events("s1", "start"))
@@ -67,7 +68,19 @@ def test_a_two_rank_sharded_replica_commits_the_pipelines_states(swarm_factory):
     while any(_alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in tree if _alive(p)], sw.log("full")
+    # a 4-rank sharded replica joins the running pipeline and commits the pipeline's states
+    _torchrun(sw, "full4", "--sharded", ranks=4)
+    sw.wait_for(lambda: len(sw.rounds("full4")) >= 2, timeout_s=180)
+    four = sw.rounds("full4")
+    sw.wait_for(lambda: max(four) in sw.rounds("head") and max(four) in sw.rounds("s1"), timeout_s=60)
+    pipeline = {t: {"0": sw.rounds("head")[t]["stages"]["0"], "1": sw.rounds("s1")[t]["stages"]["1"]} for t in four}
+    differ = {
+        (t, s): (st["param_hash"], pipeline[t][s]["param_hash"])
+        for t, rec in four.items()
+        for s, st in rec["stages"].items()
+        if st["param_hash"] != pipeline[t][s]["param_hash"]
+    }
+    assert not differ, f"the 4-rank replica and the pipeline's holders committed other states: {differ}"
+    assert (4, 32) in [(r["ranks"], r["global_batch"]) for r in sw.status()["full_replicas"]]
     # kill -9 of a rank of a sharded replica: torchrun's agent and every process of the replica exit
-    _torchrun(sw, "full2", "--sharded")
-    sw.wait_for(lambda: sw.rounds("full2"), timeout_s=120)
-    _kill_rank_and_check(sw, "full2", 1)
+    _kill_rank_and_check(sw, "full4", 3)

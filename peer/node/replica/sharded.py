@@ -2,8 +2,8 @@
 
 Every rank holds 1/N of every stage's parameters, gradients and AdamW state: torch's `fully_shard`
 (FSDP2, dim-0 shards: ⌈rows/N⌉ rows of each parameter) on gloo (CPU) or NCCL, with the units of
-`peer.core.memory.sharded` — each transformer block, the embedding, and the rest of a stage (final
-norm + head). Buffers (T⊥) are not sharded: every rank holds them whole.
+`peer.core.memory.sharded` — each transformer block, the embedding, the head, and the rest of a stage
+(the final norm). Buffers (T⊥) are not sharded: every rank holds them whole.
 
 One inner step (`ShardedChain.step`, paper Alg. 1 as `peer.core.model.inner`): each rank draws its
 own batch of the shard (`rank_batch_index`); every micro-batch's forward all-gathers each unit's
@@ -117,7 +117,10 @@ class ShardedChain:
         modules: list[Decoder] = []
         for s in range(cfg.stages):  # each stage sharded before the next is built: one stage whole at a time
             m = initial_module(cfg, s)[0].to(self.device)
-            for unit in (*([m.embed] if m.embed is not None else []), *m.layers.values(), m):  # m: norm, head
+            # the head its own unit: inside the stage's (m: the final norm) it stayed gathered, with its
+            # gradient, through the stage's whole backward (the 4-rank peak of docs/hardware.md)
+            embed, head = [m.embed] if m.embed is not None else [], [m.head] if m.head is not None else []
+            for unit in (*embed, *m.layers.values(), *head, m):
                 self._shard(unit)
             modules.append(m)
         self.root = _Stages(modules, self.device, precision)
