@@ -4,10 +4,10 @@ A model of issue 40's second design. What runs (`peer join --sharded`, `peer.nod
 is the first: its followers hold the weights, gradients and AdamW terms below, and its rank 0 also
 holds the whole replica, θ_start and the error buffer (`estimate_replica`) for today's round.
 The sharded replica of issue 40 wraps each transformer block, the embedding, the head and the rest
-of a stage (its final norm) as their own `fully_shard` unit over the N ranks, with float32 master weights and the inner
-step reducing gradients on every micro-batch, and runs the round on shards (each rank keeps θ_start
-and the error buffer of its own shard and encodes and commits its shard's tiles). One rank holds
-(P_N: its shard of the replica's P parameters):
+of a stage (its final norm) as their own `fully_shard` unit over the N ranks, with float32 master
+weights and the inner step reducing gradients on every micro-batch, and runs the round on shards
+(each rank keeps θ_start and the error buffer of its own shard and encodes and commits its shard's
+tiles). One rank holds (P_N: its shard of the replica's P parameters):
 
     sharded 1/N (FSDP2's dim-0 layout: ⌈rows/N⌉ rows of every parameter, padded, as `fully_shard`
     allocates it; rank 0's shard is the largest):
@@ -63,9 +63,10 @@ def shard_elements(shape: tuple[int, ...], ranks: int) -> int:
 def unit_of(name: str) -> str:
     """The `fully_shard` unit a parameter belongs to: its block, the embedding, the head, or the stage's
     own (the final norm)."""
-    if name.startswith("layers."):
+    module = name.split(".", 1)[0]
+    if module == "layers":
         return ".".join(name.split(".")[:2])
-    return name.split(".", 1)[0] if name.startswith(("embed.", "head.")) else "stage"
+    return module if module in ("embed", "head") else "stage"
 
 
 @functools.lru_cache(maxsize=64)
